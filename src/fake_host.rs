@@ -1,0 +1,224 @@
+//! An in-memory stand-in for Envoy's shared data and shared queues, with the host's real semantics,
+//! so the core's multi-worker behaviour is tested natively: a stale compare-and-swap fails, a CAS on
+//! a missing key creates it, keys cannot be deleted or listed, and a queue name registered by
+//! several VMs notifies only its last registrant.
+
+use crate::store::{Store, StoreError, Versioned};
+use hashbrown::HashMap;
+use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
+use std::rc::Rc;
+
+#[derive(Default)]
+struct Queue {
+    owner: usize,
+    items: VecDeque<Vec<u8>>,
+}
+
+#[derive(Default)]
+struct Shared {
+    data: HashMap<String, (Vec<u8>, u32)>,
+    next_cas: u32,
+    queues: Vec<Queue>,
+    queue_names: HashMap<String, u32>,
+    /// Per VM, the queue ids whose `on_queue_ready` the host would call, in order.
+    notifications: HashMap<usize, Vec<u32>>,
+    now_ms: u64,
+}
+
+/// The host process: one per test, shared by every fake VM.
+#[derive(Clone, Default)]
+pub struct FakeHost {
+    shared: Rc<RefCell<Shared>>,
+    next_vm: Rc<Cell<usize>>,
+}
+
+/// One worker VM's view of the host.
+#[derive(Clone)]
+pub struct FakeVm {
+    host: FakeHost,
+    pub id: usize,
+}
+
+impl FakeHost {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn vm(&self) -> FakeVm {
+        let id = self.next_vm.get();
+        self.next_vm.set(id + 1);
+        FakeVm {
+            host: self.clone(),
+            id,
+        }
+    }
+
+    pub fn now_ms(&self) -> u64 {
+        self.shared.borrow().now_ms
+    }
+
+    pub fn set_now_ms(&self, now: u64) {
+        self.shared.borrow_mut().now_ms = now;
+    }
+
+    pub fn advance_ms(&self, by: u64) {
+        self.shared.borrow_mut().now_ms += by;
+    }
+}
+
+impl FakeVm {
+    pub fn host(&self) -> &FakeHost {
+        &self.host
+    }
+
+    /// The queue-ready notifications delivered to this VM since the last call.
+    pub fn take_notifications(&self) -> Vec<u32> {
+        self.host
+            .shared
+            .borrow_mut()
+            .notifications
+            .remove(&self.id)
+            .unwrap_or_default()
+    }
+}
+
+impl Store for FakeVm {
+    fn get(&self, key: &str) -> Result<Versioned, StoreError> {
+        let shared = self.host.shared.borrow();
+        Ok(match shared.data.get(key) {
+            Some((value, cas)) => Versioned {
+                value: Some(value.clone()),
+                cas: Some(*cas),
+            },
+            None => Versioned::default(),
+        })
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+        let mut shared = self.host.shared.borrow_mut();
+        shared.next_cas = shared.next_cas.wrapping_add(1).max(1);
+        let next = shared.next_cas;
+        match shared.data.get_mut(key) {
+            Some(entry) => {
+                if matches!(cas, Some(c) if c != 0 && c != entry.1) {
+                    return Err(StoreError::CasMismatch);
+                }
+                *entry = (value.to_vec(), next);
+            }
+            None => {
+                shared.data.insert(key.to_string(), (value.to_vec(), next));
+            }
+        }
+        Ok(())
+    }
+
+    fn register_queue(&self, name: &str) -> Result<u32, StoreError> {
+        let mut shared = self.host.shared.borrow_mut();
+        if let Some(&id) = shared.queue_names.get(name) {
+            // Envoy keeps one queue per name; re-registering moves its notifications to this VM.
+            if let Some(queue) = shared.queues.get_mut(id as usize) {
+                queue.owner = self.id;
+            }
+            return Ok(id);
+        }
+        let id = shared.queues.len() as u32;
+        shared.queues.push(Queue {
+            owner: self.id,
+            items: VecDeque::new(),
+        });
+        shared.queue_names.insert(name.to_string(), id);
+        Ok(id)
+    }
+
+    fn resolve_queue(&self, name: &str) -> Result<Option<u32>, StoreError> {
+        Ok(self.host.shared.borrow().queue_names.get(name).copied())
+    }
+
+    fn enqueue(&self, queue: u32, message: &[u8]) -> Result<(), StoreError> {
+        let mut shared = self.host.shared.borrow_mut();
+        let Some(q) = shared.queues.get_mut(queue as usize) else {
+            return Err(StoreError::NotFound);
+        };
+        q.items.push_back(message.to_vec());
+        let owner = q.owner;
+        shared.notifications.entry(owner).or_default().push(queue);
+        Ok(())
+    }
+
+    fn dequeue(&self, queue: u32) -> Result<Option<Vec<u8>>, StoreError> {
+        let mut shared = self.host.shared.borrow_mut();
+        match shared.queues.get_mut(queue as usize) {
+            Some(q) => Ok(q.items.pop_front()),
+            None => Err(StoreError::NotFound),
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.host.now_ms()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    use super::*;
+    use crate::store::update;
+
+    #[test]
+    fn stale_cas_fails_and_fresh_cas_wins() {
+        let host = FakeHost::new();
+        let (a, b) = (host.vm(), host.vm());
+        a.set("k", b"1", None).unwrap();
+        let seen_a = a.get("k").unwrap();
+        let seen_b = b.get("k").unwrap();
+        b.set("k", b"2", seen_b.cas).unwrap();
+        assert_eq!(a.set("k", b"3", seen_a.cas), Err(StoreError::CasMismatch));
+        assert_eq!(a.get("k").unwrap().value.as_deref(), Some(&b"2"[..]));
+    }
+
+    #[test]
+    fn cas_on_missing_key_creates_it() {
+        let vm = FakeHost::new().vm();
+        vm.set("new", b"x", Some(12345)).unwrap();
+        assert_eq!(vm.get("new").unwrap().value.as_deref(), Some(&b"x"[..]));
+        assert_eq!(vm.get("absent").unwrap(), Versioned::default());
+    }
+
+    #[test]
+    fn queue_notifies_only_last_registrant() {
+        let host = FakeHost::new();
+        let (a, b) = (host.vm(), host.vm());
+        let qa = a.register_queue("wake").unwrap();
+        let qb = b.register_queue("wake").unwrap();
+        assert_eq!(qa, qb);
+        a.enqueue(qa, b"hello").unwrap();
+        assert!(a.take_notifications().is_empty());
+        assert_eq!(b.take_notifications(), vec![qa]);
+        assert_eq!(a.dequeue(qa).unwrap().as_deref(), Some(&b"hello"[..]));
+        assert_eq!(a.dequeue(qa).unwrap(), None);
+        assert_eq!(a.enqueue(99, b"x"), Err(StoreError::NotFound));
+    }
+
+    #[test]
+    fn update_retries_lost_races() {
+        let host = FakeHost::new();
+        let (a, b) = (host.vm(), host.vm());
+        a.set("n", b"0", None).unwrap();
+        let mut first = true;
+        let out = update(&a, "n", |cur| {
+            let n: u32 = std::str::from_utf8(cur?).ok()?.parse().ok()?;
+            if first {
+                // Another worker commits between this read and the write.
+                first = false;
+                b.set("n", b"10", None).unwrap();
+            }
+            Some(((n + 1).to_string().into_bytes(), n + 1))
+        })
+        .unwrap();
+        assert_eq!(out, Some(11));
+        assert_eq!(a.get("n").unwrap().value.as_deref(), Some(&b"11"[..]));
+    }
+}

@@ -1,0 +1,353 @@
+//! One request's way through kvgate, from request headers to the end of its response, as plain
+//! decisions the shell carries out: which headers to strip or set, whether to wait for the body,
+//! forward, or answer locally. All shared state is reached through the `Store` given to each step.
+
+use crate::calibration::{Calibration, Sample};
+use crate::config::Config;
+use crate::estimate::{estimate, static_prompt_tokens, Estimate};
+use crate::reply::LocalReply;
+use crate::request::{Api, Request};
+use crate::response::ResponseMeter;
+use crate::store::Store;
+
+/// Clients never choose the upstream: this header is kvgate's to set, and Envoy's override-host
+/// policy trusts whatever it says.
+pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+
+/// Per-VM state the request path reads: the parsed config and caches of shared data.
+pub struct Gate {
+    pub config: Config,
+    calibration: Calibration,
+}
+
+impl Gate {
+    pub fn new(config: Config) -> Self {
+        Self {
+            config,
+            calibration: Calibration::default(),
+        }
+    }
+}
+
+/// What the shell does next with the request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Step {
+    /// Send it on upstream (after the header edits).
+    Forward,
+    /// Keep buffering the body and call again.
+    WaitForBody,
+    /// Answer locally; the request goes no further.
+    Reply(LocalReply),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decision {
+    pub remove: Vec<&'static str>,
+    pub set: Vec<(String, String)>,
+    pub step: Step,
+}
+
+impl Decision {
+    fn step(step: Step) -> Self {
+        Decision {
+            remove: Vec::new(),
+            set: Vec::new(),
+            step,
+        }
+    }
+}
+
+/// The request line and headers kvgate looks at.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Head<'a> {
+    pub method: &'a str,
+    pub path: &'a str,
+    pub content_type: Option<&'a str>,
+    pub content_length: Option<u64>,
+    /// The request has no body.
+    pub end_of_stream: bool,
+}
+
+/// What was decided about a parsed request, kept for the response side.
+#[derive(Debug, Clone)]
+struct Admitted {
+    model: String,
+    estimate: Estimate,
+    static_text_tokens: f64,
+    fixed_tokens: u64,
+    max_output_tokens: Option<u64>,
+}
+
+#[derive(Default)]
+pub struct Flow {
+    api: Option<Api>,
+    admitted: Option<Admitted>,
+    meter: Option<ResponseMeter>,
+    finished: bool,
+}
+
+fn too_large(limit: u64) -> LocalReply {
+    LocalReply::error(
+        413,
+        "request_too_large",
+        &format!("request body exceeds kvgate's limit of {limit} bytes (maxBodyBytes)"),
+        None,
+    )
+}
+
+impl Flow {
+    pub fn on_request_headers(&mut self, gate: &Gate, head: &Head) -> Decision {
+        let cfg = &gate.config;
+        let mut decision = self.classify(cfg, head);
+        decision.remove.push(DESTINATION_HEADER);
+        decision
+    }
+
+    fn classify(&mut self, cfg: &Config, head: &Head) -> Decision {
+        let json = head
+            .content_type
+            .is_none_or(|c| c.to_ascii_lowercase().contains("json"));
+        let api = Api::from_path(head.path).filter(|_| head.method.eq_ignore_ascii_case("POST"));
+        let Some(api) = api.filter(|_| json) else {
+            return Decision::step(if cfg.passthrough_unknown {
+                Step::Forward
+            } else {
+                Step::Reply(LocalReply::error(
+                    404,
+                    "not_found_error",
+                    "kvgate serves only POST OpenAI JSON APIs here (passthroughUnknown is off)",
+                    None,
+                ))
+            });
+        };
+        self.api = Some(api);
+        if head.content_length.is_some_and(|n| n > cfg.max_body_bytes) {
+            return Decision::step(Step::Reply(too_large(cfg.max_body_bytes)));
+        }
+        if head.end_of_stream {
+            return Decision::step(Step::Reply(LocalReply::error(
+                400,
+                "invalid_request_error",
+                "request body is empty",
+                None,
+            )));
+        }
+        Decision::step(Step::WaitForBody)
+    }
+
+    /// Whether the request has been classified as one kvgate reads the body of.
+    pub fn wants_body(&self) -> bool {
+        self.api.is_some() && self.admitted.is_none()
+    }
+
+    /// More of the body has arrived (`size` bytes buffered so far).
+    pub fn on_body_progress(&self, gate: &Gate, size: u64) -> Option<Decision> {
+        (size > gate.config.max_body_bytes)
+            .then(|| Decision::step(Step::Reply(too_large(gate.config.max_body_bytes))))
+    }
+
+    /// The whole body is here: parse, estimate, decide.
+    pub fn on_body(&mut self, gate: &mut Gate, store: &dyn Store, body: &[u8]) -> Decision {
+        let Some(api) = self.api else {
+            return Decision::step(Step::Forward);
+        };
+        if body.len() as u64 > gate.config.max_body_bytes {
+            return Decision::step(Step::Reply(too_large(gate.config.max_body_bytes)));
+        }
+        let req = match Request::parse(api, body) {
+            Ok(r) => r,
+            Err(e) => {
+                return Decision::step(Step::Reply(LocalReply::error(
+                    400,
+                    "invalid_request_error",
+                    &e.message,
+                    e.param.as_deref(),
+                )))
+            }
+        };
+        let cfg = &gate.config.estimator;
+        let learned = gate.calibration.learned(store, &req.model, cfg);
+        let est = estimate(&req, learned, cfg);
+        self.admitted = Some(Admitted {
+            static_text_tokens: static_prompt_tokens(&req.text),
+            fixed_tokens: req.token_ids + req.non_text_parts * cfg.non_text_part_tokens,
+            max_output_tokens: req.max_output_tokens,
+            model: req.model,
+            estimate: est,
+        });
+        Decision::step(Step::Forward)
+    }
+
+    /// Headers to add to the response (debug headers, when enabled).
+    pub fn on_response_headers(
+        &mut self,
+        gate: &Gate,
+        content_type: Option<&str>,
+    ) -> Vec<(String, String)> {
+        let Some(a) = &self.admitted else {
+            return Vec::new();
+        };
+        self.meter = Some(ResponseMeter::new(content_type));
+        if !gate.config.debug_headers {
+            return Vec::new();
+        }
+        vec![
+            ("x-kvgate-model".into(), a.model.clone()),
+            (
+                "x-kvgate-prompt-tokens".into(),
+                a.estimate.prompt_tokens.to_string(),
+            ),
+            (
+                "x-kvgate-output-tokens".into(),
+                a.estimate.output_tokens.to_string(),
+            ),
+            ("x-kvgate-cost".into(), a.estimate.cost.to_string()),
+        ]
+    }
+
+    pub fn on_response_body(&mut self, bytes: &[u8]) {
+        if let Some(m) = &mut self.meter {
+            m.feed(bytes);
+        }
+    }
+
+    /// The stream is over, however it ended. Runs its effects once even if called again.
+    pub fn on_done(&mut self, gate: &Gate, store: &dyn Store) {
+        if std::mem::replace(&mut self.finished, true) {
+            return;
+        }
+        let (Some(a), Some(meter)) = (&self.admitted, &mut self.meter) else {
+            return;
+        };
+        let Some(usage) = meter.finish() else {
+            return;
+        };
+        let truncated = a
+            .max_output_tokens
+            .is_some_and(|m| usage.completion_tokens >= m);
+        let sample = Sample {
+            static_text_tokens: a.static_text_tokens,
+            fixed_tokens: a.fixed_tokens,
+            prompt_tokens: usage.prompt_tokens,
+            completion_tokens: (!truncated).then_some(usage.completion_tokens),
+        };
+        if let Err(e) = Calibration::record(store, &a.model, sample, &gate.config.estimator) {
+            log::warn!("kvgate: calibration update failed: {e:?}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    use super::*;
+    use crate::fake_host::FakeHost;
+
+    fn head(path: &str) -> Head<'_> {
+        Head {
+            method: "POST",
+            path,
+            content_type: Some("application/json"),
+            ..Head::default()
+        }
+    }
+
+    #[test]
+    fn destination_header_is_always_stripped() {
+        let gate = Gate::new(Config::default());
+        for h in [
+            head("/v1/chat/completions"),
+            head("/other"),
+            Head {
+                method: "GET",
+                ..head("/v1/models")
+            },
+        ] {
+            assert!(Flow::default()
+                .on_request_headers(&gate, &h)
+                .remove
+                .contains(&DESTINATION_HEADER));
+        }
+    }
+
+    #[test]
+    fn unknown_and_non_json_pass_through_or_404() {
+        let mut gate = Gate::new(Config::default());
+        assert_eq!(
+            Flow::default()
+                .on_request_headers(&gate, &head("/v1/models"))
+                .step,
+            Step::Forward
+        );
+        let text = Head {
+            content_type: Some("text/plain"),
+            ..head("/v1/completions")
+        };
+        assert_eq!(
+            Flow::default().on_request_headers(&gate, &text).step,
+            Step::Forward
+        );
+        gate.config.passthrough_unknown = false;
+        let d = Flow::default().on_request_headers(&gate, &head("/v1/models"));
+        assert!(matches!(d.step, Step::Reply(r) if r.status == 404));
+    }
+
+    #[test]
+    fn oversize_and_empty_bodies_answer_locally() {
+        let gate = Gate::new(Config::default());
+        let big = Head {
+            content_length: Some(2 << 20),
+            ..head("/v1/completions")
+        };
+        assert!(
+            matches!(Flow::default().on_request_headers(&gate, &big).step, Step::Reply(r) if r.status == 413)
+        );
+        let mut f = Flow::default();
+        assert_eq!(
+            f.on_request_headers(&gate, &head("/v1/completions")).step,
+            Step::WaitForBody
+        );
+        assert!(f.on_body_progress(&gate, 10).is_none());
+        assert!(
+            matches!(f.on_body_progress(&gate, 2 << 20).map(|d| d.step), Some(Step::Reply(r)) if r.status == 413)
+        );
+        let empty = Head {
+            end_of_stream: true,
+            ..head("/v1/completions")
+        };
+        assert!(
+            matches!(Flow::default().on_request_headers(&gate, &empty).step, Step::Reply(r) if r.status == 400)
+        );
+    }
+
+    #[test]
+    fn malformed_body_is_400_and_valid_one_forwards_with_debug_headers() {
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let mut gate = Gate::new(Config {
+            debug_headers: true,
+            ..Config::default()
+        });
+        let mut f = Flow::default();
+        f.on_request_headers(&gate, &head("/v1/chat/completions"));
+        let d = f.on_body(&mut gate, &vm, b"{oops");
+        assert!(matches!(d.step, Step::Reply(r) if r.status == 400));
+
+        let mut f = Flow::default();
+        f.on_request_headers(&gate, &head("/v1/chat/completions"));
+        let body = br#"{"model":"m","messages":[{"role":"user","content":"hello there"}],"max_tokens":20}"#;
+        assert_eq!(f.on_body(&mut gate, &vm, body).step, Step::Forward);
+        let headers = f.on_response_headers(&gate, Some("application/json"));
+        let cost = headers
+            .iter()
+            .find(|(k, _)| k == "x-kvgate-cost")
+            .map(|(_, v)| v.clone());
+        assert_eq!(cost.as_deref(), Some("64"));
+        f.on_response_body(br#"{"usage":{"prompt_tokens":9,"completion_tokens":20}}"#);
+        f.on_done(&gate, &vm);
+        f.on_done(&gate, &vm);
+        assert!(vm.get("kvgate.cal.0").is_ok());
+    }
+}

@@ -1,0 +1,494 @@
+//! OpenAI-compatible request bodies: which API a path is, and the fields kvgate decides on
+//! (model, prompt content, output limits, streaming, user, cache salt). Content is kept as a
+//! canonical text rendering in which earlier chat turns are a true prefix of later ones, so the
+//! same text serves token estimation and prefix hashing.
+
+use serde::Deserialize;
+use std::fmt;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    Completions,
+    ChatCompletions,
+    Responses,
+    Embeddings,
+}
+
+impl Api {
+    /// Matches by suffix, so a route prefix such as `/openai/v1/chat/completions` still works; the
+    /// query string is ignored.
+    pub fn from_path(path: &str) -> Option<Api> {
+        let path = path.split(['?', '#']).next().unwrap_or("");
+        let path = path.trim_end_matches('/');
+        [
+            ("/v1/chat/completions", Api::ChatCompletions),
+            ("/v1/completions", Api::Completions),
+            ("/v1/responses", Api::Responses),
+            ("/v1/embeddings", Api::Embeddings),
+        ]
+        .into_iter()
+        .find(|(suffix, _)| path.ends_with(suffix))
+        .map(|(_, api)| api)
+    }
+
+    pub fn generates(self) -> bool {
+        !matches!(self, Api::Embeddings)
+    }
+}
+
+/// What kvgate needs from a request body.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Request {
+    pub model: String,
+    /// Canonical text of everything the engine will prefill, in order.
+    pub text: String,
+    /// Prompt given as token ids: counted exactly, never estimated.
+    pub token_ids: u64,
+    /// Non-text content parts (images, audio, files), charged a configured cost each.
+    pub non_text_parts: u64,
+    /// The request's own output limit, from whichever max-tokens field it used.
+    pub max_output_tokens: Option<u64>,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub user: Option<String>,
+    pub cache_salt: Option<String>,
+}
+
+/// Why a body on a known path was refused; becomes a 400 with an OpenAI-style error.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BadRequest {
+    pub message: String,
+    /// The offending parameter, as OpenAI's error object names it.
+    pub param: Option<String>,
+}
+
+impl fmt::Display for BadRequest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Prompt {
+    Text(String),
+    Texts(Vec<String>),
+    Tokens(Vec<u32>),
+    TokenBatches(Vec<Vec<u32>>),
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+#[derive(Deserialize)]
+struct Part {
+    #[serde(rename = "type", default)]
+    kind: String,
+    #[serde(default)]
+    text: Option<String>,
+    /// Responses API refusals and outputs carry their text here.
+    #[serde(default)]
+    refusal: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct Message {
+    #[serde(default)]
+    role: Option<String>,
+    #[serde(default)]
+    content: Option<Content>,
+    #[serde(default)]
+    name: Option<String>,
+    /// Assistant tool calls are prefilled on the next turn; their JSON is counted as text.
+    #[serde(default)]
+    tool_calls: Option<serde_json::Value>,
+    /// Responses API items that are not messages (function calls, outputs) carry these.
+    #[serde(rename = "type", default)]
+    kind: Option<String>,
+    #[serde(default)]
+    arguments: Option<String>,
+    #[serde(default)]
+    output: Option<serde_json::Value>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Input {
+    Text(String),
+    Texts(Vec<String>),
+    Tokens(Vec<u32>),
+    TokenBatches(Vec<Vec<u32>>),
+    Items(Vec<Message>),
+}
+
+#[derive(Deserialize, Default)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: Option<bool>,
+}
+
+#[derive(Deserialize)]
+struct Body {
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    prompt: Option<Prompt>,
+    #[serde(default)]
+    suffix: Option<String>,
+    #[serde(default)]
+    messages: Option<Vec<Message>>,
+    #[serde(default)]
+    input: Option<Input>,
+    #[serde(default)]
+    instructions: Option<String>,
+    #[serde(default)]
+    tools: Option<serde_json::Value>,
+    #[serde(default)]
+    max_tokens: Option<u64>,
+    #[serde(default)]
+    max_completion_tokens: Option<u64>,
+    #[serde(default)]
+    max_output_tokens: Option<u64>,
+    #[serde(default)]
+    n: Option<u64>,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    user: Option<String>,
+    #[serde(default)]
+    cache_salt: Option<String>,
+}
+
+fn bad(message: impl Into<String>, param: Option<&str>) -> BadRequest {
+    BadRequest {
+        message: message.into(),
+        param: param.map(str::to_string),
+    }
+}
+
+fn missing(field: &str) -> BadRequest {
+    bad(format!("missing required field `{field}`"), Some(field))
+}
+
+impl Request {
+    /// Parses a body for `api`. Fields kvgate does not use are ignored (clients send many).
+    pub fn parse(api: Api, body: &[u8]) -> Result<Request, BadRequest> {
+        if std::str::from_utf8(body).is_err() {
+            return Err(bad("request body is not valid UTF-8", None));
+        }
+        // serde would accept a JSON array for a struct; OpenAI bodies are objects.
+        if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+            return Err(bad("request body must be a JSON object", None));
+        }
+        let de = &mut serde_json::Deserializer::from_slice(body);
+        let parsed: Body = serde_path_to_error::deserialize(&mut *de).map_err(|e| {
+            let path = e.path().to_string();
+            let inner = e.into_inner();
+            let syntax = inner.is_syntax() || inner.is_eof();
+            let param = (!syntax && path != "." && path != "?").then_some(path.as_str());
+            let what = if syntax {
+                "request body is not valid JSON"
+            } else {
+                "request body has an invalid field"
+            };
+            match param {
+                Some(p) => bad(format!("{what}: `{p}`: {inner}"), Some(p)),
+                None => bad(format!("{what}: {inner}"), None),
+            }
+        })?;
+        de.end()
+            .map_err(|e| bad(format!("request body is not valid JSON: {e}"), None))?;
+        Self::from_body(api, parsed)
+    }
+
+    fn from_body(api: Api, b: Body) -> Result<Request, BadRequest> {
+        let model = b
+            .model
+            .filter(|m| !m.is_empty())
+            .ok_or_else(|| missing("model"))?;
+        let mut out = Request {
+            model,
+            stream: b.stream.unwrap_or(false),
+            include_usage: b
+                .stream_options
+                .and_then(|o| o.include_usage)
+                .unwrap_or(false),
+            user: b.user,
+            cache_salt: b.cache_salt,
+            ..Request::default()
+        };
+        let max = match api {
+            Api::Completions => b.max_tokens,
+            Api::ChatCompletions => b.max_completion_tokens.or(b.max_tokens),
+            Api::Responses => b.max_output_tokens,
+            Api::Embeddings => Some(0),
+        };
+        // `n` choices each generate up to the limit; the prompt is prefilled once.
+        out.max_output_tokens = max.map(|m| m.saturating_mul(b.n.unwrap_or(1).max(1)));
+        if let Some(tools) = &b.tools {
+            out.push_json("tools", tools);
+        }
+        match api {
+            Api::Completions => {
+                let prompt = b.prompt.ok_or_else(|| missing("prompt"))?;
+                out.push_prompt(prompt);
+                if let Some(suffix) = b.suffix {
+                    out.text.push_str(&suffix);
+                }
+            }
+            Api::ChatCompletions => {
+                let messages = b.messages.ok_or_else(|| missing("messages"))?;
+                if messages.is_empty() {
+                    return Err(bad("`messages` must not be empty", Some("messages")));
+                }
+                for m in &messages {
+                    out.push_message(m);
+                }
+            }
+            Api::Responses => {
+                if let Some(instructions) = &b.instructions {
+                    out.push_turn("system", instructions);
+                }
+                match b.input.ok_or_else(|| missing("input"))? {
+                    Input::Items(items) => items.iter().for_each(|m| out.push_message(m)),
+                    other => out.push_input(other),
+                }
+            }
+            Api::Embeddings => out.push_input(b.input.ok_or_else(|| missing("input"))?),
+        }
+        Ok(out)
+    }
+
+    fn push_prompt(&mut self, prompt: Prompt) {
+        match prompt {
+            Prompt::Text(t) => self.text.push_str(&t),
+            Prompt::Texts(ts) => ts.iter().for_each(|t| self.text.push_str(t)),
+            Prompt::Tokens(ids) => self.token_ids += ids.len() as u64,
+            Prompt::TokenBatches(b) => {
+                self.token_ids += b.iter().map(|v| v.len() as u64).sum::<u64>()
+            }
+        }
+    }
+
+    fn push_input(&mut self, input: Input) {
+        match input {
+            Input::Text(t) => self.push_prompt(Prompt::Text(t)),
+            Input::Texts(t) => self.push_prompt(Prompt::Texts(t)),
+            Input::Tokens(t) => self.push_prompt(Prompt::Tokens(t)),
+            Input::TokenBatches(t) => self.push_prompt(Prompt::TokenBatches(t)),
+            Input::Items(items) => items.iter().for_each(|m| self.push_message(m)),
+        }
+    }
+
+    /// Chat turns render as `<role>\n<content>\n`, one after another, so a conversation's next
+    /// turn extends the text of the previous one.
+    fn push_turn(&mut self, role: &str, content: &str) {
+        self.text.push('<');
+        self.text.push_str(role);
+        self.text.push_str(">\n");
+        self.text.push_str(content);
+        self.text.push('\n');
+    }
+
+    fn push_json(&mut self, role: &str, value: &serde_json::Value) {
+        self.push_turn(role, &value.to_string());
+    }
+
+    fn push_message(&mut self, m: &Message) {
+        let role = m.role.as_deref().or(m.kind.as_deref()).unwrap_or("user");
+        self.text.push('<');
+        self.text.push_str(role);
+        if let Some(name) = &m.name {
+            self.text.push(' ');
+            self.text.push_str(name);
+        }
+        self.text.push_str(">\n");
+        match &m.content {
+            Some(Content::Text(t)) => self.text.push_str(t),
+            Some(Content::Parts(parts)) => {
+                for p in parts {
+                    match p.text.as_deref().or(p.refusal.as_deref()) {
+                        Some(t) => self.text.push_str(t),
+                        None if p.kind.is_empty() => {}
+                        None => self.non_text_parts += 1,
+                    }
+                }
+            }
+            None => {}
+        }
+        if let Some(args) = &m.arguments {
+            self.text.push_str(args);
+        }
+        if let Some(output) = &m.output {
+            match output {
+                serde_json::Value::String(s) => self.text.push_str(s),
+                other => self.text.push_str(&other.to_string()),
+            }
+        }
+        if let Some(calls) = &m.tool_calls {
+            self.text.push_str(&calls.to_string());
+        }
+        self.text.push('\n');
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    use super::*;
+
+    fn chat(body: &str) -> Result<Request, BadRequest> {
+        Request::parse(Api::ChatCompletions, body.as_bytes())
+    }
+
+    #[test]
+    fn paths_match_by_suffix() {
+        assert_eq!(
+            Api::from_path("/v1/chat/completions"),
+            Some(Api::ChatCompletions)
+        );
+        assert_eq!(
+            Api::from_path("/team-a/openai/v1/chat/completions?x=1"),
+            Some(Api::ChatCompletions)
+        );
+        assert_eq!(Api::from_path("/v1/completions/"), Some(Api::Completions));
+        assert_eq!(Api::from_path("/v1/responses"), Some(Api::Responses));
+        assert_eq!(Api::from_path("/v1/embeddings"), Some(Api::Embeddings));
+        assert_eq!(Api::from_path("/v1/models"), None);
+        assert_eq!(Api::from_path("/v1/completions/render"), None);
+        assert_eq!(Api::from_path("/"), None);
+    }
+
+    #[test]
+    fn chat_with_string_and_part_contents() {
+        let r = chat(
+            r#"{"model":"m","messages":[
+                {"role":"system","content":"Be brief."},
+                {"role":"user","content":[{"type":"text","text":"What is "},
+                  {"type":"image_url","image_url":{"url":"data:..."}},{"type":"text","text":"this?"}]}],
+              "max_completion_tokens":50,"stream":true,"stream_options":{"include_usage":true},
+              "user":"u1","temperature":0.2}"#,
+        )
+        .unwrap();
+        assert_eq!(r.model, "m");
+        assert_eq!(r.text, "<system>\nBe brief.\n<user>\nWhat is this?\n");
+        assert_eq!(r.non_text_parts, 1);
+        assert_eq!(r.max_output_tokens, Some(50));
+        assert!(r.stream && r.include_usage);
+        assert_eq!(r.user.as_deref(), Some("u1"));
+    }
+
+    #[test]
+    fn later_turns_extend_earlier_ones() {
+        let one = chat(r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#).unwrap();
+        let two = chat(
+            r#"{"model":"m","messages":[{"role":"user","content":"hi"},
+               {"role":"assistant","content":"hello"},{"role":"user","content":"more"}]}"#,
+        )
+        .unwrap();
+        assert!(two.text.starts_with(&one.text));
+    }
+
+    #[test]
+    fn completions_prompt_shapes() {
+        let p = |s: &str| Request::parse(Api::Completions, s.as_bytes()).unwrap();
+        assert_eq!(p(r#"{"model":"m","prompt":"abc"}"#).text, "abc");
+        assert_eq!(p(r#"{"model":"m","prompt":["ab","cd"]}"#).text, "abcd");
+        assert_eq!(p(r#"{"model":"m","prompt":[1,2,3]}"#).token_ids, 3);
+        assert_eq!(p(r#"{"model":"m","prompt":[[1,2],[3]]}"#).token_ids, 3);
+        let r = p(r#"{"model":"m","prompt":"x","max_tokens":7,"n":3}"#);
+        assert_eq!(r.max_output_tokens, Some(21));
+        assert_eq!(p(r#"{"model":"m","prompt":"x"}"#).max_output_tokens, None);
+    }
+
+    #[test]
+    fn responses_and_embeddings() {
+        let r = Request::parse(
+            Api::Responses,
+            br#"{"model":"m","instructions":"sys","input":[{"role":"user","content":[{"type":"input_text","text":"q"}]},
+                {"type":"function_call_output","call_id":"c","output":"42"}],"max_output_tokens":9}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            r.text,
+            "<system>\nsys\n<user>\nq\n<function_call_output>\n42\n"
+        );
+        assert_eq!(r.max_output_tokens, Some(9));
+        let r = Request::parse(Api::Responses, br#"{"model":"m","input":"plain"}"#).unwrap();
+        assert_eq!(r.text, "plain");
+        let r = Request::parse(Api::Embeddings, br#"{"model":"e","input":["a","b"]}"#).unwrap();
+        assert_eq!(r.text, "ab");
+        assert_eq!(r.max_output_tokens, Some(0));
+    }
+
+    #[test]
+    fn unicode_and_escapes_decode() {
+        let r = chat(
+            r#"{"model":"m","messages":[{"role":"user","content":"caf\u00e9 \"q\" 你好 😀"}]}"#,
+        )
+        .unwrap();
+        assert!(r.text.contains("café \"q\" 你好 😀"));
+    }
+
+    #[test]
+    fn malformed_bodies_are_bad_requests() {
+        let cases: &[(&str, Option<&str>)] = &[
+            ("", None),
+            ("{", None),
+            ("not json", None),
+            ("[]", None),
+            (
+                r#"{"messages":[{"role":"user","content":"x"}]}"#,
+                Some("model"),
+            ),
+            (r#"{"model":"m"}"#, Some("messages")),
+            (r#"{"model":"m","messages":[]}"#, Some("messages")),
+            (r#"{"model":"m","messages":"hi"}"#, Some("messages")),
+            (
+                r#"{"model":"m","messages":[{"role":"user","content":5}]}"#,
+                Some("messages[0].content"),
+            ),
+            (r#"{"model":7,"messages":[]}"#, Some("model")),
+            (
+                r#"{"model":"m","messages":[],"max_tokens":-1}"#,
+                Some("max_tokens"),
+            ),
+            (
+                r#"{"model":"m","messages":[{"role":"user","content":"x"}]} trailing"#,
+                None,
+            ),
+        ];
+        for (body, param) in cases {
+            let err = chat(body).expect_err(body);
+            assert_eq!(err.param.as_deref(), *param, "{body}: {err}");
+        }
+        let err = Request::parse(Api::ChatCompletions, b"{\"model\":\"\xff\"}").unwrap_err();
+        assert!(err.message.contains("UTF-8"));
+    }
+
+    #[test]
+    fn deeply_nested_json_is_refused_not_overflowed() {
+        let deep = format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],"tools":{}{}}}"#,
+            "[".repeat(100_000),
+            "]".repeat(100_000)
+        );
+        assert!(chat(&deep).is_err());
+    }
+
+    #[test]
+    fn huge_prompt_parses() {
+        let big = "word ".repeat(200_000);
+        let body = format!(r#"{{"model":"m","prompt":"{big}"}}"#);
+        let r = Request::parse(Api::Completions, body.as_bytes()).unwrap();
+        assert_eq!(r.text.len(), big.len());
+    }
+}

@@ -1,0 +1,69 @@
+//! The one interface through which kvgate touches state shared between Envoy's worker VMs:
+//! shared data (get, compare-and-swap set), shared queues and the clock.
+//!
+//! The shell implements it with proxy-wasm hostcalls; tests use [`crate::fake_host`], which keeps
+//! Envoy's semantics. Keys cannot be deleted or listed on the real host, so every module that stores
+//! state documents a bounded key schema.
+
+/// Why a store operation failed. The host never panics the core: every failure is a value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreError {
+    /// The value changed since it was read (compare-and-swap lost a race).
+    CasMismatch,
+    /// A queue id that no VM registered, or that was never resolved.
+    NotFound,
+    /// Any other host status (its raw code), e.g. a host that does not support the call.
+    Host(u32),
+}
+
+/// A value read from shared data, with the version to pass back for compare-and-swap.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Versioned {
+    pub value: Option<Vec<u8>>,
+    pub cas: Option<u32>,
+}
+
+pub trait Store {
+    /// Reads a key; a missing key is `Ok` with no value and no version.
+    fn get(&self, key: &str) -> Result<Versioned, StoreError>;
+    /// Writes a key. With `cas`, fails with `CasMismatch` unless the version is current; a CAS on
+    /// a missing key is ignored by Envoy and creates the key.
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError>;
+    /// Registers a queue owned by this VM; the host notifies this VM when something is enqueued.
+    fn register_queue(&self, name: &str) -> Result<u32, StoreError>;
+    /// Finds a queue by name, registered by any VM of this plugin.
+    fn resolve_queue(&self, name: &str) -> Result<Option<u32>, StoreError>;
+    fn enqueue(&self, queue: u32, message: &[u8]) -> Result<(), StoreError>;
+    fn dequeue(&self, queue: u32) -> Result<Option<Vec<u8>>, StoreError>;
+    /// Wall-clock milliseconds, from the host.
+    fn now_ms(&self) -> u64;
+}
+
+/// How many times a read-modify-write retries a lost compare-and-swap before giving up. Races are
+/// between a handful of worker threads, so a lost race almost always succeeds on the next try.
+const CAS_ATTEMPTS: usize = 16;
+
+/// Reads `key`, applies `change` and writes the result with compare-and-swap, retrying lost races.
+/// On a missing key the write is a blind create (Envoy ignores CAS there), so two VMs creating the
+/// same key at once can lose one write: modules create their keys before traffic can touch them
+/// (at configure time, or when the single pod-set writer publishes a new pod).
+/// `change` returns `None` to leave the value as it is (nothing is written); the returned value is
+/// what `change` produced on the attempt that stuck.
+pub fn update<T>(
+    store: &dyn Store,
+    key: &str,
+    mut change: impl FnMut(Option<&[u8]>) -> Option<(Vec<u8>, T)>,
+) -> Result<Option<T>, StoreError> {
+    for _ in 0..CAS_ATTEMPTS {
+        let current = store.get(key)?;
+        let Some((bytes, out)) = change(current.value.as_deref()) else {
+            return Ok(None);
+        };
+        match store.set(key, &bytes, current.cas) {
+            Ok(()) => return Ok(Some(out)),
+            Err(StoreError::CasMismatch) => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Err(StoreError::CasMismatch)
+}

@@ -1,0 +1,272 @@
+"""Processes for kvgate's end-to-end tests, demo and benchmarks: a real Envoy loading the built
+kvgate.wasm (config derived from envoy/envoy.yaml), kvgate-sim pods, and small helpers for HTTP on
+loopback. Everything started here is stopped by the context managers, even when a test fails."""
+
+import contextlib
+import copy
+import json
+import os
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import http.client
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+WASM = Path(os.environ.get("KVGATE_WASM", ROOT / "target/wasm32-wasip1/release/kvgate.wasm"))
+SIM_BIN = Path(os.environ.get("KVGATE_SIM_BIN", ROOT / "target/tools/kvgate-sim"))
+ENVOY_BIN = Path(os.environ.get("KVGATE_ENVOY_BIN", ROOT / ".venv/bin/envoy"))
+ENVOY_YAML = ROOT / "envoy/envoy.yaml"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_ports(n: int) -> int:
+    """A base port with n consecutive free ports after it."""
+    for _ in range(200):
+        base = free_port()
+        if base + n >= 65000:
+            continue
+        ok = True
+        for p in range(base, base + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no run of free ports")
+
+
+def wait_port(port: int, timeout: float = 30.0, proc=None) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before port {port} opened")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"port {port} did not open")
+
+
+class Response:
+    def __init__(self, status, headers, body):
+        self.status = status
+        self.headers = {k.lower(): v for k, v in headers}
+        self.body = body
+
+    def json(self):
+        return json.loads(self.body)
+
+
+def request(port, method, path, body=None, headers=None, timeout=60.0) -> Response:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+        hdrs = {"content-type": "application/json"} if data is not None else {}
+        hdrs.update(headers or {})
+        conn.request(method, path, body=data, headers=hdrs)
+        r = conn.getresponse()
+        return Response(r.status, r.getheaders(), r.read())
+    finally:
+        conn.close()
+
+
+def envoy_config(listen_port, admin_port, upstreams, plugin_config=None, wasm=WASM, with_kvgate=True,
+                 lb_policy=None):
+    """envoy/envoy.yaml with its ports, pods, plugin config and wasm path replaced."""
+    cfg = yaml.safe_load(ENVOY_YAML.read_text())
+    cfg["admin"]["address"]["socket_address"]["port_value"] = admin_port
+    listener = cfg["static_resources"]["listeners"][0]
+    listener["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": listen_port}
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    filters = hcm["http_filters"]
+    kv = next(f for f in filters if f["name"] == "kvgate")
+    if with_kvgate:
+        wasm_cfg = kv["typed_config"]["config"]
+        wasm_cfg["vm_config"]["code"]["local"]["filename"] = str(wasm)
+        if plugin_config is not None:
+            wasm_cfg["configuration"]["value"] = json.dumps(plugin_config)
+    else:
+        filters.remove(kv)
+    cluster = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "models")
+    cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
+        {"endpoint": {"address": {"socket_address": {"address": h, "port_value": p}}}} for h, p in upstreams
+    ]
+    if lb_policy is not None:
+        cluster["load_balancing_policy"] = {"policies": [{"typed_extension_config": lb_policy}]}
+    return cfg
+
+
+ROUND_ROBIN = {
+    "name": "envoy.load_balancing_policies.round_robin",
+    "typed_config": {"@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"},
+}
+LEAST_REQUEST = {
+    "name": "envoy.load_balancing_policies.least_request",
+    "typed_config": {"@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest"},
+}
+
+
+class Envoy:
+    def __init__(self, config, concurrency=4, log_level="warning"):
+        self.config = config
+        self.concurrency = concurrency
+        self.log_level = log_level
+        self.port = config["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"]
+        self.admin_port = config["admin"]["address"]["socket_address"]["port_value"]
+        self.proc = None
+        self.log_path = None
+
+    def __enter__(self):
+        d = tempfile.mkdtemp(prefix="kvgate-envoy-")
+        path = Path(d) / "envoy.json"
+        path.write_text(json.dumps(self.config))
+        self.log_path = Path(d) / "envoy.log"
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [str(ENVOY_BIN), "-c", str(path), "--concurrency", str(self.concurrency),
+             "--disable-hot-restart", "-l", self.log_level, "--log-format", "[%l] %v"],
+            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        try:
+            wait_port(self.admin_port, 60, self.proc)
+            deadline = time.time() + 60
+            while time.time() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError("envoy exited:\n" + self.logs())
+                try:
+                    if request(self.admin_port, "GET", "/ready", timeout=2).status == 200:
+                        break
+                except OSError:
+                    pass
+                time.sleep(0.1)
+            wait_port(self.port, 30, self.proc)
+        except Exception:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def logs(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def stats(self, prefix="") -> dict:
+        r = request(self.admin_port, "GET", "/stats?format=json&filter=" + prefix)
+        out = {}
+        for s in r.json().get("stats", []):
+            if "value" in s:
+                out[s["name"]] = s["value"]
+        return out
+
+    def __exit__(self, *exc):
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+class Sim:
+    """kvgate-sim serving `pods` pods on consecutive loopback ports."""
+
+    def __init__(self, pods=4, args=()):
+        self.pods = pods
+        self.args = list(args)
+        self.base_port = free_ports(pods)
+        self.proc = None
+
+    @property
+    def ports(self):
+        return [self.base_port + i for i in range(self.pods)]
+
+    @property
+    def endpoints(self):
+        return [("127.0.0.1", p) for p in self.ports]
+
+    def __enter__(self):
+        self.proc = subprocess.Popen(
+            [str(SIM_BIN), "--pods", str(self.pods), "--base-port", str(self.base_port),
+             "--host", "127.0.0.1", *self.args],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            for p in self.ports:
+                wait_port(p, 30, self.proc)
+        except Exception:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def stats(self, i):
+        return request(self.ports[i], "GET", "/sim/stats").json()
+
+    def __exit__(self, *exc):
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class StubUpstream:
+    """An instantly answering OpenAI-ish upstream that echoes what it received, for tests that
+    need no simulator."""
+
+    def __init__(self):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        received = self.received = []
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_POST(self):
+                n = int(self.headers.get("content-length") or 0)
+                body = self.rfile.read(n)
+                received.append((self.path, dict(self.headers), body))
+                out = json.dumps({"object": "chat.completion", "choices": [{"message": {"content": "ok"}}],
+                                  "usage": {"prompt_tokens": 10, "completion_tokens": 1, "total_tokens": 11},
+                                  "echo_headers": dict(self.headers)}).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            do_GET = do_POST
+
+            def log_message(self, *a):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+
+    def __enter__(self):
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@contextlib.contextmanager
+def kvgate_envoy(upstreams, plugin_config=None, concurrency=4, **kw):
+    cfg = envoy_config(free_port(), free_port(), upstreams, plugin_config, **kw)
+    with Envoy(cfg, concurrency=concurrency) as envoy:
+        yield envoy
