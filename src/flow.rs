@@ -5,26 +5,101 @@
 use crate::calibration::{Calibration, Sample};
 use crate::config::Config;
 use crate::estimate::{estimate, static_prompt_tokens, Estimate};
+use crate::prefix::block_hashes;
 use crate::reply::LocalReply;
 use crate::request::{Api, Request};
 use crate::response::ResponseMeter;
-use crate::store::Store;
+use crate::router::{Routed, Router};
+use crate::scrape::{self, Call, Scraper, Target};
+use crate::stats::{pod_segment, Stats};
+use crate::store::{Store, StoreError};
 
 /// Clients never choose the upstream: this header is kvgate's to set, and Envoy's override-host
 /// policy trusts whatever it says.
 pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
 
-/// Per-VM state the request path reads: the parsed config and caches of shared data.
+/// How long the scraper's lease lasts without renewal; renewed every tick.
+const LEASE_MS: u64 = 1_500;
+/// The root context's tick: lease renewal, scrapes and discovery fall due on it.
+pub const TICK_MS: u64 = 250;
+
+/// Per-VM state: the parsed config, the router's replicas, caches of shared data, the scraper
+/// (active only while this VM holds the lease) and the stats waiting to be flushed.
 pub struct Gate {
     pub config: Config,
     calibration: Calibration,
+    router: Router,
+    scraper: Scraper,
+    pub stats: Stats,
 }
 
 impl Gate {
-    pub fn new(config: Config) -> Self {
-        Self {
+    pub fn new(config: Config, store: &dyn Store) -> Result<Self, StoreError> {
+        Ok(Self {
+            router: Router::start(store, &config)?,
             config,
             calibration: Calibration::default(),
+            scraper: Scraper::default(),
+            stats: Stats::default(),
+        })
+    }
+
+    /// Periodic work: whichever VM holds the lease plans the scrapes and discovery calls due.
+    pub fn on_tick(&mut self, store: &dyn Store) -> Vec<Call> {
+        let now = store.now_ms();
+        if let Err(e) = self.router.sync(store, &self.config) {
+            log::debug!("kvgate: sync failed: {e:?}");
+        }
+        match scrape::hold_lease(store, self.router.vm(), now, LEASE_MS) {
+            Ok(true) => {}
+            Ok(false) => return Vec::new(),
+            Err(e) => {
+                log::debug!("kvgate: lease: {e:?}");
+                return Vec::new();
+            }
+        }
+        self.scraper.expire(now);
+        let pods = self.router.pods().to_vec();
+        self.report_pods(store, &pods);
+        self.scraper.due(&self.config, &pods, now)
+    }
+
+    /// Gauges of the pool, written by the lease holder only so they are not multiplied.
+    fn report_pods(&mut self, store: &dyn Store, pods: &[String]) {
+        for pod in pods {
+            if let Ok(rec) = crate::pod_state::read(store, pod) {
+                let seg = pod_segment(pod);
+                self.stats.gauge(
+                    format!("kvgate.pod.{seg}.active_blocks"),
+                    rec.active_blocks(),
+                );
+                self.stats.gauge(
+                    format!("kvgate.pod.{seg}.in_flight"),
+                    rec.entries.len() as u64,
+                );
+                let healthy = rec.snapshot.is_none_or(|s| s.healthy);
+                self.stats
+                    .gauge(format!("kvgate.pod.{seg}.healthy"), u64::from(healthy));
+            }
+        }
+    }
+
+    pub fn on_call_failed(&mut self, target: &Target) {
+        self.scraper.abandon(target);
+    }
+
+    pub fn on_call_response(
+        &mut self,
+        store: &dyn Store,
+        target: &Target,
+        status: Option<u32>,
+        body: &[u8],
+    ) {
+        if let Err(e) =
+            self.scraper
+                .on_response(store, &self.config, &mut self.stats, target, status, body)
+        {
+            log::warn!("kvgate: recording {target:?} failed: {e:?}");
         }
     }
 }
@@ -76,6 +151,7 @@ struct Admitted {
     static_text_tokens: f64,
     fixed_tokens: u64,
     max_output_tokens: Option<u64>,
+    routed: Option<Routed>,
 }
 
 #[derive(Default)]
@@ -168,14 +244,45 @@ impl Flow {
         let cfg = &gate.config.estimator;
         let learned = gate.calibration.learned(store, &req.model, cfg);
         let est = estimate(&req, learned, cfg);
+        let r = &gate.config.routing;
+        let hashes = block_hashes(
+            &req.model,
+            req.cache_salt.as_deref(),
+            &req.text,
+            r.block_chars(),
+            r.max_prompt_blocks as usize,
+        );
+        let routed = match gate.router.route(store, &gate.config, hashes, &est) {
+            Ok(routed) => routed,
+            Err(e) => {
+                // Shared state unavailable: Envoy's fallback policy still serves the request.
+                log::warn!("kvgate: routing failed, falling back to Envoy's balancing: {e:?}");
+                gate.stats.count("kvgate.route.errors", 1);
+                None
+            }
+        };
+        let mut decision = Decision::step(Step::Forward);
+        if let Some(routed) = &routed {
+            gate.stats.count("kvgate.routed", 1);
+            gate.stats
+                .count(format!("kvgate.pod.{}.picks", pod_segment(&routed.pod)), 1);
+            gate.stats
+                .count("kvgate.prefix.blocks_total", routed.prompt_blocks as u64);
+            gate.stats
+                .count("kvgate.prefix.blocks_matched", routed.cached_blocks as u64);
+            decision
+                .set
+                .push((DESTINATION_HEADER.to_string(), routed.order.join(",")));
+        }
         self.admitted = Some(Admitted {
             static_text_tokens: static_prompt_tokens(&req.text),
             fixed_tokens: req.token_ids + req.non_text_parts * cfg.non_text_part_tokens,
             max_output_tokens: req.max_output_tokens,
             model: req.model,
             estimate: est,
+            routed,
         });
-        Decision::step(Step::Forward)
+        decision
     }
 
     /// Headers to add to the response (debug headers, when enabled).
@@ -191,7 +298,7 @@ impl Flow {
         if !gate.config.debug_headers {
             return Vec::new();
         }
-        vec![
+        let mut headers = vec![
             ("x-kvgate-model".into(), a.model.clone()),
             (
                 "x-kvgate-prompt-tokens".into(),
@@ -202,19 +309,53 @@ impl Flow {
                 a.estimate.output_tokens.to_string(),
             ),
             ("x-kvgate-cost".into(), a.estimate.cost.to_string()),
-        ]
+        ];
+        if let Some(r) = &a.routed {
+            headers.push(("x-kvgate-pod".into(), r.pod.clone()));
+            headers.push((
+                "x-kvgate-prefix-blocks".into(),
+                format!("{}/{}", r.cached_blocks, r.prompt_blocks),
+            ));
+        }
+        headers
     }
 
-    pub fn on_response_body(&mut self, bytes: &[u8]) {
-        if let Some(m) = &mut self.meter {
-            m.feed(bytes);
+    /// Whether the response body is worth reading (only for requests kvgate decided on).
+    pub fn reads_response(&self) -> bool {
+        self.meter.is_some()
+    }
+
+    pub fn on_response_body(&mut self, gate: &mut Gate, store: &dyn Store, bytes: &[u8]) {
+        let (Some(m), Some(a)) = (&mut self.meter, &mut self.admitted) else {
+            return;
+        };
+        if m.feed(bytes) == 0 {
+            return;
+        }
+        if let Some(routed) = &mut a.routed {
+            if let Err(e) = gate
+                .router
+                .grow(store, &gate.config, routed, m.streamed_tokens)
+            {
+                log::debug!("kvgate: grow failed: {e:?}");
+            }
         }
     }
 
     /// The stream is over, however it ended. Runs its effects once even if called again.
-    pub fn on_done(&mut self, gate: &Gate, store: &dyn Store) {
+    pub fn on_done(&mut self, gate: &mut Gate, store: &dyn Store) {
         if std::mem::replace(&mut self.finished, true) {
             return;
+        }
+        if let Some(routed) = self.admitted.as_ref().and_then(|a| a.routed.as_ref()) {
+            if let Err(e) = gate.router.finish(store, &gate.config, routed) {
+                // The entry expires by itself (routing.requestTtlMs).
+                log::warn!(
+                    "kvgate: release of {} on {} failed: {e:?}",
+                    routed.request,
+                    routed.pod
+                );
+            }
         }
         let (Some(a), Some(meter)) = (&self.admitted, &mut self.meter) else {
             return;
@@ -254,9 +395,16 @@ mod tests {
         }
     }
 
+    fn gate(config: Config) -> (FakeHost, crate::fake_host::FakeVm, Gate) {
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let gate = Gate::new(config, &vm).unwrap();
+        (host, vm, gate)
+    }
+
     #[test]
     fn destination_header_is_always_stripped() {
-        let gate = Gate::new(Config::default());
+        let (_, _, gate) = gate(Config::default());
         for h in [
             head("/v1/chat/completions"),
             head("/other"),
@@ -274,7 +422,7 @@ mod tests {
 
     #[test]
     fn unknown_and_non_json_pass_through_or_404() {
-        let mut gate = Gate::new(Config::default());
+        let (_, _, mut gate) = gate(Config::default());
         assert_eq!(
             Flow::default()
                 .on_request_headers(&gate, &head("/v1/models"))
@@ -296,7 +444,7 @@ mod tests {
 
     #[test]
     fn oversize_and_empty_bodies_answer_locally() {
-        let gate = Gate::new(Config::default());
+        let (_, _, gate) = gate(Config::default());
         let big = Head {
             content_length: Some(2 << 20),
             ..head("/v1/completions")
@@ -324,10 +472,9 @@ mod tests {
 
     #[test]
     fn malformed_body_is_400_and_valid_one_forwards_with_debug_headers() {
-        let host = FakeHost::new();
-        let vm = host.vm();
-        let mut gate = Gate::new(Config {
+        let (_, vm, mut gate) = gate(Config {
             debug_headers: true,
+            pods: vec!["10.0.0.1:80".into()],
             ..Config::default()
         });
         let mut f = Flow::default();
@@ -338,16 +485,33 @@ mod tests {
         let mut f = Flow::default();
         f.on_request_headers(&gate, &head("/v1/chat/completions"));
         let body = br#"{"model":"m","messages":[{"role":"user","content":"hello there"}],"max_tokens":20}"#;
-        assert_eq!(f.on_body(&mut gate, &vm, body).step, Step::Forward);
+        let d = f.on_body(&mut gate, &vm, body);
+        assert_eq!(d.step, Step::Forward);
+        assert_eq!(
+            d.set,
+            vec![(DESTINATION_HEADER.to_string(), "10.0.0.1:80".to_string())]
+        );
         let headers = f.on_response_headers(&gate, Some("application/json"));
-        let cost = headers
-            .iter()
-            .find(|(k, _)| k == "x-kvgate-cost")
-            .map(|(_, v)| v.clone());
-        assert_eq!(cost.as_deref(), Some("64"));
-        f.on_response_body(br#"{"usage":{"prompt_tokens":9,"completion_tokens":20}}"#);
-        f.on_done(&gate, &vm);
-        f.on_done(&gate, &vm);
-        assert!(vm.get("kvgate.cal.0").is_ok());
+        let get = |name: &str| {
+            headers
+                .iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v.clone())
+        };
+        assert_eq!(get("x-kvgate-cost").as_deref(), Some("64"));
+        assert_eq!(get("x-kvgate-pod").as_deref(), Some("10.0.0.1:80"));
+        f.on_response_body(
+            &mut gate,
+            &vm,
+            br#"{"usage":{"prompt_tokens":9,"completion_tokens":20}}"#,
+        );
+        f.on_done(&mut gate, &vm);
+        f.on_done(&mut gate, &vm);
+        let rec = crate::pod_state::read(&vm, "10.0.0.1:80").unwrap();
+        assert_eq!(
+            (rec.active_blocks(), rec.entries.len()),
+            (0, 0),
+            "released once"
+        );
     }
 }

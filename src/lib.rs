@@ -4,14 +4,25 @@
 //! state reached through the [`store::Store`] trait so it runs natively under test. `shell` is the
 //! only module that knows proxy-wasm; it is compiled for the wasi target alone.
 
+pub mod active_blocks;
 pub mod calibration;
+pub mod codec;
 pub mod config;
 pub mod estimate;
 pub mod flow;
 pub mod hash;
+pub mod pick;
+pub mod pick_log;
+pub mod pod_metrics;
+pub mod pod_state;
+pub mod prefix;
+pub mod prefix_index;
 pub mod reply;
 pub mod request;
 pub mod response;
+pub mod router;
+pub mod scrape;
+pub mod stats;
 pub mod store;
 
 #[cfg(any(test, feature = "fake-host"))]

@@ -109,3 +109,73 @@ pub fn plugin_configuration() -> Vec<u8> {
         .flatten()
         .unwrap_or_default()
 }
+
+thread_local! {
+    /// Envoy metric ids by name, defined on first use (a VM is single-threaded).
+    static METRICS: std::cell::RefCell<hashbrown::HashMap<String, u32>> = Default::default();
+}
+
+/// Sends the core's buffered stats to Envoy.
+pub fn flush_stats(stats: &mut crate::stats::Stats) {
+    use crate::stats::Stat;
+    use proxy_wasm::types::MetricType;
+    METRICS.with(|m| {
+        let mut ids = m.borrow_mut();
+        for stat in stats.drain() {
+            let (name, kind) = match &stat {
+                Stat::Counter(n, _) => (n, MetricType::Counter),
+                Stat::Gauge(n, _) => (n, MetricType::Gauge),
+            };
+            let id = match ids.get(name) {
+                Some(id) => *id,
+                None => match hostcalls::define_metric(kind, name) {
+                    Ok(id) => {
+                        ids.insert(name.clone(), id);
+                        id
+                    }
+                    Err(_) => continue,
+                },
+            };
+            let _ = match stat {
+                Stat::Counter(_, by) => hostcalls::increment_metric(id, by as i64),
+                Stat::Gauge(_, v) => hostcalls::record_metric(id, v),
+            };
+        }
+    });
+}
+
+pub fn set_tick_period(ms: u64) {
+    let _ = hostcalls::set_tick_period(std::time::Duration::from_millis(ms));
+}
+
+/// Sends a GET to `cluster`; returns the callout token.
+pub fn dispatch_get(
+    cluster: &str,
+    path: &str,
+    headers: &[(String, String)],
+    timeout_ms: u64,
+) -> Option<u32> {
+    let mut all: Vec<(&str, &str)> = vec![(":method", "GET"), (":path", path)];
+    all.extend(headers.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+    hostcalls::dispatch_http_call(
+        cluster,
+        all,
+        None,
+        vec![],
+        std::time::Duration::from_millis(timeout_ms),
+    )
+    .ok()
+}
+
+/// The status and body of the callout response being delivered.
+pub fn call_response(body_size: usize) -> (Option<u32>, Vec<u8>) {
+    let status = hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
+        .ok()
+        .flatten()
+        .and_then(|s| s.parse().ok());
+    let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+        .ok()
+        .flatten()
+        .unwrap_or_default();
+    (status, body)
+}

@@ -41,7 +41,9 @@ impl Http {
 
 impl Context for Http {
     fn on_done(&mut self) -> bool {
-        self.flow.on_done(&self.gate.borrow(), &HostStore);
+        let mut gate = self.gate.borrow_mut();
+        self.flow.on_done(&mut gate, &HostStore);
+        host::flush_stats(&mut gate.stats);
         true
     }
 }
@@ -96,9 +98,13 @@ impl HttpContext for Http {
     }
 
     fn on_http_response_body(&mut self, body_size: usize, _end_of_stream: bool) -> Action {
+        if !self.flow.reads_response() {
+            return Action::Continue;
+        }
         // Envoy hands each chunk as the buffer's whole content when the filter does not pause.
         let bytes = host::response_body(body_size);
-        self.flow.on_response_body(&bytes);
+        self.flow
+            .on_response_body(&mut self.gate.borrow_mut(), &HostStore, &bytes);
         Action::Continue
     }
 }

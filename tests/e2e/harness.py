@@ -106,7 +106,19 @@ def envoy_config(listen_port, admin_port, upstreams, plugin_config=None, wasm=WA
     ]
     if lb_policy is not None:
         cluster["load_balancing_policy"] = {"policies": [{"typed_extension_config": lb_policy}]}
+    for c in cfg["static_resources"]["clusters"]:
+        if c["name"] == "kvgate_admin":
+            c["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"][
+                "port_value"] = admin_port
     return cfg
+
+
+def default_plugin_config():
+    """The plugin configuration envoy/envoy.yaml ships with."""
+    cfg = yaml.safe_load(ENVOY_YAML.read_text())
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    kv = next(f for f in hcm["http_filters"] if f["name"] == "kvgate")
+    return json.loads(kv["typed_config"]["config"]["configuration"]["value"])
 
 
 ROUND_ROBIN = {

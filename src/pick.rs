@@ -1,0 +1,203 @@
+//! Choosing the pod: a cost per eligible pod, in KV blocks, blending the prompt blocks it would
+//! have to compute (its cached prefix is free), the blocks active on it with this request added,
+//! its scraped queue and cache usage; lowest cost wins, ties at random, or a softmax draw when a
+//! temperature is set. Pure: every input is given, so the formula is read and tested here alone.
+
+use crate::config::RoutingConfig;
+
+/// What is known of one pod at decision time.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Candidate<'a> {
+    pub pod: &'a str,
+    /// Leading prompt blocks the pod is believed to have cached.
+    pub cached_blocks: usize,
+    /// KV blocks in use by in-flight requests now.
+    pub active_blocks: u64,
+    /// Blocks this request would add to them (prompt blocks not already active there, plus its
+    /// expected output).
+    pub added_blocks: u64,
+    /// Scraped waiting requests (0 when unknown or stale under the ignore policy).
+    pub waiting: f64,
+    /// Scraped KV usage 0..1 (0 when unknown).
+    pub kv_usage: f64,
+    pub capacity_blocks: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Scored {
+    pub index: usize,
+    pub cost: f64,
+}
+
+pub fn cost(c: &Candidate, prompt_blocks: usize, w: &RoutingConfig) -> f64 {
+    let prefill = prompt_blocks.saturating_sub(c.cached_blocks) as f64;
+    let active = (c.active_blocks + c.added_blocks) as f64;
+    let queue = c.waiting * prompt_blocks.max(1) as f64;
+    let kv = c.kv_usage * c.capacity_blocks as f64;
+    w.prefill_weight * prefill
+        + w.active_weight * active
+        + w.queue_weight * queue
+        + w.kv_usage_weight * kv
+}
+
+/// A small deterministic generator for tie-breaking and softmax draws (xorshift64*), seeded per
+/// request so decisions are reproducible in tests.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        // Nearby seeds (consecutive request ids) must not give correlated draws: mix first
+        // (splitmix64's finaliser).
+        let mut z = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        Rng((z ^ (z >> 31)) | 1)
+    }
+
+    /// Uniform in [0, 1).
+    pub fn next_f64(&mut self) -> f64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        let x = self.0.wrapping_mul(0x2545_f491_4f6c_dd1d);
+        (x >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// Candidates ordered best first (the pick, then the fallbacks).
+pub fn rank(
+    candidates: &[Candidate],
+    prompt_blocks: usize,
+    w: &RoutingConfig,
+    rng: &mut Rng,
+) -> Vec<Scored> {
+    let mut scored: Vec<(Scored, f64)> = candidates
+        .iter()
+        .enumerate()
+        .map(|(index, c)| {
+            (
+                Scored {
+                    index,
+                    cost: cost(c, prompt_blocks, w),
+                },
+                rng.next_f64(),
+            )
+        })
+        .collect();
+    // Equal costs fall in random order, so ties do not always favour the first pod listed.
+    scored.sort_by(|a, b| a.0.cost.total_cmp(&b.0.cost).then(a.1.total_cmp(&b.1)));
+    let mut out: Vec<Scored> = scored.into_iter().map(|(s, _)| s).collect();
+    if w.temperature > 0.0 && out.len() > 1 {
+        let first = softmax_draw(&out, w.temperature, rng);
+        let chosen = out.remove(first);
+        out.insert(0, chosen);
+    }
+    out
+}
+
+/// Draws an index with probability ∝ exp(-normalised cost / temperature).
+fn softmax_draw(sorted: &[Scored], temperature: f64, rng: &mut Rng) -> usize {
+    let lo = sorted[0].cost;
+    let hi = sorted[sorted.len() - 1].cost;
+    let span = if hi > lo { hi - lo } else { 1.0 };
+    let weights: Vec<f64> = sorted
+        .iter()
+        .map(|s| (-(s.cost - lo) / span / temperature).exp())
+        .collect();
+    let total: f64 = weights.iter().sum();
+    let mut x = rng.next_f64() * total;
+    for (i, w) in weights.iter().enumerate() {
+        if x < *w {
+            return i;
+        }
+        x -= w;
+    }
+    0
+}
+
+#[cfg(test)]
+mod tests {
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    use super::*;
+
+    fn pod(name: &str, cached: usize, active: u64, waiting: f64) -> Candidate<'_> {
+        Candidate {
+            pod: name,
+            cached_blocks: cached,
+            active_blocks: active,
+            added_blocks: 10,
+            waiting,
+            kv_usage: 0.0,
+            capacity_blocks: 1000,
+        }
+    }
+
+    #[test]
+    fn cached_prefix_wins_when_load_is_equal() {
+        let w = RoutingConfig::default();
+        let c = [
+            pod("a", 0, 0, 0.0),
+            pod("b", 80, 0, 0.0),
+            pod("c", 40, 0, 0.0),
+        ];
+        let r = rank(&c, 100, &w, &mut Rng::new(1));
+        assert_eq!(
+            r.iter().map(|s| c[s.index].pod).collect::<Vec<_>>(),
+            ["b", "c", "a"]
+        );
+    }
+
+    #[test]
+    fn an_overloaded_pod_holding_the_prefix_is_avoided() {
+        let w = RoutingConfig::default();
+        let c = [pod("hot", 100, 900, 4.0), pod("cold", 0, 50, 0.0)];
+        let r = rank(&c, 100, &w, &mut Rng::new(1));
+        assert_eq!(c[r[0].index].pod, "cold");
+    }
+
+    #[test]
+    fn consecutive_seeds_pick_uniformly_among_ties() {
+        let w = RoutingConfig::default();
+        let c = [
+            pod("a", 0, 0, 0.0),
+            pod("b", 0, 0, 0.0),
+            pod("c", 0, 0, 0.0),
+            pod("d", 0, 0, 0.0),
+        ];
+        let mut counts = [0; 4];
+        for seed in (7u64 << 32)..(7u64 << 32) + 400 {
+            counts[rank(&c, 10, &w, &mut Rng::new(seed))[0].index] += 1;
+        }
+        assert!(
+            counts.iter().all(|&n| (60..=140).contains(&n)),
+            "{counts:?}"
+        );
+    }
+
+    #[test]
+    fn ties_are_broken_at_random() {
+        let w = RoutingConfig::default();
+        let c = [pod("a", 0, 0, 0.0), pod("b", 0, 0, 0.0)];
+        let firsts: std::collections::HashSet<&str> = (0..50)
+            .map(|seed| c[rank(&c, 10, &w, &mut Rng::new(seed))[0].index].pod)
+            .collect();
+        assert_eq!(firsts.len(), 2);
+    }
+
+    #[test]
+    fn temperature_spreads_picks_towards_cheaper_pods() {
+        let w = RoutingConfig {
+            temperature: 0.5,
+            ..RoutingConfig::default()
+        };
+        let c = [pod("cheap", 50, 0, 0.0), pod("dear", 0, 0, 0.0)];
+        let mut rng = Rng::new(7);
+        let cheap = (0..1000)
+            .filter(|_| c[rank(&c, 100, &w, &mut rng)[0].index].pod == "cheap")
+            .count();
+        // p(cheap) = 1 / (1 + e^-2) ≈ 0.88
+        assert!((820..=940).contains(&cheap), "{cheap}");
+    }
+}

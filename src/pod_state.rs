@@ -1,0 +1,295 @@
+//! The shared record of one pod (`kvgate.pod.<ip:port>`): its last scraped metrics and the
+//! requests kvgate has in flight on it, each with the tokens it reserves and the KV blocks it
+//! occupies. Every change is a compare-and-swap, so all workers share one truth, and a request's
+//! entry is removed exactly once (removing an absent entry changes nothing). Entries carry an
+//! expiry, renewed as their response streams, so those left by a crashed or reloaded VM vanish.
+//! Keys are per pod address; a pod that leaves has its record blanked (keys cannot be deleted).
+
+use crate::codec::{Reader, Writer};
+use crate::store::{update, Store, StoreError};
+
+const VERSION: u8 = 1;
+
+/// A pod's metrics as last scraped.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Snapshot {
+    pub at_ms: u64,
+    /// False after a scrape that could not connect: the pod is avoided until it answers.
+    pub healthy: bool,
+    pub running: f64,
+    pub waiting: f64,
+    /// 0..1, NaN when the server does not say.
+    pub kv_usage: f64,
+    /// KV capacity in tokens (blocks × block size), 0 when unknown.
+    pub capacity_tokens: u64,
+    pub block_size: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Entry {
+    pub id: u64,
+    pub expires_ms: u64,
+    pub dispatched_ms: u64,
+    /// Tokens reserved against the pod's budget.
+    pub tokens: u64,
+    /// Prompt blocks this entry accounts for (its new blocks, plus any inherited).
+    pub prompt_blocks: u32,
+    pub output_blocks: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct PodRecord {
+    pub snapshot: Option<Snapshot>,
+    /// Requests that finished since the snapshot was taken.
+    pub finished_since_scrape: u32,
+    pub entries: Vec<Entry>,
+}
+
+pub fn key(pod: &str) -> String {
+    format!("kvgate.pod.{pod}")
+}
+
+impl PodRecord {
+    pub fn active_blocks(&self) -> u64 {
+        self.entries
+            .iter()
+            .map(|e| u64::from(e.prompt_blocks) + u64::from(e.output_blocks))
+            .sum()
+    }
+
+    pub fn reserved_tokens(&self) -> u64 {
+        self.entries.iter().map(|e| e.tokens).sum()
+    }
+
+    pub fn dispatched_since_scrape(&self) -> usize {
+        let at = self.snapshot.map_or(0, |s| s.at_ms);
+        self.entries.iter().filter(|e| e.dispatched_ms > at).count()
+    }
+
+    pub fn is_live(&self, id: u64) -> bool {
+        self.entries.iter().any(|e| e.id == id)
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::new();
+        w.u8(VERSION);
+        match &self.snapshot {
+            Some(s) => {
+                w.u8(1)
+                    .u64(s.at_ms)
+                    .u8(u8::from(s.healthy))
+                    .f64(s.running)
+                    .f64(s.waiting)
+                    .f64(s.kv_usage)
+                    .u64(s.capacity_tokens)
+                    .u32(s.block_size);
+            }
+            None => {
+                w.u8(0);
+            }
+        }
+        w.u32(self.finished_since_scrape)
+            .u32(self.entries.len() as u32);
+        for e in &self.entries {
+            w.u64(e.id)
+                .u64(e.expires_ms)
+                .u64(e.dispatched_ms)
+                .u64(e.tokens)
+                .u32(e.prompt_blocks)
+                .u32(e.output_blocks);
+        }
+        w.0
+    }
+
+    /// Decodes a record; an empty, blanked or corrupt one reads as a pod with nothing known.
+    pub fn decode(bytes: &[u8]) -> Option<PodRecord> {
+        let mut r = Reader(bytes);
+        if r.u8()? != VERSION {
+            return None;
+        }
+        let snapshot = match r.u8()? {
+            0 => None,
+            _ => Some(Snapshot {
+                at_ms: r.u64()?,
+                healthy: r.u8()? != 0,
+                running: r.f64()?,
+                waiting: r.f64()?,
+                kv_usage: r.f64()?,
+                capacity_tokens: r.u64()?,
+                block_size: r.u32()?,
+            }),
+        };
+        let finished_since_scrape = r.u32()?;
+        let n = r.count(40)?;
+        let mut entries = Vec::with_capacity(n);
+        for _ in 0..n {
+            entries.push(Entry {
+                id: r.u64()?,
+                expires_ms: r.u64()?,
+                dispatched_ms: r.u64()?,
+                tokens: r.u64()?,
+                prompt_blocks: r.u32()?,
+                output_blocks: r.u32()?,
+            });
+        }
+        Some(PodRecord {
+            snapshot,
+            finished_since_scrape,
+            entries,
+        })
+    }
+}
+
+pub fn read(store: &dyn Store, pod: &str) -> Result<PodRecord, StoreError> {
+    Ok(store
+        .get(&key(pod))?
+        .value
+        .and_then(|b| PodRecord::decode(&b))
+        .unwrap_or_default())
+}
+
+/// Creates the pod's record if it has none. Called before any request can be routed to the pod
+/// (configure for static pods, discovery for the others), as `store::update` requires.
+pub fn ensure(store: &dyn Store, pod: &str) -> Result<(), StoreError> {
+    if store.get(&key(pod))?.value.is_none() {
+        store.set(&key(pod), &PodRecord::default().encode(), None)?;
+    }
+    Ok(())
+}
+
+/// Forgets everything about a pod that left the pool.
+pub fn blank(store: &dyn Store, pod: &str) -> Result<(), StoreError> {
+    store.set(&key(pod), &PodRecord::default().encode(), None)
+}
+
+/// Read-modify-write of a pod's record; expired entries are dropped on every write.
+pub fn modify<T>(
+    store: &dyn Store,
+    pod: &str,
+    mut change: impl FnMut(&mut PodRecord) -> Option<T>,
+) -> Result<Option<T>, StoreError> {
+    let now = store.now_ms();
+    update(store, &key(pod), |bytes| {
+        let mut rec = bytes.and_then(PodRecord::decode).unwrap_or_default();
+        rec.entries.retain(|e| e.expires_ms > now);
+        let out = change(&mut rec)?;
+        Some((rec.encode(), out))
+    })
+}
+
+/// Removes a request's entry, exactly once: returns it the first time, `None` after. Prompt
+/// blocks still held by `heir` move to its entry, so the pod's active count stays right.
+pub fn finish(
+    store: &dyn Store,
+    pod: &str,
+    id: u64,
+    heir: Option<(u64, u32)>,
+) -> Result<Option<Entry>, StoreError> {
+    modify(store, pod, |rec| {
+        let i = rec.entries.iter().position(|e| e.id == id)?;
+        let gone = rec.entries.swap_remove(i);
+        if let Some((heir_id, shared)) = heir {
+            if let Some(h) = rec.entries.iter_mut().find(|e| e.id == heir_id) {
+                let moved = shared.min(gone.prompt_blocks);
+                h.prompt_blocks += moved;
+            }
+        }
+        rec.finished_since_scrape = rec.finished_since_scrape.saturating_add(1);
+        Some(gone)
+    })
+}
+
+pub fn write_snapshot(store: &dyn Store, pod: &str, snapshot: Snapshot) -> Result<(), StoreError> {
+    modify(store, pod, |rec| {
+        rec.snapshot = Some(snapshot);
+        rec.finished_since_scrape = 0;
+        Some(())
+    })
+    .map(|_| ())
+}
+
+#[cfg(test)]
+mod tests {
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    use super::*;
+    use crate::fake_host::FakeHost;
+
+    fn entry(id: u64, blocks: u32) -> Entry {
+        Entry {
+            id,
+            expires_ms: 1_000,
+            dispatched_ms: 1,
+            tokens: 100,
+            prompt_blocks: blocks,
+            output_blocks: 0,
+        }
+    }
+
+    #[test]
+    fn round_trips_and_rejects_garbage() {
+        let rec = PodRecord {
+            snapshot: Some(Snapshot {
+                at_ms: 5,
+                healthy: true,
+                running: 2.0,
+                waiting: 1.0,
+                kv_usage: f64::NAN,
+                capacity_tokens: 4096,
+                block_size: 16,
+            }),
+            finished_since_scrape: 3,
+            entries: vec![entry(1, 4), entry(2, 5)],
+        };
+        let back = PodRecord::decode(&rec.encode()).unwrap();
+        assert_eq!(back.entries, rec.entries);
+        assert!(back.snapshot.unwrap().kv_usage.is_nan());
+        assert_eq!(PodRecord::decode(b""), None);
+        assert_eq!(
+            PodRecord::decode(&[VERSION, 0, 0, 0, 0, 0, 255, 255, 255, 255]),
+            None
+        );
+    }
+
+    #[test]
+    fn finish_is_exactly_once_and_hands_shared_blocks_on() {
+        let host = FakeHost::new();
+        let vm = host.vm();
+        ensure(&vm, "p").unwrap();
+        modify(&vm, "p", |r| {
+            r.entries.push(entry(1, 10));
+            r.entries.push(entry(2, 2));
+            Some(())
+        })
+        .unwrap();
+        assert_eq!(read(&vm, "p").unwrap().active_blocks(), 12);
+        let gone = finish(&vm, "p", 1, Some((2, 8))).unwrap();
+        assert_eq!(gone.map(|e| e.id), Some(1));
+        assert_eq!(finish(&vm, "p", 1, Some((2, 8))).unwrap(), None);
+        let rec = read(&vm, "p").unwrap();
+        assert_eq!(
+            rec.active_blocks(),
+            10,
+            "the 8 shared blocks stay active with request 2"
+        );
+        assert_eq!(rec.finished_since_scrape, 1);
+        finish(&vm, "p", 2, None).unwrap();
+        assert_eq!(read(&vm, "p").unwrap().active_blocks(), 0);
+    }
+
+    #[test]
+    fn expired_entries_vanish_on_the_next_write() {
+        let host = FakeHost::new();
+        let vm = host.vm();
+        ensure(&vm, "p").unwrap();
+        modify(&vm, "p", |r| {
+            r.entries.push(entry(1, 10));
+            Some(())
+        })
+        .unwrap();
+        host.set_now_ms(1_000);
+        write_snapshot(&vm, "p", Snapshot::default()).unwrap();
+        assert_eq!(read(&vm, "p").unwrap().reserved_tokens(), 0);
+    }
+}

@@ -1,0 +1,484 @@
+//! One VM's router: the pod set, the replicas of the prefix index and of active blocks (kept
+//! current from the pick log), and the three moments of a routed request: `route` (rank the pods,
+//! record the dispatch in the chosen pod's shared record, tell the other workers), `grow` (its
+//! output crossed a block boundary) and `finish` (remove it, exactly once).
+
+use crate::active_blocks::ActiveBlocks;
+use crate::codec::{Reader, Writer};
+use crate::config::{Config, StalePolicy};
+use crate::estimate::Estimate;
+use crate::pick::{rank, Candidate, Rng};
+use crate::pick_log::{Event, PickLog, MAX_EVENT_BLOCKS};
+use crate::pod_state::{self, Entry, PodRecord};
+use crate::prefix_index::PrefixIndex;
+use crate::store::{update, Store, StoreError};
+
+const VM_SEQ_KEY: &str = "kvgate.vm.seq";
+/// Discovered pods, written by the elected scraper: `kvgate.pods`.
+pub const PODS_KEY: &str = "kvgate.pods";
+const PODS_CACHE_MS: u64 = 1_000;
+
+/// A request kvgate routed, as the response side needs it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Routed {
+    pub request: u64,
+    pub pod: String,
+    /// The pick first, then fallbacks, as written in the override header.
+    pub order: Vec<String>,
+    pub prompt_blocks: usize,
+    pub cached_blocks: usize,
+    pub output_blocks: u32,
+}
+
+pub fn encode_pods(pods: &[String]) -> Vec<u8> {
+    let mut w = Writer::new();
+    w.u32(pods.len() as u32);
+    for p in pods {
+        w.bytes(p.as_bytes());
+    }
+    w.0
+}
+
+pub fn decode_pods(bytes: &[u8]) -> Option<Vec<String>> {
+    let mut r = Reader(bytes);
+    let n = r.count(4)?;
+    (0..n)
+        .map(|_| r.bytes().and_then(|b| String::from_utf8(b.to_vec()).ok()))
+        .collect()
+}
+
+pub struct Router {
+    vm: u32,
+    next_request: u32,
+    log: PickLog,
+    prefix: PrefixIndex,
+    active: ActiveBlocks,
+    pods: Vec<String>,
+    pods_read_ms: Option<u64>,
+}
+
+impl Router {
+    /// Joins the pool of VMs: takes a VM number, creates the keys requests will touch.
+    pub fn start(store: &dyn Store, cfg: &Config) -> Result<Router, StoreError> {
+        if store.get(VM_SEQ_KEY)?.value.is_none() {
+            store.set(VM_SEQ_KEY, &0u32.to_le_bytes(), None)?;
+        }
+        let vm = update(store, VM_SEQ_KEY, |cur| {
+            let n = cur
+                .and_then(|b| Reader(b).u32())
+                .unwrap_or(0)
+                .wrapping_add(1);
+            Some((n.to_le_bytes().to_vec(), n))
+        })?
+        .unwrap_or(0);
+        for pod in &cfg.pods {
+            pod_state::ensure(store, pod)?;
+        }
+        Ok(Router {
+            vm,
+            next_request: 0,
+            log: PickLog::start(store)?,
+            prefix: PrefixIndex::new(cfg.routing.prefix_ttl_ms),
+            active: ActiveBlocks::default(),
+            pods: cfg.pods.clone(),
+            pods_read_ms: None,
+        })
+    }
+
+    pub fn vm(&self) -> u32 {
+        self.vm
+    }
+
+    pub fn pods(&self) -> &[String] {
+        &self.pods
+    }
+
+    fn refresh_pods(&mut self, store: &dyn Store, cfg: &Config, now: u64) {
+        if self
+            .pods_read_ms
+            .is_some_and(|t| now.saturating_sub(t) < PODS_CACHE_MS)
+        {
+            return;
+        }
+        self.pods_read_ms = Some(now);
+        let mut pods = cfg.pods.clone();
+        if let Some(found) = store
+            .get(PODS_KEY)
+            .ok()
+            .and_then(|v| v.value)
+            .and_then(|b| decode_pods(&b))
+        {
+            for p in found {
+                if !pods.contains(&p) {
+                    pods.push(p);
+                }
+            }
+        }
+        if pods != self.pods {
+            self.prefix.retain_pods(|p| pods.iter().any(|q| q == p));
+            self.active.retain_pods(|p| pods.iter().any(|q| q == p));
+            self.pods = pods;
+        }
+    }
+
+    /// Brings this VM's replicas up to date with the other workers' picks.
+    pub fn sync(&mut self, store: &dyn Store, cfg: &Config) -> Result<(), StoreError> {
+        let now = store.now_ms();
+        self.refresh_pods(store, cfg, now);
+        let (prefix, active) = (&mut self.prefix, &mut self.active);
+        let default_capacity = cfg.routing.pod_capacity_blocks as usize;
+        self.log.poll(store, self.vm, |event| match event {
+            Event::Dispatch {
+                pod,
+                request,
+                hashes,
+            } => {
+                prefix.insert(&pod, &hashes, now, default_capacity);
+                active.add(&pod, request, hashes, now);
+            }
+            Event::Finish { pod, request } => active.remove(&pod, request),
+        })
+    }
+
+    /// Ranks the pods for a request and dispatches it to the best one. `None` when there are no
+    /// pods to choose from (the request then goes to Envoy's own load balancing).
+    pub fn route(
+        &mut self,
+        store: &dyn Store,
+        cfg: &Config,
+        mut hashes: Vec<u64>,
+        est: &Estimate,
+    ) -> Result<Option<Routed>, StoreError> {
+        self.sync(store, cfg)?;
+        if self.pods.is_empty() {
+            return Ok(None);
+        }
+        let now = store.now_ms();
+        let r = &cfg.routing;
+        let bt = u64::from(r.block_tokens);
+        hashes.truncate(MAX_EVENT_BLOCKS);
+        let prompt_blocks = hashes.len().max(est.prompt_tokens.div_ceil(bt) as usize);
+        let output_blocks = est.output_tokens.div_ceil(bt);
+
+        let records: Vec<PodRecord> = self
+            .pods
+            .iter()
+            .map(|p| pod_state::read(store, p))
+            .collect::<Result<_, _>>()?;
+        for (pod, rec) in self.pods.iter().zip(&records) {
+            self.active.prune(pod, |id| rec.is_live(id), now);
+        }
+        let fresh = |rec: &PodRecord| {
+            rec.snapshot
+                .is_some_and(|s| now.saturating_sub(s.at_ms) <= cfg.metrics.stale_after_ms)
+        };
+        let any_fresh = records.iter().any(fresh);
+        let eligible = |rec: &PodRecord| match rec.snapshot {
+            Some(s) if !s.healthy => false,
+            Some(_) if !fresh(rec) => cfg.metrics.stale_policy == StalePolicy::Ignore || !any_fresh,
+            _ => true,
+        };
+        let mut indices: Vec<usize> = (0..self.pods.len())
+            .filter(|&i| eligible(&records[i]))
+            .collect();
+        if indices.is_empty() {
+            // Every pod looks down: try them all rather than refuse; Envoy's retries do the rest.
+            indices = (0..self.pods.len()).collect();
+        }
+        let candidates: Vec<Candidate> = indices
+            .iter()
+            .map(|&i| {
+                let (pod, rec) = (&self.pods[i], &records[i]);
+                let known = rec.snapshot.filter(|_| fresh(rec));
+                let capacity_blocks = rec
+                    .snapshot
+                    .filter(|s| s.capacity_tokens > 0)
+                    .map_or(r.pod_capacity_blocks, |s| s.capacity_tokens / bt);
+                let already_active = self.active.active_prefix(pod, &hashes);
+                Candidate {
+                    pod,
+                    cached_blocks: self.prefix.matched(pod, &hashes, now),
+                    active_blocks: rec.active_blocks(),
+                    added_blocks: (prompt_blocks - already_active) as u64 + output_blocks,
+                    waiting: known.map_or(0.0, |s| {
+                        (s.waiting - f64::from(rec.finished_since_scrape)).max(0.0)
+                    }),
+                    kv_usage: known.map_or(0.0, |s| {
+                        if s.kv_usage.is_finite() {
+                            s.kv_usage
+                        } else {
+                            0.0
+                        }
+                    }),
+                    capacity_blocks,
+                }
+            })
+            .collect();
+        self.next_request = self.next_request.wrapping_add(1);
+        let request = (u64::from(self.vm) << 32) | u64::from(self.next_request);
+        let mut rng = Rng::new(request ^ now.rotate_left(17));
+        let ranked = rank(&candidates, prompt_blocks, r, &mut rng);
+        let order: Vec<String> = ranked
+            .iter()
+            .take(1 + r.fallback_pods as usize)
+            .map(|s| candidates[s.index].pod.to_string())
+            .collect();
+        let Some(best) = ranked.first().map(|s| &candidates[s.index]) else {
+            return Ok(None);
+        };
+        let pod = best.pod.to_string();
+        let cached_blocks = best.cached_blocks;
+        let new_blocks = (prompt_blocks - self.active.active_prefix(&pod, &hashes)) as u32;
+        let capacity = best.capacity_blocks as usize;
+        let entry = Entry {
+            id: request,
+            expires_ms: now + r.request_ttl_ms,
+            dispatched_ms: now,
+            tokens: est.cost,
+            prompt_blocks: new_blocks,
+            output_blocks: 0,
+        };
+        pod_state::modify(store, &pod, |rec| {
+            rec.entries.push(entry);
+            Some(())
+        })?;
+        self.prefix.insert(&pod, &hashes, now, capacity);
+        self.active.add(&pod, request, hashes.clone(), now);
+        let event = Event::Dispatch {
+            pod: pod.clone(),
+            request,
+            hashes,
+        };
+        if let Err(e) = PickLog::publish(store, self.vm, &event) {
+            // The other workers miss one pick; their replicas are approximate by design.
+            log::debug!("kvgate: pick log publish failed: {e:?}");
+        }
+        Ok(Some(Routed {
+            request,
+            pod,
+            order,
+            prompt_blocks,
+            cached_blocks,
+            output_blocks: 0,
+        }))
+    }
+
+    /// The response has produced `output_tokens` so far: grows the entry by whole blocks and
+    /// renews its expiry. Returns whether the shared record was written.
+    pub fn grow(
+        &self,
+        store: &dyn Store,
+        cfg: &Config,
+        routed: &mut Routed,
+        output_tokens: u64,
+    ) -> Result<bool, StoreError> {
+        let blocks = output_tokens.div_ceil(u64::from(cfg.routing.block_tokens)) as u32;
+        if blocks <= routed.output_blocks {
+            return Ok(false);
+        }
+        routed.output_blocks = blocks;
+        let expires = store.now_ms() + cfg.routing.request_ttl_ms;
+        pod_state::modify(store, &routed.pod, |rec| {
+            let e = rec.entries.iter_mut().find(|e| e.id == routed.request)?;
+            e.output_blocks = blocks;
+            e.expires_ms = expires;
+            Some(())
+        })
+        .map(|r| r.is_some())
+    }
+
+    /// The request is over, however it ended. Safe to call more than once.
+    pub fn finish(
+        &mut self,
+        store: &dyn Store,
+        cfg: &Config,
+        routed: &Routed,
+    ) -> Result<Option<Entry>, StoreError> {
+        // Learn of requests other workers sent since, so shared blocks find their heir.
+        self.sync(store, cfg)?;
+        let (shared, heir) = self.active.shared_with_others(&routed.pod, routed.request);
+        self.active.remove(&routed.pod, routed.request);
+        let gone = pod_state::finish(
+            store,
+            &routed.pod,
+            routed.request,
+            heir.map(|h| (h, shared)),
+        )?;
+        if gone.is_some() {
+            let event = Event::Finish {
+                pod: routed.pod.clone(),
+                request: routed.request,
+            };
+            if let Err(e) = PickLog::publish(store, self.vm, &event) {
+                log::debug!("kvgate: pick log publish failed: {e:?}");
+            }
+        }
+        Ok(gone)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    use super::*;
+    use crate::fake_host::{FakeHost, FakeVm};
+    use crate::pod_state::Snapshot;
+
+    fn config(pods: &[&str]) -> Config {
+        Config {
+            pods: pods.iter().map(|p| p.to_string()).collect(),
+            ..Config::default()
+        }
+    }
+
+    fn est(prompt: u64, output: u64) -> Estimate {
+        Estimate {
+            prompt_tokens: prompt,
+            output_tokens: output,
+            cost: prompt + output,
+        }
+    }
+
+    fn hashes(group: u64, n: u64) -> Vec<u64> {
+        (0..n).map(|i| group * 1_000_000 + i).collect()
+    }
+
+    fn total_active(vm: &FakeVm, cfg: &Config) -> u64 {
+        cfg.pods
+            .iter()
+            .map(|p| pod_state::read(vm, p).unwrap().active_blocks())
+            .sum()
+    }
+
+    #[test]
+    fn a_pick_on_one_worker_steers_the_next_request_on_another() {
+        let host = FakeHost::new();
+        let cfg = config(&["a:1", "b:1", "c:1", "d:1"]);
+        let (w1, w2) = (host.vm(), host.vm());
+        let mut r1 = Router::start(&w1, &cfg).unwrap();
+        let mut r2 = Router::start(&w2, &cfg).unwrap();
+        let first = r1
+            .route(&w1, &cfg, hashes(7, 64), &est(1024, 16))
+            .unwrap()
+            .unwrap();
+        r1.finish(&w1, &cfg, &first).unwrap();
+        let second = r2
+            .route(&w2, &cfg, hashes(7, 64), &est(1024, 16))
+            .unwrap()
+            .unwrap();
+        assert_eq!(second.pod, first.pod);
+        assert_eq!(second.cached_blocks, 64);
+        r2.finish(&w2, &cfg, &second).unwrap();
+        assert_eq!(total_active(&w1, &cfg), 0);
+    }
+
+    #[test]
+    fn a_hot_prefix_spreads_when_its_pod_is_loaded() {
+        let host = FakeHost::new();
+        let cfg = config(&["a:1", "b:1"]);
+        let vm = host.vm();
+        let mut r = Router::start(&vm, &cfg).unwrap();
+        let mut pods = Vec::new();
+        let mut inflight = Vec::new();
+        for i in 0..20 {
+            // Same 32-block system prompt, different 32-block questions, long outputs.
+            let mut h = hashes(1, 32);
+            h.extend(hashes(100 + i, 32));
+            let routed = r.route(&vm, &cfg, h, &est(1024, 512)).unwrap().unwrap();
+            pods.push(routed.pod.clone());
+            inflight.push(routed);
+        }
+        assert!(
+            pods.iter().any(|p| p == "a:1") && pods.iter().any(|p| p == "b:1"),
+            "{pods:?}"
+        );
+        for routed in &inflight {
+            r.finish(&vm, &cfg, routed).unwrap();
+        }
+        assert_eq!(total_active(&vm, &cfg), 0);
+    }
+
+    #[test]
+    fn shared_prefix_blocks_count_once_and_return_to_zero() {
+        let host = FakeHost::new();
+        let cfg = config(&["a:1"]);
+        let (w1, w2) = (host.vm(), host.vm());
+        let mut r1 = Router::start(&w1, &cfg).unwrap();
+        let mut r2 = Router::start(&w2, &cfg).unwrap();
+        let x = r1
+            .route(&w1, &cfg, hashes(1, 10), &est(160, 0))
+            .unwrap()
+            .unwrap();
+        let y = r2
+            .route(&w2, &cfg, hashes(1, 10), &est(160, 0))
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            total_active(&w1, &cfg),
+            10,
+            "the shared 10 blocks count once"
+        );
+        r1.finish(&w1, &cfg, &x).unwrap();
+        assert_eq!(
+            total_active(&w1, &cfg),
+            10,
+            "still held by the other request"
+        );
+        r2.finish(&w2, &cfg, &y).unwrap();
+        r2.finish(&w2, &cfg, &y).unwrap();
+        assert_eq!(total_active(&w1, &cfg), 0);
+    }
+
+    #[test]
+    fn output_grows_by_blocks_and_unhealthy_pods_are_avoided() {
+        let host = FakeHost::new();
+        let cfg = config(&["a:1", "b:1"]);
+        let vm = host.vm();
+        host.set_now_ms(10_000);
+        pod_state::write_snapshot(
+            &vm,
+            "a:1",
+            Snapshot {
+                at_ms: 10_000,
+                healthy: false,
+                ..Snapshot::default()
+            },
+        )
+        .unwrap();
+        let mut r = Router::start(&vm, &cfg).unwrap();
+        let mut routed = r
+            .route(&vm, &cfg, hashes(1, 4), &est(64, 64))
+            .unwrap()
+            .unwrap();
+        assert_eq!(routed.pod, "b:1");
+        assert!(r.grow(&vm, &cfg, &mut routed, 17).unwrap());
+        assert!(!r.grow(&vm, &cfg, &mut routed, 20).unwrap());
+        assert_eq!(pod_state::read(&vm, "b:1").unwrap().active_blocks(), 4 + 2);
+        r.finish(&vm, &cfg, &routed).unwrap();
+        assert_eq!(total_active(&vm, &cfg), 0);
+    }
+
+    #[test]
+    fn discovered_pods_join_and_departed_ones_leave() {
+        let host = FakeHost::new();
+        let cfg = config(&[]);
+        let vm = host.vm();
+        let mut r = Router::start(&vm, &cfg).unwrap();
+        assert_eq!(r.route(&vm, &cfg, hashes(1, 4), &est(64, 0)).unwrap(), None);
+        vm.set(PODS_KEY, &encode_pods(&["x:1".into()]), None)
+            .unwrap();
+        host.advance_ms(PODS_CACHE_MS);
+        let routed = r
+            .route(&vm, &cfg, hashes(1, 4), &est(64, 0))
+            .unwrap()
+            .unwrap();
+        assert_eq!(routed.pod, "x:1");
+        r.finish(&vm, &cfg, &routed).unwrap();
+        vm.set(PODS_KEY, &encode_pods(&[]), None).unwrap();
+        host.advance_ms(PODS_CACHE_MS);
+        r.sync(&vm, &cfg).unwrap();
+        assert!(r.pods().is_empty());
+    }
+}

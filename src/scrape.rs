@@ -1,0 +1,429 @@
+//! The one scraper across all workers: a lease in shared data (`kvgate.lease`) decides which VM
+//! scrapes; the holder renews it every tick and another VM takes over once it lapses. The holder
+//! discovers pods from Envoy's admin `/clusters` and scrapes each pod's Prometheus metrics on its
+//! interval, writing results into the pods' shared records. This module plans the calls and reads
+//! their answers; the shell only sends them.
+
+use crate::codec::{Reader, Writer};
+use crate::config::Config;
+use crate::pod_metrics;
+use crate::pod_state::{self, Snapshot};
+use crate::router::{decode_pods, encode_pods, PODS_KEY};
+use crate::stats::{pod_segment, Stats};
+use crate::store::{update, Store, StoreError};
+use hashbrown::HashMap;
+use serde::Deserialize;
+
+const LEASE_KEY: &str = "kvgate.lease";
+
+/// A call for the shell to send with `dispatch_http_call`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Call {
+    pub target: Target,
+    pub cluster: String,
+    pub path: String,
+    /// Headers besides :method and :path (authority, original-destination host).
+    pub headers: Vec<(String, String)>,
+    pub timeout_ms: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Target {
+    Pod(String),
+    Discovery,
+}
+
+/// Takes or renews the lease; true when this VM is the scraper until `now + ttl`.
+pub fn hold_lease(store: &dyn Store, vm: u32, now: u64, ttl_ms: u64) -> Result<bool, StoreError> {
+    let got = update(store, LEASE_KEY, |cur| {
+        let (holder, expires) = cur
+            .and_then(|b| {
+                let mut r = Reader(b);
+                Some((r.u32()?, r.u64()?))
+            })
+            .unwrap_or((0, 0));
+        if holder != vm && expires > now {
+            return None;
+        }
+        let mut w = Writer::new();
+        w.u32(vm).u64(now + ttl_ms);
+        Some((w.0, ()))
+    })?;
+    Ok(got.is_some())
+}
+
+#[derive(Default)]
+pub struct Scraper {
+    next_scrape: HashMap<String, u64>,
+    next_discovery: u64,
+    in_flight: HashMap<Target, u64>,
+}
+
+impl Scraper {
+    /// The calls due now. A target with a call still outstanding is skipped.
+    pub fn due(&mut self, cfg: &Config, pods: &[String], now: u64) -> Vec<Call> {
+        let mut calls = Vec::new();
+        let d = &cfg.discovery;
+        if !d.admin_cluster.is_empty()
+            && now >= self.next_discovery
+            && !self.in_flight.contains_key(&Target::Discovery)
+        {
+            self.next_discovery = now + d.interval_ms;
+            self.in_flight.insert(Target::Discovery, now + d.timeout_ms);
+            calls.push(Call {
+                target: Target::Discovery,
+                cluster: d.admin_cluster.clone(),
+                path: "/clusters?format=json".into(),
+                headers: vec![(":authority".into(), "envoy-admin".into())],
+                timeout_ms: d.timeout_ms,
+            });
+        }
+        let m = &cfg.metrics;
+        if m.cluster.is_empty() {
+            return calls;
+        }
+        self.next_scrape.retain(|p, _| pods.contains(p));
+        for pod in pods {
+            let target = Target::Pod(pod.clone());
+            let next = self.next_scrape.get(pod).copied().unwrap_or(0);
+            if now < next || self.in_flight.contains_key(&target) {
+                continue;
+            }
+            self.next_scrape.insert(pod.clone(), now + m.interval_ms);
+            self.in_flight.insert(target.clone(), now + m.timeout_ms);
+            calls.push(Call {
+                target,
+                cluster: m.cluster.clone(),
+                path: m.path.clone(),
+                headers: vec![
+                    (":authority".into(), pod.clone()),
+                    ("x-envoy-original-dst-host".into(), pod.clone()),
+                ],
+                timeout_ms: m.timeout_ms,
+            });
+        }
+        calls
+    }
+
+    /// A call could not be sent at all.
+    pub fn abandon(&mut self, target: &Target) {
+        self.in_flight.remove(target);
+    }
+
+    /// Reads an answer (`status` None when Envoy had no response: reset, timeout, no host).
+    pub fn on_response(
+        &mut self,
+        store: &dyn Store,
+        cfg: &Config,
+        stats: &mut Stats,
+        target: &Target,
+        status: Option<u32>,
+        body: &[u8],
+    ) -> Result<(), StoreError> {
+        self.in_flight.remove(target);
+        let now = store.now_ms();
+        match target {
+            Target::Discovery => {
+                let Some(pods) = (status == Some(200))
+                    .then(|| parse_clusters(body, &cfg.discovery.model_cluster))
+                    .flatten()
+                else {
+                    stats.count("kvgate.discovery.errors", 1);
+                    return Ok(());
+                };
+                publish_pods(store, &pods)
+            }
+            Target::Pod(pod) => {
+                let parsed = (status == Some(200)).then(|| pod_metrics::parse_bytes(body));
+                match parsed {
+                    Some(Ok(m)) => {
+                        stats.count("kvgate.scrape.ok", 1);
+                        let snapshot = Snapshot {
+                            at_ms: now,
+                            healthy: true,
+                            running: m.running.unwrap_or(0.0),
+                            waiting: m.waiting.unwrap_or(0.0),
+                            kv_usage: m.kv_usage.unwrap_or(f64::NAN),
+                            capacity_tokens: m.capacity_tokens.unwrap_or(0),
+                            block_size: m.block_size.unwrap_or(0) as u32,
+                        };
+                        pod_state::write_snapshot(store, pod, snapshot)
+                    }
+                    _ => {
+                        stats.count("kvgate.scrape.errors", 1);
+                        stats.count(format!("kvgate.pod.{}.scrape_errors", pod_segment(pod)), 1);
+                        if refused(status, body) {
+                            // Down, not merely slow: avoid it until a scrape succeeds again.
+                            let down = Snapshot {
+                                at_ms: now,
+                                healthy: false,
+                                kv_usage: f64::NAN,
+                                ..Snapshot::default()
+                            };
+                            pod_state::write_snapshot(store, pod, down)?;
+                        }
+                        Ok(())
+                    }
+                }
+            }
+        }
+    }
+
+    /// Calls outstanding past their timeout (the host never answered) are forgotten.
+    pub fn expire(&mut self, now: u64) {
+        self.in_flight.retain(|_, deadline| *deadline + 1_000 > now);
+    }
+}
+
+/// Envoy answers a callout to a host that refuses connections with its own 503 ("upstream
+/// connect error or disconnect/reset before headers ... connection refused").
+fn refused(status: Option<u32>, body: &[u8]) -> bool {
+    status.is_none()
+        || (status == Some(503)
+            && std::str::from_utf8(body)
+                .is_ok_and(|b| b.contains("connect") || b.contains("reset")))
+}
+
+#[derive(Deserialize)]
+struct Clusters {
+    #[serde(default)]
+    cluster_statuses: Vec<ClusterStatus>,
+}
+
+#[derive(Deserialize)]
+struct ClusterStatus {
+    name: String,
+    #[serde(default)]
+    host_statuses: Vec<HostStatus>,
+}
+
+#[derive(Deserialize)]
+struct HostStatus {
+    address: Address,
+}
+
+#[derive(Deserialize)]
+struct Address {
+    socket_address: SocketAddress,
+}
+
+#[derive(Deserialize)]
+struct SocketAddress {
+    address: String,
+    port_value: u16,
+}
+
+/// The hosts of `cluster` in Envoy's admin `/clusters?format=json`, as `ip:port`. `None` when the
+/// document is not that, or does not list the cluster (a missing cluster must not empty the pool).
+pub fn parse_clusters(body: &[u8], cluster: &str) -> Option<Vec<String>> {
+    let doc: Clusters = serde_json::from_slice(body).ok()?;
+    let c = doc
+        .cluster_statuses
+        .into_iter()
+        .find(|c| c.name == cluster)?;
+    let mut pods: Vec<String> = c
+        .host_statuses
+        .into_iter()
+        .map(|h| {
+            let a = h.address.socket_address;
+            if a.address.contains(':') {
+                format!("[{}]:{}", a.address, a.port_value)
+            } else {
+                format!("{}:{}", a.address, a.port_value)
+            }
+        })
+        .collect();
+    pods.sort();
+    pods.dedup();
+    Some(pods)
+}
+
+/// Writes the discovered pod set: new pods' records are created first (so no request can race
+/// their creation), departed pods' records are blanked.
+fn publish_pods(store: &dyn Store, pods: &[String]) -> Result<(), StoreError> {
+    let old = store
+        .get(PODS_KEY)?
+        .value
+        .and_then(|b| decode_pods(&b))
+        .unwrap_or_default();
+    if old == pods {
+        return Ok(());
+    }
+    for p in pods.iter().filter(|p| !old.contains(p)) {
+        pod_state::ensure(store, p)?;
+    }
+    store.set(PODS_KEY, &encode_pods(pods), None)?;
+    for p in old.iter().filter(|p| !pods.contains(p)) {
+        pod_state::blank(store, p)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    use super::*;
+    use crate::fake_host::FakeHost;
+
+    fn cfg() -> Config {
+        let mut c = Config::default();
+        c.pods = vec!["a:1".into(), "b:1".into()];
+        c.metrics.cluster = "kvgate_metrics".into();
+        c.discovery.admin_cluster = "kvgate_admin".into();
+        c
+    }
+
+    #[test]
+    fn one_lease_holder_until_it_lapses() {
+        let host = FakeHost::new();
+        let (a, b) = (host.vm(), host.vm());
+        assert!(hold_lease(&a, 1, 0, 1_000).unwrap());
+        assert!(!hold_lease(&b, 2, 500, 1_000).unwrap());
+        assert!(hold_lease(&a, 1, 900, 1_000).unwrap(), "renewal");
+        assert!(!hold_lease(&b, 2, 1_800, 1_000).unwrap());
+        assert!(
+            hold_lease(&b, 2, 1_901, 1_000).unwrap(),
+            "takeover after lapse"
+        );
+        assert!(!hold_lease(&a, 1, 1_950, 1_000).unwrap());
+    }
+
+    #[test]
+    fn scrapes_each_pod_once_per_interval() {
+        let c = cfg();
+        let mut s = Scraper::default();
+        let first = s.due(&c, &c.pods, 0);
+        assert_eq!(first.len(), 3);
+        let pod_call = first
+            .iter()
+            .find(|c| c.target == Target::Pod("a:1".into()))
+            .unwrap();
+        assert!(pod_call
+            .headers
+            .contains(&("x-envoy-original-dst-host".into(), "a:1".into())));
+        assert!(s.due(&c, &c.pods, 10).is_empty(), "in flight");
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let mut stats = Stats::default();
+        for call in &first {
+            s.on_response(&vm, &c, &mut stats, &call.target, Some(500), b"")
+                .unwrap();
+        }
+        assert!(s.due(&c, &c.pods, 999).is_empty(), "not due yet");
+        assert_eq!(s.due(&c, &c.pods, 1_000).len(), 2);
+    }
+
+    #[test]
+    fn metrics_land_in_the_pod_record_and_refusal_marks_unhealthy() {
+        let c = cfg();
+        let host = FakeHost::new();
+        let vm = host.vm();
+        host.set_now_ms(42);
+        let mut s = Scraper::default();
+        let mut stats = Stats::default();
+        let text = b"vllm:num_requests_running{model_name=\"m\"} 3\nvllm:num_requests_waiting{model_name=\"m\"} 2\nvllm:kv_cache_usage_perc{model_name=\"m\"} 0.5\n";
+        s.on_response(
+            &vm,
+            &c,
+            &mut stats,
+            &Target::Pod("a:1".into()),
+            Some(200),
+            text,
+        )
+        .unwrap();
+        let snap = pod_state::read(&vm, "a:1").unwrap().snapshot.unwrap();
+        assert_eq!(
+            (
+                snap.at_ms,
+                snap.healthy,
+                snap.running,
+                snap.waiting,
+                snap.kv_usage
+            ),
+            (42, true, 3.0, 2.0, 0.5)
+        );
+        s.on_response(
+            &vm,
+            &c,
+            &mut stats,
+            &Target::Pod("a:1".into()),
+            Some(200),
+            b"garbage",
+        )
+        .unwrap();
+        assert!(
+            pod_state::read(&vm, "a:1")
+                .unwrap()
+                .snapshot
+                .unwrap()
+                .healthy,
+            "garbage is not a refusal"
+        );
+        let refused = b"upstream connect error or disconnect/reset before headers. reset reason: connection failure";
+        s.on_response(
+            &vm,
+            &c,
+            &mut stats,
+            &Target::Pod("a:1".into()),
+            Some(503),
+            refused,
+        )
+        .unwrap();
+        assert!(
+            !pod_state::read(&vm, "a:1")
+                .unwrap()
+                .snapshot
+                .unwrap()
+                .healthy
+        );
+        let counted: Vec<_> = stats.drain().collect();
+        assert!(counted.contains(&crate::stats::Stat::Counter(
+            "kvgate.scrape.errors".into(),
+            1
+        )));
+    }
+
+    #[test]
+    fn discovery_publishes_the_model_cluster_hosts() {
+        let c = cfg();
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let mut s = Scraper::default();
+        let mut stats = Stats::default();
+        let doc = br#"{"cluster_statuses":[{"name":"other","host_statuses":[]},
+            {"name":"models","host_statuses":[
+              {"address":{"socket_address":{"address":"10.0.0.2","port_value":8000}}},
+              {"address":{"socket_address":{"address":"10.0.0.1","port_value":8000}}}]}]}"#;
+        s.on_response(&vm, &c, &mut stats, &Target::Discovery, Some(200), doc)
+            .unwrap();
+        let pods = decode_pods(&vm.get(PODS_KEY).unwrap().value.unwrap()).unwrap();
+        assert_eq!(
+            pods,
+            vec!["10.0.0.1:8000".to_string(), "10.0.0.2:8000".to_string()]
+        );
+        assert!(vm
+            .get(&pod_state::key("10.0.0.1:8000"))
+            .unwrap()
+            .value
+            .is_some());
+        // A document without the cluster leaves the pool as it was.
+        s.on_response(
+            &vm,
+            &c,
+            &mut stats,
+            &Target::Discovery,
+            Some(200),
+            br#"{"cluster_statuses":[]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            decode_pods(&vm.get(PODS_KEY).unwrap().value.unwrap())
+                .unwrap()
+                .len(),
+            2
+        );
+        assert_eq!(parse_clusters(b"not json", "models"), None);
+    }
+}
