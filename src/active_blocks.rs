@@ -75,6 +75,10 @@ impl ActiveBlocks {
         (shared as u32, heir)
     }
 
+    pub fn hashes_of(&self, pod: &str, request: u64) -> Option<Vec<u64>> {
+        Some(self.pods.get(pod)?.requests.get(&request)?.0.clone())
+    }
+
     pub fn remove(&mut self, pod: &str, request: u64) {
         let Some(p) = self.pods.get_mut(pod) else {
             return;

@@ -135,7 +135,7 @@ impl Default for RoutingConfig {
             pod_capacity_blocks: 8_192,
             prefix_ttl_ms: 600_000,
             max_prompt_blocks: 8_192,
-            prefill_weight: 1.0,
+            prefill_weight: 2.0,
             active_weight: 1.0,
             queue_weight: 1.0,
             kv_usage_weight: 0.0,

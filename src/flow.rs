@@ -286,14 +286,26 @@ impl Flow {
     }
 
     /// Headers to add to the response (debug headers, when enabled).
+    /// The response has started; `served_by` is the upstream host Envoy used (after retries).
     pub fn on_response_headers(
         &mut self,
-        gate: &Gate,
+        gate: &mut Gate,
+        store: &dyn Store,
         content_type: Option<&str>,
+        served_by: Option<&str>,
     ) -> Vec<(String, String)> {
-        let Some(a) = &self.admitted else {
+        let Some(a) = &mut self.admitted else {
             return Vec::new();
         };
+        if let (Some(routed), Some(host)) = (&mut a.routed, served_by) {
+            if host != routed.pod {
+                gate.stats.count("kvgate.route.rerouted", 1);
+                if let Err(e) = gate.router.rehome(store, &gate.config, routed, host) {
+                    log::debug!("kvgate: rehome failed: {e:?}");
+                }
+            }
+        }
+        let a = &*a;
         self.meter = Some(ResponseMeter::new(content_type));
         if !gate.config.debug_headers {
             return Vec::new();
@@ -491,7 +503,12 @@ mod tests {
             d.set,
             vec![(DESTINATION_HEADER.to_string(), "10.0.0.1:80".to_string())]
         );
-        let headers = f.on_response_headers(&gate, Some("application/json"));
+        let headers = f.on_response_headers(
+            &mut gate,
+            &vm,
+            Some("application/json"),
+            Some("10.0.0.1:80"),
+        );
         let get = |name: &str| {
             headers
                 .iter()

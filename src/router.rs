@@ -287,6 +287,46 @@ impl Router {
         .map(|r| r.is_some())
     }
 
+    /// Envoy could not use the pick and its retry policy sent the request to `served_by`: the
+    /// pick is marked down until its next good scrape (so the next requests avoid it now, not a
+    /// scrape interval later) and the request's accounting moves to the pod that serves it.
+    pub fn rehome(
+        &mut self,
+        store: &dyn Store,
+        cfg: &Config,
+        routed: &mut Routed,
+        served_by: &str,
+    ) -> Result<(), StoreError> {
+        if served_by == routed.pod || !self.pods.iter().any(|p| p == served_by) {
+            return Ok(());
+        }
+        let now = store.now_ms();
+        pod_state::modify(store, &routed.pod, |rec| {
+            rec.snapshot = Some(pod_state::Snapshot {
+                at_ms: now,
+                healthy: false,
+                kv_usage: f64::NAN,
+                ..pod_state::Snapshot::default()
+            });
+            Some(())
+        })?;
+        let hashes = self
+            .active
+            .hashes_of(&routed.pod, routed.request)
+            .unwrap_or_default();
+        let Some(mut entry) = self.finish(store, cfg, routed)? else {
+            return Ok(());
+        };
+        entry.prompt_blocks = routed.prompt_blocks as u32;
+        pod_state::modify(store, served_by, |rec| {
+            rec.entries.push(entry);
+            Some(())
+        })?;
+        routed.pod = served_by.to_string();
+        self.active.add(served_by, routed.request, hashes, now);
+        Ok(())
+    }
+
     /// The request is over, however it ended. Safe to call more than once.
     pub fn finish(
         &mut self,
@@ -457,6 +497,41 @@ mod tests {
         assert!(!r.grow(&vm, &cfg, &mut routed, 20).unwrap());
         assert_eq!(pod_state::read(&vm, "b:1").unwrap().active_blocks(), 4 + 2);
         r.finish(&vm, &cfg, &routed).unwrap();
+        assert_eq!(total_active(&vm, &cfg), 0);
+    }
+
+    #[test]
+    fn a_pick_served_elsewhere_is_marked_down_and_its_accounting_moves() {
+        let host = FakeHost::new();
+        let cfg = config(&["a:1", "b:1"]);
+        let vm = host.vm();
+        let mut r = Router::start(&vm, &cfg).unwrap();
+        let mut routed = r
+            .route(&vm, &cfg, hashes(1, 4), &est(64, 0))
+            .unwrap()
+            .unwrap();
+        let (picked, other) = if routed.pod == "a:1" {
+            ("a:1", "b:1")
+        } else {
+            ("b:1", "a:1")
+        };
+        r.rehome(&vm, &cfg, &mut routed, other).unwrap();
+        assert_eq!(routed.pod, other);
+        assert!(
+            !pod_state::read(&vm, picked)
+                .unwrap()
+                .snapshot
+                .unwrap()
+                .healthy
+        );
+        assert_eq!(pod_state::read(&vm, other).unwrap().active_blocks(), 4);
+        let next = r
+            .route(&vm, &cfg, hashes(1, 4), &est(64, 0))
+            .unwrap()
+            .unwrap();
+        assert_eq!(next.pod, other);
+        r.finish(&vm, &cfg, &routed).unwrap();
+        r.finish(&vm, &cfg, &next).unwrap();
         assert_eq!(total_active(&vm, &cfg), 0);
     }
 

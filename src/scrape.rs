@@ -268,8 +268,10 @@ mod tests {
     use crate::fake_host::FakeHost;
 
     fn cfg() -> Config {
-        let mut c = Config::default();
-        c.pods = vec!["a:1".into(), "b:1".into()];
+        let mut c = Config {
+            pods: vec!["a:1".into(), "b:1".into()],
+            ..Config::default()
+        };
         c.metrics.cluster = "kvgate_metrics".into();
         c.discovery.admin_cluster = "kvgate_admin".into();
         c

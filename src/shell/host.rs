@@ -66,6 +66,14 @@ pub fn response_header(name: &str) -> Option<String> {
         .flatten()
 }
 
+/// The upstream host that served the request (`ip:port`), from Envoy's `upstream.address`.
+pub fn upstream_address() -> Option<String> {
+    hostcalls::get_property(vec!["upstream", "address"])
+        .ok()
+        .flatten()
+        .and_then(|b| String::from_utf8(b).ok())
+}
+
 pub fn remove_request_header(name: &str) {
     let _ = hostcalls::remove_map_value(MapType::HttpRequestHeaders, name);
 }

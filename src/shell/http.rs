@@ -88,9 +88,13 @@ impl HttpContext for Http {
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         let content_type = host::response_header("content-type");
-        let add = self
-            .flow
-            .on_response_headers(&self.gate.borrow(), content_type.as_deref());
+        let served_by = host::upstream_address();
+        let add = self.flow.on_response_headers(
+            &mut self.gate.borrow_mut(),
+            &HostStore,
+            content_type.as_deref(),
+            served_by.as_deref(),
+        );
         for (name, value) in &add {
             host::add_response_header(name, value);
         }

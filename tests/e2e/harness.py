@@ -280,5 +280,66 @@ class StubUpstream:
 @contextlib.contextmanager
 def kvgate_envoy(upstreams, plugin_config=None, concurrency=4, **kw):
     cfg = envoy_config(free_port(), free_port(), upstreams, plugin_config, **kw)
-    with Envoy(cfg, concurrency=concurrency) as envoy:
+    with Envoy(cfg, concurrency=concurrency, log_level=os.environ.get("ENVOY_LOG", "warning")) as envoy:
+        if (plugin_config or {}).get("discovery", {}).get("adminCluster"):
+            # Discovery and a first scrape take a tick or two; tests start from a known pool.
+            wait_for(lambda: len(kvgate_gauges(envoy, "healthy")) >= len(upstreams), timeout=10)
         yield envoy
+
+
+def stream(port, path, body, headers=None, timeout=120.0):
+    """POSTs a streaming request; returns status, headers, time to first token, total time,
+    number of content chunks and the usage chunk."""
+    body = dict(body, stream=True, stream_options={"include_usage": True})
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    t0 = time.perf_counter()
+    try:
+        hdrs = {"content-type": "application/json"}
+        hdrs.update(headers or {})
+        conn.request("POST", path, body=json.dumps(body).encode(), headers=hdrs)
+        r = conn.getresponse()
+        result = {"status": r.status, "headers": {k.lower(): v for k, v in r.getheaders()},
+                  "ttft": None, "chunks": 0, "usage": None}
+        if r.status != 200:
+            result["body"] = r.read()
+            result["total"] = time.perf_counter() - t0
+            return result
+        for raw in r:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            chunk = json.loads(data)
+            if chunk.get("usage"):
+                result["usage"] = chunk["usage"]
+            for c in chunk.get("choices", []):
+                piece = c.get("text") or (c.get("delta") or {}).get("content")
+                if piece:
+                    if result["ttft"] is None:
+                        result["ttft"] = time.perf_counter() - t0
+                    result["chunks"] += 1
+        result["total"] = time.perf_counter() - t0
+        return result
+    finally:
+        conn.close()
+
+
+def kvgate_gauges(envoy, suffix):
+    """kvgate's per-pod gauges of one kind (e.g. active_blocks), by pod segment."""
+    out = {}
+    for name, value in envoy.stats("wasmcustom.kvgate.pod").items():
+        if name.endswith("." + suffix):
+            out[name.split(".")[3]] = value
+    return out
+
+
+def wait_for(predicate, timeout=10.0, interval=0.1):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        v = predicate()
+        if v:
+            return v
+        time.sleep(interval)
+    return predicate()
