@@ -1,0 +1,302 @@
+//! Prometheus text exposition with vLLM's (V1) metric names, types, labels and
+//! histogram buckets.
+
+use std::fmt::Write;
+
+use crate::engine::Counters;
+
+/// vLLM V1 `time_to_first_token_seconds` buckets.
+pub const TTFT_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+];
+/// vLLM V1 request latency buckets (`e2e_request_latency_seconds`).
+pub const E2E_BUCKETS: &[f64] = &[
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
+];
+/// vLLM V1 `inter_token_latency_seconds` buckets.
+pub const ITL_BUCKETS: &[f64] = &[
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
+];
+
+#[derive(Debug, Clone)]
+pub struct Histogram {
+    bounds: &'static [f64],
+    counts: Vec<u64>,
+    sum: f64,
+    count: u64,
+}
+
+impl Histogram {
+    pub fn new(bounds: &'static [f64]) -> Self {
+        Histogram {
+            bounds,
+            counts: vec![0; bounds.len()],
+            sum: 0.0,
+            count: 0,
+        }
+    }
+
+    pub fn observe(&mut self, v: f64) {
+        for (i, b) in self.bounds.iter().enumerate() {
+            if v <= *b {
+                self.counts[i] += 1;
+            }
+        }
+        self.sum += v;
+        self.count += 1;
+    }
+
+    pub fn count(&self) -> u64 {
+        self.count
+    }
+
+    pub fn sum(&self) -> f64 {
+        self.sum
+    }
+}
+
+/// Python-style float text (`1.0`, `0.25`, `+Inf`) as prometheus_client prints.
+pub fn fmt_f64(v: f64) -> String {
+    if v.is_nan() {
+        "NaN".into()
+    } else if v.is_infinite() {
+        if v > 0.0 {
+            "+Inf".into()
+        } else {
+            "-Inf".into()
+        }
+    } else if v.fract() == 0.0 && v.abs() < 1e15 {
+        format!("{v:.1}")
+    } else {
+        format!("{v}")
+    }
+}
+
+fn escape(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+pub struct MetricsInput<'a> {
+    pub model_name: &'a str,
+    pub running: usize,
+    pub waiting: usize,
+    pub kv_usage: f64,
+    pub block_size: usize,
+    pub num_gpu_blocks: usize,
+    pub enable_prefix_caching: bool,
+    pub counters: &'a Counters,
+    pub ttft: &'a Histogram,
+    pub e2e: &'a Histogram,
+    pub itl: &'a Histogram,
+    pub start_unix: f64,
+}
+
+struct Out {
+    s: String,
+    labels: String,
+}
+
+impl Out {
+    fn header(&mut self, name: &str, help: &str, ty: &str) {
+        let _ = writeln!(self.s, "# HELP {name} {help}");
+        let _ = writeln!(self.s, "# TYPE {name} {ty}");
+    }
+    fn sample(&mut self, name: &str, extra: &str, v: f64) {
+        let sep = if extra.is_empty() { "" } else { "," };
+        let _ = writeln!(
+            self.s,
+            "{name}{{{}{sep}{extra}}} {}",
+            self.labels,
+            fmt_f64(v)
+        );
+    }
+    fn gauge(&mut self, name: &str, help: &str, v: f64) {
+        self.header(name, help, "gauge");
+        self.sample(name, "", v);
+    }
+    fn counter(&mut self, name: &str, help: &str, v: f64) {
+        self.header(name, help, "counter");
+        self.sample(name, "", v);
+    }
+    fn histogram(&mut self, name: &str, help: &str, h: &Histogram) {
+        self.header(name, help, "histogram");
+        let bucket = format!("{name}_bucket");
+        for (i, b) in h.bounds.iter().enumerate() {
+            self.sample(
+                &bucket,
+                &format!("le=\"{}\"", fmt_f64(*b)),
+                h.counts[i] as f64,
+            );
+        }
+        self.sample(&bucket, "le=\"+Inf\"", h.count as f64);
+        self.sample(&format!("{name}_count"), "", h.count as f64);
+        self.sample(&format!("{name}_sum"), "", h.sum);
+    }
+}
+
+pub fn render(m: &MetricsInput<'_>) -> String {
+    let mut o = Out {
+        s: String::with_capacity(8192),
+        labels: format!("model_name=\"{}\",engine=\"0\"", escape(m.model_name)),
+    };
+    let c = m.counters;
+
+    o.header(
+        "vllm:cache_config_info",
+        "Information of the LLMEngine CacheConfig",
+        "gauge",
+    );
+    let info = format!(
+        "vllm:cache_config_info{{block_size=\"{}\",cache_dtype=\"auto\",calculate_kv_scales=\"False\",\
+enable_prefix_caching=\"{}\",gpu_memory_utilization=\"0.9\",is_attention_free=\"False\",\
+num_cpu_blocks=\"None\",num_gpu_blocks=\"{}\",num_gpu_blocks_override=\"None\",\
+prefix_caching_hash_algo=\"sha256\",sliding_window=\"None\",swap_space=\"4\",engine=\"0\"}} 1.0",
+        m.block_size,
+        if m.enable_prefix_caching { "True" } else { "False" },
+        m.num_gpu_blocks
+    );
+    let _ = writeln!(o.s, "{info}");
+
+    o.gauge(
+        "vllm:num_requests_running",
+        "Number of requests in model execution batches.",
+        m.running as f64,
+    );
+    o.gauge(
+        "vllm:num_requests_waiting",
+        "Number of requests waiting to be processed.",
+        m.waiting as f64,
+    );
+    o.header(
+        "vllm:lora_requests_info",
+        "Running stats on lora requests.",
+        "gauge",
+    );
+    let _ = writeln!(
+        o.s,
+        "vllm:lora_requests_info{{max_lora=\"0\",running_lora_adapters=\"\",waiting_lora_adapters=\"\"}} {}",
+        fmt_f64(m.start_unix)
+    );
+    o.gauge(
+        "vllm:kv_cache_usage_perc",
+        "KV-cache usage. 1 means 100 percent usage.",
+        m.kv_usage,
+    );
+    o.gauge(
+        "vllm:gpu_cache_usage_perc",
+        "GPU KV-cache usage. 1 means 100 percent usage. DEPRECATED: Use vllm:kv_cache_usage_perc instead.",
+        m.kv_usage,
+    );
+    o.counter(
+        "vllm:prefix_cache_queries_total",
+        "Prefix cache queries, in terms of number of queried tokens.",
+        c.prefix_queries as f64,
+    );
+    o.counter(
+        "vllm:prefix_cache_hits_total",
+        "Prefix cache hits, in terms of number of cached tokens.",
+        c.prefix_hits as f64,
+    );
+    o.counter(
+        "vllm:num_preemptions_total",
+        "Cumulative number of preemption from the engine.",
+        c.preemptions as f64,
+    );
+    o.counter(
+        "vllm:prompt_tokens_total",
+        "Number of prefill tokens processed.",
+        c.prompt_tokens as f64,
+    );
+    o.counter(
+        "vllm:generation_tokens_total",
+        "Number of generation tokens processed.",
+        c.generation_tokens as f64,
+    );
+    o.header(
+        "vllm:request_success_total",
+        "Count of successfully processed requests.",
+        "counter",
+    );
+    for (reason, v) in [
+        ("stop", c.finished_stop),
+        ("length", c.finished_length),
+        ("abort", c.finished_abort),
+    ] {
+        o.sample(
+            "vllm:request_success_total",
+            &format!("finished_reason=\"{reason}\""),
+            v as f64,
+        );
+    }
+    o.histogram(
+        "vllm:time_to_first_token_seconds",
+        "Histogram of time to first token in seconds.",
+        m.ttft,
+    );
+    o.histogram(
+        "vllm:inter_token_latency_seconds",
+        "Histogram of inter-token latency in seconds.",
+        m.itl,
+    );
+    o.histogram(
+        "vllm:e2e_request_latency_seconds",
+        "Histogram of e2e request latency in seconds.",
+        m.e2e,
+    );
+    o.s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_is_cumulative() {
+        let mut h = Histogram::new(TTFT_BUCKETS);
+        h.observe(0.003);
+        h.observe(0.5);
+        h.observe(5000.0);
+        assert_eq!(h.counts[0], 0);
+        assert_eq!(h.counts[1], 1); // <= 0.005
+        assert_eq!(h.counts[9], 2); // <= 0.5
+        assert_eq!(*h.counts.last().unwrap(), 2);
+        assert_eq!(h.count(), 3);
+    }
+
+    #[test]
+    fn text_has_names_types_and_labels() {
+        let c = Counters::default();
+        let h = Histogram::new(TTFT_BUCKETS);
+        let e = Histogram::new(E2E_BUCKETS);
+        let i = Histogram::new(ITL_BUCKETS);
+        let text = render(&MetricsInput {
+            model_name: "m/x",
+            running: 2,
+            waiting: 3,
+            kv_usage: 0.5,
+            block_size: 16,
+            num_gpu_blocks: 2048,
+            enable_prefix_caching: true,
+            counters: &c,
+            ttft: &h,
+            e2e: &e,
+            itl: &i,
+            start_unix: 1.0,
+        });
+        assert!(text.contains("# TYPE vllm:num_requests_waiting gauge"));
+        assert!(text.contains("vllm:num_requests_waiting{model_name=\"m/x\",engine=\"0\"} 3.0"));
+        assert!(text.contains("# TYPE vllm:prefix_cache_hits_total counter"));
+        assert!(text.contains("block_size=\"16\""));
+        assert!(text.contains("num_gpu_blocks=\"2048\""));
+        assert!(text.contains(
+            "vllm:time_to_first_token_seconds_bucket{model_name=\"m/x\",engine=\"0\",le=\"+Inf\"} 0.0"
+        ));
+        assert_eq!(fmt_f64(0.25), "0.25");
+        assert_eq!(fmt_f64(2560.0), "2560.0");
+    }
+}

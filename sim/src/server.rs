@@ -1,0 +1,1144 @@
+//! HTTP front end: OpenAI-compatible endpoints with vLLM's shapes, the
+//! endpoints peer routers poll (vLLM, SGLang), and the simulator's own
+//! /sim/* endpoints.
+
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Limited};
+use hyper::body::{Body, Frame, Incoming, SizeHint};
+use hyper::header::{HeaderMap, HeaderValue, CACHE_CONTROL, CONTENT_TYPE};
+use hyper::{Method, Request, Response, StatusCode};
+use serde_json::{json, Value};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use crate::engine::FinishReason;
+use crate::metrics::{render, MetricsInput};
+use crate::pod::{
+    draw_output_len, AbortGuard, Event, Fault, Finish, MetricsFault, Pod, Shared, Submit,
+};
+use crate::tokenizer::{render_chat, segments_text, Segment};
+
+const MAX_BODY: usize = 64 << 20;
+/// Bodies larger than this are tokenized on the blocking pool.
+const BLOCKING_TOKENIZE_BYTES: usize = 16 << 10;
+/// vLLM's default `max_tokens` for /v1/completions.
+const COMPLETIONS_DEFAULT_MAX_TOKENS: usize = 16;
+
+// ---------------------------------------------------------------- bodies
+
+/// Response body: a complete buffer, or a server-sent-event stream fed by the
+/// engine. Dropping a stream before it finished aborts the request.
+pub enum SimBody {
+    Full(Option<Bytes>),
+    Sse(Box<SseBody>),
+}
+
+impl Body for SimBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        match self.get_mut() {
+            SimBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
+            SimBody::Sse(s) => s.poll_next(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            SimBody::Full(b) => b.is_none(),
+            SimBody::Sse(s) => s.done,
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            SimBody::Full(Some(b)) => SizeHint::with_exact(b.len() as u64),
+            SimBody::Full(None) => SizeHint::with_exact(0),
+            SimBody::Sse(_) => SizeHint::default(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+struct StreamState {
+    g: Arc<Shared>,
+    kind: Kind,
+    id: String,
+    created: u64,
+    model: String,
+    include_usage: bool,
+    continuous_usage: bool,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+}
+
+impl StreamState {
+    fn push(buf: &mut Vec<u8>, v: &Value) {
+        buf.extend_from_slice(b"data: ");
+        buf.extend_from_slice(v.to_string().as_bytes());
+        buf.extend_from_slice(b"\n\n");
+    }
+
+    fn usage(&self, cached: Option<usize>) -> Value {
+        let mut u = json!({
+            "prompt_tokens": self.prompt_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "completion_tokens": self.completion_tokens,
+        });
+        if let Some(c) = cached {
+            u["prompt_tokens_details"] = json!({ "cached_tokens": c });
+        }
+        u
+    }
+
+    fn chunk(&self, choice: Value) -> Value {
+        let object = match self.kind {
+            Kind::Completion => "text_completion",
+            Kind::Chat => "chat.completion.chunk",
+        };
+        let mut v = json!({
+            "id": self.id,
+            "object": object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        });
+        if self.continuous_usage {
+            v["usage"] = self.usage(None);
+        }
+        v
+    }
+
+    fn on_event(&mut self, ev: &Event, buf: &mut Vec<u8>) {
+        self.completion_tokens += 1;
+        let piece = self.g.tok.piece(ev.token);
+        let finish = ev.finish.map(|f| f.reason.as_str());
+        if let Some(f) = ev.finish {
+            self.prompt_tokens = f.prompt_tokens;
+            self.completion_tokens = f.completion_tokens;
+        }
+        match self.kind {
+            Kind::Completion => {
+                let c = self.chunk(json!({
+                    "index": 0,
+                    "text": piece,
+                    "logprobs": null,
+                    "finish_reason": finish,
+                    "stop_reason": null,
+                }));
+                Self::push(buf, &c);
+            }
+            Kind::Chat => {
+                if ev.first {
+                    let c = self.chunk(json!({
+                        "index": 0,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": null,
+                        "finish_reason": null,
+                    }));
+                    Self::push(buf, &c);
+                }
+                let mut choice = json!({
+                    "index": 0,
+                    "delta": {"content": piece},
+                    "logprobs": null,
+                    "finish_reason": finish,
+                });
+                if finish.is_some() {
+                    choice["stop_reason"] = Value::Null;
+                }
+                let c = self.chunk(choice);
+                Self::push(buf, &c);
+            }
+        }
+        if let Some(f) = ev.finish {
+            self.finish(buf, Some(f));
+        }
+    }
+
+    fn finish(&mut self, buf: &mut Vec<u8>, f: Option<Finish>) {
+        if let (true, Some(f)) = (self.include_usage, f) {
+            let object = match self.kind {
+                Kind::Completion => "text_completion",
+                Kind::Chat => "chat.completion.chunk",
+            };
+            let v = json!({
+                "id": self.id,
+                "object": object,
+                "created": self.created,
+                "model": self.model,
+                "choices": [],
+                "usage": self.usage(Some(f.cached_tokens)),
+            });
+            Self::push(buf, &v);
+        }
+        buf.extend_from_slice(b"data: [DONE]\n\n");
+    }
+}
+
+pub struct SseBody {
+    rx: UnboundedReceiver<Event>,
+    guard: AbortGuard,
+    st: StreamState,
+    done: bool,
+}
+
+impl SseBody {
+    fn poll_next(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        if self.done {
+            return Poll::Ready(None);
+        }
+        let mut buf = Vec::new();
+        loop {
+            match self.rx.poll_recv(cx) {
+                Poll::Ready(Some(ev)) => {
+                    self.st.on_event(&ev, &mut buf);
+                    if ev.finish.is_some() {
+                        self.guard.disarm();
+                        self.done = true;
+                        break;
+                    }
+                }
+                Poll::Ready(None) => {
+                    // The engine dropped the request (aborted): end the stream.
+                    self.st.finish(&mut buf, None);
+                    self.done = true;
+                    break;
+                }
+                Poll::Pending => break,
+            }
+        }
+        if buf.is_empty() {
+            Poll::Pending
+        } else {
+            Poll::Ready(Some(Ok(Frame::data(Bytes::from(buf)))))
+        }
+    }
+}
+
+// ---------------------------------------------------------------- helpers
+
+struct ApiError {
+    status: StatusCode,
+    kind: &'static str,
+    message: String,
+}
+
+impl ApiError {
+    fn bad(message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            kind: "BadRequestError",
+            message: message.into(),
+        }
+    }
+    fn response(&self) -> Response<SimBody> {
+        // vLLM's ErrorResponse (OpenAI-compatible `{"error": {...}}` form).
+        json_response(
+            self.status,
+            &json!({"error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": null,
+                "code": self.status.as_u16(),
+            }}),
+        )
+    }
+}
+
+fn full(status: StatusCode, content_type: Option<&'static str>, body: Bytes) -> Response<SimBody> {
+    let mut r = Response::new(SimBody::Full(if body.is_empty() {
+        None
+    } else {
+        Some(body)
+    }));
+    *r.status_mut() = status;
+    if let Some(ct) = content_type {
+        r.headers_mut()
+            .insert(CONTENT_TYPE, HeaderValue::from_static(ct));
+    }
+    r
+}
+
+fn json_response(status: StatusCode, v: &Value) -> Response<SimBody> {
+    full(status, Some("application/json"), Bytes::from(v.to_string()))
+}
+
+fn ok_json(v: &Value) -> Response<SimBody> {
+    json_response(StatusCode::OK, v)
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+async fn read_json(req: Request<Incoming>) -> Result<(HeaderMap, Value, usize), ApiError> {
+    let (parts, body) = req.into_parts();
+    let bytes = Limited::new(body, MAX_BODY)
+        .collect()
+        .await
+        .map_err(|e| ApiError::bad(format!("could not read request body: {e}")))?
+        .to_bytes();
+    let v: Value = if bytes.is_empty() {
+        json!({})
+    } else {
+        serde_json::from_slice(&bytes)
+            .map_err(|e| ApiError::bad(format!("invalid JSON body: {e}")))?
+    };
+    if !v.is_object() {
+        return Err(ApiError::bad("request body must be a JSON object"));
+    }
+    Ok((parts.headers, v, bytes.len()))
+}
+
+fn as_usize(v: Option<&Value>, name: &str) -> Result<Option<usize>, ApiError> {
+    match v {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Number(n)) => match n.as_u64() {
+            Some(x) => Ok(Some(x as usize)),
+            None => Err(ApiError::bad(format!(
+                "{name} must be a non-negative integer"
+            ))),
+        },
+        Some(_) => Err(ApiError::bad(format!("{name} must be an integer"))),
+    }
+}
+
+fn check_model(g: &Shared, body: &Value) -> Result<String, ApiError> {
+    match body.get("model") {
+        None | Some(Value::Null) => Ok(g.served[0].clone()),
+        Some(Value::String(m)) => {
+            if g.args.any_model || g.served.iter().any(|s| s == m) {
+                Ok(m.clone())
+            } else {
+                Err(ApiError {
+                    status: StatusCode::NOT_FOUND,
+                    kind: "NotFoundError",
+                    message: format!("The model `{m}` does not exist."),
+                })
+            }
+        }
+        Some(_) => Err(ApiError::bad("model must be a string")),
+    }
+}
+
+fn token_ids(v: &[Value]) -> Option<Vec<u32>> {
+    v.iter()
+        .map(|x| x.as_u64().and_then(|n| u32::try_from(n).ok()))
+        .collect()
+}
+
+/// Completions `prompt`: a string, a list with one string, a token id list, or
+/// a list with one token id list. Batches of several prompts are rejected.
+fn completion_prompt(g: &Shared, body: &Value) -> Result<(Vec<u32>, String), ApiError> {
+    let batch_err = || {
+        ApiError::bad("kvgate-sim serves one prompt per request; batched prompts are not supported")
+    };
+    match body.get("prompt") {
+        Some(Value::String(s)) => Ok((g.tok.encode(s), s.clone())),
+        Some(Value::Array(a)) if a.is_empty() => Err(ApiError::bad("prompt cannot be empty")),
+        Some(Value::Array(a)) => match &a[0] {
+            Value::String(s) => {
+                if a.len() > 1 {
+                    return Err(batch_err());
+                }
+                Ok((g.tok.encode(s), s.clone()))
+            }
+            Value::Number(_) => {
+                let ids = token_ids(a)
+                    .ok_or_else(|| ApiError::bad("prompt token ids must be integers"))?;
+                let text = g.tok.decode(&ids);
+                Ok((ids, text))
+            }
+            Value::Array(inner) => {
+                if a.len() > 1 {
+                    return Err(batch_err());
+                }
+                let ids = token_ids(inner)
+                    .ok_or_else(|| ApiError::bad("prompt token ids must be integers"))?;
+                let text = g.tok.decode(&ids);
+                Ok((ids, text))
+            }
+            _ => Err(ApiError::bad(
+                "prompt must be a string, a list of strings or token ids",
+            )),
+        },
+        Some(_) => Err(ApiError::bad(
+            "prompt must be a string, a list of strings or token ids",
+        )),
+        None => Err(ApiError::bad("prompt is required")),
+    }
+}
+
+fn chat_segments(g: &Shared, body: &Value) -> Result<Vec<Segment>, ApiError> {
+    let msgs = body
+        .get("messages")
+        .and_then(Value::as_array)
+        .ok_or_else(|| ApiError::bad("messages must be a list"))?;
+    if msgs.is_empty() {
+        return Err(ApiError::bad("messages cannot be empty"));
+    }
+    let add_gen = body
+        .get("add_generation_prompt")
+        .and_then(Value::as_bool)
+        .unwrap_or(true);
+    render_chat(msgs, body.get("tools"), add_gen, g.args.media_part_tokens).map_err(ApiError::bad)
+}
+
+/// Tokenize the request's prompt (blocking; big bodies go to the blocking pool).
+fn tokenize_sync(g: &Shared, kind: Kind, body: &Value) -> Result<(Vec<u32>, String), ApiError> {
+    match kind {
+        Kind::Completion => completion_prompt(g, body),
+        Kind::Chat => {
+            let segs = chat_segments(g, body)?;
+            Ok((g.tok.encode_segments(&segs), segments_text(&segs)))
+        }
+    }
+}
+
+async fn tokenize(
+    g: &Arc<Shared>,
+    kind: Kind,
+    body: Value,
+    size: usize,
+) -> Result<(Vec<u32>, String, Value), ApiError> {
+    if size < BLOCKING_TOKENIZE_BYTES {
+        let (ids, text) = tokenize_sync(g, kind, &body)?;
+        return Ok((ids, text, body));
+    }
+    let g2 = g.clone();
+    tokio::task::spawn_blocking(move || {
+        tokenize_sync(&g2, kind, &body).map(|(ids, text)| (ids, text, body))
+    })
+    .await
+    .map_err(|e| ApiError {
+        status: StatusCode::INTERNAL_SERVER_ERROR,
+        kind: "InternalServerError",
+        message: format!("tokenizer task failed: {e}"),
+    })?
+}
+
+fn requested_max_tokens(kind: Kind, body: &Value) -> Result<Option<usize>, ApiError> {
+    match kind {
+        Kind::Chat => match as_usize(body.get("max_completion_tokens"), "max_completion_tokens")? {
+            Some(v) => Ok(Some(v)),
+            None => as_usize(body.get("max_tokens"), "max_tokens"),
+        },
+        Kind::Completion => as_usize(body.get("max_tokens"), "max_tokens"),
+    }
+}
+
+/// Decide how many tokens to generate and the finish reason reported.
+fn plan_output(
+    pod: &Pod,
+    kind: Kind,
+    headers: &HeaderMap,
+    body: &Value,
+    prompt_len: usize,
+) -> Result<(usize, FinishReason), ApiError> {
+    let a = &pod.g.args;
+    let max_len = a.max_model_len;
+    let capacity = a.num_gpu_blocks * a.block_size;
+    if prompt_len == 0 {
+        return Err(ApiError::bad("The decoder prompt cannot be empty"));
+    }
+    if prompt_len >= max_len {
+        return Err(ApiError::bad(format!(
+            "This model's maximum context length is {max_len} tokens. However, your request has \
+             {prompt_len} input tokens. Please reduce the length of the input messages."
+        )));
+    }
+    let explicit = requested_max_tokens(kind, body)?;
+    if let Some(mt) = explicit {
+        if mt == 0 {
+            return Err(ApiError::bad("max_tokens must be at least 1, got 0."));
+        }
+        if prompt_len + mt > max_len {
+            return Err(ApiError::bad(format!(
+                "This model's maximum context length is {max_len} tokens. However, you requested \
+                 {} tokens ({prompt_len} in the messages, {mt} in the completion). Please reduce \
+                 the length of the messages or completion.",
+                prompt_len + mt
+            )));
+        }
+    }
+    if let Some(n) = body.get("n").and_then(Value::as_u64) {
+        if n > 1 {
+            return Err(ApiError::bad("kvgate-sim supports n=1 only"));
+        }
+    }
+    let header = match headers.get("x-sim-output-tokens") {
+        Some(h) => Some(
+            h.to_str()
+                .ok()
+                .and_then(|s| s.trim().parse::<usize>().ok())
+                .filter(|&n| n >= 1)
+                .ok_or_else(|| ApiError::bad("x-sim-output-tokens must be a positive integer"))?,
+        ),
+        None => None,
+    };
+    let ignore_eos = body
+        .get("ignore_eos")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let min_tokens = as_usize(body.get("min_tokens"), "min_tokens")?.unwrap_or(0);
+    let room = max_len - prompt_len;
+    let (out, reason) = if let Some(n) = header {
+        match explicit {
+            Some(mt) if n >= mt => (mt, FinishReason::Length),
+            _ if n >= room => (room, FinishReason::Length),
+            _ => (n, FinishReason::Stop),
+        }
+    } else if let Some(mt) = explicit {
+        // Benchmark-style: an explicit max_tokens is generated in full (EOS ignored).
+        (mt, FinishReason::Length)
+    } else {
+        let cap = match kind {
+            Kind::Completion => COMPLETIONS_DEFAULT_MAX_TOKENS.min(room),
+            Kind::Chat => room,
+        };
+        if ignore_eos {
+            (cap, FinishReason::Length)
+        } else {
+            let drawn = {
+                let mut inner = pod.lock();
+                draw_output_len(
+                    &mut inner.rng,
+                    &a.output_len_dist,
+                    a.output_len_mean,
+                    a.output_len_sigma,
+                )
+            }
+            .max(min_tokens);
+            if drawn >= cap {
+                (cap, FinishReason::Length)
+            } else {
+                (drawn, FinishReason::Stop)
+            }
+        }
+    };
+    let blocks = (prompt_len + out).div_ceil(a.block_size);
+    if blocks > a.num_gpu_blocks {
+        if explicit.is_none() && header.is_none() && prompt_len < capacity {
+            // A natural-length answer simply stops when the pod is full.
+            return Ok((capacity - prompt_len, FinishReason::Length));
+        }
+        return Err(ApiError::bad(format!(
+            "kvgate-sim: this request needs {blocks} KV cache blocks ({prompt_len} prompt + {out} \
+             output tokens, block size {}) but the pod only has {} blocks ({capacity} tokens).",
+            a.block_size, a.num_gpu_blocks
+        )));
+    }
+    Ok((out.max(1), reason))
+}
+
+// ---------------------------------------------------------------- handlers
+
+async fn generate(pod: Arc<Pod>, req: Request<Incoming>, kind: Kind) -> Response<SimBody> {
+    match generate_inner(pod, req, kind).await {
+        Ok(r) => r,
+        Err(e) => e.response(),
+    }
+}
+
+async fn generate_inner(
+    pod: Arc<Pod>,
+    req: Request<Incoming>,
+    kind: Kind,
+) -> Result<Response<SimBody>, ApiError> {
+    let (headers, body, size) = read_json(req).await?;
+    let g = pod.g.clone();
+    let model = check_model(&g, &body)?;
+    let (prompt, _text, body) = tokenize(&g, kind, body, size).await?;
+    let (max_output, finish_reason) = plan_output(&pod, kind, &headers, &body, prompt.len())?;
+    let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let opts = body.get("stream_options");
+    let include_usage = opts
+        .and_then(|o| o.get("include_usage"))
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let continuous_usage = include_usage
+        && opts
+            .and_then(|o| o.get("continuous_usage_stats"))
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
+    let cache_salt = body
+        .get("cache_salt")
+        .and_then(Value::as_str)
+        .map(str::to_string);
+    let prompt_len = prompt.len();
+    let id = {
+        let mut inner = pod.lock();
+        let suffix = inner.next_response_id();
+        match kind {
+            Kind::Completion => format!("cmpl-{suffix}"),
+            Kind::Chat => format!("chatcmpl-{suffix}"),
+        }
+    };
+    let created = unix_now();
+    let (rid, mut rx) = pod.submit(Submit {
+        prompt,
+        max_output,
+        finish_reason,
+        cache_salt,
+    });
+    let mut guard = AbortGuard::new(pod.clone(), rid);
+
+    if stream {
+        let st = StreamState {
+            g,
+            kind,
+            id,
+            created,
+            model,
+            include_usage,
+            continuous_usage,
+            prompt_tokens: prompt_len,
+            completion_tokens: 0,
+        };
+        let mut r = Response::new(SimBody::Sse(Box::new(SseBody {
+            rx,
+            guard,
+            st,
+            done: false,
+        })));
+        r.headers_mut().insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("text/event-stream; charset=utf-8"),
+        );
+        r.headers_mut()
+            .insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        return Ok(r);
+    }
+
+    let mut text = String::new();
+    let mut fin: Option<Finish> = None;
+    while let Some(ev) = rx.recv().await {
+        text.push_str(&g.tok.piece(ev.token));
+        if let Some(f) = ev.finish {
+            fin = Some(f);
+            break;
+        }
+    }
+    guard.disarm();
+    let Some(f) = fin else {
+        return Err(ApiError {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            kind: "InternalServerError",
+            message: "request was aborted".into(),
+        });
+    };
+    let usage = json!({
+        "prompt_tokens": f.prompt_tokens,
+        "total_tokens": f.prompt_tokens + f.completion_tokens,
+        "completion_tokens": f.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": f.cached_tokens},
+    });
+    let v = match kind {
+        Kind::Completion => json!({
+            "id": id,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [{
+                "index": 0,
+                "text": text,
+                "logprobs": null,
+                "finish_reason": f.reason.as_str(),
+                "stop_reason": null,
+                "prompt_logprobs": null,
+            }],
+            "usage": usage,
+        }),
+        Kind::Chat => json!({
+            "id": id,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": [{
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "refusal": null,
+                            "annotations": null, "audio": null, "function_call": null,
+                            "tool_calls": [], "reasoning_content": null},
+                "logprobs": null,
+                "finish_reason": f.reason.as_str(),
+                "stop_reason": null,
+            }],
+            "usage": usage,
+            "prompt_logprobs": null,
+        }),
+    };
+    Ok(ok_json(&v))
+}
+
+/// vLLM's /v1/completions/render and /v1/chat/completions/render: the rendered
+/// prompt's token ids in GenerateRequest form (a list for completions, one
+/// object for chat).
+async fn render_endpoint(
+    pod: Arc<Pod>,
+    req: Request<Incoming>,
+    kind: Kind,
+) -> Result<Response<SimBody>, ApiError> {
+    let (_headers, body, size) = read_json(req).await?;
+    let g = pod.g.clone();
+    let model = check_model(&g, &body)?;
+    let (ids, _text, body) = tokenize(&g, kind, body, size).await?;
+    let max_tokens = requested_max_tokens(kind, &body)?;
+    let suffix = pod.lock().next_response_id();
+    let (rid, max_tokens) = match kind {
+        Kind::Completion => (
+            format!("cmpl-{suffix}"),
+            Some(max_tokens.unwrap_or(COMPLETIONS_DEFAULT_MAX_TOKENS)),
+        ),
+        Kind::Chat => (format!("chatcmpl-{suffix}"), max_tokens),
+    };
+    let gen = json!({
+        "request_id": rid,
+        "token_ids": ids,
+        "features": null,
+        "sampling_params": {"n": 1, "max_tokens": max_tokens},
+        "model": model,
+        "stream": body.get("stream").and_then(Value::as_bool).unwrap_or(false),
+        "cache_salt": body.get("cache_salt").cloned().unwrap_or(Value::Null),
+        "priority": 0,
+    });
+    Ok(ok_json(&match kind {
+        Kind::Completion => json!([gen]),
+        Kind::Chat => gen,
+    }))
+}
+
+async fn tokenize_endpoint(
+    pod: Arc<Pod>,
+    req: Request<Incoming>,
+) -> Result<Response<SimBody>, ApiError> {
+    let (_headers, body, size) = read_json(req).await?;
+    let g = pod.g.clone();
+    check_model(&g, &body)?;
+    let kind = if body.get("messages").is_some() {
+        Kind::Chat
+    } else {
+        Kind::Completion
+    };
+    let (ids, _text, body) = tokenize(&g, kind, body, size).await?;
+    let strs = if body
+        .get("return_token_strs")
+        .and_then(Value::as_bool)
+        .unwrap_or(false)
+    {
+        json!(ids.iter().map(|&i| g.tok.piece(i)).collect::<Vec<_>>())
+    } else {
+        Value::Null
+    };
+    Ok(ok_json(&json!({
+        "count": ids.len(),
+        "max_model_len": g.args.max_model_len,
+        "tokens": ids,
+        "token_strs": strs,
+    })))
+}
+
+async fn detokenize_endpoint(
+    pod: Arc<Pod>,
+    req: Request<Incoming>,
+) -> Result<Response<SimBody>, ApiError> {
+    let (_headers, body, _) = read_json(req).await?;
+    check_model(&pod.g, &body)?;
+    let ids = body
+        .get("tokens")
+        .and_then(Value::as_array)
+        .and_then(|a| token_ids(a))
+        .ok_or_else(|| ApiError::bad("tokens must be a list of token ids"))?;
+    Ok(ok_json(&json!({"prompt": pod.g.tok.decode(&ids)})))
+}
+
+fn models(g: &Shared) -> Response<SimBody> {
+    let created = g.start_unix as u64;
+    let data: Vec<Value> = g
+        .served
+        .iter()
+        .map(|name| {
+            json!({
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "vllm",
+                "root": g.args.model,
+                "parent": null,
+                "max_model_len": g.args.max_model_len,
+                "permission": [{
+                    "id": format!("modelperm-{:016x}", crate::kv::mix64(created)),
+                    "object": "model_permission",
+                    "created": created,
+                    "allow_create_engine": false,
+                    "allow_sampling": true,
+                    "allow_logprobs": true,
+                    "allow_search_indices": false,
+                    "allow_view": true,
+                    "allow_fine_tuning": false,
+                    "organization": "*",
+                    "group": null,
+                    "is_blocking": false,
+                }],
+            })
+        })
+        .collect();
+    ok_json(&json!({"object": "list", "data": data}))
+}
+
+/// Load as SGLang reports it: tokens held by running requests plus the prompt
+/// tokens of queued requests.
+fn sglang_load(pod: &Pod) -> (usize, usize, usize) {
+    let inner = pod.lock();
+    let e = &inner.engine;
+    let used = e.kv.pool.num_used() * e.cfg.block_size;
+    let queued: usize = e
+        .waiting
+        .iter()
+        .filter_map(|id| e.reqs.get(id))
+        .map(|r| r.prompt_len)
+        .sum();
+    (e.num_running(), e.num_waiting(), used + queued)
+}
+
+fn get_load(pod: &Pod) -> Response<SimBody> {
+    let (running, waiting, tokens) = sglang_load(pod);
+    if pod.g.args.get_load_format == "legacy" {
+        return ok_json(&json!({"load": tokens}));
+    }
+    ok_json(&json!([{
+        "dp_rank": 0,
+        "num_reqs": running + waiting,
+        "num_waiting_reqs": waiting,
+        "num_tokens": tokens,
+    }]))
+}
+
+fn model_info(g: &Shared) -> Response<SimBody> {
+    ok_json(&json!({
+        "model_path": g.args.model,
+        "tokenizer_path": g.args.model,
+        "is_generation": true,
+        "preferred_sampling_params": null,
+        "weight_version": "default",
+        "has_image_understanding": false,
+        "has_audio_understanding": false,
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+    }))
+}
+
+fn server_info(pod: &Pod) -> Response<SimBody> {
+    let a = &pod.g.args;
+    let (running, waiting, tokens) = sglang_load(pod);
+    let usage = pod.lock().engine.kv.pool.usage();
+    ok_json(&json!({
+        "model_path": a.model,
+        "tokenizer_path": a.model,
+        "served_model_name": pod.g.served[0],
+        "host": a.host,
+        "port": pod.port,
+        "context_length": a.max_model_len,
+        "page_size": a.block_size,
+        "max_running_requests": a.max_num_seqs,
+        "chunked_prefill_size": a.max_num_batched_tokens,
+        "max_total_num_tokens": a.num_gpu_blocks * a.block_size,
+        "disable_radix_cache": a.no_enable_prefix_caching,
+        "tp_size": 1,
+        "dp_size": 1,
+        "is_embedding": false,
+        "skip_tokenizer_init": false,
+        "tokenizer": pod.g.tok.name,
+        "internal_states": [{
+            "load": tokens,
+            "#running-req": running,
+            "#queue-req": waiting,
+            "token_usage": usage,
+            "max_total_num_tokens": a.num_gpu_blocks * a.block_size,
+        }],
+        "version": concat!("kvgate-sim-", env!("CARGO_PKG_VERSION")),
+    }))
+}
+
+fn sim_stats(pod: &Pod) -> Response<SimBody> {
+    let inner = pod.lock();
+    let e = &inner.engine;
+    let c = &e.counters;
+    ok_json(&json!({
+        "pod": pod.index,
+        "port": pod.port,
+        "prefix_cache_hit_tokens": c.admitted_hit_tokens,
+        "prefix_cache_query_tokens": c.admitted_query_tokens,
+        "vllm_prefix_cache_hits": c.prefix_hits,
+        "vllm_prefix_cache_queries": c.prefix_queries,
+        "request_cache_hits": c.request_cache_hits,
+        "request_cache_misses": c.request_cache_misses,
+        "preemptions": c.preemptions,
+        "peak_kv_blocks_used": c.peak_used_blocks,
+        "kv_blocks_used": e.kv.pool.num_used(),
+        "kv_blocks_cached": e.kv.pool.num_cached(),
+        "kv_evictions": e.kv.pool.evictions,
+        "num_gpu_blocks": e.cfg.num_gpu_blocks,
+        "block_size": e.cfg.block_size,
+        "running": e.num_running(),
+        "waiting": e.num_waiting(),
+        "finished": e.finished_total(),
+        "finished_stop": c.finished_stop,
+        "finished_length": c.finished_length,
+        "aborted": c.finished_abort,
+        "admitted": c.admitted_requests,
+        "prompt_tokens": c.prompt_tokens,
+        "generation_tokens": c.generation_tokens,
+        "prefill_tokens_computed": c.prefill_tokens_computed,
+        "steps": c.steps,
+        "busy_seconds": c.busy_time,
+        "virtual_seconds": e.now,
+        "time_scale": pod.g.args.time_scale,
+        "clock_resyncs": pod.clock_resyncs(),
+        "ttft_count": inner.ttft.count(),
+        "ttft_sum_seconds": inner.ttft.sum(),
+    }))
+}
+
+fn fault_json(f: &Fault) -> Value {
+    json!({"metrics": f.metrics.as_str(), "metricsDelayMs": f.metrics_delay_ms})
+}
+
+async fn set_fault(pod: Arc<Pod>, req: Request<Incoming>) -> Result<Response<SimBody>, ApiError> {
+    let (_h, body, _) = read_json(req).await?;
+    let mut f = pod.fault();
+    if let Some(m) = body.get("metrics") {
+        f.metrics = match m.as_str() {
+            Some("ok") => MetricsFault::Ok,
+            Some("garbage") => MetricsFault::Garbage,
+            Some("500") => MetricsFault::Error500,
+            Some("slow") => MetricsFault::Slow,
+            _ => {
+                return Err(ApiError::bad(
+                    "metrics must be one of ok, garbage, 500, slow",
+                ))
+            }
+        };
+        if f.metrics == MetricsFault::Ok && body.get("metricsDelayMs").is_none() {
+            f.metrics_delay_ms = 0;
+        }
+    }
+    if let Some(d) = as_usize(body.get("metricsDelayMs"), "metricsDelayMs")? {
+        f.metrics_delay_ms = d as u64;
+    }
+    pod.set_fault(f);
+    Ok(ok_json(&fault_json(&f)))
+}
+
+async fn metrics_endpoint(pod: Arc<Pod>) -> Response<SimBody> {
+    let f = pod.fault();
+    let delay = match (f.metrics, f.metrics_delay_ms) {
+        (MetricsFault::Slow, 0) => 2000,
+        (_, d) => d,
+    };
+    if delay > 0 {
+        // Wall-clock delay, deliberately not scaled by --time-scale.
+        tokio::time::sleep(Duration::from_millis(delay)).await;
+    }
+    match f.metrics {
+        MetricsFault::Error500 => full(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            Some("text/plain; charset=utf-8"),
+            Bytes::from_static(b"Internal Server Error"),
+        ),
+        MetricsFault::Garbage => full(
+            StatusCode::OK,
+            Some("text/plain; version=0.0.4; charset=utf-8"),
+            Bytes::from_static(
+                b"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name=\"x\" NaN garbage\n\x7f{{{ not prometheus }}}\nvllm:kv_cache_usage_perc -- 1e999e9\n",
+            ),
+        ),
+        MetricsFault::Ok | MetricsFault::Slow => {
+            let g = pod.g.clone();
+            let text = {
+                let inner = pod.lock();
+                let e = &inner.engine;
+                render(&MetricsInput {
+                    model_name: &g.served[0],
+                    running: e.num_running(),
+                    waiting: e.num_waiting(),
+                    kv_usage: e.kv.pool.usage(),
+                    block_size: e.cfg.block_size,
+                    num_gpu_blocks: e.cfg.num_gpu_blocks,
+                    enable_prefix_caching: e.cfg.enable_prefix_caching,
+                    counters: &e.counters,
+                    ttft: &inner.ttft,
+                    e2e: &inner.e2e,
+                    itl: &inner.itl,
+                    start_unix: g.start_unix,
+                })
+            };
+            full(
+                StatusCode::OK,
+                Some("text/plain; version=0.0.4; charset=utf-8"),
+                Bytes::from(text),
+            )
+        }
+    }
+}
+
+fn not_found() -> Response<SimBody> {
+    json_response(StatusCode::NOT_FOUND, &json!({"detail": "Not Found"}))
+}
+
+fn method_not_allowed() -> Response<SimBody> {
+    json_response(
+        StatusCode::METHOD_NOT_ALLOWED,
+        &json!({"detail": "Method Not Allowed"}),
+    )
+}
+
+fn flatten(r: Result<Response<SimBody>, ApiError>) -> Response<SimBody> {
+    r.unwrap_or_else(|e| e.response())
+}
+
+async fn route(pod: Arc<Pod>, req: Request<Incoming>) -> Response<SimBody> {
+    let path = req.uri().path().to_string();
+    let m = req.method().clone();
+    let get = m == Method::GET || m == Method::HEAD;
+    let post = m == Method::POST;
+    match path.as_str() {
+        "/health" | "/ping" if get => full(StatusCode::OK, None, Bytes::new()),
+        "/metrics" if get => metrics_endpoint(pod).await,
+        "/v1/models" if get => models(&pod.g),
+        "/version" if get => {
+            ok_json(&json!({"version": concat!("0.0.0+kvgate-sim.", env!("CARGO_PKG_VERSION"))}))
+        }
+        "/v1/completions" if post => generate(pod, req, Kind::Completion).await,
+        "/v1/chat/completions" if post => generate(pod, req, Kind::Chat).await,
+        "/v1/completions/render" if post => {
+            flatten(render_endpoint(pod, req, Kind::Completion).await)
+        }
+        "/v1/chat/completions/render" if post => {
+            flatten(render_endpoint(pod, req, Kind::Chat).await)
+        }
+        "/tokenize" if post => flatten(tokenize_endpoint(pod, req).await),
+        "/detokenize" if post => flatten(detokenize_endpoint(pod, req).await),
+        "/get_load" if get => get_load(&pod),
+        "/model_info" | "/get_model_info" if get => model_info(&pod.g),
+        "/server_info" | "/get_server_info" if get => server_info(&pod),
+        "/reset_prefix_cache" if post => {
+            if pod.lock().engine.reset_prefix_cache() {
+                full(StatusCode::OK, None, Bytes::new())
+            } else {
+                ApiError::bad("cannot reset the prefix cache while requests hold KV blocks")
+                    .response()
+            }
+        }
+        "/sim/stats" if get => sim_stats(&pod),
+        "/sim/fault" if get => ok_json(&fault_json(&pod.fault())),
+        "/sim/fault" if post => flatten(set_fault(pod, req).await),
+        "/health"
+        | "/ping"
+        | "/metrics"
+        | "/v1/models"
+        | "/version"
+        | "/v1/completions"
+        | "/v1/chat/completions"
+        | "/v1/completions/render"
+        | "/v1/chat/completions/render"
+        | "/tokenize"
+        | "/detokenize"
+        | "/get_load"
+        | "/model_info"
+        | "/get_model_info"
+        | "/server_info"
+        | "/get_server_info"
+        | "/reset_prefix_cache"
+        | "/sim/stats"
+        | "/sim/fault" => method_not_allowed(),
+        _ => not_found(),
+    }
+}
+
+/// hyper service entry point: every response carries `x-sim-pod`.
+pub async fn handle(
+    pod: Arc<Pod>,
+    req: Request<Incoming>,
+) -> Result<Response<SimBody>, Infallible> {
+    let index = pod.index;
+    let mut resp = route(pod, req).await;
+    resp.headers_mut()
+        .insert("x-sim-pod", HeaderValue::from(index));
+    Ok(resp)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sse_chunks_for_chat_and_usage() {
+        let args = <crate::config::Args as clap::Parser>::parse_from(["kvgate-sim"]);
+        let tok = crate::tokenizer::Tokenizer::new("o200k_base").unwrap();
+        let g = Arc::new(Shared::new(args, tok));
+        let t0 = g.tok.filler()[0];
+        let mut st = StreamState {
+            g: g.clone(),
+            kind: Kind::Chat,
+            id: "chatcmpl-x".into(),
+            created: 1,
+            model: "m".into(),
+            include_usage: true,
+            continuous_usage: false,
+            prompt_tokens: 5,
+            completion_tokens: 0,
+        };
+        let mut buf = Vec::new();
+        st.on_event(
+            &Event {
+                token: t0,
+                first: true,
+                finish: None,
+            },
+            &mut buf,
+        );
+        st.on_event(
+            &Event {
+                token: t0,
+                first: false,
+                finish: Some(Finish {
+                    reason: FinishReason::Length,
+                    prompt_tokens: 5,
+                    completion_tokens: 2,
+                    cached_tokens: 0,
+                }),
+            },
+            &mut buf,
+        );
+        let text = String::from_utf8(buf).unwrap();
+        let events: Vec<&str> = text.split("\n\n").filter(|s| !s.is_empty()).collect();
+        assert_eq!(events.len(), 5, "{text}");
+        assert!(events[0].contains("\"role\":\"assistant\""));
+        assert!(events[2].contains("\"finish_reason\":\"length\""));
+        let usage: Value = serde_json::from_str(events[3].trim_start_matches("data: ")).unwrap();
+        assert_eq!(usage["usage"]["completion_tokens"], 2);
+        assert_eq!(usage["usage"]["total_tokens"], 7);
+        assert_eq!(usage["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+        assert_eq!(events[4], "data: [DONE]");
+    }
+}
