@@ -4,6 +4,7 @@
 //! that page in step with the `Default` impls below.
 
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::fmt;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -21,6 +22,7 @@ pub struct Config {
     pub discovery: DiscoveryConfig,
     pub metrics: MetricsConfig,
     pub routing: RoutingConfig,
+    pub admission: AdmissionConfig,
     pub estimator: EstimatorConfig,
 }
 
@@ -34,7 +36,57 @@ impl Default for Config {
             discovery: DiscoveryConfig::default(),
             metrics: MetricsConfig::default(),
             routing: RoutingConfig::default(),
+            admission: AdmissionConfig::default(),
             estimator: EstimatorConfig::default(),
+        }
+    }
+}
+
+/// Cost-aware admission: per-pod token budgets and the queue in front of them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct AdmissionConfig {
+    pub enabled: bool,
+    /// Fraction of a pod's KV capacity (from its metrics) that reservations may fill.
+    pub utilization: f64,
+    /// A fixed budget per pod in tokens; 0 derives it from the pod's metrics.
+    pub budget_tokens: u64,
+    /// Requests waiting at most; a full queue answers 429.
+    pub max_queue: u32,
+    /// Longest wait before 503 with Retry-After.
+    pub max_wait_ms: u64,
+    /// Header naming the GIE inference objective, mapped to a priority by `objectives`.
+    pub objective_header: String,
+    pub objectives: BTreeMap<String, i32>,
+    /// Header carrying an integer priority directly; empty ignores it (clients are not trusted).
+    pub priority_header: String,
+    pub default_priority: i32,
+    /// Header naming the tenant for fairness within a priority band.
+    pub tenant_header: String,
+    /// Header naming the conversation, for the session boost.
+    pub session_header: String,
+    /// How long after a session's turn finishes its next turn is boosted; 0 turns the boost off.
+    pub session_boost_ms: u64,
+    /// Virtual-time credit of a boosted request, in tokens (how far ahead of its band it may go).
+    pub session_boost_tokens: u64,
+}
+
+impl Default for AdmissionConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            utilization: 0.9,
+            budget_tokens: 0,
+            max_queue: 1_000,
+            max_wait_ms: 30_000,
+            objective_header: "x-gateway-inference-objective".into(),
+            objectives: BTreeMap::new(),
+            priority_header: String::new(),
+            default_priority: 0,
+            tenant_header: "x-gateway-inference-fairness-id".into(),
+            session_header: "x-session-id".into(),
+            session_boost_ms: 60_000,
+            session_boost_tokens: 8_192,
         }
     }
 }
@@ -273,6 +325,7 @@ impl Config {
             return Err(invalid("metrics.path", "must start with /"));
         }
         self.routing.validate()?;
+        self.admission.validate()?;
         self.estimator.validate()
     }
 }
@@ -281,6 +334,35 @@ fn is_host_port(s: &str) -> bool {
     match s.rsplit_once(':') {
         Some((host, port)) => !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p > 0),
         None => false,
+    }
+}
+
+impl AdmissionConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        let e = |field: &str, reason: &str| Err(invalid(&format!("admission.{field}"), reason));
+        if !(self.utilization > 0.0 && self.utilization <= 1.0) {
+            return e("utilization", "must be in (0, 1]");
+        }
+        if self.max_queue > 100_000 {
+            return e(
+                "maxQueue",
+                "must be at most 100000 (the queue lives in one shared record)",
+            );
+        }
+        if self.max_wait_ms == 0 {
+            return e("maxWaitMs", "must be > 0");
+        }
+        for (name, header) in [
+            ("objectiveHeader", &self.objective_header),
+            ("priorityHeader", &self.priority_header),
+            ("tenantHeader", &self.tenant_header),
+            ("sessionHeader", &self.session_header),
+        ] {
+            if header.bytes().any(|b| b.is_ascii_uppercase() || b == b' ') {
+                return e(name, "header names must be lower case without spaces");
+            }
+        }
+        Ok(())
     }
 }
 

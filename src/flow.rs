@@ -2,10 +2,12 @@
 //! decisions the shell carries out: which headers to strip or set, whether to wait for the body,
 //! forward, or answer locally. All shared state is reached through the `Store` given to each step.
 
+use crate::admission::{Admission, Admit, Class};
 use crate::calibration::{Calibration, Sample};
 use crate::config::Config;
 use crate::estimate::{estimate, static_prompt_tokens, Estimate};
 use crate::prefix::block_hashes;
+use crate::queue::Ticket;
 use crate::reply::LocalReply;
 use crate::request::{Api, Request};
 use crate::response::ResponseMeter;
@@ -29,14 +31,17 @@ pub struct Gate {
     pub config: Config,
     calibration: Calibration,
     router: Router,
+    admission: Admission,
     scraper: Scraper,
     pub stats: Stats,
 }
 
 impl Gate {
     pub fn new(config: Config, store: &dyn Store) -> Result<Self, StoreError> {
+        let router = Router::start(store, &config)?;
         Ok(Self {
-            router: Router::start(store, &config)?,
+            admission: Admission::start(store, router.vm())?,
+            router,
             config,
             calibration: Calibration::default(),
             scraper: Scraper::default(),
@@ -66,6 +71,31 @@ impl Gate {
 
     /// Gauges of the pool, written by the lease holder only so they are not multiplied.
     fn report_pods(&mut self, store: &dyn Store, pods: &[String]) {
+        if let Ok(line) = crate::queue::read(store) {
+            // Bands named by configuration (and the default) are reported; any other priority a
+            // client sent is counted under `other`, so the stat names stay bounded.
+            let a = &self.config.admission;
+            let mut bands: Vec<i32> = a.objectives.values().copied().collect();
+            bands.push(a.default_priority);
+            bands.sort_unstable();
+            bands.dedup();
+            let mut other = 0;
+            for &band in &bands {
+                let n = line.tickets.iter().filter(|t| t.priority == band).count();
+                self.stats.gauge(
+                    format!("kvgate.queue.priority_{band}.length").replace('-', "minus_"),
+                    n as u64,
+                );
+            }
+            other += line
+                .tickets
+                .iter()
+                .filter(|t| !bands.contains(&t.priority))
+                .count();
+            self.stats.gauge("kvgate.queue.other.length", other as u64);
+            self.stats
+                .gauge("kvgate.queue.length", line.tickets.len() as u64);
+        }
         for pod in pods {
             if let Ok(rec) = crate::pod_state::read(store, pod) {
                 let seg = pod_segment(pod);
@@ -77,11 +107,44 @@ impl Gate {
                     format!("kvgate.pod.{seg}.in_flight"),
                     rec.entries.len() as u64,
                 );
+                self.stats.gauge(
+                    format!("kvgate.pod.{seg}.reserved_tokens"),
+                    rec.reserved_tokens(),
+                );
+                let budget =
+                    crate::budget::budget_tokens(&self.config.admission, rec.snapshot.as_ref());
+                self.stats.gauge(
+                    format!("kvgate.pod.{seg}.budget_tokens"),
+                    budget.unwrap_or(0),
+                );
                 let healthy = rec.snapshot.is_none_or(|s| s.healthy);
                 self.stats
                     .gauge(format!("kvgate.pod.{seg}.healthy"), u64::from(healthy));
             }
         }
+    }
+
+    /// This VM's wake queue: the shell calls `next_parked` when it is notified.
+    pub fn wake_queue(&self) -> u32 {
+        self.admission.wake_queue()
+    }
+
+    /// Woken (or ticking): empties the wake queue and returns the head of the line if this VM
+    /// holds it. The shell retries that request and asks again until `None`.
+    pub fn next_parked(&mut self, store: &dyn Store) -> Option<u64> {
+        self.admission.drain_wakes(store);
+        if self.admission.parked() == 0 {
+            return None;
+        }
+        self.admission.next_head(store).unwrap_or_else(|e| {
+            log::debug!("kvgate: reading the queue failed: {e:?}");
+            None
+        })
+    }
+
+    /// Parked requests past their deadline; the shell retries each, which answers 503.
+    pub fn expired(&self, store: &dyn Store) -> Vec<u64> {
+        self.admission.expired(store.now_ms())
     }
 
     pub fn on_call_failed(&mut self, target: &Target) {
@@ -113,6 +176,8 @@ pub enum Step {
     WaitForBody,
     /// Answer locally; the request goes no further.
     Reply(LocalReply),
+    /// Hold the request (paused, body buffered) until woken: no pod has room yet.
+    Park(u64),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -141,6 +206,11 @@ pub struct Head<'a> {
     pub content_length: Option<u64>,
     /// The request has no body.
     pub end_of_stream: bool,
+    /// Values of the admission headers (objective, priority, tenant, session), as configured.
+    pub objective: Option<&'a str>,
+    pub priority: Option<&'a str>,
+    pub tenant: Option<&'a str>,
+    pub session: Option<&'a str>,
 }
 
 /// What was decided about a parsed request, kept for the response side.
@@ -152,11 +222,15 @@ struct Admitted {
     fixed_tokens: u64,
     max_output_tokens: Option<u64>,
     routed: Option<Routed>,
+    /// While parked: the ticket and what a retry needs.
+    waiting: Option<(Ticket, Vec<u64>)>,
+    waited_ms: Option<u64>,
 }
 
 #[derive(Default)]
 pub struct Flow {
     api: Option<Api>,
+    class: Class,
     admitted: Option<Admitted>,
     meter: Option<ResponseMeter>,
     finished: bool,
@@ -174,6 +248,13 @@ fn too_large(limit: u64) -> LocalReply {
 impl Flow {
     pub fn on_request_headers(&mut self, gate: &Gate, head: &Head) -> Decision {
         let cfg = &gate.config;
+        self.class = Class::from_headers(
+            &cfg.admission,
+            head.objective,
+            head.priority,
+            head.tenant,
+            head.session,
+        );
         let mut decision = self.classify(cfg, head);
         decision.remove.push(DESTINATION_HEADER);
         decision
@@ -252,37 +333,93 @@ impl Flow {
             r.block_chars(),
             r.max_prompt_blocks as usize,
         );
-        let routed = match gate.router.route(store, &gate.config, hashes, &est) {
-            Ok(routed) => routed,
-            Err(e) => {
-                // Shared state unavailable: Envoy's fallback policy still serves the request.
-                log::warn!("kvgate: routing failed, falling back to Envoy's balancing: {e:?}");
-                gate.stats.count("kvgate.route.errors", 1);
-                None
-            }
-        };
-        let mut decision = Decision::step(Step::Forward);
-        if let Some(routed) = &routed {
-            gate.stats.count("kvgate.routed", 1);
-            gate.stats
-                .count(format!("kvgate.pod.{}.picks", pod_segment(&routed.pod)), 1);
-            gate.stats
-                .count("kvgate.prefix.blocks_total", routed.prompt_blocks as u64);
-            gate.stats
-                .count("kvgate.prefix.blocks_matched", routed.cached_blocks as u64);
-            decision
-                .set
-                .push((DESTINATION_HEADER.to_string(), routed.order.join(",")));
-        }
+        let placed = gate.admission.place(
+            store,
+            &gate.config,
+            &mut gate.router,
+            &mut gate.stats,
+            self.class,
+            hashes.clone(),
+            &est,
+        );
         self.admitted = Some(Admitted {
             static_text_tokens: static_prompt_tokens(&req.text),
             fixed_tokens: req.token_ids + req.non_text_parts * cfg.non_text_part_tokens,
             max_output_tokens: req.max_output_tokens,
             model: req.model,
             estimate: est,
-            routed,
+            routed: None,
+            waiting: None,
+            waited_ms: None,
         });
-        decision
+        match placed {
+            Ok(Admit::Wait(ticket)) => {
+                if let Some(a) = &mut self.admitted {
+                    a.waiting = Some((ticket, hashes));
+                }
+                Decision::step(Step::Park(ticket.id))
+            }
+            Ok(admit) => self.decide(gate, admit),
+            Err(e) => {
+                // Shared state unavailable: Envoy's fallback policy still serves the request.
+                log::warn!("kvgate: admission failed, falling back to Envoy's balancing: {e:?}");
+                gate.stats.count("kvgate.route.errors", 1);
+                Decision::step(Step::Forward)
+            }
+        }
+    }
+
+    /// Turns an admission outcome into what the shell does.
+    fn decide(&mut self, gate: &mut Gate, admit: Admit) -> Decision {
+        match admit {
+            Admit::Routed(routed) => {
+                gate.stats.count("kvgate.routed", 1);
+                gate.stats
+                    .count(format!("kvgate.pod.{}.picks", pod_segment(&routed.pod)), 1);
+                gate.stats
+                    .count("kvgate.prefix.blocks_total", routed.prompt_blocks as u64);
+                gate.stats
+                    .count("kvgate.prefix.blocks_matched", routed.cached_blocks as u64);
+                let mut d = Decision::step(Step::Forward);
+                d.set
+                    .push((DESTINATION_HEADER.to_string(), routed.order.join(",")));
+                if let Some(a) = &mut self.admitted {
+                    a.routed = Some(routed);
+                }
+                d
+            }
+            Admit::Unrouted => Decision::step(Step::Forward),
+            Admit::Wait(ticket) => Decision::step(Step::Park(ticket.id)),
+            Admit::Refuse(reply) => Decision::step(Step::Reply(reply)),
+        }
+    }
+
+    /// The parked request is at the head of the line, or past its deadline: try again. `None`
+    /// while it still has to wait.
+    pub fn retry(&mut self, gate: &mut Gate, store: &dyn Store) -> Option<Decision> {
+        let a = self.admitted.as_mut()?;
+        let (ticket, hashes) = a.waiting.clone()?;
+        let est = a.estimate;
+        let outcome = gate.admission.retry(
+            store,
+            &gate.config,
+            &mut gate.router,
+            &mut gate.stats,
+            &ticket,
+            hashes,
+            &est,
+        );
+        let admit = match outcome {
+            Ok(Some(admit)) => admit,
+            Ok(None) => return None,
+            Err(e) => {
+                log::warn!("kvgate: admission retry failed, sending unrouted: {e:?}");
+                Admit::Unrouted
+            }
+        };
+        a.waiting = None;
+        a.waited_ms = Some(store.now_ms().saturating_sub(ticket.enqueued_ms));
+        Some(self.decide(gate, admit))
     }
 
     /// Headers to add to the response (debug headers, when enabled).
@@ -322,6 +459,9 @@ impl Flow {
             ),
             ("x-kvgate-cost".into(), a.estimate.cost.to_string()),
         ];
+        if let Some(ms) = a.waited_ms {
+            headers.push(("x-kvgate-queue-ms".into(), ms.to_string()));
+        }
         if let Some(r) = &a.routed {
             headers.push(("x-kvgate-pod".into(), r.pod.clone()));
             headers.push((
@@ -359,14 +499,34 @@ impl Flow {
         if std::mem::replace(&mut self.finished, true) {
             return;
         }
+        if let Some((ticket, _)) = self.admitted.as_ref().and_then(|a| a.waiting.as_ref()) {
+            // The client left while parked.
+            if let Err(e) = gate.admission.abandon(store, &mut gate.stats, ticket.id) {
+                log::warn!("kvgate: leaving the queue failed (the ticket expires): {e:?}");
+            }
+        }
         if let Some(routed) = self.admitted.as_ref().and_then(|a| a.routed.as_ref()) {
-            if let Err(e) = gate.router.finish(store, &gate.config, routed) {
+            match gate.router.finish(store, &gate.config, routed) {
+                Ok(_) => {
+                    if let Err(e) = gate.admission.wake_head(store) {
+                        log::debug!("kvgate: waking the queue failed: {e:?}");
+                    }
+                }
                 // The entry expires by itself (routing.requestTtlMs).
-                log::warn!(
+                Err(e) => log::warn!(
                     "kvgate: release of {} on {} failed: {e:?}",
                     routed.request,
                     routed.pod
-                );
+                ),
+            }
+            if let Some(session) = self
+                .class
+                .session
+                .filter(|_| gate.config.admission.session_boost_ms > 0)
+            {
+                if let Err(e) = crate::sessions::finished_turn(store, session) {
+                    log::debug!("kvgate: session record failed: {e:?}");
+                }
             }
         }
         let (Some(a), Some(meter)) = (&self.admitted, &mut self.meter) else {

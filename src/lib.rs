@@ -5,6 +5,8 @@
 //! only module that knows proxy-wasm; it is compiled for the wasi target alone.
 
 pub mod active_blocks;
+pub mod admission;
+pub mod budget;
 pub mod calibration;
 pub mod codec;
 pub mod config;
@@ -17,11 +19,13 @@ pub mod pod_metrics;
 pub mod pod_state;
 pub mod prefix;
 pub mod prefix_index;
+pub mod queue;
 pub mod reply;
 pub mod request;
 pub mod response;
 pub mod router;
 pub mod scrape;
+pub mod sessions;
 pub mod stats;
 pub mod store;
 

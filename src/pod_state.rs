@@ -177,21 +177,22 @@ pub fn modify<T>(
     })
 }
 
-/// Removes a request's entry, exactly once: returns it the first time, `None` after. Prompt
-/// blocks still held by `heir` move to its entry, so the pod's active count stays right.
+/// Removes a request's entry, exactly once: returns it the first time, `None` after. The prompt
+/// blocks (and their reserved tokens) still held by `heir` move to its entry, so the pod's active
+/// count and reservation stay right and still return to exactly zero.
 pub fn finish(
     store: &dyn Store,
     pod: &str,
     id: u64,
-    heir: Option<(u64, u32)>,
+    heir: Option<(u64, u32, u64)>,
 ) -> Result<Option<Entry>, StoreError> {
     modify(store, pod, |rec| {
         let i = rec.entries.iter().position(|e| e.id == id)?;
         let gone = rec.entries.swap_remove(i);
-        if let Some((heir_id, shared)) = heir {
+        if let Some((heir_id, blocks, tokens)) = heir {
             if let Some(h) = rec.entries.iter_mut().find(|e| e.id == heir_id) {
-                let moved = shared.min(gone.prompt_blocks);
-                h.prompt_blocks += moved;
+                h.prompt_blocks += blocks.min(gone.prompt_blocks);
+                h.tokens += tokens.min(gone.tokens);
             }
         }
         rec.finished_since_scrape = rec.finished_since_scrape.saturating_add(1);
@@ -264,9 +265,9 @@ mod tests {
         })
         .unwrap();
         assert_eq!(read(&vm, "p").unwrap().active_blocks(), 12);
-        let gone = finish(&vm, "p", 1, Some((2, 8))).unwrap();
+        let gone = finish(&vm, "p", 1, Some((2, 8, 80))).unwrap();
         assert_eq!(gone.map(|e| e.id), Some(1));
-        assert_eq!(finish(&vm, "p", 1, Some((2, 8))).unwrap(), None);
+        assert_eq!(finish(&vm, "p", 1, Some((2, 8, 80))).unwrap(), None);
         let rec = read(&vm, "p").unwrap();
         assert_eq!(
             rec.active_blocks(),

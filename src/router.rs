@@ -4,6 +4,7 @@
 //! output crossed a block boundary) and `finish` (remove it, exactly once).
 
 use crate::active_blocks::ActiveBlocks;
+use crate::budget::{budget_tokens, fits};
 use crate::codec::{Reader, Writer};
 use crate::config::{Config, StalePolicy};
 use crate::estimate::Estimate;
@@ -18,11 +19,24 @@ const VM_SEQ_KEY: &str = "kvgate.vm.seq";
 pub const PODS_KEY: &str = "kvgate.pods";
 const PODS_CACHE_MS: u64 = 1_000;
 
+/// Where a request goes.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Placement {
+    Routed(Routed),
+    /// No pods known: Envoy's own balancing decides.
+    NoPods,
+    /// Every eligible pod's budget is full: the request must wait.
+    NoRoom,
+}
+
 /// A request kvgate routed, as the response side needs it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Routed {
     pub request: u64,
     pub pod: String,
+    /// The prompt tokens this request added on its pod (a shared prefix already held there is
+    /// not counted twice): the floor of its reservation as output streams.
+    pub prompt_tokens: u64,
     /// The pick first, then fallbacks, as written in the override header.
     pub order: Vec<String>,
     pub prompt_blocks: usize,
@@ -89,6 +103,12 @@ impl Router {
         self.vm
     }
 
+    /// A request id unique across VMs: this VM's number, then a counter.
+    pub fn next_request_id(&mut self) -> u64 {
+        self.next_request = self.next_request.wrapping_add(1);
+        (u64::from(self.vm) << 32) | u64::from(self.next_request)
+    }
+
     pub fn pods(&self) -> &[String] {
         &self.pods
     }
@@ -140,18 +160,18 @@ impl Router {
         })
     }
 
-    /// Ranks the pods for a request and dispatches it to the best one. `None` when there are no
-    /// pods to choose from (the request then goes to Envoy's own load balancing).
+    /// Ranks the pods for a request and dispatches it to the best one whose budget has room for
+    /// its reservation, taken with compare-and-swap so every worker sees one truth.
     pub fn route(
         &mut self,
         store: &dyn Store,
         cfg: &Config,
         mut hashes: Vec<u64>,
         est: &Estimate,
-    ) -> Result<Option<Routed>, StoreError> {
+    ) -> Result<Placement, StoreError> {
         self.sync(store, cfg)?;
         if self.pods.is_empty() {
-            return Ok(None);
+            return Ok(Placement::NoPods);
         }
         let now = store.now_ms();
         let r = &cfg.routing;
@@ -160,6 +180,7 @@ impl Router {
         let prompt_blocks = hashes.len().max(est.prompt_tokens.div_ceil(bt) as usize);
         let output_blocks = est.output_tokens.div_ceil(bt);
 
+        let request = self.next_request_id();
         let records: Vec<PodRecord> = self
             .pods
             .iter()
@@ -214,53 +235,95 @@ impl Router {
                 }
             })
             .collect();
-        self.next_request = self.next_request.wrapping_add(1);
-        let request = (u64::from(self.vm) << 32) | u64::from(self.next_request);
         let mut rng = Rng::new(request ^ now.rotate_left(17));
         let ranked = rank(&candidates, prompt_blocks, r, &mut rng);
+        let budgets: Vec<Option<u64>> = indices
+            .iter()
+            .map(|&i| budget_tokens(&cfg.admission, records[i].snapshot.as_ref()))
+            .collect();
+        // A prefix already held by in-flight requests on a pod occupies its KV once: a request
+        // reserves only what it adds there (seed 000's objection to per-request token budgets).
+        let safety = cfg.estimator.safety_factor;
+        let shared: Vec<usize> = candidates
+            .iter()
+            .map(|c| self.active.active_prefix(c.pod, &hashes))
+            .collect();
+        let charges: Vec<u64> = shared
+            .iter()
+            .map(|&b| {
+                let held = (b as u64 * bt) as f64 * safety;
+                est.cost
+                    .saturating_sub(held as u64)
+                    .max(cfg.estimator.min_reservation_tokens.min(est.cost))
+            })
+            .collect();
+        let room = |k: usize| {
+            fits(
+                records[indices[k]].reserved_tokens(),
+                charges[k],
+                budgets[k],
+            )
+        };
+        // Pods without room are not offered as fallbacks either: a retry must not overfill them.
         let order: Vec<String> = ranked
             .iter()
+            .filter(|s| room(s.index))
             .take(1 + r.fallback_pods as usize)
             .map(|s| candidates[s.index].pod.to_string())
             .collect();
-        let Some(best) = ranked.first().map(|s| &candidates[s.index]) else {
-            return Ok(None);
-        };
-        let pod = best.pod.to_string();
-        let cached_blocks = best.cached_blocks;
-        let new_blocks = (prompt_blocks - self.active.active_prefix(&pod, &hashes)) as u32;
-        let capacity = best.capacity_blocks as usize;
-        let entry = Entry {
-            id: request,
-            expires_ms: now + r.request_ttl_ms,
-            dispatched_ms: now,
-            tokens: est.cost,
-            prompt_blocks: new_blocks,
-            output_blocks: 0,
-        };
-        pod_state::modify(store, &pod, |rec| {
-            rec.entries.push(entry);
-            Some(())
-        })?;
-        self.prefix.insert(&pod, &hashes, now, capacity);
-        self.active.add(&pod, request, hashes.clone(), now);
-        let event = Event::Dispatch {
-            pod: pod.clone(),
-            request,
-            hashes,
-        };
-        if let Err(e) = PickLog::publish(store, self.vm, &event) {
-            // The other workers miss one pick; their replicas are approximate by design.
-            log::debug!("kvgate: pick log publish failed: {e:?}");
+        for s in ranked.iter().filter(|s| room(s.index)) {
+            let best = &candidates[s.index];
+            let pod = best.pod.to_string();
+            let new_blocks = (prompt_blocks - shared[s.index]) as u32;
+            let entry = Entry {
+                id: request,
+                expires_ms: now + r.request_ttl_ms,
+                dispatched_ms: now,
+                tokens: charges[s.index],
+                prompt_blocks: new_blocks,
+                output_blocks: 0,
+            };
+            let budget = budgets[s.index];
+            // The read above may be stale: the fit is checked again inside the compare-and-swap.
+            let taken = pod_state::modify(store, &pod, |rec| {
+                if !fits(rec.reserved_tokens(), entry.tokens, budget) {
+                    return None;
+                }
+                rec.entries.push(entry);
+                Some(())
+            })?;
+            if taken.is_none() {
+                continue;
+            }
+            self.prefix
+                .insert(&pod, &hashes, now, best.capacity_blocks as usize);
+            self.active.add(&pod, request, hashes.clone(), now);
+            let event = Event::Dispatch {
+                pod: pod.clone(),
+                request,
+                hashes,
+            };
+            if let Err(e) = PickLog::publish(store, self.vm, &event) {
+                // The other workers miss one pick; their replicas are approximate by design.
+                log::debug!("kvgate: pick log publish failed: {e:?}");
+            }
+            let mut order = order;
+            order.retain(|p| *p != pod);
+            order.insert(0, pod.clone());
+            order.truncate(1 + r.fallback_pods as usize);
+            return Ok(Placement::Routed(Routed {
+                request,
+                pod,
+                prompt_tokens: est
+                    .prompt_tokens
+                    .saturating_sub(shared[s.index] as u64 * bt),
+                order,
+                prompt_blocks,
+                cached_blocks: best.cached_blocks,
+                output_blocks: 0,
+            }));
         }
-        Ok(Some(Routed {
-            request,
-            pod,
-            order,
-            prompt_blocks,
-            cached_blocks,
-            output_blocks: 0,
-        }))
+        Ok(Placement::NoRoom)
     }
 
     /// The response has produced `output_tokens` so far: grows the entry by whole blocks and
@@ -278,10 +341,13 @@ impl Router {
         }
         routed.output_blocks = blocks;
         let expires = store.now_ms() + cfg.routing.request_ttl_ms;
+        // The reservation never falls below what the request really holds now.
+        let held = routed.prompt_tokens.saturating_add(output_tokens);
         pod_state::modify(store, &routed.pod, |rec| {
             let e = rec.entries.iter_mut().find(|e| e.id == routed.request)?;
             e.output_blocks = blocks;
             e.expires_ms = expires;
+            e.tokens = e.tokens.max(held);
             Some(())
         })
         .map(|r| r.is_some())
@@ -338,12 +404,10 @@ impl Router {
         self.sync(store, cfg)?;
         let (shared, heir) = self.active.shared_with_others(&routed.pod, routed.request);
         self.active.remove(&routed.pod, routed.request);
-        let gone = pod_state::finish(
-            store,
-            &routed.pod,
-            routed.request,
-            heir.map(|h| (h, shared)),
-        )?;
+        let shared_tokens = (u64::from(shared) * u64::from(cfg.routing.block_tokens)) as f64
+            * cfg.estimator.safety_factor;
+        let heir = heir.map(|h| (h, shared, shared_tokens as u64));
+        let gone = pod_state::finish(store, &routed.pod, routed.request, heir)?;
         if gone.is_some() {
             let event = Event::Finish {
                 pod: routed.pod.clone(),
@@ -365,6 +429,15 @@ mod tests {
     use super::*;
     use crate::fake_host::{FakeHost, FakeVm};
     use crate::pod_state::Snapshot;
+
+    impl Placement {
+        fn routed(self) -> Routed {
+            match self {
+                Placement::Routed(r) => r,
+                other => panic!("not routed: {other:?}"),
+            }
+        }
+    }
 
     fn config(pods: &[&str]) -> Config {
         Config {
@@ -402,12 +475,12 @@ mod tests {
         let first = r1
             .route(&w1, &cfg, hashes(7, 64), &est(1024, 16))
             .unwrap()
-            .unwrap();
+            .routed();
         r1.finish(&w1, &cfg, &first).unwrap();
         let second = r2
             .route(&w2, &cfg, hashes(7, 64), &est(1024, 16))
             .unwrap()
-            .unwrap();
+            .routed();
         assert_eq!(second.pod, first.pod);
         assert_eq!(second.cached_blocks, 64);
         r2.finish(&w2, &cfg, &second).unwrap();
@@ -426,7 +499,7 @@ mod tests {
             // Same 32-block system prompt, different 32-block questions, long outputs.
             let mut h = hashes(1, 32);
             h.extend(hashes(100 + i, 32));
-            let routed = r.route(&vm, &cfg, h, &est(1024, 512)).unwrap().unwrap();
+            let routed = r.route(&vm, &cfg, h, &est(1024, 512)).unwrap().routed();
             pods.push(routed.pod.clone());
             inflight.push(routed);
         }
@@ -450,17 +523,28 @@ mod tests {
         let x = r1
             .route(&w1, &cfg, hashes(1, 10), &est(160, 0))
             .unwrap()
-            .unwrap();
+            .routed();
         let y = r2
             .route(&w2, &cfg, hashes(1, 10), &est(160, 0))
             .unwrap()
-            .unwrap();
+            .routed();
         assert_eq!(
             total_active(&w1, &cfg),
             10,
             "the shared 10 blocks count once"
         );
+        let reserved = |vm: &FakeVm| pod_state::read(vm, "a:1").unwrap().reserved_tokens();
+        assert_eq!(
+            reserved(&w1),
+            160 + 64,
+            "the second reserves its minimum, not the prefix again"
+        );
         r1.finish(&w1, &cfg, &x).unwrap();
+        assert_eq!(
+            reserved(&w1),
+            64 + 160,
+            "the prefix's tokens stay reserved with its heir"
+        );
         assert_eq!(
             total_active(&w1, &cfg),
             10,
@@ -469,6 +553,7 @@ mod tests {
         r2.finish(&w2, &cfg, &y).unwrap();
         r2.finish(&w2, &cfg, &y).unwrap();
         assert_eq!(total_active(&w1, &cfg), 0);
+        assert_eq!(reserved(&w1), 0);
     }
 
     #[test]
@@ -491,7 +576,7 @@ mod tests {
         let mut routed = r
             .route(&vm, &cfg, hashes(1, 4), &est(64, 64))
             .unwrap()
-            .unwrap();
+            .routed();
         assert_eq!(routed.pod, "b:1");
         assert!(r.grow(&vm, &cfg, &mut routed, 17).unwrap());
         assert!(!r.grow(&vm, &cfg, &mut routed, 20).unwrap());
@@ -509,7 +594,7 @@ mod tests {
         let mut routed = r
             .route(&vm, &cfg, hashes(1, 4), &est(64, 0))
             .unwrap()
-            .unwrap();
+            .routed();
         let (picked, other) = if routed.pod == "a:1" {
             ("a:1", "b:1")
         } else {
@@ -528,7 +613,7 @@ mod tests {
         let next = r
             .route(&vm, &cfg, hashes(1, 4), &est(64, 0))
             .unwrap()
-            .unwrap();
+            .routed();
         assert_eq!(next.pod, other);
         r.finish(&vm, &cfg, &routed).unwrap();
         r.finish(&vm, &cfg, &next).unwrap();
@@ -541,14 +626,17 @@ mod tests {
         let cfg = config(&[]);
         let vm = host.vm();
         let mut r = Router::start(&vm, &cfg).unwrap();
-        assert_eq!(r.route(&vm, &cfg, hashes(1, 4), &est(64, 0)).unwrap(), None);
+        assert_eq!(
+            r.route(&vm, &cfg, hashes(1, 4), &est(64, 0)).unwrap(),
+            Placement::NoPods
+        );
         vm.set(PODS_KEY, &encode_pods(&["x:1".into()]), None)
             .unwrap();
         host.advance_ms(PODS_CACHE_MS);
         let routed = r
             .route(&vm, &cfg, hashes(1, 4), &est(64, 0))
             .unwrap()
-            .unwrap();
+            .routed();
         assert_eq!(routed.pod, "x:1");
         r.finish(&vm, &cfg, &routed).unwrap();
         vm.set(PODS_KEY, &encode_pods(&[]), None).unwrap();

@@ -6,6 +6,7 @@
 pub enum Stat {
     Counter(String, u64),
     Gauge(String, u64),
+    Histogram(String, u64),
 }
 
 /// Envoy stat names use dots as separators; a pod's `ip:port` becomes `ip_port` with dots kept
@@ -30,6 +31,10 @@ impl Stats {
 
     pub fn gauge(&mut self, name: impl Into<String>, value: u64) {
         self.pending.push(Stat::Gauge(name.into(), value));
+    }
+
+    pub fn histogram(&mut self, name: impl Into<String>, value: u64) {
+        self.pending.push(Stat::Histogram(name.into(), value));
     }
 
     pub fn drain(&mut self) -> std::vec::Drain<'_, Stat> {

@@ -100,6 +100,17 @@ pub fn response_body(size: usize) -> Vec<u8> {
         .unwrap_or_default()
 }
 
+pub fn resume_request() {
+    if let Err(e) = hostcalls::resume_http_request() {
+        log::debug!("kvgate: resume failed: {e:?}");
+    }
+}
+
+/// Makes a parked stream the one later calls act on; false when the stream is gone.
+pub fn switch_to(context_id: u32) -> bool {
+    hostcalls::set_effective_context(context_id).is_ok()
+}
+
 pub fn send_reply(reply: &LocalReply) {
     let headers: Vec<(&str, &str)> = reply
         .headers
@@ -133,6 +144,7 @@ pub fn flush_stats(stats: &mut crate::stats::Stats) {
             let (name, kind) = match &stat {
                 Stat::Counter(n, _) => (n, MetricType::Counter),
                 Stat::Gauge(n, _) => (n, MetricType::Gauge),
+                Stat::Histogram(n, _) => (n, MetricType::Histogram),
             };
             let id = match ids.get(name) {
                 Some(id) => *id,
@@ -146,7 +158,7 @@ pub fn flush_stats(stats: &mut crate::stats::Stats) {
             };
             let _ = match stat {
                 Stat::Counter(_, by) => hostcalls::increment_metric(id, by as i64),
-                Stat::Gauge(_, v) => hostcalls::record_metric(id, v),
+                Stat::Gauge(_, v) | Stat::Histogram(_, v) => hostcalls::record_metric(id, v),
             };
         }
     });

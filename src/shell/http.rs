@@ -1,48 +1,74 @@
 //! The HTTP context: moves one request's headers and bodies between Envoy and `flow::Flow`, and
-//! turns its decisions into host actions. It holds no logic of its own.
+//! turns its decisions into host actions. It holds no logic of its own. A request that must wait
+//! is registered in `Parked`, where the root context finds it when the line moves.
 
 use super::host::{self, HostStore};
 use crate::flow::{Decision, Flow, Gate, Head, Step};
+use hashbrown::HashMap;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
 use std::cell::RefCell;
 use std::rc::Rc;
 
+/// Requests of this VM waiting in the line: ticket → (context id, its flow).
+pub type Parked = Rc<RefCell<HashMap<u64, (u32, Rc<RefCell<Flow>>)>>>;
+
+/// Carries out a decision on the current (effective) stream. Returns the action for a callback;
+/// `resume` is for a request parked earlier, which must be resumed explicitly.
+pub fn apply(d: Decision, resume: bool) -> Action {
+    for name in &d.remove {
+        host::remove_request_header(name);
+    }
+    for (name, value) in &d.set {
+        host::set_request_header(name, value);
+    }
+    match d.step {
+        Step::Forward => {
+            if resume {
+                host::resume_request();
+            }
+            Action::Continue
+        }
+        Step::WaitForBody | Step::Park(_) => Action::Pause,
+        Step::Reply(reply) => {
+            host::send_reply(&reply);
+            Action::Pause
+        }
+    }
+}
+
 pub struct Http {
+    id: u32,
     gate: Rc<RefCell<Gate>>,
-    flow: Flow,
+    parked: Parked,
+    flow: Rc<RefCell<Flow>>,
 }
 
 impl Http {
-    pub fn new(gate: Rc<RefCell<Gate>>) -> Self {
+    pub fn new(id: u32, gate: Rc<RefCell<Gate>>, parked: Parked) -> Self {
         Self {
+            id,
             gate,
-            flow: Flow::default(),
+            parked,
+            flow: Rc::new(RefCell::new(Flow::default())),
         }
     }
 
-    fn apply(&self, d: Decision) -> Action {
-        for name in &d.remove {
-            host::remove_request_header(name);
+    fn act(&self, d: Decision) -> Action {
+        if let Step::Park(ticket) = d.step {
+            self.parked
+                .borrow_mut()
+                .insert(ticket, (self.id, self.flow.clone()));
         }
-        for (name, value) in &d.set {
-            host::set_request_header(name, value);
-        }
-        match d.step {
-            Step::Forward => Action::Continue,
-            Step::WaitForBody => Action::Pause,
-            Step::Reply(reply) => {
-                host::send_reply(&reply);
-                Action::Pause
-            }
-        }
+        apply(d, false)
     }
 }
 
 impl Context for Http {
     fn on_done(&mut self) -> bool {
+        self.parked.borrow_mut().retain(|_, (id, _)| *id != self.id);
         let mut gate = self.gate.borrow_mut();
-        self.flow.on_done(&mut gate, &HostStore);
+        self.flow.borrow_mut().on_done(&mut gate, &HostStore);
         host::flush_stats(&mut gate.stats);
         true
     }
@@ -50,46 +76,64 @@ impl Context for Http {
 
 impl HttpContext for Http {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        let gate = self.gate.borrow();
+        let a = &gate.config.admission;
+        let read = |name: &str| {
+            (!name.is_empty())
+                .then(|| host::request_header(name))
+                .flatten()
+        };
         let method = host::request_header(":method").unwrap_or_default();
         let path = host::request_header(":path").unwrap_or_default();
         let content_type = host::request_header("content-type");
         let content_length =
             host::request_header("content-length").and_then(|v| v.trim().parse().ok());
+        let (objective, priority) = (read(&a.objective_header), read(&a.priority_header));
+        let (tenant, session) = (read(&a.tenant_header), read(&a.session_header));
         let head = Head {
             method: &method,
             path: &path,
             content_type: content_type.as_deref(),
             content_length,
             end_of_stream,
+            objective: objective.as_deref(),
+            priority: priority.as_deref(),
+            tenant: tenant.as_deref(),
+            session: session.as_deref(),
         };
-        let decision = self.flow.on_request_headers(&self.gate.borrow(), &head);
-        self.apply(decision)
+        let decision = self.flow.borrow_mut().on_request_headers(&gate, &head);
+        drop(gate);
+        self.act(decision)
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        if !self.flow.wants_body() {
+        if !self.flow.borrow().wants_body() {
             return Action::Continue;
         }
-        if let Some(d) = self
+        let progress = self
             .flow
-            .on_body_progress(&self.gate.borrow(), body_size as u64)
-        {
-            return self.apply(d);
+            .borrow()
+            .on_body_progress(&self.gate.borrow(), body_size as u64);
+        if let Some(d) = progress {
+            return self.act(d);
         }
         if !end_of_stream {
             return Action::Pause;
         }
         let body = host::request_body(body_size);
-        let decision = self
-            .flow
-            .on_body(&mut self.gate.borrow_mut(), &HostStore, &body);
-        self.apply(decision)
+        let decision = {
+            let mut gate = self.gate.borrow_mut();
+            let d = self.flow.borrow_mut().on_body(&mut gate, &HostStore, &body);
+            host::flush_stats(&mut gate.stats);
+            d
+        };
+        self.act(decision)
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         let content_type = host::response_header("content-type");
         let served_by = host::upstream_address();
-        let add = self.flow.on_response_headers(
+        let add = self.flow.borrow_mut().on_response_headers(
             &mut self.gate.borrow_mut(),
             &HostStore,
             content_type.as_deref(),
@@ -102,12 +146,13 @@ impl HttpContext for Http {
     }
 
     fn on_http_response_body(&mut self, body_size: usize, _end_of_stream: bool) -> Action {
-        if !self.flow.reads_response() {
+        if !self.flow.borrow().reads_response() {
             return Action::Continue;
         }
         // Envoy hands each chunk as the buffer's whole content when the filter does not pause.
         let bytes = host::response_body(body_size);
         self.flow
+            .borrow_mut()
             .on_response_body(&mut self.gate.borrow_mut(), &HostStore, &bytes);
         Action::Continue
     }

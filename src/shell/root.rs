@@ -1,8 +1,9 @@
 //! The root context of one VM: parses the plugin configuration, creates HTTP contexts that share
-//! this VM's `Gate`, runs the tick (lease, scrapes, discovery) and delivers callout answers.
+//! this VM's `Gate`, runs the tick (lease, scrapes, discovery, the queue's backstop) and delivers
+//! callout answers and wake-ups to parked requests, which it resumes in their own context.
 
 use super::host::{self, HostStore};
-use super::http::Http;
+use super::http::{apply, Http, Parked};
 use crate::config::Config;
 use crate::flow::{Gate, TICK_MS};
 use crate::scrape::Target;
@@ -16,6 +17,49 @@ use std::rc::Rc;
 pub struct Root {
     gate: Option<Rc<RefCell<Gate>>>,
     calls: HashMap<u32, Target>,
+    parked: Parked,
+}
+
+impl Root {
+    /// Retries one parked request in its own context; true when it left the line.
+    fn retry(&self, gate: &mut Gate, ticket: u64) -> bool {
+        let Some((context, flow)) = self.parked.borrow().get(&ticket).cloned() else {
+            return false;
+        };
+        if !host::switch_to(context) {
+            // The stream is gone without its on_done yet: release it now, exactly once.
+            self.parked.borrow_mut().remove(&ticket);
+            flow.borrow_mut().on_done(gate, &HostStore);
+            return true;
+        }
+        let decision = flow.borrow_mut().retry(gate, &HostStore);
+        match decision {
+            Some(d) => {
+                self.parked.borrow_mut().remove(&ticket);
+                apply(d, true);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Admits parked requests from the head of the line while they fit, and answers those whose
+    /// wait ran out.
+    fn run_line(&self, gate: &mut Gate) {
+        for ticket in gate.expired(&HostStore) {
+            self.retry(gate, ticket);
+        }
+        // Bounded: each pass admits or drops one ticket, and the line is bounded.
+        for _ in 0..1_000 {
+            let Some(ticket) = gate.next_parked(&HostStore) else {
+                break;
+            };
+            if !self.retry(gate, ticket) {
+                break;
+            }
+        }
+        host::flush_stats(&mut gate.stats);
+    }
 }
 
 impl Context for Root {
@@ -59,7 +103,7 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
-        let Some(gate) = &self.gate else {
+        let Some(gate) = self.gate.clone() else {
             return;
         };
         let mut gate = gate.borrow_mut();
@@ -77,12 +121,22 @@ impl RootContext for Root {
                 }
             }
         }
-        host::flush_stats(&mut gate.stats);
+        self.run_line(&mut gate);
     }
 
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+    fn on_queue_ready(&mut self, queue_id: u32) {
+        let Some(gate) = self.gate.clone() else {
+            return;
+        };
+        let mut gate = gate.borrow_mut();
+        if queue_id == gate.wake_queue() {
+            self.run_line(&mut gate);
+        }
+    }
+
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         let gate = self.gate.clone()?;
-        Some(Box::new(Http::new(gate)))
+        Some(Box::new(Http::new(context_id, gate, self.parked.clone())))
     }
 
     fn get_type(&self) -> Option<ContextType> {

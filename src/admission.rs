@@ -1,0 +1,551 @@
+//! Cost-aware admission: who may be sent now, who waits, and who is refused. A request is placed
+//! only on a pod whose budget has room for its reservation (`router`, `budget`); when none has, it
+//! joins the shared line (`queue`) and its VM parks it. Release of budget anywhere wakes the VM
+//! holding the head of the line through that VM's own shared queue (`kvgate.wake.<vm>`: one per
+//! VM, since a shared queue notifies only its last registrant); the head is retried there, and on
+//! success the next head's VM is woken in turn. A tick retries too, as a backstop only.
+
+use crate::config::AdmissionConfig;
+use crate::config::Config;
+use crate::estimate::Estimate;
+use crate::hash::fnv1a;
+use crate::queue::{self, Refused, Ticket};
+use crate::reply::LocalReply;
+use crate::router::{Placement, Routed, Router};
+use crate::sessions;
+use crate::stats::Stats;
+use crate::store::{Store, StoreError};
+use hashbrown::HashMap;
+use std::collections::BTreeMap;
+
+/// Who a request is, for ordering: from its headers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Class {
+    pub priority: i32,
+    pub tenant: u64,
+    pub session: Option<u64>,
+}
+
+impl Class {
+    pub fn from_headers(
+        cfg: &AdmissionConfig,
+        objective: Option<&str>,
+        priority: Option<&str>,
+        tenant: Option<&str>,
+        session: Option<&str>,
+    ) -> Class {
+        let from_objective = objective.and_then(|o| cfg.objectives.get(o.trim()).copied());
+        let direct = priority.and_then(|p| p.trim().parse::<i32>().ok());
+        Class {
+            priority: direct.or(from_objective).unwrap_or(cfg.default_priority),
+            tenant: fnv1a(tenant.unwrap_or("").as_bytes()),
+            session: session
+                .filter(|s| !s.is_empty())
+                .map(|s| fnv1a(s.as_bytes())),
+        }
+    }
+}
+
+/// What admission decided.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Admit {
+    Routed(Routed),
+    /// No pods are known yet: the request goes to Envoy's own balancing.
+    Unrouted,
+    /// Parked until woken; the ticket is in the shared line.
+    Wait(Ticket),
+    Refuse(LocalReply),
+}
+
+fn wake_queue_name(vm: u32) -> String {
+    format!("kvgate.wake.{vm}")
+}
+
+fn shed(message: &str) -> Admit {
+    Admit::Refuse(LocalReply::error(429, "rate_limit_exceeded", message, None))
+}
+
+pub struct Admission {
+    vm: u32,
+    wake_queue: u32,
+    /// This VM's parked tickets and their deadlines.
+    parked: BTreeMap<u64, u64>,
+    /// When each VM was last woken by this one, so a burst of releases sends one wake.
+    woken: HashMap<u32, u64>,
+}
+
+/// Wakes to one VM are at most this frequent from one sender: its drain takes every message.
+const WAKE_EVERY_MS: u64 = 2;
+
+impl Admission {
+    pub fn start(store: &dyn Store, vm: u32) -> Result<Admission, StoreError> {
+        queue::ensure(store)?;
+        sessions::ensure(store)?;
+        let wake_queue = store.register_queue(&wake_queue_name(vm))?;
+        Ok(Admission {
+            vm,
+            wake_queue,
+            parked: BTreeMap::new(),
+            woken: HashMap::new(),
+        })
+    }
+
+    pub fn wake_queue(&self) -> u32 {
+        self.wake_queue
+    }
+
+    pub fn parked(&self) -> usize {
+        self.parked.len()
+    }
+
+    /// Places a request that has just arrived.
+    #[allow(clippy::too_many_arguments)]
+    pub fn place(
+        &mut self,
+        store: &dyn Store,
+        cfg: &Config,
+        router: &mut Router,
+        stats: &mut Stats,
+        class: Class,
+        hashes: Vec<u64>,
+        est: &Estimate,
+    ) -> Result<Admit, StoreError> {
+        let a = &cfg.admission;
+        if !a.enabled {
+            return Ok(match router.route(store, cfg, hashes, est)? {
+                Placement::Routed(r) => Admit::Routed(r),
+                Placement::NoPods | Placement::NoRoom => Admit::Unrouted,
+            });
+        }
+        let now = store.now_ms();
+        let boosted = a.session_boost_ms > 0
+            && match class.session {
+                Some(s) => sessions::recently_finished(store, s, a.session_boost_ms)?,
+                None => false,
+            };
+        let line = queue::read(store)?;
+        let mut ticket = Ticket {
+            id: 0,
+            vm: self.vm,
+            priority: class.priority,
+            boosted,
+            start_tag: line.start_tag(
+                class.tenant,
+                if boosted {
+                    a.session_boost_tokens as f64
+                } else {
+                    0.0
+                },
+            ),
+            enqueued_ms: now,
+            deadline_ms: now + a.max_wait_ms,
+            cost: est.cost,
+        };
+        // Only a request that would lead the line may go straight to a pod: nobody waiting on
+        // any worker is overtaken by a lower-ordered newcomer.
+        if line.would_lead(&ticket) {
+            match router.route(store, cfg, hashes.clone(), est)? {
+                Placement::Routed(r) => {
+                    queue::charge_direct(store, class.tenant, est.cost)?;
+                    stats.count("kvgate.admission.admitted", 1);
+                    return Ok(Admit::Routed(r));
+                }
+                Placement::NoPods => return Ok(Admit::Unrouted),
+                Placement::NoRoom => {}
+            }
+        }
+        if class.priority < 0 {
+            stats.count("kvgate.admission.shed", 1);
+            return Ok(shed(
+                "the pool is saturated and this request's priority is sheddable",
+            ));
+        }
+        ticket.id = router.next_request_id();
+        match queue::enqueue(
+            store,
+            ticket,
+            class.tenant,
+            a.session_boost_tokens as f64,
+            a.max_queue as usize,
+        )? {
+            Ok(t) => {
+                self.parked.insert(t.id, t.deadline_ms);
+                stats.count("kvgate.admission.queued", 1);
+                if boosted {
+                    stats.count("kvgate.admission.boosted", 1);
+                }
+                Ok(Admit::Wait(t))
+            }
+            Err(Refused::Full) => {
+                stats.count("kvgate.admission.queue_full", 1);
+                Ok(shed("kvgate's queue is full (admission.maxQueue)"))
+            }
+        }
+    }
+
+    /// Retries a parked request that is at the head of the line (or past its deadline). `None`:
+    /// it still does not fit, and stays parked.
+    #[allow(clippy::too_many_arguments)]
+    pub fn retry(
+        &mut self,
+        store: &dyn Store,
+        cfg: &Config,
+        router: &mut Router,
+        stats: &mut Stats,
+        ticket: &Ticket,
+        hashes: Vec<u64>,
+        est: &Estimate,
+    ) -> Result<Option<Admit>, StoreError> {
+        let now = store.now_ms();
+        if now >= ticket.deadline_ms {
+            self.leave(store, ticket.id, false)?;
+            stats.count("kvgate.admission.timed_out", 1);
+            let waited_s = now.saturating_sub(ticket.enqueued_ms).div_ceil(1000).max(1);
+            let reply = LocalReply::error(
+                503,
+                "service_unavailable",
+                "no model server had room before admission.maxWaitMs ran out",
+                None,
+            )
+            .with_header("retry-after", waited_s.to_string());
+            return Ok(Some(Admit::Refuse(reply)));
+        }
+        let admit = match router.route(store, cfg, hashes, est)? {
+            Placement::Routed(r) => Admit::Routed(r),
+            Placement::NoPods => Admit::Unrouted,
+            Placement::NoRoom => return Ok(None),
+        };
+        self.leave(store, ticket.id, true)?;
+        stats.count("kvgate.admission.admitted", 1);
+        stats.histogram(
+            "kvgate.admission.wait_ms",
+            now.saturating_sub(ticket.enqueued_ms),
+        );
+        Ok(Some(admit))
+    }
+
+    /// The head of the line if this VM holds it; otherwise wakes the VM that does.
+    pub fn next_head(&mut self, store: &dyn Store) -> Result<Option<u64>, StoreError> {
+        // Tickets of this VM that it no longer holds (it lost track: a reload) are cleared; the
+        // loop is bounded by the line's length.
+        for _ in 0..64 {
+            let line = queue::read(store)?;
+            let Some(head) = line.tickets.first() else {
+                return Ok(None);
+            };
+            if head.vm != self.vm {
+                self.wake(store, head.vm);
+                return Ok(None);
+            }
+            if self.parked.contains_key(&head.id) {
+                return Ok(Some(head.id));
+            }
+            queue::remove(store, head.id, false)?;
+        }
+        Ok(None)
+    }
+
+    /// Parked tickets past their deadline.
+    pub fn expired(&self, now: u64) -> Vec<u64> {
+        self.parked
+            .iter()
+            .filter(|(_, &deadline)| now >= deadline)
+            .map(|(&id, _)| id)
+            .collect()
+    }
+
+    /// A parked request's client went away.
+    pub fn abandon(
+        &mut self,
+        store: &dyn Store,
+        stats: &mut Stats,
+        ticket: u64,
+    ) -> Result<(), StoreError> {
+        if self.parked.contains_key(&ticket) {
+            stats.count("kvgate.admission.abandoned", 1);
+            self.leave(store, ticket, false)?;
+        }
+        Ok(())
+    }
+
+    fn leave(&mut self, store: &dyn Store, ticket: u64, admitted: bool) -> Result<(), StoreError> {
+        self.parked.remove(&ticket);
+        queue::remove(store, ticket, admitted)?;
+        // Whoever is next may fit in what is left.
+        self.wake_head(store)
+    }
+
+    /// Budget was released: the head of the line gets a chance.
+    pub fn wake_head(&mut self, store: &dyn Store) -> Result<(), StoreError> {
+        if let Some(head) = queue::read(store)?.tickets.first() {
+            self.wake(store, head.vm);
+        }
+        Ok(())
+    }
+
+    fn wake(&mut self, store: &dyn Store, vm: u32) {
+        let now = store.now_ms();
+        if self
+            .woken
+            .get(&vm)
+            .is_some_and(|&t| now.saturating_sub(t) < WAKE_EVERY_MS)
+        {
+            return;
+        }
+        self.woken.insert(vm, now);
+        match store.resolve_queue(&wake_queue_name(vm)) {
+            Ok(Some(q)) => {
+                if let Err(e) = store.enqueue(q, b"w") {
+                    log::debug!("kvgate: wake of vm {vm} failed: {e:?}");
+                }
+            }
+            other => log::debug!("kvgate: no wake queue for vm {vm}: {other:?}"),
+        }
+    }
+
+    /// Empties this VM's wake queue (one pass over the line follows, whatever the count).
+    pub fn drain_wakes(&self, store: &dyn Store) {
+        while let Ok(Some(_)) = store.dequeue(self.wake_queue) {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    use super::*;
+    use crate::fake_host::{FakeHost, FakeVm};
+    use crate::pod_state::{self, Snapshot};
+
+    struct Worker {
+        vm: FakeVm,
+        router: Router,
+        admission: Admission,
+        stats: Stats,
+    }
+
+    fn config(budget: u64) -> Config {
+        let mut c = Config {
+            pods: vec!["a:1".into()],
+            ..Config::default()
+        };
+        c.admission.budget_tokens = budget;
+        c.admission.max_queue = 3;
+        c.admission.max_wait_ms = 1_000;
+        c.admission.objectives.insert("batch".into(), -1);
+        c.admission.objectives.insert("critical".into(), 10);
+        c
+    }
+
+    fn worker(host: &FakeHost, cfg: &Config) -> Worker {
+        let vm = host.vm();
+        let router = Router::start(&vm, cfg).unwrap();
+        let admission = Admission::start(&vm, router.vm()).unwrap();
+        Worker {
+            vm,
+            router,
+            admission,
+            stats: Stats::default(),
+        }
+    }
+
+    fn est(cost: u64) -> Estimate {
+        Estimate {
+            prompt_tokens: cost,
+            output_tokens: 0,
+            cost,
+        }
+    }
+
+    fn class(cfg: &Config, objective: Option<&str>, tenant: &str) -> Class {
+        Class::from_headers(&cfg.admission, objective, None, Some(tenant), None)
+    }
+
+    impl Worker {
+        fn place(&mut self, cfg: &Config, c: Class, cost: u64) -> Admit {
+            self.admission
+                .place(
+                    &self.vm,
+                    cfg,
+                    &mut self.router,
+                    &mut self.stats,
+                    c,
+                    vec![1, 2],
+                    &est(cost),
+                )
+                .unwrap()
+        }
+
+        fn retry(&mut self, cfg: &Config, t: &Ticket, cost: u64) -> Option<Admit> {
+            self.admission
+                .retry(
+                    &self.vm,
+                    cfg,
+                    &mut self.router,
+                    &mut self.stats,
+                    t,
+                    vec![1, 2],
+                    &est(cost),
+                )
+                .unwrap()
+        }
+    }
+
+    fn reserved(vm: &FakeVm) -> u64 {
+        pod_state::read(vm, "a:1").unwrap().reserved_tokens()
+    }
+
+    #[test]
+    fn admits_within_budget_then_queues_then_resumes_on_release() {
+        let host = FakeHost::new();
+        let cfg = config(100);
+        let mut w = worker(&host, &cfg);
+        let Admit::Routed(first) = w.place(&cfg, class(&cfg, None, "t"), 80) else {
+            panic!()
+        };
+        let Admit::Wait(t) = w.place(&cfg, class(&cfg, None, "t"), 50) else {
+            panic!()
+        };
+        assert_eq!(w.admission.next_head(&w.vm).unwrap(), Some(t.id));
+        assert_eq!(w.retry(&cfg, &t, 50), None, "still no room");
+        w.router.finish(&w.vm, &cfg, &first).unwrap();
+        w.admission.wake_head(&w.vm).unwrap();
+        assert_eq!(
+            w.vm.take_notifications(),
+            vec![w.admission.wake_queue()],
+            "woken by the release"
+        );
+        let Some(Admit::Routed(second)) = w.retry(&cfg, &t, 50) else {
+            panic!()
+        };
+        assert_eq!(reserved(&w.vm), 50);
+        w.router.finish(&w.vm, &cfg, &second).unwrap();
+        assert_eq!(reserved(&w.vm), 0);
+        assert!(queue::read(&w.vm).unwrap().tickets.is_empty());
+    }
+
+    #[test]
+    fn sheddable_is_refused_at_once_and_full_queue_is_429() {
+        let host = FakeHost::new();
+        let cfg = config(100);
+        let mut w = worker(&host, &cfg);
+        assert!(matches!(
+            w.place(&cfg, class(&cfg, None, "t"), 100),
+            Admit::Routed(_)
+        ));
+        let Admit::Refuse(r) = w.place(&cfg, class(&cfg, Some("batch"), "t"), 10) else {
+            panic!()
+        };
+        assert_eq!(r.status, 429);
+        for _ in 0..3 {
+            assert!(matches!(
+                w.place(&cfg, class(&cfg, None, "t"), 10),
+                Admit::Wait(_)
+            ));
+        }
+        let Admit::Refuse(r) = w.place(&cfg, class(&cfg, None, "t"), 10) else {
+            panic!()
+        };
+        assert_eq!(r.status, 429);
+    }
+
+    #[test]
+    fn a_waiting_request_is_not_overtaken_by_a_newcomer_on_another_worker() {
+        let host = FakeHost::new();
+        let cfg = config(100);
+        let mut w1 = worker(&host, &cfg);
+        let mut w2 = worker(&host, &cfg);
+        let Admit::Routed(big) = w1.place(&cfg, class(&cfg, None, "t"), 90) else {
+            panic!()
+        };
+        let Admit::Wait(t) = w1.place(&cfg, class(&cfg, None, "t"), 50) else {
+            panic!()
+        };
+        // 10 tokens are free: a small newcomer would fit, but it must queue behind the ticket.
+        assert!(matches!(
+            w2.place(&cfg, class(&cfg, None, "t"), 5),
+            Admit::Wait(_)
+        ));
+        // A higher band leads the line and may go straight in.
+        assert!(matches!(
+            w2.place(&cfg, class(&cfg, Some("critical"), "t"), 5),
+            Admit::Routed(_)
+        ));
+        w1.router.finish(&w1.vm, &cfg, &big).unwrap();
+        assert_eq!(
+            w2.admission.next_head(&w2.vm).unwrap(),
+            None,
+            "w1 holds the head"
+        );
+        assert_eq!(w1.vm.take_notifications(), vec![w1.admission.wake_queue()]);
+        assert!(matches!(w1.retry(&cfg, &t, 50), Some(Admit::Routed(_))));
+    }
+
+    #[test]
+    fn deadline_gives_503_with_retry_after_and_disconnect_leaves_nothing() {
+        let host = FakeHost::new();
+        let cfg = config(100);
+        let mut w = worker(&host, &cfg);
+        let Admit::Routed(_) = w.place(&cfg, class(&cfg, None, "t"), 100) else {
+            panic!()
+        };
+        let Admit::Wait(t1) = w.place(&cfg, class(&cfg, None, "t"), 10) else {
+            panic!()
+        };
+        let Admit::Wait(t2) = w.place(&cfg, class(&cfg, None, "u"), 10) else {
+            panic!()
+        };
+        w.admission.abandon(&w.vm, &mut w.stats, t2.id).unwrap();
+        host.advance_ms(1_000);
+        assert_eq!(w.admission.expired(host.now_ms()), vec![t1.id]);
+        let Some(Admit::Refuse(r)) = w.retry(&cfg, &t1, 10) else {
+            panic!()
+        };
+        assert_eq!(r.status, 503);
+        assert!(r
+            .headers
+            .iter()
+            .any(|(k, v)| k == "retry-after" && v == "1"));
+        assert!(queue::read(&w.vm).unwrap().tickets.is_empty());
+        assert_eq!(w.admission.parked(), 0);
+    }
+
+    #[test]
+    fn budget_comes_from_scraped_capacity() {
+        let host = FakeHost::new();
+        let cfg = config(0);
+        let mut w = worker(&host, &cfg);
+        let snap = Snapshot {
+            healthy: true,
+            capacity_tokens: 1000,
+            kv_usage: 0.0,
+            ..Snapshot::default()
+        };
+        pod_state::write_snapshot(&w.vm, "a:1", snap).unwrap();
+        assert!(matches!(
+            w.place(&cfg, class(&cfg, None, "t"), 850),
+            Admit::Routed(_)
+        ));
+        assert!(
+            matches!(w.place(&cfg, class(&cfg, None, "t"), 100), Admit::Wait(_)),
+            "900 budget"
+        );
+    }
+
+    #[test]
+    fn priority_header_and_objectives_map_to_bands() {
+        let cfg = config(0);
+        assert_eq!(class(&cfg, Some("critical"), "t").priority, 10);
+        assert_eq!(class(&cfg, Some("unknown"), "t").priority, 0);
+        let direct = Class::from_headers(
+            &cfg.admission,
+            Some("critical"),
+            Some("-3"),
+            None,
+            Some("s"),
+        );
+        assert_eq!(direct.priority, -3);
+        assert!(direct.session.is_some());
+    }
+}

@@ -1,0 +1,351 @@
+//! The one waiting line in front of all pods, shared by every worker (`kvgate.queue`): who waits,
+//! in which order, and the fair-queuing state that orders them. Order, global across workers:
+//! priority band (higher first); then start-time fair queuing between tenants by tokens — a
+//! ticket's start tag is the later of the queue's virtual time and its tenant's last finish tag,
+//! so a tenant that has been sent many tokens recently waits behind the others, and a large
+//! request is never penalised for its own size; a boosted session follow-up has its tag moved
+//! forward by a fixed credit; ties go to the earlier arrival. Only the head may be admitted, so
+//! no ticket is overtaken by a lower-ordered one on another worker.
+//!
+//! Bound (docs/design.md): within a band, a ticket with start tag S is admitted after at most
+//! the tickets with smaller tags; a ticket arriving later has a tag of at least V − credit, and V
+//! never passes S while S waits, so what can overtake it is bounded by the tenants' backlogs
+//! ahead of S plus one boost credit — however large the ticket's own cost.
+
+use crate::codec::{Reader, Writer};
+use crate::store::{update, Store, StoreError};
+use std::cmp::Ordering;
+
+pub const KEY: &str = "kvgate.queue";
+/// Tenants whose finish tag is ahead of the virtual time are remembered; at most this many.
+const MAX_TENANTS: usize = 512;
+/// A ticket whose owner has not collected it this long past its deadline is dropped (its VM died).
+const ABANDONED_MS: u64 = 5_000;
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Ticket {
+    pub id: u64,
+    /// The VM holding the paused request; only it can resume it.
+    pub vm: u32,
+    pub priority: i32,
+    pub boosted: bool,
+    pub start_tag: f64,
+    pub enqueued_ms: u64,
+    pub deadline_ms: u64,
+    pub cost: u64,
+}
+
+/// Orders tickets: the first is admitted first.
+pub fn order(a: &Ticket, b: &Ticket) -> Ordering {
+    b.priority
+        .cmp(&a.priority)
+        .then(a.start_tag.total_cmp(&b.start_tag))
+        .then(a.enqueued_ms.cmp(&b.enqueued_ms))
+        .then(a.id.cmp(&b.id))
+}
+
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct QueueRecord {
+    pub virtual_time: f64,
+    /// Tenant hash → finish tag of its last admitted or queued request.
+    pub tenants: Vec<(u64, f64)>,
+    /// Kept sorted by `order`.
+    pub tickets: Vec<Ticket>,
+}
+
+impl QueueRecord {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::new();
+        w.f64(self.virtual_time).u32(self.tenants.len() as u32);
+        for (t, f) in &self.tenants {
+            w.u64(*t).f64(*f);
+        }
+        w.u32(self.tickets.len() as u32);
+        for t in &self.tickets {
+            w.u64(t.id)
+                .u32(t.vm)
+                .u32(t.priority as u32)
+                .u8(u8::from(t.boosted))
+                .f64(t.start_tag)
+                .u64(t.enqueued_ms)
+                .u64(t.deadline_ms)
+                .u64(t.cost);
+        }
+        w.0
+    }
+
+    pub fn decode(bytes: &[u8]) -> Option<QueueRecord> {
+        let mut r = Reader(bytes);
+        let virtual_time = r.f64()?;
+        let n = r.count(16)?;
+        let tenants = (0..n)
+            .map(|_| Some((r.u64()?, r.f64()?)))
+            .collect::<Option<Vec<_>>>()?;
+        let n = r.count(49)?;
+        let tickets = (0..n)
+            .map(|_| {
+                Some(Ticket {
+                    id: r.u64()?,
+                    vm: r.u32()?,
+                    priority: r.u32()? as i32,
+                    boosted: r.u8()? != 0,
+                    start_tag: r.f64()?,
+                    enqueued_ms: r.u64()?,
+                    deadline_ms: r.u64()?,
+                    cost: r.u64()?,
+                })
+            })
+            .collect::<Option<Vec<_>>>()?;
+        Some(QueueRecord {
+            virtual_time,
+            tenants,
+            tickets,
+        })
+    }
+
+    fn tenant_finish(&self, tenant: u64) -> f64 {
+        self.tenants
+            .iter()
+            .find(|(t, _)| *t == tenant)
+            .map_or(0.0, |(_, f)| *f)
+    }
+
+    /// The start tag a request of this tenant would get now.
+    pub fn start_tag(&self, tenant: u64, boost_credit: f64) -> f64 {
+        self.virtual_time.max(self.tenant_finish(tenant)) - boost_credit
+    }
+
+    fn charge(&mut self, tenant: u64, start: f64, cost: u64) {
+        let finish = start.max(self.tenant_finish(tenant)) + cost as f64;
+        match self.tenants.iter_mut().find(|(t, _)| *t == tenant) {
+            Some(entry) => entry.1 = finish,
+            None => self.tenants.push((tenant, finish)),
+        }
+        // Tenants at or behind the virtual time are as good as new: forget them first.
+        let v = self.virtual_time;
+        self.tenants.retain(|(_, f)| *f > v);
+        if self.tenants.len() > MAX_TENANTS {
+            self.tenants.sort_by(|a, b| b.1.total_cmp(&a.1));
+            self.tenants.truncate(MAX_TENANTS);
+        }
+    }
+
+    /// Whether a request with this key would be first in line.
+    pub fn would_lead(&self, candidate: &Ticket) -> bool {
+        self.tickets
+            .first()
+            .is_none_or(|head| order(candidate, head) == Ordering::Less)
+    }
+}
+
+pub fn read(store: &dyn Store) -> Result<QueueRecord, StoreError> {
+    Ok(store
+        .get(KEY)?
+        .value
+        .and_then(|b| QueueRecord::decode(&b))
+        .unwrap_or_default())
+}
+
+/// Creates the record before any request can race its creation (configure time).
+pub fn ensure(store: &dyn Store) -> Result<(), StoreError> {
+    if store.get(KEY)?.value.is_none() {
+        store.set(KEY, &QueueRecord::default().encode(), None)?;
+    }
+    Ok(())
+}
+
+fn modify<T>(
+    store: &dyn Store,
+    mut change: impl FnMut(&mut QueueRecord) -> Option<T>,
+) -> Result<Option<T>, StoreError> {
+    let now = store.now_ms();
+    update(store, KEY, |bytes| {
+        let mut q = bytes.and_then(QueueRecord::decode).unwrap_or_default();
+        q.tickets.retain(|t| t.deadline_ms + ABANDONED_MS > now);
+        let out = change(&mut q)?;
+        Some((q.encode(), out))
+    })
+}
+
+/// Why a request could not join the line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    Full,
+}
+
+/// Joins the line; the ticket's start tag is assigned here (start-time fair queuing).
+pub fn enqueue(
+    store: &dyn Store,
+    mut ticket: Ticket,
+    tenant: u64,
+    boost_credit: f64,
+    max_len: usize,
+) -> Result<Result<Ticket, Refused>, StoreError> {
+    let out = modify(store, |q| {
+        if q.tickets.len() >= max_len {
+            return Some(Err(Refused::Full));
+        }
+        let start = q.virtual_time.max(q.tenant_finish(tenant));
+        ticket.start_tag = start - if ticket.boosted { boost_credit } else { 0.0 };
+        q.charge(tenant, start, ticket.cost);
+        let at = q
+            .tickets
+            .partition_point(|t| order(t, &ticket) == Ordering::Less);
+        q.tickets.insert(at, ticket);
+        Some(Ok(ticket))
+    })?;
+    Ok(out.unwrap_or(Err(Refused::Full)))
+}
+
+/// Leaves the line (admitted, timed out or gone), exactly once: true the first time. An admitted
+/// ticket advances the virtual time to its start tag.
+pub fn remove(store: &dyn Store, id: u64, admitted: bool) -> Result<bool, StoreError> {
+    Ok(modify(store, |q| {
+        let i = q.tickets.iter().position(|t| t.id == id)?;
+        let t = q.tickets.remove(i);
+        if admitted {
+            q.virtual_time = q.virtual_time.max(t.start_tag);
+        }
+        Some(())
+    })?
+    .is_some())
+}
+
+/// A request admitted without waiting still pays its tenant's share, so a tenant that had the
+/// pool to itself does not arrive at the next contention with a clean slate.
+pub fn charge_direct(store: &dyn Store, tenant: u64, cost: u64) -> Result<(), StoreError> {
+    modify(store, |q| {
+        let start = q.virtual_time.max(q.tenant_finish(tenant));
+        q.charge(tenant, start, cost);
+        q.virtual_time = q.virtual_time.max(start);
+        Some(())
+    })
+    .map(|_| ())
+}
+
+#[cfg(test)]
+mod tests {
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    use super::*;
+    use crate::fake_host::FakeHost;
+
+    fn ticket(id: u64, priority: i32, cost: u64) -> Ticket {
+        Ticket {
+            id,
+            vm: 1,
+            priority,
+            boosted: false,
+            start_tag: 0.0,
+            enqueued_ms: id,
+            deadline_ms: 1_000_000,
+            cost,
+        }
+    }
+
+    fn ids(store: &dyn Store) -> Vec<u64> {
+        read(store).unwrap().tickets.iter().map(|t| t.id).collect()
+    }
+
+    #[test]
+    fn higher_priority_bands_go_first() {
+        let vm = FakeHost::new().vm();
+        ensure(&vm).unwrap();
+        enqueue(&vm, ticket(1, 0, 10), 1, 0.0, 10).unwrap().unwrap();
+        enqueue(&vm, ticket(2, -1, 10), 1, 0.0, 10)
+            .unwrap()
+            .unwrap();
+        enqueue(&vm, ticket(3, 5, 10), 1, 0.0, 10).unwrap().unwrap();
+        assert_eq!(ids(&vm), vec![3, 1, 2]);
+    }
+
+    #[test]
+    fn a_flooding_tenant_waits_behind_a_quiet_one() {
+        let vm = FakeHost::new().vm();
+        ensure(&vm).unwrap();
+        for i in 0..10 {
+            enqueue(&vm, ticket(i, 0, 1000), 7, 0.0, 100)
+                .unwrap()
+                .unwrap();
+        }
+        enqueue(&vm, ticket(100, 0, 1000), 8, 0.0, 100)
+            .unwrap()
+            .unwrap();
+        let order = ids(&vm);
+        assert_eq!(order.iter().position(|&i| i == 100), Some(1), "{order:?}");
+    }
+
+    #[test]
+    fn a_large_request_is_not_penalised_for_its_size() {
+        let vm = FakeHost::new().vm();
+        ensure(&vm).unwrap();
+        enqueue(&vm, ticket(1, 0, 100_000), 1, 0.0, 100)
+            .unwrap()
+            .unwrap();
+        for i in 2..50 {
+            enqueue(&vm, ticket(i, 0, 10), 2 + i, 0.0, 100)
+                .unwrap()
+                .unwrap();
+        }
+        assert_eq!(ids(&vm)[0], 1);
+    }
+
+    #[test]
+    fn boost_credit_moves_a_follow_up_ahead_but_not_unboundedly() {
+        let vm = FakeHost::new().vm();
+        ensure(&vm).unwrap();
+        // Tenant 1 has already been served 20 000 tokens: its plain requests start late.
+        charge_direct(&vm, 1, 20_000).unwrap();
+        enqueue(&vm, ticket(1, 0, 100), 2, 0.0, 100)
+            .unwrap()
+            .unwrap();
+        let mut boosted = ticket(2, 0, 100);
+        boosted.boosted = true;
+        enqueue(&vm, boosted, 1, 8_192.0, 100).unwrap().unwrap();
+        assert_eq!(ids(&vm), vec![1, 2], "credit 8192 < backlog 20000: no jump");
+        let mut boosted = ticket(3, 0, 100);
+        boosted.boosted = true;
+        enqueue(&vm, boosted, 3, 8_192.0, 100).unwrap().unwrap();
+        assert_eq!(ids(&vm)[0], 3, "a fresh tenant's follow-up goes first");
+    }
+
+    #[test]
+    fn full_queue_refuses_and_removal_is_exactly_once() {
+        let vm = FakeHost::new().vm();
+        ensure(&vm).unwrap();
+        enqueue(&vm, ticket(1, 0, 10), 1, 0.0, 1).unwrap().unwrap();
+        assert_eq!(
+            enqueue(&vm, ticket(2, 0, 10), 1, 0.0, 1).unwrap(),
+            Err(Refused::Full)
+        );
+        assert!(remove(&vm, 1, true).unwrap());
+        assert!(!remove(&vm, 1, true).unwrap());
+        assert!(read(&vm).unwrap().tickets.is_empty());
+    }
+
+    #[test]
+    fn abandoned_tickets_of_dead_vms_are_dropped() {
+        let host = FakeHost::new();
+        let vm = host.vm();
+        ensure(&vm).unwrap();
+        let mut t = ticket(1, 0, 10);
+        t.deadline_ms = 100;
+        enqueue(&vm, t, 1, 0.0, 10).unwrap().unwrap();
+        host.set_now_ms(100 + ABANDONED_MS);
+        enqueue(&vm, ticket(2, 0, 10), 1, 0.0, 10).unwrap().unwrap();
+        assert_eq!(ids(&vm), vec![2]);
+    }
+
+    #[test]
+    fn record_round_trips_and_garbage_reads_empty() {
+        let mut q = QueueRecord {
+            virtual_time: 3.5,
+            tenants: vec![(1, 4.0)],
+            tickets: vec![ticket(9, -2, 5)],
+        };
+        q.tickets[0].boosted = true;
+        assert_eq!(QueueRecord::decode(&q.encode()), Some(q));
+        assert_eq!(QueueRecord::decode(b"xx"), None);
+    }
+}
