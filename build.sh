@@ -6,6 +6,8 @@
 #   ./build.sh demo     the main job: simulated pool, Envoy + kvgate vs a baseline, a short run
 #   ./build.sh test     everything CI runs: lints, native + wasm unit tests, end-to-end tests
 #   ./build.sh build    kvgate.wasm (release) and the helper binaries
+#   ./build.sh bench    the full benchmark against peer routers (results/, BENCHMARKS.md)
+#   ./build.sh oci      kvgate.wasm as an OCI image (target/oci/kvgate) for Istio; stamps istio/*.yaml
 #   ./build.sh setup    only the set-up
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -91,6 +93,12 @@ e2e_tests() {
     (cd tests/e2e && "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@")
 }
 
+# The OCI image Istio pulls (docs/istio.md), and the digests the Istio manifests pin.
+oci() {
+    log "packaging $WASM as an OCI image in target/oci/kvgate; stamping istio/*.yaml"
+    "$VENV/bin/python" tools/oci.py "$WASM" --out target/oci/kvgate --stamp istio/*.yaml
+}
+
 cmd=${1:-help}
 shift || true
 case "$cmd" in
@@ -105,8 +113,10 @@ case "$cmd" in
         ;;
     e2e) build; e2e_tests "$@" ;;
     demo) build; "$VENV/bin/python" tests/e2e/demo.py "$@" ;;
+    bench) build; "$VENV/bin/python" bench/run.py --full "$@" ;;
+    oci) build; oci ;;
     *)
-        sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
+        awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"
         [ "$cmd" = help ] || exit 2
         ;;
 esac

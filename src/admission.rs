@@ -70,8 +70,11 @@ pub struct Admission {
     wake_queue: u32,
     /// This VM's parked tickets and their deadlines.
     parked: BTreeMap<u64, u64>,
-    /// When each VM was last woken by this one, so a burst of releases sends one wake.
+        /// When each VM was last woken by this one, so a burst of releases sends one wake.
     woken: HashMap<u32, u64>,
+    /// The earliest release time carried by the wakes being served: the start of the wake-up
+    /// latency the next admission measures.
+    released_at: Option<u64>,
 }
 
 /// Wakes to one VM are at most this frequent from one sender: its drain takes every message.
@@ -85,8 +88,9 @@ impl Admission {
         Ok(Admission {
             vm,
             wake_queue,
-            parked: BTreeMap::new(),
+                        parked: BTreeMap::new(),
             woken: HashMap::new(),
+            released_at: None,
         })
     }
 
@@ -215,12 +219,15 @@ impl Admission {
             Placement::NoPods => Admit::Unrouted,
             Placement::NoRoom => return Ok(None),
         };
-        self.leave(store, ticket.id, true)?;
+                self.leave(store, ticket.id, true)?;
         stats.count("kvgate.admission.admitted", 1);
-        stats.histogram(
-            "kvgate.admission.wait_ms",
-            now.saturating_sub(ticket.enqueued_ms),
-        );
+        stats.histogram("kvgate.admission.wait_ms", now.saturating_sub(ticket.enqueued_ms));
+        if let Some(released) = self.released_at.take() {
+            let latency = now.saturating_sub(released);
+            stats.histogram("kvgate.admission.wake_latency_ms", latency);
+            stats.count("kvgate.admission.wake_latency_ms_total", latency);
+            stats.count("kvgate.admission.wakes", 1);
+        }
         Ok(Some(admit))
     }
 
@@ -295,7 +302,7 @@ impl Admission {
         self.woken.insert(vm, now);
         match store.resolve_queue(&wake_queue_name(vm)) {
             Ok(Some(q)) => {
-                if let Err(e) = store.enqueue(q, b"w") {
+                                if let Err(e) = store.enqueue(q, &now.to_le_bytes()) {
                     log::debug!("kvgate: wake of vm {vm} failed: {e:?}");
                 }
             }
@@ -303,9 +310,14 @@ impl Admission {
         }
     }
 
-    /// Empties this VM's wake queue (one pass over the line follows, whatever the count).
-    pub fn drain_wakes(&self, store: &dyn Store) {
-        while let Ok(Some(_)) = store.dequeue(self.wake_queue) {}
+        /// Empties this VM's wake queue (one pass over the line follows, whatever the count),
+    /// keeping the earliest release time the wakes carry.
+    pub fn drain_wakes(&mut self, store: &dyn Store) {
+        while let Ok(Some(message)) = store.dequeue(self.wake_queue) {
+            if let Some(at) = crate::codec::Reader(&message).u64() {
+                self.released_at = Some(self.released_at.map_or(at, |t| t.min(at)));
+            }
+        }
     }
 }
 

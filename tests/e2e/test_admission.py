@@ -1,0 +1,230 @@
+"""Cost-aware admission inside a real Envoy (--concurrency 4) in front of kvgate-sim pods with a
+small KV cache: no preemptions at twice the pool's capacity, priority bands, shedding, fairness
+between tenants, the session boost, timeouts, a full queue, disconnects and upstream resets — and
+every pod's reserved tokens back to exactly zero afterwards."""
+
+import json
+import socket
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from harness import (Envoy, ROUND_ROBIN, Sim, default_plugin_config, envoy_config, free_port,
+                     kvgate_envoy, kvgate_gauges, request, stream, wait_for)
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+# Two pods of 256 blocks × 16 tokens = 4096 tokens of KV each.
+SMALL_KV = ["--time-scale", "10", "--num-gpu-blocks", "256"]
+
+
+def config(**admission):
+    cfg = default_plugin_config()
+    cfg["admission"] = {"objectives": {"critical": 10, "standard": 0, "batch": -1}, **admission}
+    return cfg
+
+
+def completion(i, prompt_words=350, max_tokens=300):
+    # Distinct first words: no prefix sharing, each request's KV is its own.
+    return {"model": MODEL, "prompt": f"req{i} " + "lorem ipsum dolor " * (prompt_words // 3),
+            "max_tokens": max_tokens}
+
+
+def reserved_zero(envoy):
+    return wait_for(lambda: (g := kvgate_gauges(envoy, "reserved_tokens")) and all(v == 0 for v in g.values())
+                    and all(v == 0 for v in kvgate_gauges(envoy, "in_flight").values()), timeout=5)
+
+
+def preemptions(sim):
+    return sum(sim.stats(i)["preemptions"] for i in range(sim.pods))
+
+
+def test_twice_capacity_preempts_without_kvgate_and_never_with_it():
+    """~800-token requests on pods holding ~5 each; 24 concurrent = about twice the pool."""
+    out = {}
+    for name in ("round_robin", "kvgate"):
+        with Sim(pods=2, args=SMALL_KV) as sim:
+            if name == "kvgate":
+                ctx = kvgate_envoy(sim.endpoints, config())
+            else:
+                ctx = Envoy(envoy_config(free_port(), free_port(), sim.endpoints, with_kvgate=False,
+                                         lb_policy=ROUND_ROBIN))
+            with ctx as envoy:
+                with ThreadPoolExecutor(24) as pool:
+                    rs = list(pool.map(lambda i: stream(envoy.port, "/v1/completions", completion(i)), range(72)))
+                assert all(r["status"] == 200 and r["chunks"] == 300 for r in rs), [r["status"] for r in rs]
+                out[name] = {"preemptions": preemptions(sim),
+                             "peak_kv_blocks": max(sim.stats(i)["peak_kv_blocks_used"] for i in range(2)),
+                             "e2e_p50_s": round(statistics.median(r["total"] for r in rs), 2)}
+                if name == "kvgate":
+                    assert reserved_zero(envoy)
+    print("2x capacity:", out)
+    assert out["round_robin"]["preemptions"] >= 10
+    assert out["kvgate"]["preemptions"] == 0
+
+
+def test_priority_bands_and_shedding():
+    with Sim(pods=2, args=SMALL_KV) as sim, kvgate_envoy(sim.endpoints, config()) as envoy:
+        # Fill the pool with long standard requests, then keep a standard backlog waiting.
+        results = {"critical": [], "standard": [], "batch": []}
+        lock = threading.Lock()
+
+        def send(kind, i):
+            r = stream(envoy.port, "/v1/completions", completion(1000 * len(kind) + i, max_tokens=1000),
+                       {"x-gateway-inference-objective": kind})
+            with lock:
+                results[kind].append(r)
+
+        threads = [threading.Thread(target=send, args=("standard", i)) for i in range(24)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)  # the standard backlog is queued now
+        more = [threading.Thread(target=send, args=("critical", i)) for i in range(4)]
+        more += [threading.Thread(target=send, args=("batch", i)) for i in range(4)]
+        for t in more:
+            t.start()
+        for t in threads + more:
+            t.join(120)
+        ttft = {k: statistics.mean(r["ttft"] for r in v if r["status"] == 200) for k, v in results.items()
+                if any(r["status"] == 200 for r in v)}
+        print("TTFT by class (s):", {k: round(v, 3) for k, v in ttft.items()},
+              "batch statuses:", sorted(r["status"] for r in results["batch"]))
+        assert all(r["status"] == 200 for r in results["critical"] + results["standard"])
+        assert all(r["status"] == 429 for r in results["batch"]), "sheddable refused while saturated"
+        assert ttft["critical"] < ttft["standard"] / 2
+        assert reserved_zero(envoy)
+
+
+def test_flooding_tenant_does_not_starve_the_other():
+    with Sim(pods=2, args=SMALL_KV) as sim, kvgate_envoy(sim.endpoints, config()) as envoy:
+        flood_done = []
+
+        def flood(i):
+            r = stream(envoy.port, "/v1/completions", completion(i, max_tokens=400),
+                       {"x-gateway-inference-fairness-id": "flood"})
+            flood_done.append(time.time())
+            return r
+
+        with ThreadPoolExecutor(80) as pool, ThreadPoolExecutor(4) as quiet_pool:
+            floods = [pool.submit(flood, i) for i in range(80)]
+            time.sleep(0.5)
+            t0 = time.time()
+            quiet = [quiet_pool.submit(stream, envoy.port, "/v1/completions", completion(500 + i, max_tokens=400),
+                                       {"x-gateway-inference-fairness-id": "quiet"}) for i in range(4)]
+            quiet_r = [f.result() for f in quiet]
+            quiet_done = time.time() - t0
+            flood_r = [f.result() for f in floods]
+        assert all(r["status"] == 200 for r in quiet_r + flood_r)
+        wait = lambda r: int(r["headers"].get("x-kvgate-queue-ms", "0"))
+        quiet_wait = max(wait(r) for r in quiet_r)
+        flood_waits = sorted(wait(r) for r in flood_r)
+        service = statistics.median(r["total"] for r in flood_r) * 1000
+        print(f"quiet tenant: longest queue wait {quiet_wait} ms; flood tenant: median wait "
+              f"{flood_waits[len(flood_waits) // 2]} ms, p90 {flood_waits[int(0.9 * len(flood_waits))]} ms; "
+              f"one request's service time {service:.0f} ms")
+        # The quiet tenant waits at most for running requests to end (about one service time),
+        # not behind the flood's backlog.
+        assert quiet_wait <= 2 * service
+        assert quiet_wait * 3 < flood_waits[int(0.9 * len(flood_waits))]
+        assert reserved_zero(envoy)
+
+
+def test_session_boost_shortens_follow_up_waits():
+    """Sessions of short turns under a steady background load: with the boost, a follow-up turn
+    goes ahead of non-boosted requests in its band."""
+    waits = {}
+    for boost in (0, 60000):
+        with Sim(pods=2, args=SMALL_KV) as sim, kvgate_envoy(sim.endpoints, config(sessionBoostMs=boost)) as envoy:
+            stop = time.time() + 6
+            follow_up_waits = []
+
+            def background(i):
+                while time.time() < stop:
+                    stream(envoy.port, "/v1/completions", completion(10_000 + i, max_tokens=120))
+
+            def session(s):
+                history = f"session {s} " + "context words " * 100
+                for turn in range(4):
+                    body = {"model": MODEL, "max_tokens": 20,
+                            "messages": [{"role": "user", "content": history + f" turn {turn}"}]}
+                    r = request(envoy.port, "POST", "/v1/chat/completions", body, {"x-session-id": f"s{s}"})
+                    assert r.status == 200, r.body
+                    if turn > 0:
+                        follow_up_waits.append(int(r.headers.get("x-kvgate-queue-ms", "0")))
+                    history += " answer " + r.json()["choices"][0]["message"]["content"]
+
+            with ThreadPoolExecutor(20) as pool:
+                bg = [pool.submit(background, i) for i in range(14)]
+                time.sleep(0.5)
+                sessions = [pool.submit(session, s) for s in range(4)]
+                for f in sessions + bg:
+                    f.result()
+            waits[boost] = statistics.mean(follow_up_waits)
+            assert reserved_zero(envoy)
+    print(f"mean follow-up queue wait: without boost {waits[0]:.0f} ms, with boost {waits[60000]:.0f} ms")
+    assert waits[60000] < waits[0]
+
+
+def test_timeout_503_full_queue_429_and_disconnects_leave_nothing_reserved():
+    cfg = config(maxWaitMs=800, maxQueue=4, budgetTokens=1000)
+    with Sim(pods=2, args=SMALL_KV) as sim, kvgate_envoy(sim.endpoints, cfg) as envoy:
+        # Occupy the pool: one long stream per pod, each reserving (nearly) a whole budget.
+        holders = [threading.Thread(target=stream, args=(envoy.port, "/v1/completions", completion(i, max_tokens=3000)),
+                                    daemon=True) for i in range(2)]
+        for t in holders:
+            t.start()
+        time.sleep(0.5)
+        with ThreadPoolExecutor(8) as pool:
+            waiting = [pool.submit(request, envoy.port, "POST", "/v1/completions", completion(100 + i, max_tokens=10))
+                       for i in range(6)]
+            got = sorted(f.result().status for f in waiting)
+        statuses = {s: got.count(s) for s in got}
+        print("queued requests' answers:", statuses)
+        assert statuses.get(429, 0) >= 2, "beyond maxQueue: 429"
+        assert statuses.get(503, 0) >= 1, "past maxWaitMs: 503"
+        r503 = request(envoy.port, "POST", "/v1/completions", completion(200, max_tokens=10))
+        if r503.status == 503:
+            assert "retry-after" in r503.headers
+        # A client that disconnects while queued.
+        s = socket.create_connection(("127.0.0.1", envoy.port))
+        body = json.dumps(completion(300, max_tokens=10)).encode()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  + f"content-length: {len(body)}\r\n\r\n".encode() + body)
+        time.sleep(0.2)
+        s.close()
+        # A client that disconnects mid-stream (the upstream stream is reset).
+        s = socket.create_connection(("127.0.0.1", envoy.port))
+        body = json.dumps(dict(completion(301, max_tokens=2000), stream=True)).encode()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  + f"content-length: {len(body)}\r\n\r\n".encode() + body)
+        time.sleep(0.3)
+        s.close()
+        for t in holders:
+            t.join(120)
+        assert reserved_zero(envoy), kvgate_gauges(envoy, "reserved_tokens")
+        queue_len = envoy.stats("wasmcustom.kvgate.queue.length").get("wasmcustom.kvgate.queue.length")
+        assert queue_len == 0
+
+
+def test_wake_up_latency_when_budget_frees():
+    """One request at a time fits; each queued request is resumed when the previous one ends.
+    kvgate measures the wake-up latency itself: from the release of budget (on any worker) to the
+    admission of the woken request (on its own worker), in the host's milliseconds."""
+    cfg = config(budgetTokens=1000)
+    with Sim(pods=1, args=SMALL_KV) as sim, kvgate_envoy(sim.endpoints, cfg) as envoy:
+        for i in range(10):
+            with ThreadPoolExecutor(2) as pool:
+                fa = pool.submit(request, envoy.port, "POST", "/v1/completions",
+                                 completion(i, prompt_words=600, max_tokens=400))
+                time.sleep(0.05)
+                fb = pool.submit(request, envoy.port, "POST", "/v1/completions",
+                                 completion(100 + i, prompt_words=600, max_tokens=5))
+                ra, rb = fa.result(), fb.result()
+            assert ra.status == rb.status == 200
+            assert int(rb.headers["x-kvgate-queue-ms"]) > 0, "the second request waited"
+        st = envoy.stats("wasmcustom.kvgate.admission")
+        wakes = st["wasmcustom.kvgate.admission.wakes"]
+        mean = st["wasmcustom.kvgate.admission.wake_latency_ms_total"] / wakes
+        print(f"wake-up latency: mean {mean:.2f} ms over {wakes} wakes (millisecond clock)")
+        assert wakes >= 10
+        assert mean <= 5, "resumed on release, not on the 250 ms tick"
