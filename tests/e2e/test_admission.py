@@ -140,7 +140,7 @@ def test_session_boost_shortens_follow_up_waits():
 
             def background(i):
                 while time.time() < stop:
-                    stream(envoy.port, "/v1/completions", completion(10_000 + i, max_tokens=120))
+                    stream(envoy.port, "/v1/completions", completion(10_000 + i, max_tokens=200))
 
             def session(s):
                 history = f"session {s} " + "context words " * 100
@@ -153,8 +153,9 @@ def test_session_boost_shortens_follow_up_waits():
                         follow_up_waits.append(int(r.headers.get("x-kvgate-queue-ms", "0")))
                     history += " answer " + r.json()["choices"][0]["message"]["content"]
 
-            with ThreadPoolExecutor(20) as pool:
-                bg = [pool.submit(background, i) for i in range(14)]
+            # About three times what the pool holds, so a backlog stands in the line throughout.
+            with ThreadPoolExecutor(48) as pool:
+                bg = [pool.submit(background, i) for i in range(42)]
                 time.sleep(0.5)
                 sessions = [pool.submit(session, s) for s in range(4)]
                 for f in sessions + bg:
@@ -162,7 +163,8 @@ def test_session_boost_shortens_follow_up_waits():
             waits[boost] = statistics.mean(follow_up_waits)
             assert reserved_zero(envoy)
     print(f"mean follow-up queue wait: without boost {waits[0]:.0f} ms, with boost {waits[60000]:.0f} ms")
-    assert waits[60000] < waits[0]
+    # A boosted turn still waits for budget to free, but not behind the backlog.
+    assert waits[60000] < 0.7 * waits[0]
 
 
 def test_timeout_503_full_queue_429_and_disconnects_leave_nothing_reserved():
