@@ -70,7 +70,7 @@ pub struct Admission {
     wake_queue: u32,
     /// This VM's parked tickets and their deadlines.
     parked: BTreeMap<u64, u64>,
-        /// When each VM was last woken by this one, so a burst of releases sends one wake.
+    /// When each VM was last woken by this one, so a burst of releases sends one wake.
     woken: HashMap<u32, u64>,
     /// The earliest release time carried by the wakes being served: the start of the wake-up
     /// latency the next admission measures.
@@ -88,7 +88,7 @@ impl Admission {
         Ok(Admission {
             vm,
             wake_queue,
-                        parked: BTreeMap::new(),
+            parked: BTreeMap::new(),
             woken: HashMap::new(),
             released_at: None,
         })
@@ -219,9 +219,12 @@ impl Admission {
             Placement::NoPods => Admit::Unrouted,
             Placement::NoRoom => return Ok(None),
         };
-                self.leave(store, ticket.id, true)?;
+        self.leave(store, ticket.id, true)?;
         stats.count("kvgate.admission.admitted", 1);
-        stats.histogram("kvgate.admission.wait_ms", now.saturating_sub(ticket.enqueued_ms));
+        stats.histogram(
+            "kvgate.admission.wait_ms",
+            now.saturating_sub(ticket.enqueued_ms),
+        );
         if let Some(released) = self.released_at.take() {
             let latency = now.saturating_sub(released);
             stats.histogram("kvgate.admission.wake_latency_ms", latency);
@@ -302,7 +305,7 @@ impl Admission {
         self.woken.insert(vm, now);
         match store.resolve_queue(&wake_queue_name(vm)) {
             Ok(Some(q)) => {
-                                if let Err(e) = store.enqueue(q, &now.to_le_bytes()) {
+                if let Err(e) = store.enqueue(q, &now.to_le_bytes()) {
                     log::debug!("kvgate: wake of vm {vm} failed: {e:?}");
                 }
             }
@@ -310,7 +313,7 @@ impl Admission {
         }
     }
 
-        /// Empties this VM's wake queue (one pass over the line follows, whatever the count),
+    /// Empties this VM's wake queue (one pass over the line follows, whatever the count),
     /// keeping the earliest release time the wakes carry.
     pub fn drain_wakes(&mut self, store: &dyn Store) {
         while let Ok(Some(message)) = store.dequeue(self.wake_queue) {

@@ -175,6 +175,8 @@ pub struct RoutingConfig {
     pub temperature: f64,
     /// Further pods listed after the pick, for retries.
     pub fallback_pods: u32,
+    /// Also write the pick to `x-envoy-original-dst-host`, for an ORIGINAL_DST model cluster.
+    pub set_original_dst_header: bool,
     /// An in-flight entry lives this long without news of its stream.
     pub request_ttl_ms: u64,
 }
@@ -193,6 +195,7 @@ impl Default for RoutingConfig {
             kv_usage_weight: 0.0,
             temperature: 0.0,
             fallback_pods: 2,
+            set_original_dst_header: false,
             request_ttl_ms: 660_000,
         }
     }

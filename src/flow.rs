@@ -19,6 +19,9 @@ use crate::store::{Store, StoreError};
 /// Clients never choose the upstream: this header is kvgate's to set, and Envoy's override-host
 /// policy trusts whatever it says.
 pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+/// The header an ORIGINAL_DST cluster with `use_http_header` connects to: left to clients it would
+/// let them reach any address, so it is always stripped too.
+pub const ORIGINAL_DST_HEADER: &str = "x-envoy-original-dst-host";
 
 /// How long the scraper's lease lasts without renewal; renewed every tick.
 const LEASE_MS: u64 = 1_500;
@@ -257,6 +260,7 @@ impl Flow {
         );
         let mut decision = self.classify(cfg, head);
         decision.remove.push(DESTINATION_HEADER);
+        decision.remove.push(ORIGINAL_DST_HEADER);
         decision
     }
 
@@ -383,6 +387,10 @@ impl Flow {
                 let mut d = Decision::step(Step::Forward);
                 d.set
                     .push((DESTINATION_HEADER.to_string(), routed.order.join(",")));
+                if gate.config.routing.set_original_dst_header {
+                    d.set
+                        .push((ORIGINAL_DST_HEADER.to_string(), routed.pod.clone()));
+                }
                 if let Some(a) = &mut self.admitted {
                     a.routed = Some(routed);
                 }

@@ -84,9 +84,9 @@ def request(port, method, path, body=None, headers=None, timeout=60.0) -> Respon
 
 
 def envoy_config(listen_port, admin_port, upstreams, plugin_config=None, wasm=WASM, with_kvgate=True,
-                 lb_policy=None):
-    """envoy/envoy.yaml with its ports, pods, plugin config and wasm path replaced."""
-    cfg = yaml.safe_load(ENVOY_YAML.read_text())
+                 lb_policy=None, yaml_path=ENVOY_YAML):
+    """envoy/envoy.yaml (or a variant) with its ports, pods, plugin config and wasm path replaced."""
+    cfg = yaml.safe_load(Path(yaml_path).read_text())
     cfg["admin"]["address"]["socket_address"]["port_value"] = admin_port
     listener = cfg["static_resources"]["listeners"][0]
     listener["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": listen_port}
@@ -101,9 +101,10 @@ def envoy_config(listen_port, admin_port, upstreams, plugin_config=None, wasm=WA
     else:
         filters.remove(kv)
     cluster = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "models")
-    cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
-        {"endpoint": {"address": {"socket_address": {"address": h, "port_value": p}}}} for h, p in upstreams
-    ]
+    if "load_assignment" in cluster:
+        cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
+            {"endpoint": {"address": {"socket_address": {"address": h, "port_value": p}}}} for h, p in upstreams
+        ]
     if lb_policy is not None:
         cluster["load_balancing_policy"] = {"policies": [{"typed_extension_config": lb_policy}]}
     for c in cfg["static_resources"]["clusters"]:
@@ -113,9 +114,9 @@ def envoy_config(listen_port, admin_port, upstreams, plugin_config=None, wasm=WA
     return cfg
 
 
-def default_plugin_config():
-    """The plugin configuration envoy/envoy.yaml ships with."""
-    cfg = yaml.safe_load(ENVOY_YAML.read_text())
+def default_plugin_config(yaml_path=ENVOY_YAML):
+    """The plugin configuration envoy/envoy.yaml (or a variant) ships with."""
+    cfg = yaml.safe_load(Path(yaml_path).read_text())
     hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     kv = next(f for f in hcm["http_filters"] if f["name"] == "kvgate")
     return json.loads(kv["typed_config"]["config"]["configuration"]["value"])

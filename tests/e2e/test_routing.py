@@ -7,7 +7,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from harness import (Envoy, ROUND_ROBIN, Sim, default_plugin_config, envoy_config, free_port,
+from harness import (ROOT, Envoy, ROUND_ROBIN, Sim, default_plugin_config, envoy_config, free_port,
                      kvgate_envoy, kvgate_gauges, request, stream, wait_for)
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -54,6 +54,24 @@ def test_prefix_groups_stick_to_one_pod_and_spread_over_pods():
         print(f"requests on their group's pod: {share:.1%}; group -> pod: {majority}")
         assert share >= 0.95
         assert len(set(majority.values())) >= 3, "groups spread over the pods"
+
+
+def test_original_dst_variant_routes_to_the_pick_and_ignores_client_destinations():
+    variant = ROOT / "envoy/envoy-original-dst.yaml"
+    with Sim(pods=3, args=SIM_ARGS) as sim:
+        cfg = default_plugin_config(variant)
+        cfg["pods"] = [f"{h}:{p}" for h, p in sim.endpoints]
+        with Envoy(envoy_config(free_port(), free_port(), [], cfg, yaml_path=variant)) as envoy:
+            wait_for(lambda: len(kvgate_gauges(envoy, "healthy")) >= 3, timeout=10)
+            homes = set()
+            for q in range(6):
+                # A client naming an address must not reach it (SSRF through ORIGINAL_DST).
+                r = request(envoy.port, "POST", "/v1/chat/completions", chat(3, q),
+                            {"x-envoy-original-dst-host": "127.0.0.1:1"})
+                assert r.status == 200, r.body
+                assert r.headers["x-kvgate-pod"] == f"127.0.0.1:{sim.ports[int(r.headers['x-sim-pod'])]}"
+                homes.add(r.headers["x-sim-pod"])
+            assert len(homes) == 1, "the group sticks to one pod"
 
 
 def test_client_supplied_destination_has_no_effect():
