@@ -85,7 +85,7 @@ unit_tests() {
     setup_wasm_runner
     PATH="$TOOLS/bin:$VENV/bin:$PATH" \
         CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner \
-        cargo test -q -p kvgate --lib --target wasm32-unknown-unknown
+        cargo test -p kvgate --lib --target wasm32-unknown-unknown
 }
 
 e2e_tests() {

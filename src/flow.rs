@@ -127,6 +127,11 @@ impl Gate {
         }
     }
 
+    /// This VM's number among the plugin's VMs (unique: it names its wake queue and its requests).
+    pub fn vm(&self) -> u32 {
+        self.router.vm()
+    }
+
     /// This VM's wake queue: the shell calls `next_parked` when it is notified.
     pub fn wake_queue(&self) -> u32 {
         self.admission.wake_queue()

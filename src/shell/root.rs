@@ -91,6 +91,7 @@ impl RootContext for Root {
         };
         match Gate::new(config, &HostStore) {
             Ok(gate) => {
+                log::info!("kvgate: configured as vm {}", gate.vm());
                 self.gate = Some(Rc::new(RefCell::new(gate)));
                 host::set_tick_period(TICK_MS);
                 true
