@@ -48,6 +48,17 @@ def free_ports(n: int) -> int:
     raise RuntimeError("no run of free ports")
 
 
+def stop(proc) -> None:
+    """Terminates a process started here, killing it if it does not stop in 10 s."""
+    if proc and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def wait_port(port: int, timeout: float = 30.0, proc=None) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -183,13 +194,7 @@ class Envoy:
         return out
 
     def __exit__(self, *exc):
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop(self.proc)
         self.log.close()
 
 
@@ -227,13 +232,7 @@ class Sim:
         return request(self.ports[i], "GET", "/sim/stats").json()
 
     def __exit__(self, *exc):
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop(self.proc)
 
 
 class StubUpstream:
@@ -276,6 +275,12 @@ class StubUpstream:
     def __exit__(self, *exc):
         self.server.shutdown()
         self.server.server_close()
+
+
+def baseline_envoy(upstreams, lb_policy=ROUND_ROBIN, concurrency=4):
+    """The same Envoy without kvgate, balancing with `lb_policy`."""
+    return Envoy(envoy_config(free_port(), free_port(), upstreams, with_kvgate=False, lb_policy=lb_policy),
+                 concurrency=concurrency)
 
 
 @contextlib.contextmanager

@@ -10,8 +10,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from harness import (Envoy, ROUND_ROBIN, Sim, default_plugin_config, envoy_config, free_port,
-                     kvgate_envoy, kvgate_gauges, request, stream, wait_for)
+from harness import (Sim, baseline_envoy, default_plugin_config, kvgate_envoy, kvgate_gauges, request,
+                     stream, wait_for)
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 # Two pods of 256 blocks × 16 tokens = 4096 tokens of KV each.
@@ -44,11 +44,7 @@ def test_twice_capacity_preempts_without_kvgate_and_never_with_it():
     out = {}
     for name in ("round_robin", "kvgate"):
         with Sim(pods=2, args=SMALL_KV) as sim:
-            if name == "kvgate":
-                ctx = kvgate_envoy(sim.endpoints, config())
-            else:
-                ctx = Envoy(envoy_config(free_port(), free_port(), sim.endpoints, with_kvgate=False,
-                                         lb_policy=ROUND_ROBIN))
+            ctx = kvgate_envoy(sim.endpoints, config()) if name == "kvgate" else baseline_envoy(sim.endpoints)
             with ctx as envoy:
                 with ThreadPoolExecutor(24) as pool:
                     rs = list(pool.map(lambda i: stream(envoy.port, "/v1/completions", completion(i)), range(72)))

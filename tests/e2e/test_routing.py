@@ -7,7 +7,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from harness import (ROOT, Envoy, ROUND_ROBIN, Sim, default_plugin_config, envoy_config, free_port,
+from harness import (ROOT, Envoy, Sim, baseline_envoy, default_plugin_config, envoy_config, free_port,
                      kvgate_envoy, kvgate_gauges, request, stream, wait_for)
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -185,11 +185,7 @@ def test_kvgate_beats_round_robin_on_shared_prefix_workload():
     out = {}
     for name in ("round_robin", "kvgate"):
         with Sim(pods=4, args=REALISTIC_SIM_ARGS) as sim:
-            if name == "kvgate":
-                ctx = kvgate_envoy(sim.endpoints, default_plugin_config())
-            else:
-                ctx = Envoy(envoy_config(free_port(), free_port(), sim.endpoints, with_kvgate=False,
-                                         lb_policy=ROUND_ROBIN))
+            ctx = kvgate_envoy(sim.endpoints, default_plugin_config()) if name == "kvgate" else baseline_envoy(sim.endpoints)
             with ctx as envoy:
                 results = shared_prefix_run(envoy.port)
             assert all(r["status"] == 200 for r in results)

@@ -13,7 +13,6 @@ import json
 import math
 import os
 import random
-import socket
 import subprocess
 import tempfile
 import threading
@@ -22,8 +21,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-SIM_BIN = Path(os.environ.get("KVGATE_SIM_BIN", ROOT / "target/tools/kvgate-sim"))
+from harness import SIM_BIN, free_ports
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
@@ -33,27 +31,6 @@ WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo li
 
 
 # ------------------------------------------------------------------ helpers
-
-def _free_base_port(n):
-    """A base port with n consecutive free loopback ports."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65000:
-            continue
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no run of free ports")
-
 
 class SimProc:
     """kvgate-sim on consecutive loopback ports; ready once every pod printed its listening line."""
@@ -72,7 +49,7 @@ class SimProc:
             pytest.fail(f"{SIM_BIN} not found: build it with `cargo build -p kvgate-sim --profile tools`")
         self.stderr = tempfile.TemporaryFile()
         for _attempt in range(3):
-            self.base = _free_base_port(self.pods)
+            self.base = free_ports(self.pods)
             self.proc = subprocess.Popen(
                 [str(SIM_BIN), "--pods", str(self.pods), "--base-port", str(self.base),
                  "--host", "127.0.0.1", *self.args],
