@@ -99,9 +99,15 @@ impl Gate {
             self.stats
                 .gauge("kvgate.queue.length", line.tickets.len() as u64);
         }
+        let now = store.now_ms();
+        let (mut stale, mut unhealthy) = (0, 0);
         for pod in pods {
             if let Ok(rec) = crate::pod_state::read(store, pod) {
                 let seg = pod_segment(pod);
+                let fresh = rec.snapshot.is_some_and(|s| {
+                    now.saturating_sub(s.at_ms) <= self.config.metrics.stale_after_ms
+                });
+                stale += u64::from(!self.config.metrics.cluster.is_empty() && !fresh);
                 self.stats.gauge(
                     format!("kvgate.pod.{seg}.active_blocks"),
                     rec.active_blocks(),
@@ -121,10 +127,14 @@ impl Gate {
                     budget.unwrap_or(0),
                 );
                 let healthy = rec.snapshot.is_none_or(|s| s.healthy);
+                unhealthy += u64::from(!healthy);
                 self.stats
                     .gauge(format!("kvgate.pod.{seg}.healthy"), u64::from(healthy));
             }
         }
+        self.stats.gauge("kvgate.pods.total", pods.len() as u64);
+        self.stats.gauge("kvgate.pods.stale", stale);
+        self.stats.gauge("kvgate.pods.unhealthy", unhealthy);
     }
 
     /// This VM's number among the plugin's VMs (unique: it names its wake queue and its requests).
