@@ -1,20 +1,27 @@
 //! A pod's token budget and whether a reservation fits it. By default the budget is the engine's
 //! own KV capacity (`num_gpu_blocks × block_size`, from its metrics) times a utilisation target;
-//! a configured value overrides it; a pod with neither is not limited (kvgate will not guess).
+//! a configured value overrides it. Until a pod's first scrape says how large it is, it takes one
+//! request at a time (kvgate will not guess, and will not flood a pod it knows nothing of); a pod
+//! whose metrics carry no capacity, or any pod when nothing is scraped, is not limited.
 
-use crate::config::AdmissionConfig;
+use crate::config::Config;
 use crate::pod_state::Snapshot;
 
-pub fn budget_tokens(cfg: &AdmissionConfig, snapshot: Option<&Snapshot>) -> Option<u64> {
-    if !cfg.enabled {
+pub fn budget_tokens(cfg: &Config, snapshot: Option<&Snapshot>) -> Option<u64> {
+    let a = &cfg.admission;
+    if !a.enabled {
         return None;
     }
-    if cfg.budget_tokens > 0 {
-        return Some(cfg.budget_tokens);
+    if a.budget_tokens > 0 {
+        return Some(a.budget_tokens);
     }
-    snapshot
-        .filter(|s| s.capacity_tokens > 0)
-        .map(|s| (s.capacity_tokens as f64 * cfg.utilization) as u64)
+    match snapshot {
+        Some(s) if s.capacity_tokens > 0 => Some((s.capacity_tokens as f64 * a.utilization) as u64),
+        Some(s) if s.healthy => None,
+        _ if cfg.metrics.cluster.is_empty() => None,
+        // Not scraped yet (or down): room for one request, which `fits` always allows alone.
+        _ => Some(0),
+    }
 }
 
 /// A reservation fits when it stays within the budget, or when the pod has nothing reserved: a
@@ -31,24 +38,31 @@ mod tests {
     use super::*;
 
     #[test]
-    fn derived_configured_or_unlimited() {
-        let cfg = AdmissionConfig::default();
+    fn derived_configured_unknown_or_unlimited() {
+        let mut cfg = Config::default();
+        cfg.metrics.cluster = "kvgate_metrics".into();
         let snap = Snapshot {
+            healthy: true,
             capacity_tokens: 1000,
             ..Snapshot::default()
         };
         assert_eq!(budget_tokens(&cfg, Some(&snap)), Some(900));
-        assert_eq!(budget_tokens(&cfg, None), None);
-        let fixed = AdmissionConfig {
-            budget_tokens: 50,
-            ..AdmissionConfig::default()
+        assert_eq!(
+            budget_tokens(&cfg, None),
+            Some(0),
+            "not scraped yet: one at a time"
+        );
+        let no_capacity = Snapshot {
+            healthy: true,
+            ..Snapshot::default()
         };
-        assert_eq!(budget_tokens(&fixed, Some(&snap)), Some(50));
-        let off = AdmissionConfig {
-            enabled: false,
-            ..AdmissionConfig::default()
-        };
-        assert_eq!(budget_tokens(&off, Some(&snap)), None);
+        assert_eq!(budget_tokens(&cfg, Some(&no_capacity)), None);
+        cfg.admission.budget_tokens = 50;
+        assert_eq!(budget_tokens(&cfg, Some(&snap)), Some(50));
+        cfg.admission.enabled = false;
+        assert_eq!(budget_tokens(&cfg, Some(&snap)), None);
+        let unscraped = Config::default();
+        assert_eq!(budget_tokens(&unscraped, None), None);
     }
 
     #[test]

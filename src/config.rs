@@ -86,7 +86,7 @@ impl Default for AdmissionConfig {
             tenant_header: "x-gateway-inference-fairness-id".into(),
             session_header: "x-session-id".into(),
             session_boost_ms: 60_000,
-            session_boost_tokens: 8_192,
+            session_boost_tokens: 65_536,
         }
     }
 }

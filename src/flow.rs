@@ -120,8 +120,7 @@ impl Gate {
                     format!("kvgate.pod.{seg}.reserved_tokens"),
                     rec.reserved_tokens(),
                 );
-                let budget =
-                    crate::budget::budget_tokens(&self.config.admission, rec.snapshot.as_ref());
+                let budget = crate::budget::budget_tokens(&self.config, rec.snapshot.as_ref());
                 self.stats.gauge(
                     format!("kvgate.pod.{seg}.budget_tokens"),
                     budget.unwrap_or(0),

@@ -239,7 +239,7 @@ impl Router {
         let ranked = rank(&candidates, prompt_blocks, r, &mut rng);
         let budgets: Vec<Option<u64>> = indices
             .iter()
-            .map(|&i| budget_tokens(&cfg.admission, records[i].snapshot.as_ref()))
+            .map(|&i| budget_tokens(cfg, records[i].snapshot.as_ref()))
             .collect();
         // A prefix already held by in-flight requests on a pod occupies its KV once: a request
         // reserves only what it adds there (seed 000's objection to per-request token budgets).

@@ -288,8 +288,12 @@ def kvgate_envoy(upstreams, plugin_config=None, concurrency=4, **kw):
     cfg = envoy_config(free_port(), free_port(), upstreams, plugin_config, **kw)
     with Envoy(cfg, concurrency=concurrency, log_level=os.environ.get("ENVOY_LOG", "warning")) as envoy:
         if (plugin_config or {}).get("discovery", {}).get("adminCluster"):
-            # Discovery and a first scrape take a tick or two; tests start from a known pool.
+            # Discovery and a first scrape take a tick or two; tests start from a known pool whose
+            # capacities are known (before its first scrape a pod takes one request at a time).
             wait_for(lambda: len(kvgate_gauges(envoy, "healthy")) >= len(upstreams), timeout=10)
+            if (plugin_config or {}).get("metrics", {}).get("cluster"):
+                wait_for(lambda: envoy.stats("wasmcustom.kvgate.scrape.ok").get("wasmcustom.kvgate.scrape.ok", 0)
+                         >= len(upstreams), timeout=10)
         yield envoy
 
 
