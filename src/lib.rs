@@ -12,6 +12,7 @@ pub mod codec;
 pub mod config;
 pub mod estimate;
 pub mod flow;
+pub mod gate;
 pub mod hash;
 pub mod pick;
 pub mod pick_log;

@@ -5,7 +5,7 @@
 use super::host::{self, HostStore};
 use super::http::{apply, Http, Parked};
 use crate::config::Config;
-use crate::flow::{Gate, TICK_MS};
+use crate::gate::{Gate, TICK_MS};
 use crate::scrape::Target;
 use hashbrown::HashMap;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};

@@ -1,0 +1,173 @@
+//! One VM's state and periodic work: the parsed configuration, the router's replicas, admission's
+//! parked tickets, caches of shared data, the scraper (active only while this VM holds the lease)
+//! and the stats waiting to be flushed. Requests (`flow`) borrow it; the shell's root context
+//! drives its tick, callouts and wake-ups.
+
+use crate::admission::Admission;
+use crate::calibration::Calibration;
+use crate::config::Config;
+use crate::router::Router;
+use crate::scrape::{self, Call, Scraper, Target};
+use crate::stats::{pod_segment, Stats};
+use crate::store::{Store, StoreError};
+
+/// How long the scraper's lease lasts without renewal; renewed every tick.
+const LEASE_MS: u64 = 1_500;
+/// The root context's tick: lease renewal, scrapes and discovery fall due on it.
+pub const TICK_MS: u64 = 250;
+
+/// Per-VM state: the parsed config, the router's replicas, caches of shared data, the scraper
+/// (active only while this VM holds the lease) and the stats waiting to be flushed.
+pub struct Gate {
+    pub config: Config,
+    pub(crate) calibration: Calibration,
+    pub(crate) router: Router,
+    pub(crate) admission: Admission,
+    scraper: Scraper,
+    pub stats: Stats,
+}
+
+impl Gate {
+    pub fn new(config: Config, store: &dyn Store) -> Result<Self, StoreError> {
+        let router = Router::start(store, &config)?;
+        Ok(Self {
+            admission: Admission::start(store, router.vm())?,
+            router,
+            config,
+            calibration: Calibration::default(),
+            scraper: Scraper::default(),
+            stats: Stats::default(),
+        })
+    }
+
+    /// Periodic work: whichever VM holds the lease plans the scrapes and discovery calls due.
+    pub fn on_tick(&mut self, store: &dyn Store) -> Vec<Call> {
+        let now = store.now_ms();
+        if let Err(e) = self.router.sync(store, &self.config) {
+            log::debug!("kvgate: sync failed: {e:?}");
+        }
+        match scrape::hold_lease(store, self.router.vm(), now, LEASE_MS) {
+            Ok(true) => {}
+            Ok(false) => return Vec::new(),
+            Err(e) => {
+                log::debug!("kvgate: lease: {e:?}");
+                return Vec::new();
+            }
+        }
+        self.scraper.expire(now);
+        let pods = self.router.pods().to_vec();
+        self.report_pods(store, &pods);
+        self.scraper.due(&self.config, &pods, now)
+    }
+
+    /// Gauges of the pool, written by the lease holder only so they are not multiplied.
+    fn report_pods(&mut self, store: &dyn Store, pods: &[String]) {
+        if let Ok(line) = crate::queue::read(store) {
+            // Bands named by configuration (and the default) are reported; any other priority a
+            // client sent is counted under `other`, so the stat names stay bounded.
+            let a = &self.config.admission;
+            let mut bands: Vec<i32> = a.objectives.values().copied().collect();
+            bands.push(a.default_priority);
+            bands.sort_unstable();
+            bands.dedup();
+            let mut other = 0;
+            for &band in &bands {
+                let n = line.tickets.iter().filter(|t| t.priority == band).count();
+                self.stats.gauge(
+                    format!("kvgate.queue.priority_{band}.length").replace('-', "minus_"),
+                    n as u64,
+                );
+            }
+            other += line
+                .tickets
+                .iter()
+                .filter(|t| !bands.contains(&t.priority))
+                .count();
+            self.stats.gauge("kvgate.queue.other.length", other as u64);
+            self.stats
+                .gauge("kvgate.queue.length", line.tickets.len() as u64);
+        }
+        let now = store.now_ms();
+        let (mut stale, mut unhealthy) = (0, 0);
+        for pod in pods {
+            if let Ok(rec) = crate::pod_state::read(store, pod) {
+                let seg = pod_segment(pod);
+                let fresh = rec.snapshot.is_some_and(|s| {
+                    now.saturating_sub(s.at_ms) <= self.config.metrics.stale_after_ms
+                });
+                stale += u64::from(!self.config.metrics.cluster.is_empty() && !fresh);
+                self.stats.gauge(
+                    format!("kvgate.pod.{seg}.active_blocks"),
+                    rec.active_blocks(),
+                );
+                self.stats.gauge(
+                    format!("kvgate.pod.{seg}.in_flight"),
+                    rec.entries.len() as u64,
+                );
+                self.stats.gauge(
+                    format!("kvgate.pod.{seg}.reserved_tokens"),
+                    rec.reserved_tokens(),
+                );
+                let budget = crate::budget::budget_tokens(&self.config, rec.snapshot.as_ref());
+                self.stats.gauge(
+                    format!("kvgate.pod.{seg}.budget_tokens"),
+                    budget.unwrap_or(0),
+                );
+                let healthy = rec.snapshot.is_none_or(|s| s.healthy);
+                unhealthy += u64::from(!healthy);
+                self.stats
+                    .gauge(format!("kvgate.pod.{seg}.healthy"), u64::from(healthy));
+            }
+        }
+        self.stats.gauge("kvgate.pods.total", pods.len() as u64);
+        self.stats.gauge("kvgate.pods.stale", stale);
+        self.stats.gauge("kvgate.pods.unhealthy", unhealthy);
+    }
+
+    /// This VM's number among the plugin's VMs (unique: it names its wake queue and its requests).
+    pub fn vm(&self) -> u32 {
+        self.router.vm()
+    }
+
+    /// This VM's wake queue: the shell calls `next_parked` when it is notified.
+    pub fn wake_queue(&self) -> u32 {
+        self.admission.wake_queue()
+    }
+
+    /// Woken (or ticking): empties the wake queue and returns the head of the line if this VM
+    /// holds it. The shell retries that request and asks again until `None`.
+    pub fn next_parked(&mut self, store: &dyn Store) -> Option<u64> {
+        self.admission.drain_wakes(store);
+        if self.admission.parked() == 0 {
+            return None;
+        }
+        self.admission.next_head(store).unwrap_or_else(|e| {
+            log::debug!("kvgate: reading the queue failed: {e:?}");
+            None
+        })
+    }
+
+    /// Parked requests past their deadline; the shell retries each, which answers 503.
+    pub fn expired(&self, store: &dyn Store) -> Vec<u64> {
+        self.admission.expired(store.now_ms())
+    }
+
+    pub fn on_call_failed(&mut self, target: &Target) {
+        self.scraper.abandon(target);
+    }
+
+    pub fn on_call_response(
+        &mut self,
+        store: &dyn Store,
+        target: &Target,
+        status: Option<u32>,
+        body: &[u8],
+    ) {
+        if let Err(e) =
+            self.scraper
+                .on_response(store, &self.config, &mut self.stats, target, status, body)
+        {
+            log::warn!("kvgate: recording {target:?} failed: {e:?}");
+        }
+    }
+}
