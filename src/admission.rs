@@ -142,7 +142,7 @@ impl Admission {
                 },
             ),
             enqueued_ms: now,
-            deadline_ms: now + a.max_wait_ms,
+            deadline_ms: now.saturating_add(a.max_wait_ms),
             cost: est.cost,
         };
         // Only a request that would lead the line may go straight to a pod: nobody waiting on
@@ -150,7 +150,11 @@ impl Admission {
         if line.would_lead(&ticket) {
             match router.route(store, cfg, hashes.clone(), est)? {
                 Placement::Routed(r) => {
-                    queue::charge_direct(store, class.tenant, est.cost)?;
+                    // Fair-queuing tags matter only under contention: an uncontended pool skips
+                    // the write to the one line every worker shares.
+                    if !line.tickets.is_empty() {
+                        queue::charge_direct(store, class.tenant, est.cost)?;
+                    }
                     stats.count("kvgate.admission.admitted", 1);
                     return Ok(Admit::Routed(r));
                 }

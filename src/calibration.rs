@@ -96,7 +96,14 @@ fn slot_key(model: &str) -> String {
 #[derive(Default)]
 pub struct Calibration {
     cache: HashMap<String, (u64, Option<Learned>)>,
+    /// Samples gathered since the last flush: written once a tick, not once a response, so
+    /// the shared records are not a point of contention on the request path.
+    pending: Vec<(String, Sample)>,
 }
+
+/// Samples kept between flushes at most; beyond, new ones are dropped (a tick's worth of
+/// responses is plenty to learn from).
+const MAX_PENDING: usize = 512;
 
 impl Calibration {
     pub fn learned(
@@ -127,6 +134,21 @@ impl Calibration {
         }
         self.cache.insert(model.to_string(), (now, learned));
         learned
+    }
+
+    /// Notes one response's ground truth; `flush` writes it.
+    pub fn observe(&mut self, model: &str, sample: Sample, cfg: &EstimatorConfig) {
+        if cfg.calibrate && self.pending.len() < MAX_PENDING {
+            self.pending.push((model.to_string(), sample));
+        }
+    }
+
+    /// Writes the pending samples into the shared records.
+    pub fn flush(&mut self, store: &dyn Store, cfg: &EstimatorConfig) -> Result<(), StoreError> {
+        for (model, sample) in std::mem::take(&mut self.pending) {
+            Self::record(store, &model, sample, cfg)?;
+        }
+        Ok(())
     }
 
     /// Folds one response into the model's shared record.
@@ -250,6 +272,22 @@ mod tests {
         Calibration::record(&vm, &b, sample(10.0, 20, Some(5)), &cfg).unwrap();
         assert!(Calibration::default().learned(&vm, &b, &cfg).is_some());
         assert!(Calibration::default().learned(&vm, &a, &cfg).is_none());
+    }
+
+    #[test]
+    fn observed_samples_reach_shared_data_at_the_flush() {
+        let vm = FakeHost::new().vm();
+        let cfg = EstimatorConfig {
+            min_samples: 2,
+            ..EstimatorConfig::default()
+        };
+        let mut cal = Calibration::default();
+        cal.observe("m", sample(10.0, 20, Some(5)), &cfg);
+        cal.observe("m", sample(10.0, 20, Some(5)), &cfg);
+        assert_eq!(Calibration::default().learned(&vm, "m", &cfg), None);
+        cal.flush(&vm, &cfg).unwrap();
+        assert!(Calibration::default().learned(&vm, "m", &cfg).is_some());
+        cal.flush(&vm, &cfg).unwrap();
     }
 
     #[test]

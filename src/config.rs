@@ -188,7 +188,7 @@ impl Default for RoutingConfig {
             chars_per_block_token: 4.0,
             pod_capacity_blocks: 8_192,
             prefix_ttl_ms: 600_000,
-            max_prompt_blocks: 8_192,
+            max_prompt_blocks: 2_048,
             prefill_weight: 2.0,
             active_weight: 1.0,
             queue_weight: 1.0,
@@ -263,6 +263,9 @@ impl fmt::Display for ConfigError {
     }
 }
 
+/// Durations above a week are configuration mistakes (and would overflow clock arithmetic).
+const MAX_DURATION_MS: u64 = 7 * 24 * 3_600_000;
+
 fn invalid(field: &str, reason: impl Into<String>) -> ConfigError {
     ConfigError {
         field: field.to_string(),
@@ -300,6 +303,21 @@ impl Config {
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
+        for (field, ms) in [
+            ("discovery.intervalMs", self.discovery.interval_ms),
+            ("discovery.timeoutMs", self.discovery.timeout_ms),
+            ("metrics.intervalMs", self.metrics.interval_ms),
+            ("metrics.timeoutMs", self.metrics.timeout_ms),
+            ("metrics.staleAfterMs", self.metrics.stale_after_ms),
+            ("routing.prefixTtlMs", self.routing.prefix_ttl_ms),
+            ("routing.requestTtlMs", self.routing.request_ttl_ms),
+            ("admission.maxWaitMs", self.admission.max_wait_ms),
+            ("admission.sessionBoostMs", self.admission.session_boost_ms),
+        ] {
+            if ms > MAX_DURATION_MS {
+                return Err(invalid(field, "must be at most 604800000 (7 days)"));
+            }
+        }
         if self.max_body_bytes == 0 {
             return Err(invalid("maxBodyBytes", "must be greater than 0"));
         }
@@ -392,6 +410,12 @@ impl RoutingConfig {
         if self.max_prompt_blocks == 0 || self.pod_capacity_blocks == 0 {
             return e("maxPromptBlocks", "block limits must be > 0");
         }
+        if self.max_prompt_blocks > 4096 {
+            return e(
+                "maxPromptBlocks",
+                "must be at most 4096 (every worker replays each block)",
+            );
+        }
         Ok(())
     }
 
@@ -471,6 +495,16 @@ mod tests {
             Config::parse(br#"{"estimator":{"minReservationTokens":10,"maxReservationTokens":5}}"#)
                 .unwrap_err();
         assert_eq!(err.field, "estimator.minReservationTokens");
+        let err =
+            Config::parse(br#"{"routing":{"requestTtlMs":18446744073709551615}}"#).unwrap_err();
+        assert_eq!(err.field, "routing.requestTtlMs");
+        let again =
+            Config::parse(br#"{"estimator":{"safetyFactor":1.333333333333333333332}}"#).unwrap();
+        assert_eq!(
+            Config::parse(&serde_json::to_vec(&again).unwrap()).unwrap(),
+            again,
+            "floats round-trip"
+        );
         let err = Config::parse(b"{not json").unwrap_err();
         assert!(err.to_string().contains("invalid kvgate config"));
     }

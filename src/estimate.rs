@@ -66,7 +66,30 @@ impl Class {
     }
 }
 
+/// Classes of the ASCII characters, looked up rather than matched: most prompts are mostly ASCII
+/// and this loop runs over every character of every prompt.
+const ASCII_CLASS: [Class; 128] = {
+    let mut table = [Class::Punct; 128];
+    let mut i = 0;
+    while i < 128 {
+        let b = i as u8;
+        table[i] = match b {
+            b'a'..=b'z' => Class::Lower,
+            b'A'..=b'Z' => Class::Upper,
+            b'0'..=b'9' => Class::Digit,
+            b'\n' | b'\r' => Class::Newline,
+            b' ' | b'\t' | 0x0b | 0x0c => Class::Space,
+            _ => Class::Punct,
+        };
+        i += 1;
+    }
+    table
+};
+
 fn class(c: char) -> Class {
+    if let Some(k) = ASCII_CLASS.get(c as usize) {
+        return *k;
+    }
     match c {
         'a'..='z' => Class::Lower,
         'A'..='Z' => Class::Upper,
@@ -197,8 +220,19 @@ pub struct Estimate {
 }
 
 pub fn estimate(req: &Request, learned: Option<Learned>, cfg: &EstimatorConfig) -> Estimate {
+    estimate_from(req, static_prompt_tokens(&req.text), learned, cfg)
+}
+
+/// `estimate` for a caller that already ran the static rule over the request's text (it is the
+/// costliest step for long prompts, and calibration needs its result too).
+pub fn estimate_from(
+    req: &Request,
+    static_text_tokens: f64,
+    learned: Option<Learned>,
+    cfg: &EstimatorConfig,
+) -> Estimate {
     let scale = learned.map_or(1.0, |l| l.prompt_scale);
-    let text_tokens = (static_prompt_tokens(&req.text) * scale).round() as u64;
+    let text_tokens = (static_text_tokens * scale).round() as u64;
     let prompt_tokens = text_tokens
         .saturating_add(req.token_ids)
         .saturating_add(req.non_text_parts.saturating_mul(cfg.non_text_part_tokens));

@@ -3,9 +3,9 @@
 //! forward, or answer locally. All shared state is reached through the `Store` given to each step.
 
 use crate::admission::{Admit, Class};
-use crate::calibration::{Calibration, Sample};
+use crate::calibration::Sample;
 use crate::config::Config;
-use crate::estimate::{estimate, static_prompt_tokens, Estimate};
+use crate::estimate::{estimate_from, static_prompt_tokens, Estimate};
 pub use crate::gate::Gate;
 use crate::prefix::block_hashes;
 use crate::queue::Ticket;
@@ -90,6 +90,16 @@ pub struct Flow {
     admitted: Option<Admitted>,
     meter: Option<ResponseMeter>,
     finished: bool,
+}
+
+/// Client text made fit for a response header: visible ASCII only, at most 128 characters, so a
+/// crafted value cannot split the response or bloat it.
+fn header_safe(value: &str) -> String {
+    value
+        .chars()
+        .map(|c| if (' '..='~').contains(&c) { c } else { '?' })
+        .take(128)
+        .collect()
 }
 
 fn too_large(limit: u64) -> LocalReply {
@@ -181,7 +191,8 @@ impl Flow {
         };
         let cfg = &gate.config.estimator;
         let learned = gate.calibration.learned(store, &req.model, cfg);
-        let est = estimate(&req, learned, cfg);
+        let static_text_tokens = static_prompt_tokens(&req.text);
+        let est = estimate_from(&req, static_text_tokens, learned, cfg);
         let r = &gate.config.routing;
         let hashes = block_hashes(
             &req.model,
@@ -200,7 +211,7 @@ impl Flow {
             &est,
         );
         self.admitted = Some(Admitted {
-            static_text_tokens: static_prompt_tokens(&req.text),
+            static_text_tokens,
             fixed_tokens: req.token_ids + req.non_text_parts * cfg.non_text_part_tokens,
             max_output_tokens: req.max_output_tokens,
             model: req.model,
@@ -308,7 +319,7 @@ impl Flow {
             return Vec::new();
         }
         let mut headers = vec![
-            ("x-kvgate-model".into(), a.model.clone()),
+            ("x-kvgate-model".into(), header_safe(&a.model)),
             (
                 "x-kvgate-prompt-tokens".into(),
                 a.estimate.prompt_tokens.to_string(),
@@ -404,9 +415,8 @@ impl Flow {
             prompt_tokens: usage.prompt_tokens,
             completion_tokens: (!truncated).then_some(usage.completion_tokens),
         };
-        if let Err(e) = Calibration::record(store, &a.model, sample, &gate.config.estimator) {
-            log::warn!("kvgate: calibration update failed: {e:?}");
-        }
+        gate.calibration
+            .observe(&a.model, sample, &gate.config.estimator);
     }
 }
 
@@ -432,6 +442,12 @@ mod tests {
         let vm = host.vm();
         let gate = Gate::new(config, &vm).unwrap();
         (host, vm, gate)
+    }
+
+    #[test]
+    fn client_text_in_headers_cannot_split_or_bloat_them() {
+        assert_eq!(header_safe("m\r\nx-injected: yes"), "m??x-injected: yes");
+        assert_eq!(header_safe(&"é".repeat(500)).len(), 128);
     }
 
     #[test]

@@ -43,6 +43,9 @@ impl Gate {
     /// Periodic work: whichever VM holds the lease plans the scrapes and discovery calls due.
     pub fn on_tick(&mut self, store: &dyn Store) -> Vec<Call> {
         let now = store.now_ms();
+        if let Err(e) = self.calibration.flush(store, &self.config.estimator) {
+            log::debug!("kvgate: calibration flush failed: {e:?}");
+        }
         if let Err(e) = self.router.sync(store, &self.config) {
             log::debug!("kvgate: sync failed: {e:?}");
         }

@@ -14,7 +14,7 @@ const SEQ_KEY: &str = "kvgate.log.seq";
 /// A slot claimed but not yet written is waited for this long, then skipped (its writer died).
 const STUCK_MS: u64 = 200;
 /// The most prompt blocks one event carries (longer prompts are indexed by their first blocks).
-pub const MAX_EVENT_BLOCKS: usize = 8192;
+pub const MAX_EVENT_BLOCKS: usize = 4096;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Event {

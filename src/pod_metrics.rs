@@ -297,7 +297,8 @@ impl Groups {
         if self.poisoned || self.len == 0 {
             return None;
         }
-        Some(self.values.iter().take(self.len).sum())
+        // Each value is finite, but two huge ones can still sum to infinity.
+        Some(self.values.iter().take(self.len).sum::<f64>()).filter(|t| t.is_finite())
     }
 
     fn total_whole(&self) -> Option<u64> {
@@ -779,6 +780,15 @@ sglang:time_to_first_token_seconds_count{model_name="Qwen/Qwen3-8B"} 12094.0
 
     fn running_of(text: &str) -> Option<f64> {
         ok(text).running
+    }
+
+    #[test]
+    fn sums_that_overflow_are_unknown_not_infinite() {
+        let m = parse_bytes(
+            b"vllm:num_requests_running{engine=\"0\"} 1e308\nvllm:num_requests_running{engine=\"1\"} 1e308\nvllm:num_requests_waiting 1\n",
+        )
+        .unwrap();
+        assert_eq!(m.running, None);
     }
 
     #[test]

@@ -140,12 +140,17 @@ impl PodRecord {
     }
 }
 
+/// Reads a pod's record; expired entries are left out (they are dropped from storage on the next
+/// write, which may not come soon).
 pub fn read(store: &dyn Store, pod: &str) -> Result<PodRecord, StoreError> {
-    Ok(store
+    let now = store.now_ms();
+    let mut rec = store
         .get(&key(pod))?
         .value
         .and_then(|b| PodRecord::decode(&b))
-        .unwrap_or_default())
+        .unwrap_or_default();
+    rec.entries.retain(|e| e.expires_ms > now);
+    Ok(rec)
 }
 
 /// Creates the pod's record if it has none. Called before any request can be routed to the pod
@@ -290,6 +295,12 @@ mod tests {
         })
         .unwrap();
         host.set_now_ms(1_000);
+        assert_eq!(
+            read(&vm, "p").unwrap().reserved_tokens(),
+            0,
+            "not counted once expired"
+        );
+        assert_eq!(finish(&vm, "p", 1, None).unwrap(), None);
         write_snapshot(&vm, "p", Snapshot::default()).unwrap();
         assert_eq!(read(&vm, "p").unwrap().reserved_tokens(), 0);
     }

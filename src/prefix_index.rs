@@ -6,18 +6,28 @@
 use hashbrown::HashMap;
 use std::collections::VecDeque;
 
+/// When a block was last used: a touch number for the LRU order (milliseconds repeat when many
+/// touches land in one tick) and the time, for the TTL.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Use {
+    touch: u64,
+    ms: u64,
+}
+
 #[derive(Default)]
 struct PodBlocks {
-    last_use: HashMap<u64, u64>,
-    /// Touches in time order; an entry is stale when `last_use` has a later time for its hash.
+    last_use: HashMap<u64, Use>,
+    /// Touches in order; an entry is stale when `last_use` has a later touch for its hash.
     order: VecDeque<(u64, u64)>,
 }
 
 impl PodBlocks {
     fn evict_to(&mut self, capacity: usize, expire_before: u64) {
-        while let Some(&(h, t)) = self.order.front() {
-            let live = self.last_use.get(&h) == Some(&t);
-            if live && self.last_use.len() <= capacity && t >= expire_before {
+        while let Some(&(h, touch)) = self.order.front() {
+            let current = self.last_use.get(&h).copied();
+            let live = current.is_some_and(|u| u.touch == touch);
+            let fresh = current.is_some_and(|u| u.ms >= expire_before);
+            if live && self.last_use.len() <= capacity && fresh {
                 break;
             }
             self.order.pop_front();
@@ -28,8 +38,9 @@ impl PodBlocks {
         // Repeated touches of the same blocks leave stale entries behind; rebuild when they
         // dominate so memory stays proportional to what is held.
         if self.order.len() > 4 * self.last_use.len() + 64 {
-            let mut live: Vec<(u64, u64)> = self.last_use.iter().map(|(h, t)| (*h, *t)).collect();
-            live.sort_by_key(|&(_, t)| t);
+            let mut live: Vec<(u64, u64)> =
+                self.last_use.iter().map(|(h, u)| (*h, u.touch)).collect();
+            live.sort_by_key(|&(_, touch)| touch);
             self.order = live.into();
         }
     }
@@ -38,6 +49,7 @@ impl PodBlocks {
 pub struct PrefixIndex {
     pods: HashMap<String, PodBlocks>,
     ttl_ms: u64,
+    touches: u64,
 }
 
 impl PrefixIndex {
@@ -45,6 +57,7 @@ impl PrefixIndex {
         Self {
             pods: HashMap::new(),
             ttl_ms,
+            touches: 0,
         }
     }
 
@@ -56,7 +69,7 @@ impl PrefixIndex {
         let fresh_after = now.saturating_sub(self.ttl_ms);
         hashes
             .iter()
-            .take_while(|h| p.last_use.get(*h).is_some_and(|&t| t >= fresh_after))
+            .take_while(|h| p.last_use.get(*h).is_some_and(|u| u.ms >= fresh_after))
             .count()
     }
 
@@ -64,8 +77,15 @@ impl PrefixIndex {
     pub fn insert(&mut self, pod: &str, hashes: &[u64], now: u64, capacity: usize) {
         let p = self.pods.entry_ref(pod).or_default();
         for &h in hashes {
-            p.last_use.insert(h, now);
-            p.order.push_back((h, now));
+            self.touches += 1;
+            p.last_use.insert(
+                h,
+                Use {
+                    touch: self.touches,
+                    ms: now,
+                },
+            );
+            p.order.push_back((h, self.touches));
         }
         p.evict_to(capacity, now.saturating_sub(self.ttl_ms));
     }
@@ -106,6 +126,21 @@ mod tests {
         assert_eq!(idx.blocks_held("a"), 3);
         assert_eq!(idx.matched("a", &[1], 3), 1);
         assert_eq!(idx.matched("a", &[2], 3), 0);
+    }
+
+    #[test]
+    fn blocks_touched_twice_in_one_millisecond_stay_recent() {
+        let mut idx = PrefixIndex::new(60_000);
+        // Four prompts sharing 3 leading blocks, replayed in one tick, in a pod holding 8.
+        for tail in 0..4u64 {
+            idx.insert("a", &[1, 2, 3, 100 + tail], 5, 8);
+        }
+        idx.insert("a", &[1, 2, 3, 200, 201], 5, 8);
+        assert_eq!(
+            idx.matched("a", &[1, 2, 3], 5),
+            3,
+            "the shared prefix is the most recent"
+        );
     }
 
     #[test]

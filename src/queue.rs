@@ -138,12 +138,17 @@ impl QueueRecord {
     }
 }
 
+/// Reads the line; tickets abandoned by a dead VM are left out (dropped on the next write).
 pub fn read(store: &dyn Store) -> Result<QueueRecord, StoreError> {
-    Ok(store
+    let now = store.now_ms();
+    let mut q = store
         .get(KEY)?
         .value
         .and_then(|b| QueueRecord::decode(&b))
-        .unwrap_or_default())
+        .unwrap_or_default();
+    q.tickets
+        .retain(|t| t.deadline_ms.saturating_add(ABANDONED_MS) > now);
+    Ok(q)
 }
 
 /// Creates the record before any request can race its creation (configure time).
@@ -161,7 +166,8 @@ fn modify<T>(
     let now = store.now_ms();
     update(store, KEY, |bytes| {
         let mut q = bytes.and_then(QueueRecord::decode).unwrap_or_default();
-        q.tickets.retain(|t| t.deadline_ms + ABANDONED_MS > now);
+        q.tickets
+            .retain(|t| t.deadline_ms.saturating_add(ABANDONED_MS) > now);
         let out = change(&mut q)?;
         Some((q.encode(), out))
     })
@@ -333,6 +339,10 @@ mod tests {
         t.deadline_ms = 100;
         enqueue(&vm, t, 1, 0.0, 10).unwrap().unwrap();
         host.set_now_ms(100 + ABANDONED_MS);
+        assert!(
+            read(&vm).unwrap().tickets.is_empty(),
+            "not seen once abandoned"
+        );
         enqueue(&vm, ticket(2, 0, 10), 1, 0.0, 10).unwrap().unwrap();
         assert_eq!(ids(&vm), vec![2]);
     }

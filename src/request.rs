@@ -165,6 +165,8 @@ struct Body {
     cache_salt: Option<String>,
 }
 
+const MAX_MODEL_CHARS: usize = 256;
+
 fn bad(message: impl Into<String>, param: Option<&str>) -> BadRequest {
     BadRequest {
         message: message.into(),
@@ -212,6 +214,13 @@ impl Request {
             .model
             .filter(|m| !m.is_empty())
             .ok_or_else(|| missing("model"))?;
+        // Model names key per-VM caches and may appear in a debug header: bound them.
+        if model.chars().count() > MAX_MODEL_CHARS {
+            return Err(bad(
+                format!("`model` is longer than {MAX_MODEL_CHARS} characters"),
+                Some("model"),
+            ));
+        }
         let mut out = Request {
             model,
             stream: b.stream.unwrap_or(false),
@@ -440,6 +449,10 @@ mod tests {
 
     #[test]
     fn malformed_bodies_are_bad_requests() {
+        let long_model = format!(
+            r#"{{"model":"{}","messages":[{{"role":"user","content":"x"}}]}}"#,
+            "m".repeat(257)
+        );
         let cases: &[(&str, Option<&str>)] = &[
             ("", None),
             ("{", None),
@@ -456,6 +469,7 @@ mod tests {
                 r#"{"model":"m","messages":[{"role":"user","content":5}]}"#,
                 Some("messages[0].content"),
             ),
+            (&long_model, Some("model")),
             (r#"{"model":7,"messages":[]}"#, Some("model")),
             (
                 r#"{"model":"m","messages":[],"max_tokens":-1}"#,

@@ -13,6 +13,7 @@ use crate::pick_log::{Event, PickLog, MAX_EVENT_BLOCKS};
 use crate::pod_state::{self, Entry, PodRecord};
 use crate::prefix_index::PrefixIndex;
 use crate::store::{update, Store, StoreError};
+use hashbrown::HashMap;
 
 const VM_SEQ_KEY: &str = "kvgate.vm.seq";
 /// Discovered pods, written by the elected scraper: `kvgate.pods`.
@@ -69,6 +70,9 @@ pub struct Router {
     active: ActiveBlocks,
     pods: Vec<String>,
     pods_read_ms: Option<u64>,
+    /// Each pod's prefix-cache capacity in blocks, as last read from its record: replayed picks
+    /// are bounded by it too, not only this VM's own.
+    capacity: HashMap<String, usize>,
 }
 
 impl Router {
@@ -96,6 +100,7 @@ impl Router {
             active: ActiveBlocks::default(),
             pods: cfg.pods.clone(),
             pods_read_ms: None,
+            capacity: HashMap::new(),
         })
     }
 
@@ -135,6 +140,7 @@ impl Router {
             }
         }
         if pods != self.pods {
+            self.capacity.retain(|p, _| pods.iter().any(|q| q == p));
             self.prefix.retain_pods(|p| pods.iter().any(|q| q == p));
             self.active.retain_pods(|p| pods.iter().any(|q| q == p));
             self.pods = pods;
@@ -145,7 +151,7 @@ impl Router {
     pub fn sync(&mut self, store: &dyn Store, cfg: &Config) -> Result<(), StoreError> {
         let now = store.now_ms();
         self.refresh_pods(store, cfg, now);
-        let (prefix, active) = (&mut self.prefix, &mut self.active);
+        let (prefix, active, capacity) = (&mut self.prefix, &mut self.active, &self.capacity);
         let default_capacity = cfg.routing.pod_capacity_blocks as usize;
         self.log.poll(store, self.vm, |event| match event {
             Event::Dispatch {
@@ -153,7 +159,8 @@ impl Router {
                 request,
                 hashes,
             } => {
-                prefix.insert(&pod, &hashes, now, default_capacity);
+                let cap = capacity.get(&pod).copied().unwrap_or(default_capacity);
+                prefix.insert(&pod, &hashes, now, cap);
                 active.add(&pod, request, hashes, now);
             }
             Event::Finish { pod, request } => active.remove(&pod, request),
@@ -235,6 +242,10 @@ impl Router {
                 }
             })
             .collect();
+        for c in &candidates {
+            self.capacity
+                .insert(c.pod.to_string(), c.capacity_blocks as usize);
+        }
         let mut rng = Rng::new(request ^ now.rotate_left(17));
         let ranked = rank(&candidates, prompt_blocks, r, &mut rng);
         let budgets: Vec<Option<u64>> = indices
@@ -277,7 +288,7 @@ impl Router {
             let new_blocks = (prompt_blocks - shared[s.index]) as u32;
             let entry = Entry {
                 id: request,
-                expires_ms: now + r.request_ttl_ms,
+                expires_ms: now.saturating_add(r.request_ttl_ms),
                 dispatched_ms: now,
                 tokens: charges[s.index],
                 prompt_blocks: new_blocks,
@@ -340,7 +351,7 @@ impl Router {
             return Ok(false);
         }
         routed.output_blocks = blocks;
-        let expires = store.now_ms() + cfg.routing.request_ttl_ms;
+        let expires = store.now_ms().saturating_add(cfg.routing.request_ttl_ms);
         // The reservation never falls below what the request really holds now.
         let held = routed.prompt_tokens.saturating_add(output_tokens);
         pod_state::modify(store, &routed.pod, |rec| {

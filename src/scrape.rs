@@ -46,7 +46,7 @@ pub fn hold_lease(store: &dyn Store, vm: u32, now: u64, ttl_ms: u64) -> Result<b
             return None;
         }
         let mut w = Writer::new();
-        w.u32(vm).u64(now + ttl_ms);
+        w.u32(vm).u64(now.saturating_add(ttl_ms));
         Some((w.0, ()))
     })?;
     Ok(got.is_some())
@@ -68,8 +68,9 @@ impl Scraper {
             && now >= self.next_discovery
             && !self.in_flight.contains_key(&Target::Discovery)
         {
-            self.next_discovery = now + d.interval_ms;
-            self.in_flight.insert(Target::Discovery, now + d.timeout_ms);
+            self.next_discovery = now.saturating_add(d.interval_ms);
+            self.in_flight
+                .insert(Target::Discovery, now.saturating_add(d.timeout_ms));
             calls.push(Call {
                 target: Target::Discovery,
                 cluster: d.admin_cluster.clone(),
@@ -89,8 +90,10 @@ impl Scraper {
             if now < next || self.in_flight.contains_key(&target) {
                 continue;
             }
-            self.next_scrape.insert(pod.clone(), now + m.interval_ms);
-            self.in_flight.insert(target.clone(), now + m.timeout_ms);
+            self.next_scrape
+                .insert(pod.clone(), now.saturating_add(m.interval_ms));
+            self.in_flight
+                .insert(target.clone(), now.saturating_add(m.timeout_ms));
             calls.push(Call {
                 target,
                 cluster: m.cluster.clone(),
@@ -171,7 +174,8 @@ impl Scraper {
 
     /// Calls outstanding past their timeout (the host never answered) are forgotten.
     pub fn expire(&mut self, now: u64) {
-        self.in_flight.retain(|_, deadline| *deadline + 1_000 > now);
+        self.in_flight
+            .retain(|_, deadline| deadline.saturating_add(1_000) > now);
     }
 }
 

@@ -193,9 +193,14 @@ pub fn call_response(body_size: usize) -> (Option<u32>, Vec<u8>) {
         .ok()
         .flatten()
         .and_then(|s| s.parse().ok());
-    let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
-        .ok()
-        .flatten()
-        .unwrap_or_default();
+    let body = if body_size == 0 {
+        Vec::new()
+    } else {
+        // A metrics page larger than this is not worth holding in the VM's memory for good.
+        hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size.min(4 << 20))
+            .ok()
+            .flatten()
+            .unwrap_or_default()
+    };
     (status, body)
 }

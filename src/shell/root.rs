@@ -66,14 +66,20 @@ impl Context for Root {
     fn on_http_call_response(
         &mut self,
         token: u32,
-        _headers: usize,
+        headers: usize,
         body_size: usize,
         _trailers: usize,
     ) {
         let (Some(target), Some(gate)) = (self.calls.remove(&token), &self.gate) else {
             return;
         };
-        let (status, body) = host::call_response(body_size);
+        // No headers: the call failed (reset, timeout, a pod dying mid-answer). The host then
+        // refuses to read the response's header map, and the SDK would panic on that refusal.
+        let (status, body) = if headers == 0 {
+            (None, Vec::new())
+        } else {
+            host::call_response(body_size)
+        };
         let mut gate = gate.borrow_mut();
         gate.on_call_response(&HostStore, &target, status, &body);
         host::flush_stats(&mut gate.stats);

@@ -1,0 +1,1184 @@
+#!/usr/bin/env python3
+"""kvgate's benchmark: the same seeded workloads against Envoy + kvgate and its peers (Envoy round
+robin, Envoy least-request, sglang-router, vllm-router), each in front of fresh kvgate-sim pods,
+plus a filter-overhead benchmark in front of an instantly answering upstream.
+
+    python bench/run.py --full          all workloads, all targets (about 25-35 min on 2 cores)
+    python bench/run.py --demo          kvgate vs Envoy round robin, short shared-prefix run (~1 min)
+
+Writes results/<timestamp>/ (report.md, results.json, PNG plots, raw per-request JSON lines, logs);
+--full also copies the report into BENCHMARKS.md. Methodology: docs/benchmarks.md.
+Every process started here is stopped on exit, on errors and on Ctrl-C.
+"""
+
+import argparse
+import contextlib
+import hashlib
+import datetime
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests/e2e"))
+
+import harness  # noqa: E402
+from harness import (LEAST_REQUEST, ROUND_ROBIN, Envoy, Sim, default_plugin_config,  # noqa: E402
+                     envoy_config, free_port, kvgate_envoy, request, wait_port)
+
+VENV = ROOT / ".venv"
+PY = VENV / "bin/python"
+BENCH_BIN = Path(os.environ.get("KVGATE_BENCH_BIN", ROOT / "target/tools/kvgate-bench"))
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+# Peers, pinned to the versions this benchmark was written against (override with env vars).
+PEER_PACKAGES = {
+    "sglang-router": os.environ.get("KVGATE_BENCH_SGLANG_ROUTER", "sglang-router==0.3.2"),
+    "vllm-router": os.environ.get("KVGATE_BENCH_VLLM_ROUTER", "vllm-router==0.1.17"),
+}
+PLOT_PACKAGES = ["matplotlib"]
+
+# Envoy gets as many workers as the machine has cores, like the peers' tokio runtimes.
+ENVOY_CONCURRENCY = max(1, os.cpu_count() or 2)
+
+MIXED_OBJECTIVES = {"critical": 10, "standard": 0, "batch": -1}
+
+# ----------------------------------------------------------------------------------------------
+# Workloads. Times are wall seconds; the simulator runs at TIME_SCALE (1 = real time).
+
+FULL = {
+    "time_scale": 1.0,
+    "pods": 8,
+    "shared_prefix": {
+        "groups": 29, "system_tokens": 2048, "question_tokens": 256, "output_tokens": 64,
+        "rates": [30, 60, 90], "main_rate": 60, "duration": 20, "ttft_slo_ms": 200,
+    },
+    "multi_turn": {
+        "sessions": 200, "turns": 5, "system_tokens": 300, "first_tokens": 1500,
+        "followup_tokens": 100, "output_tokens": 100, "think_mean": 1.0, "rate": 10,
+        "duration": 40, "ttft_slo_ms": 200,
+    },
+    "mixed": {
+        "long_fraction": 0.15, "short_prompt": "64,512", "short_output": "16,128",
+        "long_prompt": "3000,6000", "long_output": "256,512", "overload": 2.0, "duration": 20,
+        "ttft_slo_ms": 1000, "calibration_s": 15, "calibration_concurrency": 256,
+    },
+    "burst": {
+        "groups": 10, "questions": 100, "system_tokens": 2048, "question_tokens": 256,
+        "output_tokens": 64, "ttft_slo_ms": 2000,
+    },
+    "overhead": {"bodies": [4096, 262144], "seconds": 3, "concurrency": [1, 16], "repeats": 3},
+}
+
+DEMO = {
+    "time_scale": 1.0,
+    "pods": 8,
+    "shared_prefix": dict(FULL["shared_prefix"], rates=[60], main_rate=60, duration=15),
+}
+
+# kvgate.wasm as it was when the run started (copied into the results directory), so that a
+# rebuild during the run does not mix two builds in one report.
+WASM_SNAPSHOT = None
+
+ALL_TARGETS = ["kvgate", "envoy-rr", "envoy-lr", "sglang-router", "vllm-router"]
+PEERS = ["envoy-rr", "envoy-lr", "sglang-router", "vllm-router"]
+
+
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def sh(cmd, **kw):
+    return subprocess.run(cmd, capture_output=True, text=True, **kw)
+
+
+# ----------------------------------------------------------------------------------------------
+# Set-up: Python packages, binaries, versions, machine.
+
+def pkg_version(dist):
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def venv_version(dist):
+    r = sh([str(PY), "-c", f"import importlib.metadata as m; print(m.version({dist!r}))"])
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def pip_install(spec):
+    """Installs `spec` into .venv; returns None or the reason it failed."""
+    r = sh([str(VENV / "bin/pip"), "install", "-q", "--disable-pip-version-check", spec], timeout=900)
+    if r.returncode != 0:
+        return (r.stderr or r.stdout).strip().splitlines()[-1:] or ["pip failed"]
+    return None
+
+
+def ensure_packages(specs):
+    """{dist: (version or None, error or None)}; installs what is missing."""
+    out = {}
+    for spec in specs:
+        dist = spec.split("==")[0]
+        want = spec.split("==")[1] if "==" in spec else None
+        have = venv_version(dist)
+        if have is None or (want and have != want):
+            log(f"pip install {spec} into .venv")
+            err = pip_install(spec)
+            if err:
+                out[dist] = (None, f"pip install {spec} failed: {' '.join(err)}")
+                continue
+            have = venv_version(dist)
+        out[dist] = (have, None)
+    return out
+
+
+def ensure_binaries():
+    if not harness.WASM.exists() or not harness.SIM_BIN.exists():
+        log("kvgate.wasm or kvgate-sim missing: ./build.sh build")
+        subprocess.run([str(ROOT / "build.sh"), "build"], check=True, cwd=ROOT)
+    log("cargo build -p kvgate-bench --profile tools")
+    subprocess.run(["cargo", "build", "-q", "-p", "kvgate-bench", "--profile", "tools"], check=True, cwd=ROOT)
+
+
+def machine_info():
+    cpu = "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem = "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                mem = f"{int(line.split()[1]) / 1024 / 1024:.1f} GiB"
+    return {"nproc": os.cpu_count(), "cpu": cpu, "memory": mem, "kernel": platform.release(),
+            "python": platform.python_version(), "loadavg_at_start": os.getloadavg()}
+
+
+def versions(peer_pkgs):
+    def first_line(cmd):
+        try:
+            r = sh(cmd, timeout=30)
+            return (r.stdout or r.stderr).strip().splitlines()[0]
+        except Exception as e:  # noqa: BLE001
+            return f"unknown ({e})"
+    git = sh(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]).stdout.strip()
+    dirty = sh(["git", "-C", str(ROOT), "status", "--porcelain", "--", "src", "sim", "envoy"]).stdout.strip()
+    v = {
+        "kvgate": f"{git}{' + uncommitted changes in src/' if dirty else ''}",
+        "kvgate.wasm": f"{harness.WASM.stat().st_size} bytes, built "
+                       f"{datetime.datetime.fromtimestamp(harness.WASM.stat().st_mtime):%Y-%m-%d %H:%M}, sha256 "
+                       f"{hashlib.sha256(harness.WASM.read_bytes()).hexdigest()[:16]}",
+        "envoy": first_line([str(harness.ENVOY_BIN), "--version"]).split("version:")[-1].strip(),
+        "kvgate-sim": first_line([str(harness.SIM_BIN), "--version"]),
+        "kvgate-bench": first_line([str(BENCH_BIN), "--version"]),
+        "rustc": first_line(["rustc", "--version"]),
+    }
+    for dist, (ver, err) in peer_pkgs.items():
+        v[dist] = ver or f"unavailable: {err}"
+    return v
+
+
+# ----------------------------------------------------------------------------------------------
+# Process control.
+
+def _on_term(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+class Router:
+    """A peer router process on loopback with its own port and metrics port."""
+
+    def __init__(self, name, argv, port, log_dir):
+        self.name, self.argv, self.port, self.log_dir = name, argv, port, log_dir
+        self.proc = None
+
+    def __enter__(self):
+        self.log_path = Path(self.log_dir) / f"{self.name}.log"
+        self.log = open(self.log_path, "a")
+        self.log.write("$ " + " ".join(self.argv) + "\n")
+        self.log.flush()
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", RUST_LOG="warn")
+        self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True, cwd=self.log_dir)
+        try:
+            wait_port(self.port, 60, self.proc)
+            deadline = time.time() + 60
+            while time.time() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited with {self.proc.returncode}")
+                with contextlib.suppress(OSError):
+                    if request(self.port, "GET", "/health", timeout=2).status == 200:
+                        return self
+                time.sleep(0.2)
+            raise TimeoutError(f"{self.name} not healthy within 60 s")
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc):
+        if self.proc and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+class Echo:
+    def __init__(self):
+        self.port = free_port()
+        self.proc = None
+
+    def __enter__(self):
+        self.proc = subprocess.Popen([str(BENCH_BIN), "echo", "--port", str(self.port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_port(self.port, 10, self.proc)
+        return self
+
+    @property
+    def endpoints(self):
+        return [("127.0.0.1", self.port)]
+
+    def __exit__(self, *exc):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+def sglang_argv(port, metrics_port, urls):
+    return [str(PY), "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", *urls, "--policy", "cache_aware",
+            "--cache-threshold", "0.3", "--balance-abs-threshold", "64", "--balance-rel-threshold", "1.5",
+            "--eviction-interval-secs", "60", "--max-tree-size", "67108864",
+            "--max-concurrent-requests", "-1", "--queue-size", "100", "--queue-timeout-secs", "60",
+            "--request-timeout-secs", "600", "--retry-max-retries", "5",
+            "--health-check-interval-secs", "60",
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port), "--log-level", "warn"]
+
+
+def vllm_argv(port, metrics_port, urls):
+    return [str(VENV / "bin/vllm-router"), "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", *urls, "--policy", "cache_aware",
+            "--cache-threshold", "0.3", "--balance-abs-threshold", "64", "--balance-rel-threshold", "1.5",
+            "--eviction-interval-secs", "120", "--max-tree-size", "33554432",
+            "--max-concurrent-requests", "32768", "--queue-size", "100", "--queue-timeout-secs", "60",
+            "--request-timeout-secs", "600", "--retry-max-retries", "5",
+            "--health-check-interval-secs", "60",
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port), "--log-level", "warning"]
+
+
+def cli_strings():
+    """How each target is started, as shown in reports (ports and pod URLs as placeholders)."""
+    def show(argv):
+        return " ".join(Path(a).name if a.startswith(str(ROOT)) else a for a in argv)
+    return {
+        "kvgate": f"Envoy --concurrency {ENVOY_CONCURRENCY} with kvgate.wasm, plugin config "
+                  f"harness.default_plugin_config() (+ admission.objectives {json.dumps(MIXED_OBJECTIVES)} for mixed)",
+        "envoy-rr": f"Envoy --concurrency {ENVOY_CONCURRENCY}, no kvgate, load_balancing_policy round_robin",
+        "envoy-lr": f"Envoy --concurrency {ENVOY_CONCURRENCY}, no kvgate, load_balancing_policy least_request",
+        "sglang-router": show(sglang_argv("<port>", "<metrics-port>", ["<pod URLs>"])),
+        "vllm-router": show(vllm_argv("<port>", "<metrics-port>", ["<pod URLs>"])),
+    }
+
+
+def kvgate_config(workload):
+    cfg = default_plugin_config()
+    if workload == "mixed":
+        cfg.setdefault("admission", {})["objectives"] = dict(MIXED_OBJECTIVES)
+    return cfg
+
+
+@contextlib.contextmanager
+def target(name, endpoints, workload, log_dir, cli_log):
+    """Starts one target in front of `endpoints`; yields (port, envoy or None)."""
+    urls = [f"http://{h}:{p}" for h, p in endpoints]
+    if name == "kvgate":
+        cfg = kvgate_config(workload)
+        with kvgate_envoy(endpoints, cfg, concurrency=ENVOY_CONCURRENCY, wasm=str(WASM_SNAPSHOT or harness.WASM)) as e:
+            yield e.port, e
+    elif name in ("envoy-rr", "envoy-lr", "envoy"):
+        policy = LEAST_REQUEST if name == "envoy-lr" else ROUND_ROBIN
+        cfg = envoy_config(free_port(), free_port(), endpoints, with_kvgate=False, lb_policy=policy)
+        with Envoy(cfg, concurrency=ENVOY_CONCURRENCY) as e:
+            yield e.port, e
+    elif name in ("sglang-router", "vllm-router"):
+        port, mport = free_port(), free_port()
+        argv = (sglang_argv if name == "sglang-router" else vllm_argv)(port, mport, urls)
+        with Router(name, argv, port, log_dir):
+            yield port, None
+    else:
+        raise ValueError(name)
+
+
+# ----------------------------------------------------------------------------------------------
+# Running one cell: fresh pods, one target, one workload.
+
+SIM_SUM_KEYS = ["prefix_cache_hit_tokens", "prefix_cache_query_tokens", "request_cache_hits",
+                "request_cache_misses", "preemptions", "kv_evictions", "finished", "aborted", "admitted",
+                "prompt_tokens", "prefill_tokens_computed", "generation_tokens", "clock_resyncs"]
+
+
+def sim_stats(sim):
+    per = []
+    for i in range(sim.pods):
+        with contextlib.suppress(Exception):
+            per.append(sim.stats(i))
+    tot = {k: sum(p.get(k, 0) for p in per) for k in SIM_SUM_KEYS}
+    tot["hit_rate"] = tot["prefix_cache_hit_tokens"] / max(1, tot["prefix_cache_query_tokens"])
+    tot["peak_kv_blocks_used"] = [p.get("peak_kv_blocks_used") for p in per]
+    tot["finished_per_pod"] = [p.get("finished", 0) for p in per]
+    return tot
+
+
+def wait_idle(sim, timeout=30):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            st = [sim.stats(i) for i in range(sim.pods)]
+        except Exception:  # noqa: BLE001
+            return
+        if all(s["running"] == 0 and s["waiting"] == 0 for s in st):
+            return
+        time.sleep(0.2)
+
+
+def run_bench(port, args, out_base, timeout):
+    argv = [str(BENCH_BIN), "run", "--url", f"http://127.0.0.1:{port}", "--model", MODEL,
+            "--out", f"{out_base}.jsonl", "--summary", f"{out_base}.summary.json", *map(str, args)]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    if proc.returncode != 0:
+        raise RuntimeError(f"kvgate-bench failed: {err.strip()[-500:]}")
+    log("    " + err.strip().splitlines()[-1] if err.strip() else "    (no output)")
+    return json.loads(Path(f"{out_base}.summary.json").read_text())
+
+
+def kvgate_counters(envoy):
+    if envoy is None:
+        return None
+    with contextlib.suppress(Exception):
+        s = envoy.stats("wasmcustom.kvgate")
+        return {k.replace("wasmcustom.kvgate.", ""): v for k, v in s.items()
+                if ".pod." not in k or k.endswith("budget_tokens")}
+    return None
+
+
+def run_cell(ctx, tname, wname, label, bench_args, sim_args, timeout):
+    """Fresh pods + target + workload. Returns the cell's result dict (or an error)."""
+    raw = ctx["out"] / "raw" / tname
+    raw.mkdir(parents=True, exist_ok=True)
+    out_base = raw / label
+    log(f"  {tname:14s} {label}")
+    t0 = time.time()
+    try:
+        with Sim(pods=ctx["cfg"]["pods"], args=sim_args) as sim:
+            with target(tname, sim.endpoints, wname, str(ctx["out"] / "logs"), ctx["cli"]) as (port, envoy):
+                summary = run_bench(port, bench_args, out_base, timeout)
+                wait_idle(sim)
+                counters = kvgate_counters(envoy) if tname == "kvgate" else None
+            stats = sim_stats(sim)
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # noqa: BLE001
+        log(f"    FAILED: {e}")
+        return {"error": str(e)[-800:]}
+    return {"summary": summary, "sim": stats, "kvgate": counters, "raw": str(out_base.relative_to(ctx["out"])),
+            "wall_s": time.time() - t0}
+
+
+def sp_args(w, rate, seed):
+    n = int(math.ceil(rate * w["duration"]))
+    questions = int(math.ceil(n / w["groups"]))
+    return ["--workload", "shared-prefix", "--seed", seed, "--arrival", "poisson", "--rate", rate,
+            "--groups", w["groups"], "--questions", questions, "--system-tokens", w["system_tokens"],
+            "--question-tokens", w["question_tokens"], "--output-tokens", w["output_tokens"],
+            "--max-duration", w["duration"], "--timeout", 120, "--ttft-slo-ms", w["ttft_slo_ms"]]
+
+
+def mt_args(w, seed):
+    return ["--workload", "multi-turn", "--seed", seed, "--arrival", "poisson", "--rate", w["rate"],
+            "--sessions", w["sessions"], "--turns", w["turns"], "--system-tokens", w["system_tokens"],
+            "--first-tokens", w["first_tokens"], "--followup-tokens", w["followup_tokens"],
+            "--output-tokens", w["output_tokens"], "--think-mean", w["think_mean"],
+            "--max-duration", w["duration"], "--timeout", 120, "--ttft-slo-ms", w["ttft_slo_ms"]]
+
+
+def mixed_args(w, seed, rate, requests, arrival="poisson", concurrency=8, duration=None):
+    return ["--workload", "mixed", "--seed", seed, "--arrival", arrival, "--rate", rate,
+            "--concurrency", concurrency, "--requests", requests, "--long-fraction", w["long_fraction"],
+            "--short-prompt", w["short_prompt"], "--short-output", w["short_output"],
+            "--long-prompt", w["long_prompt"], "--long-output", w["long_output"],
+            "--max-duration", duration or w["duration"], "--timeout", 120, "--ttft-slo-ms", w["ttft_slo_ms"]]
+
+
+def burst_args(w, seed):
+    return ["--workload", "shared-prefix", "--seed", seed, "--arrival", "burst",
+            "--groups", w["groups"], "--questions", w["questions"], "--system-tokens", w["system_tokens"],
+            "--question-tokens", w["question_tokens"], "--output-tokens", w["output_tokens"],
+            "--max-duration", 10, "--timeout", 180, "--ttft-slo-ms", w["ttft_slo_ms"]]
+
+
+def calibrate_mixed(ctx, sim_args, seed):
+    """The pool's capacity for the mixed workload: completions/s of a saturating closed loop
+    (Envoy least-request, fresh pods)."""
+    w = ctx["cfg"]["mixed"]
+    args = mixed_args(w, seed, 1, 100000, arrival="closed", concurrency=w["calibration_concurrency"],
+                      duration=w["calibration_s"])
+    cell = run_cell(ctx, "envoy-lr", "mixed", "mixed-calibration", args, sim_args, 300)
+    if "error" in cell:
+        raise RuntimeError(f"mixed calibration failed: {cell['error']}")
+    s = cell["summary"]["overall"]
+    # Steady-state completions per second: those ending in the last two thirds of the window (the
+    # first third is the ramp-up, where short requests finish early while long ones hold the KV).
+    recs = [json.loads(line) for line in open(ctx["out"] / (cell["raw"] + ".jsonl"))]
+    lo, hi = w["calibration_s"] / 3, w["calibration_s"]
+    done = [r for r in recs if r["status"] == 200 and lo <= r["sent"] + r["e2e"] <= hi]
+    cap = len(done) / (hi - lo)
+    return {"capacity_rps": cap, "closed_loop_ok_per_s": s["ok_per_s"], "concurrency": w["calibration_concurrency"],
+            "cell": cell}
+
+
+def overhead(ctx, peer_ok):
+    """Envoy with and without kvgate (and the peers) in front of an instant upstream. Each front is
+    measured `repeats` times, fronts interleaved (a different order each round), and the median of
+    each number is reported: the machine is shared, and one slow second should not decide."""
+    o = ctx["cfg"]["overhead"]
+    names = ["direct", "envoy", "kvgate"] + [p for p in ("sglang-router", "vllm-router") if peer_ok.get(p)]
+    raw = ctx["out"] / "raw" / "overhead"
+    raw.mkdir(parents=True, exist_ok=True)
+    samples = {n: {} for n in names}
+    failed = {}
+    for rep in range(o.get("repeats", 1)):
+        order = names[rep % len(names):] + names[:rep % len(names)]
+        for name in order:
+            if name in failed:
+                continue
+            try:
+                with Echo() as echo:
+                    if name == "direct":
+                        cm = contextlib.nullcontext((echo.port, None))
+                    else:
+                        cm = target(name, echo.endpoints, "overhead", str(ctx["out"] / "logs"), {})
+                    with cm as (port, _):
+                        for body in o["bodies"]:
+                            for conc in o["concurrency"]:
+                                label = f"{name}-{body}-c{conc}-rep{rep}"
+                                base = ["--workload", "fixed", "--requests", 1, "--repeat", "--body-bytes", body,
+                                        "--output-tokens", 1, "--arrival", "closed", "--concurrency", conc,
+                                        "--no-stream", "--timeout", 30]
+                                # Warm-up (connections, caches, the wasm VM's JIT).
+                                run_bench(port, base + ["--max-duration", 1], raw / (label + "-warmup"), 60)
+                                s = run_bench(port, base + ["--max-duration", o["seconds"]], raw / label, 120)["overall"]
+                                samples[name].setdefault(f"{body}-c{conc}", []).append({
+                                    "p50_ms": s["e2e_ms"]["p50"], "p99_ms": s["e2e_ms"]["p99"],
+                                    "mean_ms": s["e2e_ms"]["mean"], "rps": s["ok_per_s"], "ok": s["ok"],
+                                    "errors": s["errors"]})
+            except KeyboardInterrupt:
+                raise
+            except Exception as e:  # noqa: BLE001
+                log(f"  overhead {name} FAILED: {e}")
+                failed[name] = str(e)[-500:]
+    res = {}
+    for name in names:
+        if name in failed:
+            res[name] = {"error": failed[name]}
+            continue
+        res[name] = {}
+        for key, runs in samples[name].items():
+            med = {m: statistics.median(r[m] for r in runs) for m in ("p50_ms", "p99_ms", "mean_ms", "rps")}
+            med["runs"] = runs
+            res[name][key] = med
+    return res
+
+
+# ----------------------------------------------------------------------------------------------
+# Report.
+
+def fmt(x, nd=1):
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "–"
+    if isinstance(x, int):
+        return str(x)
+    return f"{x:.{nd}f}"
+
+
+def row_metrics(cell):
+    s = cell["summary"]["overall"]
+    sim = cell["sim"]
+    share = s.get("pod_share") or {}
+    total = sum(share.values()) or 1
+    shares = sorted(100 * v / total for v in share.values())
+    return {
+        "requests": s["requests"], "ok": s["ok"], "errors": s["errors"],
+        "ttft_p50": s["ttft_ms"]["p50"], "ttft_p90": s["ttft_ms"]["p90"], "ttft_p99": s["ttft_ms"]["p99"],
+        "ttft_mean": s["ttft_ms"]["mean"], "itl_p50": s["itl_ms"]["p50"], "itl_p99": s["itl_ms"]["p99"],
+        "e2e_p50": s["e2e_ms"]["p50"], "tok_s": s["output_tok_per_s"], "goodput": s["goodput_fraction"],
+        "goodput_s": s["goodput_per_s"], "hit_rate": sim["hit_rate"], "preemptions": sim["preemptions"],
+        "req_cache_hits": sim["request_cache_hits"], "req_cache_misses": sim["request_cache_misses"],
+        "share_min": shares[0] if shares else None, "share_max": shares[-1] if shares else None,
+        "pods_used": len(share), "clock_resyncs": sim["clock_resyncs"], "evictions": sim["kv_evictions"],
+    }
+
+
+# metric: (label, higher is better)
+RATIO_METRICS = [("hit_rate", "hit rate", True), ("ttft_p50", "TTFT p50", False), ("ttft_mean", "TTFT mean", False),
+                 ("ttft_p90", "TTFT p90", False), ("ttft_p99", "TTFT p99", False),
+                 ("tok_s", "throughput", True), ("goodput", "goodput", True)]
+
+
+def ratios(rows):
+    """kvgate's value / the best peer's, per metric."""
+    if "kvgate" not in rows:
+        return {}
+    out = {}
+    for key, label, higher in RATIO_METRICS:
+        peers = [(n, r[key]) for n, r in rows.items() if n != "kvgate" and r.get(key) is not None]
+        k = rows["kvgate"].get(key)
+        if not peers or k is None:
+            continue
+        best = max(peers, key=lambda p: p[1]) if higher else min(peers, key=lambda p: p[1])
+        out[key] = {"label": label, "kvgate": k, "best_peer": best[0], "best": best[1],
+                    "ratio": (k / best[1]) if best[1] else None, "higher_is_better": higher}
+    return out
+
+
+def errors_str(e):
+    return ", ".join(f"{k}:{v}" for k, v in sorted(e.items())) or "0"
+
+
+def workload_table(rows, rat):
+    hdr = ("| target | ok/sent | errors | TTFT p50 | p90 | p99 | mean (ms) | ITL p50 | p99 (ms) | "
+           "tok/s | goodput | hit rate | preempt | pod share min–max |")
+    lines = [hdr, "|" + "---|" * 14]
+    for n, r in rows.items():
+        lines.append(
+            f"| {n} | {r['ok']}/{r['requests']} | {errors_str(r['errors'])} | {fmt(r['ttft_p50'])} | "
+            f"{fmt(r['ttft_p90'])} | {fmt(r['ttft_p99'])} | {fmt(r['ttft_mean'])} | {fmt(r['itl_p50'], 2)} | "
+            f"{fmt(r['itl_p99'], 2)} | {fmt(r['tok_s'], 0)} | {100 * r['goodput']:.1f}% | {100 * r['hit_rate']:.1f}% | "
+            f"{r['preemptions']} | {fmt(r['share_min'])}–{fmt(r['share_max'])}% ({r['pods_used']} pods) |")
+    if rat:
+        def cell(k):
+            x = rat.get(k)
+            return f"**{x['ratio']:.2f}×**" if x and x["ratio"] is not None else "–"
+        lines.append(f"| *kvgate ÷ best peer* | | | {cell('ttft_p50')} | {cell('ttft_p90')} | {cell('ttft_p99')} | {cell('ttft_mean')} | "
+                     f"| | {cell('tok_s')} | {cell('goodput')} | {cell('hit_rate')} | | |")
+    return "\n".join(lines)
+
+
+def ratio_sentence(rat):
+    parts = []
+    for key, v in rat.items():
+        if v["ratio"] is None:
+            continue
+        same = abs(v["ratio"] - 1) < 0.005
+        better = (v["ratio"] > 1) == v["higher_is_better"]
+        word = "same" if same else ("better" if better else "worse")
+        parts.append(f"{v['label']} {v['ratio']:.2f}× ({word}; best peer {v['best_peer']})")
+    return "; ".join(parts)
+
+
+def class_table(results_mixed):
+    lines = ["| target | class | sent | ok | errors | TTFT p50 | p90 | p99 (ms) | goodput |",
+             "|" + "---|" * 9]
+    for n, cell in results_mixed.items():
+        if "error" in cell:
+            continue
+        by = cell["summary"].get("by", {}).get("class", {})
+        for c in ("critical", "standard", "batch"):
+            s = by.get(c)
+            if not s:
+                continue
+            lines.append(f"| {n} | {c} | {s['requests']} | {s['ok']} | {errors_str(s['errors'])} | "
+                         f"{fmt(s['ttft_ms']['p50'])} | {fmt(s['ttft_ms']['p90'])} | {fmt(s['ttft_ms']['p99'])} | "
+                         f"{100 * s['goodput_fraction']:.1f}% |")
+    return "\n".join(lines)
+
+
+def class_ratios(results_mixed):
+    """Per objective: kvgate's goodput and TTFT p90 against the best peer's."""
+    lines = []
+    k = results_mixed.get("kvgate")
+    if not k or "error" in k:
+        return lines
+    for c in ("critical", "standard", "batch"):
+        ks = k["summary"].get("by", {}).get("class", {}).get(c)
+        peers = [(n, cell["summary"]["by"]["class"][c]) for n, cell in results_mixed.items()
+                 if n != "kvgate" and "error" not in cell and c in cell["summary"].get("by", {}).get("class", {})]
+        if not ks or not peers:
+            continue
+        bg = max(peers, key=lambda p: p[1]["goodput_fraction"])
+        bt = min(peers, key=lambda p: p[1]["ttft_ms"]["p90"] if p[1]["ttft_ms"]["p90"] is not None else math.inf)
+        kt, pt = ks["ttft_ms"]["p90"], bt[1]["ttft_ms"]["p90"]
+        lines.append(f"{c}: goodput {100 * ks['goodput_fraction']:.1f}% vs best peer {100 * bg[1]['goodput_fraction']:.1f}% "
+                     f"({bg[0]}); TTFT p90 {fmt(kt)} ms vs {fmt(pt)} ms ({bt[0]})"
+                     + (f" = {kt / pt:.2f}×" if kt and pt else "")
+                     + (f"; refused {errors_str(ks['errors'])}" if ks["errors"] else ""))
+    return lines
+
+
+def tenant_table(results_mixed):
+    lines = ["| target | tenant | sent | ok | TTFT p50 | p99 (ms) | output tok/s |", "|" + "---|" * 7]
+    for n, cell in results_mixed.items():
+        if "error" in cell:
+            continue
+        by = cell["summary"].get("by", {}).get("tenant", {})
+        for t, s in by.items():
+            lines.append(f"| {n} | {t} | {s['requests']} | {s['ok']} | {fmt(s['ttft_ms']['p50'])} | "
+                         f"{fmt(s['ttft_ms']['p99'])} | {fmt(s['output_tok_per_s'], 0)} |")
+    return "\n".join(lines)
+
+
+def overhead_table(ov):
+    if not ov:
+        return "_not run_"
+    lines = ["| front | body | c=1 p50 (ms) | c=1 p99 (ms) | added p50 vs direct | added p99 vs direct | "
+             "c=16 req/s | req/s vs direct |", "|" + "---|" * 8]
+    bodies = sorted({k.split("-c")[0] for v in ov.values() if "error" not in v for k in v})
+    direct = ov.get("direct", {})
+    for name, v in ov.items():
+        if "error" in v:
+            lines.append(f"| {name} | – | unavailable: {v['error'][:120]} | | | | | |")
+            continue
+        for b in bodies:
+            c1, c16 = v.get(f"{b}-c1"), v.get(f"{b}-c16")
+            d1, d16 = direct.get(f"{b}-c1"), direct.get(f"{b}-c16")
+            if not c1 or not c16:
+                continue
+            add50 = c1["p50_ms"] - d1["p50_ms"] if d1 else None
+            add99 = c1["p99_ms"] - d1["p99_ms"] if d1 else None
+            rr = c16["rps"] / d16["rps"] if d16 and d16["rps"] else None
+            lines.append(f"| {name} | {int(b) // 1024} KB | {fmt(c1['p50_ms'], 3)} | {fmt(c1['p99_ms'], 3)} | "
+                         f"{fmt(add50, 3)} | {fmt(add99, 3)} | {fmt(c16['rps'], 0)} | {fmt(rr, 2)} |")
+    # kvgate vs the same Envoy without it.
+    kv, ev = ov.get("kvgate", {}), ov.get("envoy", {})
+    extra = []
+    for b in bodies:
+        if "error" in kv or "error" in ev:
+            break
+        k1, e1, k16, e16 = kv.get(f"{b}-c1"), ev.get(f"{b}-c1"), kv.get(f"{b}-c16"), ev.get(f"{b}-c16")
+        if k1 and e1 and k16 and e16:
+            extra.append(f"- **{int(b) // 1024} KB body: kvgate adds {k1['p50_ms'] - e1['p50_ms']:.3f} ms at p50 and "
+                         f"{k1['p99_ms'] - e1['p99_ms']:.3f} ms at p99** over the same Envoy without it (one request "
+                         f"at a time); throughput with 16 concurrent clients is **{k16['rps'] / e16['rps']:.2f}×** "
+                         f"Envoy's without kvgate ({k16['rps']:.0f} vs {e16['rps']:.0f} req/s).")
+    return "\n".join(lines) + ("\n\n" + "\n".join(extra) if extra else "")
+
+
+def plots(out, results, rates_rows):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except Exception as e:  # noqa: BLE001
+        log(f"no plots: {e}")
+        return []
+    colors = {"kvgate": "#d62728", "envoy-rr": "#7f7f7f", "envoy-lr": "#1f77b4", "sglang-router": "#2ca02c",
+              "vllm-router": "#9467bd"}
+    files = []
+    panels = [(w, cells, None) for w, cells in results.items()]
+    if "mixed" in results:
+        panels.append(("mixed", results["mixed"], "critical"))
+    for wname, cells, cls in panels:
+        fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+        drew = False
+        for tname, cell in cells.items():
+            if "error" in cell:
+                continue
+            recs = [json.loads(line) for line in open(out / (cell["raw"] + ".jsonl"))]
+            ttft = sorted(1000 * r["ttft"] for r in recs if r.get("ttft") is not None
+                          and (cls is None or r.get("tags", {}).get("class") == cls))
+            if not ttft:
+                continue
+            ys = [(i + 1) / len(ttft) for i in range(len(ttft))]
+            ax.plot(ttft, ys, label=f"{tname} (mean {sum(ttft) / len(ttft):.0f} ms)",
+                    color=colors.get(tname), linewidth=2.2 if tname == "kvgate" else 1.5)
+            drew = True
+        if not drew:
+            plt.close(fig)
+            continue
+        ax.set_xscale("log")
+        plain = matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}")
+        ax.xaxis.set_major_formatter(plain)
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(
+            lambda x, _: f"{x:g}" if str(int(x))[0] in "25" else ""))
+        ax.set_xlabel("time to first token (ms, log scale)")
+        ax.set_ylabel("fraction of successful requests")
+        ax.set_title(f"TTFT CDF — {wname}" + (f", objective {cls} only" if cls else ""))
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(loc="lower right")
+        fig.tight_layout()
+        f = out / (f"ttft_cdf_{wname}" + (f"_{cls}" if cls else "") + ".png")
+        fig.savefig(f)
+        plt.close(fig)
+        files.append(f.name)
+    if rates_rows and len(next(iter(rates_rows.values()), {})) > 1:
+        fig, axes = plt.subplots(1, 2, figsize=(12, 5), dpi=110)
+        for tname, by_rate in rates_rows.items():
+            rs = sorted(by_rate)
+            for ax, key, title in ((axes[0], "ttft_mean", "mean TTFT"), (axes[1], "ttft_p90", "p90 TTFT")):
+                ax.plot(rs, [by_rate[r][key] for r in rs], marker="o", label=tname, color=colors.get(tname),
+                        linewidth=2.2 if tname == "kvgate" else 1.5)
+                ax.set_title(f"shared-prefix: {title} vs offered rate")
+                ax.set_xlabel("offered rate (requests/s, Poisson)")
+                ax.set_ylabel("ms (log scale)")
+                ax.set_yscale("log")
+                ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
+                ax.yaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(
+                    lambda x, _: f"{x:g}" if str(int(x))[0] in "25" else ""))
+                ax.grid(True, which="both", alpha=0.3)
+        axes[0].legend()
+        fig.tight_layout()
+        f = out / "ttft_vs_rate.png"
+        fig.savefig(f)
+        plt.close(fig)
+        files.append(f.name)
+    # Hit rate and throughput per workload and target.
+    names = [t for t in ALL_TARGETS if any(t in c and "error" not in c[t] for c in results.values())]
+    wls = list(results)
+    if names and wls:
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), dpi=110)
+        width = 0.8 / len(names)
+        for i, t in enumerate(names):
+            hits = [100 * results[w][t]["sim"]["hit_rate"] if t in results[w] and "error" not in results[w][t] else 0
+                    for w in wls]
+            tput = [results[w][t]["summary"]["overall"]["output_tok_per_s"]
+                    if t in results[w] and "error" not in results[w][t] else 0 for w in wls]
+            xs = [j + i * width for j in range(len(wls))]
+            axes[0].bar(xs, hits, width, label=t, color=colors.get(t))
+            axes[1].bar(xs, tput, width, label=t, color=colors.get(t))
+        for ax, title in ((axes[0], "prefix-cache hit rate (%)"), (axes[1], "output tokens/s")):
+            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(wls))])
+            ax.set_xticklabels(wls)
+            ax.set_title(title)
+            ax.grid(True, axis="y", alpha=0.3)
+        handles, labels = axes[0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="upper center", ncol=len(names), fontsize=9, frameon=False)
+        fig.tight_layout(rect=(0, 0, 1, 0.93))
+        f = out / "hit_rate_throughput.png"
+        fig.savefig(f)
+        plt.close(fig)
+        files.append(f.name)
+    return files
+
+
+WORKLOAD_DESC = {
+    "shared-prefix": "G={groups} groups × questions, system prompt {system_tokens} tokens, question {question_tokens}, "
+                     "output {output_tokens}; Poisson {main_rate} req/s for {duration} s; TTFT objective {ttft_slo_ms} ms",
+    "multi-turn": "{sessions} sessions × {turns} turns (history resent each turn), shared system prompt {system_tokens}, "
+                  "first message {first_tokens}, follow-ups {followup_tokens}, output {output_tokens}, think time "
+                  "exp(mean {think_mean} s), sessions arrive Poisson {rate}/s, x-session-id; TTFT objective {ttft_slo_ms} ms",
+    "mixed": "{long_pct}% long (prompt {long_prompt}, output {long_output}) / short (prompt {short_prompt}, output "
+             "{short_output}); objectives critical 20% / standard 50% / batch 30%, tenants a 75% / b 25%; Poisson at "
+             "{overload}× the measured capacity ({rate:.0f} req/s) for {duration} s; TTFT objective {ttft_slo_ms} ms",
+    "burst": "{n} requests at once ({groups} groups × {questions}, system prompt {system_tokens}, question "
+             "{question_tokens}, output {output_tokens}); TTFT objective {ttft_slo_ms} ms",
+}
+
+
+def write_report(ctx, data):
+    out = ctx["out"]
+    cfg = ctx["cfg"]
+    L = []
+    mode = "full" if ctx["full"] else "demo"
+    L.append(f"# kvgate benchmark ({mode} run, {data['started']})\n")
+    L.append(f"Reproduce: `python bench/run.py --{mode}` (after `./build.sh build`); methodology in "
+             f"[docs/benchmarks.md](docs/benchmarks.md). Raw data: `results/{out.name}/` (results.json, per-request "
+             f"JSON lines under raw/).\n")
+    m = data["machine"]
+    L.append("## Machine and versions\n")
+    L.append(f"- {m['nproc']} cores ({m['cpu']}), {m['memory']} memory, Linux {m['kernel']}, Python {m['python']}; "
+             f"load average at start {', '.join(f'{x:.1f}' for x in m['loadavg_at_start'])} (a shared machine: "
+             f"other processes may have run during the benchmark)")
+    for k, v in data["versions"].items():
+        L.append(f"- {k}: {v}")
+    L.append(f"- pool: {cfg['pods']} kvgate-sim pods (Llama-3.1-8B on H100 timing model, 2048 KV blocks × 16 tokens "
+             f"per pod), `--time-scale {cfg['time_scale']:g}` (latencies are wall-clock "
+             f"{'= simulated time' if cfg['time_scale'] == 1 else '= simulated / ' + format(cfg['time_scale'], 'g')}); fresh pods "
+             f"for every target and workload; workload seed {ctx['seed']}")
+    L.append("\nTargets:\n")
+    for n in ctx["targets"]:
+        if n in data["unavailable"]:
+            L.append(f"- **{n}: unavailable** — {data['unavailable'][n]}")
+        else:
+            L.append(f"- **{n}**: `{cli_strings().get(n, '?')}`")
+    # Summary of ratios.
+    L.append("\n## kvgate against the best peer\n")
+    L.append("Ratio = kvgate's value ÷ the best peer's value for that metric (TTFT: lower is better; hit rate, "
+             "throughput, goodput: higher is better).\n")
+    for w, rat in data["ratios"].items():
+        if rat:
+            L.append(f"- **{w}**: {ratio_sentence(rat)}")
+        if w == "mixed":
+            for line in class_ratios(data["results"]["mixed"]):
+                L.append(f"  - {line}")
+    for w, cells in data["results"].items():
+        rows = {n: row_metrics(c) for n, c in cells.items() if "error" not in c}
+        L.append(f"\n## {w}\n")
+        desc = data["workload_desc"].get(w)
+        if desc:
+            L.append(desc + "\n")
+        L.append(workload_table(rows, data["ratios"].get(w, {})))
+        failed = {n: c["error"] for n, c in cells.items() if "error" in c}
+        for n, e in failed.items():
+            L.append(f"\n- {n} failed: `{e[:300]}`")
+        if w == "mixed":
+            L.append("\nBy objective (x-gateway-inference-objective):\n")
+            L.append(class_table(cells))
+            L.append("\nBy tenant (x-gateway-inference-fairness-id):\n")
+            L.append(tenant_table(cells))
+            kc = cells.get("kvgate", {}).get("kvgate")
+            if kc:
+                adm = {k: v for k, v in sorted(kc.items()) if k.startswith(("admission", "queue")) and v}
+                budgets = {k: v for k, v in kc.items() if k.endswith("budget_tokens")}
+                L.append(f"\nkvgate admission counters after the run: `{json.dumps(adm)}`; per-pod budget gauges: "
+                         f"{sorted(set(budgets.values()))}.")
+                if data.get("admission_note"):
+                    L.append(f"\n**{data['admission_note']}**")
+    if data.get("rates"):
+        L.append("\n## shared-prefix: TTFT versus offered rate\n")
+        L.append("| target | rate (req/s) | ok/sent | TTFT mean | p90 | p99 (ms) | hit rate | tok/s | goodput |")
+        L.append("|" + "---|" * 9)
+        for n, by_rate in data["rates"].items():
+            for r in sorted(by_rate, key=float):
+                x = by_rate[r]
+                L.append(f"| {n} | {r} | {x['ok']}/{x['requests']} | {fmt(x['ttft_mean'])} | {fmt(x['ttft_p90'])} | "
+                         f"{fmt(x['ttft_p99'])} | {100 * x['hit_rate']:.1f}% | {fmt(x['tok_s'], 0)} | "
+                         f"{100 * x['goodput']:.1f}% |")
+    if data.get("prefix_check"):
+        L.append("\n## Do the cache-aware peers really match prefixes?\n")
+        for line in data["prefix_check"]:
+            L.append(f"- {line}")
+    aff = affinity_lines(out, data["results"])
+    if aff:
+        L.append("\n## Affinity\n")
+        L.append("Where related requests went (x-sim-pod response headers): a group's or a session's requests on "
+                 "one pod reuse its cached prefix; spreading them trades cache hits for balance.\n")
+        L.extend(f"- {line}" for line in aff)
+    if ctx["full"]:
+        L.append("\n## Filter overhead (instant upstream)\n")
+        ov_cfg = cfg.get("overhead", {})
+        L.append("Non-streaming chat requests to `kvgate-bench echo` (answers at once), closed loop: one client for "
+                 f"latency, 16 concurrent clients for throughput, {ov_cfg.get('seconds')} s each after a 1 s warm-up; "
+                 f"median of {ov_cfg.get('repeats', 1)} interleaved rounds. Load generator, proxy and upstream share "
+                 f"the {m['nproc']} cores, so throughput is CPU-bound and comparable only between fronts.\n")
+        L.append(overhead_table(data.get("overhead")))
+    if data.get("calibration"):
+        c = data["calibration"]
+        L.append(f"\nMixed-workload capacity calibration: Envoy least-request, closed loop with {c['concurrency']} "
+                 f"clients, fresh pods: **{c['capacity_rps']:.1f} req/s** completed during the window.")
+    if data["plots"]:
+        L.append("\n## Plots\n")
+        for p in data["plots"]:
+            L.append(f"![{p}](bench/plots/{p})" if ctx.get("for_benchmarks_md") else f"![{p}]({p})")
+    L.append(f"\nTotal benchmark time: {data['elapsed_min']:.1f} min.")
+    notes = data.get("notes") or []
+    if notes:
+        L.append("\n## Notes\n")
+        L.extend(f"- {n}" for n in notes)
+    return "\n".join(L) + "\n"
+
+
+def affinity_lines(out, results):
+    """How well each target keeps related requests together: shared-prefix groups per pod, and
+    multi-turn follow-ups on the pod of the previous turn (from the x-sim-pod headers)."""
+    lines = []
+    for w, cells in results.items():
+        if w not in ("shared-prefix", "multi-turn"):
+            continue
+        parts = []
+        for t, cell in cells.items():
+            if "error" in cell:
+                continue
+            recs = [json.loads(line) for line in open(Path(out) / (cell["raw"] + ".jsonl"))]
+            recs = [r for r in recs if r["status"] == 200 and r.get("pod") is not None]
+            if not recs:
+                continue
+            if w == "shared-prefix":
+                by = {}
+                for r in recs:
+                    by.setdefault(r["tags"].get("group"), []).append(r["pod"])
+                pods = sum(len(set(v)) for v in by.values()) / len(by)
+                main = sum(max(v.count(p) for p in set(v)) for v in by.values()) / len(recs)
+                parts.append(f"{t} {pods:.1f} pods per group, {100 * main:.0f}% on the group's main pod")
+            else:
+                turns = {(r["job"], r["turn"]): r["pod"] for r in recs}
+                pairs = [(turns[(j, k - 1)], p) for (j, k), p in turns.items() if k > 0 and (j, k - 1) in turns]
+                if pairs:
+                    same = sum(a == b for a, b in pairs) / len(pairs)
+                    parts.append(f"{t} {100 * same:.0f}% of follow-ups on the previous turn's pod")
+        if parts:
+            lines.append(f"{w}: " + "; ".join(parts))
+    return lines
+
+
+def prefix_check_lines(results):
+    lines = []
+    for w, cells in results.items():
+        if w not in ("shared-prefix", "multi-turn"):
+            continue  # unique prompts (mixed) or prefixes that fit every pod (burst): no test of matching
+        rr = cells.get("envoy-rr")
+        if not rr or "error" in rr:
+            continue
+        for peer in ("sglang-router", "vllm-router", "kvgate"):
+            c = cells.get(peer)
+            if not c or "error" in c:
+                continue
+            h, hr = c["sim"]["hit_rate"], rr["sim"]["hit_rate"]
+            rq = c["sim"]["request_cache_hits"], c["sim"]["request_cache_hits"] + c["sim"]["request_cache_misses"]
+            verdict = "yes" if h > hr + 0.05 else "no clear sign"
+            lines.append(f"{w}: {peer} hit rate {100 * h:.1f}% vs Envoy round robin {100 * hr:.1f}% "
+                         f"(requests admitted with a cache hit: {rq[0]}/{rq[1]}) → prefix matching: {verdict}")
+    return lines
+
+
+# ----------------------------------------------------------------------------------------------
+
+def smoke(cfg):
+    cfg = json.loads(json.dumps(cfg))
+    if "shared_prefix" in cfg:
+        cfg["shared_prefix"].update(rates=[30, 60], main_rate=60, duration=4)
+    if "multi_turn" in cfg:
+        cfg["multi_turn"].update(sessions=12, duration=8)
+    if "mixed" in cfg:
+        cfg["mixed"].update(duration=4, calibration_s=4)
+    if "burst" in cfg:
+        cfg["burst"].update(questions=10)
+    if "overhead" in cfg:
+        cfg["overhead"].update(seconds=1, repeats=2)
+    if "mixed" in cfg:
+        cfg["mixed"]["calibration_s"] = 6
+    return cfg
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = ap.add_mutually_exclusive_group(required=True)
+    g.add_argument("--full", action="store_true", help="all workloads, all targets, overhead; updates BENCHMARKS.md")
+    g.add_argument("--demo", action="store_true", help="kvgate vs Envoy round robin, short shared-prefix run")
+    g.add_argument("--rewrite-report", metavar="DIR", help="rebuild report.md and plots from DIR/results.json "
+                   "(with --benchmarks-md: also BENCHMARKS.md)")
+    ap.add_argument("--benchmarks-md", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--targets", help="comma-separated subset of " + ",".join(ALL_TARGETS))
+    ap.add_argument("--workloads", help="comma-separated subset of shared-prefix,multi-turn,mixed,burst")
+    ap.add_argument("--no-overhead", action="store_true")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", help="output directory (default results/<timestamp>)")
+    ap.add_argument("--smoke", action="store_true", help="tiny durations, to check the machinery (not a benchmark)")
+    ap.add_argument("--no-benchmarks-md", action="store_true", help="with --full: do not update BENCHMARKS.md")
+    a = ap.parse_args()
+    if a.rewrite_report:
+        return rewrite_report(a.rewrite_report, a.benchmarks_md)
+
+    signal.signal(signal.SIGTERM, _on_term)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    started = datetime.datetime.now()
+    cfg = FULL if a.full else DEMO
+    if a.smoke:
+        cfg = smoke(cfg)
+    targets = a.targets.split(",") if a.targets else (ALL_TARGETS if a.full else ["kvgate", "envoy-rr"])
+    workloads = a.workloads.split(",") if a.workloads else (
+        ["shared-prefix", "multi-turn", "mixed", "burst"] if a.full else ["shared-prefix"])
+    out = Path(a.out) if a.out else ROOT / "results" / started.strftime("%Y%m%d-%H%M%S")
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    ctx = {"cfg": cfg, "out": out, "cli": {}, "full": a.full, "seed": a.seed, "targets": targets}
+    log(f"results in {out}")
+
+    ensure_binaries()
+    global WASM_SNAPSHOT
+    WASM_SNAPSHOT = out / "kvgate.wasm"
+    shutil.copy(harness.WASM, WASM_SNAPSHOT)
+    want = list(PLOT_PACKAGES)
+    for t in targets:
+        if t in PEER_PACKAGES:
+            want.append(PEER_PACKAGES[t])
+    pkgs = ensure_packages(want)
+    unavailable = {}
+    for t in targets:
+        if t in PEER_PACKAGES:
+            ver, err = pkgs.get(PEER_PACKAGES[t].split("==")[0], (None, "not installed"))
+            if err:
+                unavailable[t] = err
+    peer_pkgs = {d: v for d, v in pkgs.items() if d != "matplotlib"}
+    data = {"started": started.strftime("%Y-%m-%d %H:%M"), "seed": a.seed, "machine": machine_info(),
+            "versions": versions(peer_pkgs), "config": cfg, "targets": targets, "unavailable": unavailable,
+            "results": {}, "ratios": {}, "rates": {}, "notes": [], "workload_desc": {}}
+    if pkgs.get("matplotlib", (None, None))[1]:
+        data["notes"].append(f"plots unavailable: {pkgs['matplotlib'][1]}")
+    sim_args = ["--time-scale", str(cfg["time_scale"]), "--seed", "0"]
+    seed = a.seed
+
+    def probe_peer(t):
+        """Starts a peer once in front of one pod; records why it is unavailable if it cannot start."""
+        if t in unavailable or t not in PEER_PACKAGES:
+            return
+        try:
+            with Sim(pods=1, args=sim_args) as sim, target(t, sim.endpoints, "probe", str(out / "logs"), ctx["cli"]):
+                pass
+        except KeyboardInterrupt:
+            raise
+        except Exception as e:  # noqa: BLE001
+            unavailable[t] = f"could not start: {e}"
+            log(f"{t} unavailable: {e}")
+
+    try:
+        for t in targets:
+            probe_peer(t)
+        live = [t for t in targets if t not in unavailable]
+
+        if "shared-prefix" in workloads:
+            w = cfg["shared_prefix"]
+            log(f"shared-prefix at rates {w['rates']} req/s")
+            data["results"]["shared-prefix"] = {}
+            for rate in w["rates"]:
+                for t in live:
+                    cell = run_cell(ctx, t, "shared-prefix", f"shared-prefix-r{rate}", sp_args(w, rate, seed),
+                                    sim_args, w["duration"] + 200)
+                    if "error" not in cell:
+                        data["rates"].setdefault(t, {})[str(rate)] = row_metrics(cell)
+                    if rate == w["main_rate"]:
+                        data["results"]["shared-prefix"][t] = cell
+            data["workload_desc"]["shared-prefix"] = WORKLOAD_DESC["shared-prefix"].format(**w)
+
+        if "multi-turn" in workloads:
+            w = cfg["multi_turn"]
+            log("multi-turn")
+            data["results"]["multi-turn"] = {t: run_cell(ctx, t, "multi-turn", "multi-turn", mt_args(w, seed),
+                                                         sim_args, w["duration"] + 200) for t in live}
+            data["workload_desc"]["multi-turn"] = WORKLOAD_DESC["multi-turn"].format(**w)
+
+        if "mixed" in workloads:
+            w = cfg["mixed"]
+            log("mixed: measuring the pool's capacity")
+            cal = calibrate_mixed(ctx, sim_args, seed)
+            data["calibration"] = {k: v for k, v in cal.items() if k != "cell"}
+            rate = w["overload"] * cal["capacity_rps"]
+            n = int(math.ceil(rate * w["duration"]))
+            log(f"mixed at {rate:.1f} req/s ({w['overload']}× {cal['capacity_rps']:.1f})")
+            data["results"]["mixed"] = {t: run_cell(ctx, t, "mixed", "mixed", mixed_args(w, seed, rate, n),
+                                                    sim_args, w["duration"] + 300) for t in live}
+            data["workload_desc"]["mixed"] = WORKLOAD_DESC["mixed"].format(
+                long_pct=round(100 * w["long_fraction"]), rate=rate, **w)
+            kc = data["results"]["mixed"].get("kvgate", {}).get("kvgate") or {}
+            acted = sum(v for k, v in kc.items() if k.startswith("admission.") and not k.endswith("admitted")
+                        and isinstance(v, (int, float)))
+            budgets = [v for k, v in kc.items() if k.endswith("budget_tokens")]
+            if "kvgate" in data["results"]["mixed"] and not acted and not any(budgets):
+                data["admission_note"] = ("Admission did not act in this run (no request queued or refused, per-pod "
+                                          "budgets 0): the admission keys were still being implemented when this ran, "
+                                          "so kvgate's mixed-workload row shows routing only.")
+                data["notes"].append(data["admission_note"])
+
+        if "burst" in workloads:
+            w = cfg["burst"]
+            log("burst")
+            data["results"]["burst"] = {t: run_cell(ctx, t, "burst", "burst", burst_args(w, seed), sim_args, 400)
+                                        for t in live}
+            data["workload_desc"]["burst"] = WORKLOAD_DESC["burst"].format(n=w["groups"] * w["questions"], **w)
+
+        if a.full and not a.no_overhead:
+            log("filter overhead")
+            data["overhead"] = overhead(ctx, {t: t in live for t in PEERS})
+
+        for wname, cells in data["results"].items():
+            rows = {n: row_metrics(c) for n, c in cells.items() if "error" not in c}
+            data["ratios"][wname] = ratios(rows)
+        data["prefix_check"] = prefix_check_lines(data["results"])
+        resyncs = {f"{w}/{t}": c["sim"]["clock_resyncs"] for w, cells in data["results"].items()
+                   for t, c in cells.items() if "error" not in c and c["sim"]["clock_resyncs"]}
+        if resyncs:
+            data["notes"].append("The simulator's clock fell behind wall time at times (clock_resyncs, host "
+                                 f"CPU contention): {resyncs}.")
+    except KeyboardInterrupt:
+        log("interrupted: everything started was stopped; writing what was measured")
+        data["notes"].append("interrupted before the end")
+    data["plots"] = plots(out, data["results"], data["rates"])
+    data["elapsed_min"] = (datetime.datetime.now() - started).total_seconds() / 60
+    data["unavailable"] = unavailable
+    (out / "results.json").write_text(json.dumps(data, indent=1, default=str))
+    report = write_report(ctx, data)
+    (out / "report.md").write_text(report)
+    log(f"report: {out / 'report.md'}")
+    print_summary(data)
+    if a.full and not a.smoke and not a.no_benchmarks_md and "interrupted before the end" not in data["notes"]:
+        update_benchmarks_md(ctx, data)
+    return data
+
+
+def update_benchmarks_md(ctx, data):
+    """BENCHMARKS.md = this run's report; its plots are copied to bench/plots/ (results/ is not
+    checked in)."""
+    plots_dir = ROOT / "bench/plots"
+    plots_dir.mkdir(exist_ok=True)
+    for old in plots_dir.glob("*.png"):
+        old.unlink()
+    for p in data["plots"]:
+        shutil.copy(ctx["out"] / p, plots_dir / p)
+    ctx = dict(ctx, for_benchmarks_md=True)
+    (ROOT / "BENCHMARKS.md").write_text(write_report(ctx, data))
+    log("BENCHMARKS.md updated (plots in bench/plots/)")
+
+
+def rewrite_report(out_dir, benchmarks_md):
+    """Rebuilds report.md (and BENCHMARKS.md) from a run's results.json, plots included."""
+    out = Path(out_dir).resolve()
+    data = json.loads((out / "results.json").read_text())
+    full = "overhead" in data or "burst" in data["results"]
+    ctx = {"cfg": data["config"], "out": out, "cli": {}, "full": full, "seed": data.get("seed", 1),
+           "targets": data["targets"]}
+    data["plots"] = plots(out, data["results"], data["rates"])
+    for wname, cells in data["results"].items():
+        rows = {n: row_metrics(c) for n, c in cells.items() if "error" not in c}
+        data["ratios"][wname] = ratios(rows)
+    (out / "results.json").write_text(json.dumps(data, indent=1, default=str))
+    (out / "report.md").write_text(write_report(ctx, data))
+    log(f"report: {out / 'report.md'}")
+    print_summary(data)
+    if benchmarks_md:
+        update_benchmarks_md(ctx, data)
+
+
+def print_summary(data):
+    for w, cells in data["results"].items():
+        rows = {n: row_metrics(c) for n, c in cells.items() if "error" not in c}
+        print(f"\n{w}")
+        print(f"  {'target':14s} {'ok/sent':>10s} {'hit':>6s} {'TTFT mean':>10s} {'p90':>8s} {'tok/s':>8s} {'goodput':>8s}")
+        for n, r in rows.items():
+            print(f"  {n:14s} {r['ok']:>5d}/{r['requests']:<4d} {100 * r['hit_rate']:5.1f}% {fmt(r['ttft_mean']):>10s} "
+                  f"{fmt(r['ttft_p90']):>8s} {fmt(r['tok_s'], 0):>8s} {100 * r['goodput']:7.1f}%")
+        rat = data["ratios"].get(w)
+        if rat:
+            print("  kvgate ÷ best peer: " + ratio_sentence(rat))
+        if w == "mixed":
+            for line in class_ratios(cells):
+                print("  " + line)
+    for t, e in data["unavailable"].items():
+        print(f"\n{t}: unavailable — {e}")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit(130)

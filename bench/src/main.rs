@@ -1,0 +1,410 @@
+//! kvgate-bench: the load generator of kvgate's benchmarks (docs/benchmarks.md).
+//!
+//! `kvgate-bench run` sends a seeded workload (shared-prefix, multi-turn, mixed, fixed) to an
+//! OpenAI-compatible endpoint, open loop (Poisson arrivals or a burst) or closed loop (fixed
+//! concurrency), streaming, and writes one JSON line per request plus a JSON summary.
+//! `kvgate-bench echo` is an instantly answering upstream for the filter-overhead benchmark.
+//! `kvgate-bench plan` prints a workload's jobs without sending anything.
+
+mod client;
+mod echo;
+mod rng;
+mod stats;
+mod workload;
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use clap::{Parser, Subcommand, ValueEnum};
+use serde_json::{json, Value};
+
+use crate::client::Client;
+use crate::stats::Record;
+use crate::workload::{Arrival, Job};
+
+#[derive(Parser)]
+#[command(
+    name = "kvgate-bench",
+    version,
+    about = "Load generator for kvgate's benchmarks"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Send a workload and record every request.
+    Run(RunArgs),
+    /// Print the workload's jobs as JSON lines (nothing is sent).
+    Plan(WorkloadArgs),
+    /// Serve instant OpenAI-shaped answers (filter-overhead benchmark upstream).
+    Echo {
+        #[arg(long, default_value = "127.0.0.1")]
+        host: String,
+        #[arg(long, default_value_t = 8900)]
+        port: u16,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq)]
+enum WorkloadKind {
+    SharedPrefix,
+    MultiTurn,
+    Mixed,
+    Fixed,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq)]
+enum ArrivalKind {
+    Poisson,
+    Burst,
+    Closed,
+}
+
+#[derive(clap::Args, Clone)]
+struct WorkloadArgs {
+    #[arg(long, value_enum)]
+    workload: WorkloadKind,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    #[arg(long, value_enum, default_value = "poisson")]
+    arrival: ArrivalKind,
+    /// Jobs (requests, or sessions for multi-turn) per second, Poisson arrivals.
+    #[arg(long, default_value_t = 10.0)]
+    rate: f64,
+    // shared-prefix
+    #[arg(long, default_value_t = 13)]
+    groups: usize,
+    #[arg(long, default_value_t = 20)]
+    questions: usize,
+    #[arg(long, default_value_t = 2048)]
+    system_tokens: usize,
+    #[arg(long, default_value_t = 256)]
+    question_tokens: usize,
+    #[arg(long, default_value_t = 64)]
+    output_tokens: u32,
+    // multi-turn
+    #[arg(long, default_value_t = 40)]
+    sessions: usize,
+    #[arg(long, default_value_t = 5)]
+    turns: usize,
+    #[arg(long, default_value_t = 1000)]
+    first_tokens: usize,
+    #[arg(long, default_value_t = 100)]
+    followup_tokens: usize,
+    #[arg(long, default_value_t = 1.0)]
+    think_mean: f64,
+    // mixed / fixed
+    #[arg(long, default_value_t = 400)]
+    requests: usize,
+    #[arg(long, default_value_t = 0.15)]
+    long_fraction: f64,
+    #[arg(long, default_value = "64,512")]
+    short_prompt: String,
+    #[arg(long, default_value = "16,128")]
+    short_output: String,
+    #[arg(long, default_value = "3000,6000")]
+    long_prompt: String,
+    #[arg(long, default_value = "256,512")]
+    long_output: String,
+    /// Approximate JSON body size of the fixed workload.
+    #[arg(long, default_value_t = 4096)]
+    body_bytes: usize,
+}
+
+#[derive(clap::Args)]
+struct RunArgs {
+    #[command(flatten)]
+    w: WorkloadArgs,
+    /// Base URL of the target, e.g. http://127.0.0.1:10000
+    #[arg(long)]
+    url: String,
+    #[arg(long, default_value = "/v1/chat/completions")]
+    path: String,
+    #[arg(long, default_value = "meta-llama/Llama-3.1-8B-Instruct")]
+    model: String,
+    /// Closed-loop workers (with --arrival closed).
+    #[arg(long, default_value_t = 8)]
+    concurrency: usize,
+    /// Stop starting jobs (and turns) after this many seconds.
+    #[arg(long, default_value_t = 300.0)]
+    max_duration: f64,
+    /// Per-request timeout, seconds.
+    #[arg(long, default_value_t = 120.0)]
+    timeout: f64,
+    /// Goodput objective: a successful request whose TTFT is at most this counts.
+    #[arg(long, default_value_t = 1000.0)]
+    ttft_slo_ms: f64,
+    /// Send non-streaming requests.
+    #[arg(long)]
+    no_stream: bool,
+    /// Closed loop: cycle through the jobs until --max-duration instead of stopping after the last.
+    #[arg(long)]
+    repeat: bool,
+    /// Per-request JSON lines.
+    #[arg(long)]
+    out: Option<String>,
+    /// Summary JSON (default: stdout).
+    #[arg(long)]
+    summary: Option<String>,
+}
+
+fn pair(s: &str) -> Result<(u64, u64), String> {
+    let mut it = s.split(',').map(|x| x.trim().parse::<u64>());
+    match (it.next(), it.next(), it.next()) {
+        (Some(Ok(a)), Some(Ok(b)), None) if a <= b => Ok((a, b)),
+        _ => Err(format!("expected LO,HI, got {s:?}")),
+    }
+}
+
+fn build_jobs(w: &WorkloadArgs) -> Result<Vec<Job>, String> {
+    let arrival = match w.arrival {
+        ArrivalKind::Poisson => Arrival::Poisson(w.rate),
+        ArrivalKind::Burst => Arrival::Burst,
+        ArrivalKind::Closed => Arrival::Closed,
+    };
+    Ok(match w.workload {
+        WorkloadKind::SharedPrefix => workload::shared_prefix(
+            w.seed,
+            &workload::SharedPrefix {
+                groups: w.groups,
+                questions: w.questions,
+                system_tokens: w.system_tokens,
+                question_tokens: w.question_tokens,
+                output_tokens: w.output_tokens,
+            },
+            arrival,
+        ),
+        WorkloadKind::MultiTurn => workload::multi_turn(
+            w.seed,
+            &workload::MultiTurn {
+                sessions: w.sessions,
+                turns: w.turns,
+                system_tokens: w.system_tokens,
+                first_tokens: w.first_tokens,
+                followup_tokens: w.followup_tokens,
+                output_tokens: w.output_tokens,
+                think_mean: w.think_mean,
+            },
+            arrival,
+        ),
+        WorkloadKind::Mixed => workload::mixed(
+            w.seed,
+            &workload::Mixed {
+                requests: w.requests,
+                long_fraction: w.long_fraction,
+                short_prompt: pair(&w.short_prompt)?,
+                short_output: pair(&w.short_output)?,
+                long_prompt: pair(&w.long_prompt)?,
+                long_output: pair(&w.long_output)?,
+            },
+            arrival,
+        ),
+        WorkloadKind::Fixed => workload::fixed(w.seed, w.requests, w.body_bytes, w.output_tokens),
+    })
+}
+
+struct Ctx {
+    client: Client,
+    path: String,
+    model: String,
+    stream: bool,
+    t0: Instant,
+    deadline: Instant,
+    records: Mutex<Vec<Record>>,
+}
+
+/// Sends a job's turns one after another, carrying the conversation.
+async fn run_job(ctx: Arc<Ctx>, job: Job) {
+    let mut messages: Vec<Value> = Vec::new();
+    if let Some(s) = &job.system {
+        messages.push(json!({"role": "system", "content": s}));
+    }
+    let tags: BTreeMap<String, String> = job.tags.iter().cloned().collect();
+    for (t, turn) in job.turns.iter().enumerate() {
+        if t > 0 && Instant::now() >= ctx.deadline {
+            break;
+        }
+        messages.push(json!({"role": "user", "content": turn.user}));
+        let mut body = json!({
+            "model": ctx.model,
+            "messages": messages,
+            "max_tokens": turn.max_tokens,
+            "temperature": 0.0,
+        });
+        if ctx.stream {
+            body["stream"] = json!(true);
+            body["stream_options"] = json!({"include_usage": true});
+        }
+        let bytes = Bytes::from(body.to_string());
+        let sent = ctx.t0.elapsed().as_secs_f64();
+        let o = ctx
+            .client
+            .post(&ctx.path, bytes, &job.headers, ctx.stream)
+            .await;
+        let ok = o.status == 200 && o.error.is_none();
+        let content = o.content.clone();
+        let rec = Record {
+            job: job.id,
+            turn: t,
+            sent,
+            status: o.status,
+            ttft: o.ttft,
+            e2e: o.e2e,
+            itl: o
+                .itl
+                .iter()
+                .map(|x| (x * 1000.0).round() / 1000.0)
+                .collect(),
+            chunks: o.chunks,
+            prompt_tokens: o.prompt_tokens,
+            completion_tokens: o.completion_tokens,
+            cached_tokens: o.cached_tokens,
+            pod: o.pod,
+            error: o.error,
+            tags: tags.clone(),
+        };
+        if let Ok(mut r) = ctx.records.lock() {
+            r.push(rec);
+        }
+        if !ok {
+            break;
+        }
+        messages.push(json!({"role": "assistant", "content": content}));
+        if turn.think > 0.0 && t + 1 < job.turns.len() {
+            tokio::time::sleep(Duration::from_secs_f64(turn.think)).await;
+        }
+    }
+}
+
+async fn run(a: RunArgs) -> Result<(), String> {
+    let jobs = build_jobs(&a.w)?;
+    let addr = client::authority(&a.url)?;
+    let t0 = Instant::now();
+    let ctx = Arc::new(Ctx {
+        client: Client::new(addr, Duration::from_secs_f64(a.timeout)),
+        path: a.path.clone(),
+        model: a.model.clone(),
+        stream: !a.no_stream,
+        t0,
+        deadline: t0 + Duration::from_secs_f64(a.max_duration),
+        records: Mutex::new(Vec::new()),
+    });
+    let mut handles = Vec::new();
+    if a.w.arrival == ArrivalKind::Closed {
+        let jobs = Arc::new(jobs);
+        let next = Arc::new(AtomicUsize::new(0));
+        let repeat = a.repeat;
+        for _ in 0..a.concurrency.max(1) {
+            let (ctx, jobs, next) = (ctx.clone(), jobs.clone(), next.clone());
+            handles.push(tokio::spawn(async move {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let k = if repeat && !jobs.is_empty() {
+                        i % jobs.len()
+                    } else {
+                        i
+                    };
+                    let Some(job) = jobs.get(k) else { break };
+                    if Instant::now() >= ctx.deadline {
+                        break;
+                    }
+                    let mut job = job.clone();
+                    job.id = i;
+                    run_job(ctx.clone(), job).await;
+                }
+            }));
+        }
+    } else {
+        for job in jobs {
+            let at = t0 + Duration::from_secs_f64(job.start);
+            if at >= ctx.deadline {
+                break;
+            }
+            tokio::time::sleep_until(at.into()).await;
+            handles.push(tokio::spawn(run_job(ctx.clone(), job)));
+        }
+    }
+    for h in handles {
+        let _ = h.await;
+    }
+    let mut records = match ctx.records.lock() {
+        Ok(mut r) => std::mem::take(&mut *r),
+        Err(_) => Vec::new(),
+    };
+    records.sort_by(|x, y| x.sent.total_cmp(&y.sent));
+    if let Some(path) = &a.out {
+        let f = std::fs::File::create(path).map_err(|e| format!("{path}: {e}"))?;
+        let mut w = std::io::BufWriter::new(f);
+        for r in &records {
+            let line = serde_json::to_string(r).map_err(|e| e.to_string())?;
+            writeln!(w, "{line}").map_err(|e| format!("{path}: {e}"))?;
+        }
+        w.flush().map_err(|e| format!("{path}: {e}"))?;
+    }
+    let report = stats::report(&records, a.ttft_slo_ms);
+    let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
+    match &a.summary {
+        Some(path) => std::fs::write(path, text).map_err(|e| format!("{path}: {e}"))?,
+        None => println!("{text}"),
+    }
+    let s = &report.overall;
+    eprintln!(
+        "kvgate-bench: {} requests, {} ok, {:.1}s, ttft p50 {:.1} ms p99 {:.1} ms, {:.0} output tok/s, errors {:?}",
+        s.requests,
+        s.ok,
+        s.duration_s,
+        s.ttft_ms.p50.unwrap_or(f64::NAN),
+        s.ttft_ms.p99.unwrap_or(f64::NAN),
+        s.output_tok_per_s,
+        s.errors
+    );
+    Ok(())
+}
+
+fn plan(w: WorkloadArgs) -> Result<(), String> {
+    let jobs = build_jobs(&w)?;
+    let mut out = std::io::stdout().lock();
+    for j in jobs {
+        let line = serde_json::to_string(&j).map_err(|e| e.to_string())?;
+        if writeln!(out, "{line}").is_err() {
+            break;
+        }
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("kvgate-bench: cannot start runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let res = rt.block_on(async move {
+        match cli.cmd {
+            Cmd::Run(a) => run(a).await,
+            Cmd::Plan(w) => plan(w),
+            Cmd::Echo { host, port } => echo::serve(&host, port).await,
+        }
+    });
+    match res {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvgate-bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

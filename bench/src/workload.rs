@@ -1,0 +1,480 @@
+//! Seeded workload generators. A workload is a list of jobs; a job is a conversation of one or
+//! more turns sent one after another (single requests are one-turn jobs). In open-loop mode each
+//! job starts at its `start` offset; in closed-loop mode the offsets are ignored.
+
+use serde::Serialize;
+
+use crate::rng::Rng;
+
+/// Common English words that are one token each (with their leading space) in the usual BPE
+/// vocabularies, so `n` words are close to `n` tokens.
+const WORDS: &[&str] = &[
+    "the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by",
+    "on", "not", "he", "this", "are", "or", "his", "from", "at", "which", "but", "have", "an",
+    "had", "they", "you", "were", "their", "one", "all", "we", "can", "her", "has", "there",
+    "been", "if", "more", "when", "will", "would", "who", "so", "no", "model", "token", "cache",
+    "prefix", "block", "route", "pod", "queue", "time", "first", "large", "language", "simple",
+    "system", "value", "state", "data", "order", "policy", "rule", "case", "part", "world",
+    "group", "number", "point", "home", "water", "room", "mother", "area", "money", "story",
+    "fact", "month", "lot", "right", "study", "book", "eye", "job", "word", "business", "issue",
+    "side", "kind", "head", "house", "service", "friend", "father", "power", "hour", "game",
+    "line", "end", "member", "law", "car", "city", "name", "team", "minute", "idea", "body",
+];
+
+/// `n` words drawn from the vocabulary, each with a leading space (≈ n tokens).
+pub fn words(rng: &mut Rng, n: usize) -> String {
+    let mut s = String::with_capacity(n * 6);
+    for _ in 0..n {
+        s.push(' ');
+        s.push_str(WORDS[(rng.next_u64() % WORDS.len() as u64) as usize]);
+    }
+    s
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Turn {
+    pub user: String,
+    pub max_tokens: u32,
+    /// Wall seconds to wait after this turn's answer before sending the next turn.
+    pub think: f64,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Job {
+    pub id: usize,
+    /// Seconds after the start of the run (open loop).
+    pub start: f64,
+    pub system: Option<String>,
+    pub turns: Vec<Turn>,
+    pub headers: Vec<(String, String)>,
+    /// Labels copied into every result record (group, class, tenant, ...).
+    pub tags: Vec<(String, String)>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Arrival {
+    /// Poisson process with this rate (jobs per second).
+    Poisson(f64),
+    /// Everything at t = 0.
+    Burst,
+    /// No schedule: closed-loop workers take jobs as they free up.
+    Closed,
+}
+
+/// Start offsets for `n` jobs.
+pub fn arrivals(rng: &mut Rng, n: usize, arrival: Arrival) -> Vec<f64> {
+    match arrival {
+        Arrival::Poisson(rate) if rate > 0.0 => {
+            let mut t = 0.0;
+            (0..n)
+                .map(|_| {
+                    t += rng.exp(1.0 / rate);
+                    t
+                })
+                .collect()
+        }
+        _ => vec![0.0; n],
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct SharedPrefix {
+    pub groups: usize,
+    pub questions: usize,
+    pub system_tokens: usize,
+    pub question_tokens: usize,
+    pub output_tokens: u32,
+}
+
+/// G groups × Q questions: every question of a group starts with the group's system prompt.
+/// Requests are sent in a seeded random order.
+pub fn shared_prefix(seed: u64, w: &SharedPrefix, arrival: Arrival) -> Vec<Job> {
+    let systems: Vec<String> = (0..w.groups)
+        .map(|g| {
+            let mut r = Rng::derive(seed, &[1, g as u64]);
+            format!(
+                "Group {g} handbook.{}",
+                words(&mut r, w.system_tokens.saturating_sub(4))
+            )
+        })
+        .collect();
+    let mut order: Vec<(usize, usize)> = (0..w.groups)
+        .flat_map(|g| (0..w.questions).map(move |q| (g, q)))
+        .collect();
+    let mut r = Rng::derive(seed, &[2]);
+    r.shuffle(&mut order);
+    let starts = arrivals(&mut Rng::derive(seed, &[3]), order.len(), arrival);
+    order
+        .into_iter()
+        .zip(starts)
+        .enumerate()
+        .map(|(id, ((g, q), start))| {
+            let mut qr = Rng::derive(seed, &[4, g as u64, q as u64]);
+            Job {
+                id,
+                start,
+                system: systems.get(g).cloned(),
+                turns: vec![Turn {
+                    user: format!(
+                        "Question {q}:{}",
+                        words(&mut qr, w.question_tokens.saturating_sub(3))
+                    ),
+                    max_tokens: w.output_tokens,
+                    think: 0.0,
+                }],
+                headers: vec![],
+                tags: vec![("group".into(), g.to_string())],
+            }
+        })
+        .collect()
+}
+
+#[derive(Debug, Clone)]
+pub struct MultiTurn {
+    pub sessions: usize,
+    pub turns: usize,
+    /// A system prompt shared by every session.
+    pub system_tokens: usize,
+    /// The first user message (a document to discuss), unique per session.
+    pub first_tokens: usize,
+    pub followup_tokens: usize,
+    pub output_tokens: u32,
+    /// Mean think time between turns (exponential), wall seconds.
+    pub think_mean: f64,
+}
+
+/// Chat sessions: each turn resends the whole history (with the answers the server gave), with
+/// a think time between turns and an `x-session-id` header.
+pub fn multi_turn(seed: u64, w: &MultiTurn, arrival: Arrival) -> Vec<Job> {
+    let system = format!(
+        "You are a support assistant.{}",
+        words(
+            &mut Rng::derive(seed, &[10]),
+            w.system_tokens.saturating_sub(5)
+        )
+    );
+    let starts = arrivals(&mut Rng::derive(seed, &[11]), w.sessions, arrival);
+    starts
+        .into_iter()
+        .enumerate()
+        .map(|(s, start)| {
+            let mut r = Rng::derive(seed, &[12, s as u64]);
+            let turns = (0..w.turns)
+                .map(|t| {
+                    let user = if t == 0 {
+                        format!(
+                            "Session {s} document:{}",
+                            words(&mut r, w.first_tokens.saturating_sub(4))
+                        )
+                    } else {
+                        format!(
+                            "Follow-up {t}:{}",
+                            words(&mut r, w.followup_tokens.saturating_sub(3))
+                        )
+                    };
+                    let think = if t + 1 < w.turns {
+                        r.exp(w.think_mean)
+                    } else {
+                        0.0
+                    };
+                    Turn {
+                        user,
+                        max_tokens: w.output_tokens,
+                        think,
+                    }
+                })
+                .collect();
+            Job {
+                id: s,
+                start,
+                system: Some(system.clone()),
+                turns,
+                headers: vec![("x-session-id".into(), format!("session-{seed}-{s}"))],
+                tags: vec![("session".into(), s.to_string())],
+            }
+        })
+        .collect()
+}
+
+#[derive(Debug, Clone)]
+pub struct Mixed {
+    pub requests: usize,
+    /// Fraction of long requests.
+    pub long_fraction: f64,
+    pub short_prompt: (u64, u64),
+    pub short_output: (u64, u64),
+    pub long_prompt: (u64, u64),
+    pub long_output: (u64, u64),
+}
+
+pub const CLASSES: [(&str, f64); 3] = [("critical", 0.2), ("standard", 0.5), ("batch", 0.3)];
+pub const TENANTS: [(&str, f64); 2] = [("tenant-a", 0.75), ("tenant-b", 0.25)];
+
+/// Short and very long prompts and outputs; each request has an objective (critical, standard,
+/// batch) in `x-gateway-inference-objective` and a tenant in `x-gateway-inference-fairness-id`.
+/// Prompts are unique (no shared prefix).
+pub fn mixed(seed: u64, w: &Mixed, arrival: Arrival) -> Vec<Job> {
+    let starts = arrivals(&mut Rng::derive(seed, &[20]), w.requests, arrival);
+    let class_w: Vec<f64> = CLASSES.iter().map(|c| c.1).collect();
+    let tenant_w: Vec<f64> = TENANTS.iter().map(|t| t.1).collect();
+    starts
+        .into_iter()
+        .enumerate()
+        .map(|(i, start)| {
+            let mut r = Rng::derive(seed, &[21, i as u64]);
+            let long = r.f64() < w.long_fraction;
+            let (p, o) = if long {
+                (w.long_prompt, w.long_output)
+            } else {
+                (w.short_prompt, w.short_output)
+            };
+            let prompt = r.range(p.0, p.1) as usize;
+            let output = r.range(o.0, o.1) as u32;
+            let class = CLASSES[r.weighted(&class_w)].0;
+            let tenant = TENANTS[r.weighted(&tenant_w)].0;
+            Job {
+                id: i,
+                start,
+                system: None,
+                turns: vec![Turn {
+                    user: format!("Request {i}:{}", words(&mut r, prompt.saturating_sub(3))),
+                    max_tokens: output,
+                    think: 0.0,
+                }],
+                headers: vec![
+                    ("x-gateway-inference-objective".into(), class.into()),
+                    ("x-gateway-inference-fairness-id".into(), tenant.into()),
+                ],
+                tags: vec![
+                    ("class".into(), class.into()),
+                    ("tenant".into(), tenant.into()),
+                    ("cost".into(), if long { "long" } else { "short" }.into()),
+                ],
+            }
+        })
+        .collect()
+}
+
+/// The same chat request `requests` times, its user message padded so the JSON body is about
+/// `body_bytes` long (filter-overhead runs).
+pub fn fixed(seed: u64, requests: usize, body_bytes: usize, output_tokens: u32) -> Vec<Job> {
+    let mut r = Rng::derive(seed, &[30]);
+    let mut text = String::new();
+    while text.len() + 160 < body_bytes {
+        text.push_str(&words(&mut r, 32));
+    }
+    (0..requests)
+        .map(|i| Job {
+            id: i,
+            start: 0.0,
+            system: None,
+            turns: vec![Turn {
+                user: text.clone(),
+                max_tokens: output_tokens,
+                think: 0.0,
+            }],
+            headers: vec![],
+            tags: vec![],
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sp() -> SharedPrefix {
+        SharedPrefix {
+            groups: 5,
+            questions: 4,
+            system_tokens: 200,
+            question_tokens: 30,
+            output_tokens: 16,
+        }
+    }
+
+    fn mt() -> MultiTurn {
+        MultiTurn {
+            sessions: 6,
+            turns: 4,
+            system_tokens: 50,
+            first_tokens: 300,
+            followup_tokens: 20,
+            output_tokens: 10,
+            think_mean: 0.5,
+        }
+    }
+
+    fn mx(n: usize) -> Mixed {
+        Mixed {
+            requests: n,
+            long_fraction: 0.2,
+            short_prompt: (50, 100),
+            short_output: (8, 16),
+            long_prompt: (2000, 3000),
+            long_output: (100, 200),
+        }
+    }
+
+    fn n_words(s: &str) -> usize {
+        s.split_whitespace().count()
+    }
+
+    #[test]
+    fn generators_are_deterministic_per_seed() {
+        let a = Arrival::Poisson(10.0);
+        assert_eq!(shared_prefix(1, &sp(), a), shared_prefix(1, &sp(), a));
+        assert_ne!(shared_prefix(1, &sp(), a), shared_prefix(2, &sp(), a));
+        assert_eq!(multi_turn(1, &mt(), a), multi_turn(1, &mt(), a));
+        assert_ne!(multi_turn(1, &mt(), a), multi_turn(2, &mt(), a));
+        assert_eq!(mixed(5, &mx(50), a), mixed(5, &mx(50), a));
+        assert_ne!(mixed(5, &mx(50), a), mixed(6, &mx(50), a));
+    }
+
+    #[test]
+    fn shared_prefix_shape() {
+        let jobs = shared_prefix(9, &sp(), Arrival::Burst);
+        assert_eq!(jobs.len(), 20);
+        for g in 0..5 {
+            let tag = g.to_string();
+            let mine: Vec<&Job> = jobs.iter().filter(|j| j.tags[0].1 == tag).collect();
+            assert_eq!(mine.len(), 4);
+            assert!(mine.iter().all(|j| j.system == mine[0].system));
+            let sys = mine[0].system.as_deref().unwrap_or("");
+            assert!((n_words(sys) as i64 - 200).abs() <= 2, "{}", n_words(sys));
+            for j in &mine {
+                assert_eq!(j.turns.len(), 1);
+                assert_eq!(j.turns[0].max_tokens, 16);
+                assert!((n_words(&j.turns[0].user) as i64 - 30).abs() <= 2);
+            }
+        }
+        // Groups differ from their first words on (no shared first block across groups).
+        let firsts: std::collections::HashSet<String> = jobs
+            .iter()
+            .filter_map(|j| j.system.as_ref().map(|s| s.chars().take(64).collect()))
+            .collect();
+        assert_eq!(firsts.len(), 5);
+        // Questions within a group are distinct.
+        let qs: std::collections::HashSet<&str> =
+            jobs.iter().map(|j| j.turns[0].user.as_str()).collect();
+        assert_eq!(qs.len(), 20);
+        assert!(jobs.iter().all(|j| j.start == 0.0));
+    }
+
+    #[test]
+    fn group_prompts_do_not_depend_on_the_number_of_questions() {
+        let mut more = sp();
+        more.questions = 9;
+        let a = shared_prefix(3, &sp(), Arrival::Burst);
+        let b = shared_prefix(3, &more, Arrival::Burst);
+        let sys = |jobs: &[Job], g: &str| {
+            jobs.iter()
+                .find(|j| j.tags[0].1 == g)
+                .and_then(|j| j.system.clone())
+        };
+        assert_eq!(sys(&a, "2"), sys(&b, "2"));
+    }
+
+    #[test]
+    fn multi_turn_shape() {
+        let jobs = multi_turn(4, &mt(), Arrival::Poisson(2.0));
+        assert_eq!(jobs.len(), 6);
+        let ids: std::collections::HashSet<&str> =
+            jobs.iter().map(|j| j.headers[0].1.as_str()).collect();
+        assert_eq!(ids.len(), 6);
+        for j in &jobs {
+            assert_eq!(j.headers[0].0, "x-session-id");
+            assert_eq!(j.turns.len(), 4);
+            assert_eq!(
+                j.system, jobs[0].system,
+                "one system prompt shared by all sessions"
+            );
+            assert!((n_words(&j.turns[0].user) as i64 - 300).abs() <= 2);
+            assert!(j.turns[1..]
+                .iter()
+                .all(|t| (n_words(&t.user) as i64 - 20).abs() <= 2));
+            assert!(j.turns[..3].iter().all(|t| t.think > 0.0));
+            assert_eq!(j.turns[3].think, 0.0);
+        }
+        assert!(jobs.windows(2).all(|w| w[0].start <= w[1].start));
+    }
+
+    #[test]
+    fn mixed_shape_and_class_mix() {
+        let jobs = mixed(7, &mx(4000), Arrival::Poisson(100.0));
+        let count = |k: &str, v: &str| {
+            jobs.iter()
+                .filter(|j| j.tags.iter().any(|(a, b)| a == k && b == v))
+                .count() as f64
+                / 4000.0
+        };
+        assert!((count("class", "critical") - 0.2).abs() < 0.03);
+        assert!((count("class", "standard") - 0.5).abs() < 0.03);
+        assert!((count("class", "batch") - 0.3).abs() < 0.03);
+        assert!((count("tenant", "tenant-a") - 0.75).abs() < 0.03);
+        assert!((count("cost", "long") - 0.2).abs() < 0.03);
+        for j in &jobs {
+            let long = j.tags.iter().any(|(a, b)| a == "cost" && b == "long");
+            let n = n_words(&j.turns[0].user) as u64;
+            let o = j.turns[0].max_tokens as u64;
+            if long {
+                assert!((1999..=3001).contains(&n) && (100..=200).contains(&o));
+            } else {
+                assert!((49..=101).contains(&n) && (8..=16).contains(&o));
+            }
+            let hdr = |name: &str| {
+                j.headers
+                    .iter()
+                    .find(|(k, _)| k == name)
+                    .map(|(_, v)| v.as_str())
+            };
+            assert!(matches!(
+                hdr("x-gateway-inference-objective"),
+                Some("critical" | "standard" | "batch")
+            ));
+            assert!(matches!(
+                hdr("x-gateway-inference-fairness-id"),
+                Some("tenant-a" | "tenant-b")
+            ));
+        }
+    }
+
+    #[test]
+    fn poisson_arrivals_have_the_right_statistics() {
+        let rate = 50.0;
+        let n = 20_000;
+        let t = arrivals(&mut Rng::new(11), n, Arrival::Poisson(rate));
+        assert!(t.windows(2).all(|w| w[0] <= w[1]));
+        let gaps: Vec<f64> = std::iter::once(t[0])
+            .chain(t.windows(2).map(|w| w[1] - w[0]))
+            .collect();
+        let mean = gaps.iter().sum::<f64>() / n as f64;
+        let var = gaps.iter().map(|g| (g - mean).powi(2)).sum::<f64>() / n as f64;
+        assert!((mean * rate - 1.0).abs() < 0.03, "mean gap {mean}");
+        // Exponential gaps: coefficient of variation 1.
+        assert!((var.sqrt() / mean - 1.0).abs() < 0.05);
+        // Counts in 1 s windows: Poisson, variance ≈ mean ≈ rate.
+        let secs = t[n - 1].floor() as usize;
+        let mut counts = vec![0f64; secs];
+        for &x in &t {
+            if (x as usize) < secs {
+                counts[x as usize] += 1.0;
+            }
+        }
+        let m = counts.iter().sum::<f64>() / secs as f64;
+        let v = counts.iter().map(|c| (c - m).powi(2)).sum::<f64>() / secs as f64;
+        assert!((m / rate - 1.0).abs() < 0.05, "mean count {m}");
+        assert!((v / m - 1.0).abs() < 0.25, "dispersion {}", v / m);
+        assert!(arrivals(&mut Rng::new(1), 5, Arrival::Burst)
+            .iter()
+            .all(|&x| x == 0.0));
+    }
+
+    #[test]
+    fn fixed_body_has_the_requested_size() {
+        let jobs = fixed(1, 3, 4096, 8);
+        assert_eq!(jobs.len(), 3);
+        let len = jobs[0].turns[0].user.len();
+        assert!((3700..=4096).contains(&len), "{len}");
+    }
+}

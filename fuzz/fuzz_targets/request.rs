@@ -1,0 +1,154 @@
+//! Request bodies: `Request::parse` for every API on the same bytes, then the estimator and the
+//! prompt-block hashing on whatever parsed, under several valid configurations.
+//!
+//! Invariants: nothing panics; a parsed body was a JSON object with a non-empty model;
+//! `estimate.cost` lies in [minReservationTokens, maxReservationTokens]; output never exceeds
+//! outputCapTokens; the static rule is finite and >= 0; `block_hashes` returns exactly
+//! min(full blocks, max) hashes, is deterministic, and a longer text keeps the shorter one's
+//! hashes as a prefix.
+#![no_main]
+
+use kvgate::config::{Config, EstimatorConfig};
+use kvgate::estimate::{estimate, static_prompt_tokens, Learned};
+use kvgate::prefix::block_hashes;
+use kvgate::request::{Api, Request};
+use libfuzzer_sys::fuzz_target;
+use std::sync::OnceLock;
+
+const APIS: [Api; 4] = [
+    Api::Completions,
+    Api::ChatCompletions,
+    Api::Responses,
+    Api::Embeddings,
+];
+
+/// Estimator configurations, each accepted by `Config::parse` (so each is one an operator can
+/// write): the defaults, a narrow clamp, and the widest the validation allows.
+fn estimators() -> &'static [EstimatorConfig] {
+    static CFGS: OnceLock<Vec<EstimatorConfig>> = OnceLock::new();
+    CFGS.get_or_init(|| {
+        [
+            "{}",
+            r#"{"estimator":{"minReservationTokens":100,"maxReservationTokens":100,
+                "outputFloorTokens":0,"outputCapTokens":0,"safetyFactor":1.0}}"#,
+            r#"{"estimator":{"minReservationTokens":0,"maxReservationTokens":18446744073709551615,
+                "nonTextPartTokens":18446744073709551615,"defaultOutputTokens":18446744073709551615,
+                "outputFloorTokens":18446744073709551615,"outputCapTokens":18446744073709551615,
+                "safetyFactor":10.0}}"#,
+        ]
+        .iter()
+        .map(|json| match Config::parse(json.as_bytes()) {
+            Ok(c) => c.estimator,
+            Err(e) => panic!("fuzz target's own config is invalid: {e}"),
+        })
+        .collect()
+    })
+}
+
+/// Learned values as calibration can produce them: scale clamped to [0.1, 10], the output
+/// quantile a bucket bound up to 2^16.
+const LEARNED: [Option<Learned>; 4] = [
+    None,
+    Some(Learned {
+        prompt_scale: 0.1,
+        output_quantile: 0.0,
+    }),
+    Some(Learned {
+        prompt_scale: 10.0,
+        output_quantile: 65_535.0,
+    }),
+    Some(Learned {
+        prompt_scale: 1.0,
+        output_quantile: 0.5,
+    }),
+];
+
+/// (block chars, max blocks) pairs: one-character blocks, the default 64, and small caps.
+const BLOCKS: [(usize, usize); 4] = [(1, 1), (1, 8192), (3, 5), (64, 8192)];
+
+fn check_blocks(req: &Request) {
+    let chars = req.text.chars().count();
+    for (block_chars, max) in BLOCKS {
+        let h = block_hashes(
+            &req.model,
+            req.cache_salt.as_deref(),
+            &req.text,
+            block_chars,
+            max,
+        );
+        assert_eq!(h.len(), (chars / block_chars).min(max), "block count");
+        assert_eq!(
+            h,
+            block_hashes(
+                &req.model,
+                req.cache_salt.as_deref(),
+                &req.text,
+                block_chars,
+                max
+            ),
+            "deterministic"
+        );
+        // A conversation's next turn extends its text: its blocks extend the earlier ones.
+        let longer = format!("{}<user>\nmore\n", req.text);
+        let hl = block_hashes(
+            &req.model,
+            req.cache_salt.as_deref(),
+            &longer,
+            block_chars,
+            max,
+        );
+        assert!(
+            hl.starts_with(&h),
+            "a longer prompt must keep the shorter one's blocks"
+        );
+    }
+}
+
+fn check_estimates(req: &Request) {
+    let rule = static_prompt_tokens(&req.text);
+    assert!(rule.is_finite() && rule >= 0.0, "static rule gave {rule}");
+    // At most about two tokens per character (a pictograph is 1.5).
+    assert!(
+        rule <= 2.0 * req.text.chars().count() as f64 + 1.0,
+        "static rule gave {rule}"
+    );
+    for cfg in estimators() {
+        for learned in LEARNED {
+            let e = estimate(req, learned, cfg);
+            assert!(
+                (cfg.min_reservation_tokens..=cfg.max_reservation_tokens).contains(&e.cost),
+                "cost {} outside [{}, {}]: {e:?} {req:?}",
+                e.cost,
+                cfg.min_reservation_tokens,
+                cfg.max_reservation_tokens
+            );
+            assert!(e.output_tokens <= cfg.output_cap_tokens, "{e:?}");
+            if req.max_output_tokens == Some(0) {
+                assert_eq!(e.output_tokens, 0, "{e:?}");
+            }
+            assert!(e.prompt_tokens >= req.token_ids, "{e:?} {req:?}");
+        }
+    }
+}
+
+fuzz_target!(|data: &[u8]| {
+    if let Ok(s) = std::str::from_utf8(data) {
+        let _ = Api::from_path(s);
+    }
+    for api in APIS {
+        let Ok(req) = Request::parse(api, data) else {
+            continue;
+        };
+        assert_eq!(
+            data.iter().find(|b| !b.is_ascii_whitespace()),
+            Some(&b'{'),
+            "only JSON objects parse"
+        );
+        assert!(!req.model.is_empty(), "a parsed request names its model");
+        if api == Api::Embeddings {
+            assert_eq!(req.max_output_tokens, Some(0));
+        }
+        check_estimates(&req);
+        check_blocks(&req);
+    }
+});

@@ -1,0 +1,79 @@
+//! The response meter: arbitrary bytes, as SSE or as a JSON body, fed in one piece and in
+//! arbitrary pieces.
+//!
+//! Input layout: byte 0 picks the content type (bits 0-1) and, when bits 2-6 are all set, inserts
+//! `data: xxx…` of 1 MiB - 1 + (bit 7) bytes at the first cut point, at the meter's line buffer
+//! limit (the rest of the line it lands in pushes it over); byte 1 is the number of cut points k (mod 16); then
+//! k little-endian u16 cut points; the rest is the body. A seed is `\x00\x00` + an SSE stream.
+//!
+//! Invariants: no panic; `feed` returns exactly the growth of `streamed_tokens`, which never
+//! decreases; one piece, the given pieces and (for short bodies) byte-by-byte feeding end with
+//! the same `streamed_tokens` and the same `finish()` usage.
+#![no_main]
+
+use kvgate::response::{ResponseMeter, Usage};
+use kvgate_fuzz::pieces;
+use libfuzzer_sys::fuzz_target;
+
+const CONTENT_TYPES: [Option<&str>; 4] = [
+    Some("text/event-stream"),
+    Some("application/json"),
+    Some("text/event-stream; charset=utf-8"),
+    None,
+];
+/// The meter's MAX_KEPT (private in response.rs).
+const MAX_KEPT: usize = 1024 * 1024;
+
+fn run(content_type: Option<&str>, body: &[u8], cuts: &[(usize, usize)]) -> (u64, Option<Usage>) {
+    let mut m = ResponseMeter::new(content_type);
+    let mut total = 0u64;
+    for &(a, b) in cuts {
+        let before = m.streamed_tokens;
+        let n = m.feed(&body[a..b]);
+        assert!(m.streamed_tokens >= before, "streamed tokens went down");
+        assert_eq!(m.streamed_tokens - before, n, "feed's return is the growth");
+        total += n;
+    }
+    assert_eq!(total, m.streamed_tokens);
+    let usage = m.finish();
+    (m.streamed_tokens, usage)
+}
+
+fuzz_target!(|data: &[u8]| {
+    if data.len() < 2 {
+        return;
+    }
+    let mode = data[0];
+    let k = usize::from(data[1] % 16);
+    let rest = &data[2..];
+    if rest.len() < 2 * k {
+        return;
+    }
+    let cuts: Vec<u16> = rest[..2 * k]
+        .chunks_exact(2)
+        .map(|c| u16::from_le_bytes([c[0], c[1]]))
+        .collect();
+    let mut body = rest[2 * k..].to_vec();
+    if mode & 0x7c == 0x7c {
+        // Text just under or at the buffer limit, placed at the first cut point.
+        let at = cuts
+            .first()
+            .map_or(0, |&c| usize::from(c) % (body.len() + 1));
+        let len = MAX_KEPT - 1 + usize::from(mode >> 7);
+        let mut long = b"data: ".to_vec();
+        long.resize(len, b'x');
+        body.splice(at..at, long);
+    }
+    let content_type = CONTENT_TYPES[usize::from(mode & 3)];
+    let whole = run(content_type, &body, &[(0, body.len())]);
+    let split = run(content_type, &body, &pieces(body.len(), &cuts));
+    assert_eq!(whole, split, "one piece vs pieces at {cuts:?}");
+    if body.len() <= 256 {
+        let bytes: Vec<(usize, usize)> = (0..body.len()).map(|i| (i, i + 1)).collect();
+        assert_eq!(
+            whole,
+            run(content_type, &body, &bytes),
+            "one piece vs byte by byte"
+        );
+    }
+});

@@ -1,0 +1,606 @@
+//! The routing and admission state machine: several worker VMs on one in-memory host, each with
+//! its own `Router`, driven by a random sequence of events: route (prompts over a small alphabet
+//! so prefixes collide), grow, finish (possibly twice), rehome, clock steps, pods joining and
+//! leaving through `PODS_KEY`, scrape snapshots, and the shared line's operations.
+//!
+//! Invariants, checked after every event: nothing panics; every pod record's reserved tokens and
+//! active blocks stay below 1e12 (a u64 that went below zero wraps far above); entries are
+//! unique by request id, and a request has at most one entry across all pods; a finished request
+//! has no entry anywhere; a routed request's entry reserves its estimate; with a budget, a pod
+//! admits only what fits (or a request alone); a grown entry reserves at least prompt + output;
+//! the line is unique and ordered, and a removed ticket never returns. At the end, once every
+//! routed request has finished, every pod's reserved tokens, active blocks and entries are zero
+//! and the line is empty.
+#![no_main]
+
+use arbitrary::Arbitrary;
+use kvgate::config::Config;
+use kvgate::estimate::Estimate;
+use kvgate::fake_host::{FakeHost, FakeVm};
+use kvgate::pod_state::{self, Snapshot};
+use kvgate::queue::{self, Ticket};
+use kvgate::router::{decode_pods, encode_pods, Routed, Router, PODS_KEY};
+use kvgate::store::Store;
+use kvgate_fuzz::{chain_hashes, checked_pod, checked_queue, live, live_line, skip};
+use libfuzzer_sys::fuzz_target;
+use std::collections::HashSet;
+
+// ---- Adapters: the kvgate APIs that are still moving, in one place. --------------------------
+
+/// `Router::route`: the routed request, or `None` when it was not placed (no pods, no room).
+/// The bool says whether it was refused for lack of room.
+fn route(
+    r: &mut Router,
+    vm: &FakeVm,
+    cfg: &Config,
+    hashes: Vec<u64>,
+    est: &Estimate,
+) -> (Option<Routed>, bool) {
+    use kvgate::router::Placement;
+    match r
+        .route(vm, cfg, hashes, est)
+        .expect("the fake host never fails")
+    {
+        Placement::Routed(routed) => (Some(routed), false),
+        Placement::NoPods => (None, false),
+        Placement::NoRoom => (None, true),
+    }
+}
+
+/// The prompt tokens a routed request holds at least (the floor `grow` reconciles to).
+fn prompt_tokens(r: &Routed) -> u64 {
+    r.prompt_tokens
+}
+
+/// The pod's token budget as admission computes it.
+fn budget(cfg: &Config, snapshot: Option<&Snapshot>) -> Option<u64> {
+    kvgate::budget::budget_tokens(cfg, snapshot)
+}
+
+// ---- The model. -------------------------------------------------------------------------------
+
+const POOL: [&str; 4] = [
+    "10.0.0.1:8000",
+    "10.0.0.2:8000",
+    "10.0.0.3:8000",
+    "[fd00::4]:8000",
+];
+const MAX_OPS: usize = 192;
+
+#[derive(Arbitrary, Debug)]
+struct Setup {
+    vms: u8,
+    static_pods: u8,
+    block_tokens: u8,
+    ttl: u8,
+    fallback: u8,
+    temperature: bool,
+    stale_saturated: bool,
+    budget: u8,
+    admission: bool,
+    utilization: u8,
+}
+
+#[derive(Arbitrary, Debug)]
+enum Op {
+    Route {
+        vm: u8,
+        path: u32,
+        len: u8,
+        prompt: u32,
+        output: u16,
+        cost: u32,
+    },
+    Grow {
+        req: u8,
+        tokens: u16,
+    },
+    Finish {
+        req: u8,
+    },
+    FinishAgain {
+        req: u8,
+    },
+    Rehome {
+        req: u8,
+        pod: u8,
+    },
+    Advance {
+        ms: u16,
+    },
+    AdvanceLong {
+        s: u8,
+    },
+    Pods {
+        mask: u8,
+    },
+    Scrape {
+        pod: u8,
+        healthy: bool,
+        running: u8,
+        waiting: u8,
+        kv: u8,
+        capacity: u32,
+        age_s: u8,
+    },
+    Sync {
+        vm: u8,
+    },
+    Enqueue {
+        vm: u8,
+        priority: i8,
+        tenant: u8,
+        cost: u32,
+        boosted: bool,
+        wait_ms: u16,
+    },
+    Remove {
+        ticket: u8,
+        admitted: bool,
+    },
+    ChargeDirect {
+        tenant: u8,
+        cost: u32,
+    },
+}
+
+#[derive(Arbitrary, Debug)]
+struct Input {
+    setup: Setup,
+    ops: Vec<Op>,
+}
+
+fn pick<T: Copy>(options: &[T], sel: u8) -> T {
+    options[usize::from(sel) % options.len()]
+}
+
+fn config(s: &Setup) -> Config {
+    let pods: Vec<&str> = POOL
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| s.static_pods & (1 << i) != 0)
+        .map(|(_, p)| *p)
+        .collect();
+    let json = serde_json::json!({
+        "pods": pods,
+        "metrics": {
+            "staleAfterMs": 5_000,
+            "stalePolicy": if s.stale_saturated { "saturated" } else { "ignore" },
+        },
+        "routing": {
+            "blockTokens": pick(&[1u32, 16, 64], s.block_tokens),
+            "requestTtlMs": pick(&[2_000u64, 60_000, 660_000], s.ttl),
+            "fallbackPods": u32::from(s.fallback % 4),
+            "temperature": if s.temperature { 0.5 } else { 0.0 },
+        },
+        "admission": {
+            "enabled": s.admission,
+            "budgetTokens": pick(&[0u64, 500, 5_000, 100_000], s.budget),
+            "utilization": pick(&[0.9, 1.0, 0.01], s.utilization),
+        },
+    });
+    match Config::parse(json.to_string().as_bytes()) {
+        Ok(c) => c,
+        Err(e) => panic!("the target's own config is invalid: {e}"),
+    }
+}
+
+struct Req {
+    owner: usize,
+    routed: Routed,
+    out: u64,
+    finished: bool,
+}
+
+struct World {
+    host: FakeHost,
+    cfg: Config,
+    vms: Vec<FakeVm>,
+    routers: Vec<Router>,
+    reqs: Vec<Req>,
+    queued: Vec<u64>,
+    removed: HashSet<u64>,
+    next_ticket: u64,
+}
+
+impl World {
+    fn store(&self) -> &FakeVm {
+        &self.vms[0]
+    }
+
+    fn records(&self) -> Vec<pod_state::PodRecord> {
+        POOL.iter().map(|p| checked_pod(self.store(), p)).collect()
+    }
+
+    fn check(&self) {
+        let now = self.host.now_ms();
+        let records = self.records();
+        let mut seen = HashSet::new();
+        for (pod, rec) in POOL.iter().zip(&records) {
+            for e in &live(rec, now).entries {
+                assert!(
+                    seen.insert(e.id),
+                    "request {} has entries on two pods (one on {pod})",
+                    e.id
+                );
+            }
+        }
+        for r in self.reqs.iter().filter(|r| r.finished) {
+            assert!(
+                !seen.contains(&r.routed.request),
+                "finished request {} still holds an entry",
+                r.routed.request
+            );
+        }
+        let q = checked_queue(self.store());
+        for t in &q.tickets {
+            assert!(
+                !self.removed.contains(&t.id),
+                "removed ticket {} is back",
+                t.id
+            );
+        }
+    }
+
+    /// The request's live (unexpired) entry on the pod.
+    fn entry_of(&self, pod: &str, id: u64) -> Option<pod_state::Entry> {
+        live(&checked_pod(self.store(), pod), self.host.now_ms())
+            .entries
+            .into_iter()
+            .find(|e| e.id == id)
+    }
+
+    fn publish_pods(&self, pods: &[String]) {
+        // As `scrape::publish_pods` does: create new records, publish, blank departed ones.
+        let s = self.store();
+        let old = s
+            .get(PODS_KEY)
+            .ok()
+            .and_then(|v| v.value)
+            .and_then(|b| decode_pods(&b))
+            .unwrap_or_default();
+        if old == pods {
+            return;
+        }
+        for p in pods.iter().filter(|p| !old.contains(p)) {
+            pod_state::ensure(s, p).expect("fake host");
+        }
+        s.set(PODS_KEY, &encode_pods(pods), None)
+            .expect("fake host");
+        for p in old.iter().filter(|p| !pods.contains(p)) {
+            pod_state::blank(s, p).expect("fake host");
+        }
+    }
+
+    fn live(&self, sel: u8) -> Option<usize> {
+        let live: Vec<usize> = (0..self.reqs.len())
+            .filter(|&i| !self.reqs[i].finished)
+            .collect();
+        (!live.is_empty()).then(|| live[usize::from(sel) % live.len()])
+    }
+
+    fn finish(&mut self, i: usize) {
+        let owner = self.reqs[i].owner;
+        let routed = self.reqs[i].routed.clone();
+        self.routers[owner]
+            .finish(&self.vms[owner], &self.cfg, &routed)
+            .expect("fake host");
+        self.reqs[i].finished = true;
+        for pod in POOL {
+            assert!(
+                self.entry_of(pod, routed.request).is_none(),
+                "request {} still on {pod} after finish",
+                routed.request
+            );
+        }
+    }
+
+    fn apply(&mut self, op: &Op) {
+        let now = self.host.now_ms();
+        match *op {
+            Op::Route {
+                vm,
+                path,
+                len,
+                prompt,
+                output,
+                cost,
+            } => {
+                let v = usize::from(vm) % self.vms.len();
+                let est = Estimate {
+                    prompt_tokens: u64::from(prompt % 2_000_000),
+                    output_tokens: u64::from(output),
+                    cost: u64::from(cost % (1 << 20)),
+                };
+                let hashes = chain_hashes(path, len);
+                let (routed, no_room) =
+                    route(&mut self.routers[v], &self.vms[v], &self.cfg, hashes, &est);
+                if no_room {
+                    assert!(self.cfg.admission.enabled, "no room without admission");
+                    // A pod with nothing reserved always fits a request (alone), so "no room"
+                    // means some pod really holds live reservations.
+                    let now = self.host.now_ms();
+                    let held = self.routers[v]
+                        .pods()
+                        .iter()
+                        .any(|p| live(&checked_pod(self.store(), p), now).reserved_tokens() > 0);
+                    assert!(
+                        held || skip("expired-entries"),
+                        "no room, yet no pod holds a live reservation: {:?}",
+                        self.records()
+                    );
+                }
+                let Some(routed) = routed else {
+                    return;
+                };
+                assert!(
+                    POOL.contains(&routed.pod.as_str()),
+                    "routed to {}",
+                    routed.pod
+                );
+                assert_eq!(routed.order.first(), Some(&routed.pod), "{routed:?}");
+                assert!(
+                    routed.order.len() <= 1 + self.cfg.routing.fallback_pods as usize,
+                    "{routed:?}"
+                );
+                let unique: HashSet<&String> = routed.order.iter().collect();
+                assert_eq!(
+                    unique.len(),
+                    routed.order.len(),
+                    "duplicate fallbacks: {routed:?}"
+                );
+                let rec = checked_pod(self.store(), &routed.pod);
+                let entry = rec.entries.iter().find(|e| e.id == routed.request);
+                let entry = entry.unwrap_or_else(|| panic!("routed without an entry: {routed:?}"));
+                // A prefix already held on the pod is charged once: the entry reserves the
+                // estimate less that, but never less than the minimum reservation.
+                let floor = self.cfg.estimator.min_reservation_tokens.min(est.cost);
+                assert!(
+                    (floor..=est.cost).contains(&entry.tokens),
+                    "entry reserves {} for an estimate of {} (floor {floor})",
+                    entry.tokens,
+                    est.cost
+                );
+                assert!(prompt_tokens(&routed) <= est.prompt_tokens, "{routed:?}");
+                if let Some(b) = budget(&self.cfg, rec.snapshot.as_ref()) {
+                    let reserved = live(&rec, now).reserved_tokens();
+                    assert!(
+                        reserved <= b || reserved == entry.tokens,
+                        "pod {} over budget {b}: reserved {reserved} after admitting {}",
+                        routed.pod,
+                        entry.tokens
+                    );
+                }
+                self.reqs.push(Req {
+                    owner: v,
+                    routed,
+                    out: 0,
+                    finished: false,
+                });
+            }
+            Op::Grow { req, tokens } => {
+                let Some(i) = self.live(req) else { return };
+                let owner = self.reqs[i].owner;
+                self.reqs[i].out += u64::from(tokens);
+                let out = self.reqs[i].out;
+                let wrote = self.routers[owner]
+                    .grow(&self.vms[owner], &self.cfg, &mut self.reqs[i].routed, out)
+                    .expect("fake host");
+                let routed = &self.reqs[i].routed;
+                if wrote {
+                    let e = self
+                        .entry_of(&routed.pod, routed.request)
+                        .unwrap_or_else(|| panic!("grow wrote but no entry: {routed:?}"));
+                    let bt = u64::from(self.cfg.routing.block_tokens);
+                    assert_eq!(u64::from(e.output_blocks), out.div_ceil(bt), "{e:?}");
+                    assert!(
+                        e.tokens >= prompt_tokens(routed) + out,
+                        "grown entry reserves {} < prompt {} + output {out}",
+                        e.tokens,
+                        prompt_tokens(routed)
+                    );
+                }
+            }
+            Op::Finish { req } => {
+                if let Some(i) = self.live(req) {
+                    self.finish(i);
+                }
+            }
+            Op::FinishAgain { req } => {
+                let done: Vec<usize> = (0..self.reqs.len())
+                    .filter(|&i| self.reqs[i].finished)
+                    .collect();
+                if !done.is_empty() {
+                    let i = done[usize::from(req) % done.len()];
+                    let owner = self.reqs[i].owner;
+                    let gone = self.routers[owner]
+                        .finish(&self.vms[owner], &self.cfg, &self.reqs[i].routed)
+                        .expect("fake host");
+                    assert!(gone.is_none(), "a second finish removed {gone:?}");
+                }
+            }
+            Op::Rehome { req, pod } => {
+                let Some(i) = self.live(req) else { return };
+                let owner = self.reqs[i].owner;
+                let to = POOL[usize::from(pod) % POOL.len()];
+                let from = self.reqs[i].routed.pod.clone();
+                let had = self.entry_of(&from, self.reqs[i].routed.request);
+                self.routers[owner]
+                    .rehome(&self.vms[owner], &self.cfg, &mut self.reqs[i].routed, to)
+                    .expect("fake host");
+                let routed = &self.reqs[i].routed;
+                if routed.pod != from {
+                    assert_eq!(routed.pod, to);
+                    assert!(had.is_some(), "moved a request that had no entry");
+                    assert!(
+                        self.entry_of(&from, routed.request).is_none(),
+                        "left behind on {from}"
+                    );
+                    assert!(self.entry_of(to, routed.request).is_some(), "not on {to}");
+                }
+            }
+            Op::Advance { ms } => self.host.advance_ms(u64::from(ms)),
+            Op::AdvanceLong { s } => self.host.advance_ms(u64::from(s) * 1_000),
+            Op::Pods { mask } => {
+                let pods: Vec<String> = POOL
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, _)| mask & (1 << i) != 0)
+                    .map(|(_, p)| p.to_string())
+                    .collect();
+                self.publish_pods(&pods);
+            }
+            Op::Scrape {
+                pod,
+                healthy,
+                running,
+                waiting,
+                kv,
+                capacity,
+                age_s,
+            } => {
+                let snapshot = Snapshot {
+                    at_ms: now.saturating_sub(u64::from(age_s) * 100),
+                    healthy,
+                    running: f64::from(running),
+                    waiting: f64::from(waiting),
+                    kv_usage: if kv == 255 {
+                        f64::NAN
+                    } else {
+                        f64::from(kv) / 254.0
+                    },
+                    capacity_tokens: u64::from(capacity % (1 << 22)),
+                    block_size: 16,
+                };
+                let pod = POOL[usize::from(pod) % POOL.len()];
+                pod_state::write_snapshot(self.store(), pod, snapshot).expect("fake host");
+            }
+            Op::Sync { vm } => {
+                let v = usize::from(vm) % self.vms.len();
+                self.routers[v]
+                    .sync(&self.vms[v], &self.cfg)
+                    .expect("fake host");
+            }
+            Op::Enqueue {
+                vm,
+                priority,
+                tenant,
+                cost,
+                boosted,
+                wait_ms,
+            } => {
+                let v = usize::from(vm) % self.vms.len();
+                self.next_ticket += 1;
+                let ticket = Ticket {
+                    id: (1 << 48) | self.next_ticket,
+                    vm: self.routers[v].vm(),
+                    priority: i32::from(priority),
+                    boosted,
+                    start_tag: 0.0,
+                    enqueued_ms: now,
+                    deadline_ms: now + u64::from(wait_ms),
+                    cost: u64::from(cost % (1 << 20)),
+                };
+                let out = queue::enqueue(&self.vms[v], ticket, u64::from(tenant % 8), 8_192.0, 16)
+                    .expect("fake host");
+                if let Ok(t) = out {
+                    assert_eq!(t.id, ticket.id);
+                    let q = checked_queue(self.store());
+                    assert!(
+                        q.tickets.iter().any(|x| x.id == t.id),
+                        "enqueued but absent"
+                    );
+                    self.queued.push(t.id);
+                }
+            }
+            Op::Remove { ticket, admitted } => {
+                if self.queued.is_empty() {
+                    return;
+                }
+                let id = self.queued[usize::from(ticket) % self.queued.len()];
+                let present = checked_queue(self.store())
+                    .tickets
+                    .iter()
+                    .any(|t| t.id == id);
+                let removed = queue::remove(self.store(), id, admitted).expect("fake host");
+                if removed {
+                    assert!(present, "removed ticket {id} that was not in the line");
+                    assert!(self.removed.insert(id), "ticket {id} removed twice");
+                }
+            }
+            Op::ChargeDirect { tenant, cost } => {
+                queue::charge_direct(
+                    self.store(),
+                    u64::from(tenant % 8),
+                    u64::from(cost % (1 << 20)),
+                )
+                .expect("fake host");
+            }
+        }
+    }
+}
+
+fuzz_target!(|input: Input| {
+    let cfg = config(&input.setup);
+    let host = FakeHost::new();
+    host.set_now_ms(1_000_000);
+    let vms: Vec<FakeVm> = (0..1 + usize::from(input.setup.vms % 3))
+        .map(|_| host.vm())
+        .collect();
+    let routers: Vec<Router> = vms
+        .iter()
+        .map(|vm| Router::start(vm, &cfg).expect("fake host"))
+        .collect();
+    queue::ensure(&vms[0]).expect("fake host");
+    let mut world = World {
+        host,
+        cfg,
+        vms,
+        routers,
+        reqs: Vec::new(),
+        queued: Vec::new(),
+        removed: HashSet::new(),
+        next_ticket: 0,
+    };
+    for op in input.ops.iter().take(MAX_OPS) {
+        world.apply(op);
+        world.check();
+    }
+    // Everything still in flight finishes; every count returns to exactly zero.
+    for i in 0..world.reqs.len() {
+        if !world.reqs[i].finished {
+            world.finish(i);
+        }
+    }
+    world.check();
+    let now = world.host.now_ms();
+    for (pod, raw) in POOL.iter().zip(world.records()) {
+        // Expired entries are logically gone; unless a known bug is skipped, they must also be
+        // gone from what readers (routing, budgets, gauges) see.
+        let rec = if skip("expired-entries") {
+            live(&raw, now)
+        } else {
+            raw
+        };
+        assert!(
+            rec.entries.is_empty() && rec.reserved_tokens() == 0 && rec.active_blocks() == 0,
+            "{pod} holds {} entries, {} tokens, {} blocks after every request finished: {rec:?}",
+            rec.entries.len(),
+            rec.reserved_tokens(),
+            rec.active_blocks()
+        );
+    }
+    for id in world.queued.clone() {
+        queue::remove(world.store(), id, false).expect("fake host");
+    }
+    let raw = checked_queue(world.store());
+    let q = if skip("abandoned-tickets") {
+        live_line(&raw, now)
+    } else {
+        raw
+    };
+    assert!(
+        q.tickets.is_empty(),
+        "tickets left after all were removed: {q:?}"
+    );
+});

@@ -1,0 +1,161 @@
+//! Helpers shared by the fuzz targets: invariant checks on kvgate's shared records and the small
+//! generators the state-machine targets use. Everything that touches a kvgate API that is still
+//! moving (router placement, admission) lives in the targets themselves, next to its use.
+
+use kvgate::pod_state::{self, PodRecord};
+use kvgate::queue::{self, QueueRecord};
+use kvgate::store::Store;
+use std::collections::HashSet;
+use std::sync::OnceLock;
+
+/// Whether a check for a known, reported bug is switched off, so a long run can look past it:
+/// `KVGATE_FUZZ_SKIP=expired-entries,float-roundtrip` (names are listed in docs/fuzzing.md).
+/// Every check is on by default.
+pub fn skip(check: &str) -> bool {
+    static SKIP: OnceLock<Vec<String>> = OnceLock::new();
+    SKIP.get_or_init(|| {
+        std::env::var("KVGATE_FUZZ_SKIP")
+            .unwrap_or_default()
+            .split(',')
+            .map(|s| s.trim().to_string())
+            .filter(|s| !s.is_empty())
+            .collect()
+    })
+    .iter()
+    .any(|s| s == check)
+}
+
+/// The entries a pod record still holds at `now`: writers drop expired entries on every write,
+/// so an expired entry is gone as far as kvgate's accounting goes.
+pub fn live(rec: &PodRecord, now: u64) -> PodRecord {
+    PodRecord {
+        entries: rec
+            .entries
+            .iter()
+            .filter(|e| e.expires_ms > now)
+            .copied()
+            .collect(),
+        ..rec.clone()
+    }
+}
+
+/// No count kvgate keeps (reserved tokens, active blocks) comes near this in a fuzz run: a value
+/// above it is a u64 that wrapped below zero.
+pub const SANE: u64 = 1_000_000_000_000;
+
+/// Prompt block hashes over a small alphabet, chained like `prefix::block_hashes`, so that two
+/// requests share their first k hashes exactly when they share their first k symbols. `path`
+/// holds 16 two-bit symbols; `len` blocks are taken (at most 16, so prefixes collide often).
+pub fn chain_hashes(path: u32, len: u8) -> Vec<u64> {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    (0..usize::from(len % 17))
+        .map(|i| {
+            let sym = (path >> (2 * (i % 16))) & 3;
+            h = (h ^ u64::from(sym + 1)).wrapping_mul(0x0000_0100_0000_01b3);
+            h
+        })
+        .collect()
+}
+
+/// Reads a pod's record and checks what must hold at every moment: no count wrapped below zero,
+/// no request has two entries. Returns the record for further checks.
+pub fn checked_pod(store: &dyn Store, pod: &str) -> PodRecord {
+    let rec = pod_state::read(store, pod).expect("the fake host never fails a get");
+    let reserved = rec.reserved_tokens();
+    let active = rec.active_blocks();
+    assert!(
+        reserved < SANE,
+        "{pod}: reserved tokens wrapped: {reserved} ({rec:?})"
+    );
+    assert!(
+        active < SANE,
+        "{pod}: active blocks wrapped: {active} ({rec:?})"
+    );
+    let mut ids = HashSet::new();
+    for e in &rec.entries {
+        assert!(
+            ids.insert(e.id),
+            "{pod}: request {} has two entries: {rec:?}",
+            e.id
+        );
+        assert!(e.tokens < SANE, "{pod}: entry tokens wrapped: {e:?}");
+    }
+    if let Some(s) = rec.snapshot {
+        assert!(
+            s.running.is_finite() && s.running >= 0.0,
+            "{pod}: running {s:?}"
+        );
+        assert!(
+            s.waiting.is_finite() && s.waiting >= 0.0,
+            "{pod}: waiting {s:?}"
+        );
+    }
+    rec
+}
+
+/// `queue::ABANDONED_MS` (private): a ticket this long past its deadline is dropped on the next
+/// write of the line.
+pub const ABANDONED_MS: u64 = 5_000;
+
+/// The tickets the line still holds at `now` (abandoned ones are dropped on every write).
+pub fn live_line(q: &QueueRecord, now: u64) -> QueueRecord {
+    QueueRecord {
+        tickets: q
+            .tickets
+            .iter()
+            .filter(|t| t.deadline_ms.saturating_add(ABANDONED_MS) > now)
+            .copied()
+            .collect(),
+        ..q.clone()
+    }
+}
+
+/// Reads the shared line and checks its own invariants: unique tickets, kept in `queue::order`,
+/// finite tags.
+pub fn checked_queue(store: &dyn Store) -> QueueRecord {
+    let q = queue::read(store).expect("the fake host never fails a get");
+    let mut ids = HashSet::new();
+    for t in &q.tickets {
+        assert!(
+            ids.insert(t.id),
+            "ticket {} is in the line twice: {q:?}",
+            t.id
+        );
+        assert!(
+            t.start_tag.is_finite(),
+            "ticket with a non-finite tag: {t:?}"
+        );
+    }
+    for w in q.tickets.windows(2) {
+        assert!(
+            queue::order(&w[0], &w[1]) != std::cmp::Ordering::Greater,
+            "line out of order: {:?} before {:?}",
+            w[0],
+            w[1]
+        );
+    }
+    assert!(
+        q.virtual_time.is_finite(),
+        "virtual time {}",
+        q.virtual_time
+    );
+    for (t, f) in &q.tenants {
+        assert!(f.is_finite(), "tenant {t} finish tag {f}");
+    }
+    q
+}
+
+/// Cuts `len` bytes at the given points (taken modulo `len + 1`, sorted, duplicates kept so that
+/// empty pieces are fed too).
+pub fn pieces(len: usize, cuts: &[u16]) -> Vec<(usize, usize)> {
+    let mut points: Vec<usize> = cuts.iter().map(|&c| usize::from(c) % (len + 1)).collect();
+    points.sort_unstable();
+    let mut out = Vec::with_capacity(points.len() + 1);
+    let mut start = 0;
+    for p in points {
+        out.push((start, p));
+        start = p;
+    }
+    out.push((start, len));
+    out
+}
