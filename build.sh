@@ -4,7 +4,8 @@
 # pytest and friends), the wasm test runner.
 #
 #   ./build.sh demo     the main job: simulated pool, Envoy + kvgate vs a baseline, a short run
-#   ./build.sh test     everything CI runs: lints, native + wasm unit tests, end-to-end tests
+#   ./build.sh test     everything CI runs: lints, native + wasm unit tests, a short fuzz run,
+#                       end-to-end tests (real Envoy, kvgate-sim; faults, hostile input, Istio)
 #   ./build.sh build    kvgate.wasm (release) and the helper binaries
 #   ./build.sh bench    the full benchmark against peer routers (results/, BENCHMARKS.md)
 #   ./build.sh oci      kvgate.wasm as an OCI image (target/oci/kvgate) for Istio; stamps istio/*.yaml
@@ -64,8 +65,8 @@ build() {
     setup
     log "building $WASM"
     cargo build -q --release --target wasm32-wasip1 -p kvgate
-    log "building kvgate-sim"
-    cargo build -q --profile tools -p kvgate-sim
+    log "building kvgate-sim and kvgate-bench"
+    cargo build -q --profile tools -p kvgate-sim -p kvgate-bench
     ls -l "$WASM" | awk '{print "kvgate.wasm: " $5 " bytes"}'
 }
 
@@ -86,6 +87,16 @@ unit_tests() {
     PATH="$TOOLS/bin:$VENV/bin:$PATH" \
         CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner \
         cargo test -p kvgate --lib --target wasm32-unknown-unknown
+}
+
+# A short coverage-guided run of every fuzz target (scripts/fuzz.sh long for the long form).
+fuzz_short() {
+    if ! rustup toolchain list | grep -q '^nightly'; then
+        log "no nightly toolchain here: cargo-fuzz cannot run; skipping the fuzz step"
+        return 0
+    fi
+    log "fuzzing (short run of every target)"
+    bash scripts/fuzz.sh short
 }
 
 e2e_tests() {
@@ -109,6 +120,7 @@ case "$cmd" in
         build
         lint
         unit_tests
+        fuzz_short
         e2e_tests "$@"
         ;;
     e2e) build; e2e_tests "$@" ;;
