@@ -209,14 +209,14 @@ fn config(k: &Knobs) -> Config {
             "stalePolicy": if k.stale_saturated { "saturated" } else { "ignore" },
         },
         "routing": {
-            "requestTtlMs": pick(&[660_000u64, 3_000, 100_000_000_000], k.ttl),
+            "requestTtlMs": pick(&[660_000u64, 3_000, 604_800_000], k.ttl),
             "temperature": if k.temperature { 0.3 } else { 0.0 },
         },
         "admission": {
             "enabled": k.admission,
             "budgetTokens": pick(&[0u64, 300, 3_000, 1_000_000], k.budget),
             "maxQueue": pick(&[1_000u32, 0, 1, 4], k.max_queue),
-            "maxWaitMs": pick(&[30_000u64, 1, 2_000, 100_000_000_000], k.max_wait),
+            "maxWaitMs": pick(&[30_000u64, 1, 2_000, 604_800_000], k.max_wait),
             "objectives": objectives,
             "sessionBoostMs": if k.session_boost { 60_000 } else { 0 },
         },
