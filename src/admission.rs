@@ -111,7 +111,7 @@ impl Admission {
         router: &mut Router,
         stats: &mut Stats,
         class: Class,
-        hashes: Vec<u64>,
+        hashes: &[u64],
         est: &Estimate,
     ) -> Result<Admit, StoreError> {
         let a = &cfg.admission;
@@ -148,7 +148,7 @@ impl Admission {
         // Only a request that would lead the line may go straight to a pod: nobody waiting on
         // any worker is overtaken by a lower-ordered newcomer.
         if line.would_lead(&ticket) {
-            match router.route(store, cfg, hashes.clone(), est)? {
+            match router.route(store, cfg, hashes, est)? {
                 Placement::Routed(r) => {
                     // Fair-queuing tags matter only under contention: an uncontended pool skips
                     // the write to the one line every worker shares.
@@ -201,7 +201,7 @@ impl Admission {
         router: &mut Router,
         stats: &mut Stats,
         ticket: &Ticket,
-        hashes: Vec<u64>,
+        hashes: &[u64],
         est: &Estimate,
     ) -> Result<Option<Admit>, StoreError> {
         let now = store.now_ms();
@@ -390,7 +390,7 @@ mod tests {
                     &mut self.router,
                     &mut self.stats,
                     c,
-                    vec![1, 2],
+                    &[1, 2],
                     &est(cost),
                 )
                 .unwrap()
@@ -404,10 +404,24 @@ mod tests {
                     &mut self.router,
                     &mut self.stats,
                     t,
-                    vec![1, 2],
+                    &[1, 2],
                     &est(cost),
                 )
                 .unwrap()
+        }
+    }
+
+    fn routed(a: Admit) -> Routed {
+        match a {
+            Admit::Routed(r) => r,
+            other => panic!("not routed: {other:?}"),
+        }
+    }
+
+    fn waiting(a: Admit) -> Ticket {
+        match a {
+            Admit::Wait(t) => t,
+            other => panic!("not waiting: {other:?}"),
         }
     }
 
@@ -420,12 +434,8 @@ mod tests {
         let host = FakeHost::new();
         let cfg = config(100);
         let mut w = worker(&host, &cfg);
-        let Admit::Routed(first) = w.place(&cfg, class(&cfg, None, "t"), 80) else {
-            panic!()
-        };
-        let Admit::Wait(t) = w.place(&cfg, class(&cfg, None, "t"), 50) else {
-            panic!()
-        };
+        let first = routed(w.place(&cfg, class(&cfg, None, "t"), 80));
+        let t = waiting(w.place(&cfg, class(&cfg, None, "t"), 50));
         assert_eq!(w.admission.next_head(&w.vm).unwrap(), Some(t.id));
         assert_eq!(w.retry(&cfg, &t, 50), None, "still no room");
         w.router.finish(&w.vm, &cfg, &first).unwrap();
@@ -475,12 +485,8 @@ mod tests {
         let cfg = config(100);
         let mut w1 = worker(&host, &cfg);
         let mut w2 = worker(&host, &cfg);
-        let Admit::Routed(big) = w1.place(&cfg, class(&cfg, None, "t"), 90) else {
-            panic!()
-        };
-        let Admit::Wait(t) = w1.place(&cfg, class(&cfg, None, "t"), 50) else {
-            panic!()
-        };
+        let big = routed(w1.place(&cfg, class(&cfg, None, "t"), 90));
+        let t = waiting(w1.place(&cfg, class(&cfg, None, "t"), 50));
         // 10 tokens are free: a small newcomer would fit, but it must queue behind the ticket.
         assert!(matches!(
             w2.place(&cfg, class(&cfg, None, "t"), 5),
@@ -506,15 +512,9 @@ mod tests {
         let host = FakeHost::new();
         let cfg = config(100);
         let mut w = worker(&host, &cfg);
-        let Admit::Routed(_) = w.place(&cfg, class(&cfg, None, "t"), 100) else {
-            panic!()
-        };
-        let Admit::Wait(t1) = w.place(&cfg, class(&cfg, None, "t"), 10) else {
-            panic!()
-        };
-        let Admit::Wait(t2) = w.place(&cfg, class(&cfg, None, "u"), 10) else {
-            panic!()
-        };
+        let _ = routed(w.place(&cfg, class(&cfg, None, "t"), 100));
+        let t1 = waiting(w.place(&cfg, class(&cfg, None, "t"), 10));
+        let t2 = waiting(w.place(&cfg, class(&cfg, None, "u"), 10));
         w.admission.abandon(&w.vm, &mut w.stats, t2.id).unwrap();
         host.advance_ms(1_000);
         assert_eq!(w.admission.expired(host.now_ms()), vec![t1.id]);

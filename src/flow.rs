@@ -207,7 +207,7 @@ impl Flow {
             &mut gate.router,
             &mut gate.stats,
             self.class,
-            hashes.clone(),
+            &hashes,
             &est,
         );
         self.admitted = Some(Admitted {
@@ -270,7 +270,8 @@ impl Flow {
     /// while it still has to wait.
     pub fn retry(&mut self, gate: &mut Gate, store: &dyn Store) -> Option<Decision> {
         let a = self.admitted.as_mut()?;
-        let (ticket, hashes) = a.waiting.clone()?;
+        let (ticket, hashes) = a.waiting.as_ref()?;
+        let ticket = *ticket;
         let est = a.estimate;
         let outcome = gate.admission.retry(
             store,

@@ -173,7 +173,7 @@ impl Router {
         &mut self,
         store: &dyn Store,
         cfg: &Config,
-        mut hashes: Vec<u64>,
+        hashes: &[u64],
         est: &Estimate,
     ) -> Result<Placement, StoreError> {
         self.sync(store, cfg)?;
@@ -183,7 +183,7 @@ impl Router {
         let now = store.now_ms();
         let r = &cfg.routing;
         let bt = u64::from(r.block_tokens);
-        hashes.truncate(MAX_EVENT_BLOCKS);
+        let hashes = &hashes[..hashes.len().min(MAX_EVENT_BLOCKS)];
         let prompt_blocks = hashes.len().max(est.prompt_tokens.div_ceil(bt) as usize);
         let output_blocks = est.output_tokens.div_ceil(bt);
 
@@ -213,19 +213,25 @@ impl Router {
             // Every pod looks down: try them all rather than refuse; Envoy's retries do the rest.
             indices = (0..self.pods.len()).collect();
         }
+        // Leading prompt blocks already held by in-flight requests, per candidate: they cost no
+        // new KV there, in the score and in the reservation alike.
+        let shared: Vec<usize> = indices
+            .iter()
+            .map(|&i| self.active.active_prefix(&self.pods[i], hashes))
+            .collect();
         let candidates: Vec<Candidate> = indices
             .iter()
-            .map(|&i| {
+            .zip(&shared)
+            .map(|(&i, &already_active)| {
                 let (pod, rec) = (&self.pods[i], &records[i]);
                 let known = rec.snapshot.filter(|_| fresh(rec));
                 let capacity_blocks = rec
                     .snapshot
                     .filter(|s| s.capacity_tokens > 0)
                     .map_or(r.pod_capacity_blocks, |s| s.capacity_tokens / bt);
-                let already_active = self.active.active_prefix(pod, &hashes);
                 Candidate {
                     pod,
-                    cached_blocks: self.prefix.matched(pod, &hashes, now),
+                    cached_blocks: self.prefix.matched(pod, hashes, now),
                     active_blocks: rec.active_blocks(),
                     added_blocks: (prompt_blocks - already_active) as u64 + output_blocks,
                     waiting: known.map_or(0.0, |s| {
@@ -255,10 +261,6 @@ impl Router {
         // A prefix already held by in-flight requests on a pod occupies its KV once: a request
         // reserves only what it adds there (seed 000's objection to per-request token budgets).
         let safety = cfg.estimator.safety_factor;
-        let shared: Vec<usize> = candidates
-            .iter()
-            .map(|c| self.active.active_prefix(c.pod, &hashes))
-            .collect();
         let charges: Vec<u64> = shared
             .iter()
             .map(|&b| {
@@ -307,12 +309,12 @@ impl Router {
                 continue;
             }
             self.prefix
-                .insert(&pod, &hashes, now, best.capacity_blocks as usize);
-            self.active.add(&pod, request, hashes.clone(), now);
+                .insert(&pod, hashes, now, best.capacity_blocks as usize);
+            self.active.add(&pod, request, hashes.to_vec(), now);
             let event = Event::Dispatch {
                 pod: pod.clone(),
                 request,
-                hashes,
+                hashes: hashes.to_vec(),
             };
             if let Err(e) = PickLog::publish(store, self.vm, &event) {
                 // The other workers miss one pick; their replicas are approximate by design.
@@ -484,12 +486,12 @@ mod tests {
         let mut r1 = Router::start(&w1, &cfg).unwrap();
         let mut r2 = Router::start(&w2, &cfg).unwrap();
         let first = r1
-            .route(&w1, &cfg, hashes(7, 64), &est(1024, 16))
+            .route(&w1, &cfg, &hashes(7, 64), &est(1024, 16))
             .unwrap()
             .routed();
         r1.finish(&w1, &cfg, &first).unwrap();
         let second = r2
-            .route(&w2, &cfg, hashes(7, 64), &est(1024, 16))
+            .route(&w2, &cfg, &hashes(7, 64), &est(1024, 16))
             .unwrap()
             .routed();
         assert_eq!(second.pod, first.pod);
@@ -510,7 +512,7 @@ mod tests {
             // Same 32-block system prompt, different 32-block questions, long outputs.
             let mut h = hashes(1, 32);
             h.extend(hashes(100 + i, 32));
-            let routed = r.route(&vm, &cfg, h, &est(1024, 512)).unwrap().routed();
+            let routed = r.route(&vm, &cfg, &h, &est(1024, 512)).unwrap().routed();
             pods.push(routed.pod.clone());
             inflight.push(routed);
         }
@@ -532,11 +534,11 @@ mod tests {
         let mut r1 = Router::start(&w1, &cfg).unwrap();
         let mut r2 = Router::start(&w2, &cfg).unwrap();
         let x = r1
-            .route(&w1, &cfg, hashes(1, 10), &est(160, 0))
+            .route(&w1, &cfg, &hashes(1, 10), &est(160, 0))
             .unwrap()
             .routed();
         let y = r2
-            .route(&w2, &cfg, hashes(1, 10), &est(160, 0))
+            .route(&w2, &cfg, &hashes(1, 10), &est(160, 0))
             .unwrap()
             .routed();
         assert_eq!(
@@ -585,7 +587,7 @@ mod tests {
         .unwrap();
         let mut r = Router::start(&vm, &cfg).unwrap();
         let mut routed = r
-            .route(&vm, &cfg, hashes(1, 4), &est(64, 64))
+            .route(&vm, &cfg, &hashes(1, 4), &est(64, 64))
             .unwrap()
             .routed();
         assert_eq!(routed.pod, "b:1");
@@ -603,7 +605,7 @@ mod tests {
         let vm = host.vm();
         let mut r = Router::start(&vm, &cfg).unwrap();
         let mut routed = r
-            .route(&vm, &cfg, hashes(1, 4), &est(64, 0))
+            .route(&vm, &cfg, &hashes(1, 4), &est(64, 0))
             .unwrap()
             .routed();
         let (picked, other) = if routed.pod == "a:1" {
@@ -622,7 +624,7 @@ mod tests {
         );
         assert_eq!(pod_state::read(&vm, other).unwrap().active_blocks(), 4);
         let next = r
-            .route(&vm, &cfg, hashes(1, 4), &est(64, 0))
+            .route(&vm, &cfg, &hashes(1, 4), &est(64, 0))
             .unwrap()
             .routed();
         assert_eq!(next.pod, other);
@@ -638,14 +640,14 @@ mod tests {
         let vm = host.vm();
         let mut r = Router::start(&vm, &cfg).unwrap();
         assert_eq!(
-            r.route(&vm, &cfg, hashes(1, 4), &est(64, 0)).unwrap(),
+            r.route(&vm, &cfg, &hashes(1, 4), &est(64, 0)).unwrap(),
             Placement::NoPods
         );
         vm.set(PODS_KEY, &encode_pods(&["x:1".into()]), None)
             .unwrap();
         host.advance_ms(PODS_CACHE_MS);
         let routed = r
-            .route(&vm, &cfg, hashes(1, 4), &est(64, 0))
+            .route(&vm, &cfg, &hashes(1, 4), &est(64, 0))
             .unwrap()
             .routed();
         assert_eq!(routed.pod, "x:1");

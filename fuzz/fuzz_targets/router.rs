@@ -38,7 +38,7 @@ fn route(
 ) -> (Option<Routed>, bool) {
     use kvgate::router::Placement;
     match r
-        .route(vm, cfg, hashes, est)
+        .route(vm, cfg, &hashes, est)
         .expect("the fake host never fails")
     {
         Placement::Routed(routed) => (Some(routed), false),
