@@ -21,6 +21,9 @@ pub struct Candidate<'a> {
     /// Scraped KV usage 0..1 (0 when unknown).
     pub kv_usage: f64,
     pub capacity_blocks: u64,
+    /// Blocks the pod is believed to cache for all prompts: among equal costs, a new prefix goes
+    /// where the least is cached, so new prompt groups spread evenly instead of by chance.
+    pub cached_total: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -84,8 +87,15 @@ pub fn rank(
             )
         })
         .collect();
-    // Equal costs fall in random order, so ties do not always favour the first pod listed.
-    scored.sort_by(|a, b| a.0.cost.total_cmp(&b.0.cost).then(a.1.total_cmp(&b.1)));
+    // Equal costs go to the pod caching least, then fall in random order, so ties do not
+    // always favour the first pod listed.
+    scored.sort_by(|a, b| {
+        let held = |s: &Scored| candidates[s.index].cached_total;
+        a.0.cost
+            .total_cmp(&b.0.cost)
+            .then(held(&a.0).cmp(&held(&b.0)))
+            .then(a.1.total_cmp(&b.1))
+    });
     let mut out: Vec<Scored> = scored.into_iter().map(|(s, _)| s).collect();
     if w.temperature > 0.0 && out.len() > 1 {
         let first = softmax_draw(&out, w.temperature, rng);
@@ -131,6 +141,7 @@ mod tests {
             waiting,
             kv_usage: 0.0,
             capacity_blocks: 1000,
+            cached_total: 0,
         }
     }
 
@@ -174,6 +185,20 @@ mod tests {
             counts.iter().all(|&n| (60..=140).contains(&n)),
             "{counts:?}"
         );
+    }
+
+    #[test]
+    fn ties_go_to_the_pod_caching_least() {
+        let w = RoutingConfig::default();
+        let mut busy = pod("busy", 0, 0, 0.0);
+        busy.cached_total = 500;
+        let c = [busy, pod("empty", 0, 0, 0.0)];
+        for seed in 0..20 {
+            assert_eq!(
+                c[rank(&c, 10, &w, &mut Rng::new(seed))[0].index].pod,
+                "empty"
+            );
+        }
     }
 
     #[test]

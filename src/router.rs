@@ -245,6 +245,7 @@ impl Router {
                         }
                     }),
                     capacity_blocks,
+                    cached_total: self.prefix.blocks_held(pod),
                 }
             })
             .collect();
