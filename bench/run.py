@@ -289,7 +289,8 @@ def cli_strings():
         return " ".join(Path(a).name if a.startswith(str(ROOT)) else a for a in argv)
     return {
         "kvgate": f"Envoy --concurrency {ENVOY_CONCURRENCY} with kvgate.wasm, plugin config "
-                  f"harness.default_plugin_config() (+ admission.objectives {json.dumps(MIXED_OBJECTIVES)} for mixed)",
+                  f"harness.default_plugin_config() (+ admission.objectives {json.dumps(MIXED_OBJECTIVES)} for mixed)"
+                  + (f" merged with {json.dumps(KVGATE_OVERRIDE)}" if KVGATE_OVERRIDE else ""),
         "envoy-rr": f"Envoy --concurrency {ENVOY_CONCURRENCY}, no kvgate, load_balancing_policy round_robin",
         "envoy-lr": f"Envoy --concurrency {ENVOY_CONCURRENCY}, no kvgate, load_balancing_policy least_request",
         "sglang-router": show(sglang_argv("<port>", "<metrics-port>", ["<pod URLs>"])),
@@ -297,10 +298,20 @@ def cli_strings():
     }
 
 
+# --kvgate-config: JSON merged into kvgate's plugin configuration (one level of sections deep), to
+# compare settings on the same workload.
+KVGATE_OVERRIDE = {}
+
+
 def kvgate_config(workload):
     cfg = default_plugin_config()
     if workload == "mixed":
         cfg.setdefault("admission", {})["objectives"] = dict(MIXED_OBJECTIVES)
+    for key, value in KVGATE_OVERRIDE.items():
+        if isinstance(value, dict):
+            cfg.setdefault(key, {}).update(value)
+        else:
+            cfg[key] = value
     return cfg
 
 
@@ -984,10 +995,13 @@ def main():
     ap.add_argument("--workloads", help="comma-separated subset of shared-prefix,multi-turn,mixed,burst")
     ap.add_argument("--no-overhead", action="store_true")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--kvgate-config", metavar="JSON", default="{}",
+                    help='merged into kvgate\'s plugin config, e.g. \'{"routing": {"activeWeight": 0.5}}\'')
     ap.add_argument("--out", help="output directory (default results/<timestamp>)")
     ap.add_argument("--smoke", action="store_true", help="tiny durations, to check the machinery (not a benchmark)")
     ap.add_argument("--no-benchmarks-md", action="store_true", help="with --full: do not update BENCHMARKS.md")
     a = ap.parse_args()
+    KVGATE_OVERRIDE.update(json.loads(a.kvgate_config))
     if a.rewrite_report:
         return rewrite_report(a.rewrite_report, a.benchmarks_md)
 

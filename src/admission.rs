@@ -541,7 +541,7 @@ mod tests {
             kv_usage: 0.0,
             ..Snapshot::default()
         };
-        pod_state::write_snapshot(&w.vm, "a:1", snap).unwrap();
+        pod_state::write_snapshot(&w.vm, "a:1", snap, 0).unwrap();
         assert!(matches!(
             w.place(&cfg, class(&cfg, None, "t"), 850),
             Admit::Routed(_)

@@ -135,6 +135,9 @@ pub struct MetricsConfig {
     /// Metrics older than this are stale.
     pub stale_after_ms: u64,
     pub stale_policy: StalePolicy,
+    /// kvgate's own requests dispatched this soon before a scrape are not counted in its waiting
+    /// queue: they had not reached the engine's next step yet, which is not congestion.
+    pub waiting_grace_ms: u64,
 }
 
 impl Default for MetricsConfig {
@@ -146,6 +149,7 @@ impl Default for MetricsConfig {
             timeout_ms: 500,
             stale_after_ms: 5_000,
             stale_policy: StalePolicy::Ignore,
+            waiting_grace_ms: 250,
         }
     }
 }
@@ -190,7 +194,7 @@ impl Default for RoutingConfig {
             prefix_ttl_ms: 600_000,
             max_prompt_blocks: 2_048,
             prefill_weight: 2.0,
-            active_weight: 1.0,
+            active_weight: 0.25,
             queue_weight: 1.0,
             kv_usage_weight: 0.0,
             temperature: 0.0,
@@ -309,6 +313,7 @@ impl Config {
             ("metrics.intervalMs", self.metrics.interval_ms),
             ("metrics.timeoutMs", self.metrics.timeout_ms),
             ("metrics.staleAfterMs", self.metrics.stale_after_ms),
+            ("metrics.waitingGraceMs", self.metrics.waiting_grace_ms),
             ("routing.prefixTtlMs", self.routing.prefix_ttl_ms),
             ("routing.requestTtlMs", self.routing.request_ttl_ms),
             ("admission.maxWaitMs", self.admission.max_wait_ms),

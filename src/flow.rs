@@ -340,6 +340,7 @@ impl Flow {
                 "x-kvgate-prefix-blocks".into(),
                 format!("{}/{}", r.cached_blocks, r.prompt_blocks),
             ));
+            headers.push(("x-kvgate-ranking".into(), r.ranking.clone()));
         }
         headers
     }
@@ -554,6 +555,12 @@ mod tests {
         };
         assert_eq!(get("x-kvgate-cost").as_deref(), Some("64"));
         assert_eq!(get("x-kvgate-pod").as_deref(), Some("10.0.0.1:80"));
+        // The one candidate, its cost and the four terms it sums: 1 block to compute (×2), the
+        // 1 + 2 blocks it adds (×0.25), no queue, no kv term.
+        assert_eq!(
+            get("x-kvgate-ranking").as_deref(),
+            Some("10.0.0.1:80 3=2+1+0+0")
+        );
         f.on_response_body(
             &mut gate,
             &vm,

@@ -32,15 +32,32 @@ pub struct Scored {
     pub cost: f64,
 }
 
+/// The four weighted terms of a pod's cost, kept apart so a decision can be explained.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Terms {
+    pub prefill: f64,
+    pub active: f64,
+    pub queue: f64,
+    pub kv: f64,
+}
+
+impl Terms {
+    pub fn of(c: &Candidate, prompt_blocks: usize, w: &RoutingConfig) -> Terms {
+        Terms {
+            prefill: w.prefill_weight * prompt_blocks.saturating_sub(c.cached_blocks) as f64,
+            active: w.active_weight * (c.active_blocks + c.added_blocks) as f64,
+            queue: w.queue_weight * c.waiting * prompt_blocks.max(1) as f64,
+            kv: w.kv_usage_weight * c.kv_usage * c.capacity_blocks as f64,
+        }
+    }
+
+    pub fn total(&self) -> f64 {
+        self.prefill + self.active + self.queue + self.kv
+    }
+}
+
 pub fn cost(c: &Candidate, prompt_blocks: usize, w: &RoutingConfig) -> f64 {
-    let prefill = prompt_blocks.saturating_sub(c.cached_blocks) as f64;
-    let active = (c.active_blocks + c.added_blocks) as f64;
-    let queue = c.waiting * prompt_blocks.max(1) as f64;
-    let kv = c.kv_usage * c.capacity_blocks as f64;
-    w.prefill_weight * prefill
-        + w.active_weight * active
-        + w.queue_weight * queue
-        + w.kv_usage_weight * kv
+    Terms::of(c, prompt_blocks, w).total()
 }
 
 /// A small deterministic generator for tie-breaking and softmax draws (xorshift64*), seeded per

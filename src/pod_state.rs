@@ -17,6 +17,7 @@ pub struct Snapshot {
     /// False after a scrape that could not connect: the pod is avoided until it answers.
     pub healthy: bool,
     pub running: f64,
+    /// Scraped waiting requests, less kvgate's own sent just before the scrape.
     pub waiting: f64,
     /// 0..1, NaN when the server does not say.
     pub kv_usage: f64,
@@ -59,11 +60,6 @@ impl PodRecord {
 
     pub fn reserved_tokens(&self) -> u64 {
         self.entries.iter().map(|e| e.tokens).sum()
-    }
-
-    pub fn dispatched_since_scrape(&self) -> usize {
-        let at = self.snapshot.map_or(0, |s| s.at_ms);
-        self.entries.iter().filter(|e| e.dispatched_ms > at).count()
     }
 
     pub fn is_live(&self, id: u64) -> bool {
@@ -205,8 +201,22 @@ pub fn finish(
     })
 }
 
-pub fn write_snapshot(store: &dyn Store, pod: &str, snapshot: Snapshot) -> Result<(), StoreError> {
+/// Stores a scrape's result. Requests kvgate sent within `grace_ms` before it are taken off its
+/// waiting count: the engine had not had a step to schedule them, so they are not a queue.
+pub fn write_snapshot(
+    store: &dyn Store,
+    pod: &str,
+    mut snapshot: Snapshot,
+    grace_ms: u64,
+) -> Result<(), StoreError> {
     modify(store, pod, |rec| {
+        let since = snapshot.at_ms.saturating_sub(grace_ms);
+        let unscheduled = rec
+            .entries
+            .iter()
+            .filter(|e| e.dispatched_ms >= since)
+            .count();
+        snapshot.waiting = (snapshot.waiting - unscheduled as f64).max(0.0);
         rec.snapshot = Some(snapshot);
         rec.finished_since_scrape = 0;
         Some(())
@@ -285,6 +295,38 @@ mod tests {
     }
 
     #[test]
+    fn requests_sent_just_before_a_scrape_are_not_a_queue() {
+        let host = FakeHost::new();
+        let vm = host.vm();
+        ensure(&vm, "p").unwrap();
+        modify(&vm, "p", |r| {
+            for (id, at) in [(1, 100), (2, 800), (3, 900)] {
+                r.entries.push(Entry {
+                    dispatched_ms: at,
+                    expires_ms: 10_000,
+                    ..entry(id, 1)
+                });
+            }
+            Some(())
+        })
+        .unwrap();
+        let scraped = |waiting| Snapshot {
+            at_ms: 1_000,
+            healthy: true,
+            waiting,
+            ..Snapshot::default()
+        };
+        host.set_now_ms(1_000);
+        write_snapshot(&vm, "p", scraped(3.0), 250).unwrap();
+        let waiting = |vm| read(vm, "p").unwrap().snapshot.unwrap().waiting;
+        assert_eq!(waiting(&vm), 1.0, "two were sent within 250 ms: one queued");
+        write_snapshot(&vm, "p", scraped(1.0), 250).unwrap();
+        assert_eq!(waiting(&vm), 0.0, "never below zero");
+        write_snapshot(&vm, "p", scraped(3.0), 0).unwrap();
+        assert_eq!(waiting(&vm), 3.0, "no grace: the engine's count");
+    }
+
+    #[test]
     fn expired_entries_vanish_on_the_next_write() {
         let host = FakeHost::new();
         let vm = host.vm();
@@ -301,7 +343,7 @@ mod tests {
             "not counted once expired"
         );
         assert_eq!(finish(&vm, "p", 1, None).unwrap(), None);
-        write_snapshot(&vm, "p", Snapshot::default()).unwrap();
+        write_snapshot(&vm, "p", Snapshot::default(), 250).unwrap();
         assert_eq!(read(&vm, "p").unwrap().reserved_tokens(), 0);
     }
 }

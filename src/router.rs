@@ -6,9 +6,9 @@
 use crate::active_blocks::ActiveBlocks;
 use crate::budget::{budget_tokens, fits};
 use crate::codec::{Reader, Writer};
-use crate::config::{Config, StalePolicy};
+use crate::config::{Config, RoutingConfig, StalePolicy};
 use crate::estimate::Estimate;
-use crate::pick::{rank, Candidate, Rng};
+use crate::pick::{rank, Candidate, Rng, Scored, Terms};
 use crate::pick_log::{Event, PickLog, MAX_EVENT_BLOCKS};
 use crate::pod_state::{self, Entry, PodRecord};
 use crate::prefix_index::PrefixIndex;
@@ -43,6 +43,9 @@ pub struct Routed {
     pub prompt_blocks: usize,
     pub cached_blocks: usize,
     pub output_blocks: u32,
+    /// With debug headers on: every candidate best first, as `pod cost=prefill+active+queue+kv`,
+    /// ` full` where its budget had no room.
+    pub ranking: String,
 }
 
 pub fn encode_pods(pods: &[String]) -> Vec<u8> {
@@ -60,6 +63,33 @@ pub fn decode_pods(bytes: &[u8]) -> Option<Vec<String>> {
     (0..n)
         .map(|_| r.bytes().and_then(|b| String::from_utf8(b.to_vec()).ok()))
         .collect()
+}
+
+fn explain(
+    candidates: &[Candidate],
+    ranked: &[Scored],
+    prompt_blocks: usize,
+    w: &RoutingConfig,
+    room: impl Fn(usize) -> bool,
+) -> String {
+    let mut out = String::new();
+    for s in ranked {
+        let t = Terms::of(&candidates[s.index], prompt_blocks, w);
+        if !out.is_empty() {
+            out.push_str(", ");
+        }
+        out.push_str(&format!(
+            "{} {:.0}={:.0}+{:.0}+{:.0}+{:.0}{}",
+            candidates[s.index].pod,
+            s.cost,
+            t.prefill,
+            t.active,
+            t.queue,
+            t.kv,
+            if room(s.index) { "" } else { " full" }
+        ));
+    }
+    out
 }
 
 pub struct Router {
@@ -285,6 +315,11 @@ impl Router {
             .take(1 + r.fallback_pods as usize)
             .map(|s| candidates[s.index].pod.to_string())
             .collect();
+        let ranking = if cfg.debug_headers {
+            explain(&candidates, &ranked, prompt_blocks, r, room)
+        } else {
+            String::new()
+        };
         for s in ranked.iter().filter(|s| room(s.index)) {
             let best = &candidates[s.index];
             let pod = best.pod.to_string();
@@ -335,6 +370,7 @@ impl Router {
                 prompt_blocks,
                 cached_blocks: best.cached_blocks,
                 output_blocks: 0,
+                ranking,
             }));
         }
         Ok(Placement::NoRoom)
@@ -584,6 +620,7 @@ mod tests {
                 healthy: false,
                 ..Snapshot::default()
             },
+            0,
         )
         .unwrap();
         let mut r = Router::start(&vm, &cfg).unwrap();

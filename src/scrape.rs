@@ -150,7 +150,12 @@ impl Scraper {
                             capacity_tokens: m.capacity_tokens.unwrap_or(0),
                             block_size: m.block_size.unwrap_or(0) as u32,
                         };
-                        pod_state::write_snapshot(store, pod, snapshot)
+                        pod_state::write_snapshot(
+                            store,
+                            pod,
+                            snapshot,
+                            cfg.metrics.waiting_grace_ms,
+                        )
                     }
                     _ => {
                         stats.count("kvgate.scrape.errors", 1);
@@ -163,7 +168,7 @@ impl Scraper {
                                 kv_usage: f64::NAN,
                                 ..Snapshot::default()
                             };
-                            pod_state::write_snapshot(store, pod, down)?;
+                            pod_state::write_snapshot(store, pod, down, 0)?;
                         }
                         Ok(())
                     }
