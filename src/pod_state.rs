@@ -230,7 +230,7 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     use super::*;
-    use crate::fake_host::FakeHost;
+    use crate::fake_host::{FakeHost, FakeVm};
 
     fn entry(id: u64, blocks: u32) -> Entry {
         Entry {
@@ -268,17 +268,22 @@ mod tests {
         );
     }
 
-    #[test]
-    fn finish_is_exactly_once_and_hands_shared_blocks_on() {
+    /// A host whose pod `p` holds `entries`, and a VM on it.
+    fn pod_with(entries: &[Entry]) -> (FakeHost, FakeVm) {
         let host = FakeHost::new();
         let vm = host.vm();
         ensure(&vm, "p").unwrap();
         modify(&vm, "p", |r| {
-            r.entries.push(entry(1, 10));
-            r.entries.push(entry(2, 2));
+            r.entries.extend_from_slice(entries);
             Some(())
         })
         .unwrap();
+        (host, vm)
+    }
+
+    #[test]
+    fn finish_is_exactly_once_and_hands_shared_blocks_on() {
+        let (_host, vm) = pod_with(&[entry(1, 10), entry(2, 2)]);
         assert_eq!(read(&vm, "p").unwrap().active_blocks(), 12);
         let gone = finish(&vm, "p", 1, Some((2, 8, 80))).unwrap();
         assert_eq!(gone.map(|e| e.id), Some(1));
@@ -296,20 +301,12 @@ mod tests {
 
     #[test]
     fn requests_sent_just_before_a_scrape_are_not_a_queue() {
-        let host = FakeHost::new();
-        let vm = host.vm();
-        ensure(&vm, "p").unwrap();
-        modify(&vm, "p", |r| {
-            for (id, at) in [(1, 100), (2, 800), (3, 900)] {
-                r.entries.push(Entry {
-                    dispatched_ms: at,
-                    expires_ms: 10_000,
-                    ..entry(id, 1)
-                });
-            }
-            Some(())
-        })
-        .unwrap();
+        let sent = |id, at| Entry {
+            dispatched_ms: at,
+            expires_ms: 10_000,
+            ..entry(id, 1)
+        };
+        let (host, vm) = pod_with(&[sent(1, 100), sent(2, 800), sent(3, 900)]);
         let scraped = |waiting| Snapshot {
             at_ms: 1_000,
             healthy: true,
@@ -328,14 +325,7 @@ mod tests {
 
     #[test]
     fn expired_entries_vanish_on_the_next_write() {
-        let host = FakeHost::new();
-        let vm = host.vm();
-        ensure(&vm, "p").unwrap();
-        modify(&vm, "p", |r| {
-            r.entries.push(entry(1, 10));
-            Some(())
-        })
-        .unwrap();
+        let (host, vm) = pod_with(&[entry(1, 10)]);
         host.set_now_ms(1_000);
         assert_eq!(
             read(&vm, "p").unwrap().reserved_tokens(),

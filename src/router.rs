@@ -292,10 +292,19 @@ impl Router {
         // A prefix already held by in-flight requests on a pod occupies its KV once: a request
         // reserves only what it adds there (seed 000's objection to per-request token budgets).
         let safety = cfg.estimator.safety_factor;
+        // Blocks are cut by characters, so a held block stands for this prompt's own tokens per
+        // block, never more than a block's worth: text denser than `charsPerBlockToken` then
+        // does not make the held prefix swallow the question and the expected output.
+        let tokens_per_block = if hashes.is_empty() {
+            bt as f64
+        } else {
+            (est.prompt_tokens as f64 / hashes.len() as f64).min(bt as f64)
+        };
+        let held_tokens = |blocks: usize| (blocks as f64 * tokens_per_block) as u64;
         let charges: Vec<u64> = shared
             .iter()
             .map(|&b| {
-                let held = (b as u64 * bt) as f64 * safety;
+                let held = held_tokens(b) as f64 * safety;
                 est.cost
                     .saturating_sub(held as u64)
                     .max(cfg.estimator.min_reservation_tokens.min(est.cost))
@@ -365,7 +374,7 @@ impl Router {
                 pod,
                 prompt_tokens: est
                     .prompt_tokens
-                    .saturating_sub(shared[s.index] as u64 * bt),
+                    .saturating_sub(held_tokens(shared[s.index])),
                 order,
                 prompt_blocks,
                 cached_blocks: best.cached_blocks,
@@ -561,6 +570,29 @@ mod tests {
             r.finish(&vm, &cfg, routed).unwrap();
         }
         assert_eq!(total_active(&vm, &cfg), 0);
+    }
+
+    #[test]
+    fn a_shared_prefix_never_discounts_the_expected_output() {
+        let host = FakeHost::new();
+        let cfg = config(&["a:1"]);
+        let vm = host.vm();
+        let mut r = Router::start(&vm, &cfg).unwrap();
+        // Twenty character blocks, ten of them a shared system prompt, would be 320 tokens at
+        // 16 per block, but the text is denser: the prompt is 100 tokens, 5 per block. Each
+        // request expects 200 output tokens; safety factor 1.1.
+        let e = Estimate {
+            cost: 330,
+            ..est(100, 200)
+        };
+        let prompt = |question| [hashes(1, 10), hashes(question, 10)].concat();
+        r.route(&vm, &cfg, &prompt(2), &e).unwrap().routed();
+        r.route(&vm, &cfg, &prompt(3), &e).unwrap().routed();
+        assert_eq!(
+            pod_state::read(&vm, "a:1").unwrap().reserved_tokens(),
+            330 + (330 - 55),
+            "the second is spared the held 50 prompt tokens, not its question or its output"
+        );
     }
 
     #[test]

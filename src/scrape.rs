@@ -184,13 +184,19 @@ impl Scraper {
     }
 }
 
-/// Envoy answers a callout to a host that refuses connections with its own 503 ("upstream
-/// connect error or disconnect/reset before headers ... connection refused").
+/// Envoy answers a callout to a host that refuses connections, or does not accept them in time,
+/// with its own 503 ("upstream connect error or disconnect/reset before headers. reset reason:
+/// remote connection failure ... Connection refused", or "... connection timeout"). Other resets
+/// before headers ("connection termination": a pooled connection closed under the request;
+/// "overflow": a circuit breaker) say nothing of the pod's health: an error, not a refusal.
 fn refused(status: Option<u32>, body: &[u8]) -> bool {
     status.is_none()
         || (status == Some(503)
-            && std::str::from_utf8(body)
-                .is_ok_and(|b| b.contains("connect") || b.contains("reset")))
+            && std::str::from_utf8(body).is_ok_and(|b| {
+                b.contains("connection failure")
+                    || b.contains("connection timeout")
+                    || b.contains("Connection refused")
+            }))
 }
 
 #[derive(Deserialize)]
@@ -371,6 +377,24 @@ mod tests {
                 .unwrap()
                 .healthy,
             "garbage is not a refusal"
+        );
+        let terminated = b"upstream connect error or disconnect/reset before headers. reset reason: connection termination";
+        s.on_response(
+            &vm,
+            &c,
+            &mut stats,
+            &Target::Pod("a:1".into()),
+            Some(503),
+            terminated,
+        )
+        .unwrap();
+        assert!(
+            pod_state::read(&vm, "a:1")
+                .unwrap()
+                .snapshot
+                .unwrap()
+                .healthy,
+            "a connection closed under the request is not a refusal"
         );
         let refused = b"upstream connect error or disconnect/reset before headers. reset reason: connection failure";
         s.on_response(

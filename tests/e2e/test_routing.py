@@ -92,6 +92,29 @@ def test_client_supplied_destination_has_no_effect():
             assert r.headers["x-sim-pod"] == home
 
 
+def test_a_hot_prefix_spreads_over_pods():
+    # One prompt group, 48 requests at once. Holding a prefix is cheap, so its pod keeps taking
+    # the group while its KV has room (the weights trade balance for cache hits); once the pod's
+    # budget (1024 blocks × 16 × 0.9 here: the prefix's 3.6k tokens and about 40 answers of
+    # 256) is taken, the group must spill onto another pod rather than pile up or wait.
+    with Sim(pods=4, args=SIM_ARGS + ["--num-gpu-blocks", "1024"]) as sim, \
+            kvgate_envoy(sim.endpoints, default_plugin_config()) as envoy:
+        def one(q):
+            r = request(envoy.port, "POST", "/v1/chat/completions", chat(7, q, max_tokens=256), timeout=120)
+            return r.status, r.headers.get("x-sim-pod")
+
+        with ThreadPoolExecutor(48) as pool:
+            results = list(pool.map(one, range(48)))
+        assert all(status == 200 for status, _ in results)
+        pods = [p for _, p in results]
+        share = {p: pods.count(p) for p in set(pods)}
+        print(f"one hot group over the pods: {share}")
+        assert len(share) >= 2, "the hot prefix spread"
+        assert max(share.values()) <= 44, share
+        stats = [sim.stats(i) for i in range(4)]
+        assert sum(s["preemptions"] for s in stats) == 0, stats
+
+
 def test_pod_holding_the_prefix_but_overloaded_is_avoided():
     args = SIM_ARGS + ["--max-num-seqs", "2"]
     with Sim(pods=3, args=args) as sim, kvgate_envoy(sim.endpoints, default_plugin_config()) as envoy:
