@@ -361,58 +361,36 @@ mod tests {
             ),
             (42, true, 3.0, 2.0, 0.5)
         );
-        s.on_response(
-            &vm,
-            &c,
-            &mut stats,
-            &Target::Pod("a:1".into()),
-            Some(200),
-            b"garbage",
-        )
-        .unwrap();
-        assert!(
+        // Answers the scrape of a:1 with `status` and `body`; says whether a:1 is healthy after.
+        let mut answer = |status, body: &[u8]| {
+            s.on_response(
+                &vm,
+                &c,
+                &mut stats,
+                &Target::Pod("a:1".into()),
+                status,
+                body,
+            )
+            .unwrap();
             pod_state::read(&vm, "a:1")
-                .unwrap()
-                .snapshot
-                .unwrap()
-                .healthy,
-            "garbage is not a refusal"
-        );
-        let terminated = b"upstream connect error or disconnect/reset before headers. reset reason: connection termination";
-        s.on_response(
-            &vm,
-            &c,
-            &mut stats,
-            &Target::Pod("a:1".into()),
-            Some(503),
-            terminated,
-        )
-        .unwrap();
-        assert!(
-            pod_state::read(&vm, "a:1")
-                .unwrap()
-                .snapshot
-                .unwrap()
-                .healthy,
-            "a connection closed under the request is not a refusal"
-        );
-        let refused = b"upstream connect error or disconnect/reset before headers. reset reason: connection failure";
-        s.on_response(
-            &vm,
-            &c,
-            &mut stats,
-            &Target::Pod("a:1".into()),
-            Some(503),
-            refused,
-        )
-        .unwrap();
-        assert!(
-            !pod_state::read(&vm, "a:1")
                 .unwrap()
                 .snapshot
                 .unwrap()
                 .healthy
+        };
+        assert!(answer(Some(200), b"garbage"), "garbage is not a refusal");
+        let reset = "upstream connect error or disconnect/reset before headers. reset reason:";
+        assert!(
+            answer(
+                Some(503),
+                format!("{reset} connection termination").as_bytes()
+            ),
+            "a connection closed under the request is not a refusal"
         );
+        assert!(!answer(
+            Some(503),
+            format!("{reset} remote connection failure, transport failure reason: delayed connect error: Connection refused").as_bytes()
+        ));
         let counted: Vec<_> = stats.drain().collect();
         assert!(counted.contains(&crate::stats::Stat::Counter(
             "kvgate.scrape.errors".into(),
