@@ -361,6 +361,16 @@ impl World {
                     entry.tokens,
                     est.cost
                 );
+                // What is held is at most the prompt: the expected output is always reserved.
+                let prompt_share =
+                    (est.prompt_tokens as f64 * self.cfg.estimator.safety_factor).ceil() as u64;
+                assert!(
+                    entry.tokens >= est.cost.saturating_sub(prompt_share),
+                    "entry reserves {} for an estimate of {} with {} prompt tokens",
+                    entry.tokens,
+                    est.cost,
+                    est.prompt_tokens
+                );
                 assert!(prompt_tokens(&routed) <= est.prompt_tokens, "{routed:?}");
                 if let Some(b) = budget(&self.cfg, rec.snapshot.as_ref()) {
                     let reserved = live(&rec, now).reserved_tokens();
@@ -473,7 +483,13 @@ impl World {
                     block_size: 16,
                 };
                 let pod = POOL[usize::from(pod) % POOL.len()];
-                pod_state::write_snapshot(self.store(), pod, snapshot).expect("fake host");
+                pod_state::write_snapshot(
+                    self.store(),
+                    pod,
+                    snapshot,
+                    self.cfg.metrics.waiting_grace_ms,
+                )
+                .expect("fake host");
             }
             Op::Sync { vm } => {
                 let v = usize::from(vm) % self.vms.len();

@@ -1,7 +1,8 @@
-//! The only caller of `proxy_wasm::hostcalls`: the `Store` implementation and the few request and
-//! response calls the HTTP context needs, each returning `Result`/`Option` so no host error can
-//! panic the VM.
+//! The only caller of `proxy_wasm::hostcalls` (and of `raw`, for header values): the `Store`
+//! implementation and the few request and response calls the HTTP context needs, each returning
+//! `Result`/`Option` so no host error can panic the VM.
 
+use super::raw;
 use crate::reply::LocalReply;
 use crate::store::{Store, StoreError, Versioned};
 use proxy_wasm::hostcalls;
@@ -54,16 +55,17 @@ impl Store for HostStore {
     }
 }
 
+/// A header's value as text: bytes that are not UTF-8 (HTTP allows them) become U+FFFD.
+fn header(map: MapType, name: &str) -> Option<String> {
+    raw::header_value(map, name).map(|v| String::from_utf8_lossy(&v).into_owned())
+}
+
 pub fn request_header(name: &str) -> Option<String> {
-    hostcalls::get_map_value(MapType::HttpRequestHeaders, name)
-        .ok()
-        .flatten()
+    header(MapType::HttpRequestHeaders, name)
 }
 
 pub fn response_header(name: &str) -> Option<String> {
-    hostcalls::get_map_value(MapType::HttpResponseHeaders, name)
-        .ok()
-        .flatten()
+    header(MapType::HttpResponseHeaders, name)
 }
 
 /// The upstream host that served the request (`ip:port`), from Envoy's `upstream.address`.
@@ -189,10 +191,7 @@ pub fn dispatch_get(
 
 /// The status and body of the callout response being delivered.
 pub fn call_response(body_size: usize) -> (Option<u32>, Vec<u8>) {
-    let status = hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
-        .ok()
-        .flatten()
-        .and_then(|s| s.parse().ok());
+    let status = header(MapType::HttpCallResponseHeaders, ":status").and_then(|s| s.parse().ok());
     let body = if body_size == 0 {
         Vec::new()
     } else {

@@ -1,9 +1,11 @@
 //! The proxy-wasm shell: binds the core to Envoy. Nothing else in the crate imports proxy_wasm.
 //! `root` owns the per-VM lifecycle (configure, tick, queues, callouts), `http` moves one request's
-//! data between the host and `flow`, `host` is the one place that calls hostcalls.
+//! data between the host and `flow`, `host` is the one place that calls the host (through `raw`
+//! where the SDK's wrapper could panic).
 
 mod host;
 mod http;
+mod raw;
 mod root;
 
 use proxy_wasm::types::LogLevel;

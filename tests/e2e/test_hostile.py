@@ -160,6 +160,28 @@ def test_client_data_is_not_echoed_raw_into_response_headers(stubs):
 
 
 
+def test_header_values_that_are_not_utf8_do_not_kill_the_plugin(stubs):
+    # HTTP lets a header value carry any byte above 0x7f (obs-text). proxy-wasm's header getter
+    # unwraps UTF-8: one such request panicked kvgate, and every later request on every worker
+    # got 503 until Envoy restarted.
+    import socket
+    body = chat_body()
+    for name in ("x-gateway-inference-fairness-id", "x-session-id", "x-gateway-inference-objective",
+                 "content-type"):
+        s = socket.create_connection(("127.0.0.1", stubs.port), timeout=10)
+        ctype = b"" if name == "content-type" else b"content-type: application/json\r\n"
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: kvgate\r\n" + ctype + name.encode()
+                  + b": t\xff\xfe\x80\r\n" + f"content-length: {len(body)}\r\n\r\n".encode() + body)
+        try:
+            status, _, answer = read_response(s, 20)
+        finally:
+            s.close()
+        assert status < 500, (name, status, answer[:200])
+    for i in range(16):
+        still_routes(stubs, f"after-obs-text-{i}")
+    assert_vm_alive(stubs, stubs.vm0)
+
+
 def test_malformed_bodies_get_400_and_never_reach_a_pod(stubs):
     envoy = stubs
     deep = 100_000
