@@ -72,6 +72,10 @@ FULL = {
         "long_prompt": "3000,6000", "long_output": "256,512", "overload": 2.0, "duration": 20,
         "ttft_slo_ms": 1000, "calibration_s": 15, "calibration_concurrency": 256,
     },
+    "hot_prefix": {
+        "system_tokens": 2048, "question_tokens": 256, "output_tokens": 256, "rate": 20, "duration": 20,
+        "ttft_slo_ms": 200,
+    },
     "burst": {
         "groups": 10, "questions": 100, "system_tokens": 2048, "question_tokens": 256,
         "output_tokens": 64, "ttft_slo_ms": 2000,
@@ -443,6 +447,15 @@ def mixed_args(w, seed, rate, requests, arrival="poisson", concurrency=8, durati
             "--max-duration", duration or w["duration"], "--timeout", 120, "--ttft-slo-ms", w["ttft_slo_ms"]]
 
 
+def hot_args(w, seed):
+    """One application's system prompt in front of every request: the prefix every pod should cache."""
+    n = int(math.ceil(w["rate"] * w["duration"]))
+    return ["--workload", "shared-prefix", "--seed", seed, "--arrival", "poisson", "--rate", w["rate"],
+            "--groups", 1, "--questions", n, "--system-tokens", w["system_tokens"],
+            "--question-tokens", w["question_tokens"], "--output-tokens", w["output_tokens"],
+            "--max-duration", w["duration"], "--timeout", 120, "--ttft-slo-ms", w["ttft_slo_ms"]]
+
+
 def burst_args(w, seed):
     return ["--workload", "shared-prefix", "--seed", seed, "--arrival", "burst",
             "--groups", w["groups"], "--questions", w["questions"], "--system-tokens", w["system_tokens"],
@@ -803,6 +816,8 @@ WORKLOAD_DESC = {
     "mixed": "{long_pct}% long (prompt {long_prompt}, output {long_output}) / short (prompt {short_prompt}, output "
              "{short_output}); objectives critical 20% / standard 50% / batch 30%, tenants a 75% / b 25%; Poisson at "
              "{overload}× the measured capacity ({rate:.0f} req/s) for {duration} s; TTFT objective {ttft_slo_ms} ms",
+    "hot-prefix": "one system prompt of {system_tokens} tokens in front of every request, question {question_tokens}, "
+                  "output {output_tokens}; Poisson {rate} req/s for {duration} s; TTFT objective {ttft_slo_ms} ms",
     "burst": "{n} requests at once ({groups} groups × {questions}, system prompt {system_tokens}, question "
              "{question_tokens}, output {output_tokens}); TTFT objective {ttft_slo_ms} ms",
 }
@@ -974,6 +989,8 @@ def smoke(cfg):
         cfg["multi_turn"].update(sessions=12, duration=8)
     if "mixed" in cfg:
         cfg["mixed"].update(duration=4, calibration_s=4)
+    if "hot_prefix" in cfg:
+        cfg["hot_prefix"].update(duration=4)
     if "burst" in cfg:
         cfg["burst"].update(questions=10)
     if "overhead" in cfg:
@@ -992,7 +1009,7 @@ def main():
                    "(with --benchmarks-md: also BENCHMARKS.md)")
     ap.add_argument("--benchmarks-md", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--targets", help="comma-separated subset of " + ",".join(ALL_TARGETS))
-    ap.add_argument("--workloads", help="comma-separated subset of shared-prefix,multi-turn,mixed,burst")
+    ap.add_argument("--workloads", help="comma-separated subset of shared-prefix,multi-turn,hot-prefix,mixed,burst")
     ap.add_argument("--no-overhead", action="store_true")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--kvgate-config", metavar="JSON", default="{}",
@@ -1013,7 +1030,7 @@ def main():
         cfg = smoke(cfg)
     targets = a.targets.split(",") if a.targets else (ALL_TARGETS if a.full else ["kvgate", "envoy-rr"])
     workloads = a.workloads.split(",") if a.workloads else (
-        ["shared-prefix", "multi-turn", "mixed", "burst"] if a.full else ["shared-prefix"])
+        ["shared-prefix", "multi-turn", "hot-prefix", "mixed", "burst"] if a.full else ["shared-prefix"])
     out = Path(a.out) if a.out else ROOT / "results" / started.strftime("%Y%m%d-%H%M%S")
     (out / "logs").mkdir(parents=True, exist_ok=True)
     ctx = {"cfg": cfg, "out": out, "cli": {}, "full": a.full, "seed": a.seed, "targets": targets}
@@ -1103,6 +1120,13 @@ def main():
                                           "budgets 0): the admission keys were still being implemented when this ran, "
                                           "so kvgate's mixed-workload row shows routing only.")
                 data["notes"].append(data["admission_note"])
+
+        if "hot-prefix" in workloads:
+            w = cfg["hot_prefix"]
+            log("hot-prefix")
+            data["results"]["hot-prefix"] = {t: run_cell(ctx, t, "hot-prefix", "hot-prefix", hot_args(w, seed),
+                                                         sim_args, w["duration"] + 200) for t in live}
+            data["workload_desc"]["hot-prefix"] = WORKLOAD_DESC["hot-prefix"].format(**w)
 
         if "burst" in workloads:
             w = cfg["burst"]

@@ -169,7 +169,10 @@ pub struct RoutingConfig {
     pub max_prompt_blocks: u32,
     /// Cost of each prompt block the pod would have to compute.
     pub prefill_weight: f64,
-    /// Cost of each KV block active on the pod, this request's included.
+    /// Cost of each block the pod's in-flight sequences read per decode step, this request's
+    /// included (a shared prefix once per sequence).
+    pub decode_weight: f64,
+    /// Cost of each KV block active on the pod, this request's included (a shared prefix once).
     pub active_weight: f64,
     /// Cost of each scraped waiting request, in units of this request's blocks.
     pub queue_weight: f64,
@@ -194,7 +197,8 @@ impl Default for RoutingConfig {
             prefix_ttl_ms: 600_000,
             max_prompt_blocks: 2_048,
             prefill_weight: 2.0,
-            active_weight: 0.25,
+            decode_weight: 0.2,
+            active_weight: 0.05,
             queue_weight: 1.0,
             kv_usage_weight: 0.0,
             temperature: 0.0,
@@ -403,6 +407,7 @@ impl RoutingConfig {
         }
         for (name, w) in [
             ("prefillWeight", self.prefill_weight),
+            ("decodeWeight", self.decode_weight),
             ("activeWeight", self.active_weight),
             ("queueWeight", self.queue_weight),
             ("kvUsageWeight", self.kv_usage_weight),

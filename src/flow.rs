@@ -555,11 +555,11 @@ mod tests {
         };
         assert_eq!(get("x-kvgate-cost").as_deref(), Some("64"));
         assert_eq!(get("x-kvgate-pod").as_deref(), Some("10.0.0.1:80"));
-        // The one candidate, its cost and the four terms it sums: 1 block to compute (×2), the
-        // 1 + 2 blocks it adds (×0.25), no queue, no kv term.
+        // The one candidate, its cost and the five terms it sums: 1 block to compute (×2), the
+        // 1 + 2 blocks its decode steps read (×0.2) and add to memory (×0.05), no queue, no kv.
         assert_eq!(
             get("x-kvgate-ranking").as_deref(),
-            Some("10.0.0.1:80 3=2+1+0+0")
+            Some("10.0.0.1:80 3=2+1+0+0+0")
         );
         f.on_response_body(
             &mut gate,

@@ -1,7 +1,8 @@
 //! Choosing the pod: a cost per eligible pod, in KV blocks, blending the prompt blocks it would
-//! have to compute (its cached prefix is free), the blocks active on it with this request added,
-//! its scraped queue and cache usage; lowest cost wins, ties at random, or a softmax draw when a
-//! temperature is set. Pure: every input is given, so the formula is read and tested here alone.
+//! have to compute (its cached prefix is free), the blocks its sequences read at every decode step
+//! and the blocks they hold (both with this request added), its scraped queue and cache usage;
+//! lowest cost wins, ties at random, or a softmax draw when a temperature is set. Pure: every
+//! input is given, so the formula is read and tested here alone.
 
 use crate::config::RoutingConfig;
 
@@ -13,6 +14,9 @@ pub struct Candidate<'a> {
     pub cached_blocks: usize,
     /// KV blocks in use by in-flight requests now.
     pub active_blocks: u64,
+    /// Blocks the pod's in-flight sequences read at each decode step (shared prefixes once per
+    /// sequence).
+    pub read_blocks: u64,
     /// Blocks this request would add to them (prompt blocks not already active there, plus its
     /// expected output).
     pub added_blocks: u64,
@@ -32,19 +36,23 @@ pub struct Scored {
     pub cost: f64,
 }
 
-/// The four weighted terms of a pod's cost, kept apart so a decision can be explained.
+/// The five weighted terms of a pod's cost, kept apart so a decision can be explained.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Terms {
     pub prefill: f64,
+    pub decode: f64,
     pub active: f64,
     pub queue: f64,
     pub kv: f64,
 }
 
 impl Terms {
-    pub fn of(c: &Candidate, prompt_blocks: usize, w: &RoutingConfig) -> Terms {
+    /// `own_blocks`: what this request's decode steps read (its prompt and expected output), the
+    /// same on every pod, so the decode term reads as the pod's step with this request added.
+    pub fn of(c: &Candidate, prompt_blocks: usize, own_blocks: u64, w: &RoutingConfig) -> Terms {
         Terms {
             prefill: w.prefill_weight * prompt_blocks.saturating_sub(c.cached_blocks) as f64,
+            decode: w.decode_weight * (c.read_blocks + own_blocks) as f64,
             active: w.active_weight * (c.active_blocks + c.added_blocks) as f64,
             queue: w.queue_weight * c.waiting * prompt_blocks.max(1) as f64,
             kv: w.kv_usage_weight * c.kv_usage * c.capacity_blocks as f64,
@@ -52,12 +60,8 @@ impl Terms {
     }
 
     pub fn total(&self) -> f64 {
-        self.prefill + self.active + self.queue + self.kv
+        self.prefill + self.decode + self.active + self.queue + self.kv
     }
-}
-
-pub fn cost(c: &Candidate, prompt_blocks: usize, w: &RoutingConfig) -> f64 {
-    Terms::of(c, prompt_blocks, w).total()
 }
 
 /// A small deterministic generator for tie-breaking and softmax draws (xorshift64*), seeded per
@@ -88,6 +92,7 @@ impl Rng {
 pub fn rank(
     candidates: &[Candidate],
     prompt_blocks: usize,
+    own_blocks: u64,
     w: &RoutingConfig,
     rng: &mut Rng,
 ) -> Vec<Scored> {
@@ -98,7 +103,7 @@ pub fn rank(
             (
                 Scored {
                     index,
-                    cost: cost(c, prompt_blocks, w),
+                    cost: Terms::of(c, prompt_blocks, own_blocks, w).total(),
                 },
                 rng.next_f64(),
             )
@@ -154,6 +159,7 @@ mod tests {
             pod: name,
             cached_blocks: cached,
             active_blocks: active,
+            read_blocks: active,
             added_blocks: 10,
             waiting,
             kv_usage: 0.0,
@@ -170,7 +176,7 @@ mod tests {
             pod("b", 80, 0, 0.0),
             pod("c", 40, 0, 0.0),
         ];
-        let r = rank(&c, 100, &w, &mut Rng::new(1));
+        let r = rank(&c, 100, 10, &w, &mut Rng::new(1));
         assert_eq!(
             r.iter().map(|s| c[s.index].pod).collect::<Vec<_>>(),
             ["b", "c", "a"]
@@ -181,8 +187,32 @@ mod tests {
     fn an_overloaded_pod_holding_the_prefix_is_avoided() {
         let w = RoutingConfig::default();
         let c = [pod("hot", 100, 900, 4.0), pod("cold", 0, 50, 0.0)];
-        let r = rank(&c, 100, &w, &mut Rng::new(1));
+        let r = rank(&c, 100, 10, &w, &mut Rng::new(1));
         assert_eq!(c[r[0].index].pod, "cold");
+    }
+
+    #[test]
+    fn a_prefix_read_by_many_sequences_weighs_more_than_recomputing_it() {
+        // 200 prompt blocks, 180 of them a system prompt that `sequences` requests decoding on
+        // "home" share: 190 blocks of memory, but every step reads the prompt once per sequence.
+        // "spare" is idle.
+        let pick = |sequences: u64| {
+            let mut home = pod("home", 180, 190, 0.0);
+            home.read_blocks = sequences * 200;
+            let c = [home, pod("spare", 0, 0, 0.0)];
+            let r = rank(&c, 200, 210, &RoutingConfig::default(), &mut Rng::new(1));
+            c[r[0].index].pod
+        };
+        assert_eq!(
+            pick(4),
+            "home",
+            "four readers: the cached prefix is worth its pod"
+        );
+        assert_eq!(
+            pick(12),
+            "spare",
+            "twelve: recomputing it elsewhere is cheaper"
+        );
     }
 
     #[test]
@@ -196,7 +226,7 @@ mod tests {
         ];
         let mut counts = [0; 4];
         for seed in (7u64 << 32)..(7u64 << 32) + 400 {
-            counts[rank(&c, 10, &w, &mut Rng::new(seed))[0].index] += 1;
+            counts[rank(&c, 10, 10, &w, &mut Rng::new(seed))[0].index] += 1;
         }
         assert!(
             counts.iter().all(|&n| (60..=140).contains(&n)),
@@ -212,7 +242,7 @@ mod tests {
         let c = [busy, pod("empty", 0, 0, 0.0)];
         for seed in 0..20 {
             assert_eq!(
-                c[rank(&c, 10, &w, &mut Rng::new(seed))[0].index].pod,
+                c[rank(&c, 10, 10, &w, &mut Rng::new(seed))[0].index].pod,
                 "empty"
             );
         }
@@ -223,7 +253,7 @@ mod tests {
         let w = RoutingConfig::default();
         let c = [pod("a", 0, 0, 0.0), pod("b", 0, 0, 0.0)];
         let firsts: std::collections::HashSet<&str> = (0..50)
-            .map(|seed| c[rank(&c, 10, &w, &mut Rng::new(seed))[0].index].pod)
+            .map(|seed| c[rank(&c, 10, 10, &w, &mut Rng::new(seed))[0].index].pod)
             .collect();
         assert_eq!(firsts.len(), 2);
     }
@@ -237,7 +267,7 @@ mod tests {
         let c = [pod("cheap", 50, 0, 0.0), pod("dear", 0, 0, 0.0)];
         let mut rng = Rng::new(7);
         let cheap = (0..1000)
-            .filter(|_| c[rank(&c, 100, &w, &mut rng)[0].index].pod == "cheap")
+            .filter(|_| c[rank(&c, 100, 10, &w, &mut rng)[0].index].pod == "cheap")
             .count();
         // p(cheap) = 1 / (1 + e^-2) ≈ 0.88
         assert!((820..=940).contains(&cheap), "{cheap}");

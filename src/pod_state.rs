@@ -8,7 +8,10 @@
 use crate::codec::{Reader, Writer};
 use crate::store::{update, Store, StoreError};
 
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
+/// Records written before entries carried their context; still read, so in-flight requests are
+/// not lost when a new module takes over from an old one.
+const VERSION_WITHOUT_CONTEXT: u8 = 1;
 
 /// A pod's metrics as last scraped.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -36,6 +39,9 @@ pub struct Entry {
     /// Prompt blocks this entry accounts for (its new blocks, plus any inherited).
     pub prompt_blocks: u32,
     pub output_blocks: u32,
+    /// The request's whole prompt in blocks, a prefix shared with others included: what each
+    /// of its decode steps reads, where `prompt_blocks` is what it adds to the pod's memory.
+    pub context_blocks: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -55,6 +61,15 @@ impl PodRecord {
         self.entries
             .iter()
             .map(|e| u64::from(e.prompt_blocks) + u64::from(e.output_blocks))
+            .sum()
+    }
+
+    /// Blocks the pod's in-flight sequences read at every decode step: each its whole context,
+    /// so a prefix shared by ten requests counts ten times here and once in `active_blocks`.
+    pub fn read_blocks(&self) -> u64 {
+        self.entries
+            .iter()
+            .map(|e| u64::from(e.context_blocks) + u64::from(e.output_blocks))
             .sum()
     }
 
@@ -92,7 +107,8 @@ impl PodRecord {
                 .u64(e.dispatched_ms)
                 .u64(e.tokens)
                 .u32(e.prompt_blocks)
-                .u32(e.output_blocks);
+                .u32(e.output_blocks)
+                .u32(e.context_blocks);
         }
         w.0
     }
@@ -100,7 +116,8 @@ impl PodRecord {
     /// Decodes a record; an empty, blanked or corrupt one reads as a pod with nothing known.
     pub fn decode(bytes: &[u8]) -> Option<PodRecord> {
         let mut r = Reader(bytes);
-        if r.u8()? != VERSION {
+        let version = r.u8()?;
+        if version != VERSION && version != VERSION_WITHOUT_CONTEXT {
             return None;
         }
         let snapshot = match r.u8()? {
@@ -116,17 +133,25 @@ impl PodRecord {
             }),
         };
         let finished_since_scrape = r.u32()?;
-        let n = r.count(40)?;
+        let with_context = version == VERSION;
+        let n = r.count(if with_context { 44 } else { 40 })?;
         let mut entries = Vec::with_capacity(n);
         for _ in 0..n {
-            entries.push(Entry {
+            let mut e = Entry {
                 id: r.u64()?,
                 expires_ms: r.u64()?,
                 dispatched_ms: r.u64()?,
                 tokens: r.u64()?,
                 prompt_blocks: r.u32()?,
                 output_blocks: r.u32()?,
-            });
+                context_blocks: 0,
+            };
+            e.context_blocks = if with_context {
+                r.u32()?
+            } else {
+                e.prompt_blocks
+            };
+            entries.push(e);
         }
         Some(PodRecord {
             snapshot,
@@ -240,6 +265,7 @@ mod tests {
             tokens: 100,
             prompt_blocks: blocks,
             output_blocks: 0,
+            context_blocks: blocks,
         }
     }
 
@@ -266,6 +292,22 @@ mod tests {
             PodRecord::decode(&[VERSION, 0, 0, 0, 0, 0, 255, 255, 255, 255]),
             None
         );
+    }
+
+    #[test]
+    fn a_record_from_before_contexts_reads_its_prompt_as_the_context() {
+        let mut w = Writer::new();
+        w.u8(VERSION_WITHOUT_CONTEXT).u8(0).u32(0).u32(1);
+        w.u64(7).u64(1_000).u64(1).u64(100).u32(12).u32(3);
+        let rec = PodRecord::decode(&w.0).unwrap();
+        assert_eq!(
+            rec.entries,
+            vec![Entry {
+                output_blocks: 3,
+                ..entry(7, 12)
+            }]
+        );
+        assert_eq!(rec.read_blocks(), 15);
     }
 
     /// A host whose pod `p` holds `entries`, and a VM on it.

@@ -43,7 +43,8 @@ pub struct Routed {
     pub prompt_blocks: usize,
     pub cached_blocks: usize,
     pub output_blocks: u32,
-    /// With debug headers on: every candidate best first, as `pod cost=prefill+active+queue+kv`,
+    /// With debug headers on: every candidate best first, as
+    /// `pod cost=prefill+decode+active+queue+kv`,
     /// ` full` where its budget had no room.
     pub ranking: String,
 }
@@ -68,21 +69,22 @@ pub fn decode_pods(bytes: &[u8]) -> Option<Vec<String>> {
 fn explain(
     candidates: &[Candidate],
     ranked: &[Scored],
-    prompt_blocks: usize,
+    (prompt_blocks, own_blocks): (usize, u64),
     w: &RoutingConfig,
     room: impl Fn(usize) -> bool,
 ) -> String {
     let mut out = String::new();
     for s in ranked {
-        let t = Terms::of(&candidates[s.index], prompt_blocks, w);
+        let t = Terms::of(&candidates[s.index], prompt_blocks, own_blocks, w);
         if !out.is_empty() {
             out.push_str(", ");
         }
         out.push_str(&format!(
-            "{} {:.0}={:.0}+{:.0}+{:.0}+{:.0}{}",
+            "{} {:.0}={:.0}+{:.0}+{:.0}+{:.0}+{:.0}{}",
             candidates[s.index].pod,
             s.cost,
             t.prefill,
+            t.decode,
             t.active,
             t.queue,
             t.kv,
@@ -263,6 +265,7 @@ impl Router {
                     pod,
                     cached_blocks: self.prefix.matched(pod, hashes, now),
                     active_blocks: rec.active_blocks(),
+                    read_blocks: rec.read_blocks(),
                     added_blocks: (prompt_blocks - already_active) as u64 + output_blocks,
                     waiting: known.map_or(0.0, |s| {
                         (s.waiting - f64::from(rec.finished_since_scrape)).max(0.0)
@@ -284,7 +287,8 @@ impl Router {
                 .insert(c.pod.to_string(), c.capacity_blocks as usize);
         }
         let mut rng = Rng::new(request ^ now.rotate_left(17));
-        let ranked = rank(&candidates, prompt_blocks, r, &mut rng);
+        let own_blocks = prompt_blocks as u64 + output_blocks;
+        let ranked = rank(&candidates, prompt_blocks, own_blocks, r, &mut rng);
         let budgets: Vec<Option<u64>> = indices
             .iter()
             .map(|&i| budget_tokens(cfg, records[i].snapshot.as_ref()))
@@ -325,7 +329,7 @@ impl Router {
             .map(|s| candidates[s.index].pod.to_string())
             .collect();
         let ranking = if cfg.debug_headers {
-            explain(&candidates, &ranked, prompt_blocks, r, room)
+            explain(&candidates, &ranked, (prompt_blocks, own_blocks), r, room)
         } else {
             String::new()
         };
@@ -340,6 +344,7 @@ impl Router {
                 tokens: charges[s.index],
                 prompt_blocks: new_blocks,
                 output_blocks: 0,
+                context_blocks: prompt_blocks as u32,
             };
             let budget = budgets[s.index];
             // The read above may be stale: the fit is checked again inside the compare-and-swap.
@@ -562,10 +567,13 @@ mod tests {
             pods.push(routed.pod.clone());
             inflight.push(routed);
         }
-        assert!(
-            pods.iter().any(|p| p == "a:1") && pods.iter().any(|p| p == "b:1"),
-            "{pods:?}"
-        );
+        // Recomputing the prefix elsewhere costs 2 × 32 more blocks; each request in flight at
+        // home makes every decode step there read its 64 prompt blocks again (× 0.2) and holds 32
+        // more (× 0.05): 14.4 a request, so the sixth is cheaper elsewhere.
+        assert!(pods[1..5].iter().all(|p| *p == pods[0]), "{pods:?}");
+        assert_ne!(pods[5], pods[0], "the sixth goes elsewhere: {pods:?}");
+        let home = pods.iter().filter(|p| **p == pods[0]).count();
+        assert!((8..=12).contains(&home), "then the two alternate: {pods:?}");
         for routed in &inflight {
             r.finish(&vm, &cfg, routed).unwrap();
         }

@@ -93,10 +93,10 @@ def test_client_supplied_destination_has_no_effect():
 
 
 def test_a_hot_prefix_spreads_over_pods():
-    # One prompt group, 48 requests at once. Holding a prefix is cheap, so its pod keeps taking
-    # the group while its KV has room (the weights trade balance for cache hits); once the pod's
-    # budget (1024 blocks × 16 × 0.9 here: the prefix's 3.6k tokens and about 40 answers of
-    # 256) is taken, the group must spill onto another pod rather than pile up or wait.
+    # One prompt group, 48 requests at once on 4 pods with room for 40 each. Every sequence reads
+    # the whole 3.6k-token prefix at each decode step, so the decode term grows by the prefix
+    # with each request in flight on its pod; after about nine, recomputing the prefix on an idle
+    # pod is cheaper, and the group spreads over the pool long before its pod's KV is full.
     with Sim(pods=4, args=SIM_ARGS + ["--num-gpu-blocks", "1024"]) as sim, \
             kvgate_envoy(sim.endpoints, default_plugin_config()) as envoy:
         def one(q):
@@ -109,8 +109,8 @@ def test_a_hot_prefix_spreads_over_pods():
         pods = [p for _, p in results]
         share = {p: pods.count(p) for p in set(pods)}
         print(f"one hot group over the pods: {share}")
-        assert len(share) >= 2, "the hot prefix spread"
-        assert max(share.values()) <= 44, share
+        assert len(share) >= 3, f"the hot prefix spread over the pool: {share}"
+        assert max(share.values()) <= 24, f"no pod took more than half: {share}"
         stats = [sim.stats(i) for i in range(4)]
         assert sum(s["preemptions"] for s in stats) == 0, stats
 
