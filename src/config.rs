@@ -158,7 +158,7 @@ impl Default for MetricsConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct RoutingConfig {
-    /// Tokens per KV block; set to the engine's block size.
+    /// Tokens per KV block; 0 derives it from the pods' reported block size.
     pub block_tokens: u32,
     /// Characters per token used to cut prompt text into blocks.
     pub chars_per_block_token: f64,
@@ -191,7 +191,7 @@ pub struct RoutingConfig {
 impl Default for RoutingConfig {
     fn default() -> Self {
         Self {
-            block_tokens: 16,
+            block_tokens: 0,
             chars_per_block_token: 4.0,
             pod_capacity_blocks: 8_192,
             prefix_ttl_ms: 600_000,
@@ -396,11 +396,17 @@ impl AdmissionConfig {
     }
 }
 
+/// The largest block size kvgate hashes by, configured or reported by a pod.
+pub const MAX_BLOCK_TOKENS: u32 = 1024;
+
 impl RoutingConfig {
     fn validate(&self) -> Result<(), ConfigError> {
         let e = |field: &str, reason: &str| Err(invalid(&format!("routing.{field}"), reason));
-        if self.block_tokens == 0 {
-            return e("blockTokens", "must be > 0");
+        if self.block_tokens > MAX_BLOCK_TOKENS {
+            return e(
+                "blockTokens",
+                "must be at most 1024 (0 derives it from the pods)",
+            );
         }
         if !(self.chars_per_block_token > 0.0 && self.chars_per_block_token < 100.0) {
             return e("charsPerBlockToken", "must be in (0, 100)");
@@ -429,9 +435,9 @@ impl RoutingConfig {
         Ok(())
     }
 
-    /// Characters per prompt block.
-    pub fn block_chars(&self) -> usize {
-        ((f64::from(self.block_tokens) * self.chars_per_block_token).round() as usize).max(1)
+    /// Characters per prompt block of `block_tokens` tokens.
+    pub fn block_chars(&self, block_tokens: u32) -> usize {
+        ((f64::from(block_tokens) * self.chars_per_block_token).round() as usize).max(1)
     }
 }
 

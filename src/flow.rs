@@ -198,7 +198,7 @@ impl Flow {
             &req.model,
             req.cache_salt.as_deref(),
             &req.text,
-            r.block_chars(),
+            r.block_chars(gate.router.block_tokens(r)),
             r.max_prompt_blocks as usize,
         );
         let placed = gate.admission.place(

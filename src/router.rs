@@ -6,7 +6,7 @@
 use crate::active_blocks::ActiveBlocks;
 use crate::budget::{budget_tokens, fits};
 use crate::codec::{Reader, Writer};
-use crate::config::{Config, RoutingConfig, StalePolicy};
+use crate::config::{Config, RoutingConfig, StalePolicy, MAX_BLOCK_TOKENS};
 use crate::estimate::Estimate;
 use crate::pick::{rank, Candidate, Rng, Scored, Terms};
 use crate::pick_log::{Event, PickLog, MAX_EVENT_BLOCKS};
@@ -19,6 +19,9 @@ const VM_SEQ_KEY: &str = "kvgate.vm.seq";
 /// Discovered pods, written by the elected scraper: `kvgate.pods`.
 pub const PODS_KEY: &str = "kvgate.pods";
 const PODS_CACHE_MS: u64 = 1_000;
+/// A block size derived from the pods is at least this: a multiple of every smaller power of two
+/// (SGLang reports pages of one token), and long enough that `maxPromptBlocks` covers long prompts.
+const MIN_DERIVED_BLOCK_TOKENS: u32 = 16;
 
 /// Where a request goes.
 #[derive(Debug, Clone, PartialEq)]
@@ -43,6 +46,8 @@ pub struct Routed {
     pub prompt_blocks: usize,
     pub cached_blocks: usize,
     pub output_blocks: u32,
+    /// Tokens per block when it was routed: its output grows in blocks of this size.
+    pub block_tokens: u32,
     /// With debug headers on: every candidate best first, as
     /// `pod cost=prefill+decode+active+queue+kv`,
     /// ` full` where its budget had no room.
@@ -105,6 +110,8 @@ pub struct Router {
     /// Each pod's prefix-cache capacity in blocks, as last read from its record: replayed picks
     /// are bounded by it too, not only this VM's own.
     capacity: HashMap<String, usize>,
+    /// The largest block size the pods' metrics reported, 0 before any did.
+    engine_block_tokens: u32,
 }
 
 impl Router {
@@ -133,7 +140,19 @@ impl Router {
             pods: cfg.pods.clone(),
             pods_read_ms: None,
             capacity: HashMap::new(),
+            engine_block_tokens: 0,
         })
+    }
+
+    /// Tokens per hashed block: the configured size, else the largest block size the pods report
+    /// (engines use powers of two, so it is a multiple of the others'), at least 16.
+    pub fn block_tokens(&self, r: &RoutingConfig) -> u32 {
+        if r.block_tokens > 0 {
+            r.block_tokens
+        } else {
+            self.engine_block_tokens
+                .clamp(MIN_DERIVED_BLOCK_TOKENS, MAX_BLOCK_TOKENS)
+        }
     }
 
     pub fn vm(&self) -> u32 {
@@ -214,7 +233,8 @@ impl Router {
         }
         let now = store.now_ms();
         let r = &cfg.routing;
-        let bt = u64::from(r.block_tokens);
+        let block_tokens = self.block_tokens(r);
+        let bt = u64::from(block_tokens);
         let hashes = &hashes[..hashes.len().min(MAX_EVENT_BLOCKS)];
         let prompt_blocks = hashes.len().max(est.prompt_tokens.div_ceil(bt) as usize);
         let output_blocks = est.output_tokens.div_ceil(bt);
@@ -225,6 +245,15 @@ impl Router {
             .iter()
             .map(|p| pod_state::read(store, p))
             .collect::<Result<_, _>>()?;
+        // Learned for the next requests: this one's blocks were already cut.
+        if let Some(b) = records
+            .iter()
+            .filter_map(|rec| rec.snapshot.map(|s| s.block_size))
+            .max()
+            .filter(|&b| b > 0)
+        {
+            self.engine_block_tokens = b;
+        }
         for (pod, rec) in self.pods.iter().zip(&records) {
             self.active.prune(pod, |id| rec.is_live(id), now);
         }
@@ -384,6 +413,7 @@ impl Router {
                 prompt_blocks,
                 cached_blocks: best.cached_blocks,
                 output_blocks: 0,
+                block_tokens,
                 ranking,
             }));
         }
@@ -399,7 +429,7 @@ impl Router {
         routed: &mut Routed,
         output_tokens: u64,
     ) -> Result<bool, StoreError> {
-        let blocks = output_tokens.div_ceil(u64::from(cfg.routing.block_tokens)) as u32;
+        let blocks = output_tokens.div_ceil(u64::from(routed.block_tokens.max(1))) as u32;
         if blocks <= routed.output_blocks {
             return Ok(false);
         }
@@ -468,7 +498,7 @@ impl Router {
         self.sync(store, cfg)?;
         let (shared, heir) = self.active.shared_with_others(&routed.pod, routed.request);
         self.active.remove(&routed.pod, routed.request);
-        let shared_tokens = (u64::from(shared) * u64::from(cfg.routing.block_tokens)) as f64
+        let shared_tokens = (u64::from(shared) * u64::from(routed.block_tokens)) as f64
             * cfg.estimator.safety_factor;
         let heir = heir.map(|h| (h, shared, shared_tokens as u64));
         let gone = pod_state::finish(store, &routed.pod, routed.request, heir)?;
@@ -709,6 +739,48 @@ mod tests {
         r.finish(&vm, &cfg, &routed).unwrap();
         r.finish(&vm, &cfg, &next).unwrap();
         assert_eq!(total_active(&vm, &cfg), 0);
+    }
+
+    #[test]
+    fn the_block_size_follows_the_pods_unless_configured() {
+        let host = FakeHost::new();
+        let cfg = config(&["a:1", "b:1"]);
+        let vm = host.vm();
+        let mut r = Router::start(&vm, &cfg).unwrap();
+        assert_eq!(r.block_tokens(&cfg.routing), 16, "before any scrape");
+        let scraped = |pod, block_size| {
+            let snapshot = Snapshot {
+                at_ms: 0,
+                healthy: true,
+                block_size,
+                ..Snapshot::default()
+            };
+            pod_state::write_snapshot(&vm, pod, snapshot, 0).unwrap();
+        };
+        scraped("a:1", 16);
+        scraped("b:1", 32);
+        let first = r
+            .route(&vm, &cfg, &hashes(1, 4), &est(64, 64))
+            .unwrap()
+            .routed();
+        assert_eq!(first.block_tokens, 16, "cut before the pods were read");
+        assert_eq!(r.block_tokens(&cfg.routing), 32, "the largest reported");
+        let second = r
+            .route(&vm, &cfg, &hashes(2, 4), &est(64, 64))
+            .unwrap()
+            .routed();
+        assert_eq!(second.block_tokens, 32);
+        scraped("a:1", 1);
+        scraped("b:1", 1);
+        r.route(&vm, &cfg, &hashes(3, 4), &est(64, 64)).unwrap();
+        assert_eq!(
+            r.block_tokens(&cfg.routing),
+            16,
+            "SGLang's one-token pages are hashed 16 at a time"
+        );
+        let mut pinned = cfg.clone();
+        pinned.routing.block_tokens = 64;
+        assert_eq!(r.block_tokens(&pinned.routing), 64);
     }
 
     #[test]

@@ -172,7 +172,7 @@ fuzz_target!(|data: &[u8]| {
     let Ok(config) = Config::parse(data) else {
         return;
     };
-    assert!(config.routing.block_chars() >= 1);
+    assert!(config.routing.block_chars(config.routing.block_tokens) >= 1);
     assert!(config.estimator.min_reservation_tokens <= config.estimator.max_reservation_tokens);
     let json = match serde_json::to_vec(&config) {
         Ok(j) => j,

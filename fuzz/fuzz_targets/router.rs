@@ -401,7 +401,7 @@ impl World {
                     let e = self
                         .entry_of(&routed.pod, routed.request)
                         .unwrap_or_else(|| panic!("grow wrote but no entry: {routed:?}"));
-                    let bt = u64::from(self.cfg.routing.block_tokens);
+                    let bt = u64::from(routed.block_tokens);
                     assert_eq!(u64::from(e.output_blocks), out.div_ceil(bt), "{e:?}");
                     assert!(
                         e.tokens >= prompt_tokens(routed) + out,

@@ -3,6 +3,8 @@ groups stick to one pod each and spread across pods, a loaded pod is avoided, cl
 steer, a dead pod is routed around, the scrape runs once per interval per pod whatever the
 worker count, and predicted active blocks return to zero."""
 
+import http.client
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -113,6 +115,31 @@ def test_a_hot_prefix_spreads_over_pods():
         assert max(share.values()) <= 24, f"no pod took more than half: {share}"
         stats = [sim.stats(i) for i in range(4)]
         assert sum(s["preemptions"] for s in stats) == 0, stats
+
+
+def test_prompts_are_cut_in_the_engines_block_size():
+    # Pods whose cache_config_info reports 32-token blocks: once they are scraped, a 1,280-character
+    # prompt is 10 blocks of 32 × 4 characters, not 20 of the default 16. One connection keeps the
+    # requests on one Envoy worker, so the second is cut with what that worker learned routing the
+    # first.
+    with Sim(pods=2, args=SIM_ARGS + ["--block-size", "32"]) as sim, \
+            kvgate_envoy(sim.endpoints, default_plugin_config()) as envoy:
+        assert wait_for(lambda: envoy.stats("wasmcustom.kvgate.scrape.ok").get("wasmcustom.kvgate.scrape.ok", 0) >= 2,
+                        timeout=10), "both pods scraped"
+        body = json.dumps({"model": MODEL, "prompt": "abcd " * 256, "max_tokens": 1})
+        conn = http.client.HTTPConnection("127.0.0.1", envoy.port, timeout=30)
+        blocks = []
+        try:
+            for _ in range(2):
+                conn.request("POST", "/v1/completions", body, {"content-type": "application/json"})
+                r = conn.getresponse()
+                r.read()
+                assert r.status == 200
+                blocks.append(r.getheader("x-kvgate-prefix-blocks"))
+        finally:
+            conn.close()
+        print(f"prefix blocks (cached/total) per request: {blocks}")
+        assert blocks[1].split("/")[1] == "10", blocks
 
 
 def test_pod_holding_the_prefix_but_overloaded_is_avoided():
