@@ -75,6 +75,9 @@ pub struct PodMetrics {
     pub prefix_cache_hits: Option<f64>,
     /// vLLM prefix-cache queries in tokens since start (counter), summed over engines.
     pub prefix_cache_queries: Option<f64>,
+    /// vLLM's `cache_config_info` says `enable_prefix_caching="False"` for one of the pod's
+    /// engines: a prompt it served once is not cached there, and sequences share no blocks.
+    pub prefix_caching_off: bool,
 }
 
 /// Why a body yielded no metrics.
@@ -214,6 +217,7 @@ struct Labels<'a> {
     page_size: Option<&'a str>,
     num_pages: Option<&'a str>,
     max_total_num_tokens: Option<&'a str>,
+    enable_prefix_caching: Option<&'a str>,
 }
 
 impl<'a> Labels<'a> {
@@ -230,6 +234,7 @@ impl<'a> Labels<'a> {
             "page_size" => &mut self.page_size,
             "num_pages" => &mut self.num_pages,
             "max_total_num_tokens" => &mut self.max_total_num_tokens,
+            "enable_prefix_caching" => &mut self.enable_prefix_caching,
             _ => return,
         };
         *slot = Some(value);
@@ -366,6 +371,7 @@ struct Acc {
     gauge_tokens: Groups,
     hits: [Groups; 4],
     queries: [Groups; 4],
+    prefix_caching_off: bool,
 }
 
 impl Acc {
@@ -385,6 +391,7 @@ impl Acc {
             gauge_tokens: Groups::new(),
             hits: [Groups::new(); 4],
             queries: [Groups::new(); 4],
+            prefix_caching_off: false,
         }
     }
 
@@ -440,6 +447,9 @@ impl Acc {
                         labels.max_total_num_tokens,
                     ),
                 };
+                self.prefix_caching_off |= labels
+                    .enable_prefix_caching
+                    .is_some_and(|v| v.eq_ignore_ascii_case("false"));
                 self.info_block_size.add(label_whole(size));
                 self.info_blocks
                     .add(key, label_whole(blocks).map(|n| n as f64));
@@ -499,6 +509,7 @@ impl Acc {
             capacity_tokens,
             prefix_cache_hits: first_present(&self.hits),
             prefix_cache_queries: first_present(&self.queries),
+            prefix_caching_off: self.prefix_caching_off,
         })
     }
 }
@@ -806,6 +817,7 @@ sglang:time_to_first_token_seconds_count{model_name="Qwen/Qwen3-8B"} 12094.0
                 capacity_tokens: Some(432_000),
                 prefix_cache_hits: Some(987_648.0),
                 prefix_cache_queries: Some(1_234_567.0),
+                prefix_caching_off: false,
             }
         );
     }
@@ -825,6 +837,7 @@ sglang:time_to_first_token_seconds_count{model_name="Qwen/Qwen3-8B"} 12094.0
                 capacity_tokens: Some(146_368),
                 prefix_cache_hits: None,
                 prefix_cache_queries: None,
+                prefix_caching_off: false,
             }
         );
     }
@@ -861,6 +874,7 @@ sglang:time_to_first_token_seconds_count{model_name="Qwen/Qwen3-8B"} 12094.0
         assert_eq!(m.num_gpu_blocks, Some(81_767));
         assert_eq!(m.capacity_tokens, Some(81_767 * 16));
         assert_eq!((m.prefix_cache_hits, m.prefix_cache_queries), (None, None));
+        assert!(m.prefix_caching_off);
     }
 
     #[test]

@@ -9,8 +9,8 @@ use crate::codec::{Reader, Writer};
 use crate::store::{update, Store, StoreError};
 
 const VERSION: u8 = 2;
-/// Records written before entries carried their context; still read, so in-flight requests are
-/// not lost when a new module takes over from an old one.
+/// Records written before entries carried their context (and snapshots the engine's prefix
+/// caching); still read, so in-flight requests are not lost when a new module takes over.
 const VERSION_WITHOUT_CONTEXT: u8 = 1;
 
 /// A pod's metrics as last scraped.
@@ -27,6 +27,9 @@ pub struct Snapshot {
     /// KV capacity in tokens (blocks × block size), 0 when unknown.
     pub capacity_tokens: u64,
     pub block_size: u32,
+    /// The engine caches no prefixes (vLLM `--no-enable-prefix-caching`): no prefix credit and
+    /// no shared blocks there.
+    pub no_prefix_caching: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -93,7 +96,8 @@ impl PodRecord {
                     .f64(s.waiting)
                     .f64(s.kv_usage)
                     .u64(s.capacity_tokens)
-                    .u32(s.block_size);
+                    .u32(s.block_size)
+                    .u8(u8::from(s.no_prefix_caching));
             }
             None => {
                 w.u8(0);
@@ -120,6 +124,7 @@ impl PodRecord {
         if version != VERSION && version != VERSION_WITHOUT_CONTEXT {
             return None;
         }
+        let current = version == VERSION;
         let snapshot = match r.u8()? {
             0 => None,
             _ => Some(Snapshot {
@@ -130,11 +135,11 @@ impl PodRecord {
                 kv_usage: r.f64()?,
                 capacity_tokens: r.u64()?,
                 block_size: r.u32()?,
+                no_prefix_caching: current && r.u8()? != 0,
             }),
         };
         let finished_since_scrape = r.u32()?;
-        let with_context = version == VERSION;
-        let n = r.count(if with_context { 44 } else { 40 })?;
+        let n = r.count(if current { 44 } else { 40 })?;
         let mut entries = Vec::with_capacity(n);
         for _ in 0..n {
             let mut e = Entry {
@@ -146,11 +151,7 @@ impl PodRecord {
                 output_blocks: r.u32()?,
                 context_blocks: 0,
             };
-            e.context_blocks = if with_context {
-                r.u32()?
-            } else {
-                e.prompt_blocks
-            };
+            e.context_blocks = if current { r.u32()? } else { e.prompt_blocks };
             entries.push(e);
         }
         Some(PodRecord {
@@ -280,6 +281,7 @@ mod tests {
                 kv_usage: f64::NAN,
                 capacity_tokens: 4096,
                 block_size: 16,
+                no_prefix_caching: true,
             }),
             finished_since_scrape: 3,
             entries: vec![entry(1, 4), entry(2, 5)],
@@ -287,6 +289,7 @@ mod tests {
         let back = PodRecord::decode(&rec.encode()).unwrap();
         assert_eq!(back.entries, rec.entries);
         assert!(back.snapshot.unwrap().kv_usage.is_nan());
+        assert!(back.snapshot.unwrap().no_prefix_caching);
         assert_eq!(PodRecord::decode(b""), None);
         assert_eq!(
             PodRecord::decode(&[VERSION, 0, 0, 0, 0, 0, 255, 255, 255, 255]),

@@ -274,11 +274,20 @@ impl Router {
             // Every pod looks down: try them all rather than refuse; Envoy's retries do the rest.
             indices = (0..self.pods.len()).collect();
         }
+        // What a pod records of a prompt: nothing where its engine caches no prefixes, so it is
+        // given no prefix credit and its sequences share no blocks.
+        let recorded = |i: usize| -> &[u64] {
+            if records[i].snapshot.is_some_and(|s| s.no_prefix_caching) {
+                &[]
+            } else {
+                hashes
+            }
+        };
         // Leading prompt blocks already held by in-flight requests, per candidate: they cost no
         // new KV there, in the score and in the reservation alike.
         let shared: Vec<usize> = indices
             .iter()
-            .map(|&i| self.active.active_prefix(&self.pods[i], hashes))
+            .map(|&i| self.active.active_prefix(&self.pods[i], recorded(i)))
             .collect();
         let candidates: Vec<Candidate> = indices
             .iter()
@@ -292,7 +301,7 @@ impl Router {
                     .map_or(r.pod_capacity_blocks, |s| s.capacity_tokens / bt);
                 Candidate {
                     pod,
-                    cached_blocks: self.prefix.matched(pod, hashes, now),
+                    cached_blocks: self.prefix.matched(pod, recorded(i), now),
                     active_blocks: rec.active_blocks(),
                     read_blocks: rec.read_blocks(),
                     added_blocks: (prompt_blocks - already_active) as u64 + output_blocks,
@@ -387,13 +396,14 @@ impl Router {
             if taken.is_none() {
                 continue;
             }
+            let kept = recorded(indices[s.index]);
             self.prefix
-                .insert(&pod, hashes, now, best.capacity_blocks as usize);
-            self.active.add(&pod, request, hashes.to_vec(), now);
+                .insert(&pod, kept, now, best.capacity_blocks as usize);
+            self.active.add(&pod, request, kept.to_vec(), now);
             let event = Event::Dispatch {
                 pod: pod.clone(),
                 request,
-                hashes: hashes.to_vec(),
+                hashes: kept.to_vec(),
             };
             if let Err(e) = PickLog::publish(store, self.vm, &event) {
                 // The other workers miss one pick; their replicas are approximate by design.
@@ -738,6 +748,36 @@ mod tests {
         assert_eq!(next.pod, other);
         r.finish(&vm, &cfg, &routed).unwrap();
         r.finish(&vm, &cfg, &next).unwrap();
+        assert_eq!(total_active(&vm, &cfg), 0);
+    }
+
+    #[test]
+    fn a_pod_without_prefix_caching_gets_no_prefix_credit_and_shares_nothing() {
+        let host = FakeHost::new();
+        let cfg = config(&["a:1"]);
+        let vm = host.vm();
+        let snapshot = Snapshot {
+            healthy: true,
+            no_prefix_caching: true,
+            ..Snapshot::default()
+        };
+        pod_state::write_snapshot(&vm, "a:1", snapshot, 0).unwrap();
+        let mut r = Router::start(&vm, &cfg).unwrap();
+        let x = r
+            .route(&vm, &cfg, &hashes(1, 10), &est(160, 0))
+            .unwrap()
+            .routed();
+        let y = r
+            .route(&vm, &cfg, &hashes(1, 10), &est(160, 0))
+            .unwrap()
+            .routed();
+        assert_eq!(y.cached_blocks, 0, "served before, but not cached there");
+        let rec = pod_state::read(&vm, "a:1").unwrap();
+        assert_eq!(rec.active_blocks(), 20, "each sequence holds its own copy");
+        assert_eq!(rec.reserved_tokens(), 2 * 160);
+        r.finish(&vm, &cfg, &x).unwrap();
+        assert_eq!(pod_state::read(&vm, "a:1").unwrap().active_blocks(), 10);
+        r.finish(&vm, &cfg, &y).unwrap();
         assert_eq!(total_active(&vm, &cfg), 0);
     }
 

@@ -149,6 +149,7 @@ impl Scraper {
                             kv_usage: m.kv_usage.unwrap_or(f64::NAN),
                             capacity_tokens: m.capacity_tokens.unwrap_or(0),
                             block_size: m.block_size.unwrap_or(0) as u32,
+                            no_prefix_caching: m.prefix_caching_off,
                         };
                         pod_state::write_snapshot(
                             store,

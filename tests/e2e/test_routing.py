@@ -142,6 +142,26 @@ def test_prompts_are_cut_in_the_engines_block_size():
         assert blocks[1].split("/")[1] == "10", blocks
 
 
+def test_a_pod_without_prefix_caching_gets_no_prefix_credit():
+    # A vLLM pod started with --no-enable-prefix-caching says so in cache_config_info: kvgate
+    # credits it with no cached prefix however often it served the prompt, so a prompt group
+    # settles on the pod that caches as soon as that pod has served it once.
+    with Sim(pods=1, args=SIM_ARGS + ["--no-enable-prefix-caching"]) as plain, Sim(pods=1, args=SIM_ARGS) as caching, \
+            kvgate_envoy(plain.endpoints + caching.endpoints, default_plugin_config()) as envoy:
+        assert wait_for(lambda: envoy.stats("wasmcustom.kvgate.scrape.ok").get("wasmcustom.kvgate.scrape.ok", 0) >= 2,
+                        timeout=10), "both pods scraped"
+        caching_pod = "%s:%d" % caching.endpoints[0]
+        served = []
+        for q in range(12):
+            r = request(envoy.port, "POST", "/v1/chat/completions", chat(3, q))
+            assert r.status == 200
+            served.append((r.headers["x-kvgate-pod"], r.headers["x-kvgate-prefix-blocks"]))
+        print(f"pod, cached/total blocks per request: {served}")
+        assert all(blocks.startswith("0/") for pod, blocks in served if pod != caching_pod), served
+        first = next(i for i, (pod, _) in enumerate(served) if pod == caching_pod)
+        assert all(pod == caching_pod for pod, _ in served[first:]), served
+
+
 def test_pod_holding_the_prefix_but_overloaded_is_avoided():
     args = SIM_ARGS + ["--max-num-seqs", "2"]
     with Sim(pods=3, args=args) as sim, kvgate_envoy(sim.endpoints, default_plugin_config()) as envoy:
