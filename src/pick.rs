@@ -26,7 +26,8 @@ pub struct Candidate<'a> {
     pub kv_usage: f64,
     pub capacity_blocks: u64,
     /// Blocks the pod is believed to cache for all prompts: among equal costs, a new prefix goes
-    /// where the least is cached, so new prompt groups spread evenly instead of by chance.
+    /// where the least is cached, so new prompt groups spread evenly instead of by chance
+    /// (`usize::MAX` for a pod whose engine caches no prefixes: it comes last).
     pub cached_total: usize,
 }
 

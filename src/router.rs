@@ -276,8 +276,9 @@ impl Router {
         }
         // What a pod records of a prompt: nothing where its engine caches no prefixes, so it is
         // given no prefix credit and its sequences share no blocks.
+        let caches_nothing = |i: usize| records[i].snapshot.is_some_and(|s| s.no_prefix_caching);
         let recorded = |i: usize| -> &[u64] {
-            if records[i].snapshot.is_some_and(|s| s.no_prefix_caching) {
+            if caches_nothing(i) {
                 &[]
             } else {
                 hashes
@@ -316,7 +317,13 @@ impl Router {
                         }
                     }),
                     capacity_blocks,
-                    cached_total: self.prefix.blocks_held(pod),
+                    // A pod that caches nothing comes last among equals: new prompts go
+                    // where their next requests can hit.
+                    cached_total: if caches_nothing(i) {
+                        usize::MAX
+                    } else {
+                        self.prefix.blocks_held(pod)
+                    },
                 }
             })
             .collect();

@@ -143,23 +143,30 @@ def test_prompts_are_cut_in_the_engines_block_size():
 
 
 def test_a_pod_without_prefix_caching_gets_no_prefix_credit():
-    # A vLLM pod started with --no-enable-prefix-caching says so in cache_config_info: kvgate
-    # credits it with no cached prefix however often it served the prompt, so a prompt group
-    # settles on the pod that caches as soon as that pod has served it once.
+    # A vLLM pod started with --no-enable-prefix-caching says so in cache_config_info. kvgate
+    # gives it no prefix credit however often it served a prompt, and among equal costs it comes
+    # last, so prompt groups settle on the pod that caches; it still takes load that spills.
     with Sim(pods=1, args=SIM_ARGS + ["--no-enable-prefix-caching"]) as plain, Sim(pods=1, args=SIM_ARGS) as caching, \
             kvgate_envoy(plain.endpoints + caching.endpoints, default_plugin_config()) as envoy:
         assert wait_for(lambda: envoy.stats("wasmcustom.kvgate.scrape.ok").get("wasmcustom.kvgate.scrape.ok", 0) >= 2,
                         timeout=10), "both pods scraped"
         caching_pod = "%s:%d" % caching.endpoints[0]
-        served = []
-        for q in range(12):
-            r = request(envoy.port, "POST", "/v1/chat/completions", chat(3, q))
+
+        def one(job):
+            group, q, max_tokens = job
+            r = request(envoy.port, "POST", "/v1/chat/completions", chat(group, q, max_tokens=max_tokens), timeout=120)
             assert r.status == 200
-            served.append((r.headers["x-kvgate-pod"], r.headers["x-kvgate-prefix-blocks"]))
-        print(f"pod, cached/total blocks per request: {served}")
-        assert all(blocks.startswith("0/") for pod, blocks in served if pod != caching_pod), served
-        first = next(i for i, (pod, _) in enumerate(served) if pod == caching_pod)
-        assert all(pod == caching_pod for pod, _ in served[first:]), served
+            return r.headers["x-kvgate-pod"], r.headers["x-kvgate-prefix-blocks"]
+
+        one_by_one = [one((g, q, 8)) for q in range(4) for g in (3, 4, 5)]
+        print(f"one at a time (pod, cached/total): {one_by_one}")
+        assert all(pod == caching_pod for pod, _ in one_by_one), one_by_one
+        with ThreadPoolExecutor(24) as pool:
+            together = list(pool.map(one, [(3, q, 64) for q in range(100, 124)]))
+        spilled = [blocks for pod, blocks in together if pod != caching_pod]
+        print(f"24 at once: {len(spilled)} spilled to the pod without caching: {spilled}")
+        assert spilled, "the busy caching pod shed load"
+        assert all(blocks.startswith("0/") for blocks in spilled), together
 
 
 def test_pod_holding_the_prefix_but_overloaded_is_avoided():
