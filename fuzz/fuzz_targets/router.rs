@@ -122,6 +122,8 @@ enum Op {
         kv: u8,
         capacity: u32,
         age_s: u8,
+        block: u8,
+        caches_prefixes: bool,
     },
     Sync {
         vm: u8,
@@ -168,7 +170,7 @@ fn config(s: &Setup) -> Config {
             "stalePolicy": if s.stale_saturated { "saturated" } else { "ignore" },
         },
         "routing": {
-            "blockTokens": pick(&[1u32, 16, 64], s.block_tokens),
+            "blockTokens": pick(&[0u32, 1, 16, 64], s.block_tokens),
             "requestTtlMs": pick(&[2_000u64, 60_000, 660_000], s.ttl),
             "fallbackPods": u32::from(s.fallback % 4),
             "temperature": if s.temperature { 0.5 } else { 0.0 },
@@ -468,6 +470,8 @@ impl World {
                 kv,
                 capacity,
                 age_s,
+                block,
+                caches_prefixes,
             } => {
                 let snapshot = Snapshot {
                     at_ms: now.saturating_sub(u64::from(age_s) * 100),
@@ -480,7 +484,8 @@ impl World {
                         f64::from(kv) / 254.0
                     },
                     capacity_tokens: u64::from(capacity % (1 << 22)),
-                    block_size: 16,
+                    block_size: pick(&[0u32, 1, 16, 32], block),
+                    no_prefix_caching: !caches_prefixes,
                 };
                 let pod = POOL[usize::from(pod) % POOL.len()];
                 pod_state::write_snapshot(
