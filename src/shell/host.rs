@@ -1,19 +1,19 @@
-//! The only caller of `proxy_wasm::hostcalls` (and of `raw`, for header values): the `Store`
-//! implementation and the few request and response calls the HTTP context needs, each returning
-//! `Result`/`Option` so no host error can panic the VM.
+//! The one place that calls the host: the `Store` implementation, the request and response calls
+//! the HTTP context needs, stats, the tick and logging. All of it goes through `raw`, where every
+//! host status is an answer, so no host error can panic the VM; the one SDK wrapper left is
+//! `hostcalls::dispatch_http_call` (see `dispatch_get`).
 
 use super::raw;
 use crate::reply::LocalReply;
 use crate::store::{Store, StoreError, Versioned};
 use proxy_wasm::hostcalls;
-use proxy_wasm::types::{BufferType, MapType, Status};
-use std::time::UNIX_EPOCH;
+use proxy_wasm::types::{BufferType, LogLevel, MapType, StreamType};
 
-fn store_error(s: Status) -> StoreError {
-    match s {
-        Status::CasMismatch => StoreError::CasMismatch,
-        Status::NotFound => StoreError::NotFound,
-        other => StoreError::Host(other as u32),
+fn store_error(status: u32) -> StoreError {
+    match status {
+        raw::CAS_MISMATCH => StoreError::CasMismatch,
+        raw::NOT_FOUND => StoreError::NotFound,
+        other => StoreError::Host(other),
     }
 }
 
@@ -22,42 +22,50 @@ pub struct HostStore;
 
 impl Store for HostStore {
     fn get(&self, key: &str) -> Result<Versioned, StoreError> {
-        let (value, cas) = hostcalls::get_shared_data(key).map_err(store_error)?;
-        Ok(Versioned { value, cas })
+        match raw::get_shared_data(key) {
+            Ok((value, cas)) => Ok(Versioned { value, cas }),
+            Err(raw::NOT_FOUND) => Ok(Versioned::default()),
+            Err(status) => Err(store_error(status)),
+        }
     }
 
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
-        hostcalls::set_shared_data(key, Some(value), cas).map_err(store_error)
+        raw::set_shared_data(key, value, cas).map_err(store_error)
     }
 
     fn register_queue(&self, name: &str) -> Result<u32, StoreError> {
-        hostcalls::register_shared_queue(name).map_err(store_error)
+        raw::register_shared_queue(name).map_err(store_error)
     }
 
     fn resolve_queue(&self, name: &str) -> Result<Option<u32>, StoreError> {
         // Queues are resolved within this plugin's VM id, which is empty unless configured.
-        hostcalls::resolve_shared_queue("", name).map_err(store_error)
+        match raw::resolve_shared_queue("", name) {
+            Ok(id) => Ok(Some(id)),
+            Err(raw::NOT_FOUND) => Ok(None),
+            Err(status) => Err(store_error(status)),
+        }
     }
 
     fn enqueue(&self, queue: u32, message: &[u8]) -> Result<(), StoreError> {
-        hostcalls::enqueue_shared_queue(queue, Some(message)).map_err(store_error)
+        raw::enqueue_shared_queue(queue, message).map_err(store_error)
     }
 
     fn dequeue(&self, queue: u32) -> Result<Option<Vec<u8>>, StoreError> {
-        hostcalls::dequeue_shared_queue(queue).map_err(store_error)
+        match raw::dequeue_shared_queue(queue) {
+            Err(raw::EMPTY) => Ok(None),
+            other => other.map_err(store_error),
+        }
     }
 
     fn now_ms(&self) -> u64 {
-        hostcalls::get_current_time()
-            .ok()
-            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-            .map_or(0, |d| d.as_millis() as u64)
+        raw::get_current_time_nanoseconds().map_or(0, |ns| ns / 1_000_000)
     }
 }
 
 /// A header's value as text: bytes that are not UTF-8 (HTTP allows them) become U+FFFD.
 fn header(map: MapType, name: &str) -> Option<String> {
-    raw::header_value(map, name).map(|v| String::from_utf8_lossy(&v).into_owned())
+    let value = raw::get_header_map_value(map, name).ok()?;
+    Some(String::from_utf8_lossy(&value).into_owned())
 }
 
 pub fn request_header(name: &str) -> Option<String> {
@@ -70,47 +78,49 @@ pub fn response_header(name: &str) -> Option<String> {
 
 /// The upstream host that served the request (`ip:port`), from Envoy's `upstream.address`.
 pub fn upstream_address() -> Option<String> {
-    hostcalls::get_property(vec!["upstream", "address"])
+    raw::get_property(&["upstream", "address"])
         .ok()
         .flatten()
         .and_then(|b| String::from_utf8(b).ok())
 }
 
 pub fn remove_request_header(name: &str) {
-    let _ = hostcalls::remove_map_value(MapType::HttpRequestHeaders, name);
+    let _ = raw::remove_header_map_value(MapType::HttpRequestHeaders, name);
 }
 
 pub fn set_request_header(name: &str, value: &str) {
-    let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, name, Some(value));
+    let _ = raw::replace_header_map_value(MapType::HttpRequestHeaders, name, value);
 }
 
 pub fn add_response_header(name: &str, value: &str) {
-    let _ = hostcalls::add_map_value(MapType::HttpResponseHeaders, name, value);
+    let _ = raw::add_header_map_value(MapType::HttpResponseHeaders, name, value);
+}
+
+/// Up to `max_size` bytes of a buffer from its start; empty when there is none or on any error.
+fn buffer(kind: BufferType, max_size: usize) -> Vec<u8> {
+    raw::get_buffer_bytes(kind, 0, max_size)
+        .ok()
+        .flatten()
+        .unwrap_or_default()
 }
 
 pub fn request_body(size: usize) -> Vec<u8> {
-    hostcalls::get_buffer(BufferType::HttpRequestBody, 0, size)
-        .ok()
-        .flatten()
-        .unwrap_or_default()
+    buffer(BufferType::HttpRequestBody, size)
 }
 
 pub fn response_body(size: usize) -> Vec<u8> {
-    hostcalls::get_buffer(BufferType::HttpResponseBody, 0, size)
-        .ok()
-        .flatten()
-        .unwrap_or_default()
+    buffer(BufferType::HttpResponseBody, size)
 }
 
 pub fn resume_request() {
-    if let Err(e) = hostcalls::resume_http_request() {
-        log::debug!("kvgate: resume failed: {e:?}");
+    if let Err(status) = raw::continue_stream(StreamType::HttpRequest) {
+        log::debug!("kvgate: resume failed: status {status}");
     }
 }
 
 /// Makes a parked stream the one later calls act on; false when the stream is gone.
 pub fn switch_to(context_id: u32) -> bool {
-    hostcalls::set_effective_context(context_id).is_ok()
+    raw::set_effective_context(context_id).is_ok()
 }
 
 pub fn send_reply(reply: &LocalReply) {
@@ -119,16 +129,16 @@ pub fn send_reply(reply: &LocalReply) {
         .iter()
         .map(|(k, v)| (k.as_str(), v.as_str()))
         .collect();
-    if let Err(e) = hostcalls::send_http_response(reply.status, headers, Some(&reply.body)) {
-        log::warn!("kvgate: local reply {} failed: {e:?}", reply.status);
+    if let Err(status) = raw::send_local_response(reply.status, &headers, &reply.body) {
+        log::warn!(
+            "kvgate: local reply {} failed: status {status}",
+            reply.status
+        );
     }
 }
 
 pub fn plugin_configuration() -> Vec<u8> {
-    hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX)
-        .ok()
-        .flatten()
-        .unwrap_or_default()
+    buffer(BufferType::PluginConfiguration, usize::MAX)
 }
 
 thread_local! {
@@ -150,7 +160,7 @@ pub fn flush_stats(stats: &mut crate::stats::Stats) {
             };
             let id = match ids.get(name) {
                 Some(id) => *id,
-                None => match hostcalls::define_metric(kind, name) {
+                None => match raw::define_metric(kind, name) {
                     Ok(id) => {
                         ids.insert(name.clone(), id);
                         id
@@ -159,18 +169,65 @@ pub fn flush_stats(stats: &mut crate::stats::Stats) {
                 },
             };
             let _ = match stat {
-                Stat::Counter(_, by) => hostcalls::increment_metric(id, by as i64),
-                Stat::Gauge(_, v) | Stat::Histogram(_, v) => hostcalls::record_metric(id, v),
+                Stat::Counter(_, by) => raw::increment_metric(id, by as i64),
+                Stat::Gauge(_, v) | Stat::Histogram(_, v) => raw::record_metric(id, v),
             };
         }
     });
 }
 
+/// kvgate's `log` backend, in place of the SDK's (`proxy_wasm::set_log_level`), which unwraps every
+/// `proxy_log` status.
+struct HostLog;
+
+static HOST_LOG: HostLog = HostLog;
+
+impl log::Log for HostLog {
+    fn enabled(&self, metadata: &log::Metadata) -> bool {
+        metadata.level() <= log::max_level()
+    }
+
+    fn log(&self, record: &log::Record) {
+        if !self.enabled(record.metadata()) {
+            return;
+        }
+        let level = match record.level() {
+            log::Level::Trace => LogLevel::Trace,
+            log::Level::Debug => LogLevel::Debug,
+            log::Level::Info => LogLevel::Info,
+            log::Level::Warn => LogLevel::Warn,
+            log::Level::Error => LogLevel::Error,
+        };
+        // A line Envoy refuses is lost; there is nowhere else to report it.
+        let _ = raw::log(level, &record.args().to_string());
+    }
+
+    fn flush(&self) {}
+}
+
+/// Sends the `log` macros at `level` and above to Envoy's log, and any panic at critical level.
+pub fn install_logging(level: log::LevelFilter) {
+    // Fails only when a logger is already set, and nothing else in the module sets one.
+    let _ = log::set_logger(&HOST_LOG);
+    log::set_max_level(level);
+    // A panic aborts the VM and Envoy disables the plugin on this worker until restart; the code
+    // is written not to panic, and this makes sure one that slips through is seen.
+    std::panic::set_hook(Box::new(|info| {
+        let _ = raw::log(LogLevel::Critical, &format!("kvgate panicked: {info}"));
+    }));
+}
+
 pub fn set_tick_period(ms: u64) {
-    let _ = hostcalls::set_tick_period(std::time::Duration::from_millis(ms));
+    let _ = raw::set_tick_period_milliseconds(u32::try_from(ms).unwrap_or(u32::MAX));
 }
 
 /// Sends a GET to `cluster`; returns the callout token.
+///
+/// The one call left on the SDK's wrapper: its dispatcher delivers `on_http_call_response` only for
+/// tokens that wrapper registered (`register_callout` is private to the SDK), and panics
+/// "invalid token_id" on any other. The wrapper panics only on a status other than Ok, BadArgument
+/// (unknown cluster, missing `:path`/`:method`/`:authority`) or InternalFailure, which is all
+/// Envoy's `httpCall` returns.
 pub fn dispatch_get(
     cluster: &str,
     path: &str,
@@ -196,10 +253,7 @@ pub fn call_response(body_size: usize) -> (Option<u32>, Vec<u8>) {
         Vec::new()
     } else {
         // A metrics page larger than this is not worth holding in the VM's memory for good.
-        hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size.min(4 << 20))
-            .ok()
-            .flatten()
-            .unwrap_or_default()
+        buffer(BufferType::HttpCallResponseBody, body_size.min(4 << 20))
     };
     (status, body)
 }

@@ -243,8 +243,10 @@ def test_enormous_max_tokens_and_prompts_reserve_a_clamped_cost(stubs):
         assert st == 200, b[:300]
         assert 0 < int(h["x-kvgate-cost"]) <= cap and int(h["x-kvgate-output-tokens"]) <= out_cap, h
     # A prompt the estimator counts as bigger than any reservation (a lone digit after a space
-    # is two tokens: ~1 token per byte).
-    huge = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "7 " * 100_000}]})
+    # is two tokens: ~1 token per byte). Its own model name: the stub answers every request with
+    # 10 prompt tokens, so the prompt scale learned for MODEL by the tests before (down to 0.1×)
+    # would shrink the estimate below the cap.
+    huge = json.dumps({"model": MODEL + "-uncalibrated", "messages": [{"role": "user", "content": "7 " * 100_000}]})
     st, h, b, dt = send(envoy, huge.encode())
     assert st == 200 and int(h["x-kvgate-cost"]) == cap, (st, h.get("x-kvgate-cost"))
     # A large token-id prompt is counted exactly.
