@@ -9,6 +9,7 @@ use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http1::SendRequest;
 use hyper::Request;
 use hyper_util::rt::TokioIo;
+use serde::Serialize;
 use serde_json::Value;
 use tokio::net::TcpStream;
 
@@ -20,17 +21,25 @@ pub struct Client {
     timeout: Duration,
 }
 
-#[derive(Debug, Default, Clone)]
+/// What one request got back, as recorded (see `stats::Record`).
+#[derive(Debug, Default, Clone, Serialize)]
 pub struct Outcome {
+    /// HTTP status; 0 when no response came (connection error, timeout).
     pub status: u16,
+    /// Seconds to the first content token (streaming only).
     pub ttft: Option<f64>,
+    /// Seconds to the end of the response.
     pub e2e: f64,
+    /// Gaps between consecutive content chunks, milliseconds.
     pub itl: Vec<f64>,
     pub chunks: u64,
     pub prompt_tokens: Option<u64>,
     pub completion_tokens: Option<u64>,
     pub cached_tokens: Option<u64>,
+    /// The generated text, resent as the next turn's history; not recorded.
+    #[serde(skip)]
     pub content: String,
+    /// `x-sim-pod` response header (which simulator pod served it).
     pub pod: Option<String>,
     pub error: Option<String>,
 }

@@ -251,24 +251,16 @@ async fn run_job(ctx: Arc<Ctx>, job: Job) {
             .await;
         let ok = o.status == 200 && o.error.is_none();
         let content = o.content.clone();
+        let itl = o
+            .itl
+            .iter()
+            .map(|x| (x * 1000.0).round() / 1000.0)
+            .collect();
         let rec = Record {
             job: job.id,
             turn: t,
             sent,
-            status: o.status,
-            ttft: o.ttft,
-            e2e: o.e2e,
-            itl: o
-                .itl
-                .iter()
-                .map(|x| (x * 1000.0).round() / 1000.0)
-                .collect(),
-            chunks: o.chunks,
-            prompt_tokens: o.prompt_tokens,
-            completion_tokens: o.completion_tokens,
-            cached_tokens: o.cached_tokens,
-            pod: o.pod,
-            error: o.error,
+            outcome: client::Outcome { itl, ..o },
             tags: tags.clone(),
         };
         if let Ok(mut r) = ctx.records.lock() {

@@ -4,6 +4,8 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
+use crate::client::Outcome;
+
 /// One request's outcome, written as one JSON line.
 #[derive(Debug, Clone, Serialize, Default)]
 pub struct Record {
@@ -11,21 +13,8 @@ pub struct Record {
     pub turn: usize,
     /// Seconds from the start of the run to sending the request.
     pub sent: f64,
-    /// HTTP status; 0 when no response came (connection error, timeout).
-    pub status: u16,
-    /// Seconds to the first content token (streaming only).
-    pub ttft: Option<f64>,
-    /// Seconds to the end of the response.
-    pub e2e: f64,
-    /// Gaps between consecutive content chunks, milliseconds.
-    pub itl: Vec<f64>,
-    pub chunks: u64,
-    pub prompt_tokens: Option<u64>,
-    pub completion_tokens: Option<u64>,
-    pub cached_tokens: Option<u64>,
-    /// `x-sim-pod` response header (which simulator pod served it).
-    pub pod: Option<String>,
-    pub error: Option<String>,
+    #[serde(flatten)]
+    pub outcome: Outcome,
     pub tags: BTreeMap<String, String>,
 }
 
@@ -114,31 +103,31 @@ impl Summary {
         let mut e2e = Vec::new();
         for r in records {
             start = start.min(r.sent);
-            end = end.max(r.sent + r.e2e);
-            if r.status != 200 || r.error.is_some() {
-                let key = if r.status == 200 {
+            end = end.max(r.sent + r.outcome.e2e);
+            if r.outcome.status != 200 || r.outcome.error.is_some() {
+                let key = if r.outcome.status == 200 {
                     "200-broken".to_string()
                 } else {
-                    r.status.to_string()
+                    r.outcome.status.to_string()
                 };
                 *s.errors.entry(key).or_default() += 1;
                 continue;
             }
             s.ok += 1;
-            if let Some(p) = &r.pod {
+            if let Some(p) = &r.outcome.pod {
                 *s.pod_share.entry(p.clone()).or_default() += 1;
             }
-            s.output_tokens += r.completion_tokens.unwrap_or(r.chunks);
-            s.prompt_tokens += r.prompt_tokens.unwrap_or(0);
-            s.cached_tokens += r.cached_tokens.unwrap_or(0);
-            e2e.push(r.e2e * 1000.0);
-            if let Some(t) = r.ttft {
+            s.output_tokens += r.outcome.completion_tokens.unwrap_or(r.outcome.chunks);
+            s.prompt_tokens += r.outcome.prompt_tokens.unwrap_or(0);
+            s.cached_tokens += r.outcome.cached_tokens.unwrap_or(0);
+            e2e.push(r.outcome.e2e * 1000.0);
+            if let Some(t) = r.outcome.ttft {
                 ttft.push(t * 1000.0);
                 if t * 1000.0 <= ttft_slo_ms {
                     s.goodput += 1;
                 }
             }
-            itl.extend_from_slice(&r.itl);
+            itl.extend_from_slice(&r.outcome.itl);
         }
         s.duration_s = if end > start { end - start } else { 0.0 };
         if s.duration_s > 0.0 {
@@ -220,12 +209,15 @@ mod tests {
     fn rec(sent: f64, status: u16, ttft: Option<f64>, tokens: u64, pod: &str) -> Record {
         Record {
             sent,
-            status,
-            ttft,
-            e2e: 1.0,
-            itl: vec![10.0, 20.0],
-            completion_tokens: Some(tokens),
-            pod: Some(pod.into()),
+            outcome: Outcome {
+                status,
+                ttft,
+                e2e: 1.0,
+                itl: vec![10.0, 20.0],
+                completion_tokens: Some(tokens),
+                pod: Some(pod.into()),
+                ..Outcome::default()
+            },
             ..Record::default()
         }
     }
@@ -239,8 +231,8 @@ mod tests {
             rec(1.0, 503, None, 0, "1"),
             rec(0.0, 0, None, 0, ""),
         ];
-        rs[3].e2e = 0.01;
-        rs[4].error = Some("timeout".into());
+        rs[3].outcome.e2e = 0.01;
+        rs[4].outcome.error = Some("timeout".into());
         let r = report(&rs, 200.0);
         let s = &r.overall;
         assert_eq!((s.requests, s.ok, s.goodput), (5, 3, 2));
