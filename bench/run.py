@@ -1092,12 +1092,15 @@ def main():
                         data["results"]["shared-prefix"][t] = cell
             data["workload_desc"]["shared-prefix"] = WORKLOAD_DESC["shared-prefix"].format(**w)
 
+        def every_target(name, args, timeout, **desc):
+            """One cell per live target on the workload `name`, and its description."""
+            log(name)
+            data["results"][name] = {t: run_cell(ctx, t, name, name, args, sim_args, timeout) for t in live}
+            data["workload_desc"][name] = WORKLOAD_DESC[name].format(**desc)
+
         if "multi-turn" in workloads:
             w = cfg["multi_turn"]
-            log("multi-turn")
-            data["results"]["multi-turn"] = {t: run_cell(ctx, t, "multi-turn", "multi-turn", mt_args(w, seed),
-                                                         sim_args, w["duration"] + 200) for t in live}
-            data["workload_desc"]["multi-turn"] = WORKLOAD_DESC["multi-turn"].format(**w)
+            every_target("multi-turn", mt_args(w, seed), w["duration"] + 200, **w)
 
         if "mixed" in workloads:
             w = cfg["mixed"]
@@ -1123,17 +1126,11 @@ def main():
 
         if "hot-prefix" in workloads:
             w = cfg["hot_prefix"]
-            log("hot-prefix")
-            data["results"]["hot-prefix"] = {t: run_cell(ctx, t, "hot-prefix", "hot-prefix", hot_args(w, seed),
-                                                         sim_args, w["duration"] + 200) for t in live}
-            data["workload_desc"]["hot-prefix"] = WORKLOAD_DESC["hot-prefix"].format(**w)
+            every_target("hot-prefix", hot_args(w, seed), w["duration"] + 200, **w)
 
         if "burst" in workloads:
             w = cfg["burst"]
-            log("burst")
-            data["results"]["burst"] = {t: run_cell(ctx, t, "burst", "burst", burst_args(w, seed), sim_args, 400)
-                                        for t in live}
-            data["workload_desc"]["burst"] = WORKLOAD_DESC["burst"].format(n=w["groups"] * w["questions"], **w)
+            every_target("burst", burst_args(w, seed), 400, n=w["groups"] * w["questions"], **w)
 
         if a.full and not a.no_overhead:
             log("filter overhead")
