@@ -8,7 +8,8 @@
 //! word after it, and repeated marks (`====`) merge; indentation runs and line breaks are a token
 //! each; Han, kana and hangul just under one token per character. Measured against tiktoken in
 //! `tests/estimator_accuracy.rs`. Learned corrections (see `calibration`) scale it per model once
-//! responses' `usage` has been seen.
+//! responses' `usage` has been seen. The rule runs over every character of every prompt, so most
+//! characters are classified by their first byte and counted in loops over runs (`Counter`).
 
 use crate::config::EstimatorConfig;
 use crate::request::Request;
@@ -66,37 +67,23 @@ impl Class {
     }
 }
 
-/// Classes of the ASCII characters, looked up rather than matched: most prompts are mostly ASCII
-/// and this loop runs over every character of every prompt.
-const ASCII_CLASS: [Class; 128] = {
-    let mut table = [Class::Punct; 128];
-    let mut i = 0;
-    while i < 128 {
-        let b = i as u8;
-        table[i] = match b {
-            b'a'..=b'z' => Class::Lower,
-            b'A'..=b'Z' => Class::Upper,
-            b'0'..=b'9' => Class::Digit,
-            b'\n' | b'\r' => Class::Newline,
-            b' ' | b'\t' | 0x0b | 0x0c => Class::Space,
-            _ => Class::Punct,
-        };
-        i += 1;
+const fn ascii_class(b: u8) -> Class {
+    match b {
+        b'a'..=b'z' => Class::Lower,
+        b'A'..=b'Z' => Class::Upper,
+        b'0'..=b'9' => Class::Digit,
+        b'\n' | b'\r' => Class::Newline,
+        b' ' | b'\t' | 0x0b | 0x0c => Class::Space,
+        _ => Class::Punct,
     }
-    table
-};
+}
 
 fn class(c: char) -> Class {
-    if let Some(k) = ASCII_CLASS.get(c as usize) {
-        return *k;
+    if c.is_ascii() {
+        return ascii_class(c as u8);
     }
     match c {
-        'a'..='z' => Class::Lower,
-        'A'..='Z' => Class::Upper,
-        '0'..='9' => Class::Digit,
-        '\n' | '\r' => Class::Newline,
         c if c.is_whitespace() => Class::Space,
-        c if c.is_ascii() => Class::Punct,
         // General punctuation: curly quotes, dashes, ellipsis.
         '\u{2000}'..='\u{206f}' => Class::Punct,
         '\u{3000}'..='\u{303f}' | '\u{ff00}'..='\u{ffef}' => Class::CjkPunct,
@@ -117,88 +104,300 @@ fn class(c: char) -> Class {
     }
 }
 
+/// One character of the text: its class and its length in bytes.
+#[derive(Clone, Copy)]
+struct Char {
+    class: Class,
+    len: u8,
+}
+
+/// Characters known from their first byte alone: every ASCII character, and the lead bytes
+/// 0xE4-0xE9 and 0xEB-0xEC, whose three-byte characters (U+4000-U+9FFF, U+B000-U+CFFF) are all
+/// Han or hangul. Looked up rather than decoded and matched: the rule runs over every character
+/// of every prompt, and these are most of them.
+const BY_LEAD_BYTE: [Option<Char>; 256] = {
+    let mut table = [None; 256];
+    let mut i = 0;
+    while i < 256 {
+        let b = i as u8;
+        table[i] = match b {
+            0x00..=0x7f => Some(Char {
+                class: ascii_class(b),
+                len: 1,
+            }),
+            0xe4..=0xe9 | 0xeb..=0xec => Some(Char {
+                class: Class::Cjk,
+                len: 3,
+            }),
+            _ => None,
+        };
+        i += 1;
+    }
+    table
+};
+
+/// The character at byte `at` if its first byte alone says what it is.
+#[inline(always)]
+fn known_at(bytes: &[u8], at: usize) -> Option<Char> {
+    BY_LEAD_BYTE
+        .get(usize::from(*bytes.get(at)?))
+        .copied()
+        .flatten()
+}
+
+/// The length of the character at byte `at` if its first byte alone says it is of class `k`.
+#[inline(always)]
+fn known_len(bytes: &[u8], at: usize, k: Class) -> Option<usize> {
+    known_at(bytes, at)
+        .filter(|c| c.class == k)
+        .map(|c| usize::from(c.len))
+}
+
+/// The character starting at byte `at` of `text`, if there is one.
+#[inline(always)]
+fn char_at(text: &str, at: usize) -> Option<Char> {
+    match known_at(text.as_bytes(), at) {
+        Some(ch) => Some(ch),
+        None => decoded_at(text, at),
+    }
+}
+
+fn decoded_at(text: &str, at: usize) -> Option<Char> {
+    let c = text.get(at..)?.chars().next()?;
+    Some(Char {
+        class: class(c),
+        len: c.len_utf8() as u8,
+    })
+}
+
+/// The rule's running count over a text and what it remembers of the characters before. Its
+/// per-character steps are `#[inline(always)]`: the shipped profile optimizes for size and would
+/// otherwise leave them as calls, several times the cost of the steps themselves.
+struct Counter<'a> {
+    text: &'a str,
+    tokens: f64,
+    prev: Class,
+    /// The last punctuation mark's UTF-8 bytes, packed: a mark repeating the one just before it
+    /// merges.
+    last_mark: u32,
+    /// Characters so far in the current word piece, digit run or other-alphabet run.
+    run: usize,
+    accented: bool,
+}
+
+impl<'a> Counter<'a> {
+    fn new(text: &'a str) -> Self {
+        Counter {
+            text,
+            tokens: 0.0,
+            // The start of the text behaves like the start of a line.
+            prev: Class::Newline,
+            last_mark: 0,
+            run: 0,
+            accented: false,
+        }
+    }
+
+    /// Counts `ch`, which starts at byte `at`, and the characters after it that continue its
+    /// run at the same cost whatever follows them (the rest of an ASCII word or number, of an
+    /// indentation, of Han or hangul text: most characters); returns where it stopped. Runs are
+    /// counted in loops of their own, without the dispatch on each character's class.
+    #[inline(always)]
+    fn count_from(&mut self, at: usize, ch: Char) -> usize {
+        let bytes = self.text.as_bytes();
+        let mut end = at + usize::from(ch.len);
+        match ch.class {
+            k @ (Class::Lower | Class::Upper) => {
+                self.letter(k, ch.len > 1);
+                end = self.lowercase_words(end);
+            }
+            Class::Digit => {
+                self.grouped(Class::Digit);
+                while let Some(len) = known_len(bytes, end, Class::Digit) {
+                    self.grouped(Class::Digit);
+                    end += len;
+                }
+            }
+            Class::OtherLetter => self.grouped(Class::OtherLetter),
+            Class::Space => {
+                self.space(end);
+                while let Some(b' ') = bytes.get(end) {
+                    end += 1;
+                    self.space(end);
+                }
+            }
+            Class::Newline => {
+                let joined = matches!(self.prev, Class::Newline | Class::Punct | Class::CjkPunct);
+                self.charge(Class::Newline, if joined { 0.0 } else { NEWLINE_TOKENS });
+            }
+            Class::Punct => self.mark(at, end),
+            Class::Cjk => {
+                self.charge(Class::Cjk, CJK_TOKENS);
+                while let Some(len) = known_len(bytes, end, Class::Cjk) {
+                    self.charge(Class::Cjk, CJK_TOKENS);
+                    end += len;
+                }
+            }
+            Class::CjkPunct => self.charge(Class::CjkPunct, CJK_TOKENS),
+            Class::Pictograph => self.charge(Class::Pictograph, PICTOGRAPH_TOKENS),
+            Class::Symbol => self.charge(Class::Symbol, SYMBOL_TOKENS),
+        }
+        end
+    }
+
+    /// Adds `t`, what a character of class `k` costs. Each character's cost is summed before it
+    /// is added, and costs are added in text order: the total is the same to the last bit
+    /// whichever path counted each character.
+    #[inline(always)]
+    fn charge(&mut self, k: Class, t: f64) {
+        if t != 0.0 {
+            self.tokens += t;
+        }
+        self.prev = k;
+    }
+
+    /// The class of the character at byte `at`; the end of the text is like a line break.
+    #[inline(always)]
+    fn class_at(&self, at: usize) -> Class {
+        char_at(self.text, at).map_or(Class::Newline, |c| c.class)
+    }
+
+    #[inline(always)]
+    fn letter(&mut self, k: Class, non_ascii: bool) {
+        let mut t = 0.0;
+        // A piece starts after a non-letter and at a camelCase hump.
+        if !self.prev.is_letter() || (self.prev == Class::Lower && k == Class::Upper) {
+            t += 1.0;
+            self.run = 0;
+            self.accented = false;
+        }
+        self.run += 1;
+        if self.run > LONG_WORD_LETTERS {
+            t += LONG_WORD_EXTRA_TOKENS;
+        }
+        if !self.accented && non_ascii {
+            self.accented = true;
+            t += ACCENTED_WORD_TOKENS;
+        }
+        self.charge(k, t);
+    }
+
+    /// Counts, from byte `at` just after a letter, the rest of its lowercase ASCII piece and the
+    /// lowercase words that follow it one space apart (most of English prose); returns where it
+    /// stopped. What `letter` would charge letter by letter: a lowercase ASCII letter after a
+    /// letter only lengthens the piece, costing more once it is long; the space and first letter
+    /// of each further word are counted by `space` and `letter` themselves.
+    #[inline(always)]
+    fn lowercase_words(&mut self, mut at: usize) -> usize {
+        let bytes = self.text.as_bytes();
+        loop {
+            let letters = lowercase_run(bytes, at);
+            if letters > 0 {
+                at += letters;
+                let long_from = self.run.max(LONG_WORD_LETTERS);
+                self.run += letters;
+                for _ in long_from..self.run {
+                    self.charge(Class::Lower, LONG_WORD_EXTRA_TOKENS);
+                }
+                self.prev = Class::Lower;
+            }
+            let (Some(b' '), Some(b'a'..=b'z')) = (bytes.get(at), bytes.get(at + 1)) else {
+                return at;
+            };
+            self.space(at + 1);
+            self.letter(Class::Lower, false);
+            at += 2;
+        }
+    }
+
+    /// Digits and other alphabets: a token for every few characters of a run.
+    #[inline(always)]
+    fn grouped(&mut self, k: Class) {
+        if self.prev != k {
+            self.run = 0;
+        }
+        self.run += 1;
+        let per_token = if k == Class::Digit {
+            DIGITS_PER_TOKEN
+        } else {
+            OTHER_LETTERS_PER_TOKEN
+        };
+        let starts_token = (self.run - 1).is_multiple_of(per_token);
+        self.charge(k, if starts_token { 1.0 } else { 0.0 });
+    }
+
+    /// A space before byte `end`. Spaces are charged at the end of their run; a single space
+    /// joins the next word.
+    #[inline(always)]
+    fn space(&mut self, end: usize) {
+        let next = self.class_at(end);
+        let mut t = 0.0;
+        if next != Class::Space {
+            if self.prev == Class::Space && next != Class::Newline {
+                t += INDENT_TOKENS;
+            }
+            if next == Class::Digit {
+                t += SPACE_BEFORE_DIGIT_TOKENS;
+            }
+        }
+        self.charge(Class::Space, t);
+    }
+
+    /// A punctuation mark at bytes `at..end`.
+    fn mark(&mut self, at: usize, end: usize) {
+        let bytes = self.text.as_bytes().get(at..end).unwrap_or_default();
+        // At most four bytes, and no character's encoding is another's with bytes added.
+        let mark = bytes
+            .iter()
+            .rev()
+            .fold(0, |packed, b| packed << 8 | u32::from(*b));
+        let t = if self.prev == Class::Punct {
+            if self.last_mark == mark {
+                PUNCT_REPEAT_TOKENS
+            } else {
+                PUNCT_MORE_TOKENS
+            }
+        } else if self.prev != Class::Space && self.class_at(end).is_letter() {
+            ATTACHED_PUNCT_TOKENS
+        } else {
+            PUNCT_TOKENS
+        };
+        self.last_mark = mark;
+        self.charge(Class::Punct, t);
+    }
+}
+
+/// How many bytes from `at` are lowercase ASCII letters in a row. Eight bytes at a time: a word's
+/// end is found by arithmetic rather than by a branch on every letter, which the processor
+/// would mispredict once per word.
+fn lowercase_run(bytes: &[u8], at: usize) -> usize {
+    const HIGH: u64 = u64::from_le_bytes([0x80; 8]);
+    const A: u64 = u64::from_le_bytes([b'a'; 8]);
+    const AFTER_Z: u64 = u64::from_le_bytes([b'z' + 1; 8]);
+    let mut n = 0;
+    while let Some(word) = bytes.get(at + n..).and_then(|rest| rest.first_chunk::<8>()) {
+        let w = u64::from_le_bytes(*word);
+        // Per byte, bit 7 of: ASCII, at least 'a', not past 'z' (with bit 7 set first, no
+        // subtraction borrows from the next byte).
+        let lower = ((w | HIGH) - A) & !((w | HIGH) - AFTER_Z) & !w & HIGH;
+        let run = (!lower & HIGH).trailing_zeros() as usize / 8;
+        n += run;
+        if run < 8 {
+            return n;
+        }
+    }
+    let rest = bytes.get(at + n..).unwrap_or_default();
+    n + rest.iter().take_while(|b| b.is_ascii_lowercase()).count()
+}
+
 /// Prompt tokens by the static rule, before any learned correction.
 pub fn static_prompt_tokens(text: &str) -> f64 {
-    let mut tokens = 0.0;
-    // The start of the text behaves like the start of a line.
-    let (mut prev, mut prev_char) = (Class::Newline, '\n');
-    // Characters so far in the current word piece, digit run or other-alphabet run.
-    let mut run = 0usize;
-    let mut accented = false;
-    let mut chars = text.chars();
-    let mut current = chars.next().map(|c| (c, class(c)));
-    while let Some((c, k)) = current {
-        let following = chars.next().map(|n| (n, class(n)));
-        let next = following.map_or(Class::Newline, |(_, n)| n);
-        tokens += match k {
-            Class::Lower | Class::Upper => {
-                let mut t = 0.0;
-                // A piece starts after a non-letter and at a camelCase hump.
-                if !prev.is_letter() || (prev == Class::Lower && k == Class::Upper) {
-                    t += 1.0;
-                    run = 0;
-                    accented = false;
-                }
-                run += 1;
-                if run > LONG_WORD_LETTERS {
-                    t += LONG_WORD_EXTRA_TOKENS;
-                }
-                if !accented && !c.is_ascii() {
-                    accented = true;
-                    t += ACCENTED_WORD_TOKENS;
-                }
-                t
-            }
-            Class::Digit | Class::OtherLetter => {
-                if prev != k {
-                    run = 0;
-                }
-                run += 1;
-                let per_token = if k == Class::Digit {
-                    DIGITS_PER_TOKEN
-                } else {
-                    OTHER_LETTERS_PER_TOKEN
-                };
-                if (run - 1).is_multiple_of(per_token) {
-                    1.0
-                } else {
-                    0.0
-                }
-            }
-            // Spaces are charged at the end of their run; a single space joins the next word.
-            Class::Space if next != Class::Space => {
-                let mut t = 0.0;
-                if prev == Class::Space && next != Class::Newline {
-                    t += INDENT_TOKENS;
-                }
-                if next == Class::Digit {
-                    t += SPACE_BEFORE_DIGIT_TOKENS;
-                }
-                t
-            }
-            Class::Space => 0.0,
-            Class::Newline => match prev {
-                Class::Newline | Class::Punct | Class::CjkPunct => 0.0,
-                _ => NEWLINE_TOKENS,
-            },
-            Class::Punct if prev == Class::Punct => {
-                if prev_char == c {
-                    PUNCT_REPEAT_TOKENS
-                } else {
-                    PUNCT_MORE_TOKENS
-                }
-            }
-            Class::Punct if next.is_letter() && prev != Class::Space => ATTACHED_PUNCT_TOKENS,
-            Class::Punct => PUNCT_TOKENS,
-            Class::CjkPunct | Class::Cjk => CJK_TOKENS,
-            Class::Pictograph => PICTOGRAPH_TOKENS,
-            Class::Symbol => SYMBOL_TOKENS,
-        };
-        prev = k;
-        prev_char = c;
-        current = following;
+    let mut counter = Counter::new(text);
+    let mut at = 0;
+    while let Some(ch) = char_at(text, at) {
+        at = counter.count_from(at, ch);
     }
-    tokens
+    counter.tokens
 }
 
 /// What was learned for a model from responses, if enough has been seen.
@@ -357,5 +556,32 @@ mod tests {
             ..req("", Some(0))
         };
         assert_eq!(estimate(&r, None, &cfg).prompt_tokens, 123 + 1024);
+    }
+
+    /// The lead-byte table must say what decoding and `class` would.
+    #[test]
+    fn lead_bytes_classify_like_class() {
+        let ascii = (0..=0x7f_u32).filter_map(char::from_u32);
+        let han_hangul = (0x4000..=0x9fff).chain(0xb000..=0xcfff);
+        for c in ascii.chain(han_hangul.filter_map(char::from_u32)) {
+            let text = c.to_string();
+            let known = known_at(text.as_bytes(), 0).map(|k| (k.class, usize::from(k.len)));
+            assert!(known == Some((class(c), text.len())), "{c:?}");
+        }
+    }
+
+    #[test]
+    fn lowercase_runs_end_at_the_first_other_byte() {
+        for len in 0..20 {
+            for after in ["", "A", "`", "{", "1", " ", "é", "z"] {
+                let text = format!("{}{after}", "a".repeat(len));
+                let expected = text.bytes().take_while(u8::is_ascii_lowercase).count();
+                assert_eq!(lowercase_run(text.as_bytes(), 0), expected, "{text:?}");
+                assert_eq!(
+                    lowercase_run(text.as_bytes(), 1.min(len)),
+                    expected - 1.min(len)
+                );
+            }
+        }
     }
 }

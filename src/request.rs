@@ -4,7 +4,8 @@
 //! same text serves token estimation and prefix hashing.
 
 use serde::Deserialize;
-use std::fmt;
+use std::borrow::Cow;
+use std::fmt::{self, Write as _};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Api {
@@ -68,61 +69,72 @@ impl fmt::Display for BadRequest {
     }
 }
 
+/// Text as it appears in the body: borrowed from the body when the JSON string has no escapes,
+/// decoded into its own buffer when it has.
+#[derive(Deserialize, Default)]
+struct Text<'a>(#[serde(borrow)] Cow<'a, str>);
+
+impl Text<'_> {
+    fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
 #[derive(Deserialize)]
 #[serde(untagged)]
-enum Prompt {
-    Text(String),
-    Texts(Vec<String>),
+enum Prompt<'a> {
+    Text(#[serde(borrow)] Text<'a>),
+    Texts(#[serde(borrow)] Vec<Text<'a>>),
     Tokens(Vec<u32>),
     TokenBatches(Vec<Vec<u32>>),
 }
 
 #[derive(Deserialize)]
 #[serde(untagged)]
-enum Content {
-    Text(String),
-    Parts(Vec<Part>),
+enum Content<'a> {
+    Text(#[serde(borrow)] Text<'a>),
+    Parts(#[serde(borrow)] Vec<Part<'a>>),
 }
 
 #[derive(Deserialize)]
-struct Part {
-    #[serde(rename = "type", default)]
-    kind: String,
-    #[serde(default)]
-    text: Option<String>,
+struct Part<'a> {
+    #[serde(rename = "type", default, borrow)]
+    kind: Text<'a>,
+    #[serde(default, borrow)]
+    text: Option<Text<'a>>,
     /// Responses API refusals and outputs carry their text here.
-    #[serde(default)]
-    refusal: Option<String>,
+    #[serde(default, borrow)]
+    refusal: Option<Text<'a>>,
 }
 
 #[derive(Deserialize)]
-struct Message {
-    #[serde(default)]
-    role: Option<String>,
-    #[serde(default)]
-    content: Option<Content>,
-    #[serde(default)]
-    name: Option<String>,
+struct Message<'a> {
+    #[serde(default, borrow)]
+    role: Option<Text<'a>>,
+    #[serde(default, borrow)]
+    content: Option<Content<'a>>,
+    #[serde(default, borrow)]
+    name: Option<Text<'a>>,
     /// Assistant tool calls are prefilled on the next turn; their JSON is counted as text.
     #[serde(default)]
     tool_calls: Option<serde_json::Value>,
     /// Responses API items that are not messages (function calls, outputs) carry these.
-    #[serde(rename = "type", default)]
-    kind: Option<String>,
-    #[serde(default)]
-    arguments: Option<String>,
+    #[serde(rename = "type", default, borrow)]
+    kind: Option<Text<'a>>,
+    #[serde(default, borrow)]
+    arguments: Option<Text<'a>>,
     #[serde(default)]
     output: Option<serde_json::Value>,
 }
 
 #[derive(Deserialize)]
 #[serde(untagged)]
-enum Input {
-    Text(String),
-    Texts(Vec<String>),
+enum Input<'a> {
+    Text(#[serde(borrow)] Text<'a>),
+    Texts(#[serde(borrow)] Vec<Text<'a>>),
     Tokens(Vec<u32>),
     TokenBatches(Vec<Vec<u32>>),
-    Items(Vec<Message>),
+    Items(#[serde(borrow)] Vec<Message<'a>>),
 }
 
 #[derive(Deserialize, Default)]
@@ -132,19 +144,19 @@ struct StreamOptions {
 }
 
 #[derive(Deserialize)]
-struct Body {
+struct Body<'a> {
     #[serde(default)]
     model: Option<String>,
-    #[serde(default)]
-    prompt: Option<Prompt>,
-    #[serde(default)]
-    suffix: Option<String>,
-    #[serde(default)]
-    messages: Option<Vec<Message>>,
-    #[serde(default)]
-    input: Option<Input>,
-    #[serde(default)]
-    instructions: Option<String>,
+    #[serde(default, borrow)]
+    prompt: Option<Prompt<'a>>,
+    #[serde(default, borrow)]
+    suffix: Option<Text<'a>>,
+    #[serde(default, borrow)]
+    messages: Option<Vec<Message<'a>>>,
+    #[serde(default, borrow)]
+    input: Option<Input<'a>>,
+    #[serde(default, borrow)]
+    instructions: Option<Text<'a>>,
     #[serde(default)]
     tools: Option<serde_json::Value>,
     #[serde(default)]
@@ -181,14 +193,16 @@ fn missing(field: &str) -> BadRequest {
 impl Request {
     /// Parses a body for `api`. Fields kvgate does not use are ignored (clients send many).
     pub fn parse(api: Api, body: &[u8]) -> Result<Request, BadRequest> {
-        if std::str::from_utf8(body).is_err() {
+        let Ok(body) = std::str::from_utf8(body) else {
             return Err(bad("request body is not valid UTF-8", None));
-        }
+        };
         // serde would accept a JSON array for a struct; OpenAI bodies are objects.
-        if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        if body.bytes().find(|b| !b.is_ascii_whitespace()) != Some(b'{') {
             return Err(bad("request body must be a JSON object", None));
         }
-        let de = &mut serde_json::Deserializer::from_slice(body);
+        // From the validated text, so strings are neither checked again nor copied when they
+        // have no escapes.
+        let de = &mut serde_json::Deserializer::from_str(body);
         let parsed: Body = serde_path_to_error::deserialize(&mut *de).map_err(|e| {
             let path = e.path().to_string();
             let inner = e.into_inner();
@@ -247,8 +261,8 @@ impl Request {
             Api::Completions => {
                 let prompt = b.prompt.ok_or_else(|| missing("prompt"))?;
                 out.push_prompt(prompt);
-                if let Some(suffix) = b.suffix {
-                    out.text.push_str(&suffix);
+                if let Some(suffix) = &b.suffix {
+                    out.text.push_str(suffix.as_str());
                 }
             }
             Api::ChatCompletions => {
@@ -262,7 +276,7 @@ impl Request {
             }
             Api::Responses => {
                 if let Some(instructions) = &b.instructions {
-                    out.push_turn("system", instructions);
+                    out.push_turn("system", instructions.as_str());
                 }
                 match b.input.ok_or_else(|| missing("input"))? {
                     Input::Items(items) => items.iter().for_each(|m| out.push_message(m)),
@@ -276,8 +290,8 @@ impl Request {
 
     fn push_prompt(&mut self, prompt: Prompt) {
         match prompt {
-            Prompt::Text(t) => self.text.push_str(&t),
-            Prompt::Texts(ts) => ts.iter().for_each(|t| self.text.push_str(t)),
+            Prompt::Text(t) => self.text.push_str(t.as_str()),
+            Prompt::Texts(ts) => ts.iter().for_each(|t| self.text.push_str(t.as_str())),
             Prompt::Tokens(ids) => self.token_ids += ids.len() as u64,
             Prompt::TokenBatches(b) => {
                 self.token_ids += b.iter().map(|v| v.len() as u64).sum::<u64>()
@@ -295,36 +309,50 @@ impl Request {
         }
     }
 
-    /// Chat turns render as `<role>\n<content>\n`, one after another, so a conversation's next
-    /// turn extends the text of the previous one.
-    fn push_turn(&mut self, role: &str, content: &str) {
+    /// Chat turns render as `<role>\n<content>\n` (`<role name>` for a named participant), one
+    /// after another, so a conversation's next turn extends the text of the previous one.
+    fn open_turn(&mut self, role: &str, name: Option<&str>) {
         self.text.push('<');
         self.text.push_str(role);
+        if let Some(name) = name {
+            self.text.push(' ');
+            self.text.push_str(name);
+        }
         self.text.push_str(">\n");
+    }
+
+    fn push_turn(&mut self, role: &str, content: &str) {
+        self.open_turn(role, None);
         self.text.push_str(content);
         self.text.push('\n');
     }
 
     fn push_json(&mut self, role: &str, value: &serde_json::Value) {
-        self.push_turn(role, &value.to_string());
+        self.open_turn(role, None);
+        self.push_value(value);
+        self.text.push('\n');
+    }
+
+    /// Renders `value` as compact JSON straight into the text.
+    fn push_value(&mut self, value: &serde_json::Value) {
+        // Writing to a String cannot fail.
+        let _ = write!(self.text, "{value}");
     }
 
     fn push_message(&mut self, m: &Message) {
-        let role = m.role.as_deref().or(m.kind.as_deref()).unwrap_or("user");
-        self.text.push('<');
-        self.text.push_str(role);
-        if let Some(name) = &m.name {
-            self.text.push(' ');
-            self.text.push_str(name);
-        }
-        self.text.push_str(">\n");
+        let role = m
+            .role
+            .as_ref()
+            .or(m.kind.as_ref())
+            .map_or("user", Text::as_str);
+        self.open_turn(role, m.name.as_ref().map(Text::as_str));
         match &m.content {
-            Some(Content::Text(t)) => self.text.push_str(t),
+            Some(Content::Text(t)) => self.text.push_str(t.as_str()),
             Some(Content::Parts(parts)) => {
                 for p in parts {
-                    match p.text.as_deref().or(p.refusal.as_deref()) {
-                        Some(t) => self.text.push_str(t),
-                        None if p.kind.is_empty() => {}
+                    match p.text.as_ref().or(p.refusal.as_ref()) {
+                        Some(t) => self.text.push_str(t.as_str()),
+                        None if p.kind.as_str().is_empty() => {}
                         None => self.non_text_parts += 1,
                     }
                 }
@@ -332,16 +360,16 @@ impl Request {
             None => {}
         }
         if let Some(args) = &m.arguments {
-            self.text.push_str(args);
+            self.text.push_str(args.as_str());
         }
         if let Some(output) = &m.output {
             match output {
                 serde_json::Value::String(s) => self.text.push_str(s),
-                other => self.text.push_str(&other.to_string()),
+                other => self.push_value(other),
             }
         }
         if let Some(calls) = &m.tool_calls {
-            self.text.push_str(&calls.to_string());
+            self.push_value(calls);
         }
         self.text.push('\n');
     }

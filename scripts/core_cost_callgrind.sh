@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Instructions per request of kvgate's core body path, by phase, counted by callgrind: unlike
+# timings, the counts do not move with whatever else runs on the machine, so they compare builds
+# precisely. Runs examples/core_cost in its untimed mode, one case per callgrind run, and reads
+# each phase function's inclusive count.
+#
+#   scripts/core_cost_callgrind.sh [CASE...]     default: every case (about a minute)
+#   KEEP=DIR scripts/core_cost_callgrind.sh ...  also keep the callgrind.out files in DIR
+#
+# The build is the release profile (what ships) with symbols and line tables kept, in a target
+# directory of its own so that the ordinary release build is not rebuilt.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+TARGET_DIR=target/core-cost-callgrind
+ITERS=2
+CASES=("$@")
+if [ ${#CASES[@]} -eq 0 ]; then
+    CASES=(prose-4k prose-64k prose-256k code-4k code-64k code-256k cjk-4k cjk-64k cjk-256k)
+fi
+OUT=${KEEP:-$(mktemp -d)}
+mkdir -p "$OUT"
+[ -n "${KEEP:-}" ] || trap 'rm -rf "$OUT"' EXIT
+
+CARGO_PROFILE_RELEASE_STRIP=false CARGO_PROFILE_RELEASE_DEBUG=line-tables-only \
+    cargo build -q --release --example core_cost --target-dir "$TARGET_DIR"
+BIN=$TARGET_DIR/release/examples/core_cost
+
+printf '%-10s %12s %12s %7s %12s %12s %12s   parse/est/hash\n' \
+    case "serde Value" core ratio parse estimate hashes
+for case in "${CASES[@]}"; do
+    valgrind --tool=callgrind --callgrind-out-file="$OUT/$case.out" "$BIN" --iters "$ITERS" "$case" \
+        2>/dev/null
+    callgrind_annotate --inclusive=yes --threshold=100 --auto=no "$OUT/$case.out" 2>/dev/null |
+        awk -v name="$case" -v iters="$ITERS" '
+            # Lines read "1,234,567 (12.3%)  file:function [object]", largest first; a
+            # function with inlined code also has lines per source file, without the object.
+            /core_cost::phase_[a-z_]+ \[/ {
+                ir = $1; gsub(",", "", ir)
+                match($0, /core_cost::phase_[a-z_]+/)
+                count[substr($0, RSTART + 17, RLENGTH - 17)] = ir / iters
+            }
+            END {
+                parts = count["parse"] + count["estimate"] + count["hashes"]
+                printf "%-10s %12d %12d %6.2fx %12d %12d %12d   %3.0f/%3.0f/%3.0f %%\n",
+                    name, count["serde_value"], count["core"],
+                    count["core"] / count["serde_value"], count["parse"],
+                    count["estimate"], count["hashes"], 100 * count["parse"] / parts,
+                    100 * count["estimate"] / parts, 100 * count["hashes"] / parts
+            }'
+done
