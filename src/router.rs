@@ -74,7 +74,8 @@ pub fn decode_pods(bytes: &[u8]) -> Option<Vec<String>> {
 fn explain(
     candidates: &[Candidate],
     ranked: &[Scored],
-    (prompt_blocks, own_blocks): (usize, u64),
+    prompt_blocks: usize,
+    own_blocks: u64,
     w: &RoutingConfig,
     room: impl Fn(usize) -> bool,
 ) -> String {
@@ -374,7 +375,7 @@ impl Router {
             .map(|s| candidates[s.index].pod.to_string())
             .collect();
         let ranking = if cfg.debug_headers {
-            explain(&candidates, &ranked, (prompt_blocks, own_blocks), r, room)
+            explain(&candidates, &ranked, prompt_blocks, own_blocks, r, room)
         } else {
             String::new()
         };
@@ -406,7 +407,6 @@ impl Router {
             let kept = recorded(indices[s.index]);
             self.prefix
                 .insert(&pod, kept, now, best.capacity_blocks as usize);
-            self.active.add(&pod, request, kept.to_vec(), now);
             let event = Event::Dispatch {
                 pod: pod.clone(),
                 request,
@@ -415,6 +415,10 @@ impl Router {
             if let Err(e) = PickLog::publish(store, self.vm, &event) {
                 // The other workers miss one pick; their replicas are approximate by design.
                 log::debug!("kvgate: pick log publish failed: {e:?}");
+            }
+            // The published copy of the hashes becomes this VM's replica entry: one copy per pick.
+            if let Event::Dispatch { hashes, .. } = event {
+                self.active.add(&pod, request, hashes, now);
             }
             let mut order = order;
             order.retain(|p| *p != pod);

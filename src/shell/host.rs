@@ -65,7 +65,11 @@ impl Store for HostStore {
 /// A header's value as text: bytes that are not UTF-8 (HTTP allows them) become U+FFFD.
 fn header(map: MapType, name: &str) -> Option<String> {
     let value = raw::get_header_map_value(map, name).ok()?;
-    Some(String::from_utf8_lossy(&value).into_owned())
+    // Valid UTF-8 (nearly every header) is taken as it is, without a second copy.
+    Some(
+        String::from_utf8(value)
+            .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned()),
+    )
 }
 
 pub fn request_header(name: &str) -> Option<String> {
