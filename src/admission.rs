@@ -350,6 +350,9 @@ mod tests {
             ..Config::default()
         };
         c.admission.budget_tokens = budget;
+        // Whole numbers: prompts are held as estimated, and a partly filled block adds one token.
+        c.estimator.safety_factor = 1.0;
+        c.routing.block_tokens = 1;
         c.admission.max_queue = 3;
         c.admission.max_wait_ms = 1_000;
         c.admission.objectives.insert("batch".into(), -1);
@@ -370,11 +373,7 @@ mod tests {
     }
 
     fn est(cost: u64) -> Estimate {
-        Estimate {
-            prompt_tokens: cost,
-            output_tokens: 0,
-            cost,
-        }
+        Estimate::exact(cost, 0)
     }
 
     fn class(cfg: &Config, objective: Option<&str>, tenant: &str) -> Class {
@@ -426,7 +425,7 @@ mod tests {
     }
 
     fn reserved(vm: &FakeVm) -> u64 {
-        pod_state::read(vm, "a:1").unwrap().reserved_tokens()
+        pod_state::read(vm, "a:1").unwrap().held_tokens()
     }
 
     #[test]

@@ -1,33 +1,51 @@
-//! A pod's token budget and whether a reservation fits it. By default the budget is the engine's
+//! A pod's token budget and whether a request fits it. By default the budget is the engine's
 //! own KV capacity (`num_gpu_blocks × block_size`, from its metrics) times a utilisation target;
-//! a configured value overrides it. Until a pod's first scrape says how large it is, it takes one
+//! a configured value overrides it. Either is corrected by what the engine's own numbers say
+//! (`feedback`: backed off after preemptions, less the KV kvgate cannot account for). A request
+//! fits when the pod's KV forecast with it added (`forecast`) stays within the budget. Until a pod's first scrape says how large it is, it takes one
 //! request at a time (kvgate will not guess, and will not flood a pod it knows nothing of); a pod
 //! whose metrics carry no capacity, or any pod when nothing is scraped, is not limited.
 
 use crate::config::Config;
-use crate::pod_state::Snapshot;
+use crate::forecast::Load;
+use crate::pod_state::{PodRecord, Snapshot};
 
 pub fn budget_tokens(cfg: &Config, snapshot: Option<&Snapshot>) -> Option<u64> {
     let a = &cfg.admission;
     if !a.enabled {
         return None;
     }
-    if a.budget_tokens > 0 {
-        return Some(a.budget_tokens);
-    }
-    match snapshot {
-        Some(s) if s.capacity_tokens > 0 => Some((s.capacity_tokens as f64 * a.utilization) as u64),
-        Some(s) if s.healthy => None,
-        _ if cfg.metrics.cluster.is_empty() => None,
-        // Not scraped yet (or down): room for one request, which `fits` always allows alone.
-        _ => Some(0),
-    }
+    let nominal = if a.budget_tokens > 0 {
+        a.budget_tokens
+    } else {
+        match snapshot {
+            Some(s) if s.capacity_tokens > 0 => (s.capacity_tokens as f64 * a.utilization) as u64,
+            Some(s) if s.healthy => return None,
+            _ if cfg.metrics.cluster.is_empty() => return None,
+            // Not scraped yet (or down): room for one request, which `fits` always allows alone.
+            _ => return Some(0),
+        }
+    };
+    Some(snapshot.map_or(nominal, |s| {
+        ((nominal as f64 * (1.0 - s.backoff.clamp(0.0, 1.0))) as u64)
+            .saturating_sub(s.unexplained_tokens)
+    }))
 }
 
-/// A reservation fits when it stays within the budget, or when the pod has nothing reserved: a
-/// request larger than any budget still runs, alone, rather than waiting forever.
-pub fn fits(reserved: u64, cost: u64, budget: Option<u64>) -> bool {
-    budget.is_none_or(|b| reserved == 0 || reserved.saturating_add(cost) <= b)
+/// A request fits when the pod's forecast with it stays within the budget, or when the pod has
+/// nothing in flight: a request larger than any budget still runs, alone, rather than waiting
+/// forever.
+pub fn fits(
+    rec: &PodRecord,
+    request: Load,
+    budget: Option<u64>,
+    cfg: &Config,
+    block_tokens: u64,
+) -> bool {
+    budget.is_none_or(|b| {
+        rec.entries.is_empty()
+            || rec.forecast(Some(request), cfg.admission.headroom_sigmas, block_tokens) <= b
+    })
 }
 
 #[cfg(test)]
@@ -66,11 +84,54 @@ mod tests {
     }
 
     #[test]
-    fn fits_within_budget_or_alone() {
-        assert!(fits(0, 10, Some(5)), "alone it always fits");
-        assert!(fits(5, 5, Some(10)));
-        assert!(!fits(6, 5, Some(10)));
-        assert!(fits(u64::MAX, 5, None));
-        assert!(!fits(u64::MAX, 5, Some(10)));
+    fn the_engines_feedback_corrects_the_budget() {
+        let mut cfg = Config::default();
+        cfg.metrics.cluster = "kvgate_metrics".into();
+        let snap = Snapshot {
+            healthy: true,
+            capacity_tokens: 1000,
+            backoff: 0.2,
+            unexplained_tokens: 100,
+            ..Snapshot::default()
+        };
+        assert_eq!(budget_tokens(&cfg, Some(&snap)), Some(900 * 8 / 10 - 100));
+        cfg.admission.budget_tokens = 500;
+        assert_eq!(
+            budget_tokens(&cfg, Some(&snap)),
+            Some(300),
+            "a fixed budget too"
+        );
+    }
+
+    #[test]
+    fn fits_within_the_forecast_or_alone() {
+        let cfg = Config::default();
+        let load = |held| Load {
+            held,
+            left: 1,
+            outlook: [255; crate::output_dist::HORIZON_STEPS.len()],
+        };
+        let holding = |held| PodRecord {
+            entries: vec![crate::pod_state::Entry {
+                held_tokens: held,
+                left: 1,
+                outlook: [255; crate::output_dist::HORIZON_STEPS.len()],
+                ..crate::pod_state::Entry::default()
+            }],
+            ..PodRecord::default()
+        };
+        let empty = PodRecord::default();
+        assert!(
+            fits(&empty, load(10), Some(5), &cfg, 0),
+            "alone it always fits"
+        );
+        // Each holds what it holds, plus the one token it has left to generate.
+        assert!(fits(&holding(4), load(4), Some(10), &cfg, 0));
+        assert!(!fits(&holding(5), load(4), Some(10), &cfg, 0));
+        assert!(
+            !fits(&holding(3), load(4), Some(10), &cfg, 1),
+            "a partial block each"
+        );
+        assert!(fits(&holding(u64::MAX / 4), load(5), None, &cfg, 16));
     }
 }

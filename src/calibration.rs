@@ -1,12 +1,14 @@
 //! Self-calibration of the estimator, per model, shared by every worker: each response's `usage`
 //! moves a model's prompt scale (real tokens per static-rule token) and its output-length
-//! distribution. Records live in shared data under a bounded key schema, `kvgate.cal.<slot>`,
+//! distribution (`output_dist`: answers cut off by their own `max_tokens` are kept as censored
+//! samples, not dropped). Records live in shared data under a bounded key schema, `kvgate.cal.<slot>`,
 //! one slot per model hash (32 slots); a slot held by another model that is still being updated is
 //! left alone, and that model keeps the static rule. Each VM caches what it read for a second, so
 //! the request path makes at most one host call per model per second for this.
 
 use crate::config::EstimatorConfig;
 use crate::estimate::Learned;
+use crate::output_dist::{bucket, OutputDist, BUCKETS};
 use crate::store::{update, Store, StoreError};
 use hashbrown::HashMap;
 use serde::{Deserialize, Serialize};
@@ -15,27 +17,24 @@ const SLOTS: u64 = 32;
 const CACHE_MS: u64 = 1_000;
 /// A slot whose model has not been updated for this long may be taken by another model.
 const SLOT_IDLE_MS: u64 = 10 * 60 * 1_000;
-/// Output lengths are kept in log-spaced buckets, four per doubling, up to 2^16 tokens.
-const BUCKETS: usize = 64;
-const BUCKETS_PER_DOUBLING: f64 = 4.0;
+/// Each answer counts one in the output-length histograms, and older ones fade by this much per
+/// answer, so the histograms hold about the last 256 answers' worth: a distribution's tail needs
+/// hundreds of samples to be seen at all (the prompt scale, one number, moves faster: its weight
+/// is `estimator.calibrationWeight`), and a model's length profile drifts slowly.
+const OUTPUT_FADE: f64 = 1.0 / 256.0;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct ModelStats {
     model: String,
     samples: u32,
     prompt_scale: f64,
-    /// Exponentially decayed weights of output lengths per bucket.
+    /// Exponentially faded counts of answers that stopped by themselves, per length bucket.
     output: Vec<f64>,
+    /// The same for answers their own `max_tokens` cut off (censored: the model would have
+    /// gone on). Absent from records written before censoring was kept.
+    #[serde(default)]
+    cut: Vec<f64>,
     updated_ms: u64,
-}
-
-fn bucket(tokens: u64) -> usize {
-    let b = ((tokens as f64 + 1.0).log2() * BUCKETS_PER_DOUBLING) as usize;
-    b.min(BUCKETS - 1)
-}
-
-fn bucket_upper(b: usize) -> f64 {
-    (2f64).powf((b + 1) as f64 / BUCKETS_PER_DOUBLING) - 1.0
 }
 
 impl ModelStats {
@@ -45,29 +44,15 @@ impl ModelStats {
             samples: 0,
             prompt_scale: 1.0,
             output: vec![0.0; BUCKETS],
+            cut: vec![0.0; BUCKETS],
             updated_ms: 0,
         }
-    }
-
-    fn quantile(&self, q: f64) -> f64 {
-        let total: f64 = self.output.iter().sum();
-        if total <= 0.0 {
-            return 0.0;
-        }
-        let mut seen = 0.0;
-        for (b, w) in self.output.iter().enumerate() {
-            seen += w;
-            if seen >= q * total {
-                return bucket_upper(b);
-            }
-        }
-        bucket_upper(BUCKETS - 1)
     }
 
     fn learned(&self, cfg: &EstimatorConfig) -> Option<Learned> {
         (self.samples >= cfg.min_samples).then(|| Learned {
             prompt_scale: self.prompt_scale,
-            output_quantile: self.quantile(cfg.output_quantile),
+            output: OutputDist::learned(&self.output, &self.cut, cfg.default_output_tokens),
         })
     }
 }
@@ -80,9 +65,9 @@ pub struct Sample {
     /// Tokens kvgate knew exactly or charged by rule (token ids, non-text parts).
     pub fixed_tokens: u64,
     pub prompt_tokens: u64,
-    /// Generated tokens; `None` when the request's own limit cut it short, which says nothing
-    /// about how long the model wanted to talk.
-    pub completion_tokens: Option<u64>,
+    pub completion_tokens: u64,
+    /// The request's own limit cut the answer off: the model would have gone on.
+    pub cut: bool,
 }
 
 fn slot_key(model: &str) -> String {
@@ -177,9 +162,18 @@ impl Calibration {
                 let weight = w.max(1.0 / (stats.samples as f64 + 1.0));
                 stats.prompt_scale += weight * (ratio - stats.prompt_scale);
             }
-            if let Some(out) = sample.completion_tokens {
-                stats.output.iter_mut().for_each(|x| *x *= 1.0 - w);
-                stats.output[bucket(out)] += w;
+            stats.output.resize(BUCKETS, 0.0);
+            stats.cut.resize(BUCKETS, 0.0);
+            for x in stats.output.iter_mut().chain(stats.cut.iter_mut()) {
+                *x *= 1.0 - OUTPUT_FADE;
+            }
+            let into = if sample.cut {
+                &mut stats.cut
+            } else {
+                &mut stats.output
+            };
+            if let Some(x) = into.get_mut(bucket(sample.completion_tokens)) {
+                *x += 1.0;
             }
             stats.samples = stats.samples.saturating_add(1);
             stats.updated_ms = now;
@@ -197,17 +191,18 @@ mod tests {
     use super::*;
     use crate::fake_host::FakeHost;
 
-    fn sample(static_tokens: f64, real: u64, out: Option<u64>) -> Sample {
+    fn sample(static_tokens: f64, real: u64, out: u64) -> Sample {
         Sample {
             static_text_tokens: static_tokens,
             fixed_tokens: 0,
             prompt_tokens: real,
             completion_tokens: out,
+            cut: false,
         }
     }
 
     #[test]
-    fn learns_scale_and_output_quantile_shared_across_vms() {
+    fn learns_scale_and_output_lengths_shared_across_vms() {
         let host = FakeHost::new();
         let (a, b) = (host.vm(), host.vm());
         let cfg = EstimatorConfig {
@@ -216,18 +211,19 @@ mod tests {
             ..EstimatorConfig::default()
         };
         let mut cal = Calibration::default();
-        for i in 0..40 {
+        for i in 0..200 {
             let out = if i % 10 == 0 { 1000 } else { 100 };
-            Calibration::record(&a, "m", sample(100.0, 130, Some(out)), &cfg).unwrap();
+            Calibration::record(&a, "m", sample(100.0, 130, out), &cfg).unwrap();
         }
         let learned = cal.learned(&b, "m", &cfg).unwrap();
         assert!((learned.prompt_scale - 1.3).abs() < 0.01, "{learned:?}");
-        // 10 % of outputs are 1000 tokens: the 0.9 quantile sits at the 100-token bucket edge or
-        // above, and within one bucket of the truth.
-        assert!(
-            (100.0..=1200.0).contains(&learned.output_quantile),
-            "{learned:?}"
-        );
+        // 10 % of outputs are 1000 tokens, the rest 100: a mean of 190 and one answer in ten
+        // still running at 500 tokens, within a bucket's width and the prior's small weight.
+        let mean = learned.output.expected(0, 100_000);
+        assert!((170..=240).contains(&mean), "mean {mean}");
+        let tail = learned.output.survival(500.0);
+        assert!((0.08..=0.14).contains(&tail), "P(> 500) = {tail}");
+        assert!(learned.output.survival(150.0) < 0.2);
         assert_eq!(cal.learned(&b, "other", &cfg), None);
     }
 
@@ -241,10 +237,10 @@ mod tests {
         };
         let mut cal = Calibration::default();
         for _ in 0..2 {
-            Calibration::record(&vm, "m", sample(10.0, 20, Some(5)), &cfg).unwrap();
+            Calibration::record(&vm, "m", sample(10.0, 20, 5), &cfg).unwrap();
         }
         assert_eq!(cal.learned(&vm, "m", &cfg), None);
-        Calibration::record(&vm, "m", sample(10.0, 20, Some(5)), &cfg).unwrap();
+        Calibration::record(&vm, "m", sample(10.0, 20, 5), &cfg).unwrap();
         assert_eq!(cal.learned(&vm, "m", &cfg), None, "cached");
         host.advance_ms(CACHE_MS);
         assert!(cal.learned(&vm, "m", &cfg).is_some());
@@ -265,11 +261,11 @@ mod tests {
             .find(|m| *m != a && slot_key(m) == slot_key(&a))
             .unwrap();
         host.set_now_ms(1);
-        Calibration::record(&vm, &a, sample(10.0, 20, Some(5)), &cfg).unwrap();
-        Calibration::record(&vm, &b, sample(10.0, 20, Some(5)), &cfg).unwrap();
+        Calibration::record(&vm, &a, sample(10.0, 20, 5), &cfg).unwrap();
+        Calibration::record(&vm, &b, sample(10.0, 20, 5), &cfg).unwrap();
         assert!(Calibration::default().learned(&vm, &a, &cfg).is_some());
         host.advance_ms(SLOT_IDLE_MS);
-        Calibration::record(&vm, &b, sample(10.0, 20, Some(5)), &cfg).unwrap();
+        Calibration::record(&vm, &b, sample(10.0, 20, 5), &cfg).unwrap();
         assert!(Calibration::default().learned(&vm, &b, &cfg).is_some());
         assert!(Calibration::default().learned(&vm, &a, &cfg).is_none());
     }
@@ -282,8 +278,8 @@ mod tests {
             ..EstimatorConfig::default()
         };
         let mut cal = Calibration::default();
-        cal.observe("m", sample(10.0, 20, Some(5)), &cfg);
-        cal.observe("m", sample(10.0, 20, Some(5)), &cfg);
+        cal.observe("m", sample(10.0, 20, 5), &cfg);
+        cal.observe("m", sample(10.0, 20, 5), &cfg);
         assert_eq!(Calibration::default().learned(&vm, "m", &cfg), None);
         cal.flush(&vm, &cfg).unwrap();
         assert!(Calibration::default().learned(&vm, "m", &cfg).is_some());
@@ -291,14 +287,28 @@ mod tests {
     }
 
     #[test]
-    fn truncated_outputs_do_not_teach_lengths() {
+    fn answers_cut_by_their_max_tokens_say_the_model_would_go_on() {
         let vm = FakeHost::new().vm();
         let cfg = EstimatorConfig {
             min_samples: 1,
             ..EstimatorConfig::default()
         };
-        Calibration::record(&vm, "m", sample(10.0, 10, None), &cfg).unwrap();
-        let learned = Calibration::default().learned(&vm, "m", &cfg).unwrap();
-        assert_eq!(learned.output_quantile, 0.0);
+        for _ in 0..100 {
+            let cut = Sample {
+                cut: true,
+                ..sample(10.0, 10, 50)
+            };
+            Calibration::record(&vm, "m", cut, &cfg).unwrap();
+            Calibration::record(&vm, "short", sample(10.0, 10, 50), &cfg).unwrap();
+        }
+        let learned = |model| Calibration::default().learned(&vm, model, &cfg).unwrap();
+        assert!(
+            learned("m").output.survival(45.0) > 0.95,
+            "all still running at 45"
+        );
+        assert!(
+            learned("short").output.survival(60.0) < 0.1,
+            "all stopped by 60"
+        );
     }
 }

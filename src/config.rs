@@ -69,6 +69,9 @@ pub struct AdmissionConfig {
     pub session_boost_ms: u64,
     /// Virtual-time credit of a boosted request, in tokens (how far ahead of its band it may go).
     pub session_boost_tokens: u64,
+    /// Standard deviations of headroom in a pod's KV forecast: admission keeps the expected KV
+    /// plus this many sigmas within the budget at every horizon.
+    pub headroom_sigmas: f64,
 }
 
 impl Default for AdmissionConfig {
@@ -87,6 +90,7 @@ impl Default for AdmissionConfig {
             session_header: "x-session-id".into(),
             session_boost_ms: 60_000,
             session_boost_tokens: 65_536,
+            headroom_sigmas: 2.0,
         }
     }
 }
@@ -214,13 +218,15 @@ impl Default for RoutingConfig {
 pub struct EstimatorConfig {
     /// Tokens charged for each non-text content part (image, audio, file).
     pub non_text_part_tokens: u64,
-    /// Expected output when the request sets no max-tokens field and nothing has been learned.
+    /// Mean output length of the prior (an exponential distribution) used until a model's own
+    /// lengths are learned.
     pub default_output_tokens: u64,
     /// Expected output is never below this.
     pub output_floor_tokens: u64,
     /// Expected output is never above this, whatever max_tokens says.
     pub output_cap_tokens: u64,
-    /// Multiplies the estimated cost, so small underestimates do not overfill a pod.
+    /// Multiplies the estimated prompt tokens, so small underestimates do not overfill a pod (the
+    /// output's uncertainty is the forecast's headroom, `admission.headroomSigmas`).
     pub safety_factor: f64,
     /// A reservation is never smaller than this.
     pub min_reservation_tokens: u64,
@@ -230,8 +236,6 @@ pub struct EstimatorConfig {
     pub calibrate: bool,
     /// Weight of each new sample in the learned averages (exponential moving average).
     pub calibration_weight: f64,
-    /// Quantile of learned output lengths used as the expected output.
-    pub output_quantile: f64,
     /// Samples needed before learned values replace the static rule.
     pub min_samples: u32,
 }
@@ -248,7 +252,6 @@ impl Default for EstimatorConfig {
             max_reservation_tokens: 131_072,
             calibrate: true,
             calibration_weight: 0.05,
-            output_quantile: 0.9,
             min_samples: 20,
         }
     }
@@ -382,6 +385,9 @@ impl AdmissionConfig {
         if self.max_wait_ms == 0 {
             return e("maxWaitMs", "must be > 0");
         }
+        if !(0.0..=10.0).contains(&self.headroom_sigmas) {
+            return e("headroomSigmas", "must be in [0, 10]");
+        }
         for (name, header) in [
             ("objectiveHeader", &self.objective_header),
             ("priorityHeader", &self.priority_header),
@@ -458,9 +464,6 @@ impl EstimatorConfig {
         }
         if !(self.calibration_weight > 0.0 && self.calibration_weight <= 1.0) {
             return e("calibrationWeight", "must be in (0, 1]");
-        }
-        if !(self.output_quantile > 0.0 && self.output_quantile < 1.0) {
-            return e("outputQuantile", "must be in (0, 1)");
         }
         Ok(())
     }

@@ -358,9 +358,9 @@ impl Flow {
             return;
         }
         if let Some(routed) = &mut a.routed {
-            if let Err(e) = gate
-                .router
-                .grow(store, &gate.config, routed, m.streamed_tokens)
+            if let Err(e) =
+                gate.router
+                    .grow(store, &gate.config, routed, &a.estimate, m.streamed_tokens)
             {
                 log::debug!("kvgate: grow failed: {e:?}");
             }
@@ -408,14 +408,14 @@ impl Flow {
         let Some(usage) = meter.finish() else {
             return;
         };
-        let truncated = a
-            .max_output_tokens
-            .is_some_and(|m| usage.completion_tokens >= m);
         let sample = Sample {
             static_text_tokens: a.static_text_tokens,
             fixed_tokens: a.fixed_tokens,
             prompt_tokens: usage.prompt_tokens,
-            completion_tokens: (!truncated).then_some(usage.completion_tokens),
+            completion_tokens: usage.completion_tokens,
+            cut: a
+                .max_output_tokens
+                .is_some_and(|m| usage.completion_tokens >= m),
         };
         gate.calibration
             .observe(&a.model, sample, &gate.config.estimator);

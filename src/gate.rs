@@ -107,10 +107,24 @@ impl Gate {
                     format!("kvgate.pod.{seg}.in_flight"),
                     rec.entries.len() as u64,
                 );
+                let block = u64::from(self.router.block_tokens(&self.config.routing));
+                let z = self.config.admission.headroom_sigmas;
                 self.stats.gauge(
                     format!("kvgate.pod.{seg}.reserved_tokens"),
-                    rec.reserved_tokens(),
+                    rec.forecast(None, z, block),
                 );
+                self.stats
+                    .gauge(format!("kvgate.pod.{seg}.held_tokens"), rec.held_tokens());
+                if let Some(s) = rec.snapshot {
+                    self.stats.gauge(
+                        format!("kvgate.pod.{seg}.unexplained_tokens"),
+                        s.unexplained_tokens,
+                    );
+                    self.stats.gauge(
+                        format!("kvgate.pod.{seg}.backoff_percent"),
+                        (s.backoff * 100.0).round() as u64,
+                    );
+                }
                 let budget = crate::budget::budget_tokens(&self.config, rec.snapshot.as_ref());
                 self.stats.gauge(
                     format!("kvgate.pod.{seg}.budget_tokens"),

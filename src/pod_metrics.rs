@@ -75,6 +75,8 @@ pub struct PodMetrics {
     pub prefix_cache_hits: Option<f64>,
     /// vLLM prefix-cache queries in tokens since start (counter), summed over engines.
     pub prefix_cache_queries: Option<f64>,
+    /// vLLM's preemptions since start (counter), summed over engines.
+    pub preemptions: Option<f64>,
     /// vLLM's `cache_config_info` says `enable_prefix_caching="False"` for one of the pod's
     /// engines: a prompt it served once is not cached there, and sequences share no blocks.
     pub prefix_caching_off: bool,
@@ -170,6 +172,8 @@ enum Metric {
     /// Name variant, in order of preference: `_total`, bare, legacy `_total`, legacy bare.
     PrefixHits(usize),
     PrefixQueries(usize),
+    /// Name variant: `_total`, bare.
+    Preemptions(usize),
 }
 
 fn classify(name: &str) -> Option<(Engine, Metric)> {
@@ -191,6 +195,8 @@ fn classify(name: &str) -> Option<(Engine, Metric)> {
         "vllm:prefix_cache_queries" => (Vllm, PrefixQueries(1)),
         "vllm:gpu_prefix_cache_queries_total" => (Vllm, PrefixQueries(2)),
         "vllm:gpu_prefix_cache_queries" => (Vllm, PrefixQueries(3)),
+        "vllm:num_preemptions_total" => (Vllm, Preemptions(0)),
+        "vllm:num_preemptions" => (Vllm, Preemptions(1)),
         "sglang:num_running_reqs" => (Sglang, Running),
         "sglang:num_queue_reqs" => (Sglang, Waiting),
         "sglang:token_usage" => (Sglang, KvUsage),
@@ -371,6 +377,7 @@ struct Acc {
     gauge_tokens: Groups,
     hits: [Groups; 4],
     queries: [Groups; 4],
+    preemptions: [Groups; 2],
     prefix_caching_off: bool,
 }
 
@@ -391,6 +398,7 @@ impl Acc {
             gauge_tokens: Groups::new(),
             hits: [Groups::new(); 4],
             queries: [Groups::new(); 4],
+            preemptions: [Groups::new(); 2],
             prefix_caching_off: false,
         }
     }
@@ -469,6 +477,11 @@ impl Acc {
                     g.add(key, count(value));
                 }
             }
+            Metric::Preemptions(i) => {
+                if let Some(g) = self.preemptions.get_mut(i) {
+                    g.add(key, count(value));
+                }
+            }
         }
     }
 
@@ -509,6 +522,7 @@ impl Acc {
             capacity_tokens,
             prefix_cache_hits: first_present(&self.hits),
             prefix_cache_queries: first_present(&self.queries),
+            preemptions: first_present(&self.preemptions),
             prefix_caching_off: self.prefix_caching_off,
         })
     }
@@ -817,6 +831,7 @@ sglang:time_to_first_token_seconds_count{model_name="Qwen/Qwen3-8B"} 12094.0
                 capacity_tokens: Some(432_000),
                 prefix_cache_hits: Some(987_648.0),
                 prefix_cache_queries: Some(1_234_567.0),
+                preemptions: Some(0.0),
                 prefix_caching_off: false,
             }
         );
@@ -837,6 +852,7 @@ sglang:time_to_first_token_seconds_count{model_name="Qwen/Qwen3-8B"} 12094.0
                 capacity_tokens: Some(146_368),
                 prefix_cache_hits: None,
                 prefix_cache_queries: None,
+                preemptions: None,
                 prefix_caching_off: false,
             }
         );

@@ -1,14 +1,20 @@
-//! The shared record of one pod (`kvgate.pod.<ip:port>`): its last scraped metrics and the
-//! requests kvgate has in flight on it, each with the tokens it reserves and the KV blocks it
+//! The shared record of one pod (`kvgate.pod.<ip:port>`): its last scraped metrics (with what
+//! the engine's own numbers say of kvgate's accounting, `feedback`) and the requests kvgate has in
+//! flight on it, each with the tokens it holds, its outlook (`forecast`) and the KV blocks it
 //! occupies. Every change is a compare-and-swap, so all workers share one truth, and a request's
 //! entry is removed exactly once (removing an absent entry changes nothing). Entries carry an
 //! expiry, renewed as their response streams, so those left by a crashed or reloaded VM vanish.
 //! Keys are per pod address; a pod that leaves has its record blanked (keys cannot be deleted).
 
 use crate::codec::{Reader, Writer};
+use crate::forecast::{peak, Load};
+use crate::output_dist::{Outlook, HORIZON_STEPS};
 use crate::store::{update, Store, StoreError};
 
-const VERSION: u8 = 2;
+const VERSION: u8 = 3;
+/// Records written before entries carried an outlook (and snapshots the engine's feedback): their
+/// entries' tokens were whole reservations, read as held with nothing more to come.
+const VERSION_WITHOUT_OUTLOOK: u8 = 2;
 /// Records written before entries carried their context (and snapshots the engine's prefix
 /// caching); still read, so in-flight requests are not lost when a new module takes over.
 const VERSION_WITHOUT_CONTEXT: u8 = 1;
@@ -30,6 +36,12 @@ pub struct Snapshot {
     /// The engine caches no prefixes (vLLM `--no-enable-prefix-caching`): no prefix credit and
     /// no shared blocks there.
     pub no_prefix_caching: bool,
+    /// The engine's preemption counter (`vllm:num_preemptions_total`), NaN when not reported.
+    pub preemptions: f64,
+    /// The fraction of the budget taken back after preemptions (`feedback`), 0 normally.
+    pub backoff: f64,
+    /// KV tokens the engine holds beyond what kvgate's entries account for (`feedback`).
+    pub unexplained_tokens: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -37,8 +49,14 @@ pub struct Entry {
     pub id: u64,
     pub expires_ms: u64,
     pub dispatched_ms: u64,
-    /// Tokens reserved against the pod's budget.
-    pub tokens: u64,
+    /// KV tokens the request holds now, by estimate: its prompt less a prefix another request
+    /// already held (plus any such prefix inherited since), times the safety factor, plus what it
+    /// has streamed.
+    pub held_tokens: u64,
+    /// Decode steps until its own limit stops it, and the chance it is still running at the
+    /// start of each of the forecast's intervals (`output_dist`).
+    pub left: u32,
+    pub outlook: Outlook,
     /// Prompt blocks this entry accounts for (its new blocks, plus any inherited).
     pub prompt_blocks: u32,
     pub output_blocks: u32,
@@ -76,8 +94,23 @@ impl PodRecord {
             .sum()
     }
 
-    pub fn reserved_tokens(&self) -> u64 {
-        self.entries.iter().map(|e| e.tokens).sum()
+    pub fn held_tokens(&self) -> u64 {
+        self.entries.iter().map(|e| e.held_tokens).sum()
+    }
+
+    /// The pod's KV forecast (`forecast::peak`) with `extra` added: what admission holds within
+    /// the budget, and what the `reserved_tokens` gauge shows.
+    pub fn forecast(&self, extra: Option<Load>, z: f64, block_tokens: u64) -> u64 {
+        let loads = self
+            .entries
+            .iter()
+            .map(|e| Load {
+                held: e.held_tokens,
+                left: u64::from(e.left),
+                outlook: e.outlook,
+            })
+            .chain(extra);
+        peak(loads, z, block_tokens)
     }
 
     pub fn is_live(&self, id: u64) -> bool {
@@ -97,7 +130,10 @@ impl PodRecord {
                     .f64(s.kv_usage)
                     .u64(s.capacity_tokens)
                     .u32(s.block_size)
-                    .u8(u8::from(s.no_prefix_caching));
+                    .u8(u8::from(s.no_prefix_caching))
+                    .f64(s.preemptions)
+                    .f64(s.backoff)
+                    .u64(s.unexplained_tokens);
             }
             None => {
                 w.u8(0);
@@ -109,10 +145,14 @@ impl PodRecord {
             w.u64(e.id)
                 .u64(e.expires_ms)
                 .u64(e.dispatched_ms)
-                .u64(e.tokens)
+                .u64(e.held_tokens)
                 .u32(e.prompt_blocks)
                 .u32(e.output_blocks)
-                .u32(e.context_blocks);
+                .u32(e.context_blocks)
+                .u32(e.left);
+            for &p in &e.outlook {
+                w.u8(p);
+            }
         }
         w.0
     }
@@ -121,37 +161,66 @@ impl PodRecord {
     pub fn decode(bytes: &[u8]) -> Option<PodRecord> {
         let mut r = Reader(bytes);
         let version = r.u8()?;
-        if version != VERSION && version != VERSION_WITHOUT_CONTEXT {
+        if !(VERSION_WITHOUT_CONTEXT..=VERSION).contains(&version) {
             return None;
         }
-        let current = version == VERSION;
+        let has_context = version >= VERSION_WITHOUT_OUTLOOK;
+        let has_outlook = version >= VERSION;
         let snapshot = match r.u8()? {
             0 => None,
-            _ => Some(Snapshot {
-                at_ms: r.u64()?,
-                healthy: r.u8()? != 0,
-                running: r.f64()?,
-                waiting: r.f64()?,
-                kv_usage: r.f64()?,
-                capacity_tokens: r.u64()?,
-                block_size: r.u32()?,
-                no_prefix_caching: current && r.u8()? != 0,
-            }),
+            _ => {
+                let mut s = Snapshot {
+                    at_ms: r.u64()?,
+                    healthy: r.u8()? != 0,
+                    running: r.f64()?,
+                    waiting: r.f64()?,
+                    kv_usage: r.f64()?,
+                    capacity_tokens: r.u64()?,
+                    block_size: r.u32()?,
+                    no_prefix_caching: has_context && r.u8()? != 0,
+                    preemptions: f64::NAN,
+                    ..Snapshot::default()
+                };
+                if has_outlook {
+                    s.preemptions = r.f64()?;
+                    s.backoff = r.f64()?;
+                    s.unexplained_tokens = r.u64()?;
+                }
+                Some(s)
+            }
         };
         let finished_since_scrape = r.u32()?;
-        let n = r.count(if current { 44 } else { 40 })?;
+        let entry_bytes = 40 + 4 * usize::from(has_context);
+        let n = r.count(
+            entry_bytes
+                + if has_outlook {
+                    4 + HORIZON_STEPS.len()
+                } else {
+                    0
+                },
+        )?;
         let mut entries = Vec::with_capacity(n);
         for _ in 0..n {
             let mut e = Entry {
                 id: r.u64()?,
                 expires_ms: r.u64()?,
                 dispatched_ms: r.u64()?,
-                tokens: r.u64()?,
+                held_tokens: r.u64()?,
                 prompt_blocks: r.u32()?,
                 output_blocks: r.u32()?,
-                context_blocks: 0,
+                ..Entry::default()
             };
-            e.context_blocks = if current { r.u32()? } else { e.prompt_blocks };
+            e.context_blocks = if has_context {
+                r.u32()?
+            } else {
+                e.prompt_blocks
+            };
+            if has_outlook {
+                e.left = r.u32()?;
+                for p in e.outlook.iter_mut() {
+                    *p = r.u8()?;
+                }
+            }
             entries.push(e);
         }
         Some(PodRecord {
@@ -184,9 +253,16 @@ pub fn ensure(store: &dyn Store, pod: &str) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// Forgets everything about a pod that left the pool.
+/// Forgets what was scraped of a pod that left the pool. Its in-flight requests stay until
+/// their streams end (or expire): a blind write here would erase them, and a pod that flaps out
+/// of the cluster and back would then be filled on top of requests it is still serving.
 pub fn blank(store: &dyn Store, pod: &str) -> Result<(), StoreError> {
-    store.set(&key(pod), &PodRecord::default().encode(), None)
+    modify(store, pod, |rec| {
+        rec.snapshot = None;
+        rec.finished_since_scrape = 0;
+        Some(())
+    })
+    .map(|_| ())
 }
 
 /// Read-modify-write of a pod's record; expired entries are dropped on every write.
@@ -219,7 +295,7 @@ pub fn finish(
         if let Some((heir_id, blocks, tokens)) = heir {
             if let Some(h) = rec.entries.iter_mut().find(|e| e.id == heir_id) {
                 h.prompt_blocks += blocks.min(gone.prompt_blocks);
-                h.tokens += tokens.min(gone.tokens);
+                h.held_tokens += tokens.min(gone.held_tokens);
             }
         }
         rec.finished_since_scrape = rec.finished_since_scrape.saturating_add(1);
@@ -228,7 +304,10 @@ pub fn finish(
 }
 
 /// Stores a scrape's result. Requests kvgate sent within `grace_ms` before it are taken off its
-/// waiting count: the engine had not had a step to schedule them, so they are not a queue.
+/// waiting count: the engine had not had a step to schedule them, so they are not a queue. A
+/// scrape that does not say how large the pod is (a partial page, a pod marked down) keeps the
+/// size the last one said: forgetting it would lift the budget. The engine's own numbers are
+/// compared with kvgate's accounting (`feedback`).
 pub fn write_snapshot(
     store: &dyn Store,
     pod: &str,
@@ -236,6 +315,15 @@ pub fn write_snapshot(
     grace_ms: u64,
 ) -> Result<(), StoreError> {
     modify(store, pod, |rec| {
+        if let Some(prev) = rec.snapshot {
+            if snapshot.capacity_tokens == 0 {
+                snapshot.capacity_tokens = prev.capacity_tokens;
+            }
+            if snapshot.block_size == 0 {
+                snapshot.block_size = prev.block_size;
+            }
+        }
+        crate::feedback::follow(rec.snapshot.as_ref(), &mut snapshot, rec);
         let since = snapshot.at_ms.saturating_sub(grace_ms);
         let unscheduled = rec
             .entries
@@ -263,10 +351,10 @@ mod tests {
             id,
             expires_ms: 1_000,
             dispatched_ms: 1,
-            tokens: 100,
+            held_tokens: 100,
             prompt_blocks: blocks,
-            output_blocks: 0,
             context_blocks: blocks,
+            ..Entry::default()
         }
     }
 
@@ -282,6 +370,9 @@ mod tests {
                 capacity_tokens: 4096,
                 block_size: 16,
                 no_prefix_caching: true,
+                preemptions: 7.0,
+                backoff: 0.1,
+                unexplained_tokens: 3,
             }),
             finished_since_scrape: 3,
             entries: vec![entry(1, 4), entry(2, 5)],
@@ -373,12 +464,12 @@ mod tests {
         let (host, vm) = pod_with(&[entry(1, 10)]);
         host.set_now_ms(1_000);
         assert_eq!(
-            read(&vm, "p").unwrap().reserved_tokens(),
+            read(&vm, "p").unwrap().held_tokens(),
             0,
             "not counted once expired"
         );
         assert_eq!(finish(&vm, "p", 1, None).unwrap(), None);
         write_snapshot(&vm, "p", Snapshot::default(), 250).unwrap();
-        assert_eq!(read(&vm, "p").unwrap().reserved_tokens(), 0);
+        assert_eq!(read(&vm, "p").unwrap().held_tokens(), 0);
     }
 }

@@ -8,6 +8,7 @@ use crate::budget::{budget_tokens, fits};
 use crate::codec::{Reader, Writer};
 use crate::config::{Config, RoutingConfig, StalePolicy, MAX_BLOCK_TOKENS};
 use crate::estimate::Estimate;
+use crate::forecast::Load;
 use crate::pick::{rank, Candidate, Rng, Scored, Terms};
 use crate::pick_log::{Event, PickLog, MAX_EVENT_BLOCKS};
 use crate::pod_state::{self, Entry, PodRecord};
@@ -38,9 +39,11 @@ pub enum Placement {
 pub struct Routed {
     pub request: u64,
     pub pod: String,
-    /// The prompt tokens this request added on its pod (a shared prefix already held there is
-    /// not counted twice): the floor of its reservation as output streams.
-    pub prompt_tokens: u64,
+    /// Output tokens its entry in the pod's record accounts for (written at block boundaries).
+    pub streamed: u64,
+    /// Tokens (safety factor included) one prompt block held by another request stands for: the
+    /// discount it was given for a shared prefix, and the rate at which its heir takes them on.
+    pub held_per_block: f64,
     /// The pick first, then fallbacks, as written in the override header.
     pub order: Vec<String>,
     pub prompt_blocks: usize,
@@ -340,33 +343,29 @@ impl Router {
             .map(|&i| budget_tokens(cfg, records[i].snapshot.as_ref()))
             .collect();
         // A prefix already held by in-flight requests on a pod occupies its KV once: a request
-        // reserves only what it adds there (seed 000's objection to per-request token budgets).
+        // holds only what it adds there (seed 000's objection to per-request token budgets).
         let safety = cfg.estimator.safety_factor;
         // Blocks are cut by characters, so a held block stands for this prompt's own tokens per
         // block, never more than a block's worth: text denser than `charsPerBlockToken` then
-        // does not make the held prefix swallow the question and the expected output.
+        // does not make the held prefix swallow the rest of the prompt.
         let tokens_per_block = if hashes.is_empty() {
             bt as f64
         } else {
             (est.prompt_tokens as f64 / hashes.len() as f64).min(bt as f64)
         };
-        let held_tokens = |blocks: usize| (blocks as f64 * tokens_per_block) as u64;
-        let charges: Vec<u64> = shared
+        let held_per_block = tokens_per_block * safety;
+        let outlook = est.output.outlook(0, est.max_output_tokens);
+        let loads: Vec<Load> = shared
             .iter()
-            .map(|&b| {
-                let held = held_tokens(b) as f64 * safety;
-                est.cost
-                    .saturating_sub(held as u64)
-                    .max(cfg.estimator.min_reservation_tokens.min(est.cost))
+            .map(|&b| Load {
+                held: (est.prompt_tokens as f64 * safety - b as f64 * held_per_block)
+                    .max(0.0)
+                    .round() as u64,
+                left: est.max_output_tokens,
+                outlook,
             })
             .collect();
-        let room = |k: usize| {
-            fits(
-                records[indices[k]].reserved_tokens(),
-                charges[k],
-                budgets[k],
-            )
-        };
+        let room = |k: usize| fits(&records[indices[k]], loads[k], budgets[k], cfg, bt);
         // Pods without room are not offered as fallbacks either: a retry must not overfill them.
         let order: Vec<String> = ranked
             .iter()
@@ -383,11 +382,14 @@ impl Router {
             let best = &candidates[s.index];
             let pod = best.pod.to_string();
             let new_blocks = (prompt_blocks - shared[s.index]) as u32;
+            let load = loads[s.index];
             let entry = Entry {
                 id: request,
                 expires_ms: now.saturating_add(r.request_ttl_ms),
                 dispatched_ms: now,
-                tokens: charges[s.index],
+                held_tokens: load.held,
+                left: u32::try_from(load.left).unwrap_or(u32::MAX),
+                outlook: load.outlook,
                 prompt_blocks: new_blocks,
                 output_blocks: 0,
                 context_blocks: prompt_blocks as u32,
@@ -395,7 +397,7 @@ impl Router {
             let budget = budgets[s.index];
             // The read above may be stale: the fit is checked again inside the compare-and-swap.
             let taken = pod_state::modify(store, &pod, |rec| {
-                if !fits(rec.reserved_tokens(), entry.tokens, budget) {
+                if !fits(rec, load, budget, cfg, bt) {
                     return None;
                 }
                 rec.entries.push(entry);
@@ -427,9 +429,8 @@ impl Router {
             return Ok(Placement::Routed(Routed {
                 request,
                 pod,
-                prompt_tokens: est
-                    .prompt_tokens
-                    .saturating_sub(held_tokens(shared[s.index])),
+                streamed: 0,
+                held_per_block,
                 order,
                 prompt_blocks,
                 cached_blocks: best.cached_blocks,
@@ -441,13 +442,15 @@ impl Router {
         Ok(Placement::NoRoom)
     }
 
-    /// The response has produced `output_tokens` so far: grows the entry by whole blocks and
-    /// renews its expiry. Returns whether the shared record was written.
+    /// The response has produced `output_tokens` so far: grows the entry by whole blocks (what it
+    /// holds by what it streamed since, its outlook from where it now stands, by the estimate it
+    /// was routed with) and renews its expiry. Returns whether the shared record was written.
     pub fn grow(
         &self,
         store: &dyn Store,
         cfg: &Config,
         routed: &mut Routed,
+        est: &Estimate,
         output_tokens: u64,
     ) -> Result<bool, StoreError> {
         let blocks = output_tokens.div_ceil(u64::from(routed.block_tokens.max(1))) as u32;
@@ -456,13 +459,19 @@ impl Router {
         }
         routed.output_blocks = blocks;
         let expires = store.now_ms().saturating_add(cfg.routing.request_ttl_ms);
-        // The reservation never falls below what the request really holds now.
-        let held = routed.prompt_tokens.saturating_add(output_tokens);
+        // Only what streamed since the last write is added: a prefix inherited meanwhile from
+        // another request stays counted.
+        let more = output_tokens.saturating_sub(routed.streamed);
+        routed.streamed = output_tokens;
+        let outlook = est.output.outlook(output_tokens, est.max_output_tokens);
+        let left = est.max_output_tokens.saturating_sub(output_tokens);
         pod_state::modify(store, &routed.pod, |rec| {
             let e = rec.entries.iter_mut().find(|e| e.id == routed.request)?;
             e.output_blocks = blocks;
             e.expires_ms = expires;
-            e.tokens = e.tokens.max(held);
+            e.held_tokens = e.held_tokens.saturating_add(more);
+            e.left = u32::try_from(left).unwrap_or(u32::MAX);
+            e.outlook = outlook;
             Some(())
         })
         .map(|r| r.is_some())
@@ -519,9 +528,8 @@ impl Router {
         self.sync(store, cfg)?;
         let (shared, heir) = self.active.shared_with_others(&routed.pod, routed.request);
         self.active.remove(&routed.pod, routed.request);
-        let shared_tokens = (u64::from(shared) * u64::from(routed.block_tokens)) as f64
-            * cfg.estimator.safety_factor;
-        let heir = heir.map(|h| (h, shared, shared_tokens as u64));
+        let shared_tokens = (f64::from(shared) * routed.held_per_block).round() as u64;
+        let heir = heir.map(|h| (h, shared, shared_tokens));
         let gone = pod_state::finish(store, &routed.pod, routed.request, heir)?;
         if gone.is_some() {
             let event = Event::Finish {
@@ -562,11 +570,7 @@ mod tests {
     }
 
     fn est(prompt: u64, output: u64) -> Estimate {
-        Estimate {
-            prompt_tokens: prompt,
-            output_tokens: output,
-            cost: prompt + output,
-        }
+        Estimate::exact(prompt, output)
     }
 
     fn hashes(group: u64, n: u64) -> Vec<u64> {
@@ -632,25 +636,22 @@ mod tests {
     }
 
     #[test]
-    fn a_shared_prefix_never_discounts_the_expected_output() {
+    fn a_shared_prefix_is_held_once_and_never_swallows_the_question() {
         let host = FakeHost::new();
         let cfg = config(&["a:1"]);
         let vm = host.vm();
         let mut r = Router::start(&vm, &cfg).unwrap();
         // Twenty character blocks, ten of them a shared system prompt, would be 320 tokens at
-        // 16 per block, but the text is denser: the prompt is 100 tokens, 5 per block. Each
-        // request expects 200 output tokens; safety factor 1.1.
-        let e = Estimate {
-            cost: 330,
-            ..est(100, 200)
-        };
+        // 16 per block, but the text is denser: the prompt is 100 tokens, 5 per block; safety
+        // factor 1.1.
+        let e = est(100, 200);
         let prompt = |question| [hashes(1, 10), hashes(question, 10)].concat();
         r.route(&vm, &cfg, &prompt(2), &e).unwrap().routed();
         r.route(&vm, &cfg, &prompt(3), &e).unwrap().routed();
         assert_eq!(
-            pod_state::read(&vm, "a:1").unwrap().reserved_tokens(),
-            330 + (330 - 55),
-            "the second is spared the held 50 prompt tokens, not its question or its output"
+            pod_state::read(&vm, "a:1").unwrap().held_tokens(),
+            110 + (110 - 55),
+            "the second is spared the held 50 prompt tokens, not its question"
         );
     }
 
@@ -674,17 +675,17 @@ mod tests {
             10,
             "the shared 10 blocks count once"
         );
-        let reserved = |vm: &FakeVm| pod_state::read(vm, "a:1").unwrap().reserved_tokens();
+        let held = |vm: &FakeVm| pod_state::read(vm, "a:1").unwrap().held_tokens();
         assert_eq!(
-            reserved(&w1),
-            160 + 64,
-            "the second reserves its minimum, not the prefix again"
+            held(&w1),
+            176,
+            "the second holds nothing more: its whole prompt is the first one's (× 1.1)"
         );
         r1.finish(&w1, &cfg, &x).unwrap();
         assert_eq!(
-            reserved(&w1),
-            64 + 160,
-            "the prefix's tokens stay reserved with its heir"
+            held(&w1),
+            176,
+            "the prefix's tokens stay held with its heir"
         );
         assert_eq!(
             total_active(&w1, &cfg),
@@ -694,7 +695,7 @@ mod tests {
         r2.finish(&w2, &cfg, &y).unwrap();
         r2.finish(&w2, &cfg, &y).unwrap();
         assert_eq!(total_active(&w1, &cfg), 0);
-        assert_eq!(reserved(&w1), 0);
+        assert_eq!(held(&w1), 0);
     }
 
     #[test]
@@ -720,8 +721,9 @@ mod tests {
             .unwrap()
             .routed();
         assert_eq!(routed.pod, "b:1");
-        assert!(r.grow(&vm, &cfg, &mut routed, 17).unwrap());
-        assert!(!r.grow(&vm, &cfg, &mut routed, 20).unwrap());
+        let e = est(64, 64);
+        assert!(r.grow(&vm, &cfg, &mut routed, &e, 17).unwrap());
+        assert!(!r.grow(&vm, &cfg, &mut routed, &e, 20).unwrap());
         assert_eq!(pod_state::read(&vm, "b:1").unwrap().active_blocks(), 4 + 2);
         r.finish(&vm, &cfg, &routed).unwrap();
         assert_eq!(total_active(&vm, &cfg), 0);
@@ -785,7 +787,7 @@ mod tests {
         assert_eq!(y.cached_blocks, 0, "served before, but not cached there");
         let rec = pod_state::read(&vm, "a:1").unwrap();
         assert_eq!(rec.active_blocks(), 20, "each sequence holds its own copy");
-        assert_eq!(rec.reserved_tokens(), 2 * 160);
+        assert_eq!(rec.held_tokens(), 2 * 176);
         r.finish(&vm, &cfg, &x).unwrap();
         assert_eq!(pod_state::read(&vm, "a:1").unwrap().active_blocks(), 10);
         r.finish(&vm, &cfg, &y).unwrap();

@@ -150,6 +150,8 @@ impl Scraper {
                             capacity_tokens: m.capacity_tokens.unwrap_or(0),
                             block_size: m.block_size.unwrap_or(0) as u32,
                             no_prefix_caching: m.prefix_caching_off,
+                            preemptions: m.preemptions.unwrap_or(f64::NAN),
+                            ..Snapshot::default()
                         };
                         pod_state::write_snapshot(
                             store,

@@ -1,0 +1,284 @@
+//! How long a model's answers run: a survival function `S(t) = P(output > t tokens)` learned per
+//! model by `calibration` (source of truth: the model's shared slot, `kvgate.cal.<n>`) and what
+//! admission asks of it about one request — its expected output, and its *outlook*: the chance it
+//! is still running (and so still holds its KV) a number of decode steps ahead, given what it has
+//! streamed so far and its `max_tokens`.
+//!
+//! Why a distribution and not one number: chat outputs are long-tailed (the median is a fraction of
+//! the mean), so a per-request high quantile reserves several times what most requests use, and
+//! the mean alone overfills a pod whenever a few run long. The pod-level forecast (`forecast`)
+//! adds many requests' outlooks, whose sum is far more predictable than each one.
+//!
+//! Until a model has enough samples its survival is the prior; afterwards the prior still weighs as
+//! eight samples, so the tail beyond anything seen yet never drops to zero. The prior depends on
+//! the request: one with a max-tokens field is taken to run to its limit (its exact bound, so
+//! nothing about it can overfill a pod before lengths are known; the first answers to finish are
+//! the shortest, and learning from them alone would admit too much); one without follows an
+//! exponential with the configured mean (`estimator.defaultOutputTokens`): long-tailed and
+//! memoryless, so a request that outlives every sample is expected to go on, not to stop at once.
+
+/// Output lengths are bucketed on a log scale, four buckets per doubling, up to 2^16 tokens.
+pub const BUCKETS: usize = 64;
+const BUCKETS_PER_DOUBLING: f64 = 4.0;
+/// The prior's weight, in samples, once samples exist.
+const PRIOR_SAMPLES: f64 = 8.0;
+
+/// The forecast's intervals of decode steps ahead: interval j runs from `HORIZON_STEPS[j]` to
+/// `HORIZON_STEPS[j + 1]` (the last to the output cap's default). A geometric grid: the near future
+/// in detail, the far tail coarsely.
+pub const HORIZON_STEPS: [u32; 10] = [0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096];
+/// Where the last interval ends.
+pub const HORIZON_END: u32 = 8192;
+
+/// The bucket of an output of `tokens` tokens.
+pub fn bucket(tokens: u64) -> usize {
+    let b = ((tokens as f64 + 1.0).log2() * BUCKETS_PER_DOUBLING) as usize;
+    b.min(BUCKETS - 1)
+}
+
+/// The largest output length in bucket `b` (its right edge).
+fn bucket_edge(b: usize) -> f64 {
+    (2f64).powf((b + 1) as f64 / BUCKETS_PER_DOUBLING) - 1.0
+}
+
+/// The learned survival at the bucket edges (`knots[0]` is S(0) = 1, `knots[b + 1]` S at bucket
+/// b's right edge), how many samples it stands for, and the prior it is blended with.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OutputDist {
+    knots: [f32; BUCKETS + 1],
+    samples: f32,
+    prior_mean: f32,
+    /// The prior is "runs to its limit" (a request with a max-tokens field), not exponential.
+    runs_to_limit: bool,
+}
+
+/// A request's outlook: for the start of each interval of [`HORIZON_STEPS`], the chance (in
+/// 255ths, rounded up so the forecast errs towards full) that it is still running then.
+pub type Outlook = [u8; HORIZON_STEPS.len()];
+
+impl OutputDist {
+    /// The prior alone: exponential with mean `mean` tokens.
+    pub fn prior(mean: u64) -> OutputDist {
+        OutputDist {
+            knots: [1.0; BUCKETS + 1],
+            samples: 0.0,
+            prior_mean: mean.max(1) as f32,
+            runs_to_limit: false,
+        }
+    }
+
+    /// Answers that run to their limit, whatever it is (known lengths: `Estimate::exact`).
+    pub fn never_stops() -> OutputDist {
+        OutputDist::prior(1).limited(true)
+    }
+
+    /// The same lengths for a request that has (or has not) a limit of its own: the prior then
+    /// runs to it.
+    pub fn limited(self, has_limit: bool) -> OutputDist {
+        OutputDist {
+            runs_to_limit: has_limit,
+            ..self
+        }
+    }
+
+    /// Kaplan–Meier over bucketed, faded sample counts: `ended[b]` answers that stopped by
+    /// themselves in bucket b, `cut[b]` answers cut off there by their own `max_tokens` (they
+    /// say only that the model would have gone on; dropping them would bias lengths short).
+    pub fn learned(ended: &[f64], cut: &[f64], prior_mean: u64) -> OutputDist {
+        let n: f64 = ended.iter().chain(cut).sum();
+        let mut at_risk = n;
+        let mut km = 1.0;
+        let mut knots = [1f32; BUCKETS + 1];
+        for b in 0..BUCKETS {
+            let d = ended.get(b).copied().unwrap_or(0.0);
+            let c = cut.get(b).copied().unwrap_or(0.0);
+            if at_risk > 0.0 {
+                km *= (1.0 - d / at_risk).max(0.0);
+            }
+            at_risk -= d + c;
+            knots[b + 1] = km as f32;
+        }
+        OutputDist {
+            knots,
+            samples: n as f32,
+            ..OutputDist::prior(prior_mean)
+        }
+    }
+
+    fn prior_survival(&self, t: f64) -> f64 {
+        if self.runs_to_limit {
+            1.0
+        } else {
+            (-t / f64::from(self.prior_mean)).exp()
+        }
+    }
+
+    /// The learned survival alone, between the knots; past the last one it fades like the prior.
+    fn learned_survival(&self, t: f64) -> f64 {
+        let b = bucket(t.ceil() as u64);
+        let (lo, hi) = if b == 0 {
+            (0.0, bucket_edge(0))
+        } else {
+            (bucket_edge(b - 1), bucket_edge(b))
+        };
+        let (s_lo, s_hi) = (f64::from(self.knots[b]), f64::from(self.knots[b + 1]));
+        if t >= hi {
+            return s_hi * (-(t - hi) / f64::from(self.prior_mean)).exp();
+        }
+        s_lo + (s_hi - s_lo) * (t - lo) / (hi - lo)
+    }
+
+    /// P(output > t): the learned survival blended with the prior, which weighs as
+    /// [`PRIOR_SAMPLES`] samples.
+    pub fn survival(&self, t: f64) -> f64 {
+        if t <= 0.0 {
+            return 1.0;
+        }
+        let n = f64::from(self.samples);
+        let prior = self.prior_survival(t);
+        if n <= 0.0 {
+            return prior;
+        }
+        (n * self.learned_survival(t) + PRIOR_SAMPLES * prior) / (n + PRIOR_SAMPLES)
+    }
+
+    /// P(output > t | output > k), with the exponential prior's memoryless tail when the learned
+    /// survival has all but vanished at k.
+    fn conditional(&self, k: f64, t: f64) -> f64 {
+        let at_k = self.survival(k);
+        if at_k < 1e-12 {
+            return self.prior_survival((t - k).max(0.0));
+        }
+        (self.survival(t) / at_k).min(1.0)
+    }
+
+    /// Expected final output, given `streamed` tokens so far and a hard `max` (the request's
+    /// `max_tokens`, or the output cap): `streamed + ∫ S(t | > streamed) dt` up to `max`.
+    pub fn expected(&self, streamed: u64, max: u64) -> u64 {
+        let k = streamed as f64;
+        let m = max as f64;
+        if k >= m {
+            return max;
+        }
+        // Trapezoids over a geometric grid from k to m: fine where S bends most, cheap in total.
+        let mut total = 0.0;
+        let (mut t, mut s) = (k, 1.0);
+        let mut step = 1.0f64;
+        while t < m {
+            let next = (t + step).min(m);
+            let s_next = self.conditional(k, next);
+            total += (s + s_next) * 0.5 * (next - t);
+            if s_next < 1e-6 {
+                break;
+            }
+            (t, s) = (next, s_next);
+            step = (step * 1.25).max(next * 0.05);
+        }
+        (k + total).round().min(m) as u64
+    }
+
+    /// The request's outlook, given `streamed` tokens so far and its hard `max`.
+    pub fn outlook(&self, streamed: u64, max: u64) -> Outlook {
+        let k = streamed as f64;
+        let mut out = [0u8; HORIZON_STEPS.len()];
+        for (o, &s) in out.iter_mut().zip(&HORIZON_STEPS) {
+            let t = k + f64::from(s);
+            // In flight now, whatever it has left; past its limit, certainly gone.
+            if s == 0 || t < max as f64 {
+                *o = (self.conditional(k, t) * 255.0).ceil().clamp(0.0, 255.0) as u8;
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    use super::*;
+
+    /// Weights for `n` answers of each of `lengths`.
+    fn hist(lengths: &[(u64, f64)]) -> [f64; BUCKETS] {
+        let mut h = [0.0; BUCKETS];
+        for &(len, n) in lengths {
+            h[bucket(len)] += n;
+        }
+        h
+    }
+
+    #[test]
+    fn the_prior_is_exponential_with_the_configured_mean() {
+        let d = OutputDist::prior(256);
+        assert!((d.survival(256.0) - (-1f64).exp()).abs() < 0.02);
+        let e = d.expected(0, 100_000) as f64;
+        assert!((e - 256.0).abs() < 8.0, "{e}");
+        // Memoryless: having streamed 500 tokens, about 256 more are expected.
+        let later = d.expected(500, 100_000) as f64 - 500.0;
+        assert!((later - 256.0).abs() < 16.0, "{later}");
+    }
+
+    #[test]
+    fn learned_lengths_replace_the_prior_but_the_tail_never_vanishes() {
+        // 90 answers of 100 tokens, 10 of 1000.
+        let ended = hist(&[(100, 90.0), (1000, 10.0)]);
+        let d = OutputDist::learned(&ended, &[0.0; BUCKETS], 256);
+        let e = d.expected(0, 100_000) as f64;
+        assert!((180.0..=230.0).contains(&e), "mean about 190: {e}");
+        assert!(d.survival(200.0) < 0.15 && d.survival(200.0) > 0.08);
+        // Past 100 tokens the answer is one of the long ones.
+        let long = d.expected(150, 100_000);
+        // Mostly the long ones' 1000, with the prior's tail (eight samples' worth) pulling down.
+        assert!((700..=1_000).contains(&long), "{long}");
+        assert!(d.survival(5_000.0) > 0.0, "the prior keeps a tail");
+    }
+
+    #[test]
+    fn answers_cut_by_max_tokens_count_as_longer_not_as_short() {
+        // Half the answers stopped at 50 tokens, half were cut at 200 by their max_tokens.
+        let ended = hist(&[(50, 50.0)]);
+        let cut = hist(&[(200, 50.0)]);
+        let censored = OutputDist::learned(&ended, &cut, 256);
+        let dropped = OutputDist::learned(&ended, &[0.0; BUCKETS], 256);
+        assert!(
+            censored.survival(150.0) > 0.45,
+            "the cut half is still running at 150"
+        );
+        assert!(
+            dropped.survival(150.0) < 0.1,
+            "dropping them says nobody runs that long"
+        );
+    }
+
+    #[test]
+    fn a_request_with_a_limit_runs_to_it_until_lengths_are_learned() {
+        let prior = OutputDist::prior(256);
+        assert_eq!(prior.limited(true).expected(0, 1000), 1000);
+        let ended = hist(&[(50, 100.0)]);
+        let learned = OutputDist::learned(&ended, &[0.0; BUCKETS], 256).limited(true);
+        let e = learned.expected(0, 1000);
+        // 100 answers of 50 tokens, and eight samples' worth of running to the limit.
+        assert!((100..=160).contains(&e), "{e}");
+    }
+
+    #[test]
+    fn max_tokens_bounds_the_expectation_and_ends_the_outlook() {
+        let d = OutputDist::prior(256);
+        assert_eq!(d.expected(0, 10), 10.min(d.expected(0, 10)));
+        assert!(d.expected(0, 10) <= 10);
+        assert_eq!(d.expected(30, 20), 20, "already at its limit");
+        let o = d.outlook(0, 100);
+        assert!(
+            o[1] > 200,
+            "16 steps ahead: very likely still running {o:?}"
+        );
+        assert_eq!(
+            o[4], 0,
+            "128 steps ahead it has certainly stopped at 100: {o:?}"
+        );
+        let unbounded = d.outlook(0, u64::MAX);
+        assert!(unbounded.windows(2).all(|w| w[0] >= w[1]), "{unbounded:?}");
+        assert!(unbounded[9] < 5);
+    }
+}
