@@ -5,8 +5,8 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use crate::kv::{hash_block, mix64, root_hash, KvCacheManager, ReqId, SlotRequest};
-use crate::lora::{add_distinct, AdapterCache, LoraConfig, LoraId, Residency};
+use crate::kv::{hash_block, lora_root, mix64, root_hash, KvCacheManager, ReqId, SlotRequest};
+use crate::lora::{add_distinct, AdapterCache, LoraConfig, LoraId, LoraRef, Residency};
 
 /// Step-time model: `overhead + prefill_tokens * prefill_token + decode_seqs *
 /// decode_seq + decode_ctx_tokens * decode_ctx_token + attention_pairs * attn_pair
@@ -123,7 +123,7 @@ pub struct NewRequest {
     /// Seed for the generated token ids.
     pub output_seed: u64,
     /// LoRA adapter the request runs with (None: the base model).
-    pub lora: Option<LoraId>,
+    pub lora: Option<LoraRef>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -295,14 +295,17 @@ impl Engine {
             finish_reason: r.finish_reason,
             num_computed: 0,
             block_hashes: Vec::new(),
-            root: root_hash(r.cache_salt.as_deref()),
+            root: match &r.lora {
+                Some(l) => lora_root(root_hash(r.cache_salt.as_deref()), &l.name),
+                None => root_hash(r.cache_salt.as_deref()),
+            },
             num_preemptions: 0,
             num_cached_tokens: None,
             status: Status::Waiting,
             first_token_time: None,
             output_seed: r.output_seed,
             filler: self.filler.clone(),
-            lora: r.lora,
+            lora: r.lora.map(|l| l.id),
         };
         req.update_hashes(self.cfg.block_size);
         self.reqs.insert(id, req);
@@ -738,7 +741,10 @@ mod tests {
 
     fn lora_req(prompt: Vec<u32>, out: usize, lora: LoraId) -> NewRequest {
         NewRequest {
-            lora: Some(lora),
+            lora: Some(LoraRef {
+                id: lora,
+                name: format!("adapter-{lora}"),
+            }),
             ..req(prompt, out)
         }
     }
@@ -1078,6 +1084,19 @@ mod tests {
         assert_eq!(run(1), (3, 3));
         // A host cache for two keeps A loaded: switching back is only a copy.
         assert_eq!(run(2), (2, 3));
+    }
+
+    #[test]
+    fn a_prompt_shares_cached_blocks_only_under_the_same_adapter() {
+        let mut e = Engine::new(lora_cfg(2, 2), &filler());
+        let p = unique_prompt(95, 320);
+        simulate(&mut e, vec![(0.0, lora_req(p.clone(), 1, 1))]);
+        let t = e.now;
+        simulate(&mut e, vec![(t, req(p.clone(), 1))]);
+        simulate(&mut e, vec![(t + 1.0, lora_req(p.clone(), 1, 2))]);
+        assert_eq!(e.counters.prefix_hits, 0, "base model and adapter 2 miss");
+        simulate(&mut e, vec![(t + 2.0, lora_req(p, 1, 1))]);
+        assert_eq!(e.counters.prefix_hits, 304);
     }
 
     #[test]

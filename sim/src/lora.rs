@@ -9,6 +9,14 @@
 /// Engine-side adapter id (vLLM's `lora_int_id`, never 0).
 pub type LoraId = u32;
 
+/// The adapter a request runs with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoraRef {
+    pub id: LoraId,
+    /// Part of every block hash (prefix caching is per adapter).
+    pub name: String,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LoraConfig {
     /// GPU slots: the most distinct adapters one batch may use.

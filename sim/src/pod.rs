@@ -11,7 +11,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use crate::config::Args;
 use crate::engine::{Engine, FinishReason, NewRequest, Output};
 use crate::kv::{mix64, ReqId};
-use crate::lora::LoraId;
+use crate::lora::{LoraId, LoraRef};
 use crate::metrics::{Histogram, LoraInfo, E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS};
 use crate::tokenizer::Tokenizer;
 
@@ -297,7 +297,7 @@ pub struct Submit {
     pub max_output: usize,
     pub finish_reason: FinishReason,
     pub cache_salt: Option<String>,
-    pub lora: Option<LoraId>,
+    pub lora: Option<LoraRef>,
 }
 
 impl Pod {
@@ -413,10 +413,17 @@ impl Pod {
         (id, rx)
     }
 
-    /// Id of the registered adapter called `name`.
-    pub fn adapter_id(&self, name: &str) -> Option<LoraId> {
+    /// The registered adapter called `name`.
+    pub fn adapter(&self, name: &str) -> Option<LoraRef> {
         let inner = self.lock();
-        inner.adapters.iter().find(|a| a.name == name).map(|a| a.id)
+        inner
+            .adapters
+            .iter()
+            .find(|a| a.name == name)
+            .map(|a| LoraRef {
+                id: a.id,
+                name: a.name.clone(),
+            })
     }
 
     pub fn load_adapter(&self, name: &str, path: &str, inplace: bool) -> Result<(), LoadError> {

@@ -17,7 +17,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::engine::FinishReason;
-use crate::lora::LoraId;
+use crate::lora::LoraRef;
 use crate::metrics::{render, MetricsInput};
 use crate::pod::{
     draw_output_len, AbortGuard, Event, Fault, Finish, LoadError, MetricsFault, Pod, Shared, Submit,
@@ -327,7 +327,7 @@ fn as_usize(v: Option<&Value>, name: &str) -> Result<Option<usize>, ApiError> {
 /// The request's model: a served base model name, or a registered LoRA
 /// adapter (its id), as vLLM's `_check_model` / `_maybe_get_adapters` resolve
 /// it; anything else is vLLM's 404.
-fn check_model(pod: &Pod, body: &Value) -> Result<(String, Option<LoraId>), ApiError> {
+fn check_model(pod: &Pod, body: &Value) -> Result<(String, Option<LoraRef>), ApiError> {
     let g = &pod.g;
     match body.get("model") {
         None | Some(Value::Null) => Ok((g.served[0].clone(), None)),
@@ -335,8 +335,8 @@ fn check_model(pod: &Pod, body: &Value) -> Result<(String, Option<LoraId>), ApiE
             if g.served.iter().any(|s| s == m) {
                 return Ok((m.clone(), None));
             }
-            if let Some(id) = pod.adapter_id(m) {
-                return Ok((m.clone(), Some(id)));
+            if let Some(l) = pod.adapter(m) {
+                return Ok((m.clone(), Some(l)));
             }
             if g.args.any_model {
                 return Ok((m.clone(), None));
