@@ -420,10 +420,13 @@ impl Engine {
         // whose adapter would exceed `max_loras` is skipped (left in place, so
         // it keeps its turn) while later requests may still be admitted, as
         // vLLM's `Scheduler.schedule` does with its `scheduled_loras`.
+        // (Skipped without LoRA: base-model steps stay as cheap as before.)
         let mut batch_loras: Vec<LoraId> = Vec::new();
-        for s in &plan.scheduled {
-            if let Some(l) = self.reqs.get(&s.id).and_then(|r| r.lora) {
-                add_distinct(&mut batch_loras, l);
+        if self.cfg.lora.is_some() {
+            for s in &plan.scheduled {
+                if let Some(l) = self.reqs.get(&s.id).and_then(|r| r.lora) {
+                    add_distinct(&mut batch_loras, l);
+                }
             }
         }
         if plan.preempted.is_empty() {
