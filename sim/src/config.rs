@@ -3,6 +3,45 @@
 use clap::Parser;
 
 use crate::engine::{EngineConfig, TimingModel};
+use crate::lora::LoraConfig;
+
+/// One `--lora-modules` entry (vLLM's `LoRAModulePath`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LoraModule {
+    pub name: String,
+    pub path: String,
+    #[serde(default)]
+    pub base_model_name: Option<String>,
+}
+
+impl LoraModule {
+    /// Parse one value as vLLM's `LoRAParserAction` does: `name=path`, or a
+    /// JSON object `{"name", "path", "base_model_name"}` (anything with a comma
+    /// or without `=` is taken as JSON).
+    pub fn parse(item: &str) -> Result<Self, String> {
+        if item.contains('=') && !item.contains(',') {
+            return match item.split_once('=') {
+                Some((name, path))
+                    if !name.is_empty() && !path.is_empty() && !path.contains('=') =>
+                {
+                    Ok(LoraModule {
+                        name: name.to_string(),
+                        path: path.to_string(),
+                        base_model_name: None,
+                    })
+                }
+                _ => Err(format!("Invalid format for --lora-modules: {item}")),
+            };
+        }
+        let m: LoraModule = serde_json::from_str(item)
+            .map_err(|e| format!("Invalid JSON format for --lora-modules: {item} - {e}"))?;
+        if m.name.is_empty() || m.path.is_empty() {
+            return Err(format!("Invalid fields for --lora-modules: {item}"));
+        }
+        Ok(m)
+    }
+}
 
 #[derive(Parser, Debug, Clone)]
 #[command(
@@ -24,10 +63,30 @@ pub struct Args {
     /// Model path reported by /v1/models, /server_info, /model_info.
     #[arg(long, default_value = "meta-llama/Llama-3.1-8B-Instruct")]
     pub model: String,
-    /// Names accepted in the request's `model` field (repeatable or
-    /// comma-separated); defaults to --model. Others get vLLM's 404.
-    #[arg(long, value_delimiter = ',')]
+    /// Names accepted in the request's `model` field (`a b` as in vLLM, or
+    /// comma-separated, or repeated); defaults to --model. Others get vLLM's 404.
+    #[arg(long, value_delimiter = ',', num_args = 1..)]
     pub served_model_name: Vec<String>,
+    /// Serve LoRA adapters (--lora-modules, /v1/load_lora_adapter).
+    #[arg(long)]
+    pub enable_lora: bool,
+    /// Adapters registered at start: `name=path` or JSON
+    /// `{"name": .., "path": .., "base_model_name": ..}`, several per flag.
+    #[arg(long, num_args = 1..)]
+    pub lora_modules: Vec<String>,
+    /// Most distinct adapters in one batch (GPU adapter slots).
+    #[arg(long, default_value_t = 1)]
+    pub max_loras: usize,
+    /// Adapters kept loaded in host memory; defaults to --max-loras.
+    #[arg(long)]
+    pub max_cpu_loras: Option<usize>,
+    /// Cost of loading an adapter from disk into host memory, milliseconds
+    /// (simulated; paid by the step that first needs it).
+    #[arg(long, default_value_t = 40.0)]
+    pub lora_load_ms: f64,
+    /// Cost of copying a host-resident adapter into a GPU slot, milliseconds.
+    #[arg(long, default_value_t = 3.0)]
+    pub lora_activate_ms: f64,
     /// Accept any `model` name (echoed back) instead of vLLM's 404.
     #[arg(long)]
     pub any_model: bool,
@@ -114,6 +173,8 @@ impl Args {
             ("--decode-us-per-seq", self.decode_us_per_seq),
             ("--decode-ns-per-ctx-token", self.decode_ns_per_ctx_token),
             ("--prefill-ns-per-attn-pair", self.prefill_ns_per_attn_pair),
+            ("--lora-load-ms", self.lora_load_ms),
+            ("--lora-activate-ms", self.lora_activate_ms),
         ] {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(format!("{name} must be a non-negative number"));
@@ -134,7 +195,44 @@ impl Args {
         if !matches!(self.get_load_format.as_str(), "list" | "legacy") {
             return Err("--get-load-format must be list or legacy".into());
         }
+        if self.max_loras == 0 {
+            return Err("--max-loras must be at least 1".into());
+        }
+        if self.max_cpu_loras.is_some_and(|c| c < self.max_loras) {
+            return Err(format!(
+                "max_cpu_loras ({}) must be >= max_loras ({})",
+                self.max_cpu_loras.unwrap_or(0),
+                self.max_loras
+            ));
+        }
+        let modules = self.lora_modules()?;
+        if !modules.is_empty() && !self.enable_lora {
+            return Err("--lora-modules needs --enable-lora".into());
+        }
+        for (i, m) in modules.iter().enumerate() {
+            if modules[..i].iter().any(|o| o.name == m.name) {
+                return Err(format!(
+                    "The lora adapter '{}' has already been loaded.",
+                    m.name
+                ));
+            }
+        }
         Ok(())
+    }
+
+    pub fn lora_modules(&self) -> Result<Vec<LoraModule>, String> {
+        self.lora_modules
+            .iter()
+            .filter(|s| !s.trim().is_empty())
+            .map(|s| LoraModule::parse(s.trim()))
+            .collect()
+    }
+
+    pub fn lora_config(&self) -> Option<LoraConfig> {
+        self.enable_lora.then(|| LoraConfig {
+            max_loras: self.max_loras,
+            max_cpu_loras: self.max_cpu_loras.unwrap_or(self.max_loras),
+        })
     }
 
     pub fn served_names(&self) -> Vec<String> {
@@ -158,6 +256,8 @@ impl Args {
             decode_seq: self.decode_us_per_seq * 1e-6,
             decode_ctx_token: self.decode_ns_per_ctx_token * 1e-9,
             prefill_attn_pair: self.prefill_ns_per_attn_pair * 1e-9,
+            lora_load: self.lora_load_ms * 1e-3,
+            lora_activate: self.lora_activate_ms * 1e-3,
         }
     }
 
@@ -170,6 +270,7 @@ impl Args {
             max_model_len: self.max_model_len,
             enable_prefix_caching: !self.no_enable_prefix_caching,
             timing: self.timing(),
+            lora: self.lora_config(),
         }
     }
 }
@@ -189,6 +290,8 @@ mod tests {
             (t.decode_seq, d.decode_seq),
             (t.decode_ctx_token, d.decode_ctx_token),
             (t.prefill_attn_pair, d.prefill_attn_pair),
+            (t.lora_load, d.lora_load),
+            (t.lora_activate, d.lora_activate),
         ] {
             assert!((x - y).abs() <= 1e-12 * y.abs().max(1e-12), "{x} vs {y}");
         }
@@ -199,6 +302,7 @@ mod tests {
         );
         assert_eq!((e.max_num_batched_tokens, e.max_model_len), (8192, 32768));
         assert!(e.enable_prefix_caching);
+        assert_eq!(e.lora, None, "LoRA is off unless --enable-lora");
         assert_eq!(
             a.served_names(),
             vec!["meta-llama/Llama-3.1-8B-Instruct".to_string()]
@@ -217,5 +321,70 @@ mod tests {
         assert_eq!(a.served_names(), vec!["a", "b", "c"]);
         let bad = Args::parse_from(["kvgate-sim", "--time-scale", "0"]);
         assert!(bad.validate().is_err());
+    }
+
+    #[test]
+    fn served_model_names_take_several_values_as_in_vllm() {
+        let a = Args::parse_from(["kvgate-sim", "--served-model-name", "a", "b", "--pods", "2"]);
+        assert_eq!(a.served_names(), vec!["a", "b"]);
+        assert_eq!(a.pods, 2);
+    }
+
+    #[test]
+    fn lora_modules_accept_name_path_and_json_forms() {
+        let a = Args::parse_from([
+            "kvgate-sim",
+            "--enable-lora",
+            "--lora-modules",
+            "sql=/adapters/sql",
+            r#"{"name": "chat", "path": "/adapters/chat", "base_model_name": "base"}"#,
+            "--max-loras",
+            "2",
+        ]);
+        a.validate().unwrap();
+        let m = a.lora_modules().unwrap();
+        assert_eq!(m[0].name, "sql");
+        assert_eq!(m[0].path, "/adapters/sql");
+        assert_eq!(m[1].base_model_name.as_deref(), Some("base"));
+        assert_eq!(
+            a.lora_config(),
+            Some(LoraConfig {
+                max_loras: 2,
+                max_cpu_loras: 2
+            })
+        );
+    }
+
+    #[test]
+    fn bad_lora_settings_are_refused_at_start() {
+        for argv in [
+            &["kvgate-sim", "--lora-modules", "a=/p"][..],
+            &["kvgate-sim", "--enable-lora", "--lora-modules", "a"],
+            &["kvgate-sim", "--enable-lora", "--lora-modules", "=/p"],
+            &[
+                "kvgate-sim",
+                "--enable-lora",
+                "--lora-modules",
+                r#"{"name": "a"}"#,
+            ],
+            &[
+                "kvgate-sim",
+                "--enable-lora",
+                "--lora-modules",
+                "a=/p",
+                "a=/q",
+            ],
+            &["kvgate-sim", "--enable-lora", "--max-loras", "0"],
+            &[
+                "kvgate-sim",
+                "--enable-lora",
+                "--max-loras",
+                "4",
+                "--max-cpu-loras",
+                "2",
+            ],
+        ] {
+            assert!(Args::parse_from(argv).validate().is_err(), "{argv:?}");
+        }
     }
 }

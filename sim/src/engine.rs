@@ -5,10 +5,12 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use crate::kv::{hash_block, mix64, root_hash, KvCacheManager, ReqId, SlotRequest};
+use crate::kv::{hash_block, lora_root, mix64, root_hash, KvCacheManager, ReqId, SlotRequest};
+use crate::lora::{add_distinct, AdapterCache, LoraConfig, LoraId, LoraRef, Residency};
 
 /// Step-time model: `overhead + prefill_tokens * prefill_token + decode_seqs *
-/// decode_seq + decode_ctx_tokens * decode_ctx_token + attention_pairs * attn_pair`.
+/// decode_seq + decode_ctx_tokens * decode_ctx_token + attention_pairs * attn_pair
+/// + lora_loads * lora_load + lora_activations * lora_activate`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct TimingModel {
     /// Fixed cost of every forward step (weight streaming, launch, sampling), s.
@@ -21,6 +23,11 @@ pub struct TimingModel {
     pub decode_ctx_token: f64,
     /// Per (new prefill token × attended token) pair (prefill attention), s.
     pub prefill_attn_pair: f64,
+    /// Per LoRA adapter loaded from disk into the host cache in the step, s
+    /// (vLLM's worker loads adapters synchronously while preparing the batch).
+    pub lora_load: f64,
+    /// Per LoRA adapter copied from the host cache into a GPU slot, s.
+    pub lora_activate: f64,
 }
 
 impl Default for TimingModel {
@@ -32,6 +39,8 @@ impl Default for TimingModel {
             decode_seq: 30.0e-6,
             decode_ctx_token: 50.0e-9,
             prefill_attn_pair: 1.3e-9,
+            lora_load: 40.0e-3,
+            lora_activate: 3.0e-3,
         }
     }
 }
@@ -43,6 +52,8 @@ pub struct StepWork {
     pub prefill_attn_pairs: f64,
     pub decode_seqs: usize,
     pub decode_ctx_tokens: usize,
+    /// Adapters of the batch that were not in the host cache / a GPU slot.
+    pub lora: Residency,
 }
 
 impl TimingModel {
@@ -52,6 +63,8 @@ impl TimingModel {
             + w.prefill_attn_pairs * self.prefill_attn_pair
             + w.decode_seqs as f64 * self.decode_seq
             + w.decode_ctx_tokens as f64 * self.decode_ctx_token
+            + w.lora.loads as f64 * self.lora_load
+            + w.lora.activations as f64 * self.lora_activate
     }
 }
 
@@ -64,6 +77,8 @@ pub struct EngineConfig {
     pub max_model_len: usize,
     pub enable_prefix_caching: bool,
     pub timing: TimingModel,
+    /// `--enable-lora`: adapter slots and host cache; None serves base models only.
+    pub lora: Option<LoraConfig>,
 }
 
 impl Default for EngineConfig {
@@ -76,6 +91,7 @@ impl Default for EngineConfig {
             max_model_len: 32768,
             enable_prefix_caching: true,
             timing: TimingModel::default(),
+            lora: None,
         }
     }
 }
@@ -106,6 +122,8 @@ pub struct NewRequest {
     pub cache_salt: Option<String>,
     /// Seed for the generated token ids.
     pub output_seed: u64,
+    /// LoRA adapter the request runs with (None: the base model).
+    pub lora: Option<LoraRef>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -131,6 +149,7 @@ pub struct Request {
     output_seed: u64,
     /// Filler ids generated tokens are drawn from.
     filler: std::sync::Arc<[u32]>,
+    pub lora: Option<LoraId>,
 }
 
 impl Request {
@@ -217,6 +236,9 @@ pub struct Counters {
     pub steps: u64,
     pub busy_time: f64,
     pub prefill_tokens_computed: u64,
+    /// LoRA adapters loaded from disk / activated into a GPU slot by steps.
+    pub lora_loads: u64,
+    pub lora_activations: u64,
 }
 
 pub struct Engine {
@@ -230,6 +252,8 @@ pub struct Engine {
     pub now: f64,
     next_id: ReqId,
     filler: std::sync::Arc<[u32]>,
+    /// Resident adapters (None without `--enable-lora`).
+    pub loras: Option<AdapterCache>,
 }
 
 impl Engine {
@@ -245,6 +269,7 @@ impl Engine {
         } else {
             std::sync::Arc::from(filler.to_vec())
         };
+        let loras = cfg.lora.map(AdapterCache::new);
         Engine {
             cfg,
             kv,
@@ -255,6 +280,7 @@ impl Engine {
             now: 0.0,
             next_id: 1,
             filler,
+            loras,
         }
     }
 
@@ -269,13 +295,17 @@ impl Engine {
             finish_reason: r.finish_reason,
             num_computed: 0,
             block_hashes: Vec::new(),
-            root: root_hash(r.cache_salt.as_deref()),
+            root: match &r.lora {
+                Some(l) => lora_root(root_hash(r.cache_salt.as_deref()), &l.name),
+                None => root_hash(r.cache_salt.as_deref()),
+            },
             num_preemptions: 0,
             num_cached_tokens: None,
             status: Status::Waiting,
             first_token_time: None,
             output_seed: r.output_seed,
             filler: self.filler.clone(),
+            lora: r.lora.map(|l| l.id),
         };
         req.update_hashes(self.cfg.block_size);
         self.reqs.insert(id, req);
@@ -386,18 +416,39 @@ impl Engine {
             i += 1;
         }
 
+        // Adapters of the running requests scheduled so far; a waiting request
+        // whose adapter would exceed `max_loras` is skipped (left in place, so
+        // it keeps its turn) while later requests may still be admitted, as
+        // vLLM's `Scheduler.schedule` does with its `scheduled_loras`.
+        // (Skipped without LoRA: base-model steps stay as cheap as before.)
+        let mut batch_loras: Vec<LoraId> = Vec::new();
+        if self.cfg.lora.is_some() {
+            for s in &plan.scheduled {
+                if let Some(l) = self.reqs.get(&s.id).and_then(|r| r.lora) {
+                    add_distinct(&mut batch_loras, l);
+                }
+            }
+        }
         if plan.preempted.is_empty() {
+            // Index of the next waiting request to consider (past skipped ones).
+            let mut wi = 0;
             while budget > 0 {
-                let Some(&id) = self.waiting.front() else {
+                let Some(&id) = self.waiting.get(wi) else {
                     break;
                 };
                 if self.running.len() >= self.cfg.max_num_seqs {
                     break;
                 }
                 let Some(req) = self.reqs.get(&id) else {
-                    self.waiting.pop_front();
+                    self.waiting.remove(wi);
                     continue;
                 };
+                if let (Some(l), Some(lc)) = (req.lora, self.cfg.lora) {
+                    if batch_loras.len() >= lc.max_loras && !batch_loras.contains(&l) {
+                        wi += 1;
+                        continue;
+                    }
+                }
                 let hit = if req.num_computed == 0 {
                     self.kv.find_longest_cache_hit(
                         &req.block_hashes,
@@ -433,9 +484,12 @@ impl Engine {
                 if !ok {
                     break;
                 }
-                self.waiting.pop_front();
+                self.waiting.remove(wi);
                 self.running.push(id);
                 if let Some(req) = self.reqs.get_mut(&id) {
+                    if let Some(l) = req.lora {
+                        add_distinct(&mut batch_loras, l);
+                    }
                     req.status = Status::Running;
                     req.num_computed = computed;
                     if req.num_cached_tokens.is_none() {
@@ -460,12 +514,64 @@ impl Engine {
             self.counters.peak_used_blocks = used;
         }
         plan.work = self.work_of(&plan.scheduled);
+        plan.work.lora = self.make_resident(&batch_loras);
         plan.duration = if plan.scheduled.is_empty() {
             0.0
         } else {
             self.cfg.timing.step_time(&plan.work)
         };
         plan
+    }
+
+    /// Load and activate the adapters the step's batch uses, in batch order (as
+    /// vLLM's worker applies them while preparing the step's inputs); what was
+    /// not resident adds its cost to this step, so every request in the batch
+    /// waits for it.
+    fn make_resident(&mut self, batch_loras: &[LoraId]) -> Residency {
+        let mut r = Residency::default();
+        let Some(cache) = self.loras.as_mut() else {
+            return r;
+        };
+        for &l in batch_loras {
+            r += cache.ensure(l);
+        }
+        self.counters.lora_loads += r.loads as u64;
+        self.counters.lora_activations += r.activations as u64;
+        r
+    }
+
+    /// `/v1/load_lora_adapter`: vLLM's `add_lora` loads the adapter into the
+    /// host cache and activates it right away, so its first request pays
+    /// nothing (the call itself is not timed here).
+    pub fn load_lora(&mut self, id: LoraId) {
+        if let Some(c) = self.loras.as_mut() {
+            c.ensure(id);
+        }
+    }
+
+    /// The adapter was unloaded: free its slot and host copy. Requests still
+    /// running with it load it again at their next step, as vLLM's worker
+    /// would from the request's own `LoRARequest`.
+    pub fn unload_lora(&mut self, id: LoraId) {
+        if let Some(c) = self.loras.as_mut() {
+            c.remove(id);
+        }
+    }
+
+    /// Distinct adapters with at least one running / waiting request, in
+    /// queue order (what `vllm:lora_requests_info` reports).
+    pub fn lora_adapters(&self) -> (Vec<LoraId>, Vec<LoraId>) {
+        let distinct = |ids: &mut dyn Iterator<Item = &ReqId>| {
+            let mut out: Vec<LoraId> = Vec::new();
+            for l in ids.filter_map(|id| self.reqs.get(id).and_then(|r| r.lora)) {
+                add_distinct(&mut out, l);
+            }
+            out
+        };
+        (
+            distinct(&mut self.running.iter()),
+            distinct(&mut self.waiting.iter()),
+        )
     }
 
     fn work_of(&self, scheduled: &[Scheduled]) -> StepWork {
@@ -632,6 +738,27 @@ mod tests {
             finish_reason: FinishReason::Length,
             cache_salt: None,
             output_seed: 7,
+            lora: None,
+        }
+    }
+
+    fn lora_req(prompt: Vec<u32>, out: usize, lora: LoraId) -> NewRequest {
+        NewRequest {
+            lora: Some(LoraRef {
+                id: lora,
+                name: format!("adapter-{lora}"),
+            }),
+            ..req(prompt, out)
+        }
+    }
+
+    fn lora_cfg(max_loras: usize, max_cpu_loras: usize) -> EngineConfig {
+        EngineConfig {
+            lora: Some(LoraConfig {
+                max_loras,
+                max_cpu_loras,
+            }),
+            ..cfg()
         }
     }
 
@@ -648,6 +775,7 @@ mod tests {
             max_model_len: 32768,
             enable_prefix_caching: true,
             timing: TimingModel::default(),
+            lora: None,
         }
     }
 
@@ -659,14 +787,20 @@ mod tests {
             decode_seq: 0.01,
             decode_ctx_token: 0.001,
             prefill_attn_pair: 0.0001,
+            lora_load: 10.0,
+            lora_activate: 100.0,
         };
         let w = StepWork {
             prefill_tokens: 10,
             prefill_attn_pairs: 100.0,
             decode_seqs: 3,
             decode_ctx_tokens: 50,
+            lora: Residency {
+                loads: 2,
+                activations: 1,
+            },
         };
-        let expect = 1.0 + 1.0 + 0.01 + 0.03 + 0.05;
+        let expect = 1.0 + 1.0 + 0.01 + 0.03 + 0.05 + 20.0 + 100.0;
         assert!((t.step_time(&w) - expect).abs() < 1e-12);
     }
 
@@ -873,6 +1007,115 @@ mod tests {
         let id2 = e.add_request(req(unique_prompt(50, 300), 1));
         e.schedule();
         assert_eq!(e.reqs[&id2].num_cached_tokens, Some(288));
+    }
+
+    #[test]
+    fn at_most_max_loras_adapters_share_a_batch_and_the_others_wait_their_turn() {
+        let mut e = Engine::new(lora_cfg(2, 2), &filler());
+        let a = e.add_request(lora_req(unique_prompt(60, 64), 3, 1));
+        let b = e.add_request(lora_req(unique_prompt(61, 64), 3, 2));
+        let c = e.add_request(lora_req(unique_prompt(62, 64), 3, 3));
+        let base = e.add_request(req(unique_prompt(63, 64), 3));
+        let d = e.add_request(lora_req(unique_prompt(64, 64), 3, 1));
+        let p = e.schedule();
+        let ids: Vec<ReqId> = p.scheduled.iter().map(|s| s.id).collect();
+        // The third adapter is skipped; the base model and a request for an
+        // adapter already in the batch are admitted past it.
+        assert_eq!(ids, vec![a, b, base, d]);
+        assert_eq!(e.waiting, VecDeque::from(vec![c]));
+        assert_eq!(e.lora_adapters(), (vec![1, 2], vec![3]));
+        e.now += p.duration;
+        e.complete_step(&p);
+        // While adapters 1 and 2 keep running, adapter 3 still waits.
+        let p = e.schedule();
+        assert_eq!(p.scheduled.len(), 4);
+        assert_eq!(e.num_waiting(), 1);
+        let done = simulate(&mut e, vec![]);
+        assert_eq!(done.len(), 5, "adapter 3 runs once a slot frees");
+        assert_eq!(e.counters.lora_loads, 3);
+    }
+
+    #[test]
+    fn a_skipped_request_keeps_its_place_ahead_of_later_arrivals() {
+        let mut c = lora_cfg(1, 1);
+        c.max_num_seqs = 2;
+        let mut e = Engine::new(c, &filler());
+        let a = e.add_request(lora_req(unique_prompt(70, 32), 2, 1));
+        let b = e.add_request(lora_req(unique_prompt(71, 32), 2, 2));
+        let p = e.schedule();
+        assert_eq!(p.scheduled.len(), 1);
+        let later = e.add_request(lora_req(unique_prompt(72, 32), 2, 3));
+        assert_eq!(e.waiting, VecDeque::from(vec![b, later]));
+        let done = simulate(&mut e, vec![]);
+        let order: Vec<ReqId> = done.iter().map(|d| d.0).collect();
+        assert_eq!(order, vec![a, b, later]);
+    }
+
+    #[test]
+    fn a_non_resident_adapter_delays_its_first_token_by_the_load_time() {
+        let t = TimingModel::default();
+        let ttft = |preload: bool| {
+            let mut e = Engine::new(lora_cfg(1, 1), &filler());
+            if preload {
+                e.load_lora(5);
+            }
+            let d = simulate(&mut e, vec![(0.0, lora_req(unique_prompt(80, 500), 4, 5))]);
+            (d[0].2 - d[0].1, e.counters.lora_loads)
+        };
+        let (cold, cold_loads) = ttft(false);
+        let (warm, warm_loads) = ttft(true);
+        assert_eq!((cold_loads, warm_loads), (1, 0));
+        assert!(
+            (cold - warm - t.lora_load - t.lora_activate).abs() < 1e-9,
+            "cold {cold} warm {warm}"
+        );
+    }
+
+    #[test]
+    fn adapters_beyond_the_slots_are_evicted_least_recently_used_first() {
+        // One slot, sequential requests A, B, A: every switch reloads from disk.
+        let run = |max_cpu_loras: usize| {
+            let mut e = Engine::new(lora_cfg(1, max_cpu_loras), &filler());
+            let arrivals = [1, 2, 1]
+                .iter()
+                .enumerate()
+                .map(|(i, &l)| (i as f64, lora_req(unique_prompt(90 + i as u32, 64), 2, l)))
+                .collect();
+            assert_eq!(simulate(&mut e, arrivals).len(), 3);
+            (e.counters.lora_loads, e.counters.lora_activations)
+        };
+        assert_eq!(run(1), (3, 3));
+        // A host cache for two keeps A loaded: switching back is only a copy.
+        assert_eq!(run(2), (2, 3));
+    }
+
+    #[test]
+    fn a_prompt_shares_cached_blocks_only_under_the_same_adapter() {
+        let mut e = Engine::new(lora_cfg(2, 2), &filler());
+        let p = unique_prompt(95, 320);
+        simulate(&mut e, vec![(0.0, lora_req(p.clone(), 1, 1))]);
+        let t = e.now;
+        simulate(&mut e, vec![(t, req(p.clone(), 1))]);
+        simulate(&mut e, vec![(t + 1.0, lora_req(p.clone(), 1, 2))]);
+        assert_eq!(e.counters.prefix_hits, 0, "base model and adapter 2 miss");
+        simulate(&mut e, vec![(t + 2.0, lora_req(p, 1, 1))]);
+        assert_eq!(e.counters.prefix_hits, 304);
+    }
+
+    #[test]
+    fn base_model_requests_time_the_same_with_lora_enabled() {
+        let arrivals = || {
+            (0..20)
+                .map(|i| (i as f64 * 0.01, req(unique_prompt(200 + i, 700), 16)))
+                .collect::<Vec<_>>()
+        };
+        let mut off = Engine::new(cfg(), &filler());
+        let mut on = Engine::new(lora_cfg(2, 4), &filler());
+        assert_eq!(
+            simulate(&mut off, arrivals()),
+            simulate(&mut on, arrivals())
+        );
+        assert_eq!(on.counters.lora_loads, 0);
     }
 
     #[test]

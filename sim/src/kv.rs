@@ -42,14 +42,23 @@ pub fn hash_block(parent: u64, tokens: &[u32]) -> u64 {
 pub fn root_hash(cache_salt: Option<&str>) -> u64 {
     match cache_salt {
         None => ROOT_HASH,
-        Some(s) => {
-            let mut h = ROOT_HASH;
-            for b in s.bytes() {
-                h = mix64(h ^ u64::from(b));
-            }
-            mix64(h ^ 0x5a17)
-        }
+        Some(s) => fold_str(ROOT_HASH, s, 0x5a17),
     }
+}
+
+/// Root hash of a request run with a LoRA adapter: vLLM puts the adapter's
+/// name in every block's extra keys (`_gen_lora_extra_hash_keys` in
+/// `vllm/v1/core/kv_cache_utils.py`), so a prompt under another adapter, or
+/// under the base model, never shares its blocks.
+pub fn lora_root(root: u64, lora_name: &str) -> u64 {
+    fold_str(root, lora_name, 0x10ad)
+}
+
+fn fold_str(mut h: u64, s: &str, tag: u64) -> u64 {
+    for b in s.bytes() {
+        h = mix64(h ^ u64::from(b));
+    }
+    mix64(h ^ tag)
 }
 
 #[derive(Debug, Clone)]

@@ -8,6 +8,7 @@
 mod config;
 mod engine;
 mod kv;
+mod lora;
 mod metrics;
 mod pod;
 mod server;

@@ -81,6 +81,52 @@ fn escape(v: &str) -> String {
         .replace('\n', "\\n")
 }
 
+/// Most `vllm:lora_requests_info` series kept; the oldest goes first. vLLM
+/// keeps every label set it ever set (unbounded); the cap keeps a long
+/// benchmark's scrape small.
+const LORA_INFO_MAX_SERIES: usize = 256;
+
+/// `vllm:lora_requests_info`: after every step vLLM sets the gauge of the
+/// current (running, waiting) label set to the current Unix time
+/// (`set_to_current_time` in `vllm/v1/metrics/loggers.py`), and
+/// prometheus_client keeps the label sets set before, so the current state is
+/// the series with the largest value.
+#[derive(Debug, Clone)]
+pub struct LoraInfo {
+    /// (running_lora_adapters, waiting_lora_adapters, time set), first set first.
+    series: Vec<(String, String, f64)>,
+}
+
+impl LoraInfo {
+    /// Starts with the idle series set at `start_unix`.
+    pub fn new(start_unix: f64) -> Self {
+        LoraInfo {
+            series: vec![(String::new(), String::new(), start_unix)],
+        }
+    }
+
+    pub fn set(&mut self, running: String, waiting: String, now_unix: f64) {
+        if let Some(s) = self
+            .series
+            .iter_mut()
+            .find(|s| s.0 == running && s.1 == waiting)
+        {
+            s.2 = now_unix;
+            return;
+        }
+        if self.series.len() >= LORA_INFO_MAX_SERIES {
+            let oldest = self
+                .series
+                .iter()
+                .enumerate()
+                .min_by(|a, b| a.1 .2.total_cmp(&b.1 .2))
+                .map_or(0, |(i, _)| i);
+            self.series.remove(oldest);
+        }
+        self.series.push((running, waiting, now_unix));
+    }
+}
+
 pub struct MetricsInput<'a> {
     pub model_name: &'a str,
     pub running: usize,
@@ -93,7 +139,9 @@ pub struct MetricsInput<'a> {
     pub ttft: &'a Histogram,
     pub e2e: &'a Histogram,
     pub itl: &'a Histogram,
-    pub start_unix: f64,
+    /// `--max-loras` (0 without LoRA).
+    pub max_lora: usize,
+    pub lora_info: &'a LoraInfo,
 }
 
 struct Out {
@@ -177,11 +225,17 @@ prefix_caching_hash_algo=\"sha256\",sliding_window=\"None\",swap_space=\"4\",eng
         "Running stats on lora requests.",
         "gauge",
     );
-    let _ = writeln!(
-        o.s,
-        "vllm:lora_requests_info{{max_lora=\"0\",running_lora_adapters=\"\",waiting_lora_adapters=\"\"}} {}",
-        fmt_f64(m.start_unix)
-    );
+    // Label order as vLLM declares them; no model_name/engine labels.
+    for (running, waiting, at) in &m.lora_info.series {
+        let _ = writeln!(
+            o.s,
+            "vllm:lora_requests_info{{max_lora=\"{}\",waiting_lora_adapters=\"{}\",running_lora_adapters=\"{}\"}} {}",
+            m.max_lora,
+            escape(waiting),
+            escape(running),
+            fmt_f64(*at)
+        );
+    }
     o.gauge(
         "vllm:kv_cache_usage_perc",
         "KV-cache usage. 1 means 100 percent usage.",
@@ -269,6 +323,29 @@ mod tests {
     }
 
     #[test]
+    fn lora_info_keeps_each_label_set_with_the_time_it_was_last_set() {
+        let mut l = LoraInfo::new(1.0);
+        l.set("a".into(), "b".into(), 2.0);
+        l.set(String::new(), String::new(), 3.0);
+        l.set("a".into(), "b".into(), 4.0);
+        assert_eq!(
+            l.series,
+            vec![
+                (String::new(), String::new(), 3.0),
+                ("a".into(), "b".into(), 4.0)
+            ]
+        );
+        for i in 0..LORA_INFO_MAX_SERIES {
+            l.set(format!("x{i}"), String::new(), 10.0 + i as f64);
+        }
+        assert_eq!(l.series.len(), LORA_INFO_MAX_SERIES);
+        assert!(
+            !l.series.iter().any(|s| s.2 < 10.0),
+            "the oldest series go first"
+        );
+    }
+
+    #[test]
     fn text_has_names_types_and_labels() {
         let c = Counters::default();
         let h = Histogram::new(TTFT_BUCKETS);
@@ -286,7 +363,8 @@ mod tests {
             ttft: &h,
             e2e: &e,
             itl: &i,
-            start_unix: 1.0,
+            max_lora: 0,
+            lora_info: &LoraInfo::new(1.0),
         });
         assert!(text.contains("# TYPE vllm:num_requests_waiting gauge"));
         assert!(text.contains("vllm:num_requests_waiting{model_name=\"m/x\",engine=\"0\"} 3.0"));
@@ -295,6 +373,9 @@ mod tests {
         assert!(text.contains("num_gpu_blocks=\"2048\""));
         assert!(text.contains(
             "vllm:time_to_first_token_seconds_bucket{model_name=\"m/x\",engine=\"0\",le=\"+Inf\"} 0.0"
+        ));
+        assert!(text.contains(
+            "vllm:lora_requests_info{max_lora=\"0\",waiting_lora_adapters=\"\",running_lora_adapters=\"\"} 1.0"
         ));
         assert_eq!(fmt_f64(0.25), "0.25");
         assert_eq!(fmt_f64(2560.0), "2560.0");

@@ -11,7 +11,8 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use crate::config::Args;
 use crate::engine::{Engine, FinishReason, NewRequest, Output};
 use crate::kv::{mix64, ReqId};
-use crate::metrics::{Histogram, E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS};
+use crate::lora::{LoraId, LoraRef};
+use crate::metrics::{Histogram, LoraInfo, E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS};
 use crate::tokenizer::Tokenizer;
 
 /// Process-wide state shared by all pods.
@@ -23,6 +24,16 @@ pub struct Shared {
 }
 
 impl Shared {
+    /// The base model an adapter is listed under: its `base_model_name` when
+    /// that is a served name, else the first served name (vLLM's
+    /// `show_available_models`).
+    pub fn parent_of(&self, base_model_name: Option<&str>) -> String {
+        match base_model_name {
+            Some(b) if self.served.iter().any(|s| s == b) => b.to_string(),
+            _ => self.served[0].clone(),
+        }
+    }
+
     pub fn new(args: Args, tok: Tokenizer) -> Self {
         let served = args.served_names();
         let start_unix = SystemTime::now()
@@ -123,8 +134,39 @@ struct Sink {
     last: Option<Instant>,
 }
 
+/// A registered LoRA adapter (an entry of vLLM's
+/// `OpenAIServingModels.lora_requests`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Adapter {
+    pub name: String,
+    pub path: String,
+    /// Base model it is listed under in /v1/models.
+    pub parent: String,
+    pub id: LoraId,
+}
+
+/// Why `/v1/load_lora_adapter` refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoadError {
+    LoraDisabled,
+    AlreadyLoaded,
+}
+
+fn unix_now_f64() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
 pub struct Inner {
     pub engine: Engine,
+    /// Registered adapters in load order (as /v1/models lists them).
+    pub adapters: Vec<Adapter>,
+    /// Name of every adapter id ever registered: a request keeps running
+    /// under its adapter's name after an unload, as in vLLM's stats.
+    lora_names: HashMap<LoraId, String>,
+    next_lora_id: LoraId,
+    pub lora_info: LoraInfo,
     sinks: HashMap<ReqId, Sink>,
     pub rng: Rng,
     pub ttft: Histogram,
@@ -180,6 +222,53 @@ impl Inner {
         }
     }
 
+    /// Register an adapter (vLLM `OpenAIServingModels.load_lora_adapter`); with
+    /// `inplace` an adapter of that name is replaced and reloaded.
+    fn register_adapter(
+        &mut self,
+        name: &str,
+        path: &str,
+        parent: String,
+        inplace: bool,
+    ) -> Result<(), LoadError> {
+        if self.engine.loras.is_none() {
+            return Err(LoadError::LoraDisabled);
+        }
+        if let Some(i) = self.adapters.iter().position(|a| a.name == name) {
+            if !inplace {
+                return Err(LoadError::AlreadyLoaded);
+            }
+            let old = self.adapters.remove(i);
+            self.engine.unload_lora(old.id);
+        }
+        self.next_lora_id += 1;
+        let id = self.next_lora_id;
+        self.lora_names.insert(id, name.to_string());
+        self.adapters.push(Adapter {
+            name: name.to_string(),
+            path: path.to_string(),
+            parent,
+            id,
+        });
+        self.engine.load_lora(id);
+        Ok(())
+    }
+
+    /// Adapter names of `ids`, in order.
+    pub fn lora_names_of(&self, ids: &[LoraId]) -> Vec<&str> {
+        ids.iter()
+            .filter_map(|id| self.lora_names.get(id).map(String::as_str))
+            .collect()
+    }
+
+    /// Set `vllm:lora_requests_info` for the adapters running and waiting now.
+    fn record_lora_info(&mut self) {
+        let (running, waiting) = self.engine.lora_adapters();
+        let r = self.lora_names_of(&running).join(",");
+        let w = self.lora_names_of(&waiting).join(",");
+        self.lora_info.set(r, w, unix_now_f64());
+    }
+
     /// Process-unique id suffix for OpenAI response ids.
     pub fn next_response_id(&mut self) -> String {
         self.next_seq += 1;
@@ -208,13 +297,18 @@ pub struct Submit {
     pub max_output: usize,
     pub finish_reason: FinishReason,
     pub cache_salt: Option<String>,
+    pub lora: Option<LoraRef>,
 }
 
 impl Pod {
     pub fn new(index: usize, port: u16, g: Arc<Shared>) -> Arc<Self> {
         let engine = Engine::new(g.args.engine_config(), g.tok.filler());
-        let inner = Inner {
+        let mut inner = Inner {
             engine,
+            adapters: Vec::new(),
+            lora_names: HashMap::new(),
+            next_lora_id: 0,
+            lora_info: LoraInfo::new(g.start_unix),
             sinks: HashMap::new(),
             rng: Rng::new(g.args.seed.wrapping_add(index as u64)),
             ttft: Histogram::new(TTFT_BUCKETS),
@@ -229,6 +323,13 @@ impl Pod {
                     ^ index as u64,
             ),
         };
+        // Static adapters load at start like vLLM's `init_static_loras`: in
+        // order, so with more modules than cache room the last ones stay resident.
+        // (Validated in main: names are unique and LoRA is on when given.)
+        for m in g.args.lora_modules().unwrap_or_default() {
+            let parent = g.parent_of(m.base_model_name.as_deref());
+            let _ = inner.register_adapter(&m.name, &m.path, parent, false);
+        }
         Arc::new(Pod {
             index,
             port,
@@ -297,6 +398,7 @@ impl Pod {
             finish_reason: s.finish_reason,
             cache_salt: s.cache_salt,
             output_seed: seed,
+            lora: s.lora,
         });
         inner.sinks.insert(
             id,
@@ -309,6 +411,35 @@ impl Pod {
         drop(inner);
         self.cv.notify_one();
         (id, rx)
+    }
+
+    /// The registered adapter called `name`.
+    pub fn adapter(&self, name: &str) -> Option<LoraRef> {
+        let inner = self.lock();
+        inner
+            .adapters
+            .iter()
+            .find(|a| a.name == name)
+            .map(|a| LoraRef {
+                id: a.id,
+                name: a.name.clone(),
+            })
+    }
+
+    pub fn load_adapter(&self, name: &str, path: &str, inplace: bool) -> Result<(), LoadError> {
+        let parent = self.g.parent_of(None);
+        self.lock().register_adapter(name, path, parent, inplace)
+    }
+
+    /// Unregister an adapter; false when no adapter has that name.
+    pub fn unload_adapter(&self, name: &str) -> bool {
+        let mut inner = self.lock();
+        let Some(i) = inner.adapters.iter().position(|a| a.name == name) else {
+            return false;
+        };
+        let a = inner.adapters.remove(i);
+        inner.engine.unload_lora(a.id);
+        true
     }
 
     /// Client went away: abort in the engine (frees its KV blocks).
@@ -366,6 +497,9 @@ impl Pod {
             inner.engine.now = end;
             let outs = inner.engine.complete_step(&plan);
             inner.dispatch(outs);
+            if inner.engine.loras.is_some() {
+                inner.record_lora_info();
+            }
         }
     }
 }

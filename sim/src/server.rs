@@ -17,9 +17,10 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::engine::FinishReason;
+use crate::lora::LoraRef;
 use crate::metrics::{render, MetricsInput};
 use crate::pod::{
-    draw_output_len, AbortGuard, Event, Fault, Finish, MetricsFault, Pod, Shared, Submit,
+    draw_output_len, AbortGuard, Event, Fault, Finish, LoadError, MetricsFault, Pod, Shared, Submit,
 };
 use crate::tokenizer::{render_chat, segments_text, Segment};
 
@@ -323,19 +324,28 @@ fn as_usize(v: Option<&Value>, name: &str) -> Result<Option<usize>, ApiError> {
     }
 }
 
-fn check_model(g: &Shared, body: &Value) -> Result<String, ApiError> {
+/// The request's model: a served base model name, or a registered LoRA
+/// adapter (its id), as vLLM's `_check_model` / `_maybe_get_adapters` resolve
+/// it; anything else is vLLM's 404.
+fn check_model(pod: &Pod, body: &Value) -> Result<(String, Option<LoraRef>), ApiError> {
+    let g = &pod.g;
     match body.get("model") {
-        None | Some(Value::Null) => Ok(g.served[0].clone()),
+        None | Some(Value::Null) => Ok((g.served[0].clone(), None)),
         Some(Value::String(m)) => {
-            if g.args.any_model || g.served.iter().any(|s| s == m) {
-                Ok(m.clone())
-            } else {
-                Err(ApiError {
-                    status: StatusCode::NOT_FOUND,
-                    kind: "NotFoundError",
-                    message: format!("The model `{m}` does not exist."),
-                })
+            if g.served.iter().any(|s| s == m) {
+                return Ok((m.clone(), None));
             }
+            if let Some(l) = pod.adapter(m) {
+                return Ok((m.clone(), Some(l)));
+            }
+            if g.args.any_model {
+                return Ok((m.clone(), None));
+            }
+            Err(ApiError {
+                status: StatusCode::NOT_FOUND,
+                kind: "NotFoundError",
+                message: format!("The model `{m}` does not exist."),
+            })
         }
         Some(_) => Err(ApiError::bad("model must be a string")),
     }
@@ -567,7 +577,7 @@ async fn generate_inner(
 ) -> Result<Response<SimBody>, ApiError> {
     let (headers, body, size) = read_json(req).await?;
     let g = pod.g.clone();
-    let model = check_model(&g, &body)?;
+    let (model, lora) = check_model(&pod, &body)?;
     let (prompt, _text, body) = tokenize(&g, kind, body, size).await?;
     let (max_output, finish_reason) = plan_output(&pod, kind, &headers, &body, prompt.len())?;
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
@@ -600,6 +610,7 @@ async fn generate_inner(
         max_output,
         finish_reason,
         cache_salt,
+        lora,
     });
     let mut guard = AbortGuard::new(pod.clone(), rid);
 
@@ -700,7 +711,7 @@ async fn render_endpoint(
 ) -> Result<Response<SimBody>, ApiError> {
     let (_headers, body, size) = read_json(req).await?;
     let g = pod.g.clone();
-    let model = check_model(&g, &body)?;
+    let (model, _) = check_model(&pod, &body)?;
     let (ids, _text, body) = tokenize(&g, kind, body, size).await?;
     let max_tokens = requested_max_tokens(kind, &body)?;
     let suffix = pod.lock().next_response_id();
@@ -733,7 +744,7 @@ async fn tokenize_endpoint(
 ) -> Result<Response<SimBody>, ApiError> {
     let (_headers, body, size) = read_json(req).await?;
     let g = pod.g.clone();
-    check_model(&g, &body)?;
+    check_model(&pod, &body)?;
     let kind = if body.get("messages").is_some() {
         Kind::Chat
     } else {
@@ -762,7 +773,7 @@ async fn detokenize_endpoint(
     req: Request<Incoming>,
 ) -> Result<Response<SimBody>, ApiError> {
     let (_headers, body, _) = read_json(req).await?;
-    check_model(&pod.g, &body)?;
+    check_model(&pod, &body)?;
     let ids = body
         .get("tokens")
         .and_then(Value::as_array)
@@ -771,38 +782,122 @@ async fn detokenize_endpoint(
     Ok(ok_json(&json!({"prompt": pod.g.tok.decode(&ids)})))
 }
 
-fn models(g: &Shared) -> Response<SimBody> {
+/// vLLM's `show_available_models`: a card per served base model name, then
+/// one per registered adapter (`root` = its path, `parent` = its base model,
+/// no `max_model_len`).
+fn models(pod: &Pod) -> Response<SimBody> {
+    let g = &pod.g;
     let created = g.start_unix as u64;
-    let data: Vec<Value> = g
+    let card = |id: &str, root: &str, parent: Option<&str>, max_model_len: Option<usize>| {
+        json!({
+            "id": id,
+            "object": "model",
+            "created": created,
+            "owned_by": "vllm",
+            "root": root,
+            "parent": parent,
+            "max_model_len": max_model_len,
+            "permission": [{
+                "id": format!("modelperm-{:016x}", crate::kv::mix64(created)),
+                "object": "model_permission",
+                "created": created,
+                "allow_create_engine": false,
+                "allow_sampling": true,
+                "allow_logprobs": true,
+                "allow_search_indices": false,
+                "allow_view": true,
+                "allow_fine_tuning": false,
+                "organization": "*",
+                "group": null,
+                "is_blocking": false,
+            }],
+        })
+    };
+    let mut data: Vec<Value> = g
         .served
         .iter()
-        .map(|name| {
-            json!({
-                "id": name,
-                "object": "model",
-                "created": created,
-                "owned_by": "vllm",
-                "root": g.args.model,
-                "parent": null,
-                "max_model_len": g.args.max_model_len,
-                "permission": [{
-                    "id": format!("modelperm-{:016x}", crate::kv::mix64(created)),
-                    "object": "model_permission",
-                    "created": created,
-                    "allow_create_engine": false,
-                    "allow_sampling": true,
-                    "allow_logprobs": true,
-                    "allow_search_indices": false,
-                    "allow_view": true,
-                    "allow_fine_tuning": false,
-                    "organization": "*",
-                    "group": null,
-                    "is_blocking": false,
-                }],
-            })
-        })
+        .map(|name| card(name, &g.args.model, None, Some(g.args.max_model_len)))
         .collect();
+    let adapters = pod.lock().adapters.clone();
+    data.extend(
+        adapters
+            .iter()
+            .map(|a| card(&a.name, &a.path, Some(&a.parent), None)),
+    );
     ok_json(&json!({"object": "list", "data": data}))
+}
+
+/// vLLM's `InvalidUserInput` 400.
+fn invalid_input(message: String) -> ApiError {
+    ApiError {
+        status: StatusCode::BAD_REQUEST,
+        kind: "InvalidUserInput",
+        message,
+    }
+}
+
+/// A string field of a request body; empty or absent reads as missing.
+fn str_field<'a>(body: &'a Value, key: &str) -> Option<&'a str> {
+    body.get(key)
+        .and_then(Value::as_str)
+        .filter(|s| !s.is_empty())
+}
+
+/// vLLM's answer to a successful adapter load/unload: 200, the message as a
+/// plain body (FastAPI `Response(content=...)`, no content type).
+fn lora_success(message: String) -> Response<SimBody> {
+    full(StatusCode::OK, None, Bytes::from(message))
+}
+
+/// `POST /v1/load_lora_adapter` (`OpenAIServingModels.load_lora_adapter`).
+async fn load_lora_endpoint(
+    pod: Arc<Pod>,
+    req: Request<Incoming>,
+) -> Result<Response<SimBody>, ApiError> {
+    let (_h, body, _) = read_json(req).await?;
+    let (Some(name), Some(path)) = (str_field(&body, "lora_name"), str_field(&body, "lora_path"))
+    else {
+        return Err(invalid_input(
+            "Both 'lora_name' and 'lora_path' must be provided.".into(),
+        ));
+    };
+    let inplace = body
+        .get("load_inplace")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    match pod.load_adapter(name, path, inplace) {
+        Ok(()) => Ok(lora_success(format!(
+            "Success: LoRA adapter '{name}' added successfully."
+        ))),
+        Err(LoadError::AlreadyLoaded) => Err(invalid_input(format!(
+            "The lora adapter '{name}' has already been loaded."
+        ))),
+        // The engine's add_lora fails without --enable-lora; vLLM answers 400.
+        Err(LoadError::LoraDisabled) => Err(ApiError::bad("LoRA is not enabled.")),
+    }
+}
+
+/// `POST /v1/unload_lora_adapter` (`OpenAIServingModels.unload_lora_adapter`).
+async fn unload_lora_endpoint(
+    pod: Arc<Pod>,
+    req: Request<Incoming>,
+) -> Result<Response<SimBody>, ApiError> {
+    let (_h, body, _) = read_json(req).await?;
+    let Some(name) = str_field(&body, "lora_name") else {
+        return Err(invalid_input(
+            "either 'lora_name' and 'lora_int_id' needs to be provided.".into(),
+        ));
+    };
+    if !pod.unload_adapter(name) {
+        return Err(ApiError {
+            status: StatusCode::NOT_FOUND,
+            kind: "NotFoundError",
+            message: format!("The lora adapter '{name}' cannot be found."),
+        });
+    }
+    Ok(lora_success(format!(
+        "Success: LoRA adapter '{name}' removed successfully."
+    )))
 }
 
 /// Load as SGLang reports it: tokens held by running requests plus the prompt
@@ -914,6 +1009,10 @@ fn sim_stats(pod: &Pod) -> Response<SimBody> {
         "virtual_seconds": e.now,
         "time_scale": pod.g.args.time_scale,
         "clock_resyncs": pod.clock_resyncs(),
+        "lora_loads": c.lora_loads,
+        "lora_activations": c.lora_activations,
+        "loras_active": e.loras.as_ref().map(|l| inner.lora_names_of(l.active())),
+        "loras_loaded": e.loras.as_ref().map(|l| inner.lora_names_of(l.loaded())),
         "ttft_count": inner.ttft.count(),
         "ttft_sum_seconds": inner.ttft.sum(),
     }))
@@ -989,7 +1088,8 @@ async fn metrics_endpoint(pod: Arc<Pod>) -> Response<SimBody> {
                     ttft: &inner.ttft,
                     e2e: &inner.e2e,
                     itl: &inner.itl,
-                    start_unix: g.start_unix,
+                    max_lora: e.cfg.lora.map_or(0, |l| l.max_loras),
+                    lora_info: &inner.lora_info,
                 })
             };
             full(
@@ -1024,7 +1124,9 @@ async fn route(pod: Arc<Pod>, req: Request<Incoming>) -> Response<SimBody> {
     match path.as_str() {
         "/health" | "/ping" if get => full(StatusCode::OK, None, Bytes::new()),
         "/metrics" if get => metrics_endpoint(pod).await,
-        "/v1/models" if get => models(&pod.g),
+        "/v1/models" if get => models(&pod),
+        "/v1/load_lora_adapter" if post => flatten(load_lora_endpoint(pod, req).await),
+        "/v1/unload_lora_adapter" if post => flatten(unload_lora_endpoint(pod, req).await),
         "/version" if get => {
             ok_json(&json!({"version": concat!("0.0.0+kvgate-sim.", env!("CARGO_PKG_VERSION"))}))
         }
@@ -1056,6 +1158,8 @@ async fn route(pod: Arc<Pod>, req: Request<Incoming>) -> Response<SimBody> {
         | "/ping"
         | "/metrics"
         | "/v1/models"
+        | "/v1/load_lora_adapter"
+        | "/v1/unload_lora_adapter"
         | "/version"
         | "/v1/completions"
         | "/v1/chat/completions"

@@ -414,6 +414,129 @@ def test_peer_router_endpoints():
         assert call(port, "GET", "/nope").status == 404
 
 
+def test_served_names_adapters_and_unknown_models():
+    """Several base names and LoRA adapters on one pod: /v1/models lists them as vLLM does,
+    requests for any of them are served, load/unload answer with vLLM's bodies and codes, and a
+    model the pod does not serve gets vLLM's 404."""
+    chat = json.dumps({"name": "chat", "path": "/adapters/chat", "base_model_name": "base-b"})
+    with SimProc("--time-scale", 10, "--served-model-name", "base-a", "base-b", "--enable-lora",
+                 "--max-loras", 2, "--lora-modules", "sql=/adapters/sql", chat) as sim:
+        port = sim.port()
+        cards = call(port, "GET", "/v1/models").json()["data"]
+        assert [c["id"] for c in cards] == ["base-a", "base-b", "sql", "chat"]
+        for c in cards[:2]:
+            assert (c["root"], c["parent"], c["max_model_len"]) == (MODEL, None, 32768)
+        assert (cards[2]["root"], cards[2]["parent"], cards[2]["max_model_len"]) == ("/adapters/sql", "base-a", None)
+        assert (cards[3]["root"], cards[3]["parent"]) == ("/adapters/chat", "base-b")
+        assert all(c["object"] == "model" and c["owned_by"] == "vllm" for c in cards)
+
+        for model in ("base-a", "base-b", "sql", "chat"):
+            r = call(port, "POST", "/v1/completions", {"model": model, "prompt": "hello", "max_tokens": 2})
+            assert r.status == 200 and r.json()["model"] == model, (model, r.body)
+        r = call(port, "POST", "/v1/chat/completions",
+                 {"model": "nope", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status == 404
+        assert r.json()["error"] == {"message": "The model `nope` does not exist.", "type": "NotFoundError",
+                                     "param": None, "code": 404}
+
+        load = {"lora_name": "new", "lora_path": "/adapters/new"}
+        r = call(port, "POST", "/v1/load_lora_adapter", load)
+        assert r.status == 200 and r.body == b"Success: LoRA adapter 'new' added successfully."
+        new = call(port, "GET", "/v1/models").json()["data"][-1]
+        assert (new["id"], new["root"], new["parent"]) == ("new", "/adapters/new", "base-a")
+        assert call(port, "POST", "/v1/completions", {"model": "new", "prompt": "x", "max_tokens": 1}).status == 200
+        again = call(port, "POST", "/v1/load_lora_adapter", load)
+        assert again.status == 400 and again.json()["error"]["type"] == "InvalidUserInput"
+        assert again.json()["error"]["message"] == "The lora adapter 'new' has already been loaded."
+        missing = call(port, "POST", "/v1/load_lora_adapter", {"lora_name": "x"})
+        assert missing.status == 400
+        assert missing.json()["error"]["message"] == "Both 'lora_name' and 'lora_path' must be provided."
+
+        r = call(port, "POST", "/v1/unload_lora_adapter", {"lora_name": "new"})
+        assert r.status == 200 and r.body == b"Success: LoRA adapter 'new' removed successfully."
+        gone = call(port, "POST", "/v1/unload_lora_adapter", {"lora_name": "new"})
+        assert gone.status == 404 and gone.json()["error"]["type"] == "NotFoundError"
+        assert gone.json()["error"]["message"] == "The lora adapter 'new' cannot be found."
+        assert call(port, "POST", "/v1/completions", {"model": "new", "prompt": "x"}).status == 404
+        assert "new" not in [c["id"] for c in call(port, "GET", "/v1/models").json()["data"]]
+        assert call(port, "GET", "/v1/load_lora_adapter").status == 405
+
+    with SimProc("--time-scale", 10) as sim:
+        r = call(sim.port(), "POST", "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/a"})
+        assert r.status == 400 and r.json()["error"]["message"] == "LoRA is not enabled."
+        assert metric(sim.port(), "vllm:lora_requests_info", max_lora="0") > 0
+
+
+def _latest_lora_info(port):
+    fams = prom(port)
+    series = fams["vllm:lora_requests_info"].samples
+    assert all(set(s.labels) == {"max_lora", "running_lora_adapters", "waiting_lora_adapters"} for s in series)
+    return max(series, key=lambda s: s.value)
+
+
+def test_lora_requests_info_shows_running_and_waiting_adapters():
+    """With one adapter slot, a request for a second adapter waits while the first runs; the
+    newest `vllm:lora_requests_info` series (value = Unix time it was set) says so."""
+    with SimProc("--time-scale", 1, "--enable-lora", "--max-loras", 1,
+                 "--lora-modules", "x=/adapters/x", "y=/adapters/y") as sim:
+        port = sim.port()
+        results = {}
+
+        def run(model, tokens):
+            results[model] = stream(port, "/v1/completions", {"model": model, "prompt": "hi"},
+                                    {"x-sim-output-tokens": str(tokens)})
+
+        first = threading.Thread(target=run, args=("x", 150))
+        first.start()
+        deadline = time.time() + 5
+        while call(port, "GET", "/sim/stats").json()["running"] == 0 and time.time() < deadline:
+            time.sleep(0.005)
+        second = threading.Thread(target=run, args=("y", 5))
+        second.start()
+        seen = None
+        deadline = time.time() + 5
+        while time.time() < deadline:
+            latest = _latest_lora_info(port)
+            if latest.labels["waiting_lora_adapters"] == "y":
+                seen = latest
+                break
+            time.sleep(0.01)
+        assert seen is not None, "y never showed as waiting"
+        assert seen.labels["running_lora_adapters"] == "x" and seen.labels["max_lora"] == "1"
+        assert abs(seen.value - time.time()) < 60
+        first.join(30)
+        second.join(30)
+        assert results["x"]["done"] and results["y"]["done"]
+        # y only ran once x had finished and freed the slot.
+        assert results["y"]["e2e"] > results["x"]["e2e"] * 0.5
+        idle = _latest_lora_info(port)
+        assert (idle.labels["running_lora_adapters"], idle.labels["waiting_lora_adapters"]) == ("", "")
+        assert idle.value >= seen.value
+
+
+def test_non_resident_adapter_pays_a_load_before_its_first_token(capsys):
+    """One adapter slot and host cache: switching adapters loads the new one (40 ms + 3 ms
+    simulated by default) before its first step, so its TTFT is longer than a repeat request for
+    the adapter already loaded."""
+    rng = random.Random(16)
+    with SimProc("--time-scale", 1, "--enable-lora", "--max-loras", 1,
+                 "--lora-modules", "a=/adapters/a", "b=/adapters/b") as sim:
+        port = sim.port()
+        # b was loaded last at start, so a is not resident: a, a, b, b, a, a alternate cold and warm.
+        cold, warm = [], []
+        for i, model in enumerate(["a", "a", "b", "b", "a", "a"]):
+            r = stream(port, "/v1/completions", {"model": model, "prompt": words(200, rng), "max_tokens": 2})
+            assert r["status"] == 200 and r["done"]
+            (cold if i % 2 == 0 else warm).append(r["ttft"])
+        stats = call(port, "GET", "/sim/stats").json()
+        assert stats["lora_loads"] == 3 and stats["loras_active"] == ["a"]
+    cold.sort()
+    warm.sort()
+    gap = cold[1] - warm[1]
+    show(capsys, f"adapter switch: TTFT median cold {cold[1] * 1000:.1f} ms, warm {warm[1] * 1000:.1f} ms")
+    assert 0.025 < gap < 0.1, (cold, warm)
+
+
 def _run_rate(port, rate_virtual, scale, n, prompt_words, out_tokens, seed):
     """Open-loop Poisson arrivals at `rate_virtual` simulated req/s. Returns measured numbers in
     simulated time."""
