@@ -28,6 +28,7 @@ pub mod router;
 pub mod scrape;
 pub mod sessions;
 pub mod stats;
+pub mod status;
 pub mod store;
 
 #[cfg(any(test, feature = "fake-host"))]
