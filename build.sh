@@ -8,7 +8,8 @@
 #                       end-to-end tests (real Envoy, kvgate-sim; faults, hostile input, Istio)
 #   ./build.sh build    kvgate.wasm (release) and the helper binaries
 #   ./build.sh bench    the full benchmark against peer routers (results/, BENCHMARKS.md)
-#   ./build.sh oci      kvgate.wasm as an OCI image (target/oci/kvgate) for Istio; stamps istio/*.yaml
+#   ./build.sh oci      kvgate.wasm as an OCI image (target/oci/kvgate) for Istio, and target/istio/:
+#                       istio/*.yaml with this build's digests in place of their placeholders
 #   ./build.sh setup    only the set-up
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -56,6 +57,17 @@ setup_wasm_runner() {
     fi
 }
 
+# The e2e tests start a real Prometheus and run promtool (monitoring/): Debian's package, installed
+# once per machine when missing (CI runs as root on Debian; elsewhere, with sudo if available).
+setup_prometheus() {
+    command -v prometheus >/dev/null && command -v promtool >/dev/null && return 0
+    local sudo=""
+    [ "$(id -u)" = 0 ] || sudo=sudo
+    log "installing Debian's prometheus package (for the monitoring e2e tests)"
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+}
+
 setup() {
     setup_rust
     setup_venv
@@ -100,20 +112,25 @@ fuzz_short() {
 }
 
 e2e_tests() {
-    log "end-to-end tests (real Envoy, kvgate-sim)"
+    setup_prometheus
+    log "end-to-end tests (real Envoy, kvgate-sim, Prometheus)"
     (cd tests/e2e && "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@")
 }
 
-# The OCI image Istio pulls (docs/istio.md), and the digests the Istio manifests pin.
+# The OCI image Istio pulls (docs/istio.md), and the Istio manifests pinning it: istio/*.yaml carry
+# placeholder digests; their copies in target/istio/ get this build's.
 oci() {
-    log "packaging $WASM as an OCI image in target/oci/kvgate; stamping istio/*.yaml"
-    "$VENV/bin/python" tools/oci.py "$WASM" --out target/oci/kvgate --stamp istio/*.yaml
+    log "packaging $WASM as an OCI image in target/oci/kvgate; stamped manifests in target/istio/"
+    rm -rf target/istio
+    mkdir -p target/istio
+    cp istio/*.yaml target/istio/
+    "$VENV/bin/python" tools/oci.py "$WASM" --out target/oci/kvgate --stamp target/istio/*.yaml
 }
 
 cmd=${1:-help}
 shift || true
 case "$cmd" in
-    setup) setup; setup_wasm_runner ;;
+    setup) setup; setup_wasm_runner; setup_prometheus ;;
     build) build ;;
     lint) setup_rust; lint ;;
     test)

@@ -19,6 +19,8 @@ pub struct Config {
     pub debug_headers: bool,
     /// Model-server pods as `ip:port`, in addition to any discovered ones.
     pub pods: Vec<String>,
+    /// A path kvgate answers itself with the pool's state (src/status.rs); empty turns it off.
+    pub status_path: String,
     pub discovery: DiscoveryConfig,
     pub metrics: MetricsConfig,
     pub routing: RoutingConfig,
@@ -33,6 +35,7 @@ impl Default for Config {
             max_body_bytes: 1024 * 1024,
             debug_headers: false,
             pods: Vec::new(),
+            status_path: String::new(),
             discovery: DiscoveryConfig::default(),
             metrics: MetricsConfig::default(),
             routing: RoutingConfig::default(),
@@ -354,6 +357,16 @@ impl Config {
                 "intervals and timeouts must be > 0",
             ));
         }
+        // Matched against `:path` before the query, so it must look like one path and no more.
+        let s = &self.status_path;
+        if !s.is_empty()
+            && (!s.starts_with('/') || s.bytes().any(|b| b == b'?' || !b.is_ascii_graphic()))
+        {
+            return Err(invalid(
+                "statusPath",
+                "must be empty or a path starting with / (no query, no spaces)",
+            ));
+        }
         if !self.metrics.path.starts_with('/') {
             return Err(invalid("metrics.path", "must start with /"));
         }
@@ -504,6 +517,18 @@ mod tests {
         let err = Config::parse(br#"{"maxBodyBytes":"big"}"#).unwrap_err();
         assert_eq!(err.field, "maxBodyBytes");
         assert!(err.reason.contains("invalid type"), "{err}");
+    }
+
+    #[test]
+    fn a_status_path_is_one_plain_path_or_nothing() {
+        for bad in ["status", "/s?x=1", "/a b", "/é"] {
+            let json = format!(r#"{{"statusPath":"{bad}"}}"#);
+            let err = Config::parse(json.as_bytes()).unwrap_err();
+            assert_eq!(err.field, "statusPath", "{bad}");
+        }
+        let c = Config::parse(br#"{"statusPath":"/kvgate/status"}"#).unwrap();
+        assert_eq!(c.status_path, "/kvgate/status");
+        assert_eq!(Config::default().status_path, "", "off by default");
     }
 
     #[test]

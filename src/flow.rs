@@ -62,6 +62,8 @@ pub struct Head<'a> {
     pub content_length: Option<u64>,
     /// The request has no body.
     pub end_of_stream: bool,
+    /// `accept`, read only while the status page is on (it picks HTML or JSON).
+    pub accept: Option<&'a str>,
     /// Values of the admission headers (objective, priority, tenant, session), as configured.
     pub objective: Option<&'a str>,
     pub priority: Option<&'a str>,
@@ -112,7 +114,7 @@ fn too_large(limit: u64) -> LocalReply {
 }
 
 impl Flow {
-    pub fn on_request_headers(&mut self, gate: &Gate, head: &Head) -> Decision {
+    pub fn on_request_headers(&mut self, gate: &Gate, store: &dyn Store, head: &Head) -> Decision {
         let cfg = &gate.config;
         self.class = Class::from_headers(
             &cfg.admission,
@@ -121,7 +123,16 @@ impl Flow {
             head.tenant,
             head.session,
         );
-        let mut decision = self.classify(cfg, head);
+        let mut decision = if crate::status::is_status_path(cfg, head.path) {
+            Decision::step(Step::Reply(crate::status::reply(
+                gate,
+                store,
+                head.method,
+                head.accept,
+            )))
+        } else {
+            self.classify(cfg, head)
+        };
         decision.remove.push(DESTINATION_HEADER);
         decision.remove.push(ORIGINAL_DST_HEADER);
         decision
@@ -408,6 +419,18 @@ impl Flow {
         let Some(usage) = meter.finish() else {
             return;
         };
+        // The estimate beside what the engine reported, summed: ratios of their rates are the
+        // estimator's error over any window (the dashboard's accuracy panel, the drift alerts).
+        let stats = &mut gate.stats;
+        stats.count("kvgate.estimate.prompt_tokens", a.estimate.prompt_tokens);
+        stats.count("kvgate.usage.prompt_tokens", usage.prompt_tokens);
+        stats.count("kvgate.estimate.output_tokens", a.estimate.output_tokens);
+        stats.count("kvgate.usage.completion_tokens", usage.completion_tokens);
+        stats.count("kvgate.estimate.cost_tokens", a.estimate.cost);
+        stats.count(
+            "kvgate.usage.total_tokens",
+            usage.prompt_tokens + usage.completion_tokens,
+        );
         let sample = Sample {
             static_text_tokens: a.static_text_tokens,
             fixed_tokens: a.fixed_tokens,
@@ -454,7 +477,7 @@ mod tests {
 
     #[test]
     fn destination_header_is_always_stripped() {
-        let (_, _, gate) = gate(Config::default());
+        let (_, vm, gate) = gate(Config::default());
         for h in [
             head("/v1/chat/completions"),
             head("/other"),
@@ -464,7 +487,7 @@ mod tests {
             },
         ] {
             assert!(Flow::default()
-                .on_request_headers(&gate, &h)
+                .on_request_headers(&gate, &vm, &h)
                 .remove
                 .contains(&DESTINATION_HEADER));
         }
@@ -472,10 +495,10 @@ mod tests {
 
     #[test]
     fn unknown_and_non_json_pass_through_or_404() {
-        let (_, _, mut gate) = gate(Config::default());
+        let (_, vm, mut gate) = gate(Config::default());
         assert_eq!(
             Flow::default()
-                .on_request_headers(&gate, &head("/v1/models"))
+                .on_request_headers(&gate, &vm, &head("/v1/models"))
                 .step,
             Step::Forward
         );
@@ -484,27 +507,28 @@ mod tests {
             ..head("/v1/completions")
         };
         assert_eq!(
-            Flow::default().on_request_headers(&gate, &text).step,
+            Flow::default().on_request_headers(&gate, &vm, &text).step,
             Step::Forward
         );
         gate.config.passthrough_unknown = false;
-        let d = Flow::default().on_request_headers(&gate, &head("/v1/models"));
+        let d = Flow::default().on_request_headers(&gate, &vm, &head("/v1/models"));
         assert!(matches!(d.step, Step::Reply(r) if r.status == 404));
     }
 
     #[test]
     fn oversize_and_empty_bodies_answer_locally() {
-        let (_, _, gate) = gate(Config::default());
+        let (_, vm, gate) = gate(Config::default());
         let big = Head {
             content_length: Some(2 << 20),
             ..head("/v1/completions")
         };
         assert!(
-            matches!(Flow::default().on_request_headers(&gate, &big).step, Step::Reply(r) if r.status == 413)
+            matches!(Flow::default().on_request_headers(&gate, &vm, &big).step, Step::Reply(r) if r.status == 413)
         );
         let mut f = Flow::default();
         assert_eq!(
-            f.on_request_headers(&gate, &head("/v1/completions")).step,
+            f.on_request_headers(&gate, &vm, &head("/v1/completions"))
+                .step,
             Step::WaitForBody
         );
         assert!(f.on_body_progress(&gate, 10).is_none());
@@ -516,7 +540,7 @@ mod tests {
             ..head("/v1/completions")
         };
         assert!(
-            matches!(Flow::default().on_request_headers(&gate, &empty).step, Step::Reply(r) if r.status == 400)
+            matches!(Flow::default().on_request_headers(&gate, &vm, &empty).step, Step::Reply(r) if r.status == 400)
         );
     }
 
@@ -528,12 +552,12 @@ mod tests {
             ..Config::default()
         });
         let mut f = Flow::default();
-        f.on_request_headers(&gate, &head("/v1/chat/completions"));
+        f.on_request_headers(&gate, &vm, &head("/v1/chat/completions"));
         let d = f.on_body(&mut gate, &vm, b"{oops");
         assert!(matches!(d.step, Step::Reply(r) if r.status == 400));
 
         let mut f = Flow::default();
-        f.on_request_headers(&gate, &head("/v1/chat/completions"));
+        f.on_request_headers(&gate, &vm, &head("/v1/chat/completions"));
         let body = br#"{"model":"m","messages":[{"role":"user","content":"hello there"}],"max_tokens":20}"#;
         let d = f.on_body(&mut gate, &vm, body);
         assert_eq!(d.step, Step::Forward);

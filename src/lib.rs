@@ -31,6 +31,7 @@ pub mod router;
 pub mod scrape;
 pub mod sessions;
 pub mod stats;
+pub mod status;
 pub mod store;
 
 #[cfg(any(test, feature = "fake-host"))]

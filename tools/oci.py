@@ -24,8 +24,11 @@ compares it with the image *manifest* digest; for `http(s)://` with the module's
 
 Standard library only. Usage:
   tools/oci.py target/wasm32-wasip1/release/kvgate.wasm                 # -> target/oci/kvgate
-  tools/oci.py WASM --out DIR --tag 0.1.0 --stamp istio/*.yaml          # also rewrite sha256s
-  tools/oci.py WASM --check istio/*.yaml                                # exit 1 if stale
+  tools/oci.py WASM --out DIR --tag 0.1.0 --stamp target/istio/*.yaml   # also rewrite sha256s
+  tools/oci.py WASM --check target/istio/*.yaml                         # exit 1 if stale
+
+istio/*.yaml are checked in with a placeholder digest (64 zeros, which no module has, so an
+unstamped manifest fails closed); `./build.sh oci` stamps copies of them in target/istio/.
 """
 
 import argparse

@@ -584,6 +584,7 @@ impl World {
                     }),
                     content_length: Some(if *lie_length { 1 } else { bytes.len() as u64 }),
                     end_of_stream: *no_body,
+                    accept: None,
                     objective: [None, Some("batch"), Some("critical"), Some("unknown")]
                         [usize::from(*objective) % 4],
                     priority: None,
@@ -591,7 +592,8 @@ impl World {
                     session: (*session % 5 != 0).then_some(session_id.as_str()),
                 };
                 let mut flow = Flow::default();
-                let d = flow.on_request_headers(&self.workers[w].gate, &head);
+                let worker = &self.workers[w];
+                let d = flow.on_request_headers(&worker.gate, &worker.vm, &head);
                 assert!(
                     d.remove.contains(&DESTINATION_HEADER),
                     "destination not stripped"

@@ -90,18 +90,26 @@ impl HttpContext for Http {
             host::request_header("content-length").and_then(|v| v.trim().parse().ok());
         let (objective, priority) = (read(&a.objective_header), read(&a.priority_header));
         let (tenant, session) = (read(&a.tenant_header), read(&a.session_header));
+        // One host call less per request while the status page is off (its only reader).
+        let accept = (!gate.config.status_path.is_empty())
+            .then(|| host::request_header("accept"))
+            .flatten();
         let head = Head {
             method: &method,
             path: &path,
             content_type: content_type.as_deref(),
             content_length,
             end_of_stream,
+            accept: accept.as_deref(),
             objective: objective.as_deref(),
             priority: priority.as_deref(),
             tenant: tenant.as_deref(),
             session: session.as_deref(),
         };
-        let decision = self.flow.borrow_mut().on_request_headers(&gate, &head);
+        let decision = self
+            .flow
+            .borrow_mut()
+            .on_request_headers(&gate, &HostStore, &head);
         drop(gate);
         self.act(decision)
     }

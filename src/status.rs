@@ -1,0 +1,346 @@
+//! The status page (`statusPath`): the pool as kvgate sees it at this moment, read from shared
+//! data by whichever worker took the request — each pod's budget, reservations, active blocks,
+//! requests in flight, scraped queue, the age of its last scrape and its health, and the line in
+//! front of the pool. JSON for tools, a small HTML table for a person (`Accept: text/html`).
+//! Stats say how these numbers move over time; this page says what they are now, per pod, without
+//! a Prometheus in between.
+
+use crate::config::Config;
+use crate::gate::Gate;
+use crate::pod_state::{self, PodRecord};
+use crate::reply::LocalReply;
+use crate::store::Store;
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+
+/// Whether `path` (its query string ignored) is the configured status path.
+pub fn is_status_path(cfg: &Config, path: &str) -> bool {
+    let bare = path.split_once('?').map_or(path, |(p, _)| p);
+    !cfg.status_path.is_empty() && bare == cfg.status_path
+}
+
+/// The answer to a request on the status path: the page for GET and HEAD, 405 otherwise.
+pub fn reply(gate: &Gate, store: &dyn Store, method: &str, accept: Option<&str>) -> LocalReply {
+    if !(method.eq_ignore_ascii_case("GET") || method.eq_ignore_ascii_case("HEAD")) {
+        return LocalReply::error(
+            405,
+            "method_not_allowed",
+            "kvgate's status page answers GET only",
+            None,
+        )
+        .with_header("allow", "GET, HEAD".into());
+    }
+    let page = pool(gate, store);
+    let html = accept.is_some_and(|a| a.to_ascii_lowercase().contains("text/html"));
+    let (content_type, body) = if html {
+        ("text/html; charset=utf-8", render_html(&page).into_bytes())
+    } else {
+        ("application/json", page.to_string().into_bytes())
+    };
+    LocalReply {
+        status: 200,
+        headers: vec![
+            ("content-type".into(), content_type.into()),
+            // A snapshot of a moment: a cached copy would show a pool that no longer exists.
+            ("cache-control".into(), "no-store".into()),
+        ],
+        body,
+    }
+}
+
+/// One pod's line of the page.
+fn pod(cfg: &Config, pod: &str, rec: &PodRecord, now: u64) -> Value {
+    let snapshot = rec.snapshot.as_ref();
+    let age = snapshot.map(|s| now.saturating_sub(s.at_ms));
+    // The same judgements the pool gauges make (gate.rs): stale only when scraping is on, and a
+    // pod never scraped is not held against.
+    let stale =
+        !cfg.metrics.cluster.is_empty() && age.is_none_or(|a| a > cfg.metrics.stale_after_ms);
+    json!({
+        "pod": pod,
+        "healthy": snapshot.is_none_or(|s| s.healthy),
+        "stale": stale,
+        "lastScrapeAgeMs": age,
+        // null: no budget limits this pod.
+        "budgetTokens": crate::budget::budget_tokens(cfg, snapshot),
+        "reservedTokens": rec.reserved_tokens(),
+        "activeBlocks": rec.active_blocks(),
+        "inFlight": rec.entries.len(),
+        "waiting": snapshot.map(|s| s.waiting),
+        "running": snapshot.map(|s| s.running),
+        "kvUsage": snapshot.map(|s| s.kv_usage),
+        "capacityTokens": snapshot.map(|s| s.capacity_tokens),
+    })
+}
+
+/// The whole page as data; a pod or the line that cannot be read says so in its place.
+fn pool(gate: &Gate, store: &dyn Store) -> Value {
+    let cfg = &gate.config;
+    let now = store.now_ms();
+    let pods: Vec<Value> = gate
+        .router
+        .pods()
+        .iter()
+        .map(|p| match pod_state::read(store, p) {
+            Ok(rec) => pod(cfg, p, &rec, now),
+            Err(e) => json!({"pod": p, "error": format!("{e:?}")}),
+        })
+        .collect();
+    let line = match crate::queue::read(store) {
+        Ok(q) => {
+            let mut bands: BTreeMap<String, usize> = BTreeMap::new();
+            for t in &q.tickets {
+                *bands.entry(t.priority.to_string()).or_default() += 1;
+            }
+            let oldest = q.tickets.iter().map(|t| t.enqueued_ms).min();
+            json!({
+                "length": q.tickets.len(),
+                "byPriority": bands,
+                "oldestWaitMs": oldest.map(|t| now.saturating_sub(t)),
+            })
+        }
+        Err(e) => json!({"error": format!("{e:?}")}),
+    };
+    json!({
+        "vm": gate.vm(),
+        "nowMs": now,
+        "admission": cfg.admission.enabled,
+        "scraping": !cfg.metrics.cluster.is_empty(),
+        "blockTokens": gate.router.block_tokens(&cfg.routing),
+        "queue": line,
+        "pods": pods,
+    })
+}
+
+/// Text made safe inside HTML: pod names come from discovery, errors from the host.
+fn escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '&' => out.push_str("&amp;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&#39;"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// A cell: `null` (not known, or no limit) as a dash, strings unquoted.
+fn cell(v: &Value) -> String {
+    match v {
+        Value::Null => "–".into(),
+        Value::String(s) => escape(s),
+        Value::Number(n) => n
+            .as_f64()
+            .filter(|f| f.fract() != 0.0)
+            .map_or_else(|| n.to_string(), |f| format!("{f:.2}")),
+        other => escape(&other.to_string()),
+    }
+}
+
+const COLUMNS: [(&str, &str); 11] = [
+    ("pod", "pod"),
+    ("healthy", "healthy"),
+    ("stale", "stale"),
+    ("lastScrapeAgeMs", "last scrape (ms ago)"),
+    ("budgetTokens", "budget (tokens)"),
+    ("reservedTokens", "reserved (tokens)"),
+    ("activeBlocks", "active blocks"),
+    ("inFlight", "in flight"),
+    ("waiting", "waiting (scraped)"),
+    ("running", "running (scraped)"),
+    ("kvUsage", "KV usage (scraped)"),
+];
+
+fn render_html(page: &Value) -> String {
+    let mut html = String::from(
+        "<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>kvgate pool</title>\
+         <style>td,th{padding:2px 8px;text-align:right}td:first-child{text-align:left}</style>\
+         </head><body>\n<h1>kvgate pool</h1>\n",
+    );
+    let q = &page["queue"];
+    html.push_str(&format!(
+        "<p>line: {} waiting (by priority: {}), oldest {} ms; admission {}; seen by VM {}</p>\n",
+        cell(&q["length"]),
+        escape(&q["byPriority"].to_string()),
+        cell(&q["oldestWaitMs"]),
+        if page["admission"] == Value::Bool(true) {
+            "on"
+        } else {
+            "off"
+        },
+        cell(&page["vm"]),
+    ));
+    html.push_str("<table>\n<tr>");
+    for (_, title) in COLUMNS {
+        html.push_str(&format!("<th>{title}</th>"));
+    }
+    html.push_str("</tr>\n");
+    for p in page["pods"].as_array().into_iter().flatten() {
+        html.push_str("<tr>");
+        for (key, _) in COLUMNS {
+            let v = match (&p[key], &p["error"]) {
+                (Value::Null, Value::String(e)) if key != "pod" => Value::String(e.clone()),
+                (v, _) => v.clone(),
+            };
+            html.push_str(&format!("<td>{}</td>", cell(&v)));
+        }
+        html.push_str("</tr>\n");
+    }
+    html.push_str("</table>\n</body></html>\n");
+    html
+}
+
+#[cfg(test)]
+mod tests {
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    use super::*;
+    use crate::fake_host::{FakeHost, FakeVm};
+    use crate::flow::{Flow, Head, Step};
+    use crate::pod_state::Snapshot;
+
+    const PODS: [&str; 2] = ["10.0.0.1:80", "10.0.0.2:80"];
+
+    /// A gate with two pods and the status page on, one request in flight on the first pod (its
+    /// reservation held), the first pod scraped 1.5 s ago and the second never.
+    fn pool_with_one_request() -> (FakeHost, FakeVm, Gate) {
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let mut cfg = Config {
+            status_path: "/kvgate/status".into(),
+            pods: PODS.iter().map(|p| p.to_string()).collect(),
+            ..Config::default()
+        };
+        cfg.admission.budget_tokens = 10_000;
+        cfg.metrics.cluster = "kvgate_metrics".into();
+        let mut gate = Gate::new(cfg, &vm).unwrap();
+        host.set_now_ms(10_000);
+        let snapshot = Snapshot {
+            at_ms: 10_000,
+            healthy: true,
+            running: 1.0,
+            waiting: 2.0,
+            kv_usage: 0.25,
+            capacity_tokens: 50_000,
+            block_size: 16,
+            no_prefix_caching: false,
+        };
+        pod_state::write_snapshot(&vm, PODS[0], snapshot, 0).unwrap();
+        host.set_now_ms(11_500);
+        let mut flow = Flow::default();
+        let head = Head {
+            method: "POST",
+            path: "/v1/completions",
+            content_type: Some("application/json"),
+            ..Head::default()
+        };
+        assert_eq!(
+            flow.on_request_headers(&gate, &vm, &head).step,
+            Step::WaitForBody
+        );
+        let body = br#"{"model":"m","prompt":"a prompt of a few words","max_tokens":100}"#;
+        assert_eq!(flow.on_body(&mut gate, &vm, body).step, Step::Forward);
+        (host, vm, gate)
+    }
+
+    fn get(gate: &Gate, vm: &FakeVm, path: &str, accept: Option<&str>) -> Step {
+        let head = Head {
+            method: "GET",
+            path,
+            accept,
+            ..Head::default()
+        };
+        Flow::default().on_request_headers(gate, vm, &head).step
+    }
+
+    #[test]
+    fn the_page_shows_each_pod_as_shared_data_holds_it() {
+        let (_host, vm, gate) = pool_with_one_request();
+        let Step::Reply(r) = get(&gate, &vm, "/kvgate/status?x=1", None) else {
+            panic!("the status path is answered locally");
+        };
+        assert_eq!(r.status, 200);
+        assert!(r
+            .headers
+            .contains(&("content-type".into(), "application/json".into())));
+        let page: Value = serde_json::from_slice(&r.body).unwrap();
+        let pods = page["pods"].as_array().unwrap();
+        let busy = pods
+            .iter()
+            .find(|p| p["inFlight"] == 1)
+            .expect("the request is in flight on one pod");
+        let reserved = busy["reservedTokens"].as_u64().unwrap();
+        assert!(reserved >= 64, "at least the minimum reservation: {busy}");
+        assert!(busy["activeBlocks"].as_u64().unwrap() > 0, "{busy}");
+        assert_eq!(busy["budgetTokens"], 10_000);
+        let scraped = pods.iter().find(|p| p["pod"] == PODS[0]).unwrap();
+        assert_eq!(
+            (
+                &scraped["lastScrapeAgeMs"],
+                &scraped["waiting"],
+                &scraped["stale"]
+            ),
+            (&json!(1_500), &json!(2.0), &json!(false))
+        );
+        let never = pods.iter().find(|p| p["pod"] == PODS[1]).unwrap();
+        assert_eq!(
+            (
+                &never["lastScrapeAgeMs"],
+                &never["stale"],
+                &never["healthy"]
+            ),
+            (&Value::Null, &json!(true), &json!(true)),
+            "never scraped: stale, but not held against"
+        );
+        assert_eq!(page["queue"]["length"], 0);
+    }
+
+    #[test]
+    fn a_person_asking_for_html_gets_a_table_with_names_escaped() {
+        let (_host, vm, mut gate) = pool_with_one_request();
+        let Step::Reply(r) = get(
+            &gate,
+            &vm,
+            "/kvgate/status",
+            Some("text/html,application/xhtml+xml"),
+        ) else {
+            panic!("answered locally");
+        };
+        let html = String::from_utf8(r.body).unwrap();
+        assert!(r.headers[0].1.starts_with("text/html"));
+        assert_eq!(html.matches("<tr><td>").count(), 2, "one row per pod");
+        assert!(html.contains("<td>10.0.0.1:80</td><td>true</td><td>false</td><td>1500</td>"));
+        assert!(html.contains("<td>0.25</td>"), "fractions shown as such");
+        assert_eq!(escape("<b x='1'>&\""), "&lt;b x=&#39;1&#39;&gt;&amp;&quot;");
+        gate.config.status_path = "/s".into();
+        let json = get(&gate, &vm, "/s", Some("application/json"));
+        assert!(matches!(json, Step::Reply(r) if r.headers[0].1 == "application/json"));
+    }
+
+    #[test]
+    fn the_page_is_off_by_default_and_answers_only_reads() {
+        let (_host, vm, mut gate) = pool_with_one_request();
+        let post = Head {
+            method: "POST",
+            path: "/kvgate/status",
+            content_type: Some("application/json"),
+            ..Head::default()
+        };
+        let d = Flow::default().on_request_headers(&gate, &vm, &post);
+        assert!(matches!(&d.step, Step::Reply(r) if r.status == 405));
+        assert!(d.remove.contains(&crate::flow::DESTINATION_HEADER));
+        assert_eq!(
+            get(&gate, &vm, "/kvgate/status/other", None),
+            Step::Forward,
+            "only the exact path"
+        );
+        gate.config.status_path = String::new();
+        assert_eq!(get(&gate, &vm, "/kvgate/status", None), Step::Forward);
+        assert_eq!(get(&gate, &vm, "", None), Step::Forward);
+    }
+}
