@@ -210,25 +210,29 @@ mod tests {
     fn learns_scale_and_output_quantile_shared_across_vms() {
         let host = FakeHost::new();
         let (a, b) = (host.vm(), host.vm());
-        let cfg = EstimatorConfig {
+        // A small weight over many samples keeps the decayed mix near the true one: every tenth
+        // output is 1000 tokens, the rest 100.
+        let at = |output_quantile: f64| EstimatorConfig {
             min_samples: 5,
-            calibration_weight: 0.2,
+            calibration_weight: 0.01,
+            output_quantile,
             ..EstimatorConfig::default()
         };
-        let mut cal = Calibration::default();
-        for i in 0..40 {
+        for i in 0..1_000 {
             let out = if i % 10 == 0 { 1000 } else { 100 };
-            Calibration::record(&a, "m", sample(100.0, 130, Some(out)), &cfg).unwrap();
+            Calibration::record(&a, "m", sample(100.0, 130, Some(out)), &at(0.5)).unwrap();
         }
-        let learned = cal.learned(&b, "m", &cfg).unwrap();
-        assert!((learned.prompt_scale - 1.3).abs() < 0.01, "{learned:?}");
-        // 10 % of outputs are 1000 tokens: the 0.9 quantile sits at the 100-token bucket edge or
-        // above, and within one bucket of the truth.
-        assert!(
-            (100.0..=1200.0).contains(&learned.output_quantile),
-            "{learned:?}"
-        );
-        assert_eq!(cal.learned(&b, "other", &cfg), None);
+        let learned = |q: f64| Calibration::default().learned(&b, "m", &at(q)).unwrap();
+        assert!((learned(0.5).prompt_scale - 1.3).abs() < 0.01);
+        // The configured quantile picks the bucket: below the 1000-token tenth, the upper edge
+        // of the 100-token bucket; above it, that of the 1000-token bucket.
+        let (short, long) = (bucket_upper(bucket(100)), bucket_upper(bucket(1000)));
+        assert!((100.0..110.0).contains(&short) && (1000.0..1200.0).contains(&long));
+        assert_eq!(learned(0.5).output_quantile, short);
+        assert_eq!(learned(0.85).output_quantile, short);
+        assert_eq!(learned(0.95).output_quantile, long);
+        assert_eq!(learned(0.99).output_quantile, long);
+        assert_eq!(Calibration::default().learned(&b, "other", &at(0.9)), None);
     }
 
     #[test]
