@@ -147,6 +147,8 @@ fn load_corpus() -> Result<Vec<Sample>, String> {
 /// The prompt scale kvgate's calibration learns from these (static estimate, true tokens) pairs,
 /// fed in order to `Calibration::record` on a fresh in-memory host and read back as `learned`
 /// does (default weights; every sample counts, whatever `minSamples` says).
+// A test helper: a failing record must stop the test, as in a #[test] function.
+#[allow(clippy::expect_used)]
 fn learn_scale(pairs: impl Iterator<Item = (f64, usize)>) -> f64 {
     const MODEL: &str = "accuracy";
     let cfg = EstimatorConfig {
