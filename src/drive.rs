@@ -221,9 +221,9 @@ mod tests {
     fn a_parked_stream_that_is_gone_is_released_and_the_next_one_admitted() {
         let (_h, vm, mut gate) = gate();
         let mut host = Host::default();
-        send(&mut gate, &vm, &mut host, 1);
-        send(&mut gate, &vm, &mut host, 2);
-        send(&mut gate, &vm, &mut host, 3);
+        for context in 1..=3 {
+            send(&mut gate, &vm, &mut host, context);
+        }
         host.gone.insert(2);
         host.flows.get_mut(&1).unwrap().on_done(&mut gate, &vm);
         run_line(&mut gate, &vm, &mut host);
