@@ -11,14 +11,18 @@
 #                                         run otherwise spends its time replaying a large corpus
 #   scripts/fuzz.sh build | list | setup
 #
-# Sets up what it needs, idempotently: checks for the nightly toolchain and installs cargo-fuzz
-# (pinned) into $KVGATE_TOOLS (default ~/.cache/kvgate-tools, shared with build.sh).
+# Sets up what it needs, idempotently: a toolchain cargo-fuzz can drive and cargo-fuzz itself
+# (pinned) in $KVGATE_TOOLS (default ~/.cache/kvgate-tools, shared with build.sh). The toolchain is
+# nightly when rustup has it or can install it; otherwise stable with RUSTC_BOOTSTRAP=1, which
+# accepts the -Z flags cargo-fuzz passes (its coverage instrumentation and libFuzzer build work
+# on stable: checked with cargo-fuzz 0.13.2 and Rust 1.95). Any failure to set up, build or run
+# is an error: a run that fuzzed nothing is never reported as a success.
 # Environment:
 #   FUZZ_SANITIZER    none (default: the core has no unsafe code; ~2x the executions) or address
 #   KVGATE_FUZZ_SKIP  comma-separated checks for known, reported bugs to switch off, so a run can
 #                     look past them (names in docs/fuzzing.md); every check is on by default
 # Corpora grow in fuzz/corpus/<target> (git-ignored), seeded from fuzz/seeds/<target>; crashes
-# and logs go to fuzz/artifacts/<target>/. Exits non-zero when any target crashed.
+# and logs go to fuzz/artifacts/<target>/. Exits non-zero when any target crashed or ran nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -40,10 +44,17 @@ max_len() {
     esac
 }
 
+# The toolchain `cargo +$TOOLCHAIN fuzz` runs with (set by setup).
+TOOLCHAIN=nightly
+
 setup() {
     if ! rustup toolchain list | grep -q '^nightly'; then
         log "installing the nightly toolchain (cargo-fuzz needs -Z flags and sanitizer coverage)"
-        rustup toolchain install nightly --profile minimal
+        if ! rustup toolchain install nightly --profile minimal; then
+            log "no nightly toolchain to be had: fuzzing on stable with RUSTC_BOOTSTRAP=1"
+            TOOLCHAIN=stable
+            export RUSTC_BOOTSTRAP=1
+        fi
     fi
     if ! "$TOOLS/bin/cargo-fuzz" --version 2>/dev/null | grep -q " $CARGO_FUZZ_VERSION\$"; then
         log "installing cargo-fuzz $CARGO_FUZZ_VERSION into $TOOLS (once per machine, about a minute)"
@@ -54,9 +65,9 @@ setup() {
 
 build() {
     setup
-    log "building fuzz targets (nightly, sanitizer: $SANITIZER)"
+    log "building fuzz targets ($TOOLCHAIN, sanitizer: $SANITIZER)"
     local start=$SECONDS
-    cargo +nightly fuzz build --fuzz-dir "$FUZZ" -s "$SANITIZER" >&2
+    cargo +"$TOOLCHAIN" fuzz build --fuzz-dir "$FUZZ" -s "$SANITIZER" >&2
     log "built in $((SECONDS - start)) s"
 }
 
@@ -92,8 +103,12 @@ fuzz_one() {
     rate=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$logfile" | tail -1)
     size=$(find "$corpus" -type f | wc -l)
     artifact=$(sed -n 's/.*Test unit written to \(.*\)$/\1/p' "$logfile" | tail -1)
-    if [ "$rc" -eq 0 ]; then
+    if [ "$rc" -eq 0 ] && [ "${runs:-0}" -gt 0 ]; then
         result=ok
+    elif [ "$rc" -eq 0 ]; then
+        # An exit without a single execution (a binary that cannot start its loop) fuzzed nothing.
+        result=NORUN
+        echo "    $t ran no input (log: $logfile)" >&2
     else
         result=CRASH
         # libFuzzer prints no final stats after a crash: count what it reported last.
@@ -118,6 +133,10 @@ fuzz_all() {
     [ -n "${KVGATE_FUZZ_SKIP:-}" ] && echo "(checks switched off: $KVGATE_FUZZ_SKIP)"
     if grep -q ' CRASH ' "$SUMMARY"; then
         echo "crashes found: reproduce with scripts/fuzz.sh repro TARGET ARTIFACT" >&2
+        return 1
+    fi
+    if grep -q ' NORUN ' "$SUMMARY"; then
+        echo "a target ran no input: nothing was fuzzed there" >&2
         return 1
     fi
 }
@@ -163,10 +182,10 @@ case "$cmd" in
     fmt)
         check_target "${1:?target}"
         setup
-        cargo +nightly fuzz fmt --fuzz-dir "$FUZZ" -s "$SANITIZER" "$1" "${2:?input file}"
+        cargo +"$TOOLCHAIN" fuzz fmt --fuzz-dir "$FUZZ" -s "$SANITIZER" "$1" "${2:?input file}"
         ;;
     *)
-        sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'
+        sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'
         [ "$cmd" = help ] || exit 2
         ;;
 esac

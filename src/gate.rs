@@ -146,6 +146,11 @@ impl Gate {
         self.router.vm()
     }
 
+    /// The pods this VM routes to, as of its last sync: a destination names these only.
+    pub fn pods(&self) -> &[String] {
+        self.router.pods()
+    }
+
     /// This VM's wake queue: the shell calls `next_parked` when it is notified.
     pub fn wake_queue(&self) -> u32 {
         self.admission.wake_queue()

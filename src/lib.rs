@@ -10,6 +10,7 @@ pub mod budget;
 pub mod calibration;
 pub mod codec;
 pub mod config;
+pub mod drive;
 pub mod estimate;
 pub mod feedback;
 pub mod flow;

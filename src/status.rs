@@ -49,7 +49,7 @@ pub fn reply(gate: &Gate, store: &dyn Store, method: &str, accept: Option<&str>)
 }
 
 /// One pod's line of the page.
-fn pod(cfg: &Config, pod: &str, rec: &PodRecord, now: u64) -> Value {
+fn pod(cfg: &Config, block_tokens: u64, pod: &str, rec: &PodRecord, now: u64) -> Value {
     let snapshot = rec.snapshot.as_ref();
     let age = snapshot.map(|s| now.saturating_sub(s.at_ms));
     // The same judgements the pool gauges make (gate.rs): stale only when scraping is on, and a
@@ -63,7 +63,12 @@ fn pod(cfg: &Config, pod: &str, rec: &PodRecord, now: u64) -> Value {
         "lastScrapeAgeMs": age,
         // null: no budget limits this pod.
         "budgetTokens": crate::budget::budget_tokens(cfg, snapshot),
-        "reservedTokens": rec.reserved_tokens(),
+        // What admission holds within the budget: the pod's KV forecast (the reserved_tokens
+        // gauge), and what its requests hold now.
+        "reservedTokens": rec.forecast(None, cfg.admission.headroom_sigmas, block_tokens),
+        "heldTokens": rec.held_tokens(),
+        "backoff": snapshot.map(|s| s.backoff),
+        "unexplainedTokens": snapshot.map(|s| s.unexplained_tokens),
         "activeBlocks": rec.active_blocks(),
         "inFlight": rec.entries.len(),
         "waiting": snapshot.map(|s| s.waiting),
@@ -77,12 +82,13 @@ fn pod(cfg: &Config, pod: &str, rec: &PodRecord, now: u64) -> Value {
 fn pool(gate: &Gate, store: &dyn Store) -> Value {
     let cfg = &gate.config;
     let now = store.now_ms();
+    let block = u64::from(gate.router.block_tokens(&cfg.routing));
     let pods: Vec<Value> = gate
         .router
         .pods()
         .iter()
         .map(|p| match pod_state::read(store, p) {
-            Ok(rec) => pod(cfg, p, &rec, now),
+            Ok(rec) => pod(cfg, block, p, &rec, now),
             Err(e) => json!({"pod": p, "error": format!("{e:?}")}),
         })
         .collect();
@@ -228,7 +234,7 @@ mod tests {
             kv_usage: 0.25,
             capacity_tokens: 50_000,
             block_size: 16,
-            no_prefix_caching: false,
+            ..Snapshot::default()
         };
         pod_state::write_snapshot(&vm, PODS[0], snapshot, 0).unwrap();
         host.set_now_ms(11_500);

@@ -7,8 +7,9 @@
 //! truth is tiktoken's o200k_base and cl100k_base. Three views are reported per category:
 //!
 //! * the static rule alone, over every sample (and over the held-out half, for comparison);
-//! * after "mixed" calibration: one scale learned, as `Calibration::record` does, from the
-//!   training half of all samples in a shuffled order, then applied to the held-out half;
+//! * after "mixed" calibration: one scale learned by kvgate's own calibration (`Calibration`, on
+//!   the in-memory host) from the training half of all samples in a shuffled order, then applied
+//!   to the held-out half;
 //! * after per-category calibration: a model whose traffic is all of one kind (code, Chinese…)
 //!   learns that kind's scale from its training half; evaluated on the held-out half.
 //!
@@ -20,7 +21,10 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
+use kvgate::calibration::{self, Calibration};
+use kvgate::config::EstimatorConfig;
 use kvgate::estimate::static_prompt_tokens;
+use kvgate::fake_host::FakeHost;
 use tiktoken_rs::CoreBPE;
 
 /// Sample sizes cycle through these UTF-8 byte targets; bytes rather than characters keep
@@ -29,8 +33,6 @@ use tiktoken_rs::CoreBPE;
 const TARGET_BYTES: [usize; 6] = [200, 350, 600, 1000, 1600, 2800];
 /// A sample is cut at the first line or sentence end after its target, or here at the latest.
 const MAX_BYTES: usize = 4000;
-/// `EstimatorConfig::default().calibration_weight`.
-const CALIBRATION_WEIGHT: f64 = 0.05;
 
 struct Sample {
     category: String,
@@ -142,18 +144,31 @@ fn load_corpus() -> Result<Vec<Sample>, String> {
     Ok(samples)
 }
 
-/// Mirrors `Calibration::record`: early samples count fully, then an EWMA of real/static.
+/// The prompt scale kvgate's calibration learns from these (static estimate, true tokens) pairs,
+/// fed in order to `Calibration::record` on a fresh in-memory host and read back as `learned`
+/// does (default weights; every sample counts, whatever `minSamples` says).
+// A test helper: a failing record must stop the test, as in a #[test] function.
+#[allow(clippy::expect_used)]
 fn learn_scale(pairs: impl Iterator<Item = (f64, usize)>) -> f64 {
-    let mut scale = 1.0;
-    for (n, (estimate, truth)) in pairs.enumerate() {
-        let truth = truth as f64;
-        if estimate >= 1.0 && truth >= 1.0 {
-            let ratio = (truth / estimate).clamp(0.1, 10.0);
-            let weight = CALIBRATION_WEIGHT.max(1.0 / (n as f64 + 1.0));
-            scale += weight * (ratio - scale);
-        }
+    const MODEL: &str = "accuracy";
+    let cfg = EstimatorConfig {
+        min_samples: 1,
+        ..EstimatorConfig::default()
+    };
+    let vm = FakeHost::new().vm();
+    for (estimate, truth) in pairs {
+        let sample = calibration::Sample {
+            static_text_tokens: estimate,
+            fixed_tokens: 0,
+            prompt_tokens: truth as u64,
+            completion_tokens: 0,
+            cut: false,
+        };
+        Calibration::record(&vm, MODEL, sample, &cfg).expect("the in-memory host never fails");
     }
-    scale
+    Calibration::default()
+        .learned(&vm, MODEL, &cfg)
+        .map_or(1.0, |learned| learned.prompt_scale)
 }
 
 /// Nearest-rank quantile of unsorted values.

@@ -5,18 +5,26 @@
 //! plus ticks whose scrape and discovery calls get arbitrary answers, and clock steps. The
 //! configuration itself is drawn from the input (always one `Config::parse` accepts).
 //!
+//! Parked requests are retried by `drive::run_line`, the shell's own line driver, through this
+//! target's `Waiting`; a parked stream can vanish (reset, its on_done not delivered yet), which
+//! the driver must release itself.
+//!
 //! Invariants: nothing panics; the destination header is always stripped and, when set, names
-//! known pods only; local replies carry an expected status; pod records never wrap, hold at most
-//! one entry per routed, unfinished stream; the line stays ordered with unique tickets; once
-//! every stream is done, every pod's entries, reserved tokens and active blocks are zero and
-//! the line is empty.
+//! only pods the deciding worker knows; local replies carry an expected status; pod records never
+//! wrap; every routed stream in flight holds exactly one entry (unless its entry may have
+//! expired, or a pod left the pool since it was routed) and there are no other entries; the line
+//! stays ordered with unique tickets, all held by parked streams; once every stream is done,
+//! every pod's entries, reserved tokens and active blocks are zero and the line is empty.
 #![no_main]
 
 use arbitrary::Arbitrary;
 use kvgate::config::Config;
+use kvgate::drive::{self, Waiting};
 use kvgate::fake_host::{FakeHost, FakeVm};
 use kvgate::flow::{Decision, Flow, Gate, Head, Step, DESTINATION_HEADER};
+use kvgate::router::{decode_pods, PODS_KEY};
 use kvgate::scrape::{Call, Target};
+use kvgate::store::Store;
 use kvgate_fuzz::{checked_pod, checked_queue, live, live_line, skip};
 use libfuzzer_sys::fuzz_target;
 use serde_json::json;
@@ -151,6 +159,11 @@ enum Op {
         chunk: Chunk,
     },
     Done {
+        flow: u8,
+    },
+    /// A parked stream is reset; its on_done comes later (a `Done`), if at all before the line
+    /// moves.
+    Vanish {
         flow: u8,
     },
     Tick {
@@ -426,6 +439,10 @@ struct Stream {
     flow: Flow,
     state: State,
     pod: Option<String>,
+    /// Reset by the client: the host can no longer switch to it.
+    gone: bool,
+    /// When kvgate routed it: (clock, op number).
+    routed_at: Option<(u64, usize)>,
 }
 
 struct Worker {
@@ -440,16 +457,62 @@ struct World {
     host: FakeHost,
     workers: Vec<Worker>,
     streams: Vec<Stream>,
+    ttl_ms: u64,
+    /// The op being applied, and the last op after which a pod had left the published pool (its
+    /// record, entries included, is blanked).
+    op: usize,
+    pod_left_at: Option<usize>,
 }
 
-fn check_decision(d: &Decision, known_pods: &[&str]) {
+/// This worker's parked streams as the shell keeps them, for `drive::run_line`. Decisions that
+/// take a request out of the line are collected, to be checked and applied once it returns.
+struct Line<'a> {
+    parked: &'a mut HashMap<u64, usize>,
+    streams: &'a mut [Stream],
+    resumed: Vec<(usize, Decision)>,
+}
+
+impl Waiting for Line<'_> {
+    type Stream = usize;
+
+    fn find(&self, ticket: u64) -> Option<usize> {
+        self.parked.get(&ticket).copied()
+    }
+
+    fn unpark(&mut self, ticket: u64) {
+        self.parked.remove(&ticket);
+    }
+
+    fn enter(&mut self, &s: &usize) -> bool {
+        !self.streams[s].gone
+    }
+
+    fn with_flow<R>(&mut self, &s: &usize, f: impl FnOnce(&mut Flow) -> R) -> R {
+        f(&mut self.streams[s].flow)
+    }
+
+    fn resume(&mut self, &s: &usize, decision: Decision) {
+        self.resumed.push((s, decision));
+    }
+}
+
+fn published_pods(store: &dyn Store) -> Vec<String> {
+    store
+        .get(PODS_KEY)
+        .ok()
+        .and_then(|v| v.value)
+        .and_then(|b| decode_pods(&b))
+        .unwrap_or_default()
+}
+
+fn check_decision(d: &Decision, known_pods: &[String]) {
     for (name, value) in &d.set {
         if name == DESTINATION_HEADER {
             assert!(!value.is_empty(), "empty destination");
             for pod in value.split(',') {
                 assert!(
-                    known_pods.contains(&pod),
-                    "destination names unknown pod {pod:?}"
+                    known_pods.iter().any(|p| p == pod),
+                    "destination names {pod:?}, not one of the worker's pods {known_pods:?}"
                 );
             }
         }
@@ -470,9 +533,9 @@ fn check_decision(d: &Decision, known_pods: &[&str]) {
 impl World {
     /// Applies a decision to a stream, as `shell::http::apply` would.
     fn take(&mut self, s: usize, d: Decision) {
-        check_decision(&d, &POOL);
-        let routed = d.set.iter().any(|(n, _)| n == DESTINATION_HEADER);
         let w = self.streams[s].worker;
+        check_decision(&d, self.workers[w].gate.pods());
+        let routed = d.set.iter().any(|(n, _)| n == DESTINATION_HEADER);
         self.streams[s].state = match d.step {
             Step::Forward => {
                 self.streams[s].pod = d
@@ -480,6 +543,9 @@ impl World {
                     .iter()
                     .find(|(n, _)| n == DESTINATION_HEADER)
                     .and_then(|(_, v)| v.split(',').next().map(str::to_string));
+                if routed {
+                    self.streams[s].routed_at = Some((self.host.now_ms(), self.op));
+                }
                 State::Forwarded { routed }
             }
             Step::Park(ticket) => {
@@ -494,41 +560,24 @@ impl World {
         };
     }
 
-    /// `shell::root::Root::retry`.
-    fn retry(&mut self, w: usize, ticket: u64) -> bool {
-        let Some(&s) = self.workers[w].parked.get(&ticket) else {
-            return false;
-        };
-        let Worker { vm, gate, .. } = &mut self.workers[w];
-        let d = self.streams[s].flow.retry(gate, vm);
-        match d {
-            Some(d) => {
-                self.workers[w].parked.remove(&ticket);
-                self.take(s, d);
-                true
-            }
-            None => false,
-        }
-    }
-
-    /// `shell::root::Root::run_line`.
+    /// The line moved on worker `w`: the shell's driver decides, the streams carry it out.
     fn run_line(&mut self, w: usize) {
-        let expired = {
-            let Worker { vm, gate, .. } = &self.workers[w];
-            gate.expired(vm)
+        let Worker {
+            vm, gate, parked, ..
+        } = &mut self.workers[w];
+        let mut line = Line {
+            parked,
+            streams: &mut self.streams,
+            resumed: Vec::new(),
         };
-        for t in expired {
-            self.retry(w, t);
-        }
-        for _ in 0..64 {
-            let next = {
-                let Worker { vm, gate, .. } = &mut self.workers[w];
-                gate.next_parked(vm)
-            };
-            let Some(t) = next else { break };
-            if !self.retry(w, t) {
-                break;
-            }
+        drive::run_line(gate, vm, &mut line);
+        for (s, d) in line.resumed {
+            assert!(
+                matches!(self.streams[s].state, State::Parked(_)),
+                "resumed a stream that was not parked"
+            );
+            assert!(!self.streams[s].gone, "resumed a stream that is gone");
+            self.take(s, d);
         }
     }
 
@@ -604,6 +653,8 @@ impl World {
                     flow,
                     state: State::Replied,
                     pod: None,
+                    gone: false,
+                    routed_at: None,
                 });
                 match d.step {
                     Step::WaitForBody => {
@@ -675,6 +726,11 @@ impl World {
                     self.done(s);
                 }
             }
+            Op::Vanish { flow } => {
+                if let Some(s) = self.stream(*flow, |st| matches!(st, State::Parked(_))) {
+                    self.streams[s].gone = true;
+                }
+            }
             Op::Tick { worker } => {
                 let w = usize::from(*worker) % self.workers.len();
                 let Worker {
@@ -737,19 +793,29 @@ impl World {
             .iter()
             .map(|p| live(&checked_pod(store, p), now).entries.len())
             .sum();
-        let routed = self
+        let in_flight = |s: &&Stream| {
+            matches!(
+                s.state,
+                State::Forwarded { routed: true } | State::Responding { routed: true }
+            )
+        };
+        let routed = self.streams.iter().filter(in_flight).count();
+        // An entry lasts at least the TTL from its dispatch (growth renews it), and only a pod
+        // leaving the pool takes entries away before their streams end.
+        let surely_held = self
             .streams
             .iter()
+            .filter(in_flight)
             .filter(|s| {
-                matches!(
-                    s.state,
-                    State::Forwarded { routed: true } | State::Responding { routed: true }
-                )
+                s.routed_at.is_some_and(|(at, op)| {
+                    now < at.saturating_add(self.ttl_ms) && self.pod_left_at.is_none_or(|l| op > l)
+                })
             })
             .count();
         assert!(
-            entries <= routed,
-            "{entries} entries on the pods but only {routed} routed streams in flight"
+            (surely_held..=routed).contains(&entries),
+            "{entries} entries on the pods for {routed} routed streams in flight \
+             ({surely_held} of them surely still holding theirs)"
         );
         let q = live_line(&checked_queue(store), now);
         let parked: usize = self.workers.iter().map(|w| w.parked.len()).sum();
@@ -781,9 +847,18 @@ fuzz_target!(|input: Input| {
         host,
         workers,
         streams: Vec::new(),
+        ttl_ms: cfg.routing.request_ttl_ms,
+        op: 0,
+        pod_left_at: None,
     };
-    for op in input.ops.iter().take(MAX_OPS) {
+    for (i, op) in input.ops.iter().take(MAX_OPS).enumerate() {
+        world.op = i;
+        let before = published_pods(&world.workers[0].vm);
         world.apply(op);
+        let after = published_pods(&world.workers[0].vm);
+        if before.iter().any(|p| !after.contains(p)) {
+            world.pod_left_at = Some(i);
+        }
         world.check();
     }
     for s in 0..world.streams.len() {

@@ -7,14 +7,16 @@
 //! active blocks stay below 1e12 (a u64 that went below zero wraps far above); entries are
 //! unique by request id, and a request has at most one entry across all pods; a finished request
 //! has no entry anywhere; a routed request's entry reserves its estimate; with a budget, a pod
-//! admits only what fits (or a request alone); a grown entry reserves at least prompt + output;
+//! admits only what fits (or a request alone), and "no room" means every pod the request could
+//! go to is full for it; a grown entry reserves at least prompt + output, and a grow raises a
+//! pod's reservations (past its budget too) by no more than the request holds beyond its own;
 //! the line is unique and ordered, and a removed ticket never returns. At the end, once every
 //! routed request has finished, every pod's reserved tokens, active blocks and entries are zero
 //! and the line is empty.
 #![no_main]
 
 use arbitrary::Arbitrary;
-use kvgate::config::Config;
+use kvgate::config::{Config, StalePolicy};
 use kvgate::estimate::Estimate;
 use kvgate::fake_host::{FakeHost, FakeVm};
 use kvgate::pod_state::{self, Snapshot};
@@ -244,6 +246,45 @@ impl World {
         }
     }
 
+    /// `route` found no room on worker `v`: every pod it could pick must be full for this
+    /// request. The charge on a pod is at most the estimate's cost, so a full pod has something
+    /// reserved and no room for the cost on top.
+    fn check_no_room(&self, v: usize, est: &Estimate) {
+        let now = self.host.now_ms();
+        let stale_after = self.cfg.metrics.stale_after_ms;
+        let records: Vec<(&String, pod_state::PodRecord)> = self.routers[v]
+            .pods()
+            .iter()
+            .map(|p| (p, live(&checked_pod(self.store(), p), now)))
+            .collect();
+        let fresh = |r: &pod_state::PodRecord| {
+            r.snapshot
+                .is_some_and(|s| now.saturating_sub(s.at_ms) <= stale_after)
+        };
+        let any_fresh = records.iter().any(|(_, r)| fresh(r));
+        // Eligible: healthy or never scraped; a stale pod only under the `ignore` policy, or
+        // when no pod is fresh. When none is eligible, every pod is tried.
+        let eligible = |r: &pod_state::PodRecord| match r.snapshot {
+            Some(s) if !s.healthy => false,
+            Some(_) if !fresh(r) => {
+                self.cfg.metrics.stale_policy == StalePolicy::Ignore || !any_fresh
+            }
+            _ => true,
+        };
+        let any_eligible = records.iter().any(|(_, r)| eligible(r));
+        for (pod, rec) in records.iter().filter(|(_, r)| !any_eligible || eligible(r)) {
+            let reserved = rec.reserved_tokens();
+            let full = budget(&self.cfg, rec.snapshot.as_ref())
+                .is_some_and(|b| reserved > 0 && reserved.saturating_add(est.cost) > b);
+            assert!(
+                full,
+                "no room, yet {pod} could take a cost of {} ({reserved} reserved): {:?}",
+                est.cost,
+                self.records()
+            );
+        }
+    }
+
     /// The request's live (unexpired) entry on the pod.
     fn entry_of(&self, pod: &str, id: u64) -> Option<pod_state::Entry> {
         live(&checked_pod(self.store(), pod), self.host.now_ms())
@@ -319,18 +360,7 @@ impl World {
                     route(&mut self.routers[v], &self.vms[v], &self.cfg, hashes, &est);
                 if no_room {
                     assert!(self.cfg.admission.enabled, "no room without admission");
-                    // A pod with nothing reserved always fits a request (alone), so "no room"
-                    // means some pod really holds live reservations.
-                    let now = self.host.now_ms();
-                    let held = self.routers[v]
-                        .pods()
-                        .iter()
-                        .any(|p| live(&checked_pod(self.store(), p), now).reserved_tokens() > 0);
-                    assert!(
-                        held || skip("expired-entries"),
-                        "no room, yet no pod holds a live reservation: {:?}",
-                        self.records()
-                    );
+                    self.check_no_room(v, &est);
                 }
                 let Some(routed) = routed else {
                     return;
@@ -395,6 +425,13 @@ impl World {
                 let owner = self.reqs[i].owner;
                 self.reqs[i].out += u64::from(tokens);
                 let out = self.reqs[i].out;
+                let pod = self.reqs[i].routed.pod.clone();
+                let before = live(&checked_pod(self.store(), &pod), now);
+                let held_before = before
+                    .entries
+                    .iter()
+                    .find(|e| e.id == self.reqs[i].routed.request)
+                    .map(|e| e.tokens);
                 let wrote = self.routers[owner]
                     .grow(&self.vms[owner], &self.cfg, &mut self.reqs[i].routed, out)
                     .expect("fake host");
@@ -410,6 +447,26 @@ impl World {
                         "grown entry reserves {} < prompt {} + output {out}",
                         e.tokens,
                         prompt_tokens(routed)
+                    );
+                }
+                // The budget after the grow: the pod's reservations rise only by what this
+                // request really holds beyond its own reservation, so a pod within its budget
+                // leaves it by no more than that.
+                let after = live(&checked_pod(self.store(), &pod), now);
+                let held = prompt_tokens(&self.reqs[i].routed) + out;
+                let growth = held_before.map_or(0, |t| held.saturating_sub(t));
+                assert!(
+                    after.reserved_tokens() <= before.reserved_tokens() + growth,
+                    "{pod}: a grow to {held} held tokens took reservations from {} to {} \
+                     (the entry reserved {held_before:?})",
+                    before.reserved_tokens(),
+                    after.reserved_tokens()
+                );
+                if let Some(b) = budget(&self.cfg, after.snapshot.as_ref()) {
+                    assert!(
+                        after.reserved_tokens() <= b.max(before.reserved_tokens()) + growth,
+                        "{pod}: over its budget {b} after a grow: {} reserved",
+                        after.reserved_tokens()
                     );
                 }
             }

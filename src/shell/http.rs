@@ -3,6 +3,7 @@
 //! is registered in `Parked`, where the root context finds it when the line moves.
 
 use super::host::{self, HostStore};
+use crate::drive::{self, Next};
 use crate::flow::{Decision, Flow, Gate, Head, Step};
 use hashbrown::HashMap;
 use proxy_wasm::traits::{Context, HttpContext};
@@ -22,16 +23,15 @@ pub fn apply(d: Decision, resume: bool) -> Action {
     for (name, value) in &d.set {
         host::set_request_header(name, value);
     }
-    match d.step {
-        Step::Forward => {
-            if resume {
-                host::resume_request();
-            }
+    match drive::next(&d.step, resume) {
+        Next::Continue => Action::Continue,
+        Next::Resume => {
+            host::resume_request();
             Action::Continue
         }
-        Step::WaitForBody | Step::Park(_) => Action::Pause,
-        Step::Reply(reply) => {
-            host::send_reply(&reply);
+        Next::Pause => Action::Pause,
+        Next::Reply(reply) => {
+            host::send_reply(reply);
             Action::Pause
         }
     }

@@ -5,6 +5,8 @@
 use super::host::{self, HostStore};
 use super::http::{apply, Http, Parked};
 use crate::config::Config;
+use crate::drive::{self, Waiting};
+use crate::flow::{Decision, Flow};
 use crate::gate::{Gate, TICK_MS};
 use crate::scrape::Target;
 use hashbrown::HashMap;
@@ -21,44 +23,35 @@ pub struct Root {
 }
 
 impl Root {
-    /// Retries one parked request in its own context; true when it left the line.
-    fn retry(&self, gate: &mut Gate, ticket: u64) -> bool {
-        let Some((context, flow)) = self.parked.borrow().get(&ticket).cloned() else {
-            return false;
-        };
-        if !host::switch_to(context) {
-            // The stream is gone without its on_done yet: release it now, exactly once.
-            self.parked.borrow_mut().remove(&ticket);
-            flow.borrow_mut().on_done(gate, &HostStore);
-            return true;
-        }
-        let decision = flow.borrow_mut().retry(gate, &HostStore);
-        match decision {
-            Some(d) => {
-                self.parked.borrow_mut().remove(&ticket);
-                apply(d, true);
-                true
-            }
-            None => false,
-        }
+    /// The line moved: `drive::run_line` decides which parked requests to retry; this VM's
+    /// streams carry the decisions out.
+    fn run_line(&self, gate: &mut Gate) {
+        drive::run_line(gate, &HostStore, &mut self.parked.clone());
+        host::flush_stats(&mut gate.stats);
+    }
+}
+
+impl Waiting for Parked {
+    type Stream = (u32, Rc<RefCell<Flow>>);
+
+    fn find(&self, ticket: u64) -> Option<Self::Stream> {
+        self.borrow().get(&ticket).cloned()
     }
 
-    /// Admits parked requests from the head of the line while they fit, and answers those whose
-    /// wait ran out.
-    fn run_line(&self, gate: &mut Gate) {
-        for ticket in gate.expired(&HostStore) {
-            self.retry(gate, ticket);
-        }
-        // Bounded: each pass admits or drops one ticket, and the line is bounded.
-        for _ in 0..1_000 {
-            let Some(ticket) = gate.next_parked(&HostStore) else {
-                break;
-            };
-            if !self.retry(gate, ticket) {
-                break;
-            }
-        }
-        host::flush_stats(&mut gate.stats);
+    fn unpark(&mut self, ticket: u64) {
+        self.borrow_mut().remove(&ticket);
+    }
+
+    fn enter(&mut self, (context, _): &Self::Stream) -> bool {
+        host::switch_to(*context)
+    }
+
+    fn with_flow<R>(&mut self, (_, flow): &Self::Stream, f: impl FnOnce(&mut Flow) -> R) -> R {
+        f(&mut flow.borrow_mut())
+    }
+
+    fn resume(&mut self, _: &Self::Stream, decision: Decision) {
+        apply(decision, true);
     }
 }
 

@@ -1,0 +1,272 @@
+//! How a host carries out kvgate's decisions, in the parts that are decisions themselves: what a
+//! step means for the stream (continue, resume, pause, answer), and, when the line moves, which
+//! of this VM's parked requests to retry, in what order, and what to do when a parked request's
+//! stream is already gone. The shell (and the flow fuzz target) supply the host side through
+//! [`Waiting`]; the logic lives here so it is tested natively and shared by both.
+
+use crate::flow::{Flow, Gate, Step};
+use crate::reply::LocalReply;
+use crate::store::Store;
+
+/// Wake-ups admit at most this many requests from the head of the line in one pass; each pass
+/// admits or drops one ticket and the line is bounded, so this only guards against a loop.
+const MAX_ADMITS: usize = 1_000;
+
+/// What the host does with a stream once a decision's header edits are made.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Next<'a> {
+    /// Let the current callback continue.
+    Continue,
+    /// The request was parked earlier (its callback returned long ago): resume it explicitly.
+    Resume,
+    /// Hold the stream: more body to come, or parked in the line.
+    Pause,
+    /// Send this local answer; the stream stays paused and goes no further upstream.
+    Reply(&'a LocalReply),
+}
+
+/// The host's part of `step`; `parked_earlier` for a request taken out of the line.
+pub fn next(step: &Step, parked_earlier: bool) -> Next<'_> {
+    match step {
+        Step::Forward if parked_earlier => Next::Resume,
+        Step::Forward => Next::Continue,
+        Step::WaitForBody | Step::Park(_) => Next::Pause,
+        Step::Reply(reply) => Next::Reply(reply),
+    }
+}
+
+/// The host side of this VM's parked requests: where they are kept (by ticket), and how their
+/// streams are reached.
+pub trait Waiting {
+    /// How the host refers to one parked request.
+    type Stream;
+    /// The request parked under `ticket`, when this VM holds it.
+    fn find(&self, ticket: u64) -> Option<Self::Stream>;
+    /// The request has left the line: forget its ticket.
+    fn unpark(&mut self, ticket: u64);
+    /// Makes the request's stream the one later host calls act on; false when the stream is
+    /// gone (reset) and its `on_done` has not been delivered yet.
+    fn enter(&mut self, stream: &Self::Stream) -> bool;
+    /// Runs `f` on the request's flow.
+    fn with_flow<R>(&mut self, stream: &Self::Stream, f: impl FnOnce(&mut Flow) -> R) -> R;
+    /// Carries out the decision that took the request out of the line (on its entered stream).
+    fn resume(&mut self, stream: &Self::Stream, decision: crate::flow::Decision);
+}
+
+/// Retries one parked request; true when it left the line (admitted, answered or released).
+pub fn retry(gate: &mut Gate, store: &dyn Store, waiting: &mut impl Waiting, ticket: u64) -> bool {
+    let Some(stream) = waiting.find(ticket) else {
+        return false;
+    };
+    if !waiting.enter(&stream) {
+        // The stream is gone without its on_done yet: release it now, exactly once (a later
+        // on_done finds the flow finished), so its ticket does not hold up the line.
+        waiting.unpark(ticket);
+        waiting.with_flow(&stream, |flow| flow.on_done(gate, store));
+        return true;
+    }
+    match waiting.with_flow(&stream, |flow| flow.retry(gate, store)) {
+        Some(decision) => {
+            waiting.unpark(ticket);
+            waiting.resume(&stream, decision);
+            true
+        }
+        None => false,
+    }
+}
+
+/// The line moved (a wake-up or the tick): answers the parked requests whose wait ran out, then
+/// admits from the head of the line while the head is this VM's and fits.
+pub fn run_line(gate: &mut Gate, store: &dyn Store, waiting: &mut impl Waiting) {
+    for ticket in gate.expired(store) {
+        retry(gate, store, waiting, ticket);
+    }
+    for _ in 0..MAX_ADMITS {
+        let Some(ticket) = gate.next_parked(store) else {
+            break;
+        };
+        if !retry(gate, store, waiting, ticket) {
+            break;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    use super::*;
+    use crate::config::Config;
+    use crate::fake_host::{FakeHost, FakeVm};
+    use crate::flow::{Decision, Head, DESTINATION_HEADER};
+    use hashbrown::{HashMap, HashSet};
+
+    const POD: &str = "10.0.0.1:8000";
+
+    /// A host holding flows by context id, some of whose streams may be gone.
+    #[derive(Default)]
+    struct Host {
+        flows: HashMap<u32, Flow>,
+        parked: HashMap<u64, u32>,
+        gone: HashSet<u32>,
+        resumed: Vec<(u32, Decision)>,
+    }
+
+    impl Waiting for Host {
+        type Stream = u32;
+        fn find(&self, ticket: u64) -> Option<u32> {
+            self.parked.get(&ticket).copied()
+        }
+        fn unpark(&mut self, ticket: u64) {
+            self.parked.remove(&ticket);
+        }
+        fn enter(&mut self, context: &u32) -> bool {
+            !self.gone.contains(context)
+        }
+        fn with_flow<R>(&mut self, context: &u32, f: impl FnOnce(&mut Flow) -> R) -> R {
+            f(self.flows.entry(*context).or_default())
+        }
+        fn resume(&mut self, context: &u32, decision: Decision) {
+            self.resumed.push((*context, decision));
+        }
+    }
+
+    /// One pod whose budget holds one request: the second and later requests park.
+    fn gate() -> (FakeHost, FakeVm, Gate) {
+        let host = FakeHost::new();
+        host.set_now_ms(1_000_000);
+        let vm = host.vm();
+        let config = Config::parse(
+            format!(r#"{{"pods":["{POD}"],"admission":{{"budgetTokens":100,"maxWaitMs":5000}}}}"#)
+                .as_bytes(),
+        )
+        .unwrap();
+        let gate = Gate::new(config, &vm).unwrap();
+        (host, vm, gate)
+    }
+
+    /// Sends a request on `context`; returns its decision, parking it in `host` as the shell does.
+    fn send(gate: &mut Gate, vm: &FakeVm, host: &mut Host, context: u32) -> Decision {
+        let body = format!(
+            r#"{{"model":"m","prompt":"request {context} {}","max_tokens":50}}"#,
+            "x ".repeat(40)
+        );
+        let mut flow = Flow::default();
+        let head = Head {
+            method: "POST",
+            path: "/v1/completions",
+            content_type: Some("application/json"),
+            content_length: Some(body.len() as u64),
+            ..Head::default()
+        };
+        assert_eq!(
+            flow.on_request_headers(gate, vm, &head).step,
+            Step::WaitForBody
+        );
+        let d = flow.on_body(gate, vm, body.as_bytes());
+        if let Step::Park(ticket) = d.step {
+            host.parked.insert(ticket, context);
+        }
+        host.flows.insert(context, flow);
+        d
+    }
+
+    fn reserved(vm: &FakeVm) -> u64 {
+        crate::pod_state::read(vm, POD).unwrap().held_tokens()
+    }
+
+    #[test]
+    fn steps_map_to_continue_resume_pause_or_reply() {
+        let reply = LocalReply::error(429, "queue_full", "full", None);
+        assert_eq!(next(&Step::Forward, false), Next::Continue);
+        assert_eq!(next(&Step::Forward, true), Next::Resume);
+        assert_eq!(next(&Step::WaitForBody, false), Next::Pause);
+        assert_eq!(next(&Step::Park(7), false), Next::Pause);
+        let step = Step::Reply(reply.clone());
+        assert_eq!(next(&step, true), Next::Reply(&reply));
+    }
+
+    #[test]
+    fn released_budget_admits_the_head_of_the_line_and_resumes_its_stream() {
+        let (_h, vm, mut gate) = gate();
+        let mut host = Host::default();
+        assert_eq!(send(&mut gate, &vm, &mut host, 1).step, Step::Forward);
+        assert!(matches!(
+            send(&mut gate, &vm, &mut host, 2).step,
+            Step::Park(_)
+        ));
+        assert!(matches!(
+            send(&mut gate, &vm, &mut host, 3).step,
+            Step::Park(_)
+        ));
+        run_line(&mut gate, &vm, &mut host);
+        assert!(
+            host.resumed.is_empty(),
+            "nothing fits while the first holds the budget"
+        );
+        assert_eq!(host.parked.len(), 2);
+
+        host.flows.get_mut(&1).unwrap().on_done(&mut gate, &vm);
+        run_line(&mut gate, &vm, &mut host);
+        assert_eq!(host.resumed.len(), 1, "one fits: {:?}", host.resumed);
+        let (context, d) = &host.resumed[0];
+        assert_eq!(*context, 2, "the head of the line goes first");
+        assert_eq!(d.step, Step::Forward);
+        assert!(d
+            .set
+            .iter()
+            .any(|(n, v)| n == DESTINATION_HEADER && v == POD));
+        assert_eq!(host.parked.values().copied().collect::<Vec<_>>(), [3]);
+    }
+
+    #[test]
+    fn a_parked_stream_that_is_gone_is_released_and_the_next_one_admitted() {
+        let (_h, vm, mut gate) = gate();
+        let mut host = Host::default();
+        for context in 1..=3 {
+            send(&mut gate, &vm, &mut host, context);
+        }
+        host.gone.insert(2);
+        host.flows.get_mut(&1).unwrap().on_done(&mut gate, &vm);
+        run_line(&mut gate, &vm, &mut host);
+        // The gone stream left the line without being resumed; the next one took the budget.
+        assert_eq!(
+            host.resumed.iter().map(|(c, _)| *c).collect::<Vec<_>>(),
+            [3]
+        );
+        assert!(host.parked.is_empty());
+        assert!(crate::queue::read(&vm).unwrap().tickets.is_empty());
+        assert!(reserved(&vm) > 0);
+        // Its on_done, delivered later, changes nothing.
+        host.flows.get_mut(&2).unwrap().on_done(&mut gate, &vm);
+        host.flows.get_mut(&3).unwrap().on_done(&mut gate, &vm);
+        assert_eq!(reserved(&vm), 0);
+    }
+
+    #[test]
+    fn a_request_past_its_wait_is_answered_even_while_nothing_frees() {
+        let (h, vm, mut gate) = gate();
+        let mut host = Host::default();
+        send(&mut gate, &vm, &mut host, 1);
+        send(&mut gate, &vm, &mut host, 2);
+        h.advance_ms(5_001);
+        run_line(&mut gate, &vm, &mut host);
+        let [(2, d)] = host.resumed.as_slice() else {
+            panic!("{:?}", host.resumed);
+        };
+        assert!(
+            matches!(&d.step, Step::Reply(r) if r.status == 503),
+            "{d:?}"
+        );
+        assert!(host.parked.is_empty());
+    }
+
+    #[test]
+    fn a_ticket_this_vm_does_not_hold_is_not_retried() {
+        let (_h, vm, mut gate) = gate();
+        let mut host = Host::default();
+        assert!(!retry(&mut gate, &vm, &mut host, 42));
+        assert!(host.resumed.is_empty());
+    }
+}
