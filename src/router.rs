@@ -343,7 +343,7 @@ impl Router {
             .map(|&i| budget_tokens(cfg, records[i].snapshot.as_ref()))
             .collect();
         // A prefix already held by in-flight requests on a pod occupies its KV once: a request
-        // holds only what it adds there (seed 000's objection to per-request token budgets).
+        // holds only what it adds there (kthena PR 928's review objection to per-request token budgets).
         let safety = cfg.estimator.safety_factor;
         // Blocks are cut by characters, so a held block stands for this prompt's own tokens per
         // block, never more than a block's worth: text denser than `charsPerBlockToken` then

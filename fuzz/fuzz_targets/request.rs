@@ -10,6 +10,7 @@
 
 use kvgate::config::{Config, EstimatorConfig};
 use kvgate::estimate::{estimate, static_prompt_tokens, Learned};
+use kvgate::output_dist::{OutputDist, BUCKETS};
 use kvgate::prefix::block_hashes;
 use kvgate::request::{Api, Request};
 use libfuzzer_sys::fuzz_target;
@@ -45,23 +46,30 @@ fn estimators() -> &'static [EstimatorConfig] {
     })
 }
 
-/// Learned values as calibration can produce them: scale clamped to [0.1, 10], the output
-/// quantile a bucket bound up to 2^16.
-const LEARNED: [Option<Learned>; 4] = [
-    None,
-    Some(Learned {
-        prompt_scale: 0.1,
-        output_quantile: 0.0,
-    }),
-    Some(Learned {
-        prompt_scale: 10.0,
-        output_quantile: 65_535.0,
-    }),
-    Some(Learned {
-        prompt_scale: 1.0,
-        output_quantile: 0.5,
-    }),
-];
+/// Learned values as calibration can produce them: scale clamped to [0.1, 10]; output lengths
+/// all of one token, all past 2^16, or spread over every bucket with half of them cut off.
+fn learned() -> [Option<Learned>; 4] {
+    let none = [0.0; BUCKETS];
+    let mut shortest = none;
+    shortest[0] = 1_000.0;
+    let mut longest = none;
+    longest[BUCKETS - 1] = 1_000.0;
+    [
+        None,
+        Some(Learned {
+            prompt_scale: 0.1,
+            output: OutputDist::learned(&shortest, &none, 256),
+        }),
+        Some(Learned {
+            prompt_scale: 10.0,
+            output: OutputDist::learned(&longest, &none, 1),
+        }),
+        Some(Learned {
+            prompt_scale: 1.0,
+            output: OutputDist::learned(&[1.0; BUCKETS], &[1.0; BUCKETS], 65_536),
+        }),
+    ]
+}
 
 /// (block chars, max blocks) pairs: one-character blocks, the default 64, and small caps.
 const BLOCKS: [(usize, usize); 4] = [(1, 1), (1, 8192), (3, 5), (64, 8192)];
@@ -113,7 +121,7 @@ fn check_estimates(req: &Request) {
         "static rule gave {rule}"
     );
     for cfg in estimators() {
-        for learned in LEARNED {
+        for learned in learned() {
             let e = estimate(req, learned, cfg);
             assert!(
                 (cfg.min_reservation_tokens..=cfg.max_reservation_tokens).contains(&e.cost),
@@ -123,6 +131,10 @@ fn check_estimates(req: &Request) {
                 cfg.max_reservation_tokens
             );
             assert!(e.output_tokens <= cfg.output_cap_tokens, "{e:?}");
+            assert!(e.output_tokens <= e.max_output_tokens, "{e:?}");
+            assert!(e.max_output_tokens <= cfg.output_cap_tokens, "{e:?}");
+            let outlook = e.output.outlook(0, e.max_output_tokens);
+            assert!(outlook.windows(2).all(|w| w[0] >= w[1]), "{outlook:?}");
             if req.max_output_tokens == Some(0) {
                 assert_eq!(e.output_tokens, 0, "{e:?}");
             }

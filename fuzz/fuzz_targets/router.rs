@@ -19,6 +19,8 @@ use arbitrary::Arbitrary;
 use kvgate::config::{Config, StalePolicy};
 use kvgate::estimate::Estimate;
 use kvgate::fake_host::{FakeHost, FakeVm};
+use kvgate::forecast::Load;
+use kvgate::output_dist::OutputDist;
 use kvgate::pod_state::{self, Snapshot};
 use kvgate::queue::{self, Ticket};
 use kvgate::router::{decode_pods, encode_pods, Routed, Router, PODS_KEY};
@@ -50,8 +52,20 @@ fn route(
 }
 
 /// The prompt tokens a routed request holds at least (the floor `grow` reconciles to).
-fn prompt_tokens(r: &Routed) -> u64 {
-    r.prompt_tokens
+/// The request as the pod's forecast would take it with no shared-prefix discount: the most it
+/// can hold on any pod.
+fn undiscounted(cfg: &Config, est: &Estimate) -> Load {
+    Load {
+        held: (est.prompt_tokens as f64 * cfg.estimator.safety_factor).round() as u64,
+        left: est.max_output_tokens,
+        outlook: est.output.outlook(0, est.max_output_tokens),
+    }
+}
+
+/// The pod's forecast with `extra`, as admission computes it.
+fn forecast(cfg: &Config, r: &Router, rec: &pod_state::PodRecord, extra: Option<Load>) -> u64 {
+    let block = u64::from(r.block_tokens(&cfg.routing));
+    rec.forecast(extra, cfg.admission.headroom_sigmas, block)
 }
 
 /// The pod's token budget as admission computes it.
@@ -192,6 +206,8 @@ fn config(s: &Setup) -> Config {
 struct Req {
     owner: usize,
     routed: Routed,
+    /// The estimate it was routed with: its outlook as it streams comes from it.
+    est: Estimate,
     out: u64,
     finished: bool,
 }
@@ -272,14 +288,16 @@ impl World {
             _ => true,
         };
         let any_eligible = records.iter().any(|(_, r)| eligible(r));
+        // A shared prefix only lowers what the request holds, so a pod that is full for it is
+        // full for it undiscounted too.
+        let load = undiscounted(&self.cfg, est);
         for (pod, rec) in records.iter().filter(|(_, r)| !any_eligible || eligible(r)) {
-            let reserved = rec.reserved_tokens();
+            let with = forecast(&self.cfg, &self.routers[v], rec, Some(load));
             let full = budget(&self.cfg, rec.snapshot.as_ref())
-                .is_some_and(|b| reserved > 0 && reserved.saturating_add(est.cost) > b);
+                .is_some_and(|b| !rec.entries.is_empty() && with > b);
             assert!(
                 full,
-                "no room, yet {pod} could take a cost of {} ({reserved} reserved): {:?}",
-                est.cost,
+                "no room, yet {pod} could take {load:?} (forecast with it {with}): {:?}",
                 self.records()
             );
         }
@@ -350,11 +368,13 @@ impl World {
                 cost,
             } => {
                 let v = usize::from(vm) % self.vms.len();
-                let est = Estimate {
-                    prompt_tokens: u64::from(prompt % 2_000_000),
-                    output_tokens: u64::from(output),
-                    cost: u64::from(cost % (1 << 20)),
-                };
+                let mut est = Estimate::exact(u64::from(prompt % 2_000_000), u64::from(output));
+                est.cost = u64::from(cost % (1 << 20));
+                if cost & 1 == 1 {
+                    // Length unknown: the prior's long tail up to the output cap.
+                    est.output = OutputDist::prior(256);
+                    est.max_output_tokens = 8192;
+                }
                 let hashes = chain_hashes(path, len);
                 let (routed, no_room) =
                     route(&mut self.routers[v], &self.vms[v], &self.cfg, hashes, &est);
@@ -384,38 +404,34 @@ impl World {
                 let rec = checked_pod(self.store(), &routed.pod);
                 let entry = rec.entries.iter().find(|e| e.id == routed.request);
                 let entry = entry.unwrap_or_else(|| panic!("routed without an entry: {routed:?}"));
-                // A prefix already held on the pod is charged once: the entry reserves the
-                // estimate less that, but never less than the minimum reservation.
-                let floor = self.cfg.estimator.min_reservation_tokens.min(est.cost);
+                // What the request holds at first is its prompt (safety included), less a prefix
+                // another request already holds there; its limit is its own.
+                let most = undiscounted(&self.cfg, &est);
                 assert!(
-                    (floor..=est.cost).contains(&entry.tokens),
-                    "entry reserves {} for an estimate of {} (floor {floor})",
-                    entry.tokens,
-                    est.cost
-                );
-                // What is held is at most the prompt: the expected output is always reserved.
-                let prompt_share =
-                    (est.prompt_tokens as f64 * self.cfg.estimator.safety_factor).ceil() as u64;
-                assert!(
-                    entry.tokens >= est.cost.saturating_sub(prompt_share),
-                    "entry reserves {} for an estimate of {} with {} prompt tokens",
-                    entry.tokens,
-                    est.cost,
+                    entry.held_tokens <= most.held,
+                    "entry holds {} for a prompt of {} tokens",
+                    entry.held_tokens,
                     est.prompt_tokens
                 );
-                assert!(prompt_tokens(&routed) <= est.prompt_tokens, "{routed:?}");
+                assert_eq!(
+                    u64::from(entry.left),
+                    est.max_output_tokens.min(u64::from(u32::MAX))
+                );
+                assert_eq!(entry.outlook, most.outlook, "{entry:?}");
+                // The promise: admitted only within the budget, unless it runs alone.
                 if let Some(b) = budget(&self.cfg, rec.snapshot.as_ref()) {
-                    let reserved = live(&rec, now).reserved_tokens();
+                    let rec = live(&rec, now);
+                    let with = forecast(&self.cfg, &self.routers[v], &rec, None);
                     assert!(
-                        reserved <= b || reserved == entry.tokens,
-                        "pod {} over budget {b}: reserved {reserved} after admitting {}",
+                        with <= b || rec.entries.len() == 1,
+                        "pod {} over budget {b}: forecast {with} after admitting {entry:?}",
                         routed.pod,
-                        entry.tokens
                     );
                 }
                 self.reqs.push(Req {
                     owner: v,
                     routed,
+                    est,
                     out: 0,
                     finished: false,
                 });
@@ -427,13 +443,16 @@ impl World {
                 let out = self.reqs[i].out;
                 let pod = self.reqs[i].routed.pod.clone();
                 let before = live(&checked_pod(self.store(), &pod), now);
-                let held_before = before
-                    .entries
-                    .iter()
-                    .find(|e| e.id == self.reqs[i].routed.request)
-                    .map(|e| e.tokens);
+                let streamed = self.reqs[i].routed.streamed;
+                let est = self.reqs[i].est;
                 let wrote = self.routers[owner]
-                    .grow(&self.vms[owner], &self.cfg, &mut self.reqs[i].routed, out)
+                    .grow(
+                        &self.vms[owner],
+                        &self.cfg,
+                        &mut self.reqs[i].routed,
+                        &est,
+                        out,
+                    )
                     .expect("fake host");
                 let routed = &self.reqs[i].routed;
                 if wrote {
@@ -442,33 +461,20 @@ impl World {
                         .unwrap_or_else(|| panic!("grow wrote but no entry: {routed:?}"));
                     let bt = u64::from(routed.block_tokens);
                     assert_eq!(u64::from(e.output_blocks), out.div_ceil(bt), "{e:?}");
-                    assert!(
-                        e.tokens >= prompt_tokens(routed) + out,
-                        "grown entry reserves {} < prompt {} + output {out}",
-                        e.tokens,
-                        prompt_tokens(routed)
-                    );
+                    let left = est.max_output_tokens.saturating_sub(out);
+                    assert_eq!(u64::from(e.left), left.min(u64::from(u32::MAX)), "{e:?}");
+                    assert_eq!(e.outlook, est.output.outlook(out, est.max_output_tokens));
                 }
-                // The budget after the grow: the pod's reservations rise only by what this
-                // request really holds beyond its own reservation, so a pod within its budget
-                // leaves it by no more than that.
+                // What the pod holds rises by what this request streamed since its last write,
+                // once: never by its whole output again.
                 let after = live(&checked_pod(self.store(), &pod), now);
-                let held = prompt_tokens(&self.reqs[i].routed) + out;
-                let growth = held_before.map_or(0, |t| held.saturating_sub(t));
+                let growth = if wrote { out - streamed } else { 0 };
                 assert!(
-                    after.reserved_tokens() <= before.reserved_tokens() + growth,
-                    "{pod}: a grow to {held} held tokens took reservations from {} to {} \
-                     (the entry reserved {held_before:?})",
-                    before.reserved_tokens(),
-                    after.reserved_tokens()
+                    after.held_tokens() <= before.held_tokens() + growth,
+                    "{pod}: streaming {streamed} -> {out} took what is held from {} to {}",
+                    before.held_tokens(),
+                    after.held_tokens()
                 );
-                if let Some(b) = budget(&self.cfg, after.snapshot.as_ref()) {
-                    assert!(
-                        after.reserved_tokens() <= b.max(before.reserved_tokens()) + growth,
-                        "{pod}: over its budget {b} after a grow: {} reserved",
-                        after.reserved_tokens()
-                    );
-                }
             }
             Op::Finish { req } => {
                 if let Some(i) = self.live(req) {
@@ -543,6 +549,9 @@ impl World {
                     capacity_tokens: u64::from(capacity % (1 << 22)),
                     block_size: pick(&[0u32, 1, 16, 32], block),
                     no_prefix_caching: !caches_prefixes,
+                    // A counter that rises, stays or resets as the scrapes come.
+                    preemptions: f64::from(running / 16),
+                    ..Snapshot::default()
                 };
                 let pod = POOL[usize::from(pod) % POOL.len()];
                 pod_state::write_snapshot(
@@ -661,10 +670,10 @@ fuzz_target!(|input: Input| {
             raw
         };
         assert!(
-            rec.entries.is_empty() && rec.reserved_tokens() == 0 && rec.active_blocks() == 0,
+            rec.entries.is_empty() && rec.held_tokens() == 0 && rec.active_blocks() == 0,
             "{pod} holds {} entries, {} tokens, {} blocks after every request finished: {rec:?}",
             rec.entries.len(),
-            rec.reserved_tokens(),
+            rec.held_tokens(),
             rec.active_blocks()
         );
     }

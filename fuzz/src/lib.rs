@@ -61,12 +61,9 @@ pub fn chain_hashes(path: u32, len: u8) -> Vec<u64> {
 /// no request has two entries. Returns the record for further checks.
 pub fn checked_pod(store: &dyn Store, pod: &str) -> PodRecord {
     let rec = pod_state::read(store, pod).expect("the fake host never fails a get");
-    let reserved = rec.reserved_tokens();
+    let held = rec.held_tokens();
     let active = rec.active_blocks();
-    assert!(
-        reserved < SANE,
-        "{pod}: reserved tokens wrapped: {reserved} ({rec:?})"
-    );
+    assert!(held < SANE, "{pod}: held tokens wrapped: {held} ({rec:?})");
     assert!(
         active < SANE,
         "{pod}: active blocks wrapped: {active} ({rec:?})"
@@ -78,7 +75,7 @@ pub fn checked_pod(store: &dyn Store, pod: &str) -> PodRecord {
             "{pod}: request {} has two entries: {rec:?}",
             e.id
         );
-        assert!(e.tokens < SANE, "{pod}: entry tokens wrapped: {e:?}");
+        assert!(e.held_tokens < SANE, "{pod}: entry tokens wrapped: {e:?}");
     }
     if let Some(s) = rec.snapshot {
         assert!(
