@@ -460,6 +460,45 @@ mod tests {
     }
 
     #[test]
+    fn a_pod_that_leaves_keeps_its_in_flight_entries_until_they_end() {
+        let (_host, vm) = pod_with(&[entry(1, 10)]);
+        write_snapshot(&vm, "p", Snapshot::default(), 0).unwrap();
+        blank(&vm, "p").unwrap();
+        let rec = read(&vm, "p").unwrap();
+        assert_eq!(rec.snapshot, None, "what was scraped is forgotten");
+        assert_eq!(
+            rec.held_tokens(),
+            100,
+            "a blind blank erased this: the pod, back in the cluster, was filled on top of it"
+        );
+        assert!(finish(&vm, "p", 1, None).unwrap().is_some());
+    }
+
+    #[test]
+    fn a_scrape_that_does_not_say_how_large_the_pod_is_keeps_the_last_size() {
+        let (_host, vm) = pod_with(&[]);
+        let sized = Snapshot {
+            healthy: true,
+            capacity_tokens: 4096,
+            block_size: 16,
+            ..Snapshot::default()
+        };
+        write_snapshot(&vm, "p", sized, 0).unwrap();
+        // A partial page, and then a pod marked down: neither may lift the budget.
+        for s in [
+            Snapshot {
+                healthy: true,
+                ..Snapshot::default()
+            },
+            Snapshot::default(),
+        ] {
+            write_snapshot(&vm, "p", s, 0).unwrap();
+            let kept = read(&vm, "p").unwrap().snapshot.unwrap();
+            assert_eq!((kept.capacity_tokens, kept.block_size), (4096, 16));
+        }
+    }
+
+    #[test]
     fn expired_entries_vanish_on_the_next_write() {
         let (host, vm) = pod_with(&[entry(1, 10)]);
         host.set_now_ms(1_000);

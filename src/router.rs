@@ -729,6 +729,97 @@ mod tests {
         assert_eq!(total_active(&vm, &cfg), 0);
     }
 
+    /// A worker's view of the store that lets another worker act between its read of a pod's
+    /// record and its compare-and-swap: the interleaving two Envoy worker threads can produce.
+    struct Racing<'a> {
+        vm: &'a FakeVm,
+        meanwhile: std::cell::RefCell<Option<Box<dyn FnOnce() + 'a>>>,
+    }
+
+    impl Store for Racing<'_> {
+        fn get(&self, key: &str) -> Result<crate::store::Versioned, StoreError> {
+            self.vm.get(key)
+        }
+        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+            if key.starts_with("kvgate.pod.") && cas.is_some() {
+                if let Some(other) = self.meanwhile.borrow_mut().take() {
+                    other();
+                }
+            }
+            self.vm.set(key, value, cas)
+        }
+        fn register_queue(&self, name: &str) -> Result<u32, StoreError> {
+            self.vm.register_queue(name)
+        }
+        fn resolve_queue(&self, name: &str) -> Result<Option<u32>, StoreError> {
+            self.vm.resolve_queue(name)
+        }
+        fn enqueue(&self, queue: u32, message: &[u8]) -> Result<(), StoreError> {
+            self.vm.enqueue(queue, message)
+        }
+        fn dequeue(&self, queue: u32) -> Result<Option<Vec<u8>>, StoreError> {
+            self.vm.dequeue(queue)
+        }
+        fn now_ms(&self) -> u64 {
+            self.vm.now_ms()
+        }
+    }
+
+    #[test]
+    fn two_workers_cannot_both_take_the_last_room() {
+        let host = FakeHost::new();
+        let mut cfg = config(&["a:1"]);
+        cfg.admission.budget_tokens = 1_000;
+        let (w1, w2) = (host.vm(), host.vm());
+        let mut r1 = Router::start(&w1, &cfg).unwrap();
+        let mut r2 = Router::start(&w2, &cfg).unwrap();
+        let first = r1.route(&w1, &cfg, &hashes(1, 4), &est(400, 100)).unwrap();
+        assert!(matches!(first, Placement::Routed(_)));
+        // Either of the next two fits beside the first (440 + 100 + 16, then 330 + 50 + 16 each),
+        // not both. Worker 2 takes the room while worker 1 is between its read and its write.
+        let mut second = None;
+        let racing = Racing {
+            vm: &w1,
+            meanwhile: std::cell::RefCell::new(Some(Box::new(|| {
+                second = Some(r2.route(&w2, &cfg, &hashes(2, 4), &est(300, 50)).unwrap());
+            }))),
+        };
+        let third = r1
+            .route(&racing, &cfg, &hashes(3, 4), &est(300, 50))
+            .unwrap();
+        drop(racing);
+        assert!(matches!(second, Some(Placement::Routed(_))), "{second:?}");
+        assert_eq!(
+            third,
+            Placement::NoRoom,
+            "checked again inside the compare-and-swap"
+        );
+        let rec = pod_state::read(&w1, "a:1").unwrap();
+        assert_eq!(rec.entries.len(), 2);
+        assert!(rec.forecast(None, cfg.admission.headroom_sigmas, 16) <= 1_000);
+    }
+
+    #[test]
+    fn streaming_adds_only_what_streamed_since_the_last_write() {
+        let host = FakeHost::new();
+        let cfg = config(&["a:1"]);
+        let vm = host.vm();
+        let mut r = Router::start(&vm, &cfg).unwrap();
+        let e = est(100, 64);
+        let mut routed = r.route(&vm, &cfg, &hashes(1, 4), &e).unwrap().routed();
+        let held = || pod_state::read(&vm, "a:1").unwrap().held_tokens();
+        assert_eq!(held(), 110);
+        r.grow(&vm, &cfg, &mut routed, &e, 17).unwrap();
+        r.grow(&vm, &cfg, &mut routed, &e, 40).unwrap();
+        assert_eq!(
+            held(),
+            110 + 40,
+            "prompt plus output so far, never the output twice"
+        );
+        let rec = pod_state::read(&vm, "a:1").unwrap();
+        assert_eq!(rec.entries[0].left, 64 - 40);
+    }
+
     #[test]
     fn a_pick_served_elsewhere_is_marked_down_and_its_accounting_moves() {
         let host = FakeHost::new();
