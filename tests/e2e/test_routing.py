@@ -96,27 +96,49 @@ def test_client_supplied_destination_has_no_effect():
             assert r.headers["x-sim-pod"] == home
 
 
-def test_a_hot_prefix_spreads_over_pods():
-    # One prompt group, 48 requests at once on 4 pods with room for 40 each. Every sequence reads
-    # the whole 3.6k-token prefix at each decode step, so the decode term grows by the prefix
-    # with each request in flight on its pod; after about nine, recomputing the prefix on an idle
-    # pod is cheaper, and the group spreads over the pool long before its pod's KV is full.
-    with Sim(pods=4, args=SIM_ARGS + ["--num-gpu-blocks", "1024"]) as sim, \
-            kvgate_envoy(sim.endpoints, default_plugin_config()) as envoy:
-        def one(q):
-            r = request(envoy.port, "POST", "/v1/chat/completions", chat(7, q, max_tokens=256), timeout=120)
-            return r.status, r.headers.get("x-sim-pod")
+def hot_and_cold_groups(envoy, sim):
+    """48 requests of one hot group at once, while eight cold groups send six questions each, one
+    after another: the pod each hot request landed on, and the pool's prefix-cache hit rate."""
+    def hot(q):
+        r = request(envoy.port, "POST", "/v1/chat/completions", chat(7, q, max_tokens=256), timeout=120)
+        assert r.status == 200
+        return r.headers.get("x-sim-pod")
 
-        with ThreadPoolExecutor(48) as pool:
-            results = list(pool.map(one, range(48)))
-        assert all(status == 200 for status, _ in results)
-        pods = [p for _, p in results]
-        share = {p: pods.count(p) for p in set(pods)}
-        print(f"one hot group over the pods: {share}")
-        assert len(share) >= 3, f"the hot prefix spread over the pool: {share}"
-        assert max(share.values()) <= 24, f"no pod took more than half: {share}"
-        stats = [sim.stats(i) for i in range(4)]
-        assert sum(s["preemptions"] for s in stats) == 0, stats
+    def cold(g):
+        for q in range(6):
+            assert request(envoy.port, "POST", "/v1/chat/completions", chat(100 + g, q), timeout=120).status == 200
+
+    with ThreadPoolExecutor(56) as pool:
+        colds = [pool.submit(cold, g) for g in range(8)]
+        pods = list(pool.map(hot, range(48)))
+        for c in colds:
+            c.result()
+    stats = [sim.stats(i) for i in range(sim.pods)]
+    assert sum(s["preemptions"] for s in stats) == 0, stats
+    hits = sum(s["prefix_cache_hit_tokens"] for s in stats) / sum(s["prefix_cache_query_tokens"] for s in stats)
+    return pods, hits
+
+
+def test_a_hot_prefix_spreads_over_pods_while_the_others_keep_their_cache():
+    # One hot group, 48 requests at once on 4 pods with room for 40 each. Every sequence reads the
+    # whole 3.6k-token prefix at each decode step, so the decode term grows by the prefix with each
+    # request in flight on its pod; after about nine, recomputing the prefix on an idle pod is
+    # cheaper, and the group spreads over the pool long before its pod's KV is full. Spreading is
+    # what round robin does too; what it cannot do is keep the cold groups' questions on the pod
+    # that already caches their prompt: kvgate must spread the hot one and still hit more.
+    arms = {}
+    for name in ("round_robin", "kvgate"):
+        with Sim(pods=4, args=SIM_ARGS + ["--num-gpu-blocks", "1024"]) as sim:
+            ctx = baseline_envoy(sim.endpoints) if name == "round_robin" else \
+                kvgate_envoy(sim.endpoints, default_plugin_config())
+            with ctx as envoy:
+                pods, hits = hot_and_cold_groups(envoy, sim)
+                arms[name] = {"share": {p: pods.count(p) for p in set(pods)}, "hit_rate": round(hits, 3)}
+    print(f"one hot group and eight cold ones: {arms}")
+    share = arms["kvgate"]["share"]
+    assert len(share) >= 3, f"the hot prefix spread over the pool: {share}"
+    assert max(share.values()) <= 24, f"no pod took more than half: {share}"
+    assert arms["kvgate"]["hit_rate"] >= arms["round_robin"]["hit_rate"] + 0.05, arms
 
 
 def test_prompts_are_cut_in_the_engines_block_size():
