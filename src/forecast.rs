@@ -35,36 +35,80 @@ pub struct Load {
 }
 
 /// The highest `E + z·σ` over the horizon, in tokens.
-pub fn peak(loads: impl Iterator<Item = Load> + Clone, z: f64, block: u64) -> u64 {
+///
+/// Within an interval, `E(s)`, `Var(s)` and "all still running" are polynomials in `s` over the
+/// requests whose limit is at least `s`: `E = A + s·C`, `Var = Q2 + 2s·Q1 + s²·Q0` and
+/// `all = H + s·N`. With the requests sorted by limit, each interval is one sweep that drops a
+/// request from the sums once `s` passes its limit: `O(n log n)` per pod, not `O(n²)`, which
+/// matters on the request path for pods running hundreds of sequences.
+pub fn peak(loads: impl Iterator<Item = Load>, z: f64, block: u64) -> u64 {
+    let mut loads: Vec<Load> = loads.collect();
+    loads.sort_unstable_by_key(|l| l.left);
     let mut worst: f64 = 0.0;
     for (j, &start) in HORIZON_STEPS.iter().enumerate() {
+        let start = u64::from(start);
         let end = u64::from(HORIZON_STEPS.get(j + 1).copied().unwrap_or(HORIZON_END));
-        // Within the interval each request holds more with every step until it stops, so the pod
-        // holds most just before one of them stops (at its limit) or at the interval's end.
-        let at = |s: u64| {
-            let (mut mean, mut var, mut all) = (0.0, 0.0, 0.0);
-            for l in loads.clone() {
-                let p = f64::from(l.outlook[j]) / 255.0;
-                if p <= 0.0 || l.left < s {
-                    continue;
-                }
-                let size = l.held.saturating_add(s).saturating_add(block) as f64;
-                mean += size * p;
-                var += size * size * p * (1.0 - p);
-                all += size;
-            }
-            // The normal approximation's tail is unbounded; the pod's is not: it can hold at
-            // most what every request that may still run would then hold.
-            (mean + z * var.sqrt()).min(all)
-        };
-        worst = worst.max(at(end));
-        for l in loads.clone() {
-            if (u64::from(start)..end).contains(&l.left) {
-                worst = worst.max(at(l.left));
+        let first = loads.partition_point(|l| l.left < start);
+        let mut sums = Sums::default();
+        for l in &loads[first..] {
+            sums.add(l, j, block, 1.0);
+        }
+        // The pod holds most just before one of its requests stops (at its limit) or at the
+        // interval's end: at each request's limit in the interval, it is still counted.
+        let mut next = first;
+        while next < loads.len() && loads[next].left < end {
+            let s = loads[next].left;
+            worst = worst.max(sums.at(s, z));
+            while next < loads.len() && loads[next].left == s {
+                sums.add(&loads[next], j, block, -1.0);
+                next += 1;
             }
         }
+        worst = worst.max(sums.at(end, z));
     }
     worst.ceil() as u64
+}
+
+/// The sums `peak` sweeps, over the requests that may still run in one interval.
+#[derive(Default)]
+struct Sums {
+    /// Σ h·p, Σ p, Σ h²·q, Σ h·q, Σ q, Σ h and the count, with `h = held + block`, `p` the
+    /// chance of running, `q = p(1 − p)`; only requests with `p > 0`.
+    a: f64,
+    c: f64,
+    q2: f64,
+    q1: f64,
+    q0: f64,
+    h: f64,
+    n: f64,
+}
+
+impl Sums {
+    fn add(&mut self, l: &Load, interval: usize, block: u64, sign: f64) {
+        let p = f64::from(l.outlook[interval]) / 255.0;
+        if p <= 0.0 {
+            return;
+        }
+        let h = l.held.saturating_add(block) as f64;
+        let q = p * (1.0 - p);
+        self.a += sign * h * p;
+        self.c += sign * p;
+        self.q2 += sign * h * h * q;
+        self.q1 += sign * h * q;
+        self.q0 += sign * q;
+        self.h += sign * h;
+        self.n += sign;
+    }
+
+    /// `E + z·σ` at `s` steps ahead, never more than all the requests still able to run would
+    /// hold (the normal approximation's tail is unbounded; the pod's is not).
+    fn at(&self, s: u64, z: f64) -> f64 {
+        let s = s as f64;
+        let mean = self.a + s * self.c;
+        let var = (self.q2 + 2.0 * s * self.q1 + s * s * self.q0).max(0.0);
+        let all = self.h + s * self.n;
+        (mean + z * var.sqrt()).min(all).max(0.0)
+    }
 }
 
 #[cfg(test)]
@@ -117,6 +161,71 @@ mod tests {
         assert!(many < 16 * one * 3 / 4, "one {one}, sixteen {many}");
         let bare = peak(vec![load(300, 0, u64::MAX); 16].into_iter(), 0.0, 16);
         assert!(bare < many, "z adds headroom");
+    }
+
+    /// The forecast as defined: at every request's limit and every interval's end, each request
+    /// summed directly.
+    fn peak_by_definition(loads: &[Load], z: f64, block: u64) -> f64 {
+        let mut worst: f64 = 0.0;
+        for (j, &start) in HORIZON_STEPS.iter().enumerate() {
+            let end = u64::from(HORIZON_STEPS.get(j + 1).copied().unwrap_or(HORIZON_END));
+            let at = |s: u64| {
+                let (mut mean, mut var, mut all) = (0.0, 0.0, 0.0);
+                for l in loads {
+                    let p = f64::from(l.outlook[j]) / 255.0;
+                    if p > 0.0 && l.left >= s {
+                        let size = (l.held + s + block) as f64;
+                        mean += size * p;
+                        var += size * size * p * (1.0 - p);
+                        all += size;
+                    }
+                }
+                (mean + z * f64::sqrt(var)).min(all)
+            };
+            worst = worst.max(at(end));
+            for l in loads {
+                if (u64::from(start)..end).contains(&l.left) {
+                    worst = worst.max(at(l.left));
+                }
+            }
+        }
+        worst
+    }
+
+    #[test]
+    fn the_sweep_computes_the_forecast_as_defined() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut next = move |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        for _ in 0..200 {
+            let n = 1 + next(40);
+            let loads: Vec<Load> = (0..n)
+                .map(|_| {
+                    let streamed = next(600);
+                    let max = if next(2) == 0 {
+                        streamed + next(2000)
+                    } else {
+                        8192
+                    };
+                    Load {
+                        held: next(3000),
+                        left: max - streamed.min(max),
+                        outlook: OutputDist::prior(1 + next(500)).outlook(streamed, max),
+                    }
+                })
+                .collect();
+            let z = next(4) as f64 * 0.75;
+            let swept = peak(loads.iter().copied(), z, 16) as f64;
+            let defined = peak_by_definition(&loads, z, 16);
+            assert!(
+                (swept - defined.ceil()).abs() <= 1.0 + defined * 1e-9,
+                "{swept} vs {defined}"
+            );
+        }
     }
 
     #[test]
