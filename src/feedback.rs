@@ -3,7 +3,7 @@
 //! budget reads). Two corrections, both of the budget (`budget`):
 //!
 //! - **Unexplained KV**: the engine's used KV (`kv_cache_usage_perc` × capacity) beyond what
-//!   kvgate's in-flight entries hold (plus a partly filled block each) is traffic kvgate did not
+//!   kvgate's in-flight entries hold (plus `forecast::slack` each) is traffic kvgate did not
 //!   send, or prompts it underestimated. The budget shrinks by that much, for one scrape: the next
 //!   one measures again, so the correction follows the cause and never accumulates.
 //! - **Preemptions**: a rise of `vllm:num_preemptions_total` means the forecast let the pod run out
@@ -47,7 +47,8 @@ pub fn follow(prev: Option<&Snapshot>, next: &mut Snapshot, rec: &PodRecord) {
         0.0
     };
     let block = u64::from(next.block_size.max(1));
-    let explained = rec.held_tokens() + block * rec.entries.len() as u64;
+    // What kvgate's entries may hold, as the forecast counts it (`forecast::slack`).
+    let explained = rec.held_tokens() + crate::forecast::slack(block) * rec.entries.len() as u64;
     next.unexplained_tokens = (used as u64).saturating_sub(explained);
 }
 
@@ -113,9 +114,10 @@ mod tests {
             }],
             ..PodRecord::default()
         };
-        // 50 % of 4096 tokens used; kvgate accounts for 1000 + a partial block of 16.
+        // 50 % of 4096 tokens used; kvgate accounts for 1000 and two blocks of 16 (a partly
+        // filled one, and one streamed since the entry was written).
         let s = after(None, scraped(0.0, 0.5), &rec);
-        assert_eq!(s.unexplained_tokens, 2048 - 1016);
+        assert_eq!(s.unexplained_tokens, 2048 - 1032);
         let s = after(None, scraped(0.0, 0.1), &rec);
         assert_eq!(
             s.unexplained_tokens, 0,
