@@ -2,19 +2,19 @@
 //! decisions the shell carries out: which headers to strip or set, whether to wait for the body,
 //! forward, or answer locally. All shared state is reached through the `Store` given to each step.
 
-use crate::admission::{Admit, Class};
-use crate::calibration::Sample;
+use crate::admission::admit::{Admit, Class};
+use crate::admission::line::Ticket;
 use crate::config::Config;
-use crate::estimate::{estimate_from, static_prompt_tokens, Estimate};
+use crate::estimate::calibration::Sample;
+use crate::estimate::reservation::{estimate_from, static_prompt_tokens, Estimate};
 pub use crate::gate::Gate;
-use crate::prefix::block_hashes;
-use crate::queue::Ticket;
-use crate::reply::LocalReply;
-use crate::request::{Api, Request};
-use crate::response::ResponseMeter;
-use crate::router::Routed;
+use crate::openai::reply::LocalReply;
+use crate::openai::request::{Api, Request};
+use crate::openai::response::ResponseMeter;
+use crate::routing::prefix::block_hashes;
+use crate::routing::router::Routed;
 use crate::stats::pod_segment;
-use crate::store::Store;
+use crate::store::interface::Store;
 
 /// Clients never choose the upstream: this header is kvgate's to set, and Envoy's override-host
 /// policy trusts whatever it says.
@@ -408,7 +408,7 @@ impl Flow {
                 .session
                 .filter(|_| gate.config.admission.session_boost_ms > 0)
             {
-                if let Err(e) = crate::sessions::finished_turn(store, session) {
+                if let Err(e) = crate::admission::sessions::finished_turn(store, session) {
                     log::debug!("kvgate: session record failed: {e:?}");
                 }
             }
@@ -451,7 +451,7 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     use super::*;
-    use crate::fake_host::FakeHost;
+    use crate::store::fake_host::FakeHost;
 
     fn head(path: &str) -> Head<'_> {
         Head {
@@ -462,7 +462,7 @@ mod tests {
         }
     }
 
-    fn gate(config: Config) -> (FakeHost, crate::fake_host::FakeVm, Gate) {
+    fn gate(config: Config) -> (FakeHost, crate::store::fake_host::FakeVm, Gate) {
         let host = FakeHost::new();
         let vm = host.vm();
         let gate = Gate::new(config, &vm).unwrap();
@@ -592,7 +592,7 @@ mod tests {
         );
         f.on_done(&mut gate, &vm);
         f.on_done(&mut gate, &vm);
-        let rec = crate::pod_state::read(&vm, "10.0.0.1:80").unwrap();
+        let rec = crate::pods::record::read(&vm, "10.0.0.1:80").unwrap();
         assert_eq!(
             (rec.active_blocks(), rec.entries.len()),
             (0, 0),

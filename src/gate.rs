@@ -3,13 +3,13 @@
 //! and the stats waiting to be flushed. Requests (`flow`) borrow it; the shell's root context
 //! drives its tick, callouts and wake-ups.
 
-use crate::admission::Admission;
-use crate::calibration::Calibration;
+use crate::admission::admit::Admission;
 use crate::config::Config;
-use crate::router::Router;
-use crate::scrape::{self, Call, Scraper, Target};
+use crate::estimate::calibration::Calibration;
+use crate::pods::scrape::{self, Call, Scraper, Target};
+use crate::routing::router::Router;
 use crate::stats::{pod_segment, Stats};
-use crate::store::{Store, StoreError};
+use crate::store::interface::{Store, StoreError};
 
 /// How long the scraper's lease lasts without renewal; renewed every tick.
 const LEASE_MS: u64 = 1_500;
@@ -65,7 +65,7 @@ impl Gate {
 
     /// Gauges of the pool, written by the lease holder only so they are not multiplied.
     fn report_pods(&mut self, store: &dyn Store, pods: &[String]) {
-        if let Ok(line) = crate::queue::read(store) {
+        if let Ok(line) = crate::admission::line::read(store) {
             // Bands named by configuration (and the default) are reported; any other priority a
             // client sent is counted under `other`, so the stat names stay bounded.
             let a = &self.config.admission;
@@ -93,7 +93,7 @@ impl Gate {
         let now = store.now_ms();
         let (mut stale, mut unhealthy) = (0, 0);
         for pod in pods {
-            if let Ok(rec) = crate::pod_state::read(store, pod) {
+            if let Ok(rec) = crate::pods::record::read(store, pod) {
                 let seg = pod_segment(pod);
                 let fresh = rec.snapshot.is_some_and(|s| {
                     now.saturating_sub(s.at_ms) <= self.config.metrics.stale_after_ms
@@ -125,7 +125,8 @@ impl Gate {
                         (s.backoff * 100.0).round() as u64,
                     );
                 }
-                let budget = crate::budget::budget_tokens(&self.config, rec.snapshot.as_ref());
+                let budget =
+                    crate::admission::budget::budget_tokens(&self.config, rec.snapshot.as_ref());
                 self.stats.gauge(
                     format!("kvgate.pod.{seg}.budget_tokens"),
                     budget.unwrap_or(0),

@@ -12,8 +12,8 @@
 //! characters are classified by their first byte and counted in loops over runs (`Counter`).
 
 use crate::config::EstimatorConfig;
-use crate::output_dist::OutputDist;
-use crate::request::Request;
+use crate::estimate::output_dist::OutputDist;
+use crate::openai::request::Request;
 
 /// Letters of a word piece its first token covers; common long words are one token, rare ones
 /// split, so each further letter adds `LONG_WORD_EXTRA_TOKENS`.
@@ -533,11 +533,11 @@ mod tests {
 
     /// What the model learned from `n` answers of `len` tokens each.
     fn learned_all(len: u64, n: f64) -> Learned {
-        let mut ended = [0.0; crate::output_dist::BUCKETS];
-        ended[crate::output_dist::bucket(len)] = n;
+        let mut ended = [0.0; crate::estimate::output_dist::BUCKETS];
+        ended[crate::estimate::output_dist::bucket(len)] = n;
         Learned {
             prompt_scale: 1.0,
-            output: OutputDist::learned(&ended, &[0.0; crate::output_dist::BUCKETS], 256),
+            output: OutputDist::learned(&ended, &[0.0; crate::estimate::output_dist::BUCKETS], 256),
         }
     }
 
