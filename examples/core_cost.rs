@@ -17,7 +17,8 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use kvgate::config::Config;
-use kvgate::estimate::reservation::{estimate_from, static_prompt_tokens, Estimate};
+use kvgate::estimate::reservation::{estimate_from, Estimate};
+use kvgate::estimate::text::static_prompt_tokens;
 use kvgate::openai::request::{Api, Request};
 use kvgate::routing::prefix::block_hashes;
 

@@ -9,7 +9,8 @@
 #![no_main]
 
 use kvgate::config::{Config, EstimatorConfig};
-use kvgate::estimate::reservation::{estimate, static_prompt_tokens, Learned};
+use kvgate::estimate::reservation::{estimate, Learned};
+use kvgate::estimate::text::static_prompt_tokens;
 use kvgate::estimate::output_dist::{OutputDist, BUCKETS};
 use kvgate::routing::prefix::block_hashes;
 use kvgate::openai::request::{Api, Request};

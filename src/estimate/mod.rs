@@ -10,3 +10,4 @@
 pub mod calibration;
 pub mod output_dist;
 pub mod reservation;
+pub mod text;
