@@ -14,7 +14,7 @@ use crate::openai::request::{Api, Request};
 use crate::openai::response::ResponseMeter;
 use crate::routing::prefix::block_hashes;
 use crate::routing::router::Routed;
-use crate::stats::pod_segment;
+use crate::stats;
 use crate::store::interface::Store;
 
 /// Clients never choose the upstream: this header is kvgate's to set, and Envoy's override-host
@@ -243,7 +243,7 @@ impl Flow {
             Err(e) => {
                 // Shared state unavailable: Envoy's fallback policy still serves the request.
                 log::warn!("kvgate: admission failed, falling back to Envoy's balancing: {e:?}");
-                gate.stats.count("kvgate.route.errors", 1);
+                gate.stats.count(stats::ROUTE_ERRORS, 1);
                 Decision::step(Step::Forward)
             }
         }
@@ -253,13 +253,13 @@ impl Flow {
     fn decide(&mut self, gate: &mut Gate, admit: Admit) -> Decision {
         match admit {
             Admit::Routed(routed) => {
-                gate.stats.count("kvgate.routed", 1);
+                gate.stats.count(stats::ROUTED, 1);
                 gate.stats
-                    .count(format!("kvgate.pod.{}.picks", pod_segment(&routed.pod)), 1);
+                    .count(stats::pod_stat(&routed.pod, stats::POD_PICKS), 1);
                 gate.stats
-                    .count("kvgate.prefix.blocks_total", routed.prompt_blocks as u64);
+                    .count(stats::PREFIX_BLOCKS_TOTAL, routed.prompt_blocks as u64);
                 gate.stats
-                    .count("kvgate.prefix.blocks_matched", routed.cached_blocks as u64);
+                    .count(stats::PREFIX_BLOCKS_MATCHED, routed.cached_blocks as u64);
                 let mut d = Decision::step(Step::Forward);
                 d.set
                     .push((DESTINATION_HEADER.to_string(), routed.order.join(",")));
@@ -320,7 +320,7 @@ impl Flow {
         };
         if let (Some(routed), Some(host)) = (&mut a.routed, served_by) {
             if host != routed.pod {
-                gate.stats.count("kvgate.route.rerouted", 1);
+                gate.stats.count(stats::ROUTE_REROUTED, 1);
                 if let Err(e) = gate.router.rehome(store, &gate.config, routed, host) {
                     log::debug!("kvgate: rehome failed: {e:?}");
                 }
@@ -423,13 +423,13 @@ impl Flow {
         // The estimate beside what the engine reported, summed: ratios of their rates are the
         // estimator's error over any window (the dashboard's accuracy panel, the drift alerts).
         let stats = &mut gate.stats;
-        stats.count("kvgate.estimate.prompt_tokens", a.estimate.prompt_tokens);
-        stats.count("kvgate.usage.prompt_tokens", usage.prompt_tokens);
-        stats.count("kvgate.estimate.output_tokens", a.estimate.output_tokens);
-        stats.count("kvgate.usage.completion_tokens", usage.completion_tokens);
-        stats.count("kvgate.estimate.cost_tokens", a.estimate.cost);
+        stats.count(stats::ESTIMATE_PROMPT_TOKENS, a.estimate.prompt_tokens);
+        stats.count(stats::USAGE_PROMPT_TOKENS, usage.prompt_tokens);
+        stats.count(stats::ESTIMATE_OUTPUT_TOKENS, a.estimate.output_tokens);
+        stats.count(stats::USAGE_COMPLETION_TOKENS, usage.completion_tokens);
+        stats.count(stats::ESTIMATE_COST_TOKENS, a.estimate.cost);
         stats.count(
-            "kvgate.usage.total_tokens",
+            stats::USAGE_TOTAL_TOKENS,
             usage.prompt_tokens + usage.completion_tokens,
         );
         let sample = Sample {

@@ -13,7 +13,7 @@ use crate::estimate::reservation::Estimate;
 use crate::hash::fnv1a;
 use crate::openai::reply::LocalReply;
 use crate::routing::router::{Placement, Routed, Router};
-use crate::stats::Stats;
+use crate::stats::{self, Stats};
 use crate::store::interface::{Store, StoreError};
 use hashbrown::HashMap;
 use std::collections::BTreeMap;
@@ -155,7 +155,7 @@ impl Admission {
                     if !line.tickets.is_empty() {
                         line::charge_direct(store, class.tenant, est.cost)?;
                     }
-                    stats.count("kvgate.admission.admitted", 1);
+                    stats.count(stats::ADMISSION_ADMITTED, 1);
                     return Ok(Admit::Routed(r));
                 }
                 Placement::NoPods => return Ok(Admit::Unrouted),
@@ -163,7 +163,7 @@ impl Admission {
             }
         }
         if class.priority < 0 {
-            stats.count("kvgate.admission.shed", 1);
+            stats.count(stats::ADMISSION_SHED, 1);
             return Ok(shed(
                 "the pool is saturated and this request's priority is sheddable",
             ));
@@ -178,14 +178,14 @@ impl Admission {
         )? {
             Ok(t) => {
                 self.parked.insert(t.id, t.deadline_ms);
-                stats.count("kvgate.admission.queued", 1);
+                stats.count(stats::ADMISSION_QUEUED, 1);
                 if boosted {
-                    stats.count("kvgate.admission.boosted", 1);
+                    stats.count(stats::ADMISSION_BOOSTED, 1);
                 }
                 Ok(Admit::Wait(t))
             }
             Err(Refused::Full) => {
-                stats.count("kvgate.admission.queue_full", 1);
+                stats.count(stats::ADMISSION_QUEUE_FULL, 1);
                 Ok(shed("kvgate's queue is full (admission.maxQueue)"))
             }
         }
@@ -207,7 +207,7 @@ impl Admission {
         let now = store.now_ms();
         if now >= ticket.deadline_ms {
             self.leave(store, ticket.id, false)?;
-            stats.count("kvgate.admission.timed_out", 1);
+            stats.count(stats::ADMISSION_TIMED_OUT, 1);
             let waited_s = now.saturating_sub(ticket.enqueued_ms).div_ceil(1000).max(1);
             let reply = LocalReply::error(
                 503,
@@ -224,16 +224,16 @@ impl Admission {
             Placement::NoRoom => return Ok(None),
         };
         self.leave(store, ticket.id, true)?;
-        stats.count("kvgate.admission.admitted", 1);
+        stats.count(stats::ADMISSION_ADMITTED, 1);
         stats.histogram(
-            "kvgate.admission.wait_ms",
+            stats::ADMISSION_WAIT_MS,
             now.saturating_sub(ticket.enqueued_ms),
         );
         if let Some(released) = self.released_at.take() {
             let latency = now.saturating_sub(released);
-            stats.histogram("kvgate.admission.wake_latency_ms", latency);
-            stats.count("kvgate.admission.wake_latency_ms_total", latency);
-            stats.count("kvgate.admission.wakes", 1);
+            stats.histogram(stats::ADMISSION_WAKE_LATENCY_MS, latency);
+            stats.count(stats::ADMISSION_WAKE_LATENCY_MS_TOTAL, latency);
+            stats.count(stats::ADMISSION_WAKES, 1);
         }
         Ok(Some(admit))
     }
@@ -276,7 +276,7 @@ impl Admission {
         ticket: u64,
     ) -> Result<(), StoreError> {
         if self.parked.contains_key(&ticket) {
-            stats.count("kvgate.admission.abandoned", 1);
+            stats.count(stats::ADMISSION_ABANDONED, 1);
             self.leave(store, ticket, false)?;
         }
         Ok(())

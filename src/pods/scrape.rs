@@ -8,7 +8,7 @@ use crate::config::Config;
 use crate::pods::metrics;
 use crate::pods::record::{self, Snapshot};
 use crate::routing::router::{decode_pods, encode_pods, PODS_KEY};
-use crate::stats::{pod_segment, Stats};
+use crate::stats::{self, Stats};
 use crate::store::codec::{Reader, Writer};
 use crate::store::interface::{update, Store, StoreError};
 use hashbrown::HashMap;
@@ -131,7 +131,7 @@ impl Scraper {
                     .then(|| parse_clusters(body, &cfg.discovery.model_cluster))
                     .flatten()
                 else {
-                    stats.count("kvgate.discovery.errors", 1);
+                    stats.count(stats::DISCOVERY_ERRORS, 1);
                     return Ok(());
                 };
                 publish_pods(store, &pods)
@@ -140,7 +140,7 @@ impl Scraper {
                 let parsed = (status == Some(200)).then(|| metrics::parse_bytes(body));
                 match parsed {
                     Some(Ok(m)) => {
-                        stats.count("kvgate.scrape.ok", 1);
+                        stats.count(stats::SCRAPE_OK, 1);
                         let snapshot = Snapshot {
                             at_ms: now,
                             healthy: true,
@@ -156,8 +156,8 @@ impl Scraper {
                         record::write_snapshot(store, pod, snapshot, cfg.metrics.waiting_grace_ms)
                     }
                     _ => {
-                        stats.count("kvgate.scrape.errors", 1);
-                        stats.count(format!("kvgate.pod.{}.scrape_errors", pod_segment(pod)), 1);
+                        stats.count(stats::SCRAPE_ERRORS, 1);
+                        stats.count(stats::pod_stat(pod, stats::POD_SCRAPE_ERRORS), 1);
                         if refused(status, body) {
                             // Down, not merely slow: avoid it until a scrape succeeds again.
                             let down = Snapshot {
