@@ -91,10 +91,7 @@ impl Gate {
         let (mut stale, mut unhealthy) = (0, 0);
         for pod in pods {
             if let Ok(rec) = crate::pods::record::read(store, pod) {
-                let fresh = rec.snapshot.is_some_and(|s| {
-                    now.saturating_sub(s.at_ms) <= self.config.metrics.stale_after_ms
-                });
-                stale += u64::from(!self.config.metrics.cluster.is_empty() && !fresh);
+                stale += u64::from(rec.is_stale(now, &self.config.metrics));
                 self.stats.gauge(
                     stats::pod_stat(pod, stats::POD_ACTIVE_BLOCKS),
                     rec.active_blocks(),
@@ -129,7 +126,7 @@ impl Gate {
                     stats::pod_stat(pod, stats::POD_BUDGET_TOKENS),
                     budget.unwrap_or(0),
                 );
-                let healthy = rec.snapshot.is_none_or(|s| s.healthy);
+                let healthy = !rec.is_down();
                 unhealthy += u64::from(!healthy);
                 self.stats
                     .gauge(stats::pod_stat(pod, stats::POD_HEALTHY), u64::from(healthy));

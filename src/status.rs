@@ -52,13 +52,11 @@ pub fn reply(gate: &Gate, store: &dyn Store, method: &str, accept: Option<&str>)
 fn pod(cfg: &Config, block_tokens: u64, pod: &str, rec: &PodRecord, now: u64) -> Value {
     let snapshot = rec.snapshot.as_ref();
     let age = snapshot.map(|s| now.saturating_sub(s.at_ms));
-    // The same judgements the pool gauges make (gate.rs): stale only when scraping is on, and a
-    // pod never scraped is not held against.
-    let stale =
-        !cfg.metrics.cluster.is_empty() && age.is_none_or(|a| a > cfg.metrics.stale_after_ms);
+    // The same judgements the pool gauges make (gate.rs), from the pod record.
+    let stale = rec.is_stale(now, &cfg.metrics);
     json!({
         "pod": pod,
-        "healthy": snapshot.is_none_or(|s| s.healthy),
+        "healthy": !rec.is_down(),
         "stale": stale,
         "lastScrapeAgeMs": age,
         // null: no budget limits this pod.

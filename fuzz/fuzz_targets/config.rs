@@ -12,7 +12,7 @@ use kvgate::config::Config;
 use kvgate::store::fake_host::FakeHost;
 use kvgate::flow::{Flow, Gate, Head, Step};
 use kvgate::pods::record;
-use kvgate::routing::router::{encode_pods, PODS_KEY};
+use kvgate::pods::pool::{encode_pods, PODS_KEY};
 use kvgate::pods::scrape::Target;
 use kvgate::store::interface::Store;
 use kvgate_fuzz::skip;

@@ -22,7 +22,7 @@ use kvgate::config::Config;
 use kvgate::drive::{self, Waiting};
 use kvgate::store::fake_host::{FakeHost, FakeVm};
 use kvgate::flow::{Decision, Flow, Gate, Head, Step, DESTINATION_HEADER};
-use kvgate::routing::router::{decode_pods, PODS_KEY};
+use kvgate::pods::pool::{decode_pods, PODS_KEY};
 use kvgate::pods::scrape::{Call, Target};
 use kvgate::store::interface::Store;
 use kvgate_fuzz::{checked_pod, checked_queue, live, live_line, skip};

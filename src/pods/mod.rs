@@ -1,4 +1,4 @@
-//! The model-server pods: the shared record of each (`record`), the scraper that discovers them
+//! The model-server pods: who they are (`pool`), the shared record of each (`record`), the scraper that discovers them
 //! and fills their records under a lease (`scrape`), and the reading of their Prometheus metrics
 //! (`metrics`).
 //!
@@ -8,5 +8,6 @@
 //! VM knows of a pod is read from its record when needed.
 
 pub mod metrics;
+pub mod pool;
 pub mod record;
 pub mod scrape;

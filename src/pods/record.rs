@@ -7,6 +7,7 @@
 //! Keys are per pod address; a pod that leaves has its record blanked (keys cannot be deleted).
 
 use crate::admission::forecast::{peak, Load};
+use crate::config::MetricsConfig;
 use crate::estimate::output_dist::{Outlook, HORIZON_STEPS};
 use crate::store::codec::{Reader, Writer};
 use crate::store::interface::{update, Store, StoreError};
@@ -111,6 +112,25 @@ impl PodRecord {
             })
             .chain(extra);
         peak(loads, z, block_tokens)
+    }
+
+    /// Scraped within `stale_after_ms`: its figures are recent enough to route on. A pod never
+    /// scraped is not fresh.
+    pub fn is_fresh(&self, now: u64, metrics: &MetricsConfig) -> bool {
+        self.snapshot
+            .is_some_and(|s| now.saturating_sub(s.at_ms) <= metrics.stale_after_ms)
+    }
+
+    /// Not fresh while scraping is on (with no metrics cluster nothing is ever scraped, so no pod
+    /// is held to it): what the pool gauge and the status page count.
+    pub fn is_stale(&self, now: u64, metrics: &MetricsConfig) -> bool {
+        !metrics.cluster.is_empty() && !self.is_fresh(now, metrics)
+    }
+
+    /// Avoided: its last scrape could not connect, or a pick to it failed. A pod never scraped is
+    /// not held against.
+    pub fn is_down(&self) -> bool {
+        self.snapshot.is_some_and(|s| !s.healthy)
     }
 
     pub fn is_live(&self, id: u64) -> bool {

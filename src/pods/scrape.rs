@@ -6,8 +6,8 @@
 
 use crate::config::Config;
 use crate::pods::metrics;
+use crate::pods::pool::{decode_pods, encode_pods, PODS_KEY};
 use crate::pods::record::{self, Snapshot};
-use crate::routing::router::{decode_pods, encode_pods, PODS_KEY};
 use crate::stats::{self, Stats};
 use crate::store::codec::{Reader, Writer};
 use crate::store::interface::{update, Store, StoreError};
@@ -149,7 +149,7 @@ impl Scraper {
                             kv_usage: m.kv_usage.unwrap_or(f64::NAN),
                             capacity_tokens: m.capacity_tokens.unwrap_or(0),
                             block_size: m.block_size.unwrap_or(0) as u32,
-                            no_prefix_caching: m.prefix_caching_off,
+                            no_prefix_caching: m.no_prefix_caching,
                             preemptions: m.preemptions.unwrap_or(f64::NAN),
                             ..Snapshot::default()
                         };

@@ -7,18 +7,17 @@ use crate::admission::budget::{budget_tokens, fits};
 use crate::admission::forecast::Load;
 use crate::config::{Config, RoutingConfig, StalePolicy, MAX_BLOCK_TOKENS};
 use crate::estimate::reservation::Estimate;
+use crate::pods::pool::{decode_pods, PODS_KEY};
 use crate::pods::record::{self, Entry, PodRecord};
 use crate::routing::active_blocks::ActiveBlocks;
 use crate::routing::pick::{rank, Candidate, Rng, Scored, Terms};
 use crate::routing::pick_log::{Event, PickLog, MAX_EVENT_BLOCKS};
 use crate::routing::prefix_index::PrefixIndex;
-use crate::store::codec::{Reader, Writer};
+use crate::store::codec::Reader;
 use crate::store::interface::{update, Store, StoreError};
 use hashbrown::HashMap;
 
 const VM_SEQ_KEY: &str = "kvgate.vm.seq";
-/// Discovered pods, written by the elected scraper: `kvgate.pods`.
-pub const PODS_KEY: &str = "kvgate.pods";
 const PODS_CACHE_MS: u64 = 1_000;
 /// A block size derived from the pods is at least this: a multiple of every smaller power of two
 /// (SGLang reports pages of one token), and long enough that `maxPromptBlocks` covers long prompts.
@@ -55,23 +54,6 @@ pub struct Routed {
     /// `pod cost=prefill+decode+active+queue+kv`,
     /// ` full` where its budget had no room.
     pub ranking: String,
-}
-
-pub fn encode_pods(pods: &[String]) -> Vec<u8> {
-    let mut w = Writer::new();
-    w.u32(pods.len() as u32);
-    for p in pods {
-        w.bytes(p.as_bytes());
-    }
-    w.0
-}
-
-pub fn decode_pods(bytes: &[u8]) -> Option<Vec<String>> {
-    let mut r = Reader(bytes);
-    let n = r.count(4)?;
-    (0..n)
-        .map(|_| r.bytes().and_then(|b| String::from_utf8(b.to_vec()).ok()))
-        .collect()
 }
 
 fn explain(
@@ -261,13 +243,10 @@ impl Router {
         for (pod, rec) in self.pods.iter().zip(&records) {
             self.active.prune(pod, |id| rec.is_live(id), now);
         }
-        let fresh = |rec: &PodRecord| {
-            rec.snapshot
-                .is_some_and(|s| now.saturating_sub(s.at_ms) <= cfg.metrics.stale_after_ms)
-        };
+        let fresh = |rec: &PodRecord| rec.is_fresh(now, &cfg.metrics);
         let any_fresh = records.iter().any(fresh);
         let eligible = |rec: &PodRecord| match rec.snapshot {
-            Some(s) if !s.healthy => false,
+            _ if rec.is_down() => false,
             Some(_) if !fresh(rec) => cfg.metrics.stale_policy == StalePolicy::Ignore || !any_fresh,
             _ => true,
         };
@@ -550,6 +529,7 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     use super::*;
+    use crate::pods::pool::encode_pods;
     use crate::pods::record::Snapshot;
     use crate::store::fake_host::{FakeHost, FakeVm};
 

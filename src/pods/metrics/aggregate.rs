@@ -133,7 +133,7 @@ pub(super) struct Tally {
     hits: [PerEngine; 4],
     queries: [PerEngine; 4],
     preemptions: [PerEngine; 2],
-    prefix_caching_off: bool,
+    no_prefix_caching: bool,
 }
 
 impl Tally {
@@ -154,7 +154,7 @@ impl Tally {
             hits: [PerEngine::new(); 4],
             queries: [PerEngine::new(); 4],
             preemptions: [PerEngine::new(); 2],
-            prefix_caching_off: false,
+            no_prefix_caching: false,
         }
     }
 
@@ -190,7 +190,7 @@ impl Tally {
                         labels.max_total_num_tokens,
                     ),
                 };
-                self.prefix_caching_off |= labels
+                self.no_prefix_caching |= labels
                     .enable_prefix_caching
                     .is_some_and(|v| v.eq_ignore_ascii_case("false"));
                 self.info_block_size.add(label_whole(size));
@@ -258,7 +258,7 @@ impl Tally {
             prefix_cache_hits: first_present(&self.hits),
             prefix_cache_queries: first_present(&self.queries),
             preemptions: first_present(&self.preemptions),
-            prefix_caching_off: self.prefix_caching_off,
+            no_prefix_caching: self.no_prefix_caching,
         })
     }
 }

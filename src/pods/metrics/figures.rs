@@ -36,7 +36,7 @@ pub struct PodMetrics {
     pub preemptions: Option<f64>,
     /// vLLM's `cache_config_info` says `enable_prefix_caching="False"` for one of the pod's
     /// engines: a prompt it served once is not cached there, and sequences share no blocks.
-    pub prefix_caching_off: bool,
+    pub no_prefix_caching: bool,
 }
 
 /// Why a body yielded no metrics.

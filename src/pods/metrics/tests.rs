@@ -57,7 +57,7 @@ fn full_vllm_v1_document() {
             prefix_cache_hits: Some(987_648.0),
             prefix_cache_queries: Some(1_234_567.0),
             preemptions: Some(0.0),
-            prefix_caching_off: false,
+            no_prefix_caching: false,
         }
     );
 }
@@ -78,7 +78,7 @@ fn full_sglang_document() {
             prefix_cache_hits: None,
             prefix_cache_queries: None,
             preemptions: None,
-            prefix_caching_off: false,
+            no_prefix_caching: false,
         }
     );
 }
@@ -115,7 +115,7 @@ fn older_vllm_without_engine_label_or_token_capacity() {
     assert_eq!(m.num_gpu_blocks, Some(81_767));
     assert_eq!(m.capacity_tokens, Some(81_767 * 16));
     assert_eq!((m.prefix_cache_hits, m.prefix_cache_queries), (None, None));
-    assert!(m.prefix_caching_off);
+    assert!(m.no_prefix_caching);
 }
 
 #[test]
