@@ -1,7 +1,7 @@
 //! kvgate: an LLM-aware admission and routing filter for Envoy, compiled to proxy-wasm.
 //!
 //! Everything outside `shell` is the host-agnostic core: plain Rust that decides, with all shared
-//! state reached through the [`interface::Store`] trait so it runs natively under test. `shell` is the
+//! state reached through the [`store::interface::Store`] trait so it runs natively under test. `shell` is the
 //! only module that knows proxy-wasm; it is compiled for the wasi target alone.
 
 pub mod admission;
