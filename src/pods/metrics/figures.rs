@@ -7,7 +7,7 @@ use core::fmt;
 pub enum Engine {
     Vllm,
     Sglang,
-    /// Never returned by [`parse`]; the state of a pod not yet scraped successfully.
+    /// Never returned by [`super::parse`]; the state of a pod not yet scraped successfully.
     #[default]
     Unknown,
 }
@@ -49,7 +49,7 @@ pub enum MetricsError {
     NoKnownMetrics,
     /// Both vLLM and SGLang metrics appeared; which engine's numbers describe the pod is unknown.
     MixedEngines,
-    /// More than [`MAX_LINES`] lines.
+    /// More than [`super::exposition::MAX_LINES`] lines.
     TooManyLines,
 }
 
