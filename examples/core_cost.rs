@@ -17,9 +17,10 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use kvgate::config::Config;
-use kvgate::estimate::{estimate_from, static_prompt_tokens, Estimate};
-use kvgate::prefix::block_hashes;
-use kvgate::request::{Api, Request};
+use kvgate::estimate::reservation::{estimate_from, Estimate};
+use kvgate::estimate::text::static_prompt_tokens;
+use kvgate::openai::request::{Api, Request};
+use kvgate::routing::prefix::block_hashes;
 
 const SIZES: [(&str, usize); 3] = [("4k", 4 << 10), ("64k", 64 << 10), ("256k", 256 << 10)];
 /// Tokens per prompt block: vLLM's default block size, which the router also assumes before any

@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests/e2e"))
 
 from harness import Sim, default_plugin_config, kvgate_envoy, request  # noqa: E402
-from faults_support import (MODEL, abort_after, abort_stream, assert_vm_alive, bad_log_lines, drained,  # noqa: E402
+from robustness import (MODEL, abort_after, abort_stream, assert_vm_alive, bad_log_lines, drained,  # noqa: E402
                             pool, rss_kib, vm_stats, wasm_memories)
 
 MIX = [  # (kind, weight)

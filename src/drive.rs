@@ -5,8 +5,8 @@
 //! [`Waiting`]; the logic lives here so it is tested natively and shared by both.
 
 use crate::flow::{Flow, Gate, Step};
-use crate::reply::LocalReply;
-use crate::store::Store;
+use crate::openai::reply::LocalReply;
+use crate::store::interface::Store;
 
 /// Wake-ups admit at most this many requests from the head of the line in one pass; each pass
 /// admits or drops one ticket and the line is bounded, so this only guards against a loop.
@@ -98,8 +98,8 @@ mod tests {
 
     use super::*;
     use crate::config::Config;
-    use crate::fake_host::{FakeHost, FakeVm};
     use crate::flow::{Decision, Head, DESTINATION_HEADER};
+    use crate::store::fake_host::{FakeHost, FakeVm};
     use hashbrown::{HashMap, HashSet};
 
     const POD: &str = "10.0.0.1:8000";
@@ -173,7 +173,7 @@ mod tests {
     }
 
     fn reserved(vm: &FakeVm) -> u64 {
-        crate::pod_state::read(vm, POD).unwrap().held_tokens()
+        crate::pods::record::read(vm, POD).unwrap().held_tokens()
     }
 
     #[test]
@@ -236,7 +236,10 @@ mod tests {
             [3]
         );
         assert!(host.parked.is_empty());
-        assert!(crate::queue::read(&vm).unwrap().tickets.is_empty());
+        assert!(crate::admission::line::read(&vm)
+            .unwrap()
+            .tickets
+            .is_empty());
         assert!(reserved(&vm) > 0);
         // Its on_done, delivered later, changes nothing.
         host.flows.get_mut(&2).unwrap().on_done(&mut gate, &vm);

@@ -2,19 +2,20 @@
 //! decisions the shell carries out: which headers to strip or set, whether to wait for the body,
 //! forward, or answer locally. All shared state is reached through the `Store` given to each step.
 
-use crate::admission::{Admit, Class};
-use crate::calibration::Sample;
+use crate::admission::admit::{Admit, Class};
+use crate::admission::line::Ticket;
 use crate::config::Config;
-use crate::estimate::{estimate_from, static_prompt_tokens, Estimate};
+use crate::estimate::calibration::Sample;
+use crate::estimate::reservation::{estimate_from, Estimate};
+use crate::estimate::text::static_prompt_tokens;
 pub use crate::gate::Gate;
-use crate::prefix::block_hashes;
-use crate::queue::Ticket;
-use crate::reply::LocalReply;
-use crate::request::{Api, Request};
-use crate::response::ResponseMeter;
-use crate::router::Routed;
-use crate::stats::pod_segment;
-use crate::store::Store;
+use crate::openai::reply::LocalReply;
+use crate::openai::request::{Api, Request};
+use crate::openai::response::ResponseMeter;
+use crate::routing::prefix::block_hashes;
+use crate::routing::router::Routed;
+use crate::stats;
+use crate::store::interface::Store;
 
 /// Clients never choose the upstream: this header is kvgate's to set, and Envoy's override-host
 /// policy trusts whatever it says.
@@ -242,7 +243,7 @@ impl Flow {
             Err(e) => {
                 // Shared state unavailable: Envoy's fallback policy still serves the request.
                 log::warn!("kvgate: admission failed, falling back to Envoy's balancing: {e:?}");
-                gate.stats.count("kvgate.route.errors", 1);
+                gate.stats.count(stats::ROUTE_ERRORS, 1);
                 Decision::step(Step::Forward)
             }
         }
@@ -252,13 +253,13 @@ impl Flow {
     fn decide(&mut self, gate: &mut Gate, admit: Admit) -> Decision {
         match admit {
             Admit::Routed(routed) => {
-                gate.stats.count("kvgate.routed", 1);
+                gate.stats.count(stats::ROUTED, 1);
                 gate.stats
-                    .count(format!("kvgate.pod.{}.picks", pod_segment(&routed.pod)), 1);
+                    .count(stats::pod_stat(&routed.pod, stats::POD_PICKS), 1);
                 gate.stats
-                    .count("kvgate.prefix.blocks_total", routed.prompt_blocks as u64);
+                    .count(stats::PREFIX_BLOCKS_TOTAL, routed.prompt_blocks as u64);
                 gate.stats
-                    .count("kvgate.prefix.blocks_matched", routed.cached_blocks as u64);
+                    .count(stats::PREFIX_BLOCKS_MATCHED, routed.cached_blocks as u64);
                 let mut d = Decision::step(Step::Forward);
                 d.set
                     .push((DESTINATION_HEADER.to_string(), routed.order.join(",")));
@@ -319,7 +320,7 @@ impl Flow {
         };
         if let (Some(routed), Some(host)) = (&mut a.routed, served_by) {
             if host != routed.pod {
-                gate.stats.count("kvgate.route.rerouted", 1);
+                gate.stats.count(stats::ROUTE_REROUTED, 1);
                 if let Err(e) = gate.router.rehome(store, &gate.config, routed, host) {
                     log::debug!("kvgate: rehome failed: {e:?}");
                 }
@@ -408,7 +409,7 @@ impl Flow {
                 .session
                 .filter(|_| gate.config.admission.session_boost_ms > 0)
             {
-                if let Err(e) = crate::sessions::finished_turn(store, session) {
+                if let Err(e) = crate::admission::sessions::finished_turn(store, session) {
                     log::debug!("kvgate: session record failed: {e:?}");
                 }
             }
@@ -422,13 +423,13 @@ impl Flow {
         // The estimate beside what the engine reported, summed: ratios of their rates are the
         // estimator's error over any window (the dashboard's accuracy panel, the drift alerts).
         let stats = &mut gate.stats;
-        stats.count("kvgate.estimate.prompt_tokens", a.estimate.prompt_tokens);
-        stats.count("kvgate.usage.prompt_tokens", usage.prompt_tokens);
-        stats.count("kvgate.estimate.output_tokens", a.estimate.output_tokens);
-        stats.count("kvgate.usage.completion_tokens", usage.completion_tokens);
-        stats.count("kvgate.estimate.cost_tokens", a.estimate.cost);
+        stats.count(stats::ESTIMATE_PROMPT_TOKENS, a.estimate.prompt_tokens);
+        stats.count(stats::USAGE_PROMPT_TOKENS, usage.prompt_tokens);
+        stats.count(stats::ESTIMATE_OUTPUT_TOKENS, a.estimate.output_tokens);
+        stats.count(stats::USAGE_COMPLETION_TOKENS, usage.completion_tokens);
+        stats.count(stats::ESTIMATE_COST_TOKENS, a.estimate.cost);
         stats.count(
-            "kvgate.usage.total_tokens",
+            stats::USAGE_TOTAL_TOKENS,
             usage.prompt_tokens + usage.completion_tokens,
         );
         let sample = Sample {
@@ -451,7 +452,7 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     use super::*;
-    use crate::fake_host::FakeHost;
+    use crate::store::fake_host::FakeHost;
 
     fn head(path: &str) -> Head<'_> {
         Head {
@@ -462,7 +463,7 @@ mod tests {
         }
     }
 
-    fn gate(config: Config) -> (FakeHost, crate::fake_host::FakeVm, Gate) {
+    fn gate(config: Config) -> (FakeHost, crate::store::fake_host::FakeVm, Gate) {
         let host = FakeHost::new();
         let vm = host.vm();
         let gate = Gate::new(config, &vm).unwrap();
@@ -592,7 +593,7 @@ mod tests {
         );
         f.on_done(&mut gate, &vm);
         f.on_done(&mut gate, &vm);
-        let rec = crate::pod_state::read(&vm, "10.0.0.1:80").unwrap();
+        let rec = crate::pods::record::read(&vm, "10.0.0.1:80").unwrap();
         assert_eq!(
             (rec.active_blocks(), rec.entries.len()),
             (0, 0),

@@ -3,13 +3,13 @@
 //! and the stats waiting to be flushed. Requests (`flow`) borrow it; the shell's root context
 //! drives its tick, callouts and wake-ups.
 
-use crate::admission::Admission;
-use crate::calibration::Calibration;
+use crate::admission::admit::Admission;
 use crate::config::Config;
-use crate::router::Router;
-use crate::scrape::{self, Call, Scraper, Target};
-use crate::stats::{pod_segment, Stats};
-use crate::store::{Store, StoreError};
+use crate::estimate::calibration::Calibration;
+use crate::pods::scrape::{self, Call, Scraper, Target};
+use crate::routing::router::Router;
+use crate::stats::{self, Stats};
+use crate::store::interface::{Store, StoreError};
 
 /// How long the scraper's lease lasts without renewal; renewed every tick.
 const LEASE_MS: u64 = 1_500;
@@ -65,7 +65,7 @@ impl Gate {
 
     /// Gauges of the pool, written by the lease holder only so they are not multiplied.
     fn report_pods(&mut self, store: &dyn Store, pods: &[String]) {
-        if let Ok(line) = crate::queue::read(store) {
+        if let Ok(line) = crate::admission::line::read(store) {
             // Bands named by configuration (and the default) are reported; any other priority a
             // client sent is counted under `other`, so the stat names stay bounded.
             let a = &self.config.admission;
@@ -76,69 +76,65 @@ impl Gate {
             let mut other = 0;
             for &band in &bands {
                 let n = line.tickets.iter().filter(|t| t.priority == band).count();
-                self.stats.gauge(
-                    format!("kvgate.queue.priority_{band}.length").replace('-', "minus_"),
-                    n as u64,
-                );
+                self.stats.gauge(stats::queue_band_length(band), n as u64);
             }
             other += line
                 .tickets
                 .iter()
                 .filter(|t| !bands.contains(&t.priority))
                 .count();
-            self.stats.gauge("kvgate.queue.other.length", other as u64);
+            self.stats.gauge(stats::QUEUE_OTHER_LENGTH, other as u64);
             self.stats
-                .gauge("kvgate.queue.length", line.tickets.len() as u64);
+                .gauge(stats::QUEUE_LENGTH, line.tickets.len() as u64);
         }
         let now = store.now_ms();
         let (mut stale, mut unhealthy) = (0, 0);
         for pod in pods {
-            if let Ok(rec) = crate::pod_state::read(store, pod) {
-                let seg = pod_segment(pod);
-                let fresh = rec.snapshot.is_some_and(|s| {
-                    now.saturating_sub(s.at_ms) <= self.config.metrics.stale_after_ms
-                });
-                stale += u64::from(!self.config.metrics.cluster.is_empty() && !fresh);
+            if let Ok(rec) = crate::pods::record::read(store, pod) {
+                stale += u64::from(rec.is_stale(now, &self.config.metrics));
                 self.stats.gauge(
-                    format!("kvgate.pod.{seg}.active_blocks"),
+                    stats::pod_stat(pod, stats::POD_ACTIVE_BLOCKS),
                     rec.active_blocks(),
                 );
                 self.stats.gauge(
-                    format!("kvgate.pod.{seg}.in_flight"),
+                    stats::pod_stat(pod, stats::POD_IN_FLIGHT),
                     rec.entries.len() as u64,
                 );
                 let block = u64::from(self.router.block_tokens(&self.config.routing));
                 let z = self.config.admission.headroom_sigmas;
                 self.stats.gauge(
-                    format!("kvgate.pod.{seg}.reserved_tokens"),
+                    stats::pod_stat(pod, stats::POD_RESERVED_TOKENS),
                     rec.forecast(None, z, block),
                 );
-                self.stats
-                    .gauge(format!("kvgate.pod.{seg}.held_tokens"), rec.held_tokens());
+                self.stats.gauge(
+                    stats::pod_stat(pod, stats::POD_HELD_TOKENS),
+                    rec.held_tokens(),
+                );
                 if let Some(s) = rec.snapshot {
                     self.stats.gauge(
-                        format!("kvgate.pod.{seg}.unexplained_tokens"),
+                        stats::pod_stat(pod, stats::POD_UNEXPLAINED_TOKENS),
                         s.unexplained_tokens,
                     );
                     self.stats.gauge(
-                        format!("kvgate.pod.{seg}.backoff_percent"),
+                        stats::pod_stat(pod, stats::POD_BACKOFF_PERCENT),
                         (s.backoff * 100.0).round() as u64,
                     );
                 }
-                let budget = crate::budget::budget_tokens(&self.config, rec.snapshot.as_ref());
+                let budget =
+                    crate::admission::budget::budget_tokens(&self.config, rec.snapshot.as_ref());
                 self.stats.gauge(
-                    format!("kvgate.pod.{seg}.budget_tokens"),
+                    stats::pod_stat(pod, stats::POD_BUDGET_TOKENS),
                     budget.unwrap_or(0),
                 );
-                let healthy = rec.snapshot.is_none_or(|s| s.healthy);
+                let healthy = !rec.is_down();
                 unhealthy += u64::from(!healthy);
                 self.stats
-                    .gauge(format!("kvgate.pod.{seg}.healthy"), u64::from(healthy));
+                    .gauge(stats::pod_stat(pod, stats::POD_HEALTHY), u64::from(healthy));
             }
         }
-        self.stats.gauge("kvgate.pods.total", pods.len() as u64);
-        self.stats.gauge("kvgate.pods.stale", stale);
-        self.stats.gauge("kvgate.pods.unhealthy", unhealthy);
+        self.stats.gauge(stats::PODS_TOTAL, pods.len() as u64);
+        self.stats.gauge(stats::PODS_STALE, stale);
+        self.stats.gauge(stats::PODS_UNHEALTHY, unhealthy);
     }
 
     /// This VM's number among the plugin's VMs (unique: it names its wake queue and its requests).

@@ -1,6 +1,132 @@
 //! What kvgate counts, as the core reports it: named counters and gauges buffered in the VM and
 //! flushed to Envoy's stats by the shell (they appear under the `wasmcustom.` prefix in Envoy's
-//! admin `/stats`). Names are bounded: fixed ones plus one set per pod.
+//! admin `/stats`). Names are bounded: fixed ones plus one set per pod and one per configured
+//! priority band.
+//!
+//! This module is the catalog: every `kvgate.*` stat name is a constant here (or, for the per-pod
+//! and per-band names, built by [`pod_stat`] and [`queue_band_length`]), so a name is spelt once and
+//! docs/operations.md's stats table is checked against this list by a test.
+
+// Routing (`flow`, `routing::router`).
+/// Requests kvgate sent to a pod it picked.
+pub const ROUTED: &str = "kvgate.routed";
+/// Decisions that failed on shared data (the request went to Envoy's fallback balancing).
+pub const ROUTE_ERRORS: &str = "kvgate.route.errors";
+/// Picks Envoy could not use; its retry served the request elsewhere.
+pub const ROUTE_REROUTED: &str = "kvgate.route.rerouted";
+/// Prompt blocks of routed requests.
+pub const PREFIX_BLOCKS_TOTAL: &str = "kvgate.prefix.blocks_total";
+/// Of those, blocks the chosen pod was believed to cache.
+pub const PREFIX_BLOCKS_MATCHED: &str = "kvgate.prefix.blocks_matched";
+
+// Pods (`pods::scrape`, `gate`).
+pub const SCRAPE_OK: &str = "kvgate.scrape.ok";
+pub const SCRAPE_ERRORS: &str = "kvgate.scrape.errors";
+pub const DISCOVERY_ERRORS: &str = "kvgate.discovery.errors";
+pub const PODS_TOTAL: &str = "kvgate.pods.total";
+pub const PODS_STALE: &str = "kvgate.pods.stale";
+pub const PODS_UNHEALTHY: &str = "kvgate.pods.unhealthy";
+
+// The line (`gate`).
+pub const QUEUE_LENGTH: &str = "kvgate.queue.length";
+/// Tickets whose priority is no configured band, so the per-band names stay bounded.
+pub const QUEUE_OTHER_LENGTH: &str = "kvgate.queue.other.length";
+
+// Admission outcomes (`admission::admit`).
+pub const ADMISSION_ADMITTED: &str = "kvgate.admission.admitted";
+pub const ADMISSION_QUEUED: &str = "kvgate.admission.queued";
+pub const ADMISSION_BOOSTED: &str = "kvgate.admission.boosted";
+pub const ADMISSION_SHED: &str = "kvgate.admission.shed";
+pub const ADMISSION_QUEUE_FULL: &str = "kvgate.admission.queue_full";
+pub const ADMISSION_TIMED_OUT: &str = "kvgate.admission.timed_out";
+pub const ADMISSION_ABANDONED: &str = "kvgate.admission.abandoned";
+pub const ADMISSION_WAIT_MS: &str = "kvgate.admission.wait_ms";
+pub const ADMISSION_WAKE_LATENCY_MS: &str = "kvgate.admission.wake_latency_ms";
+/// The histogram's sum as a counter, so a mean is readable without Prometheus.
+pub const ADMISSION_WAKE_LATENCY_MS_TOTAL: &str = "kvgate.admission.wake_latency_ms_total";
+pub const ADMISSION_WAKES: &str = "kvgate.admission.wakes";
+
+// The estimator against the engine's `usage` (`flow`).
+pub const ESTIMATE_PROMPT_TOKENS: &str = "kvgate.estimate.prompt_tokens";
+pub const ESTIMATE_OUTPUT_TOKENS: &str = "kvgate.estimate.output_tokens";
+pub const ESTIMATE_COST_TOKENS: &str = "kvgate.estimate.cost_tokens";
+pub const USAGE_PROMPT_TOKENS: &str = "kvgate.usage.prompt_tokens";
+pub const USAGE_COMPLETION_TOKENS: &str = "kvgate.usage.completion_tokens";
+pub const USAGE_TOTAL_TOKENS: &str = "kvgate.usage.total_tokens";
+
+/// Every fixed name, for the test against docs/operations.md.
+pub const FIXED: &[&str] = &[
+    ROUTED,
+    ROUTE_ERRORS,
+    ROUTE_REROUTED,
+    PREFIX_BLOCKS_TOTAL,
+    PREFIX_BLOCKS_MATCHED,
+    SCRAPE_OK,
+    SCRAPE_ERRORS,
+    DISCOVERY_ERRORS,
+    PODS_TOTAL,
+    PODS_STALE,
+    PODS_UNHEALTHY,
+    QUEUE_LENGTH,
+    QUEUE_OTHER_LENGTH,
+    ADMISSION_ADMITTED,
+    ADMISSION_QUEUED,
+    ADMISSION_BOOSTED,
+    ADMISSION_SHED,
+    ADMISSION_QUEUE_FULL,
+    ADMISSION_TIMED_OUT,
+    ADMISSION_ABANDONED,
+    ADMISSION_WAIT_MS,
+    ADMISSION_WAKE_LATENCY_MS,
+    ADMISSION_WAKE_LATENCY_MS_TOTAL,
+    ADMISSION_WAKES,
+    ESTIMATE_PROMPT_TOKENS,
+    ESTIMATE_OUTPUT_TOKENS,
+    ESTIMATE_COST_TOKENS,
+    USAGE_PROMPT_TOKENS,
+    USAGE_COMPLETION_TOKENS,
+    USAGE_TOTAL_TOKENS,
+];
+
+/// The last segment of a per-pod name, `kvgate.pod.<ip_port>.<segment>`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PodStat(&'static str);
+
+pub const POD_PICKS: PodStat = PodStat("picks");
+pub const POD_SCRAPE_ERRORS: PodStat = PodStat("scrape_errors");
+pub const POD_ACTIVE_BLOCKS: PodStat = PodStat("active_blocks");
+pub const POD_IN_FLIGHT: PodStat = PodStat("in_flight");
+pub const POD_RESERVED_TOKENS: PodStat = PodStat("reserved_tokens");
+pub const POD_HELD_TOKENS: PodStat = PodStat("held_tokens");
+pub const POD_UNEXPLAINED_TOKENS: PodStat = PodStat("unexplained_tokens");
+pub const POD_BACKOFF_PERCENT: PodStat = PodStat("backoff_percent");
+pub const POD_BUDGET_TOKENS: PodStat = PodStat("budget_tokens");
+pub const POD_HEALTHY: PodStat = PodStat("healthy");
+
+/// Every per-pod name, for the test against docs/operations.md.
+pub const PER_POD: &[PodStat] = &[
+    POD_PICKS,
+    POD_SCRAPE_ERRORS,
+    POD_ACTIVE_BLOCKS,
+    POD_IN_FLIGHT,
+    POD_RESERVED_TOKENS,
+    POD_HELD_TOKENS,
+    POD_UNEXPLAINED_TOKENS,
+    POD_BACKOFF_PERCENT,
+    POD_BUDGET_TOKENS,
+    POD_HEALTHY,
+];
+
+/// A pod's stat: `kvgate.pod.<ip_port>.<stat>`, the address made one segment by [`pod_segment`].
+pub fn pod_stat(pod: &str, stat: PodStat) -> String {
+    format!("kvgate.pod.{}.{}", pod_segment(pod), stat.0)
+}
+
+/// Tickets waiting in one configured priority band: `kvgate.queue.priority_<band>.length`, a
+/// negative band spelt `minus_<n>` (Envoy stat names have no `-`).
+pub fn queue_band_length(band: i32) -> String {
+    format!("kvgate.queue.priority_{band}.length").replace('-', "minus_")
+}
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Stat {
@@ -60,6 +186,61 @@ mod tests {
         assert_eq!(
             out,
             vec![Stat::Counter("b".into(), 2), Stat::Gauge("g".into(), 0)]
+        );
+    }
+
+    /// The first column of docs/operations.md's stats table: every name in backticks, with
+    /// `<ip_port>` and `<p>` standing for the pod and the band.
+    fn documented() -> Vec<String> {
+        let doc = include_str!("../docs/operations.md");
+        let table = doc
+            .split("## Stats")
+            .nth(1)
+            .and_then(|s| s.split("\n## ").next())
+            .unwrap_or("");
+        table
+            .lines()
+            .filter(|l| l.starts_with("| `kvgate."))
+            .flat_map(|l| {
+                let first = l.split('|').nth(1).unwrap_or("");
+                first
+                    .split('`')
+                    .skip(1)
+                    .step_by(2)
+                    .map(str::to_string)
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
+    /// docs/operations.md lists every stat name in the catalog, and no other.
+    #[test]
+    fn the_stats_table_in_docs_matches_the_catalog() {
+        let mut catalog: Vec<String> = FIXED.iter().map(|s| s.to_string()).collect();
+        catalog.extend(
+            PER_POD
+                .iter()
+                .map(|s| pod_stat("<ip_port>", *s).replace("_ip_port_", "<ip_port>")),
+        );
+        catalog.push(queue_band_length(0).replace("priority_0", "priority_<p>"));
+        let mut documented = documented();
+        catalog.sort();
+        documented.sort();
+        assert_eq!(
+            documented, catalog,
+            "docs/operations.md's stats table vs src/stats.rs"
+        );
+    }
+
+    #[test]
+    fn band_and_pod_names_are_bounded_segments() {
+        assert_eq!(
+            queue_band_length(-1),
+            "kvgate.queue.priority_minus_1.length"
+        );
+        assert_eq!(
+            pod_stat("10.0.0.1:8000", POD_PICKS),
+            "kvgate.pod.10_0_0_1_8000.picks"
         );
     }
 }

@@ -7,9 +7,9 @@
 
 use crate::config::Config;
 use crate::gate::Gate;
-use crate::pod_state::{self, PodRecord};
-use crate::reply::LocalReply;
-use crate::store::Store;
+use crate::openai::reply::LocalReply;
+use crate::pods::record::{self, PodRecord};
+use crate::store::interface::Store;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 
@@ -52,17 +52,15 @@ pub fn reply(gate: &Gate, store: &dyn Store, method: &str, accept: Option<&str>)
 fn pod(cfg: &Config, block_tokens: u64, pod: &str, rec: &PodRecord, now: u64) -> Value {
     let snapshot = rec.snapshot.as_ref();
     let age = snapshot.map(|s| now.saturating_sub(s.at_ms));
-    // The same judgements the pool gauges make (gate.rs): stale only when scraping is on, and a
-    // pod never scraped is not held against.
-    let stale =
-        !cfg.metrics.cluster.is_empty() && age.is_none_or(|a| a > cfg.metrics.stale_after_ms);
+    // The same judgements the pool gauges make (gate.rs), from the pod record.
+    let stale = rec.is_stale(now, &cfg.metrics);
     json!({
         "pod": pod,
-        "healthy": snapshot.is_none_or(|s| s.healthy),
+        "healthy": !rec.is_down(),
         "stale": stale,
         "lastScrapeAgeMs": age,
         // null: no budget limits this pod.
-        "budgetTokens": crate::budget::budget_tokens(cfg, snapshot),
+        "budgetTokens": crate::admission::budget::budget_tokens(cfg, snapshot),
         // What admission holds within the budget: the pod's KV forecast (the reserved_tokens
         // gauge), and what its requests hold now.
         "reservedTokens": rec.forecast(None, cfg.admission.headroom_sigmas, block_tokens),
@@ -87,12 +85,12 @@ fn pool(gate: &Gate, store: &dyn Store) -> Value {
         .router
         .pods()
         .iter()
-        .map(|p| match pod_state::read(store, p) {
+        .map(|p| match record::read(store, p) {
             Ok(rec) => pod(cfg, block, p, &rec, now),
             Err(e) => json!({"pod": p, "error": format!("{e:?}")}),
         })
         .collect();
-    let line = match crate::queue::read(store) {
+    let line = match crate::admission::line::read(store) {
         Ok(q) => {
             let mut bands: BTreeMap<String, usize> = BTreeMap::new();
             for t in &q.tickets {
@@ -206,9 +204,9 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     use super::*;
-    use crate::fake_host::{FakeHost, FakeVm};
     use crate::flow::{Flow, Head, Step};
-    use crate::pod_state::Snapshot;
+    use crate::pods::record::Snapshot;
+    use crate::store::fake_host::{FakeHost, FakeVm};
 
     const PODS: [&str; 2] = ["10.0.0.1:80", "10.0.0.2:80"];
 
@@ -236,7 +234,7 @@ mod tests {
             block_size: 16,
             ..Snapshot::default()
         };
-        pod_state::write_snapshot(&vm, PODS[0], snapshot, 0).unwrap();
+        record::write_snapshot(&vm, PODS[0], snapshot, 0).unwrap();
         host.set_now_ms(11_500);
         let mut flow = Flow::default();
         let head = Head {

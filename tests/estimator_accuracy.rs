@@ -1,5 +1,5 @@
 #![cfg(not(target_arch = "wasm32"))]
-//! How close the static token rule (`kvgate::estimate::static_prompt_tokens`) comes to real
+//! How close the static token rule (`kvgate::estimate::text::static_prompt_tokens`) comes to real
 //! tokenizers, before and after the per-model calibration kvgate learns from responses' `usage`.
 //!
 //! The corpus is checked in under `tests/fixtures/estimator/<category>/` (sources in its
@@ -21,10 +21,10 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
-use kvgate::calibration::{self, Calibration};
 use kvgate::config::EstimatorConfig;
-use kvgate::estimate::static_prompt_tokens;
-use kvgate::fake_host::FakeHost;
+use kvgate::estimate::calibration::{self, Calibration};
+use kvgate::estimate::text::static_prompt_tokens;
+use kvgate::store::fake_host::FakeHost;
 use tiktoken_rs::CoreBPE;
 
 /// Sample sizes cycle through these UTF-8 byte targets; bytes rather than characters keep

@@ -9,12 +9,12 @@
 #![no_main]
 
 use kvgate::config::Config;
-use kvgate::fake_host::FakeHost;
+use kvgate::store::fake_host::FakeHost;
 use kvgate::flow::{Flow, Gate, Head, Step};
-use kvgate::pod_state;
-use kvgate::router::{encode_pods, PODS_KEY};
-use kvgate::scrape::Target;
-use kvgate::store::Store;
+use kvgate::pods::record;
+use kvgate::pods::pool::{encode_pods, PODS_KEY};
+use kvgate::pods::scrape::Target;
+use kvgate::store::interface::Store;
 use kvgate_fuzz::skip;
 use libfuzzer_sys::fuzz_target;
 
@@ -77,7 +77,7 @@ fn run(config: Config) {
     let vm = host.vm();
     if config.pods.is_empty() {
         // As discovery would: the record first, then the pod set.
-        pod_state::ensure(&vm, "10.0.0.9:8000").expect("fake host");
+        record::ensure(&vm, "10.0.0.9:8000").expect("fake host");
         vm.set(PODS_KEY, &encode_pods(&["10.0.0.9:8000".into()]), None)
             .expect("fake host");
     }

@@ -20,11 +20,11 @@
 use arbitrary::Arbitrary;
 use kvgate::config::Config;
 use kvgate::drive::{self, Waiting};
-use kvgate::fake_host::{FakeHost, FakeVm};
+use kvgate::store::fake_host::{FakeHost, FakeVm};
 use kvgate::flow::{Decision, Flow, Gate, Head, Step, DESTINATION_HEADER};
-use kvgate::router::{decode_pods, PODS_KEY};
-use kvgate::scrape::{Call, Target};
-use kvgate::store::Store;
+use kvgate::pods::pool::{decode_pods, PODS_KEY};
+use kvgate::pods::scrape::{Call, Target};
+use kvgate::store::interface::Store;
 use kvgate_fuzz::{checked_pod, checked_queue, live, live_line, skip};
 use libfuzzer_sys::fuzz_target;
 use serde_json::json;

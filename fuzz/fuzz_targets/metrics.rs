@@ -5,7 +5,7 @@
 //! finite and >= 0; block size, block count and capacity whole numbers in [1, 2^53].
 #![no_main]
 
-use kvgate::pod_metrics::{parse_bytes, Engine};
+use kvgate::pods::metrics::{parse_bytes, Engine};
 use libfuzzer_sys::fuzz_target;
 
 const MAX_EXACT: u64 = 1 << 53;

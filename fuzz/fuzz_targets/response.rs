@@ -11,7 +11,7 @@
 //! the same `streamed_tokens` and the same `finish()` usage.
 #![no_main]
 
-use kvgate::response::{ResponseMeter, Usage};
+use kvgate::openai::response::{ResponseMeter, Usage};
 use kvgate_fuzz::pieces;
 use libfuzzer_sys::fuzz_target;
 

@@ -17,14 +17,15 @@
 
 use arbitrary::Arbitrary;
 use kvgate::config::{Config, StalePolicy};
-use kvgate::estimate::Estimate;
-use kvgate::fake_host::{FakeHost, FakeVm};
-use kvgate::forecast::Load;
-use kvgate::output_dist::OutputDist;
-use kvgate::pod_state::{self, Snapshot};
-use kvgate::queue::{self, Ticket};
-use kvgate::router::{decode_pods, encode_pods, Routed, Router, PODS_KEY};
-use kvgate::store::Store;
+use kvgate::estimate::reservation::Estimate;
+use kvgate::store::fake_host::{FakeHost, FakeVm};
+use kvgate::admission::forecast::Load;
+use kvgate::estimate::output_dist::OutputDist;
+use kvgate::pods::record::{self, Snapshot};
+use kvgate::admission::line::{self, Ticket};
+use kvgate::pods::pool::{decode_pods, encode_pods, PODS_KEY};
+use kvgate::routing::router::{Routed, Router};
+use kvgate::store::interface::Store;
 use kvgate_fuzz::{chain_hashes, checked_pod, checked_queue, live, live_line, skip};
 use libfuzzer_sys::fuzz_target;
 use std::collections::HashSet;
@@ -40,7 +41,7 @@ fn route(
     hashes: Vec<u64>,
     est: &Estimate,
 ) -> (Option<Routed>, bool) {
-    use kvgate::router::Placement;
+    use kvgate::routing::router::Placement;
     match r
         .route(vm, cfg, &hashes, est)
         .expect("the fake host never fails")
@@ -63,14 +64,14 @@ fn undiscounted(cfg: &Config, est: &Estimate) -> Load {
 }
 
 /// The pod's forecast with `extra`, as admission computes it.
-fn forecast(cfg: &Config, r: &Router, rec: &pod_state::PodRecord, extra: Option<Load>) -> u64 {
+fn forecast(cfg: &Config, r: &Router, rec: &record::PodRecord, extra: Option<Load>) -> u64 {
     let block = u64::from(r.block_tokens(&cfg.routing));
     rec.forecast(extra, cfg.admission.headroom_sigmas, block)
 }
 
 /// The pod's token budget as admission computes it.
 fn budget(cfg: &Config, snapshot: Option<&Snapshot>) -> Option<u64> {
-    kvgate::budget::budget_tokens(cfg, snapshot)
+    kvgate::admission::budget::budget_tokens(cfg, snapshot)
 }
 
 // ---- The model. -------------------------------------------------------------------------------
@@ -228,7 +229,7 @@ impl World {
         &self.vms[0]
     }
 
-    fn records(&self) -> Vec<pod_state::PodRecord> {
+    fn records(&self) -> Vec<record::PodRecord> {
         POOL.iter().map(|p| checked_pod(self.store(), p)).collect()
     }
 
@@ -268,19 +269,19 @@ impl World {
     fn check_no_room(&self, v: usize, est: &Estimate) {
         let now = self.host.now_ms();
         let stale_after = self.cfg.metrics.stale_after_ms;
-        let records: Vec<(&String, pod_state::PodRecord)> = self.routers[v]
+        let records: Vec<(&String, record::PodRecord)> = self.routers[v]
             .pods()
             .iter()
             .map(|p| (p, live(&checked_pod(self.store(), p), now)))
             .collect();
-        let fresh = |r: &pod_state::PodRecord| {
+        let fresh = |r: &record::PodRecord| {
             r.snapshot
                 .is_some_and(|s| now.saturating_sub(s.at_ms) <= stale_after)
         };
         let any_fresh = records.iter().any(|(_, r)| fresh(r));
         // Eligible: healthy or never scraped; a stale pod only under the `ignore` policy, or
         // when no pod is fresh. When none is eligible, every pod is tried.
-        let eligible = |r: &pod_state::PodRecord| match r.snapshot {
+        let eligible = |r: &record::PodRecord| match r.snapshot {
             Some(s) if !s.healthy => false,
             Some(_) if !fresh(r) => {
                 self.cfg.metrics.stale_policy == StalePolicy::Ignore || !any_fresh
@@ -304,7 +305,7 @@ impl World {
     }
 
     /// The request's live (unexpired) entry on the pod.
-    fn entry_of(&self, pod: &str, id: u64) -> Option<pod_state::Entry> {
+    fn entry_of(&self, pod: &str, id: u64) -> Option<record::Entry> {
         live(&checked_pod(self.store(), pod), self.host.now_ms())
             .entries
             .into_iter()
@@ -324,12 +325,12 @@ impl World {
             return;
         }
         for p in pods.iter().filter(|p| !old.contains(p)) {
-            pod_state::ensure(s, p).expect("fake host");
+            record::ensure(s, p).expect("fake host");
         }
         s.set(PODS_KEY, &encode_pods(pods), None)
             .expect("fake host");
         for p in old.iter().filter(|p| !pods.contains(p)) {
-            pod_state::blank(s, p).expect("fake host");
+            record::blank(s, p).expect("fake host");
         }
     }
 
@@ -554,7 +555,7 @@ impl World {
                     ..Snapshot::default()
                 };
                 let pod = POOL[usize::from(pod) % POOL.len()];
-                pod_state::write_snapshot(
+                record::write_snapshot(
                     self.store(),
                     pod,
                     snapshot,
@@ -588,7 +589,7 @@ impl World {
                     deadline_ms: now + u64::from(wait_ms),
                     cost: u64::from(cost % (1 << 20)),
                 };
-                let out = queue::enqueue(&self.vms[v], ticket, u64::from(tenant % 8), 8_192.0, 16)
+                let out = line::enqueue(&self.vms[v], ticket, u64::from(tenant % 8), 8_192.0, 16)
                     .expect("fake host");
                 if let Ok(t) = out {
                     assert_eq!(t.id, ticket.id);
@@ -609,14 +610,14 @@ impl World {
                     .tickets
                     .iter()
                     .any(|t| t.id == id);
-                let removed = queue::remove(self.store(), id, admitted).expect("fake host");
+                let removed = line::remove(self.store(), id, admitted).expect("fake host");
                 if removed {
                     assert!(present, "removed ticket {id} that was not in the line");
                     assert!(self.removed.insert(id), "ticket {id} removed twice");
                 }
             }
             Op::ChargeDirect { tenant, cost } => {
-                queue::charge_direct(
+                line::charge_direct(
                     self.store(),
                     u64::from(tenant % 8),
                     u64::from(cost % (1 << 20)),
@@ -638,7 +639,7 @@ fuzz_target!(|input: Input| {
         .iter()
         .map(|vm| Router::start(vm, &cfg).expect("fake host"))
         .collect();
-    queue::ensure(&vms[0]).expect("fake host");
+    line::ensure(&vms[0]).expect("fake host");
     let mut world = World {
         host,
         cfg,
@@ -678,7 +679,7 @@ fuzz_target!(|input: Input| {
         );
     }
     for id in world.queued.clone() {
-        queue::remove(world.store(), id, false).expect("fake host");
+        line::remove(world.store(), id, false).expect("fake host");
     }
     let raw = checked_queue(world.store());
     let q = if skip("abandoned-tickets") {

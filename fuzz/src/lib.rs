@@ -2,9 +2,9 @@
 //! generators the state-machine targets use. Everything that touches a kvgate API that is still
 //! moving (router placement, admission) lives in the targets themselves, next to its use.
 
-use kvgate::pod_state::{self, PodRecord};
-use kvgate::queue::{self, QueueRecord};
-use kvgate::store::Store;
+use kvgate::pods::record::{self, PodRecord};
+use kvgate::admission::line::{self, QueueRecord};
+use kvgate::store::interface::Store;
 use std::collections::HashSet;
 use std::sync::OnceLock;
 
@@ -60,7 +60,7 @@ pub fn chain_hashes(path: u32, len: u8) -> Vec<u64> {
 /// Reads a pod's record and checks what must hold at every moment: no count wrapped below zero,
 /// no request has two entries. Returns the record for further checks.
 pub fn checked_pod(store: &dyn Store, pod: &str) -> PodRecord {
-    let rec = pod_state::read(store, pod).expect("the fake host never fails a get");
+    let rec = record::read(store, pod).expect("the fake host never fails a get");
     let held = rec.held_tokens();
     let active = rec.active_blocks();
     assert!(held < SANE, "{pod}: held tokens wrapped: {held} ({rec:?})");
@@ -90,7 +90,7 @@ pub fn checked_pod(store: &dyn Store, pod: &str) -> PodRecord {
     rec
 }
 
-/// `queue::ABANDONED_MS` (private): a ticket this long past its deadline is dropped on the next
+/// `line::ABANDONED_MS` (private): a ticket this long past its deadline is dropped on the next
 /// write of the line.
 pub const ABANDONED_MS: u64 = 5_000;
 
@@ -107,10 +107,10 @@ pub fn live_line(q: &QueueRecord, now: u64) -> QueueRecord {
     }
 }
 
-/// Reads the shared line and checks its own invariants: unique tickets, kept in `queue::order`,
+/// Reads the shared line and checks its own invariants: unique tickets, kept in `line::order`,
 /// finite tags.
 pub fn checked_queue(store: &dyn Store) -> QueueRecord {
-    let q = queue::read(store).expect("the fake host never fails a get");
+    let q = line::read(store).expect("the fake host never fails a get");
     let mut ids = HashSet::new();
     for t in &q.tickets {
         assert!(
@@ -125,7 +125,7 @@ pub fn checked_queue(store: &dyn Store) -> QueueRecord {
     }
     for w in q.tickets.windows(2) {
         assert!(
-            queue::order(&w[0], &w[1]) != std::cmp::Ordering::Greater,
+            line::order(&w[0], &w[1]) != std::cmp::Ordering::Greater,
             "line out of order: {:?} before {:?}",
             w[0],
             w[1]

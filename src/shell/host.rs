@@ -4,8 +4,8 @@
 //! `hostcalls::dispatch_http_call` (see `dispatch_get`).
 
 use super::raw;
-use crate::reply::LocalReply;
-use crate::store::{Store, StoreError, Versioned};
+use crate::openai::reply::LocalReply;
+use crate::store::interface::{Store, StoreError, Versioned};
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, LogLevel, MapType, StreamType};
 

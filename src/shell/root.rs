@@ -8,7 +8,7 @@ use crate::config::Config;
 use crate::drive::{self, Waiting};
 use crate::flow::{Decision, Flow};
 use crate::gate::{Gate, TICK_MS};
-use crate::scrape::Target;
+use crate::pods::scrape::Target;
 use hashbrown::HashMap;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::ContextType;

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from harness import (Sim, baseline_envoy, default_plugin_config, kvgate_envoy, kvgate_gauges, request,
                      stream, wait_for)
 
-MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+from bodies import MODEL, unshared_completion
 # Two pods of 256 blocks × 16 tokens = 4096 tokens of KV each.
 SMALL_KV = ["--time-scale", "10", "--num-gpu-blocks", "256"]
 
@@ -22,12 +22,6 @@ def config(**admission):
     cfg = default_plugin_config()
     cfg["admission"] = {"objectives": {"critical": 10, "standard": 0, "batch": -1}, **admission}
     return cfg
-
-
-def completion(i, prompt_words=350, max_tokens=300):
-    # Distinct first words: no prefix sharing, each request's KV is its own.
-    return {"model": MODEL, "prompt": f"req{i} " + "lorem ipsum dolor " * (prompt_words // 3),
-            "max_tokens": max_tokens}
 
 
 def reserved_zero(envoy):
@@ -47,7 +41,7 @@ def test_twice_capacity_preempts_without_kvgate_and_never_with_it():
             ctx = kvgate_envoy(sim.endpoints, config()) if name == "kvgate" else baseline_envoy(sim.endpoints)
             with ctx as envoy:
                 with ThreadPoolExecutor(24) as pool:
-                    rs = list(pool.map(lambda i: stream(envoy.port, "/v1/completions", completion(i)), range(72)))
+                    rs = list(pool.map(lambda i: stream(envoy.port, "/v1/completions", unshared_completion(i)), range(72)))
                 assert all(r["status"] == 200 and r["chunks"] == 300 for r in rs), [r["status"] for r in rs]
                 out[name] = {"preemptions": preemptions(sim),
                              "peak_kv_blocks": max(sim.stats(i)["peak_kv_blocks_used"] for i in range(2)),
@@ -68,7 +62,7 @@ def test_priority_bands_and_shedding():
         def send(kind, i):
             # Distinct first words per class and request: no two requests share a prefix, so the
             # TTFT comparison measures the line, not caching.
-            r = stream(envoy.port, "/v1/completions", completion(f"{kind}{i}", max_tokens=1000),
+            r = stream(envoy.port, "/v1/completions", unshared_completion(f"{kind}{i}", max_tokens=1000),
                        {"x-gateway-inference-objective": kind})
             with lock:
                 results[kind].append(r)
@@ -98,7 +92,7 @@ def test_flooding_tenant_does_not_starve_the_other():
         flood_done = []
 
         def flood(i):
-            r = stream(envoy.port, "/v1/completions", completion(i, max_tokens=400),
+            r = stream(envoy.port, "/v1/completions", unshared_completion(i, max_tokens=400),
                        {"x-gateway-inference-fairness-id": "flood"})
             flood_done.append(time.time())
             return r
@@ -107,7 +101,7 @@ def test_flooding_tenant_does_not_starve_the_other():
             floods = [pool.submit(flood, i) for i in range(80)]
             time.sleep(0.5)
             t0 = time.time()
-            quiet = [quiet_pool.submit(stream, envoy.port, "/v1/completions", completion(500 + i, max_tokens=400),
+            quiet = [quiet_pool.submit(stream, envoy.port, "/v1/completions", unshared_completion(500 + i, max_tokens=400),
                                        {"x-gateway-inference-fairness-id": "quiet"}) for i in range(4)]
             quiet_r = [f.result() for f in quiet]
             quiet_done = time.time() - t0
@@ -140,7 +134,7 @@ def test_session_boost_shortens_follow_up_waits():
 
             def background(i):
                 while time.time() < stop:
-                    stream(envoy.port, "/v1/completions", completion(10_000 + i, max_tokens=200))
+                    stream(envoy.port, "/v1/completions", unshared_completion(10_000 + i, max_tokens=200))
 
             def session(s):
                 history = f"session {s} " + "context words " * 100
@@ -171,7 +165,7 @@ def test_timeout_503_full_queue_429_and_disconnects_leave_nothing_reserved():
     cfg = config(maxWaitMs=800, maxQueue=4, budgetTokens=1000)
     with Sim(pods=2, args=SMALL_KV) as sim, kvgate_envoy(sim.endpoints, cfg) as envoy:
         # Occupy the pool: one long stream per pod, each reserving (nearly) a whole budget.
-        holders = [threading.Thread(target=stream, args=(envoy.port, "/v1/completions", completion(i, max_tokens=3000)),
+        holders = [threading.Thread(target=stream, args=(envoy.port, "/v1/completions", unshared_completion(i, max_tokens=3000)),
                                     daemon=True) for i in range(2)]
         for t in holders:
             t.start()
@@ -179,7 +173,7 @@ def test_timeout_503_full_queue_429_and_disconnects_leave_nothing_reserved():
         counters = lambda: {k.rsplit(".", 1)[1]: v for k, v in envoy.stats("wasmcustom.kvgate.admission").items()}
         c0 = counters()
         with ThreadPoolExecutor(8) as pool:
-            waiting = [pool.submit(request, envoy.port, "POST", "/v1/completions", completion(100 + i, max_tokens=10))
+            waiting = [pool.submit(request, envoy.port, "POST", "/v1/completions", unshared_completion(100 + i, max_tokens=10))
                        for i in range(6)]
             answers = [f.result() for f in waiting]
         got = sorted(r.status for r in answers)
@@ -195,7 +189,7 @@ def test_timeout_503_full_queue_429_and_disconnects_leave_nothing_reserved():
         # A client that disconnects while queued.
         c1 = counters()
         s = socket.create_connection(("127.0.0.1", envoy.port))
-        body = json.dumps(completion(300, max_tokens=10)).encode()
+        body = json.dumps(unshared_completion(300, max_tokens=10)).encode()
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                   + f"content-length: {len(body)}\r\n\r\n".encode() + body)
         assert wait_for(lambda: delta("queued", c1) == 1, timeout=2), "the late request was queued"
@@ -203,7 +197,7 @@ def test_timeout_503_full_queue_429_and_disconnects_leave_nothing_reserved():
         assert wait_for(lambda: delta("abandoned", c1) == 1, timeout=2), "it left the line when its client did"
         # A client that disconnects mid-stream (the upstream stream is reset).
         s = socket.create_connection(("127.0.0.1", envoy.port))
-        body = json.dumps(dict(completion(301, max_tokens=2000), stream=True)).encode()
+        body = json.dumps(dict(unshared_completion(301, max_tokens=2000), stream=True)).encode()
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                   + f"content-length: {len(body)}\r\n\r\n".encode() + body)
         time.sleep(0.3)
@@ -224,10 +218,10 @@ def test_wake_up_latency_when_budget_frees():
         for i in range(10):
             with ThreadPoolExecutor(2) as pool:
                 fa = pool.submit(request, envoy.port, "POST", "/v1/completions",
-                                 completion(i, prompt_words=600, max_tokens=400))
+                                 unshared_completion(i, prompt_words=600, max_tokens=400))
                 time.sleep(0.05)
                 fb = pool.submit(request, envoy.port, "POST", "/v1/completions",
-                                 completion(100 + i, prompt_words=600, max_tokens=5))
+                                 unshared_completion(100 + i, prompt_words=600, max_tokens=5))
                 ra, rb = fa.result(), fb.result()
             assert ra.status == rb.status == 200
             assert int(rb.headers["x-kvgate-queue-ms"]) > 0, "the second request waited"

@@ -14,24 +14,11 @@ import pytest
 
 from harness import Sim, baseline_envoy, default_plugin_config, kvgate_envoy, kvgate_gauges, stream, wait_for
 
-MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+from bodies import MODEL, unshared_chat
 BLOCKS, BLOCK = 256, 16
 SMALL_KV = ["--time-scale", "10", "--num-gpu-blocks", str(BLOCKS)]
 # Common English words: about one token each, so the estimate is right from the first request.
-WORDS = ("the of and to in is you that it he was for on are as with his they at be this have from or one had by "
-         "word but not what all were we when your can said there use an each which she do how their if will up "
-         "other about out many then them these so some her would make like him into time has look two more write "
-         "go see number no way could people my than first water been call who oil its now find long down day did "
-         "get come made may part").split()
 
-
-def chat(i, max_tokens):
-    # A distinct first word: no two requests share a prefix, each one's KV is its own.
-    text = f"question {i}: " + " ".join(WORDS[(i * 7 + j * 13) % len(WORDS)] for j in range(300))
-    body = {"model": MODEL, "messages": [{"role": "user", "content": text}]}
-    if max_tokens is not None:
-        body["max_tokens"] = max_tokens
-    return body
 
 
 def run(envoy, sim, max_tokens, clients, requests, sample_kvgate=True):
@@ -51,7 +38,7 @@ def run(envoy, sim, max_tokens, clients, requests, sample_kvgate=True):
     thread.start()
     try:
         with ThreadPoolExecutor(clients) as pool:
-            answers = list(pool.map(lambda i: stream(envoy.port, "/v1/chat/completions", chat(i, max_tokens)),
+            answers = list(pool.map(lambda i: stream(envoy.port, "/v1/chat/completions", unshared_chat(i, max_tokens)),
                                     range(requests)))
     finally:
         stop.set()

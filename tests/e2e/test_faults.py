@@ -19,7 +19,8 @@ import pytest
 
 from harness import (Envoy, Sim, default_plugin_config, envoy_config, free_port, kvgate_envoy, kvgate_gauges,
                      request, wait_for)
-from faults_support import (FakePod, LdsEnvoy, Pod, assert_drained, assert_vm_alive, bad_log_lines, chat, completion,
+from bodies import tagged_chat, tagged_completion
+from robustness import (FakePod, LdsEnvoy, Pod, assert_drained, assert_vm_alive, bad_log_lines,
                             counter, pick_of, pool, raw_post, sim_fault, stream_outcome, timed, vm_stats)
 
 FAST = ["--time-scale", "20"]
@@ -34,7 +35,7 @@ def routed_ok(envoy, tags, timeout=10.0, path="/v1/completions"):
     answered 200 by a pod kvgate named."""
     out, slowest = [], 0.0
     for t in tags:
-        r, dt = timed(request, envoy.port, "POST", path, completion(t) if "chat" not in path else chat(t),
+        r, dt = timed(request, envoy.port, "POST", path, tagged_completion(t) if "chat" not in path else tagged_chat(t),
                       timeout=timeout)
         assert not isinstance(r, Exception), f"{t}: {r!r} after {dt:.1f}s"
         assert r.status == 200, (t, r.status, r.body[:300])
@@ -47,7 +48,7 @@ def routed_ok(envoy, tags, timeout=10.0, path="/v1/completions"):
 def home_group(envoy, addr, tries=30):
     """A prompt group kvgate has placed on `addr` (prefix affinity keeps sending it there)."""
     for g in range(tries):
-        r = request(envoy.port, "POST", "/v1/chat/completions", chat(f"home{g}"), timeout=10)
+        r = request(envoy.port, "POST", "/v1/chat/completions", tagged_chat(f"home{g}"), timeout=10)
         assert r.status == 200, r.body
         if r.headers.get("x-kvgate-pod") == addr:
             return f"home{g}"
@@ -62,7 +63,7 @@ def test_pod_killed_mid_stream_and_restarted_on_its_port():
         with kvgate_envoy(live.endpoints + doomed.endpoints, default_plugin_config()) as envoy:
             vm0 = vm_stats(envoy)
             group = home_group(envoy, doomed.addr)
-            long_chat = lambda q: dict(chat(group, q, max_tokens=2000))
+            long_chat = lambda q: dict(tagged_chat(group, q, max_tokens=2000))
             with ThreadPoolExecutor(10) as tp:
                 futs = []
                 for q in range(3):
@@ -74,7 +75,7 @@ def test_pod_killed_mid_stream_and_restarted_on_its_port():
                                                     long_chat(f"p{q}"), timeout=20)))
                 for q in range(3):
                     futs.append(("other", tp.submit(stream_outcome, envoy.port, "/v1/completions",
-                                                    completion(f"other{q}", max_tokens=400), None, 20)))
+                                                    tagged_completion(f"other{q}", max_tokens=400), None, 20)))
                 time.sleep(1.0)
                 in_flight_before = pool(envoy)["in_flight"]
                 t_kill = time.perf_counter()
@@ -174,7 +175,7 @@ def test_a_pod_failing_mid_scrape_does_not_take_the_vm_down(metrics):
         with kvgate_envoy([("127.0.0.1", good.port), ("127.0.0.1", bad.port)], cfg) as envoy:
             vm0 = vm_stats(envoy)
             time.sleep(3)  # ten scrape intervals: the lease would have moved over every VM
-            statuses = [request(envoy.port, "POST", "/v1/completions", completion(f"s{i}"), timeout=10)
+            statuses = [request(envoy.port, "POST", "/v1/completions", tagged_completion(f"s{i}"), timeout=10)
                         for i in range(24)]
             panics = [l for l in bad_log_lines(envoy) if "panicked" in l or "failed:" in l]
             print(f"metrics {metrics}: answers {sorted(r.status for r in statuses)}; {len(panics)} panic lines")
@@ -297,13 +298,13 @@ def test_client_disconnects_while_queued_and_while_streaming():
     with Sim(pods=1, args=["--time-scale", "2"]) as sim, kvgate_envoy(sim.endpoints, cfg) as envoy:
         vm0 = vm_stats(envoy)
         holder = raw_post(envoy.port, "/v1/completions",
-                          json.dumps(dict(completion("holder", words=200, max_tokens=3000), stream=True)).encode())
+                          json.dumps(dict(tagged_completion("holder", words=200, max_tokens=3000), stream=True)).encode())
         holder.settimeout(10)
         assert holder.recv(200).startswith(b"HTTP/1.1 200"), "the holder streams"
         reserved = pool(envoy)["reserved_tokens"]
         assert wait_for(lambda: pool(envoy)["reserved_tokens"] > 0, timeout=2), "the holder reserved its cost"
         abandoned0 = counter(envoy, "wasmcustom.kvgate.admission.abandoned")
-        waiting = [raw_post(envoy.port, "/v1/completions", json.dumps(completion(f"q{i}", words=200, max_tokens=600)).encode())
+        waiting = [raw_post(envoy.port, "/v1/completions", json.dumps(tagged_completion(f"q{i}", words=200, max_tokens=600)).encode())
                    for i in range(6)]
         assert wait_for(lambda: pool(envoy)["queue_length"] == 6, timeout=3), pool(envoy)
         t0 = time.perf_counter()
@@ -321,7 +322,7 @@ def test_client_disconnects_while_queued_and_while_streaming():
         holder.close()
         assert wait_for(lambda: pool(envoy)["reserved_tokens"] == 0, timeout=3), pool(envoy)
         print(f"the holder's reservation was released {1000 * (time.perf_counter() - t0):.0f} ms after its client left")
-        r, dt = timed(request, envoy.port, "POST", "/v1/completions", completion("next", max_tokens=8), timeout=10)
+        r, dt = timed(request, envoy.port, "POST", "/v1/completions", tagged_completion("next", max_tokens=8), timeout=10)
         assert r.status == 200 and r.headers.get("x-kvgate-pod"), r.body
         assert int(r.headers.get("x-kvgate-queue-ms", "0")) < 1000 and dt < 3
         assert sim.stats(0)["aborted"] >= 1, "the pod saw the holder go"
@@ -348,12 +349,12 @@ def test_plugin_config_pushed_while_traffic_flows():
             while not stop.is_set() and n < 200:
                 n += 1
                 if i % 2:
-                    r = stream_outcome(envoy.port, "/v1/completions", completion(f"c{i}-{n}", max_tokens=300),
+                    r = stream_outcome(envoy.port, "/v1/completions", tagged_completion(f"c{i}-{n}", max_tokens=300),
                                        None, 15)
                     results.append(("stream", r["status"], r["pod"], r["done"], r["total"], r["error"]))
                 else:
                     r, dt = timed(request, envoy.port, "POST", "/v1/chat/completions",
-                                  chat(f"c{i % 3}", f"q{n}"), timeout=15)
+                                  tagged_chat(f"c{i % 3}", f"q{n}"), timeout=15)
                     ok = not isinstance(r, Exception)
                     results.append(("plain", r.status if ok else None, r.headers.get("x-kvgate-pod") if ok else None,
                                     ok, dt, None if ok else repr(r)))
@@ -395,16 +396,16 @@ def test_requests_queued_across_a_config_push_are_admitted():
         vm0 = vm_stats(envoy)
         with ThreadPoolExecutor(10) as tp:
             holder = tp.submit(stream_outcome, envoy.port, "/v1/completions",
-                               completion("holder", words=200, max_tokens=2500), None, 30)
+                               tagged_completion("holder", words=200, max_tokens=2500), None, 30)
             time.sleep(0.4)
             old = [tp.submit(timed, request, envoy.port, "POST", "/v1/completions",
-                             completion(f"old{i}", words=200, max_tokens=20), timeout=30) for i in range(4)]
+                             tagged_completion(f"old{i}", words=200, max_tokens=20), timeout=30) for i in range(4)]
             assert wait_for(lambda: pool(envoy)["queue_length"] == 4, timeout=3), pool(envoy)
             envoy.push(dict(cfg, passthroughUnknown=False))
             assert wait_for(lambda: request(envoy.port, "GET", "/v1/models").status == 404, timeout=5)
             assert not holder.done() and not any(f.done() for f in old), "still queued after the push"
             new = [tp.submit(timed, request, envoy.port, "POST", "/v1/completions",
-                             completion(f"new{i}", words=200, max_tokens=20), timeout=30) for i in range(3)]
+                             tagged_completion(f"new{i}", words=200, max_tokens=20), timeout=30) for i in range(3)]
             h = holder.result(timeout=30)
             got = [f.result(timeout=30) for f in old + new]
         waits = [int(r.headers.get("x-kvgate-queue-ms", "-1")) for r, _ in got if not isinstance(r, Exception)]

@@ -17,7 +17,8 @@ import http.client
 import pytest
 
 from harness import Sim, default_plugin_config, kvgate_envoy, request
-from faults_support import (MODEL, EchoUpstream, assert_drained, assert_vm_alive, chat, completion, raw_post,
+from bodies import MODEL, chat_bytes, tagged_chat, tagged_completion
+from robustness import (EchoUpstream, assert_drained, assert_vm_alive, raw_post,
                             read_response, timed, vm_stats, wasm_memories)
 
 MAX_BODY = 256 * 1024
@@ -81,7 +82,7 @@ def read_head(s, timeout):
 
 
 def still_routes(envoy, tag="normal"):
-    r = request(envoy.port, "POST", "/v1/chat/completions", chat(tag, max_tokens=4), timeout=10)
+    r = request(envoy.port, "POST", "/v1/chat/completions", tagged_chat(tag, max_tokens=4), timeout=10)
     assert r.status == 200 and r.headers.get("x-kvgate-pod"), (r.status, r.body[:200])
     return r
 
@@ -92,8 +93,7 @@ def openai_error(body):
     return err
 
 
-def chat_body(**kw):
-    return json.dumps(dict({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}, **kw)).encode()
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,11 +114,11 @@ def test_spoofed_destination_headers_are_never_honoured(stubs):
                               {"X-Gateway-Destination-Endpoint": other},
                               {"x-envoy-original-dst-host": other},
                               {"x-gateway-destination-endpoint": f"{other},{other}", "x-envoy-original-dst-host": other}] * 2):
-        st, h, _, _ = send(envoy, json.dumps(chat("spoof", f"q{i}", 4)).encode(), headers=hdrs)
+        st, h, _, _ = send(envoy, json.dumps(tagged_chat("spoof", f"q{i}", 4)).encode(), headers=hdrs)
         assert st == 200 and h["x-kvgate-pod"] == home, (hdrs, st, h.get("x-kvgate-pod"))
     # The header twice over, as two lines.
     import socket
-    body = json.dumps(chat("spoof", "dup", 4)).encode()
+    body = json.dumps(tagged_chat("spoof", "dup", 4)).encode()
     s = socket.create_connection(("127.0.0.1", envoy.port), timeout=10)
     s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: kvgate\r\ncontent-type: application/json\r\n"
               + f"x-gateway-destination-endpoint: {other}\r\nx-gateway-destination-endpoint: {other}\r\n".encode()
@@ -165,7 +165,7 @@ def test_header_values_that_are_not_utf8_do_not_kill_the_plugin(stubs):
     # unwraps UTF-8: one such request panicked kvgate, and every later request on every worker
     # got 503 until Envoy restarted.
     import socket
-    body = chat_body()
+    body = chat_bytes()
     for name in ("x-gateway-inference-fairness-id", "x-session-id", "x-gateway-inference-objective",
                  "content-type"):
         s = socket.create_connection(("127.0.0.1", stubs.port), timeout=10)
@@ -187,26 +187,26 @@ def test_malformed_bodies_get_400_and_never_reach_a_pod(stubs):
     deep = 100_000
     cases = {
         "truncated": b'{"model": "m", "messages": [',
-        "trailing garbage": chat_body()[:-1] + b"} xyz",
+        "trailing garbage": chat_bytes()[:-1] + b"} xyz",
         "invalid utf-8": b'{"model": "m\xff\xfe", "messages": [{"role": "user", "content": "hi"}]}',
         "lone surrogate": b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800 x"}]}',
         "array": b"[]", "string": b'"chat"', "number": b"42", "null": b"null", "true": b"true",
-        "utf-8 BOM": b"\xef\xbb\xbf" + chat_body(),
+        "utf-8 BOM": b"\xef\xbb\xbf" + chat_bytes(),
         "duplicate key": b'{"model": "a", "model": "b", "messages": [{"role": "user", "content": "hi"}]}',
         "nested messages": b'{"model": "m", "messages": ' + b"[" * deep + b"]" * deep + b"}",
         "nested content": b'{"model": "m", "messages": [{"role": "user", "content": ' + b"[" * deep + b"]" * deep + b"}]}",
         "nested tools": b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": ' + b"[" * deep + b"]" * deep + b"}",
         "nested tool_calls": b'{"model": "m", "messages": [{"role": "assistant", "content": "x", "tool_calls": '
                              + b'{"a":' * 40_000 + b"1" + b"}" * 40_000 + b"}]}",
-        "max_tokens float": chat_body(max_tokens=1e30),
-        "max_tokens > u64": chat_body()[:-1] + b', "max_completion_tokens": 18446744073709551616}',
-        "max_tokens negative": chat_body(max_tokens=-1),
-        "max_tokens 100k digits": chat_body()[:-1] + b', "max_completion_tokens": ' + b"9" * 100_000 + b"}",
-        "model not a string": chat_body(model=7),
+        "max_tokens float": chat_bytes(max_tokens=1e30),
+        "max_tokens > u64": chat_bytes()[:-1] + b', "max_completion_tokens": 18446744073709551616}',
+        "max_tokens negative": chat_bytes(max_tokens=-1),
+        "max_tokens 100k digits": chat_bytes()[:-1] + b', "max_completion_tokens": ' + b"9" * 100_000 + b"}",
+        "model not a string": chat_bytes(model=7),
         "missing model": json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode(),
-        "empty messages": chat_body(messages=[]),
-        "messages not a list": chat_body(messages="hi"),
-        "stream not a bool": chat_body(stream="yes"),
+        "empty messages": chat_bytes(messages=[]),
+        "messages not a list": chat_bytes(messages="hi"),
+        "stream not a bool": chat_bytes(stream="yes"),
     }
     before = received(envoy)
     for name, body in cases.items():
@@ -223,7 +223,7 @@ def test_malformed_bodies_get_400_and_never_reach_a_pod(stubs):
     for name, extra in [("nested unknown field", b'"x_extra": ' + b"[" * deep + b"]" * deep),
                         ("huge number unknown field", b'"temperature": 1' + b"0" * 100_000),
                         ("1e999999 unknown field", b'"top_p": 1e999999')]:
-        st, h, b, dt = send(envoy, chat_body()[:-1] + b", " + extra + b"}")
+        st, h, b, dt = send(envoy, chat_bytes()[:-1] + b", " + extra + b"}")
         assert st == 200 and h.get("x-kvgate-pod"), (name, st, b[:200])
         assert dt < 2
     still_routes(envoy)
@@ -234,7 +234,7 @@ def test_enormous_max_tokens_and_prompts_reserve_a_clamped_cost(stubs):
     envoy = stubs
     cap, out_cap = 131072, 8192  # estimator.maxReservationTokens, outputCapTokens (defaults)
     u64 = 18446744073709551615
-    for body in [chat_body(max_tokens=u64), chat_body(max_completion_tokens=u64, n=u64),
+    for body in [chat_bytes(max_tokens=u64), chat_bytes(max_completion_tokens=u64, n=u64),
                  json.dumps({"model": MODEL, "prompt": "x", "max_tokens": u64, "n": 1000}).encode(),
                  json.dumps({"model": MODEL, "input": "x", "max_output_tokens": u64}).encode()]:
         path = "/v1/chat/completions" if b"messages" in body else (
@@ -316,7 +316,7 @@ def test_crafted_prefixes_keep_the_index_bounded_and_routing_sane(stubs):
     homes = {}
     for q in range(3):
         for g in range(3):
-            r = request(envoy.port, "POST", "/v1/chat/completions", chat(f"after{g}", f"q{q}", 4))
+            r = request(envoy.port, "POST", "/v1/chat/completions", tagged_chat(f"after{g}", f"q{q}", 4))
             homes.setdefault(g, set()).add(r.headers["x-kvgate-pod"])
     assert all(len(p) == 1 for p in homes.values()), homes
     assert_drained(envoy)
@@ -365,17 +365,17 @@ def test_paths_methods_content_types_and_chunked_bodies(stubs):
     assert st == 200 and "x-kvgate-pod" not in h
     # Other methods on an OpenAI path: passed through; the engine answers (vLLM: 405).
     for m in ("GET", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"):
-        st, h, _, _ = send(envoy, b"" if m in ("GET", "HEAD", "OPTIONS") else chat_body(), method=m)
+        st, h, _, _ = send(envoy, b"" if m in ("GET", "HEAD", "OPTIONS") else chat_bytes(), method=m)
         assert st == 200 and "x-kvgate-pod" not in h, (m, st)
     # Missing or odd-cased JSON content types are read as JSON and routed.
     for ctype in (None, "application/json; charset=utf-8", "APPLICATION/JSON", "application/vnd.api+json"):
-        st, h, _, _ = send(envoy, chat_body(), content_type=ctype)
+        st, h, _, _ = send(envoy, chat_bytes(), content_type=ctype)
         assert st == 200 and h.get("x-kvgate-pod"), (ctype, st)
     # A non-JSON content type on an OpenAI path is passed through unread: not routed, not admitted.
-    st, h, _, _ = send(envoy, chat_body(), content_type="text/plain")
+    st, h, _, _ = send(envoy, chat_bytes(), content_type="text/plain")
     assert st == 200 and "x-kvgate-pod" not in h
     # Chunked bodies without content-length are read whole and routed; the body arrives intact.
-    body = json.dumps(chat("chunked", "x" * 5000, 4)).encode()
+    body = json.dumps(tagged_chat("chunked", "x" * 5000, 4)).encode()
     st, h, _, _ = send(envoy, body, chunked=True)
     assert st == 200 and h.get("x-kvgate-pod")
     assert any(b == body for u in envoy.ups for _, _, _, b in u.received[-3:]), "the body arrives intact"
@@ -412,10 +412,10 @@ def test_envoys_own_413_above_its_buffer_limit():
         assert st == 413 and h.get("x-kvgate-reason"), (st, h)
         st, h, b, _ = send(envoy, b"{}", path="/v1/models", method="GET")
         assert st == 404 and openai_error(b)["type"] == "not_found_error"
-        st, h, b, _ = send(envoy, chat_body(), content_type="text/plain")
+        st, h, b, _ = send(envoy, chat_bytes(), content_type="text/plain")
         assert st == 404
         assert up.received == []
-        r = request(envoy.port, "POST", "/v1/chat/completions", chat("fine", max_tokens=4))
+        r = request(envoy.port, "POST", "/v1/chat/completions", tagged_chat("fine", max_tokens=4))
         assert r.status == 200 and r.headers.get("x-kvgate-pod")
         assert_drained(envoy)
         assert_vm_alive(envoy, vm0)
@@ -427,7 +427,7 @@ def test_envoys_own_413_above_its_buffer_limit():
 def occupy(envoy):
     """Starts a long stream that takes the whole budget; returns its socket."""
     s = raw_post(envoy.port, "/v1/completions",
-                 json.dumps(dict(completion("holder", words=200, max_tokens=4000), stream=True)).encode())
+                 json.dumps(dict(tagged_completion("holder", words=200, max_tokens=4000), stream=True)).encode())
     s.settimeout(10)
     assert s.recv(100).startswith(b"HTTP/1.1 200")
     return s
@@ -449,7 +449,7 @@ def test_priority_header_is_ignored_unless_configured(priority_header):
                  ("unknown objective", {"x-gateway-inference-objective": "vip"})]
         with ThreadPoolExecutor(len(cases)) as tp:
             futs = {name: tp.submit(timed, request, envoy.port, "POST", "/v1/completions",
-                                    completion(name.replace(" ", "_"), words=400, max_tokens=4), h, timeout=10)
+                                    tagged_completion(name.replace(" ", "_"), words=400, max_tokens=4), h, timeout=10)
                     for name, h in cases}
             got = {name: (f.result()[0].status, round(f.result()[1], 2)) for name, f in futs.items()}
         holder.close()
@@ -482,7 +482,7 @@ def test_tenant_header_is_trusted_as_the_fairness_key():
             lock = threading.Lock()
 
             def one(tag, tenant):
-                r = request(envoy.port, "POST", "/v1/completions", completion(tag, words=200, max_tokens=30),
+                r = request(envoy.port, "POST", "/v1/completions", tagged_completion(tag, words=200, max_tokens=30),
                             {"x-gateway-inference-fairness-id": tenant}, timeout=20)
                 with lock:
                     done.append((tag, r.status))

@@ -11,23 +11,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 from harness import (ROOT, Envoy, Sim, baseline_envoy, default_plugin_config, envoy_config, free_port,
                      kvgate_envoy, kvgate_gauges, request, stream, wait_for)
-from faults_support import pick_of
+from robustness import pick_of
 
-MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+from bodies import MODEL, group_chat, group_system_prompt
 SIM_ARGS = ["--time-scale", "20"]
 # Where engine time, not proxy overhead, dominates TTFT (prefill of a 3k-token prompt ≈ 45 ms).
 REALISTIC_SIM_ARGS = ["--time-scale", "2"]
-
-
-def system_prompt(group, words=1500):
-    # Distinct from the first character, so groups share no blocks.
-    return f"[group {group}] " + " ".join(f"policy{(group * 7919 + i) % 1000} clause{i}" for i in range(words // 2))
-
-
-def chat(group, question, max_tokens=8):
-    return {"model": MODEL, "max_tokens": max_tokens,
-            "messages": [{"role": "system", "content": system_prompt(group)},
-                         {"role": "user", "content": f"Question {question}: what does clause {question} mean?"}]}
 
 
 def run_groups(port, groups, questions, workers=16, headers=None, explain=None):
@@ -37,7 +26,7 @@ def run_groups(port, groups, questions, workers=16, headers=None, explain=None):
 
     def one(job):
         g, q = job
-        r = request(port, "POST", "/v1/chat/completions", chat(g, q), headers)
+        r = request(port, "POST", "/v1/chat/completions", group_chat(g, q), headers)
         if explain is not None:
             explain.append((g, q, r.headers.get("x-sim-pod"), r.headers.get("x-kvgate-ranking")))
         return g, r.status, r.headers.get("x-sim-pod")
@@ -76,7 +65,7 @@ def test_original_dst_variant_routes_to_the_pick_and_ignores_client_destinations
             homes = set()
             for q in range(6):
                 # A client naming an address must not reach it (SSRF through ORIGINAL_DST).
-                r = request(envoy.port, "POST", "/v1/chat/completions", chat(3, q),
+                r = request(envoy.port, "POST", "/v1/chat/completions", group_chat(3, q),
                             {"x-envoy-original-dst-host": "127.0.0.1:1"})
                 assert r.status == 200, r.body
                 # The pod that answered is the one kvgate picked, not the client's address.
@@ -87,11 +76,11 @@ def test_original_dst_variant_routes_to_the_pick_and_ignores_client_destinations
 
 def test_client_supplied_destination_has_no_effect():
     with Sim(pods=3, args=SIM_ARGS) as sim, kvgate_envoy(sim.endpoints, default_plugin_config()) as envoy:
-        first = request(envoy.port, "POST", "/v1/chat/completions", chat(1, 0))
+        first = request(envoy.port, "POST", "/v1/chat/completions", group_chat(1, 0))
         home = first.headers["x-sim-pod"]
         other = next(f"127.0.0.1:{p}" for i, p in enumerate(sim.ports) if str(i) != home)
         for q in range(1, 8):
-            r = request(envoy.port, "POST", "/v1/chat/completions", chat(1, q),
+            r = request(envoy.port, "POST", "/v1/chat/completions", group_chat(1, q),
                         {"x-gateway-destination-endpoint": other})
             assert r.headers["x-sim-pod"] == home
 
@@ -100,13 +89,13 @@ def hot_and_cold_groups(envoy, sim):
     """48 requests of one hot group at once, while eight cold groups send six questions each, one
     after another: the pod each hot request landed on, and the pool's prefix-cache hit rate."""
     def hot(q):
-        r = request(envoy.port, "POST", "/v1/chat/completions", chat(7, q, max_tokens=256), timeout=120)
+        r = request(envoy.port, "POST", "/v1/chat/completions", group_chat(7, q, max_tokens=256), timeout=120)
         assert r.status == 200
         return r.headers.get("x-sim-pod")
 
     def cold(g):
         for q in range(6):
-            assert request(envoy.port, "POST", "/v1/chat/completions", chat(100 + g, q), timeout=120).status == 200
+            assert request(envoy.port, "POST", "/v1/chat/completions", group_chat(100 + g, q), timeout=120).status == 200
 
     with ThreadPoolExecutor(56) as pool:
         colds = [pool.submit(cold, g) for g in range(8)]
@@ -178,7 +167,7 @@ def test_a_pod_without_prefix_caching_gets_no_prefix_credit():
 
         def one(job):
             group, q, max_tokens = job
-            r = request(envoy.port, "POST", "/v1/chat/completions", chat(group, q, max_tokens=max_tokens), timeout=120)
+            r = request(envoy.port, "POST", "/v1/chat/completions", group_chat(group, q, max_tokens=max_tokens), timeout=120)
             assert r.status == 200
             return r.headers["x-kvgate-pod"], r.headers["x-kvgate-prefix-blocks"]
 
@@ -196,7 +185,7 @@ def test_a_pod_without_prefix_caching_gets_no_prefix_credit():
 def test_pod_holding_the_prefix_but_overloaded_is_avoided():
     args = SIM_ARGS + ["--max-num-seqs", "2"]
     with Sim(pods=3, args=args) as sim, kvgate_envoy(sim.endpoints, default_plugin_config()) as envoy:
-        home = int(request(envoy.port, "POST", "/v1/chat/completions", chat(2, 0)).headers["x-sim-pod"])
+        home = int(request(envoy.port, "POST", "/v1/chat/completions", group_chat(2, 0)).headers["x-sim-pod"])
         # Load the home pod behind kvgate's back: a long queue only its metrics reveal.
         flood = {"model": MODEL, "prompt": "flood " * 50, "max_tokens": 4000}
 
@@ -213,7 +202,7 @@ def test_pod_holding_the_prefix_but_overloaded_is_avoided():
                            and sim.stats(home)["waiting"] >= 8, timeout=10)
         assert waiting, "the home pod's queue built up"
         time.sleep(1.5)  # at least one scrape after the queue formed
-        r = request(envoy.port, "POST", "/v1/chat/completions", chat(2, 1))
+        r = request(envoy.port, "POST", "/v1/chat/completions", group_chat(2, 1))
         assert r.status == 200
         assert int(r.headers["x-sim-pod"]) != home, "kvgate avoided the overloaded pod holding the prefix"
 
@@ -232,7 +221,7 @@ def test_dead_pod_is_routed_around_and_nothing_hangs():
             after = []
             for q in range(3, 9):
                 for g in range(8):
-                    r = request(envoy.port, "POST", "/v1/chat/completions", chat(g, q), timeout=30)
+                    r = request(envoy.port, "POST", "/v1/chat/completions", group_chat(g, q), timeout=30)
                     after.append((r.status, pick_of(r.headers["x-kvgate-ranking"])))
             elapsed = time.time() - t0
             ok = [s for s, _ in after if s == 200]
@@ -259,7 +248,7 @@ def test_scrape_runs_once_per_interval_per_pod_not_per_worker():
 def test_active_blocks_return_to_zero_after_streaming_traffic():
     with Sim(pods=4, args=SIM_ARGS) as sim, kvgate_envoy(sim.endpoints, default_plugin_config()) as envoy:
         def one(i):
-            return stream(envoy.port, "/v1/chat/completions", chat(i % 5, i, max_tokens=64))
+            return stream(envoy.port, "/v1/chat/completions", group_chat(i % 5, i, max_tokens=64))
         with ThreadPoolExecutor(12) as pool:
             results = list(pool.map(one, range(60)))
         assert all(r["status"] == 200 and r["chunks"] == 64 for r in results)
@@ -273,7 +262,7 @@ def test_active_blocks_return_to_zero_after_streaming_traffic():
 def shared_prefix_run(port, groups=7, questions=12, workers=14):
     def one(job):
         g, q = job
-        return stream(port, "/v1/chat/completions", chat(g, q, max_tokens=32))
+        return stream(port, "/v1/chat/completions", group_chat(g, q, max_tokens=32))
 
     jobs = [(g, q) for q in range(questions) for g in range(groups)]
     with ThreadPoolExecutor(workers) as pool:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from harness import SIM_BIN, free_ports
-MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+from bodies import MODEL
 
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
          "oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu river "

@@ -1,5 +1,5 @@
 //! What the engine's own numbers say about kvgate's accounting of a pod, applied at each scrape
-//! (`pod_state::write_snapshot`; the result lives in the pod's snapshot, the source of truth the
+//! (`record::write_snapshot`; the result lives in the pod's snapshot, the source of truth the
 //! budget reads). Two corrections, both of the budget (`budget`):
 //!
 //! - **Unexplained KV**: the engine's used KV (`kv_cache_usage_perc` × capacity) beyond what
@@ -15,7 +15,7 @@
 //!   the engine preempts instead of oscillating around it; and it converges from any start, since
 //!   every overshoot is cut by a constant fraction.
 
-use crate::pod_state::{PodRecord, Snapshot};
+use crate::pods::record::{PodRecord, Snapshot};
 
 /// Each scrape that saw preemptions keeps this fraction of what the budget had left.
 const BACKOFF_FACTOR: f64 = 0.9;
@@ -58,7 +58,7 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     use super::*;
-    use crate::pod_state::Entry;
+    use crate::pods::record::Entry;
 
     fn scraped(preemptions: f64, kv_usage: f64) -> Snapshot {
         Snapshot {

@@ -6,9 +6,9 @@
 //! request at a time (kvgate will not guess, and will not flood a pod it knows nothing of); a pod
 //! whose metrics carry no capacity, or any pod when nothing is scraped, is not limited.
 
+use crate::admission::forecast::Load;
 use crate::config::Config;
-use crate::forecast::Load;
-use crate::pod_state::{PodRecord, Snapshot};
+use crate::pods::record::{PodRecord, Snapshot};
 
 pub fn budget_tokens(cfg: &Config, snapshot: Option<&Snapshot>) -> Option<u64> {
     let a = &cfg.admission;
@@ -109,14 +109,14 @@ mod tests {
         let load = |held| Load {
             held,
             left: 1,
-            outlook: [255; crate::output_dist::HORIZON_STEPS.len()],
+            outlook: [255; crate::estimate::output_dist::HORIZON_STEPS.len()],
         };
         let holding = |held| PodRecord {
-            entries: vec![crate::pod_state::Entry {
+            entries: vec![crate::pods::record::Entry {
                 held_tokens: held,
                 left: 1,
-                outlook: [255; crate::output_dist::HORIZON_STEPS.len()],
-                ..crate::pod_state::Entry::default()
+                outlook: [255; crate::estimate::output_dist::HORIZON_STEPS.len()],
+                ..crate::pods::record::Entry::default()
             }],
             ..PodRecord::default()
         };

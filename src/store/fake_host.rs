@@ -3,7 +3,7 @@
 //! a missing key creates it, keys cannot be deleted or listed, and a queue name registered by
 //! several VMs notifies only its last registrant.
 
-use crate::store::{Store, StoreError, Versioned};
+use crate::store::interface::{Store, StoreError, Versioned};
 use hashbrown::HashMap;
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
@@ -165,7 +165,7 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     use super::*;
-    use crate::store::update;
+    use crate::store::interface::update;
 
     #[test]
     fn stale_cas_fails_and_fresh_cas_wins() {

@@ -4,13 +4,13 @@
 //! interval, writing results into the pods' shared records. This module plans the calls and reads
 //! their answers; the shell only sends them.
 
-use crate::codec::{Reader, Writer};
 use crate::config::Config;
-use crate::pod_metrics;
-use crate::pod_state::{self, Snapshot};
-use crate::router::{decode_pods, encode_pods, PODS_KEY};
-use crate::stats::{pod_segment, Stats};
-use crate::store::{update, Store, StoreError};
+use crate::pods::metrics;
+use crate::pods::pool::{decode_pods, encode_pods, PODS_KEY};
+use crate::pods::record::{self, Snapshot};
+use crate::stats::{self, Stats};
+use crate::store::codec::{Reader, Writer};
+use crate::store::interface::{update, Store, StoreError};
 use hashbrown::HashMap;
 use serde::Deserialize;
 
@@ -131,16 +131,16 @@ impl Scraper {
                     .then(|| parse_clusters(body, &cfg.discovery.model_cluster))
                     .flatten()
                 else {
-                    stats.count("kvgate.discovery.errors", 1);
+                    stats.count(stats::DISCOVERY_ERRORS, 1);
                     return Ok(());
                 };
                 publish_pods(store, &pods)
             }
             Target::Pod(pod) => {
-                let parsed = (status == Some(200)).then(|| pod_metrics::parse_bytes(body));
+                let parsed = (status == Some(200)).then(|| metrics::parse_bytes(body));
                 match parsed {
                     Some(Ok(m)) => {
-                        stats.count("kvgate.scrape.ok", 1);
+                        stats.count(stats::SCRAPE_OK, 1);
                         let snapshot = Snapshot {
                             at_ms: now,
                             healthy: true,
@@ -149,20 +149,15 @@ impl Scraper {
                             kv_usage: m.kv_usage.unwrap_or(f64::NAN),
                             capacity_tokens: m.capacity_tokens.unwrap_or(0),
                             block_size: m.block_size.unwrap_or(0) as u32,
-                            no_prefix_caching: m.prefix_caching_off,
+                            no_prefix_caching: m.no_prefix_caching,
                             preemptions: m.preemptions.unwrap_or(f64::NAN),
                             ..Snapshot::default()
                         };
-                        pod_state::write_snapshot(
-                            store,
-                            pod,
-                            snapshot,
-                            cfg.metrics.waiting_grace_ms,
-                        )
+                        record::write_snapshot(store, pod, snapshot, cfg.metrics.waiting_grace_ms)
                     }
                     _ => {
-                        stats.count("kvgate.scrape.errors", 1);
-                        stats.count(format!("kvgate.pod.{}.scrape_errors", pod_segment(pod)), 1);
+                        stats.count(stats::SCRAPE_ERRORS, 1);
+                        stats.count(stats::pod_stat(pod, stats::POD_SCRAPE_ERRORS), 1);
                         if refused(status, body) {
                             // Down, not merely slow: avoid it until a scrape succeeds again.
                             let down = Snapshot {
@@ -171,7 +166,7 @@ impl Scraper {
                                 kv_usage: f64::NAN,
                                 ..Snapshot::default()
                             };
-                            pod_state::write_snapshot(store, pod, down, 0)?;
+                            record::write_snapshot(store, pod, down, 0)?;
                         }
                         Ok(())
                     }
@@ -268,11 +263,11 @@ fn publish_pods(store: &dyn Store, pods: &[String]) -> Result<(), StoreError> {
         return Ok(());
     }
     for p in pods.iter().filter(|p| !old.contains(p)) {
-        pod_state::ensure(store, p)?;
+        record::ensure(store, p)?;
     }
     store.set(PODS_KEY, &encode_pods(pods), None)?;
     for p in old.iter().filter(|p| !pods.contains(p)) {
-        pod_state::blank(store, p)?;
+        record::blank(store, p)?;
     }
     Ok(())
 }
@@ -283,7 +278,7 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     use super::*;
-    use crate::fake_host::FakeHost;
+    use crate::store::fake_host::FakeHost;
 
     fn cfg() -> Config {
         let mut c = Config {
@@ -353,7 +348,7 @@ mod tests {
             text,
         )
         .unwrap();
-        let snap = pod_state::read(&vm, "a:1").unwrap().snapshot.unwrap();
+        let snap = record::read(&vm, "a:1").unwrap().snapshot.unwrap();
         assert_eq!(
             (
                 snap.at_ms,
@@ -375,11 +370,7 @@ mod tests {
                 body,
             )
             .unwrap();
-            pod_state::read(&vm, "a:1")
-                .unwrap()
-                .snapshot
-                .unwrap()
-                .healthy
+            record::read(&vm, "a:1").unwrap().snapshot.unwrap().healthy
         };
         assert!(answer(Some(200), b"garbage"), "garbage is not a refusal");
         let reset = "upstream connect error or disconnect/reset before headers. reset reason:";
@@ -420,7 +411,7 @@ mod tests {
             vec!["10.0.0.1:8000".to_string(), "10.0.0.2:8000".to_string()]
         );
         assert!(vm
-            .get(&pod_state::key("10.0.0.1:8000"))
+            .get(&record::key("10.0.0.1:8000"))
             .unwrap()
             .value
             .is_some());

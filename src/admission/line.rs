@@ -12,8 +12,8 @@
 //! never passes S while S waits, so what can overtake it is bounded by the tenants' backlogs
 //! ahead of S plus one boost credit — however large the ticket's own cost.
 
-use crate::codec::{Reader, Writer};
-use crate::store::{update, Store, StoreError};
+use crate::store::codec::{Reader, Writer};
+use crate::store::interface::{update, Store, StoreError};
 use std::cmp::Ordering;
 
 pub const KEY: &str = "kvgate.queue";
@@ -235,7 +235,7 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     use super::*;
-    use crate::fake_host::FakeHost;
+    use crate::store::fake_host::FakeHost;
 
     fn ticket(id: u64, priority: i32, cost: u64) -> Ticket {
         Ticket {

@@ -3,8 +3,8 @@
 //! the last `CAPACITY` finished turns in one shared record (`kvgate.sessions`), keyed by a hash of
 //! the session id: bounded memory, no per-session keys, oldest forgotten first.
 
-use crate::codec::{Reader, Writer};
-use crate::store::{update, Store, StoreError};
+use crate::store::codec::{Reader, Writer};
+use crate::store::interface::{update, Store, StoreError};
 
 const KEY: &str = "kvgate.sessions";
 const CAPACITY: usize = 4096;
@@ -69,7 +69,7 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     use super::*;
-    use crate::fake_host::FakeHost;
+    use crate::store::fake_host::FakeHost;
 
     #[test]
     fn remembers_recent_turns_within_window_and_capacity() {

@@ -3,22 +3,21 @@
 //! record the dispatch in the chosen pod's shared record, tell the other workers), `grow` (its
 //! output crossed a block boundary) and `finish` (remove it, exactly once).
 
-use crate::active_blocks::ActiveBlocks;
-use crate::budget::{budget_tokens, fits};
-use crate::codec::{Reader, Writer};
+use crate::admission::budget::{budget_tokens, fits};
+use crate::admission::forecast::Load;
 use crate::config::{Config, RoutingConfig, StalePolicy, MAX_BLOCK_TOKENS};
-use crate::estimate::Estimate;
-use crate::forecast::Load;
-use crate::pick::{rank, Candidate, Rng, Scored, Terms};
-use crate::pick_log::{Event, PickLog, MAX_EVENT_BLOCKS};
-use crate::pod_state::{self, Entry, PodRecord};
-use crate::prefix_index::PrefixIndex;
-use crate::store::{update, Store, StoreError};
+use crate::estimate::reservation::Estimate;
+use crate::pods::pool::{decode_pods, PODS_KEY};
+use crate::pods::record::{self, Entry, PodRecord};
+use crate::routing::active_blocks::ActiveBlocks;
+use crate::routing::pick::{rank, Candidate, Rng, Scored, Terms};
+use crate::routing::pick_log::{Event, PickLog, MAX_EVENT_BLOCKS};
+use crate::routing::prefix_index::PrefixIndex;
+use crate::store::codec::Reader;
+use crate::store::interface::{update, Store, StoreError};
 use hashbrown::HashMap;
 
 const VM_SEQ_KEY: &str = "kvgate.vm.seq";
-/// Discovered pods, written by the elected scraper: `kvgate.pods`.
-pub const PODS_KEY: &str = "kvgate.pods";
 const PODS_CACHE_MS: u64 = 1_000;
 /// A block size derived from the pods is at least this: a multiple of every smaller power of two
 /// (SGLang reports pages of one token), and long enough that `maxPromptBlocks` covers long prompts.
@@ -55,23 +54,6 @@ pub struct Routed {
     /// `pod cost=prefill+decode+active+queue+kv`,
     /// ` full` where its budget had no room.
     pub ranking: String,
-}
-
-pub fn encode_pods(pods: &[String]) -> Vec<u8> {
-    let mut w = Writer::new();
-    w.u32(pods.len() as u32);
-    for p in pods {
-        w.bytes(p.as_bytes());
-    }
-    w.0
-}
-
-pub fn decode_pods(bytes: &[u8]) -> Option<Vec<String>> {
-    let mut r = Reader(bytes);
-    let n = r.count(4)?;
-    (0..n)
-        .map(|_| r.bytes().and_then(|b| String::from_utf8(b.to_vec()).ok()))
-        .collect()
 }
 
 fn explain(
@@ -133,7 +115,7 @@ impl Router {
         })?
         .unwrap_or(0);
         for pod in &cfg.pods {
-            pod_state::ensure(store, pod)?;
+            record::ensure(store, pod)?;
         }
         Ok(Router {
             vm,
@@ -247,7 +229,7 @@ impl Router {
         let records: Vec<PodRecord> = self
             .pods
             .iter()
-            .map(|p| pod_state::read(store, p))
+            .map(|p| record::read(store, p))
             .collect::<Result<_, _>>()?;
         // Learned for the next requests: this one's blocks were already cut.
         if let Some(b) = records
@@ -261,13 +243,10 @@ impl Router {
         for (pod, rec) in self.pods.iter().zip(&records) {
             self.active.prune(pod, |id| rec.is_live(id), now);
         }
-        let fresh = |rec: &PodRecord| {
-            rec.snapshot
-                .is_some_and(|s| now.saturating_sub(s.at_ms) <= cfg.metrics.stale_after_ms)
-        };
+        let fresh = |rec: &PodRecord| rec.is_fresh(now, &cfg.metrics);
         let any_fresh = records.iter().any(fresh);
         let eligible = |rec: &PodRecord| match rec.snapshot {
-            Some(s) if !s.healthy => false,
+            _ if rec.is_down() => false,
             Some(_) if !fresh(rec) => cfg.metrics.stale_policy == StalePolicy::Ignore || !any_fresh,
             _ => true,
         };
@@ -396,7 +375,7 @@ impl Router {
             };
             let budget = budgets[s.index];
             // The read above may be stale: the fit is checked again inside the compare-and-swap.
-            let taken = pod_state::modify(store, &pod, |rec| {
+            let taken = record::modify(store, &pod, |rec| {
                 if !fits(rec, load, budget, cfg, bt) {
                     return None;
                 }
@@ -465,7 +444,7 @@ impl Router {
         routed.streamed = output_tokens;
         let outlook = est.output.outlook(output_tokens, est.max_output_tokens);
         let left = est.max_output_tokens.saturating_sub(output_tokens);
-        pod_state::modify(store, &routed.pod, |rec| {
+        record::modify(store, &routed.pod, |rec| {
             let e = rec.entries.iter_mut().find(|e| e.id == routed.request)?;
             e.output_blocks = blocks;
             e.expires_ms = expires;
@@ -491,12 +470,12 @@ impl Router {
             return Ok(());
         }
         let now = store.now_ms();
-        pod_state::modify(store, &routed.pod, |rec| {
-            rec.snapshot = Some(pod_state::Snapshot {
+        record::modify(store, &routed.pod, |rec| {
+            rec.snapshot = Some(record::Snapshot {
                 at_ms: now,
                 healthy: false,
                 kv_usage: f64::NAN,
-                ..pod_state::Snapshot::default()
+                ..record::Snapshot::default()
             });
             Some(())
         })?;
@@ -508,7 +487,7 @@ impl Router {
             return Ok(());
         };
         entry.prompt_blocks = routed.prompt_blocks as u32;
-        pod_state::modify(store, served_by, |rec| {
+        record::modify(store, served_by, |rec| {
             rec.entries.push(entry);
             Some(())
         })?;
@@ -530,7 +509,7 @@ impl Router {
         self.active.remove(&routed.pod, routed.request);
         let shared_tokens = (f64::from(shared) * routed.held_per_block).round() as u64;
         let heir = heir.map(|h| (h, shared, shared_tokens));
-        let gone = pod_state::finish(store, &routed.pod, routed.request, heir)?;
+        let gone = record::finish(store, &routed.pod, routed.request, heir)?;
         if gone.is_some() {
             let event = Event::Finish {
                 pod: routed.pod.clone(),
@@ -550,8 +529,9 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     use super::*;
-    use crate::fake_host::{FakeHost, FakeVm};
-    use crate::pod_state::Snapshot;
+    use crate::pods::pool::encode_pods;
+    use crate::pods::record::Snapshot;
+    use crate::store::fake_host::{FakeHost, FakeVm};
 
     impl Placement {
         fn routed(self) -> Routed {
@@ -580,7 +560,7 @@ mod tests {
     fn total_active(vm: &FakeVm, cfg: &Config) -> u64 {
         cfg.pods
             .iter()
-            .map(|p| pod_state::read(vm, p).unwrap().active_blocks())
+            .map(|p| record::read(vm, p).unwrap().active_blocks())
             .sum()
     }
 
@@ -649,7 +629,7 @@ mod tests {
         r.route(&vm, &cfg, &prompt(2), &e).unwrap().routed();
         r.route(&vm, &cfg, &prompt(3), &e).unwrap().routed();
         assert_eq!(
-            pod_state::read(&vm, "a:1").unwrap().held_tokens(),
+            record::read(&vm, "a:1").unwrap().held_tokens(),
             110 + (110 - 55),
             "the second is spared the held 50 prompt tokens, not its question"
         );
@@ -675,7 +655,7 @@ mod tests {
             10,
             "the shared 10 blocks count once"
         );
-        let held = |vm: &FakeVm| pod_state::read(vm, "a:1").unwrap().held_tokens();
+        let held = |vm: &FakeVm| record::read(vm, "a:1").unwrap().held_tokens();
         assert_eq!(
             held(&w1),
             176,
@@ -704,7 +684,7 @@ mod tests {
         let cfg = config(&["a:1", "b:1"]);
         let vm = host.vm();
         host.set_now_ms(10_000);
-        pod_state::write_snapshot(
+        record::write_snapshot(
             &vm,
             "a:1",
             Snapshot {
@@ -724,7 +704,7 @@ mod tests {
         let e = est(64, 64);
         assert!(r.grow(&vm, &cfg, &mut routed, &e, 17).unwrap());
         assert!(!r.grow(&vm, &cfg, &mut routed, &e, 20).unwrap());
-        assert_eq!(pod_state::read(&vm, "b:1").unwrap().active_blocks(), 4 + 2);
+        assert_eq!(record::read(&vm, "b:1").unwrap().active_blocks(), 4 + 2);
         r.finish(&vm, &cfg, &routed).unwrap();
         assert_eq!(total_active(&vm, &cfg), 0);
     }
@@ -737,7 +717,7 @@ mod tests {
     }
 
     impl Store for Racing<'_> {
-        fn get(&self, key: &str) -> Result<crate::store::Versioned, StoreError> {
+        fn get(&self, key: &str) -> Result<crate::store::interface::Versioned, StoreError> {
             self.vm.get(key)
         }
         fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
@@ -794,7 +774,7 @@ mod tests {
             Placement::NoRoom,
             "checked again inside the compare-and-swap"
         );
-        let rec = pod_state::read(&w1, "a:1").unwrap();
+        let rec = record::read(&w1, "a:1").unwrap();
         assert_eq!(rec.entries.len(), 2);
         assert!(rec.forecast(None, cfg.admission.headroom_sigmas, 16) <= 1_000);
     }
@@ -807,7 +787,7 @@ mod tests {
         let mut r = Router::start(&vm, &cfg).unwrap();
         let e = est(100, 64);
         let mut routed = r.route(&vm, &cfg, &hashes(1, 4), &e).unwrap().routed();
-        let held = || pod_state::read(&vm, "a:1").unwrap().held_tokens();
+        let held = || record::read(&vm, "a:1").unwrap().held_tokens();
         assert_eq!(held(), 110);
         r.grow(&vm, &cfg, &mut routed, &e, 17).unwrap();
         r.grow(&vm, &cfg, &mut routed, &e, 40).unwrap();
@@ -816,7 +796,7 @@ mod tests {
             110 + 40,
             "prompt plus output so far, never the output twice"
         );
-        let rec = pod_state::read(&vm, "a:1").unwrap();
+        let rec = record::read(&vm, "a:1").unwrap();
         assert_eq!(rec.entries[0].left, 64 - 40);
     }
 
@@ -837,14 +817,8 @@ mod tests {
         };
         r.rehome(&vm, &cfg, &mut routed, other).unwrap();
         assert_eq!(routed.pod, other);
-        assert!(
-            !pod_state::read(&vm, picked)
-                .unwrap()
-                .snapshot
-                .unwrap()
-                .healthy
-        );
-        assert_eq!(pod_state::read(&vm, other).unwrap().active_blocks(), 4);
+        assert!(!record::read(&vm, picked).unwrap().snapshot.unwrap().healthy);
+        assert_eq!(record::read(&vm, other).unwrap().active_blocks(), 4);
         let next = r
             .route(&vm, &cfg, &hashes(1, 4), &est(64, 0))
             .unwrap()
@@ -865,7 +839,7 @@ mod tests {
             no_prefix_caching: true,
             ..Snapshot::default()
         };
-        pod_state::write_snapshot(&vm, "a:1", snapshot, 0).unwrap();
+        record::write_snapshot(&vm, "a:1", snapshot, 0).unwrap();
         let mut r = Router::start(&vm, &cfg).unwrap();
         let x = r
             .route(&vm, &cfg, &hashes(1, 10), &est(160, 0))
@@ -876,11 +850,11 @@ mod tests {
             .unwrap()
             .routed();
         assert_eq!(y.cached_blocks, 0, "served before, but not cached there");
-        let rec = pod_state::read(&vm, "a:1").unwrap();
+        let rec = record::read(&vm, "a:1").unwrap();
         assert_eq!(rec.active_blocks(), 20, "each sequence holds its own copy");
         assert_eq!(rec.held_tokens(), 2 * 176);
         r.finish(&vm, &cfg, &x).unwrap();
-        assert_eq!(pod_state::read(&vm, "a:1").unwrap().active_blocks(), 10);
+        assert_eq!(record::read(&vm, "a:1").unwrap().active_blocks(), 10);
         r.finish(&vm, &cfg, &y).unwrap();
         assert_eq!(total_active(&vm, &cfg), 0);
     }
@@ -899,7 +873,7 @@ mod tests {
                 block_size,
                 ..Snapshot::default()
             };
-            pod_state::write_snapshot(&vm, pod, snapshot, 0).unwrap();
+            record::write_snapshot(&vm, pod, snapshot, 0).unwrap();
         };
         scraped("a:1", 16);
         scraped("b:1", 32);

@@ -1,19 +1,13 @@
-//! Token-cost estimation: how many tokens a request's prompt holds (from its text, without a
-//! tokenizer) and how many it will generate, combined into the reservation kvgate charges a pod.
-//!
-//! The static rule walks the text's characters (not bytes) once and mirrors how modern BPE
-//! tokenizers (o200k, cl100k, Llama 3) pre-split text: one token per word, with camelCase humps,
-//! long words and accented words costing more; digits in groups of three; a punctuation run costs
-//! about one token, a lone mark between word characters (`a.b`, `snake_case`, `it's`) joins the
-//! word after it, and repeated marks (`====`) merge; indentation runs and line breaks are a token
-//! each; Han, kana and hangul just under one token per character. Measured against tiktoken in
-//! `tests/estimator_accuracy.rs`. Learned corrections (see `calibration`) scale it per model once
-//! responses' `usage` has been seen. The rule runs over every character of every prompt, so most
-//! characters are classified by their first byte and counted in loops over runs (`Counter`).
-
-use crate::config::EstimatorConfig;
-use crate::output_dist::OutputDist;
-use crate::request::Request;
+//! The static rule: how many tokens a prompt's text holds, without a tokenizer. It walks the text's
+//! characters (not bytes) once and mirrors how modern BPE tokenizers (o200k, cl100k, Llama 3)
+//! pre-split text: one token per word, with camelCase humps, long words and accented words costing
+//! more; digits in groups of three; a punctuation run costs about one token, a lone mark between
+//! word characters (`a.b`, `snake_case`, `it's`) joins the word after it, and repeated marks
+//! (`====`) merge; indentation runs and line breaks are a token each; Han, kana and hangul just
+//! under one token per character. Measured against tiktoken in `tests/estimator_accuracy.rs`.
+//! Learned corrections (see `calibration`) scale it per model once responses' `usage` has been
+//! seen. The rule runs over every character of every prompt, so most characters are classified by
+//! their first byte and counted in loops over runs (`Counter`).
 
 /// Letters of a word piece its first token covers; common long words are one token, rare ones
 /// split, so each further letter adds `LONG_WORD_EXTRA_TOKENS`.
@@ -47,7 +41,7 @@ const SYMBOL_TOKENS: f64 = 1.0;
 const PICTOGRAPH_TOKENS: f64 = 1.5;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Class {
+enum CharClass {
     /// Latin letters, accented ones included.
     Lower,
     Upper,
@@ -62,53 +56,55 @@ enum Class {
     Symbol,
 }
 
-impl Class {
+impl CharClass {
     fn is_letter(self) -> bool {
-        matches!(self, Class::Lower | Class::Upper)
+        matches!(self, CharClass::Lower | CharClass::Upper)
     }
 }
 
-const fn ascii_class(b: u8) -> Class {
+const fn ascii_class(b: u8) -> CharClass {
     match b {
-        b'a'..=b'z' => Class::Lower,
-        b'A'..=b'Z' => Class::Upper,
-        b'0'..=b'9' => Class::Digit,
-        b'\n' | b'\r' => Class::Newline,
-        b' ' | b'\t' | 0x0b | 0x0c => Class::Space,
-        _ => Class::Punct,
+        b'a'..=b'z' => CharClass::Lower,
+        b'A'..=b'Z' => CharClass::Upper,
+        b'0'..=b'9' => CharClass::Digit,
+        b'\n' | b'\r' => CharClass::Newline,
+        b' ' | b'\t' | 0x0b | 0x0c => CharClass::Space,
+        _ => CharClass::Punct,
     }
 }
 
-fn class(c: char) -> Class {
+fn class(c: char) -> CharClass {
     if c.is_ascii() {
         return ascii_class(c as u8);
     }
     match c {
-        c if c.is_whitespace() => Class::Space,
+        c if c.is_whitespace() => CharClass::Space,
         // General punctuation: curly quotes, dashes, ellipsis.
-        '\u{2000}'..='\u{206f}' => Class::Punct,
-        '\u{3000}'..='\u{303f}' | '\u{ff00}'..='\u{ffef}' => Class::CjkPunct,
-        '\u{2e80}'..='\u{9fff}' | '\u{ac00}'..='\u{d7af}' | '\u{f900}'..='\u{faff}' => Class::Cjk,
-        '\u{20000}'..='\u{2fa1f}' => Class::Cjk,
+        '\u{2000}'..='\u{206f}' => CharClass::Punct,
+        '\u{3000}'..='\u{303f}' | '\u{ff00}'..='\u{ffef}' => CharClass::CjkPunct,
+        '\u{2e80}'..='\u{9fff}' | '\u{ac00}'..='\u{d7af}' | '\u{f900}'..='\u{faff}' => {
+            CharClass::Cjk
+        }
+        '\u{20000}'..='\u{2fa1f}' => CharClass::Cjk,
         // Combining accents continue the Latin word they decorate.
-        '\u{300}'..='\u{36f}' => Class::Lower,
+        '\u{300}'..='\u{36f}' => CharClass::Lower,
         '\u{c0}'..='\u{24f}' | '\u{1e00}'..='\u{1eff}' if c.is_alphabetic() => {
             if c.is_uppercase() {
-                Class::Upper
+                CharClass::Upper
             } else {
-                Class::Lower
+                CharClass::Lower
             }
         }
-        c if c.is_alphabetic() => Class::OtherLetter,
-        '\u{1f000}'..='\u{1faff}' => Class::Pictograph,
-        _ => Class::Symbol,
+        c if c.is_alphabetic() => CharClass::OtherLetter,
+        '\u{1f000}'..='\u{1faff}' => CharClass::Pictograph,
+        _ => CharClass::Symbol,
     }
 }
 
 /// One character of the text: its class and its length in bytes.
 #[derive(Clone, Copy)]
 struct Char {
-    class: Class,
+    class: CharClass,
     len: u8,
 }
 
@@ -127,7 +123,7 @@ const BY_LEAD_BYTE: [Option<Char>; 256] = {
                 len: 1,
             }),
             0xe4..=0xe9 | 0xeb..=0xec => Some(Char {
-                class: Class::Cjk,
+                class: CharClass::Cjk,
                 len: 3,
             }),
             _ => None,
@@ -148,7 +144,7 @@ fn known_at(bytes: &[u8], at: usize) -> Option<Char> {
 
 /// The length of the character at byte `at` if its first byte alone says it is of class `k`.
 #[inline(always)]
-fn known_len(bytes: &[u8], at: usize, k: Class) -> Option<usize> {
+fn known_len(bytes: &[u8], at: usize, k: CharClass) -> Option<usize> {
     known_at(bytes, at)
         .filter(|c| c.class == k)
         .map(|c| usize::from(c.len))
@@ -177,7 +173,7 @@ fn decoded_at(text: &str, at: usize) -> Option<Char> {
 struct Counter<'a> {
     text: &'a str,
     tokens: f64,
-    prev: Class,
+    prev: CharClass,
     /// The last punctuation mark's UTF-8 bytes, packed: a mark repeating the one just before it
     /// merges.
     last_mark: u32,
@@ -192,7 +188,7 @@ impl<'a> Counter<'a> {
             text,
             tokens: 0.0,
             // The start of the text behaves like the start of a line.
-            prev: Class::Newline,
+            prev: CharClass::Newline,
             last_mark: 0,
             run: 0,
             accented: false,
@@ -208,40 +204,46 @@ impl<'a> Counter<'a> {
         let bytes = self.text.as_bytes();
         let mut end = at + usize::from(ch.len);
         match ch.class {
-            k @ (Class::Lower | Class::Upper) => {
+            k @ (CharClass::Lower | CharClass::Upper) => {
                 self.letter(k, ch.len > 1);
                 end = self.lowercase_words(end);
             }
-            Class::Digit => {
-                self.grouped(Class::Digit);
-                while let Some(len) = known_len(bytes, end, Class::Digit) {
-                    self.grouped(Class::Digit);
+            CharClass::Digit => {
+                self.grouped(CharClass::Digit);
+                while let Some(len) = known_len(bytes, end, CharClass::Digit) {
+                    self.grouped(CharClass::Digit);
                     end += len;
                 }
             }
-            Class::OtherLetter => self.grouped(Class::OtherLetter),
-            Class::Space => {
+            CharClass::OtherLetter => self.grouped(CharClass::OtherLetter),
+            CharClass::Space => {
                 self.space(end);
                 while let Some(b' ') = bytes.get(end) {
                     end += 1;
                     self.space(end);
                 }
             }
-            Class::Newline => {
-                let joined = matches!(self.prev, Class::Newline | Class::Punct | Class::CjkPunct);
-                self.charge(Class::Newline, if joined { 0.0 } else { NEWLINE_TOKENS });
+            CharClass::Newline => {
+                let joined = matches!(
+                    self.prev,
+                    CharClass::Newline | CharClass::Punct | CharClass::CjkPunct
+                );
+                self.charge(
+                    CharClass::Newline,
+                    if joined { 0.0 } else { NEWLINE_TOKENS },
+                );
             }
-            Class::Punct => self.mark(at, end),
-            Class::Cjk => {
-                self.charge(Class::Cjk, CJK_TOKENS);
-                while let Some(len) = known_len(bytes, end, Class::Cjk) {
-                    self.charge(Class::Cjk, CJK_TOKENS);
+            CharClass::Punct => self.mark(at, end),
+            CharClass::Cjk => {
+                self.charge(CharClass::Cjk, CJK_TOKENS);
+                while let Some(len) = known_len(bytes, end, CharClass::Cjk) {
+                    self.charge(CharClass::Cjk, CJK_TOKENS);
                     end += len;
                 }
             }
-            Class::CjkPunct => self.charge(Class::CjkPunct, CJK_TOKENS),
-            Class::Pictograph => self.charge(Class::Pictograph, PICTOGRAPH_TOKENS),
-            Class::Symbol => self.charge(Class::Symbol, SYMBOL_TOKENS),
+            CharClass::CjkPunct => self.charge(CharClass::CjkPunct, CJK_TOKENS),
+            CharClass::Pictograph => self.charge(CharClass::Pictograph, PICTOGRAPH_TOKENS),
+            CharClass::Symbol => self.charge(CharClass::Symbol, SYMBOL_TOKENS),
         }
         end
     }
@@ -250,7 +252,7 @@ impl<'a> Counter<'a> {
     /// is added, and costs are added in text order: the total is the same to the last bit
     /// whichever path counted each character.
     #[inline(always)]
-    fn charge(&mut self, k: Class, t: f64) {
+    fn charge(&mut self, k: CharClass, t: f64) {
         if t != 0.0 {
             self.tokens += t;
         }
@@ -259,15 +261,15 @@ impl<'a> Counter<'a> {
 
     /// The class of the character at byte `at`; the end of the text is like a line break.
     #[inline(always)]
-    fn class_at(&self, at: usize) -> Class {
-        char_at(self.text, at).map_or(Class::Newline, |c| c.class)
+    fn class_at(&self, at: usize) -> CharClass {
+        char_at(self.text, at).map_or(CharClass::Newline, |c| c.class)
     }
 
     #[inline(always)]
-    fn letter(&mut self, k: Class, non_ascii: bool) {
+    fn letter(&mut self, k: CharClass, non_ascii: bool) {
         let mut t = 0.0;
         // A piece starts after a non-letter and at a camelCase hump.
-        if !self.prev.is_letter() || (self.prev == Class::Lower && k == Class::Upper) {
+        if !self.prev.is_letter() || (self.prev == CharClass::Lower && k == CharClass::Upper) {
             t += 1.0;
             self.run = 0;
             self.accented = false;
@@ -298,27 +300,27 @@ impl<'a> Counter<'a> {
                 let long_from = self.run.max(LONG_WORD_LETTERS);
                 self.run += letters;
                 for _ in long_from..self.run {
-                    self.charge(Class::Lower, LONG_WORD_EXTRA_TOKENS);
+                    self.charge(CharClass::Lower, LONG_WORD_EXTRA_TOKENS);
                 }
-                self.prev = Class::Lower;
+                self.prev = CharClass::Lower;
             }
             let (Some(b' '), Some(b'a'..=b'z')) = (bytes.get(at), bytes.get(at + 1)) else {
                 return at;
             };
             self.space(at + 1);
-            self.letter(Class::Lower, false);
+            self.letter(CharClass::Lower, false);
             at += 2;
         }
     }
 
     /// Digits and other alphabets: a token for every few characters of a run.
     #[inline(always)]
-    fn grouped(&mut self, k: Class) {
+    fn grouped(&mut self, k: CharClass) {
         if self.prev != k {
             self.run = 0;
         }
         self.run += 1;
-        let per_token = if k == Class::Digit {
+        let per_token = if k == CharClass::Digit {
             DIGITS_PER_TOKEN
         } else {
             OTHER_LETTERS_PER_TOKEN
@@ -333,15 +335,15 @@ impl<'a> Counter<'a> {
     fn space(&mut self, end: usize) {
         let next = self.class_at(end);
         let mut t = 0.0;
-        if next != Class::Space {
-            if self.prev == Class::Space && next != Class::Newline {
+        if next != CharClass::Space {
+            if self.prev == CharClass::Space && next != CharClass::Newline {
                 t += INDENT_TOKENS;
             }
-            if next == Class::Digit {
+            if next == CharClass::Digit {
                 t += SPACE_BEFORE_DIGIT_TOKENS;
             }
         }
-        self.charge(Class::Space, t);
+        self.charge(CharClass::Space, t);
     }
 
     /// A punctuation mark at bytes `at..end`.
@@ -352,19 +354,19 @@ impl<'a> Counter<'a> {
             .iter()
             .rev()
             .fold(0, |packed, b| packed << 8 | u32::from(*b));
-        let t = if self.prev == Class::Punct {
+        let t = if self.prev == CharClass::Punct {
             if self.last_mark == mark {
                 PUNCT_REPEAT_TOKENS
             } else {
                 PUNCT_MORE_TOKENS
             }
-        } else if self.prev != Class::Space && self.class_at(end).is_letter() {
+        } else if self.prev != CharClass::Space && self.class_at(end).is_letter() {
             ATTACHED_PUNCT_TOKENS
         } else {
             PUNCT_TOKENS
         };
         self.last_mark = mark;
-        self.charge(Class::Punct, t);
+        self.charge(CharClass::Punct, t);
     }
 }
 
@@ -401,101 +403,12 @@ pub fn static_prompt_tokens(text: &str) -> f64 {
     counter.tokens
 }
 
-/// What was learned for a model from responses, if enough has been seen.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Learned {
-    /// Real prompt tokens per static-rule token.
-    pub prompt_scale: f64,
-    /// How long the model's answers run.
-    pub output: OutputDist,
-}
-
-/// The estimate for one request, in tokens.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Estimate {
-    pub prompt_tokens: u64,
-    /// Expected output: the model's mean answer length, up to the request's own limit.
-    pub output_tokens: u64,
-    /// The hard limit: the request's max-tokens field, or `estimator.outputCapTokens`.
-    pub max_output_tokens: u64,
-    /// How long the model's answers run: the request's outlook on its pod comes from this.
-    pub output: OutputDist,
-    /// Its expected size when done, prompt × safety factor + expected output, clamped: what the
-    /// line's fair queuing charges its tenant and the `x-kvgate-cost` header shows.
-    pub cost: u64,
-}
-
-impl Estimate {
-    /// A request whose prompt and output lengths are known exactly (tests, and tools that replay
-    /// recorded traffic): it runs to `output` tokens, no more, no less.
-    pub fn exact(prompt_tokens: u64, output_tokens: u64) -> Estimate {
-        Estimate {
-            prompt_tokens,
-            output_tokens,
-            max_output_tokens: output_tokens,
-            output: OutputDist::never_stops(),
-            cost: prompt_tokens + output_tokens,
-        }
-    }
-}
-
-pub fn estimate(req: &Request, learned: Option<Learned>, cfg: &EstimatorConfig) -> Estimate {
-    estimate_from(req, static_prompt_tokens(&req.text), learned, cfg)
-}
-
-/// `estimate` for a caller that already ran the static rule over the request's text (it is the
-/// costliest step for long prompts, and calibration needs its result too).
-pub fn estimate_from(
-    req: &Request,
-    static_text_tokens: f64,
-    learned: Option<Learned>,
-    cfg: &EstimatorConfig,
-) -> Estimate {
-    let scale = learned.map_or(1.0, |l| l.prompt_scale);
-    let text_tokens = (static_text_tokens * scale).round() as u64;
-    let prompt_tokens = text_tokens
-        .saturating_add(req.token_ids)
-        .saturating_add(req.non_text_parts.saturating_mul(cfg.non_text_part_tokens));
-    let output = learned
-        .map_or_else(
-            || OutputDist::prior(cfg.default_output_tokens),
-            |l| l.output,
-        )
-        .limited(req.max_output_tokens.is_some());
-    let max_output_tokens = req
-        .max_output_tokens
-        .map_or(cfg.output_cap_tokens, |m| m.min(cfg.output_cap_tokens));
-    let output_tokens = output
-        .expected(0, max_output_tokens)
-        .max(cfg.output_floor_tokens)
-        .min(max_output_tokens);
-    let raw = prompt_tokens as f64 * cfg.safety_factor + output_tokens as f64;
-    let cost = (raw.ceil() as u64).clamp(cfg.min_reservation_tokens, cfg.max_reservation_tokens);
-    Estimate {
-        prompt_tokens,
-        output_tokens,
-        max_output_tokens,
-        output,
-        cost,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     use super::*;
-
-    fn req(text: &str, max: Option<u64>) -> Request {
-        Request {
-            model: "m".into(),
-            text: text.into(),
-            max_output_tokens: max,
-            ..Request::default()
-        }
-    }
-
     #[test]
     fn counts_characters_not_bytes() {
         // Six CJK characters are 18 bytes but three to six tokens (o200k: 你好 世界 你好).
@@ -529,70 +442,6 @@ mod tests {
         // Accented words and other alphabets split more than English words.
         close("naïve café", 4.0, 0.0);
         close("Привет, мир", 4.0, 0.0);
-    }
-
-    /// What the model learned from `n` answers of `len` tokens each.
-    fn learned_all(len: u64, n: f64) -> Learned {
-        let mut ended = [0.0; crate::output_dist::BUCKETS];
-        ended[crate::output_dist::bucket(len)] = n;
-        Learned {
-            prompt_scale: 1.0,
-            output: OutputDist::learned(&ended, &[0.0; crate::output_dist::BUCKETS], 256),
-        }
-    }
-
-    #[test]
-    fn output_is_the_expected_length_within_the_limit() {
-        let cfg = EstimatorConfig::default();
-        let e = estimate(&req("x", Some(10)), None, &cfg);
-        assert_eq!((e.output_tokens, e.max_output_tokens), (10, 10));
-        assert_eq!(
-            estimate(&req("x", Some(1000)), None, &cfg).output_tokens,
-            1000,
-            "nothing learned yet: a request with a limit runs to it"
-        );
-        let prior = estimate(&req("x", None), None, &cfg).output_tokens;
-        assert!(
-            (248..=260).contains(&prior),
-            "the prior's mean, 256: {prior}"
-        );
-        assert_eq!(
-            estimate(&req("x", None), None, &cfg).max_output_tokens,
-            8192,
-            "no limit: the output cap"
-        );
-        let long = estimate(&req("x", None), Some(learned_all(900, 1000.0)), &cfg);
-        assert!((850..=960).contains(&long.output_tokens), "{long:?}");
-        assert_eq!(estimate(&req("x", Some(0)), None, &cfg).output_tokens, 0);
-        let short = estimate(&req("x", None), Some(learned_all(3, 1000.0)), &cfg);
-        assert_eq!(short.output_tokens, 16, "the floor");
-    }
-
-    #[test]
-    fn cost_applies_safety_to_the_prompt_and_clamps() {
-        let cfg = EstimatorConfig::default();
-        let e = estimate(&req(&"word ".repeat(1000), Some(1000)), None, &cfg);
-        assert_eq!(e.prompt_tokens, 1000);
-        assert_eq!(e.cost, 1100 + 1000);
-        let unbounded = estimate(&req(&"word ".repeat(1000), None), None, &cfg);
-        assert_eq!(unbounded.cost, 1100 + unbounded.output_tokens);
-        assert_eq!(estimate(&req("", Some(1)), None, &cfg).cost, 64);
-        let huge = Request {
-            token_ids: 10_000_000,
-            ..req("", Some(1))
-        };
-        assert_eq!(estimate(&huge, None, &cfg).cost, 131_072);
-    }
-
-    #[test]
-    fn token_ids_are_exact_and_parts_charged() {
-        let cfg = EstimatorConfig::default();
-        let r = Request {
-            token_ids: 123,
-            non_text_parts: 2,
-            ..req("", Some(0))
-        };
-        assert_eq!(estimate(&r, None, &cfg).prompt_tokens, 123 + 1024);
     }
 
     /// The lead-byte table must say what decoding and `class` would.

@@ -6,8 +6,8 @@
 //! behind skips ahead: the replicas it feeds are approximate by design, and nothing that must
 //! return to zero (reservations, active-block counts) depends on this log.
 
-use crate::codec::{Reader, Writer};
-use crate::store::{update, Store, StoreError};
+use crate::store::codec::{Reader, Writer};
+use crate::store::interface::{update, Store, StoreError};
 
 pub const RING: u64 = 512;
 const SEQ_KEY: &str = "kvgate.log.seq";
@@ -96,7 +96,7 @@ pub struct PickLog {
 }
 
 impl PickLog {
-    /// Creates the sequence key (before traffic, see `store::update`) and starts one ring behind
+    /// Creates the sequence key (before traffic, see `interface::update`) and starts one ring behind
     /// the head, so a VM that starts or reloads inherits the recent picks of the others.
     pub fn start(store: &dyn Store) -> Result<PickLog, StoreError> {
         if store.get(SEQ_KEY)?.value.is_none() {
@@ -160,7 +160,7 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     use super::*;
-    use crate::fake_host::FakeHost;
+    use crate::store::fake_host::FakeHost;
 
     fn dispatch(request: u64) -> Event {
         Event::Dispatch {

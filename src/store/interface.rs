@@ -1,7 +1,7 @@
 //! The one interface through which kvgate touches state shared between Envoy's worker VMs:
 //! shared data (get, compare-and-swap set), shared queues and the clock.
 //!
-//! The shell implements it with proxy-wasm hostcalls; tests use [`crate::fake_host`], which keeps
+//! The shell implements it with proxy-wasm hostcalls; tests use [`crate::store::fake_host`], which keeps
 //! Envoy's semantics. Keys cannot be deleted or listed on the real host, so every module that stores
 //! state documents a bounded key schema.
 

@@ -7,9 +7,9 @@
 //! the request path makes at most one host call per model per second for this.
 
 use crate::config::EstimatorConfig;
-use crate::estimate::Learned;
-use crate::output_dist::{bucket, OutputDist, BUCKETS};
-use crate::store::{update, Store, StoreError};
+use crate::estimate::output_dist::{bucket, OutputDist, BUCKETS};
+use crate::estimate::reservation::Learned;
+use crate::store::interface::{update, Store, StoreError};
 use hashbrown::HashMap;
 use serde::{Deserialize, Serialize};
 
@@ -189,7 +189,7 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     use super::*;
-    use crate::fake_host::FakeHost;
+    use crate::store::fake_host::FakeHost;
 
     fn sample(static_tokens: f64, real: u64, out: u64) -> Sample {
         Sample {

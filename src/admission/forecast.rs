@@ -23,7 +23,7 @@
 //! requests really take, and a request with `max_tokens` is certainly gone past its limit. Later
 //! arrivals are left out: each is checked against the forecast when it comes.
 
-use crate::output_dist::{Outlook, HORIZON_END, HORIZON_STEPS};
+use crate::estimate::output_dist::{Outlook, HORIZON_END, HORIZON_STEPS};
 
 /// One in-flight request as the forecast sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -127,7 +127,7 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     use super::*;
-    use crate::output_dist::OutputDist;
+    use crate::estimate::output_dist::OutputDist;
 
     fn load(held: u64, streamed: u64, max: u64) -> Load {
         Load {

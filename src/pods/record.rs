@@ -6,10 +6,11 @@
 //! expiry, renewed as their response streams, so those left by a crashed or reloaded VM vanish.
 //! Keys are per pod address; a pod that leaves has its record blanked (keys cannot be deleted).
 
-use crate::codec::{Reader, Writer};
-use crate::forecast::{peak, Load};
-use crate::output_dist::{Outlook, HORIZON_STEPS};
-use crate::store::{update, Store, StoreError};
+use crate::admission::forecast::{peak, Load};
+use crate::config::MetricsConfig;
+use crate::estimate::output_dist::{Outlook, HORIZON_STEPS};
+use crate::store::codec::{Reader, Writer};
+use crate::store::interface::{update, Store, StoreError};
 
 const VERSION: u8 = 3;
 /// Records written before entries carried an outlook (and snapshots the engine's feedback): their
@@ -111,6 +112,25 @@ impl PodRecord {
             })
             .chain(extra);
         peak(loads, z, block_tokens)
+    }
+
+    /// Scraped within `stale_after_ms`: its figures are recent enough to route on. A pod never
+    /// scraped is not fresh.
+    pub fn is_fresh(&self, now: u64, metrics: &MetricsConfig) -> bool {
+        self.snapshot
+            .is_some_and(|s| now.saturating_sub(s.at_ms) <= metrics.stale_after_ms)
+    }
+
+    /// Not fresh while scraping is on (with no metrics cluster nothing is ever scraped, so no pod
+    /// is held to it): what the pool gauge and the status page count.
+    pub fn is_stale(&self, now: u64, metrics: &MetricsConfig) -> bool {
+        !metrics.cluster.is_empty() && !self.is_fresh(now, metrics)
+    }
+
+    /// Avoided: its last scrape could not connect, or a pick to it failed. A pod never scraped is
+    /// not held against.
+    pub fn is_down(&self) -> bool {
+        self.snapshot.is_some_and(|s| !s.healthy)
     }
 
     pub fn is_live(&self, id: u64) -> bool {
@@ -245,7 +265,7 @@ pub fn read(store: &dyn Store, pod: &str) -> Result<PodRecord, StoreError> {
 }
 
 /// Creates the pod's record if it has none. Called before any request can be routed to the pod
-/// (configure for static pods, discovery for the others), as `store::update` requires.
+/// (configure for static pods, discovery for the others), as `interface::update` requires.
 pub fn ensure(store: &dyn Store, pod: &str) -> Result<(), StoreError> {
     if store.get(&key(pod))?.value.is_none() {
         store.set(&key(pod), &PodRecord::default().encode(), None)?;
@@ -323,7 +343,7 @@ pub fn write_snapshot(
                 snapshot.block_size = prev.block_size;
             }
         }
-        crate::feedback::follow(rec.snapshot.as_ref(), &mut snapshot, rec);
+        crate::admission::feedback::follow(rec.snapshot.as_ref(), &mut snapshot, rec);
         let since = snapshot.at_ms.saturating_sub(grace_ms);
         let unscheduled = rec
             .entries
@@ -344,7 +364,7 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     use super::*;
-    use crate::fake_host::{FakeHost, FakeVm};
+    use crate::store::fake_host::{FakeHost, FakeVm};
 
     fn entry(id: u64, blocks: u32) -> Entry {
         Entry {

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from harness import Envoy, Sim, envoy_config, free_port, kvgate_gauges, request, wait_for
 
-MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+from bodies import MODEL
 
 # ---------------------------------------------------------------------------------------------
 # Health of the filter's VMs
@@ -221,18 +221,6 @@ def timed(fn, *a, **kw):
     except Exception as e:  # noqa: BLE001 - a failed request is an outcome here
         out = e
     return out, time.perf_counter() - t0
-
-
-def completion(tag, words=60, max_tokens=16):
-    """A completion whose text starts with `tag` (so distinct tags share no prefix blocks)."""
-    return {"model": MODEL, "prompt": f"{tag} " + " ".join(f"w{i % 97}" for i in range(words)),
-            "max_tokens": max_tokens}
-
-
-def chat(tag, question="hello", max_tokens=8):
-    return {"model": MODEL, "max_tokens": max_tokens,
-            "messages": [{"role": "system", "content": f"[{tag}] " + "shared context " * 120},
-                         {"role": "user", "content": question}]}
 
 
 # ---------------------------------------------------------------------------------------------

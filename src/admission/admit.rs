@@ -5,16 +5,16 @@
 //! VM, since a shared queue notifies only its last registrant); the head is retried there, and on
 //! success the next head's VM is woken in turn. A tick retries too, as a backstop only.
 
+use crate::admission::line::{self, Refused, Ticket};
+use crate::admission::sessions;
 use crate::config::AdmissionConfig;
 use crate::config::Config;
-use crate::estimate::Estimate;
+use crate::estimate::reservation::Estimate;
 use crate::hash::fnv1a;
-use crate::queue::{self, Refused, Ticket};
-use crate::reply::LocalReply;
-use crate::router::{Placement, Routed, Router};
-use crate::sessions;
-use crate::stats::Stats;
-use crate::store::{Store, StoreError};
+use crate::openai::reply::LocalReply;
+use crate::routing::router::{Placement, Routed, Router};
+use crate::stats::{self, Stats};
+use crate::store::interface::{Store, StoreError};
 use hashbrown::HashMap;
 use std::collections::BTreeMap;
 
@@ -82,7 +82,7 @@ const WAKE_EVERY_MS: u64 = 2;
 
 impl Admission {
     pub fn start(store: &dyn Store, vm: u32) -> Result<Admission, StoreError> {
-        queue::ensure(store)?;
+        line::ensure(store)?;
         sessions::ensure(store)?;
         let wake_queue = store.register_queue(&wake_queue_name(vm))?;
         Ok(Admission {
@@ -127,7 +127,7 @@ impl Admission {
                 Some(s) => sessions::recently_finished(store, s, a.session_boost_ms)?,
                 None => false,
             };
-        let line = queue::read(store)?;
+        let line = line::read(store)?;
         let mut ticket = Ticket {
             id: 0,
             vm: self.vm,
@@ -153,9 +153,9 @@ impl Admission {
                     // Fair-queuing tags matter only under contention: an uncontended pool skips
                     // the write to the one line every worker shares.
                     if !line.tickets.is_empty() {
-                        queue::charge_direct(store, class.tenant, est.cost)?;
+                        line::charge_direct(store, class.tenant, est.cost)?;
                     }
-                    stats.count("kvgate.admission.admitted", 1);
+                    stats.count(stats::ADMISSION_ADMITTED, 1);
                     return Ok(Admit::Routed(r));
                 }
                 Placement::NoPods => return Ok(Admit::Unrouted),
@@ -163,13 +163,13 @@ impl Admission {
             }
         }
         if class.priority < 0 {
-            stats.count("kvgate.admission.shed", 1);
+            stats.count(stats::ADMISSION_SHED, 1);
             return Ok(shed(
                 "the pool is saturated and this request's priority is sheddable",
             ));
         }
         ticket.id = router.next_request_id();
-        match queue::enqueue(
+        match line::enqueue(
             store,
             ticket,
             class.tenant,
@@ -178,14 +178,14 @@ impl Admission {
         )? {
             Ok(t) => {
                 self.parked.insert(t.id, t.deadline_ms);
-                stats.count("kvgate.admission.queued", 1);
+                stats.count(stats::ADMISSION_QUEUED, 1);
                 if boosted {
-                    stats.count("kvgate.admission.boosted", 1);
+                    stats.count(stats::ADMISSION_BOOSTED, 1);
                 }
                 Ok(Admit::Wait(t))
             }
             Err(Refused::Full) => {
-                stats.count("kvgate.admission.queue_full", 1);
+                stats.count(stats::ADMISSION_QUEUE_FULL, 1);
                 Ok(shed("kvgate's queue is full (admission.maxQueue)"))
             }
         }
@@ -207,7 +207,7 @@ impl Admission {
         let now = store.now_ms();
         if now >= ticket.deadline_ms {
             self.leave(store, ticket.id, false)?;
-            stats.count("kvgate.admission.timed_out", 1);
+            stats.count(stats::ADMISSION_TIMED_OUT, 1);
             let waited_s = now.saturating_sub(ticket.enqueued_ms).div_ceil(1000).max(1);
             let reply = LocalReply::error(
                 503,
@@ -224,16 +224,16 @@ impl Admission {
             Placement::NoRoom => return Ok(None),
         };
         self.leave(store, ticket.id, true)?;
-        stats.count("kvgate.admission.admitted", 1);
+        stats.count(stats::ADMISSION_ADMITTED, 1);
         stats.histogram(
-            "kvgate.admission.wait_ms",
+            stats::ADMISSION_WAIT_MS,
             now.saturating_sub(ticket.enqueued_ms),
         );
         if let Some(released) = self.released_at.take() {
             let latency = now.saturating_sub(released);
-            stats.histogram("kvgate.admission.wake_latency_ms", latency);
-            stats.count("kvgate.admission.wake_latency_ms_total", latency);
-            stats.count("kvgate.admission.wakes", 1);
+            stats.histogram(stats::ADMISSION_WAKE_LATENCY_MS, latency);
+            stats.count(stats::ADMISSION_WAKE_LATENCY_MS_TOTAL, latency);
+            stats.count(stats::ADMISSION_WAKES, 1);
         }
         Ok(Some(admit))
     }
@@ -243,7 +243,7 @@ impl Admission {
         // Tickets of this VM that it no longer holds (it lost track: a reload) are cleared; the
         // loop is bounded by the line's length.
         for _ in 0..64 {
-            let line = queue::read(store)?;
+            let line = line::read(store)?;
             let Some(head) = line.tickets.first() else {
                 return Ok(None);
             };
@@ -254,7 +254,7 @@ impl Admission {
             if self.parked.contains_key(&head.id) {
                 return Ok(Some(head.id));
             }
-            queue::remove(store, head.id, false)?;
+            line::remove(store, head.id, false)?;
         }
         Ok(None)
     }
@@ -276,7 +276,7 @@ impl Admission {
         ticket: u64,
     ) -> Result<(), StoreError> {
         if self.parked.contains_key(&ticket) {
-            stats.count("kvgate.admission.abandoned", 1);
+            stats.count(stats::ADMISSION_ABANDONED, 1);
             self.leave(store, ticket, false)?;
         }
         Ok(())
@@ -284,14 +284,14 @@ impl Admission {
 
     fn leave(&mut self, store: &dyn Store, ticket: u64, admitted: bool) -> Result<(), StoreError> {
         self.parked.remove(&ticket);
-        queue::remove(store, ticket, admitted)?;
+        line::remove(store, ticket, admitted)?;
         // Whoever is next may fit in what is left.
         self.wake_head(store)
     }
 
     /// Budget was released: the head of the line gets a chance.
     pub fn wake_head(&mut self, store: &dyn Store) -> Result<(), StoreError> {
-        if let Some(head) = queue::read(store)?.tickets.first() {
+        if let Some(head) = line::read(store)?.tickets.first() {
             self.wake(store, head.vm);
         }
         Ok(())
@@ -321,7 +321,7 @@ impl Admission {
     /// keeping the earliest release time the wakes carry.
     pub fn drain_wakes(&mut self, store: &dyn Store) {
         while let Ok(Some(message)) = store.dequeue(self.wake_queue) {
-            if let Some(at) = crate::codec::Reader(&message).u64() {
+            if let Some(at) = crate::store::codec::Reader(&message).u64() {
                 self.released_at = Some(self.released_at.map_or(at, |t| t.min(at)));
             }
         }
@@ -334,8 +334,8 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     use super::*;
-    use crate::fake_host::{FakeHost, FakeVm};
-    use crate::pod_state::{self, Snapshot};
+    use crate::pods::record::{self, Snapshot};
+    use crate::store::fake_host::{FakeHost, FakeVm};
 
     struct Worker {
         vm: FakeVm,
@@ -425,7 +425,7 @@ mod tests {
     }
 
     fn reserved(vm: &FakeVm) -> u64 {
-        pod_state::read(vm, "a:1").unwrap().held_tokens()
+        record::read(vm, "a:1").unwrap().held_tokens()
     }
 
     #[test]
@@ -450,7 +450,7 @@ mod tests {
         assert_eq!(reserved(&w.vm), 50);
         w.router.finish(&w.vm, &cfg, &second).unwrap();
         assert_eq!(reserved(&w.vm), 0);
-        assert!(queue::read(&w.vm).unwrap().tickets.is_empty());
+        assert!(line::read(&w.vm).unwrap().tickets.is_empty());
     }
 
     #[test]
@@ -525,7 +525,7 @@ mod tests {
             .headers
             .iter()
             .any(|(k, v)| k == "retry-after" && v == "1"));
-        assert!(queue::read(&w.vm).unwrap().tickets.is_empty());
+        assert!(line::read(&w.vm).unwrap().tickets.is_empty());
         assert_eq!(w.admission.parked(), 0);
     }
 
@@ -540,7 +540,7 @@ mod tests {
             kv_usage: 0.0,
             ..Snapshot::default()
         };
-        pod_state::write_snapshot(&w.vm, "a:1", snap, 0).unwrap();
+        record::write_snapshot(&w.vm, "a:1", snap, 0).unwrap();
         assert!(matches!(
             w.place(&cfg, class(&cfg, None, "t"), 850),
             Admit::Routed(_)

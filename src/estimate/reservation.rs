@@ -1,0 +1,169 @@
+//! The reservation formula: a request's expected size, from its prompt (the static rule in
+//! `text`, scaled by what `calibration` learned for the model) and its expected output (the
+//! model's output-length distribution, `output_dist`, up to the request's own limit). Its `cost`
+//! is what the line's fair queuing charges a tenant; the pod's forecast (`admission::forecast`)
+//! uses the outlook the distribution gives instead.
+
+use crate::config::EstimatorConfig;
+use crate::estimate::output_dist::OutputDist;
+use crate::estimate::text::static_prompt_tokens;
+use crate::openai::request::Request;
+
+/// What was learned for a model from responses, if enough has been seen.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Learned {
+    /// Real prompt tokens per static-rule token.
+    pub prompt_scale: f64,
+    /// How long the model's answers run.
+    pub output: OutputDist,
+}
+
+/// The estimate for one request, in tokens.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Estimate {
+    pub prompt_tokens: u64,
+    /// Expected output: the model's mean answer length, up to the request's own limit.
+    pub output_tokens: u64,
+    /// The hard limit: the request's max-tokens field, or `estimator.outputCapTokens`.
+    pub max_output_tokens: u64,
+    /// How long the model's answers run: the request's outlook on its pod comes from this.
+    pub output: OutputDist,
+    /// Its expected size when done, prompt × safety factor + expected output, clamped: what the
+    /// line's fair queuing charges its tenant and the `x-kvgate-cost` header shows.
+    pub cost: u64,
+}
+
+impl Estimate {
+    /// A request whose prompt and output lengths are known exactly (tests, and tools that replay
+    /// recorded traffic): it runs to `output` tokens, no more, no less.
+    pub fn exact(prompt_tokens: u64, output_tokens: u64) -> Estimate {
+        Estimate {
+            prompt_tokens,
+            output_tokens,
+            max_output_tokens: output_tokens,
+            output: OutputDist::never_stops(),
+            cost: prompt_tokens + output_tokens,
+        }
+    }
+}
+
+pub fn estimate(req: &Request, learned: Option<Learned>, cfg: &EstimatorConfig) -> Estimate {
+    estimate_from(req, static_prompt_tokens(&req.text), learned, cfg)
+}
+
+/// `estimate` for a caller that already ran the static rule over the request's text (it is the
+/// costliest step for long prompts, and calibration needs its result too).
+pub fn estimate_from(
+    req: &Request,
+    static_text_tokens: f64,
+    learned: Option<Learned>,
+    cfg: &EstimatorConfig,
+) -> Estimate {
+    let scale = learned.map_or(1.0, |l| l.prompt_scale);
+    let text_tokens = (static_text_tokens * scale).round() as u64;
+    let prompt_tokens = text_tokens
+        .saturating_add(req.token_ids)
+        .saturating_add(req.non_text_parts.saturating_mul(cfg.non_text_part_tokens));
+    let output = learned
+        .map_or_else(
+            || OutputDist::prior(cfg.default_output_tokens),
+            |l| l.output,
+        )
+        .limited(req.max_output_tokens.is_some());
+    let max_output_tokens = req
+        .max_output_tokens
+        .map_or(cfg.output_cap_tokens, |m| m.min(cfg.output_cap_tokens));
+    let output_tokens = output
+        .expected(0, max_output_tokens)
+        .max(cfg.output_floor_tokens)
+        .min(max_output_tokens);
+    let raw = prompt_tokens as f64 * cfg.safety_factor + output_tokens as f64;
+    let cost = (raw.ceil() as u64).clamp(cfg.min_reservation_tokens, cfg.max_reservation_tokens);
+    Estimate {
+        prompt_tokens,
+        output_tokens,
+        max_output_tokens,
+        output,
+        cost,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    use super::*;
+    fn req(text: &str, max: Option<u64>) -> Request {
+        Request {
+            model: "m".into(),
+            text: text.into(),
+            max_output_tokens: max,
+            ..Request::default()
+        }
+    }
+
+    /// What the model learned from `n` answers of `len` tokens each.
+    fn learned_all(len: u64, n: f64) -> Learned {
+        let mut ended = [0.0; crate::estimate::output_dist::BUCKETS];
+        ended[crate::estimate::output_dist::bucket(len)] = n;
+        Learned {
+            prompt_scale: 1.0,
+            output: OutputDist::learned(&ended, &[0.0; crate::estimate::output_dist::BUCKETS], 256),
+        }
+    }
+
+    #[test]
+    fn output_is_the_expected_length_within_the_limit() {
+        let cfg = EstimatorConfig::default();
+        let e = estimate(&req("x", Some(10)), None, &cfg);
+        assert_eq!((e.output_tokens, e.max_output_tokens), (10, 10));
+        assert_eq!(
+            estimate(&req("x", Some(1000)), None, &cfg).output_tokens,
+            1000,
+            "nothing learned yet: a request with a limit runs to it"
+        );
+        let prior = estimate(&req("x", None), None, &cfg).output_tokens;
+        assert!(
+            (248..=260).contains(&prior),
+            "the prior's mean, 256: {prior}"
+        );
+        assert_eq!(
+            estimate(&req("x", None), None, &cfg).max_output_tokens,
+            8192,
+            "no limit: the output cap"
+        );
+        let long = estimate(&req("x", None), Some(learned_all(900, 1000.0)), &cfg);
+        assert!((850..=960).contains(&long.output_tokens), "{long:?}");
+        assert_eq!(estimate(&req("x", Some(0)), None, &cfg).output_tokens, 0);
+        let short = estimate(&req("x", None), Some(learned_all(3, 1000.0)), &cfg);
+        assert_eq!(short.output_tokens, 16, "the floor");
+    }
+
+    #[test]
+    fn cost_applies_safety_to_the_prompt_and_clamps() {
+        let cfg = EstimatorConfig::default();
+        let e = estimate(&req(&"word ".repeat(1000), Some(1000)), None, &cfg);
+        assert_eq!(e.prompt_tokens, 1000);
+        assert_eq!(e.cost, 1100 + 1000);
+        let unbounded = estimate(&req(&"word ".repeat(1000), None), None, &cfg);
+        assert_eq!(unbounded.cost, 1100 + unbounded.output_tokens);
+        assert_eq!(estimate(&req("", Some(1)), None, &cfg).cost, 64);
+        let huge = Request {
+            token_ids: 10_000_000,
+            ..req("", Some(1))
+        };
+        assert_eq!(estimate(&huge, None, &cfg).cost, 131_072);
+    }
+
+    #[test]
+    fn token_ids_are_exact_and_parts_charged() {
+        let cfg = EstimatorConfig::default();
+        let r = Request {
+            token_ids: 123,
+            non_text_parts: 2,
+            ..req("", Some(0))
+        };
+        assert_eq!(estimate(&r, None, &cfg).prompt_tokens, 123 + 1024);
+    }
+}

@@ -1,0 +1,10 @@
+//! The OpenAI-compatible wire format, in both directions: what a request body says
+//! (`request`), what the model server's response reports as it streams past (`response`), and the
+//! answers kvgate gives itself instead of forwarding (`reply`).
+//!
+//! Source of truth: none of it is state. Each request's parsed fields live in its own `flow::Flow`
+//! and die with it; nothing here touches shared data.
+
+pub mod reply;
+pub mod request;
+pub mod response;

@@ -1,0 +1,67 @@
+//! What one scrape says about a pod, and why a body said nothing.
+
+use core::fmt;
+
+/// Which model server produced the metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Engine {
+    Vllm,
+    Sglang,
+    /// Never returned by [`super::parse`]; the state of a pod not yet scraped successfully.
+    #[default]
+    Unknown,
+}
+
+/// What kvgate knows about one pod after a scrape. `None` means unknown, never zero.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct PodMetrics {
+    pub engine: Engine,
+    /// Requests in the running batch, summed over the pod's engines.
+    pub running: Option<f64>,
+    /// Requests queued, summed over the pod's engines.
+    pub waiting: Option<f64>,
+    /// KV-cache usage, 0..=1, of the fullest engine.
+    pub kv_usage: Option<f64>,
+    /// Tokens per KV block (vLLM `block_size`, SGLang `page_size`); `None` if engines disagree.
+    pub block_size: Option<u64>,
+    /// KV blocks (vLLM `num_gpu_blocks`, SGLang `num_pages`), summed over the pod's engines.
+    pub num_gpu_blocks: Option<u64>,
+    /// KV capacity in tokens, summed over the pod's engines.
+    pub capacity_tokens: Option<u64>,
+    /// vLLM prefix-cache hits in tokens since start (counter), summed over engines.
+    pub prefix_cache_hits: Option<f64>,
+    /// vLLM prefix-cache queries in tokens since start (counter), summed over engines.
+    pub prefix_cache_queries: Option<f64>,
+    /// vLLM's preemptions since start (counter), summed over engines.
+    pub preemptions: Option<f64>,
+    /// vLLM's `cache_config_info` says `enable_prefix_caching="False"` for one of the pod's
+    /// engines: a prompt it served once is not cached there, and sequences share no blocks.
+    pub no_prefix_caching: bool,
+}
+
+/// Why a body yielded no metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MetricsError {
+    /// The body is not UTF-8, which the exposition format requires.
+    InvalidUtf8,
+    /// No line carried a metric kvgate reads: not a vLLM or SGLang endpoint, metrics disabled
+    /// (`--disable-log-stats`, SGLang without `--enable-metrics`), or an error page.
+    NoKnownMetrics,
+    /// Both vLLM and SGLang metrics appeared; which engine's numbers describe the pod is unknown.
+    MixedEngines,
+    /// More than [`super::exposition::MAX_LINES`] lines.
+    TooManyLines,
+}
+
+impl fmt::Display for MetricsError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::InvalidUtf8 => "metrics body is not valid UTF-8",
+            Self::NoKnownMetrics => "metrics body has no vLLM or SGLang metric kvgate reads",
+            Self::MixedEngines => "metrics body mixes vLLM and SGLang metrics",
+            Self::TooManyLines => "metrics body exceeds the line limit",
+        })
+    }
+}
+
+impl std::error::Error for MetricsError {}

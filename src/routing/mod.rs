@@ -1,0 +1,17 @@
+//! Which pod serves a request: the per-VM `router` and its named steps, the pure cost formula
+//! that scores and picks (`pick`), the prompt's chained block hashes (`prefix`), and the two
+//! replicas a VM routes on: what each pod's prefix cache holds (`prefix_index`) and which blocks
+//! in-flight requests occupy (`active_blocks`), both kept current across workers by the
+//! `pick_log`.
+//!
+//! Source of truth: a request's reservation and its active-block counts live in the pod's shared
+//! record (`pods::record`), changed only by compare-and-swap; those must return to zero. The prefix
+//! index and the active-block membership are per-VM replicas fed by the pick log (shared ring
+//! `kvgate.log.<n>`): approximate by design, and a VM that falls behind skips ahead.
+
+pub mod active_blocks;
+pub mod pick;
+pub mod pick_log;
+pub mod prefix;
+pub mod prefix_index;
+pub mod router;

@@ -1,0 +1,54 @@
+"""Request bodies the end-to-end tests send, in one place: each builder says what its prompts
+share (or do not), since that is what routing, admission and the budget react to."""
+
+import json
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+def tagged_completion(tag, words=60, max_tokens=16):
+    """A completion whose text starts with `tag` (so distinct tags share no prefix blocks)."""
+    return {"model": MODEL, "prompt": f"{tag} " + " ".join(f"w{i % 97}" for i in range(words)),
+            "max_tokens": max_tokens}
+
+
+def tagged_chat(tag, question="hello", max_tokens=8):
+    return {"model": MODEL, "max_tokens": max_tokens,
+            "messages": [{"role": "system", "content": f"[{tag}] " + "shared context " * 120},
+                         {"role": "user", "content": question}]}
+
+
+def unshared_completion(i, prompt_words=350, max_tokens=300):
+    # Distinct first words: no prefix sharing, each request's KV is its own.
+    return {"model": MODEL, "prompt": f"req{i} " + "lorem ipsum dolor " * (prompt_words // 3),
+            "max_tokens": max_tokens}
+
+
+WORDS = ("the of and to in is you that it he was for on are as with his they at be this have from or one had by "
+         "word but not what all were we when your can said there use an each which she do how their if will up "
+         "other about out many then them these so some her would make like him into time has look two more write "
+         "go see number no way could people my than first water been call who oil its now find long down day did "
+         "get come made may part").split()
+
+
+def unshared_chat(i, max_tokens):
+    # A distinct first word: no two requests share a prefix, each one's KV is its own.
+    text = f"question {i}: " + " ".join(WORDS[(i * 7 + j * 13) % len(WORDS)] for j in range(300))
+    body = {"model": MODEL, "messages": [{"role": "user", "content": text}]}
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    return body
+
+
+def group_system_prompt(group, words=1500):
+    # Distinct from the first character, so groups share no blocks.
+    return f"[group {group}] " + " ".join(f"policy{(group * 7919 + i) % 1000} clause{i}" for i in range(words // 2))
+
+
+def group_chat(group, question, max_tokens=8):
+    return {"model": MODEL, "max_tokens": max_tokens,
+            "messages": [{"role": "system", "content": group_system_prompt(group)},
+                         {"role": "user", "content": f"Question {question}: what does clause {question} mean?"}]}
+
+
+def chat_bytes(**kw):
+    return json.dumps(dict({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}, **kw)).encode()
