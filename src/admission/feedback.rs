@@ -48,7 +48,8 @@ pub fn follow(prev: Option<&Snapshot>, next: &mut Snapshot, rec: &PodRecord) {
     };
     let block = u64::from(next.block_size.max(1));
     // What kvgate's entries may hold, as the forecast counts it (`forecast::slack`).
-    let explained = rec.held_tokens() + crate::forecast::slack(block) * rec.entries.len() as u64;
+    let explained =
+        rec.held_tokens() + crate::admission::forecast::slack(block) * rec.entries.len() as u64;
     next.unexplained_tokens = (used as u64).saturating_sub(explained);
 }
 
