@@ -3,7 +3,7 @@
 robin, Envoy least-request, sglang-router, vllm-router), each in front of fresh kvgate-sim pods,
 plus a filter-overhead benchmark in front of an instantly answering upstream.
 
-    python bench/run.py --full          all workloads, all targets (about 25-35 min on 2 cores)
+    python bench/run.py --full          all workloads, all targets (about 35-45 min on 2 cores)
     python bench/run.py --demo          kvgate vs Envoy round robin, short shared-prefix run (~1 min)
 
 Writes results/<timestamp>/ (report.md, results.json, PNG plots, raw per-request JSON lines, logs);
@@ -25,6 +25,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -80,6 +81,15 @@ FULL = {
         "groups": 10, "questions": 100, "system_tokens": 2048, "question_tokens": 256,
         "output_tokens": 64, "ttft_slo_ms": 2000,
     },
+    "chat": {
+        "num_gpu_blocks": 1024, "prompt_tokens": "200,3000", "unbounded_fraction": 0.5, "max_tokens": "128,1024",
+        "clients": 200, "duration": 30, "warmup": 5,
+        # Goodput at two TTFT objectives: interactive, and patient (a closed loop at twice the pool's
+        # capacity queues every request somewhere, so which one a router wins depends on the bar).
+        "ttft_slos_ms": [1000, 5000],
+    },
+    # The chat workload with max_tokens on every request, kvgate at each Envoy worker count.
+    "chat_bounded": {"envoy_concurrency": [1, 2, 4]},
     "overhead": {"bodies": [4096, 262144], "seconds": 3, "concurrency": [1, 16], "repeats": 3},
 }
 
@@ -320,17 +330,19 @@ def kvgate_config(workload):
 
 
 @contextlib.contextmanager
-def target(name, endpoints, workload, log_dir, cli_log):
-    """Starts one target in front of `endpoints`; yields (port, envoy or None)."""
+def target(name, endpoints, workload, log_dir, cli_log, concurrency=None):
+    """Starts one target in front of `endpoints`; yields (port, envoy or None). `concurrency`:
+    Envoy's worker count (default: one per core)."""
     urls = [f"http://{h}:{p}" for h, p in endpoints]
+    workers = concurrency or ENVOY_CONCURRENCY
     if name == "kvgate":
         cfg = kvgate_config(workload)
-        with kvgate_envoy(endpoints, cfg, concurrency=ENVOY_CONCURRENCY, wasm=str(WASM_SNAPSHOT or harness.WASM)) as e:
+        with kvgate_envoy(endpoints, cfg, concurrency=workers, wasm=str(WASM_SNAPSHOT or harness.WASM)) as e:
             yield e.port, e
     elif name in ("envoy-rr", "envoy-lr", "envoy"):
         policy = LEAST_REQUEST if name == "envoy-lr" else ROUND_ROBIN
         cfg = envoy_config(free_port(), free_port(), endpoints, with_kvgate=False, lb_policy=policy)
-        with Envoy(cfg, concurrency=ENVOY_CONCURRENCY) as e:
+        with Envoy(cfg, concurrency=workers) as e:
             yield e.port, e
     elif name in ("sglang-router", "vllm-router"):
         port, mport = free_port(), free_port()
@@ -399,17 +411,47 @@ def kvgate_counters(envoy):
     return None
 
 
-def run_cell(ctx, tname, wname, label, bench_args, sim_args, timeout):
-    """Fresh pods + target + workload. Returns the cell's result dict (or an error)."""
+class KvSampler:
+    """Samples every pod's KV use (`/sim/stats` kv_blocks_used ÷ num_gpu_blocks) while a run is in
+    flight: [(seconds since start, [fraction per pod])]."""
+
+    def __init__(self, sim, period=0.5):
+        self.sim, self.period = sim, period
+        self.samples = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        t0 = time.time()
+        while not self._stop.wait(self.period):
+            with contextlib.suppress(Exception):
+                st = [self.sim.stats(i) for i in range(self.sim.pods)]
+                self.samples.append((time.time() - t0, [s["kv_blocks_used"] / s["num_gpu_blocks"] for s in st]))
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def run_cell(ctx, tname, wname, label, bench_args, sim_args, timeout, concurrency=None, sample_kv=False):
+    """Fresh pods + target + workload. Returns the cell's result dict (or an error). `concurrency`:
+    Envoy's workers; `sample_kv`: record the pods' KV use during the run."""
     raw = ctx["out"] / "raw" / tname
     raw.mkdir(parents=True, exist_ok=True)
     out_base = raw / label
     log(f"  {tname:14s} {label}")
     t0 = time.time()
+    kv = None
     try:
         with Sim(pods=ctx["cfg"]["pods"], args=sim_args) as sim:
-            with target(tname, sim.endpoints, wname, str(ctx["out"] / "logs"), ctx["cli"]) as (port, envoy):
-                summary = run_bench(port, bench_args, out_base, timeout)
+            with target(tname, sim.endpoints, wname, str(ctx["out"] / "logs"), ctx["cli"], concurrency) as (port, envoy):
+                with KvSampler(sim) if sample_kv else contextlib.nullcontext() as sampler:
+                    summary = run_bench(port, bench_args, out_base, timeout)
+                kv = sampler.samples if sampler else None
                 wait_idle(sim)
                 counters = kvgate_counters(envoy) if tname == "kvgate" else None
             stats = sim_stats(sim)
@@ -419,7 +461,7 @@ def run_cell(ctx, tname, wname, label, bench_args, sim_args, timeout):
         log(f"    FAILED: {e}")
         return {"error": str(e)[-800:]}
     return {"summary": summary, "sim": stats, "kvgate": counters, "raw": str(out_base.relative_to(ctx["out"])),
-            "wall_s": time.time() - t0}
+            "wall_s": time.time() - t0, "kv_samples": kv}
 
 
 def sp_args(w, rate, seed):
@@ -461,6 +503,46 @@ def burst_args(w, seed):
             "--groups", w["groups"], "--questions", w["questions"], "--system-tokens", w["system_tokens"],
             "--question-tokens", w["question_tokens"], "--output-tokens", w["output_tokens"],
             "--max-duration", 10, "--timeout", 180, "--ttft-slo-ms", w["ttft_slo_ms"]]
+
+
+def chat_sim_args(w, sim_args):
+    """The chat workloads' pods: smaller KV, so the pool is KV-bound at a client count this machine
+    drives, and answers that may end (EOS) before their max_tokens, as on real vLLM."""
+    return [*sim_args, "--num-gpu-blocks", str(w["num_gpu_blocks"]), "--eos-before-max-tokens"]
+
+
+def chat_args(w, seed, unbounded_fraction):
+    """Closed loop: `clients` workers each send their next request when the previous one ended,
+    for `duration` s (the jobs repeat if they run out)."""
+    return ["--workload", "chat", "--seed", seed, "--arrival", "closed", "--concurrency", w["clients"],
+            "--repeat", "--requests", 20000, "--prompt-tokens", w["prompt_tokens"],
+            "--unbounded-fraction", unbounded_fraction, "--max-tokens", w["max_tokens"],
+            "--max-duration", w["duration"], "--timeout", 300, "--ttft-slo-ms", w["ttft_slos_ms"][0]]
+
+
+def steady(cell, out, w):
+    """A chat cell's steady-state numbers, over the window from `warmup` s to the end of the sending
+    window (the ramp-up and the final drain left out): output tokens/s (each request's tokens spread
+    evenly between its first token and its end), goodput/s per TTFT objective (requests whose first
+    token came within the window and within the objective), and the pods' mean KV use."""
+    lo, hi = w["warmup"], w["duration"]
+    tokens = 0.0
+    good = dict.fromkeys(w["ttft_slos_ms"], 0)
+    for line in open(Path(out) / (cell["raw"] + ".jsonl")):
+        r = json.loads(line)
+        if r["status"] != 200 or r.get("error") or r.get("ttft") is None:
+            continue
+        a, b = r["sent"] + r["ttft"], r["sent"] + r["e2e"]
+        n = r.get("completion_tokens") or r.get("chunks") or 0
+        if b > a:
+            tokens += n * max(0.0, min(b, hi) - max(a, lo)) / (b - a)
+        elif lo <= a <= hi:
+            tokens += n
+        for slo in good:
+            good[slo] += lo <= a <= hi and 1000 * r["ttft"] <= slo
+    kv = [sum(f) / len(f) for t, f in cell.get("kv_samples") or [] if lo <= t <= hi and f]
+    return {"tok_s": tokens / (hi - lo), "kv_mean": sum(kv) / len(kv) if kv else None,
+            **{f"goodput_{slo}": n / (hi - lo) for slo, n in good.items()}}
 
 
 def calibrate_mixed(ctx, sim_args, seed):
@@ -562,6 +644,9 @@ def row_metrics(cell):
         "req_cache_hits": sim["request_cache_hits"], "req_cache_misses": sim["request_cache_misses"],
         "share_min": shares[0] if shares else None, "share_max": shares[-1] if shares else None,
         "pods_used": len(share), "clock_resyncs": sim["clock_resyncs"], "evictions": sim["kv_evictions"],
+        "e2e_mean": s["e2e_ms"]["mean"], "e2e_p90": s["e2e_ms"]["p90"], "span_tok_s": s["output_tok_per_s"],
+        # Closed-loop chat cells: throughput and goodput over the steady window (see steady()).
+        **(cell.get("steady") or {}),
     }
 
 
@@ -607,6 +692,45 @@ def workload_table(rows, rat):
             return f"**{x['ratio']:.2f}×**" if x and x["ratio"] is not None else "–"
         lines.append(f"| *kvgate ÷ best peer* | | | {cell('ttft_p50')} | {cell('ttft_p90')} | {cell('ttft_p99')} | {cell('ttft_mean')} | "
                      f"| | {cell('tok_s')} | {cell('goodput')} | {cell('hit_rate')} | | |")
+    return "\n".join(lines)
+
+
+def goodput_keys(rows):
+    """The goodput_<objective ms> keys of chat rows, tightest objective first."""
+    keys = {k for r in rows.values() for k in r if k.startswith("goodput_") and k[8:].isdigit()}
+    return sorted(keys, key=lambda k: int(k[8:]))
+
+
+def chat_table(rows):
+    gk = goodput_keys(rows)
+    lines = ["| target | ok/sent | errors | output tok/s | tok/s (whole span) | "
+             + "".join(f"goodput ≤{int(k[8:]) / 1000:g} s (req/s) | " for k in gk)
+             + "TTFT mean | p90 | p99 (ms) | e2e mean | p90 (ms) | preemptions | mean KV used |",
+             "|" + "---|" * (12 + len(gk))]
+    for n, r in rows.items():
+        kv = f"{100 * r['kv_mean']:.0f}%" if r.get("kv_mean") is not None else "–"
+        lines.append(f"| {n} | {r['ok']}/{r['requests']} | {errors_str(r['errors'])} | {fmt(r['tok_s'], 0)} | "
+                     f"{fmt(r['span_tok_s'], 0)} | " + "".join(f"{fmt(r.get(k))} | " for k in gk)
+                     + f"{fmt(r['ttft_mean'], 0)} | "
+                     f"{fmt(r['ttft_p90'], 0)} | {fmt(r['ttft_p99'], 0)} | {fmt(r['e2e_mean'], 0)} | "
+                     f"{fmt(r['e2e_p90'], 0)} | {r['preemptions']} | {kv} |")
+    return "\n".join(lines)
+
+
+def chat_ratio_table(rows):
+    """kvgate ÷ each peer (throughput, goodput: higher is better; latencies, preemptions: lower)."""
+    k = rows.get("kvgate")
+    if not k:
+        return ""
+    metrics = ([("tok_s", "output tok/s")] + [(g, f"goodput ≤{int(g[8:]) / 1000:g} s") for g in goodput_keys(rows)]
+               + [("ttft_mean", "TTFT mean"), ("ttft_p90", "TTFT p90"), ("ttft_p99", "TTFT p99"),
+                  ("e2e_mean", "e2e mean"), ("e2e_p90", "e2e p90"), ("preemptions", "preemptions")])
+    lines = ["| kvgate ÷ | " + " | ".join(label for _, label in metrics) + " |", "|" + "---|" * (len(metrics) + 1)]
+    for n, r in rows.items():
+        if n == "kvgate":
+            continue
+        cells = [f"{k[key] / r[key]:.2f}×" if k.get(key) is not None and r.get(key) else "–" for key, _ in metrics]
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -818,6 +942,14 @@ WORKLOAD_DESC = {
              "{overload}× the measured capacity ({rate:.0f} req/s) for {duration} s; TTFT objective {ttft_slo_ms} ms",
     "hot-prefix": "one system prompt of {system_tokens} tokens in front of every request, question {question_tokens}, "
                   "output {output_tokens}; Poisson {rate} req/s for {duration} s; TTFT objective {ttft_slo_ms} ms",
+    "chat": "unique prompts of {prompt_tokens} tokens (log-uniform), {unbounded_pct}% of requests without max_tokens "
+            "(the simulator's lognormal lengths, mean 256), the rest with max_tokens uniform in {max_tokens} and "
+            "stopping at EOS before it; {clients} closed-loop clients for {duration} s; pods with {num_gpu_blocks} "
+            "KV blocks and --eos-before-max-tokens; steady window from {warmup} s to {duration} s; "
+            "TTFT objectives {ttft_slos_ms} ms",
+    "chat-bounded": "the chat workload with max_tokens (uniform in {max_tokens}, EOS may come first) on every "
+                    "request; kvgate at each Envoy --concurrency, Envoy round robin for reference; {clients} "
+                    "closed-loop clients for {duration} s; pods with {num_gpu_blocks} KV blocks",
     "burst": "{n} requests at once ({groups} groups × {questions}, system prompt {system_tokens}, question "
              "{question_tokens}, output {output_tokens}); TTFT objective {ttft_slo_ms} ms",
 }
@@ -840,7 +972,7 @@ def write_report(ctx, data):
     for k, v in data["versions"].items():
         L.append(f"- {k}: {v}")
     L.append(f"- pool: {cfg['pods']} kvgate-sim pods (Llama-3.1-8B on H100 timing model, 2048 KV blocks × 16 tokens "
-             f"per pod), `--time-scale {cfg['time_scale']:g}` (latencies are wall-clock "
+             f"per pod; the chat workloads' pods have their own size, below), `--time-scale {cfg['time_scale']:g}` (latencies are wall-clock "
              f"{'= simulated time' if cfg['time_scale'] == 1 else '= simulated / ' + format(cfg['time_scale'], 'g')}); fresh pods "
              f"for every target and workload; workload seed {ctx['seed']}")
     L.append("\nTargets:\n")
@@ -865,7 +997,13 @@ def write_report(ctx, data):
         desc = data["workload_desc"].get(w)
         if desc:
             L.append(desc + "\n")
-        L.append(workload_table(rows, data["ratios"].get(w, {})))
+        if w in ("chat", "chat-bounded"):
+            L.append(chat_table(rows))
+            per_peer = chat_ratio_table(rows)
+            if per_peer:
+                L.append("\n" + per_peer)
+        else:
+            L.append(workload_table(rows, data["ratios"].get(w, {})))
         failed = {n: c["error"] for n, c in cells.items() if "error" in c}
         for n, e in failed.items():
             L.append(f"\n- {n} failed: `{e[:300]}`")
@@ -995,6 +1133,8 @@ def smoke(cfg):
         cfg["burst"].update(questions=10)
     if "overhead" in cfg:
         cfg["overhead"].update(seconds=1, repeats=2)
+    if "chat" in cfg:
+        cfg["chat"].update(clients=40, duration=6, warmup=2)
     if "mixed" in cfg:
         cfg["mixed"]["calibration_s"] = 6
     return cfg
@@ -1009,7 +1149,8 @@ def main():
                    "(with --benchmarks-md: also BENCHMARKS.md)")
     ap.add_argument("--benchmarks-md", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--targets", help="comma-separated subset of " + ",".join(ALL_TARGETS))
-    ap.add_argument("--workloads", help="comma-separated subset of shared-prefix,multi-turn,hot-prefix,mixed,burst")
+    ap.add_argument("--workloads", help="comma-separated subset of shared-prefix,multi-turn,hot-prefix,mixed,burst,"
+                                        "chat,chat-bounded")
     ap.add_argument("--no-overhead", action="store_true")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--kvgate-config", metavar="JSON", default="{}",
@@ -1030,7 +1171,8 @@ def main():
         cfg = smoke(cfg)
     targets = a.targets.split(",") if a.targets else (ALL_TARGETS if a.full else ["kvgate", "envoy-rr"])
     workloads = a.workloads.split(",") if a.workloads else (
-        ["shared-prefix", "multi-turn", "hot-prefix", "mixed", "burst"] if a.full else ["shared-prefix"])
+        ["shared-prefix", "multi-turn", "hot-prefix", "mixed", "burst", "chat", "chat-bounded"] if a.full
+        else ["shared-prefix"])
     out = Path(a.out) if a.out else ROOT / "results" / started.strftime("%Y%m%d-%H%M%S")
     (out / "logs").mkdir(parents=True, exist_ok=True)
     ctx = {"cfg": cfg, "out": out, "cli": {}, "full": a.full, "seed": a.seed, "targets": targets}
@@ -1131,6 +1273,32 @@ def main():
         if "burst" in workloads:
             w = cfg["burst"]
             every_target("burst", burst_args(w, seed), 400, n=w["groups"] * w["questions"], **w)
+
+        def chat_cell(t, name, unbounded, concurrency=None):
+            w = cfg["chat"]
+            label = name if concurrency is None else f"{name}-c{concurrency}"
+            cell = run_cell(ctx, t, name, label, chat_args(w, seed, unbounded), chat_sim_args(w, sim_args),
+                            w["duration"] + 400, concurrency=concurrency, sample_kv=True)
+            if "error" not in cell:
+                cell["steady"] = steady(cell, out, w)
+            return cell
+
+        if "chat" in workloads:
+            w = cfg["chat"]
+            log("chat")
+            data["results"]["chat"] = {t: chat_cell(t, "chat", w["unbounded_fraction"]) for t in live}
+            data["workload_desc"]["chat"] = WORKLOAD_DESC["chat"].format(
+                unbounded_pct=round(100 * w["unbounded_fraction"]), **w)
+
+        if "chat-bounded" in workloads:
+            w = cfg["chat"]
+            log("chat-bounded")
+            cells = {f"kvgate --concurrency {c}": chat_cell("kvgate", "chat-bounded", 0.0, c)
+                     for c in cfg["chat_bounded"]["envoy_concurrency"] if "kvgate" in live}
+            if "envoy-rr" in live:
+                cells["envoy-rr"] = chat_cell("envoy-rr", "chat-bounded", 0.0)
+            data["results"]["chat-bounded"] = cells
+            data["workload_desc"]["chat-bounded"] = WORKLOAD_DESC["chat-bounded"].format(**w)
 
         if a.full and not a.no_overhead:
             log("filter overhead")

@@ -1,6 +1,6 @@
 //! kvgate-bench: the load generator of kvgate's benchmarks (docs/benchmarks.md).
 //!
-//! `kvgate-bench run` sends a seeded workload (shared-prefix, multi-turn, mixed, fixed) to an
+//! `kvgate-bench run` sends a seeded workload (shared-prefix, multi-turn, mixed, chat, fixed) to an
 //! OpenAI-compatible endpoint, open loop (Poisson arrivals or a burst) or closed loop (fixed
 //! concurrency), streaming, and writes one JSON line per request plus a JSON summary.
 //! `kvgate-bench echo` is an instantly answering upstream for the filter-overhead benchmark.
@@ -58,6 +58,7 @@ enum WorkloadKind {
     SharedPrefix,
     MultiTurn,
     Mixed,
+    Chat,
     Fixed,
 }
 
@@ -101,7 +102,7 @@ struct WorkloadArgs {
     followup_tokens: usize,
     #[arg(long, default_value_t = 1.0)]
     think_mean: f64,
-    // mixed / fixed
+    // mixed / chat / fixed
     #[arg(long, default_value_t = 400)]
     requests: usize,
     #[arg(long, default_value_t = 0.15)]
@@ -114,6 +115,16 @@ struct WorkloadArgs {
     long_prompt: String,
     #[arg(long, default_value = "256,512")]
     long_output: String,
+    // chat
+    /// Prompt length range (tokens), log-uniform.
+    #[arg(long, default_value = "200,3000")]
+    prompt_tokens: String,
+    /// Fraction of chat requests sent without max_tokens.
+    #[arg(long, default_value_t = 0.5)]
+    unbounded_fraction: f64,
+    /// Range of max_tokens on the other chat requests (uniform).
+    #[arg(long, default_value = "128,1024")]
+    max_tokens: String,
     /// Approximate JSON body size of the fixed workload.
     #[arg(long, default_value_t = 4096)]
     body_bytes: usize,
@@ -207,6 +218,16 @@ fn build_jobs(w: &WorkloadArgs) -> Result<Vec<Job>, String> {
             },
             arrival,
         ),
+        WorkloadKind::Chat => workload::chat(
+            w.seed,
+            &workload::Chat {
+                requests: w.requests,
+                prompt: pair(&w.prompt_tokens)?,
+                unbounded_fraction: w.unbounded_fraction,
+                max_tokens: pair(&w.max_tokens)?,
+            },
+            arrival,
+        ),
         WorkloadKind::Fixed => workload::fixed(w.seed, w.requests, w.body_bytes, w.output_tokens),
     })
 }
@@ -236,9 +257,11 @@ async fn run_job(ctx: Arc<Ctx>, job: Job) {
         let mut body = json!({
             "model": ctx.model,
             "messages": messages,
-            "max_tokens": turn.max_tokens,
             "temperature": 0.0,
         });
+        if let Some(m) = turn.max_tokens {
+            body["max_tokens"] = json!(m);
+        }
         if ctx.stream {
             body["stream"] = json!(true);
             body["stream_options"] = json!({"include_usage": true});

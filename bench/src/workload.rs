@@ -34,7 +34,9 @@ pub fn words(rng: &mut Rng, n: usize) -> String {
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct Turn {
     pub user: String,
-    pub max_tokens: u32,
+    /// None: the request carries no `max_tokens` (the server decides when to stop).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_tokens: Option<u32>,
     /// Wall seconds to wait after this turn's answer before sending the next turn.
     pub think: f64,
 }
@@ -119,7 +121,7 @@ pub fn shared_prefix(seed: u64, w: &SharedPrefix, arrival: Arrival) -> Vec<Job> 
                         "Question {q}:{}",
                         words(&mut qr, w.question_tokens.saturating_sub(3))
                     ),
-                    max_tokens: w.output_tokens,
+                    max_tokens: Some(w.output_tokens),
                     think: 0.0,
                 }],
                 headers: vec![],
@@ -179,7 +181,7 @@ pub fn multi_turn(seed: u64, w: &MultiTurn, arrival: Arrival) -> Vec<Job> {
                     };
                     Turn {
                         user,
-                        max_tokens: w.output_tokens,
+                        max_tokens: Some(w.output_tokens),
                         think,
                     }
                 })
@@ -238,7 +240,7 @@ pub fn mixed(seed: u64, w: &Mixed, arrival: Arrival) -> Vec<Job> {
                 system: None,
                 turns: vec![Turn {
                     user: format!("Request {i}:{}", words(&mut r, prompt.saturating_sub(3))),
-                    max_tokens: output,
+                    max_tokens: Some(output),
                     think: 0.0,
                 }],
                 headers: vec![
@@ -250,6 +252,52 @@ pub fn mixed(seed: u64, w: &Mixed, arrival: Arrival) -> Vec<Job> {
                     ("tenant".into(), tenant.into()),
                     ("cost".into(), if long { "long" } else { "short" }.into()),
                 ],
+            }
+        })
+        .collect()
+}
+
+#[derive(Debug, Clone)]
+pub struct Chat {
+    pub requests: usize,
+    /// Prompt length range, tokens, drawn log-uniformly (many short prompts, a long tail).
+    pub prompt: (u64, u64),
+    /// Fraction of requests sent without `max_tokens`.
+    pub unbounded_fraction: f64,
+    /// Range of the `max_tokens` the others carry (uniform).
+    pub max_tokens: (u64, u64),
+}
+
+/// Chat traffic in a KV-bound pool: unique prompts (no shared prefix) of log-uniform length,
+/// some requests bounded by `max_tokens` and the rest left to stop on their own, tagged
+/// `bound` = `max_tokens` or `none`.
+pub fn chat(seed: u64, w: &Chat, arrival: Arrival) -> Vec<Job> {
+    let starts = arrivals(&mut Rng::derive(seed, &[40]), w.requests, arrival);
+    let (lo, hi) = (w.prompt.0.max(4) as f64, w.prompt.1.max(4) as f64);
+    starts
+        .into_iter()
+        .enumerate()
+        .map(|(i, start)| {
+            let mut r = Rng::derive(seed, &[41, i as u64]);
+            let prompt = (lo * (hi / lo).powf(r.f64())).round() as usize;
+            let max_tokens = (r.f64() >= w.unbounded_fraction)
+                .then(|| r.range(w.max_tokens.0, w.max_tokens.1) as u32);
+            let bound = if max_tokens.is_some() {
+                "max_tokens"
+            } else {
+                "none"
+            };
+            Job {
+                id: i,
+                start,
+                system: None,
+                turns: vec![Turn {
+                    user: format!("Chat {i}:{}", words(&mut r, prompt.saturating_sub(3))),
+                    max_tokens,
+                    think: 0.0,
+                }],
+                headers: vec![],
+                tags: vec![("bound".into(), bound.into())],
             }
         })
         .collect()
@@ -270,7 +318,7 @@ pub fn fixed(seed: u64, requests: usize, body_bytes: usize, output_tokens: u32) 
             system: None,
             turns: vec![Turn {
                 user: text.clone(),
-                max_tokens: output_tokens,
+                max_tokens: Some(output_tokens),
                 think: 0.0,
             }],
             headers: vec![],
@@ -344,7 +392,7 @@ mod tests {
             assert!((n_words(sys) as i64 - 200).abs() <= 2, "{}", n_words(sys));
             for j in &mine {
                 assert_eq!(j.turns.len(), 1);
-                assert_eq!(j.turns[0].max_tokens, 16);
+                assert_eq!(j.turns[0].max_tokens, Some(16));
                 assert!((n_words(&j.turns[0].user) as i64 - 30).abs() <= 2);
             }
         }
@@ -416,7 +464,7 @@ mod tests {
         for j in &jobs {
             let long = j.tags.iter().any(|(a, b)| a == "cost" && b == "long");
             let n = n_words(&j.turns[0].user) as u64;
-            let o = j.turns[0].max_tokens as u64;
+            let o = u64::from(j.turns[0].max_tokens.unwrap_or(0));
             if long {
                 assert!((1999..=3001).contains(&n) && (100..=200).contains(&o));
             } else {
@@ -437,6 +485,54 @@ mod tests {
                 Some("tenant-a" | "tenant-b")
             ));
         }
+    }
+
+    #[test]
+    fn chat_shape() {
+        let w = Chat {
+            requests: 4000,
+            prompt: (200, 3000),
+            unbounded_fraction: 0.5,
+            max_tokens: (128, 1024),
+        };
+        let jobs = chat(3, &w, Arrival::Closed);
+        assert_eq!(chat(3, &w, Arrival::Closed), jobs);
+        assert_ne!(chat(4, &w, Arrival::Closed), jobs);
+        let unbounded = jobs
+            .iter()
+            .filter(|j| j.turns[0].max_tokens.is_none())
+            .count();
+        assert!(
+            (unbounded as f64 / 4000.0 - 0.5).abs() < 0.03,
+            "{unbounded}"
+        );
+        let mut lens: Vec<f64> = Vec::new();
+        for j in &jobs {
+            let t = &j.turns[0];
+            let n = n_words(&t.user);
+            assert!((199..=3001).contains(&n), "{n}");
+            lens.push(n as f64);
+            let tag = if t.max_tokens.is_some() {
+                "max_tokens"
+            } else {
+                "none"
+            };
+            assert_eq!(j.tags, vec![("bound".to_string(), tag.to_string())]);
+            assert!(t.max_tokens.is_none_or(|m| (128..=1024).contains(&m)));
+        }
+        // Log-uniform: the median is the geometric mean of the bounds (≈ 775), the mean
+        // (hi − lo) / ln(hi / lo) ≈ 1034.
+        lens.sort_by(f64::total_cmp);
+        let median = lens[lens.len() / 2];
+        let mean = lens.iter().sum::<f64>() / lens.len() as f64;
+        assert!((700.0..850.0).contains(&median), "median {median}");
+        assert!((970.0..1100.0).contains(&mean), "mean {mean}");
+        // Unique prompts: no two requests share their first words.
+        let firsts: std::collections::HashSet<String> = jobs
+            .iter()
+            .map(|j| j.turns[0].user.chars().take(48).collect())
+            .collect();
+        assert_eq!(firsts.len(), jobs.len());
     }
 
     #[test]

@@ -138,6 +138,11 @@ pub struct Args {
     /// Sigma of the underlying normal for the lognormal distribution.
     #[arg(long, default_value_t = 0.8)]
     pub output_len_sigma: f64,
+    /// A request with max_tokens also stops at EOS (its length drawn from --output-len-dist,
+    /// capped at max_tokens), as real vLLM does unless ignore_eos is set; off, max_tokens is
+    /// generated in full (benchmark-style).
+    #[arg(long)]
+    pub eos_before_max_tokens: bool,
     /// RNG seed (pod i uses seed + i).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,

@@ -518,15 +518,16 @@ fn plan_output(
             _ if n >= room => (room, FinishReason::Length),
             _ => (n, FinishReason::Stop),
         }
-    } else if let Some(mt) = explicit {
-        // Benchmark-style: an explicit max_tokens is generated in full (EOS ignored).
-        (mt, FinishReason::Length)
     } else {
-        let cap = match kind {
-            Kind::Completion => COMPLETIONS_DEFAULT_MAX_TOKENS.min(room),
-            Kind::Chat => room,
+        let cap = match (explicit, kind) {
+            (Some(mt), _) => mt,
+            (None, Kind::Completion) => COMPLETIONS_DEFAULT_MAX_TOKENS.min(room),
+            (None, Kind::Chat) => room,
         };
-        if ignore_eos {
+        // Without --eos-before-max-tokens an explicit max_tokens is generated in full
+        // (benchmark-style, EOS ignored); otherwise EOS (the drawn length) may come first.
+        let eos = explicit.is_none() || a.eos_before_max_tokens;
+        if ignore_eos || !eos {
             (cap, FinishReason::Length)
         } else {
             let drawn = {
@@ -1194,6 +1195,56 @@ pub async fn handle(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn pod_with(flags: &[&str]) -> Arc<Pod> {
+        let argv = std::iter::once("kvgate-sim").chain(flags.iter().copied());
+        let args = <crate::config::Args as clap::Parser>::parse_from(argv);
+        let tok = crate::tokenizer::Tokenizer::new("o200k_base").unwrap();
+        Pod::new(0, 0, Arc::new(Shared::new(args, tok)))
+    }
+
+    /// (length, finish reason) of 400 chat requests with this body and headers.
+    fn plans(pod: &Pod, headers: &HeaderMap, body: Value) -> Vec<(usize, FinishReason)> {
+        (0..400)
+            .map(
+                |_| match plan_output(pod, Kind::Chat, headers, &body, 100) {
+                    Ok(p) => p,
+                    Err(e) => panic!("{}", e.message),
+                },
+            )
+            .collect()
+    }
+
+    #[test]
+    fn eos_before_max_tokens_draws_and_caps() {
+        let none = HeaderMap::new();
+        let bounded = json!({"max_tokens": 300});
+        // Off (the default): max_tokens is generated in full.
+        let off = pod_with(&[]);
+        assert!(plans(&off, &none, bounded.clone())
+            .iter()
+            .all(|&p| p == (300, FinishReason::Length)));
+        // On: drawn lengths (lognormal, mean 256), capped at max_tokens with "length".
+        let on = pod_with(&["--eos-before-max-tokens"]);
+        let got = plans(&on, &none, bounded.clone());
+        assert!(got
+            .iter()
+            .all(|&(n, r)| (1..=300).contains(&n) && (r == FinishReason::Length) == (n == 300)));
+        let capped = got.iter().filter(|p| p.1 == FinishReason::Length).count();
+        assert!((40..360).contains(&capped), "{capped} of 400 capped");
+        // ignore_eos still generates up to the cap.
+        assert!(
+            plans(&on, &none, json!({"max_tokens": 300, "ignore_eos": true}))
+                .iter()
+                .all(|&p| p == (300, FinishReason::Length))
+        );
+        // The test header still wins.
+        let mut fixed = HeaderMap::new();
+        fixed.insert("x-sim-output-tokens", "7".parse().unwrap());
+        assert!(plans(&on, &fixed, bounded)
+            .iter()
+            .all(|&p| p == (7, FinishReason::Stop)));
+    }
 
     #[test]
     fn sse_chunks_for_chat_and_usage() {
