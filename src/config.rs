@@ -81,7 +81,7 @@ impl Default for AdmissionConfig {
     fn default() -> Self {
         Self {
             enabled: true,
-            utilization: 0.9,
+            utilization: 0.95,
             budget_tokens: 0,
             max_queue: 1_000,
             max_wait_ms: 30_000,

@@ -547,7 +547,7 @@ mod tests {
         ));
         assert!(
             matches!(w.place(&cfg, class(&cfg, None, "t"), 100), Admit::Wait(_)),
-            "900 budget"
+            "a budget of 950 (0.95 of 1000)"
         );
     }
 

@@ -64,7 +64,7 @@ mod tests {
             capacity_tokens: 1000,
             ..Snapshot::default()
         };
-        assert_eq!(budget_tokens(&cfg, Some(&snap)), Some(900));
+        assert_eq!(budget_tokens(&cfg, Some(&snap)), Some(950));
         assert_eq!(
             budget_tokens(&cfg, None),
             Some(0),
@@ -94,7 +94,7 @@ mod tests {
             unexplained_tokens: 100,
             ..Snapshot::default()
         };
-        assert_eq!(budget_tokens(&cfg, Some(&snap)), Some(900 * 8 / 10 - 100));
+        assert_eq!(budget_tokens(&cfg, Some(&snap)), Some(950 * 8 / 10 - 100));
         cfg.admission.budget_tokens = 500;
         assert_eq!(
             budget_tokens(&cfg, Some(&snap)),

@@ -76,7 +76,10 @@ pub fn peak(loads: impl Iterator<Item = Load>, z: f64, block: u64) -> u64 {
         }
         worst = worst.max(sums.at(end, z));
     }
-    worst.ceil() as u64
+    // Sizes are whole tokens, and with every chance 0 or 1 (known lengths) so is the forecast:
+    // the running sums' rounding must not lift an exact 3891 to 3892 on one worker and not on
+    // another.
+    (worst - 1e-6).ceil().max(0.0) as u64
 }
 
 /// The sums `peak` sweeps, over the requests that may still run in one interval.

@@ -24,9 +24,14 @@ const BUCKETS_PER_DOUBLING: f64 = 4.0;
 const PRIOR_SAMPLES: f64 = 8.0;
 
 /// The forecast's intervals of decode steps ahead: interval j runs from `HORIZON_STEPS[j]` to
-/// `HORIZON_STEPS[j + 1]` (the last to the output cap's default). A geometric grid: the near future
-/// in detail, the far tail coarsely.
-pub const HORIZON_STEPS: [u32; 10] = [0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096];
+/// `HORIZON_STEPS[j + 1]` (the last to the output cap's default). A geometric grid, √2 a step:
+/// the near future in detail, the far tail coarsely. The forecast counts a request in an interval
+/// with its chance of running at the interval's start, so the grid's step is its caution: with
+/// doublings, a long-tailed answer's last interval was counted up to a third too full, and a
+/// KV-bound pool ran 30 % emptier than its budget.
+pub const HORIZON_STEPS: [u32; 19] = [
+    0, 16, 23, 32, 45, 64, 91, 128, 181, 256, 362, 512, 724, 1024, 1448, 2048, 2896, 4096, 5793,
+];
 /// Where the last interval ends.
 pub const HORIZON_END: u32 = 8192;
 
@@ -273,12 +278,15 @@ mod tests {
             o[1] > 200,
             "16 steps ahead: very likely still running {o:?}"
         );
+        let at = |steps| HORIZON_STEPS.iter().position(|&s| s == steps).unwrap();
+        assert!(o[at(91)] > 0, "91 steps ahead it may still run: {o:?}");
         assert_eq!(
-            o[4], 0,
+            o[at(128)],
+            0,
             "128 steps ahead it has certainly stopped at 100: {o:?}"
         );
         let unbounded = d.outlook(0, u64::MAX);
         assert!(unbounded.windows(2).all(|w| w[0] >= w[1]), "{unbounded:?}");
-        assert!(unbounded[9] < 5);
+        assert!(unbounded[at(4096)] < 5);
     }
 }

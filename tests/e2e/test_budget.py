@@ -29,7 +29,8 @@ def run(envoy, sim, max_tokens, clients, requests, sample_kvgate=True):
     def sampler():
         while not stop.is_set():
             pods = [sim.stats(i) for i in range(sim.pods)]
-            gauges = {k: kvgate_gauges(envoy, k) for k in ("reserved_tokens", "budget_tokens", "active_blocks")} \
+            gauges = {k: kvgate_gauges(envoy, k)
+                      for k in ("reserved_tokens", "budget_tokens", "active_blocks", "in_flight")} \
                 if sample_kvgate else {}
             samples.append((pods, gauges))
             time.sleep(0.05)
@@ -60,7 +61,10 @@ def check_promise(samples, bounded):
     """At every sample kvgate's predicted blocks fit the pod; with every answer's length bounded,
     the pod's forecast stays within its budget too (an exact bound only falls as requests end;
     without one, a request that outlives its expected length raises the forecast after the fact,
-    which the headroom is there for)."""
+    which the headroom is there for). A request's entry is written at its output's block
+    boundaries, so between two samples the forecast of the same requests may move by up to a
+    block (less a token) for each of them as their entries catch up: the admission-time check is
+    exact (the router fuzz target asserts it), the sampled one within that."""
     nominal = {}
     for _, g in samples:
         for pod, budget in g["budget_tokens"].items():
@@ -70,7 +74,8 @@ def check_promise(samples, bounded):
     assert nominal and all(nominal.values()), "the gauges were never sampled"
     for _, g in samples:
         for pod, reserved in g["reserved_tokens"].items():
-            assert not bounded or reserved <= nominal[pod], (pod, reserved, nominal[pod])
+            catching_up = (BLOCK - 1) * g["in_flight"].get(pod, 0)
+            assert not bounded or reserved <= nominal[pod] + catching_up, (pod, reserved, nominal[pod])
         for pod, blocks in g["active_blocks"].items():
             assert blocks <= BLOCKS, f"kvgate predicts {blocks} blocks on a {BLOCKS}-block pod {pod}"
 
