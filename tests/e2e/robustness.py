@@ -9,6 +9,7 @@ import os
 import re
 import socket
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -359,14 +360,30 @@ def wasm_memories(pid):
 # An upstream that records everything
 # ---------------------------------------------------------------------------------------------
 
-class EchoUpstream:
+class _Served:
+    """A loopback HTTP server run in a thread for the test's length (the stub upstreams below)."""
+
+    def _serve(self, server):
+        self.server = server
+        self.port = server.server_address[1]
+        self.addr = f"127.0.0.1:{self.port}"
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class EchoUpstream(_Served):
     """Answers any method at once with a small OpenAI-ish JSON (usage included) and records
     (method, path, headers, body) of everything but kvgate's own /metrics scrapes, whose
     answer is the same JSON (an unparsable metrics page). Reads chunked request bodies."""
 
     def __init__(self):
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-        import threading
         received = self.received = []
 
         class Handler(BaseHTTPRequestHandler):
@@ -400,20 +417,10 @@ class EchoUpstream:
             def log_message(self, *a):
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.server.server_address[1]
-        self.addr = f"127.0.0.1:{self.port}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
+        self._serve(ThreadingHTTPServer(("127.0.0.1", 0), Handler))
 
 
-class FakePod:
+class FakePod(_Served):
     """An OpenAI-ish pod (answers completions at once) whose /metrics can misbehave:
     "ok" a small vLLM page; "truncate" headers promising 100 kB, a line, then the connection
     drops (a pod dying mid-scrape); "huge" a page of `huge_bytes` (a comment line)."""
@@ -425,7 +432,6 @@ class FakePod:
 
     def __init__(self, metrics="ok", huge_bytes=40 << 20):
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-        import threading
         pod = self
         self.metrics = metrics
         self.huge = None
@@ -478,14 +484,4 @@ class FakePod:
             def handle_error(self, *a):
                 pass  # the client (Envoy) hanging up on a huge page is expected
 
-        self.server = Server(("127.0.0.1", 0), Handler)
-        self.port = self.server.server_address[1]
-        self.addr = f"127.0.0.1:{self.port}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
+        self._serve(Server(("127.0.0.1", 0), Handler))
