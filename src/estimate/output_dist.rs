@@ -73,6 +73,7 @@ impl OutputDist {
     }
 
     /// Answers that run to their limit, whatever it is (known lengths: `Estimate::exact`).
+    #[cfg(any(test, feature = "fake-host"))]
     pub fn never_stops() -> OutputDist {
         OutputDist::prior(1).limited(true)
     }

@@ -34,8 +34,9 @@ pub struct Estimate {
 }
 
 impl Estimate {
-    /// A request whose prompt and output lengths are known exactly (tests, and tools that replay
-    /// recorded traffic): it runs to `output` tokens, no more, no less.
+    /// A request whose prompt and output lengths are known exactly: it runs to `output` tokens,
+    /// no more, no less. For tests and the fuzz targets.
+    #[cfg(any(test, feature = "fake-host"))]
     pub fn exact(prompt_tokens: u64, output_tokens: u64) -> Estimate {
         Estimate {
             prompt_tokens,

@@ -16,6 +16,7 @@ use crate::routing::prefix_index::PrefixIndex;
 use crate::store::codec::Reader;
 use crate::store::interface::{update, Store, StoreError};
 use hashbrown::HashMap;
+use std::cell::Cell;
 
 const VM_SEQ_KEY: &str = "kvgate.vm.seq";
 const PODS_CACHE_MS: u64 = 1_000;
@@ -344,7 +345,16 @@ impl Router {
                 outlook,
             })
             .collect();
-        let room = |k: usize| fits(&records[indices[k]], loads[k], budgets[k], cfg, bt);
+        // Each candidate's fit is a forecast over its in-flight requests: worked out at most once
+        // per request, though the fallbacks, the ranking header and the dispatch all ask.
+        let fit: Vec<Cell<Option<bool>>> = vec![Cell::new(None); indices.len()];
+        let room = |k: usize| {
+            fit[k].get().unwrap_or_else(|| {
+                let f = fits(&records[indices[k]], loads[k], budgets[k], cfg, bt);
+                fit[k].set(Some(f));
+                f
+            })
+        };
         // Pods without room are not offered as fallbacks either: a retry must not overfill them.
         let order: Vec<String> = ranked
             .iter()
