@@ -108,6 +108,7 @@ mod tests {
         let cfg = Config::default();
         let load = |held| Load {
             held,
+            sigma: 0,
             left: 1,
             outlook: [255; crate::estimate::output_dist::HORIZON_STEPS.len()],
         };

@@ -11,10 +11,13 @@
 //! which errs towards full). The pod then holds, in expectation and variance,
 //!
 //! ```text
-//! E(s) = Σ_{left_i ≥ s} (held_i + s + slack) · p_i      Var(s) = Σ_{left_i ≥ s} (…)² · p_i (1 − p_i)
+//! E(s) = Σ_{left_i ≥ s} (held_i + s + slack) · p_i
+//! Var(s) = Σ_{left_i ≥ s} (held_i + s + slack)² · p_i (1 − p_i) + σ_i² · p_i
 //! ```
 //!
-//! (`slack`: [`slack`] per request). Both grow with `s` until a request stops, so
+//! (`slack`: [`slack`] per request; `σ_i`: how far `held_i` may be off, since its prompt was
+//! estimated by rule — the spread calibration measured, so prompts are held at their expected
+//! size and their uncertainty is paid once per pod, not as a margin on every request). Both grow with `s` until a request stops, so
 //! their highest values lie just before some request's limit or at an interval's end: the forecast
 //! is `E + z·σ` (never more than all of them still running would hold) at those points, and a
 //! request is admitted when it stays within the budget. A request with `max_tokens` is thus
@@ -29,6 +32,8 @@ use crate::estimate::output_dist::{Outlook, HORIZON_END, HORIZON_STEPS};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Load {
     pub held: u64,
+    /// How far `held` may be off, one standard deviation (its prompt was estimated by rule).
+    pub sigma: u64,
     /// Decode steps until its own limit (`max_tokens`, or the output cap) stops it.
     pub left: u64,
     pub outlook: Outlook,
@@ -85,8 +90,9 @@ pub fn peak(loads: impl Iterator<Item = Load>, z: f64, block: u64) -> u64 {
 /// The sums `peak` sweeps, over the requests that may still run in one interval.
 #[derive(Default)]
 struct Sums {
-    /// Σ h·p, Σ p, Σ h²·q, Σ h·q, Σ q, Σ h and the count, with `h = held + slack`, `p` the
-    /// chance of running, `q = p(1 − p)`; only requests with `p > 0`.
+    /// Σ h·p, Σ p, Σ h²·q, Σ h·q, Σ q, Σ h, the count, Σ σ²·p and Σ σ², with
+    /// `h = held + slack`, `p` the chance of running, `q = p(1 − p)` and `σ` the spread of
+    /// `held`; only requests with `p > 0`.
     a: f64,
     c: f64,
     q2: f64,
@@ -94,6 +100,8 @@ struct Sums {
     q0: f64,
     h: f64,
     n: f64,
+    v: f64,
+    w: f64,
 }
 
 impl Sums {
@@ -111,15 +119,20 @@ impl Sums {
         self.q0 += sign * q;
         self.h += sign * h;
         self.n += sign;
+        let sigma2 = (l.sigma as f64).powi(2);
+        self.v += sign * sigma2 * p;
+        self.w += sign * sigma2;
     }
 
     /// `E + z·σ` at `s` steps ahead, never more than all the requests still able to run would
-    /// hold (the normal approximation's tail is unbounded; the pod's is not).
+    /// hold (the normal approximation's tail is unbounded; the pod's is not). A request that
+    /// holds `h + σε` (ε standard normal) with chance `p` adds `p(1 − p)·h² + p·σ²` to the
+    /// variance; "all running" is uncertain by the `σ`s alone.
     fn at(&self, s: u64, z: f64) -> f64 {
         let s = s as f64;
         let mean = self.a + s * self.c;
-        let var = (self.q2 + 2.0 * s * self.q1 + s * s * self.q0).max(0.0);
-        let all = self.h + s * self.n;
+        let var = (self.q2 + 2.0 * s * self.q1 + s * s * self.q0 + self.v).max(0.0);
+        let all = self.h + s * self.n + z * self.w.max(0.0).sqrt();
         (mean + z * var.sqrt()).min(all).max(0.0)
     }
 }
@@ -135,6 +148,7 @@ mod tests {
     fn load(held: u64, streamed: u64, max: u64) -> Load {
         Load {
             held,
+            sigma: 0,
             left: max.saturating_sub(streamed),
             outlook: OutputDist::prior(256).outlook(streamed, max),
         }
@@ -159,6 +173,7 @@ mod tests {
         // still hold 300 + nearly 1000, not 300 + 512.
         let running = |held| Load {
             held,
+            sigma: 0,
             left: 1000,
             outlook: OutputDist::never_stops().outlook(0, 1000),
         };
@@ -177,6 +192,26 @@ mod tests {
         assert!(bare < many, "z adds headroom");
     }
 
+    #[test]
+    fn a_prompt_estimates_spread_is_paid_once_per_pod() {
+        let exact = |sigma| Load {
+            held: 1000,
+            sigma,
+            left: 10,
+            outlook: OutputDist::never_stops().outlook(0, 10),
+        };
+        let known = peak(vec![exact(0); 16].into_iter(), 2.0, 16);
+        let guessed = peak(vec![exact(100); 16].into_iter(), 2.0, 16);
+        // Sixteen prompts each off by 100 tokens (one σ), independently: the sum is off by
+        // 400 (√16 × 100), and two σ of headroom is 800, where a margin on each would be 3,200.
+        assert_eq!(guessed - known, 800);
+        assert_eq!(
+            peak(vec![exact(100); 16].into_iter(), 0.0, 16),
+            known,
+            "no headroom: the expectation alone"
+        );
+    }
+
     /// The forecast as defined: at every request's limit and every interval's end, each request
     /// summed directly.
     fn peak_by_definition(loads: &[Load], z: f64, block: u64) -> f64 {
@@ -184,17 +219,19 @@ mod tests {
         for (j, &start) in HORIZON_STEPS.iter().enumerate() {
             let end = u64::from(HORIZON_STEPS.get(j + 1).copied().unwrap_or(HORIZON_END));
             let at = |s: u64| {
-                let (mut mean, mut var, mut all) = (0.0, 0.0, 0.0);
+                let (mut mean, mut var, mut all, mut spread) = (0.0, 0.0, 0.0, 0.0);
                 for l in loads {
                     let p = f64::from(l.outlook[j]) / 255.0;
                     if p > 0.0 && l.left >= s {
                         let size = (l.held + s + slack(block)) as f64;
+                        let sigma2 = (l.sigma as f64).powi(2);
                         mean += size * p;
-                        var += size * size * p * (1.0 - p);
+                        var += size * size * p * (1.0 - p) + sigma2 * p;
                         all += size;
+                        spread += sigma2;
                     }
                 }
-                (mean + z * f64::sqrt(var)).min(all)
+                (mean + z * f64::sqrt(var)).min(all + z * f64::sqrt(spread))
             };
             worst = worst.max(at(end));
             for l in loads {
@@ -227,6 +264,7 @@ mod tests {
                     };
                     Load {
                         held: next(3000),
+                        sigma: next(4) * next(100),
                         left: max - streamed.min(max),
                         outlook: OutputDist::prior(1 + next(500)).outlook(streamed, max),
                     }
@@ -247,6 +285,7 @@ mod tests {
         assert_eq!(peak(std::iter::empty(), 2.0, 16), 0);
         let last = Load {
             held: 500,
+            sigma: 0,
             left: 0,
             outlook: [255; HORIZON_STEPS.len()],
         };

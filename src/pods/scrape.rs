@@ -153,7 +153,13 @@ impl Scraper {
                             preemptions: m.preemptions.unwrap_or(f64::NAN),
                             ..Snapshot::default()
                         };
-                        record::write_snapshot(store, pod, snapshot, cfg.metrics.waiting_grace_ms)
+                        record::write_snapshot(
+                            store,
+                            pod,
+                            snapshot,
+                            cfg.metrics.waiting_grace_ms,
+                            cfg,
+                        )
                     }
                     _ => {
                         stats.count(stats::SCRAPE_ERRORS, 1);
@@ -166,7 +172,7 @@ impl Scraper {
                                 kv_usage: f64::NAN,
                                 ..Snapshot::default()
                             };
-                            record::write_snapshot(store, pod, down, 0)?;
+                            record::write_snapshot(store, pod, down, 0, cfg)?;
                         }
                         Ok(())
                     }
