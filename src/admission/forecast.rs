@@ -166,10 +166,7 @@ impl Sums {
         let s = s as f64;
         let mean = self.a + s * self.c;
         let var = (self.q2 + 2.0 * s * self.q1 + s * s * self.q0 + self.v).max(0.0);
-        let all = self.h
-            + s * self.n
-            + self.n * slack.beyond_mean
-            + z * self.w.max(0.0).sqrt();
+        let all = self.h + s * self.n + self.n * slack.beyond_mean + z * self.w.max(0.0).sqrt();
         (mean + z * var.sqrt()).min(all).max(0.0)
     }
 }
