@@ -7,8 +7,8 @@
 //!   send, or prompts it underestimated. The budget shrinks by that much, for one scrape: the next
 //!   one measures again, so the correction follows the cause and never accumulates.
 //! - **Preemptions**: a rise of `vllm:num_preemptions_total` means the forecast let the pod run out
-//!   of KV. The budget backs off multiplicatively (× [`BACKOFF_FACTOR`], down to
-//!   [`MAX_BACKOFF`] of it taken back) and recovers additively ([`RECOVERY`] per clean scrape).
+//!   of KV. The budget backs off multiplicatively (× `BACKOFF_FACTOR`, down to
+//!   `MAX_BACKOFF` of it taken back) and recovers additively (`RECOVERY` per clean scrape).
 //!   This is AIMD, the rule TCP congestion control uses (Chiu and Jain, 1989): with a signal that
 //!   arrives within one scrape and a recovery slow enough that the budget needs many scrapes to
 //!   climb back to where the signal fired, the admitted load settles just under the point where
@@ -19,11 +19,11 @@
 //! `admission.headroomSigmas` given up): the headroom is sized for the worst plausible spread of
 //! the pod's answers, and the engine says how much of it the pod really needed. While kvgate's
 //! forecast holds the pod at its budget (admission is what limits it) but the engine's KV stays
-//! below the target (`admission.utilization` less [`RELIEF_BAND`]) and it never preempts, each
-//! scrape gives up [`RELIEF_STEP`] more of the headroom; KV above the target takes it back twice as
+//! below the target (`admission.utilization` less `RELIEF_BAND`) and it never preempts, each
+//! scrape gives up `RELIEF_STEP` more of the headroom; KV above the target takes it back twice as
 //! fast, and a preemption restores all of it at once (with the budget's backoff on top). The
 //! admitted load so tracks the target utilisation from below: the headroom is given up slowly
-//! (five clean, full, under-used scrapes to reach the most it gives up, [`MAX_RELIEF`]) and
+//! (five clean, full, under-used scrapes to reach the most it gives up, `MAX_RELIEF`) and
 //! regained in one, so an overshoot lasts at most a scrape; and it cannot run away, since half
 //! the headroom is always kept on top of the expected KV.
 
