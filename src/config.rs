@@ -56,6 +56,9 @@ pub struct AdmissionConfig {
     pub budget_tokens: u64,
     /// Requests waiting at most; a full queue answers 429.
     pub max_queue: u32,
+    /// How many requests of its band may be admitted past the head of the line into room the
+    /// head does not fit, while it waits; 0 keeps the line strictly in order.
+    pub backfill_passes: u32,
     /// Longest wait before 503 with Retry-After.
     pub max_wait_ms: u64,
     /// Header naming the GIE inference objective, mapped to a priority by `objectives`.
@@ -84,6 +87,7 @@ impl Default for AdmissionConfig {
             utilization: 0.95,
             budget_tokens: 0,
             max_queue: 1_000,
+            backfill_passes: 4,
             max_wait_ms: 30_000,
             objective_header: "x-gateway-inference-objective".into(),
             objectives: BTreeMap::new(),
@@ -403,6 +407,9 @@ impl AdmissionConfig {
         }
         if self.max_wait_ms == 0 {
             return e("maxWaitMs", "must be > 0");
+        }
+        if self.backfill_passes > 1_000 {
+            return e("backfillPasses", "must be at most 1000");
         }
         if !(0.0..=10.0).contains(&self.headroom_sigmas) {
             return e("headroomSigmas", "must be in [0, 10]");

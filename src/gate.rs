@@ -170,6 +170,11 @@ impl Gate {
     }
 
     /// Parked requests past their deadline; the shell retries each, which answers 503.
+    /// This VM's parked requests that may be admitted past the head of the line now.
+    pub fn backfill(&self, store: &dyn Store) -> Vec<u64> {
+        self.admission.backfill(store, &self.config.admission)
+    }
+
     pub fn expired(&self, store: &dyn Store) -> Vec<u64> {
         self.admission.expired(store.now_ms())
     }

@@ -77,6 +77,10 @@ pub struct Admission {
     released_at: Option<u64>,
 }
 
+/// Backfills tried in one pass over the line at most: each is a routing attempt on the request
+/// path of whatever woke the VM.
+const MAX_BACKFILL_TRIES: usize = 8;
+
 /// Wakes to one VM are at most this frequent from one sender: its drain takes every message.
 const WAKE_EVERY_MS: u64 = 2;
 
@@ -257,6 +261,35 @@ impl Admission {
             line::remove(store, head.id, false)?;
         }
         Ok(None)
+    }
+
+    /// This VM's parked tickets that may be admitted past the head now (backfills, in line
+    /// order): in the head's band, while the head has been passed fewer than
+    /// `admission.backfillPasses` times. Each is then retried like the head; its admission counts
+    /// the pass (`line::remove`).
+    pub fn backfill(&self, store: &dyn Store, cfg: &AdmissionConfig) -> Vec<u64> {
+        if self.parked.is_empty() || cfg.backfill_passes == 0 {
+            return Vec::new();
+        }
+        let line = match line::read(store) {
+            Ok(line) => line,
+            Err(e) => {
+                log::debug!("kvgate: reading the queue failed: {e:?}");
+                return Vec::new();
+            }
+        };
+        let Some(head) = line.tickets.first() else {
+            return Vec::new();
+        };
+        let left = cfg.backfill_passes.saturating_sub(line.head_passes()) as usize;
+        line.tickets
+            .iter()
+            .skip(1)
+            .take_while(|t| t.priority == head.priority)
+            .filter(|t| self.parked.contains_key(&t.id))
+            .take(left.min(MAX_BACKFILL_TRIES))
+            .map(|t| t.id)
+            .collect()
     }
 
     /// Parked tickets past their deadline.
