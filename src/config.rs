@@ -331,8 +331,15 @@ impl ModelsConfig {
         if self.interval_ms > MAX_DURATION_MS || self.timeout_ms > MAX_DURATION_MS {
             return e("intervalMs", "must be at most 604800000 (7 days)");
         }
-        if self.header.bytes().any(|b| !is_token_byte(b) || b.is_ascii_uppercase()) {
-            return e("header", "a header name must be lower case, without spaces or separators");
+        if self
+            .header
+            .bytes()
+            .any(|b| !is_token_byte(b) || b.is_ascii_uppercase())
+        {
+            return e(
+                "header",
+                "a header name must be lower case, without spaces or separators",
+            );
         }
         for (name, w) in [
             ("adapterLoadCost", self.adapter_load_cost),

@@ -263,8 +263,10 @@ impl Flow {
             &hashes,
             &est,
         );
-        gate.stats
-            .count(stats::model_stat(&sent_as.stat_model, stats::MODEL_REQUESTS), 1);
+        gate.stats.count(
+            stats::model_stat(&sent_as.stat_model, stats::MODEL_REQUESTS),
+            1,
+        );
         self.admitted = Some(Admitted {
             requested: sent_as.requested,
             stat_model: sent_as.stat_model,
@@ -370,7 +372,8 @@ impl Flow {
         match admit {
             Admit::Routed(routed) => {
                 gate.stats.count(stats::ROUTED, 1);
-                gate.stats.count(stats::ADAPTER_LOADS, u64::from(routed.adapter_load));
+                gate.stats
+                    .count(stats::ADAPTER_LOADS, u64::from(routed.adapter_load));
                 if let Some(a) = &self.admitted {
                     gate.stats
                         .count(stats::model_stat(&a.stat_model, stats::MODEL_PICKS), 1);
@@ -785,11 +788,19 @@ mod tests {
             panic!("{d:?}")
         };
         let body: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
-        assert_eq!((r.status, body["error"]["param"].as_str()), (404, Some("model")));
-        assert!(body["error"]["message"].as_str().unwrap().contains("`nope`"));
+        assert_eq!(
+            (r.status, body["error"]["param"].as_str()),
+            (404, Some("model"))
+        );
+        assert!(body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("`nope`"));
         for _ in 0..10 {
             let d = send(&mut gate, &vm, &chat("b"));
-            assert!(d.set.contains(&(DESTINATION_HEADER.into(), "10.0.0.2:80".into())));
+            assert!(d
+                .set
+                .contains(&(DESTINATION_HEADER.into(), "10.0.0.2:80".into())));
         }
     }
 
@@ -812,16 +823,31 @@ mod tests {
         let d = f.on_body(&mut gate, &vm, body.as_bytes());
         assert_eq!(f.class.priority, 7, "the model's default band");
         let new_body = d.body.clone().unwrap();
-        assert_eq!(new_body, body.replace("\"llama\"", "\"llama-v2\"").into_bytes());
-        let set = |name: &str| d.set.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
+        assert_eq!(
+            new_body,
+            body.replace("\"llama\"", "\"llama-v2\"").into_bytes()
+        );
+        let set = |name: &str| {
+            d.set
+                .iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v.clone())
+        };
         assert_eq!(set("content-length"), Some(new_body.len().to_string()));
         assert_eq!(set("x-gateway-model-name").as_deref(), Some("llama-v2"));
         let headers = f.on_response_headers(&mut gate, &vm, None, Some("10.0.0.1:80"));
         assert!(headers.contains(&("x-kvgate-model".into(), "llama".into())));
         assert!(headers.contains(&("x-kvgate-target-model".into(), "llama-v2".into())));
         let counted: Vec<_> = gate.stats.drain().collect();
-        for name in ["kvgate.models.rewritten", "kvgate.model.llama_v2.requests", "kvgate.model.llama_v2.picks"] {
-            assert!(counted.contains(&stats::Stat::Counter(name.into(), 1)), "{name}: {counted:?}");
+        for name in [
+            "kvgate.models.rewritten",
+            "kvgate.model.llama_v2.requests",
+            "kvgate.model.llama_v2.picks",
+        ] {
+            assert!(
+                counted.contains(&stats::Stat::Counter(name.into(), 1)),
+                "{name}: {counted:?}"
+            );
         }
     }
 

@@ -46,7 +46,8 @@ impl Class {
         session: Option<&str>,
     ) -> Class {
         Class {
-            priority: Self::priority_given(cfg, objective, priority).unwrap_or(cfg.default_priority),
+            priority: Self::priority_given(cfg, objective, priority)
+                .unwrap_or(cfg.default_priority),
             tenant: fnv1a(tenant.unwrap_or("").as_bytes()),
             session: session
                 .filter(|s| !s.is_empty())

@@ -202,7 +202,9 @@ struct ListedModel {
 /// A name kvgate keeps: what request parsing accepts, without control characters (it may become
 /// a header value or a stat name). Anything else a pod lists is left out, not guessed at.
 fn keepable(name: &str) -> bool {
-    !name.is_empty() && name.chars().count() <= MAX_NAME_CHARS && !name.chars().any(char::is_control)
+    !name.is_empty()
+        && name.chars().count() <= MAX_NAME_CHARS
+        && !name.chars().any(char::is_control)
 }
 
 /// Reads an OpenAI `/v1/models` body (`{"object":"list","data":[{"id", "parent"}, ...]}`).
@@ -327,8 +329,17 @@ mod tests {
 
     #[test]
     fn bad_lists_are_errors_not_empty_pods() {
-        for body in [&b"not json"[..], b"{}", br#"{"data":[]}"#, br#"{"data":[{"id":""}]}"#] {
-            assert!(parse_list(body).is_err(), "{}", String::from_utf8_lossy(body));
+        for body in [
+            &b"not json"[..],
+            b"{}",
+            br#"{"data":[]}"#,
+            br#"{"data":[{"id":""}]}"#,
+        ] {
+            assert!(
+                parse_list(body).is_err(),
+                "{}",
+                String::from_utf8_lossy(body)
+            );
         }
         let many = format!(
             r#"{{"data":[{}]}}"#,
@@ -344,18 +355,29 @@ mod tests {
         let pods: Vec<String> = ["a:1", "b:1", "c:1"].map(String::from).to_vec();
         let mut view = ServedView::default();
         view.refresh(&vm, &pods, 0);
-        assert_eq!(view.serving(&pods, "m"), [true, true, true], "nothing listed");
+        assert_eq!(
+            view.serving(&pods, "m"),
+            [true, true, true],
+            "nothing listed"
+        );
         write_list(&vm, "a:1", &[base("m")], 1).unwrap();
         write_list(&vm, "b:1", &[base("n")], 1).unwrap();
         view.refresh(&vm, &pods, 100);
         assert_eq!(view.serving(&pods, "m"), [true, true, true], "cached");
         view.refresh(&vm, &pods, 1_000);
         assert_eq!(view.serving(&pods, "m"), [true, false, false]);
-        assert_eq!(view.serving(&pods, "x"), [false, false, true], "c not listed yet");
+        assert_eq!(
+            view.serving(&pods, "x"),
+            [false, false, true],
+            "c not listed yet"
+        );
         write_list(&vm, "c:1", &[base("n")], 1).unwrap();
         view.refresh(&vm, &pods, 2_000);
         assert_eq!(view.serving(&pods, "x"), [false, false, false]);
         write_lora(&vm, "a:1", LoraState::default()).unwrap();
-        assert!(read(&vm, "a:1").unwrap().serves("m"), "adapter state keeps the list");
+        assert!(
+            read(&vm, "a:1").unwrap().serves("m"),
+            "adapter state keeps the list"
+        );
     }
 }

@@ -103,7 +103,11 @@ mod tests {
         }
         assert_eq!((counts["v1"], counts["v2"]), (180, 20));
         assert!(!counts.contains_key("off"), "a zero weight gets nothing");
-        assert_eq!(split.choose(&routes, "plain", None), None, "no targets: kept");
+        assert_eq!(
+            split.choose(&routes, "plain", None),
+            None,
+            "no targets: kept"
+        );
         assert_eq!(split.choose(&routes, "other", None), None);
     }
 
@@ -113,7 +117,9 @@ mod tests {
         let first = split.choose(&routes, "llama", Some(12_345));
         assert!((0..10).all(|_| split.choose(&routes, "llama", Some(12_345)) == first));
         let v2 = (0..1000u64)
-            .filter(|s| split.choose(&routes, "llama", Some(s.wrapping_mul(0x9e37_79b9))) == Some("v2"))
+            .filter(|s| {
+                split.choose(&routes, "llama", Some(s.wrapping_mul(0x9e37_79b9))) == Some("v2")
+            })
             .count();
         assert!((60..140).contains(&v2), "{v2}");
     }

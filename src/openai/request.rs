@@ -463,8 +463,14 @@ mod tests {
         let out = r.with_model(body.as_bytes(), "tgt \"v2\"");
         let expected = body.replace(r#""pub\u00e9lic""#, r#""tgt \"v2\"""#);
         assert_eq!(String::from_utf8(out.clone()).unwrap(), expected);
-        assert_eq!(chat(std::str::from_utf8(&out).unwrap()).unwrap().model, "tgt \"v2\"");
-        for bad in [r#"{"model":7,"prompt":"x"}"#, r#"{"model":null,"prompt":"x"}"#] {
+        assert_eq!(
+            chat(std::str::from_utf8(&out).unwrap()).unwrap().model,
+            "tgt \"v2\""
+        );
+        for bad in [
+            r#"{"model":7,"prompt":"x"}"#,
+            r#"{"model":null,"prompt":"x"}"#,
+        ] {
             let e = Request::parse(Api::Completions, bad.as_bytes()).unwrap_err();
             assert_eq!(e.param.as_deref(), Some("model"), "{bad}");
         }

@@ -92,8 +92,18 @@ impl Scraper {
         self.next_models.retain(|p, _| pods.contains(p));
         let md = &cfg.models;
         for pod in pods {
-            let metrics = (Target::Pod(pod.clone()), &m.path, m.interval_ms, m.timeout_ms);
-            let models = (Target::Models(pod.clone()), &md.path, md.interval_ms, md.timeout_ms);
+            let metrics = (
+                Target::Pod(pod.clone()),
+                &m.path,
+                m.interval_ms,
+                m.timeout_ms,
+            );
+            let models = (
+                Target::Models(pod.clone()),
+                &md.path,
+                md.interval_ms,
+                md.timeout_ms,
+            );
             for (target, path, interval, timeout) in [metrics, models] {
                 let next = match target {
                     Target::Models(_) => &mut self.next_models,
@@ -350,7 +360,11 @@ mod tests {
         let c = cfg();
         let mut s = Scraper::default();
         let first = s.due(&c, &c.pods, 0);
-        assert_eq!(first.len(), 5, "discovery, and each pod's metrics and model list");
+        assert_eq!(
+            first.len(),
+            5,
+            "discovery, and each pod's metrics and model list"
+        );
         let pod_call = first
             .iter()
             .find(|c| c.target == Target::Pod("a:1".into()))
@@ -367,9 +381,20 @@ mod tests {
                 .unwrap();
         }
         assert!(s.due(&c, &c.pods, 999).is_empty(), "not due yet");
-        assert_eq!(s.due(&c, &c.pods, 1_000).len(), 2, "metrics again, not the lists");
-        let later: Vec<Target> = s.due(&c, &c.pods, 10_000).into_iter().map(|c| c.target).collect();
-        assert!(later.contains(&Target::Models("a:1".into())) && later.len() == 3, "{later:?}");
+        assert_eq!(
+            s.due(&c, &c.pods, 1_000).len(),
+            2,
+            "metrics again, not the lists"
+        );
+        let later: Vec<Target> = s
+            .due(&c, &c.pods, 10_000)
+            .into_iter()
+            .map(|c| c.target)
+            .collect();
+        assert!(
+            later.contains(&Target::Models("a:1".into())) && later.len() == 3,
+            "{later:?}"
+        );
     }
 
     #[test]
@@ -432,6 +457,63 @@ mod tests {
             "kvgate.scrape.errors".into(),
             1
         )));
+    }
+
+    #[test]
+    fn a_model_list_is_kept_through_failures_and_adapter_state_comes_with_metrics() {
+        let c = cfg();
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let mut s = Scraper::default();
+        let mut stats = Stats::default();
+        let target = Target::Models("a:1".into());
+        let list = br#"{"object":"list","data":[{"id":"base"},{"id":"sql","parent":"base"}]}"#;
+        s.on_response(&vm, &c, &mut stats, &target, Some(200), list)
+            .unwrap();
+        for (status, body) in [
+            (Some(200), &b"<html>oops</html>"[..]),
+            (Some(500), b""),
+            (None, b""),
+            (Some(200), br#"{"data":[]}"#),
+        ] {
+            s.on_response(&vm, &c, &mut stats, &target, status, body)
+                .unwrap();
+        }
+        let served = served::read(&vm, "a:1").unwrap();
+        assert!(
+            served.serves("base") && served.is_adapter("sql"),
+            "{served:?}"
+        );
+        let counted: Vec<_> = stats.drain().collect();
+        assert_eq!(
+            counted
+                .iter()
+                .filter(
+                    |x| **x == crate::stats::Stat::Counter("kvgate.models.list_errors".into(), 1)
+                )
+                .count(),
+            4
+        );
+        let metrics = b"vllm:num_requests_running 1\nvllm:lora_requests_info{max_lora=\"2\",waiting_lora_adapters=\"\",running_lora_adapters=\"sql\"} 20\nvllm:lora_requests_info{max_lora=\"2\",waiting_lora_adapters=\"\",running_lora_adapters=\"\"} 10\n";
+        s.on_response(
+            &vm,
+            &c,
+            &mut stats,
+            &Target::Pod("a:1".into()),
+            Some(200),
+            metrics,
+        )
+        .unwrap();
+        let lora = served::read(&vm, "a:1").unwrap().lora.unwrap();
+        assert_eq!(
+            (
+                lora.max_lora,
+                lora.running,
+                served::read(&vm, "a:1").unwrap().models.len()
+            ),
+            (2, vec![served::adapter_id("sql")], 2),
+            "the newest series, the list kept"
+        );
     }
 
     #[test]

@@ -109,7 +109,9 @@ impl Adapters {
         let slots = scraped.map_or(0, |l| l.max_lora as usize);
         // Without a scraped slot count, only the last adapter used is taken to be resident.
         let kept = slots.max(1);
-        let recent = p.map_or(&[][..], |p| &p.recent[p.recent.len().saturating_sub(kept)..]);
+        let recent = p.map_or(&[][..], |p| {
+            &p.recent[p.recent.len().saturating_sub(kept)..]
+        });
         if running.contains(&adapter) || recent.contains(&adapter) {
             Fit::Resident
         } else if slots > 0 && running.len() >= slots {
@@ -144,14 +146,26 @@ mod tests {
         a.dispatch("p", 1, 7, 0);
         a.dispatch("p", 2, 8, 0);
         assert_eq!(a.fit("p", 7, Some(&two)), Fit::Resident);
-        assert_eq!(a.fit("p", 9, Some(&two)), Fit::NoSlot, "7 and 8 hold both slots");
+        assert_eq!(
+            a.fit("p", 9, Some(&two)),
+            Fit::NoSlot,
+            "7 and 8 hold both slots"
+        );
         a.finish("p", 1);
         a.finish("p", 2);
-        assert_eq!(a.fit("p", 7, Some(&two)), Fit::Resident, "still in its slot");
+        assert_eq!(
+            a.fit("p", 7, Some(&two)),
+            Fit::Resident,
+            "still in its slot"
+        );
         assert_eq!(a.fit("p", 9, Some(&two)), Fit::FreeSlot);
         a.dispatch("p", 3, 9, 0);
         a.finish("p", 3);
-        assert_eq!(a.fit("p", 7, Some(&two)), Fit::FreeSlot, "evicted by 8 and 9");
+        assert_eq!(
+            a.fit("p", 7, Some(&two)),
+            Fit::FreeSlot,
+            "evicted by 8 and 9"
+        );
         assert_eq!(
             a.fit("q", 7, Some(&slots(1, vec![5]))),
             Fit::NoSlot,
@@ -159,7 +173,11 @@ mod tests {
         );
         assert_eq!(a.fit("q", 5, Some(&slots(1, vec![5]))), Fit::Resident);
         a.dispatch("q", 4, 0, 0);
-        assert_eq!(a.fit("q", 7, None), Fit::FreeSlot, "a base-model request holds no slot");
+        assert_eq!(
+            a.fit("q", 7, None),
+            Fit::FreeSlot,
+            "a base-model request holds no slot"
+        );
     }
 
     #[test]
@@ -172,7 +190,10 @@ mod tests {
         a.prune("p", |_| false, ORPHAN_MS);
         assert_eq!(a.fit("p", 8, Some(&one)), Fit::FreeSlot);
         let cfg = ModelsConfig::default();
-        assert_eq!(Fit::NoSlot.cost(&cfg), cfg.adapter_load_cost + cfg.adapter_slot_cost);
+        assert_eq!(
+            Fit::NoSlot.cost(&cfg),
+            cfg.adapter_load_cost + cfg.adapter_slot_cost
+        );
         a.retain_pods(|_| false);
         assert_eq!(a.fit("p", 7, Some(&one)), Fit::FreeSlot);
     }

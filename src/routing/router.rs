@@ -692,7 +692,10 @@ mod tests {
             // Same 32-block system prompt, different 32-block questions, long outputs.
             let mut h = hashes(1, 32);
             h.extend(hashes(100 + i, 32));
-            let routed = r.route(&vm, &cfg, "m", &h, &est(1024, 512)).unwrap().routed();
+            let routed = r
+                .route(&vm, &cfg, "m", &h, &est(1024, 512))
+                .unwrap()
+                .routed();
             pods.push(routed.pod.clone());
             inflight.push(routed);
         }
@@ -847,7 +850,9 @@ mod tests {
         let (w1, w2) = (host.vm(), host.vm());
         let mut r1 = Router::start(&w1, &cfg).unwrap();
         let mut r2 = Router::start(&w2, &cfg).unwrap();
-        let first = r1.route(&w1, &cfg, "m", &hashes(1, 4), &est(400, 100)).unwrap();
+        let first = r1
+            .route(&w1, &cfg, "m", &hashes(1, 4), &est(400, 100))
+            .unwrap();
         assert!(matches!(first, Placement::Routed(_)));
         // Either of the next two fits beside the first (440 + 100 + 16, then 330 + 50 + 16 each),
         // not both. Worker 2 takes the room while worker 1 is between its read and its write.
@@ -855,7 +860,10 @@ mod tests {
         let racing = Racing {
             vm: &w1,
             meanwhile: std::cell::RefCell::new(Some(Box::new(|| {
-                second = Some(r2.route(&w2, &cfg, "m", &hashes(2, 4), &est(300, 50)).unwrap());
+                second = Some(
+                    r2.route(&w2, &cfg, "m", &hashes(2, 4), &est(300, 50))
+                        .unwrap(),
+                );
             }))),
         };
         let third = r1
@@ -984,7 +992,8 @@ mod tests {
         assert_eq!(second.block_tokens, 32);
         scraped("a:1", 1);
         scraped("b:1", 1);
-        r.route(&vm, &cfg, "m", &hashes(3, 4), &est(64, 64)).unwrap();
+        r.route(&vm, &cfg, "m", &hashes(3, 4), &est(64, 64))
+            .unwrap();
         assert_eq!(
             r.block_tokens(&cfg.routing),
             16,
@@ -1101,11 +1110,20 @@ mod tests {
                 .route(&vm, &cfg, "a1", &hashes(g, 4), &est(64, 16))
                 .unwrap()
                 .routed();
-            assert_eq!(routed.pod, pods[0], "the other pod lists nothing, but a pod lists a1");
+            assert_eq!(
+                routed.pod, pods[0],
+                "the other pod lists nothing, but a pod lists a1"
+            );
         }
-        assert!(r.serves(&vm, &cfg, "zz"), "the second pod may serve it: not listed yet");
+        assert!(
+            r.serves(&vm, &cfg, "zz"),
+            "the second pod may serve it: not listed yet"
+        );
         crate::models::served::write_list(&vm, pods[1], &[], 1).unwrap();
         host.advance_ms(1_000);
-        assert!(!r.serves(&vm, &cfg, "zz"), "every pod listed, none lists it");
+        assert!(
+            !r.serves(&vm, &cfg, "zz"),
+            "every pod listed, none lists it"
+        );
     }
 }

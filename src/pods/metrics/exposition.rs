@@ -44,10 +44,7 @@ pub fn lora_info(body: &[u8]) -> Option<LoraInfo> {
             return;
         };
         let info = LoraInfo {
-            max_lora: labels
-                .max_lora
-                .and_then(|m| m.parse().ok())
-                .unwrap_or(0),
+            max_lora: labels.max_lora.and_then(|m| m.parse().ok()).unwrap_or(0),
             running: unescape(labels.running_lora_adapters.unwrap_or("")),
             waiting: unescape(labels.waiting_lora_adapters.unwrap_or("")),
         };
