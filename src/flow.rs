@@ -430,9 +430,7 @@ impl Flow {
         a.waiting = None;
         let waited = store.now_ms().saturating_sub(ticket.enqueued_ms);
         a.waited_ms = Some(waited);
-        gate.stats
-            .count(stats::model_stat(&a.stat_model, stats::MODEL_QUEUED), 1);
-        gate.stats.count(
+        gate.stats.histogram(
             stats::model_stat(&a.stat_model, stats::MODEL_QUEUE_WAIT_MS),
             waited,
         );

@@ -138,26 +138,21 @@ pub fn pod_stat(pod: &str, stat: PodStat) -> String {
     format!("kvgate.pod.{}.{}", pod_segment(pod), stat.0)
 }
 
-/// The last segment of a per-model name, `kvgate.model.<model>.<segment>`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ModelStat(&'static str);
-
+// Per model: the last segment of `kvgate.model.<model>.<segment>` ([`model_stat`]).
 /// Requests for the model (as sent, after any rename) that kvgate decided on.
-pub const MODEL_REQUESTS: ModelStat = ModelStat("requests");
+pub const MODEL_REQUESTS: &str = "requests";
 /// Of those, requests routed to a pod kvgate picked.
-pub const MODEL_PICKS: ModelStat = ModelStat("picks");
-/// Requests that waited in the line, and their waits summed in milliseconds.
-pub const MODEL_QUEUED: ModelStat = ModelStat("queued");
-pub const MODEL_QUEUE_WAIT_MS: ModelStat = ModelStat("queue_wait_ms");
+pub const MODEL_PICKS: &str = "picks";
+/// A histogram of the waits in the line of requests admitted after waiting.
+pub const MODEL_QUEUE_WAIT_MS: &str = "queue_wait_ms";
 /// Tokens the engines reported in `usage`.
-pub const MODEL_PROMPT_TOKENS: ModelStat = ModelStat("prompt_tokens");
-pub const MODEL_COMPLETION_TOKENS: ModelStat = ModelStat("completion_tokens");
+pub const MODEL_PROMPT_TOKENS: &str = "prompt_tokens";
+pub const MODEL_COMPLETION_TOKENS: &str = "completion_tokens";
 
-/// Every per-model name, for the test against docs/operations.md.
-pub const PER_MODEL: &[ModelStat] = &[
+/// Every per-model segment, for the test against docs/operations.md.
+pub const PER_MODEL: [&str; 5] = [
     MODEL_REQUESTS,
     MODEL_PICKS,
-    MODEL_QUEUED,
     MODEL_QUEUE_WAIT_MS,
     MODEL_PROMPT_TOKENS,
     MODEL_COMPLETION_TOKENS,
@@ -171,12 +166,12 @@ const MODEL_SEGMENT_CHARS: usize = 64;
 
 /// A model's stat: `kvgate.model.<model>.<stat>`, the name made one bounded segment (characters
 /// other than ASCII letters and digits become `_`).
-pub fn model_stat(model: &str, stat: ModelStat) -> String {
+pub fn model_stat(model: &str, stat: &str) -> String {
     let segment: String = pod_segment(model)
         .chars()
         .take(MODEL_SEGMENT_CHARS)
         .collect();
-    format!("kvgate.model.{segment}.{}", stat.0)
+    format!("kvgate.model.{segment}.{stat}")
 }
 
 /// Tickets waiting in one configured priority band: `kvgate.queue.priority_<band>.length`, a
@@ -283,7 +278,7 @@ mod tests {
         catalog.extend(
             PER_MODEL
                 .iter()
-                .map(|s| model_stat("MODEL", *s).replace("MODEL", "<model>")),
+                .map(|s| model_stat("MODEL", s).replace("MODEL", "<model>")),
         );
         let mut documented = documented();
         catalog.sort();
