@@ -276,8 +276,10 @@ impl ServedView {
     }
 
     /// Which of `pods` may serve `model`: those listing it; if none does, those not listed yet
-    /// (a pod is taken to serve everything until its list is known); else none.
-    pub fn serving(&self, pods: &[String], model: &str) -> Vec<bool> {
+    /// (a pod is taken to serve everything until its list is known) that are `up` (a pod that
+    /// refuses connections never answers its list: it must not become the one pod every unknown
+    /// model is sent to); else none.
+    pub fn serving(&self, pods: &[String], model: &str, up: impl Fn(usize) -> bool) -> Vec<bool> {
         let listed = |p: &String| self.get(p).is_some_and(|s| s.listed_ms.is_some());
         let listing: Vec<bool> = pods
             .iter()
@@ -286,7 +288,10 @@ impl ServedView {
         if listing.iter().any(|&b| b) {
             return listing;
         }
-        pods.iter().map(|p| !listed(p)).collect()
+        pods.iter()
+            .enumerate()
+            .map(|(i, p)| !listed(p) && up(i))
+            .collect()
     }
 }
 
@@ -354,26 +359,33 @@ mod tests {
         let vm = host.vm();
         let pods: Vec<String> = ["a:1", "b:1", "c:1"].map(String::from).to_vec();
         let mut view = ServedView::default();
+        let up = |_| true;
         view.refresh(&vm, &pods, 0);
+        assert_eq!(view.serving(&pods, "m", up), [true; 3], "nothing listed");
         assert_eq!(
-            view.serving(&pods, "m"),
-            [true, true, true],
-            "nothing listed"
+            view.serving(&pods, "m", |i| i != 1),
+            [true, false, true],
+            "b down"
         );
         write_list(&vm, "a:1", &[base("m")], 1).unwrap();
         write_list(&vm, "b:1", &[base("n")], 1).unwrap();
         view.refresh(&vm, &pods, 100);
-        assert_eq!(view.serving(&pods, "m"), [true, true, true], "cached");
+        assert_eq!(view.serving(&pods, "m", up), [true, true, true], "cached");
         view.refresh(&vm, &pods, 1_000);
-        assert_eq!(view.serving(&pods, "m"), [true, false, false]);
+        assert_eq!(view.serving(&pods, "m", up), [true, false, false]);
         assert_eq!(
-            view.serving(&pods, "x"),
+            view.serving(&pods, "x", up),
             [false, false, true],
-            "c not listed yet"
+            "c not listed"
+        );
+        assert_eq!(
+            view.serving(&pods, "x", |i| i != 2),
+            [false; 3],
+            "c is down"
         );
         write_list(&vm, "c:1", &[base("n")], 1).unwrap();
         view.refresh(&vm, &pods, 2_000);
-        assert_eq!(view.serving(&pods, "x"), [false, false, false]);
+        assert_eq!(view.serving(&pods, "x", up), [false, false, false]);
         write_lora(&vm, "a:1", LoraState::default()).unwrap();
         assert!(
             read(&vm, "a:1").unwrap().serves("m"),

@@ -263,7 +263,10 @@ impl Router {
             self.active.prune(pod, |id| rec.is_live(id), now);
             self.adapters.prune(pod, |id| rec.is_live(id), now);
         }
-        let serving = self.serving(store, model, now);
+        self.served.refresh(store, &self.pods, now);
+        let serving = self
+            .served
+            .serving(&self.pods, model, |i| !records[i].is_down());
         let fresh = |rec: &PodRecord| rec.is_fresh(now, &cfg.metrics);
         let any_fresh = records.iter().any(fresh);
         let eligible = |rec: &PodRecord| match rec.snapshot {
@@ -575,7 +578,14 @@ impl Router {
     pub fn serves(&mut self, store: &dyn Store, cfg: &Config, model: &str) -> bool {
         let now = store.now_ms();
         self.refresh_pods(store, cfg, now);
-        self.pods.is_empty() || self.serving(store, model, now).contains(&true)
+        if self.pods.is_empty() {
+            return true;
+        }
+        self.served.refresh(store, &self.pods, now);
+        // Health is read only for pods without a list, and only when no list names the model.
+        let pods = &self.pods;
+        let up = |i: usize| record::read(store, &pods[i]).map_or(true, |r| !r.is_down());
+        self.served.serving(pods, model, up).contains(&true)
     }
 
     /// Whether a pod's model list, as last read, names `model`.
@@ -583,11 +593,6 @@ impl Router {
         self.pods
             .iter()
             .any(|p| self.served.get(p).is_some_and(|s| s.serves(model)))
-    }
-
-    fn serving(&mut self, store: &dyn Store, model: &str, now: u64) -> Vec<bool> {
-        self.served.refresh(store, &self.pods, now);
-        self.served.serving(&self.pods, model)
     }
 
     /// Per candidate (`indices` into the pods), where the adapter stands, or `None` where
