@@ -380,8 +380,9 @@ class _Served:
 class EchoUpstream(_Served):
     """Answers any method at once with a small OpenAI-ish JSON (usage included) and records
     (method, path, headers, body) of everything but kvgate's own /metrics and /v1/models
-    scrapes, whose answer is the same JSON (an unparsable metrics page and model list). Reads
-    chunked request bodies."""
+    scrapes (those name the pod in x-envoy-original-dst-host, which kvgate strips from clients),
+    whose answer is the same JSON (an unparsable metrics page and model list). Reads chunked
+    request bodies."""
 
     def __init__(self):
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -402,7 +403,7 @@ class EchoUpstream(_Served):
                         self.rfile.readline()
                 else:
                     body = self.rfile.read(int(self.headers.get("content-length") or 0))
-                if self.path not in ("/metrics", "/v1/models"):
+                if self.path != "/metrics" and "x-envoy-original-dst-host" not in self.headers:
                     received.append((self.command, self.path, {k.lower(): v for k, v in self.headers.items()}, body))
                 out = json.dumps({"object": "chat.completion", "choices": [{"message": {"content": "ok"}}],
                                   "usage": {"prompt_tokens": 10, "completion_tokens": 1, "total_tokens": 11}}).encode()
