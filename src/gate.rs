@@ -6,6 +6,7 @@
 use crate::admission::admit::Admission;
 use crate::config::Config;
 use crate::estimate::calibration::Calibration;
+use crate::models::split::Split;
 use crate::pods::scrape::{self, Call, Scraper, Target};
 use crate::routing::router::Router;
 use crate::stats::{self, Stats};
@@ -23,6 +24,8 @@ pub struct Gate {
     pub(crate) calibration: Calibration,
     pub(crate) router: Router,
     pub(crate) admission: Admission,
+    /// Public model names' round-robin credits (`models.routes`).
+    pub(crate) split: Split,
     scraper: Scraper,
     pub stats: Stats,
 }
@@ -35,6 +38,7 @@ impl Gate {
             router,
             config,
             calibration: Calibration::default(),
+            split: Split::default(),
             scraper: Scraper::default(),
             stats: Stats::default(),
         })

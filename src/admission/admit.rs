@@ -27,6 +27,17 @@ pub struct Class {
 }
 
 impl Class {
+    /// The priority the client's headers set (directly, or through a named objective), if any.
+    pub fn priority_given(
+        cfg: &AdmissionConfig,
+        objective: Option<&str>,
+        priority: Option<&str>,
+    ) -> Option<i32> {
+        let from_objective = objective.and_then(|o| cfg.objectives.get(o.trim()).copied());
+        let direct = priority.and_then(|p| p.trim().parse::<i32>().ok());
+        direct.or(from_objective)
+    }
+
     pub fn from_headers(
         cfg: &AdmissionConfig,
         objective: Option<&str>,
@@ -34,10 +45,9 @@ impl Class {
         tenant: Option<&str>,
         session: Option<&str>,
     ) -> Class {
-        let from_objective = objective.and_then(|o| cfg.objectives.get(o.trim()).copied());
-        let direct = priority.and_then(|p| p.trim().parse::<i32>().ok());
         Class {
-            priority: direct.or(from_objective).unwrap_or(cfg.default_priority),
+            priority: Self::priority_given(cfg, objective, priority)
+                .unwrap_or(cfg.default_priority),
             tenant: fnv1a(tenant.unwrap_or("").as_bytes()),
             session: session
                 .filter(|s| !s.is_empty())
@@ -115,12 +125,13 @@ impl Admission {
         router: &mut Router,
         stats: &mut Stats,
         class: Class,
+        model: &str,
         hashes: &[u64],
         est: &Estimate,
     ) -> Result<Admit, StoreError> {
         let a = &cfg.admission;
         if !a.enabled {
-            return Ok(match router.route(store, cfg, hashes, est)? {
+            return Ok(match router.route(store, cfg, model, hashes, est)? {
                 Placement::Routed(r) => Admit::Routed(r),
                 Placement::NoPods | Placement::NoRoom => Admit::Unrouted,
             });
@@ -152,7 +163,7 @@ impl Admission {
         // Only a request that would lead the line may go straight to a pod: nobody waiting on
         // any worker is overtaken by a lower-ordered newcomer.
         if line.would_lead(&ticket) {
-            match router.route(store, cfg, hashes, est)? {
+            match router.route(store, cfg, model, hashes, est)? {
                 Placement::Routed(r) => {
                     // Fair-queuing tags matter only under contention: an uncontended pool skips
                     // the write to the one line every worker shares.
@@ -205,6 +216,7 @@ impl Admission {
         router: &mut Router,
         stats: &mut Stats,
         ticket: &Ticket,
+        model: &str,
         hashes: &[u64],
         est: &Estimate,
     ) -> Result<Option<Admit>, StoreError> {
@@ -222,7 +234,7 @@ impl Admission {
             .with_header("retry-after", waited_s.to_string());
             return Ok(Some(Admit::Refuse(reply)));
         }
-        let admit = match router.route(store, cfg, hashes, est)? {
+        let admit = match router.route(store, cfg, model, hashes, est)? {
             Placement::Routed(r) => Admit::Routed(r),
             Placement::NoPods => Admit::Unrouted,
             Placement::NoRoom => return Ok(None),
@@ -422,6 +434,7 @@ mod tests {
                     &mut self.router,
                     &mut self.stats,
                     c,
+                    "m",
                     &[1, 2],
                     &est(cost),
                 )
@@ -436,6 +449,7 @@ mod tests {
                     &mut self.router,
                     &mut self.stats,
                     t,
+                    "m",
                     &[1, 2],
                     &est(cost),
                 )
