@@ -49,6 +49,9 @@ pub struct Snapshot {
     /// The fraction of the forecast's headroom (`admission.headroomSigmas`) given up while the
     /// engine ran below its target without preempting (`feedback`), 0 normally.
     pub relief: f64,
+    /// How far below its most the relief is capped after a preemption showed it was too much
+    /// (`feedback`), 0 normally.
+    pub relief_lost: f64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -166,7 +169,8 @@ impl PodRecord {
                     .f64(s.preemptions)
                     .f64(s.backoff)
                     .u64(s.unexplained_tokens)
-                    .f64(s.relief);
+                    .f64(s.relief)
+                    .f64(s.relief_lost);
             }
             None => {
                 w.u8(0);
@@ -223,6 +227,7 @@ impl PodRecord {
                 }
                 if has_spread {
                     s.relief = r.f64()?;
+                    s.relief_lost = r.f64()?;
                 }
                 Some(s)
             }
@@ -419,6 +424,7 @@ mod tests {
                 backoff: 0.1,
                 unexplained_tokens: 3,
                 relief: 0.25,
+                relief_lost: 0.1,
             }),
             finished_since_scrape: 3,
             entries: vec![

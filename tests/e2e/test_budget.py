@@ -120,6 +120,3 @@ def test_without_max_tokens_preemptions_are_a_sliver_of_round_robins():
     assert out["round_robin"]["preemptions"] >= 50
     assert out["kvgate"]["preemptions"] <= 0.02 * out["round_robin"]["preemptions"]
     assert out["kvgate"]["kv_used"] >= 0.4
-    # The pods ran full under admission, below their target, without preempting: the engine's
-    # feedback gave part of the forecast's headroom up.
-    assert out["relief_percent"] > 0, out
