@@ -171,5 +171,12 @@ mod tests {
             fits(&rec, unbounded(1000), budget, &cfg, 16),
             "all the headroom given up: the expectation alone"
         );
+        for e in rec.entries.iter_mut() {
+            e.bounded = true;
+        }
+        assert!(
+            !fits(&rec, unbounded(1000), budget, &cfg, 16),
+            "requests with max_tokens keep their whole headroom"
+        );
     }
 }

@@ -31,6 +31,8 @@ pub struct Estimate {
     pub output_tokens: u64,
     /// The hard limit: the request's max-tokens field, or `estimator.outputCapTokens`.
     pub max_output_tokens: u64,
+    /// The request set its own limit (a max-tokens field).
+    pub bounded: bool,
     /// How long the model's answers run: the request's outlook on its pod comes from this.
     pub output: OutputDist,
     /// Its expected size when done, prompt × safety factor + expected output, clamped: what the
@@ -48,6 +50,7 @@ impl Estimate {
             prompt_sigma: 0,
             output_tokens,
             max_output_tokens: output_tokens,
+            bounded: true,
             output: OutputDist::never_stops(),
             cost: prompt_tokens + output_tokens,
         }
@@ -94,6 +97,7 @@ pub fn estimate_from(
         prompt_sigma,
         output_tokens,
         max_output_tokens,
+        bounded: req.max_output_tokens.is_some(),
         output,
         cost,
     }

@@ -65,6 +65,9 @@ pub struct Entry {
     pub held_tokens: u64,
     /// How far `held_tokens` may be off, one standard deviation (its prompt was estimated).
     pub held_sigma: u32,
+    /// The request set its own output limit (`max_tokens`): the engine's feedback gives up no
+    /// headroom on its account (`forecast`).
+    pub bounded: bool,
     /// Decode steps until its own limit stops it, and the chance it is still running at the
     /// start of each of the forecast's intervals (`output_dist`).
     pub left: u32,
@@ -112,10 +115,15 @@ impl PodRecord {
 
     /// The pod's KV forecast (`forecast::peak`) with `extra` added: what admission holds within
     /// the budget, and what the `reserved_tokens` gauge shows. Its headroom is `headroom_sigmas`
-    /// less what the engine's feedback has given up on this pod (`Snapshot::relief`).
+    /// less what the engine's feedback has given up on this pod (`Snapshot::relief`), in the
+    /// share of its requests that set no output limit: a client's `max_tokens` is a bound kvgate
+    /// keeps its whole headroom for (measured: relieved, pods of bounded requests preempted now
+    /// and then; never with the whole headroom).
     pub fn forecast(&self, extra: Option<Load>, headroom_sigmas: f64, block_tokens: u64) -> u64 {
         let relief = self.snapshot.map_or(0.0, |s| s.relief.clamp(0.0, 1.0));
-        let z = headroom_sigmas * (1.0 - relief);
+        let unbounded = self.entries.iter().filter(|e| !e.bounded).count();
+        let share = unbounded as f64 / self.entries.len().max(1) as f64;
+        let z = headroom_sigmas * (1.0 - relief * share);
         let loads = self
             .entries
             .iter()
@@ -190,7 +198,7 @@ impl PodRecord {
             for &p in &e.outlook {
                 w.u8(p);
             }
-            w.u32(e.held_sigma);
+            w.u32(e.held_sigma).u8(u8::from(e.bounded));
         }
         w.0
     }
@@ -241,7 +249,7 @@ impl PodRecord {
                 } else {
                     0
                 }
-                + 4 * usize::from(has_spread),
+                + 5 * usize::from(has_spread),
         )?;
         let mut entries = Vec::with_capacity(n);
         for _ in 0..n {
@@ -267,6 +275,7 @@ impl PodRecord {
             }
             if has_spread {
                 e.held_sigma = r.u32()?;
+                e.bounded = r.u8()? != 0;
             }
             entries.push(e);
         }
@@ -431,6 +440,7 @@ mod tests {
                 entry(1, 4),
                 Entry {
                     held_sigma: 7,
+                    bounded: true,
                     ..entry(2, 5)
                 },
             ],

@@ -414,6 +414,7 @@ impl Router {
                 dispatched_ms: now,
                 held_tokens: load.held,
                 held_sigma: u32::try_from(load.sigma).unwrap_or(u32::MAX),
+                bounded: est.bounded,
                 left: u32::try_from(load.left).unwrap_or(u32::MAX),
                 outlook: load.outlook,
                 prompt_blocks: new_blocks,
