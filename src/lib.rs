@@ -13,6 +13,7 @@ pub mod gate;
 pub mod hash;
 pub mod openai;
 pub mod pods;
+pub mod replicas;
 pub mod routing;
 pub mod stats;
 pub mod status;

@@ -54,6 +54,20 @@ pub const USAGE_PROMPT_TOKENS: &str = "kvgate.usage.prompt_tokens";
 pub const USAGE_COMPLETION_TOKENS: &str = "kvgate.usage.completion_tokens";
 pub const USAGE_TOTAL_TOKENS: &str = "kvgate.usage.total_tokens";
 
+// Replicas sharing budgets through etcd (`replicas::sync`, `gate`).
+/// Syncs whose txn etcd applied.
+pub const REPLICAS_SYNCS: &str = "kvgate.replicas.syncs";
+/// Txns that lost a race for a pod's free credit (read again on the next tick).
+pub const REPLICAS_CONFLICTS: &str = "kvgate.replicas.conflicts";
+/// etcd calls that failed or timed out (the replica keeps admitting, within its fallback).
+pub const REPLICAS_ERRORS: &str = "kvgate.replicas.errors";
+/// Lapsed replicas whose grants this replica reclaimed.
+pub const REPLICAS_RECLAIMED: &str = "kvgate.replicas.reclaimed";
+/// Replicas whose lease etcd holds, as of the last sync.
+pub const REPLICAS_LIVE: &str = "kvgate.replicas.live";
+/// 1 while this replica reaches etcd, 0 while it admits within its fallback.
+pub const REPLICAS_IN_CONTACT: &str = "kvgate.replicas.in_contact";
+
 /// Every fixed name, for the test against docs/operations.md.
 pub const FIXED: &[&str] = &[
     ROUTED,
@@ -86,6 +100,12 @@ pub const FIXED: &[&str] = &[
     USAGE_PROMPT_TOKENS,
     USAGE_COMPLETION_TOKENS,
     USAGE_TOTAL_TOKENS,
+    REPLICAS_SYNCS,
+    REPLICAS_CONFLICTS,
+    REPLICAS_ERRORS,
+    REPLICAS_RECLAIMED,
+    REPLICAS_LIVE,
+    REPLICAS_IN_CONTACT,
 ];
 
 /// The last segment of a per-pod name, `kvgate.pod.<ip_port>.<segment>`.
@@ -102,6 +122,10 @@ pub const POD_UNEXPLAINED_TOKENS: PodStat = PodStat("unexplained_tokens");
 pub const POD_BACKOFF_PERCENT: PodStat = PodStat("backoff_percent");
 pub const POD_BUDGET_TOKENS: PodStat = PodStat("budget_tokens");
 pub const POD_HEALTHY: PodStat = PodStat("healthy");
+/// With several replicas: what this one may reserve on the pod now (`replicas::split::admit_cap`).
+pub const POD_GRANT_TOKENS: PodStat = PodStat("grant_tokens");
+/// With several replicas: the KV the other replicas' requests hold on the pod.
+pub const POD_REMOTE_TOKENS: PodStat = PodStat("remote_tokens");
 
 /// Every per-pod name, for the test against docs/operations.md.
 pub const PER_POD: &[PodStat] = &[
@@ -115,6 +139,8 @@ pub const PER_POD: &[PodStat] = &[
     POD_BACKOFF_PERCENT,
     POD_BUDGET_TOKENS,
     POD_HEALTHY,
+    POD_GRANT_TOKENS,
+    POD_REMOTE_TOKENS,
 ];
 
 /// A pod's stat: `kvgate.pod.<ip_port>.<stat>`, the address made one segment by [`pod_segment`].

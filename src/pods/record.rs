@@ -331,8 +331,20 @@ pub fn finish(
 pub fn write_snapshot(
     store: &dyn Store,
     pod: &str,
+    snapshot: Snapshot,
+    grace_ms: u64,
+) -> Result<(), StoreError> {
+    write_snapshot_among(store, pod, snapshot, grace_ms, 0)
+}
+
+/// `write_snapshot` for one of several gateway replicas: `remote_tokens` is the KV the other
+/// replicas' requests hold on the pod (`replicas::share`), explained like this replica's own.
+pub fn write_snapshot_among(
+    store: &dyn Store,
+    pod: &str,
     mut snapshot: Snapshot,
     grace_ms: u64,
+    remote_tokens: u64,
 ) -> Result<(), StoreError> {
     modify(store, pod, |rec| {
         if let Some(prev) = rec.snapshot {
@@ -343,7 +355,7 @@ pub fn write_snapshot(
                 snapshot.block_size = prev.block_size;
             }
         }
-        crate::admission::feedback::follow(rec.snapshot.as_ref(), &mut snapshot, rec);
+        crate::admission::feedback::follow(rec.snapshot.as_ref(), &mut snapshot, rec, remote_tokens);
         let since = snapshot.at_ms.saturating_sub(grace_ms);
         let unscheduled = rec
             .entries

@@ -24,6 +24,8 @@ pub struct Call {
     pub path: String,
     /// Headers besides :method and :path (authority, original-destination host).
     pub headers: Vec<(String, String)>,
+    /// A POST's body; `None` sends a GET.
+    pub body: Option<Vec<u8>>,
     pub timeout_ms: u64,
 }
 
@@ -31,6 +33,8 @@ pub struct Call {
 pub enum Target {
     Pod(String),
     Discovery,
+    /// etcd's JSON gateway, for the replicas' sync (`replicas::sync`: one call at a time).
+    Etcd,
 }
 
 /// Takes or renews the lease; true when this VM is the scraper until `now + ttl`.
@@ -76,6 +80,7 @@ impl Scraper {
                 cluster: d.admin_cluster.clone(),
                 path: "/clusters?format=json".into(),
                 headers: vec![(":authority".into(), "envoy-admin".into())],
+                body: None,
                 timeout_ms: d.timeout_ms,
             });
         }
@@ -102,6 +107,7 @@ impl Scraper {
                     (":authority".into(), pod.clone()),
                     ("x-envoy-original-dst-host".into(), pod.clone()),
                 ],
+                body: None,
                 timeout_ms: m.timeout_ms,
             });
         }
@@ -153,7 +159,16 @@ impl Scraper {
                             preemptions: m.preemptions.unwrap_or(f64::NAN),
                             ..Snapshot::default()
                         };
-                        record::write_snapshot(store, pod, snapshot, cfg.metrics.waiting_grace_ms)
+                        // With several replicas, the others' requests on the pod are not
+                        // unexplained either (`replicas::share`).
+                        let remote = crate::replicas::share::remote_tokens(store, cfg, pod);
+                        record::write_snapshot_among(
+                            store,
+                            pod,
+                            snapshot,
+                            cfg.metrics.waiting_grace_ms,
+                            remote,
+                        )
                     }
                     _ => {
                         stats.count(stats::SCRAPE_ERRORS, 1);
@@ -172,6 +187,8 @@ impl Scraper {
                     }
                 }
             }
+            // The gate hands etcd's answers to the replicas' sync.
+            Target::Etcd => Ok(()),
         }
     }
 

@@ -320,7 +320,11 @@ impl Router {
         let ranked = rank(&candidates, prompt_blocks, own_blocks, r, &mut rng);
         let budgets: Vec<Option<u64>> = indices
             .iter()
-            .map(|&i| budget_tokens(cfg, records[i].snapshot.as_ref()))
+            // With several gateway replicas, this one's grant of the budget (`replicas::share`).
+            .map(|&i| {
+                let budget = budget_tokens(cfg, records[i].snapshot.as_ref());
+                crate::replicas::share::cap(store, cfg, &self.pods[i], budget)
+            })
             .collect();
         // A prefix already held by in-flight requests on a pod occupies its KV once: a request
         // holds only what it adds there (kthena PR 928's review objection to per-request token budgets).
