@@ -14,3 +14,6 @@ pub mod gateway;
 pub mod share;
 pub mod split;
 pub mod sync;
+
+#[cfg(test)]
+mod tests;
