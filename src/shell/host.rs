@@ -81,8 +81,9 @@ pub fn response_header(name: &str) -> Option<String> {
 }
 
 /// Envoy's node id (`--service-node`, or `node.id` in its bootstrap; Istio sets it per pod).
+/// Envoy 1.40 names the attribute `xds.node`; a bare `node` is not found.
 pub fn node_id() -> Option<String> {
-    raw::get_property(&["node", "id"])
+    raw::get_property(&["xds", "node", "id"])
         .ok()
         .flatten()
         .and_then(|b| String::from_utf8(b).ok())
