@@ -10,7 +10,7 @@ use crate::estimate::reservation::Estimate;
 use crate::pods::pool::{decode_pods, PODS_KEY};
 use crate::pods::record::{self, Entry, PodRecord};
 use crate::routing::active_blocks::ActiveBlocks;
-use crate::routing::pick::{rank, Candidate, Rng, Scored, Terms};
+use crate::routing::pick::{rank, rendezvous, Candidate, Rng, Scored, Terms};
 use crate::routing::pick_log::{Event, PickLog, MAX_EVENT_BLOCKS};
 use crate::routing::prefix_index::PrefixIndex;
 use crate::store::codec::Reader;
@@ -317,7 +317,15 @@ impl Router {
         }
         let mut rng = Rng::new(request ^ now.rotate_left(17));
         let own_blocks = prompt_blocks as u64 + output_blocks;
-        let ranked = rank(&candidates, prompt_blocks, own_blocks, r, &mut rng);
+        let mut ranked = rank(&candidates, prompt_blocks, own_blocks, r, &mut rng);
+        if cfg.etcd.enabled() && candidates.iter().all(|c| c.cached_blocks == 0) {
+            // Several replicas: a prompt no pod caches goes where every replica would send it,
+            // among pods within one request's own load of the best (`pick::rendezvous`).
+            if let Some(&first) = hashes.first() {
+                let tolerance = (r.decode_weight + r.active_weight) * own_blocks as f64;
+                rendezvous(&mut ranked, &candidates, first, tolerance);
+            }
+        }
         let budgets: Vec<Option<u64>> = indices
             .iter()
             // With several gateway replicas, this one's grant of the budget (`replicas::share`).
