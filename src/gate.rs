@@ -77,11 +77,13 @@ impl Gate {
     /// What the replicas' sync needs of each pod, from this replica's records and line.
     fn pod_views(&self, store: &dyn Store) -> Result<Vec<PodView>, StoreError> {
         let pods = self.router.pods();
-        let queued: u64 = crate::admission::line::read(store)?
+        let line = crate::admission::line::read(store)?;
+        let queued: u64 = line.tickets.iter().map(|t| t.cost).sum();
+        let head = line
             .tickets
             .iter()
-            .map(|t| t.cost)
-            .sum();
+            .min_by(|a, b| crate::admission::line::order(a, b))
+            .map_or(0, |t| t.cost);
         let block = u64::from(self.router.block_tokens(&self.config.routing));
         let z = self.config.admission.headroom_sigmas;
         let mut views = Vec::with_capacity(pods.len());
@@ -95,6 +97,7 @@ impl Gate {
                 in_use,
                 // Waiting requests may go to any pod: each asks for an even part of them.
                 demand: in_use + queued / pods.len().max(1) as u64,
+                unit: head,
                 explained: crate::admission::feedback::explained(&rec, block_size),
             });
         }

@@ -40,6 +40,8 @@ pub struct PodView {
     pub in_use: u64,
     /// What it asks for: `in_use` and its share of the requests waiting in its line.
     pub demand: u64,
+    /// The size of the next request it would admit (the head of its line), 0 when none waits.
+    pub unit: u64,
     /// The KV its requests hold there (`admission::feedback::explained`), for the other
     /// replicas' unexplained-KV feedback.
     pub explained: u64,
@@ -49,7 +51,11 @@ pub struct PodView {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 struct Published {
     grant: u64,
+    #[serde(default)]
+    in_use: u64,
     demand: u64,
+    #[serde(default)]
+    unit: u64,
     explained: u64,
 }
 
@@ -338,26 +344,25 @@ impl Sync {
                 }
                 holders.push(Holder {
                     grant: value.grant,
+                    in_use: value.in_use,
                     demand: value.demand,
+                    unit: value.unit,
                     lapsed: *replica != me && !alive.contains(replica),
                 });
             }
+            // Its own line from its records, fresher than what it last published.
             let me_at = match mine {
-                Some(i) => {
-                    holders[i].demand = view.demand;
-                    i
-                }
+                Some(i) => i,
                 None => {
-                    holders.push(Holder {
-                        grant: 0,
-                        demand: view.demand,
-                        lapsed: false,
-                    });
+                    holders.push(Holder::default());
                     holders.len() - 1
                 }
             };
+            holders[me_at].in_use = view.in_use;
+            holders[me_at].demand = view.demand;
+            holders[me_at].unit = view.unit;
             let before = holders[me_at].grant;
-            let grant = next_grant(budget, &holders, me_at, view.in_use);
+            let grant = next_grant(budget, &holders, me_at);
             let granted_before: u64 = holders.iter().map(|h| h.grant).sum();
             let granted = granted_before - before + grant;
             if grant > before {
@@ -372,7 +377,9 @@ impl Sync {
             }
             let published = Published {
                 grant,
+                in_use: view.in_use,
                 demand: view.demand,
+                unit: view.unit,
                 explained: view.explained,
             };
             ops.push(Op::Put {

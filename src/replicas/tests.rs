@@ -192,6 +192,7 @@ impl Replica {
             budget: Some(BUDGET),
             in_use: self.in_use,
             demand: self.demand,
+            unit: 0,
             explained: self.in_use,
         }];
         let status = body.map(|_| 200);
