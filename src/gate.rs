@@ -93,7 +93,10 @@ impl Gate {
             let block_size = rec.snapshot.map_or(0, |s| s.block_size);
             views.push(PodView {
                 pod: pod.clone(),
-                budget: crate::admission::budget::budget_tokens(&self.config, rec.snapshot.as_ref()),
+                budget: crate::admission::budget::budget_tokens(
+                    &self.config,
+                    rec.snapshot.as_ref(),
+                ),
                 in_use,
                 // Waiting requests may go to any pod: each asks for an even part of them.
                 demand: in_use + queued / pods.len().max(1) as u64,

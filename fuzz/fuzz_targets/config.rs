@@ -87,6 +87,8 @@ fn run(config: Config) {
             let body = match call.target {
                 Target::Pod(_) => METRICS,
                 Target::Discovery => CLUSTERS,
+                // The first call of a replicas' sync is a lease grant.
+                Target::Etcd => br#"{"header":{},"ID":"7","TTL":"10"}"#.as_slice(),
             };
             gate.on_call_response(&vm, &call.target, Some(200), body);
         }

@@ -355,7 +355,12 @@ pub fn write_snapshot_among(
                 snapshot.block_size = prev.block_size;
             }
         }
-        crate::admission::feedback::follow(rec.snapshot.as_ref(), &mut snapshot, rec, remote_tokens);
+        crate::admission::feedback::follow(
+            rec.snapshot.as_ref(),
+            &mut snapshot,
+            rec,
+            remote_tokens,
+        );
         let since = snapshot.at_ms.saturating_sub(grace_ms);
         let unscheduled = rec
             .entries

@@ -201,8 +201,14 @@ mod tests {
             parse_lease_grant(br#"{"header":{},"ID":"7587882716187386901","TTL":"10"}"#),
             Some(7_587_882_716_187_386_901)
         );
-        assert_eq!(parse_lease_grant(br#"{"error":"etcdserver: too many requests"}"#), None);
-        assert_eq!(parse_keepalive(br#"{"result":{"header":{},"ID":"5","TTL":"10"}}"#), Some(true));
+        assert_eq!(
+            parse_lease_grant(br#"{"error":"etcdserver: too many requests"}"#),
+            None
+        );
+        assert_eq!(
+            parse_keepalive(br#"{"result":{"header":{},"ID":"5","TTL":"10"}}"#),
+            Some(true)
+        );
         assert_eq!(
             parse_keepalive(br#"{"result":{"header":{},"ID":"5"}}"#),
             Some(false),

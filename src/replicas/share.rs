@@ -50,7 +50,9 @@ impl Share {
     pub fn in_contact(&self, now: u64, cfg: &Config) -> bool {
         let e = &cfg.etcd;
         now.saturating_sub(self.contact_ms)
-            <= e.sync_interval_ms.saturating_mul(2).saturating_add(e.timeout_ms)
+            <= e.sync_interval_ms
+                .saturating_mul(2)
+                .saturating_add(e.timeout_ms)
     }
 }
 

@@ -77,11 +77,7 @@ pub fn next_grant(budget: u64, holders: &[Holder], me: usize) -> u64 {
     let Some(mine) = holders.get(me) else {
         return 0;
     };
-    let held_by_lapsed: u64 = holders
-        .iter()
-        .filter(|h| h.lapsed)
-        .map(|h| h.grant)
-        .sum();
+    let held_by_lapsed: u64 = holders.iter().filter(|h| h.lapsed).map(|h| h.grant).sum();
     let live: Vec<usize> = (0..holders.len())
         .filter(|&i| i == me || !holders[i].lapsed)
         .collect();
@@ -154,10 +150,19 @@ mod tests {
 
     #[test]
     fn the_split_is_max_min_fair_and_spends_the_budget_exactly() {
-        assert_eq!(fair_split(900, &asking(&[100, 100, 100], 0)), [300, 300, 300]);
+        assert_eq!(
+            fair_split(900, &asking(&[100, 100, 100], 0)),
+            [300, 300, 300]
+        );
         assert_eq!(fair_split(900, &asking(&[0, 600, 0], 0)), [100, 700, 100]);
-        assert_eq!(fair_split(900, &asking(&[100, 2_000, 2_000], 10)), [100, 400, 400]);
-        assert_eq!(fair_split(900, &asking(&[5_000, 5_000, 5_000], 1)), [300, 300, 300]);
+        assert_eq!(
+            fair_split(900, &asking(&[100, 2_000, 2_000], 10)),
+            [100, 400, 400]
+        );
+        assert_eq!(
+            fair_split(900, &asking(&[5_000, 5_000, 5_000], 1)),
+            [300, 300, 300]
+        );
         assert!(fair_split(900, &[]).is_empty());
         for demands in [[1u64, 2, 3], [900, 1, 1], [400, 400, 400], [0, 0, 0]] {
             let s: u64 = fair_split(900, &asking(&demands, 7)).iter().sum();

@@ -169,7 +169,6 @@ impl Sync {
     }
 
     /// Reads an answer (`status` None: no response) and returns the next call of the same sync.
-    #[allow(clippy::too_many_arguments)]
     pub fn on_response(
         &mut self,
         store: &dyn Store,
@@ -308,7 +307,8 @@ impl Sync {
             .map(|(r, _, _)| *r)
             .filter(|r| *r != me && !alive.contains(r))
             .collect();
-        self.lapsed_since.retain(|r, _| holders_seen.contains(&r.as_str()));
+        self.lapsed_since
+            .retain(|r, _| holders_seen.contains(&r.as_str()));
         for r in &holders_seen {
             self.lapsed_since.entry(r.to_string()).or_insert(now);
         }

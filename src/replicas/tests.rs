@@ -35,7 +35,8 @@ fn text(v: &Value) -> String {
 }
 
 fn int(v: &Value) -> i64 {
-    v.as_str().map_or_else(|| v.as_i64().unwrap(), |s| s.parse().unwrap())
+    v.as_str()
+        .map_or_else(|| v.as_i64().unwrap(), |s| s.parse().unwrap())
 }
 
 impl FakeEtcd {
@@ -113,8 +114,7 @@ impl FakeEtcd {
                             self.kvs
                                 .insert(text(&put["key"]), (value, self.revision, lease));
                         } else {
-                            self.kvs
-                                .remove(&text(&op["request_delete_range"]["key"]));
+                            self.kvs.remove(&text(&op["request_delete_range"]["key"]));
                         }
                     }
                     json!({ "header": { "revision": self.revision.to_string() }, "succeeded": true })

@@ -144,9 +144,7 @@ pub fn rendezvous(
     let Some(best) = ranked.first().map(|s| s.cost) else {
         return;
     };
-    let score = |s: &Scored| {
-        crate::hash::fnv1a_from(first_block, candidates[s.index].pod.as_bytes())
-    };
+    let score = |s: &Scored| crate::hash::chain(first_block, candidates[s.index].pod.as_bytes());
     let chosen = ranked
         .iter()
         .enumerate()
