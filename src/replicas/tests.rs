@@ -234,19 +234,24 @@ fn run(replicas: &mut [Replica], etcd: &mut FakeEtcd, from: u64, to: u64) {
     }
 }
 
-fn fleet(n: usize) -> Vec<Replica> {
-    (0..n).map(|i| Replica::new(&format!("r{i}"), 0)).collect()
+/// Replicas asking for `demands`, synced against a fresh etcd until `until`.
+fn synced(demands: &[u64], until: u64) -> (FakeEtcd, Vec<Replica>) {
+    let mut etcd = FakeEtcd::default();
+    let mut rs: Vec<Replica> = (0..demands.len())
+        .map(|i| Replica::new(&format!("r{i}"), 0))
+        .collect();
+    for (r, &d) in rs.iter_mut().zip(demands) {
+        r.demand = d;
+    }
+    run(&mut rs, &mut etcd, 0, until);
+    (etcd, rs)
 }
 
 #[test]
 fn busy_replicas_converge_to_equal_grants_that_never_sum_past_the_budget() {
-    let mut etcd = FakeEtcd::default();
-    let mut rs = fleet(3);
-    for r in &mut rs {
-        r.demand = 5_000;
-    }
-    assert_eq!(rs[0].cap(), 0, "nothing before the first sync");
-    run(&mut rs, &mut etcd, 0, 5_000);
+    let (_, unsynced) = synced(&[5_000], 0);
+    assert_eq!(unsynced[0].cap(), 0, "nothing before the first sync");
+    let (etcd, rs) = synced(&[5_000; 3], 5_000);
     let grants = etcd.grants();
     assert_eq!(grants.len(), 3);
     assert!(grants.values().all(|&g| g == BUDGET / 3), "{grants:?}");
@@ -255,11 +260,7 @@ fn busy_replicas_converge_to_equal_grants_that_never_sum_past_the_budget() {
 
 #[test]
 fn an_idle_replica_gives_its_credit_back_to_a_busy_one() {
-    let mut etcd = FakeEtcd::default();
-    let mut rs = fleet(2);
-    rs[0].demand = 2_000;
-    rs[1].demand = 2_000;
-    run(&mut rs, &mut etcd, 0, 3_000);
+    let (mut etcd, mut rs) = synced(&[2_000, 2_000], 3_000);
     assert_eq!(etcd.grants().values().sum::<u64>(), BUDGET);
     // Replica 1's requests hold 400 and nothing waits there: it keeps those, 0 grows.
     rs[1].demand = 400;
@@ -275,12 +276,7 @@ fn an_idle_replica_gives_its_credit_back_to_a_busy_one() {
 
 #[test]
 fn two_replicas_growing_from_the_same_read_cannot_both_take_the_free_credit() {
-    let mut etcd = FakeEtcd::default();
-    let mut rs = fleet(3);
-    for (r, d) in rs.iter_mut().zip([500, 500, 2_000]) {
-        r.demand = d;
-    }
-    run(&mut rs, &mut etcd, 0, 2_000);
+    let (mut etcd, mut rs) = synced(&[500, 500, 2_000], 2_000);
     // r2 goes idle and gives most of its credit back: 1 334 is free.
     rs[2].demand = 0;
     run(&mut rs[2..], &mut etcd, 2_000, 2_500);
@@ -325,11 +321,7 @@ fn two_replicas_growing_from_the_same_read_cannot_both_take_the_free_credit() {
 
 #[test]
 fn cut_off_from_etcd_a_replica_falls_back_and_recovers_when_etcd_returns() {
-    let mut etcd = FakeEtcd::default();
-    let mut rs = fleet(2);
-    rs[0].demand = 5_000;
-    rs[1].demand = 100;
-    run(&mut rs, &mut etcd, 0, 3_000);
+    let (mut etcd, mut rs) = synced(&[5_000, 100], 3_000);
     let grant = etcd.grants()["r0"];
     assert!(grant > BUDGET / 4);
     assert_eq!(rs[0].cap(), grant);
@@ -350,12 +342,7 @@ fn cut_off_from_etcd_a_replica_falls_back_and_recovers_when_etcd_returns() {
 
 #[test]
 fn a_lapsed_replicas_grant_counts_for_the_grace_and_is_then_reclaimed() {
-    let mut etcd = FakeEtcd::default();
-    let mut rs = fleet(3);
-    for r in &mut rs {
-        r.demand = 5_000;
-    }
-    run(&mut rs, &mut etcd, 0, 3_000);
+    let (mut etcd, mut rs) = synced(&[5_000; 3], 3_000);
     assert_eq!(etcd.grants()["r2"], BUDGET / 3);
     // r2 dies at 3 000: its lease (3 s, renewed every second) lapses between 5 000 and 6 000;
     // the others see it gone from then and reclaim 2 s later.
@@ -380,10 +367,7 @@ fn a_lapsed_replicas_grant_counts_for_the_grace_and_is_then_reclaimed() {
 
 #[test]
 fn a_lease_etcd_lost_is_granted_again_and_the_grants_stand_meanwhile() {
-    let mut etcd = FakeEtcd::default();
-    let mut rs = fleet(1);
-    rs[0].demand = 1_000;
-    run(&mut rs, &mut etcd, 0, 2_000);
+    let (mut etcd, mut rs) = synced(&[1_000], 2_000);
     let before = etcd.grants()["r0"];
     etcd.leases.clear();
     etcd.kvs.retain(|k, _| !k.contains("/alive/"));

@@ -290,12 +290,12 @@ mod tests {
 
     #[test]
     fn rendezvous_agrees_on_one_pod_among_those_close_to_the_best() {
+        // Two idle pods and a loaded one, none caching the prompt.
+        let c: Vec<Candidate> = [("a", 0), ("b", 0), ("c", 1_000)]
+            .into_iter()
+            .map(|(name, load)| pod(name, 0, load, 0.0))
+            .collect();
         let w = RoutingConfig::default();
-        let c = [
-            pod("a", 0, 0, 0.0),
-            pod("b", 0, 0, 0.0),
-            pod("c", 0, 1_000, 0.0),
-        ];
         let ranked = |c: &[Candidate]| rank(c, 100, 10, &w, &mut Rng::new(1));
         // Whatever order the tie-break left them in, every replica moves the same pod first.
         let mut firsts = std::collections::BTreeSet::new();
