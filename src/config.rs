@@ -230,9 +230,14 @@ pub struct EstimatorConfig {
     pub output_floor_tokens: u64,
     /// Expected output is never above this, whatever max_tokens says.
     pub output_cap_tokens: u64,
-    /// Multiplies the estimated prompt tokens, so small underestimates do not overfill a pod (the
-    /// output's uncertainty is the forecast's headroom, `admission.headroomSigmas`).
+    /// Multiplies the estimated prompt tokens: a deliberate margin on top of the forecast's own
+    /// (the prompt estimate's measured spread, `prompt_spread`, and the output's uncertainty are
+    /// already its headroom, `admission.headroomSigmas`). 1.0: none.
     pub safety_factor: f64,
+    /// The relative error (one standard deviation) of a prompt estimate until calibration has
+    /// measured the model's own (`min_samples` answers): it sizes the forecast's headroom for
+    /// prompts, where a fixed multiplier on every prompt would leave that much KV idle.
+    pub prompt_spread: f64,
     /// A reservation is never smaller than this.
     pub min_reservation_tokens: u64,
     /// A reservation is never larger than this.
@@ -252,7 +257,8 @@ impl Default for EstimatorConfig {
             default_output_tokens: 256,
             output_floor_tokens: 16,
             output_cap_tokens: 8192,
-            safety_factor: 1.1,
+            safety_factor: 1.0,
+            prompt_spread: 0.1,
             min_reservation_tokens: 64,
             max_reservation_tokens: 131_072,
             calibrate: true,
@@ -547,6 +553,9 @@ impl EstimatorConfig {
         let e = |field: &str, reason: &str| Err(invalid(&format!("estimator.{field}"), reason));
         if !(self.safety_factor >= 1.0 && self.safety_factor <= 10.0) {
             return e("safetyFactor", "must be between 1.0 and 10.0");
+        }
+        if !(0.0..=1.0).contains(&self.prompt_spread) {
+            return e("promptSpread", "must be in [0, 1]");
         }
         if self.output_floor_tokens > self.output_cap_tokens {
             return e("outputFloorTokens", "must not exceed outputCapTokens");

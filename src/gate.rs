@@ -163,6 +163,10 @@ impl Gate {
                         stats::pod_stat(pod, stats::POD_BACKOFF_PERCENT),
                         (s.backoff * 100.0).round() as u64,
                     );
+                    self.stats.gauge(
+                        stats::pod_stat(pod, stats::POD_RELIEF_PERCENT),
+                        (s.relief * 100.0).round() as u64,
+                    );
                 }
                 let budget =
                     crate::admission::budget::budget_tokens(&self.config, rec.snapshot.as_ref());

@@ -120,6 +120,7 @@ pub const POD_RESERVED_TOKENS: PodStat = PodStat("reserved_tokens");
 pub const POD_HELD_TOKENS: PodStat = PodStat("held_tokens");
 pub const POD_UNEXPLAINED_TOKENS: PodStat = PodStat("unexplained_tokens");
 pub const POD_BACKOFF_PERCENT: PodStat = PodStat("backoff_percent");
+pub const POD_RELIEF_PERCENT: PodStat = PodStat("relief_percent");
 pub const POD_BUDGET_TOKENS: PodStat = PodStat("budget_tokens");
 pub const POD_HEALTHY: PodStat = PodStat("healthy");
 /// With several replicas: what this one may reserve on the pod now (`replicas::split::admit_cap`).
@@ -137,6 +138,7 @@ pub const PER_POD: &[PodStat] = &[
     POD_HELD_TOKENS,
     POD_UNEXPLAINED_TOKENS,
     POD_BACKOFF_PERCENT,
+    POD_RELIEF_PERCENT,
     POD_BUDGET_TOKENS,
     POD_HEALTHY,
     POD_GRANT_TOKENS,

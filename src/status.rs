@@ -66,6 +66,7 @@ fn pod(cfg: &Config, block_tokens: u64, pod: &str, rec: &PodRecord, now: u64) ->
         "reservedTokens": rec.forecast(None, cfg.admission.headroom_sigmas, block_tokens),
         "heldTokens": rec.held_tokens(),
         "backoff": snapshot.map(|s| s.backoff),
+        "relief": snapshot.map(|s| s.relief),
         "unexplainedTokens": snapshot.map(|s| s.unexplained_tokens),
         "activeBlocks": rec.active_blocks(),
         "inFlight": rec.entries.len(),
@@ -234,7 +235,7 @@ mod tests {
             block_size: 16,
             ..Snapshot::default()
         };
-        record::write_snapshot(&vm, PODS[0], snapshot, 0).unwrap();
+        record::write_snapshot(&vm, PODS[0], snapshot, 0, &Config::default()).unwrap();
         host.set_now_ms(11_500);
         let mut flow = Flow::default();
         let head = Head {

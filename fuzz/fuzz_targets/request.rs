@@ -47,7 +47,8 @@ fn estimators() -> &'static [EstimatorConfig] {
     })
 }
 
-/// Learned values as calibration can produce them: scale clamped to [0.1, 10]; output lengths
+/// Learned values as calibration can produce them: scale clamped to [0.1, 10], spread in [0, 1];
+/// output lengths
 /// all of one token, all past 2^16, or spread over every bucket with half of them cut off.
 fn learned() -> [Option<Learned>; 4] {
     let none = [0.0; BUCKETS];
@@ -59,14 +60,17 @@ fn learned() -> [Option<Learned>; 4] {
         None,
         Some(Learned {
             prompt_scale: 0.1,
+            prompt_spread: 0.0,
             output: OutputDist::learned(&shortest, &none, 256),
         }),
         Some(Learned {
             prompt_scale: 10.0,
+            prompt_spread: 1.0,
             output: OutputDist::learned(&longest, &none, 1),
         }),
         Some(Learned {
             prompt_scale: 1.0,
+            prompt_spread: 0.05,
             output: OutputDist::learned(&[1.0; BUCKETS], &[1.0; BUCKETS], 65_536),
         }),
     ]
@@ -140,6 +144,9 @@ fn check_estimates(req: &Request) {
                 assert_eq!(e.output_tokens, 0, "{e:?}");
             }
             assert!(e.prompt_tokens >= req.token_ids, "{e:?} {req:?}");
+            // Only what was estimated by rule is uncertain, by at most its whole (spread ≤ 1).
+            let by_rule = (e.prompt_tokens - req.token_ids) as f64 * cfg.safety_factor;
+            assert!(e.prompt_sigma as f64 <= by_rule + 1.0, "{e:?} {req:?}");
         }
     }
 }

@@ -58,6 +58,7 @@ fn route(
 fn undiscounted(cfg: &Config, est: &Estimate) -> Load {
     Load {
         held: (est.prompt_tokens as f64 * cfg.estimator.safety_factor).round() as u64,
+        sigma: est.prompt_sigma,
         left: est.max_output_tokens,
         outlook: est.output.outlook(0, est.max_output_tokens),
     }
@@ -560,6 +561,7 @@ impl World {
                     pod,
                     snapshot,
                     self.cfg.metrics.waiting_grace_ms,
+                    &self.cfg,
                 )
                 .expect("fake host");
             }

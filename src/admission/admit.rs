@@ -540,7 +540,7 @@ mod tests {
             kv_usage: 0.0,
             ..Snapshot::default()
         };
-        record::write_snapshot(&w.vm, "a:1", snap, 0).unwrap();
+        record::write_snapshot(&w.vm, "a:1", snap, 0, &Config::default()).unwrap();
         assert!(matches!(
             w.place(&cfg, class(&cfg, None, "t"), 850),
             Admit::Routed(_)

@@ -109,6 +109,7 @@ mod tests {
         let cfg = Config::default();
         let load = |held| Load {
             held,
+            sigma: 0,
             left: 1,
             outlook: [255; crate::estimate::output_dist::HORIZON_STEPS.len()],
         };
@@ -134,5 +135,42 @@ mod tests {
             "a partial block each"
         );
         assert!(fits(&holding(u64::MAX / 4), load(5), None, &cfg, 16));
+    }
+
+    #[test]
+    fn headroom_the_engine_gave_up_admits_on_expectation() {
+        let cfg = Config::default();
+        let outlook = crate::estimate::output_dist::OutputDist::prior(256).outlook(0, 8192);
+        let unbounded = |held| Load {
+            held,
+            sigma: 0,
+            left: 8192,
+            outlook,
+        };
+        let mut rec = PodRecord {
+            entries: (0..8)
+                .map(|id| crate::pods::record::Entry {
+                    id,
+                    held_tokens: 1000,
+                    left: 8192,
+                    outlook,
+                    ..crate::pods::record::Entry::default()
+                })
+                .collect(),
+            snapshot: Some(Snapshot::default()),
+            ..PodRecord::default()
+        };
+        let with_headroom = rec.forecast(Some(unbounded(1000)), cfg.admission.headroom_sigmas, 16);
+        let expected = rec.forecast(Some(unbounded(1000)), 0.0, 16);
+        assert!(expected < with_headroom);
+        let budget = Some((expected + with_headroom) / 2);
+        assert!(!fits(&rec, unbounded(1000), budget, &cfg, 16));
+        if let Some(s) = rec.snapshot.as_mut() {
+            s.relief = 1.0;
+        }
+        assert!(
+            fits(&rec, unbounded(1000), budget, &cfg, 16),
+            "all the headroom given up: the expectation alone"
+        );
     }
 }

@@ -7,14 +7,28 @@
 //!   send, or prompts it underestimated. The budget shrinks by that much, for one scrape: the next
 //!   one measures again, so the correction follows the cause and never accumulates.
 //! - **Preemptions**: a rise of `vllm:num_preemptions_total` means the forecast let the pod run out
-//!   of KV. The budget backs off multiplicatively (× [`BACKOFF_FACTOR`], down to
-//!   [`MAX_BACKOFF`] of it taken back) and recovers additively ([`RECOVERY`] per clean scrape).
+//!   of KV. The budget backs off multiplicatively (× `BACKOFF_FACTOR`, down to
+//!   `MAX_BACKOFF` of it taken back) and recovers additively (`RECOVERY` per clean scrape).
 //!   This is AIMD, the rule TCP congestion control uses (Chiu and Jain, 1989): with a signal that
 //!   arrives within one scrape and a recovery slow enough that the budget needs many scrapes to
 //!   climb back to where the signal fired, the admitted load settles just under the point where
 //!   the engine preempts instead of oscillating around it; and it converges from any start, since
 //!   every overshoot is cut by a constant fraction.
+//!
+//! And one correction of the forecast's headroom (`Snapshot::relief`, the fraction of
+//! `admission.headroomSigmas` given up): the headroom is sized for the worst plausible spread of
+//! the pod's answers, and the engine says how much of it the pod really needed. While kvgate's
+//! forecast holds the pod at its budget (admission is what limits it) but the engine's KV stays
+//! below the target (`admission.utilization` less `RELIEF_BAND`) and it never preempts, each
+//! scrape gives up `RELIEF_STEP` more of the headroom; KV above the target takes it back twice as
+//! fast, and a preemption restores all of it at once (with the budget's backoff on top). The
+//! admitted load so tracks the target utilisation from below: the headroom is given up slowly
+//! (five clean, full, under-used scrapes to reach the most it gives up, `MAX_RELIEF`) and
+//! regained in one, so an overshoot lasts at most a scrape; and it cannot run away, since half
+//! the headroom is always kept on top of the expected KV.
 
+use crate::admission::budget::budget_tokens;
+use crate::config::Config;
 use crate::pods::record::{PodRecord, Snapshot};
 
 /// Each scrape that saw preemptions keeps this fraction of what the budget had left.
@@ -23,6 +37,17 @@ const BACKOFF_FACTOR: f64 = 0.9;
 const MAX_BACKOFF: f64 = 0.3;
 /// Each scrape without preemptions gives back this fraction of the budget.
 const RECOVERY: f64 = 0.05;
+/// Each full, under-used, clean scrape gives up this fraction of the forecast's headroom.
+const RELIEF_STEP: f64 = 0.1;
+/// At most this fraction of the headroom is given up: the engine's past KV says how wide the
+/// spread of a pod's answers has been, not how wide the next one will be, and without any
+/// headroom the forecast is an expectation that a few long answers at once overrun (measured:
+/// 1–3 preemptions a run on a KV-bound pool, with `max_tokens` on every request too).
+const MAX_RELIEF: f64 = 0.5;
+/// The engine's KV counts as under-used this far below the target utilisation.
+const RELIEF_BAND: f64 = 0.05;
+/// Admission holds a pod "at its budget" when its forecast is within this fraction of it.
+const FULL: f64 = 0.9;
 
 /// What kvgate's entries may hold on the pod, as the forecast counts it (`forecast::slack`).
 pub fn explained(rec: &PodRecord, block_size: u32) -> u64 {
@@ -30,10 +55,17 @@ pub fn explained(rec: &PodRecord, block_size: u32) -> u64 {
     rec.held_tokens() + crate::admission::forecast::slack(block) * rec.entries.len() as u64
 }
 
-/// Fills `next`'s `backoff` and `unexplained_tokens` from the previous snapshot and the record's
-/// in-flight entries. `remote_tokens` is what other gateway replicas account for on the pod
-/// (`replicas`): explained too, or every replica would subtract the others' requests as well.
-pub fn follow(prev: Option<&Snapshot>, next: &mut Snapshot, rec: &PodRecord, remote_tokens: u64) {
+/// Fills `next`'s `backoff`, `unexplained_tokens` and `relief` from the previous snapshot and
+/// the record's in-flight entries. `remote_tokens` is what other gateway replicas account for on
+/// the pod (`replicas`): explained too, or every replica would subtract the others' requests as
+/// well.
+pub fn follow(
+    prev: Option<&Snapshot>,
+    next: &mut Snapshot,
+    rec: &PodRecord,
+    cfg: &Config,
+    remote_tokens: u64,
+) {
     let was = prev.map_or(0.0, |p| p.backoff);
     let before = prev.map_or(f64::NAN, |p| p.preemptions);
     // A counter that went backwards is a restarted engine: a new baseline, not a signal.
@@ -55,6 +87,38 @@ pub fn follow(prev: Option<&Snapshot>, next: &mut Snapshot, rec: &PodRecord, rem
     };
     let explained = explained(rec, next.block_size).saturating_add(remote_tokens);
     next.unexplained_tokens = (used as u64).saturating_sub(explained);
+    next.relief = relief(prev, next, rec, cfg, preempted);
+}
+
+fn relief(
+    prev: Option<&Snapshot>,
+    next: &Snapshot,
+    rec: &PodRecord,
+    cfg: &Config,
+    preempted: bool,
+) -> f64 {
+    let was = prev.map_or(0.0, |p| p.relief);
+    if preempted || !next.kv_usage.is_finite() {
+        // A preemption, or no reading of how full the pod is: the whole headroom.
+        return 0.0;
+    }
+    if !next.healthy {
+        return was;
+    }
+    let target = cfg.admission.utilization;
+    if next.kv_usage > target {
+        return (was - 2.0 * RELIEF_STEP).max(0.0);
+    }
+    // `rec` still carries the previous snapshot, so its forecast has the relief in force.
+    let block = u64::from(next.block_size.max(1));
+    let full = budget_tokens(cfg, Some(next)).is_some_and(|b| {
+        rec.forecast(None, cfg.admission.headroom_sigmas, block) as f64 >= b as f64 * FULL
+    });
+    if full && next.kv_usage < target - RELIEF_BAND {
+        (was + RELIEF_STEP).min(MAX_RELIEF)
+    } else {
+        was
+    }
 }
 
 #[cfg(test)]
@@ -77,7 +141,7 @@ mod tests {
     }
 
     fn after(prev: Option<Snapshot>, mut next: Snapshot, rec: &PodRecord) -> Snapshot {
-        follow(prev.as_ref(), &mut next, rec, 0);
+        follow(prev.as_ref(), &mut next, rec, &Config::default(), 0);
         next
     }
 
@@ -111,6 +175,45 @@ mod tests {
     }
 
     #[test]
+    fn headroom_is_given_up_slowly_while_a_full_pod_runs_below_target_and_regained_at_once() {
+        // Admission holds the pod at its budget (one request forecast at 3,633 of 3,891)...
+        let full = PodRecord {
+            entries: vec![Entry {
+                held_tokens: 3600,
+                left: 1,
+                outlook: [255; crate::estimate::output_dist::HORIZON_STEPS.len()],
+                ..Entry::default()
+            }],
+            ..PodRecord::default()
+        };
+        // ... while the engine says half its KV is free: each scrape gives up a tenth.
+        let mut s = after(None, scraped(0.0, 0.5), &full);
+        assert!((s.relief - 0.1).abs() < 1e-9, "{}", s.relief);
+        for _ in 0..20 {
+            let mut rec = full.clone();
+            rec.snapshot = Some(s);
+            s = after(Some(s), scraped(0.0, 0.5), &rec);
+        }
+        assert_eq!(s.relief, MAX_RELIEF, "half the headroom is always kept");
+        let mut rec = full.clone();
+        rec.snapshot = Some(s);
+        let over = after(Some(s), scraped(0.0, 0.97), &rec);
+        assert!(
+            (over.relief - 0.3).abs() < 1e-9,
+            "above the target: back twice as fast"
+        );
+        let at = after(Some(s), scraped(0.0, 0.93), &rec);
+        assert_eq!(at.relief, MAX_RELIEF, "near the target: held");
+        let preempted = after(Some(s), scraped(1.0, 0.5), &rec);
+        assert_eq!(preempted.relief, 0.0, "a preemption: all of it at once");
+        let blind = after(Some(s), scraped(0.0, f64::NAN), &rec);
+        assert_eq!(blind.relief, 0.0, "no reading of the KV: all of it");
+        // A pod with room to spare under admission is not a sign the headroom was too much.
+        let light = after(None, scraped(0.0, 0.1), &PodRecord::default());
+        assert_eq!(light.relief, 0.0);
+    }
+
+    #[test]
     fn kv_the_engine_holds_beyond_kvgates_entries_is_unexplained() {
         let rec = PodRecord {
             entries: vec![Entry {
@@ -135,7 +238,7 @@ mod tests {
         );
         // Another replica's 700 tokens on the pod are accounted for, not subtracted twice.
         let mut s = scraped(0.0, 0.5);
-        follow(None, &mut s, &rec, 700);
+        follow(None, &mut s, &rec, &Config::default(), 700);
         assert_eq!(s.unexplained_tokens, 2048 - 1032 - 700);
     }
 }

@@ -1,24 +1,27 @@
 //! A pod's KV forecast: what its in-flight requests will hold over the coming decode steps, and
 //! the budget check admission makes against it. The inputs are the requests' entries in the pod's
-//! shared record (`pod_state`, the source of truth): each holds `held` tokens now (its prompt,
+//! shared record (`pods::record`, the source of truth): each holds `held` tokens now (its prompt,
 //! less a prefix another request already holds, plus what it has streamed) and its outlook (the
 //! chance it is still running `s` steps ahead, from `output_dist`).
 //!
 //! Every running sequence grows by one token a step and frees everything when it stops, so `s`
 //! steps ahead request `i` holds `held_i + s` tokens if it is still running: certainly not past
-//! `left_i` (the steps to its own limit), and otherwise with the chance `p_i` its outlook gives for
-//! the interval of `output_dist::HORIZON_STEPS` that `s` falls in (taken at the interval's start,
+//! `left_i` (the steps to its own limit), and otherwise with the chance `p_i` its outlook gives at
+//! the step of `output_dist::HORIZON_STEPS` that `s` is (or, between steps, the step before,
 //! which errs towards full). The pod then holds, in expectation and variance,
 //!
 //! ```text
-//! E(s) = Σ_{left_i ≥ s} (held_i + s + slack) · p_i      Var(s) = Σ_{left_i ≥ s} (…)² · p_i (1 − p_i)
+//! E(s) = Σ_{left_i ≥ s} (held_i + s + slack) · p_i
+//! Var(s) = Σ_{left_i ≥ s} (held_i + s + slack)² · p_i (1 − p_i) + (σ_i² + slack variance) · p_i
 //! ```
 //!
-//! (`slack`: [`slack`] per request). Both grow with `s` until a request stops, so
-//! their highest values lie just before some request's limit or at an interval's end: the forecast
-//! is `E + z·σ` (never more than all of them still running would hold) at those points, and a
-//! request is admitted when it stays within the budget. A request with `max_tokens` is thus
-//! counted exactly up to its limit. The sum of
+//! (`slack`: what a request holds beyond its entry, a block on average and two at most, see
+//! [`slack`]; `σ_i`: how far `held_i` may be off, since its prompt was estimated by rule — the
+//! spread calibration measured, so prompts are held at their expected size and their uncertainty
+//! is paid once per pod, not as a margin on every request). The forecast is the highest
+//! `E + z·σ` (never more than all of them still running would hold) at the grid's steps and just
+//! before each request's limit, and a request is admitted when it stays within the budget. A
+//! request with `max_tokens` is thus counted exactly up to its limit. The sum of
 //! many independent requests is far narrower than each one, so a pod is filled near what its
 //! requests really take, and a request with `max_tokens` is certainly gone past its limit. Later
 //! arrivals are left out: each is checked against the forecast when it comes.
@@ -29,29 +32,42 @@ use crate::estimate::output_dist::{Outlook, HORIZON_END, HORIZON_STEPS};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Load {
     pub held: u64,
+    /// How far `held` may be off, one standard deviation (its prompt was estimated by rule).
+    pub sigma: u64,
     /// Decode steps until its own limit (`max_tokens`, or the output cap) stops it.
     pub left: u64,
     pub outlook: Outlook,
 }
 
-/// What a request may hold beyond its entry's `held`, in tokens, with blocks of `block` tokens:
-/// its last block is partly filled (the engine allocates whole blocks), and an entry is written
-/// only when its output crosses a block boundary, so the stream may be up to a block further
-/// along than the entry says. Left out, the second made the forecast of a full pod creep past its
-/// budget as the entries caught up (by up to a block per request in flight).
+/// The most a request may hold beyond its entry's `held`, in tokens, with blocks of `block`
+/// tokens: its last block is partly filled (the engine allocates whole blocks), and an entry is
+/// written only when its output crosses a block boundary, so the stream may be up to a block
+/// further along than the entry says. Left out, the second made the forecast of a full pod creep
+/// past its budget as the entries caught up (by up to a block per request in flight).
 pub fn slack(block: u64) -> u64 {
     block.saturating_mul(2)
 }
 
+/// What the forecast counts of [`slack`]: each of its two parts is anywhere in a block, so a
+/// request holds one block more on average, with a variance of two uniforms (`block² / 6`).
+/// Counted at its bound, two blocks on every request held a pod a block per request short.
+fn slack_mean_and_variance(block: u64) -> (f64, f64) {
+    let b = block as f64;
+    (b, b * b / 6.0)
+}
+
 /// The highest `E + z·σ` over the horizon, in tokens, with blocks of `block` tokens.
 ///
-/// Within an interval, `E(s)`, `Var(s)` and "all still running" are polynomials in `s` over the
+/// It is taken at each grid step, where each request's chance of running is its outlook's, and
+/// at each request's limit, just before it stops, with the chance at the step before (which errs
+/// towards full). Between grid steps without a limit the pod's KV moves smoothly, and its chances
+/// there are not known any better than by the steps around them. Within an interval, `E(s)`, `Var(s)` and "all still running" are polynomials in `s` over the
 /// requests whose limit is at least `s`: `E = A + s·C`, `Var = Q2 + 2s·Q1 + s²·Q0` and
 /// `all = H + s·N`. With the requests sorted by limit, each interval is one sweep that drops a
 /// request from the sums once `s` passes its limit: `O(n log n)` per pod, not `O(n²)`, which
 /// matters on the request path for pods running hundreds of sequences.
 pub fn peak(loads: impl Iterator<Item = Load>, z: f64, block: u64) -> u64 {
-    let slack = slack(block);
+    let slack = Slack::of(block);
     let mut loads: Vec<Load> = loads.collect();
     loads.sort_unstable_by_key(|l| l.left);
     let mut worst: f64 = 0.0;
@@ -61,20 +77,24 @@ pub fn peak(loads: impl Iterator<Item = Load>, z: f64, block: u64) -> u64 {
         let first = loads.partition_point(|l| l.left < start);
         let mut sums = Sums::default();
         for l in &loads[first..] {
-            sums.add(l, j, slack, 1.0);
+            sums.add(l, j, &slack, 1.0);
         }
-        // The pod holds most just before one of its requests stops (at its limit) or at the
-        // interval's end: at each request's limit in the interval, it is still counted.
+        worst = worst.max(sums.at(start, z, &slack));
+        // The pod holds most at a grid step or just before one of its requests stops (at its
+        // limit, where it is still counted).
         let mut next = first;
         while next < loads.len() && loads[next].left < end {
             let s = loads[next].left;
-            worst = worst.max(sums.at(s, z));
+            worst = worst.max(sums.at(s, z, &slack));
             while next < loads.len() && loads[next].left == s {
-                sums.add(&loads[next], j, slack, -1.0);
+                sums.add(&loads[next], j, &slack, -1.0);
                 next += 1;
             }
         }
-        worst = worst.max(sums.at(end, z));
+        if j + 1 == HORIZON_STEPS.len() {
+            // The horizon's end: no grid step after it.
+            worst = worst.max(sums.at(end, z, &slack));
+        }
     }
     // Sizes are whole tokens, and with every chance 0 or 1 (known lengths) so is the forecast:
     // the running sums' rounding must not lift an exact 3891 to 3892 on one worker and not on
@@ -82,11 +102,30 @@ pub fn peak(loads: impl Iterator<Item = Load>, z: f64, block: u64) -> u64 {
     (worst - 1e-6).ceil().max(0.0) as u64
 }
 
+/// A request's [`slack`]: its mean, its variance, and how far its bound lies past the mean.
+struct Slack {
+    mean: f64,
+    variance: f64,
+    beyond_mean: f64,
+}
+
+impl Slack {
+    fn of(block: u64) -> Slack {
+        let (mean, variance) = slack_mean_and_variance(block);
+        Slack {
+            mean,
+            variance,
+            beyond_mean: slack(block) as f64 - mean,
+        }
+    }
+}
+
 /// The sums `peak` sweeps, over the requests that may still run in one interval.
 #[derive(Default)]
 struct Sums {
-    /// Σ h·p, Σ p, Σ h²·q, Σ h·q, Σ q, Σ h and the count, with `h = held + slack`, `p` the
-    /// chance of running, `q = p(1 − p)`; only requests with `p > 0`.
+    /// Σ h·p, Σ p, Σ h²·q, Σ h·q, Σ q, Σ h, the count, Σ (σ² + slack variance)·p and Σ σ²,
+    /// with `h = held +` the slack's mean, `p` the chance of running, `q = p(1 − p)` and `σ` the
+    /// spread of `held`; only requests with `p > 0`.
     a: f64,
     c: f64,
     q2: f64,
@@ -94,15 +133,17 @@ struct Sums {
     q0: f64,
     h: f64,
     n: f64,
+    v: f64,
+    w: f64,
 }
 
 impl Sums {
-    fn add(&mut self, l: &Load, interval: usize, slack: u64, sign: f64) {
+    fn add(&mut self, l: &Load, interval: usize, slack: &Slack, sign: f64) {
         let p = f64::from(l.outlook[interval]) / 255.0;
         if p <= 0.0 {
             return;
         }
-        let h = l.held.saturating_add(slack) as f64;
+        let h = l.held as f64 + slack.mean;
         let q = p * (1.0 - p);
         self.a += sign * h * p;
         self.c += sign * p;
@@ -111,15 +152,21 @@ impl Sums {
         self.q0 += sign * q;
         self.h += sign * h;
         self.n += sign;
+        let sigma2 = (l.sigma as f64).powi(2);
+        self.v += sign * (sigma2 + slack.variance) * p;
+        self.w += sign * sigma2;
     }
 
     /// `E + z·σ` at `s` steps ahead, never more than all the requests still able to run would
-    /// hold (the normal approximation's tail is unbounded; the pod's is not).
-    fn at(&self, s: u64, z: f64) -> f64 {
+    /// hold (the normal approximation's tail is unbounded; the pod's is not). A request that
+    /// holds `h + σε` (ε standard normal) with chance `p` adds `p(1 − p)·h² + p·σ²` to the
+    /// variance; "all running" holds every slack at its bound and is uncertain by the prompts'
+    /// `σ`s alone.
+    fn at(&self, s: u64, z: f64, slack: &Slack) -> f64 {
         let s = s as f64;
         let mean = self.a + s * self.c;
-        let var = (self.q2 + 2.0 * s * self.q1 + s * s * self.q0).max(0.0);
-        let all = self.h + s * self.n;
+        let var = (self.q2 + 2.0 * s * self.q1 + s * s * self.q0 + self.v).max(0.0);
+        let all = self.h + s * self.n + self.n * slack.beyond_mean + z * self.w.max(0.0).sqrt();
         (mean + z * var.sqrt()).min(all).max(0.0)
     }
 }
@@ -135,6 +182,7 @@ mod tests {
     fn load(held: u64, streamed: u64, max: u64) -> Load {
         Load {
             held,
+            sigma: 0,
             left: max.saturating_sub(streamed),
             outlook: OutputDist::prior(256).outlook(streamed, max),
         }
@@ -156,15 +204,18 @@ mod tests {
     #[test]
     fn a_request_that_runs_to_its_limit_is_counted_up_to_it() {
         // Two requests known to run 1000 more tokens: between 512 and 1024 steps ahead both
-        // still hold 300 + nearly 1000, not 300 + 512.
+        // still hold 300 + nearly 1000, not 300 + 512; plus a block each on average, and two σ
+        // of where their last blocks stand (2 × √(2 × 16²/6) ≈ 18.5), within the two blocks
+        // each that bound them.
         let running = |held| Load {
             held,
+            sigma: 0,
             left: 1000,
             outlook: OutputDist::never_stops().outlook(0, 1000),
         };
         assert_eq!(
             peak([running(300), running(300)].into_iter(), 2.0, 16),
-            2 * (300 + 1000 + 32)
+            2 * (300 + 1000 + 16) + 19
         );
     }
 
@@ -177,26 +228,52 @@ mod tests {
         assert!(bare < many, "z adds headroom");
     }
 
-    /// The forecast as defined: at every request's limit and every interval's end, each request
-    /// summed directly.
+    #[test]
+    fn a_prompt_estimates_spread_is_paid_once_per_pod() {
+        let exact = |sigma| Load {
+            held: 1000,
+            sigma,
+            left: 10,
+            outlook: OutputDist::never_stops().outlook(0, 10),
+        };
+        // (Blocks of no size: no slack to blur the sum.)
+        let known = peak(vec![exact(0); 16].into_iter(), 2.0, 0);
+        let guessed = peak(vec![exact(100); 16].into_iter(), 2.0, 0);
+        // Sixteen prompts each off by 100 tokens (one σ), independently: the sum is off by
+        // 400 (√16 × 100), and two σ of headroom is 800, where a margin on each would be 3,200.
+        assert_eq!(guessed - known, 800);
+        assert_eq!(
+            peak(vec![exact(100); 16].into_iter(), 0.0, 0),
+            known,
+            "no headroom: the expectation alone"
+        );
+    }
+
+    /// The forecast as defined: at every grid step (and the horizon's end) and every request's
+    /// limit, each request summed directly.
     fn peak_by_definition(loads: &[Load], z: f64, block: u64) -> f64 {
         let mut worst: f64 = 0.0;
         for (j, &start) in HORIZON_STEPS.iter().enumerate() {
             let end = u64::from(HORIZON_STEPS.get(j + 1).copied().unwrap_or(HORIZON_END));
             let at = |s: u64| {
-                let (mut mean, mut var, mut all) = (0.0, 0.0, 0.0);
+                let (mut mean, mut var, mut all, mut spread) = (0.0, 0.0, 0.0, 0.0);
                 for l in loads {
                     let p = f64::from(l.outlook[j]) / 255.0;
                     if p > 0.0 && l.left >= s {
-                        let size = (l.held + s + slack(block)) as f64;
+                        let size = (l.held + s + block) as f64;
+                        let sigma2 = (l.sigma as f64).powi(2) + (block * block) as f64 / 6.0;
                         mean += size * p;
-                        var += size * size * p * (1.0 - p);
-                        all += size;
+                        var += size * size * p * (1.0 - p) + sigma2 * p;
+                        all += (l.held + s + slack(block)) as f64;
+                        spread += (l.sigma as f64).powi(2);
                     }
                 }
-                (mean + z * f64::sqrt(var)).min(all)
+                (mean + z * f64::sqrt(var)).min(all + z * f64::sqrt(spread))
             };
-            worst = worst.max(at(end));
+            worst = worst.max(at(u64::from(start)));
+            if j + 1 == HORIZON_STEPS.len() {
+                worst = worst.max(at(end));
+            }
             for l in loads {
                 if (u64::from(start)..end).contains(&l.left) {
                     worst = worst.max(at(l.left));
@@ -227,6 +304,7 @@ mod tests {
                     };
                     Load {
                         held: next(3000),
+                        sigma: next(4) * next(100),
                         left: max - streamed.min(max),
                         outlook: OutputDist::prior(1 + next(500)).outlook(streamed, max),
                     }
@@ -247,13 +325,15 @@ mod tests {
         assert_eq!(peak(std::iter::empty(), 2.0, 16), 0);
         let last = Load {
             held: 500,
+            sigma: 0,
             left: 0,
             outlook: [255; HORIZON_STEPS.len()],
         };
         assert_eq!(
             peak([last].into_iter(), 2.0, 16),
-            532,
-            "a request at its limit holds its KV now, and nothing after"
+            500 + 16 + 14,
+            "a request at its limit holds its KV now (a block of slack on average, two σ of it \
+             more), and nothing after"
         );
     }
 }

@@ -28,6 +28,11 @@ struct ModelStats {
     model: String,
     samples: u32,
     prompt_scale: f64,
+    /// The mean squared relative error of the scaled prompt estimate, faded like the scale:
+    /// how far one request's prompt may be off, which the forecast's headroom covers. Absent
+    /// from records written before it was measured.
+    #[serde(default)]
+    prompt_var: Option<f64>,
     /// Exponentially faded counts of answers that stopped by themselves, per length bucket.
     output: Vec<f64>,
     /// The same for answers their own `max_tokens` cut off (censored: the model would have
@@ -43,6 +48,7 @@ impl ModelStats {
             model: model.to_string(),
             samples: 0,
             prompt_scale: 1.0,
+            prompt_var: None,
             output: vec![0.0; BUCKETS],
             cut: vec![0.0; BUCKETS],
             updated_ms: 0,
@@ -52,6 +58,9 @@ impl ModelStats {
     fn learned(&self, cfg: &EstimatorConfig) -> Option<Learned> {
         (self.samples >= cfg.min_samples).then(|| Learned {
             prompt_scale: self.prompt_scale,
+            prompt_spread: self
+                .prompt_var
+                .map_or(cfg.prompt_spread, |v| v.max(0.0).sqrt().min(1.0)),
             output: OutputDist::learned(&self.output, &self.cut, cfg.default_output_tokens),
         })
     }
@@ -160,6 +169,11 @@ impl Calibration {
                 let ratio = (text_truth / sample.static_text_tokens).clamp(0.1, 10.0);
                 // Early samples count fully so the scale converges quickly from the rule's 1.0.
                 let weight = w.max(1.0 / (stats.samples as f64 + 1.0));
+                // The error of the estimate this request was routed with, before the scale
+                // learns from it.
+                let error = ratio / stats.prompt_scale - 1.0;
+                let var = stats.prompt_var.unwrap_or(cfg.prompt_spread.powi(2));
+                stats.prompt_var = Some(var + weight * (error * error - var));
                 stats.prompt_scale += weight * (ratio - stats.prompt_scale);
             }
             stats.output.resize(BUCKETS, 0.0);
@@ -225,6 +239,34 @@ mod tests {
         assert!((0.08..=0.14).contains(&tail), "P(> 500) = {tail}");
         assert!(learned.output.survival(150.0) < 0.2);
         assert_eq!(cal.learned(&b, "other", &cfg), None);
+    }
+
+    #[test]
+    fn learns_how_far_the_scaled_prompt_estimate_is_off() {
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let cfg = EstimatorConfig {
+            min_samples: 5,
+            ..EstimatorConfig::default()
+        };
+        // The rule says 100 for prompts of 120 ± 6 tokens (5 % of 120): once the scale has
+        // learned the 1.2, what is left is the 5 %.
+        for i in 0..400 {
+            let real = if i % 2 == 0 { 114 } else { 126 };
+            Calibration::record(&vm, "m", sample(100.0, real, 10), &cfg).unwrap();
+        }
+        let learned = Calibration::default().learned(&vm, "m", &cfg).unwrap();
+        assert!((learned.prompt_scale - 1.2).abs() < 0.01, "{learned:?}");
+        assert!(
+            (0.04..=0.06).contains(&learned.prompt_spread),
+            "{learned:?}"
+        );
+        // A rule that is exactly right leaves no spread to pay for.
+        for _ in 0..400 {
+            Calibration::record(&vm, "exact", sample(100.0, 100, 10), &cfg).unwrap();
+        }
+        let exact = Calibration::default().learned(&vm, "exact", &cfg).unwrap();
+        assert!(exact.prompt_spread < 0.01, "{exact:?}");
     }
 
     #[test]

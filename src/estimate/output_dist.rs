@@ -135,7 +135,7 @@ impl OutputDist {
     }
 
     /// P(output > t): the learned survival blended with the prior, which weighs as
-    /// [`PRIOR_SAMPLES`] samples.
+    /// `PRIOR_SAMPLES` samples.
     pub fn survival(&self, t: f64) -> f64 {
         if t <= 0.0 {
             return 1.0;

@@ -14,6 +14,8 @@ use crate::openai::request::Request;
 pub struct Learned {
     /// Real prompt tokens per static-rule token.
     pub prompt_scale: f64,
+    /// The scaled estimate's relative error, one standard deviation.
+    pub prompt_spread: f64,
     /// How long the model's answers run.
     pub output: OutputDist,
 }
@@ -22,6 +24,9 @@ pub struct Learned {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Estimate {
     pub prompt_tokens: u64,
+    /// How far `prompt_tokens` may be off, one standard deviation: the model's measured spread
+    /// (`estimator.promptSpread` until measured) of the part estimated by rule.
+    pub prompt_sigma: u64,
     /// Expected output: the model's mean answer length, up to the request's own limit.
     pub output_tokens: u64,
     /// The hard limit: the request's max-tokens field, or `estimator.outputCapTokens`.
@@ -40,6 +45,7 @@ impl Estimate {
     pub fn exact(prompt_tokens: u64, output_tokens: u64) -> Estimate {
         Estimate {
             prompt_tokens,
+            prompt_sigma: 0,
             output_tokens,
             max_output_tokens: output_tokens,
             output: OutputDist::never_stops(),
@@ -61,10 +67,13 @@ pub fn estimate_from(
     cfg: &EstimatorConfig,
 ) -> Estimate {
     let scale = learned.map_or(1.0, |l| l.prompt_scale);
+    let spread = learned.map_or(cfg.prompt_spread, |l| l.prompt_spread);
     let text_tokens = (static_text_tokens * scale).round() as u64;
-    let prompt_tokens = text_tokens
-        .saturating_add(req.token_ids)
-        .saturating_add(req.non_text_parts.saturating_mul(cfg.non_text_part_tokens));
+    // Token ids are counted exactly; text and non-text parts by rule.
+    let by_rule =
+        text_tokens.saturating_add(req.non_text_parts.saturating_mul(cfg.non_text_part_tokens));
+    let prompt_tokens = by_rule.saturating_add(req.token_ids);
+    let prompt_sigma = (by_rule as f64 * spread * cfg.safety_factor).round() as u64;
     let output = learned
         .map_or_else(
             || OutputDist::prior(cfg.default_output_tokens),
@@ -82,6 +91,7 @@ pub fn estimate_from(
     let cost = (raw.ceil() as u64).clamp(cfg.min_reservation_tokens, cfg.max_reservation_tokens);
     Estimate {
         prompt_tokens,
+        prompt_sigma,
         output_tokens,
         max_output_tokens,
         output,
@@ -110,6 +120,7 @@ mod tests {
         ended[crate::estimate::output_dist::bucket(len)] = n;
         Learned {
             prompt_scale: 1.0,
+            prompt_spread: 0.0,
             output: OutputDist::learned(&ended, &[0.0; crate::estimate::output_dist::BUCKETS], 256),
         }
     }
@@ -143,10 +154,26 @@ mod tests {
 
     #[test]
     fn cost_applies_safety_to_the_prompt_and_clamps() {
-        let cfg = EstimatorConfig::default();
+        let cfg = EstimatorConfig {
+            safety_factor: 1.1,
+            ..EstimatorConfig::default()
+        };
         let e = estimate(&req(&"word ".repeat(1000), Some(1000)), None, &cfg);
         assert_eq!(e.prompt_tokens, 1000);
+        assert_eq!(
+            e.prompt_sigma, 110,
+            "nothing measured yet: the prior spread, 10 %, of the prompt with its margin"
+        );
         assert_eq!(e.cost, 1100 + 1000);
+        let ids = Request {
+            token_ids: 500,
+            ..req("", Some(1))
+        };
+        assert_eq!(
+            estimate(&ids, None, &cfg).prompt_sigma,
+            0,
+            "token ids are counted, not estimated"
+        );
         let unbounded = estimate(&req(&"word ".repeat(1000), None), None, &cfg);
         assert_eq!(unbounded.cost, 1100 + unbounded.output_tokens);
         assert_eq!(estimate(&req("", Some(1)), None, &cfg).cost, 64);

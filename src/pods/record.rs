@@ -7,12 +7,15 @@
 //! Keys are per pod address; a pod that leaves has its record blanked (keys cannot be deleted).
 
 use crate::admission::forecast::{peak, Load};
-use crate::config::MetricsConfig;
+use crate::config::{Config, MetricsConfig};
 use crate::estimate::output_dist::{Outlook, HORIZON_STEPS};
 use crate::store::codec::{Reader, Writer};
 use crate::store::interface::{update, Store, StoreError};
 
-const VERSION: u8 = 3;
+const VERSION: u8 = 4;
+/// Records written before entries carried the spread of what they hold (and snapshots the
+/// headroom the engine's feedback gave up): read with none.
+const VERSION_WITHOUT_SPREAD: u8 = 3;
 /// Records written before entries carried an outlook (and snapshots the engine's feedback): their
 /// entries' tokens were whole reservations, read as held with nothing more to come.
 const VERSION_WITHOUT_OUTLOOK: u8 = 2;
@@ -43,6 +46,9 @@ pub struct Snapshot {
     pub backoff: f64,
     /// KV tokens the engine holds beyond what kvgate's entries account for (`feedback`).
     pub unexplained_tokens: u64,
+    /// The fraction of the forecast's headroom (`admission.headroomSigmas`) given up while the
+    /// engine ran below its target without preempting (`feedback`), 0 normally.
+    pub relief: f64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -54,6 +60,8 @@ pub struct Entry {
     /// already held (plus any such prefix inherited since), times the safety factor, plus what it
     /// has streamed.
     pub held_tokens: u64,
+    /// How far `held_tokens` may be off, one standard deviation (its prompt was estimated).
+    pub held_sigma: u32,
     /// Decode steps until its own limit stops it, and the chance it is still running at the
     /// start of each of the forecast's intervals (`output_dist`).
     pub left: u32,
@@ -100,13 +108,17 @@ impl PodRecord {
     }
 
     /// The pod's KV forecast (`forecast::peak`) with `extra` added: what admission holds within
-    /// the budget, and what the `reserved_tokens` gauge shows.
-    pub fn forecast(&self, extra: Option<Load>, z: f64, block_tokens: u64) -> u64 {
+    /// the budget, and what the `reserved_tokens` gauge shows. Its headroom is `headroom_sigmas`
+    /// less what the engine's feedback has given up on this pod (`Snapshot::relief`).
+    pub fn forecast(&self, extra: Option<Load>, headroom_sigmas: f64, block_tokens: u64) -> u64 {
+        let relief = self.snapshot.map_or(0.0, |s| s.relief.clamp(0.0, 1.0));
+        let z = headroom_sigmas * (1.0 - relief);
         let loads = self
             .entries
             .iter()
             .map(|e| Load {
                 held: e.held_tokens,
+                sigma: u64::from(e.held_sigma),
                 left: u64::from(e.left),
                 outlook: e.outlook,
             })
@@ -153,7 +165,8 @@ impl PodRecord {
                     .u8(u8::from(s.no_prefix_caching))
                     .f64(s.preemptions)
                     .f64(s.backoff)
-                    .u64(s.unexplained_tokens);
+                    .u64(s.unexplained_tokens)
+                    .f64(s.relief);
             }
             None => {
                 w.u8(0);
@@ -173,6 +186,7 @@ impl PodRecord {
             for &p in &e.outlook {
                 w.u8(p);
             }
+            w.u32(e.held_sigma);
         }
         w.0
     }
@@ -185,7 +199,8 @@ impl PodRecord {
             return None;
         }
         let has_context = version >= VERSION_WITHOUT_OUTLOOK;
-        let has_outlook = version >= VERSION;
+        let has_outlook = version >= VERSION_WITHOUT_SPREAD;
+        let has_spread = version >= VERSION;
         let snapshot = match r.u8()? {
             0 => None,
             _ => {
@@ -206,6 +221,9 @@ impl PodRecord {
                     s.backoff = r.f64()?;
                     s.unexplained_tokens = r.u64()?;
                 }
+                if has_spread {
+                    s.relief = r.f64()?;
+                }
                 Some(s)
             }
         };
@@ -217,7 +235,8 @@ impl PodRecord {
                     4 + HORIZON_STEPS.len()
                 } else {
                     0
-                },
+                }
+                + 4 * usize::from(has_spread),
         )?;
         let mut entries = Vec::with_capacity(n);
         for _ in 0..n {
@@ -240,6 +259,9 @@ impl PodRecord {
                 for p in e.outlook.iter_mut() {
                     *p = r.u8()?;
                 }
+            }
+            if has_spread {
+                e.held_sigma = r.u32()?;
             }
             entries.push(e);
         }
@@ -328,24 +350,17 @@ pub fn finish(
 /// scrape that does not say how large the pod is (a partial page, a pod marked down) keeps the
 /// size the last one said: forgetting it would lift the budget. The engine's own numbers are
 /// compared with kvgate's accounting (`feedback`).
+/// Writes a scrape's snapshot (`grace_ms`: `metrics.waitingGraceMs`), with the engine's
+/// feedback on kvgate's accounting (`feedback`, steered by `cfg`'s admission settings).
 pub fn write_snapshot(
-    store: &dyn Store,
-    pod: &str,
-    snapshot: Snapshot,
-    grace_ms: u64,
-) -> Result<(), StoreError> {
-    write_snapshot_among(store, pod, snapshot, grace_ms, 0)
-}
-
-/// `write_snapshot` for one of several gateway replicas: `remote_tokens` is the KV the other
-/// replicas' requests hold on the pod (`replicas::share`), explained like this replica's own.
-pub fn write_snapshot_among(
     store: &dyn Store,
     pod: &str,
     mut snapshot: Snapshot,
     grace_ms: u64,
-    remote_tokens: u64,
+    cfg: &Config,
 ) -> Result<(), StoreError> {
+    // With several gateway replicas, the others' requests on the pod are explained too.
+    let remote = crate::replicas::share::remote_tokens(store, cfg, pod);
     modify(store, pod, |rec| {
         if let Some(prev) = rec.snapshot {
             if snapshot.capacity_tokens == 0 {
@@ -355,12 +370,7 @@ pub fn write_snapshot_among(
                 snapshot.block_size = prev.block_size;
             }
         }
-        crate::admission::feedback::follow(
-            rec.snapshot.as_ref(),
-            &mut snapshot,
-            rec,
-            remote_tokens,
-        );
+        crate::admission::feedback::follow(rec.snapshot.as_ref(), &mut snapshot, rec, cfg, remote);
         let since = snapshot.at_ms.saturating_sub(grace_ms);
         let unscheduled = rec
             .entries
@@ -410,9 +420,16 @@ mod tests {
                 preemptions: 7.0,
                 backoff: 0.1,
                 unexplained_tokens: 3,
+                relief: 0.25,
             }),
             finished_since_scrape: 3,
-            entries: vec![entry(1, 4), entry(2, 5)],
+            entries: vec![
+                entry(1, 4),
+                Entry {
+                    held_sigma: 7,
+                    ..entry(2, 5)
+                },
+            ],
         };
         let back = PodRecord::decode(&rec.encode()).unwrap();
         assert_eq!(back.entries, rec.entries);
@@ -487,19 +504,19 @@ mod tests {
             ..Snapshot::default()
         };
         host.set_now_ms(1_000);
-        write_snapshot(&vm, "p", scraped(3.0), 250).unwrap();
+        write_snapshot(&vm, "p", scraped(3.0), 250, &Config::default()).unwrap();
         let waiting = |vm| read(vm, "p").unwrap().snapshot.unwrap().waiting;
         assert_eq!(waiting(&vm), 1.0, "two were sent within 250 ms: one queued");
-        write_snapshot(&vm, "p", scraped(1.0), 250).unwrap();
+        write_snapshot(&vm, "p", scraped(1.0), 250, &Config::default()).unwrap();
         assert_eq!(waiting(&vm), 0.0, "never below zero");
-        write_snapshot(&vm, "p", scraped(3.0), 0).unwrap();
+        write_snapshot(&vm, "p", scraped(3.0), 0, &Config::default()).unwrap();
         assert_eq!(waiting(&vm), 3.0, "no grace: the engine's count");
     }
 
     #[test]
     fn a_pod_that_leaves_keeps_its_in_flight_entries_until_they_end() {
         let (_host, vm) = pod_with(&[entry(1, 10)]);
-        write_snapshot(&vm, "p", Snapshot::default(), 0).unwrap();
+        write_snapshot(&vm, "p", Snapshot::default(), 0, &Config::default()).unwrap();
         blank(&vm, "p").unwrap();
         let rec = read(&vm, "p").unwrap();
         assert_eq!(rec.snapshot, None, "what was scraped is forgotten");
@@ -520,7 +537,7 @@ mod tests {
             block_size: 16,
             ..Snapshot::default()
         };
-        write_snapshot(&vm, "p", sized, 0).unwrap();
+        write_snapshot(&vm, "p", sized, 0, &Config::default()).unwrap();
         // A partial page, and then a pod marked down: neither may lift the budget.
         for s in [
             Snapshot {
@@ -529,7 +546,7 @@ mod tests {
             },
             Snapshot::default(),
         ] {
-            write_snapshot(&vm, "p", s, 0).unwrap();
+            write_snapshot(&vm, "p", s, 0, &Config::default()).unwrap();
             let kept = read(&vm, "p").unwrap().snapshot.unwrap();
             assert_eq!((kept.capacity_tokens, kept.block_size), (4096, 16));
         }
@@ -545,7 +562,7 @@ mod tests {
             "not counted once expired"
         );
         assert_eq!(finish(&vm, "p", 1, None).unwrap(), None);
-        write_snapshot(&vm, "p", Snapshot::default(), 250).unwrap();
+        write_snapshot(&vm, "p", Snapshot::default(), 250, &Config::default()).unwrap();
         assert_eq!(read(&vm, "p").unwrap().held_tokens(), 0);
     }
 }

@@ -159,15 +159,12 @@ impl Scraper {
                             preemptions: m.preemptions.unwrap_or(f64::NAN),
                             ..Snapshot::default()
                         };
-                        // With several replicas, the others' requests on the pod are not
-                        // unexplained either (`replicas::share`).
-                        let remote = crate::replicas::share::remote_tokens(store, cfg, pod);
-                        record::write_snapshot_among(
+                        record::write_snapshot(
                             store,
                             pod,
                             snapshot,
                             cfg.metrics.waiting_grace_ms,
-                            remote,
+                            cfg,
                         )
                     }
                     _ => {
@@ -181,7 +178,7 @@ impl Scraper {
                                 kv_usage: f64::NAN,
                                 ..Snapshot::default()
                             };
-                            record::write_snapshot(store, pod, down, 0)?;
+                            record::write_snapshot(store, pod, down, 0, cfg)?;
                         }
                         Ok(())
                     }

@@ -349,12 +349,17 @@ impl Router {
         let outlook = est.output.outlook(0, est.max_output_tokens);
         let loads: Vec<Load> = shared
             .iter()
-            .map(|&b| Load {
-                held: (est.prompt_tokens as f64 * safety - b as f64 * held_per_block)
-                    .max(0.0)
-                    .round() as u64,
-                left: est.max_output_tokens,
-                outlook,
+            .map(|&b| {
+                let whole = est.prompt_tokens as f64 * safety;
+                let held = (whole - b as f64 * held_per_block).max(0.0);
+                // The estimate's spread, in proportion to the part of the prompt it holds.
+                let share = if whole > 0.0 { held / whole } else { 0.0 };
+                Load {
+                    held: held.round() as u64,
+                    sigma: (est.prompt_sigma as f64 * share).round() as u64,
+                    left: est.max_output_tokens,
+                    outlook,
+                }
             })
             .collect();
         // Each candidate's fit is a forecast over its in-flight requests: worked out at most once
@@ -389,6 +394,7 @@ impl Router {
                 expires_ms: now.saturating_add(r.request_ttl_ms),
                 dispatched_ms: now,
                 held_tokens: load.held,
+                held_sigma: u32::try_from(load.sigma).unwrap_or(u32::MAX),
                 left: u32::try_from(load.left).unwrap_or(u32::MAX),
                 outlook: load.outlook,
                 prompt_blocks: new_blocks,
@@ -564,11 +570,15 @@ mod tests {
         }
     }
 
+    /// With a prompt margin (`estimator.safetyFactor` 1.1), so the tests see it carried
+    /// through shared prefixes.
     fn config(pods: &[&str]) -> Config {
-        Config {
+        let mut cfg = Config {
             pods: pods.iter().map(|p| p.to_string()).collect(),
             ..Config::default()
-        }
+        };
+        cfg.estimator.safety_factor = 1.1;
+        cfg
     }
 
     fn est(prompt: u64, output: u64) -> Estimate {
@@ -715,6 +725,7 @@ mod tests {
                 ..Snapshot::default()
             },
             0,
+            &cfg,
         )
         .unwrap();
         let mut r = Router::start(&vm, &cfg).unwrap();
@@ -861,7 +872,7 @@ mod tests {
             no_prefix_caching: true,
             ..Snapshot::default()
         };
-        record::write_snapshot(&vm, "a:1", snapshot, 0).unwrap();
+        record::write_snapshot(&vm, "a:1", snapshot, 0, &Config::default()).unwrap();
         let mut r = Router::start(&vm, &cfg).unwrap();
         let x = r
             .route(&vm, &cfg, &hashes(1, 10), &est(160, 0))
@@ -895,7 +906,7 @@ mod tests {
                 block_size,
                 ..Snapshot::default()
             };
-            record::write_snapshot(&vm, pod, snapshot, 0).unwrap();
+            record::write_snapshot(&vm, pod, snapshot, 0, &Config::default()).unwrap();
         };
         scraped("a:1", 16);
         scraped("b:1", 32);

@@ -1,9 +1,9 @@
 //! The one interface through which kvgate touches state shared between Envoy's worker VMs:
 //! shared data (get, compare-and-swap set), shared queues and the clock.
 //!
-//! The shell implements it with proxy-wasm hostcalls; tests use [`crate::store::fake_host`], which keeps
-//! Envoy's semantics. Keys cannot be deleted or listed on the real host, so every module that stores
-//! state documents a bounded key schema.
+//! The shell implements it with proxy-wasm hostcalls; tests use `store::fake_host` (built for
+//! tests and the `fake-host` feature), which keeps Envoy's semantics. Keys cannot be deleted or
+//! listed on the real host, so every module that stores state documents a bounded key schema.
 
 /// Why a store operation failed. The host never panics the core: every failure is a value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

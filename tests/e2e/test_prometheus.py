@@ -162,7 +162,7 @@ def test_prometheus_shows_kvgates_series_with_pods_bands_and_outcomes_as_labels(
         assert n == stats[f"wasmcustom.kvgate.pod.{pod.replace('.', '_').replace(':', '_')}.picks"]
     assert sum(picks.values()) == stats["wasmcustom.kvgate.routed"]
     for gauge in ("reserved_tokens", "held_tokens", "budget_tokens", "unexplained_tokens", "backoff_percent",
-                  "active_blocks", "in_flight", "healthy"):
+                  "relief_percent", "active_blocks", "in_flight", "healthy"):
         assert set(prom.by(f"kvgate_pod_{gauge}", "pod")) == set(live["live"]) | {live["dead"]}, gauge
     assert prom.by("kvgate_pod_healthy", "pod")[live["dead"]] == 0
     assert all(prom.by("max_over_time(kvgate_pod_reserved_tokens[5m])", "pod")[p] > 0 for p in live["live"])
