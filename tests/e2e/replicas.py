@@ -6,7 +6,6 @@ spread over them while every replica's gauges and the pods are sampled."""
 import base64
 import contextlib
 import itertools
-import json
 import shutil
 import signal
 import subprocess
@@ -15,8 +14,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from harness import (Sim, default_plugin_config, envoy_config, free_port, kvgate_envoy, kvgate_gauges, request,
-                     stop, stream, wait_port, Envoy, wait_for)
+from harness import (default_plugin_config, envoy_config, free_port, kvgate_gauges, request, stop, stream,
+                     wait_port, Envoy, wait_for)
 
 from bodies import unshared_completion
 
@@ -99,10 +98,10 @@ def fleet(sim, etcd_port, n=3, etcd=None, concurrency=2):
                                                                   "port_value": etcd_port}}}}]}]}})
             envoys.append(stack.enter_context(_started(cfg, concurrency, len(sim.endpoints))))
         if etcd is not None:
-            # Every replica has synced once: each holds a grant on every pod.
-            wait_for(lambda: all(len(kvgate_gauges(e, "grant_tokens")) == len(sim.endpoints)
-                                 and e.stats("wasmcustom.kvgate.replicas.syncs").get(
-                                     "wasmcustom.kvgate.replicas.syncs", 0) > 0 for e in envoys), timeout=15)
+            # An idle fleet's steady state: every replica holds a share of every pod's budget (the
+            # first to sync took all the spare credit; the others' shares come as it gives back).
+            wait_for(lambda: all(len(g := kvgate_gauges(e, "grant_tokens")) == len(sim.endpoints)
+                                 and min(g.values()) > 0 for e in envoys), timeout=15)
         yield envoys
 
 
