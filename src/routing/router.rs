@@ -320,9 +320,10 @@ impl Router {
         let mut ranked = rank(&candidates, prompt_blocks, own_blocks, r, &mut rng);
         if cfg.etcd.enabled() && candidates.iter().all(|c| c.cached_blocks == 0) {
             // Several replicas: a prompt no pod caches goes where every replica would send it,
-            // among pods within one request's own load of the best (`pick::rendezvous`).
+            // among pods within half its prefill of the best (`pick::rendezvous`): about what
+            // the group's next request saves by finding the prefix there.
             if let Some(&first) = hashes.first() {
-                let tolerance = (r.decode_weight + r.active_weight) * own_blocks as f64;
+                let tolerance = r.prefill_weight * prompt_blocks as f64 / 2.0;
                 rendezvous(&mut ranked, &candidates, first, tolerance);
             }
         }
