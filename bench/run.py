@@ -90,6 +90,11 @@ FULL = {
     },
     # The chat workload with max_tokens on every request, kvgate at each Envoy worker count.
     "chat_bounded": {"envoy_concurrency": [1, 2, 4]},
+    # Many LoRA adapters of one base model, more than the pool's adapter slots (pods × maxLoras).
+    "lora": {
+        "adapters": 32, "zipf": 1.0, "max_loras": 2, "prompt_tokens": "200,600", "output_tokens": 64,
+        "rate": 24, "duration": 20, "ttft_slo_ms": 200,
+    },
     "overhead": {"bodies": [4096, 262144], "seconds": 3, "concurrency": [1, 16], "repeats": 3},
 }
 
@@ -104,6 +109,8 @@ DEMO = {
 WASM_SNAPSHOT = None
 
 ALL_TARGETS = ["kvgate", "envoy-rr", "envoy-lr", "sglang-router", "vllm-router"]
+# kvgate with adapter affinity off (the lora workload's own baseline).
+NO_AFFINITY = {"models": {"adapterLoadCost": 0, "adapterSlotCost": 0}}
 PEERS = ["envoy-rr", "envoy-lr", "sglang-router", "vllm-router"]
 
 
@@ -305,6 +312,7 @@ def cli_strings():
         "kvgate": f"Envoy --concurrency {ENVOY_CONCURRENCY} with kvgate.wasm, plugin config "
                   f"harness.default_plugin_config() (+ admission.objectives {json.dumps(MIXED_OBJECTIVES)} for mixed)"
                   + (f" merged with {json.dumps(KVGATE_OVERRIDE)}" if KVGATE_OVERRIDE else ""),
+        "kvgate-no-affinity": f"kvgate as above, merged with {json.dumps(NO_AFFINITY)} (lora workload only)",
         "envoy-rr": f"Envoy --concurrency {ENVOY_CONCURRENCY}, no kvgate, load_balancing_policy round_robin",
         "envoy-lr": f"Envoy --concurrency {ENVOY_CONCURRENCY}, no kvgate, load_balancing_policy least_request",
         "sglang-router": show(sglang_argv("<port>", "<metrics-port>", ["<pod URLs>"])),
@@ -335,8 +343,11 @@ def target(name, endpoints, workload, log_dir, cli_log, concurrency=None):
     Envoy's worker count (default: one per core)."""
     urls = [f"http://{h}:{p}" for h, p in endpoints]
     workers = concurrency or ENVOY_CONCURRENCY
-    if name == "kvgate":
+    if name in ("kvgate", "kvgate-no-affinity"):
         cfg = kvgate_config(workload)
+        if name == "kvgate-no-affinity":
+            for key, value in NO_AFFINITY.items():
+                cfg.setdefault(key, {}).update(value)
         with kvgate_envoy(endpoints, cfg, concurrency=workers, wasm=str(WASM_SNAPSHOT or harness.WASM)) as e:
             yield e.port, e
     elif name in ("envoy-rr", "envoy-lr", "envoy"):
@@ -358,7 +369,8 @@ def target(name, endpoints, workload, log_dir, cli_log, concurrency=None):
 
 SIM_SUM_KEYS = ["prefix_cache_hit_tokens", "prefix_cache_query_tokens", "request_cache_hits",
                 "request_cache_misses", "preemptions", "kv_evictions", "finished", "aborted", "admitted",
-                "prompt_tokens", "prefill_tokens_computed", "generation_tokens", "clock_resyncs"]
+                "prompt_tokens", "prefill_tokens_computed", "generation_tokens", "clock_resyncs",
+                "lora_loads", "lora_activations"]
 
 
 def sim_stats(sim):
@@ -453,7 +465,7 @@ def run_cell(ctx, tname, wname, label, bench_args, sim_args, timeout, concurrenc
                     summary = run_bench(port, bench_args, out_base, timeout)
                 kv = sampler.samples if sampler else None
                 wait_idle(sim)
-                counters = kvgate_counters(envoy) if tname == "kvgate" else None
+                counters = kvgate_counters(envoy) if tname.startswith("kvgate") else None
             stats = sim_stats(sim)
     except KeyboardInterrupt:
         raise
@@ -503,6 +515,20 @@ def burst_args(w, seed):
             "--groups", w["groups"], "--questions", w["questions"], "--system-tokens", w["system_tokens"],
             "--question-tokens", w["question_tokens"], "--output-tokens", w["output_tokens"],
             "--max-duration", 10, "--timeout", 180, "--ttft-slo-ms", w["ttft_slo_ms"]]
+
+
+def lora_sim_args(w, sim_args):
+    """Pods serving the base model and every adapter, with `max_loras` adapter slots each."""
+    modules = [f"lora-{k}=/adapters/lora-{k}" for k in range(w["adapters"])]
+    return [*sim_args, "--enable-lora", "--max-loras", str(w["max_loras"]), "--lora-modules", *modules]
+
+
+def lora_args(w, seed):
+    n = int(math.ceil(w["rate"] * w["duration"]))
+    return ["--workload", "lora", "--seed", seed, "--arrival", "poisson", "--rate", w["rate"], "--requests", n,
+            "--adapters", w["adapters"], "--adapter-zipf", w["zipf"], "--prompt-tokens", w["prompt_tokens"],
+            "--output-tokens", w["output_tokens"], "--max-duration", w["duration"], "--timeout", 120,
+            "--ttft-slo-ms", w["ttft_slo_ms"]]
 
 
 def chat_sim_args(w, sim_args):
@@ -950,6 +976,11 @@ WORKLOAD_DESC = {
     "chat-bounded": "the chat workload with max_tokens (uniform in {max_tokens}, EOS may come first) on every "
                     "request; kvgate at each Envoy --concurrency, Envoy round robin for reference; {clients} "
                     "closed-loop clients for {duration} s; pods with {num_gpu_blocks} KV blocks",
+    "lora": "{adapters} LoRA adapters of one base model on every pod, each pod with --max-loras {max_loras} "
+            "(adapter slots) and the simulator's adapter load time (40 ms from disk, 3 ms into a slot); each request "
+            "names an adapter drawn by Zipf popularity (s = {zipf}), unique prompts of {prompt_tokens} tokens "
+            "(uniform), output {output_tokens}; Poisson {rate} req/s for {duration} s; TTFT objective {ttft_slo_ms} ms. "
+            "kvgate-no-affinity is kvgate with models.adapterLoadCost and adapterSlotCost 0",
     "burst": "{n} requests at once ({groups} groups × {questions}, system prompt {system_tokens}, question "
              "{question_tokens}, output {output_tokens}); TTFT objective {ttft_slo_ms} ms",
 }
@@ -1004,6 +1035,10 @@ def write_report(ctx, data):
                 L.append("\n" + per_peer)
         else:
             L.append(workload_table(rows, data["ratios"].get(w, {})))
+        if w == "lora":
+            loads = ", ".join(f"{n} {c['sim'].get('lora_loads', 0)}" for n, c in cells.items() if "error" not in c)
+            L.append(f"\nAdapter loads on the pods (the simulator's count; each stalls its pod's step by the load "
+                     f"time): {loads}.")
         failed = {n: c["error"] for n, c in cells.items() if "error" in c}
         for n, e in failed.items():
             L.append(f"\n- {n} failed: `{e[:300]}`")
@@ -1137,6 +1172,8 @@ def smoke(cfg):
         cfg["chat"].update(clients=40, duration=6, warmup=2)
     if "mixed" in cfg:
         cfg["mixed"]["calibration_s"] = 6
+    if "lora" in cfg:
+        cfg["lora"].update(duration=4)
     return cfg
 
 
@@ -1150,7 +1187,7 @@ def main():
     ap.add_argument("--benchmarks-md", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--targets", help="comma-separated subset of " + ",".join(ALL_TARGETS))
     ap.add_argument("--workloads", help="comma-separated subset of shared-prefix,multi-turn,hot-prefix,mixed,burst,"
-                                        "chat,chat-bounded")
+                                        "chat,chat-bounded,lora")
     ap.add_argument("--no-overhead", action="store_true")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--kvgate-config", metavar="JSON", default="{}",
@@ -1171,7 +1208,7 @@ def main():
         cfg = smoke(cfg)
     targets = a.targets.split(",") if a.targets else (ALL_TARGETS if a.full else ["kvgate", "envoy-rr"])
     workloads = a.workloads.split(",") if a.workloads else (
-        ["shared-prefix", "multi-turn", "hot-prefix", "mixed", "burst", "chat", "chat-bounded"] if a.full
+        ["shared-prefix", "multi-turn", "hot-prefix", "mixed", "burst", "chat", "chat-bounded", "lora"] if a.full
         else ["shared-prefix"])
     out = Path(a.out) if a.out else ROOT / "results" / started.strftime("%Y%m%d-%H%M%S")
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -1299,6 +1336,15 @@ def main():
                 cells["envoy-rr"] = chat_cell("envoy-rr", "chat-bounded", 0.0)
             data["results"]["chat-bounded"] = cells
             data["workload_desc"]["chat-bounded"] = WORKLOAD_DESC["chat-bounded"].format(**w)
+
+        if "lora" in workloads:
+            w = cfg.get("lora") or FULL["lora"]
+            log("lora")
+            names = ["kvgate", "kvgate-no-affinity", *(t for t in live if t in ("envoy-rr", "envoy-lr"))]
+            data["results"]["lora"] = {
+                t: run_cell(ctx, t, "lora", "lora", lora_args(w, seed), lora_sim_args(w, sim_args),
+                            w["duration"] + 200) for t in names if t != "kvgate" or "kvgate" in live}
+            data["workload_desc"]["lora"] = WORKLOAD_DESC["lora"].format(**w)
 
         if a.full and not a.no_overhead:
             log("filter overhead")

@@ -76,7 +76,8 @@ pub fn retry(gate: &mut Gate, store: &dyn Store, waiting: &mut impl Waiting, tic
 }
 
 /// The line moved (a wake-up or the tick): answers the parked requests whose wait ran out, then
-/// admits from the head of the line while the head is this VM's and fits.
+/// admits from the head of the line while the head is this VM's and fits, then tries this VM's
+/// backfills (requests behind a head that does not fit, into the room it leaves).
 pub fn run_line(gate: &mut Gate, store: &dyn Store, waiting: &mut impl Waiting) {
     for ticket in gate.expired(store) {
         retry(gate, store, waiting, ticket);
@@ -88,6 +89,9 @@ pub fn run_line(gate: &mut Gate, store: &dyn Store, waiting: &mut impl Waiting) 
         if !retry(gate, store, waiting, ticket) {
             break;
         }
+    }
+    for ticket in gate.backfill(store) {
+        retry(gate, store, waiting, ticket);
     }
 }
 
@@ -134,11 +138,16 @@ mod tests {
 
     /// One pod whose budget holds one request: the second and later requests park.
     fn gate() -> (FakeHost, FakeVm, Gate) {
+        gate_with(r#""budgetTokens":100"#)
+    }
+
+    /// One pod, waits of 5 s, and `admission` (JSON members) added to the admission config.
+    fn gate_with(admission: &str) -> (FakeHost, FakeVm, Gate) {
         let host = FakeHost::new();
         host.set_now_ms(1_000_000);
         let vm = host.vm();
         let config = Config::parse(
-            format!(r#"{{"pods":["{POD}"],"admission":{{"budgetTokens":100,"maxWaitMs":5000}}}}"#)
+            format!(r#"{{"pods":["{POD}"],"admission":{{"maxWaitMs":5000,{admission}}}}}"#)
                 .as_bytes(),
         )
         .unwrap();
@@ -148,9 +157,21 @@ mod tests {
 
     /// Sends a request on `context`; returns its decision, parking it in `host` as the shell does.
     fn send(gate: &mut Gate, vm: &FakeVm, host: &mut Host, context: u32) -> Decision {
+        send_sized(gate, vm, host, context, 40, 50)
+    }
+
+    /// `send` with a prompt of about `words` tokens and `max_tokens`.
+    fn send_sized(
+        gate: &mut Gate,
+        vm: &FakeVm,
+        host: &mut Host,
+        context: u32,
+        words: usize,
+        max_tokens: u32,
+    ) -> Decision {
         let body = format!(
-            r#"{{"model":"m","prompt":"request {context} {}","max_tokens":50}}"#,
-            "x ".repeat(40)
+            r#"{{"model":"m","prompt":"request {context} {}","max_tokens":{max_tokens}}}"#,
+            "x ".repeat(words)
         );
         let mut flow = Flow::default();
         let head = Head {
@@ -218,6 +239,58 @@ mod tests {
             .iter()
             .any(|(n, v)| n == DESTINATION_HEADER && v == POD));
         assert_eq!(host.parked.values().copied().collect::<Vec<_>>(), [3]);
+    }
+
+    #[test]
+    fn a_request_behind_a_head_that_does_not_fit_backfills_the_room_a_bounded_number_of_times() {
+        for passes in [0, 1] {
+            let (_h, vm, mut gate) =
+                gate_with(&format!(r#""budgetTokens":300,"backfillPasses":{passes}"#));
+            let mut host = Host::default();
+            // About 145 tokens run; a head of about 255 does not fit beside them, two of about
+            // 75 and 30 would.
+            assert_eq!(
+                send_sized(&mut gate, &vm, &mut host, 1, 40, 100).step,
+                Step::Forward
+            );
+            for (context, words, max) in [(2, 150, 100), (3, 20, 50), (4, 5, 20)] {
+                assert!(matches!(
+                    send_sized(&mut gate, &vm, &mut host, context, words, max).step,
+                    Step::Park(_)
+                ));
+            }
+            run_line(&mut gate, &vm, &mut host);
+            let resumed: Vec<u32> = host.resumed.iter().map(|(c, _)| *c).collect();
+            if passes == 0 {
+                assert!(resumed.is_empty(), "a strict line: {resumed:?}");
+            } else {
+                assert_eq!(resumed, [3], "one pass: the first that fits, then no more");
+            }
+            let line = crate::admission::line::read(&vm).unwrap();
+            assert_eq!(
+                line.tickets.first().map(|t| t.vm),
+                Some(gate.vm()),
+                "the head still waits, first"
+            );
+            assert_eq!(host.parked.len(), 3 - passes as usize);
+            assert!(reserved(&vm) <= 300);
+            // The head goes once what runs leaves it room (with a backfill, that is one more to
+            // finish: the price of the pass); the next head starts with no passes.
+            let running = if passes == 0 { vec![1] } else { vec![1, 3] };
+            for context in running {
+                host.flows
+                    .get_mut(&context)
+                    .unwrap()
+                    .on_done(&mut gate, &vm);
+                run_line(&mut gate, &vm, &mut host);
+            }
+            assert!(
+                host.resumed.iter().any(|(c, _)| *c == 2),
+                "{:?}",
+                host.resumed
+            );
+            assert_eq!(crate::admission::line::read(&vm).unwrap().head_passes(), 0);
+        }
     }
 
     #[test]

@@ -41,6 +41,8 @@ pub enum Step {
 pub struct Decision {
     pub remove: Vec<&'static str>,
     pub set: Vec<(String, String)>,
+    /// A new request body (the model rewritten), with `content-length` among `set` to match.
+    pub body: Option<Vec<u8>>,
     pub step: Step,
 }
 
@@ -49,6 +51,7 @@ impl Decision {
         Decision {
             remove: Vec::new(),
             set: Vec::new(),
+            body: None,
             step,
         }
     }
@@ -75,7 +78,12 @@ pub struct Head<'a> {
 /// What was decided about a parsed request, kept for the response side.
 #[derive(Debug, Clone)]
 struct Admitted {
+    /// The model the request is sent as (after any rename): what calibration and stats key on.
     model: String,
+    /// The name the client asked for, when a rename or split changed it.
+    requested: Option<String>,
+    /// `model`'s segment in per-model stat names (`stats::OTHER_MODEL` for names without stats).
+    stat_model: String,
     estimate: Estimate,
     static_text_tokens: f64,
     fixed_tokens: u64,
@@ -93,6 +101,8 @@ pub struct Flow {
     admitted: Option<Admitted>,
     meter: Option<ResponseMeter>,
     finished: bool,
+    /// The client's headers set a priority: a model's default band does not replace it.
+    priority_given: bool,
 }
 
 /// Client text made fit for a response header: visible ASCII only, at most 128 characters, so a
@@ -103,6 +113,30 @@ fn header_safe(value: &str) -> String {
         .map(|c| if (' '..='~').contains(&c) { c } else { '?' })
         .take(128)
         .collect()
+}
+
+/// What the model step decided for a request.
+#[derive(Default)]
+struct SentAs {
+    requested: Option<String>,
+    stat_model: String,
+    headers: Vec<(String, String)>,
+    body: Option<Vec<u8>>,
+}
+
+/// A model name as a request header value for Envoy routes to match: as it is when it is visible
+/// ASCII (every name a route is likely to name), else percent-encoded byte by byte, so no name
+/// can add a header or carry bytes a codec refuses.
+fn header_value(model: &str) -> String {
+    let mut out = String::with_capacity(model.len());
+    for b in model.bytes() {
+        if b.is_ascii_graphic() && b != b'%' {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
 }
 
 fn too_large(limit: u64) -> LocalReply {
@@ -124,6 +158,8 @@ impl Flow {
             head.tenant,
             head.session,
         );
+        self.priority_given =
+            Class::priority_given(&cfg.admission, head.objective, head.priority).is_some();
         let mut decision = if crate::status::is_status_path(cfg, head.path) {
             Decision::step(Step::Reply(crate::status::reply(
                 gate,
@@ -190,7 +226,7 @@ impl Flow {
         if body.len() as u64 > gate.config.max_body_bytes {
             return Decision::step(Step::Reply(too_large(gate.config.max_body_bytes)));
         }
-        let req = match Request::parse(api, body) {
+        let mut req = match Request::parse(api, body) {
             Ok(r) => r,
             Err(e) => {
                 return Decision::step(Step::Reply(LocalReply::error(
@@ -200,6 +236,10 @@ impl Flow {
                     e.param.as_deref(),
                 )))
             }
+        };
+        let sent_as = match self.choose_model(gate, store, &mut req, body) {
+            Ok(m) => m,
+            Err(reply) => return Decision::step(Step::Reply(reply)),
         };
         let cfg = &gate.config.estimator;
         let learned = gate.calibration.learned(store, &req.model, cfg);
@@ -219,10 +259,17 @@ impl Flow {
             &mut gate.router,
             &mut gate.stats,
             self.class,
+            &req.model,
             &hashes,
             &est,
         );
+        gate.stats.count(
+            stats::model_stat(&sent_as.stat_model, stats::MODEL_REQUESTS),
+            1,
+        );
         self.admitted = Some(Admitted {
+            requested: sent_as.requested,
+            stat_model: sent_as.stat_model,
             static_text_tokens,
             fixed_tokens: req.token_ids + req.non_text_parts * cfg.non_text_part_tokens,
             max_output_tokens: req.max_output_tokens,
@@ -232,7 +279,7 @@ impl Flow {
             waiting: None,
             waited_ms: None,
         });
-        match placed {
+        let mut decision = match placed {
             Ok(Admit::Wait(ticket)) => {
                 if let Some(a) = &mut self.admitted {
                     a.waiting = Some((ticket, hashes));
@@ -246,7 +293,78 @@ impl Flow {
                 gate.stats.count(stats::ROUTE_ERRORS, 1);
                 Decision::step(Step::Forward)
             }
+        };
+        // Set now, while the body and headers are still this callback's to change, even for a
+        // request that parks: it is resumed later from another callback.
+        decision.set.extend(sent_as.headers);
+        decision.body = sent_as.body;
+        decision
+    }
+
+    /// The model step: the public name's target (a rename or weighted split, the body rewritten
+    /// to it), the model's default priority band, and the 404 for a model no pod serves.
+    fn choose_model(
+        &mut self,
+        gate: &mut Gate,
+        store: &dyn Store,
+        req: &mut Request,
+        body: &[u8],
+    ) -> Result<SentAs, LocalReply> {
+        let models = &gate.config.models;
+        let requested = req.model.clone();
+        let mut sent = SentAs::default();
+        if let Some(target) = gate
+            .split
+            .choose(&models.routes, &requested, self.class.session)
+            .filter(|t| *t != requested)
+        {
+            let new_body = req.with_model(body, target);
+            sent.headers
+                .push(("content-length".into(), new_body.len().to_string()));
+            sent.body = Some(new_body);
+            req.model = target.to_string();
+            sent.requested = Some(requested.clone());
+            gate.stats.count(stats::MODELS_REWRITTEN, 1);
         }
+        if !self.priority_given {
+            let band = [&requested, &req.model]
+                .into_iter()
+                .find_map(|m| models.routes.get(m.as_str()).and_then(|r| r.priority));
+            if let Some(band) = band {
+                self.class.priority = band;
+            }
+        }
+        if !gate.router.serves(store, &gate.config, &req.model) {
+            gate.stats.count(stats::MODELS_NOT_FOUND, 1);
+            let renamed = sent
+                .requested
+                .as_ref()
+                .map_or(String::new(), |r| format!(" (requested as `{r}`)"));
+            return Err(LocalReply::error(
+                404,
+                "model_not_found",
+                &format!(
+                    "The model `{}`{renamed} does not exist: no model server behind this gateway serves it.",
+                    req.model
+                ),
+                Some("model"),
+            ));
+        }
+        let configured = models.routes.contains_key(&req.model)
+            || models
+                .routes
+                .values()
+                .any(|r| r.targets.iter().any(|t| t.model == req.model));
+        sent.stat_model = if configured || gate.router.lists(&req.model) {
+            req.model.clone()
+        } else {
+            stats::OTHER_MODEL.to_string()
+        };
+        if !models.header.is_empty() {
+            sent.headers
+                .push((models.header.clone(), header_value(&req.model)));
+        }
+        Ok(sent)
     }
 
     /// Turns an admission outcome into what the shell does.
@@ -254,6 +372,12 @@ impl Flow {
         match admit {
             Admit::Routed(routed) => {
                 gate.stats.count(stats::ROUTED, 1);
+                gate.stats
+                    .count(stats::ADAPTER_LOADS, u64::from(routed.adapter_load));
+                if let Some(a) = &self.admitted {
+                    gate.stats
+                        .count(stats::model_stat(&a.stat_model, stats::MODEL_PICKS), 1);
+                }
                 gate.stats
                     .count(stats::pod_stat(&routed.pod, stats::POD_PICKS), 1);
                 gate.stats
@@ -291,6 +415,7 @@ impl Flow {
             &mut gate.router,
             &mut gate.stats,
             &ticket,
+            &a.model,
             hashes,
             &est,
         );
@@ -303,7 +428,12 @@ impl Flow {
             }
         };
         a.waiting = None;
-        a.waited_ms = Some(store.now_ms().saturating_sub(ticket.enqueued_ms));
+        let waited = store.now_ms().saturating_sub(ticket.enqueued_ms);
+        a.waited_ms = Some(waited);
+        gate.stats.histogram(
+            stats::model_stat(&a.stat_model, stats::MODEL_QUEUE_WAIT_MS),
+            waited,
+        );
         Some(self.decide(gate, admit))
     }
 
@@ -332,7 +462,10 @@ impl Flow {
             return Vec::new();
         }
         let mut headers = vec![
-            ("x-kvgate-model".into(), header_safe(&a.model)),
+            (
+                "x-kvgate-model".into(),
+                header_safe(a.requested.as_ref().unwrap_or(&a.model)),
+            ),
             (
                 "x-kvgate-prompt-tokens".into(),
                 a.estimate.prompt_tokens.to_string(),
@@ -345,6 +478,9 @@ impl Flow {
         ];
         if let Some(ms) = a.waited_ms {
             headers.push(("x-kvgate-queue-ms".into(), ms.to_string()));
+        }
+        if a.requested.is_some() {
+            headers.push(("x-kvgate-target-model".into(), header_safe(&a.model)));
         }
         if let Some(r) = &a.routed {
             headers.push(("x-kvgate-pod".into(), r.pod.clone()));
@@ -431,6 +567,14 @@ impl Flow {
         stats.count(
             stats::USAGE_TOTAL_TOKENS,
             usage.prompt_tokens + usage.completion_tokens,
+        );
+        stats.count(
+            stats::model_stat(&a.stat_model, stats::MODEL_PROMPT_TOKENS),
+            usage.prompt_tokens,
+        );
+        stats.count(
+            stats::model_stat(&a.stat_model, stats::MODEL_COMPLETION_TOKENS),
+            usage.completion_tokens,
         );
         let sample = Sample {
             static_text_tokens: a.static_text_tokens,
@@ -564,8 +708,12 @@ mod tests {
         assert_eq!(d.step, Step::Forward);
         assert_eq!(
             d.set,
-            vec![(DESTINATION_HEADER.to_string(), "10.0.0.1:80".to_string())]
+            vec![
+                (DESTINATION_HEADER.to_string(), "10.0.0.1:80".to_string()),
+                ("x-gateway-model-name".to_string(), "m".to_string())
+            ]
         );
+        assert_eq!(d.body, None, "no rename, no new body");
         let headers = f.on_response_headers(
             &mut gate,
             &vm,
@@ -580,11 +728,12 @@ mod tests {
         };
         assert_eq!(get("x-kvgate-cost").as_deref(), Some("64"));
         assert_eq!(get("x-kvgate-pod").as_deref(), Some("10.0.0.1:80"));
-        // The one candidate, its cost and the five terms it sums: 1 block to compute (×2), the
-        // 1 + 2 blocks its decode steps read (×0.2) and add to memory (×0.05), no queue, no kv.
+        // The one candidate, its cost and the six terms it sums: 1 block to compute (×2), the
+        // 1 + 2 blocks its decode steps read (×0.2) and add to memory (×0.05), no queue, no kv,
+        // no adapter.
         assert_eq!(
             get("x-kvgate-ranking").as_deref(),
-            Some("10.0.0.1:80 3=2+1+0+0+0")
+            Some("10.0.0.1:80 3=2+1+0+0+0+0")
         );
         f.on_response_body(
             &mut gate,
@@ -599,5 +748,110 @@ mod tests {
             (0, 0),
             "released once"
         );
+    }
+
+    fn served(vm: &crate::store::fake_host::FakeVm, pod: &str, models: &[&str]) {
+        let list: Vec<_> = models
+            .iter()
+            .map(|m| crate::models::served::ServedModel {
+                id: m.to_string(),
+                parent: None,
+            })
+            .collect();
+        crate::models::served::write_list(vm, pod, &list, 1).unwrap();
+    }
+
+    fn send(gate: &mut Gate, vm: &crate::store::fake_host::FakeVm, body: &str) -> Decision {
+        let mut f = Flow::default();
+        f.on_request_headers(gate, vm, &head("/v1/chat/completions"));
+        f.on_body(gate, vm, body.as_bytes())
+    }
+
+    #[test]
+    fn a_model_no_pod_lists_is_answered_404_naming_it_and_others_go_to_their_pods() {
+        let (host, vm, mut gate) = gate(Config {
+            pods: vec!["10.0.0.1:80".into(), "10.0.0.2:80".into()],
+            ..Config::default()
+        });
+        let chat = |model: &str| {
+            format!(r#"{{"model":"{model}","messages":[{{"role":"user","content":"hi"}}]}}"#)
+        };
+        // Before any list is known every pod is eligible, as without model scraping.
+        assert_eq!(send(&mut gate, &vm, &chat("nope")).step, Step::Forward);
+        served(&vm, "10.0.0.1:80", &["a"]);
+        served(&vm, "10.0.0.2:80", &["b"]);
+        host.advance_ms(1_000);
+        let d = send(&mut gate, &vm, &chat("nope"));
+        let Step::Reply(r) = d.step else {
+            panic!("{d:?}")
+        };
+        let body: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        assert_eq!(
+            (r.status, body["error"]["param"].as_str()),
+            (404, Some("model"))
+        );
+        assert!(body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("`nope`"));
+        for _ in 0..10 {
+            let d = send(&mut gate, &vm, &chat("b"));
+            assert!(d
+                .set
+                .contains(&(DESTINATION_HEADER.into(), "10.0.0.2:80".into())));
+        }
+    }
+
+    #[test]
+    fn a_rename_rewrites_the_body_and_its_length_and_names_the_target() {
+        let mut config = Config {
+            debug_headers: true,
+            pods: vec!["10.0.0.1:80".into()],
+            ..Config::default()
+        };
+        let route: crate::config::ModelRoute =
+            serde_json::from_str(r#"{"targets":[{"model":"llama-v2","weight":1}],"priority":7}"#)
+                .unwrap();
+        config.models.routes.insert("llama".into(), route);
+        let (_, vm, mut gate) = gate(config);
+        let body = r#"{"model":"llama","messages":[{"role":"user","content":"hi"}]}"#;
+        let mut f = Flow::default();
+        f.on_request_headers(&gate, &vm, &head("/v1/chat/completions"));
+        assert_eq!(f.class.priority, 0);
+        let d = f.on_body(&mut gate, &vm, body.as_bytes());
+        assert_eq!(f.class.priority, 7, "the model's default band");
+        let new_body = d.body.clone().unwrap();
+        assert_eq!(
+            new_body,
+            body.replace("\"llama\"", "\"llama-v2\"").into_bytes()
+        );
+        let set = |name: &str| {
+            d.set
+                .iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v.clone())
+        };
+        assert_eq!(set("content-length"), Some(new_body.len().to_string()));
+        assert_eq!(set("x-gateway-model-name").as_deref(), Some("llama-v2"));
+        let headers = f.on_response_headers(&mut gate, &vm, None, Some("10.0.0.1:80"));
+        assert!(headers.contains(&("x-kvgate-model".into(), "llama".into())));
+        assert!(headers.contains(&("x-kvgate-target-model".into(), "llama-v2".into())));
+        let counted: Vec<_> = gate.stats.drain().collect();
+        for name in [
+            "kvgate.models.rewritten",
+            "kvgate.model.llama_v2.requests",
+            "kvgate.model.llama_v2.picks",
+        ] {
+            assert!(
+                counted.contains(&stats::Stat::Counter(name.into(), 1)),
+                "{name}: {counted:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn model_header_values_cannot_carry_odd_bytes() {
+        assert_eq!(header_value("org/llama-3.1:lora_1"), "org/llama-3.1:lora_1");
+        assert_eq!(header_value("a b%\r\né"), "a%20b%25%0D%0A%C3%A9");
     }
 }

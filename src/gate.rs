@@ -6,6 +6,7 @@
 use crate::admission::admit::Admission;
 use crate::config::Config;
 use crate::estimate::calibration::Calibration;
+use crate::models::split::Split;
 use crate::pods::scrape::{self, Call, Scraper, Target};
 use crate::replicas::sync::{PodView, Sync};
 use crate::routing::router::Router;
@@ -24,6 +25,8 @@ pub struct Gate {
     pub(crate) calibration: Calibration,
     pub(crate) router: Router,
     pub(crate) admission: Admission,
+    /// Public model names' round-robin credits (`models.routes`).
+    pub(crate) split: Split,
     scraper: Scraper,
     /// The replicas' etcd sync, run alongside the scraper by the same elected VM.
     sync: Sync,
@@ -38,6 +41,7 @@ impl Gate {
             router,
             config,
             calibration: Calibration::default(),
+            split: Split::default(),
             scraper: Scraper::default(),
             sync: Sync::default(),
             stats: Stats::default(),
@@ -237,6 +241,11 @@ impl Gate {
     }
 
     /// Parked requests past their deadline; the shell retries each, which answers 503.
+    /// This VM's parked requests that may be admitted past the head of the line now.
+    pub fn backfill(&self, store: &dyn Store) -> Vec<u64> {
+        self.admission.backfill(store, &self.config.admission)
+    }
+
     pub fn expired(&self, store: &dyn Store) -> Vec<u64> {
         self.admission.expired(store.now_ms())
     }

@@ -11,6 +11,7 @@ pub mod estimate;
 pub mod flow;
 pub mod gate;
 pub mod hash;
+pub mod models;
 pub mod openai;
 pub mod pods;
 pub mod replicas;

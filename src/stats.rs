@@ -54,6 +54,16 @@ pub const USAGE_PROMPT_TOKENS: &str = "kvgate.usage.prompt_tokens";
 pub const USAGE_COMPLETION_TOKENS: &str = "kvgate.usage.completion_tokens";
 pub const USAGE_TOTAL_TOKENS: &str = "kvgate.usage.total_tokens";
 
+// Models and adapters (`flow`, `pods::scrape`, `routing::router`).
+/// Requests for a model no pod serves, answered 404 by kvgate.
+pub const MODELS_NOT_FOUND: &str = "kvgate.models.not_found";
+/// Requests whose model was rewritten to a target (`models.routes`).
+pub const MODELS_REWRITTEN: &str = "kvgate.models.rewritten";
+/// Model lists (`/v1/models`) read, and fetches or bodies that failed (the pod keeps its last).
+pub const MODELS_LIST_OK: &str = "kvgate.models.list_ok";
+pub const MODELS_LIST_ERRORS: &str = "kvgate.models.list_errors";
+/// Picks that send a request's adapter to a pod where it is not resident (it is loaded there).
+pub const ADAPTER_LOADS: &str = "kvgate.adapter.loads";
 // Replicas sharing budgets through etcd (`replicas::sync`, `gate`).
 /// Syncs whose txn etcd applied.
 pub const REPLICAS_SYNCS: &str = "kvgate.replicas.syncs";
@@ -100,6 +110,11 @@ pub const FIXED: &[&str] = &[
     USAGE_PROMPT_TOKENS,
     USAGE_COMPLETION_TOKENS,
     USAGE_TOTAL_TOKENS,
+    MODELS_NOT_FOUND,
+    MODELS_REWRITTEN,
+    MODELS_LIST_OK,
+    MODELS_LIST_ERRORS,
+    ADAPTER_LOADS,
     REPLICAS_SYNCS,
     REPLICAS_CONFLICTS,
     REPLICAS_ERRORS,
@@ -148,6 +163,42 @@ pub const PER_POD: &[PodStat] = &[
 /// A pod's stat: `kvgate.pod.<ip_port>.<stat>`, the address made one segment by [`pod_segment`].
 pub fn pod_stat(pod: &str, stat: PodStat) -> String {
     format!("kvgate.pod.{}.{}", pod_segment(pod), stat.0)
+}
+
+// Per model: the last segment of `kvgate.model.<model>.<segment>` ([`model_stat`]).
+/// Requests for the model (as sent, after any rename) that kvgate decided on.
+pub const MODEL_REQUESTS: &str = "requests";
+/// Of those, requests routed to a pod kvgate picked.
+pub const MODEL_PICKS: &str = "picks";
+/// A histogram of the waits in the line of requests admitted after waiting.
+pub const MODEL_QUEUE_WAIT_MS: &str = "queue_wait_ms";
+/// Tokens the engines reported in `usage`.
+pub const MODEL_PROMPT_TOKENS: &str = "prompt_tokens";
+pub const MODEL_COMPLETION_TOKENS: &str = "completion_tokens";
+
+/// Every per-model segment, for the test against docs/operations.md.
+pub const PER_MODEL: [&str; 5] = [
+    MODEL_REQUESTS,
+    MODEL_PICKS,
+    MODEL_QUEUE_WAIT_MS,
+    MODEL_PROMPT_TOKENS,
+    MODEL_COMPLETION_TOKENS,
+];
+
+/// Stands for every model without stats of its own (neither configured nor listed by a pod),
+/// so client-chosen names cannot grow the stat set.
+pub const OTHER_MODEL: &str = "other";
+/// Characters of a model name kept in its stat segment.
+const MODEL_SEGMENT_CHARS: usize = 64;
+
+/// A model's stat: `kvgate.model.<model>.<stat>`, the name made one bounded segment (characters
+/// other than ASCII letters and digits become `_`).
+pub fn model_stat(model: &str, stat: &str) -> String {
+    let segment: String = pod_segment(model)
+        .chars()
+        .take(MODEL_SEGMENT_CHARS)
+        .collect();
+    format!("kvgate.model.{segment}.{stat}")
 }
 
 /// Tickets waiting in one configured priority band: `kvgate.queue.priority_<band>.length`, a
@@ -251,6 +302,11 @@ mod tests {
                 .map(|s| pod_stat("<ip_port>", *s).replace("_ip_port_", "<ip_port>")),
         );
         catalog.push(queue_band_length(0).replace("priority_0", "priority_<p>"));
+        catalog.extend(
+            PER_MODEL
+                .iter()
+                .map(|s| model_stat("MODEL", s).replace("MODEL", "<model>")),
+        );
         let mut documented = documented();
         catalog.sort();
         documented.sort();
@@ -258,6 +314,15 @@ mod tests {
             documented, catalog,
             "docs/operations.md's stats table vs src/stats.rs"
         );
+    }
+
+    #[test]
+    fn model_names_become_one_bounded_segment() {
+        assert_eq!(
+            model_stat("meta-llama/Llama-3.1-8B", MODEL_PICKS),
+            "kvgate.model.meta_llama_Llama_3_1_8B.picks"
+        );
+        assert_eq!(model_stat(&"é".repeat(500), MODEL_PICKS).len(), 83);
     }
 
     #[test]

@@ -59,6 +59,7 @@ enum WorkloadKind {
     MultiTurn,
     Mixed,
     Chat,
+    Lora,
     Fixed,
 }
 
@@ -128,6 +129,13 @@ struct WorkloadArgs {
     /// Approximate JSON body size of the fixed workload.
     #[arg(long, default_value_t = 4096)]
     body_bytes: usize,
+    // lora (prompt lengths: --prompt-tokens, uniform; answers: --output-tokens)
+    /// Adapters `lora-0` .. `lora-<n-1>` the requests name.
+    #[arg(long, default_value_t = 16)]
+    adapters: usize,
+    /// Adapter popularity: `lora-k` is drawn with weight 1 / (k + 1)^zipf.
+    #[arg(long, default_value_t = 1.0)]
+    adapter_zipf: f64,
 }
 
 #[derive(clap::Args)]
@@ -228,6 +236,17 @@ fn build_jobs(w: &WorkloadArgs) -> Result<Vec<Job>, String> {
             },
             arrival,
         ),
+        WorkloadKind::Lora => workload::lora(
+            w.seed,
+            &workload::Lora {
+                requests: w.requests,
+                adapters: w.adapters,
+                zipf: w.adapter_zipf,
+                prompt: pair(&w.prompt_tokens)?,
+                output_tokens: w.output_tokens,
+            },
+            arrival,
+        ),
         WorkloadKind::Fixed => workload::fixed(w.seed, w.requests, w.body_bytes, w.output_tokens),
     })
 }
@@ -255,7 +274,7 @@ async fn run_job(ctx: Arc<Ctx>, job: Job) {
         }
         messages.push(json!({"role": "user", "content": turn.user}));
         let mut body = json!({
-            "model": ctx.model,
+            "model": job.model.as_deref().unwrap_or(&ctx.model),
             "messages": messages,
             "temperature": 0.0,
         });

@@ -49,6 +49,8 @@ pub struct Job {
     pub system: Option<String>,
     pub turns: Vec<Turn>,
     pub headers: Vec<(String, String)>,
+    /// The `model` its requests name; `None`: the run's `--model`.
+    pub model: Option<String>,
     /// Labels copied into every result record (group, class, tenant, ...).
     pub tags: Vec<(String, String)>,
 }
@@ -125,6 +127,7 @@ pub fn shared_prefix(seed: u64, w: &SharedPrefix, arrival: Arrival) -> Vec<Job> 
                     think: 0.0,
                 }],
                 headers: vec![],
+                model: None,
                 tags: vec![("group".into(), g.to_string())],
             }
         })
@@ -192,6 +195,7 @@ pub fn multi_turn(seed: u64, w: &MultiTurn, arrival: Arrival) -> Vec<Job> {
                 system: Some(system.clone()),
                 turns,
                 headers: vec![("x-session-id".into(), format!("session-{seed}-{s}"))],
+                model: None,
                 tags: vec![("session".into(), s.to_string())],
             }
         })
@@ -247,6 +251,7 @@ pub fn mixed(seed: u64, w: &Mixed, arrival: Arrival) -> Vec<Job> {
                     ("x-gateway-inference-objective".into(), class.into()),
                     ("x-gateway-inference-fairness-id".into(), tenant.into()),
                 ],
+                model: None,
                 tags: vec![
                     ("class".into(), class.into()),
                     ("tenant".into(), tenant.into()),
@@ -297,7 +302,52 @@ pub fn chat(seed: u64, w: &Chat, arrival: Arrival) -> Vec<Job> {
                     think: 0.0,
                 }],
                 headers: vec![],
+                model: None,
                 tags: vec![("bound".into(), bound.into())],
+            }
+        })
+        .collect()
+}
+
+#[derive(Debug, Clone)]
+pub struct Lora {
+    pub requests: usize,
+    /// Adapters `lora-0` .. `lora-<n-1>`, the pods' `--lora-modules`.
+    pub adapters: usize,
+    /// Popularity: adapter `k` is drawn with weight `1 / (k + 1)^zipf` (0: all alike).
+    pub zipf: f64,
+    /// Prompt length range, tokens (uniform); prompts are unique, so only adapters are shared.
+    pub prompt: (u64, u64),
+    pub output_tokens: u32,
+}
+
+/// Requests for many LoRA adapters of one base model, more than the pods have adapter slots:
+/// unique prompts (no prefix to share), each job's model an adapter drawn by Zipf popularity,
+/// tagged `adapter`. Where an adapter runs decides whether a request waits for its load.
+pub fn lora(seed: u64, w: &Lora, arrival: Arrival) -> Vec<Job> {
+    let starts = arrivals(&mut Rng::derive(seed, &[50]), w.requests, arrival);
+    let weights: Vec<f64> = (0..w.adapters.max(1))
+        .map(|k| 1.0 / ((k + 1) as f64).powf(w.zipf))
+        .collect();
+    starts
+        .into_iter()
+        .enumerate()
+        .map(|(i, start)| {
+            let mut r = Rng::derive(seed, &[51, i as u64]);
+            let adapter = format!("lora-{}", r.weighted(&weights));
+            let prompt = r.range(w.prompt.0.max(4), w.prompt.1.max(4)) as usize;
+            Job {
+                id: i,
+                start,
+                system: None,
+                turns: vec![Turn {
+                    user: format!("Task {i}:{}", words(&mut r, prompt.saturating_sub(3))),
+                    max_tokens: Some(w.output_tokens),
+                    think: 0.0,
+                }],
+                headers: vec![],
+                model: Some(adapter.clone()),
+                tags: vec![("adapter".into(), adapter)],
             }
         })
         .collect()
@@ -322,6 +372,7 @@ pub fn fixed(seed: u64, requests: usize, body_bytes: usize, output_tokens: u32) 
                 think: 0.0,
             }],
             headers: vec![],
+            model: None,
             tags: vec![],
         })
         .collect()

@@ -22,6 +22,9 @@ const METRICS: &[u8] = b"vllm:num_requests_running{engine=\"0\"} 1.0\n\
 vllm:num_requests_waiting{engine=\"0\"} 0.0\n\
 vllm:kv_cache_usage_perc{engine=\"0\"} 0.5\n\
 vllm:cache_config_info{block_size=\"16\",engine=\"0\",num_gpu_blocks=\"64\"} 1.0\n";
+/// The pod serves the model the flows ask for, and an adapter of it.
+const MODELS: &[u8] = br#"{"object":"list","data":[{"id":"m","object":"model"},
+{"id":"m-lora","object":"model","parent":"m"}]}"#;
 const CLUSTERS: &[u8] = br#"{"cluster_statuses":[{"name":"models","host_statuses":[
 {"address":{"socket_address":{"address":"10.0.0.9","port_value":8000}}}]}]}"#;
 
@@ -87,6 +90,7 @@ fn run(config: Config) {
             let body = match call.target {
                 Target::Pod(_) => METRICS,
                 Target::Discovery => CLUSTERS,
+                Target::Models(_) => MODELS,
                 // The first call of a replicas' sync is a lease grant.
                 Target::Etcd => br#"{"header":{},"ID":"7","TTL":"10"}"#.as_slice(),
             };

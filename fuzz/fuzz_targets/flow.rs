@@ -61,6 +61,7 @@ struct Knobs {
     temperature: bool,
     session_boost: bool,
     max_body: u8,
+    backfill: u8,
 }
 
 #[derive(Arbitrary, Debug)]
@@ -232,6 +233,7 @@ fn config(k: &Knobs) -> Config {
             "maxWaitMs": pick(&[30_000u64, 1, 2_000, 604_800_000], k.max_wait),
             "objectives": objectives,
             "sessionBoostMs": if k.session_boost { 60_000 } else { 0 },
+            "backfillPasses": pick(&[4u32, 0, 1], k.backfill),
         },
         "estimator": {
             "calibrate": k.calibrate,
@@ -458,6 +460,7 @@ struct World {
     workers: Vec<Worker>,
     streams: Vec<Stream>,
     ttl_ms: u64,
+    backfill_passes: u32,
     /// The op being applied, and the last op after which a pod had left the published pool (its
     /// record, entries included, is blanked).
     op: usize,
@@ -818,6 +821,15 @@ impl World {
              ({surely_held} of them surely still holding theirs)"
         );
         let q = live_line(&checked_queue(store), now);
+        // Backfills past one head: the configured passes, plus one per worker racing for the
+        // last (each checks the count before it routes).
+        let racing = self.workers.len() as u32;
+        assert!(
+            q.head_passes() <= self.backfill_passes + racing,
+            "{} backfills past the head, {} allowed",
+            q.head_passes(),
+            self.backfill_passes
+        );
         let parked: usize = self.workers.iter().map(|w| w.parked.len()).sum();
         assert!(
             q.tickets.len() <= parked,
@@ -848,6 +860,7 @@ fuzz_target!(|input: Input| {
         workers,
         streams: Vec::new(),
         ttl_ms: cfg.routing.request_ttl_ms,
+        backfill_passes: cfg.admission.backfill_passes,
         op: 0,
         pod_left_at: None,
     };

@@ -43,7 +43,7 @@ fn route(
 ) -> (Option<Routed>, bool) {
     use kvgate::routing::router::Placement;
     match r
-        .route(vm, cfg, &hashes, est)
+        .route(vm, cfg, "m", &hashes, est)
         .expect("the fake host never fails")
     {
         Placement::Routed(routed) => (Some(routed), false),

@@ -27,6 +27,17 @@ pub struct Class {
 }
 
 impl Class {
+    /// The priority the client's headers set (directly, or through a named objective), if any.
+    pub fn priority_given(
+        cfg: &AdmissionConfig,
+        objective: Option<&str>,
+        priority: Option<&str>,
+    ) -> Option<i32> {
+        let from_objective = objective.and_then(|o| cfg.objectives.get(o.trim()).copied());
+        let direct = priority.and_then(|p| p.trim().parse::<i32>().ok());
+        direct.or(from_objective)
+    }
+
     pub fn from_headers(
         cfg: &AdmissionConfig,
         objective: Option<&str>,
@@ -34,10 +45,9 @@ impl Class {
         tenant: Option<&str>,
         session: Option<&str>,
     ) -> Class {
-        let from_objective = objective.and_then(|o| cfg.objectives.get(o.trim()).copied());
-        let direct = priority.and_then(|p| p.trim().parse::<i32>().ok());
         Class {
-            priority: direct.or(from_objective).unwrap_or(cfg.default_priority),
+            priority: Self::priority_given(cfg, objective, priority)
+                .unwrap_or(cfg.default_priority),
             tenant: fnv1a(tenant.unwrap_or("").as_bytes()),
             session: session
                 .filter(|s| !s.is_empty())
@@ -77,6 +87,10 @@ pub struct Admission {
     released_at: Option<u64>,
 }
 
+/// Backfills tried in one pass over the line at most: each is a routing attempt on the request
+/// path of whatever woke the VM.
+const MAX_BACKFILL_TRIES: usize = 8;
+
 /// Wakes to one VM are at most this frequent from one sender: its drain takes every message.
 const WAKE_EVERY_MS: u64 = 2;
 
@@ -111,12 +125,13 @@ impl Admission {
         router: &mut Router,
         stats: &mut Stats,
         class: Class,
+        model: &str,
         hashes: &[u64],
         est: &Estimate,
     ) -> Result<Admit, StoreError> {
         let a = &cfg.admission;
         if !a.enabled {
-            return Ok(match router.route(store, cfg, hashes, est)? {
+            return Ok(match router.route(store, cfg, model, hashes, est)? {
                 Placement::Routed(r) => Admit::Routed(r),
                 Placement::NoPods | Placement::NoRoom => Admit::Unrouted,
             });
@@ -148,7 +163,7 @@ impl Admission {
         // Only a request that would lead the line may go straight to a pod: nobody waiting on
         // any worker is overtaken by a lower-ordered newcomer.
         if line.would_lead(&ticket) {
-            match router.route(store, cfg, hashes, est)? {
+            match router.route(store, cfg, model, hashes, est)? {
                 Placement::Routed(r) => {
                     // Fair-queuing tags matter only under contention: an uncontended pool skips
                     // the write to the one line every worker shares.
@@ -201,6 +216,7 @@ impl Admission {
         router: &mut Router,
         stats: &mut Stats,
         ticket: &Ticket,
+        model: &str,
         hashes: &[u64],
         est: &Estimate,
     ) -> Result<Option<Admit>, StoreError> {
@@ -218,7 +234,7 @@ impl Admission {
             .with_header("retry-after", waited_s.to_string());
             return Ok(Some(Admit::Refuse(reply)));
         }
-        let admit = match router.route(store, cfg, hashes, est)? {
+        let admit = match router.route(store, cfg, model, hashes, est)? {
             Placement::Routed(r) => Admit::Routed(r),
             Placement::NoPods => Admit::Unrouted,
             Placement::NoRoom => return Ok(None),
@@ -257,6 +273,35 @@ impl Admission {
             line::remove(store, head.id, false)?;
         }
         Ok(None)
+    }
+
+    /// This VM's parked tickets that may be admitted past the head now (backfills, in line
+    /// order): in the head's band, while the head has been passed fewer than
+    /// `admission.backfillPasses` times. Each is then retried like the head; its admission counts
+    /// the pass (`line::remove`).
+    pub fn backfill(&self, store: &dyn Store, cfg: &AdmissionConfig) -> Vec<u64> {
+        if self.parked.is_empty() || cfg.backfill_passes == 0 {
+            return Vec::new();
+        }
+        let line = match line::read(store) {
+            Ok(line) => line,
+            Err(e) => {
+                log::debug!("kvgate: reading the queue failed: {e:?}");
+                return Vec::new();
+            }
+        };
+        let Some(head) = line.tickets.first() else {
+            return Vec::new();
+        };
+        let left = cfg.backfill_passes.saturating_sub(line.head_passes()) as usize;
+        line.tickets
+            .iter()
+            .skip(1)
+            .take_while(|t| t.priority == head.priority)
+            .filter(|t| self.parked.contains_key(&t.id))
+            .take(left.min(MAX_BACKFILL_TRIES))
+            .map(|t| t.id)
+            .collect()
     }
 
     /// Parked tickets past their deadline.
@@ -389,6 +434,7 @@ mod tests {
                     &mut self.router,
                     &mut self.stats,
                     c,
+                    "m",
                     &[1, 2],
                     &est(cost),
                 )
@@ -403,6 +449,7 @@ mod tests {
                     &mut self.router,
                     &mut self.stats,
                     t,
+                    "m",
                     &[1, 2],
                     &est(cost),
                 )

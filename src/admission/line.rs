@@ -4,13 +4,18 @@
 //! ticket's start tag is the later of the queue's virtual time and its tenant's last finish tag,
 //! so a tenant that has been sent many tokens recently waits behind the others, and a large
 //! request is never penalised for its own size; a boosted session follow-up has its tag moved
-//! forward by a fixed credit; ties go to the earlier arrival. Only the head may be admitted, so
-//! no ticket is overtaken by a lower-ordered one on another worker.
+//! forward by a fixed credit; ties go to the earlier arrival. The head is admitted first; a
+//! ticket behind it is admitted first only as a *backfill*: in the head's band, into room the
+//! head does not fit (a pod's free KV after a release is often less than a long prompt, and
+//! would idle until more is released), at most `admission.backfillPasses` times per head
+//! ([`QueueRecord::passes`]).
 //!
 //! Bound (docs/design.md): within a band, a ticket with start tag S is admitted after at most
-//! the tickets with smaller tags; a ticket arriving later has a tag of at least V − credit, and V
-//! never passes S while S waits, so what can overtake it is bounded by the tenants' backlogs
-//! ahead of S plus one boost credit — however large the ticket's own cost.
+//! the tickets with smaller tags, plus at most `backfillPasses` backfills (a few more when
+//! workers race for the last pass: one per worker) while it is the head; a ticket arriving later
+//! has a tag of at least V − credit, and V never passes S while S waits (a backfill moves V no
+//! further than the head's tag), so what can overtake it is bounded by the tenants' backlogs
+//! ahead of S, one boost credit and the backfills — however large the ticket's own cost.
 
 use crate::store::codec::{Reader, Writer};
 use crate::store::interface::{update, Store, StoreError};
@@ -51,6 +56,10 @@ pub struct QueueRecord {
     pub tenants: Vec<(u64, f64)>,
     /// Kept sorted by `order`.
     pub tickets: Vec<Ticket>,
+    /// Tickets admitted past the head (`(head id, how many)`), for the backfill bound. Written
+    /// after the tickets, so a record without it (an older module's) reads as no passes, and an
+    /// older module reading this one ignores it.
+    pub passes: (u64, u32),
 }
 
 impl QueueRecord {
@@ -71,6 +80,7 @@ impl QueueRecord {
                 .u64(t.deadline_ms)
                 .u64(t.cost);
         }
+        w.u64(self.passes.0).u32(self.passes.1);
         w.0
     }
 
@@ -96,11 +106,25 @@ impl QueueRecord {
                 })
             })
             .collect::<Option<Vec<_>>>()?;
+        let passes = if r.is_empty() {
+            (0, 0)
+        } else {
+            (r.u64()?, r.u32()?)
+        };
         Some(QueueRecord {
             virtual_time,
             tenants,
             tickets,
+            passes,
         })
+    }
+
+    /// Tickets admitted past the current head so far.
+    pub fn head_passes(&self) -> u32 {
+        match self.tickets.first() {
+            Some(head) if head.id == self.passes.0 => self.passes.1,
+            _ => 0,
+        }
     }
 
     fn tenant_finish(&self, tenant: u64) -> f64 {
@@ -204,13 +228,20 @@ pub fn enqueue(
 }
 
 /// Leaves the line (admitted, timed out or gone), exactly once: true the first time. An admitted
-/// ticket advances the virtual time to its start tag.
+/// ticket advances the virtual time to its start tag; one admitted from behind the head (a
+/// backfill) counts a pass against the head and advances it no further than the head's tag.
 pub fn remove(store: &dyn Store, id: u64, admitted: bool) -> Result<bool, StoreError> {
     Ok(modify(store, |q| {
         let i = q.tickets.iter().position(|t| t.id == id)?;
+        let passed = q.head_passes();
         let t = q.tickets.remove(i);
         if admitted {
-            q.virtual_time = q.virtual_time.max(t.start_tag);
+            let mut tag = t.start_tag;
+            if let Some(head) = q.tickets.first().filter(|_| i > 0) {
+                tag = tag.min(head.start_tag);
+                q.passes = (head.id, passed.saturating_add(1));
+            }
+            q.virtual_time = q.virtual_time.max(tag);
         }
         Some(())
     })?
@@ -353,9 +384,43 @@ mod tests {
             virtual_time: 3.5,
             tenants: vec![(1, 4.0)],
             tickets: vec![ticket(9, -2, 5)],
+            passes: (9, 2),
         };
         q.tickets[0].boosted = true;
-        assert_eq!(QueueRecord::decode(&q.encode()), Some(q));
+        assert_eq!(QueueRecord::decode(&q.encode()), Some(q.clone()));
         assert_eq!(QueueRecord::decode(b"xx"), None);
+        // A record from before backfills (no passes after the tickets) reads with none.
+        let bytes = q.encode();
+        let older = QueueRecord::decode(&bytes[..bytes.len() - 12]).unwrap();
+        assert_eq!(older.passes, (0, 0));
+        assert_eq!(older.tickets, q.tickets);
+    }
+
+    #[test]
+    fn a_backfill_counts_a_pass_against_the_head_and_keeps_the_virtual_time_behind_it() {
+        let host = FakeHost::new();
+        let vm = host.vm();
+        // Three tenants, so their tags are 0, 0 and 0 then 100 behind: the head is 1.
+        enqueue(&vm, ticket(1, 0, 100), 1, 0.0, 10)
+            .unwrap()
+            .unwrap();
+        enqueue(&vm, ticket(2, 0, 100), 1, 0.0, 10)
+            .unwrap()
+            .unwrap();
+        enqueue(&vm, ticket(3, 0, 100), 2, 0.0, 10)
+            .unwrap()
+            .unwrap();
+        assert_eq!(ids(&vm), vec![1, 3, 2]);
+        assert!(remove(&vm, 2, true).unwrap(), "2 backfills past 1 (and 3)");
+        let q = read(&vm).unwrap();
+        assert_eq!(q.head_passes(), 1);
+        assert_eq!(
+            q.virtual_time, 0.0,
+            "the tag of the waiting head (0), not the backfill's (100)"
+        );
+        assert!(remove(&vm, 3, true).unwrap());
+        assert_eq!(read(&vm).unwrap().head_passes(), 2);
+        assert!(remove(&vm, 1, false).unwrap(), "the head leaves");
+        assert_eq!(read(&vm).unwrap().head_passes(), 0, "a new head, none");
     }
 }

@@ -41,6 +41,8 @@ impl Api {
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Request {
     pub model: String,
+    /// Where the `model` value (a JSON string, quotes included) lies in the body, for a rewrite.
+    pub model_span: (usize, usize),
     /// Canonical text of everything the engine will prefill, in order.
     pub text: String,
     /// Prompt given as token ids: counted exactly, never estimated.
@@ -145,8 +147,9 @@ struct StreamOptions {
 
 #[derive(Deserialize)]
 struct Body<'a> {
-    #[serde(default)]
-    model: Option<String>,
+    /// Kept raw: its place in the body is where a rename writes the target model.
+    #[serde(default, borrow)]
+    model: Option<&'a serde_json::value::RawValue>,
     #[serde(default, borrow)]
     prompt: Option<Prompt<'a>>,
     #[serde(default, borrow)]
@@ -220,14 +223,42 @@ impl Request {
         })?;
         de.end()
             .map_err(|e| bad(format!("request body is not valid JSON: {e}"), None))?;
-        Self::from_body(api, parsed)
+        let raw = parsed
+            .model
+            .filter(|m| m.get() != "null")
+            .ok_or_else(|| missing("model"))?;
+        let start = raw.get().as_ptr() as usize - body.as_ptr() as usize;
+        let model_span = (start, start + raw.get().len());
+        let model: String = serde_json::from_str(raw.get()).map_err(|_| {
+            bad(
+                "request body has an invalid field: `model` must be a string",
+                Some("model"),
+            )
+        })?;
+        Self::from_body(api, parsed, model, model_span)
     }
 
-    fn from_body(api: Api, b: Body) -> Result<Request, BadRequest> {
-        let model = b
-            .model
-            .filter(|m| !m.is_empty())
-            .ok_or_else(|| missing("model"))?;
+    /// The body with its `model` set to `model`, every other byte as the client sent it (so
+    /// numbers, key order and spacing are untouched; only the length changes).
+    pub fn with_model(&self, body: &[u8], model: &str) -> Vec<u8> {
+        let (start, end) = self.model_span;
+        let value = serde_json::Value::String(model.to_string()).to_string();
+        let mut out = Vec::with_capacity(body.len() + value.len());
+        out.extend_from_slice(body.get(..start).unwrap_or_default());
+        out.extend_from_slice(value.as_bytes());
+        out.extend_from_slice(body.get(end..).unwrap_or_default());
+        out
+    }
+
+    fn from_body(
+        api: Api,
+        b: Body,
+        model: String,
+        model_span: (usize, usize),
+    ) -> Result<Request, BadRequest> {
+        if model.is_empty() {
+            return Err(missing("model"));
+        }
         // Model names key per-VM caches and may appear in a debug header: bound them.
         if model.chars().count() > MAX_MODEL_CHARS {
             return Err(bad(
@@ -237,6 +268,7 @@ impl Request {
         }
         let mut out = Request {
             model,
+            model_span,
             stream: b.stream.unwrap_or(false),
             include_usage: b
                 .stream_options
@@ -421,6 +453,27 @@ mod tests {
         assert_eq!(r.max_output_tokens, Some(50));
         assert!(r.stream && r.include_usage);
         assert_eq!(r.user.as_deref(), Some("u1"));
+    }
+
+    #[test]
+    fn a_rename_rewrites_only_the_model_value() {
+        let body = r#"{"messages":[{"role":"user","content":"\"model\": x"}], "model" : "pub\u00e9lic","temperature":0.10000000000000001}"#;
+        let r = chat(body).unwrap();
+        assert_eq!(r.model, "pubélic");
+        let out = r.with_model(body.as_bytes(), "tgt \"v2\"");
+        let expected = body.replace(r#""pub\u00e9lic""#, r#""tgt \"v2\"""#);
+        assert_eq!(String::from_utf8(out.clone()).unwrap(), expected);
+        assert_eq!(
+            chat(std::str::from_utf8(&out).unwrap()).unwrap().model,
+            "tgt \"v2\""
+        );
+        for bad in [
+            r#"{"model":7,"prompt":"x"}"#,
+            r#"{"model":null,"prompt":"x"}"#,
+        ] {
+            let e = Request::parse(Api::Completions, bad.as_bytes()).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some("model"), "{bad}");
+        }
     }
 
     #[test]

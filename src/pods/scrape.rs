@@ -1,10 +1,12 @@
 //! The one scraper across all workers: a lease in shared data (`kvgate.lease`) decides which VM
 //! scrapes; the holder renews it every tick and another VM takes over once it lapses. The holder
-//! discovers pods from Envoy's admin `/clusters` and scrapes each pod's Prometheus metrics on its
-//! interval, writing results into the pods' shared records. This module plans the calls and reads
+//! discovers pods from Envoy's admin `/clusters`, scrapes each pod's Prometheus metrics on its
+//! interval, writing results into the pods' shared records, and each pod's model list on a slower
+//! one (with the adapter state from its metrics, into `models::served`). This module plans the calls and reads
 //! their answers; the shell only sends them.
 
 use crate::config::Config;
+use crate::models::served::{self, LoraState};
 use crate::pods::metrics;
 use crate::pods::pool::{decode_pods, encode_pods, PODS_KEY};
 use crate::pods::record::{self, Snapshot};
@@ -32,6 +34,8 @@ pub struct Call {
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Target {
     Pod(String),
+    /// A pod's model list (`models.path`).
+    Models(String),
     Discovery,
     /// etcd's JSON gateway, for the replicas' sync (`replicas::sync`: one call at a time).
     Etcd,
@@ -59,6 +63,7 @@ pub fn hold_lease(store: &dyn Store, vm: u32, now: u64, ttl_ms: u64) -> Result<b
 #[derive(Default)]
 pub struct Scraper {
     next_scrape: HashMap<String, u64>,
+    next_models: HashMap<String, u64>,
     next_discovery: u64,
     in_flight: HashMap<Target, u64>,
 }
@@ -89,27 +94,45 @@ impl Scraper {
             return calls;
         }
         self.next_scrape.retain(|p, _| pods.contains(p));
+        self.next_models.retain(|p, _| pods.contains(p));
+        let md = &cfg.models;
         for pod in pods {
-            let target = Target::Pod(pod.clone());
-            let next = self.next_scrape.get(pod).copied().unwrap_or(0);
-            if now < next || self.in_flight.contains_key(&target) {
-                continue;
+            let metrics = (
+                Target::Pod(pod.clone()),
+                &m.path,
+                m.interval_ms,
+                m.timeout_ms,
+            );
+            let models = (
+                Target::Models(pod.clone()),
+                &md.path,
+                md.interval_ms,
+                md.timeout_ms,
+            );
+            for (target, path, interval, timeout) in [metrics, models] {
+                let next = match target {
+                    Target::Models(_) => &mut self.next_models,
+                    _ => &mut self.next_scrape,
+                };
+                let due = next.get(pod).copied().unwrap_or(0);
+                if path.is_empty() || now < due || self.in_flight.contains_key(&target) {
+                    continue;
+                }
+                next.insert(pod.clone(), now.saturating_add(interval));
+                self.in_flight
+                    .insert(target.clone(), now.saturating_add(timeout));
+                calls.push(Call {
+                    target,
+                    cluster: m.cluster.clone(),
+                    path: path.clone(),
+                    headers: vec![
+                        (":authority".into(), pod.clone()),
+                        ("x-envoy-original-dst-host".into(), pod.clone()),
+                    ],
+                    body: None,
+                    timeout_ms: timeout,
+                });
             }
-            self.next_scrape
-                .insert(pod.clone(), now.saturating_add(m.interval_ms));
-            self.in_flight
-                .insert(target.clone(), now.saturating_add(m.timeout_ms));
-            calls.push(Call {
-                target,
-                cluster: m.cluster.clone(),
-                path: m.path.clone(),
-                headers: vec![
-                    (":authority".into(), pod.clone()),
-                    ("x-envoy-original-dst-host".into(), pod.clone()),
-                ],
-                body: None,
-                timeout_ms: m.timeout_ms,
-            });
         }
         calls
     }
@@ -142,11 +165,38 @@ impl Scraper {
                 };
                 publish_pods(store, &pods)
             }
+            Target::Models(pod) => {
+                let parsed = match status {
+                    Some(200) => served::parse_list(body).map_err(|e| e.0),
+                    other => Err(format!("status {other:?}")),
+                };
+                match parsed {
+                    Ok(models) => {
+                        stats.count(stats::MODELS_LIST_OK, 1);
+                        served::write_list(store, pod, &models, now)
+                    }
+                    Err(e) => {
+                        // The pod keeps its last known models: a failed list is not an empty one.
+                        log::debug!("kvgate: model list of {pod}: {e}");
+                        stats.count(stats::MODELS_LIST_ERRORS, 1);
+                        Ok(())
+                    }
+                }
+            }
             Target::Pod(pod) => {
                 let parsed = (status == Some(200)).then(|| metrics::parse_bytes(body));
                 match parsed {
                     Some(Ok(m)) => {
                         stats.count(stats::SCRAPE_OK, 1);
+                        if let Some(l) = metrics::lora_info(body) {
+                            let lora = LoraState {
+                                at_ms: now,
+                                max_lora: l.max_lora,
+                                running: served::adapter_ids(&l.running),
+                                waiting: served::adapter_ids(&l.waiting),
+                            };
+                            served::write_lora(store, pod, lora)?;
+                        }
                         let snapshot = Snapshot {
                             at_ms: now,
                             healthy: true,
@@ -324,7 +374,11 @@ mod tests {
         let c = cfg();
         let mut s = Scraper::default();
         let first = s.due(&c, &c.pods, 0);
-        assert_eq!(first.len(), 3);
+        assert_eq!(
+            first.len(),
+            5,
+            "discovery, and each pod's metrics and model list"
+        );
         let pod_call = first
             .iter()
             .find(|c| c.target == Target::Pod("a:1".into()))
@@ -341,7 +395,20 @@ mod tests {
                 .unwrap();
         }
         assert!(s.due(&c, &c.pods, 999).is_empty(), "not due yet");
-        assert_eq!(s.due(&c, &c.pods, 1_000).len(), 2);
+        assert_eq!(
+            s.due(&c, &c.pods, 1_000).len(),
+            2,
+            "metrics again, not the lists"
+        );
+        let later: Vec<Target> = s
+            .due(&c, &c.pods, 10_000)
+            .into_iter()
+            .map(|c| c.target)
+            .collect();
+        assert!(
+            later.contains(&Target::Models("a:1".into())) && later.len() == 3,
+            "{later:?}"
+        );
     }
 
     #[test]
@@ -404,6 +471,47 @@ mod tests {
             "kvgate.scrape.errors".into(),
             1
         )));
+    }
+
+    #[test]
+    fn a_model_list_is_kept_through_failures_and_adapter_state_comes_with_metrics() {
+        let (c, host) = (cfg(), FakeHost::new());
+        let (vm, mut s, mut stats) = (host.vm(), Scraper::default(), Stats::default());
+        let models = Target::Models("a:1".into());
+        let answers: [(&Target, Option<u32>, &[u8]); 6] = [
+            (&models, Some(200), br#"{"data":[{"id":"base"},{"id":"sql","parent":"base"}]}"#),
+            (&models, Some(200), b"<html>oops</html>"),
+            (&models, Some(500), b""),
+            (&models, None, b""),
+            (&models, Some(200), br#"{"data":[]}"#),
+            (
+                &Target::Pod("a:1".into()),
+                Some(200),
+                concat!(
+                    "vllm:num_requests_running 1\n",
+                    "vllm:lora_requests_info{max_lora=\"2\",waiting_lora_adapters=\"\",running_lora_adapters=\"sql\"} 20\n",
+                    "vllm:lora_requests_info{max_lora=\"2\",waiting_lora_adapters=\"\",running_lora_adapters=\"\"} 10\n"
+                )
+                .as_bytes(),
+            ),
+        ];
+        for (target, status, body) in answers {
+            s.on_response(&vm, &c, &mut stats, target, status, body)
+                .unwrap();
+        }
+        let served = served::read(&vm, "a:1").unwrap();
+        assert!(
+            served.serves("base") && served.is_adapter("sql"),
+            "{served:?}"
+        );
+        let lora = served.lora.unwrap();
+        assert_eq!(
+            (lora.max_lora, lora.running),
+            (2, vec![served::adapter_id("sql")]),
+            "the newest series"
+        );
+        let errors = crate::stats::Stat::Counter("kvgate.models.list_errors".into(), 1);
+        assert_eq!(stats.drain().filter(|x| *x == errors).count(), 4);
     }
 
     #[test]

@@ -10,6 +10,7 @@
 //! `kvgate.log.<n>`): approximate by design, and a VM that falls behind skips ahead.
 
 pub mod active_blocks;
+pub mod adapters;
 pub mod pick;
 pub mod pick_log;
 pub mod prefix;

@@ -1,6 +1,6 @@
 //! Choosing the pod: a cost per eligible pod, in KV blocks, blending the prompt blocks it would
 //! have to compute (its cached prefix is free), the blocks its sequences read at every decode step
-//! and the blocks they hold (both with this request added), its scraped queue and cache usage;
+//! and the blocks they hold (both with this request added), its scraped queue and cache usage, and the load of the request's LoRA adapter where it is not resident;
 //! lowest cost wins, ties at random, or a softmax draw when a temperature is set. Pure: every
 //! input is given, so the formula is read and tested here alone.
 
@@ -25,6 +25,9 @@ pub struct Candidate<'a> {
     /// Scraped KV usage 0..1 (0 when unknown).
     pub kv_usage: f64,
     pub capacity_blocks: u64,
+    /// The cost of making the request's LoRA adapter usable there (`routing::adapters`): 0 where
+    /// it is resident or the model is a base model.
+    pub adapter_cost: f64,
     /// Blocks the pod is believed to cache for all prompts: among equal costs, a new prefix goes
     /// where the least is cached, so new prompt groups spread evenly instead of by chance
     /// (`usize::MAX` for a pod whose engine caches no prefixes: it comes last).
@@ -37,7 +40,7 @@ pub struct Scored {
     pub cost: f64,
 }
 
-/// The five weighted terms of a pod's cost, kept apart so a decision can be explained.
+/// The six weighted terms of a pod's cost, kept apart so a decision can be explained.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Terms {
     pub prefill: f64,
@@ -45,6 +48,7 @@ pub struct Terms {
     pub active: f64,
     pub queue: f64,
     pub kv: f64,
+    pub adapter: f64,
 }
 
 impl Terms {
@@ -57,11 +61,12 @@ impl Terms {
             active: w.active_weight * (c.active_blocks + c.added_blocks) as f64,
             queue: w.queue_weight * c.waiting * prompt_blocks.max(1) as f64,
             kv: w.kv_usage_weight * c.kv_usage * c.capacity_blocks as f64,
+            adapter: c.adapter_cost,
         }
     }
 
     pub fn total(&self) -> f64 {
-        self.prefill + self.decode + self.active + self.queue + self.kv
+        self.prefill + self.decode + self.active + self.queue + self.kv + self.adapter
     }
 }
 
@@ -194,6 +199,7 @@ mod tests {
             waiting,
             kv_usage: 0.0,
             capacity_blocks: 1000,
+            adapter_cost: 0.0,
             cached_total: 0,
         }
     }

@@ -21,6 +21,8 @@ pub enum Event {
     Dispatch {
         pod: String,
         request: u64,
+        /// The request's LoRA adapter (`models::served::adapter_id`), 0 for a base model.
+        adapter: u64,
         hashes: Vec<u64>,
     },
     Finish {
@@ -28,6 +30,9 @@ pub enum Event {
         request: u64,
     },
 }
+
+const DISPATCH_WITHOUT_ADAPTER: u8 = 1;
+const DISPATCH: u8 = 3;
 
 fn slot_key(seq: u64) -> String {
     format!("kvgate.log.{}", seq % RING)
@@ -40,11 +45,13 @@ fn encode(seq: u64, origin: u32, event: &Event) -> Vec<u8> {
         Event::Dispatch {
             pod,
             request,
+            adapter,
             hashes,
         } => {
-            w.u8(1)
+            w.u8(DISPATCH)
                 .bytes(pod.as_bytes())
                 .u64(*request)
+                .u64(*adapter)
                 .u32(hashes.len() as u32);
             hashes.iter().for_each(|h| {
                 w.u64(*h);
@@ -65,12 +72,15 @@ fn decode(bytes: &[u8]) -> Option<(u64, u32, Event)> {
     let pod = String::from_utf8(r.bytes()?.to_vec()).ok()?;
     let request = r.u64()?;
     let event = match kind {
-        1 => {
+        // A dispatch logged by a module from before adapters (during a reload) had none.
+        DISPATCH_WITHOUT_ADAPTER | DISPATCH => {
+            let adapter = if kind == DISPATCH { r.u64()? } else { 0 };
             let n = r.count(8)?;
             let hashes = (0..n).map(|_| r.u64()).collect::<Option<Vec<_>>>()?;
             Event::Dispatch {
                 pod,
                 request,
+                adapter,
                 hashes,
             }
         }
@@ -166,6 +176,7 @@ mod tests {
         Event::Dispatch {
             pod: "10.0.0.1:8000".into(),
             request,
+            adapter: request * 7,
             hashes: vec![1, 2, 3],
         }
     }

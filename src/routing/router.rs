@@ -7,9 +7,11 @@ use crate::admission::budget::{budget_tokens, fits};
 use crate::admission::forecast::Load;
 use crate::config::{Config, RoutingConfig, StalePolicy, MAX_BLOCK_TOKENS};
 use crate::estimate::reservation::Estimate;
+use crate::models::served::{adapter_id, ServedView};
 use crate::pods::pool::{decode_pods, PODS_KEY};
 use crate::pods::record::{self, Entry, PodRecord};
 use crate::routing::active_blocks::ActiveBlocks;
+use crate::routing::adapters::{Adapters, Fit};
 use crate::routing::pick::{rank, rendezvous, Candidate, Rng, Scored, Terms};
 use crate::routing::pick_log::{Event, PickLog, MAX_EVENT_BLOCKS};
 use crate::routing::prefix_index::PrefixIndex;
@@ -51,8 +53,10 @@ pub struct Routed {
     pub output_blocks: u32,
     /// Tokens per block when it was routed: its output grows in blocks of this size.
     pub block_tokens: u32,
+    /// The pick had to load the request's adapter (it was not resident there).
+    pub adapter_load: bool,
     /// With debug headers on: every candidate best first, as
-    /// `pod cost=prefill+decode+active+queue+kv`,
+    /// `pod cost=prefill+decode+active+queue+kv+adapter`,
     /// ` full` where its budget had no room.
     pub ranking: String,
 }
@@ -72,7 +76,7 @@ fn explain(
             out.push_str(", ");
         }
         out.push_str(&format!(
-            "{} {:.0}={:.0}+{:.0}+{:.0}+{:.0}+{:.0}{}",
+            "{} {:.0}={:.0}+{:.0}+{:.0}+{:.0}+{:.0}+{:.0}{}",
             candidates[s.index].pod,
             s.cost,
             t.prefill,
@@ -80,6 +84,7 @@ fn explain(
             t.active,
             t.queue,
             t.kv,
+            t.adapter,
             if room(s.index) { "" } else { " full" }
         ));
     }
@@ -92,6 +97,9 @@ pub struct Router {
     log: PickLog,
     prefix: PrefixIndex,
     active: ActiveBlocks,
+    adapters: Adapters,
+    /// What each pod serves, as last scraped (`models::served`).
+    served: ServedView,
     pods: Vec<String>,
     pods_read_ms: Option<u64>,
     /// Each pod's prefix-cache capacity in blocks, as last read from its record: replayed picks
@@ -124,6 +132,8 @@ impl Router {
             log: PickLog::start(store)?,
             prefix: PrefixIndex::new(cfg.routing.prefix_ttl_ms),
             active: ActiveBlocks::default(),
+            adapters: Adapters::default(),
+            served: ServedView::default(),
             pods: cfg.pods.clone(),
             pods_read_ms: None,
             capacity: HashMap::new(),
@@ -181,6 +191,7 @@ impl Router {
             self.capacity.retain(|p, _| pods.iter().any(|q| q == p));
             self.prefix.retain_pods(|p| pods.iter().any(|q| q == p));
             self.active.retain_pods(|p| pods.iter().any(|q| q == p));
+            self.adapters.retain_pods(|p| pods.iter().any(|q| q == p));
             self.pods = pods;
         }
     }
@@ -190,18 +201,24 @@ impl Router {
         let now = store.now_ms();
         self.refresh_pods(store, cfg, now);
         let (prefix, active, capacity) = (&mut self.prefix, &mut self.active, &self.capacity);
+        let adapters = &mut self.adapters;
         let default_capacity = cfg.routing.pod_capacity_blocks as usize;
         self.log.poll(store, self.vm, |event| match event {
             Event::Dispatch {
                 pod,
                 request,
+                adapter,
                 hashes,
             } => {
                 let cap = capacity.get(&pod).copied().unwrap_or(default_capacity);
                 prefix.insert(&pod, &hashes, now, cap);
+                adapters.dispatch(&pod, request, adapter, now);
                 active.add(&pod, request, hashes, now);
             }
-            Event::Finish { pod, request } => active.remove(&pod, request),
+            Event::Finish { pod, request } => {
+                adapters.finish(&pod, request);
+                active.remove(&pod, request);
+            }
         })
     }
 
@@ -211,6 +228,7 @@ impl Router {
         &mut self,
         store: &dyn Store,
         cfg: &Config,
+        model: &str,
         hashes: &[u64],
         est: &Estimate,
     ) -> Result<Placement, StoreError> {
@@ -243,7 +261,12 @@ impl Router {
         }
         for (pod, rec) in self.pods.iter().zip(&records) {
             self.active.prune(pod, |id| rec.is_live(id), now);
+            self.adapters.prune(pod, |id| rec.is_live(id), now);
         }
+        self.served.refresh(store, &self.pods, now);
+        let serving = self
+            .served
+            .serving(&self.pods, model, |i| !records[i].is_down());
         let fresh = |rec: &PodRecord| rec.is_fresh(now, &cfg.metrics);
         let any_fresh = records.iter().any(fresh);
         let eligible = |rec: &PodRecord| match rec.snapshot {
@@ -252,12 +275,18 @@ impl Router {
             _ => true,
         };
         let mut indices: Vec<usize> = (0..self.pods.len())
-            .filter(|&i| eligible(&records[i]))
+            .filter(|&i| serving[i] && eligible(&records[i]))
             .collect();
         if indices.is_empty() {
-            // Every pod looks down: try them all rather than refuse; Envoy's retries do the rest.
-            indices = (0..self.pods.len()).collect();
+            // Every pod serving the model looks down: try them all rather than refuse; Envoy's
+            // retries do the rest.
+            indices = (0..self.pods.len()).filter(|&i| serving[i]).collect();
         }
+        if indices.is_empty() {
+            // The model lists changed since the flow checked: the engine answers for itself.
+            return Ok(Placement::NoPods);
+        }
+        let adapter_fit = self.adapter_fits(&indices, model, &records, now, cfg);
         // What a pod records of a prompt: nothing where its engine caches no prefixes, so it is
         // given no prefix credit and its sequences share no blocks.
         let caches_nothing = |i: usize| records[i].snapshot.is_some_and(|s| s.no_prefix_caching);
@@ -277,7 +306,8 @@ impl Router {
         let candidates: Vec<Candidate> = indices
             .iter()
             .zip(&shared)
-            .map(|(&i, &already_active)| {
+            .enumerate()
+            .map(|(k, (&i, &already_active))| {
                 let (pod, rec) = (&self.pods[i], &records[i]);
                 let known = rec.snapshot.filter(|_| fresh(rec));
                 let capacity_blocks = rec
@@ -301,6 +331,7 @@ impl Router {
                         }
                     }),
                     capacity_blocks,
+                    adapter_cost: adapter_fit[k].map_or(0.0, |f| f.cost(&cfg.models)),
                     // A pod that caches nothing comes last among equals: new prompts go
                     // where their next requests can hit.
                     cached_total: if caches_nothing(i) {
@@ -417,9 +448,13 @@ impl Router {
             let kept = recorded(indices[s.index]);
             self.prefix
                 .insert(&pod, kept, now, best.capacity_blocks as usize);
+            let fit = adapter_fit[s.index];
+            let adapter = fit.map_or(0, |_| adapter_id(model));
+            self.adapters.dispatch(&pod, request, adapter, now);
             let event = Event::Dispatch {
                 pod: pod.clone(),
                 request,
+                adapter,
                 hashes: kept.to_vec(),
             };
             if let Err(e) = PickLog::publish(store, self.vm, &event) {
@@ -444,6 +479,7 @@ impl Router {
                 cached_blocks: best.cached_blocks,
                 output_blocks: 0,
                 block_tokens,
+                adapter_load: fit.is_some_and(|f| f != Fit::Resident),
                 ranking,
             }));
         }
@@ -536,6 +572,7 @@ impl Router {
         self.sync(store, cfg)?;
         let (shared, heir) = self.active.shared_with_others(&routed.pod, routed.request);
         self.active.remove(&routed.pod, routed.request);
+        self.adapters.finish(&routed.pod, routed.request);
         let shared_tokens = (f64::from(shared) * routed.held_per_block).round() as u64;
         let heir = heir.map(|h| (h, shared, shared_tokens));
         let gone = record::finish(store, &routed.pod, routed.request, heir)?;
@@ -549,6 +586,58 @@ impl Router {
             }
         }
         Ok(gone)
+    }
+}
+
+/// The model step of a pick: which pods serve the request's model (`models::served`), and where
+/// its LoRA adapter stands on each (`routing::adapters`).
+impl Router {
+    /// Whether some pod may serve `model` (false only once every pod's model list is known and
+    /// none lists it). With no pods known, Envoy's own balancing decides: true.
+    pub fn serves(&mut self, store: &dyn Store, cfg: &Config, model: &str) -> bool {
+        let now = store.now_ms();
+        self.refresh_pods(store, cfg, now);
+        if self.pods.is_empty() {
+            return true;
+        }
+        self.served.refresh(store, &self.pods, now);
+        // Health is read only for pods without a list, and only when no list names the model.
+        let pods = &self.pods;
+        let up = |i: usize| record::read(store, &pods[i]).map_or(true, |r| !r.is_down());
+        self.served.serving(pods, model, up).contains(&true)
+    }
+
+    /// Whether a pod's model list, as last read, names `model`.
+    pub fn lists(&self, model: &str) -> bool {
+        self.pods
+            .iter()
+            .any(|p| self.served.get(p).is_some_and(|s| s.serves(model)))
+    }
+
+    /// Per candidate (`indices` into the pods), where the adapter stands, or `None` where
+    /// `model` is a base model.
+    fn adapter_fits(
+        &self,
+        indices: &[usize],
+        model: &str,
+        records: &[PodRecord],
+        now: u64,
+        cfg: &Config,
+    ) -> Vec<Option<Fit>> {
+        let id = adapter_id(model);
+        indices
+            .iter()
+            .map(|&i| {
+                let pod = &self.pods[i];
+                let served = self.served.get(pod).filter(|s| s.is_adapter(model))?;
+                // Adapter state scraped with metrics that are no longer fresh says nothing.
+                let lora = served.lora.as_ref().filter(|l| {
+                    records[i].is_fresh(now, &cfg.metrics)
+                        && now.saturating_sub(l.at_ms) <= cfg.metrics.stale_after_ms
+                });
+                Some(self.adapters.fit(pod, id, lora))
+            })
+            .collect()
     }
 }
 
@@ -605,12 +694,12 @@ mod tests {
         let mut r1 = Router::start(&w1, &cfg).unwrap();
         let mut r2 = Router::start(&w2, &cfg).unwrap();
         let first = r1
-            .route(&w1, &cfg, &hashes(7, 64), &est(1024, 16))
+            .route(&w1, &cfg, "m", &hashes(7, 64), &est(1024, 16))
             .unwrap()
             .routed();
         r1.finish(&w1, &cfg, &first).unwrap();
         let second = r2
-            .route(&w2, &cfg, &hashes(7, 64), &est(1024, 16))
+            .route(&w2, &cfg, "m", &hashes(7, 64), &est(1024, 16))
             .unwrap()
             .routed();
         assert_eq!(second.pod, first.pod);
@@ -631,7 +720,10 @@ mod tests {
             // Same 32-block system prompt, different 32-block questions, long outputs.
             let mut h = hashes(1, 32);
             h.extend(hashes(100 + i, 32));
-            let routed = r.route(&vm, &cfg, &h, &est(1024, 512)).unwrap().routed();
+            let routed = r
+                .route(&vm, &cfg, "m", &h, &est(1024, 512))
+                .unwrap()
+                .routed();
             pods.push(routed.pod.clone());
             inflight.push(routed);
         }
@@ -659,8 +751,8 @@ mod tests {
         // factor 1.1.
         let e = est(100, 200);
         let prompt = |question| [hashes(1, 10), hashes(question, 10)].concat();
-        r.route(&vm, &cfg, &prompt(2), &e).unwrap().routed();
-        r.route(&vm, &cfg, &prompt(3), &e).unwrap().routed();
+        r.route(&vm, &cfg, "m", &prompt(2), &e).unwrap().routed();
+        r.route(&vm, &cfg, "m", &prompt(3), &e).unwrap().routed();
         assert_eq!(
             record::read(&vm, "a:1").unwrap().held_tokens(),
             110 + (110 - 55),
@@ -676,11 +768,11 @@ mod tests {
         let mut r1 = Router::start(&w1, &cfg).unwrap();
         let mut r2 = Router::start(&w2, &cfg).unwrap();
         let x = r1
-            .route(&w1, &cfg, &hashes(1, 10), &est(160, 0))
+            .route(&w1, &cfg, "m", &hashes(1, 10), &est(160, 0))
             .unwrap()
             .routed();
         let y = r2
-            .route(&w2, &cfg, &hashes(1, 10), &est(160, 0))
+            .route(&w2, &cfg, "m", &hashes(1, 10), &est(160, 0))
             .unwrap()
             .routed();
         assert_eq!(
@@ -731,7 +823,7 @@ mod tests {
         .unwrap();
         let mut r = Router::start(&vm, &cfg).unwrap();
         let mut routed = r
-            .route(&vm, &cfg, &hashes(1, 4), &est(64, 64))
+            .route(&vm, &cfg, "m", &hashes(1, 4), &est(64, 64))
             .unwrap()
             .routed();
         assert_eq!(routed.pod, "b:1");
@@ -787,7 +879,9 @@ mod tests {
         let (w1, w2) = (host.vm(), host.vm());
         let mut r1 = Router::start(&w1, &cfg).unwrap();
         let mut r2 = Router::start(&w2, &cfg).unwrap();
-        let first = r1.route(&w1, &cfg, &hashes(1, 4), &est(400, 100)).unwrap();
+        let first = r1
+            .route(&w1, &cfg, "m", &hashes(1, 4), &est(400, 100))
+            .unwrap();
         assert!(matches!(first, Placement::Routed(_)));
         // Either of the next two fits beside the first (440 + 100 + 16, then 330 + 50 + 16 each),
         // not both. Worker 2 takes the room while worker 1 is between its read and its write.
@@ -795,11 +889,14 @@ mod tests {
         let racing = Racing {
             vm: &w1,
             meanwhile: std::cell::RefCell::new(Some(Box::new(|| {
-                second = Some(r2.route(&w2, &cfg, &hashes(2, 4), &est(300, 50)).unwrap());
+                second = Some(
+                    r2.route(&w2, &cfg, "m", &hashes(2, 4), &est(300, 50))
+                        .unwrap(),
+                );
             }))),
         };
         let third = r1
-            .route(&racing, &cfg, &hashes(3, 4), &est(300, 50))
+            .route(&racing, &cfg, "m", &hashes(3, 4), &est(300, 50))
             .unwrap();
         drop(racing);
         assert!(matches!(second, Some(Placement::Routed(_))), "{second:?}");
@@ -820,7 +917,7 @@ mod tests {
         let vm = host.vm();
         let mut r = Router::start(&vm, &cfg).unwrap();
         let e = est(100, 64);
-        let mut routed = r.route(&vm, &cfg, &hashes(1, 4), &e).unwrap().routed();
+        let mut routed = r.route(&vm, &cfg, "m", &hashes(1, 4), &e).unwrap().routed();
         let held = || record::read(&vm, "a:1").unwrap().held_tokens();
         assert_eq!(held(), 110);
         r.grow(&vm, &cfg, &mut routed, &e, 17).unwrap();
@@ -841,7 +938,7 @@ mod tests {
         let vm = host.vm();
         let mut r = Router::start(&vm, &cfg).unwrap();
         let mut routed = r
-            .route(&vm, &cfg, &hashes(1, 4), &est(64, 0))
+            .route(&vm, &cfg, "m", &hashes(1, 4), &est(64, 0))
             .unwrap()
             .routed();
         let (picked, other) = if routed.pod == "a:1" {
@@ -854,7 +951,7 @@ mod tests {
         assert!(!record::read(&vm, picked).unwrap().snapshot.unwrap().healthy);
         assert_eq!(record::read(&vm, other).unwrap().active_blocks(), 4);
         let next = r
-            .route(&vm, &cfg, &hashes(1, 4), &est(64, 0))
+            .route(&vm, &cfg, "m", &hashes(1, 4), &est(64, 0))
             .unwrap()
             .routed();
         assert_eq!(next.pod, other);
@@ -876,11 +973,11 @@ mod tests {
         record::write_snapshot(&vm, "a:1", snapshot, 0, &Config::default()).unwrap();
         let mut r = Router::start(&vm, &cfg).unwrap();
         let x = r
-            .route(&vm, &cfg, &hashes(1, 10), &est(160, 0))
+            .route(&vm, &cfg, "m", &hashes(1, 10), &est(160, 0))
             .unwrap()
             .routed();
         let y = r
-            .route(&vm, &cfg, &hashes(1, 10), &est(160, 0))
+            .route(&vm, &cfg, "m", &hashes(1, 10), &est(160, 0))
             .unwrap()
             .routed();
         assert_eq!(y.cached_blocks, 0, "served before, but not cached there");
@@ -912,19 +1009,20 @@ mod tests {
         scraped("a:1", 16);
         scraped("b:1", 32);
         let first = r
-            .route(&vm, &cfg, &hashes(1, 4), &est(64, 64))
+            .route(&vm, &cfg, "m", &hashes(1, 4), &est(64, 64))
             .unwrap()
             .routed();
         assert_eq!(first.block_tokens, 16, "cut before the pods were read");
         assert_eq!(r.block_tokens(&cfg.routing), 32, "the largest reported");
         let second = r
-            .route(&vm, &cfg, &hashes(2, 4), &est(64, 64))
+            .route(&vm, &cfg, "m", &hashes(2, 4), &est(64, 64))
             .unwrap()
             .routed();
         assert_eq!(second.block_tokens, 32);
         scraped("a:1", 1);
         scraped("b:1", 1);
-        r.route(&vm, &cfg, &hashes(3, 4), &est(64, 64)).unwrap();
+        r.route(&vm, &cfg, "m", &hashes(3, 4), &est(64, 64))
+            .unwrap();
         assert_eq!(
             r.block_tokens(&cfg.routing),
             16,
@@ -942,14 +1040,14 @@ mod tests {
         let vm = host.vm();
         let mut r = Router::start(&vm, &cfg).unwrap();
         assert_eq!(
-            r.route(&vm, &cfg, &hashes(1, 4), &est(64, 0)).unwrap(),
+            r.route(&vm, &cfg, "m", &hashes(1, 4), &est(64, 0)).unwrap(),
             Placement::NoPods
         );
         vm.set(PODS_KEY, &encode_pods(&["x:1".into()]), None)
             .unwrap();
         host.advance_ms(PODS_CACHE_MS);
         let routed = r
-            .route(&vm, &cfg, &hashes(1, 4), &est(64, 0))
+            .route(&vm, &cfg, "m", &hashes(1, 4), &est(64, 0))
             .unwrap()
             .routed();
         assert_eq!(routed.pod, "x:1");
@@ -958,5 +1056,103 @@ mod tests {
         host.advance_ms(PODS_CACHE_MS);
         r.sync(&vm, &cfg).unwrap();
         assert!(r.pods().is_empty());
+    }
+
+    /// Pods that each serve `base` and the adapters `a1`..`a3` with one adapter slot, scraped now.
+    fn adapter_pool(host: &FakeHost, vm: &FakeVm, pods: &[&str]) {
+        use crate::models::served::{write_list, write_lora, LoraState, ServedModel};
+        let mut list = vec![ServedModel {
+            id: "base".into(),
+            parent: None,
+        }];
+        for a in ["a1", "a2", "a3"] {
+            list.push(ServedModel {
+                id: a.into(),
+                parent: Some("base".into()),
+            });
+        }
+        let now = host.now_ms();
+        for pod in pods {
+            write_list(vm, pod, &list, now).unwrap();
+            let lora = LoraState {
+                at_ms: now,
+                max_lora: 1,
+                ..LoraState::default()
+            };
+            write_lora(vm, pod, lora).unwrap();
+            record::modify(vm, pod, |rec| {
+                rec.snapshot = Some(Snapshot {
+                    at_ms: now,
+                    healthy: true,
+                    kv_usage: f64::NAN,
+                    ..Snapshot::default()
+                });
+                Some(())
+            })
+            .unwrap();
+        }
+    }
+
+    #[test]
+    fn an_adapter_goes_where_it_is_resident_then_to_a_free_slot_and_a_hot_one_spreads() {
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let pods = ["10.0.0.1:80", "10.0.0.2:80", "10.0.0.3:80"];
+        let cfg = config(&pods);
+        adapter_pool(&host, &vm, &pods);
+        let mut r = Router::start(&vm, &cfg).unwrap();
+        let mut send = |model: &str, group: u64| {
+            r.route(&vm, &cfg, model, &hashes(group, 64), &est(1024, 256))
+                .unwrap()
+                .routed()
+        };
+        let first = send("a1", 1);
+        assert!(first.adapter_load, "nothing was resident");
+        let again = send("a1", 2);
+        assert_eq!(again.pod, first.pod, "resident, though the pod is busier");
+        assert!(!again.adapter_load);
+        let second = send("a2", 3);
+        assert_ne!(second.pod, first.pod, "a1 holds that pod's one slot");
+        let third = send("a3", 4);
+        assert!(third.pod != first.pod && third.pod != second.pod);
+        let base = send("base", 5);
+        assert!(!base.adapter_load, "a base model has no adapter to load");
+        // A hot adapter spreads once its pod's load outweighs loading it elsewhere (there, where
+        // another adapter holds the one slot: 160 + 400): each request in flight adds its 80
+        // blocks to what the pod's steps read (× 0.2) and hold (× 0.05), 20 a request.
+        let spread = (6..200).find(|&g| send("a1", g).pod != first.pod);
+        assert!(spread.is_some_and(|g| (20..50).contains(&g)), "{spread:?}");
+    }
+
+    #[test]
+    fn adapter_affinity_off_weighs_nothing_and_only_listing_pods_are_eligible() {
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let pods = ["10.0.0.1:80", "10.0.0.2:80"];
+        let mut cfg = config(&pods);
+        cfg.models.adapter_load_cost = 0.0;
+        cfg.models.adapter_slot_cost = 0.0;
+        adapter_pool(&host, &vm, &pods[..1]);
+        let mut r = Router::start(&vm, &cfg).unwrap();
+        for g in 0..20 {
+            let routed = r
+                .route(&vm, &cfg, "a1", &hashes(g, 4), &est(64, 16))
+                .unwrap()
+                .routed();
+            assert_eq!(
+                routed.pod, pods[0],
+                "the other pod lists nothing, but a pod lists a1"
+            );
+        }
+        assert!(
+            r.serves(&vm, &cfg, "zz"),
+            "the second pod may serve it: not listed yet"
+        );
+        crate::models::served::write_list(&vm, pods[1], &[], 1).unwrap();
+        host.advance_ms(1_000);
+        assert!(
+            !r.serves(&vm, &cfg, "zz"),
+            "every pod listed, none lists it"
+        );
     }
 }

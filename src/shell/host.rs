@@ -122,6 +122,13 @@ pub fn request_body(size: usize) -> Vec<u8> {
     buffer(BufferType::HttpRequestBody, size)
 }
 
+/// Replaces the buffered request body (its first `old_size` bytes: all of it) with `body`.
+pub fn replace_request_body(old_size: usize, body: &[u8]) {
+    if let Err(status) = raw::set_buffer_bytes(BufferType::HttpRequestBody, 0, old_size, body) {
+        log::warn!("kvgate: rewriting the request body failed: status {status}");
+    }
+}
+
 pub fn response_body(size: usize) -> Vec<u8> {
     buffer(BufferType::HttpResponseBody, size)
 }

@@ -129,12 +129,16 @@ impl HttpContext for Http {
             return Action::Pause;
         }
         let body = host::request_body(body_size);
-        let decision = {
+        let mut decision = {
             let mut gate = self.gate.borrow_mut();
             let d = self.flow.borrow_mut().on_body(&mut gate, &HostStore, &body);
             host::flush_stats(&mut gate.stats);
             d
         };
+        // Only here, in the body callback itself, is the buffered body the stream's to replace.
+        if let Some(new_body) = decision.body.take() {
+            host::replace_request_body(body_size, &new_body);
+        }
         self.act(decision)
     }
 

@@ -44,6 +44,13 @@ extern "C" {
         return_buffer_data: *mut *mut u8,
         return_buffer_size: *mut usize,
     ) -> u32;
+    fn proxy_set_buffer_bytes(
+        buffer_type: BufferType,
+        start: usize,
+        size: usize,
+        buffer_data: *const u8,
+        buffer_size: usize,
+    ) -> u32;
     fn proxy_get_header_map_value(
         map_type: MapType,
         key_data: *const u8,
@@ -176,6 +183,17 @@ pub fn get_buffer_bytes(
 ) -> Result<Option<Vec<u8>>, u32> {
     // SAFETY: the out-parameters come from `read` and are live for the call.
     read(|data, size| unsafe { proxy_get_buffer_bytes(buffer, start, max_size, data, size) })
+}
+
+/// Replaces `size` bytes from `start` of a buffer with `data` (the whole body: 0, its size).
+pub fn set_buffer_bytes(
+    buffer: BufferType,
+    start: usize,
+    size: usize,
+    data: &[u8],
+) -> Result<(), u32> {
+    // SAFETY: the data is a live slice for the call.
+    status(unsafe { proxy_set_buffer_bytes(buffer, start, size, data.as_ptr(), data.len()) })
 }
 
 /// A header's value as bytes: HTTP allows bytes that are not UTF-8. Err(NOT_FOUND) when absent.

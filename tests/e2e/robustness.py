@@ -379,8 +379,10 @@ class _Served:
 
 class EchoUpstream(_Served):
     """Answers any method at once with a small OpenAI-ish JSON (usage included) and records
-    (method, path, headers, body) of everything but kvgate's own /metrics scrapes, whose
-    answer is the same JSON (an unparsable metrics page). Reads chunked request bodies."""
+    (method, path, headers, body) of everything but kvgate's own /metrics and /v1/models
+    scrapes (those name the pod in x-envoy-original-dst-host, which kvgate strips from clients),
+    whose answer is the same JSON (an unparsable metrics page and model list). Reads chunked
+    request bodies."""
 
     def __init__(self):
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -401,7 +403,7 @@ class EchoUpstream(_Served):
                         self.rfile.readline()
                 else:
                     body = self.rfile.read(int(self.headers.get("content-length") or 0))
-                if self.path != "/metrics":
+                if self.path != "/metrics" and "x-envoy-original-dst-host" not in self.headers:
                     received.append((self.command, self.path, {k.lower(): v for k, v in self.headers.items()}, body))
                 out = json.dumps({"object": "chat.completion", "choices": [{"message": {"content": "ok"}}],
                                   "usage": {"prompt_tokens": 10, "completion_tokens": 1, "total_tokens": 11}}).encode()

@@ -122,7 +122,8 @@ def live():
     cfg["statusPath"] = STATUS_PATH
     cfg["admission"] = dict(cfg.get("admission", {}), maxWaitMs=500, objectives={"batch": -1})
     # 40 blocks of 16 tokens: a budget of two or three of these requests per pod.
-    with Sim(pods=2, args=["--num-gpu-blocks", "40", "--any-model"]) as sim, \
+    # The pods serve "m": kvgate reads their model lists and answers 404 for a model none serves.
+    with Sim(pods=2, args=["--num-gpu-blocks", "40", "--served-model-name", "m"]) as sim, \
             kvgate_envoy(sim.endpoints + [dead], cfg, concurrency=2) as envoy, \
             Prometheus(envoy.admin_port) as prom:
         statuses, results, snapshots = [], [], []

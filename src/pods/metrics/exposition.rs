@@ -4,7 +4,7 @@
 //! decoded (see `label_set`).
 
 use super::aggregate::Tally;
-use super::figures::{MetricsError, PodMetrics};
+use super::figures::{LoraInfo, MetricsError, PodMetrics};
 use super::series::{classify, Labels};
 
 /// Lines longer than this are skipped unread: no series kvgate needs comes near it, while a line
@@ -24,6 +24,58 @@ pub fn parse_bytes(body: &[u8]) -> Result<PodMetrics, MetricsError> {
 /// terminating `\n` (see the module notes on truncation).
 pub fn parse(text: &str) -> Result<PodMetrics, MetricsError> {
     let mut tally = Tally::new();
+    samples(text, |line| sample_line(&mut tally, line))?;
+    tally.finish()
+}
+
+/// The adapter state in a vLLM `/metrics` body: of the `vllm:lora_requests_info` series, the one
+/// set last (vLLM sets the current label set's gauge to the time; the label sets of earlier steps
+/// stay exposed with older times). `None` when the pod exposes none (LoRA off, or not vLLM).
+pub fn lora_info(body: &[u8]) -> Option<LoraInfo> {
+    const NAME: &str = "vllm:lora_requests_info";
+    let text = core::str::from_utf8(body).ok()?;
+    let mut best: Option<(f64, LoraInfo)> = None;
+    let read = samples(text, |line| {
+        let Some(rest) = line.strip_prefix(NAME) else {
+            return;
+        };
+        let mut labels = Labels::default();
+        let Some(at) = sample_value(rest, &mut labels) else {
+            return;
+        };
+        let info = LoraInfo {
+            max_lora: labels.max_lora.and_then(|m| m.parse().ok()).unwrap_or(0),
+            running: unescape(labels.running_lora_adapters.unwrap_or("")),
+            waiting: unescape(labels.waiting_lora_adapters.unwrap_or("")),
+        };
+        if best.as_ref().is_none_or(|(t, _)| at > *t) {
+            best = Some((at, info));
+        }
+    });
+    read.ok().and(best).map(|(_, info)| info)
+}
+
+/// A label value with the exposition's escapes (`\\`, `\"`, `\n`) decoded.
+fn unescape(raw: &str) -> String {
+    let mut out = String::with_capacity(raw.len());
+    let mut chars = raw.chars();
+    while let Some(c) = chars.next() {
+        if c != '\\' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('n') => out.push('\n'),
+            Some(other) => out.push(other),
+            None => {}
+        }
+    }
+    out
+}
+
+/// Calls `sample` with each sample line of a body (comments, blank prefixes and a cut-off last
+/// line left out), bounded as the module notes say.
+fn samples(text: &str, mut sample: impl FnMut(&str)) -> Result<(), MetricsError> {
     let mut rest = text.strip_prefix('\u{feff}').unwrap_or(text);
     let mut lines = 0usize;
     while !rest.is_empty() {
@@ -56,9 +108,9 @@ pub fn parse(text: &str) -> Result<PodMetrics, MetricsError> {
         if !terminated {
             break;
         }
-        sample_line(&mut tally, line);
+        sample(line);
     }
-    tally.finish()
+    Ok(())
 }
 
 /// One sample line into the tally: skipped unless `series` knows its name and its labels are

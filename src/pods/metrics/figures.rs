@@ -39,6 +39,15 @@ pub struct PodMetrics {
     pub no_prefix_caching: bool,
 }
 
+/// vLLM's `vllm:lora_requests_info` as last set: adapter slots and the adapters (names joined by
+/// commas, as vLLM labels them) running and waiting for a slot.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct LoraInfo {
+    pub max_lora: u32,
+    pub running: String,
+    pub waiting: String,
+}
+
 /// Why a body yielded no metrics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MetricsError {

@@ -34,7 +34,8 @@
 //! The files, in the order a body passes through them: `exposition` reads the text format line by
 //! line and sample by sample, `series` says which samples kvgate reads and which labels tell one
 //! engine from another, `aggregate` folds the samples into per-pod figures under the rules above,
-//! and `figures` is what comes out. Nothing here holds state between scrapes: the result is
+//! and `figures` is what comes out. `lora_info` reads the one series that is text rather than a
+//! number, the adapters a vLLM pod is running (`vllm:lora_requests_info`), for adapter affinity. Nothing here holds state between scrapes: the result is
 //! written to the pod's shared record (`pods::record`) by `pods::scrape`.
 
 mod aggregate;
@@ -42,8 +43,8 @@ pub mod exposition;
 pub mod figures;
 mod series;
 
-pub use exposition::{parse, parse_bytes};
-pub use figures::{Engine, MetricsError, PodMetrics};
+pub use exposition::{lora_info, parse, parse_bytes};
+pub use figures::{Engine, LoraInfo, MetricsError, PodMetrics};
 
 #[cfg(test)]
 mod tests;

@@ -72,6 +72,9 @@ pub(super) struct Labels<'a> {
     pub(super) num_pages: Option<&'a str>,
     pub(super) max_total_num_tokens: Option<&'a str>,
     pub(super) enable_prefix_caching: Option<&'a str>,
+    pub(super) max_lora: Option<&'a str>,
+    pub(super) running_lora_adapters: Option<&'a str>,
+    pub(super) waiting_lora_adapters: Option<&'a str>,
 }
 
 impl<'a> Labels<'a> {
@@ -89,6 +92,9 @@ impl<'a> Labels<'a> {
             "num_pages" => &mut self.num_pages,
             "max_total_num_tokens" => &mut self.max_total_num_tokens,
             "enable_prefix_caching" => &mut self.enable_prefix_caching,
+            "max_lora" => &mut self.max_lora,
+            "running_lora_adapters" => &mut self.running_lora_adapters,
+            "waiting_lora_adapters" => &mut self.waiting_lora_adapters,
             _ => return,
         };
         *slot = Some(value);

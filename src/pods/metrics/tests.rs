@@ -740,3 +740,20 @@ fn errors_read_as_sentences() {
     );
     assert_eq!(PodMetrics::default().engine, Engine::Unknown);
 }
+
+#[test]
+fn the_adapter_state_is_the_newest_lora_series_with_its_names_unescaped() {
+    let body = concat!(
+        "# TYPE vllm:lora_requests_info gauge\n",
+        "vllm:lora_requests_info{max_lora=\"4\",waiting_lora_adapters=\"\",running_lora_adapters=\"\"} 1.7e9\n",
+        "vllm:lora_requests_info{max_lora=\"4\",waiting_lora_adapters=\"b\",running_lora_adapters=\"a\\\"q\\\\,c d\"} 1.8e9\n",
+        "vllm:lora_requests_info{max_lora=\"4\",waiting_lora_adapters=\"x\",running_lora_adapters=\"y\"} 1.75e9\n",
+    );
+    let info = super::lora_info(body.as_bytes()).unwrap();
+    assert_eq!(
+        (info.max_lora, info.running.as_str(), info.waiting.as_str()),
+        (4, "a\"q\\,c d", "b")
+    );
+    assert_eq!(super::lora_info(b"vllm:num_requests_running 1\n"), None);
+    assert_eq!(super::lora_info(b"\xff\xfe"), None);
+}

@@ -1,0 +1,395 @@
+//! Which models each pod serves and which LoRA adapters it is running: the pod's `/v1/models` list
+//! (base models, and adapters with their `parent`, as vLLM lists them) and its
+//! `vllm:lora_requests_info` (adapter slots, running and waiting adapters), kept in one shared
+//! record per pod, `kvgate.models.<ip:port>`, written by the lease holder's scraper alone.
+//!
+//! Each VM reads the records into a `ServedView`, cached for `VIEW_CACHE_MS`: model lists change
+//! at human speed and the adapter state is scraped once a second, so reading them per request
+//! would only add host calls. A pod never listed serves everything (as before model scraping); a
+//! list that fails to fetch or parse leaves the last one in place.
+
+use crate::hash::fnv1a;
+use crate::store::codec::{Reader, Writer};
+use crate::store::interface::{update, Store, StoreError};
+use hashbrown::HashMap;
+use serde::Deserialize;
+
+const VERSION: u8 = 1;
+const VIEW_CACHE_MS: u64 = 500;
+/// Entries of one pod's model list kept at most: a pod serving more is misconfigured or hostile,
+/// and the record must stay small enough to read on every refresh.
+pub const MAX_MODELS: usize = 1024;
+/// Adapters named in one scraped running or waiting list kept at most.
+const MAX_LISTED_ADAPTERS: usize = 256;
+const MAX_NAME_CHARS: usize = 256;
+
+pub fn key(pod: &str) -> String {
+    format!("kvgate.models.{pod}")
+}
+
+/// One entry of a pod's model list.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServedModel {
+    pub id: String,
+    /// The base model of a LoRA adapter; `None` for a base model.
+    pub parent: Option<String>,
+}
+
+/// What `vllm:lora_requests_info` said at the last scrape.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct LoraState {
+    pub at_ms: u64,
+    /// Adapter slots of the engine (`max_lora`): most distinct adapters in one batch.
+    pub max_lora: u32,
+    /// Adapter ids (`adapter_id`) running, and waiting for a slot.
+    pub running: Vec<u64>,
+    pub waiting: Vec<u64>,
+}
+
+/// A pod's record.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Served {
+    /// When the list was last fetched; `None` before the first success.
+    pub listed_ms: Option<u64>,
+    pub models: Vec<ServedModel>,
+    pub lora: Option<LoraState>,
+}
+
+/// A model name as an adapter identity: what the pick log and the affinity replica carry (0
+/// stands for no adapter).
+pub fn adapter_id(name: &str) -> u64 {
+    fnv1a(name.as_bytes()) | 1
+}
+
+impl Served {
+    pub fn serves(&self, model: &str) -> bool {
+        self.models.iter().any(|m| m.id == model)
+    }
+
+    /// Whether `model` is one of the pod's LoRA adapters.
+    pub fn is_adapter(&self, model: &str) -> bool {
+        self.models
+            .iter()
+            .any(|m| m.id == model && m.parent.as_deref().is_some_and(|p| p != model))
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::new();
+        w.u8(VERSION).u64(self.listed_ms.map_or(0, |t| t.max(1)));
+        w.u32(self.models.len() as u32);
+        for m in &self.models {
+            w.bytes(m.id.as_bytes());
+            match &m.parent {
+                Some(p) => w.u8(1).bytes(p.as_bytes()),
+                None => w.u8(0),
+            };
+        }
+        match &self.lora {
+            Some(l) => {
+                w.u8(1).u64(l.at_ms).u32(l.max_lora);
+                for list in [&l.running, &l.waiting] {
+                    w.u32(list.len() as u32);
+                    list.iter().for_each(|id| {
+                        w.u64(*id);
+                    });
+                }
+            }
+            None => {
+                w.u8(0);
+            }
+        }
+        w.0
+    }
+
+    /// A corrupt or foreign record reads as a pod never listed.
+    pub fn decode(bytes: &[u8]) -> Option<Served> {
+        let mut r = Reader(bytes);
+        if r.u8()? != VERSION {
+            return None;
+        }
+        let listed = r.u64()?;
+        let n = r.count(5)?;
+        let mut models = Vec::with_capacity(n);
+        let text = |r: &mut Reader| String::from_utf8(r.bytes()?.to_vec()).ok();
+        for _ in 0..n {
+            let id = text(&mut r)?;
+            let parent = match r.u8()? {
+                0 => None,
+                _ => Some(text(&mut r)?),
+            };
+            models.push(ServedModel { id, parent });
+        }
+        let lora = match r.u8()? {
+            0 => None,
+            _ => {
+                let (at_ms, max_lora) = (r.u64()?, r.u32()?);
+                let mut ids = || -> Option<Vec<u64>> {
+                    let n = r.count(8)?;
+                    (0..n).map(|_| r.u64()).collect()
+                };
+                let (running, waiting) = (ids()?, ids()?);
+                Some(LoraState {
+                    at_ms,
+                    max_lora,
+                    running,
+                    waiting,
+                })
+            }
+        };
+        Some(Served {
+            listed_ms: (listed > 0).then_some(listed),
+            models,
+            lora,
+        })
+    }
+}
+
+pub fn read(store: &dyn Store, pod: &str) -> Result<Served, StoreError> {
+    Ok(store
+        .get(&key(pod))?
+        .value
+        .and_then(|b| Served::decode(&b))
+        .unwrap_or_default())
+}
+
+fn modify(
+    store: &dyn Store,
+    pod: &str,
+    mut change: impl FnMut(&mut Served),
+) -> Result<(), StoreError> {
+    update(store, &key(pod), |bytes| {
+        let mut s = bytes.and_then(Served::decode).unwrap_or_default();
+        change(&mut s);
+        Some((s.encode(), ()))
+    })
+    .map(|_| ())
+}
+
+/// Records a freshly fetched model list.
+pub fn write_list(
+    store: &dyn Store,
+    pod: &str,
+    models: &[ServedModel],
+    now: u64,
+) -> Result<(), StoreError> {
+    modify(store, pod, |s| {
+        s.listed_ms = Some(now);
+        s.models = models.to_vec();
+    })
+}
+
+/// Records the adapter state of a metrics scrape.
+pub fn write_lora(store: &dyn Store, pod: &str, lora: LoraState) -> Result<(), StoreError> {
+    modify(store, pod, |s| s.lora = Some(lora.clone()))
+}
+
+/// Why a model list was not taken.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ListError(pub String);
+
+#[derive(Deserialize)]
+struct ModelList {
+    data: Vec<ListedModel>,
+}
+
+#[derive(Deserialize)]
+struct ListedModel {
+    id: String,
+    #[serde(default)]
+    parent: Option<String>,
+}
+
+/// A name kvgate keeps: what request parsing accepts, without control characters (it may become
+/// a header value or a stat name). Anything else a pod lists is left out, not guessed at.
+fn keepable(name: &str) -> bool {
+    !name.is_empty()
+        && name.chars().count() <= MAX_NAME_CHARS
+        && !name.chars().any(char::is_control)
+}
+
+/// Reads an OpenAI `/v1/models` body (`{"object":"list","data":[{"id", "parent"}, ...]}`).
+/// Entries with names kvgate cannot carry are skipped; a body that is not such a list, or lists
+/// nothing usable, is an error, so the pod keeps its last known models.
+pub fn parse_list(body: &[u8]) -> Result<Vec<ServedModel>, ListError> {
+    let list: ModelList = serde_json::from_slice(body)
+        .map_err(|e| ListError(format!("model list is not an OpenAI list: {e}")))?;
+    if list.data.len() > MAX_MODELS {
+        return Err(ListError(format!(
+            "model list has {} entries, more than {MAX_MODELS}",
+            list.data.len()
+        )));
+    }
+    let models: Vec<ServedModel> = list
+        .data
+        .into_iter()
+        .filter(|m| keepable(&m.id))
+        .map(|m| ServedModel {
+            parent: m.parent.filter(|p| keepable(p)),
+            id: m.id,
+        })
+        .collect();
+    if models.is_empty() {
+        return Err(ListError("model list names no usable model".into()));
+    }
+    Ok(models)
+}
+
+/// Adapter names in a `running_lora_adapters` / `waiting_lora_adapters` label value (vLLM joins
+/// them with commas), as adapter ids.
+pub fn adapter_ids(label: &str) -> Vec<u64> {
+    label
+        .split(',')
+        .filter(|n| !n.is_empty())
+        .take(MAX_LISTED_ADAPTERS)
+        .map(adapter_id)
+        .collect()
+}
+
+/// A VM's cached copy of every pod's record.
+#[derive(Default)]
+pub struct ServedView {
+    pods: HashMap<String, Served>,
+    read_ms: Option<u64>,
+}
+
+impl ServedView {
+    /// Re-reads the records of `pods` when the copy is older than `VIEW_CACHE_MS`. A record that
+    /// cannot be read keeps its cached copy.
+    pub fn refresh(&mut self, store: &dyn Store, pods: &[String], now: u64) {
+        if self
+            .read_ms
+            .is_some_and(|t| now.saturating_sub(t) < VIEW_CACHE_MS)
+        {
+            return;
+        }
+        self.read_ms = Some(now);
+        self.pods.retain(|p, _| pods.contains(p));
+        for pod in pods {
+            if let Ok(s) = read(store, pod) {
+                self.pods.insert(pod.clone(), s);
+            }
+        }
+    }
+
+    pub fn get(&self, pod: &str) -> Option<&Served> {
+        self.pods.get(pod)
+    }
+
+    /// Which of `pods` may serve `model`: those listing it; if none does, those not listed yet
+    /// (a pod is taken to serve everything until its list is known) that are `up` (a pod that
+    /// refuses connections never answers its list: it must not become the one pod every unknown
+    /// model is sent to); else none.
+    pub fn serving(&self, pods: &[String], model: &str, up: impl Fn(usize) -> bool) -> Vec<bool> {
+        let listed = |p: &String| self.get(p).is_some_and(|s| s.listed_ms.is_some());
+        let listing: Vec<bool> = pods
+            .iter()
+            .map(|p| self.get(p).is_some_and(|s| s.serves(model)))
+            .collect();
+        if listing.iter().any(|&b| b) {
+            return listing;
+        }
+        pods.iter()
+            .enumerate()
+            .map(|(i, p)| !listed(p) && up(i))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    use super::*;
+    use crate::store::fake_host::FakeHost;
+
+    fn base(id: &str) -> ServedModel {
+        ServedModel {
+            id: id.into(),
+            parent: None,
+        }
+    }
+
+    #[test]
+    fn a_vllm_model_list_with_adapters_is_read_and_round_trips() {
+        let body = br#"{"object":"list","data":[
+            {"id":"llama","object":"model","root":"/m","parent":null},
+            {"id":"sql-lora","object":"model","root":"/l/sql","parent":"llama"},
+            {"id":"","parent":null},{"id":"bad\u0000name"}]}"#;
+        let models = parse_list(body).unwrap();
+        assert_eq!(models.len(), 2, "unusable names are skipped");
+        let s = Served {
+            listed_ms: Some(5),
+            models,
+            lora: Some(LoraState {
+                at_ms: 7,
+                max_lora: 2,
+                running: adapter_ids("sql-lora,x"),
+                waiting: vec![],
+            }),
+        };
+        assert!(s.serves("sql-lora") && s.is_adapter("sql-lora") && !s.is_adapter("llama"));
+        assert_eq!(Served::decode(&s.encode()), Some(s));
+    }
+
+    #[test]
+    fn bad_lists_are_errors_not_empty_pods() {
+        for body in [
+            &b"not json"[..],
+            b"{}",
+            br#"{"data":[]}"#,
+            br#"{"data":[{"id":""}]}"#,
+        ] {
+            assert!(
+                parse_list(body).is_err(),
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+        }
+        let many = format!(
+            r#"{{"data":[{}]}}"#,
+            vec![r#"{"id":"m"}"#; MAX_MODELS + 1].join(",")
+        );
+        assert!(parse_list(many.as_bytes()).is_err());
+    }
+
+    #[test]
+    fn listing_pods_are_eligible_then_unlisted_ones_then_none() {
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let pods: Vec<String> = ["a:1", "b:1", "c:1"].map(String::from).to_vec();
+        let mut view = ServedView::default();
+        let up = |_| true;
+        view.refresh(&vm, &pods, 0);
+        assert_eq!(view.serving(&pods, "m", up), [true; 3], "nothing listed");
+        assert_eq!(
+            view.serving(&pods, "m", |i| i != 1),
+            [true, false, true],
+            "b down"
+        );
+        write_list(&vm, "a:1", &[base("m")], 1).unwrap();
+        write_list(&vm, "b:1", &[base("n")], 1).unwrap();
+        view.refresh(&vm, &pods, 100);
+        assert_eq!(view.serving(&pods, "m", up), [true, true, true], "cached");
+        view.refresh(&vm, &pods, 1_000);
+        assert_eq!(view.serving(&pods, "m", up), [true, false, false]);
+        assert_eq!(
+            view.serving(&pods, "x", up),
+            [false, false, true],
+            "c not listed"
+        );
+        assert_eq!(
+            view.serving(&pods, "x", |i| i != 2),
+            [false; 3],
+            "c is down"
+        );
+        write_list(&vm, "c:1", &[base("n")], 1).unwrap();
+        view.refresh(&vm, &pods, 2_000);
+        assert_eq!(view.serving(&pods, "x", up), [false, false, false]);
+        write_lora(&vm, "a:1", LoraState::default()).unwrap();
+        assert!(
+            read(&vm, "a:1").unwrap().serves("m"),
+            "adapter state keeps the list"
+        );
+    }
+}

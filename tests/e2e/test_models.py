@@ -1,0 +1,149 @@
+"""Many models behind one gateway, in a real Envoy (--concurrency 4): pods serving different models
+each get only their own model's requests, a model no pod serves is answered 404 by kvgate, a
+weighted split holds its weights and the upstream sees the rewritten model, odd names and model
+lists that do not parse are answered clearly, and the two-cluster example (envoy/envoy-models.yaml)
+sends each model to its own cluster and kvgate pool."""
+
+import json
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import yaml
+
+from harness import (ROOT, WASM, Envoy, Sim, StubUpstream, default_plugin_config, free_port, kvgate_envoy,
+                     request, wait_for)
+
+SIM_ARGS = ["--time-scale", "20"]
+MODELS_YAML = ROOT / "envoy/envoy-models.yaml"
+
+
+def chat(model, i, max_tokens=4):
+    # A prompt shared by every request of a model, then a distinct question: prefix affinity
+    # pulls each model's requests towards the pod it picked first, which is what sent them to
+    # pods that do not serve the model before kvgate knew which pod serves what.
+    return {"model": model, "max_tokens": max_tokens,
+            "messages": [{"role": "system", "content": "You answer briefly. " * 60},
+                         {"role": "user", "content": f"question {i}"}]}
+
+
+def lists_read(envoy, n):
+    name = "wasmcustom.kvgate.models.list_ok"
+    return wait_for(lambda: envoy.stats(name).get(name, 0) >= n, timeout=15)
+
+
+def send_all(port, jobs, workers=16, headers=None):
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(lambda j: (j[0], request(port, "POST", "/v1/chat/completions", j[1], headers)),
+                             jobs))
+
+
+def test_each_model_reaches_only_pods_serving_it_and_an_unknown_model_is_404():
+    with Sim(pods=2, args=SIM_ARGS + ["--served-model-name", "model-a"]) as a, \
+            Sim(pods=2, args=SIM_ARGS + ["--served-model-name", "model-b"]) as b, \
+            kvgate_envoy(a.endpoints + b.endpoints, default_plugin_config()) as envoy:
+        assert lists_read(envoy, 4)
+        jobs = [(m, chat(m, i)) for i in range(60) for m in ("model-a", "model-b")]
+        results = send_all(envoy.port, jobs)
+        wrong = [(m, r.status, r.headers.get("x-sim-pod"), r.body[:200]) for m, r in results if r.status != 200]
+        assert not wrong, f"{len(wrong)} of {len(results)} not served: {wrong[:5]}"
+        served_by = {m: {r.headers.get("x-kvgate-pod") for mm, r in results if mm == m} for m in ("model-a", "model-b")}
+        assert served_by["model-a"] <= {f"127.0.0.1:{p}" for p in a.ports}, served_by
+        assert served_by["model-b"] <= {f"127.0.0.1:{p}" for p in b.ports}, served_by
+
+        r = request(envoy.port, "POST", "/v1/chat/completions", chat("model-c", 0))
+        assert r.status == 404 and r.headers.get("x-kvgate-reason") == "model_not_found", (r.status, r.body)
+        error = r.json()["error"]
+        assert "`model-c`" in error["message"] and error["param"] == "model", error
+        stats = envoy.stats("wasmcustom.kvgate.model")
+        assert stats.get("wasmcustom.kvgate.model.model_a.requests") == 60, stats
+        assert stats.get("wasmcustom.kvgate.model.model_b.picks") == 60, stats
+        assert envoy.stats("wasmcustom.kvgate.models.not_found")["wasmcustom.kvgate.models.not_found"] == 1
+
+
+def test_a_90_10_split_holds_within_3_percent_and_the_upstream_sees_the_target():
+    plugin = default_plugin_config()
+    # The stub serves no metrics: without a fixed budget a pod never scraped takes one request
+    # at a time.
+    plugin["admission"] = {"budgetTokens": 10_000_000}
+    plugin["models"] = {"routes": {"llama": {"targets": [{"model": "llama-3.1-8b", "weight": 90},
+                                                         {"model": "llama-3.1-8b-v2", "weight": 10}]}}}
+    with StubUpstream() as stub, kvgate_envoy([("127.0.0.1", stub.port)], plugin) as envoy:
+        # The stub answers /v1/models with a body that is no model list: the pod stays unlisted
+        # (serves everything) and the failure is counted, not fatal.
+        n = 2000
+        body = lambda i: {"model": "llama", "max_tokens": 1, "temperature": 0.10000000000000001,
+                          "messages": [{"role": "user", "content": f"é question {i} \"quoted\""}]}
+        results = send_all(envoy.port, [(i, body(i)) for i in range(n)], workers=8)
+        assert all(r.status == 200 for _, r in results), Counter(r.status for _, r in results)
+        sent = [json.loads(b) for path, _, b in stub.received if path == "/v1/chat/completions"]
+        assert len(sent) == n
+        share = Counter(s["model"] for s in sent)
+        assert abs(share["llama-3.1-8b"] / n - 0.9) <= 0.03, share
+        assert share["llama-3.1-8b"] + share["llama-3.1-8b-v2"] == n, share
+        # Only the model changed: every other field arrived as sent, the length header matched.
+        assert all(s["temperature"] == 0.10000000000000001 and s["messages"][0]["content"].startswith("é question")
+                   for s in sent)
+        headers = [h for path, h, _ in stub.received if path == "/v1/chat/completions"]
+        assert all({k.lower(): v for k, v in h.items()}["x-gateway-model-name"] in share for h in headers)
+        targets = Counter(r.headers.get("x-kvgate-target-model") for _, r in results)
+        assert targets == share, (targets, share)
+        errors = "wasmcustom.kvgate.models.list_errors"
+        assert wait_for(lambda: envoy.stats(errors).get(errors, 0) >= 1)
+
+
+def test_odd_adapter_names_and_a_client_model_header_are_handled():
+    odd = 'tenant a/ä"lora'
+    args = SIM_ARGS + ["--served-model-name", "base", "--enable-lora", "--max-loras", "1",
+                       "--lora-modules", json.dumps({"name": odd, "path": "/l/odd"}), "plain=/l/plain"]
+    with Sim(pods=2, args=args) as sim, kvgate_envoy(sim.endpoints, default_plugin_config()) as envoy:
+        assert lists_read(envoy, 2)
+        for model in (odd, "plain", "base"):
+            r = request(envoy.port, "POST", "/v1/chat/completions", chat(model, 1),
+                        headers={"x-gateway-model-name": "spoofed"})
+            assert r.status == 200, (model, r.status, r.body)
+        r = request(envoy.port, "POST", "/v1/chat/completions", chat("tenant a/other", 1))
+        assert r.status == 404 and r.headers.get("x-kvgate-reason") == "model_not_found"
+
+
+def models_envoy(sims):
+    """envoy/envoy-models.yaml with its ports and pods replaced: `sims` maps cluster → Sim."""
+    cfg = yaml.safe_load(MODELS_YAML.read_text())
+    admin_port = free_port()
+    cfg["admin"]["address"]["socket_address"]["port_value"] = admin_port
+    listener = cfg["static_resources"]["listeners"][0]
+    listener["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": free_port()}
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    for f in hcm["http_filters"]:
+        if f["name"].startswith("kvgate"):
+            wasm = f["typed_config"].get("extension_config", f)["typed_config"]
+            wasm["config"]["vm_config"]["code"]["local"]["filename"] = str(WASM)
+    for c in cfg["static_resources"]["clusters"]:
+        if c["name"] in sims:
+            c["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
+                {"endpoint": {"address": {"socket_address": {"address": h, "port_value": p}}}}
+                for h, p in sims[c["name"]].endpoints]
+        if c["name"] == "kvgate_admin":
+            c["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"][
+                "port_value"] = admin_port
+    return Envoy(cfg)
+
+
+def test_the_two_cluster_example_sends_each_model_to_its_cluster_and_pool():
+    with Sim(pods=2, args=SIM_ARGS + ["--served-model-name", "llama-3.1-8b"]) as a, \
+            Sim(pods=2, args=SIM_ARGS + ["--served-model-name", "qwen-2.5-7b"]) as b, \
+            models_envoy({"models-llama": a, "models-qwen": b}) as envoy:
+        assert wait_for(lambda: sum(v for k, v in envoy.stats("wasmcustom.kvgate.scrape.ok").items()) >= 4,
+                        timeout=15)
+        jobs = [(m, chat(m, i)) for i in range(20) for m in ("llama-3.1-8b", "qwen-2.5-7b", "llama")]
+        results = send_all(envoy.port, jobs)
+        bad = [(m, r.status, r.body[:200]) for m, r in results if r.status != 200]
+        assert not bad, bad[:5]
+        for model, sim in (("llama-3.1-8b", a), ("qwen-2.5-7b", b), ("llama", a)):
+            pods = {r.headers.get("x-kvgate-pod") for m, r in results if m == model}
+            assert pods and pods <= {f"127.0.0.1:{p}" for p in sim.ports}, (model, pods)
+        # Each cluster's kvgate keeps its own pool: its pods only.
+        stats = envoy.stats("wasmcustom.kvgate.pods.total")
+        assert stats.get("wasmcustom.kvgate.pods.total") == 2, stats
+        r = request(envoy.port, "POST", "/v1/chat/completions", chat("mistral", 0))
+        assert r.status == 404, (r.status, r.body)
