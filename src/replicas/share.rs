@@ -7,7 +7,7 @@
 use crate::config::Config;
 use crate::replicas::split::admit_cap;
 use crate::store::codec::{Reader, Writer};
-use crate::store::interface::{update, Store, StoreError};
+use crate::store::interface::{update_record, Store, StoreError};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Share {
@@ -67,12 +67,7 @@ pub fn modify(
     pod: &str,
     mut change: impl FnMut(&mut Share),
 ) -> Result<(), StoreError> {
-    update(store, &key(pod), |bytes| {
-        let mut s = bytes.and_then(Share::decode).unwrap_or_default();
-        change(&mut s);
-        Some((s.encode(), ()))
-    })
-    .map(|_| ())
+    update_record(store, &key(pod), Share::decode, Share::encode, &mut change)
 }
 
 /// The hook admission reads a pod's budget through: with etcd off, the pod's budget itself; with
