@@ -57,16 +57,26 @@ setup_wasm_runner() {
     fi
 }
 
-# The e2e tests start a real Prometheus and run promtool (monitoring/): Debian's package, installed
-# once per machine when missing (CI runs as root on Debian; elsewhere, with sudo if available).
-setup_prometheus() {
-    command -v prometheus >/dev/null && command -v promtool >/dev/null && return 0
+# Debian packages the e2e tests run (CI runs as root on Debian; elsewhere, with sudo if
+# available), installed once per machine when one of their commands is missing:
+# apt_install PACKAGE WHY COMMAND...
+apt_install() {
+    local package=$1 why=$2 cmd missing=""
+    shift 2
+    for cmd in "$@"; do command -v "$cmd" >/dev/null || missing=yes; done
+    [ -n "$missing" ] || return 0
     local sudo=""
     [ "$(id -u)" = 0 ] || sudo=sudo
-    log "installing Debian's prometheus package (for the monitoring e2e tests)"
+    log "installing Debian's $package package ($why)"
     $sudo apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "$package" >/dev/null
 }
+
+# The monitoring tests start a real Prometheus and run promtool (monitoring/).
+setup_prometheus() { apt_install prometheus "for the monitoring e2e tests" prometheus promtool; }
+
+# test_replicas.py starts a real etcd: the replicas' shared budgets.
+setup_etcd() { apt_install etcd-server "for the replicas e2e tests" etcd; }
 
 setup() {
     setup_rust
@@ -112,7 +122,8 @@ fuzz_short() {
 
 e2e_tests() {
     setup_prometheus
-    log "end-to-end tests (real Envoy, kvgate-sim, Prometheus)"
+    setup_etcd
+    log "end-to-end tests (real Envoy, kvgate-sim, Prometheus, etcd)"
     (cd tests/e2e && "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@")
 }
 
@@ -129,7 +140,7 @@ oci() {
 cmd=${1:-help}
 shift || true
 case "$cmd" in
-    setup) setup; setup_wasm_runner; setup_prometheus ;;
+    setup) setup; setup_wasm_runner; setup_prometheus; setup_etcd ;;
     build) build ;;
     lint) setup_rust; lint ;;
     test)

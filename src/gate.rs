@@ -8,6 +8,7 @@ use crate::config::Config;
 use crate::estimate::calibration::Calibration;
 use crate::models::split::Split;
 use crate::pods::scrape::{self, Call, Scraper, Target};
+use crate::replicas::sync::{PodView, Sync};
 use crate::routing::router::Router;
 use crate::stats::{self, Stats};
 use crate::store::interface::{Store, StoreError};
@@ -27,6 +28,8 @@ pub struct Gate {
     /// Public model names' round-robin credits (`models.routes`).
     pub(crate) split: Split,
     scraper: Scraper,
+    /// The replicas' etcd sync, run alongside the scraper by the same elected VM.
+    sync: Sync,
     pub stats: Stats,
 }
 
@@ -40,6 +43,7 @@ impl Gate {
             calibration: Calibration::default(),
             split: Split::default(),
             scraper: Scraper::default(),
+            sync: Sync::default(),
             stats: Stats::default(),
         })
     }
@@ -64,7 +68,47 @@ impl Gate {
         self.scraper.expire(now);
         let pods = self.router.pods().to_vec();
         self.report_pods(store, &pods);
-        self.scraper.due(&self.config, &pods, now)
+        let mut calls = self.scraper.due(&self.config, &pods, now);
+        if self.config.etcd.enabled() {
+            match self.sync.due(store, &self.config) {
+                Ok(sync) => calls.extend(sync),
+                Err(e) => log::debug!("kvgate: replicas sync: {e:?}"),
+            }
+        }
+        calls
+    }
+
+    /// What the replicas' sync needs of each pod, from this replica's records and line.
+    fn pod_views(&self, store: &dyn Store) -> Result<Vec<PodView>, StoreError> {
+        let pods = self.router.pods();
+        let line = crate::admission::line::read(store)?;
+        let queued: u64 = line.tickets.iter().map(|t| t.cost).sum();
+        let head = line
+            .tickets
+            .iter()
+            .min_by(|a, b| crate::admission::line::order(a, b))
+            .map_or(0, |t| t.cost);
+        let block = u64::from(self.router.block_tokens(&self.config.routing));
+        let z = self.config.admission.headroom_sigmas;
+        let mut views = Vec::with_capacity(pods.len());
+        for pod in pods {
+            let rec = crate::pods::record::read(store, pod)?;
+            let in_use = rec.forecast(None, z, block);
+            let block_size = rec.snapshot.map_or(0, |s| s.block_size);
+            views.push(PodView {
+                pod: pod.clone(),
+                budget: crate::admission::budget::budget_tokens(
+                    &self.config,
+                    rec.snapshot.as_ref(),
+                ),
+                in_use,
+                // Waiting requests may go to any pod: each asks for an even part of them.
+                demand: in_use + queued / pods.len().max(1) as u64,
+                unit: head,
+                explained: crate::admission::feedback::explained(&rec, block_size),
+            });
+        }
+        Ok(views)
     }
 
     /// Gauges of the pool, written by the lease holder only so they are not multiplied.
@@ -134,6 +178,9 @@ impl Gate {
                     stats::pod_stat(pod, stats::POD_BUDGET_TOKENS),
                     budget.unwrap_or(0),
                 );
+                if self.config.etcd.enabled() {
+                    self.report_share(store, pod, budget);
+                }
                 let healthy = !rec.is_down();
                 unhealthy += u64::from(!healthy);
                 self.stats
@@ -143,6 +190,26 @@ impl Gate {
         self.stats.gauge(stats::PODS_TOTAL, pods.len() as u64);
         self.stats.gauge(stats::PODS_STALE, stale);
         self.stats.gauge(stats::PODS_UNHEALTHY, unhealthy);
+    }
+
+    /// A pod's grant gauges, with several replicas: what this one may reserve there now and what
+    /// the others hold.
+    fn report_share(&mut self, store: &dyn Store, pod: &str, budget: Option<u64>) {
+        let cap = crate::replicas::share::cap(store, &self.config, pod, budget);
+        self.stats.gauge(
+            stats::pod_stat(pod, stats::POD_GRANT_TOKENS),
+            cap.unwrap_or(0),
+        );
+        if let Ok(Some(share)) = crate::replicas::share::read(store, pod) {
+            self.stats.gauge(
+                stats::pod_stat(pod, stats::POD_REMOTE_TOKENS),
+                share.remote_tokens,
+            );
+            self.stats.gauge(
+                stats::REPLICAS_IN_CONTACT,
+                u64::from(share.in_contact(store.now_ms(), &self.config)),
+            );
+        }
     }
 
     /// This VM's number among the plugin's VMs (unique: it names its wake queue and its requests).
@@ -184,21 +251,37 @@ impl Gate {
     }
 
     pub fn on_call_failed(&mut self, target: &Target) {
-        self.scraper.abandon(target);
+        match target {
+            Target::Etcd => self.sync.abandon(),
+            _ => self.scraper.abandon(target),
+        }
     }
 
+    /// Reads a callout's answer; returns the calls that follow from it (the next step of a
+    /// replicas' sync), for the shell to send at once.
     pub fn on_call_response(
         &mut self,
         store: &dyn Store,
         target: &Target,
         status: Option<u32>,
         body: &[u8],
-    ) {
+    ) -> Vec<Call> {
+        if *target == Target::Etcd {
+            let next = self.pod_views(store).and_then(|views| {
+                self.sync
+                    .on_response(store, &self.config, &mut self.stats, &views, status, body)
+            });
+            return next.unwrap_or_else(|e| {
+                log::warn!("kvgate: replicas sync failed: {e:?}");
+                Vec::new()
+            });
+        }
         if let Err(e) =
             self.scraper
                 .on_response(store, &self.config, &mut self.stats, target, status, body)
         {
             log::warn!("kvgate: recording {target:?} failed: {e:?}");
         }
+        Vec::new()
     }
 }

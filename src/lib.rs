@@ -14,6 +14,7 @@ pub mod hash;
 pub mod models;
 pub mod openai;
 pub mod pods;
+pub mod replicas;
 pub mod routing;
 pub mod stats;
 pub mod status;

@@ -64,6 +64,19 @@ pub const MODELS_LIST_OK: &str = "kvgate.models.list_ok";
 pub const MODELS_LIST_ERRORS: &str = "kvgate.models.list_errors";
 /// Picks that send a request's adapter to a pod where it is not resident (it is loaded there).
 pub const ADAPTER_LOADS: &str = "kvgate.adapter.loads";
+// Replicas sharing budgets through etcd (`replicas::sync`, `gate`).
+/// Syncs whose txn etcd applied.
+pub const REPLICAS_SYNCS: &str = "kvgate.replicas.syncs";
+/// Txns that lost a race for a pod's free credit (read again on the next tick).
+pub const REPLICAS_CONFLICTS: &str = "kvgate.replicas.conflicts";
+/// etcd calls that failed or timed out (the replica keeps admitting, within its fallback).
+pub const REPLICAS_ERRORS: &str = "kvgate.replicas.errors";
+/// Lapsed replicas whose grants this replica reclaimed.
+pub const REPLICAS_RECLAIMED: &str = "kvgate.replicas.reclaimed";
+/// Replicas whose lease etcd holds, as of the last sync.
+pub const REPLICAS_LIVE: &str = "kvgate.replicas.live";
+/// 1 while this replica reaches etcd, 0 while it admits within its fallback.
+pub const REPLICAS_IN_CONTACT: &str = "kvgate.replicas.in_contact";
 
 /// Every fixed name, for the test against docs/operations.md.
 pub const FIXED: &[&str] = &[
@@ -102,6 +115,12 @@ pub const FIXED: &[&str] = &[
     MODELS_LIST_OK,
     MODELS_LIST_ERRORS,
     ADAPTER_LOADS,
+    REPLICAS_SYNCS,
+    REPLICAS_CONFLICTS,
+    REPLICAS_ERRORS,
+    REPLICAS_RECLAIMED,
+    REPLICAS_LIVE,
+    REPLICAS_IN_CONTACT,
 ];
 
 /// The last segment of a per-pod name, `kvgate.pod.<ip_port>.<segment>`.
@@ -119,6 +138,10 @@ pub const POD_BACKOFF_PERCENT: PodStat = PodStat("backoff_percent");
 pub const POD_RELIEF_PERCENT: PodStat = PodStat("relief_percent");
 pub const POD_BUDGET_TOKENS: PodStat = PodStat("budget_tokens");
 pub const POD_HEALTHY: PodStat = PodStat("healthy");
+/// With several replicas: what this one may reserve on the pod now (`replicas::split::admit_cap`).
+pub const POD_GRANT_TOKENS: PodStat = PodStat("grant_tokens");
+/// With several replicas: the KV the other replicas' requests hold on the pod.
+pub const POD_REMOTE_TOKENS: PodStat = PodStat("remote_tokens");
 
 /// Every per-pod name, for the test against docs/operations.md.
 pub const PER_POD: &[PodStat] = &[
@@ -133,6 +156,8 @@ pub const PER_POD: &[PodStat] = &[
     POD_RELIEF_PERCENT,
     POD_BUDGET_TOKENS,
     POD_HEALTHY,
+    POD_GRANT_TOKENS,
+    POD_REMOTE_TOKENS,
 ];
 
 /// A pod's stat: `kvgate.pod.<ip_port>.<stat>`, the address made one segment by [`pod_segment`].

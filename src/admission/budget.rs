@@ -34,7 +34,8 @@ pub fn budget_tokens(cfg: &Config, snapshot: Option<&Snapshot>) -> Option<u64> {
 
 /// A request fits when the pod's forecast with it stays within the budget, or when the pod has
 /// nothing in flight: a request larger than any budget still runs, alone, rather than waiting
-/// forever.
+/// forever. Not with several gateway replicas (`etcd`): this record holds only this replica's
+/// requests, so "alone" says nothing of the others' on the pod.
 pub fn fits(
     rec: &PodRecord,
     request: Load,
@@ -43,7 +44,7 @@ pub fn fits(
     block_tokens: u64,
 ) -> bool {
     budget.is_none_or(|b| {
-        rec.entries.is_empty()
+        (rec.entries.is_empty() && !cfg.etcd.enabled())
             || rec.forecast(Some(request), cfg.admission.headroom_sigmas, block_tokens) <= b
     })
 }

@@ -62,9 +62,23 @@ const MIN_RELIEF_REQUESTS: usize = 8;
 /// Admission holds a pod "at its budget" when its forecast is within this fraction of it.
 const FULL: f64 = 0.9;
 
+/// What kvgate's entries may hold on the pod, as the forecast counts it (`forecast::slack`).
+pub fn explained(rec: &PodRecord, block_size: u32) -> u64 {
+    let block = u64::from(block_size.max(1));
+    rec.held_tokens() + crate::admission::forecast::slack(block) * rec.entries.len() as u64
+}
+
 /// Fills `next`'s `backoff`, `unexplained_tokens` and `relief` from the previous snapshot and
-/// the record's in-flight entries.
-pub fn follow(prev: Option<&Snapshot>, next: &mut Snapshot, rec: &PodRecord, cfg: &Config) {
+/// the record's in-flight entries. `remote_tokens` is what other gateway replicas account for on
+/// the pod (`replicas`): explained too, or every replica would subtract the others' requests as
+/// well.
+pub fn follow(
+    prev: Option<&Snapshot>,
+    next: &mut Snapshot,
+    rec: &PodRecord,
+    cfg: &Config,
+    remote_tokens: u64,
+) {
     let was = prev.map_or(0.0, |p| p.backoff);
     let before = prev.map_or(f64::NAN, |p| p.preemptions);
     // A counter that went backwards is a restarted engine: a new baseline, not a signal.
@@ -84,10 +98,7 @@ pub fn follow(prev: Option<&Snapshot>, next: &mut Snapshot, rec: &PodRecord, cfg
     } else {
         0.0
     };
-    let block = u64::from(next.block_size.max(1));
-    // What kvgate's entries may hold, as the forecast counts it (`forecast::slack`).
-    let explained =
-        rec.held_tokens() + crate::admission::forecast::slack(block) * rec.entries.len() as u64;
+    let explained = explained(rec, next.block_size).saturating_add(remote_tokens);
     next.unexplained_tokens = (used as u64).saturating_sub(explained);
     let lost = prev.map_or(0.0, |p| p.relief_lost);
     next.relief_lost = if preempted {
@@ -155,7 +166,7 @@ mod tests {
     }
 
     fn after(prev: Option<Snapshot>, mut next: Snapshot, rec: &PodRecord) -> Snapshot {
-        follow(prev.as_ref(), &mut next, rec, &Config::default());
+        follow(prev.as_ref(), &mut next, rec, &Config::default(), 0);
         next
     }
 
@@ -278,5 +289,9 @@ mod tests {
             s.unexplained_tokens, 0,
             "no usage reported, nothing to compare"
         );
+        // Another replica's 700 tokens on the pod are accounted for, not subtracted twice.
+        let mut s = scraped(0.0, 0.5);
+        follow(None, &mut s, &rec, &Config::default(), 700);
+        assert_eq!(s.unexplained_tokens, 2048 - 1032 - 700);
     }
 }

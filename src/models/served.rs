@@ -10,7 +10,7 @@
 
 use crate::hash::fnv1a;
 use crate::store::codec::{Reader, Writer};
-use crate::store::interface::{update, Store, StoreError};
+use crate::store::interface::{update_record, Store, StoreError};
 use hashbrown::HashMap;
 use serde::Deserialize;
 
@@ -157,12 +157,13 @@ fn modify(
     pod: &str,
     mut change: impl FnMut(&mut Served),
 ) -> Result<(), StoreError> {
-    update(store, &key(pod), |bytes| {
-        let mut s = bytes.and_then(Served::decode).unwrap_or_default();
-        change(&mut s);
-        Some((s.encode(), ()))
-    })
-    .map(|_| ())
+    update_record(
+        store,
+        &key(pod),
+        Served::decode,
+        Served::encode,
+        &mut change,
+    )
 }
 
 /// Records a freshly fetched model list.

@@ -373,6 +373,8 @@ pub fn write_snapshot(
     grace_ms: u64,
     cfg: &Config,
 ) -> Result<(), StoreError> {
+    // With several gateway replicas, the others' requests on the pod are explained too.
+    let remote = crate::replicas::share::remote_tokens(store, cfg, pod);
     modify(store, pod, |rec| {
         if let Some(prev) = rec.snapshot {
             if snapshot.capacity_tokens == 0 {
@@ -382,7 +384,7 @@ pub fn write_snapshot(
                 snapshot.block_size = prev.block_size;
             }
         }
-        crate::admission::feedback::follow(rec.snapshot.as_ref(), &mut snapshot, rec, cfg);
+        crate::admission::feedback::follow(rec.snapshot.as_ref(), &mut snapshot, rec, cfg, remote);
         let since = snapshot.at_ms.saturating_sub(grace_ms);
         let unscheduled = rec
             .entries

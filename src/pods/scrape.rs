@@ -26,6 +26,8 @@ pub struct Call {
     pub path: String,
     /// Headers besides :method and :path (authority, original-destination host).
     pub headers: Vec<(String, String)>,
+    /// A POST's body; `None` sends a GET.
+    pub body: Option<Vec<u8>>,
     pub timeout_ms: u64,
 }
 
@@ -35,6 +37,8 @@ pub enum Target {
     /// A pod's model list (`models.path`).
     Models(String),
     Discovery,
+    /// etcd's JSON gateway, for the replicas' sync (`replicas::sync`: one call at a time).
+    Etcd,
 }
 
 /// Takes or renews the lease; true when this VM is the scraper until `now + ttl`.
@@ -81,6 +85,7 @@ impl Scraper {
                 cluster: d.admin_cluster.clone(),
                 path: "/clusters?format=json".into(),
                 headers: vec![(":authority".into(), "envoy-admin".into())],
+                body: None,
                 timeout_ms: d.timeout_ms,
             });
         }
@@ -124,6 +129,7 @@ impl Scraper {
                         (":authority".into(), pod.clone()),
                         ("x-envoy-original-dst-host".into(), pod.clone()),
                     ],
+                    body: None,
                     timeout_ms: timeout,
                 });
             }
@@ -228,6 +234,8 @@ impl Scraper {
                     }
                 }
             }
+            // The gate hands etcd's answers to the replicas' sync.
+            Target::Etcd => Ok(()),
         }
     }
 

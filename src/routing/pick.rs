@@ -133,6 +133,35 @@ pub fn rank(
     out
 }
 
+/// Several gateway replicas agreeing, without talking, where a prompt no pod caches goes: among
+/// the ranked pods within `tolerance` of the best cost, the one with the highest rendezvous score
+/// of `(first_block, pod)` (highest random weight, Thaler and Ravishankar, 1998) moves to the
+/// front. Every replica computes the same score, so a new prompt group's first requests meet on
+/// one pod whichever replica they come through, and its later ones find the prefix there; a
+/// pod leaving moves only the groups it held. The tolerance keeps load first: a pod more than
+/// that above the best is never chosen for affinity's sake.
+pub fn rendezvous(
+    ranked: &mut Vec<Scored>,
+    candidates: &[Candidate],
+    first_block: u64,
+    tolerance: f64,
+) {
+    let Some(best) = ranked.first().map(|s| s.cost) else {
+        return;
+    };
+    let score = |s: &Scored| crate::hash::chain(first_block, candidates[s.index].pod.as_bytes());
+    let chosen = ranked
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.cost <= best + tolerance)
+        .max_by_key(|(_, s)| score(s))
+        .map(|(i, _)| i);
+    if let Some(i) = chosen {
+        let s = ranked.remove(i);
+        ranked.insert(0, s);
+    }
+}
+
 /// Draws an index with probability ∝ exp(-normalised cost / temperature).
 fn softmax_draw(sorted: &[Scored], temperature: f64, rng: &mut Rng) -> usize {
     let lo = sorted[0].cost;
@@ -263,6 +292,34 @@ mod tests {
             .map(|seed| c[rank(&c, 10, 10, &w, &mut Rng::new(seed))[0].index].pod)
             .collect();
         assert_eq!(firsts.len(), 2);
+    }
+
+    #[test]
+    fn rendezvous_agrees_on_one_pod_among_those_close_to_the_best() {
+        // Two idle pods and a loaded one, none caching the prompt.
+        let c: Vec<Candidate> = [("a", 0), ("b", 0), ("c", 1_000)]
+            .into_iter()
+            .map(|(name, load)| pod(name, 0, load, 0.0))
+            .collect();
+        let w = RoutingConfig::default();
+        let ranked = |c: &[Candidate]| rank(c, 100, 10, &w, &mut Rng::new(1));
+        // Whatever order the tie-break left them in, every replica moves the same pod first.
+        let mut firsts = std::collections::BTreeSet::new();
+        for seed in 0..20 {
+            let mut r = rank(&c, 100, 10, &w, &mut Rng::new(seed));
+            rendezvous(&mut r, &c, 42, 1.0);
+            firsts.insert(c[r[0].index].pod);
+        }
+        assert_eq!(firsts.len(), 1, "{firsts:?}");
+        assert_ne!(firsts.first(), Some(&"c"), "the loaded pod is never chosen");
+        // Different groups spread over the acceptable pods.
+        let mut pods = std::collections::BTreeSet::new();
+        for group in 0..20 {
+            let mut r = ranked(&c);
+            rendezvous(&mut r, &c, group * 7_919, 1.0);
+            pods.insert(c[r[0].index].pod);
+        }
+        assert_eq!(pods.len(), 2, "{pods:?}");
     }
 
     #[test]

@@ -12,7 +12,7 @@ use crate::pods::pool::{decode_pods, PODS_KEY};
 use crate::pods::record::{self, Entry, PodRecord};
 use crate::routing::active_blocks::ActiveBlocks;
 use crate::routing::adapters::{Adapters, Fit};
-use crate::routing::pick::{rank, Candidate, Rng, Scored, Terms};
+use crate::routing::pick::{rank, rendezvous, Candidate, Rng, Scored, Terms};
 use crate::routing::pick_log::{Event, PickLog, MAX_EVENT_BLOCKS};
 use crate::routing::prefix_index::PrefixIndex;
 use crate::store::codec::Reader;
@@ -348,10 +348,23 @@ impl Router {
         }
         let mut rng = Rng::new(request ^ now.rotate_left(17));
         let own_blocks = prompt_blocks as u64 + output_blocks;
-        let ranked = rank(&candidates, prompt_blocks, own_blocks, r, &mut rng);
+        let mut ranked = rank(&candidates, prompt_blocks, own_blocks, r, &mut rng);
+        if cfg.etcd.enabled() && candidates.iter().all(|c| c.cached_blocks == 0) {
+            // Several replicas: a prompt no pod caches goes where every replica would send it,
+            // among pods within half its prefill of the best (`pick::rendezvous`): about what
+            // the group's next request saves by finding the prefix there.
+            if let Some(&first) = hashes.first() {
+                let tolerance = r.prefill_weight * prompt_blocks as f64 / 2.0;
+                rendezvous(&mut ranked, &candidates, first, tolerance);
+            }
+        }
         let budgets: Vec<Option<u64>> = indices
             .iter()
-            .map(|&i| budget_tokens(cfg, records[i].snapshot.as_ref()))
+            // With several gateway replicas, this one's grant of the budget (`replicas::share`).
+            .map(|&i| {
+                let budget = budget_tokens(cfg, records[i].snapshot.as_ref());
+                crate::replicas::share::cap(store, cfg, &self.pods[i], budget)
+            })
             .collect();
         // A prefix already held by in-flight requests on a pod occupies its KV once: a request
         // holds only what it adds there (kthena PR 928's review objection to per-request token budgets).

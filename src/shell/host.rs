@@ -80,6 +80,16 @@ pub fn response_header(name: &str) -> Option<String> {
     header(MapType::HttpResponseHeaders, name)
 }
 
+/// Envoy's node id (`--service-node`, or `node.id` in its bootstrap; Istio sets it per pod).
+/// Envoy 1.40 names the attribute `xds.node`; a bare `node` is not found.
+pub fn node_id() -> Option<String> {
+    raw::get_property(&["xds", "node", "id"])
+        .ok()
+        .flatten()
+        .and_then(|b| String::from_utf8(b).ok())
+        .filter(|s| !s.is_empty())
+}
+
 /// The upstream host that served the request (`ip:port`), from Envoy's `upstream.address`.
 pub fn upstream_address() -> Option<String> {
     raw::get_property(&["upstream", "address"])
@@ -232,25 +242,27 @@ pub fn set_tick_period(ms: u64) {
     let _ = raw::set_tick_period_milliseconds(u32::try_from(ms).unwrap_or(u32::MAX));
 }
 
-/// Sends a GET to `cluster`; returns the callout token.
+/// Sends a GET, or a POST when `body` is given, to `cluster`; returns the callout token.
 ///
 /// The one call left on the SDK's wrapper: its dispatcher delivers `on_http_call_response` only for
 /// tokens that wrapper registered (`register_callout` is private to the SDK), and panics
 /// "invalid token_id" on any other. The wrapper panics only on a status other than Ok, BadArgument
 /// (unknown cluster, missing `:path`/`:method`/`:authority`) or InternalFailure, which is all
 /// Envoy's `httpCall` returns.
-pub fn dispatch_get(
+pub fn dispatch(
     cluster: &str,
     path: &str,
     headers: &[(String, String)],
+    body: Option<&[u8]>,
     timeout_ms: u64,
 ) -> Option<u32> {
-    let mut all: Vec<(&str, &str)> = vec![(":method", "GET"), (":path", path)];
+    let method = if body.is_some() { "POST" } else { "GET" };
+    let mut all: Vec<(&str, &str)> = vec![(":method", method), (":path", path)];
     all.extend(headers.iter().map(|(k, v)| (k.as_str(), v.as_str())));
     hostcalls::dispatch_http_call(
         cluster,
         all,
-        None,
+        body,
         vec![],
         std::time::Duration::from_millis(timeout_ms),
     )

@@ -8,7 +8,7 @@ use crate::config::Config;
 use crate::drive::{self, Waiting};
 use crate::flow::{Decision, Flow};
 use crate::gate::{Gate, TICK_MS};
-use crate::pods::scrape::Target;
+use crate::pods::scrape::{Call, Target};
 use hashbrown::HashMap;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::ContextType;
@@ -23,6 +23,30 @@ pub struct Root {
 }
 
 impl Root {
+    /// Sends the core's callouts; one that cannot be sent is handed back as failed.
+    fn send(&mut self, gate: &mut Gate, calls: Vec<Call>) {
+        for call in calls {
+            match host::dispatch(
+                &call.cluster,
+                &call.path,
+                &call.headers,
+                call.body.as_deref(),
+                call.timeout_ms,
+            ) {
+                Some(token) => {
+                    self.calls.insert(token, call.target);
+                }
+                None => {
+                    log::warn!(
+                        "kvgate: cannot call cluster `{}` (is it defined?)",
+                        call.cluster
+                    );
+                    gate.on_call_failed(&call.target);
+                }
+            }
+        }
+    }
+
     /// The line moved: `drive::run_line` decides which parked requests to retry; this VM's
     /// streams carry the decisions out.
     fn run_line(&self, gate: &mut Gate) {
@@ -63,7 +87,7 @@ impl Context for Root {
         body_size: usize,
         _trailers: usize,
     ) {
-        let (Some(target), Some(gate)) = (self.calls.remove(&token), &self.gate) else {
+        let (Some(target), Some(gate)) = (self.calls.remove(&token), self.gate.clone()) else {
             return;
         };
         // No headers: the call failed (reset, timeout, a pod dying mid-answer). The host then
@@ -74,20 +98,33 @@ impl Context for Root {
             host::call_response(body_size)
         };
         let mut gate = gate.borrow_mut();
-        gate.on_call_response(&HostStore, &target, status, &body);
+        let next = gate.on_call_response(&HostStore, &target, status, &body);
+        self.send(&mut gate, next);
         host::flush_stats(&mut gate.stats);
     }
 }
 
 impl RootContext for Root {
     fn on_configure(&mut self, _size: usize) -> bool {
-        let config = match Config::parse(&host::plugin_configuration()) {
+        let mut config = match Config::parse(&host::plugin_configuration()) {
             Ok(config) => config,
             Err(e) => {
                 log::error!("{e}");
                 return false;
             }
         };
+        if config.etcd.enabled() && config.etcd.replica_id.is_empty() {
+            // Keys are split on `/`: a node id's own slashes become `_`.
+            match host::node_id() {
+                Some(id) => config.etcd.replica_id = id.replace('/', "_"),
+                None => {
+                    log::error!(
+                        "invalid kvgate config: etcd.replicaId: empty, and Envoy has no node id to take"
+                    );
+                    return false;
+                }
+            }
+        }
         match Gate::new(config, &HostStore) {
             Ok(gate) => {
                 log::info!("kvgate: configured as vm {}", gate.vm());
@@ -107,20 +144,8 @@ impl RootContext for Root {
             return;
         };
         let mut gate = gate.borrow_mut();
-        for call in gate.on_tick(&HostStore) {
-            match host::dispatch_get(&call.cluster, &call.path, &call.headers, call.timeout_ms) {
-                Some(token) => {
-                    self.calls.insert(token, call.target);
-                }
-                None => {
-                    log::warn!(
-                        "kvgate: cannot call cluster `{}` (is it defined?)",
-                        call.cluster
-                    );
-                    gate.on_call_failed(&call.target);
-                }
-            }
-        }
+        let calls = gate.on_tick(&HostStore);
+        self.send(&mut gate, calls);
         self.run_line(&mut gate);
     }
 

@@ -67,3 +67,20 @@ pub fn update<T>(
     }
     Err(StoreError::CasMismatch)
 }
+
+/// `update` for a record kept with its own codec: decodes the current value (a default one when
+/// the key is missing or unreadable), applies `change` and writes it back, retrying lost races.
+pub fn update_record<T: Default>(
+    store: &dyn Store,
+    key: &str,
+    decode: impl Fn(&[u8]) -> Option<T>,
+    encode: impl Fn(&T) -> Vec<u8>,
+    mut change: impl FnMut(&mut T),
+) -> Result<(), StoreError> {
+    update(store, key, |bytes| {
+        let mut value = bytes.and_then(&decode).unwrap_or_default();
+        change(&mut value);
+        Some((encode(&value), ()))
+    })
+    .map(|_| ())
+}

@@ -435,6 +435,35 @@ def test_envoyfilters_make_a_valid_envoy_config(support, routing, tmp_path):
         assert names.index("kvgate.destination-to-metadata") == names.index(FILTER_NAME) + 1
 
 
+def self_signed(tmp_path):
+    """A throwaway CA-less certificate and key standing in for the mounted etcd client files."""
+    crt, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=kvgate",
+                    "-keyout", str(key), "-out", str(crt)], check=True, capture_output=True)
+    return {"/etc/kvgate-etcd/tls.crt": crt, "/etc/kvgate-etcd/tls.key": key, "/etc/kvgate-etcd/ca.crt": crt}
+
+
+@pytest.mark.parametrize("name", ["etcd-cluster.yaml", "etcd-cluster-tls.yaml"])
+def test_etcd_clusters_make_a_valid_envoy_config_with_sharing_on(name, tmp_path):
+    """The etcd cluster patch next to the rest, and kvgate configured to share budgets through it
+    (its on_configure runs on Envoy's node id, as Istio sets it)."""
+    cfg, ecds = kvgate_via_envoyfilter()
+    apply_envoy_filters(cfg, [one(name)], ecds)
+    resolved = resolve_ecds(cfg, ecds)
+    kv = next(f for f in next(_hcm_filters(resolved)) if f["name"] == FILTER_NAME)["typed_config"]["config"]
+    plugin = json.loads(kv["configuration"]["value"])
+    plugin["etcd"].update(cluster="kvgate_etcd", maxReplicas=5)
+    kv["configuration"]["value"] = json.dumps(plugin)
+    text = json.dumps(resolved)
+    for path, local in self_signed(tmp_path).items():
+        text = text.replace(path, str(local))
+    out = envoy_validate(json.loads(text), tmp_path, name)
+    assert "invalid kvgate config" not in out
+    etcd = next(c for c in json.loads(text)["static_resources"]["clusters"] if c["name"] == "kvgate_etcd")
+    assert "http2_protocol_options" not in etcd and "typed_extension_protocol_options" not in etcd, \
+        "etcd's JSON gateway needs HTTP/1.1"
+
+
 @pytest.mark.parametrize("name", ["wasmplugin.yaml", "wasmplugin-file.yaml"])
 def test_wasmplugins_make_a_valid_envoy_config(name, tmp_path):
     wp = one(name)

@@ -1,0 +1,104 @@
+//! This replica's share of one pod, as its workers see it (`kvgate.share.<ip:port>`): the grant it
+//! holds in etcd, the sum of all grants there when it last synced, when it last reached etcd and
+//! what the other replicas account for on the pod. Written by the syncing worker (`sync`), read on
+//! every admission (`cap`) and by the scrape's feedback (`remote_tokens`). A copy of etcd, derived:
+//! lost, the pod admits nothing until the next sync writes it again, which errs on the safe side.
+
+use crate::config::Config;
+use crate::replicas::split::admit_cap;
+use crate::store::codec::{Reader, Writer};
+use crate::store::interface::{update_record, Store, StoreError};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Share {
+    /// Tokens of the pod's budget this replica may reserve.
+    pub grant: u64,
+    /// The sum of every replica's grant at the last sync, this one's included.
+    pub granted: u64,
+    /// When this replica last read etcd (its clock).
+    pub contact_ms: u64,
+    /// KV tokens the other replicas' in-flight requests hold on the pod, as they published them.
+    pub remote_tokens: u64,
+}
+
+pub fn key(pod: &str) -> String {
+    format!("kvgate.share.{pod}")
+}
+
+impl Share {
+    fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::new();
+        w.u64(self.grant)
+            .u64(self.granted)
+            .u64(self.contact_ms)
+            .u64(self.remote_tokens);
+        w.0
+    }
+
+    fn decode(bytes: &[u8]) -> Option<Share> {
+        let mut r = Reader(bytes);
+        Some(Share {
+            grant: r.u64()?,
+            granted: r.u64()?,
+            contact_ms: r.u64()?,
+            remote_tokens: r.u64()?,
+        })
+    }
+
+    /// Reached etcd recently enough that its grant still stands as synced: within two syncs and
+    /// a timeout.
+    pub fn in_contact(&self, now: u64, cfg: &Config) -> bool {
+        let e = &cfg.etcd;
+        now.saturating_sub(self.contact_ms)
+            <= e.sync_interval_ms
+                .saturating_mul(2)
+                .saturating_add(e.timeout_ms)
+    }
+}
+
+/// The pod's share; `None` before the first sync wrote it.
+pub fn read(store: &dyn Store, pod: &str) -> Result<Option<Share>, StoreError> {
+    Ok(store.get(&key(pod))?.value.and_then(|b| Share::decode(&b)))
+}
+
+/// Applies `change` to the pod's share (a default one when none is written yet).
+pub fn modify(
+    store: &dyn Store,
+    pod: &str,
+    mut change: impl FnMut(&mut Share),
+) -> Result<(), StoreError> {
+    update_record(store, &key(pod), Share::decode, Share::encode, &mut change)
+}
+
+/// The hook admission reads a pod's budget through: with etcd off, the pod's budget itself; with
+/// it on, what this replica's grant lets it reserve there now (`split::admit_cap`), nothing
+/// before its first sync. An unlimited pod (`None`) stays unlimited.
+pub fn cap(store: &dyn Store, cfg: &Config, pod: &str, budget: Option<u64>) -> Option<u64> {
+    let b = budget?;
+    if !cfg.etcd.enabled() {
+        return Some(b);
+    }
+    let now = store.now_ms();
+    let Some(share) = read(store, pod).ok().flatten() else {
+        return Some(0);
+    };
+    Some(admit_cap(
+        share.grant,
+        share.granted,
+        b,
+        share.in_contact(now, cfg),
+        cfg.etcd.max_replicas,
+    ))
+}
+
+/// What the other replicas account for on the pod, for the scrape's unexplained-KV feedback: 0
+/// with etcd off.
+pub fn remote_tokens(store: &dyn Store, cfg: &Config, pod: &str) -> u64 {
+    if !cfg.etcd.enabled() {
+        return 0;
+    }
+    read(store, pod)
+        .ok()
+        .flatten()
+        .map_or(0, |s| s.remote_tokens)
+}

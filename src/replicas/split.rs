@@ -1,0 +1,238 @@
+//! The grant arithmetic for one pod, pure: how the pod's budget is split between replicas, how far
+//! this replica's grant may move in one sync, and what it may admit against between syncs.
+//!
+//! The invariant every function here keeps: the grants in etcd sum to at most the pod's budget.
+//! A grant only grows out of credit no one holds (`budget − Σ grants`, grants of replicas whose
+//! lease lapsed less than the grace ago included), and only through a txn that compares the pod's
+//! guard revision, so two replicas never hand out the same credit; it shrinks freely, never below
+//! what the replica already has reserved there, so credit another replica takes is really free.
+//! Admission stays local: each replica keeps its own reservations within its grant, and the sum of
+//! reservations within the budget follows.
+
+/// One replica's line for a pod, as read from etcd.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Holder {
+    pub grant: u64,
+    /// What its requests there hold now (their forecast): its share never falls below it.
+    pub in_use: u64,
+    /// What it asks for: `in_use` plus its share of its waiting line.
+    pub demand: u64,
+    /// The size of the next request it would admit (the head of its line; 0 when none waits):
+    /// credit is handed out in these steps.
+    pub unit: u64,
+    /// Its lease lapsed: it keeps its grant (it may still be admitting, cut off from etcd) until
+    /// the grace ends, and asks for nothing more.
+    pub lapsed: bool,
+}
+
+/// How many steps of water-filling one split takes at most; each hands out at least a token, and
+/// units are whole requests, so real splits take a few dozen.
+const MAX_STEPS: usize = 100_000;
+
+/// The max-min fair split of `budget` between holders, in whole requests: each keeps what its
+/// requests hold, then the credit left goes one request (`unit`) at a time to whoever has the
+/// least so far and still asks for more, while that request fits (ties to the first listed; every
+/// replica lists them in etcd's key order, so all compute the same split). Credit nobody can use
+/// is split evenly on top, so a replica has room for its next small request before it can ask.
+///
+/// Why whole requests: an even split of a small pod leaves every replica a fraction of a request
+/// it cannot use. Two pods of 4 096 tokens split three ways give each replica ~1 300 tokens of
+/// a pod, one 700-token request and 600 idle: three requests per pod where one Envoy runs five.
+/// Handing out whole requests gives the same five, spread as evenly as whole requests allow.
+pub fn fair_split(budget: u64, holders: &[Holder]) -> Vec<u64> {
+    let n = holders.len() as u64;
+    if n == 0 {
+        return Vec::new();
+    }
+    let mut share: Vec<u64> = holders.iter().map(|h| h.in_use).collect();
+    let mut left = budget.saturating_sub(share.iter().sum());
+    // A holder that names no request size asks in small steps, so such holders still share
+    // evenly (to a 1/1024 of the budget).
+    let quantum = (budget / 1_024).max(1);
+    for _ in 0..MAX_STEPS {
+        let step = |i: usize| {
+            let h = &holders[i];
+            let unit = if h.unit == 0 { quantum } else { h.unit };
+            unit.min(h.demand.saturating_sub(share[i]))
+        };
+        let next = (0..holders.len())
+            .filter(|&i| step(i) > 0 && step(i) <= left)
+            .min_by_key(|&i| share[i]);
+        let Some(i) = next else {
+            break;
+        };
+        let s = step(i);
+        share[i] += s;
+        left -= s;
+    }
+    let spare = left / n;
+    share.iter().map(|s| s + spare).collect()
+}
+
+/// This replica's next grant on a pod: towards its fair target, shrinking freely (never below
+/// `in_use`, what it has reserved now), growing only by the credit no one holds. `me` indexes
+/// `holders` (its own line carries its fresh `in_use`); lapsed holders keep their grants and take
+/// no part in the split.
+pub fn next_grant(budget: u64, holders: &[Holder], me: usize) -> u64 {
+    let Some(mine) = holders.get(me) else {
+        return 0;
+    };
+    let held_by_lapsed: u64 = holders.iter().filter(|h| h.lapsed).map(|h| h.grant).sum();
+    let live: Vec<usize> = (0..holders.len())
+        .filter(|&i| i == me || !holders[i].lapsed)
+        .collect();
+    let split = fair_split(
+        budget.saturating_sub(held_by_lapsed),
+        &live.iter().map(|&i| holders[i]).collect::<Vec<_>>(),
+    );
+    let target = live
+        .iter()
+        .position(|&i| i == me)
+        .and_then(|k| split.get(k).copied())
+        .unwrap_or(0);
+    if target <= mine.grant {
+        return target.max(mine.in_use.min(mine.grant));
+    }
+    let granted: u64 = holders.iter().map(|h| h.grant).sum();
+    let free = budget.saturating_sub(granted);
+    mine.grant + (target - mine.grant).min(free)
+}
+
+/// What this replica admits against on a pod between syncs, given the pod's budget as it was
+/// just corrected by the engine's numbers (`budget_now`).
+///
+/// In contact with etcd: the grant, scaled down by `budget_now / granted` when the budget fell
+/// below the grants' sum since the last sync (traffic kvgate did not send, preemptions). Every
+/// replica scales by the same ratio from the same scrape figures, so the shrink takes effect
+/// within one scrape, without waiting for etcd. Out of contact: at most the budget divided by the
+/// configured maximum of replicas, so replicas that all lost etcd still sum to the budget, and
+/// never more than the last grant, which the others still count.
+pub fn admit_cap(
+    grant: u64,
+    granted: u64,
+    budget_now: u64,
+    in_contact: bool,
+    max_replicas: u32,
+) -> u64 {
+    let scaled = if granted > budget_now {
+        (u128::from(grant) * u128::from(budget_now) / u128::from(granted)) as u64
+    } else {
+        grant
+    }
+    .min(budget_now);
+    if in_contact {
+        scaled
+    } else {
+        scaled.min(budget_now / u64::from(max_replicas.max(1)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    use super::*;
+
+    fn live(grant: u64, in_use: u64, demand: u64, unit: u64) -> Holder {
+        Holder {
+            grant,
+            in_use,
+            demand,
+            unit,
+            lapsed: false,
+        }
+    }
+
+    fn asking(demands: &[u64], unit: u64) -> Vec<Holder> {
+        demands.iter().map(|&d| live(0, 0, d, unit)).collect()
+    }
+
+    #[test]
+    fn the_split_is_max_min_fair_and_spends_the_budget_exactly() {
+        assert_eq!(
+            fair_split(900, &asking(&[100, 100, 100], 0)),
+            [300, 300, 300]
+        );
+        assert_eq!(fair_split(900, &asking(&[0, 600, 0], 0)), [100, 700, 100]);
+        assert_eq!(
+            fair_split(900, &asking(&[100, 2_000, 2_000], 10)),
+            [100, 400, 400]
+        );
+        assert_eq!(
+            fair_split(900, &asking(&[5_000, 5_000, 5_000], 1)),
+            [300, 300, 300]
+        );
+        assert!(fair_split(900, &[]).is_empty());
+        for demands in [[1u64, 2, 3], [900, 1, 1], [400, 400, 400], [0, 0, 0]] {
+            let s: u64 = fair_split(900, &asking(&demands, 7)).iter().sum();
+            assert!(s <= 900, "{demands:?}: {s}");
+        }
+    }
+
+    #[test]
+    fn credit_goes_out_in_whole_requests() {
+        // A pod of 3 891 tokens, three replicas each holding one 700-token request and asking
+        // for more: an even split (1 297 each) fits no second request anywhere; whole requests
+        // give two of them a second one, and the 391 left over evenly on top.
+        let busy = [live(0, 700, 5_000, 700); 3];
+        assert_eq!(fair_split(3_891, &busy), [1_530, 1_530, 830]);
+        // What each holds is kept even past its fair share.
+        let held = [live(0, 2_000, 2_000, 700), live(0, 0, 5_000, 700)];
+        assert_eq!(fair_split(3_000, &held), [2_000 + 150, 700 + 150]);
+    }
+
+    #[test]
+    fn a_grant_grows_only_from_free_credit_and_never_shrinks_below_what_is_reserved() {
+        // Replica 0 holds everything and uses 700 of it; replica 1 asks for 800.
+        let holders = [live(1_000, 700, 700, 0), live(0, 0, 800, 0)];
+        // The split keeps 0's 700 and gives 1 the 300 left: 0 gives back the rest.
+        assert_eq!(next_grant(1_000, &holders, 0), 700);
+        assert_eq!(next_grant(1_000, &holders, 1), 0, "no free credit yet");
+        let after = [live(700, 700, 700, 0), live(0, 0, 800, 0)];
+        assert_eq!(next_grant(1_000, &after, 1), 300, "the freed credit");
+        // Requests end on 0: its grant falls to what it holds, and 1 grows into the rest.
+        let later = [live(700, 200, 200, 0), live(300, 300, 800, 0)];
+        assert_eq!(next_grant(1_000, &later, 0), 200);
+        let freed = [live(200, 200, 200, 0), live(300, 300, 800, 0)];
+        assert_eq!(next_grant(1_000, &freed, 1), 800);
+    }
+
+    #[test]
+    fn a_lapsed_holder_keeps_its_grant_out_of_the_split() {
+        let holders = [
+            live(200, 0, 1_000, 0),
+            Holder {
+                grant: 500,
+                demand: 9_999,
+                lapsed: true,
+                ..Holder::default()
+            },
+            live(300, 0, 1_000, 0),
+        ];
+        // 1 000 less the lapsed 500 is split between the two live replicas, 250 each: 2 gives
+        // back 50, which 0 cannot take before it is free.
+        assert_eq!(next_grant(1_000, &holders, 2), 250);
+        assert_eq!(next_grant(1_000, &holders, 0), 200);
+        // Once it is gone (reclaimed), its credit is free.
+        let reclaimed = [live(250, 0, 1_000, 0), live(250, 0, 1_000, 0)];
+        assert_eq!(next_grant(1_000, &reclaimed, 0), 500);
+    }
+
+    #[test]
+    fn the_budget_falling_shrinks_every_cap_at_once_and_out_of_contact_caps_by_the_maximum() {
+        assert_eq!(admit_cap(400, 1_000, 1_200, true, 3), 400);
+        assert_eq!(
+            admit_cap(400, 1_000, 500, true, 3),
+            200,
+            "half the budget, half the grant"
+        );
+        assert_eq!(admit_cap(400, 1_000, 1_000, false, 4), 250);
+        assert_eq!(
+            admit_cap(100, 1_000, 1_000, false, 4),
+            100,
+            "never above the last grant"
+        );
+        assert_eq!(admit_cap(400, 0, 0, true, 0), 0);
+    }
+}

@@ -1,0 +1,410 @@
+//! The one sync a replica runs against etcd, on the tick of its elected worker (the scrape lease
+//! holder, `pods::scrape::hold_lease`): keep the replica's lease alive, read every key under the
+//! prefix in one range, work out each pod's next grant (`split`), write them in at most one txn,
+//! and copy the outcome into the pods' shares (`share`) that admission reads. Requests never wait
+//! for any of it.
+//!
+//! Keys under `etcd.keyPrefix` (the source of truth for every replica's grants):
+//! - `<prefix>/alive/<replica>`: under the replica's lease; gone when the lease lapses.
+//! - `<prefix>/pod/<ip:port>/grant/<replica>`: its grant, demand and the KV its requests hold there
+//!   (JSON), with no lease, so a lapsed replica's grant outlives its lease: it may still be
+//!   admitting, cut off from etcd. Another replica deletes it once it has seen the lease gone for
+//!   `reclaimGraceMs` (its own clock), in a txn that checks the replica did not come back.
+//! - `<prefix>/pod/<ip:port>/guard`: written by every txn that grows a grant on the pod, and
+//!   compared by the next: two replicas cannot hand out the same free credit.
+//!
+//! The lease id and when it was last renewed live in shared data (`kvgate.replicas`), so a worker
+//! taking the election over carries on with the same lease.
+
+use crate::config::Config;
+use crate::pods::scrape::{Call, Target};
+use crate::replicas::gateway::{self, Compare, Kv, Op};
+use crate::replicas::share;
+use crate::replicas::split::{next_grant, Holder};
+use crate::stats::{self, Stats};
+use crate::store::codec::{Reader, Writer};
+use crate::store::interface::{Store, StoreError};
+use hashbrown::HashMap;
+use serde::{Deserialize, Serialize};
+
+const LEASE_KEY: &str = "kvgate.replicas";
+
+/// What the sync needs to know of a pod, from this replica's records.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodView {
+    pub pod: String,
+    /// The pod's budget as this replica's scrapes correct it (`admission::budget`); pods without
+    /// one (unlimited, admission off) take no part.
+    pub budget: Option<u64>,
+    /// The forecast of this replica's reservations there: what its grant must cover.
+    pub in_use: u64,
+    /// What it asks for: `in_use` and its share of the requests waiting in its line.
+    pub demand: u64,
+    /// The size of the next request it would admit (the head of its line), 0 when none waits.
+    pub unit: u64,
+    /// The KV its requests hold there (`admission::feedback::explained`), for the other
+    /// replicas' unexplained-KV feedback.
+    pub explained: u64,
+}
+
+/// A grant's value in etcd.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+struct Published {
+    grant: u64,
+    #[serde(default)]
+    in_use: u64,
+    demand: u64,
+    #[serde(default)]
+    unit: u64,
+    explained: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Step {
+    Grant,
+    KeepAlive,
+    Range,
+    Txn,
+}
+
+/// A pod's outcome, applied to its share when the txn succeeds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Planned {
+    pod: String,
+    grant: u64,
+    granted: u64,
+}
+
+#[derive(Default)]
+pub struct Sync {
+    /// The call outstanding and its deadline: one at a time.
+    waiting: Option<(Step, u64)>,
+    next_ms: u64,
+    /// Replicas seen without their alive key, and since when (this VM's clock).
+    lapsed_since: HashMap<String, u64>,
+    planned: Vec<Planned>,
+    reclaiming: u64,
+}
+
+/// The lease as shared between this replica's workers: its id and when it was last renewed.
+fn read_lease(store: &dyn Store) -> Result<Option<(i64, u64)>, StoreError> {
+    Ok(store.get(LEASE_KEY)?.value.and_then(|b| {
+        let mut r = Reader(&b);
+        Some((r.u64()? as i64, r.u64()?))
+    }))
+}
+
+fn write_lease(store: &dyn Store, lease: Option<(i64, u64)>) -> Result<(), StoreError> {
+    let (id, at) = lease.unwrap_or((0, 0));
+    let mut w = Writer::new();
+    w.u64(id as u64).u64(at);
+    store.set(LEASE_KEY, &w.0, None)
+}
+
+fn call(cfg: &Config, path: &str, body: Vec<u8>) -> Call {
+    Call {
+        target: Target::Etcd,
+        cluster: cfg.etcd.cluster.clone(),
+        path: path.into(),
+        headers: vec![
+            (":authority".into(), cfg.etcd.cluster.clone()),
+            ("content-type".into(), "application/json".into()),
+        ],
+        body: Some(body),
+        timeout_ms: cfg.etcd.timeout_ms,
+    }
+}
+
+impl Sync {
+    /// The call due on this tick, if any: a lease grant, a renewal, or the range read that starts
+    /// a sync.
+    pub fn due(&mut self, store: &dyn Store, cfg: &Config) -> Result<Vec<Call>, StoreError> {
+        let now = store.now_ms();
+        if let Some((_, deadline)) = self.waiting {
+            // Envoy answers every callout by its timeout; this only guards a lost answer.
+            if now < deadline.saturating_add(1_000) {
+                return Ok(Vec::new());
+            }
+            self.waiting = None;
+        }
+        if now < self.next_ms {
+            return Ok(Vec::new());
+        }
+        self.next_ms = now.saturating_add(cfg.etcd.sync_interval_ms);
+        let lease = read_lease(store)?.filter(|&(id, _)| id != 0);
+        let renew_every = u64::from(cfg.etcd.lease_ttl_seconds) * 1_000 / 3;
+        let (step, path, body) = match lease {
+            None => (
+                Step::Grant,
+                gateway::LEASE_GRANT,
+                gateway::lease_grant(cfg.etcd.lease_ttl_seconds),
+            ),
+            Some((id, at)) if now.saturating_sub(at) >= renew_every => (
+                Step::KeepAlive,
+                gateway::LEASE_KEEPALIVE,
+                gateway::lease_keepalive(id),
+            ),
+            Some(_) => (
+                Step::Range,
+                gateway::RANGE,
+                gateway::range_prefix(&format!("{}/", cfg.etcd.key_prefix)),
+            ),
+        };
+        Ok(vec![self.send(cfg, now, step, path, body)])
+    }
+
+    fn send(&mut self, cfg: &Config, now: u64, step: Step, path: &str, body: Vec<u8>) -> Call {
+        self.waiting = Some((step, now.saturating_add(cfg.etcd.timeout_ms)));
+        call(cfg, path, body)
+    }
+
+    fn range(&mut self, cfg: &Config, now: u64) -> Vec<Call> {
+        let body = gateway::range_prefix(&format!("{}/", cfg.etcd.key_prefix));
+        vec![self.send(cfg, now, Step::Range, gateway::RANGE, body)]
+    }
+
+    /// The call could not be sent (no such cluster): try again on the next sync.
+    pub fn abandon(&mut self) {
+        self.waiting = None;
+    }
+
+    /// Reads an answer (`status` None: no response) and returns the next call of the same sync.
+    pub fn on_response(
+        &mut self,
+        store: &dyn Store,
+        cfg: &Config,
+        stats: &mut Stats,
+        pods: &[PodView],
+        status: Option<u32>,
+        body: &[u8],
+    ) -> Result<Vec<Call>, StoreError> {
+        let Some((step, _)) = self.waiting.take() else {
+            return Ok(Vec::new());
+        };
+        let now = store.now_ms();
+        let ok = status == Some(200);
+        match step {
+            Step::Grant => match gateway::parse_lease_grant(body).filter(|_| ok) {
+                Some(id) => {
+                    write_lease(store, Some((id, now)))?;
+                    Ok(self.range(cfg, now))
+                }
+                None => Ok(self.failed(stats, body)),
+            },
+            Step::KeepAlive => match gateway::parse_keepalive(body).filter(|_| ok) {
+                Some(true) => {
+                    let id = read_lease(store)?.map_or(0, |(id, _)| id);
+                    write_lease(store, Some((id, now)))?;
+                    Ok(self.range(cfg, now))
+                }
+                Some(false) => {
+                    // The lease lapsed (etcd was out of reach too long, or lost it): a new one,
+                    // now. Grants are not leased, so they stand meanwhile.
+                    write_lease(store, None)?;
+                    let body = gateway::lease_grant(cfg.etcd.lease_ttl_seconds);
+                    Ok(vec![self.send(
+                        cfg,
+                        now,
+                        Step::Grant,
+                        gateway::LEASE_GRANT,
+                        body,
+                    )])
+                }
+                None => Ok(self.failed(stats, body)),
+            },
+            Step::Range => match gateway::parse_range(body).filter(|_| ok) {
+                Some(kvs) => {
+                    let Some((lease, _)) = read_lease(store)? else {
+                        return Ok(Vec::new());
+                    };
+                    let (compares, ops) = self.plan(store, cfg, stats, pods, &kvs, lease, now)?;
+                    let body = gateway::txn(&compares, &ops);
+                    Ok(vec![self.send(cfg, now, Step::Txn, gateway::TXN, body)])
+                }
+                None => Ok(self.failed(stats, body)),
+            },
+            Step::Txn => match gateway::parse_txn(body).filter(|_| ok) {
+                Some(true) => {
+                    for p in &self.planned {
+                        share::modify(store, &p.pod, |s| {
+                            s.grant = p.grant;
+                            s.granted = p.granted;
+                        })?;
+                    }
+                    stats.count(stats::REPLICAS_SYNCS, 1);
+                    stats.count(stats::REPLICAS_RECLAIMED, self.reclaiming);
+                    Ok(Vec::new())
+                }
+                Some(false) => {
+                    // Another replica grew a grant on a pod since the read: read again on the
+                    // next tick rather than wait a whole interval.
+                    stats.count(stats::REPLICAS_CONFLICTS, 1);
+                    self.next_ms = now;
+                    Ok(Vec::new())
+                }
+                None => {
+                    // Unknown outcome, or a lease etcd no longer has: renew before the next sync.
+                    if let Some((id, _)) = read_lease(store)? {
+                        write_lease(store, Some((id, 0)))?;
+                    }
+                    Ok(self.failed(stats, body))
+                }
+            },
+        }
+    }
+
+    fn failed(&mut self, stats: &mut Stats, body: &[u8]) -> Vec<Call> {
+        stats.count(stats::REPLICAS_ERRORS, 1);
+        log::debug!(
+            "kvgate: etcd answered {}",
+            String::from_utf8_lossy(&body[..body.len().min(200)])
+        );
+        Vec::new()
+    }
+
+    /// Works out every pod's next grant from the range read; shrinks take effect in the shares at
+    /// once (before etcd hears of them, so credit another replica takes is never still in use
+    /// here), growths once the txn succeeds. Returns the txn.
+    #[allow(clippy::too_many_arguments)]
+    fn plan(
+        &mut self,
+        store: &dyn Store,
+        cfg: &Config,
+        stats: &mut Stats,
+        pods: &[PodView],
+        kvs: &[Kv],
+        lease: i64,
+        now: u64,
+    ) -> Result<(Vec<Compare>, Vec<Op>), StoreError> {
+        let prefix = &cfg.etcd.key_prefix;
+        let me = cfg.etcd.replica_id.as_str();
+        let alive_prefix = format!("{prefix}/alive/");
+        let pod_prefix = format!("{prefix}/pod/");
+        let mut alive: Vec<&str> = Vec::new();
+        let mut guards: HashMap<&str, i64> = HashMap::new();
+        // Pod → (replica, its grant, the grant key's revision).
+        let mut grants: HashMap<&str, Vec<(&str, Published, i64)>> = HashMap::new();
+        for kv in kvs {
+            if let Some(replica) = kv.key.strip_prefix(&alive_prefix) {
+                alive.push(replica);
+            } else if let Some(rest) = kv.key.strip_prefix(&pod_prefix) {
+                if let Some(pod) = rest.strip_suffix("/guard") {
+                    guards.insert(pod, kv.mod_revision);
+                } else if let Some((pod, replica)) = rest.split_once("/grant/") {
+                    let value = serde_json::from_slice(&kv.value).unwrap_or_default();
+                    grants
+                        .entry(pod)
+                        .or_default()
+                        .push((replica, value, kv.mod_revision));
+                }
+            }
+        }
+        stats.gauge(stats::REPLICAS_LIVE, alive.len() as u64);
+        // Lapsed replicas: when first seen so, and whether their grace is over.
+        let holders_seen: Vec<&str> = grants
+            .values()
+            .flatten()
+            .map(|(r, _, _)| *r)
+            .filter(|r| *r != me && !alive.contains(r))
+            .collect();
+        self.lapsed_since
+            .retain(|r, _| holders_seen.contains(&r.as_str()));
+        for r in &holders_seen {
+            self.lapsed_since.entry(r.to_string()).or_insert(now);
+        }
+        let reclaimable = |r: &str| {
+            self.lapsed_since
+                .get(r)
+                .is_some_and(|&since| now.saturating_sub(since) >= cfg.etcd.reclaim_grace_ms)
+        };
+        let (mut compares, mut ops) = (Vec::new(), Vec::new());
+        let mut reclaimed_replicas: Vec<&str> = Vec::new();
+        self.planned.clear();
+        for view in pods {
+            let Some(budget) = view.budget else {
+                continue;
+            };
+            let mut holders: Vec<Holder> = Vec::new();
+            let mut remote = 0;
+            let mut mine = None;
+            for (replica, value, revision) in grants.get(view.pod.as_str()).into_iter().flatten() {
+                let grant_key = format!("{pod_prefix}{}/grant/{replica}", view.pod);
+                if *replica == me {
+                    mine = Some(holders.len());
+                } else if reclaimable(replica) {
+                    compares.push(Compare::ModRevision(grant_key.clone(), *revision));
+                    compares.push(Compare::ModRevision(format!("{alive_prefix}{replica}"), 0));
+                    ops.push(Op::Delete(grant_key));
+                    if !reclaimed_replicas.contains(replica) {
+                        reclaimed_replicas.push(replica);
+                    }
+                    continue;
+                } else {
+                    remote += value.explained;
+                }
+                holders.push(Holder {
+                    grant: value.grant,
+                    in_use: value.in_use,
+                    demand: value.demand,
+                    unit: value.unit,
+                    lapsed: *replica != me && !alive.contains(replica),
+                });
+            }
+            // Its own line from its records, fresher than what it last published.
+            let me_at = match mine {
+                Some(i) => i,
+                None => {
+                    holders.push(Holder::default());
+                    holders.len() - 1
+                }
+            };
+            holders[me_at].in_use = view.in_use;
+            holders[me_at].demand = view.demand;
+            holders[me_at].unit = view.unit;
+            let before = holders[me_at].grant;
+            let grant = next_grant(budget, &holders, me_at);
+            let granted_before: u64 = holders.iter().map(|h| h.grant).sum();
+            let granted = granted_before - before + grant;
+            if grant > before {
+                let guard = format!("{pod_prefix}{}/guard", view.pod);
+                let revision = guards.get(view.pod.as_str()).copied().unwrap_or(0);
+                compares.push(Compare::ModRevision(guard.clone(), revision));
+                ops.push(Op::Put {
+                    key: guard,
+                    value: me.as_bytes().to_vec(),
+                    lease: None,
+                });
+            }
+            let published = Published {
+                grant,
+                in_use: view.in_use,
+                demand: view.demand,
+                unit: view.unit,
+                explained: view.explained,
+            };
+            ops.push(Op::Put {
+                key: format!("{pod_prefix}{}/grant/{me}", view.pod),
+                value: serde_json::to_vec(&published).unwrap_or_default(),
+                lease: None,
+            });
+            share::modify(store, &view.pod, |s| {
+                s.grant = s.grant.min(grant).min(before);
+                s.granted = granted_before;
+                s.contact_ms = now;
+                s.remote_tokens = remote;
+            })?;
+            self.planned.push(Planned {
+                pod: view.pod.clone(),
+                grant,
+                granted,
+            });
+        }
+        self.reclaiming = reclaimed_replicas.len() as u64;
+        ops.push(Op::Put {
+            key: format!("{alive_prefix}{me}"),
+            value: Vec::new(),
+            lease: Some(lease),
+        });
+        Ok((compares, ops))
+    }
+}

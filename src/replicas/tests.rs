@@ -1,0 +1,377 @@
+//! Several replicas' syncs against one in-memory etcd that keeps the JSON gateway's semantics
+//! (leases that lapse on the clock and take their keys along, compare-and-swap on mod revisions,
+//! the quirks `gateway` reads), on a deterministic clock: the grants in etcd never sum past a
+//! pod's budget, credit moves to whoever needs it, a replica cut off falls back, a lapsed one's
+//! grant is reclaimed only after the grace.
+
+#[cfg(target_arch = "wasm32")]
+use wasm_bindgen_test::wasm_bindgen_test as test;
+
+use crate::config::Config;
+use crate::pods::scrape::Call;
+use crate::replicas::share;
+use crate::replicas::sync::{PodView, Sync};
+use crate::stats::{Stat, Stats};
+use crate::store::fake_host::{FakeHost, FakeVm};
+use base64::engine::general_purpose::STANDARD;
+use base64::Engine;
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+
+const POD: &str = "10.0.0.1:8000";
+const BUDGET: u64 = 3_000;
+
+#[derive(Default)]
+struct FakeEtcd {
+    kvs: BTreeMap<String, (Vec<u8>, i64, i64)>,
+    revision: i64,
+    leases: BTreeMap<i64, (u64, u64)>,
+    next_lease: i64,
+    down: bool,
+}
+
+fn text(v: &Value) -> String {
+    String::from_utf8(STANDARD.decode(v.as_str().unwrap_or("")).unwrap()).unwrap()
+}
+
+fn int(v: &Value) -> i64 {
+    v.as_str()
+        .map_or_else(|| v.as_i64().unwrap(), |s| s.parse().unwrap())
+}
+
+impl FakeEtcd {
+    fn expire(&mut self, now: u64) {
+        let gone: Vec<i64> = self
+            .leases
+            .iter()
+            .filter(|(_, &(until, _))| until <= now)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in gone {
+            self.leases.remove(&id);
+            self.kvs.retain(|_, (_, _, lease)| *lease != id);
+        }
+    }
+
+    /// Answers one call; `None` while etcd is down (Envoy then reports no response).
+    fn handle(&mut self, path: &str, body: &[u8], now: u64) -> Option<Vec<u8>> {
+        if self.down {
+            return None;
+        }
+        self.expire(now);
+        let req: Value = serde_json::from_slice(body).unwrap();
+        let header = json!({ "revision": self.revision.to_string() });
+        let out = match path {
+            "/v3/lease/grant" => {
+                self.next_lease += 1;
+                let ttl = req["TTL"].as_u64().unwrap();
+                self.leases
+                    .insert(self.next_lease, (now + ttl * 1_000, ttl));
+                json!({ "header": header, "ID": self.next_lease.to_string(), "TTL": ttl.to_string() })
+            }
+            "/v3/lease/keepalive" => {
+                let id = int(&req["ID"]);
+                match self.leases.get_mut(&id) {
+                    Some((until, ttl)) => {
+                        *until = now + *ttl * 1_000;
+                        json!({ "result": { "header": header, "ID": id.to_string(), "TTL": ttl.to_string() } })
+                    }
+                    None => json!({ "result": { "header": header, "ID": id.to_string() } }),
+                }
+            }
+            "/v3/kv/range" => {
+                let (from, to) = (text(&req["key"]), text(&req["range_end"]));
+                let kvs: Vec<Value> = self
+                    .kvs
+                    .range(from..to)
+                    .map(|(k, (v, rev, _))| {
+                        json!({ "key": STANDARD.encode(k), "value": STANDARD.encode(v),
+                                "mod_revision": rev.to_string() })
+                    })
+                    .collect();
+                json!({ "header": header, "kvs": kvs })
+            }
+            "/v3/kv/txn" => {
+                let holds = req["compare"].as_array().unwrap().iter().all(|c| {
+                    let have = self.kvs.get(&text(&c["key"])).map_or(0, |(_, rev, _)| *rev);
+                    have == int(&c["mod_revision"])
+                });
+                if !holds {
+                    // The gateway leaves `succeeded` out when it is false.
+                    json!({ "header": header })
+                } else {
+                    self.revision += 1;
+                    for op in req["success"].as_array().unwrap() {
+                        if let Some(put) = op.get("request_put") {
+                            let lease = put.get("lease").map_or(0, int);
+                            if lease != 0 && !self.leases.contains_key(&lease) {
+                                return Some(
+                                    br#"{"error":"etcdserver: requested lease not found","code":5}"#
+                                        .to_vec(),
+                                );
+                            }
+                            let value = STANDARD.decode(put["value"].as_str().unwrap()).unwrap();
+                            self.kvs
+                                .insert(text(&put["key"]), (value, self.revision, lease));
+                        } else {
+                            self.kvs.remove(&text(&op["request_delete_range"]["key"]));
+                        }
+                    }
+                    json!({ "header": { "revision": self.revision.to_string() }, "succeeded": true })
+                }
+            }
+            other => panic!("unexpected path {other}"),
+        };
+        Some(out.to_string().into_bytes())
+    }
+
+    /// Every replica's grant on the pod.
+    fn grants(&self) -> BTreeMap<String, u64> {
+        let prefix = format!("/kvgate/pod/{POD}/grant/");
+        self.kvs
+            .iter()
+            .filter_map(|(k, (v, _, _))| {
+                let replica = k.strip_prefix(&prefix)?;
+                let value: Value = serde_json::from_slice(v).ok()?;
+                Some((replica.to_string(), value["grant"].as_u64()?))
+            })
+            .collect()
+    }
+}
+
+/// One Envoy replica: its own shared data, its config and its sync.
+struct Replica {
+    _host: FakeHost,
+    vm: FakeVm,
+    cfg: Config,
+    sync: Sync,
+    stats: Stats,
+    in_use: u64,
+    demand: u64,
+}
+
+impl Replica {
+    fn new(name: &str, now: u64) -> Self {
+        let host = FakeHost::new();
+        host.set_now_ms(now);
+        let mut cfg = Config::default();
+        cfg.etcd.cluster = "etcd".into();
+        cfg.etcd.replica_id = name.into();
+        cfg.etcd.max_replicas = 4;
+        cfg.etcd.lease_ttl_seconds = 3;
+        cfg.etcd.reclaim_grace_ms = 2_000;
+        cfg.etcd.sync_interval_ms = 500;
+        Self {
+            vm: host.vm(),
+            _host: host,
+            cfg,
+            sync: Sync::default(),
+            stats: Stats::default(),
+            in_use: 0,
+            demand: 0,
+        }
+    }
+
+    /// One tick: the calls due, each answered by `etcd` (with every grant checked against the
+    /// budget after each answer), until the sync has nothing more to send.
+    fn tick(&mut self, etcd: &mut FakeEtcd, now: u64) {
+        self.vm.host().set_now_ms(now);
+        let mut calls = self.sync.due(&self.vm, &self.cfg).unwrap();
+        while let Some(call) = calls.pop() {
+            let answer = etcd.handle(&call.path, call.body.as_deref().unwrap_or(b""), now);
+            calls.extend(self.answer(answer.as_deref()));
+            let sum: u64 = etcd.grants().values().sum();
+            assert!(sum <= BUDGET, "grants {:?} pass the budget", etcd.grants());
+        }
+    }
+
+    /// Hands the sync etcd's answer (`None`: no response); returns the calls that follow.
+    fn answer(&mut self, body: Option<&[u8]>) -> Vec<Call> {
+        let views = [PodView {
+            pod: POD.into(),
+            budget: Some(BUDGET),
+            in_use: self.in_use,
+            demand: self.demand,
+            unit: 0,
+            explained: self.in_use,
+        }];
+        let status = body.map(|_| 200);
+        self.sync
+            .on_response(
+                &self.vm,
+                &self.cfg,
+                &mut self.stats,
+                &views,
+                status,
+                body.unwrap_or(b""),
+            )
+            .unwrap()
+    }
+
+    /// What admission would let this replica reserve on the pod now.
+    fn cap(&self) -> u64 {
+        share::cap(&self.vm, &self.cfg, POD, Some(BUDGET)).unwrap()
+    }
+
+    fn counted(&mut self, name: &str) -> u64 {
+        self.stats
+            .drain()
+            .filter_map(|s| match s {
+                Stat::Counter(n, by) if n == name => Some(by),
+                _ => None,
+            })
+            .sum()
+    }
+}
+
+fn run(replicas: &mut [Replica], etcd: &mut FakeEtcd, from: u64, to: u64) {
+    let mut now = from;
+    while now < to {
+        for r in replicas.iter_mut() {
+            r.tick(etcd, now);
+        }
+        now += 250;
+    }
+}
+
+/// Replicas asking for `demands`, synced against a fresh etcd until `until`.
+fn synced(demands: &[u64], until: u64) -> (FakeEtcd, Vec<Replica>) {
+    let mut etcd = FakeEtcd::default();
+    let mut rs: Vec<Replica> = (0..demands.len())
+        .map(|i| Replica::new(&format!("r{i}"), 0))
+        .collect();
+    for (r, &d) in rs.iter_mut().zip(demands) {
+        r.demand = d;
+    }
+    run(&mut rs, &mut etcd, 0, until);
+    (etcd, rs)
+}
+
+#[test]
+fn busy_replicas_converge_to_equal_grants_that_never_sum_past_the_budget() {
+    let (_, unsynced) = synced(&[5_000], 0);
+    assert_eq!(unsynced[0].cap(), 0, "nothing before the first sync");
+    let (etcd, rs) = synced(&[5_000; 3], 5_000);
+    let grants = etcd.grants();
+    assert_eq!(grants.len(), 3);
+    assert!(grants.values().all(|&g| g == BUDGET / 3), "{grants:?}");
+    assert!(rs.iter().all(|r| r.cap() == BUDGET / 3));
+}
+
+#[test]
+fn an_idle_replica_gives_its_credit_back_to_a_busy_one() {
+    let (mut etcd, mut rs) = synced(&[2_000, 2_000], 3_000);
+    assert_eq!(etcd.grants().values().sum::<u64>(), BUDGET);
+    // Replica 1's requests hold 400 and nothing waits there: it keeps those, 0 grows.
+    rs[1].demand = 400;
+    rs[1].in_use = 400;
+    rs[0].demand = 5_000;
+    run(&mut rs, &mut etcd, 3_000, 6_000);
+    let g = etcd.grants();
+    // The spare credit is split evenly on top of both demands: 400 + 0 and 2 600 + 0.
+    assert_eq!((g["r0"], g["r1"]), (2_600, 400), "{g:?}");
+    // Replica 1 never went below what it had reserved.
+    assert!(rs[1].cap() >= 400);
+}
+
+#[test]
+fn two_replicas_growing_from_the_same_read_cannot_both_take_the_free_credit() {
+    let (mut etcd, mut rs) = synced(&[500, 500, 2_000], 2_000);
+    // r2 goes idle and gives most of its credit back: 1 334 is free.
+    rs[2].demand = 0;
+    run(&mut rs[2..], &mut etcd, 2_000, 2_500);
+    assert_eq!(etcd.grants().values().sum::<u64>(), 500 + 500 + 666);
+    // r0 and r1 both want 1 000 more, from the same read: together they would pass the budget.
+    rs[0].demand = 5_000;
+    rs[1].demand = 5_000;
+    let now = 2_750;
+    for r in &mut rs {
+        r.vm.host().set_now_ms(now);
+    }
+    // Each runs its sync up to its txn (a renewal and the range read answered), so both read
+    // the same state before either txn reaches etcd.
+    let txns: Vec<Call> = rs[..2]
+        .iter_mut()
+        .map(|r| {
+            let mut calls = r.sync.due(&r.vm, &r.cfg).unwrap();
+            loop {
+                let call = calls.pop().unwrap();
+                if call.path == "/v3/kv/txn" {
+                    break call;
+                }
+                let a = etcd.handle(&call.path, call.body.as_deref().unwrap(), now);
+                calls = r.answer(a.as_deref());
+            }
+        })
+        .collect();
+    for (r, t) in rs.iter_mut().zip(&txns) {
+        let a = etcd.handle(&t.path, t.body.as_deref().unwrap(), now);
+        r.answer(a.as_deref());
+    }
+    // r0 took all the free credit (r1 had asked for 500 when last published); r1's txn failed.
+    let g = etcd.grants();
+    assert_eq!((g["r0"], g["r1"]), (1_834, 500), "{g:?}");
+    assert_eq!(g.values().sum::<u64>(), BUDGET);
+    assert_eq!(rs[1].counted(crate::stats::REPLICAS_CONFLICTS), 1);
+    // Once r1's demand is published, the split evens out (r2 asks for nothing).
+    run(&mut rs, &mut etcd, 3_000, 6_000);
+    let g = etcd.grants();
+    assert_eq!((g["r0"], g["r1"], g["r2"]), (1_500, 1_500, 0), "{g:?}");
+}
+
+#[test]
+fn cut_off_from_etcd_a_replica_falls_back_and_recovers_when_etcd_returns() {
+    let (mut etcd, mut rs) = synced(&[5_000, 100], 3_000);
+    let grant = etcd.grants()["r0"];
+    assert!(grant > BUDGET / 4);
+    assert_eq!(rs[0].cap(), grant);
+    etcd.down = true;
+    // Within two syncs and a timeout it still trusts its grant; after that, a quarter of the
+    // budget at most (maxReplicas 4).
+    run(&mut rs, &mut etcd, 3_000, 4_000);
+    assert_eq!(rs[0].cap(), grant);
+    run(&mut rs, &mut etcd, 4_000, 5_500);
+    assert_eq!(rs[0].cap(), BUDGET / 4);
+    assert_eq!(rs[1].cap(), etcd.grants()["r1"].min(BUDGET / 4));
+    assert!(rs[0].counted(crate::stats::REPLICAS_ERRORS) > 0);
+    etcd.down = false;
+    run(&mut rs, &mut etcd, 5_500, 7_000);
+    assert_eq!(rs[0].cap(), etcd.grants()["r0"], "in contact again");
+    assert!(rs[0].cap() > BUDGET / 4);
+}
+
+#[test]
+fn a_lapsed_replicas_grant_counts_for_the_grace_and_is_then_reclaimed() {
+    let (mut etcd, mut rs) = synced(&[5_000; 3], 3_000);
+    assert_eq!(etcd.grants()["r2"], BUDGET / 3);
+    // r2 dies at 3 000: its lease (3 s, renewed every second) lapses between 5 000 and 6 000;
+    // the others see it gone from then and reclaim 2 s later.
+    let dead = rs.pop().unwrap();
+    run(&mut rs, &mut etcd, 3_000, 6_750);
+    assert_eq!(
+        etcd.grants().get("r2"),
+        Some(&(BUDGET / 3)),
+        "still counted in the grace"
+    );
+    run(&mut rs, &mut etcd, 7_500, 10_000);
+    let g = etcd.grants();
+    assert!(!g.contains_key("r2"), "{g:?}");
+    assert_eq!(g["r0"] + g["r1"], BUDGET - BUDGET % 2, "{g:?}");
+    let reclaimed: u64 = rs
+        .iter_mut()
+        .map(|r| r.counted(crate::stats::REPLICAS_RECLAIMED))
+        .sum();
+    assert_eq!(reclaimed, 1);
+    drop(dead);
+}
+
+#[test]
+fn a_lease_etcd_lost_is_granted_again_and_the_grants_stand_meanwhile() {
+    let (mut etcd, mut rs) = synced(&[1_000], 2_000);
+    let before = etcd.grants()["r0"];
+    etcd.leases.clear();
+    etcd.kvs.retain(|k, _| !k.contains("/alive/"));
+    run(&mut rs, &mut etcd, 2_000, 5_000);
+    assert!(etcd.kvs.keys().any(|k| k.ends_with("/alive/r0")));
+    assert_eq!(etcd.grants()["r0"], before);
+}

@@ -1,0 +1,179 @@
+"""Three Envoy + kvgate replicas sharing two kvgate-sim pods' budgets through a real etcd
+(issue 15): the issue's 2x overload spread over them never preempts and the replicas'
+reservations on a pod never sum past its budget; etcd killed mid-run and restarted, requests keep
+flowing within the fallback and the grants come back; a client sending straight to a pod shrinks
+what the replicas admit there within a scrape; prefix groups meet on one pod through any replica;
+a replica killed has its grants reclaimed after its lease and the grace. The independent-replicas
+comparison and the latency numbers are in replicas_bench.py (BENCHMARKS.md)."""
+
+import json
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from bodies import group_chat, unshared_completion
+from harness import Sim, kvgate_gauges, request, stream, wait_for
+from replicas import SMALL_KV, Etcd, fleet, overload, preemptions, worst_excess
+
+LEASE_S, GRACE_S, SCRAPE_S = 2, 1, 1.0
+
+
+def counter(envoy, name):
+    return envoy.stats(f"wasmcustom.kvgate.{name}").get(f"wasmcustom.kvgate.{name}", 0)
+
+
+@pytest.fixture(scope="module")
+def etcd():
+    with Etcd() as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def pool(etcd):
+    """Two small pods and three replicas sharing their budgets; the last test kills a replica."""
+    with Sim(pods=2, args=SMALL_KV) as sim, fleet(sim, etcd.port, etcd={}) as envoys:
+        yield sim, envoys
+
+
+def check(sim, answers, samples, base_preemptions=0):
+    assert all(a["status"] == 200 and a["chunks"] == 300 for a in answers), [a["status"] for a in answers]
+    assert preemptions(sim) == base_preemptions
+    excess, budgets = worst_excess(samples)
+    assert excess <= 0, f"the replicas' reservations passed a budget by {excess} tokens ({budgets})"
+
+
+def test_three_replicas_under_twice_the_pool_never_preempt_nor_pass_a_budget(pool):
+    sim, envoys = pool
+    answers, samples = overload(sim, envoys)
+    check(sim, answers, samples)
+    served = Counter(a["headers"].get("x-kvgate-pod") for a in answers)
+    assert len(served) == 2, served
+
+
+def test_etcd_killed_mid_run_and_restarted(pool, etcd):
+    sim, envoys = pool
+    before = preemptions(sim)
+    out = {}
+
+    def fault(finished):
+        wait_for(lambda: finished() >= 16, timeout=60, interval=0.02)
+        etcd.kill()
+        out["killed_at"] = finished()
+        # Long enough for every replica to fall back (two syncs and a timeout: 1 s).
+        wait_for(lambda: all(counter(e, "replicas.in_contact") == 0 for e in envoys), timeout=5)
+        out["fell_back"] = all(counter(e, "replicas.in_contact") == 0 for e in envoys)
+        out["finished_while_down"] = finished()
+        etcd.start()
+        out["restarted_at"] = finished()
+
+    answers, samples = overload(sim, envoys, requests=144, during=fault)
+    print("etcd fault:", out)
+    check(sim, answers, samples, before)
+    assert out["fell_back"]
+    # Requests kept finishing while etcd was down, and after it came back mid-run.
+    assert out["killed_at"] < out["finished_while_down"] < out["restarted_at"] < len(answers), out
+    syncs = [counter(e, "replicas.syncs") for e in envoys]
+    assert wait_for(lambda: all(counter(e, "replicas.in_contact") == 1 for e in envoys)
+                    and all(counter(e, "replicas.syncs") > s for e, s in zip(envoys, syncs)), timeout=10)
+    # The grants are back in etcd, summing to at most each pod's budget (as derived from its
+    # capacity: the engine's feedback may have lowered it since, which each replica's admission
+    # applies at once by scaling its grant, before the next sync rewrites them).
+    grants = {}
+    for key, value in etcd.keys().items():
+        if "/grant/" in key:
+            pod = key.split("/")[3]
+            grants[pod] = grants.get(pod, 0) + json.loads(value)["grant"]
+    _, budgets = worst_excess(samples)
+    assert len(grants) == 2 and all(0 < g <= max(budgets.values()) for g in grants.values()), (grants, budgets)
+
+
+def test_traffic_straight_to_a_pod_shrinks_what_the_replicas_admit_there_within_a_scrape(pool):
+    sim, envoys = pool
+    target = sim.ports[0]
+    segment = f"127_0_0_1_{target}"
+    nominal = max(kvgate_gauges(e, "budget_tokens")[segment] for e in envoys)
+    stop, started = threading.Event(), []
+
+    def bypass():
+        # Two long completions at a time, sent to the pod directly: about 170 of its 256 blocks.
+        def one(i):
+            while not stop.is_set():
+                started.append(time.time())
+                stream(target, "/v1/completions", unshared_completion(f"direct{i}-{len(started)}", max_tokens=1000))
+        with ThreadPoolExecutor(2) as p:
+            list(p.map(one, range(2)))
+
+    t = threading.Thread(target=bypass)
+    t.start()
+    try:
+        # From when the pod first holds the bypass's KV to when every replica's budget and grant
+        # there have shrunk.
+        wait_for(lambda: sim.stats(0)["kv_blocks_used"] > 64, timeout=10, interval=0.02)
+        seen = time.time()
+        shrunk = wait_for(lambda: all(kvgate_gauges(e, "budget_tokens")[segment] < nominal * 0.8
+                                      for e in envoys), timeout=5, interval=0.02)
+        took = time.time() - seen
+        grants = [kvgate_gauges(e, "grant_tokens")[segment] for e in envoys]
+        budget = kvgate_gauges(envoys[0], "budget_tokens")[segment]
+        print(f"bypass: budget {nominal} -> {budget} in {took:.2f} s; grants {grants}")
+        assert shrunk, "the budget did not shrink"
+        # The first scrape that sees the traffic shrinks the budget: within a scrape interval
+        # (1.0–1.2 s measured, with the tick that publishes the gauge); the bound allows one more
+        # for a scrape a loaded 2-core machine delays (1.8 s seen once).
+        assert took <= 2 * SCRAPE_S
+        assert sum(grants) <= budget + len(envoys), "the grants scale down with the budget at once"
+        # kvgate keeps admitting on the pod, within what is left.
+        answers, samples = overload(sim, envoys, requests=24, clients=12)
+        assert all(a["status"] == 200 for a in answers)
+        peak = max(sum(g["reserved_tokens"].get(segment, 0) for g in per) for _, per in samples)
+        assert peak <= nominal * 0.8, peak
+    finally:
+        stop.set()
+        t.join()
+
+
+def test_a_killed_replicas_grants_are_reclaimed_after_its_lease_and_the_grace(pool, etcd):
+    sim, envoys = pool
+    assert wait_for(lambda: sum("/grant/replica-2" in k for k in etcd.keys()) == 2, timeout=5)
+    envoys[2].__exit__(None, None, None)
+    killed = time.time()
+    gone = wait_for(lambda: not any("/grant/replica-2" in k for k in etcd.keys()), timeout=15, interval=0.05)
+    took = time.time() - killed
+    print(f"replica killed: grants reclaimed after {took:.2f} s (lease {LEASE_S} s + grace {GRACE_S} s)")
+    assert gone
+    # Not before its lease could lapse (renewed every third of it), nor long after lease + grace.
+    assert LEASE_S / 2 + GRACE_S <= took <= LEASE_S + GRACE_S + 1.5
+    assert sum(counter(e, "replicas.reclaimed") for e in envoys[:2]) >= 1
+    assert wait_for(lambda: all(counter(e, "replicas.live") == 2 for e in envoys[:2]), timeout=5)
+
+
+def group_placement(envoys, first_group, groups=8, questions=6):
+    """Sends each group's questions round-robin through the replicas; returns the share of
+    requests that landed on their group's most used pod."""
+    def ask(i):
+        g, q = divmod(i, questions)
+        g += first_group
+        r = request(envoys[i % len(envoys)].port, "POST", "/v1/chat/completions", group_chat(g, q))
+        assert r.status == 200, r.body
+        return g, r.headers["x-kvgate-pod"]
+
+    with ThreadPoolExecutor(4) as p:
+        picks = list(p.map(ask, range(groups * questions)))
+    on_home = 0
+    for g in range(first_group, first_group + groups):
+        pods = Counter(pod for gg, pod in picks if gg == g)
+        on_home += pods.most_common(1)[0][1]
+    return on_home / len(picks)
+
+
+def test_prefix_groups_meet_on_one_pod_through_any_replica(etcd):
+    with Sim(pods=4) as sim:
+        with fleet(sim, etcd.port, n=1, etcd=None) as one:
+            alone = group_placement(one, 0)
+        with fleet(sim, etcd.port, n=3, etcd={"keyPrefix": "/kvgate-groups"}) as three:
+            together = group_placement(three, 100)
+    print(f"prefix groups on their pod: one replica {alone:.1%}, three {together:.1%}")
+    assert together >= 0.95 * alone
