@@ -264,84 +264,38 @@ impl Router {
             self.adapters.prune(pod, |id| rec.is_live(id), now);
         }
         self.served.refresh(store, &self.pods, now);
-        let serving = self
-            .served
-            .serving(&self.pods, model, |i| !records[i].is_down());
-        let fresh = |rec: &PodRecord| rec.is_fresh(now, &cfg.metrics);
-        let any_fresh = records.iter().any(fresh);
-        let eligible = |rec: &PodRecord| match rec.snapshot {
-            _ if rec.is_down() => false,
-            Some(_) if !fresh(rec) => cfg.metrics.stale_policy == StalePolicy::Ignore || !any_fresh,
-            _ => true,
-        };
-        let mut indices: Vec<usize> = (0..self.pods.len())
-            .filter(|&i| serving[i] && eligible(&records[i]))
-            .collect();
-        if indices.is_empty() {
-            // Every pod serving the model looks down: try them all rather than refuse; Envoy's
-            // retries do the rest.
-            indices = (0..self.pods.len()).filter(|&i| serving[i]).collect();
-        }
+        let indices = self.eligible(cfg, model, &records, now);
         if indices.is_empty() {
             // The model lists changed since the flow checked: the engine answers for itself.
             return Ok(Placement::NoPods);
         }
         let adapter_fit = self.adapter_fits(&indices, model, &records, now, cfg);
-        // What a pod records of a prompt: nothing where its engine caches no prefixes, so it is
-        // given no prefix credit and its sequences share no blocks.
-        let caches_nothing = |i: usize| records[i].snapshot.is_some_and(|s| s.no_prefix_caching);
-        let recorded = |i: usize| -> &[u64] {
-            if caches_nothing(i) {
-                &[]
-            } else {
-                hashes
-            }
+        let ask = Ask {
+            records: &records,
+            hashes,
+            prompt_blocks,
+            output_blocks,
+            block_tokens: bt,
+            now,
         };
         // Leading prompt blocks already held by in-flight requests, per candidate: they cost no
         // new KV there, in the score and in the reservation alike.
         let shared: Vec<usize> = indices
             .iter()
-            .map(|&i| self.active.active_prefix(&self.pods[i], recorded(i)))
-            .collect();
-        let candidates: Vec<Candidate> = indices
-            .iter()
-            .zip(&shared)
-            .enumerate()
-            .map(|(k, (&i, &already_active))| {
-                let (pod, rec) = (&self.pods[i], &records[i]);
-                let known = rec.snapshot.filter(|_| fresh(rec));
-                let capacity_blocks = rec
-                    .snapshot
-                    .filter(|s| s.capacity_tokens > 0)
-                    .map_or(r.pod_capacity_blocks, |s| s.capacity_tokens / bt);
-                Candidate {
-                    pod,
-                    cached_blocks: self.prefix.matched(pod, recorded(i), now),
-                    active_blocks: rec.active_blocks(),
-                    read_blocks: rec.read_blocks(),
-                    added_blocks: (prompt_blocks - already_active) as u64 + output_blocks,
-                    waiting: known.map_or(0.0, |s| {
-                        (s.waiting - f64::from(rec.finished_since_scrape)).max(0.0)
-                    }),
-                    kv_usage: known.map_or(0.0, |s| {
-                        if s.kv_usage.is_finite() {
-                            s.kv_usage
-                        } else {
-                            0.0
-                        }
-                    }),
-                    capacity_blocks,
-                    adapter_cost: adapter_fit[k].map_or(0.0, |f| f.cost(&cfg.models)),
-                    // A pod that caches nothing comes last among equals: new prompts go
-                    // where their next requests can hit.
-                    cached_total: if caches_nothing(i) {
-                        usize::MAX
-                    } else {
-                        self.prefix.blocks_held(pod)
-                    },
-                }
+            .map(|&i| {
+                self.active
+                    .active_prefix(&self.pods[i], ask.recorded(&records[i]))
             })
             .collect();
+        let candidates = candidates(
+            &self.pods,
+            &self.prefix,
+            cfg,
+            &indices,
+            &shared,
+            &adapter_fit,
+            &ask,
+        );
         for c in &candidates {
             self.capacity
                 .insert(c.pod.to_string(), c.capacity_blocks as usize);
@@ -366,34 +320,7 @@ impl Router {
                 crate::replicas::share::cap(store, cfg, &self.pods[i], budget)
             })
             .collect();
-        // A prefix already held by in-flight requests on a pod occupies its KV once: a request
-        // holds only what it adds there (kthena PR 928's review objection to per-request token budgets).
-        let safety = cfg.estimator.safety_factor;
-        // Blocks are cut by characters, so a held block stands for this prompt's own tokens per
-        // block, never more than a block's worth: text denser than `charsPerBlockToken` then
-        // does not make the held prefix swallow the rest of the prompt.
-        let tokens_per_block = if hashes.is_empty() {
-            bt as f64
-        } else {
-            (est.prompt_tokens as f64 / hashes.len() as f64).min(bt as f64)
-        };
-        let held_per_block = tokens_per_block * safety;
-        let outlook = est.output.outlook(0, est.max_output_tokens);
-        let loads: Vec<Load> = shared
-            .iter()
-            .map(|&b| {
-                let whole = est.prompt_tokens as f64 * safety;
-                let held = (whole - b as f64 * held_per_block).max(0.0);
-                // The estimate's spread, in proportion to the part of the prompt it holds.
-                let share = if whole > 0.0 { held / whole } else { 0.0 };
-                Load {
-                    held: held.round() as u64,
-                    sigma: (est.prompt_sigma as f64 * share).round() as u64,
-                    left: est.max_output_tokens,
-                    outlook,
-                }
-            })
-            .collect();
+        let (loads, held_per_block) = charges(est, &shared, &ask, cfg.estimator.safety_factor);
         // Each candidate's fit is a forecast over its in-flight requests: worked out at most once
         // per request, though the fallbacks, the ranking header and the dispatch all ask.
         let fit: Vec<Cell<Option<bool>>> = vec![Cell::new(None); indices.len()];
@@ -446,7 +373,7 @@ impl Router {
             if taken.is_none() {
                 continue;
             }
-            let kept = recorded(indices[s.index]);
+            let kept = ask.recorded(&records[indices[s.index]]);
             self.prefix
                 .insert(&pod, kept, now, best.capacity_blocks as usize);
             let fit = adapter_fit[s.index];
@@ -587,6 +514,153 @@ impl Router {
             }
         }
         Ok(gone)
+    }
+}
+
+/// One pick in progress, as the router's steps need it: the pods' records as read for it, and
+/// what the request asks of a pod.
+struct Ask<'a> {
+    records: &'a [PodRecord],
+    hashes: &'a [u64],
+    /// Its whole prompt, in blocks.
+    prompt_blocks: usize,
+    /// Its expected output, in blocks.
+    output_blocks: u64,
+    block_tokens: u64,
+    now: u64,
+}
+
+impl Ask<'_> {
+    /// What a pod records of the prompt: nothing where its engine caches no prefixes, so it is
+    /// given no prefix credit and its sequences share no blocks.
+    fn recorded(&self, rec: &PodRecord) -> &[u64] {
+        if caches_nothing(rec) {
+            &[]
+        } else {
+            self.hashes
+        }
+    }
+}
+
+fn caches_nothing(rec: &PodRecord) -> bool {
+    rec.snapshot.is_some_and(|s| s.no_prefix_caching)
+}
+
+/// What the request holds on each candidate (`shared`: its leading blocks already held there by
+/// in-flight requests), and the tokens one such shared block stands for.
+fn charges(est: &Estimate, shared: &[usize], ask: &Ask, safety: f64) -> (Vec<Load>, f64) {
+    let bt = ask.block_tokens as f64;
+    // A prefix already held by in-flight requests on a pod occupies its KV once: a request
+    // holds only what it adds there (kthena PR 928's review objection to per-request token
+    // budgets). Blocks are cut by characters, so a held block stands for this prompt's own
+    // tokens per block, never more than a block's worth: text denser than
+    // `charsPerBlockToken` then does not make the held prefix swallow the rest of the prompt.
+    let tokens_per_block = if ask.hashes.is_empty() {
+        bt
+    } else {
+        (est.prompt_tokens as f64 / ask.hashes.len() as f64).min(bt)
+    };
+    let held_per_block = tokens_per_block * safety;
+    let outlook = est.output.outlook(0, est.max_output_tokens);
+    let loads = shared
+        .iter()
+        .map(|&b| {
+            let whole = est.prompt_tokens as f64 * safety;
+            let held = (whole - b as f64 * held_per_block).max(0.0);
+            // The estimate's spread, in proportion to the part of the prompt it holds.
+            let share = if whole > 0.0 { held / whole } else { 0.0 };
+            Load {
+                held: held.round() as u64,
+                sigma: (est.prompt_sigma as f64 * share).round() as u64,
+                left: est.max_output_tokens,
+                outlook,
+            }
+        })
+        .collect();
+    (loads, held_per_block)
+}
+
+/// What the cost formula (`pick`) knows of each eligible pod (`indices` into `pods`) for
+/// this request.
+fn candidates<'a>(
+    pods: &'a [String],
+    prefix: &PrefixIndex,
+    cfg: &Config,
+    indices: &[usize],
+    shared: &[usize],
+    adapter_fit: &[Option<Fit>],
+    ask: &Ask,
+) -> Vec<Candidate<'a>> {
+    let r = &cfg.routing;
+    let now = ask.now;
+    indices
+        .iter()
+        .zip(shared)
+        .enumerate()
+        .map(|(k, (&i, &already_active))| {
+            let (pod, rec) = (&pods[i], &ask.records[i]);
+            let known = rec.snapshot.filter(|_| rec.is_fresh(now, &cfg.metrics));
+            let capacity_blocks = rec
+                .snapshot
+                .filter(|s| s.capacity_tokens > 0)
+                .map_or(r.pod_capacity_blocks, |s| {
+                    s.capacity_tokens / ask.block_tokens
+                });
+            Candidate {
+                pod,
+                cached_blocks: prefix.matched(pod, ask.recorded(rec), now),
+                active_blocks: rec.active_blocks(),
+                read_blocks: rec.read_blocks(),
+                added_blocks: (ask.prompt_blocks - already_active) as u64 + ask.output_blocks,
+                waiting: known.map_or(0.0, |s| {
+                    (s.waiting - f64::from(rec.finished_since_scrape)).max(0.0)
+                }),
+                kv_usage: known.map_or(0.0, |s| {
+                    if s.kv_usage.is_finite() {
+                        s.kv_usage
+                    } else {
+                        0.0
+                    }
+                }),
+                capacity_blocks,
+                adapter_cost: adapter_fit[k].map_or(0.0, |f| f.cost(&cfg.models)),
+                // A pod that caches nothing comes last among equals: new prompts go
+                // where their next requests can hit.
+                cached_total: if caches_nothing(rec) {
+                    usize::MAX
+                } else {
+                    prefix.blocks_held(pod)
+                },
+            }
+        })
+        .collect()
+}
+
+/// The steps of a pick before the reservation: which pods, and what each looks like.
+impl Router {
+    /// The pods a request may go to: those serving its model, less pods down and (with
+    /// `metrics.stalePolicy` saturated, while others are fresh) pods whose figures are stale. When
+    /// every pod serving the model looks down, all of them: better tried than refused, and
+    /// Envoy's retries do the rest.
+    fn eligible(&self, cfg: &Config, model: &str, records: &[PodRecord], now: u64) -> Vec<usize> {
+        let serving = self
+            .served
+            .serving(&self.pods, model, |i| !records[i].is_down());
+        let fresh = |rec: &PodRecord| rec.is_fresh(now, &cfg.metrics);
+        let any_fresh = records.iter().any(fresh);
+        let eligible = |rec: &PodRecord| match rec.snapshot {
+            _ if rec.is_down() => false,
+            Some(_) if !fresh(rec) => cfg.metrics.stale_policy == StalePolicy::Ignore || !any_fresh,
+            _ => true,
+        };
+        let indices: Vec<usize> = (0..self.pods.len())
+            .filter(|&i| serving[i] && eligible(&records[i]))
+            .collect();
+        if indices.is_empty() {
+            (0..self.pods.len()).filter(|&i| serving[i]).collect()
+        } else {
+            indices
+        }
     }
 }
 
