@@ -2,7 +2,7 @@
 //! decisions the shell carries out: which headers to strip or set, whether to wait for the body,
 //! forward, or answer locally. All shared state is reached through the `Store` given to each step.
 
-use crate::admission::admit::{Admit, Class};
+use crate::admission::admit::{Admit, Asks, Class};
 use crate::admission::line::Ticket;
 use crate::config::Config;
 use crate::estimate::calibration::Sample;
@@ -259,9 +259,11 @@ impl Flow {
             &mut gate.router,
             &mut gate.stats,
             self.class,
-            &req.model,
-            &hashes,
-            &est,
+            &Asks {
+                model: &req.model,
+                hashes: &hashes,
+                est: &est,
+            },
         );
         gate.stats.count(
             stats::model_stat(&sent_as.stat_model, stats::MODEL_REQUESTS),
@@ -415,9 +417,11 @@ impl Flow {
             &mut gate.router,
             &mut gate.stats,
             &ticket,
-            &a.model,
-            hashes,
-            &est,
+            &Asks {
+                model: &a.model,
+                hashes,
+                est: &est,
+            },
         );
         let admit = match outcome {
             Ok(Some(admit)) => admit,

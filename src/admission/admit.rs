@@ -94,6 +94,14 @@ const MAX_BACKFILL_TRIES: usize = 8;
 /// Wakes to one VM are at most this frequent from one sender: its drain takes every message.
 const WAKE_EVERY_MS: u64 = 2;
 
+/// What a request asks of the pool: its model, its prompt's block hashes and its estimate.
+#[derive(Clone, Copy)]
+pub struct Asks<'a> {
+    pub model: &'a str,
+    pub hashes: &'a [u64],
+    pub est: &'a Estimate,
+}
+
 impl Admission {
     pub fn start(store: &dyn Store, vm: u32) -> Result<Admission, StoreError> {
         line::ensure(store)?;
@@ -117,7 +125,6 @@ impl Admission {
     }
 
     /// Places a request that has just arrived.
-    #[allow(clippy::too_many_arguments)]
     pub fn place(
         &mut self,
         store: &dyn Store,
@@ -125,10 +132,9 @@ impl Admission {
         router: &mut Router,
         stats: &mut Stats,
         class: Class,
-        model: &str,
-        hashes: &[u64],
-        est: &Estimate,
+        asks: &Asks,
     ) -> Result<Admit, StoreError> {
+        let Asks { model, hashes, est } = *asks;
         let a = &cfg.admission;
         if !a.enabled {
             return Ok(match router.route(store, cfg, model, hashes, est)? {
@@ -208,7 +214,6 @@ impl Admission {
 
     /// Retries a parked request that is at the head of the line (or past its deadline). `None`:
     /// it still does not fit, and stays parked.
-    #[allow(clippy::too_many_arguments)]
     pub fn retry(
         &mut self,
         store: &dyn Store,
@@ -216,10 +221,9 @@ impl Admission {
         router: &mut Router,
         stats: &mut Stats,
         ticket: &Ticket,
-        model: &str,
-        hashes: &[u64],
-        est: &Estimate,
+        asks: &Asks,
     ) -> Result<Option<Admit>, StoreError> {
+        let Asks { model, hashes, est } = *asks;
         let now = store.now_ms();
         if now >= ticket.deadline_ms {
             self.leave(store, ticket.id, false)?;
@@ -427,33 +431,28 @@ mod tests {
 
     impl Worker {
         fn place(&mut self, cfg: &Config, c: Class, cost: u64) -> Admit {
-            self.admission
-                .place(
-                    &self.vm,
-                    cfg,
-                    &mut self.router,
-                    &mut self.stats,
-                    c,
-                    "m",
-                    &[1, 2],
-                    &est(cost),
-                )
+            let (w, est) = (self, est(cost));
+            let asks = asks(&est);
+            w.admission
+                .place(&w.vm, cfg, &mut w.router, &mut w.stats, c, &asks)
                 .unwrap()
         }
 
         fn retry(&mut self, cfg: &Config, t: &Ticket, cost: u64) -> Option<Admit> {
-            self.admission
-                .retry(
-                    &self.vm,
-                    cfg,
-                    &mut self.router,
-                    &mut self.stats,
-                    t,
-                    "m",
-                    &[1, 2],
-                    &est(cost),
-                )
+            let (w, est) = (self, est(cost));
+            let asks = asks(&est);
+            w.admission
+                .retry(&w.vm, cfg, &mut w.router, &mut w.stats, t, &asks)
                 .unwrap()
+        }
+    }
+
+    /// A request for model `m` with a two-block prompt.
+    fn asks(est: &Estimate) -> Asks<'_> {
+        Asks {
+            model: "m",
+            hashes: &[1, 2],
+            est,
         }
     }
 
