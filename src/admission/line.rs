@@ -18,7 +18,7 @@
 //! ahead of S, one boost credit and the backfills — however large the ticket's own cost.
 
 use crate::store::codec::{Reader, Writer};
-use crate::store::interface::{update, Store, StoreError};
+use crate::store::interface::{create_if_missing, update, Store, StoreError};
 use std::cmp::Ordering;
 
 pub const KEY: &str = "kvgate.queue";
@@ -177,10 +177,7 @@ pub fn read(store: &dyn Store) -> Result<QueueRecord, StoreError> {
 
 /// Creates the record before any request can race its creation (configure time).
 pub fn ensure(store: &dyn Store) -> Result<(), StoreError> {
-    if store.get(KEY)?.value.is_none() {
-        store.set(KEY, &QueueRecord::default().encode(), None)?;
-    }
-    Ok(())
+    create_if_missing(store, KEY, &QueueRecord::default().encode())
 }
 
 fn modify<T>(

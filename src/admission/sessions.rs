@@ -4,7 +4,7 @@
 //! the session id: bounded memory, no per-session keys, oldest forgotten first.
 
 use crate::store::codec::{Reader, Writer};
-use crate::store::interface::{update, Store, StoreError};
+use crate::store::interface::{create_if_missing, update, Store, StoreError};
 
 const KEY: &str = "kvgate.sessions";
 const CAPACITY: usize = 4096;
@@ -25,10 +25,7 @@ fn encode(ring: &[(u64, u64)]) -> Vec<u8> {
 }
 
 pub fn ensure(store: &dyn Store) -> Result<(), StoreError> {
-    if store.get(KEY)?.value.is_none() {
-        store.set(KEY, &encode(&[]), None)?;
-    }
-    Ok(())
+    create_if_missing(store, KEY, &encode(&[]))
 }
 
 /// Whether the session finished a turn within `window_ms`.

@@ -10,7 +10,7 @@ use crate::admission::forecast::{peak, Load};
 use crate::config::{Config, MetricsConfig};
 use crate::estimate::output_dist::{Outlook, HORIZON_STEPS};
 use crate::store::codec::{Reader, Writer};
-use crate::store::interface::{update, Store, StoreError};
+use crate::store::interface::{create_if_missing, update, Store, StoreError};
 
 const VERSION: u8 = 4;
 /// Records written before entries carried the spread of what they hold (and snapshots the
@@ -303,10 +303,7 @@ pub fn read(store: &dyn Store, pod: &str) -> Result<PodRecord, StoreError> {
 /// Creates the pod's record if it has none. Called before any request can be routed to the pod
 /// (configure for static pods, discovery for the others), as `interface::update` requires.
 pub fn ensure(store: &dyn Store, pod: &str) -> Result<(), StoreError> {
-    if store.get(&key(pod))?.value.is_none() {
-        store.set(&key(pod), &PodRecord::default().encode(), None)?;
-    }
-    Ok(())
+    create_if_missing(store, &key(pod), &PodRecord::default().encode())
 }
 
 /// Forgets what was scraped of a pod that left the pool. Its in-flight requests stay until

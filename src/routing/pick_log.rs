@@ -7,7 +7,7 @@
 //! return to zero (reservations, active-block counts) depends on this log.
 
 use crate::store::codec::{Reader, Writer};
-use crate::store::interface::{update, Store, StoreError};
+use crate::store::interface::{create_if_missing, update, Store, StoreError};
 
 pub const RING: u64 = 512;
 const SEQ_KEY: &str = "kvgate.log.seq";
@@ -109,9 +109,7 @@ impl PickLog {
     /// Creates the sequence key (before traffic, see `interface::update`) and starts one ring behind
     /// the head, so a VM that starts or reloads inherits the recent picks of the others.
     pub fn start(store: &dyn Store) -> Result<PickLog, StoreError> {
-        if store.get(SEQ_KEY)?.value.is_none() {
-            store.set(SEQ_KEY, &0u64.to_le_bytes(), None)?;
-        }
+        create_if_missing(store, SEQ_KEY, &0u64.to_le_bytes())?;
         let head = read_seq(store)?;
         Ok(PickLog {
             next: head.saturating_sub(RING),

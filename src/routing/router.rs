@@ -16,7 +16,7 @@ use crate::routing::pick::{rank, rendezvous, Candidate, Rng, Scored, Terms};
 use crate::routing::pick_log::{Event, PickLog, MAX_EVENT_BLOCKS};
 use crate::routing::prefix_index::PrefixIndex;
 use crate::store::codec::Reader;
-use crate::store::interface::{update, Store, StoreError};
+use crate::store::interface::{create_if_missing, update, Store, StoreError};
 use hashbrown::HashMap;
 use std::cell::Cell;
 
@@ -112,9 +112,7 @@ pub struct Router {
 impl Router {
     /// Joins the pool of VMs: takes a VM number, creates the keys requests will touch.
     pub fn start(store: &dyn Store, cfg: &Config) -> Result<Router, StoreError> {
-        if store.get(VM_SEQ_KEY)?.value.is_none() {
-            store.set(VM_SEQ_KEY, &0u32.to_le_bytes(), None)?;
-        }
+        create_if_missing(store, VM_SEQ_KEY, &0u32.to_le_bytes())?;
         let vm = update(store, VM_SEQ_KEY, |cur| {
             let n = cur
                 .and_then(|b| Reader(b).u32())

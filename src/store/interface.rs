@@ -43,6 +43,16 @@ pub trait Store {
 /// between a handful of worker threads, so a lost race almost always succeeds on the next try.
 const CAS_ATTEMPTS: usize = 16;
 
+/// Creates `key` with `initial` if it has no value yet: what every module does with its keys
+/// before traffic can touch them (see [`update`]). A blind write, so callers run it where no
+/// other VM races them (configure time, or the single writer of the pod set).
+pub fn create_if_missing(store: &dyn Store, key: &str, initial: &[u8]) -> Result<(), StoreError> {
+    if store.get(key)?.value.is_none() {
+        store.set(key, initial, None)?;
+    }
+    Ok(())
+}
+
 /// Reads `key`, applies `change` and writes the result with compare-and-swap, retrying lost races.
 /// On a missing key the write is a blind create (Envoy ignores CAS there), so two VMs creating the
 /// same key at once can lose one write: modules create their keys before traffic can touch them
