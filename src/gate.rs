@@ -7,11 +7,12 @@ use crate::admission::admit::Admission;
 use crate::config::Config;
 use crate::estimate::calibration::Calibration;
 use crate::models::split::Split;
-use crate::pods::scrape::{self, Call, Scraper, Target};
+use crate::pods::scrape::{Call, Scraper, Target};
 use crate::replicas::sync::{PodView, Sync};
 use crate::routing::router::Router;
 use crate::stats::{self, Stats};
 use crate::store::interface::{Store, StoreError};
+use crate::store::lease;
 
 /// How long the scraper's lease lasts without renewal; renewed every tick.
 const LEASE_MS: u64 = 1_500;
@@ -57,7 +58,7 @@ impl Gate {
         if let Err(e) = self.router.sync(store, &self.config) {
             log::debug!("kvgate: sync failed: {e:?}");
         }
-        match scrape::hold_lease(store, self.router.vm(), now, LEASE_MS) {
+        match lease::hold_lease(store, self.router.vm(), now, LEASE_MS) {
             Ok(true) => {}
             Ok(false) => return Vec::new(),
             Err(e) => {

@@ -1,4 +1,4 @@
-//! The one scraper across all workers: a lease in shared data (`kvgate.lease`) decides which VM
+//! The one scraper across all workers: a lease in shared data (`store::lease`) decides which VM
 //! scrapes; the holder renews it every tick and another VM takes over once it lapses. The holder
 //! discovers pods from Envoy's admin `/clusters`, scrapes each pod's Prometheus metrics on its
 //! interval, writing results into the pods' shared records, and each pod's model list on a slower
@@ -11,12 +11,9 @@ use crate::pods::metrics;
 use crate::pods::pool::{decode_pods, encode_pods, PODS_KEY};
 use crate::pods::record::{self, Snapshot};
 use crate::stats::{self, Stats};
-use crate::store::codec::{Reader, Writer};
-use crate::store::interface::{update, Store, StoreError};
+use crate::store::interface::{Store, StoreError};
 use hashbrown::HashMap;
 use serde::Deserialize;
-
-const LEASE_KEY: &str = "kvgate.lease";
 
 /// A call for the shell to send with `dispatch_http_call`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -39,25 +36,6 @@ pub enum Target {
     Discovery,
     /// etcd's JSON gateway, for the replicas' sync (`replicas::sync`: one call at a time).
     Etcd,
-}
-
-/// Takes or renews the lease; true when this VM is the scraper until `now + ttl`.
-pub fn hold_lease(store: &dyn Store, vm: u32, now: u64, ttl_ms: u64) -> Result<bool, StoreError> {
-    let got = update(store, LEASE_KEY, |cur| {
-        let (holder, expires) = cur
-            .and_then(|b| {
-                let mut r = Reader(b);
-                Some((r.u32()?, r.u64()?))
-            })
-            .unwrap_or((0, 0));
-        if holder != vm && expires > now {
-            return None;
-        }
-        let mut w = Writer::new();
-        w.u32(vm).u64(now.saturating_add(ttl_ms));
-        Some((w.0, ()))
-    })?;
-    Ok(got.is_some())
 }
 
 #[derive(Default)]
@@ -352,21 +330,6 @@ mod tests {
         c.metrics.cluster = "kvgate_metrics".into();
         c.discovery.admin_cluster = "kvgate_admin".into();
         c
-    }
-
-    #[test]
-    fn one_lease_holder_until_it_lapses() {
-        let host = FakeHost::new();
-        let (a, b) = (host.vm(), host.vm());
-        assert!(hold_lease(&a, 1, 0, 1_000).unwrap());
-        assert!(!hold_lease(&b, 2, 500, 1_000).unwrap());
-        assert!(hold_lease(&a, 1, 900, 1_000).unwrap(), "renewal");
-        assert!(!hold_lease(&b, 2, 1_800, 1_000).unwrap());
-        assert!(
-            hold_lease(&b, 2, 1_901, 1_000).unwrap(),
-            "takeover after lapse"
-        );
-        assert!(!hold_lease(&a, 1, 1_950, 1_000).unwrap());
     }
 
     #[test]

@@ -1,5 +1,5 @@
 //! The one sync a replica runs against etcd, on the tick of its elected worker (the scrape lease
-//! holder, `pods::scrape::hold_lease`): keep the replica's lease alive, read every key under the
+//! holder, `store::lease`): keep the replica's lease alive, read every key under the
 //! prefix in one range, work out each pod's next grant (`split`), write them in at most one txn,
 //! and copy the outcome into the pods' shares (`share`) that admission reads. Requests never wait
 //! for any of it.
