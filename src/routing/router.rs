@@ -4,8 +4,7 @@
 //! output crossed a block boundary) and `finish` (remove it, exactly once).
 
 use crate::admission::budget::{budget_tokens, fits};
-use crate::admission::forecast::Load;
-use crate::config::{Config, RoutingConfig, StalePolicy, MAX_BLOCK_TOKENS};
+use crate::config::{Config, RoutingConfig, MAX_BLOCK_TOKENS};
 use crate::estimate::reservation::Estimate;
 use crate::models::served::{adapter_id, ServedView};
 use crate::pods::pool::{decode_pods, PODS_KEY};
@@ -19,6 +18,9 @@ use crate::store::codec::Reader;
 use crate::store::interface::{create_if_missing, update, Store, StoreError};
 use hashbrown::HashMap;
 use std::cell::Cell;
+
+mod steps;
+use steps::{candidates, charges, Ask};
 
 const VM_SEQ_KEY: &str = "kvgate.vm.seq";
 const PODS_CACHE_MS: u64 = 1_000;
@@ -512,205 +514,6 @@ impl Router {
             }
         }
         Ok(gone)
-    }
-}
-
-/// One pick in progress, as the router's steps need it: the pods' records as read for it, and
-/// what the request asks of a pod.
-struct Ask<'a> {
-    records: &'a [PodRecord],
-    hashes: &'a [u64],
-    /// Its whole prompt, in blocks.
-    prompt_blocks: usize,
-    /// Its expected output, in blocks.
-    output_blocks: u64,
-    block_tokens: u64,
-    now: u64,
-}
-
-impl Ask<'_> {
-    /// What a pod records of the prompt: nothing where its engine caches no prefixes, so it is
-    /// given no prefix credit and its sequences share no blocks.
-    fn recorded(&self, rec: &PodRecord) -> &[u64] {
-        if caches_nothing(rec) {
-            &[]
-        } else {
-            self.hashes
-        }
-    }
-}
-
-fn caches_nothing(rec: &PodRecord) -> bool {
-    rec.snapshot.is_some_and(|s| s.no_prefix_caching)
-}
-
-/// What the request holds on each candidate (`shared`: its leading blocks already held there by
-/// in-flight requests), and the tokens one such shared block stands for.
-fn charges(est: &Estimate, shared: &[usize], ask: &Ask, safety: f64) -> (Vec<Load>, f64) {
-    let bt = ask.block_tokens as f64;
-    // A prefix already held by in-flight requests on a pod occupies its KV once: a request
-    // holds only what it adds there (kthena PR 928's review objection to per-request token
-    // budgets). Blocks are cut by characters, so a held block stands for this prompt's own
-    // tokens per block, never more than a block's worth: text denser than
-    // `charsPerBlockToken` then does not make the held prefix swallow the rest of the prompt.
-    let tokens_per_block = if ask.hashes.is_empty() {
-        bt
-    } else {
-        (est.prompt_tokens as f64 / ask.hashes.len() as f64).min(bt)
-    };
-    let held_per_block = tokens_per_block * safety;
-    let outlook = est.output.outlook(0, est.max_output_tokens);
-    let loads = shared
-        .iter()
-        .map(|&b| {
-            let whole = est.prompt_tokens as f64 * safety;
-            let held = (whole - b as f64 * held_per_block).max(0.0);
-            // The estimate's spread, in proportion to the part of the prompt it holds.
-            let share = if whole > 0.0 { held / whole } else { 0.0 };
-            Load {
-                held: held.round() as u64,
-                sigma: (est.prompt_sigma as f64 * share).round() as u64,
-                left: est.max_output_tokens,
-                outlook,
-            }
-        })
-        .collect();
-    (loads, held_per_block)
-}
-
-/// What the cost formula (`pick`) knows of each eligible pod (`indices` into `pods`) for
-/// this request.
-fn candidates<'a>(
-    pods: &'a [String],
-    prefix: &PrefixIndex,
-    cfg: &Config,
-    indices: &[usize],
-    shared: &[usize],
-    adapter_fit: &[Option<Fit>],
-    ask: &Ask,
-) -> Vec<Candidate<'a>> {
-    let r = &cfg.routing;
-    let now = ask.now;
-    indices
-        .iter()
-        .zip(shared)
-        .enumerate()
-        .map(|(k, (&i, &already_active))| {
-            let (pod, rec) = (&pods[i], &ask.records[i]);
-            let known = rec.snapshot.filter(|_| rec.is_fresh(now, &cfg.metrics));
-            let capacity_blocks = rec
-                .snapshot
-                .filter(|s| s.capacity_tokens > 0)
-                .map_or(r.pod_capacity_blocks, |s| {
-                    s.capacity_tokens / ask.block_tokens
-                });
-            Candidate {
-                pod,
-                cached_blocks: prefix.matched(pod, ask.recorded(rec), now),
-                active_blocks: rec.active_blocks(),
-                read_blocks: rec.read_blocks(),
-                added_blocks: (ask.prompt_blocks - already_active) as u64 + ask.output_blocks,
-                waiting: known.map_or(0.0, |s| {
-                    (s.waiting - f64::from(rec.finished_since_scrape)).max(0.0)
-                }),
-                kv_usage: known.map_or(0.0, |s| {
-                    if s.kv_usage.is_finite() {
-                        s.kv_usage
-                    } else {
-                        0.0
-                    }
-                }),
-                capacity_blocks,
-                adapter_cost: adapter_fit[k].map_or(0.0, |f| f.cost(&cfg.models)),
-                // A pod that caches nothing comes last among equals: new prompts go
-                // where their next requests can hit.
-                cached_total: if caches_nothing(rec) {
-                    usize::MAX
-                } else {
-                    prefix.blocks_held(pod)
-                },
-            }
-        })
-        .collect()
-}
-
-/// The steps of a pick before the reservation: which pods, and what each looks like.
-impl Router {
-    /// The pods a request may go to: those serving its model, less pods down and (with
-    /// `metrics.stalePolicy` saturated, while others are fresh) pods whose figures are stale. When
-    /// every pod serving the model looks down, all of them: better tried than refused, and
-    /// Envoy's retries do the rest.
-    fn eligible(&self, cfg: &Config, model: &str, records: &[PodRecord], now: u64) -> Vec<usize> {
-        let serving = self
-            .served
-            .serving(&self.pods, model, |i| !records[i].is_down());
-        let fresh = |rec: &PodRecord| rec.is_fresh(now, &cfg.metrics);
-        let any_fresh = records.iter().any(fresh);
-        let eligible = |rec: &PodRecord| match rec.snapshot {
-            _ if rec.is_down() => false,
-            Some(_) if !fresh(rec) => cfg.metrics.stale_policy == StalePolicy::Ignore || !any_fresh,
-            _ => true,
-        };
-        let indices: Vec<usize> = (0..self.pods.len())
-            .filter(|&i| serving[i] && eligible(&records[i]))
-            .collect();
-        if indices.is_empty() {
-            (0..self.pods.len()).filter(|&i| serving[i]).collect()
-        } else {
-            indices
-        }
-    }
-}
-
-/// The model step of a pick: which pods serve the request's model (`models::served`), and where
-/// its LoRA adapter stands on each (`routing::adapters`).
-impl Router {
-    /// Whether some pod may serve `model` (false only once every pod's model list is known and
-    /// none lists it). With no pods known, Envoy's own balancing decides: true.
-    pub fn serves(&mut self, store: &dyn Store, cfg: &Config, model: &str) -> bool {
-        let now = store.now_ms();
-        self.refresh_pods(store, cfg, now);
-        if self.pods.is_empty() {
-            return true;
-        }
-        self.served.refresh(store, &self.pods, now);
-        // Health is read only for pods without a list, and only when no list names the model.
-        let pods = &self.pods;
-        let up = |i: usize| record::read(store, &pods[i]).map_or(true, |r| !r.is_down());
-        self.served.serving(pods, model, up).contains(&true)
-    }
-
-    /// Whether a pod's model list, as last read, names `model`.
-    pub fn lists(&self, model: &str) -> bool {
-        self.pods
-            .iter()
-            .any(|p| self.served.get(p).is_some_and(|s| s.serves(model)))
-    }
-
-    /// Per candidate (`indices` into the pods), where the adapter stands, or `None` where
-    /// `model` is a base model.
-    fn adapter_fits(
-        &self,
-        indices: &[usize],
-        model: &str,
-        records: &[PodRecord],
-        now: u64,
-        cfg: &Config,
-    ) -> Vec<Option<Fit>> {
-        let id = adapter_id(model);
-        indices
-            .iter()
-            .map(|&i| {
-                let pod = &self.pods[i];
-                let served = self.served.get(pod).filter(|s| s.is_adapter(model))?;
-                // Adapter state scraped with metrics that are no longer fresh says nothing.
-                let lora = served.lora.as_ref().filter(|l| {
-                    records[i].is_fresh(now, &cfg.metrics)
-                        && now.saturating_sub(l.at_ms) <= cfg.metrics.stale_after_ms
-                });
-                Some(self.adapters.fit(pod, id, lora))
-            })
-            .collect()
     }
 }
 
