@@ -1,8 +1,8 @@
 //! Which pod serves a request: the per-VM `router` and its named steps (`router::steps`), the
 //! pure cost formula that scores and picks (`pick`), the prompt's chained block hashes
-//! (`prefix`), where LoRA adapters stand (`adapters`), and the two replicas a VM routes on: what each pod's prefix cache holds (`prefix_index`) and which blocks
-//! in-flight requests occupy (`active_blocks`), both kept current across workers by the
-//! `pick_log`.
+//! (`prefix`), where LoRA adapters stand (`adapters`), and the two replicas a VM routes on: what
+//! each pod's prefix cache holds (`prefix_index`) and which blocks in-flight requests occupy
+//! (`active_blocks`), both kept current across workers by the `pick_log`.
 //!
 //! Source of truth: a request's reservation and its active-block counts live in the pod's shared
 //! record (`pods::record`), changed only by compare-and-swap; those must return to zero. The prefix
