@@ -697,8 +697,7 @@ mod tests {
     fn malformed_body_is_400_and_valid_one_forwards_with_debug_headers() {
         let (_, vm, mut gate) = gate(Config {
             debug_headers: true,
-            pods: vec!["10.0.0.1:80".into()],
-            ..Config::default()
+            ..crate::test_support::with_pods(&["10.0.0.1:80"])
         });
         let mut f = Flow::default();
         f.on_request_headers(&gate, &vm, &head("/v1/chat/completions"));
@@ -773,10 +772,10 @@ mod tests {
 
     #[test]
     fn a_model_no_pod_lists_is_answered_404_naming_it_and_others_go_to_their_pods() {
-        let (host, vm, mut gate) = gate(Config {
-            pods: vec!["10.0.0.1:80".into(), "10.0.0.2:80".into()],
-            ..Config::default()
-        });
+        let (host, vm, mut gate) = gate(crate::test_support::with_pods(&[
+            "10.0.0.1:80",
+            "10.0.0.2:80",
+        ]));
         let chat = |model: &str| {
             format!(r#"{{"model":"{model}","messages":[{{"role":"user","content":"hi"}}]}}"#)
         };
@@ -810,8 +809,7 @@ mod tests {
     fn a_rename_rewrites_the_body_and_its_length_and_names_the_target() {
         let mut config = Config {
             debug_headers: true,
-            pods: vec!["10.0.0.1:80".into()],
-            ..Config::default()
+            ..crate::test_support::with_pods(&["10.0.0.1:80"])
         };
         let route: crate::config::ModelRoute =
             serde_json::from_str(r#"{"targets":[{"model":"llama-v2","weight":1}],"priority":7}"#)

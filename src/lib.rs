@@ -19,6 +19,8 @@ pub mod routing;
 pub mod stats;
 pub mod status;
 pub mod store;
+#[cfg(test)]
+mod test_support;
 
 #[cfg(target_os = "wasi")]
 mod shell;

@@ -394,10 +394,7 @@ mod tests {
     }
 
     fn config(budget: u64) -> Config {
-        let mut c = Config {
-            pods: vec!["a:1".into()],
-            ..Config::default()
-        };
+        let mut c = crate::test_support::with_pods(&["a:1"]);
         c.admission.budget_tokens = budget;
         // Whole numbers: prompts are held as estimated, and a partly filled block adds one token.
         c.estimator.safety_factor = 1.0;

@@ -323,10 +323,7 @@ mod tests {
     use crate::store::fake_host::FakeHost;
 
     fn cfg() -> Config {
-        let mut c = Config {
-            pods: vec!["a:1".into(), "b:1".into()],
-            ..Config::default()
-        };
+        let mut c = crate::test_support::with_pods(&["a:1", "b:1"]);
         c.metrics.cluster = "kvgate_metrics".into();
         c.discovery.admin_cluster = "kvgate_admin".into();
         c

@@ -539,10 +539,7 @@ mod tests {
     /// With a prompt margin (`estimator.safetyFactor` 1.1), so the tests see it carried
     /// through shared prefixes.
     fn config(pods: &[&str]) -> Config {
-        let mut cfg = Config {
-            pods: pods.iter().map(|p| p.to_string()).collect(),
-            ..Config::default()
-        };
+        let mut cfg = crate::test_support::with_pods(pods);
         cfg.estimator.safety_factor = 1.1;
         cfg
     }
@@ -551,9 +548,7 @@ mod tests {
         Estimate::exact(prompt, output)
     }
 
-    fn hashes(group: u64, n: u64) -> Vec<u64> {
-        (0..n).map(|i| group * 1_000_000 + i).collect()
-    }
+    use crate::test_support::prompt_blocks as hashes;
 
     fn total_active(vm: &FakeVm, cfg: &Config) -> u64 {
         cfg.pods

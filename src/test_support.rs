@@ -1,0 +1,18 @@
+//! What the core's unit tests build alike, so each test states only what it changes: a
+//! configuration with static pods, and a prompt's block hashes.
+
+use crate::config::Config;
+
+/// The default configuration with `pods` as its static pods.
+pub fn with_pods(pods: &[&str]) -> Config {
+    Config {
+        pods: pods.iter().map(|p| p.to_string()).collect(),
+        ..Config::default()
+    }
+}
+
+/// The block hashes of a prompt of `n` blocks in prefix group `group`: prompts of one group
+/// share their leading blocks, of different groups none.
+pub fn prompt_blocks(group: u64, n: u64) -> Vec<u64> {
+    (0..n).map(|i| group * 1_000_000 + i).collect()
+}
