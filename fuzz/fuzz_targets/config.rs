@@ -9,11 +9,11 @@
 #![no_main]
 
 use kvgate::config::Config;
-use kvgate::store::fake_host::FakeHost;
 use kvgate::flow::{Flow, Gate, Head, Step};
-use kvgate::pods::record;
 use kvgate::pods::pool::{encode_pods, PODS_KEY};
+use kvgate::pods::record;
 use kvgate::pods::scrape::Target;
+use kvgate::store::fake_host::FakeHost;
 use kvgate::store::interface::Store;
 use kvgate_fuzz::skip;
 use libfuzzer_sys::fuzz_target;

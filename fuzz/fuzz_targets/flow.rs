@@ -20,10 +20,10 @@
 use arbitrary::Arbitrary;
 use kvgate::config::Config;
 use kvgate::drive::{self, Waiting};
-use kvgate::store::fake_host::{FakeHost, FakeVm};
 use kvgate::flow::{Decision, Flow, Gate, Head, Step, DESTINATION_HEADER};
 use kvgate::pods::pool::{decode_pods, PODS_KEY};
 use kvgate::pods::scrape::{Call, Target};
+use kvgate::store::fake_host::{FakeHost, FakeVm};
 use kvgate::store::interface::Store;
 use kvgate_fuzz::{checked_pod, checked_queue, live, live_line, skip};
 use libfuzzer_sys::fuzz_target;

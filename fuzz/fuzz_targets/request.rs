@@ -9,11 +9,11 @@
 #![no_main]
 
 use kvgate::config::{Config, EstimatorConfig};
+use kvgate::estimate::output_dist::{OutputDist, BUCKETS};
 use kvgate::estimate::reservation::{estimate, Learned};
 use kvgate::estimate::text::static_prompt_tokens;
-use kvgate::estimate::output_dist::{OutputDist, BUCKETS};
-use kvgate::routing::prefix::block_hashes;
 use kvgate::openai::request::{Api, Request};
+use kvgate::routing::prefix::block_hashes;
 use libfuzzer_sys::fuzz_target;
 use std::sync::OnceLock;
 

@@ -16,15 +16,15 @@
 #![no_main]
 
 use arbitrary::Arbitrary;
-use kvgate::config::{Config, StalePolicy};
-use kvgate::estimate::reservation::Estimate;
-use kvgate::store::fake_host::{FakeHost, FakeVm};
 use kvgate::admission::forecast::Load;
-use kvgate::estimate::output_dist::OutputDist;
-use kvgate::pods::record::{self, Snapshot};
 use kvgate::admission::line::{self, Ticket};
+use kvgate::config::{Config, StalePolicy};
+use kvgate::estimate::output_dist::OutputDist;
+use kvgate::estimate::reservation::Estimate;
 use kvgate::pods::pool::{decode_pods, encode_pods, PODS_KEY};
+use kvgate::pods::record::{self, Snapshot};
 use kvgate::routing::router::{Routed, Router};
+use kvgate::store::fake_host::{FakeHost, FakeVm};
 use kvgate::store::interface::Store;
 use kvgate_fuzz::{chain_hashes, checked_pod, checked_queue, live, live_line, skip};
 use libfuzzer_sys::fuzz_target;
@@ -281,7 +281,8 @@ impl World {
         };
         let any_fresh = records.iter().any(|(_, r)| fresh(r));
         // Eligible: healthy or never scraped; a stale pod only under the `ignore` policy, or
-        // when no pod is fresh. When none is eligible, every pod is tried.
+        // when no pod is fresh. When none is eligible, every pod that is not down is tried (no
+        // model lists here: a pod serves the model unless it is down).
         let eligible = |r: &record::PodRecord| match r.snapshot {
             Some(s) if !s.healthy => false,
             Some(_) if !fresh(r) => {
@@ -293,7 +294,15 @@ impl World {
         // A shared prefix only lowers what the request holds, so a pod that is full for it is
         // full for it undiscounted too.
         let load = undiscounted(&self.cfg, est);
-        for (pod, rec) in records.iter().filter(|(_, r)| !any_eligible || eligible(r)) {
+        let down = |r: &record::PodRecord| r.snapshot.is_some_and(|s| !s.healthy);
+        let tried = |r: &record::PodRecord| {
+            if any_eligible {
+                eligible(r)
+            } else {
+                !down(r)
+            }
+        };
+        for (pod, rec) in records.iter().filter(|(_, r)| tried(r)) {
             let with = forecast(&self.cfg, &self.routers[v], rec, Some(load));
             let full = budget(&self.cfg, rec.snapshot.as_ref())
                 .is_some_and(|b| !rec.entries.is_empty() && with > b);

@@ -2,8 +2,8 @@
 //! generators the state-machine targets use. Everything that touches a kvgate API that is still
 //! moving (router placement, admission) lives in the targets themselves, next to its use.
 
-use kvgate::pods::record::{self, PodRecord};
 use kvgate::admission::line::{self, QueueRecord};
+use kvgate::pods::record::{self, PodRecord};
 use kvgate::store::interface::Store;
 use std::collections::HashSet;
 use std::sync::OnceLock;
