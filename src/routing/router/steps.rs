@@ -143,8 +143,10 @@ pub(super) fn candidates<'a>(
 impl Router {
     /// The pods a request may go to: those serving its model, less pods down and (with
     /// `metrics.stalePolicy` saturated, while others are fresh) pods whose figures are stale. When
-    /// every pod serving the model looks down, all of them: better tried than refused, and
-    /// Envoy's retries do the rest.
+    /// none is left, every pod serving the model (stale ones, and down ones that list it): better
+    /// tried than refused, and Envoy's retries do the rest. A down pod that lists nothing serves
+    /// nothing, so with every pod down and no lists there is none, and Envoy's own balancing
+    /// decides (`Placement::NoPods`).
     pub(super) fn eligible(
         &self,
         cfg: &Config,
