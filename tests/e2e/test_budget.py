@@ -1,4 +1,4 @@
-"""The budget is a promise both ways, in a real Envoy at --concurrency 1 and 4 in front of two
+"""The budget is a promise both ways, in a real Envoy at --concurrency 1, 2 and 4 in front of two
 kvgate-sim pods of 256 KV blocks (4,096 tokens each), with more streaming chat clients than the
 pool holds: sampled through the run, a pod's forecast (what admission keeps within the budget)
 never passes its budget and kvgate's predicted blocks never pass the pod's blocks; with
@@ -80,7 +80,7 @@ def check_promise(samples, bounded):
             assert blocks <= BLOCKS, f"kvgate predicts {blocks} blocks on a {BLOCKS}-block pod {pod}"
 
 
-@pytest.mark.parametrize("concurrency", [1, 4])
+@pytest.mark.parametrize("concurrency", [1, 2, 4])
 @pytest.mark.parametrize("max_tokens,clients,requests", [(300, 48, 144), (1000, 24, 36)])
 def test_with_max_tokens_the_engine_never_preempts(concurrency, max_tokens, clients, requests):
     with Sim(pods=2, args=SMALL_KV) as sim, \
