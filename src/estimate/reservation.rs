@@ -27,6 +27,12 @@ pub struct Estimate {
     /// How far `prompt_tokens` may be off, one standard deviation: the model's measured spread
     /// (`estimator.promptSpread` until measured) of the part estimated by rule.
     pub prompt_sigma: u64,
+    /// What the prompt is held at on its pod, per estimated token: `1 + promptSpread` until
+    /// calibration has measured the model, 1 after. Until then the rule's error is one bias shared
+    /// by every request of the model (its text's tokens per character), which pooling requests does
+    /// not shrink, so each prompt carries it; once the scale has removed the bias, what is left
+    /// differs from request to request and the forecast pools it (`prompt_sigma`).
+    pub prompt_margin: f64,
     /// Expected output: the model's mean answer length, up to the request's own limit.
     pub output_tokens: u64,
     /// The hard limit: the request's max-tokens field, or `estimator.outputCapTokens`.
@@ -48,6 +54,7 @@ impl Estimate {
         Estimate {
             prompt_tokens,
             prompt_sigma: 0,
+            prompt_margin: 1.0,
             output_tokens,
             max_output_tokens: output_tokens,
             bounded: true,
@@ -95,6 +102,11 @@ pub fn estimate_from(
     Estimate {
         prompt_tokens,
         prompt_sigma,
+        prompt_margin: if learned.is_some() {
+            1.0
+        } else {
+            1.0 + cfg.prompt_spread
+        },
         output_tokens,
         max_output_tokens,
         bounded: req.max_output_tokens.is_some(),
@@ -168,6 +180,16 @@ mod tests {
             e.prompt_sigma, 110,
             "nothing measured yet: the prior spread, 10 %, of the prompt with its margin"
         );
+        assert!(
+            (e.prompt_margin - 1.1).abs() < 1e-12,
+            "nothing measured yet: the rule's bias is carried by each prompt"
+        );
+        let calibrated = estimate(
+            &req(&"word ".repeat(1000), Some(1000)),
+            Some(learned_all(100, 100.0)),
+            &cfg,
+        );
+        assert_eq!(calibrated.prompt_margin, 1.0, "measured: pooled instead");
         assert_eq!(e.cost, 1100 + 1000);
         let ids = Request {
             token_ids: 500,

@@ -53,6 +53,8 @@ pub(super) fn charges(
     safety: f64,
 ) -> (Vec<Load>, f64) {
     let bt = ask.block_tokens as f64;
+    // Until calibration has measured the model, its prompts carry the rule's shared bias.
+    let safety = safety * est.prompt_margin;
     // A prefix already held by in-flight requests on a pod occupies its KV once: a request
     // holds only what it adds there (kthena PR 928's review objection to per-request token
     // budgets). Blocks are cut by characters, so a held block stands for this prompt's own
