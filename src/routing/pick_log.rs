@@ -16,19 +16,20 @@ const STUCK_MS: u64 = 200;
 /// The most prompt blocks one event carries (longer prompts are indexed by their first blocks).
 pub const MAX_EVENT_BLOCKS: usize = 4096;
 
+/// A request sent to a pod, with the prompt blocks it brings there.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Dispatch {
+    pub pod: String,
+    pub request: u64,
+    /// The request's LoRA adapter (`models::served::adapter_id`), 0 for a base model.
+    pub adapter: u64,
+    pub hashes: Vec<u64>,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Event {
-    Dispatch {
-        pod: String,
-        request: u64,
-        /// The request's LoRA adapter (`models::served::adapter_id`), 0 for a base model.
-        adapter: u64,
-        hashes: Vec<u64>,
-    },
-    Finish {
-        pod: String,
-        request: u64,
-    },
+    Dispatch(Dispatch),
+    Finish { pod: String, request: u64 },
 }
 
 const DISPATCH_WITHOUT_ADAPTER: u8 = 1;
@@ -42,18 +43,13 @@ fn encode(seq: u64, origin: u32, event: &Event) -> Vec<u8> {
     let mut w = Writer::new();
     w.u64(seq).u32(origin);
     match event {
-        Event::Dispatch {
-            pod,
-            request,
-            adapter,
-            hashes,
-        } => {
+        Event::Dispatch(d) => {
             w.u8(DISPATCH)
-                .bytes(pod.as_bytes())
-                .u64(*request)
-                .u64(*adapter)
-                .u32(hashes.len() as u32);
-            hashes.iter().for_each(|h| {
+                .bytes(d.pod.as_bytes())
+                .u64(d.request)
+                .u64(d.adapter)
+                .u32(d.hashes.len() as u32);
+            d.hashes.iter().for_each(|h| {
                 w.u64(*h);
             });
         }
@@ -77,12 +73,12 @@ fn decode(bytes: &[u8]) -> Option<(u64, u32, Event)> {
             let adapter = if kind == DISPATCH { r.u64()? } else { 0 };
             let n = r.count(8)?;
             let hashes = (0..n).map(|_| r.u64()).collect::<Option<Vec<_>>>()?;
-            Event::Dispatch {
+            Event::Dispatch(Dispatch {
                 pod,
                 request,
                 adapter,
                 hashes,
-            }
+            })
         }
         2 => Event::Finish { pod, request },
         _ => return None,
@@ -171,12 +167,12 @@ mod tests {
     use crate::store::fake_host::FakeHost;
 
     fn dispatch(request: u64) -> Event {
-        Event::Dispatch {
+        Event::Dispatch(Dispatch {
             pod: "10.0.0.1:8000".into(),
             request,
             adapter: request * 7,
             hashes: vec![1, 2, 3],
-        }
+        })
     }
 
     #[test]

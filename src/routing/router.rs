@@ -12,7 +12,7 @@ use crate::pods::record::{self, Entry, PodRecord};
 use crate::routing::active_blocks::ActiveBlocks;
 use crate::routing::adapters::{Adapters, Fit};
 use crate::routing::pick::{rank, rendezvous, Candidate, Rng, Scored, Terms};
-use crate::routing::pick_log::{Event, PickLog, MAX_EVENT_BLOCKS};
+use crate::routing::pick_log::{Dispatch, Event, PickLog, MAX_EVENT_BLOCKS};
 use crate::routing::prefix_index::PrefixIndex;
 use crate::store::codec::Reader;
 use crate::store::interface::{create_if_missing, update, Store, StoreError};
@@ -204,16 +204,11 @@ impl Router {
         let adapters = &mut self.adapters;
         let default_capacity = cfg.routing.pod_capacity_blocks as usize;
         self.log.poll(store, self.vm, |event| match event {
-            Event::Dispatch {
-                pod,
-                request,
-                adapter,
-                hashes,
-            } => {
-                let cap = capacity.get(&pod).copied().unwrap_or(default_capacity);
-                prefix.insert(&pod, &hashes, now, cap);
-                adapters.dispatch(&pod, request, adapter, now);
-                active.add(&pod, request, hashes, now);
+            Event::Dispatch(d) => {
+                let cap = capacity.get(&d.pod).copied().unwrap_or(default_capacity);
+                prefix.insert(&d.pod, &d.hashes, now, cap);
+                adapters.dispatch(&d.pod, d.request, d.adapter, now);
+                active.add(&d.pod, d.request, d.hashes, now);
             }
             Event::Finish { pod, request } => {
                 adapters.finish(&pod, request);
@@ -379,19 +374,19 @@ impl Router {
             let fit = adapter_fit[s.index];
             let adapter = fit.map_or(0, |_| adapter_id(model));
             self.adapters.dispatch(&pod, request, adapter, now);
-            let event = Event::Dispatch {
+            let event = Event::Dispatch(Dispatch {
                 pod: pod.clone(),
                 request,
                 adapter,
                 hashes: kept.to_vec(),
-            };
+            });
             if let Err(e) = PickLog::publish(store, self.vm, &event) {
                 // The other workers miss one pick; their replicas are approximate by design.
                 log::debug!("kvgate: pick log publish failed: {e:?}");
             }
             // The published copy of the hashes becomes this VM's replica entry: one copy per pick.
-            if let Event::Dispatch { hashes, .. } = event {
-                self.active.add(&pod, request, hashes, now);
+            if let Event::Dispatch(d) = event {
+                self.active.add(&pod, request, d.hashes, now);
             }
             let mut order = order;
             order.retain(|p| *p != pod);

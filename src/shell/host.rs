@@ -106,8 +106,10 @@ pub fn set_request_header(name: &str, value: &str) {
     let _ = raw::replace_header_map_value(MapType::HttpRequestHeaders, name, value);
 }
 
-pub fn add_response_header(name: &str, value: &str) {
-    let _ = raw::add_header_map_value(MapType::HttpResponseHeaders, name, value);
+/// Sets (not appends) a response header: kvgate's own `x-kvgate-*` answers replace any copy an
+/// upstream sent under the same name, so a pod cannot speak for kvgate.
+pub fn set_response_header(name: &str, value: &str) {
+    let _ = raw::replace_header_map_value(MapType::HttpResponseHeaders, name, value);
 }
 
 /// Up to `max_size` bytes of a buffer from its start; empty when there is none or on any error.

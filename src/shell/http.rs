@@ -152,7 +152,7 @@ impl HttpContext for Http {
             served_by.as_deref(),
         );
         for (name, value) in &add {
-            host::add_response_header(name, value);
+            host::set_response_header(name, value);
         }
         Action::Continue
     }

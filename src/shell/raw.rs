@@ -70,13 +70,6 @@ extern "C" {
         value_data: *const u8,
         value_size: usize,
     ) -> u32;
-    fn proxy_add_header_map_value(
-        map_type: MapType,
-        key_data: *const u8,
-        key_size: usize,
-        value_data: *const u8,
-        value_size: usize,
-    ) -> u32;
     fn proxy_get_property(
         path_data: *const u8,
         path_size: usize,
@@ -214,13 +207,6 @@ pub fn replace_header_map_value(map: MapType, key: &str, value: &str) -> Result<
     // SAFETY: key and value are live slices for the call.
     status(unsafe {
         proxy_replace_header_map_value(map, key.as_ptr(), key.len(), value.as_ptr(), value.len())
-    })
-}
-
-pub fn add_header_map_value(map: MapType, key: &str, value: &str) -> Result<(), u32> {
-    // SAFETY: key and value are live slices for the call.
-    status(unsafe {
-        proxy_add_header_map_value(map, key.as_ptr(), key.len(), value.as_ptr(), value.len())
     })
 }
 
