@@ -38,6 +38,8 @@ from harness import (LEAST_REQUEST, ROUND_ROBIN, Envoy, Sim, default_plugin_conf
 
 VENV = ROOT / ".venv"
 PY = VENV / "bin/python"
+# bench/floor: stop at headers, buffer and read the body, set one header (the overhead floor).
+FLOOR_WASM = ROOT / "target/wasm32-wasip1/release/kvgate_floor.wasm"
 BENCH_BIN = Path(os.environ.get("KVGATE_BENCH_BIN", ROOT / "target/tools/kvgate-bench"))
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -169,6 +171,9 @@ def ensure_binaries():
         subprocess.run([str(ROOT / "build.sh"), "build"], check=True, cwd=ROOT)
     log("cargo build -p kvgate-bench --profile tools")
     subprocess.run(["cargo", "build", "-q", "-p", "kvgate-bench", "--profile", "tools"], check=True, cwd=ROOT)
+    log("cargo build -p kvgate-floor (the overhead benchmark's floor filter)")
+    subprocess.run(["cargo", "build", "-q", "-p", "kvgate-floor", "--release", "--target", "wasm32-wasip1"],
+                   check=True, cwd=ROOT)
 
 
 def machine_info():
@@ -349,6 +354,11 @@ def target(name, endpoints, workload, log_dir, cli_log, concurrency=None):
             for key, value in NO_AFFINITY.items():
                 cfg.setdefault(key, {}).update(value)
         with kvgate_envoy(endpoints, cfg, concurrency=workers, wasm=str(WASM_SNAPSHOT or harness.WASM)) as e:
+            yield e.port, e
+    elif name == "floor":
+        # The same Envoy and filter chain as kvgate's, with the least body-reading filter in its place.
+        cfg = envoy_config(free_port(), free_port(), endpoints, wasm=str(FLOOR_WASM))
+        with Envoy(cfg, concurrency=workers) as e:
             yield e.port, e
     elif name in ("envoy-rr", "envoy-lr", "envoy"):
         policy = LEAST_REQUEST if name == "envoy-lr" else ROUND_ROBIN
@@ -596,7 +606,7 @@ def overhead(ctx, peer_ok):
     measured `repeats` times, fronts interleaved (a different order each round), and the median of
     each number is reported: the machine is shared, and one slow second should not decide."""
     o = ctx["cfg"]["overhead"]
-    names = ["direct", "envoy", "kvgate"] + [p for p in ("sglang-router", "vllm-router") if peer_ok.get(p)]
+    names = ["direct", "envoy", "floor", "kvgate"] + [p for p in ("sglang-router", "vllm-router") if peer_ok.get(p)]
     raw = ctx["out"] / "raw" / "overhead"
     raw.mkdir(parents=True, exist_ok=True)
     samples = {n: {} for n in names}
@@ -844,18 +854,26 @@ def overhead_table(ov):
             rr = c16["rps"] / d16["rps"] if d16 and d16["rps"] else None
             lines.append(f"| {name} | {int(b) // 1024} KB | {fmt(c1['p50_ms'], 3)} | {fmt(c1['p99_ms'], 3)} | "
                          f"{fmt(add50, 3)} | {fmt(add99, 3)} | {fmt(c16['rps'], 0)} | {fmt(rr, 2)} |")
-    # kvgate vs the same Envoy without it.
-    kv, ev = ov.get("kvgate", {}), ov.get("envoy", {})
+    # kvgate vs the same Envoy without it, and vs the floor: the least a body-reading filter does.
+    kv, ev, fl = ov.get("kvgate", {}), ov.get("envoy", {}), ov.get("floor", {})
     extra = []
+    if not any("error" in v for v in (kv, ev)):
+        extra.append("| body | kvgate adds p50 (ms) | floor adds p50 (ms) | kvgate over floor p50 (ms) | "
+                     "c=16 kvgate ÷ Envoy | c=16 floor ÷ Envoy | c=16 kvgate ÷ floor |")
+        extra.append("|" + "---|" * 7)
     for b in bodies:
         if "error" in kv or "error" in ev:
             break
         k1, e1, k16, e16 = kv.get(f"{b}-c1"), ev.get(f"{b}-c1"), kv.get(f"{b}-c16"), ev.get(f"{b}-c16")
-        if k1 and e1 and k16 and e16:
-            extra.append(f"- **{int(b) // 1024} KB body: kvgate adds {k1['p50_ms'] - e1['p50_ms']:.3f} ms at p50 and "
-                         f"{k1['p99_ms'] - e1['p99_ms']:.3f} ms at p99** over the same Envoy without it (one request "
-                         f"at a time); throughput with 16 concurrent clients is **{k16['rps'] / e16['rps']:.2f}×** "
-                         f"Envoy's without kvgate ({k16['rps']:.0f} vs {e16['rps']:.0f} req/s).")
+        f1, f16 = (fl.get(f"{b}-c1"), fl.get(f"{b}-c16")) if "error" not in fl else (None, None)
+        if not (k1 and e1 and k16 and e16):
+            continue
+        fadd = f1["p50_ms"] - e1["p50_ms"] if f1 else None
+        over = k1["p50_ms"] - f1["p50_ms"] if f1 else None
+        frr = f16["rps"] / e16["rps"] if f16 else None
+        kf = k16["rps"] / f16["rps"] if f16 and f16["rps"] else None
+        extra.append(f"| {int(b) // 1024} KB | {k1['p50_ms'] - e1['p50_ms']:.3f} | {fmt(fadd, 3)} | {fmt(over, 3)} | "
+                     f"{k16['rps'] / e16['rps']:.2f}× | {fmt(frr, 2)}× | {fmt(kf, 2)}× |")
     return "\n".join(lines) + ("\n\n" + "\n".join(extra) if extra else "")
 
 
@@ -1081,7 +1099,11 @@ def write_report(ctx, data):
         L.append("Non-streaming chat requests to `kvgate-bench echo` (answers at once), closed loop: one client for "
                  f"latency, 16 concurrent clients for throughput, {ov_cfg.get('seconds')} s each after a 1 s warm-up; "
                  f"median of {ov_cfg.get('repeats', 1)} interleaved rounds. Load generator, proxy and upstream share "
-                 f"the {m['nproc']} cores, so throughput is CPU-bound and comparable only between fronts.\n")
+                 f"the {m['nproc']} cores, so throughput is CPU-bound and comparable only between fronts. `floor` is "
+                 "the same Envoy and filter chain with the least body-reading wasm filter in kvgate's place "
+                 "(bench/floor: stop at headers, buffer and read the body, set one header), built like kvgate; "
+                 "kvgate ÷ floor is what kvgate's own work costs. kvgate runs its shipped configuration "
+                 "(envoy/envoy.yaml, `debugHeaders` on).\n")
         L.append(overhead_table(data.get("overhead")))
     if data.get("calibration"):
         c = data["calibration"]

@@ -77,6 +77,9 @@ pub const REPLICAS_RECLAIMED: &str = "kvgate.replicas.reclaimed";
 pub const REPLICAS_LIVE: &str = "kvgate.replicas.live";
 /// 1 while this replica reaches etcd, 0 while it admits within its fallback.
 pub const REPLICAS_IN_CONTACT: &str = "kvgate.replicas.in_contact";
+// What a request costs the proxy (`shell::http`).
+/// Host calls a request's own callbacks made (headers to done), one sample per request.
+pub const REQUEST_HOST_CALLS: &str = "kvgate.request.host_calls";
 
 /// Every fixed name, for the test against docs/operations.md.
 pub const FIXED: &[&str] = &[
@@ -121,6 +124,7 @@ pub const FIXED: &[&str] = &[
     REPLICAS_RECLAIMED,
     REPLICAS_LIVE,
     REPLICAS_IN_CONTACT,
+    REQUEST_HOST_CALLS,
 ];
 
 /// The last segment of a per-pod name, `kvgate.pod.<ip_port>.<segment>`.
@@ -240,6 +244,15 @@ impl Stats {
 
     pub fn histogram(&mut self, name: impl Into<String>, value: u64) {
         self.pending.push(Stat::Histogram(name.into(), value));
+    }
+
+    /// Stats waiting to be sent: one host call each.
+    pub fn len(&self) -> usize {
+        self.pending.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.pending.is_empty()
     }
 
     pub fn drain(&mut self) -> std::vec::Drain<'_, Stat> {

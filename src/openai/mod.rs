@@ -1,10 +1,12 @@
 //! The OpenAI-compatible wire format, in both directions: what a request body says
 //! (`request`), what the model server's response reports as it streams past (`response`), and the
-//! answers kvgate gives itself instead of forwarding (`reply`).
+//! answers kvgate gives itself instead of forwarding (`reply`), and a request's headers as the host
+//! serializes them (`header_map`).
 //!
 //! Source of truth: none of it is state. Each request's parsed fields live in its own `flow::Flow`
 //! and die with it; nothing here touches shared data.
 
+pub mod header_map;
 pub mod reply;
 pub mod request;
 pub mod response;

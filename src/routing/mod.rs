@@ -2,7 +2,8 @@
 //! pure cost formula that scores and picks (`pick`), the prompt's chained block hashes
 //! (`prefix`), where LoRA adapters stand (`adapters`), and the two replicas a VM routes on: what
 //! each pod's prefix cache holds (`prefix_index`) and which blocks in-flight requests occupy
-//! (`active_blocks`), both kept current across workers by the `pick_log`.
+//! (`active_blocks`), both kept current across workers by the `pick_log`, and the copies of the pod
+//! records it ranks on (`record_copies`).
 //!
 //! Source of truth: a request's reservation and its active-block counts live in the pod's shared
 //! record (`pods::record`), changed only by compare-and-swap; those must return to zero. The prefix
@@ -15,4 +16,5 @@ pub mod pick;
 pub mod pick_log;
 pub mod prefix;
 pub mod prefix_index;
+pub mod record_copies;
 pub mod router;

@@ -5,6 +5,10 @@
 //! in-flight prompt blocks without reading per-block keys. A VM that falls more than a ring
 //! behind skips ahead: the replicas it feeds are approximate by design, and nothing that must
 //! return to zero (reservations, active-block counts) depends on this log.
+//!
+//! A slot holds one or more events of its origin: a finish waits (`finish`) and rides with the
+//! VM's next dispatch, or goes out on the next tick (`flush`), so a request costs one append (three
+//! host calls), not two. Readers of an older module take a slot's first event and skip the rest.
 
 use crate::store::codec::{Reader, Writer};
 use crate::store::interface::{create_if_missing, update, Store, StoreError};
@@ -13,6 +17,8 @@ pub const RING: u64 = 512;
 const SEQ_KEY: &str = "kvgate.log.seq";
 /// A slot claimed but not yet written is waited for this long, then skipped (its writer died).
 const STUCK_MS: u64 = 200;
+/// Finishes held for the next append at most; one more appends them at once.
+const MAX_HELD_FINISHES: usize = 32;
 /// The most prompt blocks one event carries (longer prompts are indexed by their first blocks).
 pub const MAX_EVENT_BLOCKS: usize = 4096;
 
@@ -33,41 +39,53 @@ pub enum Event {
 }
 
 const DISPATCH_WITHOUT_ADAPTER: u8 = 1;
+const FINISH: u8 = 2;
 const DISPATCH: u8 = 3;
 
 fn slot_key(seq: u64) -> String {
     format!("kvgate.log.{}", seq % RING)
 }
 
-fn encode(seq: u64, origin: u32, event: &Event) -> Vec<u8> {
+fn encode<'a>(seq: u64, origin: u32, events: impl Iterator<Item = &'a Event>) -> Vec<u8> {
     let mut w = Writer::new();
     w.u64(seq).u32(origin);
-    match event {
-        Event::Dispatch(d) => {
-            w.u8(DISPATCH)
-                .bytes(d.pod.as_bytes())
-                .u64(d.request)
-                .u64(d.adapter)
-                .u32(d.hashes.len() as u32);
-            d.hashes.iter().for_each(|h| {
-                w.u64(*h);
-            });
-        }
-        Event::Finish { pod, request } => {
-            w.u8(2).bytes(pod.as_bytes()).u64(*request);
+    for event in events {
+        match event {
+            Event::Dispatch(d) => {
+                w.u8(DISPATCH)
+                    .bytes(d.pod.as_bytes())
+                    .u64(d.request)
+                    .u64(d.adapter)
+                    .u32(d.hashes.len() as u32);
+                d.hashes.iter().for_each(|h| {
+                    w.u64(*h);
+                });
+            }
+            Event::Finish { pod, request } => {
+                w.u8(FINISH).bytes(pod.as_bytes()).u64(*request);
+            }
         }
     }
     w.0
 }
 
-fn decode(bytes: &[u8]) -> Option<(u64, u32, Event)> {
+/// A slot's sequence number, origin and events (at least one).
+fn decode(bytes: &[u8]) -> Option<(u64, u32, Vec<Event>)> {
     let mut r = Reader(bytes);
     let seq = r.u64()?;
     let origin = r.u32()?;
+    let mut events = vec![event(&mut r)?];
+    while !r.0.is_empty() {
+        events.push(event(&mut r)?);
+    }
+    Some((seq, origin, events))
+}
+
+fn event(r: &mut Reader) -> Option<Event> {
     let kind = r.u8()?;
     let pod = String::from_utf8(r.bytes()?.to_vec()).ok()?;
     let request = r.u64()?;
-    let event = match kind {
+    Some(match kind {
         // A dispatch logged by a module from before adapters (during a reload) had none.
         DISPATCH_WITHOUT_ADAPTER | DISPATCH => {
             let adapter = if kind == DISPATCH { r.u64()? } else { 0 };
@@ -80,10 +98,9 @@ fn decode(bytes: &[u8]) -> Option<(u64, u32, Event)> {
                 hashes,
             })
         }
-        2 => Event::Finish { pod, request },
+        FINISH => Event::Finish { pod, request },
         _ => return None,
-    };
-    Some((seq, origin, event))
+    })
 }
 
 fn read_seq(store: &dyn Store) -> Result<u64, StoreError> {
@@ -99,6 +116,8 @@ fn read_seq(store: &dyn Store) -> Result<u64, StoreError> {
 pub struct PickLog {
     next: u64,
     stuck_since: Option<u64>,
+    /// This VM's finishes not yet appended.
+    held: Vec<Event>,
 }
 
 impl PickLog {
@@ -110,17 +129,63 @@ impl PickLog {
         Ok(PickLog {
             next: head.saturating_sub(RING),
             stuck_since: None,
+            held: Vec::new(),
         })
     }
 
-    /// Appends an event; the caller has already applied it to its own replica.
-    pub fn publish(store: &dyn Store, origin: u32, event: &Event) -> Result<(), StoreError> {
+    /// Appends an event, with the finishes held so far; the caller has already applied it to its
+    /// own replica.
+    pub fn publish(
+        &mut self,
+        store: &dyn Store,
+        origin: u32,
+        event: &Event,
+    ) -> Result<(), StoreError> {
+        let held = std::mem::take(&mut self.held);
+        self.append(store, origin, held.iter().chain([event]))
+    }
+
+    /// Holds a finish for the next append (appends at once when many are held).
+    pub fn finish(
+        &mut self,
+        store: &dyn Store,
+        origin: u32,
+        event: Event,
+    ) -> Result<(), StoreError> {
+        self.held.push(event);
+        if self.held.len() < MAX_HELD_FINISHES {
+            return Ok(());
+        }
+        self.flush(store, origin)
+    }
+
+    /// Appends the finishes held, if any (on the tick: when no dispatch carried them meanwhile).
+    pub fn flush(&mut self, store: &dyn Store, origin: u32) -> Result<(), StoreError> {
+        if self.held.is_empty() {
+            return Ok(());
+        }
+        let held = std::mem::take(&mut self.held);
+        self.append(store, origin, held.iter())
+    }
+
+    fn append<'a>(
+        &mut self,
+        store: &dyn Store,
+        origin: u32,
+        events: impl Iterator<Item = &'a Event>,
+    ) -> Result<(), StoreError> {
         let seq = update(store, SEQ_KEY, |cur| {
             let n = cur.and_then(|b| Reader(b).u64()).unwrap_or(0);
             Some(((n + 1).to_le_bytes().to_vec(), n))
         })?
         .unwrap_or(0);
-        store.set(&slot_key(seq), &encode(seq, origin, event), None)
+        store.set(&slot_key(seq), &encode(seq, origin, events), None)?;
+        // Nothing to replay in our own slot: when it is the next one, the poll need not read it.
+        if self.next == seq {
+            self.next = seq + 1;
+            self.stuck_since = None;
+        }
+        Ok(())
     }
 
     /// Replays events from other VMs that this VM has not seen yet.
@@ -137,9 +202,9 @@ impl PickLog {
         while self.next < head {
             let slot = store.get(&slot_key(self.next))?.value;
             match slot.as_deref().and_then(decode) {
-                Some((seq, origin, event)) if seq == self.next => {
+                Some((seq, origin, events)) if seq == self.next => {
                     if origin != me {
-                        apply(event);
+                        events.into_iter().for_each(&mut apply);
                     }
                 }
                 _ => {
@@ -181,16 +246,13 @@ mod tests {
         let (a, b) = (host.vm(), host.vm());
         let mut la = PickLog::start(&a).unwrap();
         let mut lb = PickLog::start(&b).unwrap();
-        PickLog::publish(&a, 1, &dispatch(7)).unwrap();
-        PickLog::publish(
-            &b,
-            2,
-            &Event::Finish {
-                pod: "p".into(),
-                request: 8,
-            },
-        )
-        .unwrap();
+        la.publish(&a, 1, &dispatch(7)).unwrap();
+        let finish = Event::Finish {
+            pod: "p".into(),
+            request: 8,
+        };
+        lb.finish(&b, 2, finish).unwrap();
+        lb.flush(&b, 2).unwrap();
         let mut seen_b = Vec::new();
         lb.poll(&b, 2, |e| seen_b.push(e)).unwrap();
         assert_eq!(seen_b, vec![dispatch(7)]);
@@ -211,9 +273,9 @@ mod tests {
     fn new_vm_inherits_recent_history_and_laggards_skip_ahead() {
         let host = FakeHost::new();
         let a = host.vm();
-        PickLog::start(&a).unwrap();
+        let mut la = PickLog::start(&a).unwrap();
         for i in 0..(RING + 10) {
-            PickLog::publish(&a, 1, &dispatch(i)).unwrap();
+            la.publish(&a, 1, &dispatch(i)).unwrap();
         }
         let b = host.vm();
         let mut lb = PickLog::start(&b).unwrap();
@@ -226,10 +288,11 @@ mod tests {
     fn claimed_but_unwritten_slot_waits_then_is_skipped() {
         let host = FakeHost::new();
         let (a, b) = (host.vm(), host.vm());
+        let mut la = PickLog::start(&a).unwrap();
         let mut lb = PickLog::start(&b).unwrap();
         // A writer claimed seq 0 and died before writing its slot.
         a.set(SEQ_KEY, &1u64.to_le_bytes(), None).unwrap();
-        PickLog::publish(&a, 1, &dispatch(9)).unwrap();
+        la.publish(&a, 1, &dispatch(9)).unwrap();
         let mut seen = Vec::new();
         lb.poll(&b, 2, |e| seen.push(e)).unwrap();
         assert!(seen.is_empty());
@@ -241,8 +304,52 @@ mod tests {
     #[test]
     fn garbage_slots_are_not_trusted() {
         assert_eq!(decode(b"\x01\x02"), None);
-        let mut bytes = encode(3, 1, &dispatch(1));
+        let mut bytes = encode(3, 1, [&dispatch(1)].into_iter());
         bytes.truncate(bytes.len() - 4);
         assert_eq!(decode(&bytes), None);
+    }
+
+    #[test]
+    fn finishes_wait_for_the_next_dispatch_or_the_tick_and_arrive_in_order() {
+        let host = FakeHost::new();
+        let (a, b) = (host.vm(), host.vm());
+        let mut la = PickLog::start(&a).unwrap();
+        let mut lb = PickLog::start(&b).unwrap();
+        let finish = |request| Event::Finish {
+            pod: "p".into(),
+            request,
+        };
+        la.finish(&a, 1, finish(1)).unwrap();
+        la.finish(&a, 1, finish(2)).unwrap();
+        let mut seen = Vec::new();
+        lb.poll(&b, 2, |e| seen.push(e)).unwrap();
+        assert!(seen.is_empty(), "held, not yet appended");
+        la.publish(&a, 1, &dispatch(3)).unwrap();
+        lb.poll(&b, 2, |e| seen.push(e)).unwrap();
+        assert_eq!(seen, vec![finish(1), finish(2), dispatch(3)]);
+        la.finish(&a, 1, finish(4)).unwrap();
+        la.flush(&a, 1).unwrap();
+        la.flush(&a, 1).unwrap();
+        lb.poll(&b, 2, |e| seen.push(e)).unwrap();
+        assert_eq!(seen.len(), 4, "one flush appends, an empty one nothing");
+        // Many held finishes go out without waiting.
+        for i in 0..MAX_HELD_FINISHES as u64 {
+            la.finish(&a, 1, finish(10 + i)).unwrap();
+        }
+        lb.poll(&b, 2, |e| seen.push(e)).unwrap();
+        assert_eq!(seen.len(), 4 + MAX_HELD_FINISHES);
+    }
+
+    #[test]
+    fn a_vm_does_not_read_back_its_own_appends() {
+        let host = FakeHost::new();
+        let a = host.vm();
+        let mut la = PickLog::start(&a).unwrap();
+        la.publish(&a, 1, &dispatch(1)).unwrap();
+        la.publish(&a, 1, &dispatch(2)).unwrap();
+        assert_eq!(la.next, 2, "its own slots were the next ones");
+        let mut seen = Vec::new();
+        la.poll(&a, 1, |e| seen.push(e)).unwrap();
+        assert!(seen.is_empty());
     }
 }

@@ -14,6 +14,7 @@ use crate::routing::adapters::{Adapters, Fit};
 use crate::routing::pick::{rank, rendezvous, Candidate, Rng, Scored, Terms};
 use crate::routing::pick_log::{Dispatch, Event, PickLog, MAX_EVENT_BLOCKS};
 use crate::routing::prefix_index::PrefixIndex;
+use crate::routing::record_copies::RecordCopies;
 use crate::store::codec::Reader;
 use crate::store::interface::{create_if_missing, update, Store, StoreError};
 use hashbrown::HashMap;
@@ -109,6 +110,8 @@ pub struct Router {
     capacity: HashMap<String, usize>,
     /// The largest block size the pods' metrics reported, 0 before any did.
     engine_block_tokens: u32,
+    /// The pod records as this VM last read or wrote them, for ranking.
+    copies: RecordCopies,
 }
 
 impl Router {
@@ -138,6 +141,7 @@ impl Router {
             pods_read_ms: None,
             capacity: HashMap::new(),
             engine_block_tokens: 0,
+            copies: RecordCopies::default(),
         })
     }
 
@@ -192,8 +196,14 @@ impl Router {
             self.prefix.retain_pods(|p| pods.iter().any(|q| q == p));
             self.active.retain_pods(|p| pods.iter().any(|q| q == p));
             self.adapters.retain_pods(|p| pods.iter().any(|q| q == p));
+            self.copies.retain_pods(|p| pods.iter().any(|q| q == p));
             self.pods = pods;
         }
+    }
+
+    /// Appends the finishes this VM still holds (`PickLog::finish`): the tick's part of the log.
+    pub fn flush_log(&mut self, store: &dyn Store) -> Result<(), StoreError> {
+        self.log.flush(store, self.vm)
     }
 
     /// Brings this VM's replicas up to date with the other workers' picks.
@@ -231,6 +241,25 @@ impl Router {
         if self.pods.is_empty() {
             return Ok(Placement::NoPods);
         }
+        let (placement, from_copies) = self.place(store, cfg, model, hashes, est, false)?;
+        if from_copies && matches!(placement, Placement::NoRoom) {
+            // The copies said no pod has room: the records decide before the request waits.
+            return Ok(self.place(store, cfg, model, hashes, est, true)?.0);
+        }
+        Ok(placement)
+    }
+
+    /// `route` on the records as this VM's copies have them (`fresh`: as stored); also says
+    /// whether any copy was used.
+    fn place(
+        &mut self,
+        store: &dyn Store,
+        cfg: &Config,
+        model: &str,
+        hashes: &[u64],
+        est: &Estimate,
+        fresh: bool,
+    ) -> Result<(Placement, bool), StoreError> {
         let now = store.now_ms();
         let r = &cfg.routing;
         let block_tokens = self.block_tokens(r);
@@ -240,11 +269,13 @@ impl Router {
         let output_blocks = est.output_tokens.div_ceil(bt);
 
         let request = self.next_request_id();
-        let records: Vec<PodRecord> = self
-            .pods
-            .iter()
-            .map(|p| record::read(store, p))
-            .collect::<Result<_, _>>()?;
+        let mut from_copies = false;
+        let mut records: Vec<PodRecord> = Vec::with_capacity(self.pods.len());
+        for pod in &self.pods {
+            let (rec, copy) = self.copies.get(store, pod, now, fresh)?;
+            from_copies |= copy;
+            records.push(rec);
+        }
         // Learned for the next requests: this one's blocks were already cut.
         if let Some(b) = records
             .iter()
@@ -262,7 +293,7 @@ impl Router {
         let indices = self.eligible(cfg, model, &records, now);
         if indices.is_empty() {
             // The model lists changed since the flow checked: the engine answers for itself.
-            return Ok(Placement::NoPods);
+            return Ok((Placement::NoPods, from_copies));
         }
         let adapter_fit = self.adapter_fits(&indices, model, &records, now, cfg);
         let ask = Ask {
@@ -363,11 +394,12 @@ impl Router {
                     return None;
                 }
                 rec.entries.push(entry);
-                Some(())
+                Some(rec.clone())
             })?;
-            if taken.is_none() {
+            let Some(written) = taken else {
                 continue;
-            }
+            };
+            self.copies.wrote(&pod, written, now);
             let kept = ask.recorded(&records[indices[s.index]]);
             self.prefix
                 .insert(&pod, kept, now, best.capacity_blocks as usize);
@@ -380,7 +412,7 @@ impl Router {
                 adapter,
                 hashes: kept.to_vec(),
             });
-            if let Err(e) = PickLog::publish(store, self.vm, &event) {
+            if let Err(e) = self.log.publish(store, self.vm, &event) {
                 // The other workers miss one pick; their replicas are approximate by design.
                 log::debug!("kvgate: pick log publish failed: {e:?}");
             }
@@ -392,21 +424,24 @@ impl Router {
             order.retain(|p| *p != pod);
             order.insert(0, pod.clone());
             order.truncate(1 + r.fallback_pods as usize);
-            return Ok(Placement::Routed(Routed {
-                request,
-                pod,
-                streamed: 0,
-                held_per_block,
-                order,
-                prompt_blocks,
-                cached_blocks: best.cached_blocks,
-                output_blocks: 0,
-                block_tokens,
-                adapter_load: fit.is_some_and(|f| f != Fit::Resident),
-                ranking,
-            }));
+            return Ok((
+                Placement::Routed(Routed {
+                    request,
+                    pod,
+                    streamed: 0,
+                    held_per_block,
+                    order,
+                    prompt_blocks,
+                    cached_blocks: best.cached_blocks,
+                    output_blocks: 0,
+                    block_tokens,
+                    adapter_load: fit.is_some_and(|f| f != Fit::Resident),
+                    ranking,
+                }),
+                from_copies,
+            ));
         }
-        Ok(Placement::NoRoom)
+        Ok((Placement::NoRoom, from_copies))
     }
 
     /// The response has produced `output_tokens` so far: grows the entry by whole blocks (what it
@@ -458,15 +493,18 @@ impl Router {
             return Ok(());
         }
         let now = store.now_ms();
-        record::modify(store, &routed.pod, |rec| {
+        let down = record::modify(store, &routed.pod, |rec| {
             rec.snapshot = Some(record::Snapshot {
                 at_ms: now,
                 healthy: false,
                 kv_usage: f64::NAN,
                 ..record::Snapshot::default()
             });
-            Some(())
+            Some(rec.clone())
         })?;
+        if let Some(down) = down {
+            self.copies.wrote(&routed.pod, down, now);
+        }
         let hashes = self
             .active
             .hashes_of(&routed.pod, routed.request)
@@ -475,10 +513,13 @@ impl Router {
             return Ok(());
         };
         entry.prompt_blocks = routed.prompt_blocks as u32;
-        record::modify(store, served_by, |rec| {
+        let moved = record::modify(store, served_by, |rec| {
             rec.entries.push(entry);
-            Some(())
+            Some(rec.clone())
         })?;
+        if let Some(moved) = moved {
+            self.copies.wrote(served_by, moved, now);
+        }
         routed.pod = served_by.to_string();
         self.active.add(served_by, routed.request, hashes, now);
         Ok(())
@@ -499,12 +540,15 @@ impl Router {
         let shared_tokens = (f64::from(shared) * routed.held_per_block).round() as u64;
         let heir = heir.map(|h| (h, shared, shared_tokens));
         let gone = record::finish(store, &routed.pod, routed.request, heir)?;
+        self.copies.finished(&routed.pod, routed.request);
         if gone.is_some() {
             let event = Event::Finish {
                 pod: routed.pod.clone(),
                 request: routed.request,
             };
-            if let Err(e) = PickLog::publish(store, self.vm, &event) {
+            // Held for this VM's next append: the other workers' replicas keep the request a
+            // little longer, which their prune by the pod records bounds.
+            if let Err(e) = self.log.finish(store, self.vm, event) {
                 log::debug!("kvgate: pick log publish failed: {e:?}");
             }
         }
@@ -520,6 +564,7 @@ mod tests {
     use super::*;
     use crate::pods::pool::encode_pods;
     use crate::pods::record::Snapshot;
+    use crate::routing::record_copies::COPY_MS;
     use crate::store::fake_host::{FakeHost, FakeVm};
 
     impl Placement {
@@ -874,6 +919,8 @@ mod tests {
         };
         scraped("a:1", 16);
         scraped("b:1", 32);
+        // The router ranks on its copies of the records: a scrape reaches it within COPY_MS.
+        host.advance_ms(COPY_MS);
         let first = r
             .route(&vm, &cfg, "m", &hashes(1, 4), &est(64, 64))
             .unwrap()
@@ -887,6 +934,7 @@ mod tests {
         assert_eq!(second.block_tokens, 32);
         scraped("a:1", 1);
         scraped("b:1", 1);
+        host.advance_ms(COPY_MS);
         r.route(&vm, &cfg, "m", &hashes(3, 4), &est(64, 64))
             .unwrap();
         assert_eq!(

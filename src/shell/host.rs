@@ -4,6 +4,7 @@
 //! `hostcalls::dispatch_http_call` (see `dispatch_get`).
 
 use super::raw;
+use crate::openai::header_map::HeaderMap;
 use crate::openai::reply::LocalReply;
 use crate::store::interface::{Store, StoreError, Versioned};
 use proxy_wasm::hostcalls;
@@ -17,8 +18,14 @@ fn store_error(status: u32) -> StoreError {
     }
 }
 
-/// Shared data, shared queues and the clock of the Envoy process.
-pub struct HostStore;
+/// Shared data, shared queues and the clock of the Envoy process, for one callback: the clock is
+/// read once per callback (a host call each time it was read before, a dozen per request) and
+/// the instant stands for the whole callback, which runs in microseconds. Make a new one per
+/// callback (`HostStore::default()`); a store kept across callbacks would stop the clock.
+#[derive(Default)]
+pub struct HostStore {
+    now_ms: std::cell::Cell<Option<u64>>,
+}
 
 impl Store for HostStore {
     fn get(&self, key: &str) -> Result<Versioned, StoreError> {
@@ -58,7 +65,12 @@ impl Store for HostStore {
     }
 
     fn now_ms(&self) -> u64 {
-        raw::get_current_time_nanoseconds().map_or(0, |ns| ns / 1_000_000)
+        if let Some(now) = self.now_ms.get() {
+            return now;
+        }
+        let now = raw::get_current_time_nanoseconds().map_or(0, |ns| ns / 1_000_000);
+        self.now_ms.set(Some(now));
+        now
     }
 }
 
@@ -72,8 +84,11 @@ fn header(map: MapType, name: &str) -> Option<String> {
     )
 }
 
-pub fn request_header(name: &str) -> Option<String> {
-    header(MapType::HttpRequestHeaders, name)
+/// All the request's headers, in one host call (a request reads up to nine).
+pub fn request_headers() -> HeaderMap {
+    raw::get_header_map_pairs(MapType::HttpRequestHeaders)
+        .map(|bytes| HeaderMap::decode(&bytes))
+        .unwrap_or_default()
 }
 
 pub fn response_header(name: &str) -> Option<String> {
@@ -167,33 +182,73 @@ pub fn plugin_configuration() -> Vec<u8> {
 thread_local! {
     /// Envoy metric ids by name, defined on first use (a VM is single-threaded).
     static METRICS: std::cell::RefCell<hashbrown::HashMap<String, u32>> = Default::default();
+    /// When this VM last sent its stats (`flush_stats`), in ms.
+    static LAST_FLUSH_MS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
-/// Sends the core's buffered stats to Envoy.
+/// The longest a finished request's stats wait to be sent while its VM has other requests open.
+const STATS_BATCH_MS: u64 = 50;
+/// Stats buffered before they are sent regardless (bounds the buffer under any load).
+const STATS_BATCH_MAX: usize = 4096;
+
+/// Sends a finished request's stats, or keeps them for a later send while other requests of this
+/// VM are open and the last send is recent: under load one send then carries many requests'
+/// counters, summed, a host call per name instead of one per request and name. The last request
+/// to finish sends everything, so a stat is never held once traffic stops.
+pub fn flush_stats_batched(stats: &mut crate::stats::Stats, now_ms: u64, others_open: bool) {
+    let recent = now_ms.saturating_sub(LAST_FLUSH_MS.get()) < STATS_BATCH_MS;
+    if others_open && recent && stats.len() < STATS_BATCH_MAX {
+        return;
+    }
+    LAST_FLUSH_MS.set(now_ms);
+    flush_stats(stats);
+}
+
+/// Sends the core's buffered stats to Envoy: counters summed by name, gauges at their last value,
+/// every histogram sample.
 pub fn flush_stats(stats: &mut crate::stats::Stats) {
     use crate::stats::Stat;
     use proxy_wasm::types::MetricType;
+    if stats.is_empty() {
+        return;
+    }
+    // Name, kind, value; a counter or gauge seen again updates its first row.
+    let mut rows: Vec<(String, MetricType, u64)> = Vec::with_capacity(stats.len());
+    let mut seen: hashbrown::HashMap<String, usize> = hashbrown::HashMap::new();
+    for stat in stats.drain() {
+        let (name, kind, value) = match stat {
+            Stat::Counter(n, v) => (n, MetricType::Counter, v),
+            Stat::Gauge(n, v) => (n, MetricType::Gauge, v),
+            Stat::Histogram(n, v) => (n, MetricType::Histogram, v),
+        };
+        if kind != MetricType::Histogram {
+            if let Some(row) = seen.get(&name).and_then(|&i| rows.get_mut(i)) {
+                row.2 = match kind {
+                    MetricType::Counter => row.2.saturating_add(value),
+                    _ => value,
+                };
+                continue;
+            }
+            seen.insert(name.clone(), rows.len());
+        }
+        rows.push((name, kind, value));
+    }
     METRICS.with(|m| {
         let mut ids = m.borrow_mut();
-        for stat in stats.drain() {
-            let (name, kind) = match &stat {
-                Stat::Counter(n, _) => (n, MetricType::Counter),
-                Stat::Gauge(n, _) => (n, MetricType::Gauge),
-                Stat::Histogram(n, _) => (n, MetricType::Histogram),
-            };
-            let id = match ids.get(name) {
+        for (name, kind, value) in rows {
+            let id = match ids.get(&name) {
                 Some(id) => *id,
-                None => match raw::define_metric(kind, name) {
+                None => match raw::define_metric(kind, &name) {
                     Ok(id) => {
-                        ids.insert(name.clone(), id);
+                        ids.insert(name, id);
                         id
                     }
                     Err(_) => continue,
                 },
             };
-            let _ = match stat {
-                Stat::Counter(_, by) => raw::increment_metric(id, by as i64),
-                Stat::Gauge(_, v) | Stat::Histogram(_, v) => raw::record_metric(id, v),
+            let _ = match kind {
+                MetricType::Counter => raw::increment_metric(id, value as i64),
+                _ => raw::record_metric(id, value),
             };
         }
     });

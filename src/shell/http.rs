@@ -3,13 +3,22 @@
 //! is registered in `Parked`, where the root context finds it when the line moves.
 
 use super::host::{self, HostStore};
+use super::raw;
 use crate::drive::{self, Next};
 use crate::flow::{Decision, Flow, Gate, Head, Step};
+use crate::stats;
+use crate::store::interface::Store;
 use hashbrown::HashMap;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
 use std::cell::RefCell;
 use std::rc::Rc;
+
+thread_local! {
+    /// HTTP contexts of this VM not yet done: while others are open, a finished request's stats
+    /// may wait for a batched send (`host::flush_stats_batched`).
+    static OPEN: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
 
 /// Requests of this VM waiting in the line: ticket → (context id, its flow).
 pub type Parked = Rc<RefCell<HashMap<u64, (u32, Rc<RefCell<Flow>>)>>>;
@@ -42,16 +51,28 @@ pub struct Http {
     gate: Rc<RefCell<Gate>>,
     parked: Parked,
     flow: Rc<RefCell<Flow>>,
+    /// Host calls this request's callbacks have made so far (`raw::calls`).
+    host_calls: u64,
 }
 
 impl Http {
     pub fn new(id: u32, gate: Rc<RefCell<Gate>>, parked: Parked) -> Self {
+        OPEN.with(|n| n.set(n.get() + 1));
         Self {
             id,
             gate,
             parked,
             flow: Rc::new(RefCell::new(Flow::default())),
+            host_calls: 0,
         }
+    }
+
+    /// Runs one callback, charging this request with the host calls it makes.
+    fn counted<R>(&mut self, callback: impl FnOnce(&mut Self) -> R) -> R {
+        let before = raw::calls();
+        let r = callback(self);
+        self.host_calls += raw::calls().wrapping_sub(before);
+        r
     }
 
     fn act(&self, d: Decision) -> Action {
@@ -67,54 +88,61 @@ impl Http {
 impl Context for Http {
     fn on_done(&mut self) -> bool {
         self.parked.borrow_mut().retain(|_, (id, _)| *id != self.id);
+        let open = OPEN.with(|n| {
+            n.set(n.get().saturating_sub(1));
+            n.get()
+        });
+        let before = raw::calls();
         let mut gate = self.gate.borrow_mut();
-        self.flow.borrow_mut().on_done(&mut gate, &HostStore);
-        host::flush_stats(&mut gate.stats);
+        let store = HostStore::default();
+        self.flow.borrow_mut().on_done(&mut gate, &store);
+        let now = store.now_ms();
+        // What a batched send costs is spread over the requests it carries; this sample counts
+        // the request's own calls so far and the one that records it.
+        let calls = self.host_calls + raw::calls().wrapping_sub(before) + 1;
+        gate.stats.histogram(stats::REQUEST_HOST_CALLS, calls);
+        host::flush_stats_batched(&mut gate.stats, now, open > 0);
         true
     }
 }
 
-impl HttpContext for Http {
-    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+/// The callbacks' bodies; each runs inside `counted`.
+impl Http {
+    fn request_headers(&mut self, end_of_stream: bool) -> Action {
         let gate = self.gate.borrow();
         let a = &gate.config.admission;
-        let read = |name: &str| {
-            (!name.is_empty())
-                .then(|| host::request_header(name))
-                .flatten()
-        };
-        let method = host::request_header(":method").unwrap_or_default();
-        let path = host::request_header(":path").unwrap_or_default();
-        let content_type = host::request_header("content-type");
-        let content_length =
-            host::request_header("content-length").and_then(|v| v.trim().parse().ok());
+        let headers = host::request_headers();
+        let read = |name: &str| (!name.is_empty()).then(|| headers.get(name)).flatten();
+        let method = headers.get(":method").unwrap_or_default();
+        let path = headers.get(":path").unwrap_or_default();
+        let content_type = headers.get("content-type");
+        let content_length = headers
+            .get("content-length")
+            .and_then(|v| v.trim().parse().ok());
         let (objective, priority) = (read(&a.objective_header), read(&a.priority_header));
         let (tenant, session) = (read(&a.tenant_header), read(&a.session_header));
-        // One host call less per request while the status page is off (its only reader).
-        let accept = (!gate.config.status_path.is_empty())
-            .then(|| host::request_header("accept"))
-            .flatten();
+        let accept = headers.get("accept");
         let head = Head {
-            method: &method,
-            path: &path,
-            content_type: content_type.as_deref(),
+            method,
+            path,
+            content_type,
             content_length,
             end_of_stream,
-            accept: accept.as_deref(),
-            objective: objective.as_deref(),
-            priority: priority.as_deref(),
-            tenant: tenant.as_deref(),
-            session: session.as_deref(),
+            accept,
+            objective,
+            priority,
+            tenant,
+            session,
         };
-        let decision = self
-            .flow
-            .borrow_mut()
-            .on_request_headers(&gate, &HostStore, &head);
+        let decision =
+            self.flow
+                .borrow_mut()
+                .on_request_headers(&gate, &HostStore::default(), &head);
         drop(gate);
         self.act(decision)
     }
 
-    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+    fn request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         if !self.flow.borrow().wants_body() {
             return Action::Continue;
         }
@@ -131,9 +159,10 @@ impl HttpContext for Http {
         let body = host::request_body(body_size);
         let mut decision = {
             let mut gate = self.gate.borrow_mut();
-            let d = self.flow.borrow_mut().on_body(&mut gate, &HostStore, &body);
-            host::flush_stats(&mut gate.stats);
-            d
+            // Its stats go with the request's last ones, from `on_done`.
+            self.flow
+                .borrow_mut()
+                .on_body(&mut gate, &HostStore::default(), &body)
         };
         // Only here, in the body callback itself, is the buffered body the stream's to replace.
         if let Some(new_body) = decision.body.take() {
@@ -142,12 +171,12 @@ impl HttpContext for Http {
         self.act(decision)
     }
 
-    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+    fn response_headers(&mut self) -> Action {
         let content_type = host::response_header("content-type");
         let served_by = host::upstream_address();
         let add = self.flow.borrow_mut().on_response_headers(
             &mut self.gate.borrow_mut(),
-            &HostStore,
+            &HostStore::default(),
             content_type.as_deref(),
             served_by.as_deref(),
         );
@@ -157,15 +186,35 @@ impl HttpContext for Http {
         Action::Continue
     }
 
-    fn on_http_response_body(&mut self, body_size: usize, _end_of_stream: bool) -> Action {
+    fn response_body(&mut self, body_size: usize) -> Action {
         if !self.flow.borrow().reads_response() {
             return Action::Continue;
         }
         // Envoy hands each chunk as the buffer's whole content when the filter does not pause.
         let bytes = host::response_body(body_size);
-        self.flow
-            .borrow_mut()
-            .on_response_body(&mut self.gate.borrow_mut(), &HostStore, &bytes);
+        self.flow.borrow_mut().on_response_body(
+            &mut self.gate.borrow_mut(),
+            &HostStore::default(),
+            &bytes,
+        );
         Action::Continue
+    }
+}
+
+impl HttpContext for Http {
+    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        self.counted(|s| s.request_headers(end_of_stream))
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        self.counted(|s| s.request_body(body_size, end_of_stream))
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        self.counted(|s| s.response_headers())
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, _end_of_stream: bool) -> Action {
+        self.counted(|s| s.response_body(body_size))
     }
 }

@@ -23,6 +23,7 @@
 
 use proxy_wasm::types::{BufferType, LogLevel, MapType, MetricType, StreamType};
 use std::ptr::{null, null_mut};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 const OK: u32 = 0;
 pub const NOT_FOUND: u32 = 1;
@@ -50,6 +51,11 @@ extern "C" {
         size: usize,
         buffer_data: *const u8,
         buffer_size: usize,
+    ) -> u32;
+    fn proxy_get_header_map_pairs(
+        map_type: MapType,
+        return_map_data: *mut *mut u8,
+        return_map_size: *mut usize,
     ) -> u32;
     fn proxy_get_header_map_value(
         map_type: MapType,
@@ -130,7 +136,17 @@ extern "C" {
     fn proxy_record_metric(metric_id: u32, value: u64) -> u32;
 }
 
+/// Host calls this VM has made (every wrapper below returns through `status`, so each counts once).
+/// The HTTP context charges a request with the calls its own callbacks made: kvgate's cost per
+/// request is mostly these crossings, and `kvgate.request.host_calls` shows them.
+static CALLS: AtomicU64 = AtomicU64::new(0);
+
+pub fn calls() -> u64 {
+    CALLS.load(Ordering::Relaxed)
+}
+
 fn status(code: u32) -> Result<(), u32> {
+    CALLS.fetch_add(1, Ordering::Relaxed);
     match code {
         OK => Ok(()),
         other => Err(other),
@@ -195,6 +211,13 @@ pub fn get_header_map_value(map: MapType, key: &str) -> Result<Vec<u8>, u32> {
     let value = read(|data, size| unsafe {
         proxy_get_header_map_value(map, key.as_ptr(), key.len(), data, size)
     })?;
+    Ok(value.unwrap_or_default())
+}
+
+/// Every header of a map in one call, serialized (`openai::header_map` reads it).
+pub fn get_header_map_pairs(map: MapType) -> Result<Vec<u8>, u32> {
+    // SAFETY: the out-parameters come from `read`.
+    let value = read(|data, size| unsafe { proxy_get_header_map_pairs(map, data, size) })?;
     Ok(value.unwrap_or_default())
 }
 

@@ -50,7 +50,7 @@ impl Root {
     /// The line moved: `drive::run_line` decides which parked requests to retry; this VM's
     /// streams carry the decisions out.
     fn run_line(&self, gate: &mut Gate) {
-        drive::run_line(gate, &HostStore, &mut self.parked.clone());
+        drive::run_line(gate, &HostStore::default(), &mut self.parked.clone());
         host::flush_stats(&mut gate.stats);
     }
 }
@@ -98,7 +98,7 @@ impl Context for Root {
             host::call_response(body_size)
         };
         let mut gate = gate.borrow_mut();
-        let next = gate.on_call_response(&HostStore, &target, status, &body);
+        let next = gate.on_call_response(&HostStore::default(), &target, status, &body);
         self.send(&mut gate, next);
         host::flush_stats(&mut gate.stats);
     }
@@ -125,7 +125,7 @@ impl RootContext for Root {
                 }
             }
         }
-        match Gate::new(config, &HostStore) {
+        match Gate::new(config, &HostStore::default()) {
             Ok(gate) => {
                 log::info!("kvgate: configured as vm {}", gate.vm());
                 self.gate = Some(Rc::new(RefCell::new(gate)));
@@ -144,7 +144,7 @@ impl RootContext for Root {
             return;
         };
         let mut gate = gate.borrow_mut();
-        let calls = gate.on_tick(&HostStore);
+        let calls = gate.on_tick(&HostStore::default());
         self.send(&mut gate, calls);
         self.run_line(&mut gate);
     }

@@ -1,0 +1,132 @@
+//! This VM's copies of the pod records, for ranking. Reading every pod's record on every request
+//! cost two host calls per pod (and a decode each); a copy younger than `COPY_MS`, or one this VM
+//! has just written, ranks as well: other workers' changes reach it within that time, their picks
+//! sooner through the pick log.
+//!
+//! Source of truth: the shared-data record (`pods::record`). A copy never decides a reservation:
+//! the router checks the fit again on the fresh record inside the compare-and-swap, and when the
+//! copies say no pod has room it reads every pod again before the request is queued. So a stale
+//! copy can rank a pod wrongly for a moment; it can neither overfill a pod nor queue a request
+//! that fits.
+
+use crate::pods::record::{self, PodRecord};
+use crate::store::interface::{Store, StoreError};
+use hashbrown::HashMap;
+
+/// How long a copy serves before the record is read again.
+pub const COPY_MS: u64 = 20;
+
+#[derive(Debug, Default)]
+pub struct RecordCopies {
+    /// Pod → (when it was read or written, the record then).
+    copies: HashMap<String, (u64, PodRecord)>,
+}
+
+impl RecordCopies {
+    /// The pod's record: its copy when young enough and `fresh` is not asked, else read (and
+    /// kept). The second value says whether it was a copy. Expired entries are left out either way.
+    pub fn get(
+        &mut self,
+        store: &dyn Store,
+        pod: &str,
+        now: u64,
+        fresh: bool,
+    ) -> Result<(PodRecord, bool), StoreError> {
+        if !fresh {
+            if let Some((at, rec)) = self.copies.get(pod) {
+                if now.saturating_sub(*at) < COPY_MS {
+                    let mut rec = rec.clone();
+                    rec.entries.retain(|e| e.expires_ms > now);
+                    return Ok((rec, true));
+                }
+            }
+        }
+        let rec = record::read(store, pod)?;
+        self.copies.insert(pod.to_string(), (now, rec.clone()));
+        Ok((rec, false))
+    }
+
+    /// The record as this VM just wrote it.
+    pub fn wrote(&mut self, pod: &str, rec: PodRecord, now: u64) {
+        self.copies.insert(pod.to_string(), (now, rec));
+    }
+
+    /// This VM removed a request's entry from the pod's record: the copy follows (its age kept).
+    pub fn finished(&mut self, pod: &str, request: u64) {
+        if let Some((_, rec)) = self.copies.get_mut(pod) {
+            rec.entries.retain(|e| e.id != request);
+        }
+    }
+
+    pub fn retain_pods(&mut self, keep: impl Fn(&str) -> bool) {
+        self.copies.retain(|p, _| keep(p));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    use super::*;
+    use crate::pods::record::Entry;
+    use crate::store::fake_host::FakeHost;
+
+    fn entry(id: u64, expires_ms: u64) -> Entry {
+        Entry {
+            id,
+            expires_ms,
+            ..Entry::default()
+        }
+    }
+
+    #[test]
+    fn a_copy_serves_until_it_is_old_then_the_record_is_read_again() {
+        let host = FakeHost::new();
+        let (a, b) = (host.vm(), host.vm());
+        record::ensure(&a, "p").unwrap();
+        let mut copies = RecordCopies::default();
+        let now = a.now_ms();
+        let (rec, copy) = copies.get(&a, "p", now, false).unwrap();
+        assert!(rec.entries.is_empty() && !copy);
+        // Another worker reserves on the pod.
+        record::modify(&b, "p", |r| {
+            r.entries.push(entry(7, now + 60_000));
+            Some(())
+        })
+        .unwrap();
+        let (rec, copy) = copies.get(&a, "p", now + COPY_MS - 1, false).unwrap();
+        assert!(
+            rec.entries.is_empty() && copy,
+            "the copy, not yet the change"
+        );
+        let (rec, copy) = copies.get(&a, "p", now + 1, true).unwrap();
+        assert_eq!((rec.entries.len(), copy), (1, false), "fresh when asked");
+        let (rec, copy) = copies.get(&a, "p", now + 1 + COPY_MS, false).unwrap();
+        assert_eq!((rec.entries.len(), copy), (1, false), "read again once old");
+    }
+
+    #[test]
+    fn writes_and_finishes_of_this_vm_show_at_once_and_expired_entries_never() {
+        let host = FakeHost::new();
+        let a = host.vm();
+        record::ensure(&a, "p").unwrap();
+        let mut copies = RecordCopies::default();
+        let written = PodRecord {
+            entries: vec![entry(1, 100), entry(2, 25)],
+            ..PodRecord::default()
+        };
+        copies.wrote("p", written, 10);
+        let (rec, copy) = copies.get(&a, "p", 20, false).unwrap();
+        assert!(copy);
+        assert_eq!(rec.entries.len(), 2);
+        let (rec, _) = copies.get(&a, "p", 29, false).unwrap();
+        assert_eq!(rec.entries.len(), 1, "entry 2 expired at 25");
+        copies.finished("p", 1);
+        let (rec, copy) = copies.get(&a, "p", 29, false).unwrap();
+        assert!(copy && rec.entries.is_empty());
+        copies.retain_pods(|p| p != "p");
+        let (_, copy) = copies.get(&a, "p", 29, false).unwrap();
+        assert!(!copy, "a pod that left and came back is read");
+    }
+}
