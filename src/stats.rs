@@ -166,7 +166,42 @@ pub const PER_POD: &[PodStat] = &[
 
 /// A pod's stat: `kvgate.pod.<ip_port>.<stat>`, the address made one segment by [`pod_segment`].
 pub fn pod_stat(pod: &str, stat: PodStat) -> String {
-    format!("kvgate.pod.{}.{}", pod_segment(pod), stat.0)
+    named(("pod", stat.0), pod, || {
+        format!("kvgate.pod.{}.{}", pod_segment(pod), stat.0)
+    })
+}
+
+/// Names built once per pod or model and segment: per-request stats reuse them rather than
+/// sanitize and format a name each time.
+const NAMES_MAX: usize = 4096;
+
+/// (kind, segment) → (pod or model → full name).
+type Names = hashbrown::HashMap<(&'static str, &'static str), hashbrown::HashMap<String, String>>;
+
+thread_local! {
+    /// One VM is one thread.
+    static NAMES: std::cell::RefCell<Names> = Default::default();
+}
+
+fn named(
+    kind: (&'static str, &'static str),
+    subject: &str,
+    build: impl FnOnce() -> String,
+) -> String {
+    NAMES.with(|names| {
+        let mut names = names.borrow_mut();
+        let by_subject = names.entry(kind).or_default();
+        if let Some(name) = by_subject.get(subject) {
+            return name.clone();
+        }
+        // Subjects are pods and served models, a bounded set; a stream of new ones starts over.
+        if by_subject.len() >= NAMES_MAX {
+            by_subject.clear();
+        }
+        let name = build();
+        by_subject.insert(subject.to_string(), name.clone());
+        name
+    })
 }
 
 // Per model: the last segment of `kvgate.model.<model>.<segment>` ([`model_stat`]).
@@ -197,12 +232,14 @@ const MODEL_SEGMENT_CHARS: usize = 64;
 
 /// A model's stat: `kvgate.model.<model>.<stat>`, the name made one bounded segment (characters
 /// other than ASCII letters and digits become `_`).
-pub fn model_stat(model: &str, stat: &str) -> String {
-    let segment: String = pod_segment(model)
-        .chars()
-        .take(MODEL_SEGMENT_CHARS)
-        .collect();
-    format!("kvgate.model.{segment}.{stat}")
+pub fn model_stat(model: &str, stat: &'static str) -> String {
+    named(("model", stat), model, || {
+        let segment: String = pod_segment(model)
+            .chars()
+            .take(MODEL_SEGMENT_CHARS)
+            .collect();
+        format!("kvgate.model.{segment}.{stat}")
+    })
 }
 
 /// Tickets waiting in one configured priority band: `kvgate.queue.priority_<band>.length`, a

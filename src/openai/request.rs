@@ -194,6 +194,43 @@ fn missing(field: &str) -> BadRequest {
 }
 
 impl Request {
+    /// The body, from a whole-text deserializer (trailing text is an error).
+    fn deserialize(body: &str) -> Result<Body<'_>, serde_json::Error> {
+        let de = &mut serde_json::Deserializer::from_str(body);
+        let parsed = Body::deserialize(&mut *de)?;
+        de.end()?;
+        Ok(parsed)
+    }
+
+    /// Why a body did not parse, naming the field when it was a field's fault.
+    fn explain_error(body: &str) -> BadRequest {
+        let de = &mut serde_json::Deserializer::from_str(body);
+        let tracked: Result<Body, _> = serde_path_to_error::deserialize(&mut *de);
+        let e = match tracked {
+            Err(e) => e,
+            // Only trailing text is left to be wrong.
+            Ok(_) => {
+                return match de.end() {
+                    Err(e) => bad(format!("request body is not valid JSON: {e}"), None),
+                    Ok(()) => bad("request body is not valid JSON", None),
+                }
+            }
+        };
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        let syntax = inner.is_syntax() || inner.is_eof();
+        let param = (!syntax && path != "." && path != "?").then_some(path.as_str());
+        let what = if syntax {
+            "request body is not valid JSON"
+        } else {
+            "request body has an invalid field"
+        };
+        match param {
+            Some(p) => bad(format!("{what}: `{p}`: {inner}"), Some(p)),
+            None => bad(format!("{what}: {inner}"), None),
+        }
+    }
+
     /// Parses a body for `api`. Fields kvgate does not use are ignored (clients send many).
     pub fn parse(api: Api, body: &[u8]) -> Result<Request, BadRequest> {
         let Ok(body) = std::str::from_utf8(body) else {
@@ -204,25 +241,12 @@ impl Request {
             return Err(bad("request body must be a JSON object", None));
         }
         // From the validated text, so strings are neither checked again nor copied when they
-        // have no escapes.
-        let de = &mut serde_json::Deserializer::from_str(body);
-        let parsed: Body = serde_path_to_error::deserialize(&mut *de).map_err(|e| {
-            let path = e.path().to_string();
-            let inner = e.into_inner();
-            let syntax = inner.is_syntax() || inner.is_eof();
-            let param = (!syntax && path != "." && path != "?").then_some(path.as_str());
-            let what = if syntax {
-                "request body is not valid JSON"
-            } else {
-                "request body has an invalid field"
-            };
-            match param {
-                Some(p) => bad(format!("{what}: `{p}`: {inner}"), Some(p)),
-                None => bad(format!("{what}: {inner}"), None),
-            }
-        })?;
-        de.end()
-            .map_err(|e| bad(format!("request body is not valid JSON: {e}"), None))?;
+        // have no escapes. The path of a bad field is tracked only to explain an error: a body
+        // that parses pays nothing for it (the tracking allocates at every field).
+        let parsed: Body = match Self::deserialize(body) {
+            Ok(parsed) => parsed,
+            Err(_) => return Err(Self::explain_error(body)),
+        };
         let raw = parsed
             .model
             .filter(|m| m.get() != "null")

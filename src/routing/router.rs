@@ -72,24 +72,29 @@ fn explain(
     w: &RoutingConfig,
     room: impl Fn(usize) -> bool,
 ) -> String {
-    let mut out = String::new();
+    use std::fmt::Write as _;
+    // Whole numbers written as integers: `{:.0}` of a float takes the exact (bignum) path, and
+    // this header is built on every request while debug headers are on.
+    let whole = |x: f64| x.round_ties_even() as i64;
+    let mut out = String::with_capacity(ranked.len() * 48);
     for s in ranked {
         let t = Terms::of(&candidates[s.index], prompt_blocks, own_blocks, w);
         if !out.is_empty() {
             out.push_str(", ");
         }
-        out.push_str(&format!(
-            "{} {:.0}={:.0}+{:.0}+{:.0}+{:.0}+{:.0}+{:.0}{}",
+        let _ = write!(
+            out,
+            "{} {}={}+{}+{}+{}+{}+{}{}",
             candidates[s.index].pod,
-            s.cost,
-            t.prefill,
-            t.decode,
-            t.active,
-            t.queue,
-            t.kv,
-            t.adapter,
+            whole(s.cost),
+            whole(t.prefill),
+            whole(t.decode),
+            whole(t.active),
+            whole(t.queue),
+            whole(t.kv),
+            whole(t.adapter),
             if room(s.index) { "" } else { " full" }
-        ));
+        );
     }
     out
 }
