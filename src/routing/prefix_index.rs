@@ -65,10 +65,15 @@ impl PodBlocks {
         let mut evicted = false;
         if self.last_use.len() > capacity {
             let keep = capacity - capacity / 8;
-            let mut touches: Vec<u32> = self.last_use.values().copied().collect();
-            let cut = touches.len() - keep;
-            let (_, &mut oldest_kept, _) = touches.select_nth_unstable(cut);
-            self.last_use.retain(|_, t| *t >= oldest_kept);
+            if keep == 0 {
+                // A pod that reports no KV holds nothing (and `cut` below would be out of range).
+                self.last_use.clear();
+            } else {
+                let mut touches: Vec<u32> = self.last_use.values().copied().collect();
+                let cut = touches.len() - keep;
+                let (_, &mut oldest_kept, _) = touches.select_nth_unstable(cut);
+                self.last_use.retain(|_, t| *t >= oldest_kept);
+            }
             evicted = true;
         }
         if now.saturating_sub(self.swept_ms) >= ttl_ms {
@@ -178,6 +183,17 @@ mod tests {
         assert_eq!(idx.blocks_held("a"), 3);
         assert_eq!(idx.matched("a", &[1], 3), 1);
         assert_eq!(idx.matched("a", &[2], 3), 0);
+    }
+
+    #[test]
+    fn a_pod_with_no_room_holds_nothing_and_one_block_keeps_the_last() {
+        // Found by the router fuzz target: a scrape of zero capacity made eviction cut past the end.
+        let mut idx = PrefixIndex::new(60_000);
+        idx.insert("a", &[1, 2, 3], 0, 0);
+        assert_eq!(idx.blocks_held("a"), 0);
+        idx.insert("a", &[1, 2, 3], 1, 1);
+        assert_eq!(idx.blocks_held("a"), 1);
+        assert_eq!(idx.matched("a", &[3], 1), 1, "the most recent kept");
     }
 
     #[test]

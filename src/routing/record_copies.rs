@@ -4,7 +4,8 @@
 //! sooner through the pick log.
 //!
 //! Source of truth: the shared-data record (`pods::record`). A copy never decides a reservation:
-//! the router checks the fit again on the fresh record inside the compare-and-swap, and when the
+//! the router checks the fit again on the fresh record inside the compare-and-swap (against the
+//! budget the stored snapshot gives, not the copy's: a scrape may have shrunk it), and when the
 //! copies say no pod has room it reads every pod again before the request is queued. So a stale
 //! copy can rank a pod wrongly for a moment; it can neither overfill a pod nor queue a request
 //! that fits.

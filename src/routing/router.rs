@@ -246,10 +246,11 @@ impl Router {
         if self.pods.is_empty() {
             return Ok(Placement::NoPods);
         }
-        let (placement, from_copies) = self.place(store, cfg, model, hashes, est, false)?;
+        let request = (model, hashes, est);
+        let (placement, from_copies) = self.place(store, cfg, request, false)?;
         if from_copies && matches!(placement, Placement::NoRoom) {
             // The copies said no pod has room: the records decide before the request waits.
-            return Ok(self.place(store, cfg, model, hashes, est, true)?.0);
+            return Ok(self.place(store, cfg, request, true)?.0);
         }
         Ok(placement)
     }
@@ -260,9 +261,7 @@ impl Router {
         &mut self,
         store: &dyn Store,
         cfg: &Config,
-        model: &str,
-        hashes: &[u64],
-        est: &Estimate,
+        (model, hashes, est): (&str, &[u64], &Estimate),
         fresh: bool,
     ) -> Result<(Placement, bool), StoreError> {
         let now = store.now_ms();
@@ -392,9 +391,11 @@ impl Router {
                 output_blocks: 0,
                 context_blocks: prompt_blocks as u32,
             };
-            let budget = budgets[s.index];
-            // The read above may be stale: the fit is checked again inside the compare-and-swap.
+            // The read above may be a copy, older than the last scrape: the fit is checked again
+            // inside the compare-and-swap, against the budget the stored snapshot gives.
             let taken = record::modify(store, &pod, |rec| {
+                let budget = budget_tokens(cfg, rec.snapshot.as_ref());
+                let budget = crate::replicas::share::cap(store, cfg, &pod, budget);
                 if !fits(rec, load, budget, cfg, bt) {
                     return None;
                 }
@@ -824,6 +825,35 @@ mod tests {
         let rec = record::read(&w1, "a:1").unwrap();
         assert_eq!(rec.entries.len(), 2);
         assert!(rec.forecast(None, cfg.admission.headroom_sigmas, 16) <= 1_000);
+    }
+
+    #[test]
+    fn a_scrape_that_shrinks_the_budget_binds_before_the_copy_is_refreshed() {
+        let host = FakeHost::new();
+        let mut cfg = config(&["a:1"]);
+        cfg.metrics.cluster = "kvgate_metrics".into();
+        let vm = host.vm();
+        let mut r = Router::start(&vm, &cfg).unwrap();
+        let scraped = |capacity_tokens| {
+            let snapshot = Snapshot {
+                at_ms: host.now_ms(),
+                healthy: true,
+                capacity_tokens,
+                ..Snapshot::default()
+            };
+            record::write_snapshot(&vm, "a:1", snapshot, 0, &cfg).unwrap();
+        };
+        scraped(10_000);
+        host.advance_ms(COPY_MS);
+        let first = r.route(&vm, &cfg, "m", &hashes(1, 4), &est(400, 100));
+        assert!(matches!(first.unwrap(), Placement::Routed(_)));
+        // The pod shrinks (a scrape on another worker) while this VM's copy still shows the room
+        // it had: the stored snapshot's budget decides, not the copy's (found by the router fuzz
+        // target: a pod first seen unscraped, then scraped small, took a second request).
+        scraped(600);
+        let second = r.route(&vm, &cfg, "m", &hashes(2, 4), &est(300, 50));
+        assert_eq!(second.unwrap(), Placement::NoRoom);
+        assert_eq!(record::read(&vm, "a:1").unwrap().entries.len(), 1);
     }
 
     #[test]
