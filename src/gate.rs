@@ -55,12 +55,8 @@ impl Gate {
         if let Err(e) = self.calibration.flush(store, &self.config.estimator) {
             log::debug!("kvgate: calibration flush failed: {e:?}");
         }
-        if let Err(e) = self
-            .router
-            .sync(store, &self.config)
-            .and_then(|()| self.router.flush_log(store))
-        {
-            log::debug!("kvgate: sync failed: {e:?}");
+        if let Err(e) = self.router.tend(store, &self.config) {
+            log::debug!("kvgate: router upkeep failed: {e:?}");
         }
         match lease::hold_lease(store, self.router.vm(), now, LEASE_MS) {
             Ok(true) => {}

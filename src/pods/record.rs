@@ -93,6 +93,14 @@ pub fn key(pod: &str) -> String {
 }
 
 impl PodRecord {
+    /// The pod's KV capacity in blocks of `block_tokens`, as its last scrape said (`default`
+    /// when it said nothing).
+    pub fn capacity_blocks(&self, block_tokens: u64, default: u64) -> u64 {
+        self.snapshot
+            .filter(|s| s.capacity_tokens > 0)
+            .map_or(default, |s| s.capacity_tokens / block_tokens.max(1))
+    }
+
     pub fn active_blocks(&self) -> u64 {
         self.entries
             .iter()

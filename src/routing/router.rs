@@ -25,6 +25,9 @@ use steps::{candidates, charges, Ask};
 
 const VM_SEQ_KEY: &str = "kvgate.vm.seq";
 const PODS_CACHE_MS: u64 = 1_000;
+/// How long what a VM learned from the pod records serves its upkeep (`Router::tend`): a VM
+/// that routes learns on every request and does not read them again on its tick.
+const LEARN_MS: u64 = 1_000;
 /// A block size derived from the pods is at least this: a multiple of every smaller power of two
 /// (SGLang reports pages of one token), and long enough that `maxPromptBlocks` covers long prompts.
 const MIN_DERIVED_BLOCK_TOKENS: u32 = 16;
@@ -115,6 +118,8 @@ pub struct Router {
     capacity: HashMap<String, usize>,
     /// The largest block size the pods' metrics reported, 0 before any did.
     engine_block_tokens: u32,
+    /// When this VM last learned from the pod records (`learn`).
+    learned_ms: Option<u64>,
     /// The pod records as this VM last read or wrote them, for ranking.
     copies: RecordCopies,
 }
@@ -145,6 +150,7 @@ impl Router {
             pods: cfg.pods.clone(),
             pods_read_ms: None,
             capacity: HashMap::new(),
+            learned_ms: None,
             engine_block_tokens: 0,
             copies: RecordCopies::default(),
         })
@@ -206,8 +212,48 @@ impl Router {
         }
     }
 
-    /// Appends the finishes this VM still holds (`PickLog::finish`): the tick's part of the log.
-    pub fn flush_log(&mut self, store: &dyn Store) -> Result<(), StoreError> {
+    /// What the pod records say that this VM's replicas depend on: the engines' block size and
+    /// each pod's capacity (which bound the prefix index) and which requests are still in flight
+    /// (the active-block and adapter replicas drop the others). Learned for the next requests:
+    /// the current one's blocks were already cut.
+    fn learn(&mut self, cfg: &Config, records: &[PodRecord], now: u64) {
+        if let Some(b) = records
+            .iter()
+            .filter_map(|rec| rec.snapshot.map(|s| s.block_size))
+            .max()
+            .filter(|&b| b > 0)
+        {
+            self.engine_block_tokens = b;
+        }
+        self.learned_ms = Some(now);
+        let bt = u64::from(self.block_tokens(&cfg.routing));
+        for (pod, rec) in self.pods.iter().zip(records) {
+            self.active.prune(pod, |id| rec.is_live(id), now);
+            self.adapters.prune(pod, |id| rec.is_live(id), now);
+            let capacity = rec.capacity_blocks(bt, cfg.routing.pod_capacity_blocks);
+            self.capacity.insert(pod.clone(), capacity as usize);
+        }
+    }
+
+    /// The tick's upkeep: learns from the records (`learn`), then replays the other workers'
+    /// picks and sends the finishes this VM holds. A VM that routes learns on every request; one
+    /// that does not (Envoy's main thread, a worker without traffic) would otherwise bound its
+    /// prefix index by `podCapacityBlocks` instead of the pods' real size and keep requests whose
+    /// finish it missed in its replicas for good. A VM that learned within `LEARN_MS` (it routes)
+    /// skips the reads.
+    pub fn tend(&mut self, store: &dyn Store, cfg: &Config) -> Result<(), StoreError> {
+        let now = store.now_ms();
+        if !self
+            .learned_ms
+            .is_some_and(|at| now.saturating_sub(at) < LEARN_MS)
+        {
+            let mut records = Vec::with_capacity(self.pods.len());
+            for pod in &self.pods {
+                records.push(self.copies.get(store, pod, now, false)?.0);
+            }
+            self.learn(cfg, &records, now);
+        }
+        self.sync(store, cfg)?;
         self.log.flush(store, self.vm)
     }
 
@@ -280,19 +326,7 @@ impl Router {
             from_copies |= copy;
             records.push(rec);
         }
-        // Learned for the next requests: this one's blocks were already cut.
-        if let Some(b) = records
-            .iter()
-            .filter_map(|rec| rec.snapshot.map(|s| s.block_size))
-            .max()
-            .filter(|&b| b > 0)
-        {
-            self.engine_block_tokens = b;
-        }
-        for (pod, rec) in self.pods.iter().zip(&records) {
-            self.active.prune(pod, |id| rec.is_live(id), now);
-            self.adapters.prune(pod, |id| rec.is_live(id), now);
-        }
+        self.learn(cfg, &records, now);
         self.served.refresh(store, &self.pods, now);
         let indices = self.eligible(cfg, model, &records, now);
         if indices.is_empty() {
@@ -326,10 +360,6 @@ impl Router {
             &adapter_fit,
             &ask,
         );
-        for c in &candidates {
-            self.capacity
-                .insert(c.pod.to_string(), c.capacity_blocks as usize);
-        }
         let mut rng = Rng::new(request ^ now.rotate_left(17));
         let own_blocks = prompt_blocks as u64 + output_blocks;
         let mut ranked = rank(&candidates, prompt_blocks, own_blocks, r, &mut rng);
@@ -825,6 +855,50 @@ mod tests {
         let rec = record::read(&w1, "a:1").unwrap();
         assert_eq!(rec.entries.len(), 2);
         assert!(rec.forecast(None, cfg.admission.headroom_sigmas, 16) <= 1_000);
+    }
+
+    #[test]
+    fn a_vm_that_does_not_route_bounds_its_replicas_by_the_records() {
+        // Envoy's main thread ticks but never routes: its replicas are fed by the others' picks
+        // alone (the 30-minute soak's one growing VM).
+        let host = FakeHost::new();
+        let mut cfg = config(&["a:1"]);
+        cfg.admission.enabled = false;
+        let (worker, main) = (host.vm(), host.vm());
+        let mut w = Router::start(&worker, &cfg).unwrap();
+        let mut m = Router::start(&main, &cfg).unwrap();
+        let snapshot = Snapshot {
+            healthy: true,
+            block_size: 16,
+            capacity_tokens: 16 * 40,
+            ..Snapshot::default()
+        };
+        record::write_snapshot(&worker, "a:1", snapshot, 0, &cfg).unwrap();
+        for i in 0..10 {
+            let routed = w
+                .route(&worker, &cfg, "m", &hashes(100 + i, 8), &est(128, 16))
+                .unwrap()
+                .routed();
+            w.finish(&worker, &cfg, &routed).unwrap();
+        }
+        m.tend(&main, &cfg).unwrap();
+        assert!(
+            m.prefix.blocks_held("a:1") <= 40,
+            "bounded by the pod's 40 blocks, not podCapacityBlocks: {}",
+            m.prefix.blocks_held("a:1")
+        );
+        // A request whose finish the log lost (a ring overrun, a VM gone) leaves its replicas
+        // once its entry has left the record.
+        let lost = w
+            .route(&worker, &cfg, "m", &hashes(200, 8), &est(128, 16))
+            .unwrap()
+            .routed();
+        m.tend(&main, &cfg).unwrap();
+        assert_eq!(m.active.unique_blocks("a:1"), 8);
+        record::finish(&worker, "a:1", lost.request, None).unwrap();
+        host.advance_ms(5_000);
+        m.tend(&main, &cfg).unwrap();
+        assert_eq!(m.active.unique_blocks("a:1"), 0);
     }
 
     #[test]

@@ -105,12 +105,7 @@ pub(super) fn candidates<'a>(
         .map(|(k, (&i, &already_active))| {
             let (pod, rec) = (&pods[i], &ask.records[i]);
             let known = rec.snapshot.filter(|_| rec.is_fresh(now, &cfg.metrics));
-            let capacity_blocks = rec
-                .snapshot
-                .filter(|s| s.capacity_tokens > 0)
-                .map_or(r.pod_capacity_blocks, |s| {
-                    s.capacity_tokens / ask.block_tokens
-                });
+            let capacity_blocks = rec.capacity_blocks(ask.block_tokens, r.pod_capacity_blocks);
             Candidate {
                 pod,
                 cached_blocks: prefix.matched(pod, ask.recorded(rec), now),
