@@ -243,9 +243,9 @@ impl Router {
     /// skips the reads.
     pub fn tend(&mut self, store: &dyn Store, cfg: &Config) -> Result<(), StoreError> {
         let now = store.now_ms();
-        if !self
+        if self
             .learned_ms
-            .is_some_and(|at| now.saturating_sub(at) < LEARN_MS)
+            .is_none_or(|at| now.saturating_sub(at) >= LEARN_MS)
         {
             let mut records = Vec::with_capacity(self.pods.len());
             for pod in &self.pods {
