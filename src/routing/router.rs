@@ -230,8 +230,14 @@ impl Router {
         for (pod, rec) in self.pods.iter().zip(records) {
             self.active.prune(pod, |id| rec.is_live(id), now);
             self.adapters.prune(pod, |id| rec.is_live(id), now);
-            let capacity = rec.capacity_blocks(bt, cfg.routing.pod_capacity_blocks);
-            self.capacity.insert(pod.clone(), capacity as usize);
+            let capacity = rec.capacity_blocks(bt, cfg.routing.pod_capacity_blocks) as usize;
+            // Per request: the pod's name is copied only the first time.
+            match self.capacity.get_mut(pod.as_str()) {
+                Some(known) => *known = capacity,
+                None => {
+                    self.capacity.insert(pod.clone(), capacity);
+                }
+            }
         }
     }
 
