@@ -9,6 +9,7 @@ use crate::estimate::calibration::Sample;
 use crate::estimate::reservation::{estimate_from, Estimate};
 use crate::estimate::text::static_prompt_tokens;
 pub use crate::gate::Gate;
+use crate::observe;
 use crate::openai::reply::LocalReply;
 use crate::openai::request::{Api, Request};
 use crate::openai::response::ResponseMeter;
@@ -386,12 +387,17 @@ impl Flow {
                     .count(stats::PREFIX_BLOCKS_TOTAL, routed.prompt_blocks as u64);
                 gate.stats
                     .count(stats::PREFIX_BLOCKS_MATCHED, routed.cached_blocks as u64);
+                if routed.over_budget {
+                    observe::placed_past_budget(gate, &routed, self.class);
+                }
                 let mut d = Decision::step(Step::Forward);
-                d.set
-                    .push((DESTINATION_HEADER.to_string(), routed.order.join(",")));
-                if gate.config.routing.set_original_dst_header {
+                if observe::enforces_routing(&gate.config) {
                     d.set
-                        .push((ORIGINAL_DST_HEADER.to_string(), routed.pod.clone()));
+                        .push((DESTINATION_HEADER.to_string(), routed.order.join(",")));
+                    if gate.config.routing.set_original_dst_header {
+                        d.set
+                            .push((ORIGINAL_DST_HEADER.to_string(), routed.pod.clone()));
+                    }
                 }
                 if let Some(a) = &mut self.admitted {
                     a.routed = Some(routed);
@@ -452,13 +458,13 @@ impl Flow {
         let Some(a) = &mut self.admitted else {
             return Vec::new();
         };
-        if let (Some(routed), Some(host)) = (&mut a.routed, served_by) {
-            if host != routed.pod {
-                gate.stats.count(stats::ROUTE_REROUTED, 1);
-                if let Err(e) = gate.router.rehome(store, &gate.config, routed, host) {
-                    log::debug!("kvgate: rehome failed: {e:?}");
-                }
+        let mut observed = None;
+        if let Some(routed) = &mut a.routed {
+            let picked = gate.config.debug_headers.then(|| routed.pod.clone());
+            if let Some(host) = served_by {
+                observe::served(gate, store, routed, host);
             }
+            observed = picked.and_then(|p| observe::header(&gate.config, routed, self.class, &p));
         }
         let a = &*a;
         self.meter = Some(ResponseMeter::new(content_type));
@@ -493,6 +499,9 @@ impl Flow {
                 format!("{}/{}", r.cached_blocks, r.prompt_blocks),
             ));
             headers.push(("x-kvgate-ranking".into(), r.ranking.clone()));
+        }
+        if let Some(observed) = observed {
+            headers.push(("x-kvgate-observed".into(), observed));
         }
         headers
     }

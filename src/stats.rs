@@ -19,6 +19,16 @@ pub const PREFIX_BLOCKS_TOTAL: &str = "kvgate.prefix.blocks_total";
 /// Of those, blocks the chosen pod was believed to cache.
 pub const PREFIX_BLOCKS_MATCHED: &str = "kvgate.prefix.blocks_matched";
 
+// The safe rollout, `routing.mode` / `admission.mode` `observe` (`observe`).
+/// Requests admission would have parked in the line (no pod had room), sent past the budget.
+pub const OBSERVE_WOULD_WAIT: &str = "kvgate.observe.would_wait";
+/// Sheddable requests admission would have refused with 429, sent past the budget.
+pub const OBSERVE_WOULD_SHED: &str = "kvgate.observe.would_shed";
+/// Responses from the host kvgate picked, while Envoy's load balancer chooses.
+pub const OBSERVE_ROUTING_SAME: &str = "kvgate.observe.routing_same";
+/// Responses from another host than kvgate's pick, while Envoy's load balancer chooses.
+pub const OBSERVE_ROUTING_OTHER: &str = "kvgate.observe.routing_other";
+
 // Pods (`pods::scrape`, `gate`).
 pub const SCRAPE_OK: &str = "kvgate.scrape.ok";
 pub const SCRAPE_ERRORS: &str = "kvgate.scrape.errors";
@@ -88,6 +98,10 @@ pub const FIXED: &[&str] = &[
     ROUTE_REROUTED,
     PREFIX_BLOCKS_TOTAL,
     PREFIX_BLOCKS_MATCHED,
+    OBSERVE_WOULD_WAIT,
+    OBSERVE_WOULD_SHED,
+    OBSERVE_ROUTING_SAME,
+    OBSERVE_ROUTING_OTHER,
     SCRAPE_OK,
     SCRAPE_ERRORS,
     DISCOVERY_ERRORS,
@@ -294,6 +308,17 @@ impl Stats {
 
     pub fn drain(&mut self) -> std::vec::Drain<'_, Stat> {
         self.pending.drain(..)
+    }
+
+    /// Sends nothing: drains the pending stats, summing what was counted under `name` (tests).
+    #[cfg(test)]
+    pub fn take_count(&mut self, name: &str) -> u64 {
+        self.drain()
+            .filter_map(|s| match s {
+                Stat::Counter(n, by) if n == name => Some(by),
+                _ => None,
+            })
+            .sum()
     }
 }
 

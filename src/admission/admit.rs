@@ -8,7 +8,7 @@
 use crate::admission::line::{self, Refused, Ticket};
 use crate::admission::sessions;
 use crate::config::AdmissionConfig;
-use crate::config::Config;
+use crate::config::{Config, Mode};
 use crate::estimate::reservation::Estimate;
 use crate::hash::fnv1a;
 use crate::openai::reply::LocalReply;
@@ -138,6 +138,22 @@ impl Admission {
         let a = &cfg.admission;
         if !a.enabled {
             return Ok(match router.route(store, cfg, model, hashes, est)? {
+                Placement::Routed(r) => Admit::Routed(r),
+                Placement::NoPods | Placement::NoRoom => Admit::Unrouted,
+            });
+        }
+        if a.mode == Mode::Observe {
+            // Nothing waits and nothing is refused: a request no pod has room for goes to the
+            // best-ranked pod past its budget (`observe` counts it); nobody is ever in the line.
+            let placed = match router.route(store, cfg, model, hashes, est)? {
+                Placement::NoRoom => router.route_past_budget(store, cfg, model, hashes, est)?,
+                Placement::Routed(r) => {
+                    stats.count(stats::ADMISSION_ADMITTED, 1);
+                    Placement::Routed(r)
+                }
+                Placement::NoPods => Placement::NoPods,
+            };
+            return Ok(match placed {
                 Placement::Routed(r) => Admit::Routed(r),
                 Placement::NoPods | Placement::NoRoom => Admit::Unrouted,
             });
@@ -519,6 +535,33 @@ mod tests {
             panic!()
         };
         assert_eq!(r.status, 429);
+    }
+
+    #[test]
+    fn observing_admission_sends_what_would_wait_or_be_shed_past_the_budget() {
+        let host = FakeHost::new();
+        let mut cfg = config(100);
+        cfg.admission.mode = Mode::Observe;
+        let mut w = worker(&host, &cfg);
+        let first = routed(w.place(&cfg, class(&cfg, None, "t"), 80));
+        assert!(!first.over_budget, "it fits");
+        let second = routed(w.place(&cfg, class(&cfg, None, "t"), 50));
+        assert!(second.over_budget, "it would have waited");
+        let third = routed(w.place(&cfg, class(&cfg, Some("batch"), "t"), 30));
+        assert!(third.over_budget, "it would have been shed");
+        assert!(
+            reserved(&w.vm) > 100,
+            "recorded past the budget, as it runs"
+        );
+        assert!(
+            line::read(&w.vm).unwrap().tickets.is_empty(),
+            "nobody waits"
+        );
+        assert_eq!(w.stats.take_count(stats::ADMISSION_ADMITTED), 1);
+        for r in [first, second, third] {
+            w.router.finish(&w.vm, &cfg, &r).unwrap();
+        }
+        assert_eq!(reserved(&w.vm), 0);
     }
 
     #[test]

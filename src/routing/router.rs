@@ -65,6 +65,26 @@ pub struct Routed {
     /// `pod cost=prefill+decode+active+queue+kv+adapter`,
     /// ` full` where its budget had no room.
     pub ranking: String,
+    /// Placed past every budget: no pod had room, and admission only observes
+    /// (`admission.mode` `observe`, [`Router::route_past_budget`]).
+    pub over_budget: bool,
+}
+
+/// Why a request is served by another pod than kvgate's pick ([`Router::rehome`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Moved {
+    /// Envoy could not use the pick (its retry policy served the request elsewhere).
+    PickFailed,
+    /// Routing only observes (`routing.mode` `observe`): Envoy's load balancer chose.
+    EnvoyChose,
+}
+
+/// Whether a pick must fit its pod's budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Room {
+    Required,
+    /// Admission observes only: the best-ranked pod takes the request whatever its budget says.
+    Ignored,
 }
 
 fn explain(
@@ -299,12 +319,27 @@ impl Router {
             return Ok(Placement::NoPods);
         }
         let request = (model, hashes, est);
-        let (placement, from_copies) = self.place(store, cfg, request, false)?;
+        let (placement, from_copies) = self.place(store, cfg, request, false, Room::Required)?;
         if from_copies && matches!(placement, Placement::NoRoom) {
             // The copies said no pod has room: the records decide before the request waits.
-            return Ok(self.place(store, cfg, request, true)?.0);
+            return Ok(self.place(store, cfg, request, true, Room::Required)?.0);
         }
         Ok(placement)
+    }
+
+    /// `route` for a request [`route`](Self::route) found no room for, when admission only
+    /// observes: the best-ranked pod takes it past its budget, its entry recorded like any other
+    /// (so the pod's forecast shows how far past the budget enforcement would have kept it).
+    pub fn route_past_budget(
+        &mut self,
+        store: &dyn Store,
+        cfg: &Config,
+        model: &str,
+        hashes: &[u64],
+        est: &Estimate,
+    ) -> Result<Placement, StoreError> {
+        let request = (model, hashes, est);
+        Ok(self.place(store, cfg, request, true, Room::Ignored)?.0)
     }
 
     /// `route` on the records as this VM's copies have them (`fresh`: as stored); also says
@@ -315,6 +350,7 @@ impl Router {
         cfg: &Config,
         (model, hashes, est): (&str, &[u64], &Estimate),
         fresh: bool,
+        need: Room,
     ) -> Result<(Placement, bool), StoreError> {
         let now = store.now_ms();
         let r = &cfg.routing;
@@ -397,10 +433,12 @@ impl Router {
                 f
             })
         };
+        // A pod may take the request when it has room, or when admission only observes.
+        let takes = |k: usize| need == Room::Ignored || room(k);
         // Pods without room are not offered as fallbacks either: a retry must not overfill them.
         let order: Vec<String> = ranked
             .iter()
-            .filter(|s| room(s.index))
+            .filter(|s| takes(s.index))
             .take(1 + r.fallback_pods as usize)
             .map(|s| candidates[s.index].pod.to_string())
             .collect();
@@ -409,7 +447,7 @@ impl Router {
         } else {
             String::new()
         };
-        for s in ranked.iter().filter(|s| room(s.index)) {
+        for s in ranked.iter().filter(|s| takes(s.index)) {
             let best = &candidates[s.index];
             let pod = best.pod.to_string();
             let new_blocks = (prompt_blocks - shared[s.index]) as u32;
@@ -432,7 +470,7 @@ impl Router {
             let taken = record::modify(store, &pod, |rec| {
                 let budget = budget_tokens(cfg, rec.snapshot.as_ref());
                 let budget = crate::replicas::share::cap(store, cfg, &pod, budget);
-                if !fits(rec, load, budget, cfg, bt) {
+                if need == Room::Required && !fits(rec, load, budget, cfg, bt) {
                     return None;
                 }
                 rec.entries.push(entry);
@@ -479,6 +517,7 @@ impl Router {
                     block_tokens,
                     adapter_load: fit.is_some_and(|f| f != Fit::Resident),
                     ranking,
+                    over_budget: need == Room::Ignored,
                 }),
                 from_copies,
             ));
@@ -521,36 +560,43 @@ impl Router {
         .map(|r| r.is_some())
     }
 
-    /// Envoy could not use the pick and its retry policy sent the request to `served_by`: the
-    /// pick is marked down until its next good scrape (so the next requests avoid it now, not a
-    /// scrape interval later) and the request's accounting moves to the pod that serves it.
+    /// The request is served by `served_by`, not by kvgate's pick: its accounting (entry, active
+    /// blocks, adapter) moves there, the prompt counts as cached there, and the other workers
+    /// learn of the move through the pick log. When Envoy could not use the pick
+    /// ([`Moved::PickFailed`]: its retry policy went elsewhere), the pick is also marked down
+    /// until its next good scrape, so the next requests avoid it now, not a scrape interval
+    /// later; when routing only observes ([`Moved::EnvoyChose`]), the pick is fine.
     pub fn rehome(
         &mut self,
         store: &dyn Store,
         cfg: &Config,
         routed: &mut Routed,
         served_by: &str,
+        why: Moved,
     ) -> Result<(), StoreError> {
         if served_by == routed.pod || !self.pods.iter().any(|p| p == served_by) {
             return Ok(());
         }
         let now = store.now_ms();
-        let down = record::modify(store, &routed.pod, |rec| {
-            rec.snapshot = Some(record::Snapshot {
-                at_ms: now,
-                healthy: false,
-                kv_usage: f64::NAN,
-                ..record::Snapshot::default()
-            });
-            Some(rec.clone())
-        })?;
-        if let Some(down) = down {
-            self.copies.wrote(&routed.pod, down, now);
+        if why == Moved::PickFailed {
+            let down = record::modify(store, &routed.pod, |rec| {
+                rec.snapshot = Some(record::Snapshot {
+                    at_ms: now,
+                    healthy: false,
+                    kv_usage: f64::NAN,
+                    ..record::Snapshot::default()
+                });
+                Some(rec.clone())
+            })?;
+            if let Some(down) = down {
+                self.copies.wrote(&routed.pod, down, now);
+            }
         }
         let hashes = self
             .active
             .hashes_of(&routed.pod, routed.request)
             .unwrap_or_default();
+        let adapter = self.adapters.adapter_of(&routed.pod, routed.request);
         let Some(mut entry) = self.finish(store, cfg, routed)? else {
             return Ok(());
         };
@@ -563,7 +609,26 @@ impl Router {
             self.copies.wrote(served_by, moved, now);
         }
         routed.pod = served_by.to_string();
-        self.active.add(served_by, routed.request, hashes, now);
+        let capacity = self
+            .capacity
+            .get(served_by)
+            .copied()
+            .unwrap_or(cfg.routing.pod_capacity_blocks as usize);
+        self.prefix.insert(served_by, &hashes, now, capacity);
+        self.adapters
+            .dispatch(served_by, routed.request, adapter, now);
+        let event = Event::Dispatch(Dispatch {
+            pod: served_by.to_string(),
+            request: routed.request,
+            adapter,
+            hashes,
+        });
+        if let Err(e) = self.log.publish(store, self.vm, &event) {
+            log::debug!("kvgate: pick log publish failed: {e:?}");
+        }
+        if let Event::Dispatch(d) = event {
+            self.active.add(served_by, routed.request, d.hashes, now);
+        }
         Ok(())
     }
 
@@ -972,7 +1037,8 @@ mod tests {
         } else {
             ("b:1", "a:1")
         };
-        r.rehome(&vm, &cfg, &mut routed, other).unwrap();
+        r.rehome(&vm, &cfg, &mut routed, other, Moved::PickFailed)
+            .unwrap();
         assert_eq!(routed.pod, other);
         assert!(!record::read(&vm, picked).unwrap().snapshot.unwrap().healthy);
         assert_eq!(record::read(&vm, other).unwrap().active_blocks(), 4);
