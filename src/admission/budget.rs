@@ -114,11 +114,11 @@ mod tests {
             outlook: [255; crate::estimate::output_dist::HORIZON_STEPS.len()],
         };
         let holding = |held| PodRecord {
-            entries: vec![crate::pods::record::Entry {
+            entries: vec![crate::pods::record::RequestEntry {
                 held_tokens: held,
                 left: 1,
                 outlook: [255; crate::estimate::output_dist::HORIZON_STEPS.len()],
-                ..crate::pods::record::Entry::default()
+                ..crate::pods::record::RequestEntry::default()
             }],
             ..PodRecord::default()
         };
@@ -149,12 +149,12 @@ mod tests {
         };
         let mut rec = PodRecord {
             entries: (0..8)
-                .map(|id| crate::pods::record::Entry {
+                .map(|id| crate::pods::record::RequestEntry {
                     id,
                     held_tokens: 1000,
                     left: 8192,
                     outlook,
-                    ..crate::pods::record::Entry::default()
+                    ..crate::pods::record::RequestEntry::default()
                 })
                 .collect(),
             snapshot: Some(Snapshot::default()),

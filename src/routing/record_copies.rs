@@ -70,14 +70,14 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     use super::*;
-    use crate::pods::record::Entry;
+    use crate::pods::record::RequestEntry;
     use crate::store::fake_host::FakeHost;
 
-    fn entry(id: u64, expires_ms: u64) -> Entry {
-        Entry {
+    fn entry(id: u64, expires_ms: u64) -> RequestEntry {
+        RequestEntry {
             id,
             expires_ms,
-            ..Entry::default()
+            ..RequestEntry::default()
         }
     }
 

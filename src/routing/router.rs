@@ -8,7 +8,7 @@ use crate::config::{Config, RoutingConfig, MAX_BLOCK_TOKENS};
 use crate::estimate::reservation::Estimate;
 use crate::models::served::{adapter_id, ServedView};
 use crate::pods::pool::{decode_pods, PODS_KEY};
-use crate::pods::record::{self, Entry, PodRecord};
+use crate::pods::record::{self, PodRecord, RequestEntry};
 use crate::routing::active_blocks::ActiveBlocks;
 use crate::routing::adapters::{Adapters, Fit};
 use crate::routing::pick::{rank, rendezvous, Candidate, Rng, Scored, Terms};
@@ -414,7 +414,7 @@ impl Router {
             let pod = best.pod.to_string();
             let new_blocks = (prompt_blocks - shared[s.index]) as u32;
             let load = loads[s.index];
-            let entry = Entry {
+            let entry = RequestEntry {
                 id: request,
                 expires_ms: now.saturating_add(r.request_ttl_ms),
                 dispatched_ms: now,
@@ -573,7 +573,7 @@ impl Router {
         store: &dyn Store,
         cfg: &Config,
         routed: &Routed,
-    ) -> Result<Option<Entry>, StoreError> {
+    ) -> Result<Option<RequestEntry>, StoreError> {
         // Learn of requests other workers sent since, so shared blocks find their heir.
         self.sync(store, cfg)?;
         let (shared, heir) = self.active.shared_with_others(&routed.pod, routed.request);
