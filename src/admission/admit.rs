@@ -418,6 +418,13 @@ mod tests {
         }
     }
 
+    /// The one worker on its host, with `config(budget)`.
+    fn one_worker(budget: u64) -> (Config, Worker) {
+        let cfg = config(budget);
+        let w = worker(&FakeHost::new(), &cfg);
+        (cfg, w)
+    }
+
     fn est(cost: u64) -> Estimate {
         Estimate::exact(cost, 0)
     }
@@ -473,9 +480,7 @@ mod tests {
 
     #[test]
     fn admits_within_budget_then_queues_then_resumes_on_release() {
-        let host = FakeHost::new();
-        let cfg = config(100);
-        let mut w = worker(&host, &cfg);
+        let (cfg, mut w) = one_worker(100);
         let first = routed(w.place(&cfg, class(&cfg, None, "t"), 80));
         let t = waiting(w.place(&cfg, class(&cfg, None, "t"), 50));
         assert_eq!(w.admission.next_head(&w.vm).unwrap(), Some(t.id));
@@ -498,9 +503,7 @@ mod tests {
 
     #[test]
     fn sheddable_is_refused_at_once_and_full_queue_is_429() {
-        let host = FakeHost::new();
-        let cfg = config(100);
-        let mut w = worker(&host, &cfg);
+        let (cfg, mut w) = one_worker(100);
         assert!(matches!(
             w.place(&cfg, class(&cfg, None, "t"), 100),
             Admit::Routed(_)
@@ -551,15 +554,13 @@ mod tests {
 
     #[test]
     fn deadline_gives_503_with_retry_after_and_disconnect_leaves_nothing() {
-        let host = FakeHost::new();
-        let cfg = config(100);
-        let mut w = worker(&host, &cfg);
+        let (cfg, mut w) = one_worker(100);
         let _ = routed(w.place(&cfg, class(&cfg, None, "t"), 100));
         let t1 = waiting(w.place(&cfg, class(&cfg, None, "t"), 10));
         let t2 = waiting(w.place(&cfg, class(&cfg, None, "u"), 10));
         w.admission.abandon(&w.vm, &mut w.stats, t2.id).unwrap();
-        host.advance_ms(1_000);
-        assert_eq!(w.admission.expired(host.now_ms()), vec![t1.id]);
+        w.vm.host().advance_ms(1_000);
+        assert_eq!(w.admission.expired(w.vm.host().now_ms()), vec![t1.id]);
         let Some(Admit::Refuse(r)) = w.retry(&cfg, &t1, 10) else {
             panic!()
         };
@@ -574,9 +575,7 @@ mod tests {
 
     #[test]
     fn budget_comes_from_scraped_capacity() {
-        let host = FakeHost::new();
-        let cfg = config(0);
-        let mut w = worker(&host, &cfg);
+        let (cfg, mut w) = one_worker(0);
         let snap = Snapshot {
             healthy: true,
             capacity_tokens: 1000,
