@@ -554,13 +554,15 @@ mod tests {
 
     #[test]
     fn deadline_gives_503_with_retry_after_and_disconnect_leaves_nothing() {
-        let (cfg, mut w) = one_worker(100);
+        let host = FakeHost::new();
+        let cfg = config(100);
+        let mut w = worker(&host, &cfg);
         let _ = routed(w.place(&cfg, class(&cfg, None, "t"), 100));
         let t1 = waiting(w.place(&cfg, class(&cfg, None, "t"), 10));
         let t2 = waiting(w.place(&cfg, class(&cfg, None, "u"), 10));
         w.admission.abandon(&w.vm, &mut w.stats, t2.id).unwrap();
-        w.vm.host().advance_ms(1_000);
-        assert_eq!(w.admission.expired(w.vm.host().now_ms()), vec![t1.id]);
+        host.advance_ms(1_000);
+        assert_eq!(w.admission.expired(host.now_ms()), vec![t1.id]);
         let Some(Admit::Refuse(r)) = w.retry(&cfg, &t1, 10) else {
             panic!()
         };

@@ -204,6 +204,7 @@ mod tests {
 
     use super::*;
     use crate::store::fake_host::FakeHost;
+    use crate::test_support::two_vms;
 
     fn sample(static_tokens: f64, real: u64, out: u64) -> Sample {
         Sample {
@@ -225,8 +226,7 @@ mod tests {
 
     #[test]
     fn learns_scale_and_output_lengths_shared_across_vms() {
-        let host = FakeHost::new();
-        let (a, b) = (host.vm(), host.vm());
+        let (a, b) = two_vms();
         let cfg = EstimatorConfig {
             min_samples: 5,
             calibration_weight: 0.2,

@@ -72,6 +72,7 @@ mod tests {
     use super::*;
     use crate::pods::record::RequestEntry;
     use crate::store::fake_host::FakeHost;
+    use crate::test_support::two_vms;
 
     fn entry(id: u64, expires_ms: u64) -> RequestEntry {
         RequestEntry {
@@ -83,8 +84,7 @@ mod tests {
 
     #[test]
     fn a_copy_serves_until_it_is_old_then_the_record_is_read_again() {
-        let host = FakeHost::new();
-        let (a, b) = (host.vm(), host.vm());
+        let (a, b) = two_vms();
         record::ensure(&a, "p").unwrap();
         let mut copies = RecordCopies::default();
         let now = a.now_ms();

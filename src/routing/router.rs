@@ -1058,7 +1058,7 @@ mod tests {
                 parent: Some("base".into()),
             });
         }
-        let now = vm.host().now_ms();
+        let now = host.now_ms();
         for pod in pods {
             write_list(vm, pod, &list, now).unwrap();
             let lora = LoraState {
