@@ -1,6 +1,6 @@
 //! Cost-aware admission: who may be sent now, who waits, and who is refused. A request is placed
 //! only on a pod whose budget has room for its reservation (`router`, `budget`); when none has, it
-//! joins the shared line (`queue`) and its VM parks it. Release of budget anywhere wakes the VM
+//! joins the shared line (`line`) and its VM parks it. Release of budget anywhere wakes the VM
 //! holding the head of the line through that VM's own shared queue (`kvgate.wake.<vm>`: one per
 //! VM, since a shared queue notifies only its last registrant); the head is retried there, and on
 //! success the next head's VM is woken in turn. A tick retries too, as a backstop only.
