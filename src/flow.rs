@@ -58,9 +58,9 @@ impl Decision {
     }
 }
 
-/// The request line and headers kvgate looks at.
+/// The request line and headers kvgate looks at: what `on_request_headers` decides on.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct Head<'a> {
+pub struct RequestHead<'a> {
     pub method: &'a str,
     pub path: &'a str,
     pub content_type: Option<&'a str>,
@@ -150,7 +150,12 @@ fn too_large(limit: u64) -> LocalReply {
 }
 
 impl Flow {
-    pub fn on_request_headers(&mut self, gate: &Gate, store: &dyn Store, head: &Head) -> Decision {
+    pub fn on_request_headers(
+        &mut self,
+        gate: &Gate,
+        store: &dyn Store,
+        head: &RequestHead,
+    ) -> Decision {
         let cfg = &gate.config;
         self.class = Class::from_headers(
             &cfg.admission,
@@ -176,7 +181,7 @@ impl Flow {
         decision
     }
 
-    fn classify(&mut self, cfg: &Config, head: &Head) -> Decision {
+    fn classify(&mut self, cfg: &Config, head: &RequestHead) -> Decision {
         let json = head
             .content_type
             .is_none_or(|c| c.to_ascii_lowercase().contains("json"));
@@ -611,12 +616,12 @@ mod tests {
     use super::*;
     use crate::store::fake_host::FakeHost;
 
-    fn head(path: &str) -> Head<'_> {
-        Head {
+    fn head(path: &str) -> RequestHead<'_> {
+        RequestHead {
             method: "POST",
             path,
             content_type: Some("application/json"),
-            ..Head::default()
+            ..RequestHead::default()
         }
     }
 
@@ -639,7 +644,7 @@ mod tests {
         for h in [
             head("/v1/chat/completions"),
             head("/other"),
-            Head {
+            RequestHead {
                 method: "GET",
                 ..head("/v1/models")
             },
@@ -660,7 +665,7 @@ mod tests {
                 .step,
             Step::Forward
         );
-        let text = Head {
+        let text = RequestHead {
             content_type: Some("text/plain"),
             ..head("/v1/completions")
         };
@@ -676,7 +681,7 @@ mod tests {
     #[test]
     fn oversize_and_empty_bodies_answer_locally() {
         let (_, vm, gate) = gate(Config::default());
-        let big = Head {
+        let big = RequestHead {
             content_length: Some(2 << 20),
             ..head("/v1/completions")
         };
@@ -693,7 +698,7 @@ mod tests {
         assert!(
             matches!(f.on_body_progress(&gate, 2 << 20).map(|d| d.step), Some(Step::Reply(r)) if r.status == 413)
         );
-        let empty = Head {
+        let empty = RequestHead {
             end_of_stream: true,
             ..head("/v1/completions")
         };

@@ -315,7 +315,7 @@ impl World {
     }
 
     /// The request's live (unexpired) entry on the pod.
-    fn entry_of(&self, pod: &str, id: u64) -> Option<record::Entry> {
+    fn entry_of(&self, pod: &str, id: u64) -> Option<record::RequestEntry> {
         live(&checked_pod(self.store(), pod), self.host.now_ms())
             .entries
             .into_iter()

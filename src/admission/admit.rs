@@ -1,6 +1,6 @@
 //! Cost-aware admission: who may be sent now, who waits, and who is refused. A request is placed
 //! only on a pod whose budget has room for its reservation (`router`, `budget`); when none has, it
-//! joins the shared line (`queue`) and its VM parks it. Release of budget anywhere wakes the VM
+//! joins the shared line (`line`) and its VM parks it. Release of budget anywhere wakes the VM
 //! holding the head of the line through that VM's own shared queue (`kvgate.wake.<vm>`: one per
 //! VM, since a shared queue notifies only its last registrant); the head is retried there, and on
 //! success the next head's VM is woken in turn. A tick retries too, as a backstop only.
@@ -434,6 +434,13 @@ mod tests {
         }
     }
 
+    /// The one worker on its host, with `config(budget)`.
+    fn one_worker(budget: u64) -> (Config, Worker) {
+        let cfg = config(budget);
+        let w = worker(&FakeHost::new(), &cfg);
+        (cfg, w)
+    }
+
     fn est(cost: u64) -> Estimate {
         Estimate::exact(cost, 0)
     }
@@ -489,9 +496,7 @@ mod tests {
 
     #[test]
     fn admits_within_budget_then_queues_then_resumes_on_release() {
-        let host = FakeHost::new();
-        let cfg = config(100);
-        let mut w = worker(&host, &cfg);
+        let (cfg, mut w) = one_worker(100);
         let first = routed(w.place(&cfg, class(&cfg, None, "t"), 80));
         let t = waiting(w.place(&cfg, class(&cfg, None, "t"), 50));
         assert_eq!(w.admission.next_head(&w.vm).unwrap(), Some(t.id));
@@ -514,9 +519,7 @@ mod tests {
 
     #[test]
     fn sheddable_is_refused_at_once_and_full_queue_is_429() {
-        let host = FakeHost::new();
-        let cfg = config(100);
-        let mut w = worker(&host, &cfg);
+        let (cfg, mut w) = one_worker(100);
         assert!(matches!(
             w.place(&cfg, class(&cfg, None, "t"), 100),
             Admit::Routed(_)
@@ -617,9 +620,7 @@ mod tests {
 
     #[test]
     fn budget_comes_from_scraped_capacity() {
-        let host = FakeHost::new();
-        let cfg = config(0);
-        let mut w = worker(&host, &cfg);
+        let (cfg, mut w) = one_worker(0);
         let snap = Snapshot {
             healthy: true,
             capacity_tokens: 1000,

@@ -54,8 +54,9 @@ pub struct Snapshot {
     pub relief_lost: f64,
 }
 
+/// One in-flight request's entry in the pod's record: what it holds there and until when.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Entry {
+pub struct RequestEntry {
     pub id: u64,
     pub expires_ms: u64,
     pub dispatched_ms: u64,
@@ -85,7 +86,7 @@ pub struct PodRecord {
     pub snapshot: Option<Snapshot>,
     /// Requests that finished since the snapshot was taken.
     pub finished_since_scrape: u32,
-    pub entries: Vec<Entry>,
+    pub entries: Vec<RequestEntry>,
 }
 
 pub fn key(pod: &str) -> String {
@@ -261,14 +262,14 @@ impl PodRecord {
         )?;
         let mut entries = Vec::with_capacity(n);
         for _ in 0..n {
-            let mut e = Entry {
+            let mut e = RequestEntry {
                 id: r.u64()?,
                 expires_ms: r.u64()?,
                 dispatched_ms: r.u64()?,
                 held_tokens: r.u64()?,
                 prompt_blocks: r.u32()?,
                 output_blocks: r.u32()?,
-                ..Entry::default()
+                ..RequestEntry::default()
             };
             e.context_blocks = if has_context {
                 r.u32()?
@@ -349,7 +350,7 @@ pub fn finish(
     pod: &str,
     id: u64,
     heir: Option<(u64, u32, u64)>,
-) -> Result<Option<Entry>, StoreError> {
+) -> Result<Option<RequestEntry>, StoreError> {
     modify(store, pod, |rec| {
         let i = rec.entries.iter().position(|e| e.id == id)?;
         let gone = rec.entries.swap_remove(i);
@@ -412,15 +413,15 @@ mod tests {
     use super::*;
     use crate::store::fake_host::{FakeHost, FakeVm};
 
-    fn entry(id: u64, blocks: u32) -> Entry {
-        Entry {
+    fn entry(id: u64, blocks: u32) -> RequestEntry {
+        RequestEntry {
             id,
             expires_ms: 1_000,
             dispatched_ms: 1,
             held_tokens: 100,
             prompt_blocks: blocks,
             context_blocks: blocks,
-            ..Entry::default()
+            ..RequestEntry::default()
         }
     }
 
@@ -445,7 +446,7 @@ mod tests {
             finished_since_scrape: 3,
             entries: vec![
                 entry(1, 4),
-                Entry {
+                RequestEntry {
                     held_sigma: 7,
                     bounded: true,
                     ..entry(2, 5)
@@ -471,7 +472,7 @@ mod tests {
         let rec = PodRecord::decode(&w.0).unwrap();
         assert_eq!(
             rec.entries,
-            vec![Entry {
+            vec![RequestEntry {
                 output_blocks: 3,
                 ..entry(7, 12)
             }]
@@ -480,7 +481,7 @@ mod tests {
     }
 
     /// A host whose pod `p` holds `entries`, and a VM on it.
-    fn pod_with(entries: &[Entry]) -> (FakeHost, FakeVm) {
+    fn pod_with(entries: &[RequestEntry]) -> (FakeHost, FakeVm) {
         let host = FakeHost::new();
         let vm = host.vm();
         ensure(&vm, "p").unwrap();
@@ -512,7 +513,7 @@ mod tests {
 
     #[test]
     fn requests_sent_just_before_a_scrape_are_not_a_queue() {
-        let sent = |id, at| Entry {
+        let sent = |id, at| RequestEntry {
             dispatched_ms: at,
             expires_ms: 10_000,
             ..entry(id, 1)

@@ -204,14 +204,15 @@ mod tests {
         }
     }
 
+    /// A pod with nothing running or waiting, caching none of the prompt.
+    fn idle(name: &str) -> Candidate<'_> {
+        pod(name, 0, 0, 0.0)
+    }
+
     #[test]
     fn cached_prefix_wins_when_load_is_equal() {
         let w = RoutingConfig::default();
-        let c = [
-            pod("a", 0, 0, 0.0),
-            pod("b", 80, 0, 0.0),
-            pod("c", 40, 0, 0.0),
-        ];
+        let c = [idle("a"), pod("b", 80, 0, 0.0), pod("c", 40, 0, 0.0)];
         let r = rank(&c, 100, 10, &w, &mut Rng::new(1));
         assert_eq!(
             r.iter().map(|s| c[s.index].pod).collect::<Vec<_>>(),
@@ -235,7 +236,7 @@ mod tests {
         let pick = |sequences: u64| {
             let mut home = pod("home", 180, 190, 0.0);
             home.read_blocks = sequences * 200;
-            let c = [home, pod("spare", 0, 0, 0.0)];
+            let c = [home, idle("spare")];
             let r = rank(&c, 200, 210, &RoutingConfig::default(), &mut Rng::new(1));
             c[r[0].index].pod
         };
@@ -254,12 +255,7 @@ mod tests {
     #[test]
     fn consecutive_seeds_pick_uniformly_among_ties() {
         let w = RoutingConfig::default();
-        let c = [
-            pod("a", 0, 0, 0.0),
-            pod("b", 0, 0, 0.0),
-            pod("c", 0, 0, 0.0),
-            pod("d", 0, 0, 0.0),
-        ];
+        let c = [idle("a"), idle("b"), idle("c"), idle("d")];
         let mut counts = [0; 4];
         for seed in (7u64 << 32)..(7u64 << 32) + 400 {
             counts[rank(&c, 10, 10, &w, &mut Rng::new(seed))[0].index] += 1;
@@ -273,9 +269,9 @@ mod tests {
     #[test]
     fn ties_go_to_the_pod_caching_least() {
         let w = RoutingConfig::default();
-        let mut busy = pod("busy", 0, 0, 0.0);
+        let mut busy = idle("busy");
         busy.cached_total = 500;
-        let c = [busy, pod("empty", 0, 0, 0.0)];
+        let c = [busy, idle("empty")];
         for seed in 0..20 {
             assert_eq!(
                 c[rank(&c, 10, 10, &w, &mut Rng::new(seed))[0].index].pod,
@@ -287,7 +283,7 @@ mod tests {
     #[test]
     fn ties_are_broken_at_random() {
         let w = RoutingConfig::default();
-        let c = [pod("a", 0, 0, 0.0), pod("b", 0, 0, 0.0)];
+        let c = [idle("a"), idle("b")];
         let firsts: std::collections::HashSet<&str> = (0..50)
             .map(|seed| c[rank(&c, 10, 10, &w, &mut Rng::new(seed))[0].index].pod)
             .collect();
@@ -328,7 +324,7 @@ mod tests {
             temperature: 0.5,
             ..RoutingConfig::default()
         };
-        let c = [pod("cheap", 50, 0, 0.0), pod("dear", 0, 0, 0.0)];
+        let c = [pod("cheap", 50, 0, 0.0), idle("dear")];
         let mut rng = Rng::new(7);
         let cheap = (0..1000)
             .filter(|_| c[rank(&c, 100, 10, &w, &mut rng)[0].index].pod == "cheap")

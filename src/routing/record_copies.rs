@@ -70,21 +70,21 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     use super::*;
-    use crate::pods::record::Entry;
+    use crate::pods::record::RequestEntry;
     use crate::store::fake_host::FakeHost;
+    use crate::test_support::two_vms;
 
-    fn entry(id: u64, expires_ms: u64) -> Entry {
-        Entry {
+    fn entry(id: u64, expires_ms: u64) -> RequestEntry {
+        RequestEntry {
             id,
             expires_ms,
-            ..Entry::default()
+            ..RequestEntry::default()
         }
     }
 
     #[test]
     fn a_copy_serves_until_it_is_old_then_the_record_is_read_again() {
-        let host = FakeHost::new();
-        let (a, b) = (host.vm(), host.vm());
+        let (a, b) = two_vms();
         record::ensure(&a, "p").unwrap();
         let mut copies = RecordCopies::default();
         let now = a.now_ms();

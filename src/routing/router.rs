@@ -8,7 +8,7 @@ use crate::config::{Config, RoutingConfig, MAX_BLOCK_TOKENS};
 use crate::estimate::reservation::Estimate;
 use crate::models::served::{adapter_id, ServedView};
 use crate::pods::pool::{decode_pods, PODS_KEY};
-use crate::pods::record::{self, Entry, PodRecord};
+use crate::pods::record::{self, PodRecord, RequestEntry};
 use crate::routing::active_blocks::ActiveBlocks;
 use crate::routing::adapters::{Adapters, Fit};
 use crate::routing::pick::{rank, rendezvous, Candidate, Rng, Scored, Terms};
@@ -452,7 +452,7 @@ impl Router {
             let pod = best.pod.to_string();
             let new_blocks = (prompt_blocks - shared[s.index]) as u32;
             let load = loads[s.index];
-            let entry = Entry {
+            let entry = RequestEntry {
                 id: request,
                 expires_ms: now.saturating_add(r.request_ttl_ms),
                 dispatched_ms: now,
@@ -638,7 +638,7 @@ impl Router {
         store: &dyn Store,
         cfg: &Config,
         routed: &Routed,
-    ) -> Result<Option<Entry>, StoreError> {
+    ) -> Result<Option<RequestEntry>, StoreError> {
         // Learn of requests other workers sent since, so shared blocks find their heir.
         self.sync(store, cfg)?;
         let (shared, heir) = self.active.shared_with_others(&routed.pod, routed.request);
@@ -683,12 +683,33 @@ mod tests {
         }
     }
 
+    impl Router {
+        /// Routes a request for model `m` that must be routed.
+        fn route_m(
+            &mut self,
+            store: &dyn Store,
+            cfg: &Config,
+            hashes: &[u64],
+            est: &Estimate,
+        ) -> Routed {
+            self.route(store, cfg, "m", hashes, est).unwrap().routed()
+        }
+    }
+
     /// With a prompt margin (`estimator.safetyFactor` 1.1), so the tests see it carried
     /// through shared prefixes.
     fn config(pods: &[&str]) -> Config {
         let mut cfg = crate::test_support::with_pods(pods);
         cfg.estimator.safety_factor = 1.1;
         cfg
+    }
+
+    /// One VM's router over `pods`, with the tests' configuration.
+    fn router(pods: &[&str]) -> (FakeVm, Config, Router) {
+        let cfg = config(pods);
+        let vm = FakeHost::new().vm();
+        let r = Router::start(&vm, &cfg).unwrap();
+        (vm, cfg, r)
     }
 
     fn est(prompt: u64, output: u64) -> Estimate {
@@ -711,15 +732,9 @@ mod tests {
         let (w1, w2) = (host.vm(), host.vm());
         let mut r1 = Router::start(&w1, &cfg).unwrap();
         let mut r2 = Router::start(&w2, &cfg).unwrap();
-        let first = r1
-            .route(&w1, &cfg, "m", &hashes(7, 64), &est(1024, 16))
-            .unwrap()
-            .routed();
+        let first = r1.route_m(&w1, &cfg, &hashes(7, 64), &est(1024, 16));
         r1.finish(&w1, &cfg, &first).unwrap();
-        let second = r2
-            .route(&w2, &cfg, "m", &hashes(7, 64), &est(1024, 16))
-            .unwrap()
-            .routed();
+        let second = r2.route_m(&w2, &cfg, &hashes(7, 64), &est(1024, 16));
         assert_eq!(second.pod, first.pod);
         assert_eq!(second.cached_blocks, 64);
         r2.finish(&w2, &cfg, &second).unwrap();
@@ -728,20 +743,14 @@ mod tests {
 
     #[test]
     fn a_hot_prefix_spreads_when_its_pod_is_loaded() {
-        let host = FakeHost::new();
-        let cfg = config(&["a:1", "b:1"]);
-        let vm = host.vm();
-        let mut r = Router::start(&vm, &cfg).unwrap();
+        let (vm, cfg, mut r) = router(&["a:1", "b:1"]);
         let mut pods = Vec::new();
         let mut inflight = Vec::new();
         for i in 0..20 {
             // Same 32-block system prompt, different 32-block questions, long outputs.
             let mut h = hashes(1, 32);
             h.extend(hashes(100 + i, 32));
-            let routed = r
-                .route(&vm, &cfg, "m", &h, &est(1024, 512))
-                .unwrap()
-                .routed();
+            let routed = r.route_m(&vm, &cfg, &h, &est(1024, 512));
             pods.push(routed.pod.clone());
             inflight.push(routed);
         }
@@ -760,17 +769,14 @@ mod tests {
 
     #[test]
     fn a_shared_prefix_is_held_once_and_never_swallows_the_question() {
-        let host = FakeHost::new();
-        let cfg = config(&["a:1"]);
-        let vm = host.vm();
-        let mut r = Router::start(&vm, &cfg).unwrap();
+        let (vm, cfg, mut r) = router(&["a:1"]);
         // Twenty character blocks, ten of them a shared system prompt, would be 320 tokens at
         // 16 per block, but the text is denser: the prompt is 100 tokens, 5 per block; safety
         // factor 1.1.
         let e = est(100, 200);
         let prompt = |question| [hashes(1, 10), hashes(question, 10)].concat();
-        r.route(&vm, &cfg, "m", &prompt(2), &e).unwrap().routed();
-        r.route(&vm, &cfg, "m", &prompt(3), &e).unwrap().routed();
+        r.route_m(&vm, &cfg, &prompt(2), &e);
+        r.route_m(&vm, &cfg, &prompt(3), &e);
         assert_eq!(
             record::read(&vm, "a:1").unwrap().held_tokens(),
             110 + (110 - 55),
@@ -785,14 +791,8 @@ mod tests {
         let (w1, w2) = (host.vm(), host.vm());
         let mut r1 = Router::start(&w1, &cfg).unwrap();
         let mut r2 = Router::start(&w2, &cfg).unwrap();
-        let x = r1
-            .route(&w1, &cfg, "m", &hashes(1, 10), &est(160, 0))
-            .unwrap()
-            .routed();
-        let y = r2
-            .route(&w2, &cfg, "m", &hashes(1, 10), &est(160, 0))
-            .unwrap()
-            .routed();
+        let x = r1.route_m(&w1, &cfg, &hashes(1, 10), &est(160, 0));
+        let y = r2.route_m(&w2, &cfg, &hashes(1, 10), &est(160, 0));
         assert_eq!(
             total_active(&w1, &cfg),
             10,
@@ -840,10 +840,7 @@ mod tests {
         )
         .unwrap();
         let mut r = Router::start(&vm, &cfg).unwrap();
-        let mut routed = r
-            .route(&vm, &cfg, "m", &hashes(1, 4), &est(64, 64))
-            .unwrap()
-            .routed();
+        let mut routed = r.route_m(&vm, &cfg, &hashes(1, 4), &est(64, 64));
         assert_eq!(routed.pod, "b:1");
         let e = est(64, 64);
         assert!(r.grow(&vm, &cfg, &mut routed, &e, 17).unwrap());
@@ -946,10 +943,7 @@ mod tests {
         };
         record::write_snapshot(&worker, "a:1", snapshot, 0, &cfg).unwrap();
         for i in 0..10 {
-            let routed = w
-                .route(&worker, &cfg, "m", &hashes(100 + i, 8), &est(128, 16))
-                .unwrap()
-                .routed();
+            let routed = w.route_m(&worker, &cfg, &hashes(100 + i, 8), &est(128, 16));
             w.finish(&worker, &cfg, &routed).unwrap();
         }
         m.tend(&main, &cfg).unwrap();
@@ -960,10 +954,7 @@ mod tests {
         );
         // A request whose finish the log lost (a ring overrun, a VM gone) leaves its replicas
         // once its entry has left the record.
-        let lost = w
-            .route(&worker, &cfg, "m", &hashes(200, 8), &est(128, 16))
-            .unwrap()
-            .routed();
+        let lost = w.route_m(&worker, &cfg, &hashes(200, 8), &est(128, 16));
         m.tend(&main, &cfg).unwrap();
         assert_eq!(m.active.unique_blocks("a:1"), 8);
         record::finish(&worker, "a:1", lost.request, None).unwrap();
@@ -1003,12 +994,9 @@ mod tests {
 
     #[test]
     fn streaming_adds_only_what_streamed_since_the_last_write() {
-        let host = FakeHost::new();
-        let cfg = config(&["a:1"]);
-        let vm = host.vm();
-        let mut r = Router::start(&vm, &cfg).unwrap();
+        let (vm, cfg, mut r) = router(&["a:1"]);
         let e = est(100, 64);
-        let mut routed = r.route(&vm, &cfg, "m", &hashes(1, 4), &e).unwrap().routed();
+        let mut routed = r.route_m(&vm, &cfg, &hashes(1, 4), &e);
         let held = || record::read(&vm, "a:1").unwrap().held_tokens();
         assert_eq!(held(), 110);
         r.grow(&vm, &cfg, &mut routed, &e, 17).unwrap();
@@ -1024,14 +1012,8 @@ mod tests {
 
     #[test]
     fn a_pick_served_elsewhere_is_marked_down_and_its_accounting_moves() {
-        let host = FakeHost::new();
-        let cfg = config(&["a:1", "b:1"]);
-        let vm = host.vm();
-        let mut r = Router::start(&vm, &cfg).unwrap();
-        let mut routed = r
-            .route(&vm, &cfg, "m", &hashes(1, 4), &est(64, 0))
-            .unwrap()
-            .routed();
+        let (vm, cfg, mut r) = router(&["a:1", "b:1"]);
+        let mut routed = r.route_m(&vm, &cfg, &hashes(1, 4), &est(64, 0));
         let (picked, other) = if routed.pod == "a:1" {
             ("a:1", "b:1")
         } else {
@@ -1042,10 +1024,7 @@ mod tests {
         assert_eq!(routed.pod, other);
         assert!(!record::read(&vm, picked).unwrap().snapshot.unwrap().healthy);
         assert_eq!(record::read(&vm, other).unwrap().active_blocks(), 4);
-        let next = r
-            .route(&vm, &cfg, "m", &hashes(1, 4), &est(64, 0))
-            .unwrap()
-            .routed();
+        let next = r.route_m(&vm, &cfg, &hashes(1, 4), &est(64, 0));
         assert_eq!(next.pod, other);
         r.finish(&vm, &cfg, &routed).unwrap();
         r.finish(&vm, &cfg, &next).unwrap();
@@ -1064,14 +1043,8 @@ mod tests {
         };
         record::write_snapshot(&vm, "a:1", snapshot, 0, &Config::default()).unwrap();
         let mut r = Router::start(&vm, &cfg).unwrap();
-        let x = r
-            .route(&vm, &cfg, "m", &hashes(1, 10), &est(160, 0))
-            .unwrap()
-            .routed();
-        let y = r
-            .route(&vm, &cfg, "m", &hashes(1, 10), &est(160, 0))
-            .unwrap()
-            .routed();
+        let x = r.route_m(&vm, &cfg, &hashes(1, 10), &est(160, 0));
+        let y = r.route_m(&vm, &cfg, &hashes(1, 10), &est(160, 0));
         assert_eq!(y.cached_blocks, 0, "served before, but not cached there");
         let rec = record::read(&vm, "a:1").unwrap();
         assert_eq!(rec.active_blocks(), 20, "each sequence holds its own copy");
@@ -1084,10 +1057,7 @@ mod tests {
 
     #[test]
     fn the_block_size_follows_the_pods_unless_configured() {
-        let host = FakeHost::new();
-        let cfg = config(&["a:1", "b:1"]);
-        let vm = host.vm();
-        let mut r = Router::start(&vm, &cfg).unwrap();
+        let (vm, cfg, mut r) = router(&["a:1", "b:1"]);
         assert_eq!(r.block_tokens(&cfg.routing), 16, "before any scrape");
         let scraped = |pod, block_size| {
             let snapshot = Snapshot {
@@ -1101,21 +1071,15 @@ mod tests {
         scraped("a:1", 16);
         scraped("b:1", 32);
         // The router ranks on its copies of the records: a scrape reaches it within COPY_MS.
-        host.advance_ms(COPY_MS);
-        let first = r
-            .route(&vm, &cfg, "m", &hashes(1, 4), &est(64, 64))
-            .unwrap()
-            .routed();
+        vm.host().advance_ms(COPY_MS);
+        let first = r.route_m(&vm, &cfg, &hashes(1, 4), &est(64, 64));
         assert_eq!(first.block_tokens, 16, "cut before the pods were read");
         assert_eq!(r.block_tokens(&cfg.routing), 32, "the largest reported");
-        let second = r
-            .route(&vm, &cfg, "m", &hashes(2, 4), &est(64, 64))
-            .unwrap()
-            .routed();
+        let second = r.route_m(&vm, &cfg, &hashes(2, 4), &est(64, 64));
         assert_eq!(second.block_tokens, 32);
         scraped("a:1", 1);
         scraped("b:1", 1);
-        host.advance_ms(COPY_MS);
+        vm.host().advance_ms(COPY_MS);
         r.route(&vm, &cfg, "m", &hashes(3, 4), &est(64, 64))
             .unwrap();
         assert_eq!(
@@ -1130,25 +1094,19 @@ mod tests {
 
     #[test]
     fn discovered_pods_join_and_departed_ones_leave() {
-        let host = FakeHost::new();
-        let cfg = config(&[]);
-        let vm = host.vm();
-        let mut r = Router::start(&vm, &cfg).unwrap();
+        let (vm, cfg, mut r) = router(&[]);
         assert_eq!(
             r.route(&vm, &cfg, "m", &hashes(1, 4), &est(64, 0)).unwrap(),
             Placement::NoPods
         );
         vm.set(PODS_KEY, &encode_pods(&["x:1".into()]), None)
             .unwrap();
-        host.advance_ms(PODS_CACHE_MS);
-        let routed = r
-            .route(&vm, &cfg, "m", &hashes(1, 4), &est(64, 0))
-            .unwrap()
-            .routed();
+        vm.host().advance_ms(PODS_CACHE_MS);
+        let routed = r.route_m(&vm, &cfg, &hashes(1, 4), &est(64, 0));
         assert_eq!(routed.pod, "x:1");
         r.finish(&vm, &cfg, &routed).unwrap();
         vm.set(PODS_KEY, &encode_pods(&[]), None).unwrap();
-        host.advance_ms(PODS_CACHE_MS);
+        vm.host().advance_ms(PODS_CACHE_MS);
         r.sync(&vm, &cfg).unwrap();
         assert!(r.pods().is_empty());
     }
