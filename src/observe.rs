@@ -109,7 +109,7 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     use super::*;
-    use crate::flow::{Flow, Head, Step, DESTINATION_HEADER};
+    use crate::flow::{Flow, RequestHead, Step, DESTINATION_HEADER};
     use crate::pods::record;
     use crate::store::fake_host::{FakeHost, FakeVm};
 
@@ -131,11 +131,11 @@ mod tests {
     /// Sends a chat request of `words` words through a new flow.
     fn send(gate: &mut Gate, vm: &FakeVm, words: usize) -> (Flow, crate::flow::Decision) {
         let mut f = Flow::default();
-        let head = Head {
+        let head = RequestHead {
             method: "POST",
             path: "/v1/chat/completions",
             content_type: Some("application/json"),
-            ..Head::default()
+            ..RequestHead::default()
         };
         f.on_request_headers(gate, vm, &head);
         let text = "word ".repeat(words);
