@@ -140,6 +140,13 @@ fn header_value(model: &str) -> String {
     out
 }
 
+/// How far an estimate was from what the engine counted, in whole percent of the count (an
+/// estimate of anything for nothing counts as 100 %).
+fn error_percent(estimated: u64, counted: u64) -> u64 {
+    let off = estimated.abs_diff(counted) as f64;
+    (100.0 * off / counted.max(1) as f64).round() as u64
+}
+
 fn too_large(limit: u64) -> LocalReply {
     LocalReply::error(
         413,
@@ -392,6 +399,14 @@ impl Flow {
                     .count(stats::PREFIX_BLOCKS_TOTAL, routed.prompt_blocks as u64);
                 gate.stats
                     .count(stats::PREFIX_BLOCKS_MATCHED, routed.cached_blocks as u64);
+                gate.stats.count(
+                    stats::pod_stat(&routed.pod, stats::POD_PREFIX_BLOCKS_TOTAL),
+                    routed.prompt_blocks as u64,
+                );
+                gate.stats.count(
+                    stats::pod_stat(&routed.pod, stats::POD_PREFIX_BLOCKS_MATCHED),
+                    routed.cached_blocks as u64,
+                );
                 if routed.over_budget {
                     observe::placed_past_budget(gate, &routed, self.class);
                 }
@@ -594,6 +609,23 @@ impl Flow {
             stats::model_stat(&a.stat_model, stats::MODEL_COMPLETION_TOKENS),
             usage.completion_tokens,
         );
+        for (stat, estimated, counted) in [
+            (
+                stats::MODEL_PROMPT_ERROR_PCT,
+                a.estimate.prompt_tokens,
+                usage.prompt_tokens,
+            ),
+            (
+                stats::MODEL_OUTPUT_ERROR_PCT,
+                a.estimate.output_tokens,
+                usage.completion_tokens,
+            ),
+        ] {
+            stats.histogram(
+                stats::model_stat(&a.stat_model, stat),
+                error_percent(estimated, counted),
+            );
+        }
         let sample = Sample {
             static_text_tokens: a.static_text_tokens,
             fixed_tokens: a.fixed_tokens,

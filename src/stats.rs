@@ -160,6 +160,17 @@ pub const POD_HEALTHY: PodStat = PodStat("healthy");
 pub const POD_GRANT_TOKENS: PodStat = PodStat("grant_tokens");
 /// With several replicas: the KV the other replicas' requests hold on the pod.
 pub const POD_REMOTE_TOKENS: PodStat = PodStat("remote_tokens");
+/// The engine's own KV in use at the last scrape, in blocks: against `active_blocks`, how right
+/// kvgate's prediction is.
+pub const POD_ENGINE_BLOCKS: PodStat = PodStat("engine_blocks");
+/// The engine's prefix-cache counters at the last scrape (`vllm:prefix_cache_hits_total`,
+/// `vllm:prefix_cache_queries_total`, tokens since it started), as gauges.
+pub const POD_ENGINE_PREFIX_HITS: PodStat = PodStat("engine_prefix_hit_tokens");
+pub const POD_ENGINE_PREFIX_QUERIES: PodStat = PodStat("engine_prefix_query_tokens");
+/// Prompt blocks of requests routed to the pod, and of those the blocks kvgate believed it
+/// cached: against the engine's counters, how right the prefix index is.
+pub const POD_PREFIX_BLOCKS_TOTAL: PodStat = PodStat("prefix_blocks_total");
+pub const POD_PREFIX_BLOCKS_MATCHED: PodStat = PodStat("prefix_blocks_matched");
 
 /// Every per-pod name, for the test against docs/operations.md.
 pub const PER_POD: &[PodStat] = &[
@@ -176,6 +187,11 @@ pub const PER_POD: &[PodStat] = &[
     POD_HEALTHY,
     POD_GRANT_TOKENS,
     POD_REMOTE_TOKENS,
+    POD_ENGINE_BLOCKS,
+    POD_ENGINE_PREFIX_HITS,
+    POD_ENGINE_PREFIX_QUERIES,
+    POD_PREFIX_BLOCKS_TOTAL,
+    POD_PREFIX_BLOCKS_MATCHED,
 ];
 
 /// A pod's stat: `kvgate.pod.<ip_port>.<stat>`, the address made one segment by [`pod_segment`].
@@ -228,14 +244,20 @@ pub const MODEL_QUEUE_WAIT_MS: &str = "queue_wait_ms";
 /// Tokens the engines reported in `usage`.
 pub const MODEL_PROMPT_TOKENS: &str = "prompt_tokens";
 pub const MODEL_COMPLETION_TOKENS: &str = "completion_tokens";
+/// Histograms of each answer's estimate error against its `usage`, in percent of what the
+/// engine counted: the prompt estimate, and the expected output (`estimate::reservation`).
+pub const MODEL_PROMPT_ERROR_PCT: &str = "prompt_error_pct";
+pub const MODEL_OUTPUT_ERROR_PCT: &str = "output_error_pct";
 
 /// Every per-model segment, for the test against docs/operations.md.
-pub const PER_MODEL: [&str; 5] = [
+pub const PER_MODEL: [&str; 7] = [
     MODEL_REQUESTS,
     MODEL_PICKS,
     MODEL_QUEUE_WAIT_MS,
     MODEL_PROMPT_TOKENS,
     MODEL_COMPLETION_TOKENS,
+    MODEL_PROMPT_ERROR_PCT,
+    MODEL_OUTPUT_ERROR_PCT,
 ];
 
 /// Stands for every model without stats of its own (neither configured nor listed by a pod),

@@ -175,6 +175,7 @@ impl Scraper {
                             };
                             served::write_lora(store, pod, lora)?;
                         }
+                        engine_gauges(stats, pod, &m);
                         let snapshot = Snapshot {
                             at_ms: now,
                             healthy: true,
@@ -221,6 +222,30 @@ impl Scraper {
     pub fn expire(&mut self, now: u64) {
         self.in_flight
             .retain(|_, deadline| deadline.saturating_add(1_000) > now);
+    }
+}
+
+/// The engine's own view of the pod, beside kvgate's (`active_blocks`, the per-pod prefix
+/// counters): KV in use in blocks, and its prefix-cache counters, as far as the page says.
+fn engine_gauges(stats: &mut Stats, pod: &str, m: &metrics::PodMetrics) {
+    if let (Some(usage), Some(capacity), Some(block)) =
+        (m.kv_usage, m.capacity_tokens, m.block_size)
+    {
+        if usage.is_finite() && block > 0 {
+            let blocks = usage.clamp(0.0, 1.0) * capacity as f64 / block as f64;
+            stats.gauge(
+                stats::pod_stat(pod, stats::POD_ENGINE_BLOCKS),
+                blocks.round() as u64,
+            );
+        }
+    }
+    for (stat, value) in [
+        (stats::POD_ENGINE_PREFIX_HITS, m.prefix_cache_hits),
+        (stats::POD_ENGINE_PREFIX_QUERIES, m.prefix_cache_queries),
+    ] {
+        if let Some(v) = value.filter(|v| v.is_finite() && *v >= 0.0) {
+            stats.gauge(stats::pod_stat(pod, stat), v.round() as u64);
+        }
     }
 }
 
