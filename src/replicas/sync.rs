@@ -76,7 +76,7 @@ struct Planned {
 }
 
 /// What one range read found under the prefix, and when (this VM's clock).
-struct Seen<'a> {
+struct RangeRead<'a> {
     at_ms: u64,
     /// Replicas whose alive key stands.
     alive: Vec<&'a str>,
@@ -86,11 +86,12 @@ struct Seen<'a> {
     grants: HashMap<&'a str, Vec<(&'a str, Published, i64)>>,
 }
 
-impl<'a> Seen<'a> {
-    fn read(kvs: &'a [Kv], prefix: &str, at_ms: u64) -> Seen<'a> {
+impl<'a> RangeRead<'a> {
+    /// Sorts the keys of the range by what each says (keys of no known shape are passed over).
+    fn parse(kvs: &'a [Kv], prefix: &str, at_ms: u64) -> RangeRead<'a> {
         let alive_prefix = alive_key(prefix, "");
         let pod_prefix = format!("{prefix}/pod/");
-        let mut seen = Seen {
+        let mut read = RangeRead {
             at_ms,
             alive: Vec::new(),
             guards: HashMap::new(),
@@ -98,20 +99,20 @@ impl<'a> Seen<'a> {
         };
         for kv in kvs {
             if let Some(replica) = kv.key.strip_prefix(&alive_prefix) {
-                seen.alive.push(replica);
+                read.alive.push(replica);
             } else if let Some(rest) = kv.key.strip_prefix(&pod_prefix) {
                 if let Some(pod) = rest.strip_suffix("/guard") {
-                    seen.guards.insert(pod, kv.mod_revision);
+                    read.guards.insert(pod, kv.mod_revision);
                 } else if let Some((pod, replica)) = rest.split_once("/grant/") {
                     let value = serde_json::from_slice(&kv.value).unwrap_or_default();
-                    seen.grants
+                    read.grants
                         .entry(pod)
                         .or_default()
                         .push((replica, value, kv.mod_revision));
                 }
             }
         }
-        seen
+        read
     }
 }
 
@@ -278,9 +279,9 @@ impl Sync {
                     let Some((lease, _)) = read_lease(store)? else {
                         return Ok(Vec::new());
                     };
-                    let seen = Seen::read(&kvs, &cfg.etcd.key_prefix, now);
-                    stats.gauge(stats::REPLICAS_LIVE, seen.alive.len() as u64);
-                    let txn = self.plan(store, cfg, pods, &seen, lease)?;
+                    let read = RangeRead::parse(&kvs, &cfg.etcd.key_prefix, now);
+                    stats.gauge(stats::REPLICAS_LIVE, read.alive.len() as u64);
+                    let txn = self.plan(store, cfg, pods, &read, lease)?;
                     let body = gateway::txn(&txn.compares, &txn.ops);
                     Ok(vec![self.send(cfg, now, Step::Txn, gateway::TXN, body)])
                 }
@@ -333,15 +334,15 @@ impl Sync {
         store: &dyn Store,
         cfg: &Config,
         pods: &[PodView],
-        seen: &Seen<'a>,
+        read: &RangeRead<'a>,
         lease: i64,
     ) -> Result<Txn<'a>, StoreError> {
         let me = cfg.etcd.replica_id.as_str();
-        self.note_lapsed(seen, me);
+        self.note_lapsed(read, me);
         let mut txn = Txn::default();
         self.planned.clear();
         for view in pods {
-            self.plan_pod(store, cfg, seen, view, &mut txn)?;
+            self.plan_pod(store, cfg, read, view, &mut txn)?;
         }
         self.reclaiming = txn.reclaimed.len() as u64;
         txn.ops.push(Op::Put {
@@ -354,18 +355,18 @@ impl Sync {
 
     /// Keeps when each replica holding grants was first seen without its alive key (this VM's
     /// clock), and forgets those no longer seen so.
-    fn note_lapsed(&mut self, seen: &Seen, me: &str) {
-        let holders_seen: Vec<&str> = seen
+    fn note_lapsed(&mut self, read: &RangeRead, me: &str) {
+        let holders_seen: Vec<&str> = read
             .grants
             .values()
             .flatten()
             .map(|(r, _, _)| *r)
-            .filter(|r| *r != me && !seen.alive.contains(r))
+            .filter(|r| *r != me && !read.alive.contains(r))
             .collect();
         self.lapsed_since
             .retain(|r, _| holders_seen.contains(&r.as_str()));
         for r in &holders_seen {
-            self.lapsed_since.entry(r.to_string()).or_insert(seen.at_ms);
+            self.lapsed_since.entry(r.to_string()).or_insert(read.at_ms);
         }
     }
 
@@ -383,7 +384,7 @@ impl Sync {
         &mut self,
         store: &dyn Store,
         cfg: &Config,
-        seen: &Seen<'a>,
+        read: &RangeRead<'a>,
         view: &PodView,
         txn: &mut Txn<'a>,
     ) -> Result<(), StoreError> {
@@ -392,8 +393,8 @@ impl Sync {
         };
         let prefix = &cfg.etcd.key_prefix;
         let me = cfg.etcd.replica_id.as_str();
-        let now = seen.at_ms;
-        let (mut holders, me_at, remote) = self.holders(cfg, seen, &view.pod, txn);
+        let now = read.at_ms;
+        let (mut holders, me_at, remote) = self.holders(cfg, read, &view.pod, txn);
         // Its own line from its records, fresher than what it last published.
         holders[me_at].in_use = view.in_use;
         holders[me_at].demand = view.demand;
@@ -404,7 +405,7 @@ impl Sync {
         let granted = granted_before - before + grant;
         if grant > before {
             let guard = guard_key(prefix, &view.pod);
-            let revision = seen.guards.get(view.pod.as_str()).copied().unwrap_or(0);
+            let revision = read.guards.get(view.pod.as_str()).copied().unwrap_or(0);
             txn.compares
                 .push(Compare::ModRevision(guard.clone(), revision));
             txn.ops.push(Op::Put {
@@ -445,7 +446,7 @@ impl Sync {
     fn holders<'a>(
         &self,
         cfg: &Config,
-        seen: &Seen<'a>,
+        read: &RangeRead<'a>,
         pod: &str,
         txn: &mut Txn<'a>,
     ) -> (Vec<Holder>, usize, u64) {
@@ -454,10 +455,10 @@ impl Sync {
         let mut holders: Vec<Holder> = Vec::new();
         let mut remote = 0;
         let mut mine = None;
-        for &(replica, value, revision) in seen.grants.get(pod).into_iter().flatten() {
+        for &(replica, value, revision) in read.grants.get(pod).into_iter().flatten() {
             if replica == me {
                 mine = Some(holders.len());
-            } else if self.reclaimable(replica, cfg, seen.at_ms) {
+            } else if self.reclaimable(replica, cfg, read.at_ms) {
                 let grant_key = grant_key(prefix, pod, replica);
                 txn.compares
                     .push(Compare::ModRevision(grant_key.clone(), revision));
@@ -476,7 +477,7 @@ impl Sync {
                 in_use: value.in_use,
                 demand: value.demand,
                 unit: value.unit,
-                lapsed: replica != me && !seen.alive.contains(&replica),
+                lapsed: replica != me && !read.alive.contains(&replica),
             });
         }
         let me_at = match mine {
