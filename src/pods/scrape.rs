@@ -459,6 +459,30 @@ mod tests {
     }
 
     #[test]
+    fn the_engines_own_kv_and_prefix_counters_are_reported_beside_kvgates() {
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let mut stats = Stats::default();
+        let page = include_bytes!("../../fuzz/seeds/metrics/vllm_v1_single_engine.prom");
+        let pod = Target::Pod("a:1".into());
+        Scraper::default()
+            .on_response(&vm, &cfg(), &mut stats, &pod, Some(200), page)
+            .unwrap();
+        let gauges: Vec<_> = stats.drain().collect();
+        for (name, value) in [
+            // 0.418 of 27,000 blocks in use.
+            ("kvgate.pod.a_1.engine_blocks", 11_294),
+            ("kvgate.pod.a_1.engine_prefix_hit_tokens", 987_648),
+            ("kvgate.pod.a_1.engine_prefix_query_tokens", 1_234_567),
+        ] {
+            assert!(
+                gauges.contains(&crate::stats::Stat::Gauge(name.into(), value)),
+                "{name}: {gauges:?}"
+            );
+        }
+    }
+
+    #[test]
     fn a_model_list_is_kept_through_failures_and_adapter_state_comes_with_metrics() {
         let (c, host) = (cfg(), FakeHost::new());
         let (vm, mut s, mut stats) = (host.vm(), Scraper::default(), Stats::default());

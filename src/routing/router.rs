@@ -20,7 +20,9 @@ use crate::store::interface::{create_if_missing, update, Store, StoreError};
 use hashbrown::HashMap;
 use std::cell::Cell;
 
+mod rehome;
 mod steps;
+pub use rehome::Moved;
 use steps::{candidates, charges, Ask};
 
 const VM_SEQ_KEY: &str = "kvgate.vm.seq";
@@ -68,15 +70,6 @@ pub struct Routed {
     /// Placed past every budget: no pod had room, and admission only observes
     /// (`admission.mode` `observe`, [`Router::route_past_budget`]).
     pub over_budget: bool,
-}
-
-/// Why a request is served by another pod than kvgate's pick ([`Router::rehome`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Moved {
-    /// Envoy could not use the pick (its retry policy served the request elsewhere).
-    PickFailed,
-    /// Routing only observes (`routing.mode` `observe`): Envoy's load balancer chose.
-    EnvoyChose,
 }
 
 /// Whether a pick must fit its pod's budget.
@@ -558,78 +551,6 @@ impl Router {
             Some(())
         })
         .map(|r| r.is_some())
-    }
-
-    /// The request is served by `served_by`, not by kvgate's pick: its accounting (entry, active
-    /// blocks, adapter) moves there, the prompt counts as cached there, and the other workers
-    /// learn of the move through the pick log. When Envoy could not use the pick
-    /// ([`Moved::PickFailed`]: its retry policy went elsewhere), the pick is also marked down
-    /// until its next good scrape, so the next requests avoid it now, not a scrape interval
-    /// later; when routing only observes ([`Moved::EnvoyChose`]), the pick is fine.
-    pub fn rehome(
-        &mut self,
-        store: &dyn Store,
-        cfg: &Config,
-        routed: &mut Routed,
-        served_by: &str,
-        why: Moved,
-    ) -> Result<(), StoreError> {
-        if served_by == routed.pod || !self.pods.iter().any(|p| p == served_by) {
-            return Ok(());
-        }
-        let now = store.now_ms();
-        if why == Moved::PickFailed {
-            let down = record::modify(store, &routed.pod, |rec| {
-                rec.snapshot = Some(record::Snapshot {
-                    at_ms: now,
-                    healthy: false,
-                    kv_usage: f64::NAN,
-                    ..record::Snapshot::default()
-                });
-                Some(rec.clone())
-            })?;
-            if let Some(down) = down {
-                self.copies.wrote(&routed.pod, down, now);
-            }
-        }
-        let hashes = self
-            .active
-            .hashes_of(&routed.pod, routed.request)
-            .unwrap_or_default();
-        let adapter = self.adapters.adapter_of(&routed.pod, routed.request);
-        let Some(mut entry) = self.finish(store, cfg, routed)? else {
-            return Ok(());
-        };
-        entry.prompt_blocks = routed.prompt_blocks as u32;
-        let moved = record::modify(store, served_by, |rec| {
-            rec.entries.push(entry);
-            Some(rec.clone())
-        })?;
-        if let Some(moved) = moved {
-            self.copies.wrote(served_by, moved, now);
-        }
-        routed.pod = served_by.to_string();
-        let capacity = self
-            .capacity
-            .get(served_by)
-            .copied()
-            .unwrap_or(cfg.routing.pod_capacity_blocks as usize);
-        self.prefix.insert(served_by, &hashes, now, capacity);
-        self.adapters
-            .dispatch(served_by, routed.request, adapter, now);
-        let event = Event::Dispatch(Dispatch {
-            pod: served_by.to_string(),
-            request: routed.request,
-            adapter,
-            hashes,
-        });
-        if let Err(e) = self.log.publish(store, self.vm, &event) {
-            log::debug!("kvgate: pick log publish failed: {e:?}");
-        }
-        if let Event::Dispatch(d) = event {
-            self.active.add(served_by, routed.request, d.hashes, now);
-        }
-        Ok(())
     }
 
     /// The request is over, however it ended. Safe to call more than once.

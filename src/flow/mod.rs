@@ -1,11 +1,12 @@
 //! One request's way through kvgate, from request headers to the end of its response, as plain
 //! decisions the shell carries out: which headers to strip or set, whether to wait for the body,
 //! forward, or answer locally. All shared state is reached through the `Store` given to each step.
+//! This file is the request side (headers, body, the decision, a parked request's retry);
+//! `response.rs` the response side (headers, streamed body, the end).
 
 use crate::admission::admit::{Admit, Asks, Class};
 use crate::admission::line::Ticket;
 use crate::config::Config;
-use crate::estimate::calibration::Sample;
 use crate::estimate::reservation::{estimate_from, Estimate};
 use crate::estimate::text::static_prompt_tokens;
 pub use crate::gate::Gate;
@@ -17,6 +18,10 @@ use crate::routing::prefix::block_hashes;
 use crate::routing::router::Routed;
 use crate::stats;
 use crate::store::interface::Store;
+
+mod response;
+#[cfg(test)]
+use response::header_safe;
 
 /// Clients never choose the upstream: this header is kvgate's to set, and Envoy's override-host
 /// policy trusts whatever it says.
@@ -106,16 +111,6 @@ pub struct Flow {
     priority_given: bool,
 }
 
-/// Client text made fit for a response header: visible ASCII only, at most 128 characters, so a
-/// crafted value cannot split the response or bloat it.
-fn header_safe(value: &str) -> String {
-    value
-        .chars()
-        .map(|c| if (' '..='~').contains(&c) { c } else { '?' })
-        .take(128)
-        .collect()
-}
-
 /// What the model step decided for a request.
 #[derive(Default)]
 struct SentAs {
@@ -138,13 +133,6 @@ fn header_value(model: &str) -> String {
         }
     }
     out
-}
-
-/// How far an estimate was from what the engine counted, in whole percent of the count (an
-/// estimate of anything for nothing counts as 100 %).
-fn error_percent(estimated: u64, counted: u64) -> u64 {
-    let off = estimated.abs_diff(counted) as f64;
-    (100.0 * off / counted.max(1) as f64).round() as u64
 }
 
 fn too_large(limit: u64) -> LocalReply {
@@ -465,178 +453,6 @@ impl Flow {
             waited,
         );
         Some(self.decide(gate, admit))
-    }
-
-    /// The response has started (returns the debug headers to add, when enabled); `served_by` is the upstream host Envoy used (after retries).
-    pub fn on_response_headers(
-        &mut self,
-        gate: &mut Gate,
-        store: &dyn Store,
-        content_type: Option<&str>,
-        served_by: Option<&str>,
-    ) -> Vec<(String, String)> {
-        let Some(a) = &mut self.admitted else {
-            return Vec::new();
-        };
-        let mut observed = None;
-        if let Some(routed) = &mut a.routed {
-            let picked = gate.config.debug_headers.then(|| routed.pod.clone());
-            if let Some(host) = served_by {
-                observe::served(gate, store, routed, host);
-            }
-            observed = picked.and_then(|p| observe::header(&gate.config, routed, self.class, &p));
-        }
-        let a = &*a;
-        self.meter = Some(ResponseMeter::new(content_type));
-        if !gate.config.debug_headers {
-            return Vec::new();
-        }
-        let mut headers = vec![
-            (
-                "x-kvgate-model".into(),
-                header_safe(a.requested.as_ref().unwrap_or(&a.model)),
-            ),
-            (
-                "x-kvgate-prompt-tokens".into(),
-                a.estimate.prompt_tokens.to_string(),
-            ),
-            (
-                "x-kvgate-output-tokens".into(),
-                a.estimate.output_tokens.to_string(),
-            ),
-            ("x-kvgate-cost".into(), a.estimate.cost.to_string()),
-        ];
-        if let Some(ms) = a.waited_ms {
-            headers.push(("x-kvgate-queue-ms".into(), ms.to_string()));
-        }
-        if a.requested.is_some() {
-            headers.push(("x-kvgate-target-model".into(), header_safe(&a.model)));
-        }
-        if let Some(r) = &a.routed {
-            headers.push(("x-kvgate-pod".into(), r.pod.clone()));
-            headers.push((
-                "x-kvgate-prefix-blocks".into(),
-                format!("{}/{}", r.cached_blocks, r.prompt_blocks),
-            ));
-            headers.push(("x-kvgate-ranking".into(), r.ranking.clone()));
-        }
-        if let Some(observed) = observed {
-            headers.push(("x-kvgate-observed".into(), observed));
-        }
-        headers
-    }
-
-    /// Whether the response body is worth reading (only for requests kvgate decided on).
-    pub fn reads_response(&self) -> bool {
-        self.meter.is_some()
-    }
-
-    pub fn on_response_body(&mut self, gate: &mut Gate, store: &dyn Store, bytes: &[u8]) {
-        let (Some(m), Some(a)) = (&mut self.meter, &mut self.admitted) else {
-            return;
-        };
-        if m.feed(bytes) == 0 {
-            return;
-        }
-        if let Some(routed) = &mut a.routed {
-            if let Err(e) =
-                gate.router
-                    .grow(store, &gate.config, routed, &a.estimate, m.streamed_tokens)
-            {
-                log::debug!("kvgate: grow failed: {e:?}");
-            }
-        }
-    }
-
-    /// The stream is over, however it ended. Runs its effects once even if called again.
-    pub fn on_done(&mut self, gate: &mut Gate, store: &dyn Store) {
-        if std::mem::replace(&mut self.finished, true) {
-            return;
-        }
-        if let Some((ticket, _)) = self.admitted.as_ref().and_then(|a| a.waiting.as_ref()) {
-            // The client left while parked.
-            if let Err(e) = gate.admission.abandon(store, &mut gate.stats, ticket.id) {
-                log::warn!("kvgate: leaving the queue failed (the ticket expires): {e:?}");
-            }
-        }
-        if let Some(routed) = self.admitted.as_ref().and_then(|a| a.routed.as_ref()) {
-            match gate.router.finish(store, &gate.config, routed) {
-                Ok(_) => {
-                    if let Err(e) = gate.admission.wake_head(store) {
-                        log::debug!("kvgate: waking the queue failed: {e:?}");
-                    }
-                }
-                // The entry expires by itself (routing.requestTtlMs).
-                Err(e) => log::warn!(
-                    "kvgate: release of {} on {} failed: {e:?}",
-                    routed.request,
-                    routed.pod
-                ),
-            }
-            if let Some(session) = self
-                .class
-                .session
-                .filter(|_| gate.config.admission.session_boost_ms > 0)
-            {
-                if let Err(e) = crate::admission::sessions::finished_turn(store, session) {
-                    log::debug!("kvgate: session record failed: {e:?}");
-                }
-            }
-        }
-        let (Some(a), Some(meter)) = (&self.admitted, &mut self.meter) else {
-            return;
-        };
-        let Some(usage) = meter.finish() else {
-            return;
-        };
-        // The estimate beside what the engine reported, summed: ratios of their rates are the
-        // estimator's error over any window (the dashboard's accuracy panel, the drift alerts).
-        let stats = &mut gate.stats;
-        stats.count(stats::ESTIMATE_PROMPT_TOKENS, a.estimate.prompt_tokens);
-        stats.count(stats::USAGE_PROMPT_TOKENS, usage.prompt_tokens);
-        stats.count(stats::ESTIMATE_OUTPUT_TOKENS, a.estimate.output_tokens);
-        stats.count(stats::USAGE_COMPLETION_TOKENS, usage.completion_tokens);
-        stats.count(stats::ESTIMATE_COST_TOKENS, a.estimate.cost);
-        stats.count(
-            stats::USAGE_TOTAL_TOKENS,
-            usage.prompt_tokens + usage.completion_tokens,
-        );
-        stats.count(
-            stats::model_stat(&a.stat_model, stats::MODEL_PROMPT_TOKENS),
-            usage.prompt_tokens,
-        );
-        stats.count(
-            stats::model_stat(&a.stat_model, stats::MODEL_COMPLETION_TOKENS),
-            usage.completion_tokens,
-        );
-        for (stat, estimated, counted) in [
-            (
-                stats::MODEL_PROMPT_ERROR_PCT,
-                a.estimate.prompt_tokens,
-                usage.prompt_tokens,
-            ),
-            (
-                stats::MODEL_OUTPUT_ERROR_PCT,
-                a.estimate.output_tokens,
-                usage.completion_tokens,
-            ),
-        ] {
-            stats.histogram(
-                stats::model_stat(&a.stat_model, stat),
-                error_percent(estimated, counted),
-            );
-        }
-        let sample = Sample {
-            static_text_tokens: a.static_text_tokens,
-            fixed_tokens: a.fixed_tokens,
-            prompt_tokens: usage.prompt_tokens,
-            completion_tokens: usage.completion_tokens,
-            cut: a
-                .max_output_tokens
-                .is_some_and(|m| usage.completion_tokens >= m),
-        };
-        gate.calibration
-            .observe(&a.model, sample, &gate.config.estimator);
     }
 }
 
