@@ -35,6 +35,16 @@ impl ActiveBlocks {
             .count()
     }
 
+    /// In-flight requests on the pod whose prompt holds the block (with chained hashes: its
+    /// whole prefix up to there).
+    pub fn holders(&self, pod: &str, block: u64) -> u32 {
+        self.pods
+            .get(pod)
+            .and_then(|p| p.refs.get(&block))
+            .copied()
+            .unwrap_or(0)
+    }
+
     pub fn add(&mut self, pod: &str, request: u64, hashes: Vec<u64>, now: u64) {
         let p = self.pods.entry_ref(pod).or_default();
         if p.requests.contains_key(&request) {

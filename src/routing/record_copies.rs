@@ -1,7 +1,7 @@
 //! This VM's copies of the pod records, for ranking. Reading every pod's record on every request
 //! cost two host calls per pod (and a decode each); a copy younger than `COPY_MS`, or one this VM
-//! has just written, ranks as well: other workers' changes reach it within that time, their picks
-//! sooner through the pick log.
+//! has just written, ranks as well: other workers' changes reach it within that time, and their
+//! picks at once: a dispatch or finish in the pick log drops the pod's copy (`forget`).
 //!
 //! Source of truth: the shared-data record (`pods::record`). A copy never decides a reservation:
 //! the router checks the fit again on the fresh record inside the compare-and-swap (against the
@@ -57,6 +57,14 @@ impl RecordCopies {
         if let Some((_, rec)) = self.copies.get_mut(pod) {
             rec.entries.retain(|e| e.id != request);
         }
+    }
+
+    /// Another worker dispatched to the pod or finished there (the pick log says so): the copy
+    /// no longer shows its load, so the next pick reads the record. Without this, two workers
+    /// picking within `COPY_MS` of each other both saw the same least loaded pod and sent it
+    /// both requests, the second waiting behind the first's prefill.
+    pub fn forget(&mut self, pod: &str) {
+        self.copies.remove(pod);
     }
 
     pub fn retain_pods(&mut self, keep: impl Fn(&str) -> bool) {

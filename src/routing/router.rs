@@ -281,17 +281,19 @@ impl Router {
         let now = store.now_ms();
         self.refresh_pods(store, cfg, now);
         let (prefix, active, capacity) = (&mut self.prefix, &mut self.active, &self.capacity);
-        let adapters = &mut self.adapters;
+        let (adapters, copies) = (&mut self.adapters, &mut self.copies);
         let default_capacity = cfg.routing.pod_capacity_blocks as usize;
         self.log.poll(store, self.vm, |event| match event {
             Event::Dispatch(d) => {
                 let cap = capacity.get(&d.pod).copied().unwrap_or(default_capacity);
                 prefix.insert(&d.pod, &d.hashes, now, cap);
                 adapters.dispatch(&d.pod, d.request, d.adapter, now);
+                copies.forget(&d.pod);
                 active.add(&d.pod, d.request, d.hashes, now);
             }
             Event::Finish { pod, request } => {
                 adapters.finish(&pod, request);
+                copies.forget(&pod);
                 active.remove(&pod, request);
             }
         })
@@ -369,13 +371,15 @@ impl Router {
             return Ok((Placement::NoPods, from_copies));
         }
         let adapter_fit = self.adapter_fits(&indices, model, &records, now, cfg);
-        let ask = Ask {
+        let mut ask = Ask {
             records: &records,
             hashes,
             prompt_blocks,
             output_blocks,
             block_tokens: bt,
             now,
+            hot_blocks: 0,
+            copy_weight: 1.0,
         };
         // Leading prompt blocks already held by in-flight requests, per candidate: they cost no
         // new KV there, in the score and in the reservation alike.
@@ -386,6 +390,7 @@ impl Router {
                     .active_prefix(&self.pods[i], ask.recorded(&records[i]))
             })
             .collect();
+        (ask.hot_blocks, ask.copy_weight) = self.hot_prefix(&indices, &shared, hashes);
         let candidates = candidates(
             &self.pods,
             &self.prefix,
@@ -663,6 +668,40 @@ mod tests {
     }
 
     #[test]
+    fn another_workers_pick_shows_in_the_next_ranking_at_once() {
+        let host = FakeHost::new();
+        let mut cfg = config(&["a:1", "b:1"]);
+        cfg.debug_headers = true;
+        let (w1, w2) = (host.vm(), host.vm());
+        let mut r1 = Router::start(&w1, &cfg).unwrap();
+        let mut r2 = Router::start(&w2, &cfg).unwrap();
+        // Worker 2 reads both records (its copies now show two idle pods), then worker 1 sends a
+        // long request to one of them, within the copies' lifetime.
+        let warm = r2.route_m(&w2, &cfg, &hashes(1, 4), &est(64, 16));
+        r2.finish(&w2, &cfg, &warm).unwrap();
+        let long = r1.route_m(&w1, &cfg, &hashes(2, 64), &est(1024, 256));
+        let next = r2.route_m(&w2, &cfg, &hashes(3, 4), &est(64, 16));
+        // Each candidate's decode term, the third of `pod cost=prefill+decode+...`.
+        let decode = |pod: &str| -> String {
+            let entry = next
+                .ranking
+                .split(", ")
+                .find(|e| e.starts_with(pod))
+                .unwrap();
+            entry.split(['=', '+']).nth(2).unwrap().to_string()
+        };
+        let other = if long.pod == "a:1" { "b:1" } else { "a:1" };
+        assert_ne!(
+            decode(&long.pod),
+            decode(other),
+            "worker 2 ranks with worker 1's request on {}: {}",
+            long.pod,
+            next.ranking
+        );
+        assert_eq!(next.pod, other);
+    }
+
+    #[test]
     fn a_hot_prefix_spreads_when_its_pod_is_loaded() {
         let (vm, cfg, mut r) = router(&["a:1", "b:1"]);
         let mut pods = Vec::new();
@@ -675,11 +714,13 @@ mod tests {
             pods.push(routed.pod.clone());
             inflight.push(routed);
         }
-        // Recomputing the prefix elsewhere costs 2 × 32 more blocks; each request in flight at
-        // home makes every decode step there read its 64 prompt blocks again (× 0.2) and holds 32
-        // more (× 0.05): 14.4 a request, so the sixth is cheaper elsewhere.
-        assert!(pods[1..5].iter().all(|p| *p == pods[0]), "{pods:?}");
-        assert_ne!(pods[5], pods[0], "the sixth goes elsewhere: {pods:?}");
+        // Each request in flight at home makes every decode step there read its 64 prompt blocks
+        // again (× 0.2) and holds 32 more (× 0.05): 14.4 a request. Copying the prefix elsewhere
+        // costs 2 × 32 blocks, shared with the requests the copy will serve: with k of them in
+        // flight over two pods, 64 / (1 + k/2) — 42.7, 32, 25.6 — so the fourth is cheaper
+        // elsewhere (counted in full, 64, it was the sixth).
+        assert!(pods[1..3].iter().all(|p| *p == pods[0]), "{pods:?}");
+        assert_ne!(pods[3], pods[0], "the fourth goes elsewhere: {pods:?}");
         let home = pods.iter().filter(|p| **p == pods[0]).count();
         assert!((8..=12).contains(&home), "then the two alternate: {pods:?}");
         for routed in &inflight {
