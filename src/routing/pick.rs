@@ -1,5 +1,6 @@
 //! Choosing the pod: a cost per eligible pod, in KV blocks, blending the prompt blocks it would
-//! have to compute (its cached prefix is free), the blocks its sequences read at every decode step
+//! have to compute (its cached prefix is free, a hot prefix's copy shared by the requests it will
+//! serve) and still computes for requests sent before this one, the blocks its sequences read at every decode step
 //! and the blocks they hold (both with this request added), its scraped queue and cache usage, and the load of the request's LoRA adapter where it is not resident;
 //! lowest cost wins, ties at random, or a softmax draw when a temperature is set. Pure: every
 //! input is given, so the formula is read and tested here alone.
@@ -17,6 +18,9 @@ pub struct Candidate<'a> {
     /// ([`copy_weight`]).
     pub copied_blocks: usize,
     pub copy_weight: f64,
+    /// Prompt blocks the pod has still to compute for requests sent before this one that have
+    /// not had their first token: this one's first token waits behind them.
+    pub pending_blocks: u64,
     /// KV blocks in use by in-flight requests now.
     pub active_blocks: u64,
     /// Blocks the pod's in-flight sequences read at each decode step (shared prefixes once per
@@ -63,7 +67,8 @@ impl Terms {
         let computed = prompt_blocks.saturating_sub(c.cached_blocks);
         let copied = c.copied_blocks.min(computed) as f64;
         Terms {
-            prefill: w.prefill_weight * ((computed as f64 - copied) + copied * c.copy_weight),
+            prefill: w.prefill_weight
+                * ((computed as f64 - copied) + copied * c.copy_weight + c.pending_blocks as f64),
             decode: w.decode_weight * (c.read_blocks + own_blocks) as f64,
             active: w.active_weight * (c.active_blocks + c.added_blocks) as f64,
             queue: w.queue_weight * c.waiting * prompt_blocks.max(1) as f64,
@@ -219,6 +224,7 @@ mod tests {
             cached_blocks: cached,
             copied_blocks: 0,
             copy_weight: 1.0,
+            pending_blocks: 0,
             active_blocks: active,
             read_blocks: active,
             added_blocks: 10,

@@ -59,10 +59,10 @@ impl RecordCopies {
         }
     }
 
-    /// Another worker dispatched to the pod or finished there (the pick log says so): the copy
-    /// no longer shows its load, so the next pick reads the record. Without this, two workers
-    /// picking within `COPY_MS` of each other both saw the same least loaded pod and sent it
-    /// both requests, the second waiting behind the first's prefill.
+    /// The copy no longer shows the pod's load, so the next pick reads the record: another
+    /// worker dispatched to the pod or finished there (the pick log says so), or a request's
+    /// first token came (its prompt is computed). Without the first, two workers picking within
+    /// `COPY_MS` of each other both saw the same least loaded pod and sent it both requests.
     pub fn forget(&mut self, pod: &str) {
         self.copies.remove(pod);
     }

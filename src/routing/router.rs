@@ -462,6 +462,11 @@ impl Router {
                 prompt_blocks: new_blocks,
                 output_blocks: 0,
                 context_blocks: prompt_blocks as u32,
+                pending_blocks: if est.streams {
+                    prompt_blocks.saturating_sub(best.cached_blocks.max(shared[s.index])) as u32
+                } else {
+                    0
+                },
             };
             // The read above may be a copy, older than the last scrape: the fit is checked again
             // inside the compare-and-swap, against the budget the stored snapshot gives.
@@ -527,7 +532,7 @@ impl Router {
     /// holds by what it streamed since, its outlook from where it now stands, by the estimate it
     /// was routed with) and renews its expiry. Returns whether the shared record was written.
     pub fn grow(
-        &self,
+        &mut self,
         store: &dyn Store,
         cfg: &Config,
         routed: &mut Routed,
@@ -538,6 +543,7 @@ impl Router {
         if blocks <= routed.output_blocks {
             return Ok(false);
         }
+        let first = routed.output_blocks == 0;
         routed.output_blocks = blocks;
         let expires = store.now_ms().saturating_add(cfg.routing.request_ttl_ms);
         // Only what streamed since the last write is added: a prefix inherited meanwhile from
@@ -546,9 +552,16 @@ impl Router {
         routed.streamed = output_tokens;
         let outlook = est.output.outlook(output_tokens, est.max_output_tokens);
         let left = est.max_output_tokens.saturating_sub(output_tokens);
+        if first {
+            // The first token: the prompt it waited for no longer loads the pod, which this VM's
+            // copy of the record would still say.
+            self.copies.forget(&routed.pod);
+        }
         record::modify(store, &routed.pod, |rec| {
             let e = rec.entries.iter_mut().find(|e| e.id == routed.request)?;
             e.output_blocks = blocks;
+            // Its first token came: its prompt is computed.
+            e.pending_blocks = 0;
             e.expires_ms = expires;
             e.held_tokens = e.held_tokens.saturating_add(more);
             e.left = u32::try_from(left).unwrap_or(u32::MAX);
@@ -699,6 +712,39 @@ mod tests {
             next.ranking
         );
         assert_eq!(next.pod, other);
+    }
+
+    #[test]
+    fn a_streaming_prompt_is_work_its_pod_still_has_until_its_first_token() {
+        let (vm, mut cfg, mut r) = router(&["a:1", "b:1"]);
+        cfg.debug_headers = true;
+        let streaming = |prompt| Estimate {
+            streams: true,
+            ..est(prompt, 64)
+        };
+        let pending = || {
+            record::read(&vm, "a:1").unwrap().pending_blocks()
+                + record::read(&vm, "b:1").unwrap().pending_blocks()
+        };
+        // A long request that has started answering on one pod (its 40 blocks are read at each
+        // of its decode steps there), and a shorter one still waiting for its first token on the
+        // other.
+        let mut long = r.route_m(&vm, &cfg, &hashes(1, 40), &streaming(640));
+        r.grow(&vm, &cfg, &mut long, &streaming(640), 1).unwrap();
+        assert_eq!(pending(), 0, "the first token came: its prompt is computed");
+        let mut waiting = r.route_m(&vm, &cfg, &hashes(2, 10), &streaming(160));
+        assert_ne!(waiting.pod, long.pod);
+        assert_eq!(pending(), 10, "its whole prompt, nothing cached");
+        // A small request: the decode load says the second pod (10 blocks read against 40), but
+        // its first token would wait for the 10 blocks that pod is computing (2 × 10).
+        let small = r.route_m(&vm, &cfg, &hashes(3, 2), &streaming(32));
+        assert_eq!(small.pod, long.pod, "{}", small.ranking);
+        r.grow(&vm, &cfg, &mut waiting, &streaming(160), 1).unwrap();
+        assert_eq!(pending(), 2);
+        for routed in [&long, &waiting, &small] {
+            r.finish(&vm, &cfg, routed).unwrap();
+        }
+        assert_eq!(pending(), 0);
     }
 
     #[test]

@@ -116,6 +116,7 @@ pub(super) fn candidates<'a>(
                 cached_blocks,
                 copied_blocks: ask.hot_blocks.saturating_sub(cached_blocks),
                 copy_weight: ask.copy_weight,
+                pending_blocks: rec.pending_blocks(),
                 active_blocks: rec.active_blocks(),
                 read_blocks: rec.read_blocks(),
                 added_blocks: (ask.prompt_blocks - already_active) as u64 + ask.output_blocks,
