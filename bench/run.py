@@ -433,6 +433,65 @@ def kvgate_counters(envoy):
     return None
 
 
+def kvgate_error_medians(envoy):
+    """The median of kvgate's per-answer estimate errors (`kvgate.model.<m>.{prompt,output}_error_pct`
+    histograms, Envoy's cumulative P50) per model: {model: {"prompt": p50, "output": p50}}."""
+    out = {}
+    with contextlib.suppress(Exception):
+        r = harness.request(envoy.admin_port, "GET", "/stats?format=json&filter=error_pct")
+        for entry in r.json().get("stats", []):
+            h = entry.get("histograms")
+            if not h:
+                continue
+            at = h["supported_quantiles"].index(50)
+            for q in h.get("computed_quantiles", []):
+                name = q["name"].replace("wasmcustom.", "")
+                parts = name.split(".")
+                if len(parts) == 4 and parts[3].endswith("_error_pct"):
+                    p50 = q["values"][at].get("cumulative")
+                    out.setdefault(parts[2], {})[parts[3].split("_")[0]] = p50
+    return out
+
+
+class ActiveSampler:
+    """Samples kvgate's predicted active blocks and the engines' own KV in use (both per pod, the
+    `active_blocks` and `engine_blocks` gauges) while a kvgate run is in flight:
+    [(seconds since start, [(predicted, engine) per pod])]."""
+
+    def __init__(self, envoy, period=0.5):
+        self.envoy, self.period = envoy, period
+        self.samples = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        t0 = time.time()
+        while not self._stop.wait(self.period):
+            with contextlib.suppress(Exception):
+                active = harness.kvgate_gauges(self.envoy, "active_blocks")
+                engine = harness.kvgate_gauges(self.envoy, "engine_blocks")
+                self.samples.append((time.time() - t0, [(active[p], engine[p]) for p in active if p in engine]))
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def active_error(samples, lo, hi):
+    """kvgate's predicted active blocks against the engines' KV in use, over the samples from
+    `lo` to `hi` s where the pool is busy (the engines hold at least a tenth of what they did at
+    most): Σ|predicted − engine| ÷ Σ engine."""
+    pairs = [(a, e) for t, per_pod in samples if lo <= t <= hi for a, e in per_pod]
+    peak = max((e for _, e in pairs), default=0)
+    busy = [(a, e) for a, e in pairs if e >= peak / 10 and e > 0]
+    total = sum(e for _, e in busy)
+    return sum(abs(a - e) for a, e in busy) / total if total else None
+
+
 class KvSampler:
     """Samples every pod's KV use (`/sim/stats` kv_blocks_used ÷ num_gpu_blocks) while a run is in
     flight: [(seconds since start, [fraction per pod])]."""
@@ -471,11 +530,14 @@ def run_cell(ctx, tname, wname, label, bench_args, sim_args, timeout, concurrenc
     try:
         with Sim(pods=ctx["cfg"]["pods"], args=sim_args) as sim:
             with target(tname, sim.endpoints, wname, str(ctx["out"] / "logs"), ctx["cli"], concurrency) as (port, envoy):
-                with KvSampler(sim) if sample_kv else contextlib.nullcontext() as sampler:
+                is_kvgate = tname.startswith("kvgate")
+                with KvSampler(sim) if sample_kv else contextlib.nullcontext() as sampler, \
+                        ActiveSampler(envoy) if is_kvgate else contextlib.nullcontext() as active:
                     summary = run_bench(port, bench_args, out_base, timeout)
                 kv = sampler.samples if sampler else None
                 wait_idle(sim)
-                counters = kvgate_counters(envoy) if tname.startswith("kvgate") else None
+                counters = kvgate_counters(envoy) if is_kvgate else None
+                accuracy = {"errors": kvgate_error_medians(envoy), "active": active.samples} if is_kvgate else None
             stats = sim_stats(sim)
     except KeyboardInterrupt:
         raise
@@ -483,7 +545,7 @@ def run_cell(ctx, tname, wname, label, bench_args, sim_args, timeout, concurrenc
         log(f"    FAILED: {e}")
         return {"error": str(e)[-800:]}
     return {"summary": summary, "sim": stats, "kvgate": counters, "raw": str(out_base.relative_to(ctx["out"])),
-            "wall_s": time.time() - t0, "kv_samples": kv}
+            "wall_s": time.time() - t0, "kv_samples": kv, "accuracy": accuracy}
 
 
 def sp_args(w, rate, seed):
@@ -1004,6 +1066,28 @@ WORKLOAD_DESC = {
 }
 
 
+def accuracy_line(cell):
+    """How right kvgate was in a kvgate cell: its estimates against `usage`, its predicted active
+    blocks against the engines' KV, its predicted prefix hits against the engines' (issue 17's
+    goals: median prompt error ≤ 5 %, output ≤ 35 %, active blocks within 10 %)."""
+    acc = cell.get("accuracy") or {}
+    parts = []
+    for model, e in sorted((acc.get("errors") or {}).items()):
+        if e.get("prompt") is not None and e.get("output") is not None:
+            parts.append(f"estimate error, median over answers ({model}): prompt {e['prompt']:.1f} %, "
+                         f"output {e['output']:.1f} %")
+    err = active_error(acc.get("active") or [], 2.0, float("inf"))
+    if err is not None:
+        parts.append(f"predicted active blocks vs the engines' KV in use: {100 * err:.1f} % apart "
+                     f"(Σ|kvgate − engine| ÷ Σ engine, 0.5 s samples while busy)")
+    k = cell.get("kvgate") or {}
+    if k.get("prefix.blocks_total"):
+        predicted = k.get("prefix.blocks_matched", 0) / k["prefix.blocks_total"]
+        parts.append(f"predicted prefix hits {100 * predicted:.1f} % of prompt blocks vs the engines' "
+                     f"{100 * cell['sim']['hit_rate']:.1f} % of prompt tokens")
+    return "; ".join(parts)
+
+
 def write_report(ctx, data):
     out = ctx["out"]
     cfg = ctx["cfg"]
@@ -1057,6 +1141,10 @@ def write_report(ctx, data):
             loads = ", ".join(f"{n} {c['sim'].get('lora_loads', 0)}" for n, c in cells.items() if "error" not in c)
             L.append(f"\nAdapter loads on the pods (the simulator's count; each stalls its pod's step by the load "
                      f"time): {loads}.")
+        for n, c in cells.items():
+            line = accuracy_line(c) if n.startswith("kvgate") and "error" not in c else ""
+            if line:
+                L.append(f"\nHow right {n} was: {line}.")
         failed = {n: c["error"] for n, c in cells.items() if "error" in c}
         for n, e in failed.items():
             L.append(f"\n- {n} failed: `{e[:300]}`")

@@ -18,7 +18,7 @@ mod native {
     use std::time::Instant;
 
     use kvgate::config::Config;
-    use kvgate::flow::{Flow, Gate, Head};
+    use kvgate::flow::{Flow, Gate, RequestHead};
     use kvgate::pods::record::{self, Snapshot};
     use kvgate::store::fake_host::{FakeHost, FakeVm};
     use kvgate::store::interface::Store;
@@ -67,12 +67,12 @@ mod native {
 
     fn one(gate: &mut Gate, vm: &FakeVm, body: &[u8]) {
         let mut flow = Flow::default();
-        let head = Head {
+        let head = RequestHead {
             method: "POST",
             path: "/v1/chat/completions",
             content_type: Some("application/json"),
             content_length: Some(body.len() as u64),
-            ..Head::default()
+            ..RequestHead::default()
         };
         black_box(flow.on_request_headers(gate, vm, &head));
         let d = flow.on_body(gate, vm, body);

@@ -54,11 +54,23 @@ impl Default for Config {
     }
 }
 
+/// Whether a part of kvgate acts on its decisions or only reports them: the safe rollout
+/// (switch kvgate on in `observe`, compare its decisions with what happens, then `enforce`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum Mode {
+    Enforce,
+    Observe,
+}
+
 /// Cost-aware admission: per-pod token budgets and the queue in front of them.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct AdmissionConfig {
     pub enabled: bool,
+    /// `enforce`: requests wait or are shed when no pod has room. `observe`: kvgate decides as
+    /// it would but forwards at once, counting and reporting what enforcement would have done.
+    pub mode: Mode,
     /// Fraction of a pod's KV capacity (from its metrics) that reservations may fill.
     pub utilization: f64,
     /// A fixed budget per pod in tokens; 0 derives it from the pod's metrics.
@@ -93,6 +105,7 @@ impl Default for AdmissionConfig {
     fn default() -> Self {
         Self {
             enabled: true,
+            mode: Mode::Enforce,
             utilization: 0.95,
             budget_tokens: 0,
             max_queue: 1_000,
@@ -178,6 +191,10 @@ impl Default for MetricsConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct RoutingConfig {
+    /// `enforce`: the pick is sent to Envoy as the override host. `observe`: kvgate picks and
+    /// accounts as usual but Envoy's load balancer chooses the host; the request's accounting
+    /// then moves to the host Envoy used.
+    pub mode: Mode,
     /// Tokens per KV block; 0 derives it from the pods' reported block size.
     pub block_tokens: u32,
     /// Characters per token used to cut prompt text into blocks.
@@ -211,6 +228,7 @@ pub struct RoutingConfig {
 impl Default for RoutingConfig {
     fn default() -> Self {
         Self {
+            mode: Mode::Enforce,
             block_tokens: 0,
             chars_per_block_token: 4.0,
             pod_capacity_blocks: 8_192,
@@ -476,6 +494,13 @@ impl RoutingConfig {
             return e(
                 "maxPromptBlocks",
                 "must be at most 4096 (every worker replays each block)",
+            );
+        }
+        if self.mode == Mode::Observe && self.set_original_dst_header {
+            return e(
+                "mode",
+                "observe lets Envoy's load balancer choose, which an ORIGINAL_DST cluster \
+                 (setOriginalDstHeader) cannot: it would have no destination",
             );
         }
         Ok(())

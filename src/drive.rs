@@ -102,7 +102,7 @@ mod tests {
 
     use super::*;
     use crate::config::Config;
-    use crate::flow::{Decision, Head, DESTINATION_HEADER};
+    use crate::flow::{Decision, RequestHead, DESTINATION_HEADER};
     use crate::store::fake_host::{FakeHost, FakeVm};
     use hashbrown::{HashMap, HashSet};
 
@@ -174,12 +174,12 @@ mod tests {
             "x ".repeat(words)
         );
         let mut flow = Flow::default();
-        let head = Head {
+        let head = RequestHead {
             method: "POST",
             path: "/v1/completions",
             content_type: Some("application/json"),
             content_length: Some(body.len() as u64),
-            ..Head::default()
+            ..RequestHead::default()
         };
         assert_eq!(
             flow.on_request_headers(gate, vm, &head).step,

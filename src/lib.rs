@@ -12,6 +12,7 @@ pub mod flow;
 pub mod gate;
 pub mod hash;
 pub mod models;
+pub mod observe;
 pub mod openai;
 pub mod pods;
 pub mod replicas;

@@ -19,6 +19,16 @@ pub const PREFIX_BLOCKS_TOTAL: &str = "kvgate.prefix.blocks_total";
 /// Of those, blocks the chosen pod was believed to cache.
 pub const PREFIX_BLOCKS_MATCHED: &str = "kvgate.prefix.blocks_matched";
 
+// The safe rollout, `routing.mode` / `admission.mode` `observe` (`observe`).
+/// Requests admission would have parked in the line (no pod had room), sent past the budget.
+pub const OBSERVE_WOULD_WAIT: &str = "kvgate.observe.would_wait";
+/// Sheddable requests admission would have refused with 429, sent past the budget.
+pub const OBSERVE_WOULD_SHED: &str = "kvgate.observe.would_shed";
+/// Responses from the host kvgate picked, while Envoy's load balancer chooses.
+pub const OBSERVE_ROUTING_SAME: &str = "kvgate.observe.routing_same";
+/// Responses from another host than kvgate's pick, while Envoy's load balancer chooses.
+pub const OBSERVE_ROUTING_OTHER: &str = "kvgate.observe.routing_other";
+
 // Pods (`pods::scrape`, `gate`).
 pub const SCRAPE_OK: &str = "kvgate.scrape.ok";
 pub const SCRAPE_ERRORS: &str = "kvgate.scrape.errors";
@@ -88,6 +98,10 @@ pub const FIXED: &[&str] = &[
     ROUTE_REROUTED,
     PREFIX_BLOCKS_TOTAL,
     PREFIX_BLOCKS_MATCHED,
+    OBSERVE_WOULD_WAIT,
+    OBSERVE_WOULD_SHED,
+    OBSERVE_ROUTING_SAME,
+    OBSERVE_ROUTING_OTHER,
     SCRAPE_OK,
     SCRAPE_ERRORS,
     DISCOVERY_ERRORS,
@@ -146,6 +160,17 @@ pub const POD_HEALTHY: PodStat = PodStat("healthy");
 pub const POD_GRANT_TOKENS: PodStat = PodStat("grant_tokens");
 /// With several replicas: the KV the other replicas' requests hold on the pod.
 pub const POD_REMOTE_TOKENS: PodStat = PodStat("remote_tokens");
+/// The engine's own KV in use at the last scrape, in blocks: against `active_blocks`, how right
+/// kvgate's prediction is.
+pub const POD_ENGINE_BLOCKS: PodStat = PodStat("engine_blocks");
+/// The engine's prefix-cache counters at the last scrape (`vllm:prefix_cache_hits_total`,
+/// `vllm:prefix_cache_queries_total`, tokens since it started), as gauges.
+pub const POD_ENGINE_PREFIX_HITS: PodStat = PodStat("engine_prefix_hit_tokens");
+pub const POD_ENGINE_PREFIX_QUERIES: PodStat = PodStat("engine_prefix_query_tokens");
+/// Prompt blocks of requests routed to the pod, and of those the blocks kvgate believed it
+/// cached: against the engine's counters, how right the prefix index is.
+pub const POD_PREFIX_BLOCKS_TOTAL: PodStat = PodStat("prefix_blocks_total");
+pub const POD_PREFIX_BLOCKS_MATCHED: PodStat = PodStat("prefix_blocks_matched");
 
 /// Every per-pod name, for the test against docs/operations.md.
 pub const PER_POD: &[PodStat] = &[
@@ -162,6 +187,11 @@ pub const PER_POD: &[PodStat] = &[
     POD_HEALTHY,
     POD_GRANT_TOKENS,
     POD_REMOTE_TOKENS,
+    POD_ENGINE_BLOCKS,
+    POD_ENGINE_PREFIX_HITS,
+    POD_ENGINE_PREFIX_QUERIES,
+    POD_PREFIX_BLOCKS_TOTAL,
+    POD_PREFIX_BLOCKS_MATCHED,
 ];
 
 /// A pod's stat: `kvgate.pod.<ip_port>.<stat>`, the address made one segment by [`pod_segment`].
@@ -214,14 +244,20 @@ pub const MODEL_QUEUE_WAIT_MS: &str = "queue_wait_ms";
 /// Tokens the engines reported in `usage`.
 pub const MODEL_PROMPT_TOKENS: &str = "prompt_tokens";
 pub const MODEL_COMPLETION_TOKENS: &str = "completion_tokens";
+/// Histograms of each answer's estimate error against its `usage`, in percent of what the
+/// engine counted: the prompt estimate, and the expected output (`estimate::reservation`).
+pub const MODEL_PROMPT_ERROR_PCT: &str = "prompt_error_pct";
+pub const MODEL_OUTPUT_ERROR_PCT: &str = "output_error_pct";
 
 /// Every per-model segment, for the test against docs/operations.md.
-pub const PER_MODEL: [&str; 5] = [
+pub const PER_MODEL: [&str; 7] = [
     MODEL_REQUESTS,
     MODEL_PICKS,
     MODEL_QUEUE_WAIT_MS,
     MODEL_PROMPT_TOKENS,
     MODEL_COMPLETION_TOKENS,
+    MODEL_PROMPT_ERROR_PCT,
+    MODEL_OUTPUT_ERROR_PCT,
 ];
 
 /// Stands for every model without stats of its own (neither configured nor listed by a pod),
@@ -294,6 +330,17 @@ impl Stats {
 
     pub fn drain(&mut self) -> std::vec::Drain<'_, Stat> {
         self.pending.drain(..)
+    }
+
+    /// Sends nothing: drains the pending stats, summing what was counted under `name` (tests).
+    #[cfg(test)]
+    pub fn take_count(&mut self, name: &str) -> u64 {
+        self.drain()
+            .filter_map(|s| match s {
+                Stat::Counter(n, by) if n == name => Some(by),
+                _ => None,
+            })
+            .sum()
     }
 }
 

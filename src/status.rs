@@ -205,7 +205,7 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     use super::*;
-    use crate::flow::{Flow, Head, Step};
+    use crate::flow::{Flow, RequestHead, Step};
     use crate::pods::record::Snapshot;
     use crate::store::fake_host::{FakeHost, FakeVm};
 
@@ -238,11 +238,11 @@ mod tests {
         record::write_snapshot(&vm, PODS[0], snapshot, 0, &Config::default()).unwrap();
         host.set_now_ms(11_500);
         let mut flow = Flow::default();
-        let head = Head {
+        let head = RequestHead {
             method: "POST",
             path: "/v1/completions",
             content_type: Some("application/json"),
-            ..Head::default()
+            ..RequestHead::default()
         };
         assert_eq!(
             flow.on_request_headers(&gate, &vm, &head).step,
@@ -254,11 +254,11 @@ mod tests {
     }
 
     fn get(gate: &Gate, vm: &FakeVm, path: &str, accept: Option<&str>) -> Step {
-        let head = Head {
+        let head = RequestHead {
             method: "GET",
             path,
             accept,
-            ..Head::default()
+            ..RequestHead::default()
         };
         Flow::default().on_request_headers(gate, vm, &head).step
     }
@@ -330,11 +330,11 @@ mod tests {
     #[test]
     fn the_page_is_off_by_default_and_answers_only_reads() {
         let (_host, vm, mut gate) = pool_with_one_request();
-        let post = Head {
+        let post = RequestHead {
             method: "POST",
             path: "/kvgate/status",
             content_type: Some("application/json"),
-            ..Head::default()
+            ..RequestHead::default()
         };
         let d = Flow::default().on_request_headers(&gate, &vm, &post);
         assert!(matches!(&d.step, Step::Reply(r) if r.status == 405));

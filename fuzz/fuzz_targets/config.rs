@@ -9,7 +9,7 @@
 #![no_main]
 
 use kvgate::config::Config;
-use kvgate::flow::{Flow, Gate, Head, Step};
+use kvgate::flow::{Flow, Gate, RequestHead, Step};
 use kvgate::pods::pool::{encode_pods, PODS_KEY};
 use kvgate::pods::record;
 use kvgate::pods::scrape::Target;
@@ -101,7 +101,7 @@ fn run(config: Config) {
     let paths = ["/v1/chat/completions", "/v1/completions", "/v1/models"];
     let mut flows = Vec::new();
     for (i, path) in paths.iter().cycle().take(5).enumerate() {
-        let head = Head {
+        let head = RequestHead {
             method: "POST",
             path,
             content_type: Some("application/json"),
@@ -109,7 +109,7 @@ fn run(config: Config) {
             tenant: Some(if i % 2 == 0 { "a" } else { "b" }),
             session: Some("s"),
             objective: Some("batch"),
-            ..Head::default()
+            ..RequestHead::default()
         };
         let mut flow = Flow::default();
         let mut parked = None;

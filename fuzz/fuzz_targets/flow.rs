@@ -20,7 +20,7 @@
 use arbitrary::Arbitrary;
 use kvgate::config::Config;
 use kvgate::drive::{self, Waiting};
-use kvgate::flow::{Decision, Flow, Gate, Head, Step, DESTINATION_HEADER};
+use kvgate::flow::{Decision, Flow, Gate, RequestHead, Step, DESTINATION_HEADER};
 use kvgate::pods::pool::{decode_pods, PODS_KEY};
 use kvgate::pods::scrape::{Call, Target};
 use kvgate::store::fake_host::{FakeHost, FakeVm};
@@ -626,7 +626,7 @@ impl World {
                 ];
                 let tenant = format!("tenant-{}", tenant % 3);
                 let session_id = format!("s{}", session % 4);
-                let head = Head {
+                let head = RequestHead {
                     method: if *post { "POST" } else { "GET" },
                     path: pick(&paths, *path),
                     content_type: Some(if *is_json {

@@ -23,7 +23,7 @@ use kvgate::estimate::output_dist::OutputDist;
 use kvgate::estimate::reservation::Estimate;
 use kvgate::pods::pool::{decode_pods, encode_pods, PODS_KEY};
 use kvgate::pods::record::{self, Snapshot};
-use kvgate::routing::router::{Routed, Router};
+use kvgate::routing::router::{Moved, Routed, Router};
 use kvgate::store::fake_host::{FakeHost, FakeVm};
 use kvgate::store::interface::Store;
 use kvgate_fuzz::{chain_hashes, checked_pod, checked_queue, live, live_line, skip};
@@ -315,7 +315,7 @@ impl World {
     }
 
     /// The request's live (unexpired) entry on the pod.
-    fn entry_of(&self, pod: &str, id: u64) -> Option<record::Entry> {
+    fn entry_of(&self, pod: &str, id: u64) -> Option<record::RequestEntry> {
         live(&checked_pod(self.store(), pod), self.host.now_ms())
             .entries
             .into_iter()
@@ -511,8 +511,14 @@ impl World {
                 let to = POOL[usize::from(pod) % POOL.len()];
                 let from = self.reqs[i].routed.pod.clone();
                 let had = self.entry_of(&from, self.reqs[i].routed.request);
+                // The high bit: routing observes (Envoy chose), else the pick failed.
+                let why = if pod & 0x80 != 0 {
+                    Moved::EnvoyChose
+                } else {
+                    Moved::PickFailed
+                };
                 self.routers[owner]
-                    .rehome(&self.vms[owner], &self.cfg, &mut self.reqs[i].routed, to)
+                    .rehome(&self.vms[owner], &self.cfg, &mut self.reqs[i].routed, to, why)
                     .expect("fake host");
                 let routed = &self.reqs[i].routed;
                 if routed.pod != from {

@@ -1,6 +1,6 @@
 //! Cost-aware admission: who may be sent now, who waits, and who is refused. A request is placed
 //! only on a pod whose budget has room for its reservation (`router`, `budget`); when none has, it
-//! joins the shared line (`queue`) and its VM parks it. Release of budget anywhere wakes the VM
+//! joins the shared line (`line`) and its VM parks it. Release of budget anywhere wakes the VM
 //! holding the head of the line through that VM's own shared queue (`kvgate.wake.<vm>`: one per
 //! VM, since a shared queue notifies only its last registrant); the head is retried there, and on
 //! success the next head's VM is woken in turn. A tick retries too, as a backstop only.
@@ -8,7 +8,7 @@
 use crate::admission::line::{self, Refused, Ticket};
 use crate::admission::sessions;
 use crate::config::AdmissionConfig;
-use crate::config::Config;
+use crate::config::{Config, Mode};
 use crate::estimate::reservation::Estimate;
 use crate::hash::fnv1a;
 use crate::openai::reply::LocalReply;
@@ -138,6 +138,22 @@ impl Admission {
         let a = &cfg.admission;
         if !a.enabled {
             return Ok(match router.route(store, cfg, model, hashes, est)? {
+                Placement::Routed(r) => Admit::Routed(r),
+                Placement::NoPods | Placement::NoRoom => Admit::Unrouted,
+            });
+        }
+        if a.mode == Mode::Observe {
+            // Nothing waits and nothing is refused: a request no pod has room for goes to the
+            // best-ranked pod past its budget (`observe` counts it); nobody is ever in the line.
+            let placed = match router.route(store, cfg, model, hashes, est)? {
+                Placement::NoRoom => router.route_past_budget(store, cfg, model, hashes, est)?,
+                Placement::Routed(r) => {
+                    stats.count(stats::ADMISSION_ADMITTED, 1);
+                    Placement::Routed(r)
+                }
+                Placement::NoPods => Placement::NoPods,
+            };
+            return Ok(match placed {
                 Placement::Routed(r) => Admit::Routed(r),
                 Placement::NoPods | Placement::NoRoom => Admit::Unrouted,
             });
@@ -418,6 +434,13 @@ mod tests {
         }
     }
 
+    /// The one worker on its host, with `config(budget)`.
+    fn one_worker(budget: u64) -> (Config, Worker) {
+        let cfg = config(budget);
+        let w = worker(&FakeHost::new(), &cfg);
+        (cfg, w)
+    }
+
     fn est(cost: u64) -> Estimate {
         Estimate::exact(cost, 0)
     }
@@ -473,9 +496,7 @@ mod tests {
 
     #[test]
     fn admits_within_budget_then_queues_then_resumes_on_release() {
-        let host = FakeHost::new();
-        let cfg = config(100);
-        let mut w = worker(&host, &cfg);
+        let (cfg, mut w) = one_worker(100);
         let first = routed(w.place(&cfg, class(&cfg, None, "t"), 80));
         let t = waiting(w.place(&cfg, class(&cfg, None, "t"), 50));
         assert_eq!(w.admission.next_head(&w.vm).unwrap(), Some(t.id));
@@ -498,9 +519,7 @@ mod tests {
 
     #[test]
     fn sheddable_is_refused_at_once_and_full_queue_is_429() {
-        let host = FakeHost::new();
-        let cfg = config(100);
-        let mut w = worker(&host, &cfg);
+        let (cfg, mut w) = one_worker(100);
         assert!(matches!(
             w.place(&cfg, class(&cfg, None, "t"), 100),
             Admit::Routed(_)
@@ -519,6 +538,33 @@ mod tests {
             panic!()
         };
         assert_eq!(r.status, 429);
+    }
+
+    #[test]
+    fn observing_admission_sends_what_would_wait_or_be_shed_past_the_budget() {
+        let host = FakeHost::new();
+        let mut cfg = config(100);
+        cfg.admission.mode = Mode::Observe;
+        let mut w = worker(&host, &cfg);
+        let first = routed(w.place(&cfg, class(&cfg, None, "t"), 80));
+        assert!(!first.over_budget, "it fits");
+        let second = routed(w.place(&cfg, class(&cfg, None, "t"), 50));
+        assert!(second.over_budget, "it would have waited");
+        let third = routed(w.place(&cfg, class(&cfg, Some("batch"), "t"), 30));
+        assert!(third.over_budget, "it would have been shed");
+        assert!(
+            reserved(&w.vm) > 100,
+            "recorded past the budget, as it runs"
+        );
+        assert!(
+            line::read(&w.vm).unwrap().tickets.is_empty(),
+            "nobody waits"
+        );
+        assert_eq!(w.stats.take_count(stats::ADMISSION_ADMITTED), 1);
+        for r in [first, second, third] {
+            w.router.finish(&w.vm, &cfg, &r).unwrap();
+        }
+        assert_eq!(reserved(&w.vm), 0);
     }
 
     #[test]
@@ -574,9 +620,7 @@ mod tests {
 
     #[test]
     fn budget_comes_from_scraped_capacity() {
-        let host = FakeHost::new();
-        let cfg = config(0);
-        let mut w = worker(&host, &cfg);
+        let (cfg, mut w) = one_worker(0);
         let snap = Snapshot {
             healthy: true,
             capacity_tokens: 1000,

@@ -55,26 +55,39 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     use super::*;
+    use crate::estimate::output_dist::{Outlook, OutputDist, HORIZON_STEPS};
+    use crate::pods::record::RequestEntry;
+
+    /// A configuration whose pods are scraped for their metrics.
+    fn scraping() -> Config {
+        let mut cfg = Config::default();
+        cfg.metrics.cluster = "kvgate_metrics".into();
+        cfg
+    }
+
+    /// A healthy pod's scrape, with its KV capacity.
+    fn scraped(capacity_tokens: u64) -> Snapshot {
+        Snapshot {
+            healthy: true,
+            capacity_tokens,
+            ..Snapshot::default()
+        }
+    }
+
+    /// Running through the whole of the forecast's horizon.
+    const RUNNING: Outlook = [255; HORIZON_STEPS.len()];
 
     #[test]
     fn derived_configured_unknown_or_unlimited() {
-        let mut cfg = Config::default();
-        cfg.metrics.cluster = "kvgate_metrics".into();
-        let snap = Snapshot {
-            healthy: true,
-            capacity_tokens: 1000,
-            ..Snapshot::default()
-        };
+        let mut cfg = scraping();
+        let snap = scraped(1000);
         assert_eq!(budget_tokens(&cfg, Some(&snap)), Some(950));
         assert_eq!(
             budget_tokens(&cfg, None),
             Some(0),
             "not scraped yet: one at a time"
         );
-        let no_capacity = Snapshot {
-            healthy: true,
-            ..Snapshot::default()
-        };
+        let no_capacity = scraped(0);
         assert_eq!(budget_tokens(&cfg, Some(&no_capacity)), None);
         cfg.admission.budget_tokens = 50;
         assert_eq!(budget_tokens(&cfg, Some(&snap)), Some(50));
@@ -86,14 +99,11 @@ mod tests {
 
     #[test]
     fn the_engines_feedback_corrects_the_budget() {
-        let mut cfg = Config::default();
-        cfg.metrics.cluster = "kvgate_metrics".into();
+        let mut cfg = scraping();
         let snap = Snapshot {
-            healthy: true,
-            capacity_tokens: 1000,
             backoff: 0.2,
             unexplained_tokens: 100,
-            ..Snapshot::default()
+            ..scraped(1000)
         };
         assert_eq!(budget_tokens(&cfg, Some(&snap)), Some(950 * 8 / 10 - 100));
         cfg.admission.budget_tokens = 500;
@@ -111,14 +121,14 @@ mod tests {
             held,
             sigma: 0,
             left: 1,
-            outlook: [255; crate::estimate::output_dist::HORIZON_STEPS.len()],
+            outlook: RUNNING,
         };
         let holding = |held| PodRecord {
-            entries: vec![crate::pods::record::Entry {
+            entries: vec![RequestEntry {
                 held_tokens: held,
                 left: 1,
-                outlook: [255; crate::estimate::output_dist::HORIZON_STEPS.len()],
-                ..crate::pods::record::Entry::default()
+                outlook: RUNNING,
+                ..RequestEntry::default()
             }],
             ..PodRecord::default()
         };
@@ -140,7 +150,7 @@ mod tests {
     #[test]
     fn headroom_the_engine_gave_up_admits_on_expectation() {
         let cfg = Config::default();
-        let outlook = crate::estimate::output_dist::OutputDist::prior(256).outlook(0, 8192);
+        let outlook = OutputDist::prior(256).outlook(0, 8192);
         let unbounded = |held| Load {
             held,
             sigma: 0,
@@ -149,12 +159,12 @@ mod tests {
         };
         let mut rec = PodRecord {
             entries: (0..8)
-                .map(|id| crate::pods::record::Entry {
+                .map(|id| RequestEntry {
                     id,
                     held_tokens: 1000,
                     left: 8192,
                     outlook,
-                    ..crate::pods::record::Entry::default()
+                    ..RequestEntry::default()
                 })
                 .collect(),
             snapshot: Some(Snapshot::default()),

@@ -152,7 +152,7 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     use super::*;
-    use crate::pods::record::Entry;
+    use crate::pods::record::RequestEntry;
 
     fn scraped(preemptions: f64, kv_usage: f64) -> Snapshot {
         Snapshot {
@@ -205,11 +205,11 @@ mod tests {
         // 3,891)...
         let full = PodRecord {
             entries: vec![
-                Entry {
+                RequestEntry {
                     held_tokens: 440,
                     left: 1,
                     outlook: [255; crate::estimate::output_dist::HORIZON_STEPS.len()],
-                    ..Entry::default()
+                    ..RequestEntry::default()
                 };
                 MIN_RELIEF_REQUESTS
             ],
@@ -256,7 +256,7 @@ mod tests {
         let few = PodRecord {
             entries: full.entries[..MIN_RELIEF_REQUESTS - 1]
                 .iter()
-                .map(|e| Entry {
+                .map(|e| RequestEntry {
                     held_tokens: 520,
                     ..*e
                 })
@@ -269,9 +269,9 @@ mod tests {
     #[test]
     fn kv_the_engine_holds_beyond_kvgates_entries_is_unexplained() {
         let rec = PodRecord {
-            entries: vec![Entry {
+            entries: vec![RequestEntry {
                 held_tokens: 1000,
-                ..Entry::default()
+                ..RequestEntry::default()
             }],
             ..PodRecord::default()
         };

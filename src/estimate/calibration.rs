@@ -204,6 +204,7 @@ mod tests {
 
     use super::*;
     use crate::store::fake_host::FakeHost;
+    use crate::test_support::two_vms;
 
     fn sample(static_tokens: f64, real: u64, out: u64) -> Sample {
         Sample {
@@ -215,10 +216,17 @@ mod tests {
         }
     }
 
+    /// The estimator's defaults, but learning a model from its `n`th answer on.
+    fn learning_after(n: u32) -> EstimatorConfig {
+        EstimatorConfig {
+            min_samples: n,
+            ..EstimatorConfig::default()
+        }
+    }
+
     #[test]
     fn learns_scale_and_output_lengths_shared_across_vms() {
-        let host = FakeHost::new();
-        let (a, b) = (host.vm(), host.vm());
+        let (a, b) = two_vms();
         let cfg = EstimatorConfig {
             min_samples: 5,
             calibration_weight: 0.2,
@@ -243,12 +251,8 @@ mod tests {
 
     #[test]
     fn learns_how_far_the_scaled_prompt_estimate_is_off() {
-        let host = FakeHost::new();
-        let vm = host.vm();
-        let cfg = EstimatorConfig {
-            min_samples: 5,
-            ..EstimatorConfig::default()
-        };
+        let vm = FakeHost::new().vm();
+        let cfg = learning_after(5);
         // The rule says 100 for prompts of 120 ± 6 tokens (5 % of 120): once the scale has
         // learned the 1.2, what is left is the 5 %.
         for i in 0..400 {
@@ -273,10 +277,7 @@ mod tests {
     fn needs_min_samples_and_caches_for_a_second() {
         let host = FakeHost::new();
         let vm = host.vm();
-        let cfg = EstimatorConfig {
-            min_samples: 3,
-            ..EstimatorConfig::default()
-        };
+        let cfg = learning_after(3);
         let mut cal = Calibration::default();
         for _ in 0..2 {
             Calibration::record(&vm, "m", sample(10.0, 20, 5), &cfg).unwrap();
@@ -292,10 +293,7 @@ mod tests {
     fn busy_slot_is_not_stolen_but_idle_one_is() {
         let host = FakeHost::new();
         let vm = host.vm();
-        let cfg = EstimatorConfig {
-            min_samples: 1,
-            ..EstimatorConfig::default()
-        };
+        let cfg = learning_after(1);
         // Find two models that share a slot.
         let a = "model-a".to_string();
         let b = (0..10_000)
@@ -315,10 +313,7 @@ mod tests {
     #[test]
     fn observed_samples_reach_shared_data_at_the_flush() {
         let vm = FakeHost::new().vm();
-        let cfg = EstimatorConfig {
-            min_samples: 2,
-            ..EstimatorConfig::default()
-        };
+        let cfg = learning_after(2);
         let mut cal = Calibration::default();
         cal.observe("m", sample(10.0, 20, 5), &cfg);
         cal.observe("m", sample(10.0, 20, 5), &cfg);
@@ -331,10 +326,7 @@ mod tests {
     #[test]
     fn answers_cut_by_their_max_tokens_say_the_model_would_go_on() {
         let vm = FakeHost::new().vm();
-        let cfg = EstimatorConfig {
-            min_samples: 1,
-            ..EstimatorConfig::default()
-        };
+        let cfg = learning_after(1);
         for _ in 0..100 {
             let cut = Sample {
                 cut: true,

@@ -39,6 +39,9 @@ pub struct Estimate {
     pub max_output_tokens: u64,
     /// The request set its own limit (a max-tokens field).
     pub bounded: bool,
+    /// The answer streams, so its first token is seen when it comes (`routing::router`: until
+    /// then its prompt is work its pod still has to do).
+    pub streams: bool,
     /// How long the model's answers run: the request's outlook on its pod comes from this.
     pub output: OutputDist,
     /// Its expected size when done, prompt × safety factor + expected output, clamped: what the
@@ -58,6 +61,7 @@ impl Estimate {
             output_tokens,
             max_output_tokens: output_tokens,
             bounded: true,
+            streams: false,
             output: OutputDist::never_stops(),
             cost: prompt_tokens + output_tokens,
         }
@@ -110,6 +114,7 @@ pub fn estimate_from(
         output_tokens,
         max_output_tokens,
         bounded: req.max_output_tokens.is_some(),
+        streams: req.stream,
         output,
         cost,
     }

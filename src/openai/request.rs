@@ -98,34 +98,34 @@ enum Content<'a> {
     Parts(#[serde(borrow)] Vec<Part<'a>>),
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Default)]
+#[serde(default)]
 struct Part<'a> {
-    #[serde(rename = "type", default, borrow)]
+    #[serde(rename = "type", borrow)]
     kind: Text<'a>,
-    #[serde(default, borrow)]
+    #[serde(borrow)]
     text: Option<Text<'a>>,
     /// Responses API refusals and outputs carry their text here.
-    #[serde(default, borrow)]
+    #[serde(borrow)]
     refusal: Option<Text<'a>>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Default)]
+#[serde(default)]
 struct Message<'a> {
-    #[serde(default, borrow)]
+    #[serde(borrow)]
     role: Option<Text<'a>>,
-    #[serde(default, borrow)]
+    #[serde(borrow)]
     content: Option<Content<'a>>,
-    #[serde(default, borrow)]
+    #[serde(borrow)]
     name: Option<Text<'a>>,
     /// Assistant tool calls are prefilled on the next turn; their JSON is counted as text.
-    #[serde(default)]
     tool_calls: Option<serde_json::Value>,
     /// Responses API items that are not messages (function calls, outputs) carry these.
-    #[serde(rename = "type", default, borrow)]
+    #[serde(rename = "type", borrow)]
     kind: Option<Text<'a>>,
-    #[serde(default, borrow)]
+    #[serde(borrow)]
     arguments: Option<Text<'a>>,
-    #[serde(default)]
     output: Option<serde_json::Value>,
 }
 
@@ -140,43 +140,35 @@ enum Input<'a> {
 }
 
 #[derive(Deserialize, Default)]
+#[serde(default)]
 struct StreamOptions {
-    #[serde(default)]
     include_usage: Option<bool>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Default)]
+#[serde(default)]
 struct Body<'a> {
     /// Kept raw: its place in the body is where a rename writes the target model.
-    #[serde(default, borrow)]
+    #[serde(borrow)]
     model: Option<&'a serde_json::value::RawValue>,
-    #[serde(default, borrow)]
+    #[serde(borrow)]
     prompt: Option<Prompt<'a>>,
-    #[serde(default, borrow)]
+    #[serde(borrow)]
     suffix: Option<Text<'a>>,
-    #[serde(default, borrow)]
+    #[serde(borrow)]
     messages: Option<Vec<Message<'a>>>,
-    #[serde(default, borrow)]
+    #[serde(borrow)]
     input: Option<Input<'a>>,
-    #[serde(default, borrow)]
+    #[serde(borrow)]
     instructions: Option<Text<'a>>,
-    #[serde(default)]
     tools: Option<serde_json::Value>,
-    #[serde(default)]
     max_tokens: Option<u64>,
-    #[serde(default)]
     max_completion_tokens: Option<u64>,
-    #[serde(default)]
     max_output_tokens: Option<u64>,
-    #[serde(default)]
     n: Option<u64>,
-    #[serde(default)]
     stream: Option<bool>,
-    #[serde(default)]
     stream_options: Option<StreamOptions>,
-    #[serde(default)]
     user: Option<String>,
-    #[serde(default)]
     cache_salt: Option<String>,
 }
 
@@ -334,10 +326,7 @@ impl Request {
                 if let Some(instructions) = &b.instructions {
                     out.push_turn("system", instructions.as_str());
                 }
-                match b.input.ok_or_else(|| missing("input"))? {
-                    Input::Items(items) => items.iter().for_each(|m| out.push_message(m)),
-                    other => out.push_input(other),
-                }
+                out.push_input(b.input.ok_or_else(|| missing("input"))?);
             }
             Api::Embeddings => out.push_input(b.input.ok_or_else(|| missing("input"))?),
         }

@@ -7,73 +7,67 @@ use serde::Deserialize;
 /// The most of a non-streaming body, or of one SSE line, kvgate keeps to read `usage` from.
 const MAX_KEPT: usize = 1024 * 1024;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(default)]
 pub struct Usage {
-    #[serde(default)]
     pub prompt_tokens: u64,
-    #[serde(default)]
     pub completion_tokens: u64,
-    #[serde(default, deserialize_with = "cached_tokens")]
+    #[serde(deserialize_with = "cached_tokens")]
     #[serde(rename = "prompt_tokens_details")]
     pub cached_tokens: Option<u64>,
 }
 
 fn cached_tokens<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
-    #[derive(Deserialize)]
+    #[derive(Deserialize, Default)]
+    #[serde(default)]
     struct Details {
-        #[serde(default)]
         cached_tokens: Option<u64>,
     }
     Ok(Option::<Details>::deserialize(d)?.and_then(|x| x.cached_tokens))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Default)]
+#[serde(default)]
 struct Delta {
-    #[serde(default)]
     content: Option<String>,
-    #[serde(default)]
     reasoning_content: Option<String>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Default)]
+#[serde(default)]
 struct Choice {
-    #[serde(default)]
     text: Option<String>,
-    #[serde(default)]
     delta: Option<Delta>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Default)]
+#[serde(default)]
 struct Chunk {
-    #[serde(default)]
     choices: Vec<Choice>,
-    #[serde(default)]
     usage: Option<Usage>,
     /// The Responses API streams `response.output_text.delta` events and ends with
     /// `response.completed`, whose response carries usage in its own names.
-    #[serde(rename = "type", default)]
+    #[serde(rename = "type")]
     kind: Option<String>,
-    #[serde(default)]
     response: Option<ResponsesBody>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Default)]
+#[serde(default)]
 struct ResponsesUsage {
-    #[serde(default)]
     input_tokens: u64,
-    #[serde(default)]
     output_tokens: u64,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Default)]
+#[serde(default)]
 struct ResponsesBody {
-    #[serde(default)]
     usage: Option<ResponsesUsage>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Default)]
+#[serde(default)]
 struct Body {
-    #[serde(default)]
     usage: Option<serde_json::Value>,
 }
 

@@ -12,7 +12,10 @@ use crate::estimate::output_dist::{Outlook, HORIZON_STEPS};
 use crate::store::codec::{Reader, Writer};
 use crate::store::interface::{create_if_missing, update, Store, StoreError};
 
-const VERSION: u8 = 4;
+const VERSION: u8 = 5;
+/// Records written before entries carried the prompt blocks their pod had still to compute:
+/// read with none.
+const VERSION_WITHOUT_PENDING: u8 = 4;
 /// Records written before entries carried the spread of what they hold (and snapshots the
 /// headroom the engine's feedback gave up): read with none.
 const VERSION_WITHOUT_SPREAD: u8 = 3;
@@ -54,8 +57,9 @@ pub struct Snapshot {
     pub relief_lost: f64,
 }
 
+/// One in-flight request's entry in the pod's record: what it holds there and until when.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Entry {
+pub struct RequestEntry {
     pub id: u64,
     pub expires_ms: u64,
     pub dispatched_ms: u64,
@@ -78,6 +82,10 @@ pub struct Entry {
     /// The request's whole prompt in blocks, a prefix shared with others included: what each
     /// of its decode steps reads, where `prompt_blocks` is what it adds to the pod's memory.
     pub context_blocks: u32,
+    /// Prompt blocks the pod has still to compute before the request's first token (its prompt
+    /// less the prefix the pod was believed to cache), until that token streams; 0 for an answer
+    /// that does not stream, whose first token kvgate does not see.
+    pub pending_blocks: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -85,7 +93,7 @@ pub struct PodRecord {
     pub snapshot: Option<Snapshot>,
     /// Requests that finished since the snapshot was taken.
     pub finished_since_scrape: u32,
-    pub entries: Vec<Entry>,
+    pub entries: Vec<RequestEntry>,
 }
 
 pub fn key(pod: &str) -> String {
@@ -114,6 +122,15 @@ impl PodRecord {
         self.entries
             .iter()
             .map(|e| u64::from(e.context_blocks) + u64::from(e.output_blocks))
+            .sum()
+    }
+
+    /// Prompt blocks the pod has still to compute for requests whose first token has not come:
+    /// work a new request's first token waits behind.
+    pub fn pending_blocks(&self) -> u64 {
+        self.entries
+            .iter()
+            .map(|e| u64::from(e.pending_blocks))
             .sum()
     }
 
@@ -206,7 +223,9 @@ impl PodRecord {
             for &p in &e.outlook {
                 w.u8(p);
             }
-            w.u32(e.held_sigma).u8(u8::from(e.bounded));
+            w.u32(e.held_sigma)
+                .u8(u8::from(e.bounded))
+                .u32(e.pending_blocks);
         }
         w.0
     }
@@ -220,7 +239,8 @@ impl PodRecord {
         }
         let has_context = version >= VERSION_WITHOUT_OUTLOOK;
         let has_outlook = version >= VERSION_WITHOUT_SPREAD;
-        let has_spread = version >= VERSION;
+        let has_spread = version >= VERSION_WITHOUT_PENDING;
+        let has_pending = version >= VERSION;
         let snapshot = match r.u8()? {
             0 => None,
             _ => {
@@ -257,18 +277,19 @@ impl PodRecord {
                 } else {
                     0
                 }
-                + 5 * usize::from(has_spread),
+                + 5 * usize::from(has_spread)
+                + 4 * usize::from(has_pending),
         )?;
         let mut entries = Vec::with_capacity(n);
         for _ in 0..n {
-            let mut e = Entry {
+            let mut e = RequestEntry {
                 id: r.u64()?,
                 expires_ms: r.u64()?,
                 dispatched_ms: r.u64()?,
                 held_tokens: r.u64()?,
                 prompt_blocks: r.u32()?,
                 output_blocks: r.u32()?,
-                ..Entry::default()
+                ..RequestEntry::default()
             };
             e.context_blocks = if has_context {
                 r.u32()?
@@ -284,6 +305,9 @@ impl PodRecord {
             if has_spread {
                 e.held_sigma = r.u32()?;
                 e.bounded = r.u8()? != 0;
+            }
+            if has_pending {
+                e.pending_blocks = r.u32()?;
             }
             entries.push(e);
         }
@@ -349,7 +373,7 @@ pub fn finish(
     pod: &str,
     id: u64,
     heir: Option<(u64, u32, u64)>,
-) -> Result<Option<Entry>, StoreError> {
+) -> Result<Option<RequestEntry>, StoreError> {
     modify(store, pod, |rec| {
         let i = rec.entries.iter().position(|e| e.id == id)?;
         let gone = rec.entries.swap_remove(i);
@@ -412,15 +436,15 @@ mod tests {
     use super::*;
     use crate::store::fake_host::{FakeHost, FakeVm};
 
-    fn entry(id: u64, blocks: u32) -> Entry {
-        Entry {
+    fn entry(id: u64, blocks: u32) -> RequestEntry {
+        RequestEntry {
             id,
             expires_ms: 1_000,
             dispatched_ms: 1,
             held_tokens: 100,
             prompt_blocks: blocks,
             context_blocks: blocks,
-            ..Entry::default()
+            ..RequestEntry::default()
         }
     }
 
@@ -445,15 +469,35 @@ mod tests {
             finished_since_scrape: 3,
             entries: vec![
                 entry(1, 4),
-                Entry {
+                RequestEntry {
                     held_sigma: 7,
                     bounded: true,
+                    pending_blocks: 9,
                     ..entry(2, 5)
                 },
             ],
         };
         let back = PodRecord::decode(&rec.encode()).unwrap();
         assert_eq!(back.entries, rec.entries);
+        assert_eq!(back.pending_blocks(), 9);
+        // The same record as a module before pending blocks wrote it: the entries less their
+        // pending blocks (the last four bytes of each), read with none.
+        let mut old = rec.clone();
+        old.entries.iter_mut().for_each(|e| e.pending_blocks = 0);
+        let mut bytes = old.encode();
+        bytes[0] = VERSION_WITHOUT_PENDING;
+        let head = PodRecord {
+            entries: Vec::new(),
+            ..rec.clone()
+        }
+        .encode()
+        .len();
+        let entry_len = (bytes.len() - head) / 2;
+        for i in (0..2).rev() {
+            let end = head + (i + 1) * entry_len;
+            bytes.drain(end - 4..end);
+        }
+        assert_eq!(PodRecord::decode(&bytes).unwrap().entries, old.entries);
         assert!(back.snapshot.unwrap().kv_usage.is_nan());
         assert!(back.snapshot.unwrap().no_prefix_caching);
         assert_eq!(PodRecord::decode(b""), None);
@@ -471,7 +515,7 @@ mod tests {
         let rec = PodRecord::decode(&w.0).unwrap();
         assert_eq!(
             rec.entries,
-            vec![Entry {
+            vec![RequestEntry {
                 output_blocks: 3,
                 ..entry(7, 12)
             }]
@@ -480,7 +524,7 @@ mod tests {
     }
 
     /// A host whose pod `p` holds `entries`, and a VM on it.
-    fn pod_with(entries: &[Entry]) -> (FakeHost, FakeVm) {
+    fn pod_with(entries: &[RequestEntry]) -> (FakeHost, FakeVm) {
         let host = FakeHost::new();
         let vm = host.vm();
         ensure(&vm, "p").unwrap();
@@ -512,7 +556,7 @@ mod tests {
 
     #[test]
     fn requests_sent_just_before_a_scrape_are_not_a_queue() {
-        let sent = |id, at| Entry {
+        let sent = |id, at| RequestEntry {
             dispatched_ms: at,
             expires_ms: 10_000,
             ..entry(id, 1)

@@ -175,6 +175,7 @@ impl Scraper {
                             };
                             served::write_lora(store, pod, lora)?;
                         }
+                        engine_gauges(stats, pod, &m);
                         let snapshot = Snapshot {
                             at_ms: now,
                             healthy: true,
@@ -221,6 +222,30 @@ impl Scraper {
     pub fn expire(&mut self, now: u64) {
         self.in_flight
             .retain(|_, deadline| deadline.saturating_add(1_000) > now);
+    }
+}
+
+/// The engine's own view of the pod, beside kvgate's (`active_blocks`, the per-pod prefix
+/// counters): KV in use in blocks, and its prefix-cache counters, as far as the page says.
+fn engine_gauges(stats: &mut Stats, pod: &str, m: &metrics::PodMetrics) {
+    if let (Some(usage), Some(capacity), Some(block)) =
+        (m.kv_usage, m.capacity_tokens, m.block_size)
+    {
+        if usage.is_finite() && block > 0 {
+            let blocks = usage.clamp(0.0, 1.0) * capacity as f64 / block as f64;
+            stats.gauge(
+                stats::pod_stat(pod, stats::POD_ENGINE_BLOCKS),
+                blocks.round() as u64,
+            );
+        }
+    }
+    for (stat, value) in [
+        (stats::POD_ENGINE_PREFIX_HITS, m.prefix_cache_hits),
+        (stats::POD_ENGINE_PREFIX_QUERIES, m.prefix_cache_queries),
+    ] {
+        if let Some(v) = value.filter(|v| v.is_finite() && *v >= 0.0) {
+            stats.gauge(stats::pod_stat(pod, stat), v.round() as u64);
+        }
     }
 }
 
@@ -431,6 +456,30 @@ mod tests {
             "kvgate.scrape.errors".into(),
             1
         )));
+    }
+
+    #[test]
+    fn the_engines_own_kv_and_prefix_counters_are_reported_beside_kvgates() {
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let mut stats = Stats::default();
+        let page = include_bytes!("../../fuzz/seeds/metrics/vllm_v1_single_engine.prom");
+        let pod = Target::Pod("a:1".into());
+        Scraper::default()
+            .on_response(&vm, &cfg(), &mut stats, &pod, Some(200), page)
+            .unwrap();
+        let gauges: Vec<_> = stats.drain().collect();
+        for (name, value) in [
+            // 0.418 of 27,000 blocks in use.
+            ("kvgate.pod.a_1.engine_blocks", 11_294),
+            ("kvgate.pod.a_1.engine_prefix_hit_tokens", 987_648),
+            ("kvgate.pod.a_1.engine_prefix_query_tokens", 1_234_567),
+        ] {
+            assert!(
+                gauges.contains(&crate::stats::Stat::Gauge(name.into(), value)),
+                "{name}: {gauges:?}"
+            );
+        }
     }
 
     #[test]

@@ -75,6 +75,68 @@ struct Planned {
     granted: u64,
 }
 
+/// What one range read found under the prefix, and when (this VM's clock).
+struct RangeRead<'a> {
+    at_ms: u64,
+    /// Replicas whose alive key stands.
+    alive: Vec<&'a str>,
+    /// Pod → its guard key's revision.
+    guards: HashMap<&'a str, i64>,
+    /// Pod → (replica, its grant, the grant key's revision).
+    grants: HashMap<&'a str, Vec<(&'a str, Published, i64)>>,
+}
+
+impl<'a> RangeRead<'a> {
+    /// Sorts the keys of the range by what each says (keys of no known shape are passed over).
+    fn parse(kvs: &'a [Kv], prefix: &str, at_ms: u64) -> RangeRead<'a> {
+        let alive_prefix = alive_key(prefix, "");
+        let pod_prefix = format!("{prefix}/pod/");
+        let mut read = RangeRead {
+            at_ms,
+            alive: Vec::new(),
+            guards: HashMap::new(),
+            grants: HashMap::new(),
+        };
+        for kv in kvs {
+            if let Some(replica) = kv.key.strip_prefix(&alive_prefix) {
+                read.alive.push(replica);
+            } else if let Some(rest) = kv.key.strip_prefix(&pod_prefix) {
+                if let Some(pod) = rest.strip_suffix("/guard") {
+                    read.guards.insert(pod, kv.mod_revision);
+                } else if let Some((pod, replica)) = rest.split_once("/grant/") {
+                    let value = serde_json::from_slice(&kv.value).unwrap_or_default();
+                    read.grants
+                        .entry(pod)
+                        .or_default()
+                        .push((replica, value, kv.mod_revision));
+                }
+            }
+        }
+        read
+    }
+}
+
+/// The txn a sync writes: the revisions it checks, its writes, and the lapsed replicas whose
+/// grants it deletes.
+#[derive(Default)]
+struct Txn<'a> {
+    compares: Vec<Compare>,
+    ops: Vec<Op>,
+    reclaimed: Vec<&'a str>,
+}
+
+fn alive_key(prefix: &str, replica: &str) -> String {
+    format!("{prefix}/alive/{replica}")
+}
+
+fn grant_key(prefix: &str, pod: &str, replica: &str) -> String {
+    format!("{prefix}/pod/{pod}/grant/{replica}")
+}
+
+fn guard_key(prefix: &str, pod: &str) -> String {
+    format!("{prefix}/pod/{pod}/guard")
+}
+
 #[derive(Default)]
 pub struct Sync {
     /// The call outstanding and its deadline: one at a time.
@@ -217,8 +279,10 @@ impl Sync {
                     let Some((lease, _)) = read_lease(store)? else {
                         return Ok(Vec::new());
                     };
-                    let (compares, ops) = self.plan(store, cfg, stats, pods, &kvs, lease, now)?;
-                    let body = gateway::txn(&compares, &ops);
+                    let read = RangeRead::parse(&kvs, &cfg.etcd.key_prefix, now);
+                    stats.gauge(stats::REPLICAS_LIVE, read.alive.len() as u64);
+                    let txn = self.plan(store, cfg, pods, &read, lease)?;
+                    let body = gateway::txn(&txn.compares, &txn.ops);
                     Ok(vec![self.send(cfg, now, Step::Txn, gateway::TXN, body)])
                 }
                 None => Ok(self.failed(stats, body)),
@@ -265,146 +329,164 @@ impl Sync {
     /// Works out every pod's next grant from the range read; shrinks take effect in the shares at
     /// once (before etcd hears of them, so credit another replica takes is never still in use
     /// here), growths once the txn succeeds. Returns the txn.
-    #[allow(clippy::too_many_arguments)]
-    fn plan(
+    fn plan<'a>(
         &mut self,
         store: &dyn Store,
         cfg: &Config,
-        stats: &mut Stats,
         pods: &[PodView],
-        kvs: &[Kv],
+        read: &RangeRead<'a>,
         lease: i64,
-        now: u64,
-    ) -> Result<(Vec<Compare>, Vec<Op>), StoreError> {
-        let prefix = &cfg.etcd.key_prefix;
+    ) -> Result<Txn<'a>, StoreError> {
         let me = cfg.etcd.replica_id.as_str();
-        let alive_prefix = format!("{prefix}/alive/");
-        let pod_prefix = format!("{prefix}/pod/");
-        let mut alive: Vec<&str> = Vec::new();
-        let mut guards: HashMap<&str, i64> = HashMap::new();
-        // Pod → (replica, its grant, the grant key's revision).
-        let mut grants: HashMap<&str, Vec<(&str, Published, i64)>> = HashMap::new();
-        for kv in kvs {
-            if let Some(replica) = kv.key.strip_prefix(&alive_prefix) {
-                alive.push(replica);
-            } else if let Some(rest) = kv.key.strip_prefix(&pod_prefix) {
-                if let Some(pod) = rest.strip_suffix("/guard") {
-                    guards.insert(pod, kv.mod_revision);
-                } else if let Some((pod, replica)) = rest.split_once("/grant/") {
-                    let value = serde_json::from_slice(&kv.value).unwrap_or_default();
-                    grants
-                        .entry(pod)
-                        .or_default()
-                        .push((replica, value, kv.mod_revision));
-                }
-            }
+        self.note_lapsed(read, me);
+        let mut txn = Txn::default();
+        self.planned.clear();
+        for view in pods {
+            self.plan_pod(store, cfg, read, view, &mut txn)?;
         }
-        stats.gauge(stats::REPLICAS_LIVE, alive.len() as u64);
-        // Lapsed replicas: when first seen so, and whether their grace is over.
-        let holders_seen: Vec<&str> = grants
+        self.reclaiming = txn.reclaimed.len() as u64;
+        txn.ops.push(Op::Put {
+            key: alive_key(&cfg.etcd.key_prefix, me),
+            value: Vec::new(),
+            lease: Some(lease),
+        });
+        Ok(txn)
+    }
+
+    /// Keeps when each replica holding grants was first seen without its alive key (this VM's
+    /// clock), and forgets those no longer seen so.
+    fn note_lapsed(&mut self, read: &RangeRead, me: &str) {
+        let holders_seen: Vec<&str> = read
+            .grants
             .values()
             .flatten()
             .map(|(r, _, _)| *r)
-            .filter(|r| *r != me && !alive.contains(r))
+            .filter(|r| *r != me && !read.alive.contains(r))
             .collect();
         self.lapsed_since
             .retain(|r, _| holders_seen.contains(&r.as_str()));
         for r in &holders_seen {
-            self.lapsed_since.entry(r.to_string()).or_insert(now);
+            self.lapsed_since.entry(r.to_string()).or_insert(read.at_ms);
         }
-        let reclaimable = |r: &str| {
-            self.lapsed_since
-                .get(r)
-                .is_some_and(|&since| now.saturating_sub(since) >= cfg.etcd.reclaim_grace_ms)
+    }
+
+    /// The replica has been seen lapsed for its whole grace: its grants may be deleted.
+    fn reclaimable(&self, replica: &str, cfg: &Config, now: u64) -> bool {
+        self.lapsed_since
+            .get(replica)
+            .is_some_and(|&since| now.saturating_sub(since) >= cfg.etcd.reclaim_grace_ms)
+    }
+
+    /// One pod's part of the plan (none for a pod without a budget): this replica's next grant
+    /// there, its writes in the txn, the shrink applied to the pod's share at once, and the
+    /// outcome kept for when the txn succeeds.
+    fn plan_pod<'a>(
+        &mut self,
+        store: &dyn Store,
+        cfg: &Config,
+        read: &RangeRead<'a>,
+        view: &PodView,
+        txn: &mut Txn<'a>,
+    ) -> Result<(), StoreError> {
+        let Some(budget) = view.budget else {
+            return Ok(());
         };
-        let (mut compares, mut ops) = (Vec::new(), Vec::new());
-        let mut reclaimed_replicas: Vec<&str> = Vec::new();
-        self.planned.clear();
-        for view in pods {
-            let Some(budget) = view.budget else {
-                continue;
-            };
-            let mut holders: Vec<Holder> = Vec::new();
-            let mut remote = 0;
-            let mut mine = None;
-            for (replica, value, revision) in grants.get(view.pod.as_str()).into_iter().flatten() {
-                let grant_key = format!("{pod_prefix}{}/grant/{replica}", view.pod);
-                if *replica == me {
-                    mine = Some(holders.len());
-                } else if reclaimable(replica) {
-                    compares.push(Compare::ModRevision(grant_key.clone(), *revision));
-                    compares.push(Compare::ModRevision(format!("{alive_prefix}{replica}"), 0));
-                    ops.push(Op::Delete(grant_key));
-                    if !reclaimed_replicas.contains(replica) {
-                        reclaimed_replicas.push(replica);
-                    }
-                    continue;
-                } else {
-                    remote += value.explained;
-                }
-                holders.push(Holder {
-                    grant: value.grant,
-                    in_use: value.in_use,
-                    demand: value.demand,
-                    unit: value.unit,
-                    lapsed: *replica != me && !alive.contains(replica),
-                });
-            }
-            // Its own line from its records, fresher than what it last published.
-            let me_at = match mine {
-                Some(i) => i,
-                None => {
-                    holders.push(Holder::default());
-                    holders.len() - 1
-                }
-            };
-            holders[me_at].in_use = view.in_use;
-            holders[me_at].demand = view.demand;
-            holders[me_at].unit = view.unit;
-            let before = holders[me_at].grant;
-            let grant = next_grant(budget, &holders, me_at);
-            let granted_before: u64 = holders.iter().map(|h| h.grant).sum();
-            let granted = granted_before - before + grant;
-            if grant > before {
-                let guard = format!("{pod_prefix}{}/guard", view.pod);
-                let revision = guards.get(view.pod.as_str()).copied().unwrap_or(0);
-                compares.push(Compare::ModRevision(guard.clone(), revision));
-                ops.push(Op::Put {
-                    key: guard,
-                    value: me.as_bytes().to_vec(),
-                    lease: None,
-                });
-            }
-            let published = Published {
-                grant,
-                in_use: view.in_use,
-                demand: view.demand,
-                unit: view.unit,
-                explained: view.explained,
-            };
-            ops.push(Op::Put {
-                key: format!("{pod_prefix}{}/grant/{me}", view.pod),
-                value: serde_json::to_vec(&published).unwrap_or_default(),
+        let prefix = &cfg.etcd.key_prefix;
+        let me = cfg.etcd.replica_id.as_str();
+        let now = read.at_ms;
+        let (mut holders, me_at, remote) = self.holders(cfg, read, &view.pod, txn);
+        // Its own line from its records, fresher than what it last published.
+        holders[me_at].in_use = view.in_use;
+        holders[me_at].demand = view.demand;
+        holders[me_at].unit = view.unit;
+        let before = holders[me_at].grant;
+        let grant = next_grant(budget, &holders, me_at);
+        let granted_before: u64 = holders.iter().map(|h| h.grant).sum();
+        let granted = granted_before - before + grant;
+        if grant > before {
+            let guard = guard_key(prefix, &view.pod);
+            let revision = read.guards.get(view.pod.as_str()).copied().unwrap_or(0);
+            txn.compares
+                .push(Compare::ModRevision(guard.clone(), revision));
+            txn.ops.push(Op::Put {
+                key: guard,
+                value: me.as_bytes().to_vec(),
                 lease: None,
             });
-            share::modify(store, &view.pod, |s| {
-                s.grant = s.grant.min(grant).min(before);
-                s.granted = granted_before;
-                s.contact_ms = now;
-                s.remote_tokens = remote;
-            })?;
-            self.planned.push(Planned {
-                pod: view.pod.clone(),
-                grant,
-                granted,
+        }
+        let published = Published {
+            grant,
+            in_use: view.in_use,
+            demand: view.demand,
+            unit: view.unit,
+            explained: view.explained,
+        };
+        txn.ops.push(Op::Put {
+            key: grant_key(prefix, &view.pod, me),
+            value: serde_json::to_vec(&published).unwrap_or_default(),
+            lease: None,
+        });
+        share::modify(store, &view.pod, |s| {
+            s.grant = s.grant.min(grant).min(before);
+            s.granted = granted_before;
+            s.contact_ms = now;
+            s.remote_tokens = remote;
+        })?;
+        self.planned.push(Planned {
+            pod: view.pod.clone(),
+            grant,
+            granted,
+        });
+        Ok(())
+    }
+
+    /// The pod's holders as read, this replica's own among them (an empty one where it holds no
+    /// grant yet), where its own stands, and the KV the other replicas' requests hold there. The
+    /// grants of replicas lapsed past their grace are left out, and deleted by the txn.
+    fn holders<'a>(
+        &self,
+        cfg: &Config,
+        read: &RangeRead<'a>,
+        pod: &str,
+        txn: &mut Txn<'a>,
+    ) -> (Vec<Holder>, usize, u64) {
+        let prefix = &cfg.etcd.key_prefix;
+        let me = cfg.etcd.replica_id.as_str();
+        let mut holders: Vec<Holder> = Vec::new();
+        let mut remote = 0;
+        let mut mine = None;
+        for &(replica, value, revision) in read.grants.get(pod).into_iter().flatten() {
+            if replica == me {
+                mine = Some(holders.len());
+            } else if self.reclaimable(replica, cfg, read.at_ms) {
+                let grant_key = grant_key(prefix, pod, replica);
+                txn.compares
+                    .push(Compare::ModRevision(grant_key.clone(), revision));
+                txn.compares
+                    .push(Compare::ModRevision(alive_key(prefix, replica), 0));
+                txn.ops.push(Op::Delete(grant_key));
+                if !txn.reclaimed.contains(&replica) {
+                    txn.reclaimed.push(replica);
+                }
+                continue;
+            } else {
+                remote += value.explained;
+            }
+            holders.push(Holder {
+                grant: value.grant,
+                in_use: value.in_use,
+                demand: value.demand,
+                unit: value.unit,
+                lapsed: replica != me && !read.alive.contains(&replica),
             });
         }
-        self.reclaiming = reclaimed_replicas.len() as u64;
-        ops.push(Op::Put {
-            key: format!("{alive_prefix}{me}"),
-            value: Vec::new(),
-            lease: Some(lease),
-        });
-        Ok((compares, ops))
+        let me_at = match mine {
+            Some(i) => i,
+            None => {
+                holders.push(Holder::default());
+                holders.len() - 1
+            }
+        };
+        (holders, me_at, remote)
     }
 }

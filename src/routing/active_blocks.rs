@@ -2,7 +2,7 @@
 //! blocks): a request's prompt blocks are added at dispatch and removed when it ends; a block held
 //! by several in-flight requests counts once. This is each VM's replica of block membership, fed
 //! by its own dispatches and the pick log. The counts that must return to zero live in the shared
-//! pod record (`pod_state`); this replica only says which blocks are already active, so a new
+//! pod record (`pods::record`); this replica only says which blocks are already active, so a new
 //! request is charged for the blocks it adds, and a finishing one hands shared blocks to a
 //! request still holding them.
 
@@ -33,6 +33,16 @@ impl ActiveBlocks {
             .iter()
             .take_while(|h| p.refs.contains_key(*h))
             .count()
+    }
+
+    /// In-flight requests on the pod whose prompt holds the block (with chained hashes: its
+    /// whole prefix up to there).
+    pub fn holders(&self, pod: &str, block: u64) -> u32 {
+        self.pods
+            .get(pod)
+            .and_then(|p| p.refs.get(&block))
+            .copied()
+            .unwrap_or(0)
     }
 
     pub fn add(&mut self, pod: &str, request: u64, hashes: Vec<u64>, now: u64) {

@@ -76,6 +76,14 @@ impl Adapters {
         p.touch(adapter);
     }
 
+    /// The adapter a request in flight on `pod` runs (0: none, or not known here).
+    pub fn adapter_of(&self, pod: &str, request: u64) -> u64 {
+        self.pods
+            .get(pod)
+            .and_then(|p| p.running.get(&request))
+            .map_or(0, |&(adapter, _)| adapter)
+    }
+
     /// The request ended; its adapter stays resident until others displace it.
     pub fn finish(&mut self, pod: &str, request: u64) {
         if let Some(p) = self.pods.get_mut(pod) {

@@ -229,7 +229,7 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     use super::*;
-    use crate::store::fake_host::FakeHost;
+    use crate::store::fake_host::{FakeHost, FakeVm};
 
     fn dispatch(request: u64) -> Event {
         Event::Dispatch(Dispatch {
@@ -240,12 +240,19 @@ mod tests {
         })
     }
 
+    /// Two VMs on one host, each with its log started.
+    fn two_logs() -> ((FakeVm, PickLog), (FakeVm, PickLog)) {
+        let host = FakeHost::new();
+        let start = |vm: FakeVm| {
+            let log = PickLog::start(&vm).unwrap();
+            (vm, log)
+        };
+        (start(host.vm()), start(host.vm()))
+    }
+
     #[test]
     fn events_reach_other_vms_once_and_not_their_origin() {
-        let host = FakeHost::new();
-        let (a, b) = (host.vm(), host.vm());
-        let mut la = PickLog::start(&a).unwrap();
-        let mut lb = PickLog::start(&b).unwrap();
+        let ((a, mut la), (b, mut lb)) = two_logs();
         la.publish(&a, 1, &dispatch(7)).unwrap();
         let finish = Event::Finish {
             pod: "p".into(),
@@ -286,17 +293,14 @@ mod tests {
 
     #[test]
     fn claimed_but_unwritten_slot_waits_then_is_skipped() {
-        let host = FakeHost::new();
-        let (a, b) = (host.vm(), host.vm());
-        let mut la = PickLog::start(&a).unwrap();
-        let mut lb = PickLog::start(&b).unwrap();
+        let ((a, mut la), (b, mut lb)) = two_logs();
         // A writer claimed seq 0 and died before writing its slot.
         a.set(SEQ_KEY, &1u64.to_le_bytes(), None).unwrap();
         la.publish(&a, 1, &dispatch(9)).unwrap();
         let mut seen = Vec::new();
         lb.poll(&b, 2, |e| seen.push(e)).unwrap();
         assert!(seen.is_empty());
-        host.advance_ms(STUCK_MS);
+        a.host().advance_ms(STUCK_MS);
         lb.poll(&b, 2, |e| seen.push(e)).unwrap();
         assert_eq!(seen, vec![dispatch(9)]);
     }
@@ -311,10 +315,7 @@ mod tests {
 
     #[test]
     fn finishes_wait_for_the_next_dispatch_or_the_tick_and_arrive_in_order() {
-        let host = FakeHost::new();
-        let (a, b) = (host.vm(), host.vm());
-        let mut la = PickLog::start(&a).unwrap();
-        let mut lb = PickLog::start(&b).unwrap();
+        let ((a, mut la), (b, mut lb)) = two_logs();
         let finish = |request| Event::Finish {
             pod: "p".into(),
             request,

@@ -1,7 +1,7 @@
 //! This VM's copies of the pod records, for ranking. Reading every pod's record on every request
 //! cost two host calls per pod (and a decode each); a copy younger than `COPY_MS`, or one this VM
-//! has just written, ranks as well: other workers' changes reach it within that time, their picks
-//! sooner through the pick log.
+//! has just written, ranks as well: other workers' changes reach it within that time, and their
+//! picks at once: a dispatch or finish in the pick log drops the pod's copy (`forget`).
 //!
 //! Source of truth: the shared-data record (`pods::record`). A copy never decides a reservation:
 //! the router checks the fit again on the fresh record inside the compare-and-swap (against the
@@ -59,6 +59,14 @@ impl RecordCopies {
         }
     }
 
+    /// The copy no longer shows the pod's load, so the next pick reads the record: another
+    /// worker dispatched to the pod or finished there (the pick log says so), or a request's
+    /// first token came (its prompt is computed). Without the first, two workers picking within
+    /// `COPY_MS` of each other both saw the same least loaded pod and sent it both requests.
+    pub fn forget(&mut self, pod: &str) {
+        self.copies.remove(pod);
+    }
+
     pub fn retain_pods(&mut self, keep: impl Fn(&str) -> bool) {
         self.copies.retain(|p, _| keep(p));
     }
@@ -70,21 +78,21 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     use super::*;
-    use crate::pods::record::Entry;
+    use crate::pods::record::RequestEntry;
     use crate::store::fake_host::FakeHost;
+    use crate::test_support::two_vms;
 
-    fn entry(id: u64, expires_ms: u64) -> Entry {
-        Entry {
+    fn entry(id: u64, expires_ms: u64) -> RequestEntry {
+        RequestEntry {
             id,
             expires_ms,
-            ..Entry::default()
+            ..RequestEntry::default()
         }
     }
 
     #[test]
     fn a_copy_serves_until_it_is_old_then_the_record_is_read_again() {
-        let host = FakeHost::new();
-        let (a, b) = (host.vm(), host.vm());
+        let (a, b) = two_vms();
         record::ensure(&a, "p").unwrap();
         let mut copies = RecordCopies::default();
         let now = a.now_ms();

@@ -8,7 +8,7 @@ use crate::config::{Config, RoutingConfig, MAX_BLOCK_TOKENS};
 use crate::estimate::reservation::Estimate;
 use crate::models::served::{adapter_id, ServedView};
 use crate::pods::pool::{decode_pods, PODS_KEY};
-use crate::pods::record::{self, Entry, PodRecord};
+use crate::pods::record::{self, PodRecord, RequestEntry};
 use crate::routing::active_blocks::ActiveBlocks;
 use crate::routing::adapters::{Adapters, Fit};
 use crate::routing::pick::{rank, rendezvous, Candidate, Rng, Scored, Terms};
@@ -20,7 +20,9 @@ use crate::store::interface::{create_if_missing, update, Store, StoreError};
 use hashbrown::HashMap;
 use std::cell::Cell;
 
+mod rehome;
 mod steps;
+pub use rehome::Moved;
 use steps::{candidates, charges, Ask};
 
 const VM_SEQ_KEY: &str = "kvgate.vm.seq";
@@ -65,6 +67,17 @@ pub struct Routed {
     /// `pod cost=prefill+decode+active+queue+kv+adapter`,
     /// ` full` where its budget had no room.
     pub ranking: String,
+    /// Placed past every budget: no pod had room, and admission only observes
+    /// (`admission.mode` `observe`, [`Router::route_past_budget`]).
+    pub over_budget: bool,
+}
+
+/// Whether a pick must fit its pod's budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Room {
+    Required,
+    /// Admission observes only: the best-ranked pod takes the request whatever its budget says.
+    Ignored,
 }
 
 fn explain(
@@ -268,17 +281,19 @@ impl Router {
         let now = store.now_ms();
         self.refresh_pods(store, cfg, now);
         let (prefix, active, capacity) = (&mut self.prefix, &mut self.active, &self.capacity);
-        let adapters = &mut self.adapters;
+        let (adapters, copies) = (&mut self.adapters, &mut self.copies);
         let default_capacity = cfg.routing.pod_capacity_blocks as usize;
         self.log.poll(store, self.vm, |event| match event {
             Event::Dispatch(d) => {
                 let cap = capacity.get(&d.pod).copied().unwrap_or(default_capacity);
                 prefix.insert(&d.pod, &d.hashes, now, cap);
                 adapters.dispatch(&d.pod, d.request, d.adapter, now);
+                copies.forget(&d.pod);
                 active.add(&d.pod, d.request, d.hashes, now);
             }
             Event::Finish { pod, request } => {
                 adapters.finish(&pod, request);
+                copies.forget(&pod);
                 active.remove(&pod, request);
             }
         })
@@ -299,12 +314,27 @@ impl Router {
             return Ok(Placement::NoPods);
         }
         let request = (model, hashes, est);
-        let (placement, from_copies) = self.place(store, cfg, request, false)?;
+        let (placement, from_copies) = self.place(store, cfg, request, false, Room::Required)?;
         if from_copies && matches!(placement, Placement::NoRoom) {
             // The copies said no pod has room: the records decide before the request waits.
-            return Ok(self.place(store, cfg, request, true)?.0);
+            return Ok(self.place(store, cfg, request, true, Room::Required)?.0);
         }
         Ok(placement)
+    }
+
+    /// `route` for a request [`route`](Self::route) found no room for, when admission only
+    /// observes: the best-ranked pod takes it past its budget, its entry recorded like any other
+    /// (so the pod's forecast shows how far past the budget enforcement would have kept it).
+    pub fn route_past_budget(
+        &mut self,
+        store: &dyn Store,
+        cfg: &Config,
+        model: &str,
+        hashes: &[u64],
+        est: &Estimate,
+    ) -> Result<Placement, StoreError> {
+        let request = (model, hashes, est);
+        Ok(self.place(store, cfg, request, true, Room::Ignored)?.0)
     }
 
     /// `route` on the records as this VM's copies have them (`fresh`: as stored); also says
@@ -315,6 +345,7 @@ impl Router {
         cfg: &Config,
         (model, hashes, est): (&str, &[u64], &Estimate),
         fresh: bool,
+        need: Room,
     ) -> Result<(Placement, bool), StoreError> {
         let now = store.now_ms();
         let r = &cfg.routing;
@@ -340,13 +371,15 @@ impl Router {
             return Ok((Placement::NoPods, from_copies));
         }
         let adapter_fit = self.adapter_fits(&indices, model, &records, now, cfg);
-        let ask = Ask {
+        let mut ask = Ask {
             records: &records,
             hashes,
             prompt_blocks,
             output_blocks,
             block_tokens: bt,
             now,
+            hot_blocks: 0,
+            copy_weight: 1.0,
         };
         // Leading prompt blocks already held by in-flight requests, per candidate: they cost no
         // new KV there, in the score and in the reservation alike.
@@ -357,6 +390,7 @@ impl Router {
                     .active_prefix(&self.pods[i], ask.recorded(&records[i]))
             })
             .collect();
+        (ask.hot_blocks, ask.copy_weight) = self.hot_prefix(&indices, &shared, hashes);
         let candidates = candidates(
             &self.pods,
             &self.prefix,
@@ -397,10 +431,12 @@ impl Router {
                 f
             })
         };
+        // A pod may take the request when it has room, or when admission only observes.
+        let takes = |k: usize| need == Room::Ignored || room(k);
         // Pods without room are not offered as fallbacks either: a retry must not overfill them.
         let order: Vec<String> = ranked
             .iter()
-            .filter(|s| room(s.index))
+            .filter(|s| takes(s.index))
             .take(1 + r.fallback_pods as usize)
             .map(|s| candidates[s.index].pod.to_string())
             .collect();
@@ -409,12 +445,12 @@ impl Router {
         } else {
             String::new()
         };
-        for s in ranked.iter().filter(|s| room(s.index)) {
+        for s in ranked.iter().filter(|s| takes(s.index)) {
             let best = &candidates[s.index];
             let pod = best.pod.to_string();
             let new_blocks = (prompt_blocks - shared[s.index]) as u32;
             let load = loads[s.index];
-            let entry = Entry {
+            let entry = RequestEntry {
                 id: request,
                 expires_ms: now.saturating_add(r.request_ttl_ms),
                 dispatched_ms: now,
@@ -426,13 +462,18 @@ impl Router {
                 prompt_blocks: new_blocks,
                 output_blocks: 0,
                 context_blocks: prompt_blocks as u32,
+                pending_blocks: if est.streams {
+                    prompt_blocks.saturating_sub(best.cached_blocks.max(shared[s.index])) as u32
+                } else {
+                    0
+                },
             };
             // The read above may be a copy, older than the last scrape: the fit is checked again
             // inside the compare-and-swap, against the budget the stored snapshot gives.
             let taken = record::modify(store, &pod, |rec| {
                 let budget = budget_tokens(cfg, rec.snapshot.as_ref());
                 let budget = crate::replicas::share::cap(store, cfg, &pod, budget);
-                if !fits(rec, load, budget, cfg, bt) {
+                if need == Room::Required && !fits(rec, load, budget, cfg, bt) {
                     return None;
                 }
                 rec.entries.push(entry);
@@ -479,6 +520,7 @@ impl Router {
                     block_tokens,
                     adapter_load: fit.is_some_and(|f| f != Fit::Resident),
                     ranking,
+                    over_budget: need == Room::Ignored,
                 }),
                 from_copies,
             ));
@@ -490,7 +532,7 @@ impl Router {
     /// holds by what it streamed since, its outlook from where it now stands, by the estimate it
     /// was routed with) and renews its expiry. Returns whether the shared record was written.
     pub fn grow(
-        &self,
+        &mut self,
         store: &dyn Store,
         cfg: &Config,
         routed: &mut Routed,
@@ -501,6 +543,7 @@ impl Router {
         if blocks <= routed.output_blocks {
             return Ok(false);
         }
+        let first = routed.output_blocks == 0;
         routed.output_blocks = blocks;
         let expires = store.now_ms().saturating_add(cfg.routing.request_ttl_ms);
         // Only what streamed since the last write is added: a prefix inherited meanwhile from
@@ -509,9 +552,16 @@ impl Router {
         routed.streamed = output_tokens;
         let outlook = est.output.outlook(output_tokens, est.max_output_tokens);
         let left = est.max_output_tokens.saturating_sub(output_tokens);
+        if first {
+            // The first token: the prompt it waited for no longer loads the pod, which this VM's
+            // copy of the record would still say.
+            self.copies.forget(&routed.pod);
+        }
         record::modify(store, &routed.pod, |rec| {
             let e = rec.entries.iter_mut().find(|e| e.id == routed.request)?;
             e.output_blocks = blocks;
+            // Its first token came: its prompt is computed.
+            e.pending_blocks = 0;
             e.expires_ms = expires;
             e.held_tokens = e.held_tokens.saturating_add(more);
             e.left = u32::try_from(left).unwrap_or(u32::MAX);
@@ -521,59 +571,13 @@ impl Router {
         .map(|r| r.is_some())
     }
 
-    /// Envoy could not use the pick and its retry policy sent the request to `served_by`: the
-    /// pick is marked down until its next good scrape (so the next requests avoid it now, not a
-    /// scrape interval later) and the request's accounting moves to the pod that serves it.
-    pub fn rehome(
-        &mut self,
-        store: &dyn Store,
-        cfg: &Config,
-        routed: &mut Routed,
-        served_by: &str,
-    ) -> Result<(), StoreError> {
-        if served_by == routed.pod || !self.pods.iter().any(|p| p == served_by) {
-            return Ok(());
-        }
-        let now = store.now_ms();
-        let down = record::modify(store, &routed.pod, |rec| {
-            rec.snapshot = Some(record::Snapshot {
-                at_ms: now,
-                healthy: false,
-                kv_usage: f64::NAN,
-                ..record::Snapshot::default()
-            });
-            Some(rec.clone())
-        })?;
-        if let Some(down) = down {
-            self.copies.wrote(&routed.pod, down, now);
-        }
-        let hashes = self
-            .active
-            .hashes_of(&routed.pod, routed.request)
-            .unwrap_or_default();
-        let Some(mut entry) = self.finish(store, cfg, routed)? else {
-            return Ok(());
-        };
-        entry.prompt_blocks = routed.prompt_blocks as u32;
-        let moved = record::modify(store, served_by, |rec| {
-            rec.entries.push(entry);
-            Some(rec.clone())
-        })?;
-        if let Some(moved) = moved {
-            self.copies.wrote(served_by, moved, now);
-        }
-        routed.pod = served_by.to_string();
-        self.active.add(served_by, routed.request, hashes, now);
-        Ok(())
-    }
-
     /// The request is over, however it ended. Safe to call more than once.
     pub fn finish(
         &mut self,
         store: &dyn Store,
         cfg: &Config,
         routed: &Routed,
-    ) -> Result<Option<Entry>, StoreError> {
+    ) -> Result<Option<RequestEntry>, StoreError> {
         // Learn of requests other workers sent since, so shared blocks find their heir.
         self.sync(store, cfg)?;
         let (shared, heir) = self.active.shared_with_others(&routed.pod, routed.request);
@@ -618,12 +622,33 @@ mod tests {
         }
     }
 
+    impl Router {
+        /// Routes a request for model `m` that must be routed.
+        fn route_m(
+            &mut self,
+            store: &dyn Store,
+            cfg: &Config,
+            hashes: &[u64],
+            est: &Estimate,
+        ) -> Routed {
+            self.route(store, cfg, "m", hashes, est).unwrap().routed()
+        }
+    }
+
     /// With a prompt margin (`estimator.safetyFactor` 1.1), so the tests see it carried
     /// through shared prefixes.
     fn config(pods: &[&str]) -> Config {
         let mut cfg = crate::test_support::with_pods(pods);
         cfg.estimator.safety_factor = 1.1;
         cfg
+    }
+
+    /// One VM's router over `pods`, with the tests' configuration.
+    fn router(pods: &[&str]) -> (FakeVm, Config, Router) {
+        let cfg = config(pods);
+        let vm = FakeHost::new().vm();
+        let r = Router::start(&vm, &cfg).unwrap();
+        (vm, cfg, r)
     }
 
     fn est(prompt: u64, output: u64) -> Estimate {
@@ -646,15 +671,9 @@ mod tests {
         let (w1, w2) = (host.vm(), host.vm());
         let mut r1 = Router::start(&w1, &cfg).unwrap();
         let mut r2 = Router::start(&w2, &cfg).unwrap();
-        let first = r1
-            .route(&w1, &cfg, "m", &hashes(7, 64), &est(1024, 16))
-            .unwrap()
-            .routed();
+        let first = r1.route_m(&w1, &cfg, &hashes(7, 64), &est(1024, 16));
         r1.finish(&w1, &cfg, &first).unwrap();
-        let second = r2
-            .route(&w2, &cfg, "m", &hashes(7, 64), &est(1024, 16))
-            .unwrap()
-            .routed();
+        let second = r2.route_m(&w2, &cfg, &hashes(7, 64), &est(1024, 16));
         assert_eq!(second.pod, first.pod);
         assert_eq!(second.cached_blocks, 64);
         r2.finish(&w2, &cfg, &second).unwrap();
@@ -662,29 +681,92 @@ mod tests {
     }
 
     #[test]
-    fn a_hot_prefix_spreads_when_its_pod_is_loaded() {
+    fn another_workers_pick_shows_in_the_next_ranking_at_once() {
         let host = FakeHost::new();
-        let cfg = config(&["a:1", "b:1"]);
-        let vm = host.vm();
-        let mut r = Router::start(&vm, &cfg).unwrap();
+        let mut cfg = config(&["a:1", "b:1"]);
+        cfg.debug_headers = true;
+        let (w1, w2) = (host.vm(), host.vm());
+        let mut r1 = Router::start(&w1, &cfg).unwrap();
+        let mut r2 = Router::start(&w2, &cfg).unwrap();
+        // Worker 2 reads both records (its copies now show two idle pods), then worker 1 sends a
+        // long request to one of them, within the copies' lifetime.
+        let warm = r2.route_m(&w2, &cfg, &hashes(1, 4), &est(64, 16));
+        r2.finish(&w2, &cfg, &warm).unwrap();
+        let long = r1.route_m(&w1, &cfg, &hashes(2, 64), &est(1024, 256));
+        let next = r2.route_m(&w2, &cfg, &hashes(3, 4), &est(64, 16));
+        // Each candidate's decode term, the third of `pod cost=prefill+decode+...`.
+        let decode = |pod: &str| -> String {
+            let entry = next
+                .ranking
+                .split(", ")
+                .find(|e| e.starts_with(pod))
+                .unwrap();
+            entry.split(['=', '+']).nth(2).unwrap().to_string()
+        };
+        let other = if long.pod == "a:1" { "b:1" } else { "a:1" };
+        assert_ne!(
+            decode(&long.pod),
+            decode(other),
+            "worker 2 ranks with worker 1's request on {}: {}",
+            long.pod,
+            next.ranking
+        );
+        assert_eq!(next.pod, other);
+    }
+
+    #[test]
+    fn a_streaming_prompt_is_work_its_pod_still_has_until_its_first_token() {
+        let (vm, mut cfg, mut r) = router(&["a:1", "b:1"]);
+        cfg.debug_headers = true;
+        let streaming = |prompt| Estimate {
+            streams: true,
+            ..est(prompt, 64)
+        };
+        let pending = || {
+            record::read(&vm, "a:1").unwrap().pending_blocks()
+                + record::read(&vm, "b:1").unwrap().pending_blocks()
+        };
+        // A long request that has started answering on one pod (its 40 blocks are read at each
+        // of its decode steps there), and a shorter one still waiting for its first token on the
+        // other.
+        let mut long = r.route_m(&vm, &cfg, &hashes(1, 40), &streaming(640));
+        r.grow(&vm, &cfg, &mut long, &streaming(640), 1).unwrap();
+        assert_eq!(pending(), 0, "the first token came: its prompt is computed");
+        let mut waiting = r.route_m(&vm, &cfg, &hashes(2, 10), &streaming(160));
+        assert_ne!(waiting.pod, long.pod);
+        assert_eq!(pending(), 10, "its whole prompt, nothing cached");
+        // A small request: the decode load says the second pod (10 blocks read against 40), but
+        // its first token would wait for the 10 blocks that pod is computing (2 × 10).
+        let small = r.route_m(&vm, &cfg, &hashes(3, 2), &streaming(32));
+        assert_eq!(small.pod, long.pod, "{}", small.ranking);
+        r.grow(&vm, &cfg, &mut waiting, &streaming(160), 1).unwrap();
+        assert_eq!(pending(), 2);
+        for routed in [&long, &waiting, &small] {
+            r.finish(&vm, &cfg, routed).unwrap();
+        }
+        assert_eq!(pending(), 0);
+    }
+
+    #[test]
+    fn a_hot_prefix_spreads_when_its_pod_is_loaded() {
+        let (vm, cfg, mut r) = router(&["a:1", "b:1"]);
         let mut pods = Vec::new();
         let mut inflight = Vec::new();
         for i in 0..20 {
             // Same 32-block system prompt, different 32-block questions, long outputs.
             let mut h = hashes(1, 32);
             h.extend(hashes(100 + i, 32));
-            let routed = r
-                .route(&vm, &cfg, "m", &h, &est(1024, 512))
-                .unwrap()
-                .routed();
+            let routed = r.route_m(&vm, &cfg, &h, &est(1024, 512));
             pods.push(routed.pod.clone());
             inflight.push(routed);
         }
-        // Recomputing the prefix elsewhere costs 2 × 32 more blocks; each request in flight at
-        // home makes every decode step there read its 64 prompt blocks again (× 0.2) and holds 32
-        // more (× 0.05): 14.4 a request, so the sixth is cheaper elsewhere.
-        assert!(pods[1..5].iter().all(|p| *p == pods[0]), "{pods:?}");
-        assert_ne!(pods[5], pods[0], "the sixth goes elsewhere: {pods:?}");
+        // Each request in flight at home makes every decode step there read its 64 prompt blocks
+        // again (× 0.2) and holds 32 more (× 0.05): 14.4 a request. Copying the prefix elsewhere
+        // costs 2 × 32 blocks, shared with the requests the copy will serve: with k of them in
+        // flight over two pods, 64 / (1 + k/2) — 42.7, 32, 25.6 — so the fourth is cheaper
+        // elsewhere (counted in full, 64, it was the sixth).
+        assert!(pods[1..3].iter().all(|p| *p == pods[0]), "{pods:?}");
+        assert_ne!(pods[3], pods[0], "the fourth goes elsewhere: {pods:?}");
         let home = pods.iter().filter(|p| **p == pods[0]).count();
         assert!((8..=12).contains(&home), "then the two alternate: {pods:?}");
         for routed in &inflight {
@@ -695,17 +777,14 @@ mod tests {
 
     #[test]
     fn a_shared_prefix_is_held_once_and_never_swallows_the_question() {
-        let host = FakeHost::new();
-        let cfg = config(&["a:1"]);
-        let vm = host.vm();
-        let mut r = Router::start(&vm, &cfg).unwrap();
+        let (vm, cfg, mut r) = router(&["a:1"]);
         // Twenty character blocks, ten of them a shared system prompt, would be 320 tokens at
         // 16 per block, but the text is denser: the prompt is 100 tokens, 5 per block; safety
         // factor 1.1.
         let e = est(100, 200);
         let prompt = |question| [hashes(1, 10), hashes(question, 10)].concat();
-        r.route(&vm, &cfg, "m", &prompt(2), &e).unwrap().routed();
-        r.route(&vm, &cfg, "m", &prompt(3), &e).unwrap().routed();
+        r.route_m(&vm, &cfg, &prompt(2), &e);
+        r.route_m(&vm, &cfg, &prompt(3), &e);
         assert_eq!(
             record::read(&vm, "a:1").unwrap().held_tokens(),
             110 + (110 - 55),
@@ -720,14 +799,8 @@ mod tests {
         let (w1, w2) = (host.vm(), host.vm());
         let mut r1 = Router::start(&w1, &cfg).unwrap();
         let mut r2 = Router::start(&w2, &cfg).unwrap();
-        let x = r1
-            .route(&w1, &cfg, "m", &hashes(1, 10), &est(160, 0))
-            .unwrap()
-            .routed();
-        let y = r2
-            .route(&w2, &cfg, "m", &hashes(1, 10), &est(160, 0))
-            .unwrap()
-            .routed();
+        let x = r1.route_m(&w1, &cfg, &hashes(1, 10), &est(160, 0));
+        let y = r2.route_m(&w2, &cfg, &hashes(1, 10), &est(160, 0));
         assert_eq!(
             total_active(&w1, &cfg),
             10,
@@ -775,10 +848,7 @@ mod tests {
         )
         .unwrap();
         let mut r = Router::start(&vm, &cfg).unwrap();
-        let mut routed = r
-            .route(&vm, &cfg, "m", &hashes(1, 4), &est(64, 64))
-            .unwrap()
-            .routed();
+        let mut routed = r.route_m(&vm, &cfg, &hashes(1, 4), &est(64, 64));
         assert_eq!(routed.pod, "b:1");
         let e = est(64, 64);
         assert!(r.grow(&vm, &cfg, &mut routed, &e, 17).unwrap());
@@ -881,10 +951,7 @@ mod tests {
         };
         record::write_snapshot(&worker, "a:1", snapshot, 0, &cfg).unwrap();
         for i in 0..10 {
-            let routed = w
-                .route(&worker, &cfg, "m", &hashes(100 + i, 8), &est(128, 16))
-                .unwrap()
-                .routed();
+            let routed = w.route_m(&worker, &cfg, &hashes(100 + i, 8), &est(128, 16));
             w.finish(&worker, &cfg, &routed).unwrap();
         }
         m.tend(&main, &cfg).unwrap();
@@ -895,10 +962,7 @@ mod tests {
         );
         // A request whose finish the log lost (a ring overrun, a VM gone) leaves its replicas
         // once its entry has left the record.
-        let lost = w
-            .route(&worker, &cfg, "m", &hashes(200, 8), &est(128, 16))
-            .unwrap()
-            .routed();
+        let lost = w.route_m(&worker, &cfg, &hashes(200, 8), &est(128, 16));
         m.tend(&main, &cfg).unwrap();
         assert_eq!(m.active.unique_blocks("a:1"), 8);
         record::finish(&worker, "a:1", lost.request, None).unwrap();
@@ -938,12 +1002,9 @@ mod tests {
 
     #[test]
     fn streaming_adds_only_what_streamed_since_the_last_write() {
-        let host = FakeHost::new();
-        let cfg = config(&["a:1"]);
-        let vm = host.vm();
-        let mut r = Router::start(&vm, &cfg).unwrap();
+        let (vm, cfg, mut r) = router(&["a:1"]);
         let e = est(100, 64);
-        let mut routed = r.route(&vm, &cfg, "m", &hashes(1, 4), &e).unwrap().routed();
+        let mut routed = r.route_m(&vm, &cfg, &hashes(1, 4), &e);
         let held = || record::read(&vm, "a:1").unwrap().held_tokens();
         assert_eq!(held(), 110);
         r.grow(&vm, &cfg, &mut routed, &e, 17).unwrap();
@@ -959,27 +1020,19 @@ mod tests {
 
     #[test]
     fn a_pick_served_elsewhere_is_marked_down_and_its_accounting_moves() {
-        let host = FakeHost::new();
-        let cfg = config(&["a:1", "b:1"]);
-        let vm = host.vm();
-        let mut r = Router::start(&vm, &cfg).unwrap();
-        let mut routed = r
-            .route(&vm, &cfg, "m", &hashes(1, 4), &est(64, 0))
-            .unwrap()
-            .routed();
+        let (vm, cfg, mut r) = router(&["a:1", "b:1"]);
+        let mut routed = r.route_m(&vm, &cfg, &hashes(1, 4), &est(64, 0));
         let (picked, other) = if routed.pod == "a:1" {
             ("a:1", "b:1")
         } else {
             ("b:1", "a:1")
         };
-        r.rehome(&vm, &cfg, &mut routed, other).unwrap();
+        r.rehome(&vm, &cfg, &mut routed, other, Moved::PickFailed)
+            .unwrap();
         assert_eq!(routed.pod, other);
         assert!(!record::read(&vm, picked).unwrap().snapshot.unwrap().healthy);
         assert_eq!(record::read(&vm, other).unwrap().active_blocks(), 4);
-        let next = r
-            .route(&vm, &cfg, "m", &hashes(1, 4), &est(64, 0))
-            .unwrap()
-            .routed();
+        let next = r.route_m(&vm, &cfg, &hashes(1, 4), &est(64, 0));
         assert_eq!(next.pod, other);
         r.finish(&vm, &cfg, &routed).unwrap();
         r.finish(&vm, &cfg, &next).unwrap();
@@ -998,14 +1051,8 @@ mod tests {
         };
         record::write_snapshot(&vm, "a:1", snapshot, 0, &Config::default()).unwrap();
         let mut r = Router::start(&vm, &cfg).unwrap();
-        let x = r
-            .route(&vm, &cfg, "m", &hashes(1, 10), &est(160, 0))
-            .unwrap()
-            .routed();
-        let y = r
-            .route(&vm, &cfg, "m", &hashes(1, 10), &est(160, 0))
-            .unwrap()
-            .routed();
+        let x = r.route_m(&vm, &cfg, &hashes(1, 10), &est(160, 0));
+        let y = r.route_m(&vm, &cfg, &hashes(1, 10), &est(160, 0));
         assert_eq!(y.cached_blocks, 0, "served before, but not cached there");
         let rec = record::read(&vm, "a:1").unwrap();
         assert_eq!(rec.active_blocks(), 20, "each sequence holds its own copy");
@@ -1018,10 +1065,7 @@ mod tests {
 
     #[test]
     fn the_block_size_follows_the_pods_unless_configured() {
-        let host = FakeHost::new();
-        let cfg = config(&["a:1", "b:1"]);
-        let vm = host.vm();
-        let mut r = Router::start(&vm, &cfg).unwrap();
+        let (vm, cfg, mut r) = router(&["a:1", "b:1"]);
         assert_eq!(r.block_tokens(&cfg.routing), 16, "before any scrape");
         let scraped = |pod, block_size| {
             let snapshot = Snapshot {
@@ -1035,21 +1079,15 @@ mod tests {
         scraped("a:1", 16);
         scraped("b:1", 32);
         // The router ranks on its copies of the records: a scrape reaches it within COPY_MS.
-        host.advance_ms(COPY_MS);
-        let first = r
-            .route(&vm, &cfg, "m", &hashes(1, 4), &est(64, 64))
-            .unwrap()
-            .routed();
+        vm.host().advance_ms(COPY_MS);
+        let first = r.route_m(&vm, &cfg, &hashes(1, 4), &est(64, 64));
         assert_eq!(first.block_tokens, 16, "cut before the pods were read");
         assert_eq!(r.block_tokens(&cfg.routing), 32, "the largest reported");
-        let second = r
-            .route(&vm, &cfg, "m", &hashes(2, 4), &est(64, 64))
-            .unwrap()
-            .routed();
+        let second = r.route_m(&vm, &cfg, &hashes(2, 4), &est(64, 64));
         assert_eq!(second.block_tokens, 32);
         scraped("a:1", 1);
         scraped("b:1", 1);
-        host.advance_ms(COPY_MS);
+        vm.host().advance_ms(COPY_MS);
         r.route(&vm, &cfg, "m", &hashes(3, 4), &est(64, 64))
             .unwrap();
         assert_eq!(
@@ -1064,25 +1102,19 @@ mod tests {
 
     #[test]
     fn discovered_pods_join_and_departed_ones_leave() {
-        let host = FakeHost::new();
-        let cfg = config(&[]);
-        let vm = host.vm();
-        let mut r = Router::start(&vm, &cfg).unwrap();
+        let (vm, cfg, mut r) = router(&[]);
         assert_eq!(
             r.route(&vm, &cfg, "m", &hashes(1, 4), &est(64, 0)).unwrap(),
             Placement::NoPods
         );
         vm.set(PODS_KEY, &encode_pods(&["x:1".into()]), None)
             .unwrap();
-        host.advance_ms(PODS_CACHE_MS);
-        let routed = r
-            .route(&vm, &cfg, "m", &hashes(1, 4), &est(64, 0))
-            .unwrap()
-            .routed();
+        vm.host().advance_ms(PODS_CACHE_MS);
+        let routed = r.route_m(&vm, &cfg, &hashes(1, 4), &est(64, 0));
         assert_eq!(routed.pod, "x:1");
         r.finish(&vm, &cfg, &routed).unwrap();
         vm.set(PODS_KEY, &encode_pods(&[]), None).unwrap();
-        host.advance_ms(PODS_CACHE_MS);
+        vm.host().advance_ms(PODS_CACHE_MS);
         r.sync(&vm, &cfg).unwrap();
         assert!(r.pods().is_empty());
     }

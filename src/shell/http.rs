@@ -5,7 +5,7 @@
 use super::host::{self, HostStore};
 use super::raw;
 use crate::drive::{self, Next};
-use crate::flow::{Decision, Flow, Gate, Head, Step};
+use crate::flow::{Decision, Flow, Gate, RequestHead, Step};
 use crate::stats;
 use crate::store::interface::Store;
 use hashbrown::HashMap;
@@ -122,7 +122,7 @@ impl Http {
         let (objective, priority) = (read(&a.objective_header), read(&a.priority_header));
         let (tenant, session) = (read(&a.tenant_header), read(&a.session_header));
         let accept = headers.get("accept");
-        let head = Head {
+        let head = RequestHead {
             method,
             path,
             content_type,

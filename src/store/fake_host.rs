@@ -166,11 +166,11 @@ mod tests {
 
     use super::*;
     use crate::store::interface::update;
+    use crate::test_support::two_vms;
 
     #[test]
     fn stale_cas_fails_and_fresh_cas_wins() {
-        let host = FakeHost::new();
-        let (a, b) = (host.vm(), host.vm());
+        let (a, b) = two_vms();
         a.set("k", b"1", None).unwrap();
         let seen_a = a.get("k").unwrap();
         let seen_b = b.get("k").unwrap();
@@ -189,8 +189,7 @@ mod tests {
 
     #[test]
     fn queue_notifies_only_last_registrant() {
-        let host = FakeHost::new();
-        let (a, b) = (host.vm(), host.vm());
+        let (a, b) = two_vms();
         let qa = a.register_queue("wake").unwrap();
         let qb = b.register_queue("wake").unwrap();
         assert_eq!(qa, qb);
@@ -204,8 +203,7 @@ mod tests {
 
     #[test]
     fn update_retries_lost_races() {
-        let host = FakeHost::new();
-        let (a, b) = (host.vm(), host.vm());
+        let (a, b) = two_vms();
         a.set("n", b"0", None).unwrap();
         let mut first = true;
         let out = update(&a, "n", |cur| {

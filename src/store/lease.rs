@@ -33,12 +33,11 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     use super::*;
-    use crate::store::fake_host::FakeHost;
+    use crate::test_support::two_vms;
 
     #[test]
     fn one_lease_holder_until_it_lapses() {
-        let host = FakeHost::new();
-        let (a, b) = (host.vm(), host.vm());
+        let (a, b) = two_vms();
         assert!(hold_lease(&a, 1, 0, 1_000).unwrap());
         assert!(!hold_lease(&b, 2, 500, 1_000).unwrap());
         assert!(hold_lease(&a, 1, 900, 1_000).unwrap(), "renewal");

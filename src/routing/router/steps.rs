@@ -11,7 +11,7 @@ use crate::estimate::reservation::Estimate;
 use crate::models::served::adapter_id;
 use crate::pods::record::{self, PodRecord};
 use crate::routing::adapters::Fit;
-use crate::routing::pick::Candidate;
+use crate::routing::pick::{copy_weight, Candidate};
 use crate::routing::prefix_index::PrefixIndex;
 use crate::store::interface::Store;
 
@@ -26,6 +26,10 @@ pub(super) struct Ask<'a> {
     pub(super) output_blocks: u64,
     pub(super) block_tokens: u64,
     pub(super) now: u64,
+    /// The prompt's leading blocks in-flight requests hold on some pod (a hot prefix), and the
+    /// share of their prefill a request copying them to another pod pays (`pick::copy_weight`).
+    pub(super) hot_blocks: usize,
+    pub(super) copy_weight: f64,
 }
 
 impl Ask<'_> {
@@ -106,9 +110,13 @@ pub(super) fn candidates<'a>(
             let (pod, rec) = (&pods[i], &ask.records[i]);
             let known = rec.snapshot.filter(|_| rec.is_fresh(now, &cfg.metrics));
             let capacity_blocks = rec.capacity_blocks(ask.block_tokens, r.pod_capacity_blocks);
+            let cached_blocks = prefix.matched(pod, ask.recorded(rec), now);
             Candidate {
                 pod,
-                cached_blocks: prefix.matched(pod, ask.recorded(rec), now),
+                cached_blocks,
+                copied_blocks: ask.hot_blocks.saturating_sub(cached_blocks),
+                copy_weight: ask.copy_weight,
+                pending_blocks: rec.pending_blocks(),
                 active_blocks: rec.active_blocks(),
                 read_blocks: rec.read_blocks(),
                 added_blocks: (ask.prompt_blocks - already_active) as u64 + ask.output_blocks,
@@ -138,6 +146,26 @@ pub(super) fn candidates<'a>(
 
 /// The steps of a pick before the reservation: which pods, and what each looks like.
 impl Router {
+    /// The prompt's hot prefix: its leading blocks that in-flight requests hold on some eligible
+    /// pod (`shared`: per candidate), and the share of their prefill a copy costs one request,
+    /// from how many requests in flight hold them (`pick::copy_weight`).
+    pub(super) fn hot_prefix(
+        &self,
+        indices: &[usize],
+        shared: &[usize],
+        hashes: &[u64],
+    ) -> (usize, f64) {
+        let hot = shared.iter().copied().max().unwrap_or(0);
+        let Some(&deepest) = hot.checked_sub(1).and_then(|i| hashes.get(i)) else {
+            return (0, 1.0);
+        };
+        let holders: u32 = indices
+            .iter()
+            .map(|&i| self.active.holders(&self.pods[i], deepest))
+            .sum();
+        (hot, copy_weight(holders, indices.len()))
+    }
+
     /// The pods a request may go to: those serving its model, less pods down and (with
     /// `metrics.stalePolicy` saturated, while others are fresh) pods whose figures are stale. When
     /// none is left, every pod serving the model (stale ones, and down ones that list it): better

@@ -1,14 +1,16 @@
 //! One request's way through kvgate, from request headers to the end of its response, as plain
 //! decisions the shell carries out: which headers to strip or set, whether to wait for the body,
 //! forward, or answer locally. All shared state is reached through the `Store` given to each step.
+//! This file is the request side (headers, body, the decision, a parked request's retry);
+//! `response.rs` the response side (headers, streamed body, the end).
 
 use crate::admission::admit::{Admit, Asks, Class};
 use crate::admission::line::Ticket;
 use crate::config::Config;
-use crate::estimate::calibration::Sample;
 use crate::estimate::reservation::{estimate_from, Estimate};
 use crate::estimate::text::static_prompt_tokens;
 pub use crate::gate::Gate;
+use crate::observe;
 use crate::openai::reply::LocalReply;
 use crate::openai::request::{Api, Request};
 use crate::openai::response::ResponseMeter;
@@ -16,6 +18,10 @@ use crate::routing::prefix::block_hashes;
 use crate::routing::router::Routed;
 use crate::stats;
 use crate::store::interface::Store;
+
+mod response;
+#[cfg(test)]
+use response::header_safe;
 
 /// Clients never choose the upstream: this header is kvgate's to set, and Envoy's override-host
 /// policy trusts whatever it says.
@@ -57,9 +63,9 @@ impl Decision {
     }
 }
 
-/// The request line and headers kvgate looks at.
+/// The request line and headers kvgate looks at: what `on_request_headers` decides on.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct Head<'a> {
+pub struct RequestHead<'a> {
     pub method: &'a str,
     pub path: &'a str,
     pub content_type: Option<&'a str>,
@@ -105,16 +111,6 @@ pub struct Flow {
     priority_given: bool,
 }
 
-/// Client text made fit for a response header: visible ASCII only, at most 128 characters, so a
-/// crafted value cannot split the response or bloat it.
-fn header_safe(value: &str) -> String {
-    value
-        .chars()
-        .map(|c| if (' '..='~').contains(&c) { c } else { '?' })
-        .take(128)
-        .collect()
-}
-
 /// What the model step decided for a request.
 #[derive(Default)]
 struct SentAs {
@@ -149,7 +145,12 @@ fn too_large(limit: u64) -> LocalReply {
 }
 
 impl Flow {
-    pub fn on_request_headers(&mut self, gate: &Gate, store: &dyn Store, head: &Head) -> Decision {
+    pub fn on_request_headers(
+        &mut self,
+        gate: &Gate,
+        store: &dyn Store,
+        head: &RequestHead,
+    ) -> Decision {
         let cfg = &gate.config;
         self.class = Class::from_headers(
             &cfg.admission,
@@ -175,7 +176,7 @@ impl Flow {
         decision
     }
 
-    fn classify(&mut self, cfg: &Config, head: &Head) -> Decision {
+    fn classify(&mut self, cfg: &Config, head: &RequestHead) -> Decision {
         let json = head
             .content_type
             .is_none_or(|c| c.to_ascii_lowercase().contains("json"));
@@ -386,12 +387,25 @@ impl Flow {
                     .count(stats::PREFIX_BLOCKS_TOTAL, routed.prompt_blocks as u64);
                 gate.stats
                     .count(stats::PREFIX_BLOCKS_MATCHED, routed.cached_blocks as u64);
+                gate.stats.count(
+                    stats::pod_stat(&routed.pod, stats::POD_PREFIX_BLOCKS_TOTAL),
+                    routed.prompt_blocks as u64,
+                );
+                gate.stats.count(
+                    stats::pod_stat(&routed.pod, stats::POD_PREFIX_BLOCKS_MATCHED),
+                    routed.cached_blocks as u64,
+                );
+                if routed.over_budget {
+                    observe::placed_past_budget(gate, &routed, self.class);
+                }
                 let mut d = Decision::step(Step::Forward);
-                d.set
-                    .push((DESTINATION_HEADER.to_string(), routed.order.join(",")));
-                if gate.config.routing.set_original_dst_header {
+                if observe::enforces_routing(&gate.config) {
                     d.set
-                        .push((ORIGINAL_DST_HEADER.to_string(), routed.pod.clone()));
+                        .push((DESTINATION_HEADER.to_string(), routed.order.join(",")));
+                    if gate.config.routing.set_original_dst_header {
+                        d.set
+                            .push((ORIGINAL_DST_HEADER.to_string(), routed.pod.clone()));
+                    }
                 }
                 if let Some(a) = &mut self.admitted {
                     a.routed = Some(routed);
@@ -440,158 +454,6 @@ impl Flow {
         );
         Some(self.decide(gate, admit))
     }
-
-    /// The response has started (returns the debug headers to add, when enabled); `served_by` is the upstream host Envoy used (after retries).
-    pub fn on_response_headers(
-        &mut self,
-        gate: &mut Gate,
-        store: &dyn Store,
-        content_type: Option<&str>,
-        served_by: Option<&str>,
-    ) -> Vec<(String, String)> {
-        let Some(a) = &mut self.admitted else {
-            return Vec::new();
-        };
-        if let (Some(routed), Some(host)) = (&mut a.routed, served_by) {
-            if host != routed.pod {
-                gate.stats.count(stats::ROUTE_REROUTED, 1);
-                if let Err(e) = gate.router.rehome(store, &gate.config, routed, host) {
-                    log::debug!("kvgate: rehome failed: {e:?}");
-                }
-            }
-        }
-        let a = &*a;
-        self.meter = Some(ResponseMeter::new(content_type));
-        if !gate.config.debug_headers {
-            return Vec::new();
-        }
-        let mut headers = vec![
-            (
-                "x-kvgate-model".into(),
-                header_safe(a.requested.as_ref().unwrap_or(&a.model)),
-            ),
-            (
-                "x-kvgate-prompt-tokens".into(),
-                a.estimate.prompt_tokens.to_string(),
-            ),
-            (
-                "x-kvgate-output-tokens".into(),
-                a.estimate.output_tokens.to_string(),
-            ),
-            ("x-kvgate-cost".into(), a.estimate.cost.to_string()),
-        ];
-        if let Some(ms) = a.waited_ms {
-            headers.push(("x-kvgate-queue-ms".into(), ms.to_string()));
-        }
-        if a.requested.is_some() {
-            headers.push(("x-kvgate-target-model".into(), header_safe(&a.model)));
-        }
-        if let Some(r) = &a.routed {
-            headers.push(("x-kvgate-pod".into(), r.pod.clone()));
-            headers.push((
-                "x-kvgate-prefix-blocks".into(),
-                format!("{}/{}", r.cached_blocks, r.prompt_blocks),
-            ));
-            headers.push(("x-kvgate-ranking".into(), r.ranking.clone()));
-        }
-        headers
-    }
-
-    /// Whether the response body is worth reading (only for requests kvgate decided on).
-    pub fn reads_response(&self) -> bool {
-        self.meter.is_some()
-    }
-
-    pub fn on_response_body(&mut self, gate: &mut Gate, store: &dyn Store, bytes: &[u8]) {
-        let (Some(m), Some(a)) = (&mut self.meter, &mut self.admitted) else {
-            return;
-        };
-        if m.feed(bytes) == 0 {
-            return;
-        }
-        if let Some(routed) = &mut a.routed {
-            if let Err(e) =
-                gate.router
-                    .grow(store, &gate.config, routed, &a.estimate, m.streamed_tokens)
-            {
-                log::debug!("kvgate: grow failed: {e:?}");
-            }
-        }
-    }
-
-    /// The stream is over, however it ended. Runs its effects once even if called again.
-    pub fn on_done(&mut self, gate: &mut Gate, store: &dyn Store) {
-        if std::mem::replace(&mut self.finished, true) {
-            return;
-        }
-        if let Some((ticket, _)) = self.admitted.as_ref().and_then(|a| a.waiting.as_ref()) {
-            // The client left while parked.
-            if let Err(e) = gate.admission.abandon(store, &mut gate.stats, ticket.id) {
-                log::warn!("kvgate: leaving the queue failed (the ticket expires): {e:?}");
-            }
-        }
-        if let Some(routed) = self.admitted.as_ref().and_then(|a| a.routed.as_ref()) {
-            match gate.router.finish(store, &gate.config, routed) {
-                Ok(_) => {
-                    if let Err(e) = gate.admission.wake_head(store) {
-                        log::debug!("kvgate: waking the queue failed: {e:?}");
-                    }
-                }
-                // The entry expires by itself (routing.requestTtlMs).
-                Err(e) => log::warn!(
-                    "kvgate: release of {} on {} failed: {e:?}",
-                    routed.request,
-                    routed.pod
-                ),
-            }
-            if let Some(session) = self
-                .class
-                .session
-                .filter(|_| gate.config.admission.session_boost_ms > 0)
-            {
-                if let Err(e) = crate::admission::sessions::finished_turn(store, session) {
-                    log::debug!("kvgate: session record failed: {e:?}");
-                }
-            }
-        }
-        let (Some(a), Some(meter)) = (&self.admitted, &mut self.meter) else {
-            return;
-        };
-        let Some(usage) = meter.finish() else {
-            return;
-        };
-        // The estimate beside what the engine reported, summed: ratios of their rates are the
-        // estimator's error over any window (the dashboard's accuracy panel, the drift alerts).
-        let stats = &mut gate.stats;
-        stats.count(stats::ESTIMATE_PROMPT_TOKENS, a.estimate.prompt_tokens);
-        stats.count(stats::USAGE_PROMPT_TOKENS, usage.prompt_tokens);
-        stats.count(stats::ESTIMATE_OUTPUT_TOKENS, a.estimate.output_tokens);
-        stats.count(stats::USAGE_COMPLETION_TOKENS, usage.completion_tokens);
-        stats.count(stats::ESTIMATE_COST_TOKENS, a.estimate.cost);
-        stats.count(
-            stats::USAGE_TOTAL_TOKENS,
-            usage.prompt_tokens + usage.completion_tokens,
-        );
-        stats.count(
-            stats::model_stat(&a.stat_model, stats::MODEL_PROMPT_TOKENS),
-            usage.prompt_tokens,
-        );
-        stats.count(
-            stats::model_stat(&a.stat_model, stats::MODEL_COMPLETION_TOKENS),
-            usage.completion_tokens,
-        );
-        let sample = Sample {
-            static_text_tokens: a.static_text_tokens,
-            fixed_tokens: a.fixed_tokens,
-            prompt_tokens: usage.prompt_tokens,
-            completion_tokens: usage.completion_tokens,
-            cut: a
-                .max_output_tokens
-                .is_some_and(|m| usage.completion_tokens >= m),
-        };
-        gate.calibration
-            .observe(&a.model, sample, &gate.config.estimator);
-    }
 }
 
 #[cfg(test)]
@@ -602,12 +464,12 @@ mod tests {
     use super::*;
     use crate::store::fake_host::FakeHost;
 
-    fn head(path: &str) -> Head<'_> {
-        Head {
+    fn head(path: &str) -> RequestHead<'_> {
+        RequestHead {
             method: "POST",
             path,
             content_type: Some("application/json"),
-            ..Head::default()
+            ..RequestHead::default()
         }
     }
 
@@ -630,7 +492,7 @@ mod tests {
         for h in [
             head("/v1/chat/completions"),
             head("/other"),
-            Head {
+            RequestHead {
                 method: "GET",
                 ..head("/v1/models")
             },
@@ -651,7 +513,7 @@ mod tests {
                 .step,
             Step::Forward
         );
-        let text = Head {
+        let text = RequestHead {
             content_type: Some("text/plain"),
             ..head("/v1/completions")
         };
@@ -667,7 +529,7 @@ mod tests {
     #[test]
     fn oversize_and_empty_bodies_answer_locally() {
         let (_, vm, gate) = gate(Config::default());
-        let big = Head {
+        let big = RequestHead {
             content_length: Some(2 << 20),
             ..head("/v1/completions")
         };
@@ -684,7 +546,7 @@ mod tests {
         assert!(
             matches!(f.on_body_progress(&gate, 2 << 20).map(|d| d.step), Some(Step::Reply(r)) if r.status == 413)
         );
-        let empty = Head {
+        let empty = RequestHead {
             end_of_stream: true,
             ..head("/v1/completions")
         };

@@ -1,0 +1,269 @@
+//! The response side of a request's way through kvgate: the debug headers, where the response
+//! really came from (`observe`), metering what streams (the entry grows with it), and the end —
+//! the release, exactly once, and what the engine's `usage` says of the estimate (stats and
+//! calibration). The request side is `flow`'s `mod.rs`.
+
+use super::{Flow, Gate};
+use crate::estimate::calibration::Sample;
+use crate::observe;
+use crate::openai::response::ResponseMeter;
+use crate::stats;
+use crate::store::interface::Store;
+
+/// Client text made fit for a response header: visible ASCII only, at most 128 characters, so a
+/// crafted value cannot split the response or bloat it.
+pub(super) fn header_safe(value: &str) -> String {
+    value
+        .chars()
+        .map(|c| if (' '..='~').contains(&c) { c } else { '?' })
+        .take(128)
+        .collect()
+}
+
+/// How far an estimate was from what the engine counted, in whole percent of the count (any
+/// estimate of something the engine counted none of is 100 % off).
+fn error_percent(estimated: u64, counted: u64) -> u64 {
+    if counted == 0 {
+        return if estimated == 0 { 0 } else { 100 };
+    }
+    (100.0 * estimated.abs_diff(counted) as f64 / counted as f64).round() as u64
+}
+
+impl Flow {
+    /// The response has started (returns the debug headers to add, when enabled); `served_by` is the upstream host Envoy used (after retries).
+    pub fn on_response_headers(
+        &mut self,
+        gate: &mut Gate,
+        store: &dyn Store,
+        content_type: Option<&str>,
+        served_by: Option<&str>,
+    ) -> Vec<(String, String)> {
+        let Some(a) = &mut self.admitted else {
+            return Vec::new();
+        };
+        let mut observed = None;
+        if let Some(routed) = &mut a.routed {
+            let picked = gate.config.debug_headers.then(|| routed.pod.clone());
+            if let Some(host) = served_by {
+                observe::served(gate, store, routed, host);
+            }
+            observed = picked.and_then(|p| observe::header(&gate.config, routed, self.class, &p));
+        }
+        let a = &*a;
+        self.meter = Some(ResponseMeter::new(content_type));
+        if !gate.config.debug_headers {
+            return Vec::new();
+        }
+        let mut headers = vec![
+            (
+                "x-kvgate-model".into(),
+                header_safe(a.requested.as_ref().unwrap_or(&a.model)),
+            ),
+            (
+                "x-kvgate-prompt-tokens".into(),
+                a.estimate.prompt_tokens.to_string(),
+            ),
+            (
+                "x-kvgate-output-tokens".into(),
+                a.estimate.output_tokens.to_string(),
+            ),
+            ("x-kvgate-cost".into(), a.estimate.cost.to_string()),
+        ];
+        if let Some(ms) = a.waited_ms {
+            headers.push(("x-kvgate-queue-ms".into(), ms.to_string()));
+        }
+        if a.requested.is_some() {
+            headers.push(("x-kvgate-target-model".into(), header_safe(&a.model)));
+        }
+        if let Some(r) = &a.routed {
+            headers.push(("x-kvgate-pod".into(), r.pod.clone()));
+            headers.push((
+                "x-kvgate-prefix-blocks".into(),
+                format!("{}/{}", r.cached_blocks, r.prompt_blocks),
+            ));
+            headers.push(("x-kvgate-ranking".into(), r.ranking.clone()));
+        }
+        if let Some(observed) = observed {
+            headers.push(("x-kvgate-observed".into(), observed));
+        }
+        headers
+    }
+
+    /// Whether the response body is worth reading (only for requests kvgate decided on).
+    pub fn reads_response(&self) -> bool {
+        self.meter.is_some()
+    }
+
+    pub fn on_response_body(&mut self, gate: &mut Gate, store: &dyn Store, bytes: &[u8]) {
+        let (Some(m), Some(a)) = (&mut self.meter, &mut self.admitted) else {
+            return;
+        };
+        if m.feed(bytes) == 0 {
+            return;
+        }
+        if let Some(routed) = &mut a.routed {
+            if let Err(e) =
+                gate.router
+                    .grow(store, &gate.config, routed, &a.estimate, m.streamed_tokens)
+            {
+                log::debug!("kvgate: grow failed: {e:?}");
+            }
+        }
+    }
+
+    /// The stream is over, however it ended. Runs its effects once even if called again.
+    pub fn on_done(&mut self, gate: &mut Gate, store: &dyn Store) {
+        if std::mem::replace(&mut self.finished, true) {
+            return;
+        }
+        if let Some((ticket, _)) = self.admitted.as_ref().and_then(|a| a.waiting.as_ref()) {
+            // The client left while parked.
+            if let Err(e) = gate.admission.abandon(store, &mut gate.stats, ticket.id) {
+                log::warn!("kvgate: leaving the queue failed (the ticket expires): {e:?}");
+            }
+        }
+        if let Some(routed) = self.admitted.as_ref().and_then(|a| a.routed.as_ref()) {
+            match gate.router.finish(store, &gate.config, routed) {
+                Ok(_) => {
+                    if let Err(e) = gate.admission.wake_head(store) {
+                        log::debug!("kvgate: waking the queue failed: {e:?}");
+                    }
+                }
+                // The entry expires by itself (routing.requestTtlMs).
+                Err(e) => log::warn!(
+                    "kvgate: release of {} on {} failed: {e:?}",
+                    routed.request,
+                    routed.pod
+                ),
+            }
+            if let Some(session) = self
+                .class
+                .session
+                .filter(|_| gate.config.admission.session_boost_ms > 0)
+            {
+                if let Err(e) = crate::admission::sessions::finished_turn(store, session) {
+                    log::debug!("kvgate: session record failed: {e:?}");
+                }
+            }
+        }
+        let (Some(a), Some(meter)) = (&self.admitted, &mut self.meter) else {
+            return;
+        };
+        let Some(usage) = meter.finish() else {
+            return;
+        };
+        // The estimate beside what the engine reported, summed: ratios of their rates are the
+        // estimator's error over any window (the dashboard's accuracy panel, the drift alerts).
+        let stats = &mut gate.stats;
+        stats.count(stats::ESTIMATE_PROMPT_TOKENS, a.estimate.prompt_tokens);
+        stats.count(stats::USAGE_PROMPT_TOKENS, usage.prompt_tokens);
+        stats.count(stats::ESTIMATE_OUTPUT_TOKENS, a.estimate.output_tokens);
+        stats.count(stats::USAGE_COMPLETION_TOKENS, usage.completion_tokens);
+        stats.count(stats::ESTIMATE_COST_TOKENS, a.estimate.cost);
+        stats.count(
+            stats::USAGE_TOTAL_TOKENS,
+            usage.prompt_tokens + usage.completion_tokens,
+        );
+        stats.count(
+            stats::model_stat(&a.stat_model, stats::MODEL_PROMPT_TOKENS),
+            usage.prompt_tokens,
+        );
+        stats.count(
+            stats::model_stat(&a.stat_model, stats::MODEL_COMPLETION_TOKENS),
+            usage.completion_tokens,
+        );
+        for (stat, estimated, counted) in [
+            (
+                stats::MODEL_PROMPT_ERROR_PCT,
+                a.estimate.prompt_tokens,
+                usage.prompt_tokens,
+            ),
+            (
+                stats::MODEL_OUTPUT_ERROR_PCT,
+                a.estimate.output_tokens,
+                usage.completion_tokens,
+            ),
+        ] {
+            stats.histogram(
+                stats::model_stat(&a.stat_model, stat),
+                error_percent(estimated, counted),
+            );
+        }
+        let sample = Sample {
+            static_text_tokens: a.static_text_tokens,
+            fixed_tokens: a.fixed_tokens,
+            prompt_tokens: usage.prompt_tokens,
+            completion_tokens: usage.completion_tokens,
+            cut: a
+                .max_output_tokens
+                .is_some_and(|m| usage.completion_tokens >= m),
+        };
+        gate.calibration
+            .observe(&a.model, sample, &gate.config.estimator);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    use super::*;
+    use crate::flow::RequestHead;
+    use crate::stats::Stat;
+    use crate::store::fake_host::FakeHost;
+
+    #[test]
+    fn errors_are_whole_percent_of_what_the_engine_counted() {
+        assert_eq!(error_percent(110, 100), 10);
+        assert_eq!(error_percent(50, 200), 75);
+        assert_eq!(error_percent(0, 0), 0);
+        assert_eq!(error_percent(7, 0), 100);
+    }
+
+    #[test]
+    fn each_answer_reports_the_estimates_error_and_the_pods_prefix_blocks() {
+        let cfg = crate::test_support::with_pods(&["10.0.0.1:80"]);
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let mut gate = Gate::new(cfg, &vm).unwrap();
+        let mut f = Flow::default();
+        let head = RequestHead {
+            method: "POST",
+            path: "/v1/completions",
+            content_type: Some("application/json"),
+            ..RequestHead::default()
+        };
+        f.on_request_headers(&gate, &vm, &head);
+        f.on_body(
+            &mut gate,
+            &vm,
+            br#"{"model":"m","prompt":"hello there","max_tokens":20}"#,
+        );
+        f.on_response_headers(
+            &mut gate,
+            &vm,
+            Some("application/json"),
+            Some("10.0.0.1:80"),
+        );
+        let est = f.admitted.as_ref().map(|a| a.estimate).unwrap();
+        let usage = br#"{"usage":{"prompt_tokens":4,"completion_tokens":10}}"#;
+        f.on_response_body(&mut gate, &vm, usage);
+        f.on_done(&mut gate, &vm);
+        let sent: Vec<Stat> = gate.stats.drain().collect();
+        // A model neither configured nor listed by a pod counts under `other`.
+        for expected in [
+            Stat::Histogram(
+                "kvgate.model.other.prompt_error_pct".into(),
+                error_percent(est.prompt_tokens, 4),
+            ),
+            Stat::Histogram(
+                "kvgate.model.other.output_error_pct".into(),
+                error_percent(est.output_tokens, 10),
+            ),
+            Stat::Counter("kvgate.pod.10_0_0_1_80.prefix_blocks_total".into(), 1),
+        ] {
+            assert!(sent.contains(&expected), "{expected:?} in {sent:?}");
+        }
+    }
+}

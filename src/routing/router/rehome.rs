@@ -1,0 +1,94 @@
+//! A request served by another pod than kvgate's pick (`Router::rehome`): Envoy could not use
+//! the pick and its retry went elsewhere, or routing only observes and Envoy's balancer chose.
+//! The request's accounting follows it — its entry in the pods' shared records (the source of
+//! truth for budgets), and this VM's replicas (active blocks, adapter, prefix index), with a
+//! dispatch in the pick log so the other workers' replicas follow too.
+
+use super::{Routed, Router};
+use crate::config::Config;
+use crate::pods::record;
+use crate::routing::pick_log::{Dispatch, Event};
+use crate::store::interface::{Store, StoreError};
+
+/// Why a request is served by another pod than kvgate's pick ([`Router::rehome`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Moved {
+    /// Envoy could not use the pick (its retry policy served the request elsewhere).
+    PickFailed,
+    /// Routing only observes (`routing.mode` `observe`): Envoy's load balancer chose.
+    EnvoyChose,
+}
+
+impl Router {
+    /// The request is served by `served_by`, not by kvgate's pick: its accounting (entry, active
+    /// blocks, adapter) moves there, the prompt counts as cached there, and the other workers
+    /// learn of the move through the pick log. When Envoy could not use the pick
+    /// ([`Moved::PickFailed`]: its retry policy went elsewhere), the pick is also marked down
+    /// until its next good scrape, so the next requests avoid it now, not a scrape interval
+    /// later; when routing only observes ([`Moved::EnvoyChose`]), the pick is fine.
+    pub fn rehome(
+        &mut self,
+        store: &dyn Store,
+        cfg: &Config,
+        routed: &mut Routed,
+        served_by: &str,
+        why: Moved,
+    ) -> Result<(), StoreError> {
+        if served_by == routed.pod || !self.pods.iter().any(|p| p == served_by) {
+            return Ok(());
+        }
+        let now = store.now_ms();
+        if why == Moved::PickFailed {
+            let down = record::modify(store, &routed.pod, |rec| {
+                rec.snapshot = Some(record::Snapshot {
+                    at_ms: now,
+                    healthy: false,
+                    kv_usage: f64::NAN,
+                    ..record::Snapshot::default()
+                });
+                Some(rec.clone())
+            })?;
+            if let Some(down) = down {
+                self.copies.wrote(&routed.pod, down, now);
+            }
+        }
+        let hashes = self
+            .active
+            .hashes_of(&routed.pod, routed.request)
+            .unwrap_or_default();
+        let adapter = self.adapters.adapter_of(&routed.pod, routed.request);
+        let Some(mut entry) = self.finish(store, cfg, routed)? else {
+            return Ok(());
+        };
+        entry.prompt_blocks = routed.prompt_blocks as u32;
+        let moved = record::modify(store, served_by, |rec| {
+            rec.entries.push(entry);
+            Some(rec.clone())
+        })?;
+        if let Some(moved) = moved {
+            self.copies.wrote(served_by, moved, now);
+        }
+        routed.pod = served_by.to_string();
+        let capacity = self
+            .capacity
+            .get(served_by)
+            .copied()
+            .unwrap_or(cfg.routing.pod_capacity_blocks as usize);
+        self.prefix.insert(served_by, &hashes, now, capacity);
+        self.adapters
+            .dispatch(served_by, routed.request, adapter, now);
+        let event = Event::Dispatch(Dispatch {
+            pod: served_by.to_string(),
+            request: routed.request,
+            adapter,
+            hashes,
+        });
+        if let Err(e) = self.log.publish(store, self.vm, &event) {
+            log::debug!("kvgate: pick log publish failed: {e:?}");
+        }
+        if let Event::Dispatch(d) = event {
+            self.active.add(served_by, routed.request, d.hashes, now);
+        }
+        Ok(())
+    }
+}
