@@ -453,24 +453,24 @@ def kvgate_error_medians(envoy):
     return out
 
 
-class ActiveSampler:
-    """Samples kvgate's predicted active blocks and the engines' own KV in use (both per pod, the
-    `active_blocks` and `engine_blocks` gauges) while a kvgate run is in flight:
-    [(seconds since start, [(predicted, engine) per pod])]."""
+class Sampler:
+    """Calls `sample()` every `period` s while a run is in flight: [(seconds since start, what it
+    returned)]; a sample that fails is skipped."""
 
-    def __init__(self, envoy, period=0.5):
-        self.envoy, self.period = envoy, period
+    def __init__(self, period=0.5):
+        self.period = period
         self.samples = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self):
+        raise NotImplementedError
 
     def _run(self):
         t0 = time.time()
         while not self._stop.wait(self.period):
             with contextlib.suppress(Exception):
-                active = harness.kvgate_gauges(self.envoy, "active_blocks")
-                engine = harness.kvgate_gauges(self.envoy, "engine_blocks")
-                self.samples.append((time.time() - t0, [(active[p], engine[p]) for p in active if p in engine]))
+                self.samples.append((time.time() - t0, self.sample()))
 
     def __enter__(self):
         self._thread.start()
@@ -479,6 +479,32 @@ class ActiveSampler:
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
+
+
+class ActiveSampler(Sampler):
+    """kvgate's predicted active blocks and the engines' own KV in use (both per pod, the
+    `active_blocks` and `engine_blocks` gauges): [(predicted, engine) per pod]."""
+
+    def __init__(self, envoy):
+        super().__init__()
+        self.envoy = envoy
+
+    def sample(self):
+        active = harness.kvgate_gauges(self.envoy, "active_blocks")
+        engine = harness.kvgate_gauges(self.envoy, "engine_blocks")
+        return [(active[p], engine[p]) for p in active if p in engine]
+
+
+class KvSampler(Sampler):
+    """Every pod's KV use (`/sim/stats` kv_blocks_used ÷ num_gpu_blocks): [fraction per pod]."""
+
+    def __init__(self, sim):
+        super().__init__()
+        self.sim = sim
+
+    def sample(self):
+        st = [self.sim.stats(i) for i in range(self.sim.pods)]
+        return [s["kv_blocks_used"] / s["num_gpu_blocks"] for s in st]
 
 
 def active_error(samples, lo, hi):
@@ -490,32 +516,6 @@ def active_error(samples, lo, hi):
     busy = [(a, e) for a, e in pairs if e >= peak / 10 and e > 0]
     total = sum(e for _, e in busy)
     return sum(abs(a - e) for a, e in busy) / total if total else None
-
-
-class KvSampler:
-    """Samples every pod's KV use (`/sim/stats` kv_blocks_used ÷ num_gpu_blocks) while a run is in
-    flight: [(seconds since start, [fraction per pod])]."""
-
-    def __init__(self, sim, period=0.5):
-        self.sim, self.period = sim, period
-        self.samples = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self):
-        t0 = time.time()
-        while not self._stop.wait(self.period):
-            with contextlib.suppress(Exception):
-                st = [self.sim.stats(i) for i in range(self.sim.pods)]
-                self.samples.append((time.time() - t0, [s["kv_blocks_used"] / s["num_gpu_blocks"] for s in st]))
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
 
 
 def run_cell(ctx, tname, wname, label, bench_args, sim_args, timeout, concurrency=None, sample_kv=False):

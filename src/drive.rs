@@ -175,11 +175,8 @@ mod tests {
         );
         let mut flow = Flow::default();
         let head = RequestHead {
-            method: "POST",
-            path: "/v1/completions",
-            content_type: Some("application/json"),
             content_length: Some(body.len() as u64),
-            ..RequestHead::default()
+            ..RequestHead::json_post("/v1/completions")
         };
         assert_eq!(
             flow.on_request_headers(gate, vm, &head).step,

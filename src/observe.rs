@@ -131,12 +131,7 @@ mod tests {
     /// Sends a chat request of `words` words through a new flow.
     fn send(gate: &mut Gate, vm: &FakeVm, words: usize) -> (Flow, crate::flow::Decision) {
         let mut f = Flow::default();
-        let head = RequestHead {
-            method: "POST",
-            path: "/v1/chat/completions",
-            content_type: Some("application/json"),
-            ..RequestHead::default()
-        };
+        let head = RequestHead::json_post("/v1/chat/completions");
         f.on_request_headers(gate, vm, &head);
         let text = "word ".repeat(words);
         let body = format!(

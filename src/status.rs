@@ -238,12 +238,7 @@ mod tests {
         record::write_snapshot(&vm, PODS[0], snapshot, 0, &Config::default()).unwrap();
         host.set_now_ms(11_500);
         let mut flow = Flow::default();
-        let head = RequestHead {
-            method: "POST",
-            path: "/v1/completions",
-            content_type: Some("application/json"),
-            ..RequestHead::default()
-        };
+        let head = RequestHead::json_post("/v1/completions");
         assert_eq!(
             flow.on_request_headers(&gate, &vm, &head).step,
             Step::WaitForBody
@@ -330,12 +325,7 @@ mod tests {
     #[test]
     fn the_page_is_off_by_default_and_answers_only_reads() {
         let (_host, vm, mut gate) = pool_with_one_request();
-        let post = RequestHead {
-            method: "POST",
-            path: "/kvgate/status",
-            content_type: Some("application/json"),
-            ..RequestHead::default()
-        };
+        let post = RequestHead::json_post("/kvgate/status");
         let d = Flow::default().on_request_headers(&gate, &vm, &post);
         assert!(matches!(&d.step, Step::Reply(r) if r.status == 405));
         assert!(d.remove.contains(&crate::flow::DESTINATION_HEADER));

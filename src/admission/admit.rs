@@ -146,7 +146,7 @@ impl Admission {
             // Nothing waits and nothing is refused: a request no pod has room for goes to the
             // best-ranked pod past its budget (`observe` counts it); nobody is ever in the line.
             let placed = match router.route(store, cfg, model, hashes, est)? {
-                Placement::NoRoom => router.route_past_budget(store, cfg, model, hashes, est)?,
+                Placement::NoRoom => router.route_past_budget(store, cfg, (model, hashes, est))?,
                 Placement::Routed(r) => {
                     stats.count(stats::ADMISSION_ADMITTED, 1);
                     Placement::Routed(r)

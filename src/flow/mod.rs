@@ -81,6 +81,19 @@ pub struct RequestHead<'a> {
     pub session: Option<&'a str>,
 }
 
+#[cfg(test)]
+impl RequestHead<'_> {
+    /// A JSON POST to `path` with nothing else said: what most tests send.
+    pub fn json_post(path: &str) -> RequestHead<'_> {
+        RequestHead {
+            method: "POST",
+            path,
+            content_type: Some("application/json"),
+            ..RequestHead::default()
+        }
+    }
+}
+
 /// What was decided about a parsed request, kept for the response side.
 #[derive(Debug, Clone)]
 struct Admitted {
@@ -465,12 +478,7 @@ mod tests {
     use crate::store::fake_host::FakeHost;
 
     fn head(path: &str) -> RequestHead<'_> {
-        RequestHead {
-            method: "POST",
-            path,
-            content_type: Some("application/json"),
-            ..RequestHead::default()
-        }
+        RequestHead::json_post(path)
     }
 
     fn gate(config: Config) -> (FakeHost, crate::store::fake_host::FakeVm, Gate) {

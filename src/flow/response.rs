@@ -228,12 +228,7 @@ mod tests {
         let vm = host.vm();
         let mut gate = Gate::new(cfg, &vm).unwrap();
         let mut f = Flow::default();
-        let head = RequestHead {
-            method: "POST",
-            path: "/v1/completions",
-            content_type: Some("application/json"),
-            ..RequestHead::default()
-        };
+        let head = RequestHead::json_post("/v1/completions");
         f.on_request_headers(&gate, &vm, &head);
         f.on_body(
             &mut gate,

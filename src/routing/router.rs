@@ -329,11 +329,8 @@ impl Router {
         &mut self,
         store: &dyn Store,
         cfg: &Config,
-        model: &str,
-        hashes: &[u64],
-        est: &Estimate,
+        request: (&str, &[u64], &Estimate),
     ) -> Result<Placement, StoreError> {
-        let request = (model, hashes, est);
         Ok(self.place(store, cfg, request, true, Room::Ignored)?.0)
     }
 
@@ -644,6 +641,18 @@ mod tests {
     }
 
     /// One VM's router over `pods`, with the tests' configuration.
+    /// Two workers of one Envoy (one host), each with its router, on `cfg`'s pods.
+    fn two_workers(cfg: &Config) -> (FakeHost, [(FakeVm, Router); 2]) {
+        let host = FakeHost::new();
+        let worker = || {
+            let vm = host.vm();
+            let r = Router::start(&vm, cfg).unwrap();
+            (vm, r)
+        };
+        let workers = [worker(), worker()];
+        (host, workers)
+    }
+
     fn router(pods: &[&str]) -> (FakeVm, Config, Router) {
         let cfg = config(pods);
         let vm = FakeHost::new().vm();
@@ -666,11 +675,8 @@ mod tests {
 
     #[test]
     fn a_pick_on_one_worker_steers_the_next_request_on_another() {
-        let host = FakeHost::new();
         let cfg = config(&["a:1", "b:1", "c:1", "d:1"]);
-        let (w1, w2) = (host.vm(), host.vm());
-        let mut r1 = Router::start(&w1, &cfg).unwrap();
-        let mut r2 = Router::start(&w2, &cfg).unwrap();
+        let (_host, [(w1, mut r1), (w2, mut r2)]) = two_workers(&cfg);
         let first = r1.route_m(&w1, &cfg, &hashes(7, 64), &est(1024, 16));
         r1.finish(&w1, &cfg, &first).unwrap();
         let second = r2.route_m(&w2, &cfg, &hashes(7, 64), &est(1024, 16));
@@ -682,12 +688,9 @@ mod tests {
 
     #[test]
     fn another_workers_pick_shows_in_the_next_ranking_at_once() {
-        let host = FakeHost::new();
         let mut cfg = config(&["a:1", "b:1"]);
         cfg.debug_headers = true;
-        let (w1, w2) = (host.vm(), host.vm());
-        let mut r1 = Router::start(&w1, &cfg).unwrap();
-        let mut r2 = Router::start(&w2, &cfg).unwrap();
+        let (_host, [(w1, mut r1), (w2, mut r2)]) = two_workers(&cfg);
         // Worker 2 reads both records (its copies now show two idle pods), then worker 1 sends a
         // long request to one of them, within the copies' lifetime.
         let warm = r2.route_m(&w2, &cfg, &hashes(1, 4), &est(64, 16));
@@ -794,11 +797,8 @@ mod tests {
 
     #[test]
     fn shared_prefix_blocks_count_once_and_return_to_zero() {
-        let host = FakeHost::new();
         let cfg = config(&["a:1"]);
-        let (w1, w2) = (host.vm(), host.vm());
-        let mut r1 = Router::start(&w1, &cfg).unwrap();
-        let mut r2 = Router::start(&w2, &cfg).unwrap();
+        let (_host, [(w1, mut r1), (w2, mut r2)]) = two_workers(&cfg);
         let x = r1.route_m(&w1, &cfg, &hashes(1, 10), &est(160, 0));
         let y = r2.route_m(&w2, &cfg, &hashes(1, 10), &est(160, 0));
         assert_eq!(
@@ -896,12 +896,9 @@ mod tests {
 
     #[test]
     fn two_workers_cannot_both_take_the_last_room() {
-        let host = FakeHost::new();
         let mut cfg = config(&["a:1"]);
         cfg.admission.budget_tokens = 1_000;
-        let (w1, w2) = (host.vm(), host.vm());
-        let mut r1 = Router::start(&w1, &cfg).unwrap();
-        let mut r2 = Router::start(&w2, &cfg).unwrap();
+        let (_host, [(w1, mut r1), (w2, mut r2)]) = two_workers(&cfg);
         let first = r1
             .route(&w1, &cfg, "m", &hashes(1, 4), &est(400, 100))
             .unwrap();
