@@ -29,7 +29,7 @@ pub fn enforces_routing(cfg: &Config) -> bool {
 pub fn header(cfg: &Config, routed: &Routed, class: Class, picked: &str) -> Option<String> {
     let mut parts = Vec::new();
     if routed.over_budget {
-        parts.push(admission_outcome(class).to_string());
+        parts.push(admission_outcome(class).0.to_string());
     }
     if !enforces_routing(cfg) && picked != routed.pod {
         parts.push(format!("pick={picked}"));
@@ -37,26 +37,20 @@ pub fn header(cfg: &Config, routed: &Routed, class: Class, picked: &str) -> Opti
     (!parts.is_empty()).then(|| parts.join(", "))
 }
 
-/// What admission would have done with a request placed past the budget.
-fn admission_outcome(class: Class) -> &'static str {
+/// What admission would have done with a request placed past the budget: the header's word
+/// and the stat that counts it.
+fn admission_outcome(class: Class) -> (&'static str, &'static str) {
     if class.priority < 0 {
-        "would-shed"
+        ("would-shed", stats::OBSERVE_WOULD_SHED)
     } else {
-        "would-wait"
+        ("would-wait", stats::OBSERVE_WOULD_WAIT)
     }
 }
 
 /// Counts and logs a request admission placed past every budget because it only observes.
 pub fn placed_past_budget(gate: &mut Gate, routed: &Routed, class: Class) {
-    let outcome = admission_outcome(class);
-    gate.stats.count(
-        if class.priority < 0 {
-            stats::OBSERVE_WOULD_SHED
-        } else {
-            stats::OBSERVE_WOULD_WAIT
-        },
-        1,
-    );
+    let (outcome, stat) = admission_outcome(class);
+    gate.stats.count(stat, 1);
     log::debug!(
         "kvgate observe: request {} {outcome} (no pod has room); sent to {}",
         routed.request,

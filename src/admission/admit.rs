@@ -147,14 +147,15 @@ impl Admission {
             // best-ranked pod past its budget (`observe` counts it); nobody is ever in the line.
             let placed = match router.route(store, cfg, model, hashes, est)? {
                 Placement::NoRoom => router.route_past_budget(store, cfg, (model, hashes, est))?,
-                Placement::Routed(r) => {
-                    stats.count(stats::ADMISSION_ADMITTED, 1);
-                    Placement::Routed(r)
-                }
-                Placement::NoPods => Placement::NoPods,
+                fits => fits,
             };
             return Ok(match placed {
-                Placement::Routed(r) => Admit::Routed(r),
+                Placement::Routed(r) => {
+                    if !r.over_budget {
+                        stats.count(stats::ADMISSION_ADMITTED, 1);
+                    }
+                    Admit::Routed(r)
+                }
                 Placement::NoPods | Placement::NoRoom => Admit::Unrouted,
             });
         }
