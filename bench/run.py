@@ -79,6 +79,13 @@ FULL = {
         "system_tokens": 2048, "question_tokens": 256, "output_tokens": 256, "rate": 20, "duration": 20,
         "ttft_slo_ms": 200,
     },
+    # Prefixes whose working set is 1.5x the whole pool's KV (12x one pod's), near saturation: a
+    # router that splits a group over several pods, or sends it where its copy was evicted,
+    # computes it again and evicts another group's.
+    "cache_pressure": {
+        "num_gpu_blocks": 1024, "groups": 96, "system_tokens": 2048, "question_tokens": 256,
+        "output_tokens": 64, "rate": 40, "duration": 30, "ttft_slo_ms": 500,
+    },
     "burst": {
         "groups": 10, "questions": 100, "system_tokens": 2048, "question_tokens": 256,
         "output_tokens": 64, "ttft_slo_ms": 2000,
@@ -380,7 +387,7 @@ def target(name, endpoints, workload, log_dir, cli_log, concurrency=None):
 SIM_SUM_KEYS = ["prefix_cache_hit_tokens", "prefix_cache_query_tokens", "request_cache_hits",
                 "request_cache_misses", "preemptions", "kv_evictions", "finished", "aborted", "admitted",
                 "prompt_tokens", "prefill_tokens_computed", "generation_tokens", "clock_resyncs",
-                "lora_loads", "lora_activations"]
+                "lora_loads", "lora_activations", "ideal_hit_tokens", "ideal_query_tokens"]
 
 
 def sim_stats(sim):
@@ -390,6 +397,8 @@ def sim_stats(sim):
             per.append(sim.stats(i))
     tot = {k: sum(p.get(k, 0) for p in per) for k in SIM_SUM_KEYS}
     tot["hit_rate"] = tot["prefix_cache_hit_tokens"] / max(1, tot["prefix_cache_query_tokens"])
+    # The ceiling: every prefix computed once, in one cache of unbounded size (the simulator's).
+    tot["ideal_hit_rate"] = tot["ideal_hit_tokens"] / max(1, tot["ideal_query_tokens"])
     tot["peak_kv_blocks_used"] = [p.get("peak_kv_blocks_used") for p in per]
     tot["finished_per_pod"] = [p.get("finished", 0) for p in per]
     return tot
@@ -1061,6 +1070,10 @@ WORKLOAD_DESC = {
             "names an adapter drawn by Zipf popularity (s = {zipf}), unique prompts of {prompt_tokens} tokens "
             "(uniform), output {output_tokens}; Poisson {rate} req/s for {duration} s; TTFT objective {ttft_slo_ms} ms. "
             "kvgate-no-affinity is kvgate with models.adapterLoadCost and adapterSlotCost 0",
+    "cache-pressure": "G={groups} groups × questions in random order, system prompt {system_tokens} tokens (the "
+                      "groups' prefixes {pool_x:.1f}× the whole pool's KV), question {question_tokens}, output "
+                      "{output_tokens}; pods with {num_gpu_blocks} KV blocks; Poisson {rate} req/s for {duration} s; "
+                      "TTFT objective {ttft_slo_ms} ms",
     "burst": "{n} requests at once ({groups} groups × {questions}, system prompt {system_tokens}, question "
              "{question_tokens}, output {output_tokens}); TTFT objective {ttft_slo_ms} ms",
 }
@@ -1130,6 +1143,10 @@ def write_report(ctx, data):
         desc = data["workload_desc"].get(w)
         if desc:
             L.append(desc + "\n")
+        ideal = [c["sim"]["ideal_hit_rate"] for c in cells.values() if "error" not in c and "ideal_hit_rate" in c["sim"]]
+        if ideal:
+            L.append(f"Hit-rate ceiling (every prefix computed once, one cache of unbounded size): "
+                     f"{100 * min(ideal):.1f}–{100 * max(ideal):.1f} % of prompt tokens.\n")
         if w in ("chat", "chat-bounded"):
             L.append(chat_table(rows))
             per_peer = chat_ratio_table(rows)
@@ -1276,6 +1293,8 @@ def smoke(cfg):
         cfg["hot_prefix"].update(duration=4)
     if "burst" in cfg:
         cfg["burst"].update(questions=10)
+    if "cache_pressure" in cfg:
+        cfg["cache_pressure"].update(duration=4)
     if "overhead" in cfg:
         cfg["overhead"].update(seconds=1, repeats=2)
     if "chat" in cfg:
@@ -1296,8 +1315,8 @@ def main():
                    "(with --benchmarks-md: also BENCHMARKS.md)")
     ap.add_argument("--benchmarks-md", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--targets", help="comma-separated subset of " + ",".join(ALL_TARGETS))
-    ap.add_argument("--workloads", help="comma-separated subset of shared-prefix,multi-turn,hot-prefix,mixed,burst,"
-                                        "chat,chat-bounded,lora")
+    ap.add_argument("--workloads", help="comma-separated subset of shared-prefix,multi-turn,hot-prefix,"
+                                        "cache-pressure,mixed,burst,chat,chat-bounded,lora")
     ap.add_argument("--no-overhead", action="store_true")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--kvgate-config", metavar="JSON", default="{}",
@@ -1318,7 +1337,8 @@ def main():
         cfg = smoke(cfg)
     targets = a.targets.split(",") if a.targets else (ALL_TARGETS if a.full else ["kvgate", "envoy-rr"])
     workloads = a.workloads.split(",") if a.workloads else (
-        ["shared-prefix", "multi-turn", "hot-prefix", "mixed", "burst", "chat", "chat-bounded", "lora"] if a.full
+        ["shared-prefix", "multi-turn", "hot-prefix", "cache-pressure", "mixed", "burst", "chat", "chat-bounded",
+         "lora"] if a.full
         else ["shared-prefix"])
     out = Path(a.out) if a.out else ROOT / "results" / started.strftime("%Y%m%d-%H%M%S")
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -1416,6 +1436,16 @@ def main():
         if "hot-prefix" in workloads:
             w = cfg["hot_prefix"]
             every_target("hot-prefix", hot_args(w, seed), w["duration"] + 200, **w)
+
+        if "cache-pressure" in workloads:
+            w = cfg["cache_pressure"]
+            log("cache-pressure")
+            data["results"]["cache-pressure"] = {
+                t: run_cell(ctx, t, "cache-pressure", "cache-pressure", sp_args(w, w["rate"], seed),
+                            [*sim_args, "--num-gpu-blocks", str(w["num_gpu_blocks"])], w["duration"] + 200)
+                for t in live}
+            data["workload_desc"]["cache-pressure"] = WORKLOAD_DESC["cache-pressure"].format(
+                pool_x=w["groups"] * w["system_tokens"] / (cfg["pods"] * w["num_gpu_blocks"] * 16), **w)
 
         if "burst" in workloads:
             w = cfg["burst"]

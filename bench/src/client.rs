@@ -41,6 +41,9 @@ pub struct Outcome {
     pub content: String,
     /// `x-sim-pod` response header (which simulator pod served it).
     pub pod: Option<String>,
+    /// kvgate's `x-kvgate-ranking` debug header (with `--kvgate-config '{"debugHeaders": true}'`):
+    /// every pod's cost and terms for this request, to see why it went where it did.
+    pub ranking: Option<String>,
     pub error: Option<String>,
 }
 
@@ -162,6 +165,11 @@ impl Client {
         out.pod = resp
             .headers()
             .get("x-sim-pod")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        out.ranking = resp
+            .headers()
+            .get("x-kvgate-ranking")
             .and_then(|v| v.to_str().ok())
             .map(str::to_string);
         let mut body = resp.into_body();

@@ -313,6 +313,13 @@ impl Engine {
         id
     }
 
+    /// A request's prompt length and the hashes of its full blocks so far.
+    pub fn prompt_blocks(&self, id: ReqId) -> Option<(usize, &[u64])> {
+        self.reqs
+            .get(&id)
+            .map(|r| (r.prompt_len, r.block_hashes.as_slice()))
+    }
+
     pub fn has_work(&self) -> bool {
         !self.waiting.is_empty() || !self.running.is_empty()
     }

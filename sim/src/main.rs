@@ -7,6 +7,7 @@
 
 mod config;
 mod engine;
+mod ideal;
 mod kv;
 mod lora;
 mod metrics;

@@ -10,6 +10,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use crate::config::Args;
 use crate::engine::{Engine, FinishReason, NewRequest, Output};
+use crate::ideal::IdealCache;
 use crate::kv::{mix64, ReqId};
 use crate::lora::{LoraId, LoraRef};
 use crate::metrics::{Histogram, LoraInfo, E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS};
@@ -21,6 +22,8 @@ pub struct Shared {
     pub tok: Tokenizer,
     pub served: Vec<String>,
     pub start_unix: f64,
+    /// Every prompt block any pod was asked for: the benchmarks' hit-rate ceiling.
+    pub ideal: IdealCache,
 }
 
 impl Shared {
@@ -44,6 +47,7 @@ impl Shared {
             tok,
             served,
             start_unix,
+            ideal: IdealCache::default(),
         }
     }
 }
@@ -289,6 +293,10 @@ pub struct Pod {
     /// wall clock and was re-anchored (the host could not keep up with
     /// --time-scale; simulated throughput is then understated).
     clock_resyncs: AtomicU64,
+    /// This pod's requests' prompt tokens and what an unbounded cache shared by every pod
+    /// would have hit of them (`Shared::ideal`).
+    ideal_query_tokens: AtomicU64,
+    ideal_hit_tokens: AtomicU64,
 }
 
 /// What a handler submits.
@@ -342,6 +350,8 @@ impl Pod {
                 metrics_delay_ms: 0,
             }),
             clock_resyncs: AtomicU64::new(0),
+            ideal_query_tokens: AtomicU64::new(0),
+            ideal_hit_tokens: AtomicU64::new(0),
         })
     }
 
@@ -368,6 +378,14 @@ impl Pod {
 
     pub fn clock_resyncs(&self) -> u64 {
         self.clock_resyncs.load(Ordering::Relaxed)
+    }
+
+    /// (prompt tokens, tokens an unbounded cache shared by every pod would have hit).
+    pub fn ideal_tokens(&self) -> (u64, u64) {
+        (
+            self.ideal_query_tokens.load(Ordering::Relaxed),
+            self.ideal_hit_tokens.load(Ordering::Relaxed),
+        )
     }
 
     fn scale(&self) -> f64 {
@@ -400,6 +418,16 @@ impl Pod {
             output_seed: seed,
             lora: s.lora,
         });
+        if let Some((prompt_len, hashes)) = inner.engine.prompt_blocks(id) {
+            let hit = self
+                .g
+                .ideal
+                .hit_tokens(hashes, prompt_len, self.g.args.block_size);
+            self.ideal_query_tokens
+                .fetch_add(prompt_len as u64, Ordering::Relaxed);
+            self.ideal_hit_tokens
+                .fetch_add(hit as u64, Ordering::Relaxed);
+        }
         inner.sinks.insert(
             id,
             Sink {

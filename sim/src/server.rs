@@ -1010,6 +1010,8 @@ fn sim_stats(pod: &Pod) -> Response<SimBody> {
         "virtual_seconds": e.now,
         "time_scale": pod.g.args.time_scale,
         "clock_resyncs": pod.clock_resyncs(),
+        "ideal_query_tokens": pod.ideal_tokens().0,
+        "ideal_hit_tokens": pod.ideal_tokens().1,
         "lora_loads": c.lora_loads,
         "lora_activations": c.lora_activations,
         "loras_active": e.loras.as_ref().map(|l| inner.lora_names_of(l.active())),

@@ -176,33 +176,49 @@ pub fn rank(
     out
 }
 
+/// Moves to the front, among the ranked pods within `tolerance` of the best cost, the one
+/// `affinity` scores highest; pods it scores `None` are passed over (and with none scored nothing
+/// moves). The tolerance keeps load first: a pod more than that above the best is never chosen
+/// for affinity's sake.
+pub fn prefer<K: Ord>(
+    ranked: &mut Vec<Scored>,
+    tolerance: f64,
+    affinity: impl Fn(&Scored) -> Option<K>,
+) {
+    let Some(best) = ranked.first().map(|s| s.cost) else {
+        return;
+    };
+    let chosen = ranked
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.cost <= best + tolerance)
+        .filter_map(|(i, s)| affinity(s).map(|k| (i, k)))
+        .max_by(|a, b| a.1.cmp(&b.1))
+        .map(|(i, _)| i);
+    if let Some(i) = chosen {
+        let s = ranked.remove(i);
+        ranked.insert(0, s);
+    }
+}
+
 /// Several gateway replicas agreeing, without talking, where a prompt no pod caches goes: among
 /// the ranked pods within `tolerance` of the best cost, the one with the highest rendezvous score
-/// of `(first_block, pod)` (highest random weight, Thaler and Ravishankar, 1998) moves to the
-/// front. Every replica computes the same score, so a new prompt group's first requests meet on
-/// one pod whichever replica they come through, and its later ones find the prefix there; a
-/// pod leaving moves only the groups it held. The tolerance keeps load first: a pod more than
-/// that above the best is never chosen for affinity's sake.
+/// of `(first_block, pod)` (highest random weight, Thaler and Ravishankar, 1998). Every replica
+/// computes the same score, so a new prompt group's first requests meet on one pod whichever
+/// replica they come through, and its later ones find the prefix there; a pod leaving moves only
+/// the groups it held.
 pub fn rendezvous(
     ranked: &mut Vec<Scored>,
     candidates: &[Candidate],
     first_block: u64,
     tolerance: f64,
 ) {
-    let Some(best) = ranked.first().map(|s| s.cost) else {
-        return;
-    };
-    let score = |s: &Scored| crate::hash::chain(first_block, candidates[s.index].pod.as_bytes());
-    let chosen = ranked
-        .iter()
-        .enumerate()
-        .filter(|(_, s)| s.cost <= best + tolerance)
-        .max_by_key(|(_, s)| score(s))
-        .map(|(i, _)| i);
-    if let Some(i) = chosen {
-        let s = ranked.remove(i);
-        ranked.insert(0, s);
-    }
+    prefer(ranked, tolerance, |s| {
+        Some(crate::hash::chain(
+            first_block,
+            candidates[s.index].pod.as_bytes(),
+        ))
+    });
 }
 
 /// Draws an index with probability ∝ exp(-normalised cost / temperature).
@@ -381,6 +397,27 @@ mod tests {
             pods.insert(c[r[0].index].pod);
         }
         assert_eq!(pods.len(), 2, "{pods:?}");
+    }
+
+    #[test]
+    fn prefer_moves_the_best_scored_pod_within_the_tolerance_and_only_a_scored_one() {
+        let scored = |costs: &[f64]| -> Vec<Scored> {
+            costs
+                .iter()
+                .enumerate()
+                .map(|(index, &cost)| Scored { index, cost })
+                .collect()
+        };
+        let front = |r: &[Scored]| r[0].index;
+        let mut r = scored(&[1.0, 1.5, 2.5]);
+        prefer(&mut r, 1.0, |s| (s.index > 0).then_some(s.index));
+        assert_eq!(front(&r), 1, "pod 2 is past the tolerance");
+        let mut r = scored(&[1.0, 1.5, 2.5]);
+        prefer(&mut r, 1.0, |_| None::<u64>);
+        assert_eq!(front(&r), 0, "nothing scored, nothing moves");
+        let mut r = scored(&[1.0, 1.5, 2.5]);
+        prefer(&mut r, 5.0, |s| Some(s.index));
+        assert_eq!(front(&r), 2);
     }
 
     #[test]

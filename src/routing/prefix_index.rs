@@ -11,12 +11,25 @@
 //! count; the touch counts' times are kept as a short list of checkpoints, which is what the TTL
 //! reads (to within a 64th of it). Eviction beyond capacity is done in bulk, an eighth at a time,
 //! by the touch count below which the oldest fall: no per-block order queue to keep.
+//!
+//! It also keeps each prompt group's *home*: per pod, the first blocks of the prompts it was last
+//! sent, kept after the blocks themselves are evicted. Under cache pressure (prefixes the pool
+//! cannot all hold) a group whose copy was evicted everywhere goes back to the pod it used, so
+//! each pod keeps serving the same few groups, and its cache, instead of every pod in turn
+//! computing every group and evicting the others' (`Router::route`'s home rule).
 
 use hashbrown::HashMap;
 use std::collections::VecDeque;
 
 /// The checkpoints of a pod's touch counts span the TTL in about this many steps.
 const CLOCK_STEPS: u64 = 64;
+
+/// A pod keeps the homes of at most this share of its capacity in blocks (and at least
+/// [`MIN_HOMES`]): a group matters here only while its prefix, of at least a block and usually
+/// many, is worth computing there again, so a few entries per cached prompt's worth of blocks
+/// is ample (1,024 blocks: 128 homes, 16 bytes each; 30,000 blocks: 3,750).
+const HOMES_PER_BLOCK: usize = 8;
+const MIN_HOMES: usize = 64;
 
 /// The index's key for a block: its chained hash folded to 32 bits.
 fn fingerprint(hash: u64) -> u32 {
@@ -33,6 +46,8 @@ struct PodBlocks {
     clock: VecDeque<(u32, u64)>,
     /// When expired blocks were last swept out.
     swept_ms: u64,
+    /// First block fingerprint of a prompt sent here → when it was last sent (ms).
+    homes: HashMap<u32, u64>,
 }
 
 impl PodBlocks {
@@ -80,6 +95,7 @@ impl PodBlocks {
             self.swept_ms = now;
             let fresh = self.fresh_from(fresh_after);
             self.last_use.retain(|_, t| *t >= fresh);
+            self.homes.retain(|_, ms| *ms >= fresh_after);
             evicted = true;
         }
         if !evicted {
@@ -89,6 +105,21 @@ impl PodBlocks {
         // The checkpoint a kept touch falls under stays: it dates that touch.
         while self.clock.len() > 1 && self.clock.get(1).is_some_and(|&(t, _)| t <= oldest) {
             self.clock.pop_front();
+        }
+    }
+
+    /// `first` was sent here now; beyond the bound, the least recently sent eighth of the homes
+    /// goes.
+    fn home(&mut self, first: u64, now: u64, capacity: usize) {
+        self.homes.insert(fingerprint(first), now);
+        let bound = (capacity / HOMES_PER_BLOCK).max(MIN_HOMES);
+        if self.homes.len() > bound {
+            let mut sent: Vec<u64> = self.homes.values().copied().collect();
+            let cut = sent.len() - (bound - bound / 8);
+            let (_, &mut newest_dropped, _) = sent.select_nth_unstable(cut - 1);
+            // Ties with the newest dropped go too, so the bound holds; this send's own stays.
+            self.homes.retain(|_, ms| *ms > newest_dropped);
+            self.homes.insert(fingerprint(first), now);
         }
     }
 
@@ -111,14 +142,35 @@ impl PodBlocks {
 pub struct PrefixIndex {
     pods: HashMap<String, PodBlocks>,
     ttl_ms: u64,
+    /// The pod's blocks (of tokens) per indexed block (of characters), an average over prompts
+    /// routed here: a pod's capacity comes in the first, the index counts the second, and text
+    /// of more characters per token than `charsPerBlockToken` makes more indexed blocks than
+    /// the engine holds (a 2,342-token prompt of English prose: 180 indexed blocks, 147 of the
+    /// engine's), so bounded by the engine's count the index forgot prefixes the pod still held.
+    density: f64,
 }
+
+/// How much each prompt moves [`PrefixIndex::density`], and its bounds: a stray estimate must not
+/// swing the index's size, and a pod's index never holds more than twice its block count.
+const DENSITY_WEIGHT: f64 = 1.0 / 64.0;
+const DENSITY_RANGE: (f64, f64) = (0.5, 4.0);
 
 impl PrefixIndex {
     pub fn new(ttl_ms: u64) -> Self {
         Self {
             pods: HashMap::new(),
             ttl_ms,
+            density: 1.0,
         }
+    }
+
+    /// A prompt of `indexed` blocks is estimated at `engine_blocks` of the pod's blocks.
+    pub fn learn_density(&mut self, indexed: usize, engine_blocks: f64) {
+        if indexed == 0 || !engine_blocks.is_finite() || engine_blocks <= 0.0 {
+            return;
+        }
+        let d = (engine_blocks / indexed as f64).clamp(DENSITY_RANGE.0, DENSITY_RANGE.1);
+        self.density += DENSITY_WEIGHT * (d - self.density);
     }
 
     /// How many leading blocks of `hashes` the pod is believed to hold.
@@ -137,14 +189,26 @@ impl PrefixIndex {
             .count()
     }
 
-    /// The pod now holds these blocks (it was sent a request with this prompt).
+    /// The pod now holds these blocks (it was sent a request with this prompt); it holds
+    /// `capacity` of its own blocks.
     pub fn insert(&mut self, pod: &str, hashes: &[u64], now: u64, capacity: usize) {
+        let capacity = (capacity as f64 / self.density).round() as usize;
         let step_ms = (self.ttl_ms / CLOCK_STEPS).max(1);
         let p = self.pods.entry_ref(pod).or_default();
         for &h in hashes {
             p.touch(h, now, step_ms);
         }
+        if let Some(&first) = hashes.first() {
+            p.home(first, now, capacity);
+        }
         p.evict_to(capacity, now.saturating_sub(self.ttl_ms), now, self.ttl_ms);
+    }
+
+    /// When a prompt starting with the block `first` was last sent to the pod, within the TTL:
+    /// remembered after the pod's copy of it is evicted (the module header says why).
+    pub fn sent_home(&self, pod: &str, first: u64, now: u64) -> Option<u64> {
+        let ms = *self.pods.get(pod)?.homes.get(&fingerprint(first))?;
+        (ms >= now.saturating_sub(self.ttl_ms)).then_some(ms)
     }
 
     /// Forgets pods that are no longer in the pool.
@@ -183,6 +247,58 @@ mod tests {
         assert_eq!(idx.blocks_held("a"), 3);
         assert_eq!(idx.matched("a", &[1], 3), 1);
         assert_eq!(idx.matched("a", &[2], 3), 0);
+    }
+
+    #[test]
+    fn a_prompts_home_outlives_its_evicted_blocks_within_a_bound_and_the_ttl() {
+        let mut idx = PrefixIndex::new(60_000);
+        idx.insert("a", &[1, 2, 3], 0, 4);
+        idx.insert("a", &[7, 8, 9], 5, 4); // evicts 1, 2, 3
+        assert_eq!(idx.matched("a", &[1, 2, 3], 5), 0);
+        assert_eq!(idx.sent_home("a", 1, 5), Some(0));
+        assert_eq!(idx.sent_home("a", 7, 5), Some(5));
+        assert_eq!(idx.sent_home("b", 1, 5), None);
+        // Only a prompt's first block names its group.
+        assert_eq!(idx.sent_home("a", 2, 5), None);
+        assert_eq!(idx.sent_home("a", 1, 60_001), None, "past the TTL");
+        // The bound: the least recently sent go first, the newest stays.
+        for k in 0..(MIN_HOMES as u64 + 1) {
+            idx.insert("a", &[100 + k], 10 + k, 4);
+        }
+        assert!(idx.pods["a"].homes.len() <= MIN_HOMES);
+        assert_eq!(idx.sent_home("a", 1, 100), None);
+        assert!(idx.sent_home("a", 100 + MIN_HOMES as u64, 100).is_some());
+        // Many sends in one millisecond still keep the bound (and the last send).
+        for k in 0..(3 * MIN_HOMES as u64) {
+            idx.insert("a", &[1_000 + k], 500, 4);
+        }
+        assert!(idx.pods["a"].homes.len() <= MIN_HOMES);
+        assert!(idx
+            .sent_home("a", 1_000 + 3 * MIN_HOMES as u64 - 1, 500)
+            .is_some());
+    }
+
+    #[test]
+    fn capacity_counts_the_engines_blocks_at_the_learned_density() {
+        let mut idx = PrefixIndex::new(60_000);
+        // Prose: 4 of the engine's blocks for every 5 indexed ones.
+        for _ in 0..1_000 {
+            idx.learn_density(180, 144.0);
+        }
+        assert!((idx.density - 0.8).abs() < 0.01, "{}", idx.density);
+        // A pod of 800 blocks holds 1,000 indexed ones (then keeps seven eighths).
+        idx.insert("a", &(0..1_000).collect::<Vec<u64>>(), 0, 800);
+        assert_eq!(idx.blocks_held("a"), 1_000);
+        idx.insert("a", &[5_000], 1, 800);
+        assert_eq!(idx.blocks_held("a"), 1_000 - 1_000 / 8);
+        // Garbage moves nothing; extremes are bounded.
+        idx.learn_density(0, 10.0);
+        idx.learn_density(10, f64::NAN);
+        assert!((idx.density - 0.8).abs() < 0.01);
+        for _ in 0..10_000 {
+            idx.learn_density(1, 1e9);
+        }
+        assert!(idx.density <= DENSITY_RANGE.1);
     }
 
     #[test]

@@ -11,7 +11,7 @@ use crate::pods::pool::{decode_pods, PODS_KEY};
 use crate::pods::record::{self, PodRecord, RequestEntry};
 use crate::routing::active_blocks::ActiveBlocks;
 use crate::routing::adapters::{Adapters, Fit};
-use crate::routing::pick::{rank, rendezvous, Candidate, Rng, Scored, Terms};
+use crate::routing::pick::{rank, Candidate, Rng, Scored, Terms};
 use crate::routing::pick_log::{Dispatch, Event, PickLog, MAX_EVENT_BLOCKS};
 use crate::routing::prefix_index::PrefixIndex;
 use crate::routing::record_copies::RecordCopies;
@@ -350,6 +350,11 @@ impl Router {
         let bt = u64::from(block_tokens);
         let hashes = &hashes[..hashes.len().min(MAX_EVENT_BLOCKS)];
         let prompt_blocks = hashes.len().max(est.prompt_tokens.div_ceil(bt) as usize);
+        if hashes.len() < (r.max_prompt_blocks as usize).min(MAX_EVENT_BLOCKS) {
+            // A whole prompt: its text's blocks against its tokens' (a cut one would mislead).
+            self.prefix
+                .learn_density(hashes.len(), est.prompt_tokens as f64 / bt as f64);
+        }
         let output_blocks = est.output_tokens.div_ceil(bt);
 
         let request = self.next_request_id();
@@ -400,15 +405,7 @@ impl Router {
         let mut rng = Rng::new(request ^ now.rotate_left(17));
         let own_blocks = prompt_blocks as u64 + output_blocks;
         let mut ranked = rank(&candidates, prompt_blocks, own_blocks, r, &mut rng);
-        if cfg.etcd.enabled() && candidates.iter().all(|c| c.cached_blocks == 0) {
-            // Several replicas: a prompt no pod caches goes where every replica would send it,
-            // among pods within half its prefill of the best (`pick::rendezvous`): about what
-            // the group's next request saves by finding the prefix there.
-            if let Some(&first) = hashes.first() {
-                let tolerance = r.prefill_weight * prompt_blocks as f64 / 2.0;
-                rendezvous(&mut ranked, &candidates, first, tolerance);
-            }
-        }
+        self.send_home(cfg, &mut ranked, &candidates, hashes, prompt_blocks, now);
         let budgets: Vec<Option<u64>> = indices
             .iter()
             // With several gateway replicas, this one's grant of the budget (`replicas::share`).
@@ -775,6 +772,33 @@ mod tests {
         for routed in &inflight {
             r.finish(&vm, &cfg, routed).unwrap();
         }
+        assert_eq!(total_active(&vm, &cfg), 0);
+    }
+
+    #[test]
+    fn a_group_evicted_everywhere_goes_back_to_its_pod_while_load_allows() {
+        let (vm, mut cfg, mut r) = router(&["a:1", "b:1"]);
+        cfg.admission.enabled = false;
+        let group = hashes(1, 16);
+        let first = r.route_m(&vm, &cfg, &group, &est(256, 16));
+        r.finish(&vm, &cfg, &first).unwrap();
+        let home = first.pod.clone();
+        // The home's cache turns over (other prompts evict the group there), and a long request
+        // on what it now holds keeps it busier than the other pod.
+        let other_prompt = hashes(2, 40);
+        r.prefix.insert(&home, &other_prompt, vm.now_ms(), 40);
+        assert_eq!(r.prefix.matched(&home, &group, vm.now_ms()), 0);
+        let busy = r.route_m(&vm, &cfg, &other_prompt, &est(640, 64));
+        assert_eq!(busy.pod, home);
+        // A group never seen goes to the idle pod; this one goes home, within half its prefill
+        // (2 × 16 / 2) of the best cost.
+        let new = r.route_m(&vm, &cfg, &hashes(3, 16), &est(256, 16));
+        assert_ne!(new.pod, home, "{}", new.ranking);
+        r.finish(&vm, &cfg, &new).unwrap();
+        let again = r.route_m(&vm, &cfg, &group, &est(256, 16));
+        assert_eq!(again.pod, home, "{}", again.ranking);
+        r.finish(&vm, &cfg, &again).unwrap();
+        r.finish(&vm, &cfg, &busy).unwrap();
         assert_eq!(total_active(&vm, &cfg), 0);
     }
 

@@ -11,7 +11,7 @@ use crate::estimate::reservation::Estimate;
 use crate::models::served::adapter_id;
 use crate::pods::record::{self, PodRecord};
 use crate::routing::adapters::Fit;
-use crate::routing::pick::{copy_weight, Candidate};
+use crate::routing::pick::{copy_weight, prefer, rendezvous, Candidate, Scored};
 use crate::routing::prefix_index::PrefixIndex;
 use crate::store::interface::Store;
 
@@ -164,6 +164,39 @@ impl Router {
             .map(|&i| self.active.holders(&self.pods[i], deepest))
             .sum();
         (hot, copy_weight(holders, indices.len()))
+    }
+
+    /// Where a prompt no pod caches goes, among pods within half its prefill of the best (about
+    /// what its group's next request saves by finding the prefix there): with several replicas,
+    /// where every replica would send it (`pick::rendezvous`); with one, back to the pod its group
+    /// was last sent to, if any (`PrefixIndex::sent_home`). Under cache pressure a group evicted
+    /// everywhere otherwise went to whichever pod was least loaded, so over time every pod
+    /// computed every group and evicted the others' (a working set 1.5× the pool's KV: each group
+    /// on 5.5 pods of 8, 29 % of prompt tokens hit, against 45 % for routers that keep a group on
+    /// one pod).
+    pub(super) fn send_home(
+        &self,
+        cfg: &Config,
+        ranked: &mut Vec<Scored>,
+        candidates: &[Candidate],
+        hashes: &[u64],
+        prompt_blocks: usize,
+        now: u64,
+    ) {
+        let Some(&first) = hashes.first() else {
+            return;
+        };
+        if candidates.iter().any(|c| c.cached_blocks > 0) {
+            return;
+        }
+        let tolerance = cfg.routing.prefill_weight * prompt_blocks as f64 / 2.0;
+        if cfg.etcd.enabled() {
+            rendezvous(ranked, candidates, first, tolerance);
+        } else {
+            prefer(ranked, tolerance, |s| {
+                self.prefix.sent_home(candidates[s.index].pod, first, now)
+            });
+        }
     }
 
     /// The pods a request may go to: those serving its model, less pods down and (with
