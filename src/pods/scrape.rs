@@ -186,6 +186,7 @@ impl Scraper {
                             block_size: m.block_size.unwrap_or(0) as u32,
                             no_prefix_caching: m.no_prefix_caching,
                             preemptions: m.preemptions.unwrap_or(f64::NAN),
+                            itl_totals: m.itl,
                             ..Snapshot::default()
                         };
                         record::write_snapshot(
