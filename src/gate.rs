@@ -143,10 +143,7 @@ impl Gate {
             .filter_map(|pod| Some((pod, crate::pods::record::read(store, pod).ok()?)))
             .collect();
         // Against the whole pool: a pick compares only the pods serving its model.
-        let paces: Vec<f64> = records
-            .iter()
-            .map(|(_, rec)| rec.snapshot.map_or(0.0, |s| s.itl_s))
-            .collect();
+        let paces: Vec<f64> = records.iter().map(|(_, rec)| rec.pace()).collect();
         let factors = crate::pods::pace::cost_factors(&paces);
         for ((pod, rec), factor) in records.into_iter().zip(factors) {
             self.stats.gauge(

@@ -1,7 +1,7 @@
 //! The shared record of one pod (`kvgate.pod.<ip:port>`): its last scraped metrics (with what
-//! the engine's own numbers say of kvgate's accounting, `feedback`) and the requests kvgate has in
-//! flight on it, each with the tokens it holds, its outlook (`forecast`) and the KV blocks it
-//! occupies. Every change is a compare-and-swap, so all workers share one truth, and a request's
+//! the engine's own numbers say of kvgate's accounting, `feedback`, and its decode pace, `pace`)
+//! and the requests kvgate has in flight on it, each with the tokens it holds, its outlook
+//! (`forecast`) and the KV blocks it occupies. Every change is a compare-and-swap, so all workers share one truth, and a request's
 //! entry is removed exactly once (removing an absent entry changes nothing). Entries carry an
 //! expiry, renewed as their response streams, so those left by a crashed or reloaded VM vanish.
 //! Keys are per pod address; a pod that leaves has its record blanked (keys cannot be deleted).
@@ -141,6 +141,11 @@ impl PodRecord {
             .iter()
             .map(|e| u64::from(e.pending_blocks))
             .sum()
+    }
+
+    /// Its smoothed inter-token latency in seconds (`pace`), 0 while unknown.
+    pub fn pace(&self) -> f64 {
+        self.snapshot.map_or(0.0, |s| s.itl_s)
     }
 
     pub fn held_tokens(&self) -> u64 {

@@ -2,6 +2,7 @@
 //! have to compute (its cached prefix is free, a hot prefix's copy shared by the requests it will
 //! serve) and still computes for requests sent before this one, the blocks its sequences read at every decode step
 //! and the blocks they hold (both with this request added), its scraped queue and cache usage, and the load of the request's LoRA adapter where it is not resident;
+//! the terms that are time on the pod's GPU scaled by its learned pace (`pods::pace`);
 //! lowest cost wins, ties at random, or a softmax draw when a temperature is set. Pure: every
 //! input is given, so the formula is read and tested here alone.
 

@@ -1,8 +1,9 @@
 //! The steps of a pick before its reservation (`Router::route` runs them in order): which pods
 //! may take the request (`eligible`: serving its model, up, fresh enough), what the cost formula
 //! knows of each (`candidates`, its pace among them included), what the request would hold on
-//! each (`charges`), and where its model and LoRA adapter stand (`serves`, `adapter_fits`). Everything here reads: the records
-//! as `route` read them, this VM's replicas (prefix index, adapters) and the model lists.
+//! each (`charges`), and where its model and LoRA adapter stand (`serves`, `adapter_fits`).
+//! Everything here reads: the records as `route` read them, this VM's replicas (prefix index,
+//! adapters) and the model lists.
 
 use super::Router;
 use crate::admission::forecast::Load;
@@ -105,10 +106,7 @@ pub(super) fn candidates<'a>(
     let now = ask.now;
     // Paces are compared among the candidates, the pods that could serve this model: another
     // model's pods decode at another pace, which says nothing of these ones' speed.
-    let paces: Vec<f64> = indices
-        .iter()
-        .map(|&i| ask.records[i].snapshot.map_or(0.0, |s| s.itl_s))
-        .collect();
+    let paces: Vec<f64> = indices.iter().map(|&i| ask.records[i].pace()).collect();
     let factors = if r.learn_decode_cost {
         pace::cost_factors(&paces)
     } else {
