@@ -209,6 +209,10 @@ pub struct RoutingConfig {
     /// Cost of each block the pod's in-flight sequences read per decode step, this request's
     /// included (a shared prefix once per sequence).
     pub decode_weight: f64,
+    /// Scale each pod's prefill, decode and queue costs by its pace against the other pods',
+    /// learned from its engine's inter-token latency (`pods::pace`); off, every pod is costed
+    /// alike.
+    pub learn_decode_cost: bool,
     /// Cost of each KV block active on the pod, this request's included (a shared prefix once).
     pub active_weight: f64,
     /// Cost of each scraped waiting request, in units of this request's blocks.
@@ -236,6 +240,7 @@ impl Default for RoutingConfig {
             max_prompt_blocks: 2_048,
             prefill_weight: 2.0,
             decode_weight: 0.2,
+            learn_decode_cost: true,
             active_weight: 0.05,
             queue_weight: 1.0,
             kv_usage_weight: 0.0,

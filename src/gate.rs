@@ -138,55 +138,64 @@ impl Gate {
         }
         let now = store.now_ms();
         let (mut stale, mut unhealthy) = (0, 0);
-        for pod in pods {
-            if let Ok(rec) = crate::pods::record::read(store, pod) {
-                stale += u64::from(rec.is_stale(now, &self.config.metrics));
+        let records: Vec<_> = pods
+            .iter()
+            .filter_map(|pod| Some((pod, crate::pods::record::read(store, pod).ok()?)))
+            .collect();
+        // Against the whole pool: a pick compares only the pods serving its model.
+        let paces: Vec<f64> = records.iter().map(|(_, rec)| rec.pace()).collect();
+        let factors = crate::pods::pace::cost_factors(&paces);
+        for ((pod, rec), factor) in records.into_iter().zip(factors) {
+            self.stats.gauge(
+                stats::pod_stat(pod, stats::POD_COST_FACTOR_PERCENT),
+                (factor * 100.0).round() as u64,
+            );
+            stale += u64::from(rec.is_stale(now, &self.config.metrics));
+            self.stats.gauge(
+                stats::pod_stat(pod, stats::POD_ACTIVE_BLOCKS),
+                rec.active_blocks(),
+            );
+            self.stats.gauge(
+                stats::pod_stat(pod, stats::POD_IN_FLIGHT),
+                rec.entries.len() as u64,
+            );
+            let block = u64::from(self.router.block_tokens(&self.config.routing));
+            let z = self.config.admission.headroom_sigmas;
+            self.stats.gauge(
+                stats::pod_stat(pod, stats::POD_RESERVED_TOKENS),
+                rec.forecast(None, z, block),
+            );
+            self.stats.gauge(
+                stats::pod_stat(pod, stats::POD_HELD_TOKENS),
+                rec.held_tokens(),
+            );
+            if let Some(s) = rec.snapshot {
                 self.stats.gauge(
-                    stats::pod_stat(pod, stats::POD_ACTIVE_BLOCKS),
-                    rec.active_blocks(),
+                    stats::pod_stat(pod, stats::POD_UNEXPLAINED_TOKENS),
+                    s.unexplained_tokens,
                 );
                 self.stats.gauge(
-                    stats::pod_stat(pod, stats::POD_IN_FLIGHT),
-                    rec.entries.len() as u64,
-                );
-                let block = u64::from(self.router.block_tokens(&self.config.routing));
-                let z = self.config.admission.headroom_sigmas;
-                self.stats.gauge(
-                    stats::pod_stat(pod, stats::POD_RESERVED_TOKENS),
-                    rec.forecast(None, z, block),
+                    stats::pod_stat(pod, stats::POD_BACKOFF_PERCENT),
+                    (s.backoff * 100.0).round() as u64,
                 );
                 self.stats.gauge(
-                    stats::pod_stat(pod, stats::POD_HELD_TOKENS),
-                    rec.held_tokens(),
+                    stats::pod_stat(pod, stats::POD_RELIEF_PERCENT),
+                    (s.relief * 100.0).round() as u64,
                 );
-                if let Some(s) = rec.snapshot {
-                    self.stats.gauge(
-                        stats::pod_stat(pod, stats::POD_UNEXPLAINED_TOKENS),
-                        s.unexplained_tokens,
-                    );
-                    self.stats.gauge(
-                        stats::pod_stat(pod, stats::POD_BACKOFF_PERCENT),
-                        (s.backoff * 100.0).round() as u64,
-                    );
-                    self.stats.gauge(
-                        stats::pod_stat(pod, stats::POD_RELIEF_PERCENT),
-                        (s.relief * 100.0).round() as u64,
-                    );
-                }
-                let budget =
-                    crate::admission::budget::budget_tokens(&self.config, rec.snapshot.as_ref());
-                self.stats.gauge(
-                    stats::pod_stat(pod, stats::POD_BUDGET_TOKENS),
-                    budget.unwrap_or(0),
-                );
-                if self.config.etcd.enabled() {
-                    self.report_share(store, pod, budget);
-                }
-                let healthy = !rec.is_down();
-                unhealthy += u64::from(!healthy);
-                self.stats
-                    .gauge(stats::pod_stat(pod, stats::POD_HEALTHY), u64::from(healthy));
             }
+            let budget =
+                crate::admission::budget::budget_tokens(&self.config, rec.snapshot.as_ref());
+            self.stats.gauge(
+                stats::pod_stat(pod, stats::POD_BUDGET_TOKENS),
+                budget.unwrap_or(0),
+            );
+            if self.config.etcd.enabled() {
+                self.report_share(store, pod, budget);
+            }
+            let healthy = !rec.is_down();
+            unhealthy += u64::from(!healthy);
+            self.stats
+                .gauge(stats::pod_stat(pod, stats::POD_HEALTHY), u64::from(healthy));
         }
         self.stats.gauge(stats::PODS_TOTAL, pods.len() as u64);
         self.stats.gauge(stats::PODS_STALE, stale);

@@ -171,6 +171,9 @@ pub const POD_ENGINE_PREFIX_QUERIES: PodStat = PodStat("engine_prefix_query_toke
 /// cached: against the engine's counters, how right the prefix index is.
 pub const POD_PREFIX_BLOCKS_TOTAL: PodStat = PodStat("prefix_blocks_total");
 pub const POD_PREFIX_BLOCKS_MATCHED: PodStat = PodStat("prefix_blocks_matched");
+/// The factor the pick scales the pod's time costs by, learned from its inter-token latency
+/// against the pool's (`pods::pace`), in percent: 100 is the pool's pace or unknown.
+pub const POD_COST_FACTOR_PERCENT: PodStat = PodStat("cost_factor_percent");
 
 /// Every per-pod name, for the test against docs/operations.md.
 pub const PER_POD: &[PodStat] = &[
@@ -192,6 +195,7 @@ pub const PER_POD: &[PodStat] = &[
     POD_ENGINE_PREFIX_QUERIES,
     POD_PREFIX_BLOCKS_TOTAL,
     POD_PREFIX_BLOCKS_MATCHED,
+    POD_COST_FACTOR_PERCENT,
 ];
 
 /// A pod's stat: `kvgate.pod.<ip_port>.<stat>`, the address made one segment by [`pod_segment`].

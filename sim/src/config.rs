@@ -129,6 +129,12 @@ pub struct Args {
     /// Run the simulated clock this many times faster than wall time.
     #[arg(long, default_value_t = 1.0)]
     pub time_scale: f64,
+    /// Each pod's GPU speed against the step-time model's, one per pod, comma-separated
+    /// (`1,1,0.5,0.5`: pods 2 and 3 take twice as long for every step, their prefill and decode
+    /// alike, as a slower GPU would). Adapter loads are from disk and host memory and keep
+    /// their cost. Default: every pod at 1.
+    #[arg(long, value_delimiter = ',')]
+    pub pod_speed: Vec<f64>,
     /// Output length distribution when max_tokens is not given: lognormal, uniform, fixed.
     #[arg(long, default_value = "lognormal")]
     pub output_len_dist: String,
@@ -171,6 +177,20 @@ impl Args {
         }
         if !(self.time_scale.is_finite() && self.time_scale > 0.0) {
             return Err("--time-scale must be a positive number".into());
+        }
+        if !self.pod_speed.is_empty() && self.pod_speed.len() != self.pods {
+            return Err(format!(
+                "--pod-speed lists {} speeds for {} pods: one per pod",
+                self.pod_speed.len(),
+                self.pods
+            ));
+        }
+        if !self
+            .pod_speed
+            .iter()
+            .all(|v| v.is_finite() && (0.01..=100.0).contains(v))
+        {
+            return Err("--pod-speed values must be numbers in [0.01, 100]".into());
         }
         for (name, v) in [
             ("--step-overhead-ms", self.step_overhead_ms),
@@ -254,19 +274,21 @@ impl Args {
         }
     }
 
-    pub fn timing(&self) -> TimingModel {
+    /// Pod `pod`'s step-time model: the flags' GPU terms divided by its `--pod-speed`.
+    pub fn timing(&self, pod: usize) -> TimingModel {
+        let slow = 1.0 / self.pod_speed.get(pod).copied().unwrap_or(1.0);
         TimingModel {
-            step_overhead: self.step_overhead_ms * 1e-3,
-            prefill_token: self.prefill_us_per_token * 1e-6,
-            decode_seq: self.decode_us_per_seq * 1e-6,
-            decode_ctx_token: self.decode_ns_per_ctx_token * 1e-9,
-            prefill_attn_pair: self.prefill_ns_per_attn_pair * 1e-9,
+            step_overhead: self.step_overhead_ms * 1e-3 * slow,
+            prefill_token: self.prefill_us_per_token * 1e-6 * slow,
+            decode_seq: self.decode_us_per_seq * 1e-6 * slow,
+            decode_ctx_token: self.decode_ns_per_ctx_token * 1e-9 * slow,
+            prefill_attn_pair: self.prefill_ns_per_attn_pair * 1e-9 * slow,
             lora_load: self.lora_load_ms * 1e-3,
             lora_activate: self.lora_activate_ms * 1e-3,
         }
     }
 
-    pub fn engine_config(&self) -> EngineConfig {
+    pub fn engine_config(&self, pod: usize) -> EngineConfig {
         EngineConfig {
             block_size: self.block_size,
             num_gpu_blocks: self.num_gpu_blocks,
@@ -274,7 +296,7 @@ impl Args {
             max_num_batched_tokens: self.max_num_batched_tokens,
             max_model_len: self.max_model_len,
             enable_prefix_caching: !self.no_enable_prefix_caching,
-            timing: self.timing(),
+            timing: self.timing(pod),
             lora: self.lora_config(),
         }
     }
@@ -288,7 +310,7 @@ mod tests {
     fn defaults_match_documented_values() {
         let a = Args::parse_from(["kvgate-sim"]);
         a.validate().unwrap();
-        let (t, d) = (a.timing(), TimingModel::default());
+        let (t, d) = (a.timing(0), TimingModel::default());
         for (x, y) in [
             (t.step_overhead, d.step_overhead),
             (t.prefill_token, d.prefill_token),
@@ -300,7 +322,7 @@ mod tests {
         ] {
             assert!((x - y).abs() <= 1e-12 * y.abs().max(1e-12), "{x} vs {y}");
         }
-        let e = a.engine_config();
+        let e = a.engine_config(0);
         assert_eq!(
             (e.block_size, e.num_gpu_blocks, e.max_num_seqs),
             (16, 2048, 256)
@@ -312,6 +334,36 @@ mod tests {
             a.served_names(),
             vec!["meta-llama/Llama-3.1-8B-Instruct".to_string()]
         );
+    }
+
+    #[test]
+    fn a_pod_at_half_speed_takes_twice_as_long_for_every_step() {
+        let a = Args::parse_from(["kvgate-sim", "--pods", "3", "--pod-speed", "1,0.5,2"]);
+        a.validate().unwrap();
+        let work = crate::engine::StepWork {
+            prefill_tokens: 100,
+            prefill_attn_pairs: 5_000.0,
+            decode_seqs: 8,
+            decode_ctx_tokens: 4_000,
+            ..Default::default()
+        };
+        let step = |pod| a.timing(pod).step_time(&work);
+        assert!((step(1) / step(0) - 2.0).abs() < 1e-12);
+        assert!((step(2) / step(0) - 0.5).abs() < 1e-12);
+        assert_eq!(
+            a.timing(1).lora_load,
+            a.timing(0).lora_load,
+            "a disk is a disk"
+        );
+        for argv in [
+            &["kvgate-sim", "--pods", "4", "--pod-speed", "1,0.5"][..],
+            &["kvgate-sim", "--pods", "2", "--pod-speed", "1,0"],
+            &["kvgate-sim", "--pods", "2", "--pod-speed", "1,nan"],
+        ] {
+            assert!(Args::parse_from(argv).validate().is_err(), "{argv:?}");
+        }
+        let all_at_one = Args::parse_from(["kvgate-sim", "--pods", "2"]);
+        assert_eq!(all_at_one.timing(1), all_at_one.timing(0));
     }
 
     #[test]

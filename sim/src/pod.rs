@@ -310,7 +310,7 @@ pub struct Submit {
 
 impl Pod {
     pub fn new(index: usize, port: u16, g: Arc<Shared>) -> Arc<Self> {
-        let engine = Engine::new(g.args.engine_config(), g.tok.filler());
+        let engine = Engine::new(g.args.engine_config(index), g.tok.filler());
         let mut inner = Inner {
             engine,
             adapters: Vec::new(),

@@ -1,6 +1,6 @@
 //! The model-server pods: who they are (`pool`), the shared record of each (`record`), the scraper that discovers them
-//! and fills their records under a lease (`scrape`), and the reading of their Prometheus metrics
-//! (`metrics`).
+//! and fills their records under a lease (`scrape`), the reading of their Prometheus metrics
+//! (`metrics`), and each pod's decode pace learned from them (`pace`).
 //!
 //! Source of truth: each pod's shared record `kvgate.pod.<ip:port>` (its last scrape and the
 //! requests in flight on it), changed only by compare-and-swap; the pod list `kvgate.pods`, written
@@ -8,6 +8,7 @@
 //! VM knows of a pod is read from its record when needed.
 
 pub mod metrics;
+pub mod pace;
 pub mod pool;
 pub mod record;
 pub mod scrape;

@@ -1,7 +1,7 @@
 //! The shared record of one pod (`kvgate.pod.<ip:port>`): its last scraped metrics (with what
-//! the engine's own numbers say of kvgate's accounting, `feedback`) and the requests kvgate has in
-//! flight on it, each with the tokens it holds, its outlook (`forecast`) and the KV blocks it
-//! occupies. Every change is a compare-and-swap, so all workers share one truth, and a request's
+//! the engine's own numbers say of kvgate's accounting, `feedback`, and its decode pace, `pace`)
+//! and the requests kvgate has in flight on it, each with the tokens it holds, its outlook
+//! (`forecast`) and the KV blocks it occupies. Every change is a compare-and-swap, so all workers share one truth, and a request's
 //! entry is removed exactly once (removing an absent entry changes nothing). Entries carry an
 //! expiry, renewed as their response streams, so those left by a crashed or reloaded VM vanish.
 //! Keys are per pod address; a pod that leaves has its record blanked (keys cannot be deleted).
@@ -9,10 +9,14 @@
 use crate::admission::forecast::{peak, Load};
 use crate::config::{Config, MetricsConfig};
 use crate::estimate::output_dist::{Outlook, HORIZON_STEPS};
+use crate::pods::metrics::ItlTotals;
 use crate::store::codec::{Reader, Writer};
 use crate::store::interface::{create_if_missing, update, Store, StoreError};
 
-const VERSION: u8 = 5;
+const VERSION: u8 = 6;
+/// Records written before snapshots carried the engine's inter-token latency (`pace`): read with
+/// none known.
+const VERSION_WITHOUT_PACE: u8 = 5;
 /// Records written before entries carried the prompt blocks their pod had still to compute:
 /// read with none.
 const VERSION_WITHOUT_PENDING: u8 = 4;
@@ -55,6 +59,11 @@ pub struct Snapshot {
     /// How far below its most the relief is capped after a preemption showed it was too much
     /// (`feedback`), 0 normally.
     pub relief_lost: f64,
+    /// The engine's inter-token latency totals at this scrape (or the last that had them), the
+    /// baseline of the next interval (`pace`).
+    pub itl_totals: Option<ItlTotals>,
+    /// The pod's smoothed inter-token latency in seconds (`pace`), 0 while unknown.
+    pub itl_s: f64,
 }
 
 /// One in-flight request's entry in the pod's record: what it holds there and until when.
@@ -134,6 +143,11 @@ impl PodRecord {
             .sum()
     }
 
+    /// Its smoothed inter-token latency in seconds (`pace`), 0 while unknown.
+    pub fn pace(&self) -> f64 {
+        self.snapshot.map_or(0.0, |s| s.itl_s)
+    }
+
     pub fn held_tokens(&self) -> u64 {
         self.entries.iter().map(|e| e.held_tokens).sum()
     }
@@ -204,6 +218,12 @@ impl PodRecord {
                     .u64(s.unexplained_tokens)
                     .f64(s.relief)
                     .f64(s.relief_lost);
+                // Unknown totals as NaN: they are never a real histogram's.
+                let totals = s.itl_totals.unwrap_or(ItlTotals {
+                    sum_s: f64::NAN,
+                    count: f64::NAN,
+                });
+                w.f64(totals.sum_s).f64(totals.count).f64(s.itl_s);
             }
             None => {
                 w.u8(0);
@@ -240,7 +260,8 @@ impl PodRecord {
         let has_context = version >= VERSION_WITHOUT_OUTLOOK;
         let has_outlook = version >= VERSION_WITHOUT_SPREAD;
         let has_spread = version >= VERSION_WITHOUT_PENDING;
-        let has_pending = version >= VERSION;
+        let has_pending = version >= VERSION_WITHOUT_PACE;
+        let has_pace = version >= VERSION;
         let snapshot = match r.u8()? {
             0 => None,
             _ => {
@@ -264,6 +285,12 @@ impl PodRecord {
                 if has_spread {
                     s.relief = r.f64()?;
                     s.relief_lost = r.f64()?;
+                }
+                if has_pace {
+                    let (sum_s, count) = (r.f64()?, r.f64()?);
+                    s.itl_totals = (sum_s.is_finite() && count.is_finite())
+                        .then_some(ItlTotals { sum_s, count });
+                    s.itl_s = r.f64()?;
                 }
                 Some(s)
             }
@@ -414,6 +441,7 @@ pub fn write_snapshot(
             }
         }
         crate::admission::feedback::follow(rec.snapshot.as_ref(), &mut snapshot, rec, cfg, remote);
+        crate::pods::pace::follow(rec.snapshot.as_ref(), &mut snapshot);
         let since = snapshot.at_ms.saturating_sub(grace_ms);
         let unscheduled = rec
             .entries
@@ -465,6 +493,11 @@ mod tests {
                 unexplained_tokens: 3,
                 relief: 0.25,
                 relief_lost: 0.1,
+                itl_totals: Some(ItlTotals {
+                    sum_s: 12.5,
+                    count: 900.0,
+                }),
+                itl_s: 0.014,
             }),
             finished_since_scrape: 3,
             entries: vec![
@@ -479,19 +512,34 @@ mod tests {
         };
         let back = PodRecord::decode(&rec.encode()).unwrap();
         assert_eq!(back.entries, rec.entries);
+        let pace = |r: &PodRecord| r.snapshot.map(|s| (s.itl_totals, s.itl_s));
+        assert_eq!(pace(&back), pace(&rec));
         assert_eq!(back.pending_blocks(), 9);
-        // The same record as a module before pending blocks wrote it: the entries less their
-        // pending blocks (the last four bytes of each), read with none.
-        let mut old = rec.clone();
-        old.entries.iter_mut().for_each(|e| e.pending_blocks = 0);
-        let mut bytes = old.encode();
-        bytes[0] = VERSION_WITHOUT_PENDING;
+        // The same record as a module before paces wrote it: the snapshot less its latency
+        // totals and pace (the 24 bytes before the scrape count and the entry count), read with
+        // none known.
         let head = PodRecord {
             entries: Vec::new(),
             ..rec.clone()
         }
         .encode()
         .len();
+        let mut unpaced = rec.clone();
+        if let Some(s) = unpaced.snapshot.as_mut() {
+            (s.itl_totals, s.itl_s) = (None, 0.0);
+        }
+        let mut bytes = rec.encode();
+        bytes[0] = VERSION_WITHOUT_PACE;
+        bytes.drain(head - 8 - 24..head - 8);
+        let read = PodRecord::decode(&bytes).unwrap();
+        assert_eq!(read.entries, rec.entries);
+        assert_eq!(pace(&read), Some((None, 0.0)));
+        // And as a module before pending blocks wrote it: the entries less their pending blocks
+        // too (the last four bytes of each), read with none.
+        let mut old = unpaced;
+        old.entries.iter_mut().for_each(|e| e.pending_blocks = 0);
+        bytes[0] = VERSION_WITHOUT_PENDING;
+        let head = head - 24;
         let entry_len = (bytes.len() - head) / 2;
         for i in (0..2).rev() {
             let end = head + (i + 1) * entry_len;

@@ -186,6 +186,7 @@ impl Scraper {
                             block_size: m.block_size.unwrap_or(0) as u32,
                             no_prefix_caching: m.no_prefix_caching,
                             preemptions: m.preemptions.unwrap_or(f64::NAN),
+                            itl_totals: m.itl,
                             ..Snapshot::default()
                         };
                         record::write_snapshot(
@@ -345,6 +346,7 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     use super::*;
+    use crate::pods::pace;
     use crate::store::fake_host::FakeHost;
 
     fn cfg() -> Config {
@@ -521,6 +523,39 @@ mod tests {
         );
         let errors = crate::stats::Stat::Counter("kvgate.models.list_errors".into(), 1);
         assert_eq!(stats.drain().filter(|x| *x == errors).count(), 4);
+    }
+
+    #[test]
+    fn a_pods_pace_is_learned_across_scrapes_and_kept_while_it_is_down() {
+        let (c, host) = (cfg(), FakeHost::new());
+        let (vm, mut s, mut stats) = (host.vm(), Scraper::default(), Stats::default());
+        let page = |sum: f64, count: u32| {
+            format!(
+                "vllm:num_requests_running 1\n\
+                 vllm:inter_token_latency_seconds_sum {sum}\n\
+                 vllm:inter_token_latency_seconds_count {count}\n"
+            )
+        };
+        let refused = "upstream connect error or disconnect/reset before headers. reset reason: \
+                       remote connection failure, transport failure reason: Connection refused";
+        let pod = Target::Pod("a:1".into());
+        // 10 ms a token; down for a scrape; then 200 tokens at 20 ms since the last page.
+        for (status, body, pace) in [
+            (Some(200), page(5.0, 1_000), 0.0),
+            (Some(200), page(6.0, 1_100), 0.010),
+            (Some(503), refused.to_string(), 0.010),
+            (
+                Some(200),
+                page(10.0, 1_300),
+                0.010 * 2f64.powf(pace::WEIGHT),
+            ),
+        ] {
+            host.advance_ms(1_000);
+            s.on_response(&vm, &c, &mut stats, &pod, status, body.as_bytes())
+                .unwrap();
+            let snap = record::read(&vm, "a:1").unwrap().snapshot.unwrap();
+            assert!((snap.itl_s - pace).abs() < 1e-12, "{status:?}: {snap:?}");
+        }
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! have to compute (its cached prefix is free, a hot prefix's copy shared by the requests it will
 //! serve) and still computes for requests sent before this one, the blocks its sequences read at every decode step
 //! and the blocks they hold (both with this request added), its scraped queue and cache usage, and the load of the request's LoRA adapter where it is not resident;
+//! the terms that are time on the pod's GPU scaled by its learned pace (`pods::pace`);
 //! lowest cost wins, ties at random, or a softmax draw when a temperature is set. Pure: every
 //! input is given, so the formula is read and tested here alone.
 
@@ -41,6 +42,9 @@ pub struct Candidate<'a> {
     /// where the least is cached, so new prompt groups spread evenly instead of by chance
     /// (`usize::MAX` for a pod whose engine caches no prefixes: it comes last).
     pub cached_total: usize,
+    /// How much dearer the pod's time is than the other candidates' (`pods::pace`: its
+    /// inter-token latency against theirs), 1 when unknown or not learned.
+    pub cost_factor: f64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -70,14 +74,22 @@ impl Terms {
         // as the pod has room for them (on a pod at its KV capacity, a copy displaces requests).
         let free = 1.0 - (c.active_blocks as f64 / c.capacity_blocks.max(1) as f64).min(1.0);
         let copy_share = 1.0 - (1.0 - c.copy_weight) * free;
+        // The pod's pace scales the terms that are time on its GPU: a decode step (what its
+        // inter-token latency measures), a prefill (a GPU slower at reading KV is slower at the
+        // matmuls too, if not by quite the same ratio: one factor is simpler than a second
+        // estimate, and honest about the direction) and the queue (drained at that pace). Not
+        // the memory terms: a block held fills the same KV whatever the GPU's speed, and its
+        // capacity is measured apart. Not the adapter's load, a copy from host memory.
+        let pace = c.cost_factor;
         Terms {
-            prefill: w.prefill_weight
+            prefill: pace
+                * w.prefill_weight
                 * ((computed as f64 - copied)
                     + copied * copy_share
                     + PENDING_SHARE * c.pending_blocks as f64),
-            decode: w.decode_weight * (c.read_blocks + own_blocks) as f64,
+            decode: pace * w.decode_weight * (c.read_blocks + own_blocks) as f64,
             active: w.active_weight * (c.active_blocks + c.added_blocks) as f64,
-            queue: w.queue_weight * c.waiting * prompt_blocks.max(1) as f64,
+            queue: pace * w.queue_weight * c.waiting * prompt_blocks.max(1) as f64,
             kv: w.kv_usage_weight * c.kv_usage * c.capacity_blocks as f64,
             adapter: c.adapter_cost,
         }
@@ -263,6 +275,7 @@ mod tests {
             capacity_blocks: 1000,
             adapter_cost: 0.0,
             cached_total: 0,
+            cost_factor: 1.0,
         }
     }
 
@@ -330,6 +343,37 @@ mod tests {
             pick(12),
             "spare",
             "twelve: recomputing it elsewhere is cheaper"
+        );
+    }
+
+    #[test]
+    fn at_equal_load_the_faster_pod_wins_and_its_time_terms_are_scaled() {
+        let w = RoutingConfig::default();
+        let paced = |name, cost_factor| Candidate {
+            cost_factor,
+            pending_blocks: 4,
+            waiting: 1.0,
+            ..pod(name, 0, 50, 0.0)
+        };
+        let c = [paced("slow", 2.0), paced("fast", 0.5)];
+        for seed in 0..20 {
+            assert_eq!(
+                c[rank(&c, 100, 10, &w, &mut Rng::new(seed))[0].index].pod,
+                "fast"
+            );
+        }
+        let (slow, fast) = (Terms::of(&c[0], 100, 10, &w), Terms::of(&c[1], 100, 10, &w));
+        for (s, f) in [
+            (slow.prefill, fast.prefill),
+            (slow.decode, fast.decode),
+            (slow.queue, fast.queue),
+        ] {
+            assert!((s - 4.0 * f).abs() < 1e-9, "{slow:?} {fast:?}");
+        }
+        assert_eq!(
+            (slow.active, slow.kv),
+            (fast.active, fast.kv),
+            "memory is memory"
         );
     }
 

@@ -1237,4 +1237,52 @@ mod tests {
             "every pod listed, none lists it"
         );
     }
+
+    #[test]
+    fn a_pod_whose_tokens_come_slower_takes_less_of_the_load() {
+        // Two pods scraped twice: a:1 decoded 500 tokens at 10 ms each in between, b:1 at 20 ms.
+        // Twenty requests held in flight: how many a:1 takes.
+        let on_fast = |learn: bool| {
+            let host = FakeHost::new();
+            let mut cfg = config(&["a:1", "b:1"]);
+            cfg.routing.learn_decode_cost = learn;
+            let vm = host.vm();
+            let mut r = Router::start(&vm, &cfg).unwrap();
+            for (pod, itl) in [("a:1", 0.010), ("b:1", 0.020)] {
+                for count in [1_000.0, 1_500.0] {
+                    let snapshot = Snapshot {
+                        at_ms: host.now_ms(),
+                        healthy: true,
+                        itl_totals: Some(crate::pods::metrics::ItlTotals {
+                            sum_s: itl * count,
+                            count,
+                        }),
+                        ..Snapshot::default()
+                    };
+                    record::write_snapshot(&vm, pod, snapshot, 0, &cfg).unwrap();
+                }
+            }
+            host.advance_ms(COPY_MS);
+            (0..20)
+                .filter(|&i| {
+                    r.route_m(&vm, &cfg, &hashes(100 + i, 8), &est(128, 128))
+                        .pod
+                        == "a:1"
+                })
+                .count()
+        };
+        let alike = on_fast(false);
+        assert!(
+            (9..=11).contains(&alike),
+            "not learned, they alternate: {alike}"
+        );
+        // Learned, everything b:1 computes costs it twice what a:1 pays: its decode steps, and
+        // the request's own prefill too (8 blocks × 2.0 against 16 read blocks × 0.2 a request),
+        // so a:1 runs twice b:1's sequences and then some: balanced at 6 + 2 × b's, 15.3 of 20.
+        let learned = on_fast(true);
+        assert!(
+            (15..=17).contains(&learned),
+            "{learned} of 20 on the fast pod"
+        );
+    }
 }

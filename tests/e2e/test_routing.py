@@ -1,7 +1,7 @@
 """KV-aware routing inside a real Envoy (--concurrency 4) in front of kvgate-sim pods: prefix
 groups stick to one pod each and spread across pods, a loaded pod is avoided, clients cannot
 steer, a dead pod is routed around, the scrape runs once per interval per pod whatever the
-worker count, and predicted active blocks return to zero."""
+worker count, predicted active blocks return to zero, and pods of two speeds learn their pace."""
 
 import http.client
 import json
@@ -13,7 +13,7 @@ from harness import (ROOT, Envoy, Sim, baseline_envoy, default_plugin_config, en
                      kvgate_envoy, kvgate_gauges, request, stream, wait_for)
 from robustness import pick_of
 
-from bodies import MODEL, group_chat, group_system_prompt
+from bodies import MODEL, group_chat, group_system_prompt, unshared_chat
 SIM_ARGS = ["--time-scale", "20"]
 # Where engine time, not proxy overhead, dominates TTFT (prefill of a 3k-token prompt ≈ 45 ms).
 REALISTIC_SIM_ARGS = ["--time-scale", "2"]
@@ -294,3 +294,57 @@ def test_kvgate_beats_round_robin_on_shared_prefix_workload():
     print("shared-prefix workload:", out)
     assert out["kvgate"]["hit_rate"] > out["round_robin"]["hit_rate"] + 0.2
     assert out["kvgate"]["mean_ttft_ms"] < out["round_robin"]["mean_ttft_ms"]
+
+
+def closed_loop(port, clients, seconds, first=0):
+    """`clients` clients each sending unshared 64-token chats one after another for `seconds`:
+    how many requests each sim pod answered."""
+    served = {}
+    lock = threading.Lock()
+    deadline = time.time() + seconds
+
+    def client(c):
+        i = first + c
+        while time.time() < deadline:
+            r = request(port, "POST", "/v1/chat/completions", unshared_chat(i, 64), timeout=60)
+            assert r.status == 200, r.body
+            with lock:
+                pod = int(r.headers["x-sim-pod"])
+                served[pod] = served.get(pod, 0) + 1
+            i += clients
+
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(client, range(clients)))
+    return served
+
+
+def test_slower_pods_learn_their_pace_and_take_less():
+    # Pods 2 and 3 run at half speed: every engine step takes them twice as long. Sixteen clients
+    # keep the pool busy; after a few scrapes' learning, the request split is measured with the
+    # learned pace applied and, on a fresh pool, with it off (the factors are learned and shown
+    # either way). Off, kvgate balances the sequences in flight, so the fast pods answer about
+    # twice as many (each of their sequences finishes twice as fast); on, a slow pod's blocks cost
+    # it twice a fast one's (√2 against 1/√2 of the weights), so it takes a request only once the
+    # fast pods run many more sequences than it does.
+    fast, slow = (0, 1), (2, 3)
+    arms = {}
+    for learn in (False, True):
+        cfg = default_plugin_config()
+        cfg["routing"] = {"learnDecodeCost": learn}
+        with Sim(pods=4, args=REALISTIC_SIM_ARGS + ["--pod-speed", "1,1,0.5,0.5"]) as sim, \
+                kvgate_envoy(sim.endpoints, cfg) as envoy:
+            closed_loop(envoy.port, clients=16, seconds=6)
+            served = closed_loop(envoy.port, clients=16, seconds=8, first=100_000)
+            gauges = kvgate_gauges(envoy, "cost_factor_percent")
+            factors = [gauges.get(f"127_0_0_1_{p}") for p in sim.ports]
+            fast_share = sum(served.get(i, 0) for i in fast) / sum(served.values())
+            arms[learn] = (factors, served, fast_share)
+            print(f"learnDecodeCost={learn}: factors % {factors}, requests per pod {served} "
+                  f"({sum(served.values())} in 8 s), fast pods' share {fast_share:.1%}")
+    for learn, (factors, _, _) in arms.items():
+        # Twice as slow against the geometric mean: 71 % and 141 % ideally.
+        assert all(f is not None for f in factors), factors
+        assert max(factors[i] for i in fast) < 90 and min(factors[i] for i in slow) > 115, (learn, factors)
+        assert min(factors[i] for i in slow) / max(factors[i] for i in fast) > 1.6, (learn, factors)
+    off, on = arms[False][2], arms[True][2]
+    assert on >= off + 0.1, f"fast pods' share {on:.1%} learned vs {off:.1%} not"

@@ -2,7 +2,7 @@
 //! (`PerEngine`), max over every series (`Peak`), settings every series must agree on (`Agreed`),
 //! and the plausibility checks each value passes first. One bad value makes its figure unknown.
 
-use super::figures::{Engine, MetricsError, PodMetrics};
+use super::figures::{Engine, ItlTotals, MetricsError, PodMetrics};
 use super::series::{Labels, Metric};
 
 /// More distinct engines than this in one pod is not a real deployment; the figure becomes `None`.
@@ -133,6 +133,8 @@ pub(super) struct Tally {
     hits: [PerEngine; 4],
     queries: [PerEngine; 4],
     preemptions: [PerEngine; 2],
+    itl_sum: [PerEngine; 2],
+    itl_count: [PerEngine; 2],
     no_prefix_caching: bool,
 }
 
@@ -154,6 +156,8 @@ impl Tally {
             hits: [PerEngine::new(); 4],
             queries: [PerEngine::new(); 4],
             preemptions: [PerEngine::new(); 2],
+            itl_sum: [PerEngine::new(); 2],
+            itl_count: [PerEngine::new(); 2],
             no_prefix_caching: false,
         }
     }
@@ -217,6 +221,16 @@ impl Tally {
                     g.add(key, count(value));
                 }
             }
+            Metric::ItlSum(i) => {
+                if let Some(g) = self.itl_sum.get_mut(i) {
+                    g.add(key, count(value));
+                }
+            }
+            Metric::ItlCount(i) => {
+                if let Some(g) = self.itl_count.get_mut(i) {
+                    g.add(key, count(value));
+                }
+            }
         }
     }
 
@@ -259,6 +273,17 @@ impl Tally {
             prefix_cache_queries: first_present(&self.queries),
             preemptions: first_present(&self.preemptions),
             no_prefix_caching: self.no_prefix_caching,
+            itl: self.itl(),
+        })
+    }
+
+    /// The inter-token latency totals of the first name variant whose count appeared, its sum
+    /// from the same variant: an older name's sum never pairs with the newer name's count.
+    fn itl(&self) -> Option<ItlTotals> {
+        let i = self.itl_count.iter().position(|g| !g.is_empty())?;
+        Some(ItlTotals {
+            sum_s: self.itl_sum.get(i)?.total()?,
+            count: self.itl_count.get(i)?.total()?,
         })
     }
 }

@@ -37,6 +37,16 @@ pub struct PodMetrics {
     /// vLLM's `cache_config_info` says `enable_prefix_caching="False"` for one of the pod's
     /// engines: a prompt it served once is not cached there, and sequences share no blocks.
     pub no_prefix_caching: bool,
+    /// vLLM's inter-token latency histogram since start, summed over engines.
+    pub itl: Option<ItlTotals>,
+}
+
+/// A latency histogram's running totals: seconds summed and samples counted since the engine
+/// started. Two scrapes' difference is the mean over the interval (`pods::pace`).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct ItlTotals {
+    pub sum_s: f64,
+    pub count: f64,
 }
 
 /// vLLM's `vllm:lora_requests_info` as last set: adapter slots and the adapters (names joined by

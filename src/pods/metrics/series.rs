@@ -22,6 +22,10 @@ pub(super) enum Metric {
     PrefixQueries(usize),
     /// Name variant: `_total`, bare.
     Preemptions(usize),
+    /// The inter-token latency histogram's `_sum` and `_count`; name variant: vLLM's
+    /// `inter_token_latency_seconds`, then its older `time_per_output_token_seconds`.
+    ItlSum(usize),
+    ItlCount(usize),
 }
 
 pub(super) fn classify(name: &str) -> Option<(Engine, Metric)> {
@@ -45,6 +49,10 @@ pub(super) fn classify(name: &str) -> Option<(Engine, Metric)> {
         "vllm:gpu_prefix_cache_queries" => (Vllm, PrefixQueries(3)),
         "vllm:num_preemptions_total" => (Vllm, Preemptions(0)),
         "vllm:num_preemptions" => (Vllm, Preemptions(1)),
+        "vllm:inter_token_latency_seconds_sum" => (Vllm, ItlSum(0)),
+        "vllm:inter_token_latency_seconds_count" => (Vllm, ItlCount(0)),
+        "vllm:time_per_output_token_seconds_sum" => (Vllm, ItlSum(1)),
+        "vllm:time_per_output_token_seconds_count" => (Vllm, ItlCount(1)),
         "sglang:num_running_reqs" => (Sglang, Running),
         "sglang:num_queue_reqs" => (Sglang, Waiting),
         "sglang:token_usage" => (Sglang, KvUsage),

@@ -58,6 +58,7 @@ fn full_vllm_v1_document() {
             prefix_cache_queries: Some(1_234_567.0),
             preemptions: Some(0.0),
             no_prefix_caching: false,
+            itl: None,
         }
     );
 }
@@ -79,6 +80,7 @@ fn full_sglang_document() {
             prefix_cache_queries: None,
             preemptions: None,
             no_prefix_caching: false,
+            itl: None,
         }
     );
 }
@@ -756,4 +758,49 @@ fn the_adapter_state_is_the_newest_lora_series_with_its_names_unescaped() {
     );
     assert_eq!(super::lora_info(b"vllm:num_requests_running 1\n"), None);
     assert_eq!(super::lora_info(b"\xff\xfe"), None);
+}
+
+#[test]
+fn inter_token_latency_totals_prefer_the_current_name_and_sum_engines() {
+    let itl = |text: &str| ok(text).itl;
+    let current = concat!(
+        "vllm:inter_token_latency_seconds_bucket{engine=\"0\",le=\"0.01\"} 90\n",
+        "vllm:inter_token_latency_seconds_sum{engine=\"0\"} 1.5\n",
+        "vllm:inter_token_latency_seconds_count{engine=\"0\"} 100\n",
+        "vllm:inter_token_latency_seconds_sum{engine=\"1\"} 0.5\n",
+        "vllm:inter_token_latency_seconds_count{engine=\"1\"} 50\n",
+    );
+    assert_eq!(
+        itl(current),
+        Some(ItlTotals {
+            sum_s: 2.0,
+            count: 150.0
+        })
+    );
+    let old = concat!(
+        "vllm:time_per_output_token_seconds_sum 3\n",
+        "vllm:time_per_output_token_seconds_count 60\n",
+    );
+    assert_eq!(
+        itl(old),
+        Some(ItlTotals {
+            sum_s: 3.0,
+            count: 60.0
+        })
+    );
+    // Both names: the current one, never a sum of one with the other's count.
+    let both = format!("{old}vllm:inter_token_latency_seconds_count 10\nvllm:inter_token_latency_seconds_sum 0.1\n");
+    assert_eq!(
+        itl(&both),
+        Some(ItlTotals {
+            sum_s: 0.1,
+            count: 10.0
+        })
+    );
+    // A count without its sum, or a negative total, is unknown.
+    assert_eq!(itl("vllm:inter_token_latency_seconds_count 10\n"), None);
+    assert_eq!(
+        itl("vllm:inter_token_latency_seconds_sum -1\nvllm:inter_token_latency_seconds_count 10\n"),
+        None
+    );
 }

@@ -40,12 +40,15 @@ impl Router {
         let now = store.now_ms();
         if why == Moved::PickFailed {
             let down = record::modify(store, &routed.pod, |rec| {
-                rec.snapshot = Some(record::Snapshot {
+                let mut down = record::Snapshot {
                     at_ms: now,
                     healthy: false,
                     kv_usage: f64::NAN,
                     ..record::Snapshot::default()
-                });
+                };
+                // A failed pick says nothing of the pod's pace: it keeps what it learned.
+                crate::pods::pace::follow(rec.snapshot.as_ref(), &mut down);
+                rec.snapshot = Some(down);
                 Some(rec.clone())
             })?;
             if let Some(down) = down {

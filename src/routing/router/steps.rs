@@ -1,14 +1,16 @@
 //! The steps of a pick before its reservation (`Router::route` runs them in order): which pods
 //! may take the request (`eligible`: serving its model, up, fresh enough), what the cost formula
-//! knows of each (`candidates`), what the request would hold on each (`charges`), and where its
-//! model and LoRA adapter stand (`serves`, `adapter_fits`). Everything here reads: the records
-//! as `route` read them, this VM's replicas (prefix index, adapters) and the model lists.
+//! knows of each (`candidates`, its pace among them included), what the request would hold on
+//! each (`charges`), and where its model and LoRA adapter stand (`serves`, `adapter_fits`).
+//! Everything here reads: the records as `route` read them, this VM's replicas (prefix index,
+//! adapters) and the model lists.
 
 use super::Router;
 use crate::admission::forecast::Load;
 use crate::config::{Config, StalePolicy};
 use crate::estimate::reservation::Estimate;
 use crate::models::served::adapter_id;
+use crate::pods::pace;
 use crate::pods::record::{self, PodRecord};
 use crate::routing::adapters::Fit;
 use crate::routing::pick::{copy_weight, prefer, rendezvous, Candidate, Scored};
@@ -102,6 +104,14 @@ pub(super) fn candidates<'a>(
 ) -> Vec<Candidate<'a>> {
     let r = &cfg.routing;
     let now = ask.now;
+    // Paces are compared among the candidates, the pods that could serve this model: another
+    // model's pods decode at another pace, which says nothing of these ones' speed.
+    let paces: Vec<f64> = indices.iter().map(|&i| ask.records[i].pace()).collect();
+    let factors = if r.learn_decode_cost {
+        pace::cost_factors(&paces)
+    } else {
+        vec![1.0; indices.len()]
+    };
     indices
         .iter()
         .zip(shared)
@@ -139,6 +149,7 @@ pub(super) fn candidates<'a>(
                 } else {
                     prefix.blocks_held(pod)
                 },
+                cost_factor: factors[k],
             }
         })
         .collect()
