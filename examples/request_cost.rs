@@ -2,13 +2,13 @@
 //! response headers, response body and end through `flow::Flow` on the in-memory host (`fake_host`,
 //! shared data with Envoy's semantics), against pods that have been scraped, at 1, 2, 16 and 64
 //! pods. It times the whole path the VM runs per request (routing, admission, the pick log,
-//! metering, calibration), which `core_cost` (the body path alone) does not, and under callgrind
-//! (`valgrind --tool=callgrind target/release/examples/request_cost -- --iters 2000`) shows where
-//! the instructions go.
+//! metering, calibration), which `core_cost` (the body path alone) does not. Each phase is an
+//! `#[inline(never)]` function (`phase_*`), so `scripts/core_cost_callgrind.sh --request` reads
+//! the instructions of each from callgrind.
 //!
 //! ```text
-//! cargo run --release --example request_cost              # µs per request at each pool size
-//! cargo run --release --example request_cost -- --iters N # N requests at 2 pods, no timing
+//! cargo run --release --example request_cost                        # µs per request per pool size
+//! cargo run --release --example request_cost -- --iters N [--pods P] # N requests, no timing
 //! ```
 
 // The in-memory host is built for native targets only (a dev-dependency feature).
@@ -65,57 +65,92 @@ mod native {
         (host, vm, gate, names)
     }
 
-    fn one(gate: &mut Gate, vm: &FakeVm, body: &[u8]) {
-        let mut flow = Flow::default();
-        let head = RequestHead {
+    fn head(body: &[u8]) -> RequestHead<'static> {
+        RequestHead {
             method: "POST",
             path: "/v1/chat/completions",
             content_type: Some("application/json"),
             content_length: Some(body.len() as u64),
             ..RequestHead::default()
-        };
-        black_box(flow.on_request_headers(gate, vm, &head));
+        }
+    }
+
+    #[inline(never)]
+    fn phase_request_headers(flow: &mut Flow, gate: &Gate, vm: &FakeVm, head: &RequestHead) {
+        black_box(flow.on_request_headers(gate, vm, head));
+    }
+
+    #[inline(never)]
+    fn phase_body(flow: &mut Flow, gate: &mut Gate, vm: &FakeVm, body: &[u8]) -> Option<String> {
         let d = flow.on_body(gate, vm, body);
-        let pod = d
-            .set
-            .iter()
+        d.set
+            .into_iter()
             .find(|(n, _)| n == "x-gateway-destination-endpoint")
-            .map(|(_, v)| v.clone());
-        black_box(flow.on_response_headers(gate, vm, Some("application/json"), pod.as_deref()));
+            .map(|(_, v)| v)
+    }
+
+    #[inline(never)]
+    fn phase_response_headers(flow: &mut Flow, gate: &mut Gate, vm: &FakeVm, pod: Option<&str>) {
+        black_box(flow.on_response_headers(gate, vm, Some("application/json"), pod));
+    }
+
+    #[inline(never)]
+    fn phase_response_body(flow: &mut Flow, gate: &mut Gate, vm: &FakeVm) {
         flow.on_response_body(gate, vm, RESPONSE);
+    }
+
+    #[inline(never)]
+    fn phase_done(flow: &mut Flow, gate: &mut Gate, vm: &FakeVm) {
         flow.on_done(gate, vm);
+    }
+
+    /// What the shell then hands to Envoy's stats (one host call per name there).
+    #[inline(never)]
+    fn phase_stats(gate: &mut Gate) {
         black_box(gate.stats.drain().count());
+    }
+
+    fn one(gate: &mut Gate, vm: &FakeVm, body: &[u8]) {
+        let mut flow = Flow::default();
+        phase_request_headers(&mut flow, gate, vm, &head(body));
+        let pod = phase_body(&mut flow, gate, vm, body);
+        phase_response_headers(&mut flow, gate, vm, pod.as_deref());
+        phase_response_body(&mut flow, gate, vm);
+        phase_done(&mut flow, gate, vm);
+        phase_stats(gate);
+    }
+
+    /// `requests` requests, the clock moving 1 ms every 100 (as in the timed runs).
+    fn run(host: &FakeHost, vm: &FakeVm, gate: &mut Gate, bodies: &[Vec<u8>], requests: usize) {
+        for i in 0..requests {
+            one(gate, vm, &bodies[i % bodies.len()]);
+            if i % 100 == 0 {
+                host.advance_ms(1);
+            }
+        }
     }
 
     pub fn main() {
         let args: Vec<String> = std::env::args().collect();
+        let arg = |name: &str| {
+            args.iter()
+                .position(|a| a == name)
+                .and_then(|i| args.get(i + 1))
+                .and_then(|n| n.parse::<usize>().ok())
+        };
         let bodies: Vec<Vec<u8>> = (0..16).map(body).collect();
-        if let Some(n) = args
-            .iter()
-            .position(|a| a == "--iters")
-            .and_then(|i| args.get(i + 1))
-            .and_then(|n| n.parse::<usize>().ok())
-        {
-            let (_host, vm, mut gate, _) = setup(2);
-            for i in 0..n {
-                one(&mut gate, &vm, &bodies[i % bodies.len()]);
-            }
+        if let Some(n) = arg("--iters") {
+            let (host, vm, mut gate, _) = setup(arg("--pods").unwrap_or(2));
+            run(&host, &vm, &mut gate, &bodies, n);
             return;
         }
         println!("{:>5} {:>14}", "pods", "µs per request");
         for pods in [1, 2, 16, 64] {
             let (host, vm, mut gate, _) = setup(pods);
             let n = 4000;
-            for i in 0..500 {
-                one(&mut gate, &vm, &bodies[i % bodies.len()]);
-            }
+            run(&host, &vm, &mut gate, &bodies, 500);
             let t = Instant::now();
-            for i in 0..n {
-                one(&mut gate, &vm, &bodies[i % bodies.len()]);
-                if i % 100 == 0 {
-                    host.advance_ms(1);
-                }
-            }
+            run(&host, &vm, &mut gate, &bodies, n);
             println!(
                 "{pods:>5} {:>14.1}",
                 t.elapsed().as_secs_f64() * 1e6 / n as f64

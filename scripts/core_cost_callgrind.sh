@@ -1,10 +1,19 @@
 #!/usr/bin/env bash
-# Instructions per request of kvgate's core body path, by phase, counted by callgrind: unlike
-# timings, the counts do not move with whatever else runs on the machine, so they compare builds
-# precisely. Runs examples/core_cost in its untimed mode, one case per callgrind run, and reads
+# Instructions per request of kvgate's core, by phase, counted by callgrind: unlike timings, the
+# counts do not move with whatever else runs on the machine, so they compare builds precisely.
+#
+# The body path (default): examples/core_cost in its untimed mode, one case per callgrind run,
 # each phase function's inclusive count.
 #
 #   scripts/core_cost_callgrind.sh [CASE...]     default: every case (about a minute)
+#
+# The whole request (--request): examples/request_cost in its untimed mode, REQUESTS requests of
+# 4 KB through headers, body (parse, estimate, admission, the pick), response headers, response
+# body (metering), the end (release, pick log, calibration) and the stats they leave, one
+# callgrind run per pool size, each phase's inclusive count per request.
+#
+#   scripts/core_cost_callgrind.sh --request [PODS...]   default: 2 and 16 pods
+#
 #   KEEP=DIR scripts/core_cost_callgrind.sh ...  also keep the callgrind.out files in DIR
 #
 # The build is the release profile (what ships) with symbols and line tables kept, in a target
@@ -13,16 +22,49 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 TARGET_DIR=target/core-cost-callgrind
 ITERS=2
+REQUESTS=2000
+OUT=${KEEP:-$(mktemp -d)}
+mkdir -p "$OUT"
+[ -n "${KEEP:-}" ] || trap 'rm -rf "$OUT"' EXIT
+build() {
+    CARGO_PROFILE_RELEASE_STRIP=false CARGO_PROFILE_RELEASE_DEBUG=line-tables-only \
+        cargo build -q --release --example "$1" --target-dir "$TARGET_DIR"
+}
+
+if [ "${1:-}" = --request ]; then
+    shift
+    PODS=("$@")
+    [ ${#PODS[@]} -gt 0 ] || PODS=(2 16)
+    build request_cost
+    BIN=$TARGET_DIR/release/examples/request_cost
+    printf '%-5s %10s %10s %10s %10s %10s %10s %10s\n' \
+        pods headers body resp_hdrs resp_body done stats total
+    for pods in "${PODS[@]}"; do
+        valgrind --tool=callgrind --callgrind-out-file="$OUT/request-$pods.out" "$BIN" \
+            --iters "$REQUESTS" --pods "$pods" 2>/dev/null
+        callgrind_annotate --inclusive=yes --threshold=100 --auto=no "$OUT/request-$pods.out" \
+            2>/dev/null |
+            awk -v pods="$pods" -v n="$REQUESTS" '
+                /request_cost::native::phase_[a-z_]+ \[/ {
+                    ir = $1; gsub(",", "", ir)
+                    match($0, /request_cost::native::phase_[a-z_]+/)
+                    count[substr($0, RSTART + 28, RLENGTH - 28)] = ir / n
+                }
+                END {
+                    split("request_headers body response_headers response_body done stats", p)
+                    printf "%-5s", pods
+                    for (i = 1; i <= 6; i++) { printf " %10d", count[p[i]]; total += count[p[i]] }
+                    printf " %10d\n", total
+                }'
+    done
+    exit 0
+fi
+
 CASES=("$@")
 if [ ${#CASES[@]} -eq 0 ]; then
     CASES=(prose-4k prose-64k prose-256k code-4k code-64k code-256k cjk-4k cjk-64k cjk-256k)
 fi
-OUT=${KEEP:-$(mktemp -d)}
-mkdir -p "$OUT"
-[ -n "${KEEP:-}" ] || trap 'rm -rf "$OUT"' EXIT
-
-CARGO_PROFILE_RELEASE_STRIP=false CARGO_PROFILE_RELEASE_DEBUG=line-tables-only \
-    cargo build -q --release --example core_cost --target-dir "$TARGET_DIR"
+build core_cost
 BIN=$TARGET_DIR/release/examples/core_cost
 
 printf '%-10s %12s %12s %7s %12s %12s %12s   parse/est/hash\n' \

@@ -281,18 +281,34 @@ impl ServedView {
     /// refuses connections never answers its list: it must not become the one pod every unknown
     /// model is sent to); else none.
     pub fn serving(&self, pods: &[String], model: &str, up: impl Fn(usize) -> bool) -> Vec<bool> {
-        let listed = |p: &String| self.get(p).is_some_and(|s| s.listed_ms.is_some());
-        let listing: Vec<bool> = pods
-            .iter()
-            .map(|p| self.get(p).is_some_and(|s| s.serves(model)))
-            .collect();
+        let listing: Vec<bool> = pods.iter().map(|p| self.lists(p, model)).collect();
         if listing.iter().any(|&b| b) {
             return listing;
         }
         pods.iter()
             .enumerate()
-            .map(|(i, p)| !listed(p) && up(i))
+            .map(|(i, p)| !self.listed(p) && up(i))
             .collect()
+    }
+
+    /// Whether `serving` names any pod, asking `up` only until one is found: `up` reads a pod's
+    /// record, which every request would otherwise pay for every pod while no list is known.
+    pub fn serving_any(&self, pods: &[String], model: &str, up: impl Fn(usize) -> bool) -> bool {
+        pods.iter().any(|p| self.lists(p, model))
+            || pods
+                .iter()
+                .enumerate()
+                .any(|(i, p)| !self.listed(p) && up(i))
+    }
+
+    /// The pod's list, as last read, names `model`.
+    fn lists(&self, pod: &str, model: &str) -> bool {
+        self.get(pod).is_some_and(|s| s.serves(model))
+    }
+
+    /// The pod's list has been read at least once.
+    fn listed(&self, pod: &str) -> bool {
+        self.get(pod).is_some_and(|s| s.listed_ms.is_some())
     }
 }
 

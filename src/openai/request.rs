@@ -251,7 +251,7 @@ impl Request {
                 Some("model"),
             )
         })?;
-        Self::from_body(api, parsed, model, model_span)
+        Self::from_body(api, parsed, model, model_span, body.len())
     }
 
     /// The body with its `model` set to `model`, every other byte as the client sent it (so
@@ -271,6 +271,7 @@ impl Request {
         b: Body,
         model: String,
         model_span: (usize, usize),
+        body_len: usize,
     ) -> Result<Request, BadRequest> {
         if model.is_empty() {
             return Err(missing("model"));
@@ -292,6 +293,9 @@ impl Request {
                 .unwrap_or(false),
             user: b.user,
             cache_salt: b.cache_salt,
+            // The text is about as long as the body that carries it: grown by doublings instead,
+            // a long prompt was copied several times over (and once more for its last newline).
+            text: String::with_capacity(body_len),
             ..Request::default()
         };
         let max = match api {

@@ -106,7 +106,8 @@ pub struct PodRecord {
 }
 
 pub fn key(pod: &str) -> String {
-    format!("kvgate.pod.{pod}")
+    // Built on every read and write of a record: a concatenation, not the formatter.
+    ["kvgate.pod.", pod].concat()
 }
 
 impl PodRecord {
@@ -200,7 +201,8 @@ impl PodRecord {
     }
 
     pub fn encode(&self) -> Vec<u8> {
-        let mut w = Writer::new();
+        // Room for the snapshot and every entry at once (about 100 bytes each), not by doublings.
+        let mut w = Writer(Vec::with_capacity(128 + 100 * self.entries.len()));
         w.u8(VERSION);
         match &self.snapshot {
             Some(s) => {

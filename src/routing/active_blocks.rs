@@ -97,10 +97,11 @@ impl ActiveBlocks {
             return;
         };
         for h in hashes {
-            if let Some(n) = p.refs.get_mut(&h) {
-                *n -= 1;
-                if *n == 0 {
-                    p.refs.remove(&h);
+            // One lookup per block, whether its count drops or the block goes.
+            if let hashbrown::hash_map::Entry::Occupied(mut n) = p.refs.entry(h) {
+                *n.get_mut() -= 1;
+                if *n.get() == 0 {
+                    n.remove();
                 }
             }
         }

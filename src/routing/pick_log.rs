@@ -52,6 +52,8 @@ fn encode<'a>(seq: u64, origin: u32, events: impl Iterator<Item = &'a Event>) ->
     for event in events {
         match event {
             Event::Dispatch(d) => {
+                // The hashes are most of a slot: room for them at once, not by doublings.
+                w.0.reserve(29 + d.pod.len() + 8 * d.hashes.len());
                 w.u8(DISPATCH)
                     .bytes(d.pod.as_bytes())
                     .u64(d.request)

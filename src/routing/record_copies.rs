@@ -43,13 +43,19 @@ impl RecordCopies {
             }
         }
         let rec = record::read(store, pod)?;
-        self.copies.insert(pod.to_string(), (now, rec.clone()));
+        self.keep(pod, rec.clone(), now);
         Ok((rec, false))
     }
 
     /// The record as this VM just wrote it.
     pub fn wrote(&mut self, pod: &str, rec: PodRecord, now: u64) {
-        self.copies.insert(pod.to_string(), (now, rec));
+        self.keep(pod, rec, now);
+    }
+
+    /// Replaces the pod's copy; its name is copied only when it has none (on every request,
+    /// the pod it picked already has one).
+    fn keep(&mut self, pod: &str, rec: PodRecord, now: u64) {
+        self.copies.entry_ref(pod).insert((now, rec));
     }
 
     /// This VM removed a request's entry from the pod's record: the copy follows (its age kept).

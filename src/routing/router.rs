@@ -88,31 +88,50 @@ fn explain(
     w: &RoutingConfig,
     room: impl Fn(usize) -> bool,
 ) -> String {
-    use std::fmt::Write as _;
     // Whole numbers written as integers: `{:.0}` of a float takes the exact (bignum) path, and
     // this header is built on every request while debug headers are on.
     let whole = |x: f64| x.round_ties_even() as i64;
     let mut out = String::with_capacity(ranked.len() * 48);
     for s in ranked {
-        let t = Terms::of(&candidates[s.index], prompt_blocks, own_blocks, w);
+        let c = &candidates[s.index];
+        let t = Terms::of(c, prompt_blocks, own_blocks, w);
         if !out.is_empty() {
             out.push_str(", ");
         }
-        let _ = write!(
-            out,
-            "{} {}={}+{}+{}+{}+{}+{}{}",
-            candidates[s.index].pod,
-            whole(s.cost),
-            whole(t.prefill),
-            whole(t.decode),
-            whole(t.active),
-            whole(t.queue),
-            whole(t.kv),
-            whole(t.adapter),
-            if room(s.index) { "" } else { " full" }
-        );
+        out.push_str(c.pod);
+        out.push(' ');
+        push_int(&mut out, whole(s.cost));
+        let terms = [t.prefill, t.decode, t.active, t.queue, t.kv, t.adapter];
+        for (k, term) in terms.into_iter().enumerate() {
+            out.push(if k == 0 { '=' } else { '+' });
+            push_int(&mut out, whole(term));
+        }
+        if !room(s.index) {
+            out.push_str(" full");
+        }
     }
     out
+}
+
+/// Appends `n` in decimal, as `write!` would: `write!` takes the formatter's padding path for
+/// every integer, several times the cost of the digits, and the ranking writes seven per
+/// candidate on every request.
+fn push_int(out: &mut String, n: i64) {
+    let mut digits = [0u8; 20];
+    let mut start = digits.len();
+    let mut rest = n.unsigned_abs();
+    for d in digits.iter_mut().rev() {
+        *d = b'0' + (rest % 10) as u8;
+        start -= 1;
+        rest /= 10;
+        if rest == 0 {
+            break;
+        }
+    }
+    if n < 0 {
+        out.push('-');
+    }
+    out.extend(digits.iter().skip(start).map(|&d| char::from(d)));
 }
 
 pub struct Router {
@@ -668,6 +687,15 @@ mod tests {
             .iter()
             .map(|p| record::read(vm, p).unwrap().active_blocks())
             .sum()
+    }
+
+    #[test]
+    fn ranking_integers_are_written_as_write_would() {
+        for n in [0, 7, -7, 10, 99, -100, 12_345, i64::MAX, i64::MIN] {
+            let mut out = String::from("x");
+            push_int(&mut out, n);
+            assert_eq!(out, format!("x{n}"));
+        }
     }
 
     #[test]

@@ -259,7 +259,7 @@ impl Router {
         // Health is read only for pods without a list, and only when no list names the model.
         let pods = &self.pods;
         let up = |i: usize| record::read(store, &pods[i]).map_or(true, |r| !r.is_down());
-        self.served.serving(pods, model, up).contains(&true)
+        self.served.serving_any(pods, model, up)
     }
 
     /// Whether a pod's model list, as last read, names `model`.
