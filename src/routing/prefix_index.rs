@@ -195,7 +195,11 @@ impl PrefixIndex {
         let capacity = (capacity as f64 / self.density).round() as usize;
         let step_ms = (self.ttl_ms / CLOCK_STEPS).max(1);
         let p = self.pods.entry_ref(pod).or_default();
-        for &h in hashes {
+        // Last block first, so a prompt's head is its most recently used part and outlives its
+        // tail, as in vLLM, which frees a finished request's blocks in reverse order so that the
+        // tail is evicted first (and the simulator does the same): touched head first, the head
+        // went first, the whole prompt stopped matching while the engine still held most of it.
+        for &h in hashes.iter().rev() {
             p.touch(h, now, step_ms);
         }
         if let Some(&first) = hashes.first() {
@@ -252,8 +256,8 @@ mod tests {
     #[test]
     fn a_prompts_home_outlives_its_evicted_blocks_within_a_bound_and_the_ttl() {
         let mut idx = PrefixIndex::new(60_000);
-        idx.insert("a", &[1, 2, 3], 0, 4);
-        idx.insert("a", &[7, 8, 9], 5, 4); // evicts 1, 2, 3
+        idx.insert("a", &[1, 2, 3], 0, 3);
+        idx.insert("a", &[7, 8, 9], 5, 3); // evicts 1, 2, 3
         assert_eq!(idx.matched("a", &[1, 2, 3], 5), 0);
         assert_eq!(idx.sent_home("a", 1, 5), Some(0));
         assert_eq!(idx.sent_home("a", 7, 5), Some(5));
@@ -276,6 +280,16 @@ mod tests {
         assert!(idx
             .sent_home("a", 1_000 + 3 * MIN_HOMES as u64 - 1, 500)
             .is_some());
+    }
+
+    #[test]
+    fn a_prompt_loses_its_tail_before_its_head() {
+        let mut idx = PrefixIndex::new(60_000);
+        idx.insert("a", &(0..80).collect::<Vec<u64>>(), 0, 100);
+        // Another prompt of 40 blocks: 120 > 100, down to 100 - 100 / 8 = 88: 32 of the first
+        // prompt's blocks go, from its end.
+        idx.insert("a", &(1_000..1_040).collect::<Vec<u64>>(), 1, 100);
+        assert_eq!(idx.matched("a", &(0..80).collect::<Vec<u64>>(), 1), 48);
     }
 
     #[test]
@@ -309,7 +323,7 @@ mod tests {
         assert_eq!(idx.blocks_held("a"), 0);
         idx.insert("a", &[1, 2, 3], 1, 1);
         assert_eq!(idx.blocks_held("a"), 1);
-        assert_eq!(idx.matched("a", &[3], 1), 1, "the most recent kept");
+        assert_eq!(idx.matched("a", &[1], 1), 1, "the head kept");
     }
 
     #[test]

@@ -206,31 +206,12 @@ impl Tally {
             Metric::PageSize => self.gauge_page_size.add(whole(value)),
             Metric::NumPages => self.gauge_pages.add(key, whole(value).map(|n| n as f64)),
             Metric::MaxTotalTokens => self.gauge_tokens.add(key, whole(value).map(|n| n as f64)),
-            Metric::PrefixHits(i) => {
-                if let Some(g) = self.hits.get_mut(i) {
-                    g.add(key, count(value));
-                }
-            }
-            Metric::PrefixQueries(i) => {
-                if let Some(g) = self.queries.get_mut(i) {
-                    g.add(key, count(value));
-                }
-            }
-            Metric::Preemptions(i) => {
-                if let Some(g) = self.preemptions.get_mut(i) {
-                    g.add(key, count(value));
-                }
-            }
-            Metric::ItlSum(i) => {
-                if let Some(g) = self.itl_sum.get_mut(i) {
-                    g.add(key, count(value));
-                }
-            }
-            Metric::ItlCount(i) => {
-                if let Some(g) = self.itl_count.get_mut(i) {
-                    g.add(key, count(value));
-                }
-            }
+            // Counters kept per name variant (vLLM's and SGLang's, old and new), summed over engines.
+            Metric::PrefixHits(i) => add_counter(&mut self.hits, i, key, value),
+            Metric::PrefixQueries(i) => add_counter(&mut self.queries, i, key, value),
+            Metric::Preemptions(i) => add_counter(&mut self.preemptions, i, key, value),
+            Metric::ItlSum(i) => add_counter(&mut self.itl_sum, i, key, value),
+            Metric::ItlCount(i) => add_counter(&mut self.itl_count, i, key, value),
         }
     }
 
@@ -294,6 +275,12 @@ fn first_present(variants: &[PerEngine]) -> Option<f64> {
         .iter()
         .find(|g| !g.is_empty())
         .and_then(PerEngine::total)
+}
+
+fn add_counter(variants: &mut [PerEngine], i: usize, key: u64, value: f64) {
+    if let Some(g) = variants.get_mut(i) {
+        g.add(key, count(value));
+    }
 }
 
 fn count(v: f64) -> Option<f64> {
