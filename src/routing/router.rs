@@ -424,7 +424,7 @@ impl Router {
         let mut rng = Rng::new(request ^ now.rotate_left(17));
         let own_blocks = prompt_blocks as u64 + output_blocks;
         let mut ranked = rank(&candidates, prompt_blocks, own_blocks, r, &mut rng);
-        self.send_home(cfg, &mut ranked, &candidates, hashes, prompt_blocks, now);
+        self.send_home(cfg, &mut ranked, &candidates, &ask);
         let budgets: Vec<Option<u64>> = indices
             .iter()
             // With several gateway replicas, this one's grant of the budget (`replicas::share`).
@@ -808,6 +808,7 @@ mod tests {
         let (vm, mut cfg, mut r) = router(&["a:1", "b:1"]);
         cfg.admission.enabled = false;
         let group = hashes(1, 16);
+        vm.host().advance_ms(1_000); // this send is newer than the stale copy below
         let first = r.route_m(&vm, &cfg, &group, &est(256, 16));
         r.finish(&vm, &cfg, &first).unwrap();
         let home = first.pod.clone();
@@ -823,6 +824,11 @@ mod tests {
         let new = r.route_m(&vm, &cfg, &hashes(3, 16), &est(256, 16));
         assert_ne!(new.pod, home, "{}", new.ranking);
         r.finish(&vm, &cfg, &new).unwrap();
+        // The other pod still has the head of its old copy (a head outlives its tail): the
+        // group goes home all the same.
+        let other = cfg.pods.iter().find(|p| **p != home).unwrap().clone();
+        r.prefix.insert(&other, &group[..2], 0, 40);
+        assert_eq!(r.prefix.matched(&other, &group, vm.now_ms()), 2);
         let again = r.route_m(&vm, &cfg, &group, &est(256, 16));
         assert_eq!(again.pod, home, "{}", again.ranking);
         r.finish(&vm, &cfg, &again).unwrap();

@@ -177,35 +177,39 @@ impl Router {
         (hot, copy_weight(holders, indices.len()))
     }
 
-    /// Where a prompt no pod caches goes, among pods within half its prefill of the best (about
-    /// what its group's next request saves by finding the prefix there): with several replicas,
-    /// where every replica would send it (`pick::rendezvous`); with one, back to the pod its group
-    /// was last sent to, if any (`PrefixIndex::sent_home`). Under cache pressure a group evicted
-    /// everywhere otherwise went to whichever pod was least loaded, so over time every pod
-    /// computed every group and evicted the others' (a working set 1.5× the pool's KV: each group
-    /// on 5.5 pods of 8, 29 % of prompt tokens hit, against 45 % for routers that keep a group on
-    /// one pod).
+    /// Where a prompt goes among pods within half its prefill of the best (about what its
+    /// group's next request saves by finding the prefix there), for affinity beyond the cache:
+    /// - with several replicas, a prompt no pod caches goes where every replica would send it
+    ///   (`pick::rendezvous`);
+    /// - with one, a prompt goes back to the pod its group was last sent to, if any
+    ///   (`PrefixIndex::sent_home`, a group named by its first block). Under cache pressure a
+    ///   group evicted everywhere otherwise went to whichever pod was least loaded, so over time
+    ///   every pod computed every group and evicted the others' (a working set 1.5× the pool's
+    ///   KV: each group on 5.5 pods of 8, 29 % of prompt tokens hit, against 43–45 % for
+    ///   routers that keep a group on one pod). Not while in-flight requests hold the prompt's
+    ///   first blocks (a hot prefix: its copies are priced by `pick::copy_weight`, and the pod
+    ///   last sent it is no home), nor when every pod caches the first block (a prefix all share,
+    ///   not a group). A prompt's head may outlive the rest of it in a pod's index (as in the
+    ///   engine), so some pods matching a little does not stop it.
     pub(super) fn send_home(
         &self,
         cfg: &Config,
         ranked: &mut Vec<Scored>,
         candidates: &[Candidate],
-        hashes: &[u64],
-        prompt_blocks: usize,
-        now: u64,
+        ask: &Ask,
     ) {
-        let Some(&first) = hashes.first() else {
+        let Some(&first) = ask.hashes.first() else {
             return;
         };
-        if candidates.iter().any(|c| c.cached_blocks > 0) {
-            return;
-        }
-        let tolerance = cfg.routing.prefill_weight * prompt_blocks as f64 / 2.0;
+        let tolerance = cfg.routing.prefill_weight * ask.prompt_blocks as f64 / 2.0;
         if cfg.etcd.enabled() {
-            rendezvous(ranked, candidates, first, tolerance);
-        } else {
+            if candidates.iter().all(|c| c.cached_blocks == 0) {
+                rendezvous(ranked, candidates, first, tolerance);
+            }
+        } else if ask.hot_blocks == 0 && candidates.iter().any(|c| c.cached_blocks == 0) {
             prefer(ranked, tolerance, |s| {
-                self.prefix.sent_home(candidates[s.index].pod, first, now)
+                self.prefix
+                    .sent_home(candidates[s.index].pod, first, ask.now)
             });
         }
     }
