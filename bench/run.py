@@ -79,12 +79,13 @@ FULL = {
         "system_tokens": 2048, "question_tokens": 256, "output_tokens": 256, "rate": 20, "duration": 20,
         "ttft_slo_ms": 200,
     },
-    # Prefixes whose working set is 1.5x the whole pool's KV (12x one pod's), near saturation: a
+    # Prefixes whose working set is 1.5x the whole pool's KV (12x one pod's), near saturation (at 60
+    # req/s round robin's TTFT runs to seconds; at 40 every router keeps up): a
     # router that splits a group over several pods, or sends it where its copy was evicted,
     # computes it again and evicts another group's.
     "cache_pressure": {
         "num_gpu_blocks": 1024, "groups": 96, "system_tokens": 2048, "question_tokens": 256,
-        "output_tokens": 64, "rate": 40, "duration": 30, "ttft_slo_ms": 500,
+        "output_tokens": 64, "rate": 60, "duration": 30, "ttft_slo_ms": 500,
     },
     "burst": {
         "groups": 10, "questions": 100, "system_tokens": 2048, "question_tokens": 256,
