@@ -206,7 +206,7 @@ impl<'a> Counter<'a> {
                 end = at + digits;
                 self.digits(digits);
             }
-            CharClass::OtherLetter => self.grouped(CharClass::OtherLetter),
+            CharClass::OtherLetter => self.other_letter(),
             CharClass::Space => {
                 let spaces = ascii_run(bytes, end, |b| b == b' ');
                 if spaces > 0 {
@@ -329,24 +329,18 @@ impl<'a> Counter<'a> {
         }
     }
 
-    /// Digits and other alphabets: a token for every few characters of a run.
+    /// Another alphabet's letter: a token for every few letters of a run.
     #[inline(always)]
-    fn grouped(&mut self, k: CharClass) {
-        if self.prev != k {
+    fn other_letter(&mut self) {
+        if self.prev != CharClass::OtherLetter {
             self.run = 0;
         }
         self.run += 1;
-        let per_token = if k == CharClass::Digit {
-            DIGITS_PER_TOKEN
-        } else {
-            OTHER_LETTERS_PER_TOKEN
-        };
-        let starts_token = (self.run - 1).is_multiple_of(per_token);
-        self.charge(k, if starts_token { 1.0 } else { 0.0 });
+        let starts_token = (self.run - 1).is_multiple_of(OTHER_LETTERS_PER_TOKEN);
+        self.charge(CharClass::OtherLetter, if starts_token { 1.0 } else { 0.0 });
     }
 
-    /// A run of `digits` digits: a token at the first of each group of three, added one by one
-    /// as `grouped` adds them.
+    /// A run of `digits` digits: a token at the first of each group of three, one addition each.
     #[inline(always)]
     fn digits(&mut self, digits: usize) {
         if self.prev != CharClass::Digit {
