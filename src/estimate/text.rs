@@ -229,14 +229,16 @@ impl<'a> Counter<'a> {
             }
             CharClass::Punct => self.mark(at, end),
             CharClass::Cjk => {
-                self.tokens += CJK_TOKENS;
-                // The rest of the run whose lead bytes alone say Han or hangul (three bytes
-                // each), without the table: one comparison a character.
-                while let Some(0xe4..=0xe9 | 0xeb..=0xec) = bytes.get(end) {
-                    self.tokens += CJK_TOKENS;
-                    end += 3;
+                self.charge(CharClass::Cjk, CJK_TOKENS);
+                // The rest of the run whose lead bytes alone say Han or hangul.
+                while let Some(Char {
+                    class: CharClass::Cjk,
+                    len,
+                }) = known_at(bytes, end)
+                {
+                    self.charge(CharClass::Cjk, CJK_TOKENS);
+                    end += usize::from(len);
                 }
-                self.prev = CharClass::Cjk;
             }
             CharClass::CjkPunct => self.charge(CharClass::CjkPunct, CJK_TOKENS),
             CharClass::Pictograph => self.charge(CharClass::Pictograph, PICTOGRAPH_TOKENS),
