@@ -142,14 +142,6 @@ fn known_at(bytes: &[u8], at: usize) -> Option<Char> {
         .flatten()
 }
 
-/// The length of the character at byte `at` if its first byte alone says it is of class `k`.
-#[inline(always)]
-fn known_len(bytes: &[u8], at: usize, k: CharClass) -> Option<usize> {
-    known_at(bytes, at)
-        .filter(|c| c.class == k)
-        .map(|c| usize::from(c.len))
-}
-
 /// The character starting at byte `at` of `text`, if there is one.
 #[inline(always)]
 fn char_at(text: &str, at: usize) -> Option<Char> {
@@ -209,19 +201,21 @@ impl<'a> Counter<'a> {
                 end = self.lowercase_words(end);
             }
             CharClass::Digit => {
-                self.grouped(CharClass::Digit);
-                while let Some(len) = known_len(bytes, end, CharClass::Digit) {
-                    self.grouped(CharClass::Digit);
-                    end += len;
-                }
+                // Only ASCII digits are of this class.
+                let digits = 1 + ascii_run(bytes, end, |b| b.is_ascii_digit());
+                end = at + digits;
+                self.digits(digits);
             }
-            CharClass::OtherLetter => self.grouped(CharClass::OtherLetter),
+            CharClass::OtherLetter => self.other_letter(),
             CharClass::Space => {
-                self.space(end);
-                while let Some(b' ') = bytes.get(end) {
-                    end += 1;
-                    self.space(end);
+                let spaces = ascii_run(bytes, end, |b| b == b' ');
+                if spaces > 0 {
+                    // Every space of the run but its last is followed by a space, which `space`
+                    // charges nothing: only the last one looks at what follows.
+                    self.prev = CharClass::Space;
+                    end += spaces;
                 }
+                self.space(end);
             }
             CharClass::Newline => {
                 let joined = matches!(
@@ -236,9 +230,14 @@ impl<'a> Counter<'a> {
             CharClass::Punct => self.mark(at, end),
             CharClass::Cjk => {
                 self.charge(CharClass::Cjk, CJK_TOKENS);
-                while let Some(len) = known_len(bytes, end, CharClass::Cjk) {
+                // The rest of the run whose lead bytes alone say Han or hangul.
+                while let Some(Char {
+                    class: CharClass::Cjk,
+                    len,
+                }) = known_at(bytes, end)
+                {
                     self.charge(CharClass::Cjk, CJK_TOKENS);
-                    end += len;
+                    end += usize::from(len);
                 }
             }
             CharClass::CjkPunct => self.charge(CharClass::CjkPunct, CJK_TOKENS),
@@ -287,46 +286,74 @@ impl<'a> Counter<'a> {
 
     /// Counts, from byte `at` just after a letter, the rest of its lowercase ASCII piece and the
     /// lowercase words that follow it one space apart (most of English prose); returns where it
-    /// stopped. What `letter` would charge letter by letter: a lowercase ASCII letter after a
-    /// letter only lengthens the piece, costing more once it is long; the space and first letter
-    /// of each further word are counted by `space` and `letter` themselves.
+    /// stopped. What `letter` and `space` would charge character by character, without looking
+    /// up any class: a lowercase ASCII letter after a letter only lengthens the piece, costing
+    /// more once it is long; a single space between a letter and a lowercase letter costs nothing
+    /// (it is neither an indentation nor before a digit) and the letter after it starts a piece.
     #[inline(always)]
     fn lowercase_words(&mut self, mut at: usize) -> usize {
         let bytes = self.text.as_bytes();
-        loop {
-            let letters = lowercase_run(bytes, at);
-            if letters > 0 {
-                at += letters;
-                let long_from = self.run.max(LONG_WORD_LETTERS);
-                self.run += letters;
-                for _ in long_from..self.run {
-                    self.charge(CharClass::Lower, LONG_WORD_EXTRA_TOKENS);
-                }
-                self.prev = CharClass::Lower;
+        let letters = lowercase_run(bytes, at);
+        if letters > 0 {
+            at += letters;
+            self.lengthen(letters);
+            self.prev = CharClass::Lower;
+        }
+        // In locals, which the loop keeps in registers: one piece's state is written back once.
+        let (mut tokens, mut last) = (self.tokens, 0);
+        while let (Some(b' '), Some(b'a'..=b'z')) = (bytes.get(at), bytes.get(at + 1)) {
+            // The next word's first letter starts a piece: what `letter` charges after a space.
+            tokens += 1.0;
+            // Its letters, the first included, each past the first few charged in turn.
+            last = lowercase_run(bytes, at + 1);
+            at += 1 + last;
+            for _ in LONG_WORD_LETTERS..last {
+                tokens += LONG_WORD_EXTRA_TOKENS;
             }
-            let (Some(b' '), Some(b'a'..=b'z')) = (bytes.get(at), bytes.get(at + 1)) else {
-                return at;
-            };
-            self.space(at + 1);
-            self.letter(CharClass::Lower, false);
-            at += 2;
+        }
+        self.tokens = tokens;
+        if last > 0 {
+            self.run = last;
+            self.accented = false;
+            self.prev = CharClass::Lower;
+        }
+        at
+    }
+
+    /// `letters` more letters of the current piece, each past `LONG_WORD_LETTERS` charged in
+    /// turn (one addition each, as `letter` would add them).
+    #[inline(always)]
+    fn lengthen(&mut self, letters: usize) {
+        let long_from = self.run.max(LONG_WORD_LETTERS);
+        self.run += letters;
+        for _ in long_from..self.run {
+            self.tokens += LONG_WORD_EXTRA_TOKENS;
         }
     }
 
-    /// Digits and other alphabets: a token for every few characters of a run.
+    /// Another alphabet's letter: a token for every few letters of a run.
     #[inline(always)]
-    fn grouped(&mut self, k: CharClass) {
-        if self.prev != k {
+    fn other_letter(&mut self) {
+        if self.prev != CharClass::OtherLetter {
             self.run = 0;
         }
         self.run += 1;
-        let per_token = if k == CharClass::Digit {
-            DIGITS_PER_TOKEN
-        } else {
-            OTHER_LETTERS_PER_TOKEN
-        };
-        let starts_token = (self.run - 1).is_multiple_of(per_token);
-        self.charge(k, if starts_token { 1.0 } else { 0.0 });
+        let starts_token = (self.run - 1).is_multiple_of(OTHER_LETTERS_PER_TOKEN);
+        self.charge(CharClass::OtherLetter, if starts_token { 1.0 } else { 0.0 });
+    }
+
+    /// A run of `digits` digits: a token at the first of each group of three, one addition each.
+    #[inline(always)]
+    fn digits(&mut self, digits: usize) {
+        if self.prev != CharClass::Digit {
+            self.run = 0;
+        }
+        let first = self.run.next_multiple_of(DIGITS_PER_TOKEN);
+        self.run += digits;
+        for _ in (first..self.run).step_by(DIGITS_PER_TOKEN) {
+            self.tokens += 1.0;
+        }
+        self.prev = CharClass::Digit;
     }
 
     /// A space before byte `end`. Spaces are charged at the end of their run; a single space
@@ -348,12 +375,15 @@ impl<'a> Counter<'a> {
 
     /// A punctuation mark at bytes `at..end`.
     fn mark(&mut self, at: usize, end: usize) {
-        let bytes = self.text.as_bytes().get(at..end).unwrap_or_default();
-        // At most four bytes, and no character's encoding is another's with bytes added.
-        let mark = bytes
-            .iter()
-            .rev()
-            .fold(0, |packed, b| packed << 8 | u32::from(*b));
+        let mark = match self.text.as_bytes().get(at..end).unwrap_or_default() {
+            // Most marks are ASCII.
+            [b] => u32::from(*b),
+            // At most four bytes, and no character's encoding is another's with bytes added.
+            bytes => bytes
+                .iter()
+                .rev()
+                .fold(0, |packed, b| packed << 8 | u32::from(*b)),
+        };
         let t = if self.prev == CharClass::Punct {
             if self.last_mark == mark {
                 PUNCT_REPEAT_TOKENS
@@ -368,6 +398,14 @@ impl<'a> Counter<'a> {
         self.last_mark = mark;
         self.charge(CharClass::Punct, t);
     }
+}
+
+/// How many bytes from `at` satisfy `is` in a row (runs of digits and spaces are short: a byte
+/// at a time).
+#[inline(always)]
+fn ascii_run(bytes: &[u8], at: usize, is: impl Fn(u8) -> bool) -> usize {
+    let rest = bytes.get(at..).unwrap_or_default();
+    rest.iter().take_while(|&&b| is(b)).count()
 }
 
 /// How many bytes from `at` are lowercase ASCII letters in a row. Eight bytes at a time: a word's
