@@ -16,7 +16,7 @@
 //! sent, kept after the blocks themselves are evicted. Under cache pressure (prefixes the pool
 //! cannot all hold) a group whose copy was evicted everywhere goes back to the pod it used, so
 //! each pod keeps serving the same few groups, and its cache, instead of every pod in turn
-//! computing every group and evicting the others' (`Router::route`'s home rule).
+//! computing every group and evicting the others' (`Router::send_home`, in router/steps.rs).
 
 use hashbrown::HashMap;
 use std::collections::VecDeque;
