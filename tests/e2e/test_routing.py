@@ -87,7 +87,8 @@ def test_client_supplied_destination_has_no_effect():
 
 def hot_and_cold_groups(envoy, sim):
     """48 requests of one hot group at once, while eight cold groups send six questions each, one
-    after another: the pod each hot request landed on, and the pool's prefix-cache hit rate."""
+    after another: the pod each hot request landed on, the pool's prefix-cache hit rate, and its
+    preemptions."""
     def hot(q):
         r = request(envoy.port, "POST", "/v1/chat/completions", group_chat(7, q, max_tokens=256), timeout=120)
         assert r.status == 200
@@ -103,9 +104,8 @@ def hot_and_cold_groups(envoy, sim):
         for c in colds:
             c.result()
     stats = [sim.stats(i) for i in range(sim.pods)]
-    assert sum(s["preemptions"] for s in stats) == 0, stats
     hits = sum(s["prefix_cache_hit_tokens"] for s in stats) / sum(s["prefix_cache_query_tokens"] for s in stats)
-    return pods, hits
+    return pods, hits, sum(s["preemptions"] for s in stats)
 
 
 def test_a_hot_prefix_spreads_over_pods_while_the_others_keep_their_cache():
@@ -121,9 +121,13 @@ def test_a_hot_prefix_spreads_over_pods_while_the_others_keep_their_cache():
             ctx = baseline_envoy(sim.endpoints) if name == "round_robin" else \
                 kvgate_envoy(sim.endpoints, default_plugin_config())
             with ctx as envoy:
-                pods, hits = hot_and_cold_groups(envoy, sim)
-                arms[name] = {"share": {p: pods.count(p) for p in set(pods)}, "hit_rate": round(hits, 3)}
+                pods, hits, preemptions = hot_and_cold_groups(envoy, sim)
+                arms[name] = {"share": {p: pods.count(p) for p in set(pods)}, "hit_rate": round(hits, 3),
+                              "preemptions": preemptions}
     print(f"one hot group and eight cold ones: {arms}")
+    # Round robin is the reference for the hit rate only: its pods, sent everything at once, may
+    # preempt (1 in about 8 runs here); kvgate's admission must not let them.
+    assert arms["kvgate"]["preemptions"] == 0, arms
     share = arms["kvgate"]["share"]
     assert len(share) >= 3, f"the hot prefix spread over the pool: {share}"
     assert max(share.values()) <= 24, f"no pod took more than half: {share}"
