@@ -75,19 +75,19 @@ fn smooth(pace: f64, sample: f64) -> f64 {
 /// whatever its model's pace, and the geometric mean keeps a fast and a slow half symmetric
 /// (×2 and ×½ of the configured weights, not ×1.33 and ×0.67).
 pub fn cost_factors(paces: &[f64]) -> Vec<f64> {
-    let known: Vec<f64> = paces
+    let known = |p: f64| p.is_finite() && p > 0.0;
+    let (log_sum, n) = paces
         .iter()
-        .copied()
-        .filter(|p| p.is_finite() && *p > 0.0)
-        .collect();
-    if known.is_empty() {
+        .filter(|&&p| known(p))
+        .fold((0.0, 0usize), |(s, n), p| (s + p.ln(), n + 1));
+    if n == 0 {
         return vec![1.0; paces.len()];
     }
-    let reference = (known.iter().map(|p| p.ln()).sum::<f64>() / known.len() as f64).exp();
+    let reference = (log_sum / n as f64).exp();
     paces
         .iter()
         .map(|&p| {
-            if p.is_finite() && p > 0.0 {
+            if known(p) {
                 (p / reference).clamp(MIN_FACTOR, MAX_FACTOR)
             } else {
                 1.0
