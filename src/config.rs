@@ -80,6 +80,9 @@ pub struct AdmissionConfig {
     /// How many requests of its band may be admitted past the head of the line into room the
     /// head does not fit, while it waits; 0 keeps the line strictly in order.
     pub backfill_passes: u32,
+    /// How many more times a head whose only room would compute its prompt's prefix again may be
+    /// passed by requests of its band whose prefix is cached where that room is.
+    pub cache_first_passes: u32,
     /// Longest wait before 503 with Retry-After.
     pub max_wait_ms: u64,
     /// Header naming the GIE inference objective, mapped to a priority by `objectives`.
@@ -110,6 +113,7 @@ impl Default for AdmissionConfig {
             budget_tokens: 0,
             max_queue: 1_000,
             backfill_passes: 4,
+            cache_first_passes: 16,
             max_wait_ms: 30_000,
             objective_header: "x-gateway-inference-objective".into(),
             objectives: BTreeMap::new(),
@@ -447,6 +451,9 @@ impl AdmissionConfig {
         }
         if self.backfill_passes > 1_000 {
             return e("backfillPasses", "must be at most 1000");
+        }
+        if self.cache_first_passes > 1_000 {
+            return e("cacheFirstPasses", "must be at most 1000");
         }
         if !(0.0..=10.0).contains(&self.headroom_sigmas) {
             return e("headroomSigmas", "must be in [0, 10]");

@@ -3,7 +3,7 @@
 //! and the stats waiting to be flushed. Requests (`flow`) borrow it; the shell's root context
 //! drives its tick, callouts and wake-ups.
 
-use crate::admission::admit::Admission;
+use crate::admission::admit::{Admission, Backfills};
 use crate::config::Config;
 use crate::estimate::calibration::Calibration;
 use crate::models::split::Split;
@@ -250,12 +250,14 @@ impl Gate {
         })
     }
 
-    /// Parked requests past their deadline; the shell retries each, which answers 503.
-    /// This VM's parked requests that may be admitted past the head of the line now.
-    pub fn backfill(&self, store: &dyn Store) -> Vec<u64> {
-        self.admission.backfill(store, &self.config.admission)
+    /// This VM's parked requests that may be admitted past the head of the line now
+    /// (`cache_first`: into room where their prefix is, which the head would copy its own to).
+    pub fn backfill(&self, store: &dyn Store, cache_first: bool) -> Backfills {
+        self.admission
+            .backfill(store, &self.config.admission, cache_first)
     }
 
+    /// Parked requests past their deadline; the shell retries each, which answers 503.
     pub fn expired(&self, store: &dyn Store) -> Vec<u64> {
         self.admission.expired(store.now_ms())
     }

@@ -55,6 +55,9 @@ pub const ADMISSION_WAKE_LATENCY_MS: &str = "kvgate.admission.wake_latency_ms";
 /// The histogram's sum as a counter, so a mean is readable without Prometheus.
 pub const ADMISSION_WAKE_LATENCY_MS_TOTAL: &str = "kvgate.admission.wake_latency_ms_total";
 pub const ADMISSION_WAKES: &str = "kvgate.admission.wakes";
+// The line's cache-friendly order (`drive::run_line`).
+pub const ADMISSION_CACHE_FIRST: &str = "kvgate.admission.cache_first";
+pub const ADMISSION_UNCACHED: &str = "kvgate.admission.uncached";
 
 // The estimator against the engine's `usage` (`flow`).
 pub const ESTIMATE_PROMPT_TOKENS: &str = "kvgate.estimate.prompt_tokens";
@@ -121,6 +124,8 @@ pub const FIXED: &[&str] = &[
     ADMISSION_WAKE_LATENCY_MS,
     ADMISSION_WAKE_LATENCY_MS_TOTAL,
     ADMISSION_WAKES,
+    ADMISSION_CACHE_FIRST,
+    ADMISSION_UNCACHED,
     ESTIMATE_PROMPT_TOKENS,
     ESTIMATE_OUTPUT_TOKENS,
     ESTIMATE_COST_TOKENS,

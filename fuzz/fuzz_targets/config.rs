@@ -8,6 +8,7 @@
 //! whose deadline overflows).
 #![no_main]
 
+use kvgate::admission::admit::Reach;
 use kvgate::config::Config;
 use kvgate::flow::{Flow, Gate, RequestHead, Step};
 use kvgate::pods::pool::{encode_pods, PODS_KEY};
@@ -132,7 +133,7 @@ fn run(config: Config) {
         tick(&mut gate);
         for t in gate.expired(&vm) {
             if let Some((f, p)) = flows.iter_mut().find(|(_, p)| *p == Some(t)) {
-                if f.retry(&mut gate, &vm).is_some() {
+                if f.retry(&mut gate, &vm, Reach::Any).is_ok() {
                     *p = None;
                 }
             }
@@ -141,7 +142,7 @@ fn run(config: Config) {
             let Some((f, p)) = flows.iter_mut().find(|(_, p)| *p == Some(t)) else {
                 break;
             };
-            if f.retry(&mut gate, &vm).is_none() {
+            if f.retry(&mut gate, &vm, Reach::Any).is_err() {
                 break;
             }
             *p = None;

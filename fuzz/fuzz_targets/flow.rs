@@ -234,6 +234,7 @@ fn config(k: &Knobs) -> Config {
             "objectives": objectives,
             "sessionBoostMs": if k.session_boost { 60_000 } else { 0 },
             "backfillPasses": pick(&[4u32, 0, 1], k.backfill),
+            "cacheFirstPasses": pick(&[16u32, 0, 2], k.backfill),
         },
         "estimator": {
             "calibrate": k.calibrate,

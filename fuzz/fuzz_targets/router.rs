@@ -32,23 +32,32 @@ use std::collections::HashSet;
 
 // ---- Adapters: the kvgate APIs that are still moving, in one place. --------------------------
 
-/// `Router::route`: the routed request, or `None` when it was not placed (no pods, no room).
-/// The bool says whether it was refused for lack of room.
+/// `Router::route` (or, `cached`, `Router::route_cached`, as the line retries): the routed
+/// request, or `None` when it was not placed (no pods, no room, room only where its prefix is not
+/// cached). The bool says whether it was refused for lack of room anywhere.
 fn route(
     r: &mut Router,
     vm: &FakeVm,
     cfg: &Config,
-    hashes: Vec<u64>,
+    (hashes, cached): (Vec<u64>, bool),
     est: &Estimate,
 ) -> (Option<Routed>, bool) {
     use kvgate::routing::router::Placement;
-    match r
-        .route(vm, cfg, "m", &hashes, est)
-        .expect("the fake host never fails")
-    {
+    let placed = if cached {
+        r.route_cached(vm, cfg, ("m", &hashes, est))
+    } else {
+        r.route(vm, cfg, "m", &hashes, est)
+    };
+    match placed.expect("the fake host never fails") {
         Placement::Routed(routed) => (Some(routed), false),
         Placement::NoPods => (None, false),
         Placement::NoRoom => (None, true),
+        Placement::Uncached(pods) => {
+            assert!(cached, "only route_cached says where else there is room");
+            assert!(!pods.is_empty(), "room elsewhere names where");
+            assert!(pods.iter().all(|p| POOL.contains(&p.as_str())), "{pods:?}");
+            (None, false)
+        }
     }
 }
 
@@ -387,8 +396,14 @@ impl World {
                     est.max_output_tokens = 8192;
                 }
                 let hashes = chain_hashes(path, len);
-                let (routed, no_room) =
-                    route(&mut self.routers[v], &self.vms[v], &self.cfg, hashes, &est);
+                let cached = cost & 2 == 2;
+                let (routed, no_room) = route(
+                    &mut self.routers[v],
+                    &self.vms[v],
+                    &self.cfg,
+                    (hashes, cached),
+                    &est,
+                );
                 if no_room {
                     assert!(self.cfg.admission.enabled, "no room without admission");
                     self.check_no_room(v, &est);
@@ -518,7 +533,13 @@ impl World {
                     Moved::PickFailed
                 };
                 self.routers[owner]
-                    .rehome(&self.vms[owner], &self.cfg, &mut self.reqs[i].routed, to, why)
+                    .rehome(
+                        &self.vms[owner],
+                        &self.cfg,
+                        &mut self.reqs[i].routed,
+                        to,
+                        why,
+                    )
                     .expect("fake host");
                 let routed = &self.reqs[i].routed;
                 if routed.pod != from {

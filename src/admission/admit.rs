@@ -87,12 +87,40 @@ pub struct Admission {
     released_at: Option<u64>,
 }
 
-/// Backfills tried in one pass over the line at most: each is a routing attempt on the request
-/// path of whatever woke the VM.
-const MAX_BACKFILL_TRIES: usize = 8;
+/// Parked tickets a VM looks through for backfills, at most: the line is bounded, but a worker's
+/// share of a long one need not be read whole on every release.
+const MAX_BACKFILL_SCAN: usize = 256;
 
 /// Wakes to one VM are at most this frequent from one sender: its drain takes every message.
 const WAKE_EVERY_MS: u64 = 2;
+
+/// Where a parked request may go when the line moves (`drive::run_line`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reach {
+    /// Any pod with room.
+    Any,
+    /// Only a pod holding its prompt's cached prefix, when some pod holds half the prompt
+    /// (`Router::route_cached`).
+    Cached,
+}
+
+/// Why a retried request stays in the line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Stay {
+    /// No pod it may go to has room.
+    NoRoom,
+    /// Asked for its prefix's pods (`Reach::Cached`): only pods that would compute it again have
+    /// room; these.
+    Uncached(Vec<String>),
+}
+
+/// This VM's parked tickets that may be admitted past the head (`Admission::backfill`), in line
+/// order, and how many of them may be: the head's passes left.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Backfills {
+    pub tickets: Vec<u64>,
+    pub left: usize,
+}
 
 /// What a request asks of the pool: its model, its prompt's block hashes and its estimate.
 #[derive(Clone, Copy)]
@@ -139,14 +167,16 @@ impl Admission {
         if !a.enabled {
             return Ok(match router.route(store, cfg, model, hashes, est)? {
                 Placement::Routed(r) => Admit::Routed(r),
-                Placement::NoPods | Placement::NoRoom => Admit::Unrouted,
+                Placement::NoPods | Placement::NoRoom | Placement::Uncached(_) => Admit::Unrouted,
             });
         }
         if a.mode == Mode::Observe {
             // Nothing waits and nothing is refused: a request no pod has room for goes to the
             // best-ranked pod past its budget (`observe` counts it); nobody is ever in the line.
             let placed = match router.route(store, cfg, model, hashes, est)? {
-                Placement::NoRoom => router.route_past_budget(store, cfg, (model, hashes, est))?,
+                Placement::NoRoom | Placement::Uncached(_) => {
+                    router.route_past_budget(store, cfg, (model, hashes, est))?
+                }
                 fits => fits,
             };
             return Ok(match placed {
@@ -156,7 +186,7 @@ impl Admission {
                     }
                     Admit::Routed(r)
                 }
-                Placement::NoPods | Placement::NoRoom => Admit::Unrouted,
+                Placement::NoPods | Placement::NoRoom | Placement::Uncached(_) => Admit::Unrouted,
             });
         }
         let now = store.now_ms();
@@ -197,7 +227,7 @@ impl Admission {
                     return Ok(Admit::Routed(r));
                 }
                 Placement::NoPods => return Ok(Admit::Unrouted),
-                Placement::NoRoom => {}
+                Placement::NoRoom | Placement::Uncached(_) => {}
             }
         }
         if class.priority < 0 {
@@ -229,8 +259,9 @@ impl Admission {
         }
     }
 
-    /// Retries a parked request that is at the head of the line (or past its deadline). `None`:
-    /// it still does not fit, and stays parked.
+    /// Retries a parked request that is at the head of the line, a backfill, or past its
+    /// deadline (which is answered wherever it may reach). `Err`: it stays parked, and why.
+    #[allow(clippy::too_many_arguments)]
     pub fn retry(
         &mut self,
         store: &dyn Store,
@@ -239,7 +270,8 @@ impl Admission {
         stats: &mut Stats,
         ticket: &Ticket,
         asks: &Asks,
-    ) -> Result<Option<Admit>, StoreError> {
+        reach: Reach,
+    ) -> Result<Result<Admit, Stay>, StoreError> {
         let Asks { model, hashes, est } = *asks;
         let now = store.now_ms();
         if now >= ticket.deadline_ms {
@@ -253,12 +285,17 @@ impl Admission {
                 None,
             )
             .with_header("retry-after", waited_s.to_string());
-            return Ok(Some(Admit::Refuse(reply)));
+            return Ok(Ok(Admit::Refuse(reply)));
         }
-        let admit = match router.route(store, cfg, model, hashes, est)? {
+        let placed = match reach {
+            Reach::Any => router.route(store, cfg, model, hashes, est)?,
+            Reach::Cached => router.route_cached(store, cfg, (model, hashes, est))?,
+        };
+        let admit = match placed {
             Placement::Routed(r) => Admit::Routed(r),
             Placement::NoPods => Admit::Unrouted,
-            Placement::NoRoom => return Ok(None),
+            Placement::NoRoom => return Ok(Err(Stay::NoRoom)),
+            Placement::Uncached(pods) => return Ok(Err(Stay::Uncached(pods))),
         };
         self.leave(store, ticket.id, true)?;
         stats.count(stats::ADMISSION_ADMITTED, 1);
@@ -272,7 +309,7 @@ impl Admission {
             stats.count(stats::ADMISSION_WAKE_LATENCY_MS_TOTAL, latency);
             stats.count(stats::ADMISSION_WAKES, 1);
         }
-        Ok(Some(admit))
+        Ok(Ok(admit))
     }
 
     /// The head of the line if this VM holds it; otherwise wakes the VM that does.
@@ -298,31 +335,48 @@ impl Admission {
 
     /// This VM's parked tickets that may be admitted past the head now (backfills, in line
     /// order): in the head's band, while the head has been passed fewer than
-    /// `admission.backfillPasses` times. Each is then retried like the head; its admission counts
-    /// the pass (`line::remove`).
-    pub fn backfill(&self, store: &dyn Store, cfg: &AdmissionConfig) -> Vec<u64> {
-        if self.parked.is_empty() || cfg.backfill_passes == 0 {
-            return Vec::new();
+    /// `admission.backfillPasses` times, or, for requests whose prefix is cached where the head
+    /// would compute its own again (`cache_first`), `cacheFirstPasses` more. Each is then
+    /// retried like the head; its admission counts the pass (`line::remove`).
+    pub fn backfill(
+        &self,
+        store: &dyn Store,
+        cfg: &AdmissionConfig,
+        cache_first: bool,
+    ) -> Backfills {
+        let passes = if cache_first {
+            cfg.backfill_passes.saturating_add(cfg.cache_first_passes)
+        } else {
+            cfg.backfill_passes
+        };
+        let none = Backfills::default();
+        if self.parked.is_empty() || passes == 0 {
+            return none;
         }
         let line = match line::read(store) {
             Ok(line) => line,
             Err(e) => {
                 log::debug!("kvgate: reading the queue failed: {e:?}");
-                return Vec::new();
+                return none;
             }
         };
         let Some(head) = line.tickets.first() else {
-            return Vec::new();
+            return none;
         };
-        let left = cfg.backfill_passes.saturating_sub(line.head_passes()) as usize;
-        line.tickets
+        let left = passes.saturating_sub(line.head_passes()) as usize;
+        if left == 0 {
+            return none;
+        }
+        let tickets = line
+            .tickets
             .iter()
             .skip(1)
             .take_while(|t| t.priority == head.priority)
             .filter(|t| self.parked.contains_key(&t.id))
-            .take(left.min(MAX_BACKFILL_TRIES))
+            .take(MAX_BACKFILL_SCAN)
             .map(|t| t.id)
-            .collect()
+            .collect();
+        Backfills { tickets, left }
     }
 
     /// Parked tickets past their deadline.
@@ -463,8 +517,17 @@ mod tests {
             let (w, est) = (self, est(cost));
             let asks = asks(&est);
             w.admission
-                .retry(&w.vm, cfg, &mut w.router, &mut w.stats, t, &asks)
+                .retry(
+                    &w.vm,
+                    cfg,
+                    &mut w.router,
+                    &mut w.stats,
+                    t,
+                    &asks,
+                    Reach::Any,
+                )
                 .unwrap()
+                .ok()
         }
     }
 

@@ -4,7 +4,7 @@
 //! This file is the request side (headers, body, the decision, a parked request's retry);
 //! `response.rs` the response side (headers, streamed body, the end).
 
-use crate::admission::admit::{Admit, Asks, Class};
+use crate::admission::admit::{Admit, Asks, Class, Reach, Stay};
 use crate::admission::line::Ticket;
 use crate::config::Config;
 use crate::estimate::reservation::{estimate_from, Estimate};
@@ -431,11 +431,29 @@ impl Flow {
         }
     }
 
-    /// The parked request is at the head of the line, or past its deadline: try again. `None`
-    /// while it still has to wait.
-    pub fn retry(&mut self, gate: &mut Gate, store: &dyn Store) -> Option<Decision> {
-        let a = self.admitted.as_mut()?;
-        let (ticket, hashes) = a.waiting.as_ref()?;
+    /// While parked: whether this VM's prefix index has one of `pods` caching at least half of
+    /// its prompt (`Router::caches_half`), a cheap test before a retry.
+    pub fn parked_prompt_cached_on(&self, gate: &Gate, pods: &[String], now: u64) -> bool {
+        let Some((_, hashes)) = self.admitted.as_ref().and_then(|a| a.waiting.as_ref()) else {
+            return false;
+        };
+        pods.iter().any(|p| gate.router.caches_half(p, hashes, now))
+    }
+
+    /// The parked request is at the head of the line, a backfill, or past its deadline: try
+    /// again, on the pods `reach` allows. `Err` while it still has to wait, and why.
+    pub fn retry(
+        &mut self,
+        gate: &mut Gate,
+        store: &dyn Store,
+        reach: Reach,
+    ) -> Result<Decision, Stay> {
+        let Some(a) = self.admitted.as_mut() else {
+            return Err(Stay::NoRoom);
+        };
+        let Some((ticket, hashes)) = a.waiting.as_ref() else {
+            return Err(Stay::NoRoom);
+        };
         let ticket = *ticket;
         let est = a.estimate;
         let outcome = gate.admission.retry(
@@ -449,10 +467,11 @@ impl Flow {
                 hashes,
                 est: &est,
             },
+            reach,
         );
         let admit = match outcome {
-            Ok(Some(admit)) => admit,
-            Ok(None) => return None,
+            Ok(Ok(admit)) => admit,
+            Ok(Err(stay)) => return Err(stay),
             Err(e) => {
                 log::warn!("kvgate: admission retry failed, sending unrouted: {e:?}");
                 Admit::Unrouted
@@ -465,7 +484,7 @@ impl Flow {
             stats::model_stat(&a.stat_model, stats::MODEL_QUEUE_WAIT_MS),
             waited,
         );
-        Some(self.decide(gate, admit))
+        Ok(self.decide(gate, admit))
     }
 }
 

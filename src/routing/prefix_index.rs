@@ -189,6 +189,29 @@ impl PrefixIndex {
             .count()
     }
 
+    /// Whether the pod is believed to cache at least the first half of the prompt, by two lookups
+    /// (its first block, and the last of its first half) instead of a walk: a cheap test over
+    /// many parked requests (`drive::run_line`'s cache-first backfills), which a pick then makes
+    /// exactly.
+    pub fn caches_half(&self, pod: &str, hashes: &[u64], now: u64) -> bool {
+        let Some(p) = self.pods.get(pod) else {
+            return false;
+        };
+        let fresh = p.fresh_from(now.saturating_sub(self.ttl_ms));
+        let held = |h: &u64| {
+            p.last_use
+                .get(&fingerprint(*h))
+                .is_some_and(|t| *t >= fresh)
+        };
+        match (
+            hashes.first(),
+            hashes.get(hashes.len().div_ceil(2).saturating_sub(1)),
+        ) {
+            (Some(first), Some(half)) => held(first) && held(half),
+            _ => false,
+        }
+    }
+
     /// The pod now holds these blocks (it was sent a request with this prompt); it holds
     /// `capacity` of its own blocks.
     pub fn insert(&mut self, pod: &str, hashes: &[u64], now: u64, capacity: usize) {

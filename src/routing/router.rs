@@ -42,6 +42,9 @@ pub enum Placement {
     NoPods,
     /// Every eligible pod's budget is full: the request must wait.
     NoRoom,
+    /// Asked for a pod holding the prompt's cached prefix ([`Router::route_cached`]): only pods
+    /// that would compute it again have room; these.
+    Uncached(Vec<String>),
 }
 
 /// A request kvgate routed, as the response side needs it.
@@ -76,6 +79,9 @@ pub struct Routed {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Room {
     Required,
+    /// It must fit, on a pod holding at least half of what the pod holding most of the prompt
+    /// holds (cached or held by in-flight requests), when some pod holds half the prompt.
+    Cached,
     /// Admission observes only: the best-ranked pod takes the request whatever its budget says.
     Ignored,
 }
@@ -328,17 +334,45 @@ impl Router {
         hashes: &[u64],
         est: &Estimate,
     ) -> Result<Placement, StoreError> {
+        self.route_with(store, cfg, (model, hashes, est), Room::Required)
+    }
+
+    /// `route` among the pods that hold the prompt's cached prefix, when some pod holds half of
+    /// it: `Placement::Uncached` when only the others have room. For the line's order
+    /// (`drive::run_line`): a parked request goes to room where its prefix is before one that
+    /// would compute its prefix again there.
+    pub fn route_cached(
+        &mut self,
+        store: &dyn Store,
+        cfg: &Config,
+        request: (&str, &[u64], &Estimate),
+    ) -> Result<Placement, StoreError> {
+        self.route_with(store, cfg, request, Room::Cached)
+    }
+
+    fn route_with(
+        &mut self,
+        store: &dyn Store,
+        cfg: &Config,
+        request: (&str, &[u64], &Estimate),
+        need: Room,
+    ) -> Result<Placement, StoreError> {
         self.sync(store, cfg)?;
         if self.pods.is_empty() {
             return Ok(Placement::NoPods);
         }
-        let request = (model, hashes, est);
-        let (placement, from_copies) = self.place(store, cfg, request, false, Room::Required)?;
-        if from_copies && matches!(placement, Placement::NoRoom) {
+        let (placement, from_copies) = self.place(store, cfg, request, false, need)?;
+        if from_copies && matches!(placement, Placement::NoRoom | Placement::Uncached(_)) {
             // The copies said no pod has room: the records decide before the request waits.
-            return Ok(self.place(store, cfg, request, true, Room::Required)?.0);
+            return Ok(self.place(store, cfg, request, true, need)?.0);
         }
         Ok(placement)
+    }
+
+    /// Whether this VM's index has `pod` caching at least half of the prompt
+    /// (`PrefixIndex::caches_half`).
+    pub fn caches_half(&self, pod: &str, hashes: &[u64], now: u64) -> bool {
+        self.prefix.caches_half(pod, hashes, now)
     }
 
     /// `route` for a request [`route`](Self::route) found no room for, when admission only
@@ -444,8 +478,20 @@ impl Router {
                 f
             })
         };
+        // What each candidate holds of the prompt, for `Room::Cached`.
+        let held: Vec<usize> = candidates
+            .iter()
+            .zip(&shared)
+            .map(|(c, &s)| c.cached_blocks.max(s))
+            .collect();
+        let most = held.iter().copied().max().unwrap_or(0);
+        let near = |k: usize| most * 2 < prompt_blocks || held[k] * 2 >= most;
         // A pod may take the request when it has room, or when admission only observes.
-        let takes = |k: usize| need == Room::Ignored || room(k);
+        let takes = |k: usize| match need {
+            Room::Ignored => true,
+            Room::Required => room(k),
+            Room::Cached => near(k) && room(k),
+        };
         // Pods without room are not offered as fallbacks either: a retry must not overfill them.
         let order: Vec<String> = ranked
             .iter()
@@ -486,7 +532,7 @@ impl Router {
             let taken = record::modify(store, &pod, |rec| {
                 let budget = budget_tokens(cfg, rec.snapshot.as_ref());
                 let budget = crate::replicas::share::cap(store, cfg, &pod, budget);
-                if need == Room::Required && !fits(rec, load, budget, cfg, bt) {
+                if need != Room::Ignored && !fits(rec, load, budget, cfg, bt) {
                     return None;
                 }
                 rec.entries.push(entry);
@@ -537,6 +583,15 @@ impl Router {
                 }),
                 from_copies,
             ));
+        }
+        if need == Room::Cached {
+            let roomy: Vec<String> = (0..candidates.len())
+                .filter(|&k| !near(k) && room(k))
+                .map(|k| candidates[k].pod.to_string())
+                .collect();
+            if !roomy.is_empty() {
+                return Ok((Placement::Uncached(roomy), from_copies));
+            }
         }
         Ok((Placement::NoRoom, from_copies))
     }
@@ -834,6 +889,47 @@ mod tests {
         r.finish(&vm, &cfg, &again).unwrap();
         r.finish(&vm, &cfg, &busy).unwrap();
         assert_eq!(total_active(&vm, &cfg), 0);
+    }
+
+    #[test]
+    fn route_cached_takes_only_room_where_the_prompts_prefix_is_and_says_when_room_is_elsewhere() {
+        let (vm, mut cfg, mut r) = router(&["a:1", "b:1"]);
+        // Room for one request a pod, not for a second even beside its group's first.
+        cfg.admission.budget_tokens = 300;
+        let e = est(192, 16);
+        let prompt = |group, question| [hashes(group, 6), hashes(question, 6)].concat();
+        let x1 = r.route_m(&vm, &cfg, &prompt(1, 10), &e);
+        let y1 = r.route_m(&vm, &cfg, &prompt(2, 11), &e);
+        assert_ne!(x1.pod, y1.pod, "a new group goes where nothing is cached");
+        r.finish(&vm, &cfg, &y1).unwrap();
+        let x2 = |r: &mut Router, cached: bool| {
+            let request = ("m", &prompt(1, 12)[..], &e);
+            if cached {
+                r.route_cached(&vm, &cfg, request).unwrap()
+            } else {
+                r.route(&vm, &cfg, request.0, request.1, request.2).unwrap()
+            }
+        };
+        // x's pod is full; y's has room but would compute x's prefix again.
+        assert_eq!(x2(&mut r, true), Placement::Uncached(vec![y1.pod.clone()]));
+        let y2 = r
+            .route_cached(&vm, &cfg, ("m", &prompt(2, 13), &e))
+            .unwrap();
+        assert_eq!(y2.routed().pod, y1.pod, "y's prefix is cached there");
+        assert_eq!(x2(&mut r, true), Placement::NoRoom, "no room anywhere now");
+        // A prompt no pod caches may go anywhere; and any request may, routed as usual.
+        let fresh = r.route_cached(&vm, &cfg, ("m", &prompt(3, 14), &e));
+        assert_eq!(fresh.unwrap(), Placement::NoRoom);
+        let y2 = record::read(&vm, &y1.pod).unwrap().entries[0].id;
+        record::finish(&vm, &y1.pod, y2, None).unwrap();
+        assert!(matches!(
+            r.route_cached(&vm, &cfg, ("m", &prompt(3, 14), &e))
+                .unwrap(),
+            Placement::Routed(_)
+        ));
+        let z = record::read(&vm, &y1.pod).unwrap().entries[0].id;
+        record::finish(&vm, &y1.pod, z, None).unwrap();
+        assert_eq!(x2(&mut r, false).routed().pod, y1.pod, "a copy when asked");
     }
 
     #[test]
