@@ -337,40 +337,76 @@ mod tests {
         }
     }
 
+    const PODS: [&str; 2] = ["10.0.0.1:8000", "10.0.0.2:8000"];
+
+    /// Two pods, waits of 5 s, and `admission` (JSON members) added to the admission config.
+    fn two_pods(admission: &str) -> (FakeVm, Gate) {
+        let host = FakeHost::new();
+        host.set_now_ms(1_000_000);
+        let vm = host.vm();
+        let config = format!(
+            r#"{{"pods":["{}","{}"],"admission":{{"maxWaitMs":5000,{admission}}}}}"#,
+            PODS[0], PODS[1]
+        );
+        let gate = Gate::new(Config::parse(config.as_bytes()).unwrap(), &vm).unwrap();
+        (vm, gate)
+    }
+
+    /// Sends a prompt of `system` (a group's shared prefix, about 250 tokens when not empty)
+    /// and a question of `words` words, parking it in `host` as the shell does; returns the pod
+    /// it was sent to, if it was.
+    fn send_prompt(
+        (gate, vm, host): (&mut Gate, &FakeVm, &mut Host),
+        context: u32,
+        system: &str,
+        words: usize,
+        max_tokens: u32,
+    ) -> Option<String> {
+        let system = if system.is_empty() {
+            String::new()
+        } else {
+            format!("You are assistant {system}. ").repeat(60)
+        };
+        let question = format!("question {context} ").repeat(words);
+        let body =
+            format!(r#"{{"model":"m","prompt":"{system}{question}","max_tokens":{max_tokens}}}"#);
+        let mut flow = Flow::default();
+        let head = RequestHead {
+            content_length: Some(body.len() as u64),
+            ..RequestHead::json_post("/v1/completions")
+        };
+        flow.on_request_headers(gate, vm, &head);
+        let d = flow.on_body(gate, vm, body.as_bytes());
+        if let Step::Park(ticket) = d.step {
+            host.parked.insert(ticket, context);
+        }
+        host.flows.insert(context, flow);
+        destination(&d)
+    }
+
+    /// The pod a decision sends its request to (the override host's first, before fallbacks).
+    fn destination(d: &Decision) -> Option<String> {
+        d.set
+            .iter()
+            .find(|(n, _)| n == DESTINATION_HEADER)
+            .and_then(|(_, v)| v.split(',').next())
+            .map(str::to_string)
+    }
+
+    fn held(vm: &FakeVm, pod: &str) -> u64 {
+        crate::pods::record::read(vm, pod).unwrap().held_tokens()
+    }
+
     #[test]
     fn room_goes_first_to_a_request_whose_prefix_is_cached_there_within_the_backfill_bound() {
-        const PODS: [&str; 2] = ["10.0.0.1:8000", "10.0.0.2:8000"];
         for passes in [0, 1] {
-            let host = FakeHost::new();
-            host.set_now_ms(1_000_000);
-            let vm = host.vm();
             // Room for one request a pod, not for a second of its group beside it.
-            let config = format!(
-                r#"{{"pods":["{}","{}"],"admission":{{"maxWaitMs":5000,"budgetTokens":700,"backfillPasses":0,"cacheFirstPasses":{passes}}}}}"#,
-                PODS[0], PODS[1]
-            );
-            let mut gate = Gate::new(Config::parse(config.as_bytes()).unwrap(), &vm).unwrap();
+            let (vm, mut gate) = two_pods(&format!(
+                r#""budgetTokens":700,"backfillPasses":0,"cacheFirstPasses":{passes}"#
+            ));
             let mut host = Host::default();
             let mut send = |gate: &mut Gate, context: u32, group: &str| {
-                let system = format!("You are assistant {group}. ").repeat(60);
-                let question = format!("question {context} ").repeat(60);
-                let body =
-                    format!(r#"{{"model":"m","prompt":"{system}{question}","max_tokens":16}}"#);
-                let mut flow = Flow::default();
-                let head = RequestHead {
-                    content_length: Some(body.len() as u64),
-                    ..RequestHead::json_post("/v1/completions")
-                };
-                flow.on_request_headers(gate, &vm, &head);
-                let d = flow.on_body(gate, &vm, body.as_bytes());
-                if let Step::Park(ticket) = d.step {
-                    host.parked.insert(ticket, context);
-                }
-                host.flows.insert(context, flow);
-                d.set
-                    .iter()
-                    .find(|(n, _)| n == DESTINATION_HEADER)
-                    .map(|(_, v)| v.clone())
+                send_prompt((gate, &vm, &mut host), context, group, 60, 16)
             };
             let x1 = send(&mut gate, 1, "X").expect("routed");
             let y1 = send(&mut gate, 2, "Y").expect("routed");
@@ -387,13 +423,7 @@ mod tests {
             run_line(&mut gate, &vm, &mut host);
             let (context, d) = &host.resumed[0];
             assert_eq!(host.resumed.len(), 1);
-            let to = |d: &Decision| {
-                d.set
-                    .iter()
-                    .find(|(n, _)| n == DESTINATION_HEADER)
-                    .map(|(_, v)| v.clone())
-            };
-            assert_eq!(to(d), Some(y1.clone()));
+            assert_eq!(destination(d), Some(y1.clone()));
             if passes == 0 {
                 assert_eq!(*context, 3, "a strict line: the head goes, and copies");
             } else {
@@ -401,10 +431,42 @@ mod tests {
                 assert_eq!(crate::admission::line::read(&vm).unwrap().head_passes(), 1);
             }
             for pod in PODS {
-                let rec = crate::pods::record::read(&vm, pod).unwrap();
-                assert!(rec.held_tokens() <= 700, "{pod}: {}", rec.held_tokens());
+                assert!(held(&vm, pod) <= 700, "{pod}: {}", held(&vm, pod));
             }
         }
+    }
+
+    #[test]
+    fn a_backfill_waits_for_its_prefix_rather_than_copy_it_where_a_head_has_no_room() {
+        let (vm, mut gate) = two_pods(r#""budgetTokens":700"#);
+        let mut host = Host::default();
+        let send = |gate: &mut Gate, host: &mut Host, context, system, words, max| {
+            send_prompt((gate, &vm, host), context, system, words, max)
+        };
+        // X (about 540 tokens) on one pod, a small request on the other.
+        let x1 = send(&mut gate, &mut host, 1, "X", 60, 16).expect("routed");
+        let small = send(&mut gate, &mut host, 2, "", 5, 16).expect("routed");
+        assert_ne!(x1, small);
+        // A head larger than any budget: it waits for an empty pod.
+        assert_eq!(send(&mut gate, &mut host, 3, "", 60, 600), None);
+        // Behind it, x's next would fit beside the small one, as a copy of x's prefix.
+        assert_eq!(send(&mut gate, &mut host, 4, "X", 60, 16), None);
+        run_line(&mut gate, &vm, &mut host);
+        assert!(host.resumed.is_empty(), "{:?}", host.resumed);
+        // One that no pod caches does backfill there.
+        assert_eq!(
+            send(&mut gate, &mut host, 5, "", 5, 16),
+            None,
+            "behind the head"
+        );
+        run_line(&mut gate, &vm, &mut host);
+        let resumed: Vec<(u32, Option<String>)> = host
+            .resumed
+            .iter()
+            .map(|(c, d)| (*c, destination(d)))
+            .collect();
+        assert_eq!(resumed, [(5, Some(small))]);
+        assert_eq!(host.parked.len(), 2);
     }
 
     #[test]
