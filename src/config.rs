@@ -244,7 +244,7 @@ impl Default for RoutingConfig {
             max_prompt_blocks: 2_048,
             prefill_weight: 2.0,
             decode_weight: 0.2,
-            learn_decode_cost: false,
+            learn_decode_cost: true,
             active_weight: 0.05,
             queue_weight: 1.0,
             kv_usage_weight: 0.0,

@@ -143,8 +143,8 @@ impl Gate {
             .filter_map(|pod| Some((pod, crate::pods::record::read(store, pod).ok()?)))
             .collect();
         // Against the whole pool: a pick compares only the pods serving its model.
-        let paces: Vec<f64> = records.iter().map(|(_, rec)| rec.pace()).collect();
-        let factors = crate::pods::pace::cost_factors(&paces);
+        let paces: Vec<_> = records.iter().map(|(_, rec)| rec.pace()).collect();
+        let factors = crate::pods::pace::cost_factors(&paces, now, self.config.metrics.interval_ms);
         for ((pod, rec), factor) in records.into_iter().zip(factors) {
             self.stats.gauge(
                 stats::pod_stat(pod, stats::POD_COST_FACTOR_PERCENT),

@@ -10,10 +10,14 @@ use crate::admission::forecast::{peak, Load};
 use crate::config::{Config, MetricsConfig};
 use crate::estimate::output_dist::{Outlook, HORIZON_STEPS};
 use crate::pods::metrics::ItlTotals;
+use crate::pods::pace::Pace;
 use crate::store::codec::{Reader, Writer};
 use crate::store::interface::{create_if_missing, update, Store, StoreError};
 
-const VERSION: u8 = 6;
+const VERSION: u8 = 7;
+/// Records written before snapshots said when their pace was last moved (`pace`): read as moved
+/// at their scrape, so a new module takes over the paces as they were.
+const VERSION_WITHOUT_PACE_AGE: u8 = 6;
 /// Records written before snapshots carried the engine's inter-token latency (`pace`): read with
 /// none known.
 const VERSION_WITHOUT_PACE: u8 = 5;
@@ -64,6 +68,9 @@ pub struct Snapshot {
     pub itl_totals: Option<ItlTotals>,
     /// The pod's smoothed inter-token latency in seconds (`pace`), 0 while unknown.
     pub itl_s: f64,
+    /// When a scrape interval last moved `itl_s` (that scrape's `at_ms`): a pace without fresh
+    /// samples fades (`pace::kept`).
+    pub itl_at_ms: u64,
 }
 
 /// One in-flight request's entry in the pod's record: what it holds there and until when.
@@ -144,9 +151,12 @@ impl PodRecord {
             .sum()
     }
 
-    /// Its smoothed inter-token latency in seconds (`pace`), 0 while unknown.
-    pub fn pace(&self) -> f64 {
-        self.snapshot.map_or(0.0, |s| s.itl_s)
+    /// Its learned pace (`pace`): unknown (0) with no snapshot.
+    pub fn pace(&self) -> Pace {
+        self.snapshot.map_or(Pace::default(), |s| Pace {
+            itl_s: s.itl_s,
+            at_ms: s.itl_at_ms,
+        })
     }
 
     pub fn held_tokens(&self) -> u64 {
@@ -225,7 +235,10 @@ impl PodRecord {
                     sum_s: f64::NAN,
                     count: f64::NAN,
                 });
-                w.f64(totals.sum_s).f64(totals.count).f64(s.itl_s);
+                w.f64(totals.sum_s)
+                    .f64(totals.count)
+                    .f64(s.itl_s)
+                    .u64(s.itl_at_ms);
             }
             None => {
                 w.u8(0);
@@ -263,7 +276,8 @@ impl PodRecord {
         let has_outlook = version >= VERSION_WITHOUT_SPREAD;
         let has_spread = version >= VERSION_WITHOUT_PENDING;
         let has_pending = version >= VERSION_WITHOUT_PACE;
-        let has_pace = version >= VERSION;
+        let has_pace = version >= VERSION_WITHOUT_PACE_AGE;
+        let has_pace_age = version >= VERSION;
         let snapshot = match r.u8()? {
             0 => None,
             _ => {
@@ -293,6 +307,7 @@ impl PodRecord {
                     s.itl_totals = (sum_s.is_finite() && count.is_finite())
                         .then_some(ItlTotals { sum_s, count });
                     s.itl_s = r.f64()?;
+                    s.itl_at_ms = if has_pace_age { r.u64()? } else { s.at_ms };
                 }
                 Some(s)
             }
@@ -443,7 +458,11 @@ pub fn write_snapshot(
             }
         }
         crate::admission::feedback::follow(rec.snapshot.as_ref(), &mut snapshot, rec, cfg, remote);
-        crate::pods::pace::follow(rec.snapshot.as_ref(), &mut snapshot);
+        crate::pods::pace::follow(
+            rec.snapshot.as_ref(),
+            &mut snapshot,
+            cfg.metrics.interval_ms,
+        );
         let since = snapshot.at_ms.saturating_sub(grace_ms);
         let unscheduled = rec
             .entries
@@ -500,6 +519,7 @@ mod tests {
                     count: 900.0,
                 }),
                 itl_s: 0.014,
+                itl_at_ms: 3,
             }),
             finished_since_scrape: 3,
             entries: vec![
@@ -514,28 +534,39 @@ mod tests {
         };
         let back = PodRecord::decode(&rec.encode()).unwrap();
         assert_eq!(back.entries, rec.entries);
-        let pace = |r: &PodRecord| r.snapshot.map(|s| (s.itl_totals, s.itl_s));
+        let pace = |r: &PodRecord| r.snapshot.map(|s| (s.itl_totals, s.itl_s, s.itl_at_ms));
         assert_eq!(pace(&back), pace(&rec));
         assert_eq!(back.pending_blocks(), 9);
-        // The same record as a module before paces wrote it: the snapshot less its latency
-        // totals and pace (the 24 bytes before the scrape count and the entry count), read with
-        // none known.
+        // The same record as a module before paces had an age wrote it: the snapshot less the
+        // time its pace was last moved (the 8 bytes before the scrape count and the entry
+        // count), read as moved at its scrape.
         let head = PodRecord {
             entries: Vec::new(),
             ..rec.clone()
         }
         .encode()
         .len();
+        let mut bytes = rec.encode();
+        bytes[0] = VERSION_WITHOUT_PACE_AGE;
+        bytes.drain(head - 8 - 8..head - 8);
+        let read = PodRecord::decode(&bytes).unwrap();
+        assert_eq!(read.entries, rec.entries);
+        assert_eq!(
+            pace(&read),
+            Some((rec.snapshot.unwrap().itl_totals, 0.014, 5))
+        );
+        // As a module before paces wrote it: the snapshot less its latency totals and pace too
+        // (24 bytes more), read with none known.
+        let head = head - 8;
         let mut unpaced = rec.clone();
         if let Some(s) = unpaced.snapshot.as_mut() {
-            (s.itl_totals, s.itl_s) = (None, 0.0);
+            (s.itl_totals, s.itl_s, s.itl_at_ms) = (None, 0.0, 0);
         }
-        let mut bytes = rec.encode();
         bytes[0] = VERSION_WITHOUT_PACE;
         bytes.drain(head - 8 - 24..head - 8);
         let read = PodRecord::decode(&bytes).unwrap();
         assert_eq!(read.entries, rec.entries);
-        assert_eq!(pace(&read), Some((None, 0.0)));
+        assert_eq!(pace(&read), Some((None, 0.0, 0)));
         // And as a module before pending blocks wrote it: the entries less their pending blocks
         // too (the last four bytes of each), read with none.
         let mut old = unpaced;

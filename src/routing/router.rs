@@ -1415,4 +1415,100 @@ mod tests {
             "{learned} of 20 on the fast pod"
         );
     }
+
+    /// Scrapes `pod` now, its inter-token-latency totals at `(seconds, tokens)`.
+    fn scrape_itl(host: &FakeHost, vm: &FakeVm, cfg: &Config, pod: &str, totals: (f64, f64)) {
+        let snapshot = Snapshot {
+            at_ms: host.now_ms(),
+            healthy: true,
+            itl_totals: Some(crate::pods::metrics::ItlTotals {
+                sum_s: totals.0,
+                count: totals.1,
+            }),
+            ..Snapshot::default()
+        };
+        record::write_snapshot(vm, pod, snapshot, 0, cfg).unwrap();
+    }
+
+    /// Light load: a request of each prompt group in `groups` (new to every pod), one after
+    /// another, each finished before the next is sent; how many each of `pods` took.
+    fn one_at_a_time(
+        r: &mut Router,
+        vm: &FakeVm,
+        cfg: &Config,
+        pods: &[&str],
+        groups: core::ops::Range<u64>,
+    ) -> Vec<usize> {
+        let mut took = vec![0; pods.len()];
+        for g in groups {
+            let routed = r.route_m(vm, cfg, &hashes(g, 8), &est(128, 64));
+            r.finish(vm, cfg, &routed).unwrap();
+            if let Some(k) = pods.iter().position(|&p| p == routed.pod) {
+                took[k] += 1;
+            }
+        }
+        took
+    }
+
+    #[test]
+    fn equal_pods_a_few_percent_apart_share_light_load() {
+        // Three pods scraped twice, 500 tokens in between at 10, 10.3 and 9.8 ms a token: as
+        // equal GPUs measure. Every cost at light load is the same but for the factor; within the
+        // dead band the factors are exactly 1, and the pod caching least takes each request.
+        let pods = ["a:1", "b:1", "c:1"];
+        let host = FakeHost::new();
+        let mut cfg = config(&pods);
+        cfg.routing.learn_decode_cost = true;
+        let vm = host.vm();
+        let mut r = Router::start(&vm, &cfg).unwrap();
+        for (pod, itl) in pods.iter().zip([0.010, 0.0103, 0.0098]) {
+            scrape_itl(&host, &vm, &cfg, pod, (itl * 1_000.0, 1_000.0));
+        }
+        host.advance_ms(cfg.metrics.interval_ms);
+        for (pod, itl) in pods.iter().zip([0.010, 0.0103, 0.0098]) {
+            scrape_itl(&host, &vm, &cfg, pod, (itl * 1_500.0, 1_500.0));
+        }
+        host.advance_ms(COPY_MS);
+        assert_eq!(one_at_a_time(&mut r, &vm, &cfg, &pods, 0..12), [4, 4, 4]);
+    }
+
+    #[test]
+    fn a_pod_left_idle_after_a_slow_spell_gets_requests_again_within_seconds() {
+        // a:1 and b:1 decode at 10 ms a token and are measured at every scrape; c:1 showed 20 ms
+        // (a spell of long streams) and, passed over since, decodes nothing.
+        let pods = ["a:1", "b:1", "c:1"];
+        let host = FakeHost::new();
+        let mut cfg = config(&pods);
+        cfg.routing.learn_decode_cost = true;
+        let vm = host.vm();
+        let mut r = Router::start(&vm, &cfg).unwrap();
+        let mut tokens = 1_000.0;
+        let mut scrape = |host: &FakeHost| {
+            for (pod, itl) in [("a:1", 0.010), ("b:1", 0.010)] {
+                scrape_itl(host, &vm, &cfg, pod, (itl * tokens, tokens));
+            }
+            tokens += 500.0;
+        };
+        scrape(&host);
+        scrape_itl(&host, &vm, &cfg, "c:1", (10.0, 1_000.0));
+        host.advance_ms(cfg.metrics.interval_ms);
+        scrape(&host);
+        scrape_itl(&host, &vm, &cfg, "c:1", (20.0, 1_500.0));
+        host.advance_ms(COPY_MS);
+        assert_eq!(
+            one_at_a_time(&mut r, &vm, &cfg, &pods, 0..12)[2],
+            0,
+            "slower: passed over"
+        );
+        // Fifteen seconds of scrapes later, c:1's pace has faded into the others': it takes its
+        // share again, and one request there would measure it anew.
+        for _ in 0..15 {
+            host.advance_ms(cfg.metrics.interval_ms);
+            scrape(&host);
+            scrape_itl(&host, &vm, &cfg, "c:1", (20.0, 1_500.0));
+        }
+        host.advance_ms(COPY_MS);
+        let took = one_at_a_time(&mut r, &vm, &cfg, &pods, 100..112);
+        assert!(took[2] >= 3, "{took:?}");
+    }
 }

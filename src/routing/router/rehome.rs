@@ -47,7 +47,11 @@ impl Router {
                     ..record::Snapshot::default()
                 };
                 // A failed pick says nothing of the pod's pace: it keeps what it learned.
-                crate::pods::pace::follow(rec.snapshot.as_ref(), &mut down);
+                crate::pods::pace::follow(
+                    rec.snapshot.as_ref(),
+                    &mut down,
+                    cfg.metrics.interval_ms,
+                );
                 rec.snapshot = Some(down);
                 Some(rec.clone())
             })?;

@@ -107,8 +107,8 @@ pub(super) fn candidates<'a>(
     // Paces are compared among the candidates, the pods that could serve this model: another
     // model's pods decode at another pace, which says nothing of these ones' speed.
     let factors = if r.learn_decode_cost {
-        let paces: Vec<f64> = indices.iter().map(|&i| ask.records[i].pace()).collect();
-        pace::cost_factors(&paces)
+        let paces: Vec<pace::Pace> = indices.iter().map(|&i| ask.records[i].pace()).collect();
+        pace::cost_factors(&paces, now, cfg.metrics.interval_ms)
     } else {
         vec![1.0; indices.len()]
     };
