@@ -27,7 +27,6 @@ mod native {
     use kvgate::config::Config;
     use kvgate::flow::{Decision, Flow, Gate, RequestHead};
     use kvgate::pods::record::{self, Snapshot};
-    use kvgate::stats::Stat;
     use kvgate::store::fake_host::{FakeHost, FakeVm};
     use kvgate::store::interface::{Store, StoreError, Versioned};
 
@@ -213,28 +212,17 @@ mod native {
         store.add(1);
     }
 
-    /// What the shell then hands to Envoy's stats when no other request is open (one host call
-    /// per name: counters summed, gauges at their last value, every histogram sample).
+    /// What the shell then sends to Envoy's stats when no other request is open
+    /// (`shell::host::flush_stats`: a host call per value, each metric defined on its first).
     #[inline(never)]
     fn phase_stats(gate: &mut Gate) -> u64 {
-        let mut rows: Vec<(String, u8, u64)> = Vec::new();
-        let mut seen: hashbrown::HashMap<String, usize> = hashbrown::HashMap::new();
-        for stat in gate.stats.drain() {
-            let (name, kind, value) = match stat {
-                Stat::Counter(n, v) => (n, 0, v),
-                Stat::Gauge(n, v) => (n, 1, v),
-                Stat::Histogram(n, v) => (n, 2, v),
-            };
-            if kind != 2 {
-                if let Some(row) = seen.get(&name).and_then(|&i| rows.get_mut(i)) {
-                    row.2 += value;
-                    continue;
-                }
-                seen.insert(name.clone(), rows.len());
-            }
-            rows.push((name, kind, value));
-        }
-        black_box(rows).len() as u64
+        let mut sent = 0;
+        gate.stats.send(|s| {
+            s.host_id.get_or_insert(0);
+            black_box((s.name, s.kind, s.value));
+            sent += 1;
+        });
+        sent
     }
 
     /// One request through every phase; the host calls of each.

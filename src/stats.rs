@@ -1,11 +1,12 @@
-//! What kvgate counts, as the core reports it: named counters and gauges buffered in the VM and
-//! flushed to Envoy's stats by the shell (they appear under the `wasmcustom.` prefix in Envoy's
-//! admin `/stats`). Names are bounded: fixed ones plus one set per pod and one per configured
-//! priority band.
+//! What kvgate counts, as the core reports it: named counters, gauges and histograms buffered in
+//! the VM ([`Stats`]: counters summed per name as they are counted) and sent to Envoy's stats by
+//! the shell (they appear under the `wasmcustom.` prefix in Envoy's admin `/stats`). Names are
+//! bounded: fixed ones plus one set per pod, per model and per configured priority band.
 //!
-//! This module is the catalog: every `kvgate.*` stat name is a constant here (or, for the per-pod
-//! and per-band names, built by [`pod_stat`] and [`queue_band_length`]), so a name is spelt once and
-//! docs/operations.md's stats table is checked against this list by a test.
+//! This module is the catalog: every `kvgate.*` stat name is a constant here (or, for the per-pod,
+//! per-model and per-band names, named by [`pod_stat`], [`model_stat`] and [`queue_band_length`]),
+//! so a name is spelt once and docs/operations.md's stats table is checked against this list by a
+//! test.
 
 // Routing (`flow`, `routing::router`).
 /// Requests kvgate sent to a pod it picked.
@@ -204,43 +205,8 @@ pub const PER_POD: &[PodStat] = &[
 ];
 
 /// A pod's stat: `kvgate.pod.<ip_port>.<stat>`, the address made one segment by [`pod_segment`].
-pub fn pod_stat(pod: &str, stat: PodStat) -> String {
-    named(("pod", stat.0), pod, || {
-        format!("kvgate.pod.{}.{}", pod_segment(pod), stat.0)
-    })
-}
-
-/// Names built once per pod or model and segment: per-request stats reuse them rather than
-/// sanitize and format a name each time.
-const NAMES_MAX: usize = 4096;
-
-/// (kind, segment) → (pod or model → full name).
-type Names = hashbrown::HashMap<(&'static str, &'static str), hashbrown::HashMap<String, String>>;
-
-thread_local! {
-    /// One VM is one thread.
-    static NAMES: std::cell::RefCell<Names> = Default::default();
-}
-
-fn named(
-    kind: (&'static str, &'static str),
-    subject: &str,
-    build: impl FnOnce() -> String,
-) -> String {
-    NAMES.with(|names| {
-        let mut names = names.borrow_mut();
-        let by_subject = names.entry(kind).or_default();
-        if let Some(name) = by_subject.get(subject) {
-            return name.clone();
-        }
-        // Subjects are pods and served models, a bounded set; a stream of new ones starts over.
-        if by_subject.len() >= NAMES_MAX {
-            by_subject.clear();
-        }
-        let name = build();
-        by_subject.insert(subject.to_string(), name.clone());
-        name
-    })
+pub fn pod_stat(pod: &str, stat: PodStat) -> Name<'_> {
+    Name::Pod(pod, stat)
 }
 
 // Per model: the last segment of `kvgate.model.<model>.<segment>` ([`model_stat`]).
@@ -277,27 +243,14 @@ const MODEL_SEGMENT_CHARS: usize = 64;
 
 /// A model's stat: `kvgate.model.<model>.<stat>`, the name made one bounded segment (characters
 /// other than ASCII letters and digits become `_`).
-pub fn model_stat(model: &str, stat: &'static str) -> String {
-    named(("model", stat), model, || {
-        let segment: String = pod_segment(model)
-            .chars()
-            .take(MODEL_SEGMENT_CHARS)
-            .collect();
-        format!("kvgate.model.{segment}.{stat}")
-    })
+pub fn model_stat<'a>(model: &'a str, stat: &'static str) -> Name<'a> {
+    Name::Model(model, stat)
 }
 
 /// Tickets waiting in one configured priority band: `kvgate.queue.priority_<band>.length`, a
 /// negative band spelt `minus_<n>` (Envoy stat names have no `-`).
-pub fn queue_band_length(band: i32) -> String {
-    format!("kvgate.queue.priority_{band}.length").replace('-', "minus_")
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Stat {
-    Counter(String, u64),
-    Gauge(String, u64),
-    Histogram(String, u64),
+pub fn queue_band_length(band: i32) -> Name<'static> {
+    Name::Band(band)
 }
 
 /// Envoy stat names use dots as separators; a pod's `ip:port` becomes `ip_port` with dots kept
@@ -308,40 +261,233 @@ pub fn pod_segment(pod: &str) -> String {
         .collect()
 }
 
-#[derive(Debug, Default)]
-pub struct Stats {
-    pending: Vec<Stat>,
+/// A stat as the code names it: a fixed name, or the parts of a per-pod, per-model or per-band
+/// one. Its full name (`Display`) is built once, the first time [`Stats`] sees it, so the stats a
+/// request counts neither format nor allocate a name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Name<'a> {
+    Fixed(&'static str),
+    Pod(&'a str, PodStat),
+    Model(&'a str, &'static str),
+    Band(i32),
 }
 
-impl Stats {
-    pub fn count(&mut self, name: impl Into<String>, by: u64) {
-        if by > 0 {
-            self.pending.push(Stat::Counter(name.into(), by));
+impl From<&'static str> for Name<'static> {
+    fn from(name: &'static str) -> Self {
+        Name::Fixed(name)
+    }
+}
+
+impl std::fmt::Display for Name<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            Name::Fixed(name) => f.write_str(name),
+            Name::Pod(pod, stat) => write!(f, "kvgate.pod.{}.{}", pod_segment(pod), stat.0),
+            Name::Model(model, stat) => {
+                let segment: String = pod_segment(model)
+                    .chars()
+                    .take(MODEL_SEGMENT_CHARS)
+                    .collect();
+                write!(f, "kvgate.model.{segment}.{stat}")
+            }
+            Name::Band(band) => {
+                f.write_str(&format!("kvgate.queue.priority_{band}.length").replace('-', "minus_"))
+            }
+        }
+    }
+}
+
+/// A [`Name`] as the registry keeps it (its pod or model owned): variant, subject, segment, band.
+type Key = (u8, Box<str>, &'static str, i32);
+
+impl Name<'_> {
+    /// The parts a [`Key`] holds, borrowed: a name is looked up without building its key.
+    fn parts(&self) -> (u8, &str, &'static str, i32) {
+        match *self {
+            Name::Fixed(name) => (0, name, "", 0),
+            Name::Pod(pod, stat) => (1, pod, stat.0, 0),
+            Name::Model(model, stat) => (2, model, stat, 0),
+            Name::Band(band) => (3, "", "", band),
         }
     }
 
-    pub fn gauge(&mut self, name: impl Into<String>, value: u64) {
-        self.pending.push(Stat::Gauge(name.into(), value));
+    fn key(&self) -> Key {
+        let (variant, subject, segment, band) = self.parts();
+        (variant, subject.into(), segment, band)
+    }
+}
+
+// Hashed as its parts, as a `Key` hashes (a `Box<str>` hashes as the `str` it holds).
+impl std::hash::Hash for Name<'_> {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.parts().hash(state);
+    }
+}
+
+impl hashbrown::Equivalent<Key> for Name<'_> {
+    fn equivalent(&self, key: &Key) -> bool {
+        let (variant, subject, segment, band) = self.parts();
+        (variant, subject, segment, band) == (key.0, &*key.1, key.2, key.3)
+    }
+}
+
+/// Names the registry holds before it starts over (at a send, when nothing waits): names are
+/// bounded (fixed ones, a set per pod, model and band) but pods come and go over a long life.
+/// Room for about 3,000 pods' names; Envoy keeps every stat it was given either way.
+const NAMES_MAX: usize = 1 << 16;
+
+/// One name this VM has counted: its full name, what waits to be sent under it, and the id the
+/// host gave it.
+#[derive(Debug)]
+struct Slot {
+    name: String,
+    /// Counted since the last send.
+    count: u64,
+    /// Set since the last send: the last value.
+    gauge: Option<u64>,
+    host_id: Option<u32>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+/// A value [`Stats::send`] hands over.
+pub struct Sent<'a> {
+    pub name: &'a str,
+    pub kind: Kind,
+    pub value: u64,
+    /// The host's id for the name, kept from the send that defined it (`None` before): a metric
+    /// is defined once, not looked up by name on every send.
+    pub host_id: &'a mut Option<u32>,
+}
+
+/// The stats counted since the last send, kept as the host takes them: counters summed and gauges
+/// at their last value per name as they are counted, every histogram sample in order. Each name
+/// is registered once (its full name built then); counting it again is a lookup by its parts.
+#[derive(Debug, Default)]
+pub struct Stats {
+    ids: hashbrown::HashMap<Key, usize>,
+    slots: Vec<Slot>,
+    /// Slots with a count or a gauge to send, each once, in the order first touched.
+    touched: Vec<usize>,
+    histograms: Vec<(usize, u64)>,
+}
+
+impl Stats {
+    fn slot(&mut self, name: Name) -> usize {
+        if let Some(&id) = self.ids.get(&name) {
+            return id;
+        }
+        let id = self.slots.len();
+        self.slots.push(Slot {
+            name: name.to_string(),
+            count: 0,
+            gauge: None,
+            host_id: None,
+        });
+        self.ids.insert(name.key(), id);
+        id
     }
 
-    pub fn histogram(&mut self, name: impl Into<String>, value: u64) {
-        self.pending.push(Stat::Histogram(name.into(), value));
+    /// The slot of `name`, noted as touched the first time since the last send.
+    fn touch(&mut self, name: Name) -> Option<&mut Slot> {
+        let id = self.slot(name);
+        let slot = self.slots.get_mut(id)?;
+        if slot.count == 0 && slot.gauge.is_none() {
+            self.touched.push(id);
+        }
+        Some(slot)
     }
 
-    /// Stats waiting to be sent: one host call each.
+    pub fn count<'a>(&mut self, name: impl Into<Name<'a>>, by: u64) {
+        if by == 0 {
+            return;
+        }
+        if let Some(slot) = self.touch(name.into()) {
+            slot.count = slot.count.saturating_add(by);
+        }
+    }
+
+    pub fn gauge<'a>(&mut self, name: impl Into<Name<'a>>, value: u64) {
+        if let Some(slot) = self.touch(name.into()) {
+            slot.gauge = Some(value);
+        }
+    }
+
+    pub fn histogram<'a>(&mut self, name: impl Into<Name<'a>>, value: u64) {
+        let id = self.slot(name.into());
+        self.histograms.push((id, value));
+    }
+
+    /// Values waiting to be sent: one host call each.
     pub fn len(&self) -> usize {
-        self.pending.len()
+        self.touched.len() + self.histograms.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.pending.is_empty()
+        self.len() == 0
     }
 
-    pub fn drain(&mut self) -> std::vec::Drain<'_, Stat> {
-        self.pending.drain(..)
+    /// Hands every waiting value to `send` and forgets it: each counter's sum since the last
+    /// send, each gauge's last value, every histogram sample.
+    pub fn send(&mut self, mut send: impl FnMut(Sent<'_>)) {
+        for id in self.touched.drain(..) {
+            let Some(slot) = self.slots.get_mut(id) else {
+                continue;
+            };
+            if slot.count > 0 {
+                send(Sent {
+                    name: &slot.name,
+                    kind: Kind::Counter,
+                    value: std::mem::take(&mut slot.count),
+                    host_id: &mut slot.host_id,
+                });
+            }
+            if let Some(value) = slot.gauge.take() {
+                send(Sent {
+                    name: &slot.name,
+                    kind: Kind::Gauge,
+                    value,
+                    host_id: &mut slot.host_id,
+                });
+            }
+        }
+        for (id, value) in self.histograms.drain(..) {
+            if let Some(slot) = self.slots.get_mut(id) {
+                send(Sent {
+                    name: &slot.name,
+                    kind: Kind::Histogram,
+                    value,
+                    host_id: &mut slot.host_id,
+                });
+            }
+        }
+        if self.slots.len() > NAMES_MAX {
+            self.slots.clear();
+            self.ids.clear();
+        }
     }
 
-    /// Sends nothing: drains the pending stats, summing what was counted under `name` (tests).
+    /// Sends nothing: takes what waits, as `send` hands it over (tests).
+    #[cfg(test)]
+    pub fn drain(&mut self) -> std::vec::IntoIter<Stat> {
+        let mut out = Vec::new();
+        self.send(|s| {
+            let name = s.name.to_string();
+            out.push(match s.kind {
+                Kind::Counter => Stat::Counter(name, s.value),
+                Kind::Gauge => Stat::Gauge(name, s.value),
+                Kind::Histogram => Stat::Histogram(name, s.value),
+            });
+        });
+        out.into_iter()
+    }
+
+    /// Sends nothing: takes what waits, returning what was counted under `name` (tests).
     #[cfg(test)]
     pub fn take_count(&mut self, name: &str) -> u64 {
         self.drain()
@@ -351,6 +497,15 @@ impl Stats {
             })
             .sum()
     }
+}
+
+/// A value as sent, with its full name (tests).
+#[cfg(test)]
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Stat {
+    Counter(String, u64),
+    Gauge(String, u64),
+    Histogram(String, u64),
 }
 
 #[cfg(test)]
@@ -372,6 +527,54 @@ mod tests {
             out,
             vec![Stat::Counter("b".into(), 2), Stat::Gauge("g".into(), 0)]
         );
+    }
+
+    #[test]
+    fn a_send_carries_each_counters_sum_each_gauges_last_value_and_every_sample() {
+        let mut s = Stats::default();
+        for pod in ["10.0.0.1:80", "10.0.0.2:80", "10.0.0.1:80"] {
+            s.count(pod_stat(pod, POD_PICKS), 1);
+            s.gauge(pod_stat(pod, POD_IN_FLIGHT), pod.len() as u64);
+            s.histogram(model_stat("m", MODEL_QUEUE_WAIT_MS), 5);
+        }
+        s.count(ROUTED, u64::MAX);
+        s.count(ROUTED, 1);
+        s.gauge(pod_stat("10.0.0.1:80", POD_IN_FLIGHT), 7);
+        assert_eq!(s.len(), 5 + 3);
+        let out: Vec<Stat> = s.drain().collect();
+        let wait = || Stat::Histogram("kvgate.model.m.queue_wait_ms".into(), 5);
+        assert_eq!(
+            out,
+            vec![
+                Stat::Counter("kvgate.pod.10_0_0_1_80.picks".into(), 2),
+                Stat::Gauge("kvgate.pod.10_0_0_1_80.in_flight".into(), 7),
+                Stat::Counter("kvgate.pod.10_0_0_2_80.picks".into(), 1),
+                Stat::Gauge("kvgate.pod.10_0_0_2_80.in_flight".into(), 11),
+                Stat::Counter(ROUTED.into(), u64::MAX),
+                wait(),
+                wait(),
+                wait(),
+            ]
+        );
+        assert!(s.is_empty());
+        assert_eq!(s.drain().count(), 0, "nothing waits after a send");
+    }
+
+    #[test]
+    fn the_hosts_id_for_a_name_is_kept_from_send_to_send() {
+        let mut s = Stats::default();
+        let mut defined = Vec::new();
+        for round in 0..3 {
+            s.count(ROUTED, 1);
+            s.histogram(REQUEST_HOST_CALLS, round);
+            s.send(|sent| {
+                if sent.host_id.is_none() {
+                    defined.push(sent.name.to_string());
+                    *sent.host_id = Some(defined.len() as u32);
+                }
+            });
+        }
+        assert_eq!(defined, [ROUTED, REQUEST_HOST_CALLS]);
     }
 
     /// The first column of docs/operations.md's stats table: every name in backticks, with
@@ -402,17 +605,21 @@ mod tests {
     #[test]
     fn the_stats_table_in_docs_matches_the_catalog() {
         let mut catalog: Vec<String> = FIXED.iter().map(|s| s.to_string()).collect();
-        catalog.extend(
-            PER_POD
-                .iter()
-                .map(|s| pod_stat("<ip_port>", *s).replace("_ip_port_", "<ip_port>")),
+        catalog.extend(PER_POD.iter().map(|s| {
+            pod_stat("<ip_port>", *s)
+                .to_string()
+                .replace("_ip_port_", "<ip_port>")
+        }));
+        catalog.push(
+            queue_band_length(0)
+                .to_string()
+                .replace("priority_0", "priority_<p>"),
         );
-        catalog.push(queue_band_length(0).replace("priority_0", "priority_<p>"));
-        catalog.extend(
-            PER_MODEL
-                .iter()
-                .map(|s| model_stat("MODEL", s).replace("MODEL", "<model>")),
-        );
+        catalog.extend(PER_MODEL.iter().map(|s| {
+            model_stat("MODEL", s)
+                .to_string()
+                .replace("MODEL", "<model>")
+        }));
         let mut documented = documented();
         catalog.sort();
         documented.sort();
@@ -425,20 +632,23 @@ mod tests {
     #[test]
     fn model_names_become_one_bounded_segment() {
         assert_eq!(
-            model_stat("meta-llama/Llama-3.1-8B", MODEL_PICKS),
+            model_stat("meta-llama/Llama-3.1-8B", MODEL_PICKS).to_string(),
             "kvgate.model.meta_llama_Llama_3_1_8B.picks"
         );
-        assert_eq!(model_stat(&"é".repeat(500), MODEL_PICKS).len(), 83);
+        assert_eq!(
+            model_stat(&"é".repeat(500), MODEL_PICKS).to_string().len(),
+            83
+        );
     }
 
     #[test]
     fn band_and_pod_names_are_bounded_segments() {
         assert_eq!(
-            queue_band_length(-1),
+            queue_band_length(-1).to_string(),
             "kvgate.queue.priority_minus_1.length"
         );
         assert_eq!(
-            pod_stat("10.0.0.1:8000", POD_PICKS),
+            pod_stat("10.0.0.1:8000", POD_PICKS).to_string(),
             "kvgate.pod.10_0_0_1_8000.picks"
         );
     }
