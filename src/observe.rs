@@ -139,10 +139,10 @@ mod tests {
         record::read(vm, pod).unwrap().entries.len()
     }
 
-    fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    fn header<'a>(headers: &'a [(&str, String)], name: &str) -> Option<&'a str> {
         headers
             .iter()
-            .find(|(k, _)| k == name)
+            .find(|(k, _)| *k == name)
             .map(|(_, v)| v.as_str())
     }
 

@@ -706,7 +706,7 @@ impl World {
                     self.streams[s]
                         .flow
                         .on_response_headers(gate, vm, Some(ct), served.as_deref());
-                if let Some((_, cost)) = headers.iter().find(|(n, _)| n == "x-kvgate-cost") {
+                if let Some((_, cost)) = headers.iter().find(|(n, _)| *n == "x-kvgate-cost") {
                     let cost: u64 = cost.parse().expect("x-kvgate-cost is a number");
                     let e = &gate.config.estimator;
                     assert!((e.min_reservation_tokens..=e.max_reservation_tokens).contains(&cost));
@@ -786,7 +786,7 @@ impl World {
             Op::AdvanceLong { s } => self.host.advance_ms(u64::from(*s) * 1_000),
         }
         for w in &mut self.workers {
-            w.gate.stats.drain().for_each(drop);
+            w.gate.stats.send(|_| {});
         }
     }
 

@@ -615,7 +615,7 @@ mod tests {
         let get = |name: &str| {
             headers
                 .iter()
-                .find(|(k, _)| k == name)
+                .find(|(k, _)| *k == name)
                 .map(|(_, v)| v.clone())
         };
         assert_eq!(get("x-kvgate-cost").as_deref(), Some("64"));
@@ -725,8 +725,8 @@ mod tests {
         assert_eq!(set("content-length"), Some(new_body.len().to_string()));
         assert_eq!(set("x-gateway-model-name").as_deref(), Some("llama-v2"));
         let headers = f.on_response_headers(&mut gate, &vm, None, Some("10.0.0.1:80"));
-        assert!(headers.contains(&("x-kvgate-model".into(), "llama".into())));
-        assert!(headers.contains(&("x-kvgate-target-model".into(), "llama-v2".into())));
+        assert!(headers.contains(&("x-kvgate-model", "llama".into())));
+        assert!(headers.contains(&("x-kvgate-target-model", "llama-v2".into())));
         let counted: Vec<_> = gate.stats.drain().collect();
         for name in [
             "kvgate.models.rewritten",

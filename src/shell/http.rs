@@ -172,6 +172,9 @@ impl Http {
     }
 
     fn response_headers(&mut self) -> Action {
+        if !self.flow.borrow().reads_response_headers() {
+            return Action::Continue;
+        }
         let content_type = host::response_header("content-type");
         let served_by = host::upstream_address();
         let add = self.flow.borrow_mut().on_response_headers(
