@@ -142,6 +142,8 @@ mod native {
             path: "/v1/chat/completions",
             content_type: Some("application/json"),
             content_length: Some(body.len() as u64),
+            // The shell read every header and the client named no upstream (as clients do).
+            no_upstream_headers: true,
             ..RequestHead::default()
         }
     }

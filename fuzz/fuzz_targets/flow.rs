@@ -643,6 +643,8 @@ impl World {
                     priority: None,
                     tenant: Some(&tenant),
                     session: (*session % 5 != 0).then_some(session_id.as_str()),
+                    // As if the client sent them: then they are stripped, whatever else happens.
+                    no_upstream_headers: false,
                 };
                 let mut flow = Flow::default();
                 let worker = &self.workers[w];
