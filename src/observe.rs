@@ -39,7 +39,7 @@ pub fn header(cfg: &Config, routed: &Routed, class: Class, picked: &str) -> Opti
 
 /// What admission would have done with a request placed past the budget: the header's word
 /// and the stat that counts it.
-fn admission_outcome(class: Class) -> (&'static str, &'static str) {
+fn admission_outcome(class: Class) -> (&'static str, stats::Fixed) {
     if class.priority < 0 {
         ("would-shed", stats::OBSERVE_WOULD_SHED)
     } else {
