@@ -6,22 +6,93 @@
 //! `#[inline(never)]` function (`phase_*`), so `scripts/core_cost_callgrind.sh --request` reads
 //! the instructions of each from callgrind.
 //!
+//! Each phase runs on a store that stands for the shell's (`shell::host::HostStore`: the clock
+//! read once per callback) and counts its calls; with the calls the shell itself makes around the
+//! core in that callback (headers, bodies, the response's upstream address: see `shell_calls`),
+//! that is the phase's host calls, what `kvgate.request.host_calls` counts in Envoy.
+//!
 //! ```text
 //! cargo run --release --example request_cost                        # µs per request per pool size
 //! cargo run --release --example request_cost -- --iters N [--pods P] # N requests, no timing
+//! cargo run --release --example request_cost -- --calls             # host calls per phase
 //! ```
 
 // The in-memory host is built for native targets only (a dev-dependency feature).
 #[cfg(not(target_arch = "wasm32"))]
 mod native {
+    use std::cell::Cell;
     use std::hint::black_box;
     use std::time::Instant;
 
     use kvgate::config::Config;
-    use kvgate::flow::{Flow, Gate, RequestHead};
+    use kvgate::flow::{Decision, Flow, Gate, RequestHead};
     use kvgate::pods::record::{self, Snapshot};
     use kvgate::store::fake_host::{FakeHost, FakeVm};
-    use kvgate::store::interface::Store;
+    use kvgate::store::interface::{Store, StoreError, Versioned};
+
+    /// One callback's store, as the shell's: the clock read at most once, every call counted.
+    struct Callback<'a> {
+        vm: &'a FakeVm,
+        now_ms: Cell<Option<u64>>,
+        calls: Cell<u64>,
+    }
+
+    impl<'a> Callback<'a> {
+        fn new(vm: &'a FakeVm) -> Self {
+            Callback {
+                vm,
+                now_ms: Cell::new(None),
+                calls: Cell::new(0),
+            }
+        }
+
+        /// `n` more host calls in this callback.
+        fn add(&self, n: u64) {
+            self.calls.set(self.calls.get() + n);
+        }
+    }
+
+    impl Store for Callback<'_> {
+        fn get(&self, key: &str) -> Result<Versioned, StoreError> {
+            self.add(1);
+            self.vm.get(key)
+        }
+
+        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+            self.add(1);
+            self.vm.set(key, value, cas)
+        }
+
+        fn register_queue(&self, name: &str) -> Result<u32, StoreError> {
+            self.add(1);
+            self.vm.register_queue(name)
+        }
+
+        fn resolve_queue(&self, name: &str) -> Result<Option<u32>, StoreError> {
+            self.add(1);
+            self.vm.resolve_queue(name)
+        }
+
+        fn enqueue(&self, queue: u32, message: &[u8]) -> Result<(), StoreError> {
+            self.add(1);
+            self.vm.enqueue(queue, message)
+        }
+
+        fn dequeue(&self, queue: u32) -> Result<Option<Vec<u8>>, StoreError> {
+            self.add(1);
+            self.vm.dequeue(queue)
+        }
+
+        fn now_ms(&self) -> u64 {
+            if let Some(now) = self.now_ms.get() {
+                return now;
+            }
+            self.add(1);
+            let now = self.vm.now_ms();
+            self.now_ms.set(Some(now));
+            now
+        }
+    }
 
     /// A 4 KB chat body (about the overhead benchmark's).
     fn body(i: usize) -> Vec<u8> {
@@ -71,18 +142,47 @@ mod native {
             path: "/v1/chat/completions",
             content_type: Some("application/json"),
             content_length: Some(body.len() as u64),
+            // The shell read every header and the client named no upstream (as clients do).
+            no_upstream_headers: true,
             ..RequestHead::default()
         }
     }
 
-    #[inline(never)]
-    fn phase_request_headers(flow: &mut Flow, gate: &Gate, vm: &FakeVm, head: &RequestHead) {
-        black_box(flow.on_request_headers(gate, vm, head));
+    /// The phases, in order, as the callgrind script names them (`phase_<name>`).
+    const PHASES: [&str; 6] = [
+        "request_headers",
+        "body",
+        "response_headers",
+        "response_body",
+        "done",
+        "stats",
+    ];
+
+    /// Host calls the shell makes around the core in each callback (`shell::http`): the request
+    /// headers read in one call and each header removed or set; the body read, and written back
+    /// when rewritten; the response's `content-type` and upstream address read and each debug
+    /// header set; each response chunk read; at the end, the sample of
+    /// `kvgate.request.host_calls` itself.
+    fn shell_calls(d: &Decision) -> u64 {
+        (d.remove.len() + d.set.len() + usize::from(d.body.is_some())) as u64 + 1
     }
 
     #[inline(never)]
-    fn phase_body(flow: &mut Flow, gate: &mut Gate, vm: &FakeVm, body: &[u8]) -> Option<String> {
-        let d = flow.on_body(gate, vm, body);
+    fn phase_request_headers(flow: &mut Flow, gate: &Gate, store: &Callback, head: &RequestHead) {
+        let d = flow.on_request_headers(gate, store, head);
+        store.add(shell_calls(&d));
+        black_box(d);
+    }
+
+    #[inline(never)]
+    fn phase_body(
+        flow: &mut Flow,
+        gate: &mut Gate,
+        store: &Callback,
+        body: &[u8],
+    ) -> Option<String> {
+        let d = flow.on_body(gate, store, body);
+        store.add(shell_calls(&d));
         d.set
             .into_iter()
             .find(|(n, _)| n == "x-gateway-destination-endpoint")
@@ -90,44 +190,79 @@ mod native {
     }
 
     #[inline(never)]
-    fn phase_response_headers(flow: &mut Flow, gate: &mut Gate, vm: &FakeVm, pod: Option<&str>) {
-        black_box(flow.on_response_headers(gate, vm, Some("application/json"), pod));
+    fn phase_response_headers(
+        flow: &mut Flow,
+        gate: &mut Gate,
+        store: &Callback,
+        pod: Option<&str>,
+    ) {
+        let headers = flow.on_response_headers(gate, store, Some("application/json"), pod);
+        store.add(2 + headers.len() as u64);
+        black_box(headers);
     }
 
     #[inline(never)]
-    fn phase_response_body(flow: &mut Flow, gate: &mut Gate, vm: &FakeVm) {
-        flow.on_response_body(gate, vm, RESPONSE);
+    fn phase_response_body(flow: &mut Flow, gate: &mut Gate, store: &Callback) {
+        flow.on_response_body(gate, store, RESPONSE);
+        store.add(1);
     }
 
     #[inline(never)]
-    fn phase_done(flow: &mut Flow, gate: &mut Gate, vm: &FakeVm) {
-        flow.on_done(gate, vm);
+    fn phase_done(flow: &mut Flow, gate: &mut Gate, store: &Callback) {
+        flow.on_done(gate, store);
+        store.now_ms();
+        store.add(1);
     }
 
-    /// What the shell then hands to Envoy's stats (one host call per name there).
+    /// What the shell then sends to Envoy's stats when no other request is open
+    /// (`shell::host::flush_stats`: a host call per value, each metric defined on its first).
     #[inline(never)]
-    fn phase_stats(gate: &mut Gate) {
-        black_box(gate.stats.drain().count());
+    fn phase_stats(gate: &mut Gate) -> u64 {
+        let mut sent = 0;
+        gate.stats.send(|s| {
+            s.host_id.get_or_insert(0);
+            black_box((s.name, s.kind, s.value));
+            sent += 1;
+        });
+        sent
     }
 
-    fn one(gate: &mut Gate, vm: &FakeVm, body: &[u8]) {
+    /// One request through every phase; the host calls of each.
+    fn one(gate: &mut Gate, vm: &FakeVm, body: &[u8]) -> [u64; PHASES.len()] {
         let mut flow = Flow::default();
-        phase_request_headers(&mut flow, gate, vm, &head(body));
-        let pod = phase_body(&mut flow, gate, vm, body);
-        phase_response_headers(&mut flow, gate, vm, pod.as_deref());
-        phase_response_body(&mut flow, gate, vm);
-        phase_done(&mut flow, gate, vm);
-        phase_stats(gate);
+        let stores: [Callback; 5] = std::array::from_fn(|_| Callback::new(vm));
+        phase_request_headers(&mut flow, gate, &stores[0], &head(body));
+        let pod = phase_body(&mut flow, gate, &stores[1], body);
+        phase_response_headers(&mut flow, gate, &stores[2], pod.as_deref());
+        phase_response_body(&mut flow, gate, &stores[3]);
+        phase_done(&mut flow, gate, &stores[4]);
+        let sent = phase_stats(gate);
+        let mut calls = [0; PHASES.len()];
+        for (c, s) in calls.iter_mut().zip(&stores) {
+            *c = s.calls.get();
+        }
+        calls[5] = sent;
+        calls
     }
 
-    /// `requests` requests, the clock moving 1 ms every 100 (as in the timed runs).
-    fn run(host: &FakeHost, vm: &FakeVm, gate: &mut Gate, bodies: &[Vec<u8>], requests: usize) {
+    /// `requests` requests, the clock moving 1 ms every 100 (as in the timed runs); the host calls
+    /// of each phase, summed.
+    fn run(
+        host: &FakeHost,
+        vm: &FakeVm,
+        gate: &mut Gate,
+        bodies: &[Vec<u8>],
+        requests: usize,
+    ) -> [u64; PHASES.len()] {
+        let mut calls = [0; PHASES.len()];
         for i in 0..requests {
-            one(gate, vm, &bodies[i % bodies.len()]);
+            let one = one(gate, vm, &bodies[i % bodies.len()]);
+            calls.iter_mut().zip(one).for_each(|(c, n)| *c += n);
             if i % 100 == 0 {
                 host.advance_ms(1);
             }
         }
+        calls
     }
 
     pub fn main() {
@@ -142,6 +277,23 @@ mod native {
         if let Some(n) = arg("--iters") {
             let (host, vm, mut gate, _) = setup(arg("--pods").unwrap_or(2));
             run(&host, &vm, &mut gate, &bodies, n);
+            return;
+        }
+        if args.iter().any(|a| a == "--calls") {
+            let n = 1000;
+            print!("{:>5}", "pods");
+            PHASES.iter().for_each(|p| print!(" {p:>16}"));
+            println!(" {:>16} {:>16}", "request", "with stats");
+            for pods in [1, 2, 16, 64] {
+                let (host, vm, mut gate, _) = setup(pods);
+                run(&host, &vm, &mut gate, &bodies, 100);
+                let calls = run(&host, &vm, &mut gate, &bodies, n);
+                let per = |c: u64| c as f64 / n as f64;
+                print!("{pods:>5}");
+                calls.iter().for_each(|&c| print!(" {:>16.2}", per(c)));
+                let request: u64 = calls[..5].iter().sum();
+                println!(" {:>16.2} {:>16.2}", per(request), per(request + calls[5]));
+            }
             return;
         }
         println!("{:>5} {:>14}", "pods", "µs per request");

@@ -9,8 +9,10 @@
 #
 # The whole request (--request): examples/request_cost in its untimed mode, REQUESTS requests of
 # 4 KB through headers, body (parse, estimate, admission, the pick), response headers, response
-# body (metering), the end (release, pick log, calibration) and the stats they leave, one
-# callgrind run per pool size, each phase's inclusive count per request.
+# body (metering), the end (release, pick log, calibration) and the stats they leave (what the
+# shell hands to Envoy when no other request is open), one callgrind run per pool size, each
+# phase's inclusive count per request; then the host calls of each phase (not a callgrind count:
+# the example counts the store's calls and adds the shell's own, `request_cost --calls`).
 #
 #   scripts/core_cost_callgrind.sh --request [PODS...]   default: 2 and 16 pods
 #
@@ -57,6 +59,9 @@ if [ "${1:-}" = --request ]; then
                     printf " %10d\n", total
                 }'
     done
+    echo
+    echo "host calls per request"
+    "$BIN" --calls
     exit 0
 fi
 

@@ -39,7 +39,7 @@ pub fn header(cfg: &Config, routed: &Routed, class: Class, picked: &str) -> Opti
 
 /// What admission would have done with a request placed past the budget: the header's word
 /// and the stat that counts it.
-fn admission_outcome(class: Class) -> (&'static str, &'static str) {
+fn admission_outcome(class: Class) -> (&'static str, stats::Fixed) {
     if class.priority < 0 {
         ("would-shed", stats::OBSERVE_WOULD_SHED)
     } else {
@@ -139,10 +139,10 @@ mod tests {
         record::read(vm, pod).unwrap().entries.len()
     }
 
-    fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    fn header<'a>(headers: &'a [(&str, String)], name: &str) -> Option<&'a str> {
         headers
             .iter()
-            .find(|(k, _)| k == name)
+            .find(|(k, _)| *k == name)
             .map(|(_, v)| v.as_str())
     }
 

@@ -1,273 +1,195 @@
-//! What kvgate counts, as the core reports it: named counters and gauges buffered in the VM and
-//! flushed to Envoy's stats by the shell (they appear under the `wasmcustom.` prefix in Envoy's
-//! admin `/stats`). Names are bounded: fixed ones plus one set per pod and one per configured
-//! priority band.
+//! What kvgate counts, as the core reports it: named counters, gauges and histograms buffered in
+//! the VM ([`Stats`]: counters summed per name as they are counted) and sent to Envoy's stats by
+//! the shell (they appear under the `wasmcustom.` prefix in Envoy's admin `/stats`). Names are
+//! bounded: fixed ones plus one set per pod, per model and per configured priority band.
 //!
-//! This module is the catalog: every `kvgate.*` stat name is a constant here (or, for the per-pod
-//! and per-band names, built by [`pod_stat`] and [`queue_band_length`]), so a name is spelt once and
-//! docs/operations.md's stats table is checked against this list by a test.
+//! This module is the catalog: every `kvgate.*` stat name is a constant here (or, for the per-pod,
+//! per-model and per-band names, named by [`pod_stat`], [`model_stat`] and [`queue_band_length`]),
+//! so a name is spelt once and docs/operations.md's stats table is checked against this list by a
+//! test.
 
-// Routing (`flow`, `routing::router`).
-/// Requests kvgate sent to a pod it picked.
-pub const ROUTED: &str = "kvgate.routed";
-/// Decisions that failed on shared data (the request went to Envoy's fallback balancing).
-pub const ROUTE_ERRORS: &str = "kvgate.route.errors";
-/// Picks Envoy could not use; its retry served the request elsewhere.
-pub const ROUTE_REROUTED: &str = "kvgate.route.rerouted";
-/// Prompt blocks of routed requests.
-pub const PREFIX_BLOCKS_TOTAL: &str = "kvgate.prefix.blocks_total";
-/// Of those, blocks the chosen pod was believed to cache.
-pub const PREFIX_BLOCKS_MATCHED: &str = "kvgate.prefix.blocks_matched";
+/// Declares a table of stat names: the type `$ty` (an enum whose value is a name's index in
+/// `$table`, so counting a name needs no hashing of it), one documented constant of it per name,
+/// and `$table`, every name in order.
+macro_rules! catalog {
+    (
+        $(#[$ty_doc:meta])* $ty:ident;
+        $(#[$table_doc:meta])* $table:ident;
+        $($(#[$doc:meta])* $id:ident = $name:literal;)*
+    ) => {
+        $(#[$ty_doc])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        #[allow(non_camel_case_types, clippy::upper_case_acronyms)]
+        pub enum $ty {
+            $($id,)*
+        }
 
-// The safe rollout, `routing.mode` / `admission.mode` `observe` (`observe`).
-/// Requests admission would have parked in the line (no pod had room), sent past the budget.
-pub const OBSERVE_WOULD_WAIT: &str = "kvgate.observe.would_wait";
-/// Sheddable requests admission would have refused with 429, sent past the budget.
-pub const OBSERVE_WOULD_SHED: &str = "kvgate.observe.would_shed";
-/// Responses from the host kvgate picked, while Envoy's load balancer chooses.
-pub const OBSERVE_ROUTING_SAME: &str = "kvgate.observe.routing_same";
-/// Responses from another host than kvgate's pick, while Envoy's load balancer chooses.
-pub const OBSERVE_ROUTING_OTHER: &str = "kvgate.observe.routing_other";
+        impl $ty {
+            pub fn name(self) -> &'static str {
+                $table.get(self as usize).copied().unwrap_or_default()
+            }
+        }
 
-// Pods (`pods::scrape`, `gate`).
-pub const SCRAPE_OK: &str = "kvgate.scrape.ok";
-pub const SCRAPE_ERRORS: &str = "kvgate.scrape.errors";
-pub const DISCOVERY_ERRORS: &str = "kvgate.discovery.errors";
-pub const PODS_TOTAL: &str = "kvgate.pods.total";
-pub const PODS_STALE: &str = "kvgate.pods.stale";
-pub const PODS_UNHEALTHY: &str = "kvgate.pods.unhealthy";
+        $($(#[$doc])* pub const $id: $ty = $ty::$id;)*
 
-// The line (`gate`).
-pub const QUEUE_LENGTH: &str = "kvgate.queue.length";
-/// Tickets whose priority is no configured band, so the per-band names stay bounded.
-pub const QUEUE_OTHER_LENGTH: &str = "kvgate.queue.other.length";
+        $(#[$table_doc])*
+        pub const $table: &[&str] = &[$($name,)*];
+    };
+}
 
-// Admission outcomes (`admission::admit`).
-pub const ADMISSION_ADMITTED: &str = "kvgate.admission.admitted";
-pub const ADMISSION_QUEUED: &str = "kvgate.admission.queued";
-pub const ADMISSION_BOOSTED: &str = "kvgate.admission.boosted";
-pub const ADMISSION_SHED: &str = "kvgate.admission.shed";
-pub const ADMISSION_QUEUE_FULL: &str = "kvgate.admission.queue_full";
-pub const ADMISSION_TIMED_OUT: &str = "kvgate.admission.timed_out";
-pub const ADMISSION_ABANDONED: &str = "kvgate.admission.abandoned";
-pub const ADMISSION_WAIT_MS: &str = "kvgate.admission.wait_ms";
-pub const ADMISSION_WAKE_LATENCY_MS: &str = "kvgate.admission.wake_latency_ms";
-/// The histogram's sum as a counter, so a mean is readable without Prometheus.
-pub const ADMISSION_WAKE_LATENCY_MS_TOTAL: &str = "kvgate.admission.wake_latency_ms_total";
-pub const ADMISSION_WAKES: &str = "kvgate.admission.wakes";
-// The line's cache-friendly order (`drive::run_line`).
-pub const ADMISSION_CACHE_FIRST: &str = "kvgate.admission.cache_first";
-pub const ADMISSION_UNCACHED: &str = "kvgate.admission.uncached";
+catalog! {
+    /// A fixed stat name.
+    Fixed;
+    /// Every fixed name, for the test against docs/operations.md.
+    FIXED;
+    // Routing (`flow`, `routing::router`).
+    /// Requests kvgate sent to a pod it picked.
+    ROUTED = "kvgate.routed";
+    /// Decisions that failed on shared data (the request went to Envoy's fallback balancing).
+    ROUTE_ERRORS = "kvgate.route.errors";
+    /// Picks Envoy could not use; its retry served the request elsewhere.
+    ROUTE_REROUTED = "kvgate.route.rerouted";
+    /// Prompt blocks of routed requests.
+    PREFIX_BLOCKS_TOTAL = "kvgate.prefix.blocks_total";
+    /// Of those, blocks the chosen pod was believed to cache.
+    PREFIX_BLOCKS_MATCHED = "kvgate.prefix.blocks_matched";
 
-// The estimator against the engine's `usage` (`flow`).
-pub const ESTIMATE_PROMPT_TOKENS: &str = "kvgate.estimate.prompt_tokens";
-pub const ESTIMATE_OUTPUT_TOKENS: &str = "kvgate.estimate.output_tokens";
-pub const ESTIMATE_COST_TOKENS: &str = "kvgate.estimate.cost_tokens";
-pub const USAGE_PROMPT_TOKENS: &str = "kvgate.usage.prompt_tokens";
-pub const USAGE_COMPLETION_TOKENS: &str = "kvgate.usage.completion_tokens";
-pub const USAGE_TOTAL_TOKENS: &str = "kvgate.usage.total_tokens";
+    // The safe rollout, `routing.mode` / `admission.mode` `observe` (`observe`).
+    /// Requests admission would have parked in the line (no pod had room), sent past the budget.
+    OBSERVE_WOULD_WAIT = "kvgate.observe.would_wait";
+    /// Sheddable requests admission would have refused with 429, sent past the budget.
+    OBSERVE_WOULD_SHED = "kvgate.observe.would_shed";
+    /// Responses from the host kvgate picked, while Envoy's load balancer chooses.
+    OBSERVE_ROUTING_SAME = "kvgate.observe.routing_same";
+    /// Responses from another host than kvgate's pick, while Envoy's load balancer chooses.
+    OBSERVE_ROUTING_OTHER = "kvgate.observe.routing_other";
 
-// Models and adapters (`flow`, `pods::scrape`, `routing::router`).
-/// Requests for a model no pod serves, answered 404 by kvgate.
-pub const MODELS_NOT_FOUND: &str = "kvgate.models.not_found";
-/// Requests whose model was rewritten to a target (`models.routes`).
-pub const MODELS_REWRITTEN: &str = "kvgate.models.rewritten";
-/// Model lists (`/v1/models`) read, and fetches or bodies that failed (the pod keeps its last).
-pub const MODELS_LIST_OK: &str = "kvgate.models.list_ok";
-pub const MODELS_LIST_ERRORS: &str = "kvgate.models.list_errors";
-/// Picks that send a request's adapter to a pod where it is not resident (it is loaded there).
-pub const ADAPTER_LOADS: &str = "kvgate.adapter.loads";
-// Replicas sharing budgets through etcd (`replicas::sync`, `gate`).
-/// Syncs whose txn etcd applied.
-pub const REPLICAS_SYNCS: &str = "kvgate.replicas.syncs";
-/// Txns that lost a race for a pod's free credit (read again on the next tick).
-pub const REPLICAS_CONFLICTS: &str = "kvgate.replicas.conflicts";
-/// etcd calls that failed or timed out (the replica keeps admitting, within its fallback).
-pub const REPLICAS_ERRORS: &str = "kvgate.replicas.errors";
-/// Lapsed replicas whose grants this replica reclaimed.
-pub const REPLICAS_RECLAIMED: &str = "kvgate.replicas.reclaimed";
-/// Replicas whose lease etcd holds, as of the last sync.
-pub const REPLICAS_LIVE: &str = "kvgate.replicas.live";
-/// 1 while this replica reaches etcd, 0 while it admits within its fallback.
-pub const REPLICAS_IN_CONTACT: &str = "kvgate.replicas.in_contact";
-// What a request costs the proxy (`shell::http`).
-/// Host calls a request's own callbacks made (headers to done), one sample per request.
-pub const REQUEST_HOST_CALLS: &str = "kvgate.request.host_calls";
+    // Pods (`pods::scrape`, `gate`).
+    SCRAPE_OK = "kvgate.scrape.ok";
+    SCRAPE_ERRORS = "kvgate.scrape.errors";
+    DISCOVERY_ERRORS = "kvgate.discovery.errors";
+    PODS_TOTAL = "kvgate.pods.total";
+    PODS_STALE = "kvgate.pods.stale";
+    PODS_UNHEALTHY = "kvgate.pods.unhealthy";
 
-/// Every fixed name, for the test against docs/operations.md.
-pub const FIXED: &[&str] = &[
-    ROUTED,
-    ROUTE_ERRORS,
-    ROUTE_REROUTED,
-    PREFIX_BLOCKS_TOTAL,
-    PREFIX_BLOCKS_MATCHED,
-    OBSERVE_WOULD_WAIT,
-    OBSERVE_WOULD_SHED,
-    OBSERVE_ROUTING_SAME,
-    OBSERVE_ROUTING_OTHER,
-    SCRAPE_OK,
-    SCRAPE_ERRORS,
-    DISCOVERY_ERRORS,
-    PODS_TOTAL,
-    PODS_STALE,
-    PODS_UNHEALTHY,
-    QUEUE_LENGTH,
-    QUEUE_OTHER_LENGTH,
-    ADMISSION_ADMITTED,
-    ADMISSION_QUEUED,
-    ADMISSION_BOOSTED,
-    ADMISSION_SHED,
-    ADMISSION_QUEUE_FULL,
-    ADMISSION_TIMED_OUT,
-    ADMISSION_ABANDONED,
-    ADMISSION_WAIT_MS,
-    ADMISSION_WAKE_LATENCY_MS,
-    ADMISSION_WAKE_LATENCY_MS_TOTAL,
-    ADMISSION_WAKES,
-    ADMISSION_CACHE_FIRST,
-    ADMISSION_UNCACHED,
-    ESTIMATE_PROMPT_TOKENS,
-    ESTIMATE_OUTPUT_TOKENS,
-    ESTIMATE_COST_TOKENS,
-    USAGE_PROMPT_TOKENS,
-    USAGE_COMPLETION_TOKENS,
-    USAGE_TOTAL_TOKENS,
-    MODELS_NOT_FOUND,
-    MODELS_REWRITTEN,
-    MODELS_LIST_OK,
-    MODELS_LIST_ERRORS,
-    ADAPTER_LOADS,
-    REPLICAS_SYNCS,
-    REPLICAS_CONFLICTS,
-    REPLICAS_ERRORS,
-    REPLICAS_RECLAIMED,
-    REPLICAS_LIVE,
-    REPLICAS_IN_CONTACT,
-    REQUEST_HOST_CALLS,
-];
+    // The line (`gate`).
+    QUEUE_LENGTH = "kvgate.queue.length";
+    /// Tickets whose priority is no configured band, so the per-band names stay bounded.
+    QUEUE_OTHER_LENGTH = "kvgate.queue.other.length";
 
-/// The last segment of a per-pod name, `kvgate.pod.<ip_port>.<segment>`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PodStat(&'static str);
+    // Admission outcomes (`admission::admit`).
+    ADMISSION_ADMITTED = "kvgate.admission.admitted";
+    ADMISSION_QUEUED = "kvgate.admission.queued";
+    ADMISSION_BOOSTED = "kvgate.admission.boosted";
+    ADMISSION_SHED = "kvgate.admission.shed";
+    ADMISSION_QUEUE_FULL = "kvgate.admission.queue_full";
+    ADMISSION_TIMED_OUT = "kvgate.admission.timed_out";
+    ADMISSION_ABANDONED = "kvgate.admission.abandoned";
+    ADMISSION_WAIT_MS = "kvgate.admission.wait_ms";
+    ADMISSION_WAKE_LATENCY_MS = "kvgate.admission.wake_latency_ms";
+    /// The histogram's sum as a counter, so a mean is readable without Prometheus.
+    ADMISSION_WAKE_LATENCY_MS_TOTAL = "kvgate.admission.wake_latency_ms_total";
+    ADMISSION_WAKES = "kvgate.admission.wakes";
+    // The line's cache-friendly order (`drive::run_line`).
+    ADMISSION_CACHE_FIRST = "kvgate.admission.cache_first";
+    ADMISSION_UNCACHED = "kvgate.admission.uncached";
 
-pub const POD_PICKS: PodStat = PodStat("picks");
-pub const POD_SCRAPE_ERRORS: PodStat = PodStat("scrape_errors");
-pub const POD_ACTIVE_BLOCKS: PodStat = PodStat("active_blocks");
-pub const POD_IN_FLIGHT: PodStat = PodStat("in_flight");
-pub const POD_RESERVED_TOKENS: PodStat = PodStat("reserved_tokens");
-pub const POD_HELD_TOKENS: PodStat = PodStat("held_tokens");
-pub const POD_UNEXPLAINED_TOKENS: PodStat = PodStat("unexplained_tokens");
-pub const POD_BACKOFF_PERCENT: PodStat = PodStat("backoff_percent");
-pub const POD_RELIEF_PERCENT: PodStat = PodStat("relief_percent");
-pub const POD_BUDGET_TOKENS: PodStat = PodStat("budget_tokens");
-pub const POD_HEALTHY: PodStat = PodStat("healthy");
-/// With several replicas: what this one may reserve on the pod now (`replicas::split::admit_cap`).
-pub const POD_GRANT_TOKENS: PodStat = PodStat("grant_tokens");
-/// With several replicas: the KV the other replicas' requests hold on the pod.
-pub const POD_REMOTE_TOKENS: PodStat = PodStat("remote_tokens");
-/// The engine's own KV in use at the last scrape, in blocks: against `active_blocks`, how right
-/// kvgate's prediction is.
-pub const POD_ENGINE_BLOCKS: PodStat = PodStat("engine_blocks");
-/// The engine's prefix-cache counters at the last scrape (`vllm:prefix_cache_hits_total`,
-/// `vllm:prefix_cache_queries_total`, tokens since it started), as gauges.
-pub const POD_ENGINE_PREFIX_HITS: PodStat = PodStat("engine_prefix_hit_tokens");
-pub const POD_ENGINE_PREFIX_QUERIES: PodStat = PodStat("engine_prefix_query_tokens");
-/// Prompt blocks of requests routed to the pod, and of those the blocks kvgate believed it
-/// cached: against the engine's counters, how right the prefix index is.
-pub const POD_PREFIX_BLOCKS_TOTAL: PodStat = PodStat("prefix_blocks_total");
-pub const POD_PREFIX_BLOCKS_MATCHED: PodStat = PodStat("prefix_blocks_matched");
-/// The factor the pick scales the pod's time costs by, learned from its inter-token latency
-/// against the pool's (`pods::pace`), in percent: 100 is the pool's pace or unknown.
-pub const POD_COST_FACTOR_PERCENT: PodStat = PodStat("cost_factor_percent");
+    // The estimator against the engine's `usage` (`flow`).
+    ESTIMATE_PROMPT_TOKENS = "kvgate.estimate.prompt_tokens";
+    ESTIMATE_OUTPUT_TOKENS = "kvgate.estimate.output_tokens";
+    ESTIMATE_COST_TOKENS = "kvgate.estimate.cost_tokens";
+    USAGE_PROMPT_TOKENS = "kvgate.usage.prompt_tokens";
+    USAGE_COMPLETION_TOKENS = "kvgate.usage.completion_tokens";
+    USAGE_TOTAL_TOKENS = "kvgate.usage.total_tokens";
 
-/// Every per-pod name, for the test against docs/operations.md.
-pub const PER_POD: &[PodStat] = &[
-    POD_PICKS,
-    POD_SCRAPE_ERRORS,
-    POD_ACTIVE_BLOCKS,
-    POD_IN_FLIGHT,
-    POD_RESERVED_TOKENS,
-    POD_HELD_TOKENS,
-    POD_UNEXPLAINED_TOKENS,
-    POD_BACKOFF_PERCENT,
-    POD_RELIEF_PERCENT,
-    POD_BUDGET_TOKENS,
-    POD_HEALTHY,
-    POD_GRANT_TOKENS,
-    POD_REMOTE_TOKENS,
-    POD_ENGINE_BLOCKS,
-    POD_ENGINE_PREFIX_HITS,
-    POD_ENGINE_PREFIX_QUERIES,
-    POD_PREFIX_BLOCKS_TOTAL,
-    POD_PREFIX_BLOCKS_MATCHED,
-    POD_COST_FACTOR_PERCENT,
-];
+    // Models and adapters (`flow`, `pods::scrape`, `routing::router`).
+    /// Requests for a model no pod serves, answered 404 by kvgate.
+    MODELS_NOT_FOUND = "kvgate.models.not_found";
+    /// Requests whose model was rewritten to a target (`models.routes`).
+    MODELS_REWRITTEN = "kvgate.models.rewritten";
+    /// Model lists (`/v1/models`) read, and fetches or bodies that failed (the pod keeps its last).
+    MODELS_LIST_OK = "kvgate.models.list_ok";
+    MODELS_LIST_ERRORS = "kvgate.models.list_errors";
+    /// Picks that send a request's adapter to a pod where it is not resident (it is loaded there).
+    ADAPTER_LOADS = "kvgate.adapter.loads";
+    // Replicas sharing budgets through etcd (`replicas::sync`, `gate`).
+    /// Syncs whose txn etcd applied.
+    REPLICAS_SYNCS = "kvgate.replicas.syncs";
+    /// Txns that lost a race for a pod's free credit (read again on the next tick).
+    REPLICAS_CONFLICTS = "kvgate.replicas.conflicts";
+    /// etcd calls that failed or timed out (the replica keeps admitting, within its fallback).
+    REPLICAS_ERRORS = "kvgate.replicas.errors";
+    /// Lapsed replicas whose grants this replica reclaimed.
+    REPLICAS_RECLAIMED = "kvgate.replicas.reclaimed";
+    /// Replicas whose lease etcd holds, as of the last sync.
+    REPLICAS_LIVE = "kvgate.replicas.live";
+    /// 1 while this replica reaches etcd, 0 while it admits within its fallback.
+    REPLICAS_IN_CONTACT = "kvgate.replicas.in_contact";
+    // What a request costs the proxy (`shell::http`).
+    /// Host calls a request's own callbacks made (headers to done), one sample per request.
+    REQUEST_HOST_CALLS = "kvgate.request.host_calls";
+}
+
+catalog! {
+    /// The last segment of a per-pod name, `kvgate.pod.<ip_port>.<segment>` ([`pod_stat`]).
+    PodStat;
+    /// Every per-pod segment, for the test against docs/operations.md.
+    PER_POD;
+    POD_PICKS = "picks";
+    POD_SCRAPE_ERRORS = "scrape_errors";
+    POD_ACTIVE_BLOCKS = "active_blocks";
+    POD_IN_FLIGHT = "in_flight";
+    POD_RESERVED_TOKENS = "reserved_tokens";
+    POD_HELD_TOKENS = "held_tokens";
+    POD_UNEXPLAINED_TOKENS = "unexplained_tokens";
+    POD_BACKOFF_PERCENT = "backoff_percent";
+    POD_RELIEF_PERCENT = "relief_percent";
+    POD_BUDGET_TOKENS = "budget_tokens";
+    POD_HEALTHY = "healthy";
+    /// With several replicas: what this one may reserve on the pod now (`replicas::split::admit_cap`).
+    POD_GRANT_TOKENS = "grant_tokens";
+    /// With several replicas: the KV the other replicas' requests hold on the pod.
+    POD_REMOTE_TOKENS = "remote_tokens";
+    /// The engine's own KV in use at the last scrape, in blocks: against `active_blocks`, how right
+    /// kvgate's prediction is.
+    POD_ENGINE_BLOCKS = "engine_blocks";
+    /// The engine's prefix-cache counters at the last scrape (`vllm:prefix_cache_hits_total`,
+    /// `vllm:prefix_cache_queries_total`, tokens since it started), as gauges.
+    POD_ENGINE_PREFIX_HITS = "engine_prefix_hit_tokens";
+    POD_ENGINE_PREFIX_QUERIES = "engine_prefix_query_tokens";
+    /// Prompt blocks of requests routed to the pod, and of those the blocks kvgate believed it
+    /// cached: against the engine's counters, how right the prefix index is.
+    POD_PREFIX_BLOCKS_TOTAL = "prefix_blocks_total";
+    POD_PREFIX_BLOCKS_MATCHED = "prefix_blocks_matched";
+    /// The factor the pick scales the pod's time costs by, learned from its inter-token latency
+    /// against the pool's (`pods::pace`), in percent: 100 is the pool's pace or unknown.
+    POD_COST_FACTOR_PERCENT = "cost_factor_percent";
+}
 
 /// A pod's stat: `kvgate.pod.<ip_port>.<stat>`, the address made one segment by [`pod_segment`].
-pub fn pod_stat(pod: &str, stat: PodStat) -> String {
-    named(("pod", stat.0), pod, || {
-        format!("kvgate.pod.{}.{}", pod_segment(pod), stat.0)
-    })
+pub fn pod_stat(pod: &str, stat: PodStat) -> Name<'_> {
+    Name::Pod(pod, stat)
 }
 
-/// Names built once per pod or model and segment: per-request stats reuse them rather than
-/// sanitize and format a name each time.
-const NAMES_MAX: usize = 4096;
-
-/// (kind, segment) → (pod or model → full name).
-type Names = hashbrown::HashMap<(&'static str, &'static str), hashbrown::HashMap<String, String>>;
-
-thread_local! {
-    /// One VM is one thread.
-    static NAMES: std::cell::RefCell<Names> = Default::default();
+catalog! {
+    /// The last segment of a per-model name, `kvgate.model.<model>.<segment>` ([`model_stat`]).
+    ModelStat;
+    /// Every per-model segment, for the test against docs/operations.md.
+    PER_MODEL;
+    /// Requests for the model (as sent, after any rename) that kvgate decided on.
+    MODEL_REQUESTS = "requests";
+    /// Of those, requests routed to a pod kvgate picked.
+    MODEL_PICKS = "picks";
+    /// A histogram of the waits in the line of requests admitted after waiting.
+    MODEL_QUEUE_WAIT_MS = "queue_wait_ms";
+    /// Tokens the engines reported in `usage`.
+    MODEL_PROMPT_TOKENS = "prompt_tokens";
+    MODEL_COMPLETION_TOKENS = "completion_tokens";
+    /// Histograms of each answer's estimate error against its `usage`, in percent of what the
+    /// engine counted: the prompt estimate, and the expected output (`estimate::reservation`).
+    MODEL_PROMPT_ERROR_PCT = "prompt_error_pct";
+    MODEL_OUTPUT_ERROR_PCT = "output_error_pct";
 }
-
-fn named(
-    kind: (&'static str, &'static str),
-    subject: &str,
-    build: impl FnOnce() -> String,
-) -> String {
-    NAMES.with(|names| {
-        let mut names = names.borrow_mut();
-        let by_subject = names.entry(kind).or_default();
-        if let Some(name) = by_subject.get(subject) {
-            return name.clone();
-        }
-        // Subjects are pods and served models, a bounded set; a stream of new ones starts over.
-        if by_subject.len() >= NAMES_MAX {
-            by_subject.clear();
-        }
-        let name = build();
-        by_subject.insert(subject.to_string(), name.clone());
-        name
-    })
-}
-
-// Per model: the last segment of `kvgate.model.<model>.<segment>` ([`model_stat`]).
-/// Requests for the model (as sent, after any rename) that kvgate decided on.
-pub const MODEL_REQUESTS: &str = "requests";
-/// Of those, requests routed to a pod kvgate picked.
-pub const MODEL_PICKS: &str = "picks";
-/// A histogram of the waits in the line of requests admitted after waiting.
-pub const MODEL_QUEUE_WAIT_MS: &str = "queue_wait_ms";
-/// Tokens the engines reported in `usage`.
-pub const MODEL_PROMPT_TOKENS: &str = "prompt_tokens";
-pub const MODEL_COMPLETION_TOKENS: &str = "completion_tokens";
-/// Histograms of each answer's estimate error against its `usage`, in percent of what the
-/// engine counted: the prompt estimate, and the expected output (`estimate::reservation`).
-pub const MODEL_PROMPT_ERROR_PCT: &str = "prompt_error_pct";
-pub const MODEL_OUTPUT_ERROR_PCT: &str = "output_error_pct";
-
-/// Every per-model segment, for the test against docs/operations.md.
-pub const PER_MODEL: [&str; 7] = [
-    MODEL_REQUESTS,
-    MODEL_PICKS,
-    MODEL_QUEUE_WAIT_MS,
-    MODEL_PROMPT_TOKENS,
-    MODEL_COMPLETION_TOKENS,
-    MODEL_PROMPT_ERROR_PCT,
-    MODEL_OUTPUT_ERROR_PCT,
-];
 
 /// Stands for every model without stats of its own (neither configured nor listed by a pod),
 /// so client-chosen names cannot grow the stat set.
@@ -277,27 +199,14 @@ const MODEL_SEGMENT_CHARS: usize = 64;
 
 /// A model's stat: `kvgate.model.<model>.<stat>`, the name made one bounded segment (characters
 /// other than ASCII letters and digits become `_`).
-pub fn model_stat(model: &str, stat: &'static str) -> String {
-    named(("model", stat), model, || {
-        let segment: String = pod_segment(model)
-            .chars()
-            .take(MODEL_SEGMENT_CHARS)
-            .collect();
-        format!("kvgate.model.{segment}.{stat}")
-    })
+pub fn model_stat(model: &str, stat: ModelStat) -> Name<'_> {
+    Name::Model(model, stat)
 }
 
 /// Tickets waiting in one configured priority band: `kvgate.queue.priority_<band>.length`, a
 /// negative band spelt `minus_<n>` (Envoy stat names have no `-`).
-pub fn queue_band_length(band: i32) -> String {
-    format!("kvgate.queue.priority_{band}.length").replace('-', "minus_")
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Stat {
-    Counter(String, u64),
-    Gauge(String, u64),
-    Histogram(String, u64),
+pub fn queue_band_length(band: i32) -> Name<'static> {
+    Name::Band(band)
 }
 
 /// Envoy stat names use dots as separators; a pod's `ip:port` becomes `ip_port` with dots kept
@@ -308,42 +217,233 @@ pub fn pod_segment(pod: &str) -> String {
         .collect()
 }
 
+/// A stat as the code names it: a fixed name, or the parts of a per-pod, per-model or per-band
+/// one. Its full name (`Display`) is built once, the first time [`Stats`] sees it, so the stats a
+/// request counts neither format nor allocate a name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Name<'a> {
+    Fixed(Fixed),
+    Pod(&'a str, PodStat),
+    Model(&'a str, ModelStat),
+    Band(i32),
+}
+
+impl From<Fixed> for Name<'static> {
+    fn from(name: Fixed) -> Self {
+        Name::Fixed(name)
+    }
+}
+
+impl std::fmt::Display for Name<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            Name::Fixed(name) => f.write_str(name.name()),
+            Name::Pod(pod, stat) => {
+                write!(f, "kvgate.pod.{}.{}", pod_segment(pod), stat.name())
+            }
+            Name::Model(model, stat) => {
+                let segment: String = pod_segment(model)
+                    .chars()
+                    .take(MODEL_SEGMENT_CHARS)
+                    .collect();
+                write!(f, "kvgate.model.{segment}.{}", stat.name())
+            }
+            Name::Band(band) => {
+                f.write_str(&format!("kvgate.queue.priority_{band}.length").replace('-', "minus_"))
+            }
+        }
+    }
+}
+
+/// Slots by a table's index (`None` until the name is first counted).
+type BySegment = Vec<Option<usize>>;
+
+/// The slot of the name at `index`, the table grown to hold it.
+fn at(slots: &mut BySegment, index: usize) -> &mut Option<usize> {
+    if slots.len() <= index {
+        slots.resize(index + 1, None);
+    }
+    &mut slots[index]
+}
+
+/// Names the registry holds before it starts over (at a send, when nothing waits): names are
+/// bounded (fixed ones, a set per pod, model and band) but pods come and go over a long life.
+/// Room for about 3,000 pods' names; Envoy keeps every stat it was given either way.
+const NAMES_MAX: usize = 1 << 16;
+
+/// One name this VM has counted: its full name, what waits to be sent under it, and the id the
+/// host gave it.
+#[derive(Debug)]
+struct Slot {
+    name: String,
+    /// Counted since the last send.
+    count: u64,
+    /// Set since the last send: the last value.
+    gauge: Option<u64>,
+    host_id: Option<u32>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+/// A value [`Stats::send`] hands over.
+pub struct Sent<'a> {
+    pub name: &'a str,
+    pub kind: Kind,
+    pub value: u64,
+    /// The host's id for the name, kept from the send that defined it (`None` before): a metric
+    /// is defined once, not looked up by name on every send.
+    pub host_id: &'a mut Option<u32>,
+}
+
+/// The stats counted since the last send, kept as the host takes them: counters summed and gauges
+/// at their last value per name as they are counted, every histogram sample in order. Each name
+/// is registered once (its full name built then); counting it again is a lookup by its parts.
 #[derive(Debug, Default)]
 pub struct Stats {
-    pending: Vec<Stat>,
+    /// Where each name's slot is: a fixed one by its index, a pod's or a model's by the subject
+    /// (one lookup of its name) then the segment's index, a band's by the band.
+    fixed: BySegment,
+    pods: hashbrown::HashMap<Box<str>, BySegment>,
+    models: hashbrown::HashMap<Box<str>, BySegment>,
+    bands: hashbrown::HashMap<i32, Option<usize>>,
+    slots: Vec<Slot>,
+    /// Slots with a count or a gauge to send, each once, in the order first touched.
+    touched: Vec<usize>,
+    histograms: Vec<(usize, u64)>,
 }
 
 impl Stats {
-    pub fn count(&mut self, name: impl Into<String>, by: u64) {
-        if by > 0 {
-            self.pending.push(Stat::Counter(name.into(), by));
+    fn slot(&mut self, name: Name) -> usize {
+        let Stats {
+            fixed,
+            pods,
+            models,
+            bands,
+            slots,
+            ..
+        } = self;
+        let at = match name {
+            Name::Fixed(stat) => at(fixed, stat as usize),
+            Name::Pod(pod, stat) => at(pods.entry_ref(pod).or_default(), stat as usize),
+            Name::Model(model, stat) => at(models.entry_ref(model).or_default(), stat as usize),
+            Name::Band(band) => bands.entry(band).or_default(),
+        };
+        if let Some(id) = *at {
+            return id;
+        }
+        let id = slots.len();
+        *at = Some(id);
+        slots.push(Slot {
+            name: name.to_string(),
+            count: 0,
+            gauge: None,
+            host_id: None,
+        });
+        id
+    }
+
+    /// The slot of `name`, noted as touched the first time since the last send.
+    fn touch(&mut self, name: Name) -> Option<&mut Slot> {
+        let id = self.slot(name);
+        let slot = self.slots.get_mut(id)?;
+        if slot.count == 0 && slot.gauge.is_none() {
+            self.touched.push(id);
+        }
+        Some(slot)
+    }
+
+    pub fn count<'a>(&mut self, name: impl Into<Name<'a>>, by: u64) {
+        if by == 0 {
+            return;
+        }
+        if let Some(slot) = self.touch(name.into()) {
+            slot.count = slot.count.saturating_add(by);
         }
     }
 
-    pub fn gauge(&mut self, name: impl Into<String>, value: u64) {
-        self.pending.push(Stat::Gauge(name.into(), value));
+    pub fn gauge<'a>(&mut self, name: impl Into<Name<'a>>, value: u64) {
+        if let Some(slot) = self.touch(name.into()) {
+            slot.gauge = Some(value);
+        }
     }
 
-    pub fn histogram(&mut self, name: impl Into<String>, value: u64) {
-        self.pending.push(Stat::Histogram(name.into(), value));
+    pub fn histogram<'a>(&mut self, name: impl Into<Name<'a>>, value: u64) {
+        let id = self.slot(name.into());
+        self.histograms.push((id, value));
     }
 
-    /// Stats waiting to be sent: one host call each.
+    /// Values waiting to be sent: one host call each.
     pub fn len(&self) -> usize {
-        self.pending.len()
+        self.touched.len() + self.histograms.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.pending.is_empty()
+        self.len() == 0
     }
 
-    pub fn drain(&mut self) -> std::vec::Drain<'_, Stat> {
-        self.pending.drain(..)
+    /// Hands every waiting value to `send` and forgets it: each counter's sum since the last
+    /// send, each gauge's last value, every histogram sample.
+    pub fn send(&mut self, mut send: impl FnMut(Sent<'_>)) {
+        for id in self.touched.drain(..) {
+            let Some(slot) = self.slots.get_mut(id) else {
+                continue;
+            };
+            if slot.count > 0 {
+                send(Sent {
+                    name: &slot.name,
+                    kind: Kind::Counter,
+                    value: std::mem::take(&mut slot.count),
+                    host_id: &mut slot.host_id,
+                });
+            }
+            if let Some(value) = slot.gauge.take() {
+                send(Sent {
+                    name: &slot.name,
+                    kind: Kind::Gauge,
+                    value,
+                    host_id: &mut slot.host_id,
+                });
+            }
+        }
+        for (id, value) in self.histograms.drain(..) {
+            if let Some(slot) = self.slots.get_mut(id) {
+                send(Sent {
+                    name: &slot.name,
+                    kind: Kind::Histogram,
+                    value,
+                    host_id: &mut slot.host_id,
+                });
+            }
+        }
+        if self.slots.len() > NAMES_MAX {
+            *self = Stats::default();
+        }
     }
 
-    /// Sends nothing: drains the pending stats, summing what was counted under `name` (tests).
+    /// Sends nothing: takes what waits, as `send` hands it over (tests).
     #[cfg(test)]
-    pub fn take_count(&mut self, name: &str) -> u64 {
+    pub fn drain(&mut self) -> std::vec::IntoIter<Stat> {
+        let mut out = Vec::new();
+        self.send(|s| {
+            let name = s.name.to_string();
+            out.push(match s.kind {
+                Kind::Counter => Stat::Counter(name, s.value),
+                Kind::Gauge => Stat::Gauge(name, s.value),
+                Kind::Histogram => Stat::Histogram(name, s.value),
+            });
+        });
+        out.into_iter()
+    }
+
+    /// Sends nothing: takes what waits, returning what was counted under `name` (tests).
+    #[cfg(test)]
+    pub fn take_count<'a>(&mut self, name: impl Into<Name<'a>>) -> u64 {
+        let name = name.into().to_string();
         self.drain()
             .filter_map(|s| match s {
                 Stat::Counter(n, by) if n == name => Some(by),
@@ -351,6 +451,15 @@ impl Stats {
             })
             .sum()
     }
+}
+
+/// A value as sent, with its full name (tests).
+#[cfg(test)]
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Stat {
+    Counter(String, u64),
+    Gauge(String, u64),
+    Histogram(String, u64),
 }
 
 #[cfg(test)]
@@ -364,14 +473,65 @@ mod tests {
     fn pod_names_become_one_segment_and_zero_counts_are_dropped() {
         assert_eq!(pod_segment("10.0.0.1:8000"), "10_0_0_1_8000");
         let mut s = Stats::default();
-        s.count("a", 0);
-        s.count("b", 2);
-        s.gauge("g", 0);
+        s.count(ROUTED, 0);
+        s.count(ROUTE_ERRORS, 2);
+        s.gauge(PODS_TOTAL, 0);
         let out: Vec<Stat> = s.drain().collect();
         assert_eq!(
             out,
-            vec![Stat::Counter("b".into(), 2), Stat::Gauge("g".into(), 0)]
+            vec![
+                Stat::Counter("kvgate.route.errors".into(), 2),
+                Stat::Gauge("kvgate.pods.total".into(), 0)
+            ]
         );
+    }
+
+    #[test]
+    fn a_send_carries_each_counters_sum_each_gauges_last_value_and_every_sample() {
+        let mut s = Stats::default();
+        for pod in ["10.0.0.1:80", "10.0.0.2:80", "10.0.0.1:80"] {
+            s.count(pod_stat(pod, POD_PICKS), 1);
+            s.gauge(pod_stat(pod, POD_IN_FLIGHT), pod.len() as u64);
+            s.histogram(model_stat("m", MODEL_QUEUE_WAIT_MS), 5);
+        }
+        s.count(ROUTED, u64::MAX);
+        s.count(ROUTED, 1);
+        s.gauge(pod_stat("10.0.0.1:80", POD_IN_FLIGHT), 7);
+        assert_eq!(s.len(), 5 + 3);
+        let out: Vec<Stat> = s.drain().collect();
+        let wait = || Stat::Histogram("kvgate.model.m.queue_wait_ms".into(), 5);
+        assert_eq!(
+            out,
+            vec![
+                Stat::Counter("kvgate.pod.10_0_0_1_80.picks".into(), 2),
+                Stat::Gauge("kvgate.pod.10_0_0_1_80.in_flight".into(), 7),
+                Stat::Counter("kvgate.pod.10_0_0_2_80.picks".into(), 1),
+                Stat::Gauge("kvgate.pod.10_0_0_2_80.in_flight".into(), 11),
+                Stat::Counter("kvgate.routed".into(), u64::MAX),
+                wait(),
+                wait(),
+                wait(),
+            ]
+        );
+        assert!(s.is_empty());
+        assert_eq!(s.drain().count(), 0, "nothing waits after a send");
+    }
+
+    #[test]
+    fn the_hosts_id_for_a_name_is_kept_from_send_to_send() {
+        let mut s = Stats::default();
+        let mut defined = Vec::new();
+        for round in 0..3 {
+            s.count(ROUTED, 1);
+            s.histogram(REQUEST_HOST_CALLS, round);
+            s.send(|sent| {
+                if sent.host_id.is_none() {
+                    defined.push(sent.name.to_string());
+                    *sent.host_id = Some(defined.len() as u32);
+                }
+            });
+        }
+        assert_eq!(defined, ["kvgate.routed", "kvgate.request.host_calls"]);
     }
 
     /// The first column of docs/operations.md's stats table: every name in backticks, with
@@ -402,16 +562,16 @@ mod tests {
     #[test]
     fn the_stats_table_in_docs_matches_the_catalog() {
         let mut catalog: Vec<String> = FIXED.iter().map(|s| s.to_string()).collect();
-        catalog.extend(
-            PER_POD
-                .iter()
-                .map(|s| pod_stat("<ip_port>", *s).replace("_ip_port_", "<ip_port>")),
+        catalog.extend(PER_POD.iter().map(|s| format!("kvgate.pod.<ip_port>.{s}")));
+        catalog.push(
+            queue_band_length(0)
+                .to_string()
+                .replace("priority_0", "priority_<p>"),
         );
-        catalog.push(queue_band_length(0).replace("priority_0", "priority_<p>"));
         catalog.extend(
             PER_MODEL
                 .iter()
-                .map(|s| model_stat("MODEL", s).replace("MODEL", "<model>")),
+                .map(|s| format!("kvgate.model.<model>.{s}")),
         );
         let mut documented = documented();
         catalog.sort();
@@ -425,20 +585,23 @@ mod tests {
     #[test]
     fn model_names_become_one_bounded_segment() {
         assert_eq!(
-            model_stat("meta-llama/Llama-3.1-8B", MODEL_PICKS),
+            model_stat("meta-llama/Llama-3.1-8B", MODEL_PICKS).to_string(),
             "kvgate.model.meta_llama_Llama_3_1_8B.picks"
         );
-        assert_eq!(model_stat(&"é".repeat(500), MODEL_PICKS).len(), 83);
+        assert_eq!(
+            model_stat(&"é".repeat(500), MODEL_PICKS).to_string().len(),
+            83
+        );
     }
 
     #[test]
     fn band_and_pod_names_are_bounded_segments() {
         assert_eq!(
-            queue_band_length(-1),
+            queue_band_length(-1).to_string(),
             "kvgate.queue.priority_minus_1.length"
         );
         assert_eq!(
-            pod_stat("10.0.0.1:8000", POD_PICKS),
+            pod_stat("10.0.0.1:8000", POD_PICKS).to_string(),
             "kvgate.pod.10_0_0_1_8000.picks"
         );
     }

@@ -643,6 +643,8 @@ impl World {
                     priority: None,
                     tenant: Some(&tenant),
                     session: (*session % 5 != 0).then_some(session_id.as_str()),
+                    // As if the client sent them: then they are stripped, whatever else happens.
+                    no_upstream_headers: false,
                 };
                 let mut flow = Flow::default();
                 let worker = &self.workers[w];
@@ -706,7 +708,7 @@ impl World {
                     self.streams[s]
                         .flow
                         .on_response_headers(gate, vm, Some(ct), served.as_deref());
-                if let Some((_, cost)) = headers.iter().find(|(n, _)| n == "x-kvgate-cost") {
+                if let Some((_, cost)) = headers.iter().find(|(n, _)| *n == "x-kvgate-cost") {
                     let cost: u64 = cost.parse().expect("x-kvgate-cost is a number");
                     let e = &gate.config.estimator;
                     assert!((e.min_reservation_tokens..=e.max_reservation_tokens).contains(&cost));
@@ -786,7 +788,7 @@ impl World {
             Op::AdvanceLong { s } => self.host.advance_ms(u64::from(*s) * 1_000),
         }
         for w in &mut self.workers {
-            w.gate.stats.drain().for_each(drop);
+            w.gate.stats.send(|_| {});
         }
     }
 

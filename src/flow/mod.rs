@@ -79,6 +79,11 @@ pub struct RequestHead<'a> {
     pub priority: Option<&'a str>,
     pub tenant: Option<&'a str>,
     pub session: Option<&'a str>,
+    /// The request is known to carry neither header that chooses the upstream
+    /// (`DESTINATION_HEADER`, `ORIGINAL_DST_HEADER`): the shell read every header and found
+    /// neither, so there is nothing to strip (two host calls saved). False, the default, strips
+    /// both.
+    pub no_upstream_headers: bool,
 }
 
 #[cfg(test)]
@@ -184,8 +189,10 @@ impl Flow {
         } else {
             self.classify(cfg, head)
         };
-        decision.remove.push(DESTINATION_HEADER);
-        decision.remove.push(ORIGINAL_DST_HEADER);
+        if !head.no_upstream_headers {
+            decision.remove.push(DESTINATION_HEADER);
+            decision.remove.push(ORIGINAL_DST_HEADER);
+        }
         decision
     }
 
@@ -524,10 +531,21 @@ mod tests {
                 ..head("/v1/models")
             },
         ] {
-            assert!(Flow::default()
-                .on_request_headers(&gate, &vm, &h)
-                .remove
-                .contains(&DESTINATION_HEADER));
+            assert_eq!(
+                Flow::default().on_request_headers(&gate, &vm, &h).remove,
+                [DESTINATION_HEADER, ORIGINAL_DST_HEADER]
+            );
+            let without = RequestHead {
+                no_upstream_headers: true,
+                ..h
+            };
+            assert!(
+                Flow::default()
+                    .on_request_headers(&gate, &vm, &without)
+                    .remove
+                    .is_empty(),
+                "nothing to strip from a request known to carry neither"
+            );
         }
     }
 
@@ -615,7 +633,7 @@ mod tests {
         let get = |name: &str| {
             headers
                 .iter()
-                .find(|(k, _)| k == name)
+                .find(|(k, _)| *k == name)
                 .map(|(_, v)| v.clone())
         };
         assert_eq!(get("x-kvgate-cost").as_deref(), Some("64"));
@@ -725,8 +743,8 @@ mod tests {
         assert_eq!(set("content-length"), Some(new_body.len().to_string()));
         assert_eq!(set("x-gateway-model-name").as_deref(), Some("llama-v2"));
         let headers = f.on_response_headers(&mut gate, &vm, None, Some("10.0.0.1:80"));
-        assert!(headers.contains(&("x-kvgate-model".into(), "llama".into())));
-        assert!(headers.contains(&("x-kvgate-target-model".into(), "llama-v2".into())));
+        assert!(headers.contains(&("x-kvgate-model", "llama".into())));
+        assert!(headers.contains(&("x-kvgate-target-model", "llama-v2".into())));
         let counted: Vec<_> = gate.stats.drain().collect();
         for name in [
             "kvgate.models.rewritten",

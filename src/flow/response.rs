@@ -30,6 +30,12 @@ fn error_percent(estimated: u64, counted: u64) -> u64 {
 }
 
 impl Flow {
+    /// Whether the response headers are worth reading (only for requests kvgate decided on):
+    /// otherwise `on_response_headers` does nothing.
+    pub fn reads_response_headers(&self) -> bool {
+        self.admitted.is_some()
+    }
+
     /// The response has started (returns the debug headers to add, when enabled); `served_by` is the upstream host Envoy used (after retries).
     pub fn on_response_headers(
         &mut self,
@@ -37,7 +43,7 @@ impl Flow {
         store: &dyn Store,
         content_type: Option<&str>,
         served_by: Option<&str>,
-    ) -> Vec<(String, String)> {
+    ) -> Vec<(&'static str, String)> {
         let Some(a) = &mut self.admitted else {
             return Vec::new();
         };
@@ -54,37 +60,39 @@ impl Flow {
         if !gate.config.debug_headers {
             return Vec::new();
         }
-        let mut headers = vec![
+        // Room for every header at once.
+        let mut headers = Vec::with_capacity(10);
+        headers.extend([
             (
-                "x-kvgate-model".into(),
+                "x-kvgate-model",
                 header_safe(a.requested.as_ref().unwrap_or(&a.model)),
             ),
             (
-                "x-kvgate-prompt-tokens".into(),
+                "x-kvgate-prompt-tokens",
                 a.estimate.prompt_tokens.to_string(),
             ),
             (
-                "x-kvgate-output-tokens".into(),
+                "x-kvgate-output-tokens",
                 a.estimate.output_tokens.to_string(),
             ),
-            ("x-kvgate-cost".into(), a.estimate.cost.to_string()),
-        ];
+            ("x-kvgate-cost", a.estimate.cost.to_string()),
+        ]);
         if let Some(ms) = a.waited_ms {
-            headers.push(("x-kvgate-queue-ms".into(), ms.to_string()));
+            headers.push(("x-kvgate-queue-ms", ms.to_string()));
         }
         if a.requested.is_some() {
-            headers.push(("x-kvgate-target-model".into(), header_safe(&a.model)));
+            headers.push(("x-kvgate-target-model", header_safe(&a.model)));
         }
         if let Some(r) = &a.routed {
-            headers.push(("x-kvgate-pod".into(), r.pod.clone()));
+            headers.push(("x-kvgate-pod", r.pod.clone()));
             headers.push((
-                "x-kvgate-prefix-blocks".into(),
+                "x-kvgate-prefix-blocks",
                 format!("{}/{}", r.cached_blocks, r.prompt_blocks),
             ));
-            headers.push(("x-kvgate-ranking".into(), r.ranking.clone()));
+            headers.push(("x-kvgate-ranking", r.ranking.clone()));
         }
         if let Some(observed) = observed {
-            headers.push(("x-kvgate-observed".into(), observed));
+            headers.push(("x-kvgate-observed", observed));
         }
         headers
     }

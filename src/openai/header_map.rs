@@ -6,7 +6,11 @@
 
 /// The headers of one message, in the order the host gave them.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct HeaderMap(Vec<(String, String)>);
+pub struct HeaderMap {
+    pairs: Vec<(String, String)>,
+    /// Every pair the host said it sent was read.
+    whole: bool,
+}
 
 impl HeaderMap {
     /// Decodes the serialized pairs; a truncated or inconsistent buffer yields the pairs read
@@ -18,11 +22,11 @@ impl HeaderMap {
             Some(u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
         };
         let mut pairs = Vec::new();
-        let Some(count) = word(0) else {
-            return Self(pairs);
+        let Some(declared) = word(0) else {
+            return Self::default();
         };
         // Each pair takes at least its 8 length bytes and 2 NULs: a count above that is corrupt.
-        let count = count.min(bytes.len() / 10);
+        let count = declared.min(bytes.len() / 10);
         let mut text = 4 + count * 8;
         for i in 0..count {
             let (Some(name_len), Some(value_len)) = (word(4 + i * 8), word(8 + i * 8)) else {
@@ -38,15 +42,28 @@ impl HeaderMap {
             pairs.push((name, value));
             text = value_at + value_len + 1;
         }
-        Self(pairs)
+        Self {
+            whole: pairs.len() == declared,
+            pairs,
+        }
     }
 
     /// The first value of `name` (as the host's single-header read returns), any case.
     pub fn get(&self, name: &str) -> Option<&str> {
-        self.0
+        self.pairs
             .iter()
             .find(|(n, _)| n.eq_ignore_ascii_case(name))
             .map(|(_, v)| v.as_str())
+    }
+
+    /// Whether the message is known to carry none of `names`, in any case: every pair was read
+    /// and none is one of them. A map read in part (or not at all) may hold anything.
+    pub fn lacks(&self, names: &[&str]) -> bool {
+        self.whole
+            && !self
+                .pairs
+                .iter()
+                .any(|(n, _)| names.iter().any(|m| n.eq_ignore_ascii_case(m)))
     }
 }
 
@@ -97,6 +114,28 @@ mod tests {
         assert_eq!(map.get("X-Tenant"), Some("a"));
         assert_eq!(map.get("empty"), Some(""));
         assert_eq!(map.get("content-type"), None);
+    }
+
+    #[test]
+    fn a_map_lacks_a_name_only_when_read_whole_without_it() {
+        let pairs: [(&[u8], &[u8]); 2] = [
+            (b":path", b"/"),
+            (b"X-Gateway-Destination-Endpoint", b"\xff"),
+        ];
+        let whole = encode(&pairs);
+        assert!(HeaderMap::decode(&encode(&pairs[..1])).lacks(&["x-gateway-destination-endpoint"]));
+        let map = HeaderMap::decode(&whole);
+        assert!(!map.lacks(&[
+            "x-envoy-original-dst-host",
+            "x-gateway-destination-endpoint"
+        ]));
+        assert!(map.lacks(&["x-envoy-original-dst-host"]));
+        // Cut short, or never read: anything may be missing from it.
+        assert!(!HeaderMap::decode(&whole[..whole.len() - 1]).lacks(&["x-envoy-original-dst-host"]));
+        assert!(!HeaderMap::default().lacks(&["x-envoy-original-dst-host"]));
+        let mut huge = encode(&pairs[..1]);
+        huge[..4].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(!HeaderMap::decode(&huge).lacks(&["x-envoy-original-dst-host"]));
     }
 
     #[test]

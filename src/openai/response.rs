@@ -65,13 +65,31 @@ struct ResponsesBody {
     usage: Option<ResponsesUsage>,
 }
 
+/// A non-streaming body, its `usage` read as `U`.
 #[derive(Deserialize, Default)]
 #[serde(default)]
-struct Body {
-    usage: Option<serde_json::Value>,
+struct Body<U> {
+    usage: Option<U>,
 }
 
-fn usage_from(value: serde_json::Value) -> Option<Usage> {
+/// A JSON body's usage, either API's: read straight into numbers ([`UsageFields`]) when it has
+/// the usual shape, else through a `serde_json::Value` as any shape was read before (`by_value`).
+/// The direct reading fails rather than differ: it takes an object only, each field of interest
+/// of the type the reading by value requires (a repeated one's last value, as a `Value` keeps),
+/// and validates the fields it does not use as a `Value` (so its depth limit and number ranges
+/// apply alike). So wherever it succeeds both readings agree, and a body it refuses gets the
+/// reading by value.
+fn body_usage(bytes: &[u8]) -> Option<Usage> {
+    match serde_json::from_slice::<Body<UsageFields>>(bytes) {
+        Ok(body) => body.usage.map(UsageFields::usage),
+        Err(_) => by_value(bytes),
+    }
+}
+
+fn by_value(bytes: &[u8]) -> Option<Usage> {
+    let value = serde_json::from_slice::<Body<serde_json::Value>>(bytes)
+        .ok()?
+        .usage?;
     if value.get("input_tokens").is_some() {
         let u: ResponsesUsage = serde_json::from_value(value).ok()?;
         return Some(Usage {
@@ -81,6 +99,132 @@ fn usage_from(value: serde_json::Value) -> Option<Usage> {
         });
     }
     serde_json::from_value(value).ok()
+}
+
+/// The fields of a usage object either API writes, each as read (`None` when absent).
+#[derive(Default)]
+struct UsageFields {
+    prompt_tokens: Option<u64>,
+    completion_tokens: Option<u64>,
+    /// From `prompt_tokens_details`.
+    cached_tokens: Option<u64>,
+    input_tokens: Option<u64>,
+    output_tokens: Option<u64>,
+}
+
+impl UsageFields {
+    fn usage(self) -> Usage {
+        // The Responses API's names, when it is its object (the reading by value's test).
+        if let Some(input) = self.input_tokens {
+            return Usage {
+                prompt_tokens: input,
+                completion_tokens: self.output_tokens.unwrap_or(0),
+                cached_tokens: None,
+            };
+        }
+        Usage {
+            prompt_tokens: self.prompt_tokens.unwrap_or(0),
+            completion_tokens: self.completion_tokens.unwrap_or(0),
+            cached_tokens: self.cached_tokens,
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(field_identifier, rename_all = "snake_case")]
+enum UsageField {
+    PromptTokens,
+    CompletionTokens,
+    PromptTokensDetails,
+    InputTokens,
+    OutputTokens,
+    CachedTokens,
+    #[serde(other)]
+    Other,
+}
+
+/// Reads an object's fields with `field` (which takes the value of each it knows and returns
+/// false for any other); the others are read as a `Value`, and dropped.
+fn each_field<'de, A: serde::de::MapAccess<'de>>(
+    mut map: A,
+    mut field: impl FnMut(UsageField, &mut A) -> Result<bool, A::Error>,
+) -> Result<(), A::Error> {
+    while let Some(key) = map.next_key::<UsageField>()? {
+        if !field(key, &mut map)? {
+            map.next_value::<serde_json::Value>()?;
+        }
+    }
+    Ok(())
+}
+
+impl<'de> Deserialize<'de> for UsageFields {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Fields;
+        impl<'de> serde::de::Visitor<'de> for Fields {
+            type Value = UsageFields;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a usage object")
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                map: A,
+            ) -> Result<UsageFields, A::Error> {
+                let mut u = UsageFields::default();
+                each_field(map, |key, map| {
+                    match key {
+                        UsageField::PromptTokens => u.prompt_tokens = Some(map.next_value()?),
+                        UsageField::CompletionTokens => {
+                            u.completion_tokens = Some(map.next_value()?)
+                        }
+                        UsageField::InputTokens => u.input_tokens = Some(map.next_value()?),
+                        UsageField::OutputTokens => u.output_tokens = Some(map.next_value()?),
+                        UsageField::PromptTokensDetails => {
+                            let details = map.next_value::<Option<CachedTokens>>()?;
+                            u.cached_tokens = details.and_then(|c| c.0);
+                        }
+                        UsageField::CachedTokens | UsageField::Other => return Ok(false),
+                    }
+                    Ok(true)
+                })?;
+                Ok(u)
+            }
+        }
+        d.deserialize_map(Fields)
+    }
+}
+
+/// `prompt_tokens_details`, read as `UsageFields` is: an object, its `cached_tokens` if any.
+struct CachedTokens(Option<u64>);
+
+impl<'de> Deserialize<'de> for CachedTokens {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Details;
+        impl<'de> serde::de::Visitor<'de> for Details {
+            type Value = CachedTokens;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a usage details object")
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                map: A,
+            ) -> Result<CachedTokens, A::Error> {
+                let mut cached = None;
+                each_field(map, |key, map| {
+                    if !matches!(key, UsageField::CachedTokens) {
+                        return Ok(false);
+                    }
+                    cached = map.next_value()?;
+                    Ok(true)
+                })?;
+                Ok(CachedTokens(cached))
+            }
+        }
+        d.deserialize_map(Details)
+    }
 }
 
 #[derive(Debug, Default)]
@@ -126,10 +270,7 @@ impl ResponseMeter {
     /// The body has ended: reads a non-streaming body's usage.
     pub fn finish(&mut self) -> Option<Usage> {
         if !self.sse && !self.overflowed && self.usage.is_none() {
-            self.usage = serde_json::from_slice::<Body>(&self.kept)
-                .ok()
-                .and_then(|b| b.usage)
-                .and_then(usage_from);
+            self.usage = body_usage(&self.kept);
         }
         if self.sse && !self.kept.is_empty() && !self.overflowed {
             let line = std::mem::take(&mut self.kept);
@@ -243,6 +384,150 @@ mod tests {
         m.feed(b"data: {\"type\":\"response.completed\",\"response\":{\"usage\":{\"input_tokens\":4,\"output_tokens\":1}}}\n");
         assert_eq!(m.streamed_tokens, 1);
         assert_eq!(m.finish().map(|u| u.prompt_tokens), Some(4));
+    }
+
+    #[test]
+    fn usual_usage_objects_are_read_directly() {
+        for (body, usage) in [
+            // OpenAI, vLLM (null details), the Responses API.
+            (
+                &br#"{"id":"x","choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":9,
+                "completion_tokens":2,"total_tokens":11,"prompt_tokens_details":{"cached_tokens":8,
+                "audio_tokens":0},"completion_tokens_details":{"reasoning_tokens":0}}}"#[..],
+                (9, 2, Some(8)),
+            ),
+            (
+                br#"{"usage":{"prompt_tokens":9,"total_tokens":11,"completion_tokens":2,"prompt_tokens_details":null}}"#,
+                (9, 2, None),
+            ),
+            (
+                br#"{"output":[],"usage":{"input_tokens":7,"input_tokens_details":{"cached_tokens":1},
+                "output_tokens":3,"output_tokens_details":{"reasoning_tokens":0},"total_tokens":10}}"#,
+                (7, 3, None),
+            ),
+        ] {
+            assert!(serde_json::from_slice::<Body<UsageFields>>(body).is_ok());
+            let u = body_usage(body).unwrap();
+            assert_eq!((u.prompt_tokens, u.completion_tokens, u.cached_tokens), usage);
+        }
+    }
+
+    /// The direct reading of a JSON body's usage against the reading by value, on bodies built
+    /// from the fields either API writes and values of every JSON type (repeated fields, numbers
+    /// out of range, nesting past serde_json's depth limit, strings that are not UTF-8, usage
+    /// that is not an object): the same answer for every body.
+    #[test]
+    fn usage_is_read_as_the_reading_by_value_reads_it() {
+        let deep = format!("{}1{}", "[".repeat(130), "]".repeat(130));
+        let values: Vec<&[u8]> = vec![
+            b"0",
+            b"7",
+            b"18446744073709551615",
+            b"18446744073709551616",
+            b"-1",
+            b"-0",
+            b"1.5",
+            b"1e2",
+            b"1e400",
+            br#""7""#,
+            b"null",
+            b"true",
+            b"{}",
+            b"[]",
+            b"[7]",
+            b"[7,8,null]",
+            br#"{"cached_tokens":3}"#,
+            br#"{"cached_tokens":null,"x":[1]}"#,
+            br#"{"cached_tokens":"3"}"#,
+            br#"{"cached_tokens":3,"cached_tokens":4}"#,
+            br#"{"cached_tokens":1e400}"#,
+            deep.as_bytes(),
+            b"\"\xff\"",
+            br#""\ud800""#,
+            br#""\u00e9""#,
+        ];
+        let keys: [&[u8]; 11] = [
+            b"prompt_tokens",
+            b"completion_tokens",
+            b"total_tokens",
+            b"prompt_tokens_details",
+            b"input_tokens",
+            b"output_tokens",
+            b"cached_tokens",
+            b"completion_tokens_details",
+            b"input_tokens_details",
+            br"prompt\u005ftokens",
+            b"\xff",
+        ];
+        let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = |n: usize| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            (rng % n as u64) as usize
+        };
+        let mut direct = 0;
+        for _ in 0..20_000 {
+            let mut usage = Vec::new();
+            match next(10) {
+                0 => usage.extend_from_slice(values[next(values.len())]),
+                1 => {
+                    usage.push(b'[');
+                    for i in 0..next(5) {
+                        if i > 0 {
+                            usage.push(b',');
+                        }
+                        usage.extend_from_slice(values[next(values.len())]);
+                    }
+                    usage.push(b']');
+                }
+                _ => {
+                    usage.push(b'{');
+                    for i in 0..next(6) {
+                        if i > 0 {
+                            usage.push(b',');
+                        }
+                        usage.push(b'"');
+                        usage.extend_from_slice(keys[next(keys.len())]);
+                        usage.extend_from_slice(b"\":");
+                        // Mostly numbers, as engines write them.
+                        if next(3) > 0 {
+                            usage.extend_from_slice(values[next(3)]);
+                        } else {
+                            usage.extend_from_slice(values[next(values.len())]);
+                        }
+                    }
+                    usage.push(b'}');
+                }
+            }
+            let mut body = Vec::new();
+            match next(8) {
+                0 => {
+                    body.extend_from_slice(b"[");
+                    body.extend_from_slice(&usage);
+                    body.extend_from_slice(b"]");
+                }
+                1 => {
+                    body.extend_from_slice(b"{\"usage\":{},\"usage\":");
+                    body.extend_from_slice(&usage);
+                    body.extend_from_slice(b"}");
+                }
+                _ => {
+                    body.extend_from_slice(br#"{"id":"x","choices":[{"text":"a"}],"usage":"#);
+                    body.extend_from_slice(&usage);
+                    body.extend_from_slice(b"}");
+                }
+            }
+            direct += usize::from(serde_json::from_slice::<Body<UsageFields>>(&body).is_ok());
+            assert_eq!(
+                body_usage(&body),
+                by_value(&body),
+                "{}",
+                String::from_utf8_lossy(&body)
+            );
+        }
+        // Both readings were exercised.
+        assert!((2_000..18_000).contains(&direct), "{direct} read directly");
     }
 
     #[test]

@@ -11,7 +11,7 @@ use crate::config::Config;
 use crate::pods::scrape::Call;
 use crate::replicas::share;
 use crate::replicas::sync::{PodView, Sync};
-use crate::stats::{Stat, Stats};
+use crate::stats::{Fixed, Stats};
 use crate::store::fake_host::{FakeHost, FakeVm};
 use base64::engine::general_purpose::STANDARD;
 use base64::Engine;
@@ -213,14 +213,8 @@ impl Replica {
         share::cap(&self.vm, &self.cfg, POD, Some(BUDGET)).unwrap()
     }
 
-    fn counted(&mut self, name: &str) -> u64 {
-        self.stats
-            .drain()
-            .filter_map(|s| match s {
-                Stat::Counter(n, by) if n == name => Some(by),
-                _ => None,
-            })
-            .sum()
+    fn counted(&mut self, name: Fixed) -> u64 {
+        self.stats.take_count(name)
     }
 }
 

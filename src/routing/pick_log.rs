@@ -7,11 +7,13 @@
 //! return to zero (reservations, active-block counts) depends on this log.
 //!
 //! A slot holds one or more events of its origin: a finish waits (`finish`) and rides with the
-//! VM's next dispatch, or goes out on the next tick (`flush`), so a request costs one append (three
-//! host calls), not two. Readers of an older module take a slot's first event and skip the rest.
+//! VM's next dispatch, or goes out on the next tick (`flush`), so a request costs one append, not
+//! two. An append is two host calls (the sequence's compare-and-swap on the value the poll before
+//! it read, and the slot), three when another worker appended in between. Readers of an older
+//! module take a slot's first event and skip the rest.
 
 use crate::store::codec::{Reader, Writer};
-use crate::store::interface::{create_if_missing, update, Store, StoreError};
+use crate::store::interface::{create_if_missing, update_from, Store, StoreError, Versioned};
 
 pub const RING: u64 = 512;
 const SEQ_KEY: &str = "kvgate.log.seq";
@@ -105,12 +107,9 @@ fn event(r: &mut Reader) -> Option<Event> {
     })
 }
 
-fn read_seq(store: &dyn Store) -> Result<u64, StoreError> {
-    Ok(store
-        .get(SEQ_KEY)?
-        .value
-        .and_then(|b| Reader(&b).u64())
-        .unwrap_or(0))
+/// The log's head: the sequence number the next append claims.
+fn seq_of(value: Option<&[u8]>) -> u64 {
+    value.and_then(|b| Reader(b).u64()).unwrap_or(0)
 }
 
 /// One VM's position in the log.
@@ -120,6 +119,10 @@ pub struct PickLog {
     stuck_since: Option<u64>,
     /// This VM's finishes not yet appended.
     held: Vec<Event>,
+    /// The sequence key as the last poll read it, for the next append's first compare-and-swap:
+    /// every append follows a poll in the same callback (the router syncs before it routes,
+    /// finishes or flushes), so the append mostly needs no read of its own.
+    seen: Option<Versioned>,
 }
 
 impl PickLog {
@@ -127,11 +130,10 @@ impl PickLog {
     /// the head, so a VM that starts or reloads inherits the recent picks of the others.
     pub fn start(store: &dyn Store) -> Result<PickLog, StoreError> {
         create_if_missing(store, SEQ_KEY, &0u64.to_le_bytes())?;
-        let head = read_seq(store)?;
+        let head = seq_of(store.get(SEQ_KEY)?.value.as_deref());
         Ok(PickLog {
             next: head.saturating_sub(RING),
-            stuck_since: None,
-            held: Vec::new(),
+            ..PickLog::default()
         })
     }
 
@@ -176,8 +178,8 @@ impl PickLog {
         origin: u32,
         events: impl Iterator<Item = &'a Event>,
     ) -> Result<(), StoreError> {
-        let seq = update(store, SEQ_KEY, |cur| {
-            let n = cur.and_then(|b| Reader(b).u64()).unwrap_or(0);
+        let seq = update_from(store, SEQ_KEY, self.seen.take(), |cur| {
+            let n = seq_of(cur);
             Some(((n + 1).to_le_bytes().to_vec(), n))
         })?
         .unwrap_or(0);
@@ -197,7 +199,9 @@ impl PickLog {
         me: u32,
         mut apply: impl FnMut(Event),
     ) -> Result<(), StoreError> {
-        let head = read_seq(store)?;
+        let seen = store.get(SEQ_KEY)?;
+        let head = seq_of(seen.value.as_deref());
+        self.seen = Some(seen);
         if head.saturating_sub(self.next) > RING {
             self.next = head - RING;
         }
@@ -276,6 +280,26 @@ mod tests {
                 request: 8
             }]
         );
+    }
+
+    #[test]
+    fn an_append_claims_a_slot_of_its_own_though_another_vm_appended_since_its_poll() {
+        let ((a, mut la), (b, mut lb)) = two_logs();
+        la.poll(&a, 1, |_| {}).unwrap();
+        // Between a's poll and its append, b appends: the head a saw is stale.
+        lb.publish(&b, 2, &dispatch(1)).unwrap();
+        la.publish(&a, 1, &dispatch(2)).unwrap();
+        lb.publish(&b, 2, &dispatch(3)).unwrap();
+        let mut seen = Vec::new();
+        lb.poll(&b, 2, |e| seen.push(e)).unwrap();
+        assert_eq!(
+            seen,
+            vec![dispatch(2)],
+            "a's event in a slot b did not write over"
+        );
+        la.poll(&a, 1, |e| seen.push(e)).unwrap();
+        assert_eq!(seen, vec![dispatch(2), dispatch(1), dispatch(3)]);
+        assert_eq!(seq_of(a.get(SEQ_KEY).unwrap().value.as_deref()), 3);
     }
 
     #[test]

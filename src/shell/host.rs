@@ -180,8 +180,6 @@ pub fn plugin_configuration() -> Vec<u8> {
 }
 
 thread_local! {
-    /// Envoy metric ids by name, defined on first use (a VM is single-threaded).
-    static METRICS: std::cell::RefCell<hashbrown::HashMap<String, u32>> = Default::default();
     /// When this VM last sent its stats (`flush_stats`), in ms.
     static LAST_FLUSH_MS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
@@ -204,53 +202,30 @@ pub fn flush_stats_batched(stats: &mut crate::stats::Stats, now_ms: u64, others_
     flush_stats(stats);
 }
 
-/// Sends the core's buffered stats to Envoy: counters summed by name, gauges at their last value,
-/// every histogram sample.
+/// Sends the core's buffered stats to Envoy (`Stats::send`: counters summed by name, gauges at
+/// their last value, every histogram sample), each metric defined on its first send.
 pub fn flush_stats(stats: &mut crate::stats::Stats) {
-    use crate::stats::Stat;
+    use crate::stats::Kind;
     use proxy_wasm::types::MetricType;
-    if stats.is_empty() {
-        return;
-    }
-    // Name, kind, value; a counter or gauge seen again updates its first row.
-    let mut rows: Vec<(String, MetricType, u64)> = Vec::with_capacity(stats.len());
-    let mut seen: hashbrown::HashMap<String, usize> = hashbrown::HashMap::new();
-    for stat in stats.drain() {
-        let (name, kind, value) = match stat {
-            Stat::Counter(n, v) => (n, MetricType::Counter, v),
-            Stat::Gauge(n, v) => (n, MetricType::Gauge, v),
-            Stat::Histogram(n, v) => (n, MetricType::Histogram, v),
-        };
-        if kind != MetricType::Histogram {
-            if let Some(row) = seen.get(&name).and_then(|&i| rows.get_mut(i)) {
-                row.2 = match kind {
-                    MetricType::Counter => row.2.saturating_add(value),
-                    _ => value,
+    stats.send(|sent| {
+        let id = match *sent.host_id {
+            Some(id) => id,
+            None => {
+                let kind = match sent.kind {
+                    Kind::Counter => MetricType::Counter,
+                    Kind::Gauge => MetricType::Gauge,
+                    Kind::Histogram => MetricType::Histogram,
                 };
-                continue;
+                match raw::define_metric(kind, sent.name) {
+                    Ok(id) => *sent.host_id.insert(id),
+                    Err(_) => return,
+                }
             }
-            seen.insert(name.clone(), rows.len());
-        }
-        rows.push((name, kind, value));
-    }
-    METRICS.with(|m| {
-        let mut ids = m.borrow_mut();
-        for (name, kind, value) in rows {
-            let id = match ids.get(&name) {
-                Some(id) => *id,
-                None => match raw::define_metric(kind, &name) {
-                    Ok(id) => {
-                        ids.insert(name, id);
-                        id
-                    }
-                    Err(_) => continue,
-                },
-            };
-            let _ = match kind {
-                MetricType::Counter => raw::increment_metric(id, value as i64),
-                _ => raw::record_metric(id, value),
-            };
-        }
+        };
+        let _ = match sent.kind {
+            Kind::Counter => raw::increment_metric(id, sent.value as i64),
+            Kind::Gauge | Kind::Histogram => raw::record_metric(id, sent.value),
+        };
     });
 }
 

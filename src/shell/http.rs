@@ -5,7 +5,9 @@
 use super::host::{self, HostStore};
 use super::raw;
 use crate::drive::{self, Next};
-use crate::flow::{Decision, Flow, Gate, RequestHead, Step};
+use crate::flow::{
+    Decision, Flow, Gate, RequestHead, Step, DESTINATION_HEADER, ORIGINAL_DST_HEADER,
+};
 use crate::stats;
 use crate::store::interface::Store;
 use hashbrown::HashMap;
@@ -122,6 +124,7 @@ impl Http {
         let (objective, priority) = (read(&a.objective_header), read(&a.priority_header));
         let (tenant, session) = (read(&a.tenant_header), read(&a.session_header));
         let accept = headers.get("accept");
+        let no_upstream_headers = headers.lacks(&[DESTINATION_HEADER, ORIGINAL_DST_HEADER]);
         let head = RequestHead {
             method,
             path,
@@ -133,6 +136,7 @@ impl Http {
             priority,
             tenant,
             session,
+            no_upstream_headers,
         };
         let decision =
             self.flow
@@ -172,6 +176,9 @@ impl Http {
     }
 
     fn response_headers(&mut self) -> Action {
+        if !self.flow.borrow().reads_response_headers() {
+            return Action::Continue;
+        }
         let content_type = host::response_header("content-type");
         let served_by = host::upstream_address();
         let add = self.flow.borrow_mut().on_response_headers(

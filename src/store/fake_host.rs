@@ -165,7 +165,7 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     use super::*;
-    use crate::store::interface::update;
+    use crate::store::interface::{update, update_from};
     use crate::test_support::two_vms;
 
     #[test]
@@ -199,6 +199,50 @@ mod tests {
         assert_eq!(a.dequeue(qa).unwrap().as_deref(), Some(&b"hello"[..]));
         assert_eq!(a.dequeue(qa).unwrap(), None);
         assert_eq!(a.enqueue(99, b"x"), Err(StoreError::NotFound));
+    }
+
+    #[test]
+    fn update_from_a_value_seen_current_writes_without_reading_and_a_stale_one_reads() {
+        /// The VM, counting its reads.
+        struct Reads<'a>(&'a FakeVm, Cell<u32>);
+        impl Store for Reads<'_> {
+            fn get(&self, key: &str) -> Result<Versioned, StoreError> {
+                self.1.set(self.1.get() + 1);
+                self.0.get(key)
+            }
+            fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+                self.0.set(key, value, cas)
+            }
+            fn register_queue(&self, name: &str) -> Result<u32, StoreError> {
+                self.0.register_queue(name)
+            }
+            fn resolve_queue(&self, name: &str) -> Result<Option<u32>, StoreError> {
+                self.0.resolve_queue(name)
+            }
+            fn enqueue(&self, queue: u32, message: &[u8]) -> Result<(), StoreError> {
+                self.0.enqueue(queue, message)
+            }
+            fn dequeue(&self, queue: u32) -> Result<Option<Vec<u8>>, StoreError> {
+                self.0.dequeue(queue)
+            }
+            fn now_ms(&self) -> u64 {
+                self.0.now_ms()
+            }
+        }
+        let (a, b) = two_vms();
+        let a = Reads(&a, Cell::new(0));
+        a.set("n", b"1", None).unwrap();
+        let append = |cur: Option<&[u8]>| Some(([cur.unwrap_or_default(), b"+"].concat(), ()));
+        let seen = a.get("n").unwrap();
+        update_from(&a, "n", Some(seen.clone()), append).unwrap();
+        assert_eq!(a.1.get(), 1, "no read of its own");
+        // Written since it was seen: the swap fails and the retry reads.
+        b.set("n", b"2", None).unwrap();
+        update_from(&a, "n", Some(seen), append).unwrap();
+        assert_eq!(a.get("n").unwrap().value.as_deref(), Some(&b"2+"[..]));
+        // A missing key seen has no version: never written blind from it.
+        update_from(&a, "new", Some(Versioned::default()), append).unwrap();
+        assert_eq!(a.1.get(), 4);
     }
 
     #[test]

@@ -62,10 +62,27 @@ pub fn create_if_missing(store: &dyn Store, key: &str, initial: &[u8]) -> Result
 pub fn update<T>(
     store: &dyn Store,
     key: &str,
+    change: impl FnMut(Option<&[u8]>) -> Option<(Vec<u8>, T)>,
+) -> Result<Option<T>, StoreError> {
+    update_from(store, key, None, change)
+}
+
+/// `update` starting from `seen`, the key as read a moment ago (in the same callback), instead of
+/// reading it again: when nobody wrote it since, the compare-and-swap succeeds without a read;
+/// when somebody did, it fails and the next attempt reads. A value seen without a version (a
+/// missing key) is not used: its write would be blind.
+pub fn update_from<T>(
+    store: &dyn Store,
+    key: &str,
+    seen: Option<Versioned>,
     mut change: impl FnMut(Option<&[u8]>) -> Option<(Vec<u8>, T)>,
 ) -> Result<Option<T>, StoreError> {
+    let mut seen = seen.filter(|v| v.cas.is_some());
     for _ in 0..CAS_ATTEMPTS {
-        let current = store.get(key)?;
+        let current = match seen.take() {
+            Some(v) => v,
+            None => store.get(key)?,
+        };
         let Some((bytes, out)) = change(current.value.as_deref()) else {
             return Ok(None);
         };
