@@ -1450,17 +1450,23 @@ mod tests {
         took
     }
 
+    /// A router over `pods` that learns each pod's pace, on a host of its own.
+    fn paced(pods: &[&str]) -> (FakeHost, FakeVm, Config, Router) {
+        let host = FakeHost::new();
+        let mut cfg = config(pods);
+        cfg.routing.learn_decode_cost = true;
+        let vm = host.vm();
+        let r = Router::start(&vm, &cfg).unwrap();
+        (host, vm, cfg, r)
+    }
+
     #[test]
     fn equal_pods_a_few_percent_apart_share_light_load() {
         // Three pods scraped twice, 500 tokens in between at 10, 10.3 and 9.8 ms a token: as
         // equal GPUs measure. Every cost at light load is the same but for the factor; within the
         // dead band the factors are exactly 1, and the pod caching least takes each request.
         let pods = ["a:1", "b:1", "c:1"];
-        let host = FakeHost::new();
-        let mut cfg = config(&pods);
-        cfg.routing.learn_decode_cost = true;
-        let vm = host.vm();
-        let mut r = Router::start(&vm, &cfg).unwrap();
+        let (host, vm, cfg, mut r) = paced(&pods);
         for (pod, itl) in pods.iter().zip([0.010, 0.0103, 0.0098]) {
             scrape_itl(&host, &vm, &cfg, pod, (itl * 1_000.0, 1_000.0));
         }
@@ -1477,11 +1483,7 @@ mod tests {
         // a:1 and b:1 decode at 10 ms a token and are measured at every scrape; c:1 showed 20 ms
         // (a spell of long streams) and, passed over since, decodes nothing.
         let pods = ["a:1", "b:1", "c:1"];
-        let host = FakeHost::new();
-        let mut cfg = config(&pods);
-        cfg.routing.learn_decode_cost = true;
-        let vm = host.vm();
-        let mut r = Router::start(&vm, &cfg).unwrap();
+        let (host, vm, cfg, mut r) = paced(&pods);
         let mut tokens = 1_000.0;
         let mut scrape = |host: &FakeHost| {
             for (pod, itl) in [("a:1", 0.010), ("b:1", 0.010)] {
