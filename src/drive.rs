@@ -94,9 +94,9 @@ pub fn retry(
 /// passes a head), and the head then goes wherever there is room; a plain backfill (behind a head
 /// with no room at all) never copies a prefix another pod caches. Measured on the burst
 /// benchmark (1,000 requests of 10 prompt groups at once): in line order each wave after the
-/// first sent the line's head to whichever pod had freed room, and 36–41 requests computed a
-/// 2k-token system prompt on a pod that never had it (22 behind sglang-router), each such copy
-/// holding the KV of about seven requests, so a third wave was needed.
+/// first sent the line's head to whichever pod had freed room, and 36–37 requests a run computed
+/// a 2k-token system prompt on a pod that never had it (21–27 behind sglang-router), each such
+/// copy holding the KV of about seven requests, so a third wave was needed; in this order, 2–15.
 pub fn run_line(gate: &mut Gate, store: &dyn Store, waiting: &mut impl Waiting) {
     for ticket in gate.expired(store) {
         let _ = retry(gate, store, waiting, ticket, Reach::Any);
