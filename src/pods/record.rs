@@ -63,8 +63,9 @@ pub struct Snapshot {
     /// How far below its most the relief is capped after a preemption showed it was too much
     /// (`feedback`), 0 normally.
     pub relief_lost: f64,
-    /// The engine's inter-token latency totals at this scrape (or the last that had them), the
-    /// baseline of the next interval (`pace`).
+    /// The engine's inter-token latency totals at the scrape that closed the last counted
+    /// interval (or the first that had them): the baseline of the next interval, kept over
+    /// scrapes until the engine has produced enough tokens since (`pace`).
     pub itl_totals: Option<ItlTotals>,
     /// The pod's smoothed inter-token latency in seconds (`pace`), 0 while unknown.
     pub itl_s: f64,

@@ -535,14 +535,14 @@ mod tests {
         let refused = "upstream connect error or disconnect/reset before headers. reset reason: \
                        remote connection failure, transport failure reason: Connection refused";
         let pod = Target::Pod("a:1".into());
-        // 10 ms a token; down for a scrape; then 200 tokens at 20 ms since the last page.
+        // 10 ms a token; down for a scrape; then 2,000 tokens at 20 ms since the last page.
         for (status, body, pace) in [
-            (Some(200), page(5.0, 1_000), 0.0),
-            (Some(200), page(6.0, 1_100), 0.010),
+            (Some(200), page(50.0, 10_000), 0.0),
+            (Some(200), page(60.0, 11_000), 0.010),
             (Some(503), refused.to_string(), 0.010),
             (
                 Some(200),
-                page(10.0, 1_300),
+                page(100.0, 13_000),
                 0.010 * 2f64.powf(pace::WEIGHT),
             ),
         ] {
