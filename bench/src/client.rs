@@ -44,6 +44,9 @@ pub struct Outcome {
     /// kvgate's `x-kvgate-ranking` debug header (with `--kvgate-config '{"debugHeaders": true}'`):
     /// every pod's cost and terms for this request, to see why it went where it did.
     pub ranking: Option<String>,
+    /// kvgate's `x-kvgate-prompt-tokens` debug header: its prompt estimate, to hold against
+    /// `prompt_tokens` (the engine's count) request by request.
+    pub estimated_prompt_tokens: Option<u64>,
     pub error: Option<String>,
 }
 
@@ -172,6 +175,11 @@ impl Client {
             .get("x-kvgate-ranking")
             .and_then(|v| v.to_str().ok())
             .map(str::to_string);
+        out.estimated_prompt_tokens = resp
+            .headers()
+            .get("x-kvgate-prompt-tokens")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok());
         let mut body = resp.into_body();
         if out.status != 200 || !stream {
             let bytes = match body.collect().await {

@@ -255,6 +255,18 @@ impl World {
                     e.id
                 );
             }
+            // A shared prefix is counted by an entry the record holds: whoever ended, whichever
+            // worker ended it, a request leaning on it took it on or leans on one that did.
+            for e in &rec.entries {
+                assert_eq!(e.leans_on != 0, e.shared_blocks > 0, "{pod}: {e:?}");
+                assert!(
+                    e.leans_on == 0 || rec.entries.iter().any(|h| h.id == e.leans_on),
+                    "{pod}: request {} leans on {}, which has no entry: {:?}",
+                    e.id,
+                    e.leans_on,
+                    rec.entries
+                );
+            }
         }
         for r in self.reqs.iter().filter(|r| r.finished) {
             assert!(
@@ -364,7 +376,7 @@ impl World {
         let owner = self.reqs[i].owner;
         let routed = self.reqs[i].routed.clone();
         self.routers[owner]
-            .finish(&self.vms[owner], &self.cfg, &routed)
+            .finish(&self.vms[owner], &routed)
             .expect("fake host");
         self.reqs[i].finished = true;
         for pod in POOL {
@@ -515,7 +527,7 @@ impl World {
                     let i = done[usize::from(req) % done.len()];
                     let owner = self.reqs[i].owner;
                     let gone = self.routers[owner]
-                        .finish(&self.vms[owner], &self.cfg, &self.reqs[i].routed)
+                        .finish(&self.vms[owner], &self.reqs[i].routed)
                         .expect("fake host");
                     assert!(gone.is_none(), "a second finish removed {gone:?}");
                 }

@@ -565,7 +565,7 @@ mod tests {
         let t = waiting(w.place(&cfg, class(&cfg, None, "t"), 50));
         assert_eq!(w.admission.next_head(&w.vm).unwrap(), Some(t.id));
         assert_eq!(w.retry(&cfg, &t, 50), None, "still no room");
-        w.router.finish(&w.vm, &cfg, &first).unwrap();
+        w.router.finish(&w.vm, &first).unwrap();
         w.admission.wake_head(&w.vm).unwrap();
         assert_eq!(
             w.vm.take_notifications(),
@@ -576,7 +576,7 @@ mod tests {
             panic!()
         };
         assert_eq!(reserved(&w.vm), 50);
-        w.router.finish(&w.vm, &cfg, &second).unwrap();
+        w.router.finish(&w.vm, &second).unwrap();
         assert_eq!(reserved(&w.vm), 0);
         assert!(line::read(&w.vm).unwrap().tickets.is_empty());
     }
@@ -626,7 +626,7 @@ mod tests {
         );
         assert_eq!(w.stats.take_count(stats::ADMISSION_ADMITTED), 1);
         for r in [first, second, third] {
-            w.router.finish(&w.vm, &cfg, &r).unwrap();
+            w.router.finish(&w.vm, &r).unwrap();
         }
         assert_eq!(reserved(&w.vm), 0);
     }
@@ -649,7 +649,7 @@ mod tests {
             w2.place(&cfg, class(&cfg, Some("critical"), "t"), 5),
             Admit::Routed(_)
         ));
-        w1.router.finish(&w1.vm, &cfg, &big).unwrap();
+        w1.router.finish(&w1.vm, &big).unwrap();
         assert_eq!(
             w2.admission.next_head(&w2.vm).unwrap(),
             None,

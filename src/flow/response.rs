@@ -131,7 +131,7 @@ impl Flow {
             }
         }
         if let Some(routed) = self.admitted.as_ref().and_then(|a| a.routed.as_ref()) {
-            match gate.router.finish(store, &gate.config, routed) {
+            match gate.router.finish(store, routed) {
                 Ok(_) => {
                     if let Err(e) = gate.admission.wake_head(store) {
                         log::debug!("kvgate: waking the queue failed: {e:?}");

@@ -3,8 +3,9 @@
 //! by several in-flight requests counts once. This is each VM's replica of block membership, fed
 //! by its own dispatches and the pick log. The counts that must return to zero live in the shared
 //! pod record (`pods::record`); this replica only says which blocks are already active, so a new
-//! request is charged for the blocks it adds, and a finishing one hands shared blocks to a
-//! request still holding them.
+//! request is charged for the blocks it adds, and which requests it may lean on for the rest. The
+//! record decides who counts a shared prefix (`RequestEntry::leans_on`): this replica may still
+//! hold a request another worker has finished.
 
 use hashbrown::HashMap;
 
@@ -56,33 +57,25 @@ impl ActiveBlocks {
         p.requests.insert(request, (hashes, now));
     }
 
-    /// Of the request's blocks, how many another in-flight request still holds, and which request
-    /// holds the most of them (the heir of those blocks' accounting).
-    pub fn shared_with_others(&self, pod: &str, request: u64) -> (u32, Option<u64>) {
-        let Some(p) = self.pods.get(pod) else {
-            return (0, None);
+    /// In-flight requests on the pod whose prompt holds the first `depth` blocks of `hashes` (with
+    /// chained hashes, those holding its block `depth - 1` there), in id order: who a request
+    /// sharing that prefix may lean on, as this replica knows it. The pod's record decides which
+    /// of them is still in flight (`Router::route`).
+    pub fn holding(&self, pod: &str, hashes: &[u64], depth: usize) -> Vec<u64> {
+        let (Some(p), Some(deepest)) = (self.pods.get(pod), depth.checked_sub(1)) else {
+            return Vec::new();
         };
-        let Some((hashes, _)) = p.requests.get(&request) else {
-            return (0, None);
+        let Some(&block) = hashes.get(deepest) else {
+            return Vec::new();
         };
-        let shared = hashes
-            .iter()
-            .take_while(|h| p.refs.get(*h).is_some_and(|&n| n > 1))
-            .count();
-        if shared == 0 {
-            return (0, None);
-        }
-        // Chained hashes: whoever holds the deepest shared block holds all shallower ones.
-        let deepest = hashes[shared - 1];
-        let heir = p
+        let mut ids: Vec<u64> = p
             .requests
             .iter()
-            .filter(|(id, (hs, _))| {
-                **id != request && hs.len() >= shared && hs[shared - 1] == deepest
-            })
+            .filter(|(_, (hs, _))| hs.get(deepest) == Some(&block))
             .map(|(id, _)| *id)
-            .min();
-        (shared as u32, heir)
+            .collect();
+        ids.sort_unstable();
+        ids
     }
 
     pub fn hashes_of(&self, pod: &str, request: u64) -> Option<Vec<u64>> {
@@ -141,16 +134,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn shared_prefix_counts_once_and_is_inherited() {
+    fn shared_prefix_counts_once_and_its_holders_are_known() {
         let mut a = ActiveBlocks::default();
         a.add("p", 1, vec![10, 11, 12], 0);
         assert_eq!(a.active_prefix("p", &[10, 11, 99]), 2);
         a.add("p", 2, vec![10, 11, 99], 0);
         assert_eq!(a.unique_blocks("p"), 4);
-        assert_eq!(a.shared_with_others("p", 1), (2, Some(2)));
+        assert_eq!(a.holding("p", &[10, 11, 99], 2), vec![1, 2]);
+        assert_eq!(a.holding("p", &[10, 11, 99], 3), vec![2]);
+        assert_eq!(a.holding("p", &[10, 11, 99], 0), Vec::<u64>::new());
         a.remove("p", 1);
         assert_eq!(a.unique_blocks("p"), 3);
-        assert_eq!(a.shared_with_others("p", 2), (0, None));
+        assert_eq!(a.holding("p", &[10, 11, 12], 2), vec![2]);
         a.remove("p", 2);
         a.remove("p", 2);
         assert_eq!(a.unique_blocks("p"), 0);

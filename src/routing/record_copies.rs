@@ -37,7 +37,7 @@ impl RecordCopies {
             if let Some((at, rec)) = self.copies.get(pod) {
                 if now.saturating_sub(*at) < COPY_MS {
                     let mut rec = rec.clone();
-                    rec.entries.retain(|e| e.expires_ms > now);
+                    rec.drop_expired(now);
                     return Ok((rec, true));
                 }
             }

@@ -54,9 +54,6 @@ pub struct Routed {
     pub pod: String,
     /// Output tokens its entry in the pod's record accounts for (written at block boundaries).
     pub streamed: u64,
-    /// Tokens (safety factor included) one prompt block held by another request stands for: the
-    /// discount it was given for a shared prefix, and the rate at which its heir takes them on.
-    pub held_per_block: f64,
     /// The pick first, then fallbacks, as written in the override header.
     pub order: Vec<String>,
     pub prompt_blocks: usize,
@@ -467,7 +464,7 @@ impl Router {
                 crate::replicas::share::cap(store, cfg, &self.pods[i], budget)
             })
             .collect();
-        let (loads, held_per_block) = charges(est, &shared, &ask, cfg.estimator.safety_factor);
+        let (loads, alone) = charges(est, &shared, &ask, cfg.estimator.safety_factor);
         // Each candidate's fit is a forecast over its in-flight requests: worked out at most once
         // per request, though the fallbacks, the ranking header and the dispatch all ask.
         let fit: Vec<Cell<Option<bool>>> = vec![Cell::new(None); indices.len()];
@@ -507,29 +504,51 @@ impl Router {
         for s in ranked.iter().filter(|s| takes(s.index)) {
             let best = &candidates[s.index];
             let pod = best.pod.to_string();
-            let new_blocks = (prompt_blocks - shared[s.index]) as u32;
-            let load = loads[s.index];
+            let shared_blocks = shared[s.index];
+            let sharing = loads[s.index];
             let entry = RequestEntry {
                 id: request,
                 expires_ms: now.saturating_add(r.request_ttl_ms),
                 dispatched_ms: now,
-                held_tokens: load.held,
-                held_sigma: u32::try_from(load.sigma).unwrap_or(u32::MAX),
+                held_tokens: alone.held,
+                held_sigma: u32::try_from(alone.sigma).unwrap_or(u32::MAX),
                 bounded: est.bounded,
-                left: u32::try_from(load.left).unwrap_or(u32::MAX),
-                outlook: load.outlook,
-                prompt_blocks: new_blocks,
+                left: u32::try_from(sharing.left).unwrap_or(u32::MAX),
+                outlook: sharing.outlook,
+                prompt_blocks: prompt_blocks as u32,
                 output_blocks: 0,
                 context_blocks: prompt_blocks as u32,
                 pending_blocks: if est.streams {
-                    prompt_blocks.saturating_sub(best.cached_blocks.max(shared[s.index])) as u32
+                    prompt_blocks.saturating_sub(best.cached_blocks.max(shared_blocks)) as u32
                 } else {
                     0
                 },
+                leans_on: 0,
+                shared_blocks: 0,
+                shared_tokens: 0,
             };
+            // Who the replica says holds the shared prefix: the record says which of them is
+            // still in flight, and without one the request counts its whole prompt.
+            let holders = self.active.holding(&pod, hashes, shared_blocks);
             // The read above may be a copy, older than the last scrape: the fit is checked again
             // inside the compare-and-swap, against the budget the stored snapshot gives.
             let taken = record::modify(store, &pod, |rec| {
+                let lean = holders.iter().copied().find(|&h| rec.is_live(h));
+                let (load, entry) = match lean {
+                    Some(holder) => (
+                        sharing,
+                        RequestEntry {
+                            held_tokens: sharing.held,
+                            held_sigma: u32::try_from(sharing.sigma).unwrap_or(u32::MAX),
+                            prompt_blocks: (prompt_blocks - shared_blocks) as u32,
+                            leans_on: holder,
+                            shared_blocks: shared_blocks as u32,
+                            shared_tokens: alone.held - sharing.held,
+                            ..entry
+                        },
+                    ),
+                    None => (alone, entry),
+                };
                 let budget = budget_tokens(cfg, rec.snapshot.as_ref());
                 let budget = crate::replicas::share::cap(store, cfg, &pod, budget);
                 if need != Room::Ignored && !fits(rec, load, budget, cfg, bt) {
@@ -571,7 +590,6 @@ impl Router {
                     request,
                     pod,
                     streamed: 0,
-                    held_per_block,
                     order,
                     prompt_blocks,
                     cached_blocks: best.cached_blocks,
@@ -643,17 +661,12 @@ impl Router {
     pub fn finish(
         &mut self,
         store: &dyn Store,
-        cfg: &Config,
         routed: &Routed,
     ) -> Result<Option<RequestEntry>, StoreError> {
-        // Learn of requests other workers sent since, so shared blocks find their heir.
-        self.sync(store, cfg)?;
-        let (shared, heir) = self.active.shared_with_others(&routed.pod, routed.request);
+        // The record hands what it counted of a shared prefix to a request leaning on it.
         self.active.remove(&routed.pod, routed.request);
         self.adapters.finish(&routed.pod, routed.request);
-        let shared_tokens = (f64::from(shared) * routed.held_per_block).round() as u64;
-        let heir = heir.map(|h| (h, shared, shared_tokens));
-        let gone = record::finish(store, &routed.pod, routed.request, heir)?;
+        let gone = record::finish(store, &routed.pod, routed.request)?;
         self.copies.finished(&routed.pod, routed.request);
         if gone.is_some() {
             let event = Event::Finish {
@@ -758,11 +771,11 @@ mod tests {
         let cfg = config(&["a:1", "b:1", "c:1", "d:1"]);
         let (_host, [(w1, mut r1), (w2, mut r2)]) = two_workers(&cfg);
         let first = r1.route_m(&w1, &cfg, &hashes(7, 64), &est(1024, 16));
-        r1.finish(&w1, &cfg, &first).unwrap();
+        r1.finish(&w1, &first).unwrap();
         let second = r2.route_m(&w2, &cfg, &hashes(7, 64), &est(1024, 16));
         assert_eq!(second.pod, first.pod);
         assert_eq!(second.cached_blocks, 64);
-        r2.finish(&w2, &cfg, &second).unwrap();
+        r2.finish(&w2, &second).unwrap();
         assert_eq!(total_active(&w1, &cfg), 0);
     }
 
@@ -774,7 +787,7 @@ mod tests {
         // Worker 2 reads both records (its copies now show two idle pods), then worker 1 sends a
         // long request to one of them, within the copies' lifetime.
         let warm = r2.route_m(&w2, &cfg, &hashes(1, 4), &est(64, 16));
-        r2.finish(&w2, &cfg, &warm).unwrap();
+        r2.finish(&w2, &warm).unwrap();
         let long = r1.route_m(&w1, &cfg, &hashes(2, 64), &est(1024, 256));
         let next = r2.route_m(&w2, &cfg, &hashes(3, 4), &est(64, 16));
         // Each candidate's decode term, the third of `pod cost=prefill+decode+...`.
@@ -825,7 +838,7 @@ mod tests {
         r.grow(&vm, &cfg, &mut waiting, &streaming(160), 1).unwrap();
         assert_eq!(pending(), 2);
         for routed in [&long, &waiting, &small] {
-            r.finish(&vm, &cfg, routed).unwrap();
+            r.finish(&vm, routed).unwrap();
         }
         assert_eq!(pending(), 0);
     }
@@ -853,7 +866,7 @@ mod tests {
         let home = pods.iter().filter(|p| **p == pods[0]).count();
         assert!((8..=12).contains(&home), "then the two alternate: {pods:?}");
         for routed in &inflight {
-            r.finish(&vm, &cfg, routed).unwrap();
+            r.finish(&vm, routed).unwrap();
         }
         assert_eq!(total_active(&vm, &cfg), 0);
     }
@@ -865,7 +878,7 @@ mod tests {
         let group = hashes(1, 16);
         vm.host().advance_ms(1_000); // this send is newer than the stale copy below
         let first = r.route_m(&vm, &cfg, &group, &est(256, 16));
-        r.finish(&vm, &cfg, &first).unwrap();
+        r.finish(&vm, &first).unwrap();
         let home = first.pod.clone();
         // The home's cache turns over (other prompts evict the group there), and a long request
         // on what it now holds keeps it busier than the other pod.
@@ -878,7 +891,7 @@ mod tests {
         // (2 × 16 / 2) of the best cost.
         let new = r.route_m(&vm, &cfg, &hashes(3, 16), &est(256, 16));
         assert_ne!(new.pod, home, "{}", new.ranking);
-        r.finish(&vm, &cfg, &new).unwrap();
+        r.finish(&vm, &new).unwrap();
         // The other pod still has the head of its old copy (a head outlives its tail): the
         // group goes home all the same.
         let other = cfg.pods.iter().find(|p| **p != home).unwrap().clone();
@@ -886,8 +899,8 @@ mod tests {
         assert_eq!(r.prefix.matched(&other, &group, vm.now_ms()), 2);
         let again = r.route_m(&vm, &cfg, &group, &est(256, 16));
         assert_eq!(again.pod, home, "{}", again.ranking);
-        r.finish(&vm, &cfg, &again).unwrap();
-        r.finish(&vm, &cfg, &busy).unwrap();
+        r.finish(&vm, &again).unwrap();
+        r.finish(&vm, &busy).unwrap();
         assert_eq!(total_active(&vm, &cfg), 0);
     }
 
@@ -901,7 +914,7 @@ mod tests {
         let x1 = r.route_m(&vm, &cfg, &prompt(1, 10), &e);
         let y1 = r.route_m(&vm, &cfg, &prompt(2, 11), &e);
         assert_ne!(x1.pod, y1.pod, "a new group goes where nothing is cached");
-        r.finish(&vm, &cfg, &y1).unwrap();
+        r.finish(&vm, &y1).unwrap();
         let x2 = |r: &mut Router, cached: bool| {
             let request = ("m", &prompt(1, 12)[..], &e);
             if cached {
@@ -921,14 +934,14 @@ mod tests {
         let fresh = r.route_cached(&vm, &cfg, ("m", &prompt(3, 14), &e));
         assert_eq!(fresh.unwrap(), Placement::NoRoom);
         let y2 = record::read(&vm, &y1.pod).unwrap().entries[0].id;
-        record::finish(&vm, &y1.pod, y2, None).unwrap();
+        record::finish(&vm, &y1.pod, y2).unwrap();
         assert!(matches!(
             r.route_cached(&vm, &cfg, ("m", &prompt(3, 14), &e))
                 .unwrap(),
             Placement::Routed(_)
         ));
         let z = record::read(&vm, &y1.pod).unwrap().entries[0].id;
-        record::finish(&vm, &y1.pod, z, None).unwrap();
+        record::finish(&vm, &y1.pod, z).unwrap();
         assert_eq!(x2(&mut r, false).routed().pod, y1.pod, "a copy when asked");
     }
 
@@ -966,7 +979,7 @@ mod tests {
             176,
             "the second holds nothing more: its whole prompt is the first one's (× 1.1)"
         );
-        r1.finish(&w1, &cfg, &x).unwrap();
+        r1.finish(&w1, &x).unwrap();
         assert_eq!(
             held(&w1),
             176,
@@ -977,10 +990,39 @@ mod tests {
             10,
             "still held by the other request"
         );
-        r2.finish(&w2, &cfg, &y).unwrap();
-        r2.finish(&w2, &cfg, &y).unwrap();
+        r2.finish(&w2, &y).unwrap();
+        r2.finish(&w2, &y).unwrap();
         assert_eq!(total_active(&w1, &cfg), 0);
         assert_eq!(held(&w1), 0);
+    }
+
+    #[test]
+    fn a_prefix_whose_holder_finished_on_another_worker_is_counted_by_the_next_request() {
+        let cfg = config(&["a:1"]);
+        let (_host, [(w1, mut r1), (w2, mut r2)]) = two_workers(&cfg);
+        let prompt = |question| [hashes(1, 10), hashes(question, 10)].concat();
+        let held = || record::read(&w1, "a:1").unwrap().held_tokens();
+        // Worker 2 learns of worker 1's request through the pick log; worker 1 then finishes it,
+        // and its finish waits in worker 1's next append, so worker 2 still believes it in flight.
+        let x = r1.route_m(&w1, &cfg, &prompt(2), &est(320, 0));
+        let warm = r2.route_m(&w2, &cfg, &hashes(9, 1), &est(16, 0));
+        r2.finish(&w2, &warm).unwrap();
+        r1.finish(&w1, &x).unwrap();
+        assert_eq!(held(), 0);
+        let y = r2.route_m(&w2, &cfg, &prompt(3), &est(320, 0));
+        assert_eq!(
+            held(),
+            352,
+            "the engine holds the whole prompt for it: nobody else counts the prefix (× 1.1)"
+        );
+        // While the holder is in flight, a request leaning on it holds only its question, and
+        // takes the prefix on when the holder ends first, whichever worker ends it.
+        let z = r1.route_m(&w1, &cfg, &prompt(4), &est(320, 0));
+        assert_eq!(held(), 352 + 176);
+        r2.finish(&w2, &y).unwrap();
+        assert_eq!(held(), 352);
+        r1.finish(&w1, &z).unwrap();
+        assert_eq!((held(), total_active(&w1, &cfg)), (0, 0));
     }
 
     #[test]
@@ -1008,7 +1050,7 @@ mod tests {
         assert!(r.grow(&vm, &cfg, &mut routed, &e, 17).unwrap());
         assert!(!r.grow(&vm, &cfg, &mut routed, &e, 20).unwrap());
         assert_eq!(record::read(&vm, "b:1").unwrap().active_blocks(), 4 + 2);
-        r.finish(&vm, &cfg, &routed).unwrap();
+        r.finish(&vm, &routed).unwrap();
         assert_eq!(total_active(&vm, &cfg), 0);
     }
 
@@ -1103,7 +1145,7 @@ mod tests {
         record::write_snapshot(&worker, "a:1", snapshot, 0, &cfg).unwrap();
         for i in 0..10 {
             let routed = w.route_m(&worker, &cfg, &hashes(100 + i, 8), &est(128, 16));
-            w.finish(&worker, &cfg, &routed).unwrap();
+            w.finish(&worker, &routed).unwrap();
         }
         m.tend(&main, &cfg).unwrap();
         assert!(
@@ -1116,7 +1158,7 @@ mod tests {
         let lost = w.route_m(&worker, &cfg, &hashes(200, 8), &est(128, 16));
         m.tend(&main, &cfg).unwrap();
         assert_eq!(m.active.unique_blocks("a:1"), 8);
-        record::finish(&worker, "a:1", lost.request, None).unwrap();
+        record::finish(&worker, "a:1", lost.request).unwrap();
         host.advance_ms(5_000);
         m.tend(&main, &cfg).unwrap();
         assert_eq!(m.active.unique_blocks("a:1"), 0);
@@ -1185,8 +1227,8 @@ mod tests {
         assert_eq!(record::read(&vm, other).unwrap().active_blocks(), 4);
         let next = r.route_m(&vm, &cfg, &hashes(1, 4), &est(64, 0));
         assert_eq!(next.pod, other);
-        r.finish(&vm, &cfg, &routed).unwrap();
-        r.finish(&vm, &cfg, &next).unwrap();
+        r.finish(&vm, &routed).unwrap();
+        r.finish(&vm, &next).unwrap();
         assert_eq!(total_active(&vm, &cfg), 0);
     }
 
@@ -1208,9 +1250,9 @@ mod tests {
         let rec = record::read(&vm, "a:1").unwrap();
         assert_eq!(rec.active_blocks(), 20, "each sequence holds its own copy");
         assert_eq!(rec.held_tokens(), 2 * 176);
-        r.finish(&vm, &cfg, &x).unwrap();
+        r.finish(&vm, &x).unwrap();
         assert_eq!(record::read(&vm, "a:1").unwrap().active_blocks(), 10);
-        r.finish(&vm, &cfg, &y).unwrap();
+        r.finish(&vm, &y).unwrap();
         assert_eq!(total_active(&vm, &cfg), 0);
     }
 
@@ -1263,7 +1305,7 @@ mod tests {
         vm.host().advance_ms(PODS_CACHE_MS);
         let routed = r.route_m(&vm, &cfg, &hashes(1, 4), &est(64, 0));
         assert_eq!(routed.pod, "x:1");
-        r.finish(&vm, &cfg, &routed).unwrap();
+        r.finish(&vm, &routed).unwrap();
         vm.set(PODS_KEY, &encode_pods(&[]), None).unwrap();
         vm.host().advance_ms(PODS_CACHE_MS);
         r.sync(&vm, &cfg).unwrap();
@@ -1442,7 +1484,7 @@ mod tests {
         let mut took = vec![0; pods.len()];
         for g in groups {
             let routed = r.route_m(vm, cfg, &hashes(g, 8), &est(128, 64));
-            r.finish(vm, cfg, &routed).unwrap();
+            r.finish(vm, &routed).unwrap();
             if let Some(k) = pods.iter().position(|&p| p == routed.pod) {
                 took[k] += 1;
             }

@@ -50,5 +50,14 @@ def group_chat(group, question, max_tokens=8):
                          {"role": "user", "content": f"Question {question}: what does clause {question} mean?"}]}
 
 
+def grouped_chat(group, i, max_tokens, system_words=1500, question_words=150):
+    """Common English words (about one token each, so estimates are right from the start): a
+    system prompt that group's requests share, then a question of request `i`'s own."""
+    system = f"[group {group}] " + " ".join(WORDS[(group * 11 + j * 17) % len(WORDS)] for j in range(system_words))
+    question = f"question {i}: " + " ".join(WORDS[(i * 7 + j * 13) % len(WORDS)] for j in range(question_words))
+    return {"model": MODEL, "max_tokens": max_tokens,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+
+
 def chat_bytes(**kw):
     return json.dumps(dict({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}, **kw)).encode()

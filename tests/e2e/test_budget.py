@@ -12,9 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from harness import Sim, baseline_envoy, default_plugin_config, kvgate_envoy, kvgate_gauges, stream, wait_for
+from harness import (Sim, baseline_envoy, default_plugin_config, kvgate_envoy, kvgate_gauges, request, stream,
+                     wait_for)
 
-from bodies import MODEL, unshared_chat
+from bodies import MODEL, grouped_chat, unshared_chat
 BLOCKS, BLOCK = 256, 16
 SMALL_KV = ["--time-scale", "10", "--num-gpu-blocks", str(BLOCKS)]
 # Common English words: about one token each, so the estimate is right from the first request.
@@ -120,3 +121,63 @@ def test_without_max_tokens_preemptions_are_a_sliver_of_round_robins():
     assert out["round_robin"]["preemptions"] >= 50
     assert out["kvgate"]["preemptions"] <= 0.02 * out["round_robin"]["preemptions"]
     assert out["kvgate"]["kv_used"] >= 0.4
+
+
+@pytest.mark.parametrize("concurrency", [2, 4])
+def test_a_burst_of_shared_prefixes_is_counted_in_full_however_the_workers_interleave(concurrency):
+    """The `burst` benchmark's shape, smaller: requests of a few groups, each group sharing a
+    3,000-token system prompt, all sent at once through several Envoy workers to pods that hold
+    about half of them. A group's prefix is held once on a pod, and one in-flight request counts
+    it in the pod's record while the others lean on it; when that request ends first, one leaning
+    on it takes it on, whichever worker ends it. Sampled while the pods are full, the KV the engine
+    holds never runs past what kvgate's records hold (and the forecast's block of slack a request)
+    by half a prefix. Before the records said who counts a prefix, a worker could lean a new
+    request on one another worker had just finished (its finish not yet in the pick log), and
+    nobody counted the prefix the engine held: here the pods ran 1.6–5.6k tokens past the records
+    and preempted in 5 of 10 runs; in the burst benchmark 3–7k. (Preemptions are printed, not
+    asserted: once in 44 runs with the fix the pods preempted while the accounting held,
+    docs/limitations.md.)"""
+    cfg = default_plugin_config()
+    cfg["statusPath"] = "/kvgate/status"
+    groups, per_group, max_tokens, system_words = 8, 50, 64, 3000
+    gaps, stop = {}, threading.Event()
+    with Sim(pods=4, args=["--num-gpu-blocks", "1024"]) as sim, \
+            kvgate_envoy(sim.endpoints, cfg, concurrency=concurrency) as envoy:
+        port_of = {f"127.0.0.1:{p}": i for i, p in enumerate(sim.ports)}
+
+        def sampler():
+            # The engine read just before and just after kvgate's records: what it held
+            # throughout (the smaller of the two) was dispatched before the records were read and
+            # ended after, so the records must count it.
+            while not stop.is_set():
+                before = [sim.stats(i) for i in range(sim.pods)]
+                status = request(envoy.port, "GET", "/kvgate/status").json()
+                after = [sim.stats(i) for i in range(sim.pods)]
+                for pod in status["pods"]:
+                    i = port_of[pod["pod"]]
+                    if min(before[i]["running"], after[i]["running"]) >= 8:
+                        engine = BLOCK * min(before[i]["kv_blocks_used"], after[i]["kv_blocks_used"])
+                        slack = BLOCK * pod["inFlight"]
+                        gaps.setdefault(pod["pod"], []).append(engine - pod["heldTokens"] - slack)
+                time.sleep(0.02)
+
+        thread = threading.Thread(target=sampler)
+        thread.start()
+        try:
+            bodies = [grouped_chat(g, g * per_group + q, max_tokens, system_words=system_words, question_words=100)
+                      for q in range(per_group) for g in range(groups)]
+            with ThreadPoolExecutor(len(bodies)) as pool:
+                answers = list(pool.map(lambda b: stream(envoy.port, "/v1/chat/completions", b), bodies))
+        finally:
+            stop.set()
+            thread.join()
+        assert all(a["status"] == 200 and a["chunks"] == max_tokens for a in answers), \
+            [a["status"] for a in answers if a["status"] != 200]
+        # A tenth of the samples may catch a request between the engine's two reads and the
+        # record's.
+        high = {pod: sorted(g)[int(0.9 * len(g))] for pod, g in gaps.items() if len(g) >= 10}
+        print(f"concurrency {concurrency}: preemptions {preemptions(sim)}, samples {sum(map(len, gaps.values()))}, "
+              f"engine beyond kvgate's records (p90, tokens) {high}")
+        assert len(high) == sim.pods, gaps
+        assert max(high.values()) < system_words // 2, high
+        assert wait_for(lambda: all(v == 0 for v in kvgate_gauges(envoy, "reserved_tokens").values()), timeout=5)

@@ -64,10 +64,12 @@ impl Router {
             .hashes_of(&routed.pod, routed.request)
             .unwrap_or_default();
         let adapter = self.adapters.adapter_of(&routed.pod, routed.request);
-        let Some(mut entry) = self.finish(store, cfg, routed)? else {
+        let Some(entry) = self.finish(store, routed)? else {
             return Ok(());
         };
-        entry.prompt_blocks = routed.prompt_blocks as u32;
+        // Nothing there is known to hold its prefix: it counts its whole prompt (the prefix it
+        // leaned on before was counted, and stays counted, on its first pod).
+        let entry = entry.standing_alone();
         let moved = record::modify(store, served_by, |rec| {
             rec.entries.push(entry);
             Some(rec.clone())

@@ -51,13 +51,13 @@ fn caches_nothing(rec: &PodRecord) -> bool {
 }
 
 /// What the request holds on each candidate (`shared`: its leading blocks already held there by
-/// in-flight requests), and the tokens one such shared block stands for.
+/// in-flight requests), and what it holds where it shares nothing.
 pub(super) fn charges(
     est: &Estimate,
     shared: &[usize],
     ask: &Ask,
     safety: f64,
-) -> (Vec<Load>, f64) {
+) -> (Vec<Load>, Load) {
     let bt = ask.block_tokens as f64;
     // Until calibration has measured the model, its prompts carry the rule's shared bias.
     let safety = safety * est.prompt_margin;
@@ -73,22 +73,19 @@ pub(super) fn charges(
     };
     let held_per_block = tokens_per_block * safety;
     let outlook = est.output.outlook(0, est.max_output_tokens);
-    let loads = shared
-        .iter()
-        .map(|&b| {
-            let whole = est.prompt_tokens as f64 * safety;
-            let held = (whole - b as f64 * held_per_block).max(0.0);
-            // The estimate's spread, in proportion to the part of the prompt it holds.
-            let share = if whole > 0.0 { held / whole } else { 0.0 };
-            Load {
-                held: held.round() as u64,
-                sigma: (est.prompt_sigma as f64 * share).round() as u64,
-                left: est.max_output_tokens,
-                outlook,
-            }
-        })
-        .collect();
-    (loads, held_per_block)
+    let load = |b: usize| {
+        let whole = est.prompt_tokens as f64 * safety;
+        let held = (whole - b as f64 * held_per_block).max(0.0);
+        // The estimate's spread, in proportion to the part of the prompt it holds.
+        let share = if whole > 0.0 { held / whole } else { 0.0 };
+        Load {
+            held: held.round() as u64,
+            sigma: (est.prompt_sigma as f64 * share).round() as u64,
+            left: est.max_output_tokens,
+            outlook,
+        }
+    };
+    (shared.iter().map(|&b| load(b)).collect(), load(0))
 }
 
 /// What the cost formula (`pick`) knows of each eligible pod (`indices` into `pods`) for
