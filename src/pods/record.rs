@@ -789,6 +789,13 @@ mod tests {
         (rec.held_tokens(), rec.active_blocks())
     }
 
+    /// (leans on, shared blocks, prompt blocks) of request `id`'s entry.
+    fn leaning_of(vm: &FakeVm, id: u64) -> (u64, u32, u32) {
+        let rec = read(vm, "p").unwrap();
+        let e = rec.entries.iter().find(|e| e.id == id).unwrap();
+        (e.leans_on, e.shared_blocks, e.prompt_blocks)
+    }
+
     #[test]
     fn finish_is_exactly_once_and_hands_shared_blocks_on() {
         // 1 holds a 10-block prefix and 4 blocks of question; 2 and 3 lean on it for 8 and all
@@ -802,19 +809,14 @@ mod tests {
         let gone = finish(&vm, "p", 1).unwrap();
         assert_eq!(gone.map(|e| e.id), Some(1));
         assert_eq!(finish(&vm, "p", 1).unwrap(), None);
-        let rec = read(&vm, "p").unwrap();
         assert_eq!(
             counted(&vm),
             (140, 14),
             "the prefix stays counted with the request sharing most of it, once"
         );
-        assert_eq!(rec.finished_since_scrape, 1);
-        let three = rec.entries.iter().find(|e| e.id == 3).unwrap();
-        assert_eq!(
-            (three.leans_on, three.shared_blocks, three.prompt_blocks),
-            (0, 0, 12)
-        );
-        assert_eq!(rec.entries.iter().find(|e| e.id == 2).unwrap().leans_on, 3);
+        assert_eq!(read(&vm, "p").unwrap().finished_since_scrape, 1);
+        assert_eq!(leaning_of(&vm, 3), (0, 0, 12));
+        assert_eq!(leaning_of(&vm, 2), (3, 8, 2));
         finish(&vm, "p", 3).unwrap();
         assert_eq!(counted(&vm), (100, 10), "and then with the last one");
         finish(&vm, "p", 2).unwrap();
@@ -832,10 +834,8 @@ mod tests {
         ]);
         assert_eq!(counted(&vm), (230, 23));
         finish(&vm, "p", 2).unwrap();
-        let rec = read(&vm, "p").unwrap();
-        let three = rec.entries.iter().find(|e| e.id == 3).unwrap();
         assert_eq!(
-            (three.leans_on, three.shared_blocks, three.prompt_blocks),
+            leaning_of(&vm, 3),
             (1, 10, 13),
             "3 counts what 2 counted and leans on what 2 leaned on"
         );
@@ -859,13 +859,8 @@ mod tests {
         host.set_now_ms(600);
         assert_eq!(counted(&vm), (140, 14), "read so before the next write");
         modify(&vm, "p", |_| Some(())).unwrap();
-        let rec = read(&vm, "p").unwrap();
-        let two = rec.entries.iter().find(|e| e.id == 2).unwrap();
-        assert_eq!(
-            (two.leans_on, two.shared_blocks, two.held_tokens),
-            (0, 0, 120)
-        );
-        assert_eq!(rec.entries.iter().find(|e| e.id == 3).unwrap().leans_on, 2);
+        assert_eq!(leaning_of(&vm, 2), (0, 0, 12), "2 stands alone");
+        assert_eq!(leaning_of(&vm, 3).0, 2);
         assert_eq!(counted(&vm), (140, 14));
         finish(&vm, "p", 2).unwrap();
         finish(&vm, "p", 3).unwrap();
