@@ -543,7 +543,7 @@ impl Router {
                             prompt_blocks: (prompt_blocks - shared_blocks) as u32,
                             leans_on: holder,
                             shared_blocks: shared_blocks as u32,
-                            shared_tokens: alone.held - sharing.held,
+                            shared_tokens: alone.held.saturating_sub(sharing.held),
                             ..entry
                         },
                     ),
