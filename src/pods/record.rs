@@ -136,7 +136,10 @@ impl RequestEntry {
         let tokens = if blocks == self.shared_blocks {
             self.shared_tokens
         } else {
-            self.shared_tokens * u64::from(blocks) / u64::from(self.shared_blocks)
+            // At most `shared_tokens`; the product is taken wide so that no size overflows it.
+            let part = u128::from(self.shared_tokens) * u128::from(blocks)
+                / u128::from(self.shared_blocks);
+            u64::try_from(part).unwrap_or(self.shared_tokens)
         };
         self.prompt_blocks += blocks;
         self.held_tokens = self.held_tokens.saturating_add(tokens);
