@@ -134,7 +134,7 @@ def test_a_burst_of_shared_prefixes_is_counted_in_full_however_the_workers_inter
     by half a prefix. Before the records said who counts a prefix, a worker could lean a new
     request on one another worker had just finished (its finish not yet in the pick log), and
     nobody counted the prefix the engine held: here the pods ran 1.6–5.6k tokens past the records
-    and preempted in 5 of 10 runs; in the burst benchmark 3–7k. (Preemptions are printed, not
+    (4 of 4 runs failed) and preempted now and then; in the burst benchmark 3–7k. (Preemptions are printed, not
     asserted: once in 44 runs with the fix the pods preempted while the accounting held,
     docs/limitations.md.)"""
     cfg = default_plugin_config()
