@@ -266,13 +266,7 @@ impl PodRecord {
     pub fn remove(&mut self, id: u64) -> Option<RequestEntry> {
         let i = self.entries.iter().position(|e| e.id == id)?;
         let gone = self.entries.swap_remove(i);
-        let heir = self
-            .entries
-            .iter()
-            .filter(|e| e.leans_on == gone.id)
-            .max_by_key(|e| (e.shared_blocks, std::cmp::Reverse(e.id)))
-            .map(|e| e.id);
-        let Some(heir) = heir else {
+        let Some(heir) = self.heir_of(gone.id) else {
             return Some(gone);
         };
         for e in self.entries.iter_mut().filter(|e| e.leans_on == gone.id) {
@@ -302,6 +296,16 @@ impl PodRecord {
         Some(gone)
     }
 
+    /// Of the entries leaning on `holder`, the one sharing the most of its prefix (the lowest id
+    /// among equals): with chained hashes, its prefix contains every other leaner's.
+    fn heir_of(&self, holder: u64) -> Option<u64> {
+        self.entries
+            .iter()
+            .filter(|e| e.leans_on == holder)
+            .max_by_key(|e| (e.shared_blocks, std::cmp::Reverse(e.id)))
+            .map(|e| e.id)
+    }
+
     /// Leaves out entries expired by `now`, and has those that leaned on one count its prefix.
     pub fn drop_expired(&mut self, now: u64) {
         let before = self.entries.len();
@@ -322,13 +326,7 @@ impl PodRecord {
             .map(|e| e.leans_on)
             .find(|&h| h != 0 && !self.is_live(h))
         {
-            let Some(heir) = self
-                .entries
-                .iter()
-                .filter(|e| e.leans_on == missing)
-                .max_by_key(|e| (e.shared_blocks, std::cmp::Reverse(e.id)))
-                .map(|e| e.id)
-            else {
+            let Some(heir) = self.heir_of(missing) else {
                 return;
             };
             for e in self.entries.iter_mut().filter(|e| e.leans_on == missing) {
