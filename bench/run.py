@@ -673,6 +673,20 @@ def calibrate_mixed(ctx, sim_args, seed):
             "cell": cell}
 
 
+def process_cpu_s(pid):
+    """CPU seconds (user + system, all threads) a process has used so far; 0 without one. Envoy's
+    CPU per request is what a filter costs whatever else the shared machine runs: throughput
+    moves with the load generator and neighbours, CPU time per request much less."""
+    if not pid:
+        return 0.0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def overhead(ctx, peer_ok):
     """Envoy with and without kvgate (and the peers) in front of an instant upstream. Each front is
     measured `repeats` times, fronts interleaved (a different order each round), and the median of
@@ -694,7 +708,8 @@ def overhead(ctx, peer_ok):
                         cm = contextlib.nullcontext((echo.port, None))
                     else:
                         cm = target(name, echo.endpoints, "overhead", str(ctx["out"] / "logs"), {})
-                    with cm as (port, _):
+                    with cm as (port, front):
+                        pid = front.proc.pid if front is not None and front.proc is not None else None
                         for body in o["bodies"]:
                             for conc in o["concurrency"]:
                                 label = f"{name}-{body}-c{conc}-rep{rep}"
@@ -703,11 +718,14 @@ def overhead(ctx, peer_ok):
                                         "--no-stream", "--timeout", 30]
                                 # Warm-up (connections, caches, the wasm VM's JIT).
                                 run_bench(port, base + ["--max-duration", 1], raw / (label + "-warmup"), 60)
+                                cpu0 = process_cpu_s(pid)
                                 s = run_bench(port, base + ["--max-duration", o["seconds"]], raw / label, 120)["overall"]
+                                cpu = process_cpu_s(pid) - cpu0 if pid else None
                                 samples[name].setdefault(f"{body}-c{conc}", []).append({
                                     "p50_ms": s["e2e_ms"]["p50"], "p99_ms": s["e2e_ms"]["p99"],
                                     "mean_ms": s["e2e_ms"]["mean"], "rps": s["ok_per_s"], "ok": s["ok"],
-                                    "errors": s["errors"]})
+                                    "errors": s["errors"],
+                                    "cpu_us": 1e6 * cpu / s["ok"] if cpu is not None and s["ok"] else None})
             except KeyboardInterrupt:
                 raise
             except Exception as e:  # noqa: BLE001
@@ -721,6 +739,8 @@ def overhead(ctx, peer_ok):
         res[name] = {}
         for key, runs in samples[name].items():
             med = {m: statistics.median(r[m] for r in runs) for m in ("p50_ms", "p99_ms", "mean_ms", "rps")}
+            cpus = [r["cpu_us"] for r in runs if r.get("cpu_us") is not None]
+            med["cpu_us"] = statistics.median(cpus) if cpus else None
             med["runs"] = runs
             res[name][key] = med
     return res
@@ -909,12 +929,12 @@ def overhead_table(ov):
     if not ov:
         return "_not run_"
     lines = ["| front | body | c=1 p50 (ms) | c=1 p99 (ms) | added p50 vs direct | added p99 vs direct | "
-             "c=16 req/s | req/s vs direct |", "|" + "---|" * 8]
+             "c=16 req/s | req/s vs direct | c=16 front CPU µs/request |", "|" + "---|" * 9]
     bodies = sorted({k.split("-c")[0] for v in ov.values() if "error" not in v for k in v})
     direct = ov.get("direct", {})
     for name, v in ov.items():
         if "error" in v:
-            lines.append(f"| {name} | – | unavailable: {v['error'][:120]} | | | | | |")
+            lines.append(f"| {name} | – | unavailable: {v['error'][:120]} | | | | | | |")
             continue
         for b in bodies:
             c1, c16 = v.get(f"{b}-c1"), v.get(f"{b}-c16")
@@ -925,14 +945,16 @@ def overhead_table(ov):
             add99 = c1["p99_ms"] - d1["p99_ms"] if d1 else None
             rr = c16["rps"] / d16["rps"] if d16 and d16["rps"] else None
             lines.append(f"| {name} | {int(b) // 1024} KB | {fmt(c1['p50_ms'], 3)} | {fmt(c1['p99_ms'], 3)} | "
-                         f"{fmt(add50, 3)} | {fmt(add99, 3)} | {fmt(c16['rps'], 0)} | {fmt(rr, 2)} |")
+                         f"{fmt(add50, 3)} | {fmt(add99, 3)} | {fmt(c16['rps'], 0)} | {fmt(rr, 2)} | "
+                         f"{fmt(c16.get('cpu_us'), 1)} |")
     # kvgate vs the same Envoy without it, and vs the floor: the least a body-reading filter does.
     kv, ev, fl = ov.get("kvgate", {}), ov.get("envoy", {}), ov.get("floor", {})
     extra = []
     if not any("error" in v for v in (kv, ev)):
         extra.append("| body | kvgate adds p50 (ms) | floor adds p50 (ms) | kvgate over floor p50 (ms) | "
-                     "c=16 kvgate ÷ Envoy | c=16 floor ÷ Envoy | c=16 kvgate ÷ floor |")
-        extra.append("|" + "---|" * 7)
+                     "c=16 kvgate ÷ Envoy | c=16 floor ÷ Envoy | c=16 kvgate ÷ floor | "
+                     "CPU µs/request kvgate adds | floor adds |")
+        extra.append("|" + "---|" * 9)
     for b in bodies:
         if "error" in kv or "error" in ev:
             break
@@ -944,8 +966,12 @@ def overhead_table(ov):
         over = k1["p50_ms"] - f1["p50_ms"] if f1 else None
         frr = f16["rps"] / e16["rps"] if f16 else None
         kf = k16["rps"] / f16["rps"] if f16 and f16["rps"] else None
+        # CPU per request added to Envoy's own: what the filter costs, less moved by the machine's load.
+        cpu = lambda c: c.get("cpu_us") if c else None  # noqa: E731
+        kcpu = cpu(k16) - cpu(e16) if cpu(k16) is not None and cpu(e16) is not None else None
+        fcpu = cpu(f16) - cpu(e16) if cpu(f16) is not None and cpu(e16) is not None else None
         extra.append(f"| {int(b) // 1024} KB | {k1['p50_ms'] - e1['p50_ms']:.3f} | {fmt(fadd, 3)} | {fmt(over, 3)} | "
-                     f"{k16['rps'] / e16['rps']:.2f}× | {fmt(frr, 2)}× | {fmt(kf, 2)}× |")
+                     f"{k16['rps'] / e16['rps']:.2f}× | {fmt(frr, 2)}× | {fmt(kf, 2)}× | {fmt(kcpu, 1)} | {fmt(fcpu, 1)} |")
     return "\n".join(lines) + ("\n\n" + "\n".join(extra) if extra else "")
 
 

@@ -1,8 +1,12 @@
 //! What the core's unit tests build alike, so each test states only what it changes: a
-//! configuration with static pods, a prompt's block hashes, and two worker VMs.
+//! configuration with static pods, a prompt's block hashes, two worker VMs, and a VM's store
+//! that counts its reads.
+
+use std::cell::{Cell, RefCell};
 
 use crate::config::Config;
 use crate::store::fake_host::{FakeHost, FakeVm};
+use crate::store::interface::{Store, StoreError, Versioned};
 
 /// The default configuration with `pods` as its static pods.
 pub fn with_pods(pods: &[&str]) -> Config {
@@ -22,4 +26,52 @@ pub fn prompt_blocks(group: u64, n: u64) -> Vec<u64> {
 pub fn two_vms() -> (FakeVm, FakeVm) {
     let host = FakeHost::new();
     (host.vm(), host.vm())
+}
+
+/// A VM's store counting the reads it makes (each a host call in Envoy), and of which keys.
+pub struct CountedReads<'a> {
+    pub vm: &'a FakeVm,
+    pub reads: Cell<u32>,
+    pub keys: RefCell<Vec<String>>,
+}
+
+impl<'a> CountedReads<'a> {
+    pub fn new(vm: &'a FakeVm) -> Self {
+        CountedReads {
+            vm,
+            reads: Cell::new(0),
+            keys: RefCell::new(Vec::new()),
+        }
+    }
+
+    /// How many times `key` was read.
+    pub fn reads_of(&self, key: &str) -> usize {
+        self.keys.borrow().iter().filter(|k| *k == key).count()
+    }
+}
+
+impl Store for CountedReads<'_> {
+    fn get(&self, key: &str) -> Result<Versioned, StoreError> {
+        self.reads.set(self.reads.get() + 1);
+        self.keys.borrow_mut().push(key.to_string());
+        self.vm.get(key)
+    }
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+        self.vm.set(key, value, cas)
+    }
+    fn register_queue(&self, name: &str) -> Result<u32, StoreError> {
+        self.vm.register_queue(name)
+    }
+    fn resolve_queue(&self, name: &str) -> Result<Option<u32>, StoreError> {
+        self.vm.resolve_queue(name)
+    }
+    fn enqueue(&self, queue: u32, message: &[u8]) -> Result<(), StoreError> {
+        self.vm.enqueue(queue, message)
+    }
+    fn dequeue(&self, queue: u32) -> Result<Option<Vec<u8>>, StoreError> {
+        self.vm.dequeue(queue)
+    }
+    fn now_ms(&self) -> u64 {
+        self.vm.now_ms()
+    }
 }

@@ -293,7 +293,12 @@ impl ServedView {
 
     /// Whether `serving` names any pod, asking `up` only until one is found: `up` reads a pod's
     /// record, which every request would otherwise pay for every pod while no list is known.
-    pub fn serving_any(&self, pods: &[String], model: &str, up: impl Fn(usize) -> bool) -> bool {
+    pub fn serving_any(
+        &self,
+        pods: &[String],
+        model: &str,
+        mut up: impl FnMut(usize) -> bool,
+    ) -> bool {
         pods.iter().any(|p| self.lists(p, model))
             || pods
                 .iter()

@@ -12,7 +12,7 @@ use crate::estimate::output_dist::{Outlook, HORIZON_STEPS};
 use crate::pods::metrics::ItlTotals;
 use crate::pods::pace::Pace;
 use crate::store::codec::{Reader, Writer};
-use crate::store::interface::{create_if_missing, update, Store, StoreError};
+use crate::store::interface::{create_if_missing, update_from, Store, StoreError, Versioned};
 
 const VERSION: u8 = 8;
 /// Records written before entries said which entry counts the prefix they share (`leans_on`):
@@ -506,13 +506,20 @@ impl PodRecord {
 /// write, which may not come soon), and what they counted of a prefix others lean on is counted
 /// by those, as that write will.
 pub fn read(store: &dyn Store, pod: &str) -> Result<PodRecord, StoreError> {
-    let mut rec = store
-        .get(&key(pod))?
+    read_versioned(store, pod).map(|(rec, _)| rec)
+}
+
+/// `read`, with the value as read: a reservation made in the same callback starts its
+/// compare-and-swap from it (`modify_from`) instead of reading the record again.
+pub fn read_versioned(store: &dyn Store, pod: &str) -> Result<(PodRecord, Versioned), StoreError> {
+    let read = store.get(&key(pod))?;
+    let mut rec = read
         .value
-        .and_then(|b| PodRecord::decode(&b))
+        .as_deref()
+        .and_then(PodRecord::decode)
         .unwrap_or_default();
     rec.drop_expired(store.now_ms());
-    Ok(rec)
+    Ok((rec, read))
 }
 
 /// Creates the pod's record if it has none. Called before any request can be routed to the pod
@@ -537,10 +544,21 @@ pub fn blank(store: &dyn Store, pod: &str) -> Result<(), StoreError> {
 pub fn modify<T>(
     store: &dyn Store,
     pod: &str,
+    change: impl FnMut(&mut PodRecord) -> Option<T>,
+) -> Result<Option<T>, StoreError> {
+    modify_from(store, pod, None, change)
+}
+
+/// `modify` starting from the record as `seen` in this callback (`read_versioned`): one host
+/// call fewer when nobody wrote it since (`interface::update_from`).
+pub fn modify_from<T>(
+    store: &dyn Store,
+    pod: &str,
+    seen: Option<Versioned>,
     mut change: impl FnMut(&mut PodRecord) -> Option<T>,
 ) -> Result<Option<T>, StoreError> {
     let now = store.now_ms();
-    update(store, &key(pod), |bytes| {
+    update_from(store, &key(pod), seen, |bytes| {
         let mut rec = bytes.and_then(PodRecord::decode).unwrap_or_default();
         rec.drop_expired(now);
         let out = change(&mut rec)?;

@@ -532,7 +532,8 @@ impl Router {
             let holders = self.active.holding(&pod, hashes, shared_blocks);
             // The read above may be a copy, older than the last scrape: the fit is checked again
             // inside the compare-and-swap, against the budget the stored snapshot gives.
-            let taken = record::modify(store, &pod, |rec| {
+            let seen = self.copies.read_now(&pod, now);
+            let taken = record::modify_from(store, &pod, seen, |rec| {
                 let lean = holders.iter().copied().find(|&h| rec.is_live(h));
                 let (load, entry) = match lean {
                     Some(holder) => (
@@ -994,6 +995,42 @@ mod tests {
         r2.finish(&w2, &y).unwrap();
         assert_eq!(total_active(&w1, &cfg), 0);
         assert_eq!(held(&w1), 0);
+    }
+
+    #[test]
+    fn a_reservation_starts_from_the_record_its_pick_just_read() {
+        let (vm, cfg, mut r) = router(&["a"]);
+        let store = crate::test_support::CountedReads::new(&vm);
+        r.route(&store, &cfg, "m", &hashes(1, 4), &est(100, 10))
+            .unwrap()
+            .routed();
+        assert_eq!(
+            store.reads_of(&record::key("a")),
+            1,
+            "read once, for the pick"
+        );
+        // Another worker wrote the record between the pick and the swap: the swap fails, the
+        // record is read again, and both reservations stand.
+        let (vm, cfg, mut r) = router(&["a"]);
+        let other = vm.host().vm();
+        let racing = Racing {
+            vm: &vm,
+            meanwhile: std::cell::RefCell::new(Some(Box::new(|| {
+                record::modify(&other, "a", |rec| {
+                    rec.entries.push(RequestEntry {
+                        id: 99,
+                        expires_ms: u64::MAX,
+                        ..RequestEntry::default()
+                    });
+                    Some(())
+                })
+                .unwrap();
+            }))),
+        };
+        r.route(&racing, &cfg, "m", &hashes(1, 4), &est(100, 10))
+            .unwrap()
+            .routed();
+        assert_eq!(record::read(&vm, "a").unwrap().entries.len(), 2);
     }
 
     #[test]

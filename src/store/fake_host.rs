@@ -166,7 +166,7 @@ mod tests {
 
     use super::*;
     use crate::store::interface::{update, update_from};
-    use crate::test_support::two_vms;
+    use crate::test_support::{two_vms, CountedReads};
 
     #[test]
     fn stale_cas_fails_and_fresh_cas_wins() {
@@ -203,46 +203,31 @@ mod tests {
 
     #[test]
     fn update_from_a_value_seen_current_writes_without_reading_and_a_stale_one_reads() {
-        /// The VM, counting its reads.
-        struct Reads<'a>(&'a FakeVm, Cell<u32>);
-        impl Store for Reads<'_> {
-            fn get(&self, key: &str) -> Result<Versioned, StoreError> {
-                self.1.set(self.1.get() + 1);
-                self.0.get(key)
-            }
-            fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
-                self.0.set(key, value, cas)
-            }
-            fn register_queue(&self, name: &str) -> Result<u32, StoreError> {
-                self.0.register_queue(name)
-            }
-            fn resolve_queue(&self, name: &str) -> Result<Option<u32>, StoreError> {
-                self.0.resolve_queue(name)
-            }
-            fn enqueue(&self, queue: u32, message: &[u8]) -> Result<(), StoreError> {
-                self.0.enqueue(queue, message)
-            }
-            fn dequeue(&self, queue: u32) -> Result<Option<Vec<u8>>, StoreError> {
-                self.0.dequeue(queue)
-            }
-            fn now_ms(&self) -> u64 {
-                self.0.now_ms()
-            }
-        }
-        let (a, b) = two_vms();
-        let a = Reads(&a, Cell::new(0));
+        let (vm, b) = two_vms();
+        let a = CountedReads::new(&vm);
         a.set("n", b"1", None).unwrap();
         let append = |cur: Option<&[u8]>| Some(([cur.unwrap_or_default(), b"+"].concat(), ()));
         let seen = a.get("n").unwrap();
         update_from(&a, "n", Some(seen.clone()), append).unwrap();
-        assert_eq!(a.1.get(), 1, "no read of its own");
+        assert_eq!(a.reads.get(), 1, "no read of its own");
         // Written since it was seen: the swap fails and the retry reads.
         b.set("n", b"2", None).unwrap();
         update_from(&a, "n", Some(seen), append).unwrap();
         assert_eq!(a.get("n").unwrap().value.as_deref(), Some(&b"2+"[..]));
         // A missing key seen has no version: never written blind from it.
         update_from(&a, "new", Some(Versioned::default()), append).unwrap();
-        assert_eq!(a.1.get(), 4);
+        assert_eq!(a.reads.get(), 4);
+        // Only the current value may refuse: declined as seen, it is read and asked again.
+        let seen = a.get("n").unwrap();
+        b.set("n", b"room", None).unwrap();
+        let fits =
+            |cur: Option<&[u8]>| (cur == Some(&b"room"[..])).then(|| (b"taken".to_vec(), ()));
+        assert_eq!(update_from(&a, "n", Some(seen), fits), Ok(Some(())));
+        assert_eq!(a.get("n").unwrap().value.as_deref(), Some(&b"taken"[..]));
+        // Declined as read: no more reads.
+        let before = a.reads.get();
+        assert_eq!(update_from(&a, "n", None, fits), Ok(None));
+        assert_eq!(a.reads.get(), before + 1);
     }
 
     #[test]

@@ -70,7 +70,8 @@ pub fn update<T>(
 /// `update` starting from `seen`, the key as read a moment ago (in the same callback), instead of
 /// reading it again: when nobody wrote it since, the compare-and-swap succeeds without a read;
 /// when somebody did, it fails and the next attempt reads. A value seen without a version (a
-/// missing key) is not used: its write would be blind.
+/// missing key) is not used: its write would be blind. Only the current value may refuse: when
+/// `change` declines the seen one, the key is read again and asked once more.
 pub fn update_from<T>(
     store: &dyn Store,
     key: &str,
@@ -78,14 +79,19 @@ pub fn update_from<T>(
     mut change: impl FnMut(Option<&[u8]>) -> Option<(Vec<u8>, T)>,
 ) -> Result<Option<T>, StoreError> {
     let mut seen = seen.filter(|v| v.cas.is_some());
-    for _ in 0..CAS_ATTEMPTS {
-        let current = match seen.take() {
-            Some(v) => v,
-            None => store.get(key)?,
+    let mut attempts = 0;
+    while attempts < CAS_ATTEMPTS {
+        let (current, was_seen) = match seen.take() {
+            Some(v) => (v, true),
+            None => (store.get(key)?, false),
         };
         let Some((bytes, out)) = change(current.value.as_deref()) else {
+            if was_seen {
+                continue;
+            }
             return Ok(None);
         };
+        attempts += 1;
         match store.set(key, &bytes, current.cas) {
             Ok(()) => return Ok(Some(out)),
             Err(StoreError::CasMismatch) => continue,

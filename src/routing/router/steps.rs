@@ -11,7 +11,7 @@ use crate::config::{Config, StalePolicy};
 use crate::estimate::reservation::Estimate;
 use crate::models::served::adapter_id;
 use crate::pods::pace;
-use crate::pods::record::{self, PodRecord};
+use crate::pods::record::PodRecord;
 use crate::routing::adapters::Fit;
 use crate::routing::pick::{copy_weight, prefer, rendezvous, Candidate, Scored};
 use crate::routing::prefix_index::PrefixIndex;
@@ -257,9 +257,14 @@ impl Router {
             return true;
         }
         self.served.refresh(store, &self.pods, now);
-        // Health is read only for pods without a list, and only when no list names the model.
-        let pods = &self.pods;
-        let up = |i: usize| record::read(store, &pods[i]).map_or(true, |r| !r.is_down());
+        // Health is read only for pods without a list, and only when no list names the model;
+        // from this VM's copies of the records, as the pick reads them.
+        let (pods, copies) = (&self.pods, &mut self.copies);
+        let up = |i: usize| {
+            copies
+                .get(store, &pods[i], now, false)
+                .map_or(true, |(r, _)| !r.is_down())
+        };
         self.served.serving_any(pods, model, up)
     }
 
