@@ -9,8 +9,10 @@
 //! A slot holds one or more events of its origin: a finish waits (`finish`) and rides with the
 //! VM's next dispatch, or goes out on the next tick (`flush`), so a request costs one append, not
 //! two. An append is two host calls (the sequence's compare-and-swap on the value the poll before
-//! it read, and the slot), three when another worker appended in between. Readers of an older
-//! module take a slot's first event and skip the rest.
+//! it read, and the slot), three when another worker appended in between. The sequence key also
+//! carries the slot last appended, so a poll one append behind (with a few workers, the usual
+//! case) is one read: the head. Readers of an older module take a slot's first event and skip
+//! the rest, and read a head's number from its first eight bytes, as before.
 
 use crate::store::codec::{Reader, Writer};
 use crate::store::interface::{create_if_missing, update_from, Store, StoreError, Versioned};
@@ -178,12 +180,21 @@ impl PickLog {
         origin: u32,
         events: impl Iterator<Item = &'a Event>,
     ) -> Result<(), StoreError> {
-        let seq = update_from(store, SEQ_KEY, self.seen.take(), |cur| {
+        let events: Vec<&Event> = events.collect();
+        // The head also carries the slot it claims: a VM one append behind (the usual case with
+        // a few workers) replays it from the head it reads anyway, without reading the slot.
+        let claimed = update_from(store, SEQ_KEY, self.seen.take(), |cur| {
             let n = seq_of(cur);
-            Some(((n + 1).to_le_bytes().to_vec(), n))
-        })?
-        .unwrap_or(0);
-        store.set(&slot_key(seq), &encode(seq, origin, events), None)?;
+            let slot = encode(n, origin, events.iter().copied());
+            let mut head = Vec::with_capacity(8 + slot.len());
+            head.extend_from_slice(&(n + 1).to_le_bytes());
+            head.extend_from_slice(&slot);
+            Some((head, (n, slot)))
+        })?;
+        let Some((seq, slot)) = claimed else {
+            return Ok(());
+        };
+        store.set(&slot_key(seq), &slot, None)?;
         // Nothing to replay in our own slot: when it is the next one, the poll need not read it.
         if self.next == seq {
             self.next = seq + 1;
@@ -201,12 +212,26 @@ impl PickLog {
     ) -> Result<(), StoreError> {
         let seen = store.get(SEQ_KEY)?;
         let head = seq_of(seen.value.as_deref());
+        // The last slot appended, as the head carries it (a head written by an older module
+        // carries none).
+        let mut last = seen
+            .value
+            .as_deref()
+            .and_then(|v| v.get(8..))
+            .filter(|slot| !slot.is_empty())
+            .map(<[u8]>::to_vec);
         self.seen = Some(seen);
         if head.saturating_sub(self.next) > RING {
             self.next = head - RING;
         }
         while self.next < head {
-            let slot = store.get(&slot_key(self.next))?.value;
+            let slot = match last.take() {
+                Some(slot) if self.next + 1 == head => Some(slot),
+                other => {
+                    last = other;
+                    store.get(&slot_key(self.next))?.value
+                }
+            };
             match slot.as_deref().and_then(decode) {
                 Some((seq, origin, events)) if seq == self.next => {
                     if origin != me {
@@ -280,6 +305,32 @@ mod tests {
                 request: 8
             }]
         );
+    }
+
+    #[test]
+    fn a_vm_one_append_behind_replays_it_from_the_head_alone() {
+        let ((a, mut la), (b, mut lb)) = two_logs();
+        lb.poll(&b, 2, |_| {}).unwrap();
+        la.publish(&a, 1, &dispatch(7)).unwrap();
+        let reads = crate::test_support::CountedReads::new(&b);
+        let mut seen = Vec::new();
+        lb.poll(&reads, 2, |e| seen.push(e)).unwrap();
+        assert_eq!(seen, vec![dispatch(7)]);
+        assert_eq!(reads.reads.get(), 1, "the head, not the slot");
+        // Two behind: the older slot is read, the newer comes with the head.
+        la.publish(&a, 1, &dispatch(8)).unwrap();
+        la.publish(&a, 1, &dispatch(9)).unwrap();
+        lb.poll(&reads, 2, |e| seen.push(e)).unwrap();
+        assert_eq!(seen, vec![dispatch(7), dispatch(8), dispatch(9)]);
+        assert_eq!(reads.reads_of(&slot_key(1)), 1);
+        assert_eq!(reads.reads_of(&slot_key(2)), 0);
+        // A head written by an older module carries no slot: the slot is read.
+        b.set(SEQ_KEY, &4u64.to_le_bytes(), None).unwrap();
+        a.set(&slot_key(3), &encode(3, 1, [dispatch(10)].iter()), None)
+            .unwrap();
+        lb.poll(&reads, 2, |e| seen.push(e)).unwrap();
+        assert_eq!(seen.last(), Some(&dispatch(10)));
+        assert_eq!(reads.reads_of(&slot_key(3)), 1);
     }
 
     #[test]
