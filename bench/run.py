@@ -967,7 +967,8 @@ def overhead_table(ov):
         frr = f16["rps"] / e16["rps"] if f16 else None
         kf = k16["rps"] / f16["rps"] if f16 and f16["rps"] else None
         # CPU per request added to Envoy's own: what the filter costs, less moved by the machine's load.
-        cpu = lambda c: c.get("cpu_us") if c else None  # noqa: E731
+        def cpu(c):
+            return c.get("cpu_us") if c else None
         kcpu = cpu(k16) - cpu(e16) if cpu(k16) is not None and cpu(e16) is not None else None
         fcpu = cpu(f16) - cpu(e16) if cpu(f16) is not None and cpu(e16) is not None else None
         extra.append(f"| {int(b) // 1024} KB | {k1['p50_ms'] - e1['p50_ms']:.3f} | {fmt(fadd, 3)} | {fmt(over, 3)} | "

@@ -1,6 +1,6 @@
 //! What the core's unit tests build alike, so each test states only what it changes: a
-//! configuration with static pods, a prompt's block hashes, two worker VMs, and a VM's store
-//! that counts its reads.
+//! configuration with static pods, a prompt's block hashes, two worker VMs, and a worker's
+//! store that counts its reads and can let another worker act between its read and its write.
 
 use std::cell::{Cell, RefCell};
 
@@ -28,20 +28,31 @@ pub fn two_vms() -> (FakeVm, FakeVm) {
     (host.vm(), host.vm())
 }
 
-/// A VM's store counting the reads it makes (each a host call in Envoy), and of which keys.
-pub struct CountedReads<'a> {
+/// A worker's view of the store that counts its reads (each a host call in Envoy) and of which
+/// keys, and may let another worker act between its read of a pod's record and its
+/// compare-and-swap (`racing`): the interleaving two Envoy worker threads can produce.
+pub struct Watched<'a> {
     pub vm: &'a FakeVm,
     pub reads: Cell<u32>,
     pub keys: RefCell<Vec<String>>,
+    meanwhile: RefCell<Option<Box<dyn FnOnce() + 'a>>>,
 }
 
-impl<'a> CountedReads<'a> {
+impl<'a> Watched<'a> {
     pub fn new(vm: &'a FakeVm) -> Self {
-        CountedReads {
+        Watched {
             vm,
             reads: Cell::new(0),
             keys: RefCell::new(Vec::new()),
+            meanwhile: RefCell::new(None),
         }
+    }
+
+    /// Runs `meanwhile` just before this worker's first compare-and-swap of a pod record.
+    pub fn racing(vm: &'a FakeVm, meanwhile: impl FnOnce() + 'a) -> Self {
+        let w = Watched::new(vm);
+        *w.meanwhile.borrow_mut() = Some(Box::new(meanwhile));
+        w
     }
 
     /// How many times `key` was read.
@@ -50,13 +61,18 @@ impl<'a> CountedReads<'a> {
     }
 }
 
-impl Store for CountedReads<'_> {
+impl Store for Watched<'_> {
     fn get(&self, key: &str) -> Result<Versioned, StoreError> {
         self.reads.set(self.reads.get() + 1);
         self.keys.borrow_mut().push(key.to_string());
         self.vm.get(key)
     }
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+        if key.starts_with("kvgate.pod.") && cas.is_some() {
+            if let Some(other) = self.meanwhile.borrow_mut().take() {
+                other();
+            }
+        }
         self.vm.set(key, value, cas)
     }
     fn register_queue(&self, name: &str) -> Result<u32, StoreError> {

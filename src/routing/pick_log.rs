@@ -312,7 +312,7 @@ mod tests {
         let ((a, mut la), (b, mut lb)) = two_logs();
         lb.poll(&b, 2, |_| {}).unwrap();
         la.publish(&a, 1, &dispatch(7)).unwrap();
-        let reads = crate::test_support::CountedReads::new(&b);
+        let reads = crate::test_support::Watched::new(&b);
         let mut seen = Vec::new();
         lb.poll(&reads, 2, |e| seen.push(e)).unwrap();
         assert_eq!(seen, vec![dispatch(7)]);

@@ -1000,7 +1000,7 @@ mod tests {
     #[test]
     fn a_reservation_starts_from_the_record_its_pick_just_read() {
         let (vm, cfg, mut r) = router(&["a"]);
-        let store = crate::test_support::CountedReads::new(&vm);
+        let store = crate::test_support::Watched::new(&vm);
         r.route(&store, &cfg, "m", &hashes(1, 4), &est(100, 10))
             .unwrap()
             .routed();
@@ -1013,20 +1013,17 @@ mod tests {
         // record is read again, and both reservations stand.
         let (vm, cfg, mut r) = router(&["a"]);
         let other = vm.host().vm();
-        let racing = Racing {
-            vm: &vm,
-            meanwhile: std::cell::RefCell::new(Some(Box::new(|| {
-                record::modify(&other, "a", |rec| {
-                    rec.entries.push(RequestEntry {
-                        id: 99,
-                        expires_ms: u64::MAX,
-                        ..RequestEntry::default()
-                    });
-                    Some(())
-                })
-                .unwrap();
-            }))),
-        };
+        let racing = crate::test_support::Watched::racing(&vm, || {
+            record::modify(&other, "a", |rec| {
+                rec.entries.push(RequestEntry {
+                    id: 99,
+                    expires_ms: u64::MAX,
+                    ..RequestEntry::default()
+                });
+                Some(())
+            })
+            .unwrap();
+        });
         r.route(&racing, &cfg, "m", &hashes(1, 4), &est(100, 10))
             .unwrap()
             .routed();
@@ -1091,42 +1088,6 @@ mod tests {
         assert_eq!(total_active(&vm, &cfg), 0);
     }
 
-    /// A worker's view of the store that lets another worker act between its read of a pod's
-    /// record and its compare-and-swap: the interleaving two Envoy worker threads can produce.
-    struct Racing<'a> {
-        vm: &'a FakeVm,
-        meanwhile: std::cell::RefCell<Option<Box<dyn FnOnce() + 'a>>>,
-    }
-
-    impl Store for Racing<'_> {
-        fn get(&self, key: &str) -> Result<crate::store::interface::Versioned, StoreError> {
-            self.vm.get(key)
-        }
-        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
-            if key.starts_with("kvgate.pod.") && cas.is_some() {
-                if let Some(other) = self.meanwhile.borrow_mut().take() {
-                    other();
-                }
-            }
-            self.vm.set(key, value, cas)
-        }
-        fn register_queue(&self, name: &str) -> Result<u32, StoreError> {
-            self.vm.register_queue(name)
-        }
-        fn resolve_queue(&self, name: &str) -> Result<Option<u32>, StoreError> {
-            self.vm.resolve_queue(name)
-        }
-        fn enqueue(&self, queue: u32, message: &[u8]) -> Result<(), StoreError> {
-            self.vm.enqueue(queue, message)
-        }
-        fn dequeue(&self, queue: u32) -> Result<Option<Vec<u8>>, StoreError> {
-            self.vm.dequeue(queue)
-        }
-        fn now_ms(&self) -> u64 {
-            self.vm.now_ms()
-        }
-    }
-
     #[test]
     fn two_workers_cannot_both_take_the_last_room() {
         let mut cfg = config(&["a:1"]);
@@ -1139,15 +1100,12 @@ mod tests {
         // Either of the next two fits beside the first (440 + 100 + 16, then 330 + 50 + 16 each),
         // not both. Worker 2 takes the room while worker 1 is between its read and its write.
         let mut second = None;
-        let racing = Racing {
-            vm: &w1,
-            meanwhile: std::cell::RefCell::new(Some(Box::new(|| {
-                second = Some(
-                    r2.route(&w2, &cfg, "m", &hashes(2, 4), &est(300, 50))
-                        .unwrap(),
-                );
-            }))),
-        };
+        let racing = crate::test_support::Watched::racing(&w1, || {
+            second = Some(
+                r2.route(&w2, &cfg, "m", &hashes(2, 4), &est(300, 50))
+                    .unwrap(),
+            );
+        });
         let third = r1
             .route(&racing, &cfg, "m", &hashes(3, 4), &est(300, 50))
             .unwrap();

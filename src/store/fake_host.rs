@@ -166,7 +166,7 @@ mod tests {
 
     use super::*;
     use crate::store::interface::{update, update_from};
-    use crate::test_support::{two_vms, CountedReads};
+    use crate::test_support::{two_vms, Watched};
 
     #[test]
     fn stale_cas_fails_and_fresh_cas_wins() {
@@ -204,7 +204,7 @@ mod tests {
     #[test]
     fn update_from_a_value_seen_current_writes_without_reading_and_a_stale_one_reads() {
         let (vm, b) = two_vms();
-        let a = CountedReads::new(&vm);
+        let a = Watched::new(&vm);
         a.set("n", b"1", None).unwrap();
         let append = |cur: Option<&[u8]>| Some(([cur.unwrap_or_default(), b"+"].concat(), ()));
         let seen = a.get("n").unwrap();
