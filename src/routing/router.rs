@@ -958,8 +958,9 @@ mod tests {
         r.route_m(&vm, &cfg, &prompt(3), &e);
         assert_eq!(
             record::read(&vm, "a:1").unwrap().held_tokens(),
-            110 + (110 - 55),
-            "the second is spared the held 50 prompt tokens, not its question"
+            110 + (110 - 53),
+            "the second is spared the whole blocks of the held 50 prompt tokens (48, × 1.1), \
+             not its question, nor the block where the held prefix ends"
         );
     }
 

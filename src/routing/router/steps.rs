@@ -71,11 +71,15 @@ pub(super) fn charges(
     } else {
         (est.prompt_tokens as f64 / ask.hashes.len() as f64).min(bt)
     };
-    let held_per_block = tokens_per_block * safety;
     let outlook = est.output.outlook(0, est.max_output_tokens);
     let load = |b: usize| {
         let whole = est.prompt_tokens as f64 * safety;
-        let held = (whole - b as f64 * held_per_block).max(0.0);
+        // The engine shares whole blocks of tokens: the block in which the held prefix ends
+        // holds this request's own text after it, so it is this request's (counted as shared,
+        // up to a block per request went uncounted, and a burst of a few hundred requests of
+        // ten prefixes ran its pods a few hundred tokens past the records).
+        let shared = (b as f64 * tokens_per_block / bt).floor() * bt;
+        let held = (whole - shared * safety).max(0.0);
         // The estimate's spread, in proportion to the part of the prompt it holds.
         let share = if whole > 0.0 { held / whole } else { 0.0 };
         Load {
