@@ -188,10 +188,15 @@ pub fn rank(
     out
 }
 
-/// Moves to the front, among the ranked pods within `tolerance` of the best cost, the one
-/// `affinity` scores highest; pods it scores `None` are passed over (and with none scored nothing
-/// moves). The tolerance keeps load first: a pod more than that above the best is never chosen
-/// for affinity's sake.
+/// Moves to the front, among the ranked pods within `tolerance` of the best cost, those
+/// `affinity` scores, highest first (equal scores in ranked order; the rest keep their order
+/// after them); pods it scores `None` are passed over (and with none scored nothing moves). All
+/// of them, not only the highest: room is checked after the ranking, and when the highest has
+/// none the next scored pod still has the affinity (a group's earlier home, a prompt's next
+/// rendezvous choice) that an unscored pod lacks. Under cache pressure a group whose last home was
+/// full went to the cheapest pod with room, a third pod, while an earlier home had room within
+/// the tolerance. The tolerance keeps load first: a pod more than that above the best is never
+/// chosen for affinity's sake.
 pub fn prefer<K: Ord>(
     ranked: &mut Vec<Scored>,
     tolerance: f64,
@@ -200,17 +205,25 @@ pub fn prefer<K: Ord>(
     let Some(best) = ranked.first().map(|s| s.cost) else {
         return;
     };
-    let chosen = ranked
+    let mut scored: Vec<(usize, K)> = ranked
         .iter()
         .enumerate()
         .filter(|(_, s)| s.cost <= best + tolerance)
         .filter_map(|(i, s)| affinity(s).map(|k| (i, k)))
-        .max_by(|a, b| a.1.cmp(&b.1))
-        .map(|(i, _)| i);
-    if let Some(i) = chosen {
-        let s = ranked.remove(i);
-        ranked.insert(0, s);
+        .collect();
+    if scored.is_empty() {
+        return;
     }
+    scored.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    let mut order: Vec<Scored> = scored.iter().map(|&(i, _)| ranked[i]).collect();
+    order.extend(
+        ranked
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !scored.iter().any(|(j, _)| j == i))
+            .map(|(_, s)| *s),
+    );
+    *ranked = order;
 }
 
 /// Several gateway replicas agreeing, without talking, where a prompt no pod caches goes: among
@@ -462,6 +475,14 @@ mod tests {
         let mut r = scored(&[1.0, 1.5, 2.5]);
         prefer(&mut r, 5.0, |s| Some(s.index));
         assert_eq!(front(&r), 2);
+        // Every scored pod within the tolerance goes ahead of the unscored, highest first, so
+        // a pod without room at the front leaves the next scored one before an unscored one.
+        let mut r = scored(&[1.0, 1.2, 1.5, 1.8, 2.5]);
+        prefer(&mut r, 1.0, |s| {
+            [None, Some(1), None, Some(3), Some(9)][s.index]
+        });
+        let order: Vec<usize> = r.iter().map(|s| s.index).collect();
+        assert_eq!(order, vec![3, 1, 0, 2, 4]);
     }
 
     #[test]

@@ -873,6 +873,37 @@ mod tests {
     }
 
     #[test]
+    fn a_group_whose_last_pod_is_full_goes_to_an_earlier_one_before_a_pod_it_never_had() {
+        let (vm, mut cfg, mut r) = router(&["a:1", "b:1", "c:1"]);
+        cfg.admission.budget_tokens = 2_000;
+        let group = hashes(1, 16);
+        // The group was sent to a, then to b; each still indexes its first block only.
+        r.prefix.insert("a:1", &group[..1], vm.now_ms(), 1_000);
+        vm.host().advance_ms(10);
+        r.prefix.insert("b:1", &group[..1], vm.now_ms(), 1_000);
+        let entry = |id, held_tokens, context_blocks| RequestEntry {
+            id,
+            expires_ms: u64::MAX,
+            held_tokens,
+            context_blocks,
+            prompt_blocks: context_blocks,
+            left: 16,
+            outlook: [255; crate::estimate::output_dist::HORIZON_STEPS.len()],
+            ..RequestEntry::default()
+        };
+        // b is full; a runs a small request (dearer than the idle c, within the tolerance).
+        for (pod, e) in [("b:1", entry(1, 2_000, 4)), ("a:1", entry(2, 256, 16))] {
+            record::modify(&vm, pod, |rec| {
+                rec.entries.push(e);
+                Some(())
+            })
+            .unwrap();
+        }
+        let routed = r.route_m(&vm, &cfg, &group, &est(256, 16));
+        assert_eq!(routed.pod, "a:1", "{}", routed.ranking);
+    }
+
+    #[test]
     fn a_group_evicted_everywhere_goes_back_to_its_pod_while_load_allows() {
         let (vm, mut cfg, mut r) = router(&["a:1", "b:1"]);
         cfg.admission.enabled = false;
