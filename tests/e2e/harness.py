@@ -23,8 +23,19 @@ ENVOY_BIN = Path(os.environ.get("KVGATE_ENVOY_BIN", ROOT / ".venv/bin/envoy"))
 ENVOY_YAML = ROOT / "envoy/envoy.yaml"
 
 
+def _probe() -> socket.socket:
+    """A socket to test a port with as the servers the tests start will bind it: with
+    SO_REUSEADDR (Envoy, Rust's and Go's listeners all set it), so a port whose only users are
+    closed connections in TIME_WAIT counts as free. Without it, after a burst of a thousand
+    requests (over 10,000 sockets in TIME_WAIT for a minute) runs of free ports grew too rare to
+    find and the next server could not start."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    return s
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    with _probe() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
@@ -37,7 +48,7 @@ def free_ports(n: int) -> int:
             continue
         ok = True
         for p in range(base, base + n):
-            with socket.socket() as s:
+            with _probe() as s:
                 try:
                     s.bind(("127.0.0.1", p))
                 except OSError:
