@@ -10,8 +10,8 @@
 //! VM's next dispatch, or goes out on the next tick (`flush`), so a request costs one append, not
 //! two. An append is two host calls (the sequence's compare-and-swap on the value the poll before
 //! it read, and the slot), three when another worker appended in between. The sequence key also
-//! carries the slot last appended, so a poll one append behind (with a few workers, the usual
-//! case) is one read: the head. Readers of an older module take a slot's first event and skip
+//! carries the slot last appended (unless it is large), so a poll one append behind (with a few
+//! workers, the usual case) is one read: the head. Readers of an older module take a slot's first event and skip
 //! the rest, and read a head's number from its first eight bytes, as before.
 
 use crate::store::codec::{Reader, Writer};
@@ -25,6 +25,9 @@ const STUCK_MS: u64 = 200;
 const MAX_HELD_FINISHES: usize = 32;
 /// The most prompt blocks one event carries (longer prompts are indexed by their first blocks).
 pub const MAX_EVENT_BLOCKS: usize = 4096;
+/// The largest slot the head carries as well (a dispatch of a prompt of about 32 KB, 500 blocks):
+/// a longer one would be copied out of shared data on every poll, new or not.
+const HEAD_SLOT_BYTES: usize = 4096;
 
 /// A request sent to a pod, with the prompt blocks it brings there.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -182,13 +185,19 @@ impl PickLog {
     ) -> Result<(), StoreError> {
         let events: Vec<&Event> = events.collect();
         // The head also carries the slot it claims: a VM one append behind (the usual case with
-        // a few workers) replays it from the head it reads anyway, without reading the slot.
+        // a few workers) replays it from the head it reads anyway, without reading the slot. Not
+        // a large slot: every poll reads the head, also when it has nothing new.
         let claimed = update_from(store, SEQ_KEY, self.seen.take(), |cur| {
             let n = seq_of(cur);
             let slot = encode(n, origin, events.iter().copied());
-            let mut head = Vec::with_capacity(8 + slot.len());
+            let carried = if slot.len() <= HEAD_SLOT_BYTES {
+                &slot[..]
+            } else {
+                &[]
+            };
+            let mut head = Vec::with_capacity(8 + carried.len());
             head.extend_from_slice(&(n + 1).to_le_bytes());
-            head.extend_from_slice(&slot);
+            head.extend_from_slice(carried);
             Some((head, (n, slot)))
         })?;
         let Some((seq, slot)) = claimed else {
@@ -324,13 +333,25 @@ mod tests {
         assert_eq!(seen, vec![dispatch(7), dispatch(8), dispatch(9)]);
         assert_eq!(reads.reads_of(&slot_key(1)), 1);
         assert_eq!(reads.reads_of(&slot_key(2)), 0);
+        // A large slot is not carried: the head stays small and the slot is read.
+        let big = Event::Dispatch(Dispatch {
+            pod: "10.0.0.1:8000".into(),
+            request: 11,
+            adapter: 0,
+            hashes: (0..1_000).collect(),
+        });
+        la.publish(&a, 1, &big).unwrap();
+        assert_eq!(a.get(SEQ_KEY).unwrap().value.map(|v| v.len()), Some(8));
+        lb.poll(&reads, 2, |e| seen.push(e)).unwrap();
+        assert_eq!(seen.last(), Some(&big));
+        assert_eq!(reads.reads_of(&slot_key(3)), 1);
         // A head written by an older module carries no slot: the slot is read.
-        b.set(SEQ_KEY, &4u64.to_le_bytes(), None).unwrap();
-        a.set(&slot_key(3), &encode(3, 1, [dispatch(10)].iter()), None)
+        b.set(SEQ_KEY, &5u64.to_le_bytes(), None).unwrap();
+        a.set(&slot_key(4), &encode(4, 1, [dispatch(10)].iter()), None)
             .unwrap();
         lb.poll(&reads, 2, |e| seen.push(e)).unwrap();
         assert_eq!(seen.last(), Some(&dispatch(10)));
-        assert_eq!(reads.reads_of(&slot_key(3)), 1);
+        assert_eq!(reads.reads_of(&slot_key(4)), 1);
     }
 
     #[test]
