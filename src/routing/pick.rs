@@ -205,25 +205,19 @@ pub fn prefer<K: Ord>(
     let Some(best) = ranked.first().map(|s| s.cost) else {
         return;
     };
-    let mut scored: Vec<(usize, K)> = ranked
+    let mut keyed: Vec<(Option<K>, Scored)> = ranked
         .iter()
-        .enumerate()
-        .filter(|(_, s)| s.cost <= best + tolerance)
-        .filter_map(|(i, s)| affinity(s).map(|k| (i, k)))
+        .map(|s| {
+            (
+                (s.cost <= best + tolerance).then(|| affinity(s)).flatten(),
+                *s,
+            )
+        })
         .collect();
-    if scored.is_empty() {
-        return;
-    }
-    scored.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-    let mut order: Vec<Scored> = scored.iter().map(|&(i, _)| ranked[i]).collect();
-    order.extend(
-        ranked
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| !scored.iter().any(|(j, _)| j == i))
-            .map(|(_, s)| *s),
-    );
-    *ranked = order;
+    // Highest score first, unscored (`None`) last; the sort is stable, so ties keep their rank.
+    keyed.sort_by(|a, b| b.0.cmp(&a.0));
+    ranked.clear();
+    ranked.extend(keyed.into_iter().map(|(_, s)| s));
 }
 
 /// Several gateway replicas agreeing, without talking, where a prompt no pod caches goes: among

@@ -11,8 +11,8 @@
 //! two. An append is two host calls (the sequence's compare-and-swap on the value the poll before
 //! it read, and the slot), three when another worker appended in between. The sequence key also
 //! carries the slot last appended (unless it is large), so a poll one append behind (with a few
-//! workers, the usual case) is one read: the head. Readers of an older module take a slot's first event and skip
-//! the rest, and read a head's number from its first eight bytes, as before.
+//! workers, the usual case) is one read: the head. Readers of an older module take a slot's first
+//! event and skip the rest, and read a head's number from its first eight bytes, as before.
 
 use crate::store::codec::{Reader, Writer};
 use crate::store::interface::{create_if_missing, update_from, Store, StoreError, Versioned};
@@ -221,27 +221,26 @@ impl PickLog {
     ) -> Result<(), StoreError> {
         let seen = store.get(SEQ_KEY)?;
         let head = seq_of(seen.value.as_deref());
-        // The last slot appended, as the head carries it (a head written by an older module
-        // carries none).
-        let mut last = seen
-            .value
-            .as_deref()
-            .and_then(|v| v.get(8..))
-            .filter(|slot| !slot.is_empty())
-            .map(<[u8]>::to_vec);
         self.seen = Some(seen);
         if head.saturating_sub(self.next) > RING {
             self.next = head - RING;
         }
         while self.next < head {
-            let slot = match last.take() {
-                Some(slot) if self.next + 1 == head => Some(slot),
-                other => {
-                    last = other;
-                    store.get(&slot_key(self.next))?.value
+            // The last slot appended comes with the head (none from an older module's head, or
+            // when it was large); any other is read.
+            let carried = (self.next + 1 == head)
+                .then(|| self.seen.as_ref()?.value.as_deref()?.get(8..))
+                .flatten()
+                .filter(|slot| !slot.is_empty());
+            let read;
+            let slot = match carried {
+                Some(slot) => Some(slot),
+                None => {
+                    read = store.get(&slot_key(self.next))?.value;
+                    read.as_deref()
                 }
             };
-            match slot.as_deref().and_then(decode) {
+            match slot.and_then(decode) {
                 Some((seq, origin, events)) if seq == self.next => {
                     if origin != me {
                         events.into_iter().for_each(&mut apply);
