@@ -117,6 +117,8 @@ DEMO = {
 # kvgate.wasm as it was when the run started (copied into the results directory), so that a
 # rebuild during the run does not mix two builds in one report.
 WASM_SNAPSHOT = None
+# The simulator's KV block size (its default, which every cell runs with).
+BLOCK_TOKENS = 16
 
 ALL_TARGETS = ["kvgate", "envoy-rr", "envoy-lr", "sglang-router", "vllm-router"]
 # kvgate with adapter affinity off (the lora workload's own baseline).
@@ -492,8 +494,9 @@ class Sampler:
 
 
 class ActiveSampler(Sampler):
-    """kvgate's predicted active blocks and the engines' own KV in use (both per pod, the
-    `active_blocks` and `engine_blocks` gauges): [(predicted, engine) per pod]."""
+    """kvgate's predicted active blocks, the engines' own KV in use and what admission's entries
+    hold (per pod, the `active_blocks`, `engine_blocks` and `held_tokens` gauges, the last in
+    blocks): [(predicted, engine, held) per pod]."""
 
     def __init__(self, envoy):
         super().__init__()
@@ -502,7 +505,8 @@ class ActiveSampler(Sampler):
     def sample(self):
         active = harness.kvgate_gauges(self.envoy, "active_blocks")
         engine = harness.kvgate_gauges(self.envoy, "engine_blocks")
-        return [(active[p], engine[p]) for p in active if p in engine]
+        held = harness.kvgate_gauges(self.envoy, "held_tokens")
+        return [(active[p], engine[p], held.get(p, 0) / BLOCK_TOKENS) for p in active if p in engine]
 
 
 class KvSampler(Sampler):
@@ -517,15 +521,20 @@ class KvSampler(Sampler):
         return [s["kv_blocks_used"] / s["num_gpu_blocks"] for s in st]
 
 
-def active_error(samples, lo, hi):
-    """kvgate's predicted active blocks against the engines' KV in use, over the samples from
-    `lo` to `hi` s where the pool is busy (the engines hold at least a tenth of what they did at
-    most): Σ|predicted − engine| ÷ Σ engine."""
-    pairs = [(a, e) for t, per_pod in samples if lo <= t <= hi for a, e in per_pod]
+def active_fit(samples, lo, hi, which=0):
+    """kvgate's predicted active blocks (`which` 0) or admission's held tokens in blocks (1)
+    against the engines' KV in use, over the samples from `lo` to `hi` s where the pool is busy
+    (the engines hold at least a tenth of what they did at most): (Σ kvgate ÷ Σ engine, its bias;
+    Σ|kvgate − engine| ÷ Σ engine, which also counts the scrape's lag, since the engine's figure
+    is its last scrape's). None for samples without that figure (runs before it was sampled)."""
+    pairs = [(s[0] if which == 0 else s[2], s[1]) for t, per_pod in samples if lo <= t <= hi
+             for s in per_pod if which == 0 or len(s) > 2]
     peak = max((e for _, e in pairs), default=0)
     busy = [(a, e) for a, e in pairs if e >= peak / 10 and e > 0]
     total = sum(e for _, e in busy)
-    return sum(abs(a - e) for a, e in busy) / total if total else None
+    if not total:
+        return None
+    return sum(a for a, _ in busy) / total, sum(abs(a - e) for a, e in busy) / total
 
 
 def run_cell(ctx, tname, wname, label, bench_args, sim_args, timeout, concurrency=None, sample_kv=False):
@@ -648,8 +657,15 @@ def steady(cell, out, w):
             tokens += n
         for slo in good:
             good[slo] += lo <= a <= hi and 1000 * r["ttft"] <= slo
-    kv = [sum(f) / len(f) for t, f in cell.get("kv_samples") or [] if lo <= t <= hi and f]
+    window = [f for t, f in cell.get("kv_samples") or [] if lo <= t <= hi and f]
+    kv = [sum(f) / len(f) for f in window]
+    # How near each pod came to running out: a pool kept inside its KV without preemptions holds
+    # the difference between its mean and its peaks free for the answers that run long.
+    every = sorted(x for f in window for x in f)
+    peaks = [b for b in (cell.get("sim") or {}).get("peak_kv_blocks_used") or [] if b is not None]
     return {"tok_s": tokens / (hi - lo), "kv_mean": sum(kv) / len(kv) if kv else None,
+            "kv_p99": every[min(len(every) - 1, int(0.99 * len(every)))] if every else None,
+            "kv_peak": max(peaks) / w["num_gpu_blocks"] if peaks else None,
             **{f"goodput_{slo}": n / (hi - lo) for slo, n in good.items()}}
 
 
@@ -833,10 +849,10 @@ def chat_table(rows):
     gk = goodput_keys(rows)
     lines = ["| target | ok/sent | errors | output tok/s | tok/s (whole span) | "
              + "".join(f"goodput ≤{int(k[8:]) / 1000:g} s (req/s) | " for k in gk)
-             + "TTFT mean | p90 | p99 (ms) | e2e mean | p90 (ms) | preemptions | mean KV used |",
+             + "TTFT mean | p90 | p99 (ms) | e2e mean | p90 (ms) | preemptions | KV used: mean / p99 / peak |",
              "|" + "---|" * (12 + len(gk))]
     for n, r in rows.items():
-        kv = f"{100 * r['kv_mean']:.0f}%" if r.get("kv_mean") is not None else "–"
+        kv = " / ".join(f"{100 * r[k]:.0f}%" if r.get(k) is not None else "–" for k in ("kv_mean", "kv_p99", "kv_peak"))
         lines.append(f"| {n} | {r['ok']}/{r['requests']} | {errors_str(r['errors'])} | {fmt(r['tok_s'], 0)} | "
                      f"{fmt(r['span_tok_s'], 0)} | " + "".join(f"{fmt(r.get(k))} | " for k in gk)
                      + f"{fmt(r['ttft_mean'], 0)} | "
@@ -1117,10 +1133,15 @@ def accuracy_line(cell):
         if e.get("prompt") is not None and e.get("output") is not None:
             parts.append(f"estimate error, median over answers ({model}): prompt {e['prompt']:.1f} %, "
                          f"output {e['output']:.1f} %")
-    err = active_error(acc.get("active") or [], 2.0, float("inf"))
-    if err is not None:
-        parts.append(f"predicted active blocks vs the engines' KV in use: {100 * err:.1f} % apart "
-                     f"(Σ|kvgate − engine| ÷ Σ engine, 0.5 s samples while busy)")
+    fit = active_fit(acc.get("active") or [], 2.0, float("inf"))
+    if fit is not None:
+        parts.append(f"predicted active blocks ÷ the engines' KV in use {fit[0]:.2f}, {100 * fit[1]:.1f} % apart "
+                     f"(Σ kvgate ÷ Σ engine; Σ|kvgate − engine| ÷ Σ engine, with the scrape's lag; 0.5 s "
+                     f"samples while busy)")
+    held = active_fit(acc.get("active") or [], 2.0, float("inf"), which=1)
+    if held is not None:
+        parts.append(f"what admission's entries hold ÷ the engines' KV {held[0]:.2f}, {100 * held[1]:.1f} % apart "
+                     f"(in {BLOCK_TOKENS}-token blocks)")
     k = cell.get("kvgate") or {}
     if k.get("prefix.blocks_total"):
         predicted = k.get("prefix.blocks_matched", 0) / k["prefix.blocks_total"]
@@ -1473,7 +1494,7 @@ def main():
                             [*sim_args, "--num-gpu-blocks", str(w["num_gpu_blocks"])], w["duration"] + 200)
                 for t in live}
             data["workload_desc"]["cache-pressure"] = WORKLOAD_DESC["cache-pressure"].format(
-                pool_x=w["groups"] * w["system_tokens"] / (cfg["pods"] * w["num_gpu_blocks"] * 16), **w)
+                pool_x=w["groups"] * w["system_tokens"] / (cfg["pods"] * w["num_gpu_blocks"] * BLOCK_TOKENS), **w)
 
         if "burst" in workloads:
             w = cfg["burst"]
