@@ -151,15 +151,15 @@ impl Gate {
                 (factor * 100.0).round() as u64,
             );
             stale += u64::from(rec.is_stale(now, &self.config.metrics));
+            let block = u64::from(self.router.block_tokens(&self.config.routing));
             self.stats.gauge(
                 stats::pod_stat(pod, stats::POD_ACTIVE_BLOCKS),
-                rec.active_blocks(),
+                rec.active_blocks(block),
             );
             self.stats.gauge(
                 stats::pod_stat(pod, stats::POD_IN_FLIGHT),
                 rec.entries.len() as u64,
             );
-            let block = u64::from(self.router.block_tokens(&self.config.routing));
             let z = self.config.admission.headroom_sigmas;
             self.stats.gauge(
                 stats::pod_stat(pod, stats::POD_RESERVED_TOKENS),

@@ -68,7 +68,7 @@ fn pod(cfg: &Config, block_tokens: u64, pod: &str, rec: &PodRecord, now: u64) ->
         "backoff": snapshot.map(|s| s.backoff),
         "relief": snapshot.map(|s| s.relief),
         "unexplainedTokens": snapshot.map(|s| s.unexplained_tokens),
-        "activeBlocks": rec.active_blocks(),
+        "activeBlocks": rec.active_blocks(block_tokens),
         "inFlight": rec.entries.len(),
         "waiting": snapshot.map(|s| s.waiting),
         "running": snapshot.map(|s| s.running),

@@ -654,7 +654,7 @@ mod tests {
         f.on_done(&mut gate, &vm);
         let rec = crate::pods::record::read(&vm, "10.0.0.1:80").unwrap();
         assert_eq!(
-            (rec.active_blocks(), rec.entries.len()),
+            (rec.held_tokens(), rec.entries.len()),
             (0, 0),
             "released once"
         );

@@ -22,13 +22,13 @@ pub struct Candidate<'a> {
     /// Prompt blocks the pod has still to compute for requests sent before this one that have
     /// not had their first token: this one's first token waits behind them.
     pub pending_blocks: u64,
-    /// KV blocks in use by in-flight requests now.
+    /// KV blocks in use by in-flight requests now, in the engine's blocks.
     pub active_blocks: u64,
     /// Blocks the pod's in-flight sequences read at each decode step (shared prefixes once per
     /// sequence).
     pub read_blocks: u64,
-    /// Blocks this request would add to them (prompt blocks not already active there, plus its
-    /// expected output).
+    /// The engine's blocks this request would add to them (what it would hold there: its prompt
+    /// less a prefix in-flight requests already hold, plus its expected output).
     pub added_blocks: u64,
     /// Scraped waiting requests (0 when unknown or stale under the ignore policy).
     pub waiting: f64,

@@ -443,12 +443,13 @@ impl Router {
             })
             .collect();
         (ask.hot_blocks, ask.copy_weight) = self.hot_prefix(&indices, &shared, hashes);
+        let (loads, alone) = charges(est, &shared, &ask, cfg.estimator.safety_factor);
         let candidates = candidates(
             &self.pods,
             &self.prefix,
             cfg,
             &indices,
-            &shared,
+            &loads,
             &adapter_fit,
             &ask,
         );
@@ -464,7 +465,6 @@ impl Router {
                 crate::replicas::share::cap(store, cfg, &self.pods[i], budget)
             })
             .collect();
-        let (loads, alone) = charges(est, &shared, &ask, cfg.estimator.safety_factor);
         // Each candidate's fit is a forecast over its in-flight requests: worked out at most once
         // per request, though the fallbacks, the ranking header and the dispatch all ask.
         let fit: Vec<Cell<Option<bool>>> = vec![Cell::new(None); indices.len()];
@@ -754,7 +754,7 @@ mod tests {
     fn total_active(vm: &FakeVm, cfg: &Config) -> u64 {
         cfg.pods
             .iter()
-            .map(|p| record::read(vm, p).unwrap().active_blocks())
+            .map(|p| record::read(vm, p).unwrap().active_blocks(16))
             .sum()
     }
 
@@ -996,6 +996,23 @@ mod tests {
     }
 
     #[test]
+    fn active_blocks_are_the_engines_blocks_of_what_is_held_not_the_texts() {
+        // Prose of more characters per token than the cut assumes: 10 blocks of characters,
+        // 96 tokens (with the tests' 1.1 margin, 106), which the engine holds in 7 blocks of 16.
+        let (vm, cfg, mut r) = router(&["a:1"]);
+        let x = r.route_m(&vm, &cfg, &hashes(1, 10), &est(96, 0));
+        let rec = record::read(&vm, "a:1").unwrap();
+        assert_eq!(rec.held_tokens(), 106);
+        assert_eq!(
+            rec.active_blocks(16),
+            7,
+            "not the prompt's 10 character blocks"
+        );
+        r.finish(&vm, &x).unwrap();
+        assert_eq!(total_active(&vm, &cfg), 0);
+    }
+
+    #[test]
     fn shared_prefix_blocks_count_once_and_return_to_zero() {
         let cfg = config(&["a:1"]);
         let (_host, [(w1, mut r1), (w2, mut r2)]) = two_workers(&cfg);
@@ -1003,8 +1020,8 @@ mod tests {
         let y = r2.route_m(&w2, &cfg, &hashes(1, 10), &est(160, 0));
         assert_eq!(
             total_active(&w1, &cfg),
-            10,
-            "the shared 10 blocks count once"
+            11,
+            "the shared 176 tokens (160 × 1.1) count once: 11 blocks"
         );
         let held = |vm: &FakeVm| record::read(vm, "a:1").unwrap().held_tokens();
         assert_eq!(
@@ -1020,7 +1037,7 @@ mod tests {
         );
         assert_eq!(
             total_active(&w1, &cfg),
-            10,
+            11,
             "still held by the other request"
         );
         r2.finish(&w2, &y).unwrap();
@@ -1115,7 +1132,7 @@ mod tests {
         let e = est(64, 64);
         assert!(r.grow(&vm, &cfg, &mut routed, &e, 17).unwrap());
         assert!(!r.grow(&vm, &cfg, &mut routed, &e, 20).unwrap());
-        assert_eq!(record::read(&vm, "b:1").unwrap().active_blocks(), 4 + 2);
+        assert_eq!(record::read(&vm, "b:1").unwrap().active_blocks(16), 4 + 2);
         r.finish(&vm, &routed).unwrap();
         assert_eq!(total_active(&vm, &cfg), 0);
     }
@@ -1251,7 +1268,8 @@ mod tests {
             .unwrap();
         assert_eq!(routed.pod, other);
         assert!(!record::read(&vm, picked).unwrap().snapshot.unwrap().healthy);
-        assert_eq!(record::read(&vm, other).unwrap().active_blocks(), 4);
+        // 64 tokens with the tests' 1.1 margin: 70, in 5 blocks of 16.
+        assert_eq!(record::read(&vm, other).unwrap().active_blocks(16), 5);
         let next = r.route_m(&vm, &cfg, &hashes(1, 4), &est(64, 0));
         assert_eq!(next.pod, other);
         r.finish(&vm, &routed).unwrap();
@@ -1275,10 +1293,15 @@ mod tests {
         let y = r.route_m(&vm, &cfg, &hashes(1, 10), &est(160, 0));
         assert_eq!(y.cached_blocks, 0, "served before, but not cached there");
         let rec = record::read(&vm, "a:1").unwrap();
-        assert_eq!(rec.active_blocks(), 20, "each sequence holds its own copy");
+        // 176 tokens each (the rule's margin until calibrated), 11 blocks of 16.
         assert_eq!(rec.held_tokens(), 2 * 176);
+        assert_eq!(
+            rec.active_blocks(16),
+            22,
+            "each sequence holds its own copy"
+        );
         r.finish(&vm, &x).unwrap();
-        assert_eq!(record::read(&vm, "a:1").unwrap().active_blocks(), 10);
+        assert_eq!(record::read(&vm, "a:1").unwrap().active_blocks(16), 11);
         r.finish(&vm, &y).unwrap();
         assert_eq!(total_active(&vm, &cfg), 0);
     }

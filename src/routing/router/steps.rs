@@ -93,13 +93,13 @@ pub(super) fn charges(
 }
 
 /// What the cost formula (`pick`) knows of each eligible pod (`indices` into `pods`) for
-/// this request.
+/// this request, `loads` what it would hold on each (`charges`).
 pub(super) fn candidates<'a>(
     pods: &'a [String],
     prefix: &PrefixIndex,
     cfg: &Config,
     indices: &[usize],
-    shared: &[usize],
+    loads: &[Load],
     adapter_fit: &[Option<Fit>],
     ask: &Ask,
 ) -> Vec<Candidate<'a>> {
@@ -115,9 +115,8 @@ pub(super) fn candidates<'a>(
     };
     indices
         .iter()
-        .zip(shared)
         .enumerate()
-        .map(|(k, (&i, &already_active))| {
+        .map(|(k, &i)| {
             let (pod, rec) = (&pods[i], &ask.records[i]);
             let known = rec.snapshot.filter(|_| rec.is_fresh(now, &cfg.metrics));
             let capacity_blocks = rec.capacity_blocks(ask.block_tokens, r.pod_capacity_blocks);
@@ -128,9 +127,9 @@ pub(super) fn candidates<'a>(
                 copied_blocks: ask.hot_blocks.saturating_sub(cached_blocks),
                 copy_weight: ask.copy_weight,
                 pending_blocks: rec.pending_blocks(),
-                active_blocks: rec.active_blocks(),
+                active_blocks: rec.active_blocks(ask.block_tokens),
                 read_blocks: rec.read_blocks(),
-                added_blocks: (ask.prompt_blocks - already_active) as u64 + ask.output_blocks,
+                added_blocks: loads[k].held.div_ceil(ask.block_tokens.max(1)) + ask.output_blocks,
                 waiting: known.map_or(0.0, |s| {
                     (s.waiting - f64::from(rec.finished_since_scrape)).max(0.0)
                 }),
