@@ -157,7 +157,7 @@ pub fn rank(
     w: &RoutingConfig,
     rng: &mut Rng,
 ) -> Vec<Scored> {
-    let mut scored: Vec<(Scored, f64)> = candidates
+    let mut scored: Vec<(Scored, usize, f64)> = candidates
         .iter()
         .enumerate()
         .map(|(index, c)| {
@@ -166,20 +166,22 @@ pub fn rank(
                     index,
                     cost: Terms::of(c, prompt_blocks, own_blocks, w).total(),
                 },
+                c.cached_total,
                 rng.next_f64(),
             )
         })
         .collect();
     // Equal costs go to the pod caching least, then fall in random order, so ties do not
-    // always favour the first pod listed.
-    scored.sort_by(|a, b| {
-        let held = |s: &Scored| candidates[s.index].cached_total;
+    // always favour the first pod listed. The random draw leaves no two keys equal, so the
+    // order needs no stable sort (which allocates: with the one in `prefer`, 7 % of a request's
+    // instructions at 64 pods).
+    scored.sort_unstable_by(|a, b| {
         a.0.cost
             .total_cmp(&b.0.cost)
-            .then(held(&a.0).cmp(&held(&b.0)))
-            .then(a.1.total_cmp(&b.1))
+            .then(a.1.cmp(&b.1))
+            .then(a.2.total_cmp(&b.2))
     });
-    let mut out: Vec<Scored> = scored.into_iter().map(|(s, _)| s).collect();
+    let mut out: Vec<Scored> = scored.into_iter().map(|(s, _, _)| s).collect();
     if w.temperature > 0.0 && out.len() > 1 {
         let first = softmax_draw(&out, w.temperature, rng);
         let chosen = out.remove(first);
@@ -205,19 +207,23 @@ pub fn prefer<K: Ord>(
     let Some(best) = ranked.first().map(|s| s.cost) else {
         return;
     };
-    let mut keyed: Vec<(Option<K>, Scored)> = ranked
-        .iter()
-        .map(|s| {
-            (
-                (s.cost <= best + tolerance).then(|| affinity(s)).flatten(),
-                *s,
-            )
-        })
-        .collect();
-    // Highest score first, unscored (`None`) last; the sort is stable, so ties keep their rank.
+    let mut keyed: Vec<(K, Scored)> = Vec::new();
+    let mut rest: Vec<Scored> = Vec::with_capacity(ranked.len());
+    for s in ranked.iter() {
+        match (s.cost <= best + tolerance).then(|| affinity(s)).flatten() {
+            Some(k) => keyed.push((k, *s)),
+            None => rest.push(*s),
+        }
+    }
+    if keyed.is_empty() {
+        return;
+    }
+    // Highest score first; the sort is stable, so ties keep their rank. Only the scored pods
+    // are sorted: the rest follow in ranked order.
     keyed.sort_by(|a, b| b.0.cmp(&a.0));
     ranked.clear();
     ranked.extend(keyed.into_iter().map(|(_, s)| s));
+    ranked.extend(rest);
 }
 
 /// Several gateway replicas agreeing, without talking, where a prompt no pod caches goes: among
