@@ -251,6 +251,20 @@ pub fn adapter_ids(label: &str) -> Vec<u64> {
 pub struct ServedView {
     pods: HashMap<String, Served>,
     read_ms: Option<u64>,
+    memo: Option<Memo>,
+}
+
+/// One model's standing on every pod of one pod list, until the records are read again. Each
+/// pick asks it of every pod several times (may the model run there, is it an adapter there):
+/// by pod name and a scan of each list, about a tenth of a request's instructions at 64 pods,
+/// while the lists change at human speed.
+struct Memo {
+    model: String,
+    pods: Vec<String>,
+    /// The pod's list names the model; the list has been read; the model is one of its adapters.
+    lists: Vec<bool>,
+    listed: Vec<bool>,
+    adapter: Vec<bool>,
 }
 
 impl ServedView {
@@ -264,6 +278,7 @@ impl ServedView {
             return;
         }
         self.read_ms = Some(now);
+        self.memo = None;
         self.pods.retain(|p, _| pods.contains(p));
         for pod in pods {
             if let Ok(s) = read(store, pod) {
@@ -276,44 +291,79 @@ impl ServedView {
         self.pods.get(pod)
     }
 
+    /// `model` on each of `pods`, worked out once per model and pod list between reads.
+    fn memo(&mut self, pods: &[String], model: &str) -> &Memo {
+        if self
+            .memo
+            .as_ref()
+            .is_some_and(|m| m.model != model || m.pods != pods)
+        {
+            self.memo = None;
+        }
+        let view = &self.pods;
+        self.memo.get_or_insert_with(|| {
+            let each = |f: &dyn Fn(&Served) -> bool| -> Vec<bool> {
+                pods.iter().map(|p| view.get(p).is_some_and(f)).collect()
+            };
+            Memo {
+                model: model.to_string(),
+                pods: pods.to_vec(),
+                lists: each(&|s| s.serves(model)),
+                listed: each(&|s| s.listed_ms.is_some()),
+                adapter: each(&|s| s.is_adapter(model)),
+            }
+        })
+    }
+
     /// Which of `pods` may serve `model`: those listing it; if none does, those not listed yet
     /// (a pod is taken to serve everything until its list is known) that are `up` (a pod that
     /// refuses connections never answers its list: it must not become the one pod every unknown
     /// model is sent to); else none.
-    pub fn serving(&self, pods: &[String], model: &str, up: impl Fn(usize) -> bool) -> Vec<bool> {
-        let listing: Vec<bool> = pods.iter().map(|p| self.lists(p, model)).collect();
-        if listing.iter().any(|&b| b) {
-            return listing;
+    pub fn serving(
+        &mut self,
+        pods: &[String],
+        model: &str,
+        up: impl Fn(usize) -> bool,
+    ) -> Vec<bool> {
+        let m = self.memo(pods, model);
+        if m.lists.contains(&true) {
+            return m.lists.clone();
         }
-        pods.iter()
+        m.listed
+            .iter()
             .enumerate()
-            .map(|(i, p)| !self.listed(p) && up(i))
+            .map(|(i, &listed)| !listed && up(i))
             .collect()
     }
 
     /// Whether `serving` names any pod, asking `up` only until one is found: `up` reads a pod's
     /// record, which every request would otherwise pay for every pod while no list is known.
     pub fn serving_any(
-        &self,
+        &mut self,
         pods: &[String],
         model: &str,
         mut up: impl FnMut(usize) -> bool,
     ) -> bool {
-        pods.iter().any(|p| self.lists(p, model))
-            || pods
+        let m = self.memo(pods, model);
+        m.lists.contains(&true)
+            || m.listed
                 .iter()
                 .enumerate()
-                .any(|(i, p)| !self.listed(p) && up(i))
+                .any(|(i, &listed)| !listed && up(i))
     }
 
-    /// The pod's list, as last read, names `model`.
-    fn lists(&self, pod: &str, model: &str) -> bool {
-        self.get(pod).is_some_and(|s| s.serves(model))
+    /// Whether any of `pods`' lists, as last read, names `model`.
+    pub fn lists(&mut self, pods: &[String], model: &str) -> bool {
+        self.memo(pods, model).lists.contains(&true)
     }
 
-    /// The pod's list has been read at least once.
-    fn listed(&self, pod: &str) -> bool {
-        self.get(pod).is_some_and(|s| s.listed_ms.is_some())
+    /// Of each of `pods`, its record where `model` is one of its adapters.
+    pub fn adapter_on(&mut self, pods: &[String], model: &str) -> Vec<Option<&Served>> {
+        let adapter = self.memo(pods, model).adapter.clone();
+        pods.iter()
+            .zip(adapter)
+            .map(|(p, is)| if is { self.pods.get(p) } else { None })
+            .collect()
     }
 }
 
@@ -373,6 +423,42 @@ mod tests {
             vec![r#"{"id":"m"}"#; MAX_MODELS + 1].join(",")
         );
         assert!(parse_list(many.as_bytes()).is_err());
+    }
+
+    #[test]
+    fn a_models_standing_is_kept_per_model_and_pod_list_until_the_next_read() {
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let pods: Vec<String> = ["a:1", "b:1", "c:1"].map(String::from).to_vec();
+        write_list(&vm, "a:1", &[base("m")], 1).unwrap();
+        let lora = ServedModel {
+            id: "m-lora".into(),
+            parent: Some("m".into()),
+        };
+        write_list(&vm, "b:1", &[base("m"), lora], 1).unwrap();
+        write_list(&vm, "c:1", &[base("n")], 1).unwrap();
+        let mut view = ServedView::default();
+        view.refresh(&vm, &pods, 0);
+        let up = |_| true;
+        assert_eq!(view.serving(&pods, "m", up), [true, true, false]);
+        // Another model, another pod list: each its own answer, not the last one's.
+        assert_eq!(view.serving(&pods, "n", up), [false, false, true]);
+        let two = vec![pods[2].clone(), pods[0].clone()];
+        assert_eq!(view.serving(&two, "n", up), [true, false]);
+        assert!(view.lists(&pods, "m") && !view.lists(&pods, "x"));
+        let on: Vec<bool> = view
+            .adapter_on(&pods, "m-lora")
+            .iter()
+            .map(Option::is_some)
+            .collect();
+        assert_eq!(on, [false, true, false]);
+        assert!(view.adapter_on(&pods, "m").iter().all(Option::is_none));
+        // A list written since is seen at the next read, not before.
+        write_list(&vm, "c:1", &[base("m")], 2).unwrap();
+        view.refresh(&vm, &pods, 100);
+        assert_eq!(view.serving(&pods, "m", up), [true, true, false]);
+        view.refresh(&vm, &pods, 1_000);
+        assert_eq!(view.serving(&pods, "m", up), [true, true, true]);
     }
 
     #[test]

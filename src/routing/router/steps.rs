@@ -221,7 +221,7 @@ impl Router {
     /// nothing, so with every pod down and no lists there is none, and Envoy's own balancing
     /// decides (`Placement::NoPods`).
     pub(super) fn eligible(
-        &self,
+        &mut self,
         cfg: &Config,
         model: &str,
         records: &[PodRecord],
@@ -272,16 +272,14 @@ impl Router {
     }
 
     /// Whether a pod's model list, as last read, names `model`.
-    pub fn lists(&self, model: &str) -> bool {
-        self.pods
-            .iter()
-            .any(|p| self.served.get(p).is_some_and(|s| s.serves(model)))
+    pub fn lists(&mut self, model: &str) -> bool {
+        self.served.lists(&self.pods, model)
     }
 
     /// Per candidate (`indices` into the pods), where the adapter stands, or `None` where
     /// `model` is a base model.
     pub(super) fn adapter_fits(
-        &self,
+        &mut self,
         indices: &[usize],
         model: &str,
         records: &[PodRecord],
@@ -289,11 +287,12 @@ impl Router {
         cfg: &Config,
     ) -> Vec<Option<Fit>> {
         let id = adapter_id(model);
+        let on = self.served.adapter_on(&self.pods, model);
         indices
             .iter()
             .map(|&i| {
                 let pod = &self.pods[i];
-                let served = self.served.get(pod).filter(|s| s.is_adapter(model))?;
+                let served = on.get(i).copied().flatten()?;
                 // Adapter state scraped with metrics that are no longer fresh says nothing.
                 let lora = served.lora.as_ref().filter(|l| {
                     records[i].is_fresh(now, &cfg.metrics)
