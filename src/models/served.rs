@@ -251,17 +251,27 @@ pub fn adapter_ids(label: &str) -> Vec<u64> {
 pub struct ServedView {
     pods: HashMap<String, Served>,
     read_ms: Option<u64>,
-    memo: Option<Memo>,
+    memo: Memo,
 }
 
-/// One model's standing on every pod of one pod list, until the records are read again. Each
+/// Each model's standing on every pod of one pod list, until the records are read again. Each
 /// pick asks it of every pod several times (may the model run there, is it an adapter there):
 /// by pod name and a scan of each list, about a tenth of a request's instructions at 64 pods,
-/// while the lists change at human speed.
+/// while the lists change at human speed. Kept per model, so that a pool serving many models
+/// (a LoRA adapter each) works each one out once, not at every change of model.
+#[derive(Default)]
 struct Memo {
-    model: String,
     pods: Vec<String>,
-    /// The pod's list names the model; the list has been read; the model is one of its adapters.
+    models: HashMap<String, Standing>,
+}
+
+/// The most models the memo keeps between reads: names come from clients, so a stream of
+/// unknown ones must not grow it.
+const MEMO_MODELS: usize = 256;
+
+/// One model on each pod of the memo's list: the pod's list names it; the list has been read;
+/// it is one of the pod's adapters.
+struct Standing {
     lists: Vec<bool>,
     listed: Vec<bool>,
     adapter: Vec<bool>,
@@ -278,7 +288,7 @@ impl ServedView {
             return;
         }
         self.read_ms = Some(now);
-        self.memo = None;
+        self.memo.models.clear();
         self.pods.retain(|p, _| pods.contains(p));
         for pod in pods {
             if let Ok(s) = read(store, pod) {
@@ -292,22 +302,21 @@ impl ServedView {
     }
 
     /// `model` on each of `pods`, worked out once per model and pod list between reads.
-    fn memo(&mut self, pods: &[String], model: &str) -> &Memo {
-        if self
-            .memo
-            .as_ref()
-            .is_some_and(|m| m.model != model || m.pods != pods)
-        {
-            self.memo = None;
+    fn memo(&mut self, pods: &[String], model: &str) -> &Standing {
+        let memo = &mut self.memo;
+        if memo.pods != pods {
+            memo.pods = pods.to_vec();
+            memo.models.clear();
+        }
+        if memo.models.len() >= MEMO_MODELS && !memo.models.contains_key(model) {
+            memo.models.clear();
         }
         let view = &self.pods;
-        self.memo.get_or_insert_with(|| {
+        memo.models.entry_ref(model).or_insert_with(|| {
             let each = |f: &dyn Fn(&Served) -> bool| -> Vec<bool> {
                 pods.iter().map(|p| view.get(p).is_some_and(f)).collect()
             };
-            Memo {
-                model: model.to_string(),
-                pods: pods.to_vec(),
+            Standing {
                 lists: each(&|s| s.serves(model)),
                 listed: each(&|s| s.listed_ms.is_some()),
                 adapter: each(&|s| s.is_adapter(model)),

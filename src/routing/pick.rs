@@ -207,23 +207,30 @@ pub fn prefer<K: Ord>(
     let Some(best) = ranked.first().map(|s| s.cost) else {
         return;
     };
-    let mut keyed: Vec<(K, Scored)> = Vec::new();
-    let mut rest: Vec<Scored> = Vec::with_capacity(ranked.len());
-    for s in ranked.iter() {
-        match (s.cost <= best + tolerance).then(|| affinity(s)).flatten() {
-            Some(k) => keyed.push((k, *s)),
-            None => rest.push(*s),
-        }
-    }
+    // Nothing is allocated unless some pod scores (most picks score none).
+    let mut keyed: Vec<(K, Scored)> = ranked
+        .iter()
+        .filter_map(|s| {
+            let k = (s.cost <= best + tolerance)
+                .then(|| affinity(s))
+                .flatten()?;
+            Some((k, *s))
+        })
+        .collect();
     if keyed.is_empty() {
         return;
     }
     // Highest score first; the sort is stable, so ties keep their rank. Only the scored pods
     // are sorted: the rest follow in ranked order.
     keyed.sort_by(|a, b| b.0.cmp(&a.0));
-    ranked.clear();
-    ranked.extend(keyed.into_iter().map(|(_, s)| s));
-    ranked.extend(rest);
+    let mut moved = vec![false; ranked.iter().map(|s| s.index + 1).max().unwrap_or(0)];
+    for (_, s) in &keyed {
+        if let Some(m) = moved.get_mut(s.index) {
+            *m = true;
+        }
+    }
+    ranked.retain(|s| !moved.get(s.index).copied().unwrap_or(false));
+    ranked.splice(0..0, keyed.into_iter().map(|(_, s)| s));
 }
 
 /// Several gateway replicas agreeing, without talking, where a prompt no pod caches goes: among
