@@ -167,7 +167,7 @@ fn learn_scale(pairs: impl Iterator<Item = (f64, usize)>) -> f64 {
         Calibration::record(&vm, MODEL, sample, &cfg).expect("the in-memory host never fails");
     }
     Calibration::default()
-        .learned(&vm, MODEL, &cfg)
+        .learned(&vm, MODEL, None, &cfg)
         .map_or(1.0, |learned| learned.prompt_scale)
 }
 

@@ -7,6 +7,7 @@
 use crate::admission::admit::{Admit, Asks, Class, Reach, Stay};
 use crate::admission::line::Ticket;
 use crate::config::Config;
+use crate::estimate::calibration::family;
 use crate::estimate::reservation::{estimate_from, Estimate};
 use crate::estimate::text::static_prompt_tokens;
 pub use crate::gate::Gate;
@@ -104,6 +105,8 @@ impl RequestHead<'_> {
 struct Admitted {
     /// The model the request is sent as (after any rename): what calibration and stats key on.
     model: String,
+    /// Its calibration family when it is a LoRA adapter (`calibration::family`).
+    family: Option<String>,
     /// The name the client asked for, when a rename or split changed it.
     requested: Option<String>,
     /// `model`'s segment in per-model stat names (`stats::OTHER_MODEL` for names without stats).
@@ -263,7 +266,10 @@ impl Flow {
             Err(reply) => return Decision::step(Step::Reply(reply)),
         };
         let cfg = &gate.config.estimator;
-        let learned = gate.calibration.learned(store, &req.model, cfg);
+        let family = gate.router.base_of(&req.model).map(|b| family(&b));
+        let learned = gate
+            .calibration
+            .learned(store, &req.model, family.as_deref(), cfg);
         let static_text_tokens = static_prompt_tokens(&req.text);
         let est = estimate_from(&req, static_text_tokens, learned, cfg);
         let r = &gate.config.routing;
@@ -297,6 +303,7 @@ impl Flow {
             fixed_tokens: req.token_ids + req.non_text_parts * cfg.non_text_part_tokens,
             max_output_tokens: req.max_output_tokens,
             model: req.model,
+            family,
             estimate: est,
             routed: None,
             waiting: None,

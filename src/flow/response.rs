@@ -206,8 +206,12 @@ impl Flow {
                 .max_output_tokens
                 .is_some_and(|m| usage.completion_tokens >= m),
         };
-        gate.calibration
-            .observe(&a.model, sample, &gate.config.estimator);
+        gate.calibration.observe(
+            &a.model,
+            a.family.as_deref(),
+            sample,
+            &gate.config.estimator,
+        );
     }
 }
 

@@ -68,9 +68,15 @@ impl Served {
 
     /// Whether `model` is one of the pod's LoRA adapters.
     pub fn is_adapter(&self, model: &str) -> bool {
+        self.base_of(model).is_some()
+    }
+
+    /// The base model of `model` when it is one of the pod's LoRA adapters.
+    pub fn base_of(&self, model: &str) -> Option<&str> {
         self.models
             .iter()
-            .any(|m| m.id == model && m.parent.as_deref().is_some_and(|p| p != model))
+            .filter(|m| m.id == model)
+            .find_map(|m| m.parent.as_deref().filter(|p| *p != model))
     }
 
     pub fn encode(&self) -> Vec<u8> {
@@ -270,11 +276,13 @@ struct Memo {
 const MEMO_MODELS: usize = 256;
 
 /// One model on each pod of the memo's list: the pod's list names it; the list has been read;
-/// it is one of the pod's adapters.
+/// it is one of the pod's adapters. And the base model the first list naming it as an adapter
+/// gives as its `parent`.
 struct Standing {
     lists: Vec<bool>,
     listed: Vec<bool>,
     adapter: Vec<bool>,
+    base: Option<String>,
 }
 
 impl ServedView {
@@ -320,6 +328,10 @@ impl ServedView {
                 lists: each(&|s| s.serves(model)),
                 listed: each(&|s| s.listed_ms.is_some()),
                 adapter: each(&|s| s.is_adapter(model)),
+                base: pods
+                    .iter()
+                    .find_map(|p| view.get(p).and_then(|s| s.base_of(model)))
+                    .map(str::to_string),
             }
         })
     }
@@ -366,6 +378,11 @@ impl ServedView {
         self.memo(pods, model).lists.contains(&true)
     }
 
+    /// The base model of `model` when some pod lists it as a LoRA adapter.
+    pub fn base_of(&mut self, pods: &[String], model: &str) -> Option<&str> {
+        self.memo(pods, model).base.as_deref()
+    }
+
     /// Of each of `pods`, its record where `model` is one of its adapters.
     pub fn adapter_on(&mut self, pods: &[String], model: &str) -> Vec<Option<&Served>> {
         let adapter = self.memo(pods, model).adapter.clone();
@@ -410,6 +427,7 @@ mod tests {
             }),
         };
         assert!(s.serves("sql-lora") && s.is_adapter("sql-lora") && !s.is_adapter("llama"));
+        assert_eq!(s.base_of("sql-lora"), Some("llama"));
         assert_eq!(Served::decode(&s.encode()), Some(s));
     }
 
@@ -462,6 +480,13 @@ mod tests {
             .collect();
         assert_eq!(on, [false, true, false]);
         assert!(view.adapter_on(&pods, "m").iter().all(Option::is_none));
+        assert_eq!(view.base_of(&pods, "m-lora"), Some("m"));
+        assert_eq!(view.base_of(&pods, "m"), None);
+        assert_eq!(
+            view.base_of(&pods[..1], "m-lora"),
+            None,
+            "a has no such adapter"
+        );
         // A list written since is seen at the next read, not before.
         write_list(&vm, "c:1", &[base("m")], 2).unwrap();
         view.refresh(&vm, &pods, 100);

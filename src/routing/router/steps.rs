@@ -276,6 +276,11 @@ impl Router {
         self.served.lists(&self.pods, model)
     }
 
+    /// The base model of `model` when a pod's list, as last read, names it as a LoRA adapter.
+    pub fn base_of(&mut self, model: &str) -> Option<String> {
+        self.served.base_of(&self.pods, model).map(str::to_string)
+    }
+
     /// Per candidate (`indices` into the pods), where the adapter stands, or `None` where
     /// `model` is a base model.
     pub(super) fn adapter_fits(
