@@ -164,7 +164,7 @@ fn learn_scale(pairs: impl Iterator<Item = (f64, usize)>) -> f64 {
             completion_tokens: 0,
             cut: false,
         };
-        Calibration::record(&vm, MODEL, sample, &cfg).expect("the in-memory host never fails");
+        Calibration::record(&vm, MODEL, &[sample], &cfg).expect("the in-memory host never fails");
     }
     Calibration::default()
         .learned(&vm, MODEL, None, &cfg)

@@ -63,6 +63,35 @@ impl ModelStats {
         }
     }
 
+    /// Folds one response in.
+    fn add(&mut self, sample: &Sample, cfg: &EstimatorConfig) {
+        let w = cfg.calibration_weight;
+        let text_truth = sample.prompt_tokens.saturating_sub(sample.fixed_tokens) as f64;
+        if sample.static_text_tokens >= 1.0 && text_truth >= 1.0 {
+            let ratio = (text_truth / sample.static_text_tokens).clamp(0.1, 10.0);
+            // Early samples count fully so the scale converges quickly from the rule's 1.0.
+            let weight = w.max(1.0 / (self.samples as f64 + 1.0));
+            // The error of the estimate this request was routed with, before the scale learns
+            // from it.
+            let error = ratio / self.prompt_scale - 1.0;
+            let var = self.prompt_var.unwrap_or(cfg.prompt_spread.powi(2));
+            self.prompt_var = Some(var + weight * (error * error - var));
+            self.prompt_scale += weight * (ratio - self.prompt_scale);
+        }
+        for x in self.output.iter_mut().chain(self.cut.iter_mut()) {
+            *x *= 1.0 - OUTPUT_FADE;
+        }
+        let into = if sample.cut {
+            &mut self.cut
+        } else {
+            &mut self.output
+        };
+        if let Some(x) = into.get_mut(bucket(sample.completion_tokens)) {
+            *x += 1.0;
+        }
+        self.samples = self.samples.saturating_add(1);
+    }
+
     fn learned(&self, cfg: &EstimatorConfig) -> Option<Learned> {
         (self.samples >= cfg.min_samples).then(|| Learned {
             prompt_scale: self.prompt_scale,
@@ -182,26 +211,35 @@ impl Calibration {
         }
     }
 
-    /// Writes the pending samples into the shared records.
+    /// Writes the pending samples into the shared records: one read-modify-write per model,
+    /// whatever the number of its samples. Written one sample at a time, a busy worker's tick
+    /// decoded and re-encoded a model's record hundreds of times (up to `MAX_PENDING`), which
+    /// stalled the requests that worker was serving for several milliseconds every tick.
     pub fn flush(&mut self, store: &dyn Store, cfg: &EstimatorConfig) -> Result<(), StoreError> {
-        for (model, sample) in std::mem::take(&mut self.pending) {
-            Self::record(store, &model, sample, cfg)?;
+        let mut pending = std::mem::take(&mut self.pending);
+        // A stable sort: each model's samples stay in the order they came.
+        pending.sort_by(|a, b| a.0.cmp(&b.0));
+        for group in pending.chunk_by(|a, b| a.0 == b.0) {
+            let Some((model, _)) = group.first() else {
+                continue;
+            };
+            let samples: Vec<Sample> = group.iter().map(|(_, s)| *s).collect();
+            Self::record(store, model, &samples, cfg)?;
         }
         Ok(())
     }
 
-    /// Folds one response into the model's shared record.
+    /// Folds responses into the model's shared record, in order, in one read-modify-write.
     pub fn record(
         store: &dyn Store,
         model: &str,
-        sample: Sample,
+        samples: &[Sample],
         cfg: &EstimatorConfig,
     ) -> Result<(), StoreError> {
-        if !cfg.calibrate {
+        if !cfg.calibrate || samples.is_empty() {
             return Ok(());
         }
         let now = store.now_ms();
-        let w = cfg.calibration_weight;
         update(store, &slot_key(model), |current| {
             let existing = current.and_then(|b| serde_json::from_slice::<ModelStats>(b).ok());
             let mut stats = match existing {
@@ -209,32 +247,11 @@ impl Calibration {
                 Some(s) if now.saturating_sub(s.updated_ms) < SLOT_IDLE_MS => return None,
                 _ => ModelStats::new(model),
             };
-            let text_truth = sample.prompt_tokens.saturating_sub(sample.fixed_tokens) as f64;
-            if sample.static_text_tokens >= 1.0 && text_truth >= 1.0 {
-                let ratio = (text_truth / sample.static_text_tokens).clamp(0.1, 10.0);
-                // Early samples count fully so the scale converges quickly from the rule's 1.0.
-                let weight = w.max(1.0 / (stats.samples as f64 + 1.0));
-                // The error of the estimate this request was routed with, before the scale
-                // learns from it.
-                let error = ratio / stats.prompt_scale - 1.0;
-                let var = stats.prompt_var.unwrap_or(cfg.prompt_spread.powi(2));
-                stats.prompt_var = Some(var + weight * (error * error - var));
-                stats.prompt_scale += weight * (ratio - stats.prompt_scale);
-            }
             stats.output.resize(BUCKETS, 0.0);
             stats.cut.resize(BUCKETS, 0.0);
-            for x in stats.output.iter_mut().chain(stats.cut.iter_mut()) {
-                *x *= 1.0 - OUTPUT_FADE;
+            for sample in samples {
+                stats.add(sample, cfg);
             }
-            let into = if sample.cut {
-                &mut stats.cut
-            } else {
-                &mut stats.output
-            };
-            if let Some(x) = into.get_mut(bucket(sample.completion_tokens)) {
-                *x += 1.0;
-            }
-            stats.samples = stats.samples.saturating_add(1);
             stats.updated_ms = now;
             serde_json::to_vec(&stats).ok().map(|b| (b, ()))
         })?;
@@ -249,7 +266,7 @@ mod tests {
 
     use super::*;
     use crate::store::fake_host::FakeHost;
-    use crate::test_support::two_vms;
+    use crate::test_support::{two_vms, Watched};
 
     fn sample(static_tokens: f64, real: u64, out: u64) -> Sample {
         Sample {
@@ -280,7 +297,7 @@ mod tests {
         let mut cal = Calibration::default();
         for i in 0..200 {
             let out = if i % 10 == 0 { 1000 } else { 100 };
-            Calibration::record(&a, "m", sample(100.0, 130, out), &cfg).unwrap();
+            Calibration::record(&a, "m", &[sample(100.0, 130, out)], &cfg).unwrap();
         }
         let learned = cal.learned(&b, "m", None, &cfg).unwrap();
         assert!((learned.prompt_scale - 1.3).abs() < 0.01, "{learned:?}");
@@ -302,7 +319,7 @@ mod tests {
         // learned the 1.2, what is left is the 5 %.
         for i in 0..400 {
             let real = if i % 2 == 0 { 114 } else { 126 };
-            Calibration::record(&vm, "m", sample(100.0, real, 10), &cfg).unwrap();
+            Calibration::record(&vm, "m", &[sample(100.0, real, 10)], &cfg).unwrap();
         }
         let learned = Calibration::default()
             .learned(&vm, "m", None, &cfg)
@@ -314,7 +331,7 @@ mod tests {
         );
         // A rule that is exactly right leaves no spread to pay for.
         for _ in 0..400 {
-            Calibration::record(&vm, "exact", sample(100.0, 100, 10), &cfg).unwrap();
+            Calibration::record(&vm, "exact", &[sample(100.0, 100, 10)], &cfg).unwrap();
         }
         let exact = Calibration::default()
             .learned(&vm, "exact", None, &cfg)
@@ -329,10 +346,10 @@ mod tests {
         let cfg = learning_after(3);
         let mut cal = Calibration::default();
         for _ in 0..2 {
-            Calibration::record(&vm, "m", sample(10.0, 20, 5), &cfg).unwrap();
+            Calibration::record(&vm, "m", &[sample(10.0, 20, 5)], &cfg).unwrap();
         }
         assert_eq!(cal.learned(&vm, "m", None, &cfg), None);
-        Calibration::record(&vm, "m", sample(10.0, 20, 5), &cfg).unwrap();
+        Calibration::record(&vm, "m", &[sample(10.0, 20, 5)], &cfg).unwrap();
         assert_eq!(cal.learned(&vm, "m", None, &cfg), None, "cached");
         host.advance_ms(CACHE_MS);
         assert!(cal.learned(&vm, "m", None, &cfg).is_some());
@@ -350,13 +367,13 @@ mod tests {
             .find(|m| *m != a && slot_key(m) == slot_key(&a))
             .unwrap();
         host.set_now_ms(1);
-        Calibration::record(&vm, &a, sample(10.0, 20, 5), &cfg).unwrap();
-        Calibration::record(&vm, &b, sample(10.0, 20, 5), &cfg).unwrap();
+        Calibration::record(&vm, &a, &[sample(10.0, 20, 5)], &cfg).unwrap();
+        Calibration::record(&vm, &b, &[sample(10.0, 20, 5)], &cfg).unwrap();
         assert!(Calibration::default()
             .learned(&vm, &a, None, &cfg)
             .is_some());
         host.advance_ms(SLOT_IDLE_MS);
-        Calibration::record(&vm, &b, sample(10.0, 20, 5), &cfg).unwrap();
+        Calibration::record(&vm, &b, &[sample(10.0, 20, 5)], &cfg).unwrap();
         assert!(Calibration::default()
             .learned(&vm, &b, None, &cfg)
             .is_some());
@@ -389,8 +406,8 @@ mod tests {
                 cut: true,
                 ..sample(10.0, 10, 50)
             };
-            Calibration::record(&vm, "m", cut, &cfg).unwrap();
-            Calibration::record(&vm, "short", sample(10.0, 10, 50), &cfg).unwrap();
+            Calibration::record(&vm, "m", &[cut], &cfg).unwrap();
+            Calibration::record(&vm, "short", &[sample(10.0, 10, 50)], &cfg).unwrap();
         }
         let learned = |model| {
             Calibration::default()
@@ -442,5 +459,33 @@ mod tests {
             !family("base").chars().all(|c| !c.is_control()),
             "no listed name is a family"
         );
+    }
+
+    #[test]
+    fn a_flush_reads_and_writes_each_model_once_and_learns_as_one_sample_at_a_time() {
+        let (a, b) = two_vms();
+        let cfg = learning_after(5);
+        let answers: Vec<(&str, Sample)> = (0..300)
+            .map(|i| {
+                let model = if i % 3 == 0 { "n" } else { "m" };
+                (model, sample(100.0, 100 + i % 40, 10 + 7 * i % 500))
+            })
+            .collect();
+        for (model, s) in &answers {
+            Calibration::record(&a, &format!("{model}-alone"), &[*s], &cfg).unwrap();
+        }
+        let mut cal = Calibration::default();
+        for (model, s) in &answers {
+            cal.observe(model, None, *s, &cfg);
+        }
+        let watched = Watched::new(&b);
+        cal.flush(&watched, &cfg).unwrap();
+        assert_eq!(watched.reads_of(&slot_key("m")), 1);
+        assert_eq!(watched.reads_of(&slot_key("n")), 1);
+        for model in ["m", "n"] {
+            let batched = Calibration::default().learned(&b, model, None, &cfg);
+            let alone = Calibration::default().learned(&a, &format!("{model}-alone"), None, &cfg);
+            assert!(batched.is_some() && batched == alone, "{model}");
+        }
     }
 }
