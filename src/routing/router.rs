@@ -30,6 +30,13 @@ const PODS_CACHE_MS: u64 = 1_000;
 /// How long what a VM learned from the pod records serves its upkeep (`Router::tend`): a VM
 /// that routes learns on every request and does not read them again on its tick.
 const LEARN_MS: u64 = 1_000;
+/// A VM that has routed nothing for this long stops replaying the other workers' picks on its
+/// tick (`Router::tend`) and only follows the log's head: Envoy's main thread never routes, and
+/// replaying every request's prompt blocks there doubled the index work of each request (with
+/// two workers, tripled it) and, at 256 KB prompts, took 12–25 ms of every tick from the CPU the
+/// workers serve on (kvgate's p99 four times its p50). Long enough that a worker between bursts
+/// keeps its replicas current.
+const REPLAY_IDLE_MS: u64 = 60_000;
 /// A block size derived from the pods is at least this: a multiple of every smaller power of two
 /// (SGLang reports pages of one token), and long enough that `maxPromptBlocks` covers long prompts.
 const MIN_DERIVED_BLOCK_TOKENS: u32 = 16;
@@ -155,6 +162,8 @@ pub struct Router {
     engine_block_tokens: u32,
     /// When this VM last learned from the pod records (`learn`).
     learned_ms: Option<u64>,
+    /// When this VM last routed a request (`REPLAY_IDLE_MS`).
+    routed_ms: Option<u64>,
     /// The pod records as this VM last read or wrote them, for ranking.
     copies: RecordCopies,
 }
@@ -186,6 +195,7 @@ impl Router {
             pods_read_ms: None,
             capacity: HashMap::new(),
             learned_ms: None,
+            routed_ms: None,
             engine_block_tokens: 0,
             copies: RecordCopies::default(),
         })
@@ -281,7 +291,9 @@ impl Router {
     /// that does not (Envoy's main thread, a worker without traffic) would otherwise bound its
     /// prefix index by `podCapacityBlocks` instead of the pods' real size and keep requests whose
     /// finish it missed in its replicas for good. A VM that learned within `LEARN_MS` (it routes)
-    /// skips the reads.
+    /// skips the reads. A VM that has not routed within `REPLAY_IDLE_MS` (or ever) only moves
+    /// past the log's head: the picks it would replay serve no decision of its own, and when it
+    /// routes again it replays what has come since (`sync`).
     pub fn tend(&mut self, store: &dyn Store, cfg: &Config) -> Result<(), StoreError> {
         let now = store.now_ms();
         if self
@@ -294,7 +306,15 @@ impl Router {
             }
             self.learn(cfg, &records, now);
         }
-        self.sync(store, cfg)?;
+        if self
+            .routed_ms
+            .is_some_and(|at| now.saturating_sub(at) < REPLAY_IDLE_MS)
+        {
+            self.sync(store, cfg)?;
+        } else {
+            self.refresh_pods(store, cfg, now);
+            self.log.skip(store)?;
+        }
         self.log.flush(store, self.vm)
     }
 
@@ -354,6 +374,7 @@ impl Router {
         request: (&str, &[u64], &Estimate),
         need: Room,
     ) -> Result<Placement, StoreError> {
+        self.routed_ms = Some(store.now_ms());
         self.sync(store, cfg)?;
         if self.pods.is_empty() {
             return Ok(Placement::NoPods);
@@ -1171,9 +1192,9 @@ mod tests {
     }
 
     #[test]
-    fn a_vm_that_does_not_route_bounds_its_replicas_by_the_records() {
-        // Envoy's main thread ticks but never routes: its replicas are fed by the others' picks
-        // alone (the 30-minute soak's one growing VM).
+    fn a_vm_that_routes_little_bounds_its_replicas_by_the_records() {
+        // A worker with little traffic: its replicas are fed by the others' picks on its tick
+        // (the 30-minute soak's one growing VM was Envoy's main thread, which now replays none).
         let host = FakeHost::new();
         let mut cfg = config(&["a:1"]);
         cfg.admission.enabled = false;
@@ -1187,6 +1208,8 @@ mod tests {
             ..Snapshot::default()
         };
         record::write_snapshot(&worker, "a:1", snapshot, 0, &cfg).unwrap();
+        let own = m.route_m(&main, &cfg, &hashes(1, 8), &est(128, 16));
+        m.finish(&main, &own).unwrap();
         for i in 0..10 {
             let routed = w.route_m(&worker, &cfg, &hashes(100 + i, 8), &est(128, 16));
             w.finish(&worker, &routed).unwrap();
@@ -1206,6 +1229,36 @@ mod tests {
         host.advance_ms(5_000);
         m.tend(&main, &cfg).unwrap();
         assert_eq!(m.active.unique_blocks("a:1"), 0);
+    }
+
+    #[test]
+    fn a_vm_that_does_not_route_replays_no_pick_until_it_routes_and_none_once_idle() {
+        let host = FakeHost::new();
+        let mut cfg = config(&["a:1"]);
+        cfg.admission.enabled = false;
+        let (worker, main) = (host.vm(), host.vm());
+        let mut w = Router::start(&worker, &cfg).unwrap();
+        let mut m = Router::start(&main, &cfg).unwrap();
+        // Envoy's main thread: it ticks, and the workers' picks cost it nothing.
+        let before = w.route_m(&worker, &cfg, &hashes(100, 8), &est(128, 16));
+        m.tend(&main, &cfg).unwrap();
+        assert_eq!(m.prefix.blocks_held("a:1"), 0);
+        assert_eq!(m.active.unique_blocks("a:1"), 0);
+        // Once it routes it replays what came after its last tick, and then on every tick.
+        let after = w.route_m(&worker, &cfg, &hashes(200, 8), &est(128, 16));
+        m.route_m(&main, &cfg, &hashes(300, 8), &est(128, 16));
+        assert_eq!(m.active.unique_blocks("a:1"), 16, "after's and its own");
+        w.route_m(&worker, &cfg, &hashes(400, 8), &est(128, 16));
+        m.tend(&main, &cfg).unwrap();
+        assert_eq!(m.active.unique_blocks("a:1"), 24);
+        // Idle for `REPLAY_IDLE_MS`, it stops replaying.
+        host.advance_ms(REPLAY_IDLE_MS);
+        w.route_m(&worker, &cfg, &hashes(500, 8), &est(128, 16));
+        m.tend(&main, &cfg).unwrap();
+        assert_eq!(m.active.unique_blocks("a:1"), 24);
+        assert!(m.active.holders("a:1", hashes(500, 8)[0]) == 0);
+        w.finish(&worker, &before).unwrap();
+        w.finish(&worker, &after).unwrap();
     }
 
     #[test]
