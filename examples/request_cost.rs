@@ -6,6 +6,11 @@
 //! `#[inline(never)]` function (`phase_*`), so `scripts/core_cost_callgrind.sh --request` reads
 //! the instructions of each from callgrind.
 //!
+//! With it, `replay`: what another worker's VM then does with this request (Envoy runs one VM per
+//! worker, and every worker that routes replays the others' picks and finishes from the pick
+//! log, on its next request or tick): one tick of a second VM, which routed once and does not
+//! hold the scrape lease, after each request, its tick's own reads included.
+//!
 //! Each phase runs on a store that stands for the shell's (`shell::host::HostStore`: the clock
 //! read once per callback) and counts its calls; with the calls the shell itself makes around the
 //! core in that callback (headers, bodies, the response's upstream address: see `shell_calls`),
@@ -109,7 +114,13 @@ mod native {
 
     const RESPONSE: &[u8] = br#"{"id":"x","object":"chat.completion","model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"length"}],"usage":{"prompt_tokens":700,"completion_tokens":64,"total_tokens":764}}"#;
 
-    fn setup(pods: usize) -> (FakeHost, FakeVm, Gate, Vec<String>) {
+    /// Another worker's VM beside the request's, as `replay` needs it.
+    struct Other {
+        vm: FakeVm,
+        gate: Gate,
+    }
+
+    fn setup(pods: usize) -> (FakeHost, FakeVm, Gate, Other) {
         let names: Vec<String> = (0..pods)
             .map(|i| format!("10.0.{}.{}:8000", i / 250, i % 250 + 1))
             .collect();
@@ -133,7 +144,25 @@ mod native {
             };
             let _ = record::write_snapshot(&vm, pod, snapshot, 0, &config);
         }
-        (host, vm, gate, names)
+        let mut gate = gate;
+        // The request's VM holds the scrape lease, as one worker (or the main thread) does; the
+        // other one has routed, so it replays.
+        gate.on_tick(&vm);
+        let other_vm = host.vm();
+        let Ok(other_gate) = Gate::new(config, &other_vm) else {
+            eprintln!("gate: the second VM did not start");
+            std::process::exit(1)
+        };
+        let mut other = Other {
+            vm: other_vm,
+            gate: other_gate,
+        };
+        let mut flow = Flow::default();
+        let b = body(0);
+        let _ = flow.on_request_headers(&other.gate, &other.vm, &head(&b));
+        let _ = flow.on_body(&mut other.gate, &other.vm, &b);
+        flow.on_done(&mut other.gate, &other.vm);
+        (host, vm, gate, other)
     }
 
     fn head(body: &[u8]) -> RequestHead<'static> {
@@ -149,12 +178,13 @@ mod native {
     }
 
     /// The phases, in order, as the callgrind script names them (`phase_<name>`).
-    const PHASES: [&str; 6] = [
+    const PHASES: [&str; 7] = [
         "request_headers",
         "body",
         "response_headers",
         "response_body",
         "done",
+        "replay",
         "stats",
     ];
 
@@ -214,6 +244,12 @@ mod native {
         store.add(1);
     }
 
+    /// Another worker's tick after the request: it replays the request's pick and finish.
+    #[inline(never)]
+    fn phase_replay(other: &mut Gate, store: &Callback) {
+        black_box(other.on_tick(store));
+    }
+
     /// What the shell then sends to Envoy's stats when no other request is open
     /// (`shell::host::flush_stats`: a host call per value, each metric defined on its first).
     #[inline(never)]
@@ -228,20 +264,23 @@ mod native {
     }
 
     /// One request through every phase; the host calls of each.
-    fn one(gate: &mut Gate, vm: &FakeVm, body: &[u8]) -> [u64; PHASES.len()] {
+    fn one(gate: &mut Gate, vm: &FakeVm, other: &mut Other, body: &[u8]) -> [u64; PHASES.len()] {
         let mut flow = Flow::default();
         let stores: [Callback; 5] = std::array::from_fn(|_| Callback::new(vm));
+        let replay = Callback::new(&other.vm);
         phase_request_headers(&mut flow, gate, &stores[0], &head(body));
         let pod = phase_body(&mut flow, gate, &stores[1], body);
         phase_response_headers(&mut flow, gate, &stores[2], pod.as_deref());
         phase_response_body(&mut flow, gate, &stores[3]);
         phase_done(&mut flow, gate, &stores[4]);
+        phase_replay(&mut other.gate, &replay);
         let sent = phase_stats(gate);
         let mut calls = [0; PHASES.len()];
         for (c, s) in calls.iter_mut().zip(&stores) {
             *c = s.calls.get();
         }
-        calls[5] = sent;
+        calls[5] = replay.calls.get();
+        calls[6] = sent;
         calls
     }
 
@@ -251,12 +290,13 @@ mod native {
         host: &FakeHost,
         vm: &FakeVm,
         gate: &mut Gate,
+        other: &mut Other,
         bodies: &[Vec<u8>],
         requests: usize,
     ) -> [u64; PHASES.len()] {
         let mut calls = [0; PHASES.len()];
         for i in 0..requests {
-            let one = one(gate, vm, &bodies[i % bodies.len()]);
+            let one = one(gate, vm, other, &bodies[i % bodies.len()]);
             calls.iter_mut().zip(one).for_each(|(c, n)| *c += n);
             if i % 100 == 0 {
                 host.advance_ms(1);
@@ -275,8 +315,8 @@ mod native {
         };
         let bodies: Vec<Vec<u8>> = (0..16).map(body).collect();
         if let Some(n) = arg("--iters") {
-            let (host, vm, mut gate, _) = setup(arg("--pods").unwrap_or(2));
-            run(&host, &vm, &mut gate, &bodies, n);
+            let (host, vm, mut gate, mut other) = setup(arg("--pods").unwrap_or(2));
+            run(&host, &vm, &mut gate, &mut other, &bodies, n);
             return;
         }
         if args.iter().any(|a| a == "--calls") {
@@ -285,24 +325,25 @@ mod native {
             PHASES.iter().for_each(|p| print!(" {p:>16}"));
             println!(" {:>16} {:>16}", "request", "with stats");
             for pods in [1, 2, 16, 64] {
-                let (host, vm, mut gate, _) = setup(pods);
-                run(&host, &vm, &mut gate, &bodies, 100);
-                let calls = run(&host, &vm, &mut gate, &bodies, n);
+                let (host, vm, mut gate, mut other) = setup(pods);
+                run(&host, &vm, &mut gate, &mut other, &bodies, 100);
+                let calls = run(&host, &vm, &mut gate, &mut other, &bodies, n);
                 let per = |c: u64| c as f64 / n as f64;
                 print!("{pods:>5}");
                 calls.iter().for_each(|&c| print!(" {:>16.2}", per(c)));
+                // The request's own VM: what `kvgate.request.host_calls` counts.
                 let request: u64 = calls[..5].iter().sum();
-                println!(" {:>16.2} {:>16.2}", per(request), per(request + calls[5]));
+                println!(" {:>16.2} {:>16.2}", per(request), per(request + calls[6]));
             }
             return;
         }
         println!("{:>5} {:>14}", "pods", "µs per request");
         for pods in [1, 2, 16, 64] {
-            let (host, vm, mut gate, _) = setup(pods);
+            let (host, vm, mut gate, mut other) = setup(pods);
             let n = 4000;
-            run(&host, &vm, &mut gate, &bodies, 500);
+            run(&host, &vm, &mut gate, &mut other, &bodies, 500);
             let t = Instant::now();
-            run(&host, &vm, &mut gate, &bodies, n);
+            run(&host, &vm, &mut gate, &mut other, &bodies, n);
             println!(
                 "{pods:>5} {:>14.1}",
                 t.elapsed().as_secs_f64() * 1e6 / n as f64

@@ -10,7 +10,8 @@
 # The whole request (--request): examples/request_cost in its untimed mode, REQUESTS requests of
 # 4 KB through headers, body (parse, estimate, admission, the pick), response headers, response
 # body (metering), the end (release, pick log, calibration) and the stats they leave (what the
-# shell hands to Envoy when no other request is open), one callgrind run per pool size, each
+# shell hands to Envoy when no other request is open), and another worker's tick replaying the
+# request's pick and finish (`replay`), one callgrind run per pool size, each
 # phase's inclusive count per request; then the host calls of each phase (not a callgrind count:
 # the example counts the store's calls and adds the shell's own, `request_cost --calls`).
 #
@@ -39,8 +40,8 @@ if [ "${1:-}" = --request ]; then
     [ ${#PODS[@]} -gt 0 ] || PODS=(2 16)
     build request_cost
     BIN=$TARGET_DIR/release/examples/request_cost
-    printf '%-5s %10s %10s %10s %10s %10s %10s %10s\n' \
-        pods headers body resp_hdrs resp_body done stats total
+    printf '%-5s %10s %10s %10s %10s %10s %10s %10s %10s\n' \
+        pods headers body resp_hdrs resp_body done replay stats total
     for pods in "${PODS[@]}"; do
         valgrind --tool=callgrind --callgrind-out-file="$OUT/request-$pods.out" "$BIN" \
             --iters "$REQUESTS" --pods "$pods" 2>/dev/null
@@ -53,9 +54,9 @@ if [ "${1:-}" = --request ]; then
                     count[substr($0, RSTART + 28, RLENGTH - 28)] = ir / n
                 }
                 END {
-                    split("request_headers body response_headers response_body done stats", p)
+                    split("request_headers body response_headers response_body done replay stats", p)
                     printf "%-5s", pods
-                    for (i = 1; i <= 6; i++) { printf " %10d", count[p[i]]; total += count[p[i]] }
+                    for (i = 1; i <= 7; i++) { printf " %10d", count[p[i]]; total += count[p[i]] }
                     printf " %10d\n", total
                 }'
     done
