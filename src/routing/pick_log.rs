@@ -212,16 +212,6 @@ impl PickLog {
         Ok(())
     }
 
-    /// Moves past every event appended so far without replaying them: what a VM that does not
-    /// route keeps of the log (`Router::tend`).
-    pub fn skip(&mut self, store: &dyn Store) -> Result<(), StoreError> {
-        let seen = store.get(SEQ_KEY)?;
-        self.next = self.next.max(seq_of(seen.value.as_deref()));
-        self.seen = Some(seen);
-        self.stuck_since = None;
-        Ok(())
-    }
-
     /// Replays events from other VMs that this VM has not seen yet.
     pub fn poll(
         &mut self,

@@ -31,11 +31,11 @@ const PODS_CACHE_MS: u64 = 1_000;
 /// that routes learns on every request and does not read them again on its tick.
 const LEARN_MS: u64 = 1_000;
 /// A VM that has routed nothing for this long stops replaying the other workers' picks on its
-/// tick (`Router::tend`) and only follows the log's head: Envoy's main thread never routes, and
-/// replaying every request's prompt blocks there doubled the index work of each request (with
-/// two workers, tripled it) and, at 256 KB prompts, took 12–25 ms of every tick from the CPU the
-/// workers serve on (kvgate's p99 four times its p50). Long enough that a worker between bursts
-/// keeps its replicas current.
+/// tick (`Router::tend`); when it routes again, it first replays what it missed (at most the
+/// log's ring). Envoy's main thread never routes, and replaying every request's prompt blocks
+/// there doubled the index work of each request (with two workers, tripled it) and, at 256 KB
+/// prompts, took 12–25 ms of every tick from the CPU the workers serve on (kvgate's p99 four
+/// times its p50). Long enough that a worker between bursts keeps its replicas current.
 const REPLAY_IDLE_MS: u64 = 60_000;
 /// A block size derived from the pods is at least this: a multiple of every smaller power of two
 /// (SGLang reports pages of one token), and long enough that `maxPromptBlocks` covers long prompts.
@@ -291,9 +291,9 @@ impl Router {
     /// that does not (Envoy's main thread, a worker without traffic) would otherwise bound its
     /// prefix index by `podCapacityBlocks` instead of the pods' real size and keep requests whose
     /// finish it missed in its replicas for good. A VM that learned within `LEARN_MS` (it routes)
-    /// skips the reads. A VM that has not routed within `REPLAY_IDLE_MS` (or ever) only moves
-    /// past the log's head: the picks it would replay serve no decision of its own, and when it
-    /// routes again it replays what has come since (`sync`).
+    /// skips the reads. A VM that has not routed within `REPLAY_IDLE_MS` (or ever) leaves the log
+    /// for its next request's `sync`: the picks it would replay serve no decision of its own
+    /// until then.
     pub fn tend(&mut self, store: &dyn Store, cfg: &Config) -> Result<(), StoreError> {
         let now = store.now_ms();
         if self
@@ -313,7 +313,6 @@ impl Router {
             self.sync(store, cfg)?;
         } else {
             self.refresh_pods(store, cfg, now);
-            self.log.skip(store)?;
         }
         self.log.flush(store, self.vm)
     }
@@ -1232,7 +1231,7 @@ mod tests {
     }
 
     #[test]
-    fn a_vm_that_does_not_route_replays_no_pick_until_it_routes_and_none_once_idle() {
+    fn a_vm_that_does_not_route_replays_picks_only_when_it_routes() {
         let host = FakeHost::new();
         let mut cfg = config(&["a:1"]);
         cfg.admission.enabled = false;
@@ -1244,21 +1243,27 @@ mod tests {
         m.tend(&main, &cfg).unwrap();
         assert_eq!(m.prefix.blocks_held("a:1"), 0);
         assert_eq!(m.active.unique_blocks("a:1"), 0);
-        // Once it routes it replays what came after its last tick, and then on every tick.
-        let after = w.route_m(&worker, &cfg, &hashes(200, 8), &est(128, 16));
+        // A worker's first request: it replays what it missed first, so its pick knows them.
+        w.route_m(&worker, &cfg, &hashes(200, 8), &est(128, 16));
         m.route_m(&main, &cfg, &hashes(300, 8), &est(128, 16));
-        assert_eq!(m.active.unique_blocks("a:1"), 16, "after's and its own");
+        assert_eq!(
+            m.active.unique_blocks("a:1"),
+            24,
+            "both picks before and its own"
+        );
+        assert_eq!(m.prefix.blocks_held("a:1"), 24);
+        // Routing, it replays on its tick too.
         w.route_m(&worker, &cfg, &hashes(400, 8), &est(128, 16));
         m.tend(&main, &cfg).unwrap();
-        assert_eq!(m.active.unique_blocks("a:1"), 24);
-        // Idle for `REPLAY_IDLE_MS`, it stops replaying.
+        assert_eq!(m.active.unique_blocks("a:1"), 32);
+        // Idle for `REPLAY_IDLE_MS`, it leaves the log to its next request.
         host.advance_ms(REPLAY_IDLE_MS);
         w.route_m(&worker, &cfg, &hashes(500, 8), &est(128, 16));
         m.tend(&main, &cfg).unwrap();
-        assert_eq!(m.active.unique_blocks("a:1"), 24);
-        assert!(m.active.holders("a:1", hashes(500, 8)[0]) == 0);
+        assert_eq!(m.prefix.blocks_held("a:1"), 32);
+        m.route_m(&main, &cfg, &hashes(600, 8), &est(128, 16));
+        assert_eq!(m.prefix.blocks_held("a:1"), 48);
         w.finish(&worker, &before).unwrap();
-        w.finish(&worker, &after).unwrap();
     }
 
     #[test]
