@@ -7,12 +7,12 @@
 //! the request path makes at most one host call per model per second for this.
 //!
 //! LoRA adapters are learned twice: each under its own name, and all of one base model's together
-//! in a family record ([`family`], slots `kvgate.calf.<slot>`), which an adapter falls back to until it has `minSamples` of its
-//! own. An adapter shares its base model's tokenizer, so the family's prompt scale is its own; and
-//! a pool of tens of adapters, most of them rare, would otherwise leave most of them on the static
-//! rule (measured on the `lora` benchmark, 32 adapters under Zipf traffic: prompt estimates 4–6 %
-//! off at the median for most adapters, against 2 % for a calibrated model), some for good, since
-//! 33 names in 32 slots collide.
+//! in a family record ([`family`], slots `kvgate.calf.<slot>`), which an adapter falls back to
+//! until it has `minSamples` of its own. An adapter shares its base model's tokenizer, so the
+//! family's prompt scale is its own; and a pool of tens of adapters, most of them rare, would
+//! otherwise leave most of them on the static rule (measured on the `lora` benchmark, 32 adapters
+//! under Zipf traffic: prompt estimates 4–6 % off at the median for most adapters, against 2 % for
+//! a calibrated model), some for good, since 33 names in 32 slots collide.
 
 use crate::config::EstimatorConfig;
 use crate::estimate::output_dist::{bucket, OutputDist, BUCKETS};
@@ -456,7 +456,7 @@ mod tests {
         let own = fresh().learned(&vm, "lora-3", Some(&fam), &cfg).unwrap();
         assert!(own.prompt_scale < 1.0, "{own:?}");
         assert!(
-            !family("base").chars().all(|c| !c.is_control()),
+            family("base").chars().any(char::is_control),
             "no listed name is a family"
         );
     }
