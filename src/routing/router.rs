@@ -1190,16 +1190,22 @@ mod tests {
         assert!(rec.forecast(None, cfg.admission.headroom_sigmas, 16) <= 1_000);
     }
 
+    /// One pod, admission off, and the routers of two VMs: a worker's and another's.
+    fn worker_and_main(host: &FakeHost) -> (Config, FakeVm, Router, FakeVm, Router) {
+        let mut cfg = config(&["a:1"]);
+        cfg.admission.enabled = false;
+        let (worker, main) = (host.vm(), host.vm());
+        let w = Router::start(&worker, &cfg).unwrap();
+        let m = Router::start(&main, &cfg).unwrap();
+        (cfg, worker, w, main, m)
+    }
+
     #[test]
     fn a_vm_that_routes_little_bounds_its_replicas_by_the_records() {
         // A worker with little traffic: its replicas are fed by the others' picks on its tick
         // (the 30-minute soak's one growing VM was Envoy's main thread, which now replays none).
         let host = FakeHost::new();
-        let mut cfg = config(&["a:1"]);
-        cfg.admission.enabled = false;
-        let (worker, main) = (host.vm(), host.vm());
-        let mut w = Router::start(&worker, &cfg).unwrap();
-        let mut m = Router::start(&main, &cfg).unwrap();
+        let (cfg, worker, mut w, main, mut m) = worker_and_main(&host);
         let snapshot = Snapshot {
             healthy: true,
             block_size: 16,
@@ -1233,11 +1239,7 @@ mod tests {
     #[test]
     fn a_vm_that_does_not_route_replays_picks_only_when_it_routes() {
         let host = FakeHost::new();
-        let mut cfg = config(&["a:1"]);
-        cfg.admission.enabled = false;
-        let (worker, main) = (host.vm(), host.vm());
-        let mut w = Router::start(&worker, &cfg).unwrap();
-        let mut m = Router::start(&main, &cfg).unwrap();
+        let (cfg, worker, mut w, main, mut m) = worker_and_main(&host);
         // Envoy's main thread: it ticks, and the workers' picks cost it nothing.
         let before = w.route_m(&worker, &cfg, &hashes(100, 8), &est(128, 16));
         m.tend(&main, &cfg).unwrap();
