@@ -63,20 +63,27 @@ def check_promise(samples, bounded):
     the pod's forecast stays within its budget too (an exact bound only falls as requests end;
     without one, a request that outlives its expected length raises the forecast after the fact,
     which the headroom is there for). A request's entry is written at its output's block
-    boundaries, so between two samples the forecast of the same requests may move by up to a
-    block (less a token) for each of them as their entries catch up: the admission-time check is
-    exact (the router fuzz target asserts it), the sampled one within that."""
-    nominal = {}
+    boundaries, so it runs up to a block (less a token) behind its stream: the forecast read
+    from the entries is the true one with each request's trajectory shifted later by its lag, at
+    most (BLOCK - 1) tokens above it for each request in flight. That holds at the sample and at
+    the last admission, whose check (exact: the router fuzz target asserts it) also read lagged
+    entries, so the sampled forecast is within (BLOCK - 1) x (in flight now + in flight at that
+    admission) of the budget; the pod's most in flight in the run stands for the latter. Counting
+    the lag once, as this check first did, failed about one run in ten at --concurrency 1 by up to
+    126 tokens, on the builds before and after 2026-11-26 alike."""
+    nominal, most = {}, {}
     for _, g in samples:
         for pod, budget in g["budget_tokens"].items():
             # The engine's feedback only lowers a budget after the fact: the promise made at
             # admission is against the budget as it was, the highest seen.
             nominal[pod] = max(nominal.get(pod, 0), budget)
+        for pod, n in g["in_flight"].items():
+            most[pod] = max(most.get(pod, 0), n)
     assert nominal and all(nominal.values()), "the gauges were never sampled"
     for _, g in samples:
         for pod, reserved in g["reserved_tokens"].items():
-            catching_up = (BLOCK - 1) * g["in_flight"].get(pod, 0)
-            assert not bounded or reserved <= nominal[pod] + catching_up, (pod, reserved, nominal[pod])
+            lag = (BLOCK - 1) * (g["in_flight"].get(pod, 0) + most.get(pod, 0))
+            assert not bounded or reserved <= nominal[pod] + lag, (pod, reserved, nominal[pod], lag)
         for pod, blocks in g["active_blocks"].items():
             assert blocks <= BLOCKS, f"kvgate predicts {blocks} blocks on a {BLOCKS}-block pod {pod}"
 
