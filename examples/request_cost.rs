@@ -128,7 +128,7 @@ mod native {
         let config = Config::parse(config.to_string().as_bytes()).unwrap_or_default();
         let host = FakeHost::new();
         let vm = host.vm();
-        let gate = Gate::new(config.clone(), &vm).unwrap_or_else(|e| {
+        let mut gate = Gate::new(config.clone(), &vm).unwrap_or_else(|e| {
             eprintln!("gate: {e:?}");
             std::process::exit(1)
         });
@@ -144,7 +144,6 @@ mod native {
             };
             let _ = record::write_snapshot(&vm, pod, snapshot, 0, &config);
         }
-        let mut gate = gate;
         // The request's VM holds the scrape lease, as one worker (or the main thread) does; the
         // other one has routed, so it replays.
         gate.on_tick(&vm);

@@ -266,7 +266,7 @@ impl Flow {
             Err(reply) => return Decision::step(Step::Reply(reply)),
         };
         let cfg = &gate.config.estimator;
-        let family = gate.router.base_of(&req.model).map(|b| family(&b));
+        let family = gate.router.base_of(&req.model).map(family);
         let learned = gate
             .calibration
             .learned(store, &req.model, family.as_deref(), cfg);

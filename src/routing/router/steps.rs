@@ -277,8 +277,8 @@ impl Router {
     }
 
     /// The base model of `model` when a pod's list, as last read, names it as a LoRA adapter.
-    pub fn base_of(&mut self, model: &str) -> Option<String> {
-        self.served.base_of(&self.pods, model).map(str::to_string)
+    pub fn base_of(&mut self, model: &str) -> Option<&str> {
+        self.served.base_of(&self.pods, model)
     }
 
     /// Per candidate (`indices` into the pods), where the adapter stands, or `None` where
