@@ -68,7 +68,7 @@ fn slack_mean_and_variance(block: u64) -> (f64, f64) {
 /// matters on the request path for pods running hundreds of sequences.
 pub fn peak(loads: impl Iterator<Item = Load>, z: f64, block: u64) -> u64 {
     let slack = Slack::of(block);
-    let mut loads: Vec<Load> = loads.collect();
+    let mut loads: Vec<Term> = loads.map(|l| Term::of(&l, &slack)).collect();
     loads.sort_unstable_by_key(|l| l.left);
     let mut worst: f64 = 0.0;
     for (j, &start) in HORIZON_STEPS.iter().enumerate() {
@@ -120,6 +120,31 @@ impl Slack {
     }
 }
 
+/// A request as the sweep adds it: what does not change between intervals worked out once (the
+/// sweep adds each request to the sums of every interval it may run in).
+struct Term {
+    left: u64,
+    /// `held +` the slack's mean, and its square.
+    h: f64,
+    h2: f64,
+    /// The spread of `held`, squared.
+    sigma2: f64,
+    outlook: Outlook,
+}
+
+impl Term {
+    fn of(l: &Load, slack: &Slack) -> Term {
+        let h = l.held as f64 + slack.mean;
+        Term {
+            left: l.left,
+            h,
+            h2: h * h,
+            sigma2: (l.sigma as f64).powi(2),
+            outlook: l.outlook,
+        }
+    }
+}
+
 /// The sums `peak` sweeps, over the requests that may still run in one interval.
 #[derive(Default)]
 struct Sums {
@@ -138,21 +163,21 @@ struct Sums {
 }
 
 impl Sums {
-    fn add(&mut self, l: &Load, interval: usize, slack: &Slack, sign: f64) {
-        let p = f64::from(l.outlook[interval]) / 255.0;
+    fn add(&mut self, t: &Term, interval: usize, slack: &Slack, sign: f64) {
+        let p = f64::from(t.outlook[interval]) / 255.0;
         if p <= 0.0 {
             return;
         }
-        let h = l.held as f64 + slack.mean;
+        let (h, sigma2) = (t.h, t.sigma2);
         let q = p * (1.0 - p);
         self.a += sign * h * p;
         self.c += sign * p;
-        self.q2 += sign * h * h * q;
+        // `sign` is ±1, so this is `sign · h · h · q` to the last bit.
+        self.q2 += sign * t.h2 * q;
         self.q1 += sign * h * q;
         self.q0 += sign * q;
         self.h += sign * h;
         self.n += sign;
-        let sigma2 = (l.sigma as f64).powi(2);
         self.v += sign * (sigma2 + slack.variance) * p;
         self.w += sign * sigma2;
     }

@@ -11,10 +11,12 @@ use crate::config::{Config, MetricsConfig};
 use crate::estimate::output_dist::{Outlook, HORIZON_STEPS};
 use crate::pods::metrics::ItlTotals;
 use crate::pods::pace::Pace;
-use crate::store::codec::{Reader, Writer};
+use crate::store::codec::{Packer, Reader, Writer};
 use crate::store::interface::{create_if_missing, update_from, Store, StoreError, Versioned};
 
 const VERSION: u8 = 8;
+/// An entry's size in this version's records.
+const ENTRY_BYTES: usize = 77 + HORIZON_STEPS.len();
 /// Records written before entries said which entry counts the prefix they share (`leans_on`):
 /// read as sharing none.
 const VERSION_WITHOUT_LEANING: u8 = 7;
@@ -263,6 +265,13 @@ impl PodRecord {
         self.entries.iter().any(|e| e.id == id)
     }
 
+    /// The ids of the requests in flight, sorted: for checking many ids at once.
+    pub fn live_ids(&self) -> Vec<u64> {
+        let mut ids: Vec<u64> = self.entries.iter().map(|e| e.id).collect();
+        ids.sort_unstable();
+        ids
+    }
+
     /// Removes the entry `id` (None when absent), handing what it counted of a prefix others
     /// lean on to the one of them that shares the most of it, its heir: with chained hashes the
     /// heir's prefix contains every other leaner's. The heir counts the blocks the gone entry
@@ -382,23 +391,23 @@ impl PodRecord {
         w.u32(self.finished_since_scrape)
             .u32(self.entries.len() as u32);
         for e in &self.entries {
-            w.u64(e.id)
+            let mut p = Packer::<ENTRY_BYTES>::new();
+            p.u64(e.id)
                 .u64(e.expires_ms)
                 .u64(e.dispatched_ms)
                 .u64(e.held_tokens)
                 .u32(e.prompt_blocks)
                 .u32(e.output_blocks)
                 .u32(e.context_blocks)
-                .u32(e.left);
-            for &p in &e.outlook {
-                w.u8(p);
-            }
-            w.u32(e.held_sigma)
+                .u32(e.left)
+                .bytes_raw(&e.outlook)
+                .u32(e.held_sigma)
                 .u8(u8::from(e.bounded))
                 .u32(e.pending_blocks)
                 .u64(e.leans_on)
                 .u32(e.shared_blocks)
                 .u64(e.shared_tokens);
+            w.0.extend_from_slice(p.packed());
         }
         w.0
     }
@@ -466,6 +475,14 @@ impl PodRecord {
         )?;
         let mut entries = Vec::with_capacity(n);
         for _ in 0..n {
+            // An entry of this version is a fixed size: taken whole, then read field by field.
+            let mut whole;
+            let r = if version == VERSION {
+                whole = Reader(r.array::<ENTRY_BYTES>()?);
+                &mut whole
+            } else {
+                &mut r
+            };
             let mut e = RequestEntry {
                 id: r.u64()?,
                 expires_ms: r.u64()?,
@@ -482,9 +499,7 @@ impl PodRecord {
             };
             if has_outlook {
                 e.left = r.u32()?;
-                for p in e.outlook.iter_mut() {
-                    *p = r.u8()?;
-                }
+                e.outlook = *r.array()?;
             }
             if has_spread {
                 e.held_sigma = r.u32()?;
@@ -677,6 +692,9 @@ mod tests {
             entries: vec![
                 entry(1, 4),
                 RequestEntry {
+                    output_blocks: 2,
+                    left: 40,
+                    outlook: std::array::from_fn(|i| 255 - i as u8),
                     held_sigma: 7,
                     bounded: true,
                     pending_blocks: 9,
@@ -702,6 +720,8 @@ mod tests {
         let mut bytes = rec.encode();
         bytes[0] = VERSION_WITHOUT_LEANING;
         let entry_len = (bytes.len() - head) / 2;
+        // Every field packed, none past the packer's end.
+        assert_eq!(entry_len, ENTRY_BYTES);
         for i in (0..2).rev() {
             let end = head + (i + 1) * entry_len;
             bytes.drain(end - 20..end);

@@ -109,7 +109,7 @@ impl ActiveBlocks {
         let dead: Vec<u64> = p
             .requests
             .iter()
-            .filter(|(id, (_, at))| !is_live(**id) && now.saturating_sub(*at) >= ORPHAN_MS)
+            .filter(|(id, (_, at))| now.saturating_sub(*at) >= ORPHAN_MS && !is_live(**id))
             .map(|(id, _)| *id)
             .collect();
         for id in dead {

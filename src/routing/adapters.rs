@@ -97,7 +97,7 @@ impl Adapters {
     pub fn prune(&mut self, pod: &str, is_live: impl Fn(u64) -> bool, now: u64) {
         if let Some(p) = self.pods.get_mut(pod) {
             p.running
-                .retain(|id, (_, at)| is_live(*id) || now.saturating_sub(*at) < ORPHAN_MS);
+                .retain(|id, (_, at)| now.saturating_sub(*at) < ORPHAN_MS || is_live(*id));
         }
     }
 

@@ -273,8 +273,12 @@ impl Router {
         self.learned_ms = Some(now);
         let bt = u64::from(self.block_tokens(&cfg.routing));
         for (pod, rec) in self.pods.iter().zip(records) {
-            self.active.prune(pod, |id| rec.is_live(id), now);
-            self.adapters.prune(pod, |id| rec.is_live(id), now);
+            // Sorted once, so that each replica entry is looked up, not compared with every one
+            // of the record's: this runs on every request, and a pod may run hundreds.
+            let live = rec.live_ids();
+            let is_live = |id| live.binary_search(&id).is_ok();
+            self.active.prune(pod, is_live, now);
+            self.adapters.prune(pod, is_live, now);
             let capacity = rec.capacity_blocks(bt, cfg.routing.pod_capacity_blocks) as usize;
             // Per request: the pod's name is copied only the first time.
             match self.capacity.get_mut(pod.as_str()) {
