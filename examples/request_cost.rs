@@ -16,10 +16,15 @@
 //! core in that callback (headers, bodies, the response's upstream address: see `shell_calls`),
 //! that is the phase's host calls, what `kvgate.request.host_calls` counts in Envoy.
 //!
+//! A loaded pool has many requests in flight on each pod, and a pod's record holds an entry for
+//! each, which every request reads, forecasts over and writes back: with `--open N`, N requests
+//! are admitted over the pool first and stay in flight throughout.
+//!
 //! ```text
 //! cargo run --release --example request_cost                        # µs per request per pool size
 //! cargo run --release --example request_cost -- --iters N [--pods P] # N requests, no timing
 //! cargo run --release --example request_cost -- --calls             # host calls per phase
+//! cargo run --release --example request_cost -- --open 200          # with 200 others in flight
 //! ```
 
 // The in-memory host is built for native targets only (a dev-dependency feature).
@@ -101,12 +106,17 @@ mod native {
 
     /// A 4 KB chat body (about the overhead benchmark's).
     fn body(i: usize) -> Vec<u8> {
+        led_body("", i)
+    }
+
+    /// `body(i)` with its user message led by `lead` (a distinct one: a prompt of its own).
+    fn led_body(lead: &str, i: usize) -> Vec<u8> {
         let words = [
             "the", "cache", "prefix", "model", "token", "server", "route", "block",
         ];
         let text: Vec<&str> = (0..640).map(|k| words[(k * 7 + i) % words.len()]).collect();
         format!(
-            r#"{{"model":"m","messages":[{{"role":"system","content":"You are helpful."}},{{"role":"user","content":"{}"}}],"max_tokens":64}}"#,
+            r#"{{"model":"m","messages":[{{"role":"system","content":"You are helpful."}},{{"role":"user","content":"{lead}{}"}}],"max_tokens":64}}"#,
             text.join(" ")
         )
         .into_bytes()
@@ -120,7 +130,9 @@ mod native {
         gate: Gate,
     }
 
-    fn setup(pods: usize) -> (FakeHost, FakeVm, Gate, Other) {
+    /// The pool of `pods` pods, scraped, with `open` requests admitted over it that stay in
+    /// flight (their entries in the pods' records).
+    fn setup(pods: usize, open: usize) -> (FakeHost, FakeVm, Gate, Other) {
         let names: Vec<String> = (0..pods)
             .map(|i| format!("10.0.{}.{}:8000", i / 250, i % 250 + 1))
             .collect();
@@ -161,6 +173,13 @@ mod native {
         let _ = flow.on_request_headers(&other.gate, &other.vm, &head(&b));
         let _ = flow.on_body(&mut other.gate, &other.vm, &b);
         flow.on_done(&mut other.gate, &other.vm);
+        for i in 0..open {
+            // Prompts of their own, as a loaded pool's mostly are.
+            let b = led_body(&format!("held {i}: "), i);
+            let mut held = Flow::default();
+            let _ = held.on_request_headers(&gate, &vm, &head(&b));
+            let _ = held.on_body(&mut gate, &vm, &b);
+        }
         (host, vm, gate, other)
     }
 
@@ -313,8 +332,9 @@ mod native {
                 .and_then(|n| n.parse::<usize>().ok())
         };
         let bodies: Vec<Vec<u8>> = (0..16).map(body).collect();
+        let open = arg("--open").unwrap_or(0);
         if let Some(n) = arg("--iters") {
-            let (host, vm, mut gate, mut other) = setup(arg("--pods").unwrap_or(2));
+            let (host, vm, mut gate, mut other) = setup(arg("--pods").unwrap_or(2), open);
             run(&host, &vm, &mut gate, &mut other, &bodies, n);
             return;
         }
@@ -324,7 +344,7 @@ mod native {
             PHASES.iter().for_each(|p| print!(" {p:>16}"));
             println!(" {:>16} {:>16}", "request", "with stats");
             for pods in [1, 2, 16, 64] {
-                let (host, vm, mut gate, mut other) = setup(pods);
+                let (host, vm, mut gate, mut other) = setup(pods, open);
                 run(&host, &vm, &mut gate, &mut other, &bodies, 100);
                 let calls = run(&host, &vm, &mut gate, &mut other, &bodies, n);
                 let per = |c: u64| c as f64 / n as f64;
@@ -338,7 +358,7 @@ mod native {
         }
         println!("{:>5} {:>14}", "pods", "µs per request");
         for pods in [1, 2, 16, 64] {
-            let (host, vm, mut gate, mut other) = setup(pods);
+            let (host, vm, mut gate, mut other) = setup(pods, open);
             let n = 4000;
             run(&host, &vm, &mut gate, &mut other, &bodies, 500);
             let t = Instant::now();

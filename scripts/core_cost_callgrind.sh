@@ -16,6 +16,8 @@
 # the example counts the store's calls and adds the shell's own, `request_cost --calls`).
 #
 #   scripts/core_cost_callgrind.sh --request [PODS...]   default: 2 and 16 pods
+#   OPEN=N scripts/core_cost_callgrind.sh --request ...   with N other requests in flight over
+#                                                         the pool throughout (default 0)
 #
 #   KEEP=DIR scripts/core_cost_callgrind.sh ...  also keep the callgrind.out files in DIR
 #
@@ -44,7 +46,7 @@ if [ "${1:-}" = --request ]; then
         pods headers body resp_hdrs resp_body done replay stats total
     for pods in "${PODS[@]}"; do
         valgrind --tool=callgrind --callgrind-out-file="$OUT/request-$pods.out" "$BIN" \
-            --iters "$REQUESTS" --pods "$pods" 2>/dev/null
+            --iters "$REQUESTS" --pods "$pods" --open "${OPEN:-0}" 2>/dev/null
         callgrind_annotate --inclusive=yes --threshold=100 --auto=no "$OUT/request-$pods.out" \
             2>/dev/null |
             awk -v pods="$pods" -v n="$REQUESTS" '
@@ -62,7 +64,7 @@ if [ "${1:-}" = --request ]; then
     done
     echo
     echo "host calls per request"
-    "$BIN" --calls
+    "$BIN" --calls --open "${OPEN:-0}"
     exit 0
 fi
 
