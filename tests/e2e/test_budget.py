@@ -109,16 +109,24 @@ def test_with_max_tokens_the_engine_never_preempts(concurrency, max_tokens, clie
 
 def test_without_max_tokens_preemptions_are_a_sliver_of_round_robins():
     """Long-tailed answers (the simulator's lognormal, mean 256): no bound is known, so the forecast
-    keeps headroom from the learned distribution; round robin on the same pool preempts freely."""
+    keeps headroom from the learned distribution; round robin on the same pool preempts freely.
+    The other half of the promise, in issue 13's own regime (two 4,096-token pods, 48 clients, no
+    max_tokens): the pool's KV is used and its work stays near round robin's. Measured 2026-11-26:
+    in this test's 240 requests kvgate did 1.02-1.05x round robin's output tokens per second (round
+    robin's preemptions weigh most in so short a run); over 960 requests, 0.86x, KV 72-73 % used
+    against 87-88 % (BENCHMARKS.md); at the issue's filing, 0.50x and 42 %."""
     out = {}
     for name in ("round_robin", "kvgate"):
         with Sim(pods=2, args=SMALL_KV) as sim:
             ctx = baseline_envoy(sim.endpoints) if name == "round_robin" else \
                 kvgate_envoy(sim.endpoints, default_plugin_config(), concurrency=4)
             with ctx as envoy:
+                started = time.monotonic()
                 answers, samples = run(envoy, sim, None, 48, 240, sample_kvgate=name == "kvgate")
+                elapsed = time.monotonic() - started
                 assert all(a["status"] == 200 for a in answers)
-                out[name] = {"preemptions": preemptions(sim), "kv_used": round(mean_kv_used(samples), 2)}
+                out[name] = {"preemptions": preemptions(sim), "kv_used": round(mean_kv_used(samples), 2),
+                             "output_per_s": round(sum(a["usage"]["completion_tokens"] for a in answers) / elapsed)}
                 if name == "kvgate":
                     check_promise(samples, bounded=False)
                     out["relief_percent"] = max(max(g["relief_percent"].values(), default=0) for _, g in samples)
@@ -127,7 +135,10 @@ def test_without_max_tokens_preemptions_are_a_sliver_of_round_robins():
     print("without max_tokens:", out)
     assert out["round_robin"]["preemptions"] >= 50
     assert out["kvgate"]["preemptions"] <= 0.02 * out["round_robin"]["preemptions"]
-    assert out["kvgate"]["kv_used"] >= 0.4
+    # Bounds below what is measured (KV 0.69-0.73, 1.02-1.05x), so that a loaded CI machine does not
+    # fail them, and far above the 42 % and 0.50x that the issue started from.
+    assert out["kvgate"]["kv_used"] >= 0.6, out
+    assert out["kvgate"]["output_per_s"] >= 0.7 * out["round_robin"]["output_per_s"], out
 
 
 @pytest.mark.parametrize("concurrency", [2, 4])
