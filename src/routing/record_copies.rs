@@ -17,6 +17,7 @@
 use crate::pods::record::{self, PodRecord};
 use crate::store::interface::{Store, StoreError, Versioned};
 use hashbrown::HashMap;
+use std::rc::Rc;
 
 /// How long a copy serves before the record is read again.
 pub const COPY_MS: u64 = 20;
@@ -25,7 +26,9 @@ pub const COPY_MS: u64 = 20;
 struct Copy {
     /// When it was read or written.
     at: u64,
-    rec: PodRecord,
+    /// Shared with the picks that rank on it: a pod's record holds an entry per request in
+    /// flight, hundreds on a busy pod, and a copy per pick per request would copy them all.
+    rec: Rc<PodRecord>,
     /// The value as read from shared data, until this VM writes the record or uses it.
     read: Option<Versioned>,
 }
@@ -44,24 +47,27 @@ impl RecordCopies {
         pod: &str,
         now: u64,
         fresh: bool,
-    ) -> Result<(PodRecord, bool), StoreError> {
+    ) -> Result<(Rc<PodRecord>, bool), StoreError> {
         if !fresh {
-            if let Some(c) = self.copies.get(pod) {
+            if let Some(c) = self.copies.get_mut(pod) {
                 if now.saturating_sub(c.at) < COPY_MS {
-                    let mut rec = c.rec.clone();
-                    rec.drop_expired(now);
-                    return Ok((rec, true));
+                    // An entry expired by now stays expired: the copy itself can leave it out.
+                    if c.rec.entries.iter().any(|e| e.expires_ms <= now) {
+                        Rc::make_mut(&mut c.rec).drop_expired(now);
+                    }
+                    return Ok((c.rec.clone(), true));
                 }
             }
         }
         let (rec, read) = record::read_versioned(store, pod)?;
+        let rec = Rc::new(rec);
         self.keep(pod, rec.clone(), now, Some(read));
         Ok((rec, false))
     }
 
     /// The record as this VM just wrote it.
     pub fn wrote(&mut self, pod: &str, rec: PodRecord, now: u64) {
-        self.keep(pod, rec, now, None);
+        self.keep(pod, Rc::new(rec), now, None);
     }
 
     /// The pod's record as read at `now` (in this callback: the clock is read once per
@@ -77,7 +83,7 @@ impl RecordCopies {
 
     /// Replaces the pod's copy; its name is copied only when it has none (on every request,
     /// the pod it picked already has one).
-    fn keep(&mut self, pod: &str, rec: PodRecord, now: u64, read: Option<Versioned>) {
+    fn keep(&mut self, pod: &str, rec: Rc<PodRecord>, now: u64, read: Option<Versioned>) {
         self.copies
             .entry_ref(pod)
             .insert(Copy { at: now, rec, read });
@@ -86,7 +92,7 @@ impl RecordCopies {
     /// This VM removed a request's entry from the pod's record: the copy follows (its age kept).
     pub fn finished(&mut self, pod: &str, request: u64) {
         if let Some(c) = self.copies.get_mut(pod) {
-            c.rec.entries.retain(|e| e.id != request);
+            Rc::make_mut(&mut c.rec).entries.retain(|e| e.id != request);
             c.read = None;
         }
     }

@@ -19,6 +19,7 @@ use crate::store::codec::Reader;
 use crate::store::interface::{create_if_missing, update, Store, StoreError};
 use hashbrown::HashMap;
 use std::cell::Cell;
+use std::rc::Rc;
 
 mod rehome;
 mod steps;
@@ -261,7 +262,7 @@ impl Router {
     /// each pod's capacity (which bound the prefix index) and which requests are still in flight
     /// (the active-block and adapter replicas drop the others). Learned for the next requests:
     /// the current one's blocks were already cut.
-    fn learn(&mut self, cfg: &Config, records: &[PodRecord], now: u64) {
+    fn learn(&mut self, cfg: &Config, records: &[Rc<PodRecord>], now: u64) {
         if let Some(b) = records
             .iter()
             .filter_map(|rec| rec.snapshot.map(|s| s.block_size))
@@ -433,7 +434,7 @@ impl Router {
 
         let request = self.next_request_id();
         let mut from_copies = false;
-        let mut records: Vec<PodRecord> = Vec::with_capacity(self.pods.len());
+        let mut records: Vec<Rc<PodRecord>> = Vec::with_capacity(self.pods.len());
         for pod in &self.pods {
             let (rec, copy) = self.copies.get(store, pod, now, fresh)?;
             from_copies |= copy;

@@ -16,11 +16,12 @@ use crate::routing::adapters::Fit;
 use crate::routing::pick::{copy_weight, prefer, rendezvous, Candidate, Scored};
 use crate::routing::prefix_index::PrefixIndex;
 use crate::store::interface::Store;
+use std::rc::Rc;
 
 /// One pick in progress, as the router's steps need it: the pods' records as read for it, and
 /// what the request asks of a pod.
 pub(super) struct Ask<'a> {
-    pub(super) records: &'a [PodRecord],
+    pub(super) records: &'a [Rc<PodRecord>],
     pub(super) hashes: &'a [u64],
     /// Its whole prompt, in blocks.
     pub(super) prompt_blocks: usize,
@@ -224,14 +225,14 @@ impl Router {
         &mut self,
         cfg: &Config,
         model: &str,
-        records: &[PodRecord],
+        records: &[Rc<PodRecord>],
         now: u64,
     ) -> Vec<usize> {
         let serving = self
             .served
             .serving(&self.pods, model, |i| !records[i].is_down());
         let fresh = |rec: &PodRecord| rec.is_fresh(now, &cfg.metrics);
-        let any_fresh = records.iter().any(fresh);
+        let any_fresh = records.iter().any(|rec| fresh(rec));
         let eligible = |rec: &PodRecord| match rec.snapshot {
             _ if rec.is_down() => false,
             Some(_) if !fresh(rec) => cfg.metrics.stale_policy == StalePolicy::Ignore || !any_fresh,
@@ -287,7 +288,7 @@ impl Router {
         &mut self,
         indices: &[usize],
         model: &str,
-        records: &[PodRecord],
+        records: &[Rc<PodRecord>],
         now: u64,
         cfg: &Config,
     ) -> Vec<Option<Fit>> {
