@@ -321,13 +321,18 @@ impl PodRecord {
             .map(|e| e.id)
     }
 
+    /// Whether an entry has expired by `now`: what `drop_expired` would leave out.
+    pub fn has_expired(&self, now: u64) -> bool {
+        self.entries.iter().any(|e| e.expires_ms <= now)
+    }
+
     /// Leaves out entries expired by `now`, and has those that leaned on one count its prefix.
     pub fn drop_expired(&mut self, now: u64) {
-        let before = self.entries.len();
-        self.entries.retain(|e| e.expires_ms > now);
-        if self.entries.len() < before {
-            self.lean_only_on_the_living();
+        if !self.has_expired(now) {
+            return;
         }
+        self.entries.retain(|e| e.expires_ms > now);
+        self.lean_only_on_the_living();
     }
 
     /// Entries whose holder left without handing its prefix on (it expired) count it

@@ -52,7 +52,7 @@ impl RecordCopies {
             if let Some(c) = self.copies.get_mut(pod) {
                 if now.saturating_sub(c.at) < COPY_MS {
                     // An entry expired by now stays expired: the copy itself can leave it out.
-                    if c.rec.entries.iter().any(|e| e.expires_ms <= now) {
+                    if c.rec.has_expired(now) {
                         Rc::make_mut(&mut c.rec).drop_expired(now);
                     }
                     return Ok((c.rec.clone(), true));

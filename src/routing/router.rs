@@ -18,7 +18,7 @@ use crate::routing::record_copies::RecordCopies;
 use crate::store::codec::Reader;
 use crate::store::interface::{create_if_missing, update, Store, StoreError};
 use hashbrown::HashMap;
-use std::cell::Cell;
+use std::cell::{Cell, OnceCell};
 use std::rc::Rc;
 
 mod rehome;
@@ -275,9 +275,14 @@ impl Router {
         let bt = u64::from(self.block_tokens(&cfg.routing));
         for (pod, rec) in self.pods.iter().zip(records) {
             // Sorted once, so that each replica entry is looked up, not compared with every one
-            // of the record's: this runs on every request, and a pod may run hundreds.
-            let live = rec.live_ids();
-            let is_live = |id| live.binary_search(&id).is_ok();
+            // of the record's: this runs on every request, and a pod may run hundreds. Only
+            // entries past the replicas' grace are asked about, so most requests sort nothing.
+            let live = OnceCell::new();
+            let is_live = |id| {
+                live.get_or_init(|| rec.live_ids())
+                    .binary_search(&id)
+                    .is_ok()
+            };
             self.active.prune(pod, is_live, now);
             self.adapters.prune(pod, is_live, now);
             let capacity = rec.capacity_blocks(bt, cfg.routing.pod_capacity_blocks) as usize;
