@@ -20,11 +20,16 @@
 //! each, which every request reads, forecasts over and writes back: with `--open N`, N requests
 //! are admitted over the pool first and stay in flight throughout.
 //!
+//! Chat is mostly streamed, and a streamed answer reaches the filter as a chunk per token, each a
+//! response-body callback (metered; the entry grows at each block boundary): with `--stream N`,
+//! the answer is N such chunks, as vLLM sends them, then its usage, instead of one JSON body.
+//!
 //! ```text
 //! cargo run --release --example request_cost                        # µs per request per pool size
 //! cargo run --release --example request_cost -- --iters N [--pods P] # N requests, no timing
 //! cargo run --release --example request_cost -- --calls             # host calls per phase
 //! cargo run --release --example request_cost -- --open 200          # with 200 others in flight
+//! cargo run --release --example request_cost -- --stream 256        # answers of 256 streamed tokens
 //! ```
 
 // The in-memory host is built for native targets only (a dev-dependency feature).
@@ -123,6 +128,29 @@ mod native {
     }
 
     const RESPONSE: &[u8] = br#"{"id":"x","object":"chat.completion","model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"ok"},"finish_reason":"length"}],"usage":{"prompt_tokens":700,"completion_tokens":64,"total_tokens":764}}"#;
+
+    /// An answer as the response body's chunks: one JSON body, or `stream` server-sent events of
+    /// a token each (vLLM's chat chunk), the last with the usage, then `[DONE]`.
+    fn answer(stream: usize) -> (&'static str, Vec<Vec<u8>>) {
+        if stream == 0 {
+            return ("application/json", vec![RESPONSE.to_vec()]);
+        }
+        let chunk = |i: usize| {
+            format!(
+                "data: {{\"id\":\"chatcmpl-x\",\"object\":\"chat.completion.chunk\",\"created\":1764000000,\"model\":\"m\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\" tok{i}\"}},\"logprobs\":null,\"finish_reason\":null}}]}}\n\n"
+            )
+            .into_bytes()
+        };
+        let mut chunks: Vec<Vec<u8>> = (0..stream).map(chunk).collect();
+        chunks.push(
+            format!(
+                "data: {{\"id\":\"chatcmpl-x\",\"object\":\"chat.completion.chunk\",\"created\":1764000000,\"model\":\"m\",\"choices\":[],\"usage\":{{\"prompt_tokens\":700,\"completion_tokens\":{stream},\"total_tokens\":{}}}}}\n\ndata: [DONE]\n\n",
+                700 + stream
+            )
+            .into_bytes(),
+        );
+        ("text/event-stream", chunks)
+    }
 
     /// Another worker's VM beside the request's, as `replay` needs it.
     struct Other {
@@ -243,16 +271,30 @@ mod native {
         gate: &mut Gate,
         store: &Callback,
         pod: Option<&str>,
+        content_type: &str,
     ) {
-        let headers = flow.on_response_headers(gate, store, Some("application/json"), pod);
+        let headers = flow.on_response_headers(gate, store, Some(content_type), pod);
         store.add(2 + headers.len() as u64);
         black_box(headers);
     }
 
+    /// Every chunk of the answer, each a callback of its own (its own clock read).
     #[inline(never)]
-    fn phase_response_body(flow: &mut Flow, gate: &mut Gate, store: &Callback) {
-        flow.on_response_body(gate, store, RESPONSE);
-        store.add(1);
+    fn phase_response_body(
+        flow: &mut Flow,
+        gate: &mut Gate,
+        vm: &FakeVm,
+        chunks: &[Vec<u8>],
+    ) -> u64 {
+        chunks
+            .iter()
+            .map(|chunk| {
+                let store = Callback::new(vm);
+                flow.on_response_body(gate, &store, chunk);
+                store.add(1);
+                store.calls.get()
+            })
+            .sum()
     }
 
     #[inline(never)]
@@ -282,14 +324,20 @@ mod native {
     }
 
     /// One request through every phase; the host calls of each.
-    fn one(gate: &mut Gate, vm: &FakeVm, other: &mut Other, body: &[u8]) -> [u64; PHASES.len()] {
+    fn one(
+        gate: &mut Gate,
+        vm: &FakeVm,
+        other: &mut Other,
+        body: &[u8],
+        answer: &(&str, Vec<Vec<u8>>),
+    ) -> [u64; PHASES.len()] {
         let mut flow = Flow::default();
         let stores: [Callback; 5] = std::array::from_fn(|_| Callback::new(vm));
         let replay = Callback::new(&other.vm);
         phase_request_headers(&mut flow, gate, &stores[0], &head(body));
         let pod = phase_body(&mut flow, gate, &stores[1], body);
-        phase_response_headers(&mut flow, gate, &stores[2], pod.as_deref());
-        phase_response_body(&mut flow, gate, &stores[3]);
+        phase_response_headers(&mut flow, gate, &stores[2], pod.as_deref(), answer.0);
+        stores[3].add(phase_response_body(&mut flow, gate, vm, &answer.1));
         phase_done(&mut flow, gate, &stores[4]);
         phase_replay(&mut other.gate, &replay);
         let sent = phase_stats(gate);
@@ -310,11 +358,12 @@ mod native {
         gate: &mut Gate,
         other: &mut Other,
         bodies: &[Vec<u8>],
+        answer: &(&str, Vec<Vec<u8>>),
         requests: usize,
     ) -> [u64; PHASES.len()] {
         let mut calls = [0; PHASES.len()];
         for i in 0..requests {
-            let one = one(gate, vm, other, &bodies[i % bodies.len()]);
+            let one = one(gate, vm, other, &bodies[i % bodies.len()], answer);
             calls.iter_mut().zip(one).for_each(|(c, n)| *c += n);
             if i % 100 == 0 {
                 host.advance_ms(1);
@@ -333,9 +382,10 @@ mod native {
         };
         let bodies: Vec<Vec<u8>> = (0..16).map(body).collect();
         let open = arg("--open").unwrap_or(0);
+        let answer = answer(arg("--stream").unwrap_or(0));
         if let Some(n) = arg("--iters") {
             let (host, vm, mut gate, mut other) = setup(arg("--pods").unwrap_or(2), open);
-            run(&host, &vm, &mut gate, &mut other, &bodies, n);
+            run(&host, &vm, &mut gate, &mut other, &bodies, &answer, n);
             return;
         }
         if args.iter().any(|a| a == "--calls") {
@@ -345,8 +395,8 @@ mod native {
             println!(" {:>16} {:>16}", "request", "with stats");
             for pods in [1, 2, 16, 64] {
                 let (host, vm, mut gate, mut other) = setup(pods, open);
-                run(&host, &vm, &mut gate, &mut other, &bodies, 100);
-                let calls = run(&host, &vm, &mut gate, &mut other, &bodies, n);
+                run(&host, &vm, &mut gate, &mut other, &bodies, &answer, 100);
+                let calls = run(&host, &vm, &mut gate, &mut other, &bodies, &answer, n);
                 let per = |c: u64| c as f64 / n as f64;
                 print!("{pods:>5}");
                 calls.iter().for_each(|&c| print!(" {:>16.2}", per(c)));
@@ -360,9 +410,9 @@ mod native {
         for pods in [1, 2, 16, 64] {
             let (host, vm, mut gate, mut other) = setup(pods, open);
             let n = 4000;
-            run(&host, &vm, &mut gate, &mut other, &bodies, 500);
+            run(&host, &vm, &mut gate, &mut other, &bodies, &answer, 500);
             let t = Instant::now();
-            run(&host, &vm, &mut gate, &mut other, &bodies, n);
+            run(&host, &vm, &mut gate, &mut other, &bodies, &answer, n);
             println!(
                 "{pods:>5} {:>14.1}",
                 t.elapsed().as_secs_f64() * 1e6 / n as f64

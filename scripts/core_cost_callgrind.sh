@@ -18,6 +18,8 @@
 #   scripts/core_cost_callgrind.sh --request [PODS...]   default: 2 and 16 pods
 #   OPEN=N scripts/core_cost_callgrind.sh --request ...   with N other requests in flight over
 #                                                         the pool throughout (default 0)
+#   STREAM=N scripts/core_cost_callgrind.sh --request ... answers streamed as N chunks of a token
+#                                                         (default 0: one JSON body)
 #
 #   KEEP=DIR scripts/core_cost_callgrind.sh ...  also keep the callgrind.out files in DIR
 #
@@ -27,7 +29,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 TARGET_DIR=target/core-cost-callgrind
 ITERS=2
-REQUESTS=2000
+REQUESTS=${REQUESTS:-2000}
 OUT=${KEEP:-$(mktemp -d)}
 mkdir -p "$OUT"
 [ -n "${KEEP:-}" ] || trap 'rm -rf "$OUT"' EXIT
@@ -46,7 +48,7 @@ if [ "${1:-}" = --request ]; then
         pods headers body resp_hdrs resp_body done replay stats total
     for pods in "${PODS[@]}"; do
         valgrind --tool=callgrind --callgrind-out-file="$OUT/request-$pods.out" "$BIN" \
-            --iters "$REQUESTS" --pods "$pods" --open "${OPEN:-0}" 2>/dev/null
+            --iters "$REQUESTS" --pods "$pods" --open "${OPEN:-0}" --stream "${STREAM:-0}" 2>/dev/null
         callgrind_annotate --inclusive=yes --threshold=100 --auto=no "$OUT/request-$pods.out" \
             2>/dev/null |
             awk -v pods="$pods" -v n="$REQUESTS" '
@@ -64,7 +66,7 @@ if [ "${1:-}" = --request ]; then
     done
     echo
     echo "host calls per request"
-    "$BIN" --calls --open "${OPEN:-0}"
+    "$BIN" --calls --open "${OPEN:-0}" --stream "${STREAM:-0}"
     exit 0
 fi
 

@@ -8,8 +8,9 @@
 //!
 //! It also prices one host call (`scripts/host_call_cost.py`): with a plugin configuration of the
 //! form `<kind> <count>` (see [`Kind`]) it makes that many calls of that kind per request, after
-//! reading the body. Any other configuration (the benchmark passes kvgate's JSON) leaves it the
-//! bare floor.
+//! reading the body, or, for `response-body`, per chunk of the response (what a filter that meters
+//! a streamed answer must do: `scripts/stream_cost.py`). Any other configuration (the benchmark
+//! passes kvgate's JSON) leaves it the bare floor.
 
 #[cfg(target_os = "wasi")]
 mod filter {
@@ -39,6 +40,9 @@ mod filter {
         Clock,
         /// `histogram`: one sample recorded into a histogram metric.
         Histogram,
+        /// `response-body`: each chunk of the response read into the VM (the host asks the VM
+        /// for memory and copies the chunk there), in the response-body callback.
+        ResponseBody,
     }
 
     impl Kind {
@@ -50,6 +54,7 @@ mod filter {
                 "header" => Kind::Header,
                 "clock" => Kind::Clock,
                 "histogram" => Kind::Histogram,
+                "response-body" => Kind::ResponseBody,
                 _ => return None,
             })
         }
@@ -133,6 +138,7 @@ mod filter {
                     Kind::Histogram => {
                         let _ = hostcalls::record_metric(extra.metric, i as u64);
                     }
+                    Kind::ResponseBody => return,
                 }
             }
         }
@@ -163,6 +169,19 @@ mod filter {
             self.set_http_request_header("x-floor-pick", Some(picked));
             if let Some(extra) = self.extra.clone() {
                 self.priced_calls(&extra);
+            }
+            Action::Continue
+        }
+
+        fn on_http_response_body(&mut self, body_size: usize, _end_of_stream: bool) -> Action {
+            if let Some(extra) = self
+                .extra
+                .as_deref()
+                .filter(|e| matches!(e.kind, Kind::ResponseBody))
+            {
+                for _ in 0..extra.count {
+                    let _ = self.get_http_response_body(0, body_size);
+                }
             }
             Action::Continue
         }
