@@ -1,7 +1,8 @@
 //! The OpenAI-compatible wire format, in both directions: what a request body says
-//! (`request`), what the model server's response reports as it streams past (`response`), and the
-//! answers kvgate gives itself instead of forwarding (`reply`), and a request's headers as the host
-//! serializes them (`header_map`).
+//! (`request`), what the model server's response reports as it streams past (`response`; each
+//! streamed chunk's pieces of text counted by `sse_chunk`), the answers kvgate gives itself
+//! instead of forwarding (`reply`), and a request's headers as the host serializes them
+//! (`header_map`).
 //!
 //! Source of truth: none of it is state. Each request's parsed fields live in its own `flow::Flow`
 //! and die with it; nothing here touches shared data.
@@ -10,3 +11,4 @@ pub mod header_map;
 pub mod reply;
 pub mod request;
 pub mod response;
+pub mod sse_chunk;

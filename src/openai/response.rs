@@ -52,6 +52,23 @@ struct Chunk {
     response: Option<ResponsesBody>,
 }
 
+impl Chunk {
+    /// Its pieces of text: each choice's `text`, else its delta's `content`, else its
+    /// `reasoning_content`, when not empty; and a Responses API text delta.
+    fn pieces(&self) -> u64 {
+        let choices = self.choices.iter().filter(|c| {
+            let delta = c.delta.as_ref();
+            c.text
+                .as_deref()
+                .or(delta.and_then(|d| d.content.as_deref()))
+                .or(delta.and_then(|d| d.reasoning_content.as_deref()))
+                .is_some_and(|p| !p.is_empty())
+        });
+        choices.count() as u64
+            + u64::from(self.kind.as_deref() == Some("response.output_text.delta"))
+    }
+}
+
 #[derive(Deserialize, Default)]
 #[serde(default)]
 struct ResponsesUsage {
@@ -253,7 +270,13 @@ impl ResponseMeter {
         }
         let before = self.streamed_tokens;
         let mut rest = bytes;
-        while let Some(i) = rest.iter().position(|&b| b == b'\n') {
+        while let Some(i) = memchr::memchr(b'\n', rest) {
+            if self.kept.is_empty() && !self.overflowed {
+                // A whole line in this piece (a chunk's usual lot): read where it lies.
+                self.line(&rest[..i]);
+                rest = &rest[i + 1..];
+                continue;
+            }
             self.keep(&rest[..i]);
             let line = std::mem::take(&mut self.kept);
             if !std::mem::take(&mut self.overflowed) {
@@ -296,25 +319,19 @@ impl ResponseMeter {
         if data.is_empty() || data == b"[DONE]" {
             return;
         }
+        if let Some(pieces) = crate::openai::sse_chunk::pieces(data) {
+            self.streamed_tokens += pieces;
+            return;
+        }
+        self.read_chunk(data);
+    }
+
+    /// An SSE chunk through serde: what `sse_chunk` declines (usage among it).
+    fn read_chunk(&mut self, data: &[u8]) {
         let Ok(chunk) = serde_json::from_slice::<Chunk>(data) else {
             return;
         };
-        for c in &chunk.choices {
-            let piece = c
-                .text
-                .as_deref()
-                .or(c.delta.as_ref().and_then(|d| d.content.as_deref()))
-                .or(c
-                    .delta
-                    .as_ref()
-                    .and_then(|d| d.reasoning_content.as_deref()));
-            if piece.is_some_and(|p| !p.is_empty()) {
-                self.streamed_tokens += 1;
-            }
-        }
-        if chunk.kind.as_deref() == Some("response.output_text.delta") {
-            self.streamed_tokens += 1;
-        }
+        self.streamed_tokens += chunk.pieces();
         if let Some(u) = chunk.usage {
             self.usage = Some(u);
         }
@@ -528,6 +545,175 @@ mod tests {
         }
         // Both readings were exercised.
         assert!((2_000..18_000).contains(&direct), "{direct} read directly");
+    }
+
+    /// What the meter counts of a chunk through serde (0 when serde refuses it), and whether
+    /// serde read it at all and found no usage in it.
+    fn serde_reading(data: &[u8]) -> (u64, bool) {
+        match serde_json::from_slice::<Chunk>(data) {
+            Ok(c) => (c.pieces(), c.usage.is_none() && c.response.is_none()),
+            Err(_) => (0, false),
+        }
+    }
+
+    /// `sse_chunk::pieces` against the serde reading, on chunks built from what engines send
+    /// and what they should not (values of every type where a string is read, repeated and
+    /// escaped keys, escapes and bytes that are not UTF-8, usage, nesting, and a quarter of the
+    /// chunks with a byte cut out or put in): wherever the walk answers, serde read the chunk,
+    /// found no usage in it and counted the same.
+    #[test]
+    fn pieces_are_counted_as_the_serde_reading_counts_them() {
+        type Next<'a> = dyn FnMut(usize) -> usize + 'a;
+        type Member<'a> = dyn FnMut(&[u8], &mut Next) -> Vec<u8> + 'a;
+        let deep = format!("{}1{}", "[".repeat(40), "]".repeat(40));
+        // The first four are what engines write where a string is read.
+        let values: Vec<&[u8]> = vec![
+            br#""""#,
+            br#"" tok""#,
+            br#""a\"b\\ \/\n""#,
+            b"null",
+            br#""\u00e9""#,
+            br#""\ud83d\ude00""#,
+            br#""\ud800""#,
+            br#""\x""#,
+            "\"caf\u{e9} \u{4e16}\"".as_bytes(),
+            b"\"\xff\"",
+            b"\"\x01\"",
+            b"7",
+            b"-0.5e+3",
+            b"01",
+            b"true",
+            b"[]",
+            br#"{"x":1}"#,
+            br#"["a",{"b":[null]}]"#,
+            deep.as_bytes(),
+        ];
+        let mut rng = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |n: usize| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            (rng % n as u64) as usize
+        };
+        let value = |next: &mut Next| {
+            values[if next(3) > 0 {
+                next(4)
+            } else {
+                next(values.len())
+            }]
+            .to_vec()
+        };
+        // An object of up to four members, each key from `keys`, its value from `member`.
+        let object = |keys: &[&[u8]], next: &mut Next, member: &mut Member| {
+            let mut o = b"{".to_vec();
+            for i in 0..next(5) {
+                if i > 0 {
+                    o.push(b',');
+                }
+                let key = keys[next(keys.len())];
+                o.extend_from_slice(&[b"\"", key, b"\":"].concat());
+                o.extend(member(key, next));
+            }
+            o.push(b'}');
+            o
+        };
+        let delta_keys: [&[u8]; 4] = [b"role", b"content", b"reasoning_content", b"tool_calls"];
+        let choice_keys: [&[u8]; 6] = [
+            b"index",
+            b"text",
+            b"delta",
+            b"logprobs",
+            b"finish_reason",
+            b"te\\u0078t",
+        ];
+        let top_keys: [&[u8]; 9] = [
+            b"id",
+            b"object",
+            b"created",
+            b"model",
+            b"choices",
+            b"type",
+            b"usage",
+            b"response",
+            b"ch\\u006fices",
+        ];
+        let (mut answered, mut counted) = (0, 0);
+        for round in 0..30_000 {
+            let mut chunk = object(&top_keys, &mut next, &mut |key, next| match key {
+                b"choices" if next(10) > 0 => {
+                    let mut a = b"[".to_vec();
+                    for k in 0..next(3) {
+                        if k > 0 {
+                            a.push(b',');
+                        }
+                        if next(20) == 0 {
+                            a.extend_from_slice(b"null");
+                            continue;
+                        }
+                        a.extend(object(
+                            &choice_keys,
+                            next,
+                            &mut |key, next| match (key, next(8)) {
+                                (b"delta", 0) => value(next),
+                                (b"delta", _) => {
+                                    object(&delta_keys, next, &mut |_, next| value(next))
+                                }
+                                _ => value(next),
+                            },
+                        ));
+                    }
+                    a.push(b']');
+                    a
+                }
+                b"type" if next(2) > 0 => br#""response.output_text.delta""#.to_vec(),
+                b"usage" | b"response" if next(2) > 0 => b"null".to_vec(),
+                b"usage" => br#"{"prompt_tokens":3,"completion_tokens":1}"#.to_vec(),
+                b"response" => br#"{"usage":{"input_tokens":3,"output_tokens":1}}"#.to_vec(),
+                _ => values[next(values.len())].to_vec(),
+            });
+            if round % 4 == 3 {
+                let at = next(chunk.len());
+                if next(2) == 0 {
+                    chunk.remove(at);
+                } else {
+                    chunk.insert(at, b",:{}[]\" 0"[next(8)]);
+                }
+            }
+            let (serde, no_usage) = serde_reading(&chunk);
+            if let Some(n) = crate::openai::sse_chunk::pieces(&chunk) {
+                answered += 1;
+                counted += usize::from(n > 0);
+                assert!(no_usage, "{}", String::from_utf8_lossy(&chunk));
+                assert_eq!(n, serde, "{}", String::from_utf8_lossy(&chunk));
+            }
+        }
+        // The walk answered for many chunks, some with text in them.
+        assert!(
+            answered > 6_000 && counted > 500,
+            "{answered} answered, {counted} with text"
+        );
+    }
+
+    /// The chunks engines stream are counted by the walk, not handed to serde.
+    #[test]
+    fn engines_chunks_are_counted_without_serde() {
+        for (chunk, n) in [
+            (&br#"{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1764000000,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}"#[..], 0),
+            (br#"{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1764000000,"model":"m","choices":[{"index":0,"delta":{"content":" caf\u00e9 \"x\""},"logprobs":null,"finish_reason":null}]}"#, 1),
+            ("{\"choices\":[{\"index\":0,\"delta\":{\"reasoning_content\":\"\u{4e16}\"}}]}".as_bytes(), 1),
+            (br#"{"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":" a","logprobs":null,"finish_reason":null,"stop_reason":null}],"usage":null}"#, 1),
+            (br#"{"id":"c","choices":[{"index":0,"delta":{},"finish_reason":"length"}]}"#, 0),
+            (br#"{"type":"response.output_text.delta","sequence_number":4,"item_id":"msg_1","output_index":0,"content_index":0,"delta":"x","logprobs":[]}"#, 1),
+            (br#"{"type":"response.content_part.added","part":{"type":"output_text","text":""}}"#, 0),
+        ] {
+            assert_eq!(crate::openai::sse_chunk::pieces(chunk), Some(n), "{}", String::from_utf8_lossy(chunk));
+            assert_eq!(serde_reading(chunk).0, n);
+        }
+        // Usage is serde's to read.
+        assert_eq!(
+            crate::openai::sse_chunk::pieces(br#"{"choices":[],"usage":{"prompt_tokens":1}}"#),
+            None
+        );
     }
 
     #[test]

@@ -1,0 +1,307 @@
+//! A streamed chunk's pieces of text counted without deserializing it. A streamed answer is a
+//! server-sent event per token, each a response-body callback in which the meter
+//! (`response::ResponseMeter`) counts the chunk's pieces of text, so that reading costs once per
+//! token, not once per request; through serde_json it was about 5,000 instructions a chunk, more
+//! than the rest of the request together (`examples/request_cost --stream`).
+//!
+//! [`pieces`] walks the chunk's JSON once, allocating nothing, and counts what the serde reading
+//! (`response::Chunk`) counts: for each of `choices`, its `text` or else its delta's `content` or
+//! else its `reasoning_content`, when not empty; and a Responses API `response.output_text.delta`
+//! event. It declines (`None`) rather than differ: wherever a chunk's shape or bytes leave any
+//! doubt that serde_json would read it alike (a `usage` or `response` that is not null, a field
+//! of interest of another type or given twice, an escaped key, a `\u` escape of a surrogate,
+//! bytes that are not UTF-8, nesting past `MAX_DEPTH`, any syntax error), and the meter then
+//! reads the chunk through serde as before. Usage, once a stream, is always read through serde.
+//! The test `pieces_are_counted_as_the_serde_reading_counts_them` holds the two to each other.
+
+/// Deeper than this is declined (serde_json's own limit is 128).
+const MAX_DEPTH: u32 = 32;
+
+/// The bytes a string may hold as they are: all but the quote, the backslash and control bytes
+/// (bytes past ASCII too: a string that has any is checked as UTF-8 whole).
+const PLAIN: [bool; 256] = {
+    let mut plain = [true; 256];
+    let mut b = 0;
+    while b < 0x20 {
+        plain[b] = false;
+        b += 1;
+    }
+    plain[b'"' as usize] = false;
+    plain[b'\\' as usize] = false;
+    plain
+};
+
+/// The pieces of text in one SSE chunk's JSON (`data`, trimmed), or `None` when the serde reading
+/// must decide.
+pub fn pieces(data: &[u8]) -> Option<u64> {
+    let mut c = Cursor { b: data, i: 0 };
+    c.ws();
+    let mut count = 0;
+    let mut seen = [false; 4];
+    c.object(0, |c, key| {
+        let field = match key {
+            b"choices" => 0,
+            b"type" => 1,
+            b"usage" => 2,
+            b"response" => 3,
+            _ => return c.value(1),
+        };
+        if std::mem::replace(&mut seen[field], true) {
+            return None;
+        }
+        match field {
+            0 => count += c.choices()?,
+            1 => {
+                let kind = c.text_or_null()?;
+                count += u64::from(kind == Some(b"response.output_text.delta".as_slice()));
+            }
+            // Present with a value: the serde reading takes it.
+            _ => c.literal(b"null")?,
+        }
+        Some(())
+    })?;
+    c.ws();
+    (c.i == c.b.len()).then_some(count)
+}
+
+struct Cursor<'a> {
+    b: &'a [u8],
+    i: usize,
+}
+
+impl<'a> Cursor<'a> {
+    fn peek(&self) -> Option<u8> {
+        self.b.get(self.i).copied()
+    }
+
+    fn ws(&mut self) {
+        while matches!(self.peek(), Some(b' ' | b'\n' | b'\t' | b'\r')) {
+            self.i += 1;
+        }
+    }
+
+    fn eat(&mut self, byte: u8) -> Option<()> {
+        self.ws();
+        (self.peek() == Some(byte)).then(|| self.i += 1)
+    }
+
+    fn literal(&mut self, word: &[u8]) -> Option<()> {
+        self.ws();
+        let rest = self.b.get(self.i..)?;
+        rest.starts_with(word).then(|| self.i += word.len())
+    }
+
+    /// An object's members, `member` reading each value after its (unescaped) key.
+    fn object(
+        &mut self,
+        depth: u32,
+        mut member: impl FnMut(&mut Self, &'a [u8]) -> Option<()>,
+    ) -> Option<()> {
+        if depth > MAX_DEPTH {
+            return None;
+        }
+        self.eat(b'{')?;
+        if self.eat(b'}').is_some() {
+            return Some(());
+        }
+        loop {
+            self.ws();
+            let (key, plain) = self.string()?;
+            if !plain {
+                return None;
+            }
+            self.eat(b':')?;
+            member(self, key)?;
+            self.ws();
+            match self.peek()? {
+                b',' => self.i += 1,
+                b'}' => {
+                    self.i += 1;
+                    return Some(());
+                }
+                _ => return None,
+            }
+        }
+    }
+
+    /// An array's elements, `element` reading each.
+    fn array(
+        &mut self,
+        depth: u32,
+        mut element: impl FnMut(&mut Self) -> Option<()>,
+    ) -> Option<()> {
+        if depth > MAX_DEPTH {
+            return None;
+        }
+        self.eat(b'[')?;
+        if self.eat(b']').is_some() {
+            return Some(());
+        }
+        loop {
+            element(self)?;
+            self.ws();
+            match self.peek()? {
+                b',' => self.i += 1,
+                b']' => {
+                    self.i += 1;
+                    return Some(());
+                }
+                _ => return None,
+            }
+        }
+    }
+
+    /// A string at the cursor: its raw bytes between the quotes, and whether it has no escape.
+    fn string(&mut self) -> Option<(&'a [u8], bool)> {
+        if self.peek()? != b'"' {
+            return None;
+        }
+        let start = self.i + 1;
+        let mut i = start;
+        let mut plain = true;
+        loop {
+            // Most bytes need no look (`PLAIN`): skipped in one tight loop.
+            i += self
+                .b
+                .get(i..)?
+                .iter()
+                .position(|&b| !PLAIN[usize::from(b)])?;
+            match *self.b.get(i)? {
+                b'"' => break,
+                b'\\' => {
+                    plain = false;
+                    match *self.b.get(i + 1)? {
+                        b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => i += 2,
+                        b'u' => {
+                            let hex = self.b.get(i + 2..i + 6)?;
+                            if !hex.iter().all(u8::is_ascii_hexdigit) {
+                                return None;
+                            }
+                            let unit = hex.iter().fold(0, |unit, &h| {
+                                unit * 16 + char::from(h).to_digit(16).unwrap_or(0)
+                            });
+                            // serde_json reads a surrogate in a string only as half of a pair.
+                            if (0xd800..0xe000).contains(&unit) {
+                                return None;
+                            }
+                            i += 6;
+                        }
+                        _ => return None,
+                    }
+                }
+                // A control byte.
+                _ => return None,
+            }
+        }
+        let raw = self.b.get(start..i)?;
+        if !raw.is_ascii() {
+            std::str::from_utf8(raw).ok()?;
+        }
+        self.i = i + 1;
+        Some((raw, plain))
+    }
+
+    /// A string field of interest (its raw bytes) or null; any other value declines.
+    fn text_or_null(&mut self) -> Option<Option<&'a [u8]>> {
+        self.ws();
+        if self.peek()? == b'n' {
+            self.literal(b"null")?;
+            return Some(None);
+        }
+        Some(Some(self.string()?.0))
+    }
+
+    /// `choices`: an array of objects; the pieces of text among them.
+    fn choices(&mut self) -> Option<u64> {
+        let mut count = 0;
+        self.array(1, |c| {
+            let (mut text, mut content, mut reasoning) = (None, None, None);
+            let mut seen = [false; 2];
+            c.object(2, |c, key| {
+                let field = match key {
+                    b"text" => 0,
+                    b"delta" => 1,
+                    _ => return c.value(3),
+                };
+                if std::mem::replace(&mut seen[field], true) {
+                    return None;
+                }
+                if field == 0 {
+                    text = c.text_or_null()?;
+                    return Some(());
+                }
+                c.ws();
+                if c.peek()? == b'n' {
+                    return c.literal(b"null");
+                }
+                let mut seen_in_delta = [false; 2];
+                c.object(3, |c, key| {
+                    let (field, piece) = match key {
+                        b"content" => (0, &mut content),
+                        b"reasoning_content" => (1, &mut reasoning),
+                        _ => return c.value(4),
+                    };
+                    if std::mem::replace(&mut seen_in_delta[field], true) {
+                        return None;
+                    }
+                    *piece = c.text_or_null()?;
+                    Some(())
+                })
+            })?;
+            let piece = text.or(content).or(reasoning);
+            count += u64::from(piece.is_some_and(|p| !p.is_empty()));
+            Some(())
+        })?;
+        Some(count)
+    }
+
+    /// Any JSON value, checked and skipped.
+    fn value(&mut self, depth: u32) -> Option<()> {
+        self.ws();
+        match self.peek()? {
+            b'{' => self.object(depth, |c, _| c.value(depth + 1)),
+            b'[' => self.array(depth, |c| c.value(depth + 1)),
+            b'"' => self.string().map(|_| ()),
+            b't' => self.literal(b"true"),
+            b'f' => self.literal(b"false"),
+            b'n' => self.literal(b"null"),
+            _ => self.number(),
+        }
+    }
+
+    /// A number, by JSON's grammar: `-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?`.
+    fn number(&mut self) -> Option<()> {
+        if self.peek() == Some(b'-') {
+            self.i += 1;
+        }
+        match self.peek()? {
+            b'0' => self.i += 1,
+            b'1'..=b'9' => self.digits(),
+            _ => return None,
+        }
+        if self.peek() == Some(b'.') {
+            self.i += 1;
+            self.some_digits()?;
+        }
+        if matches!(self.peek(), Some(b'e' | b'E')) {
+            self.i += 1;
+            if matches!(self.peek(), Some(b'+' | b'-')) {
+                self.i += 1;
+            }
+            self.some_digits()?;
+        }
+        Some(())
+    }
+
+    fn digits(&mut self) {
+        while self.peek().is_some_and(|d| d.is_ascii_digit()) {
+            self.i += 1;
+        }
+    }
+
+    fn some_digits(&mut self) -> Option<()> {
+        let start = self.i;
+        self.digits();
+        (self.i > start).then_some(())
+    }
+}
