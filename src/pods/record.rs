@@ -17,6 +17,8 @@ use crate::store::interface::{create_if_missing, update_from, Store, StoreError,
 const VERSION: u8 = 8;
 /// An entry's size in this version's records.
 const ENTRY_BYTES: usize = 77 + HORIZON_STEPS.len();
+/// A snapshot's size in this version's records.
+const SNAPSHOT_BYTES: usize = 118;
 /// Records written before entries said which entry counts the prefix they share (`leans_on`):
 /// read as sharing none.
 const VERSION_WITHOUT_LEANING: u8 = 7;
@@ -38,6 +40,41 @@ const VERSION_WITHOUT_OUTLOOK: u8 = 2;
 /// Records written before entries carried their context (and snapshots the engine's prefix
 /// caching); still read, so in-flight requests are not lost when a new module takes over.
 const VERSION_WITHOUT_CONTEXT: u8 = 1;
+
+/// Which of an entry's fields a record of some version holds.
+#[derive(Clone, Copy)]
+struct Layout {
+    context: bool,
+    outlook: bool,
+    spread: bool,
+    pending: bool,
+    leaning: bool,
+}
+
+impl Layout {
+    fn of(version: u8) -> Layout {
+        Layout {
+            context: version >= VERSION_WITHOUT_OUTLOOK,
+            outlook: version >= VERSION_WITHOUT_SPREAD,
+            spread: version >= VERSION_WITHOUT_PENDING,
+            pending: version >= VERSION_WITHOUT_PACE,
+            leaning: version >= VERSION,
+        }
+    }
+
+    /// An entry's size.
+    fn entry_bytes(self) -> usize {
+        40 + 4 * usize::from(self.context)
+            + if self.outlook {
+                4 + HORIZON_STEPS.len()
+            } else {
+                0
+            }
+            + 5 * usize::from(self.spread)
+            + 4 * usize::from(self.pending)
+            + 20 * usize::from(self.leaning)
+    }
+}
 
 /// A pod's metrics as last scraped.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -121,6 +158,62 @@ pub struct RequestEntry {
 }
 
 impl RequestEntry {
+    /// The entry as this version's records hold it.
+    fn packed(&self) -> [u8; ENTRY_BYTES] {
+        let mut p = Packer::<ENTRY_BYTES>::new();
+        p.u64(self.id)
+            .u64(self.expires_ms)
+            .u64(self.dispatched_ms)
+            .u64(self.held_tokens)
+            .u32(self.prompt_blocks)
+            .u32(self.output_blocks)
+            .u32(self.context_blocks)
+            .u32(self.left)
+            .bytes_raw(&self.outlook)
+            .u32(self.held_sigma)
+            .u8(u8::from(self.bounded))
+            .u32(self.pending_blocks)
+            .u64(self.leans_on)
+            .u32(self.shared_blocks)
+            .u64(self.shared_tokens);
+        *p.packed()
+    }
+
+    /// An entry as a record of `layout` holds it.
+    fn read(r: &mut Reader, layout: Layout) -> Option<RequestEntry> {
+        let mut e = RequestEntry {
+            id: r.u64()?,
+            expires_ms: r.u64()?,
+            dispatched_ms: r.u64()?,
+            held_tokens: r.u64()?,
+            prompt_blocks: r.u32()?,
+            output_blocks: r.u32()?,
+            ..RequestEntry::default()
+        };
+        e.context_blocks = if layout.context {
+            r.u32()?
+        } else {
+            e.prompt_blocks
+        };
+        if layout.outlook {
+            e.left = r.u32()?;
+            e.outlook = *r.array()?;
+        }
+        if layout.spread {
+            e.held_sigma = r.u32()?;
+            e.bounded = r.u8()? != 0;
+        }
+        if layout.pending {
+            e.pending_blocks = r.u32()?;
+        }
+        if layout.leaning {
+            e.leans_on = r.u64()?;
+            e.shared_blocks = r.u32()?;
+            e.shared_tokens = r.u64()?;
+        }
+        Some(e)
+    }
+
     /// The entry counting its whole prompt itself: what it leaned on another for is added to what
     /// it holds. For a request whose holder is gone without an heir's hand-over (it expired), or
     /// that moves to another pod.
@@ -396,23 +489,7 @@ impl PodRecord {
         w.u32(self.finished_since_scrape)
             .u32(self.entries.len() as u32);
         for e in &self.entries {
-            let mut p = Packer::<ENTRY_BYTES>::new();
-            p.u64(e.id)
-                .u64(e.expires_ms)
-                .u64(e.dispatched_ms)
-                .u64(e.held_tokens)
-                .u32(e.prompt_blocks)
-                .u32(e.output_blocks)
-                .u32(e.context_blocks)
-                .u32(e.left)
-                .bytes_raw(&e.outlook)
-                .u32(e.held_sigma)
-                .u8(u8::from(e.bounded))
-                .u32(e.pending_blocks)
-                .u64(e.leans_on)
-                .u32(e.shared_blocks)
-                .u64(e.shared_tokens);
-            w.0.extend_from_slice(p.packed());
+            w.0.extend_from_slice(&e.packed());
         }
         w.0
     }
@@ -424,13 +501,9 @@ impl PodRecord {
         if !(VERSION_WITHOUT_CONTEXT..=VERSION).contains(&version) {
             return None;
         }
-        let has_context = version >= VERSION_WITHOUT_OUTLOOK;
-        let has_outlook = version >= VERSION_WITHOUT_SPREAD;
-        let has_spread = version >= VERSION_WITHOUT_PENDING;
-        let has_pending = version >= VERSION_WITHOUT_PACE;
+        let layout = Layout::of(version);
         let has_pace = version >= VERSION_WITHOUT_PACE_AGE;
         let has_pace_age = version >= VERSION_WITHOUT_LEANING;
-        let has_leaning = version >= VERSION;
         let snapshot = match r.u8()? {
             0 => None,
             _ => {
@@ -442,16 +515,16 @@ impl PodRecord {
                     kv_usage: r.f64()?,
                     capacity_tokens: r.u64()?,
                     block_size: r.u32()?,
-                    no_prefix_caching: has_context && r.u8()? != 0,
+                    no_prefix_caching: layout.context && r.u8()? != 0,
                     preemptions: f64::NAN,
                     ..Snapshot::default()
                 };
-                if has_outlook {
+                if layout.outlook {
                     s.preemptions = r.f64()?;
                     s.backoff = r.f64()?;
                     s.unexplained_tokens = r.u64()?;
                 }
-                if has_spread {
+                if layout.spread {
                     s.relief = r.f64()?;
                     s.relief_lost = r.f64()?;
                 }
@@ -466,59 +539,15 @@ impl PodRecord {
             }
         };
         let finished_since_scrape = r.u32()?;
-        let entry_bytes = 40 + 4 * usize::from(has_context);
-        let n = r.count(
-            entry_bytes
-                + if has_outlook {
-                    4 + HORIZON_STEPS.len()
-                } else {
-                    0
-                }
-                + 5 * usize::from(has_spread)
-                + 4 * usize::from(has_pending)
-                + 20 * usize::from(has_leaning),
-        )?;
+        let n = r.count(layout.entry_bytes())?;
         let mut entries = Vec::with_capacity(n);
         for _ in 0..n {
-            // An entry of this version is a fixed size: taken whole, then read field by field.
-            let mut whole;
-            let r = if version == VERSION {
-                whole = Reader(r.array::<ENTRY_BYTES>()?);
-                &mut whole
+            entries.push(if version == VERSION {
+                // An entry of this version is a fixed size: taken whole, then read field by field.
+                RequestEntry::read(&mut Reader(r.array::<ENTRY_BYTES>()?), layout)?
             } else {
-                &mut r
-            };
-            let mut e = RequestEntry {
-                id: r.u64()?,
-                expires_ms: r.u64()?,
-                dispatched_ms: r.u64()?,
-                held_tokens: r.u64()?,
-                prompt_blocks: r.u32()?,
-                output_blocks: r.u32()?,
-                ..RequestEntry::default()
-            };
-            e.context_blocks = if has_context {
-                r.u32()?
-            } else {
-                e.prompt_blocks
-            };
-            if has_outlook {
-                e.left = r.u32()?;
-                e.outlook = *r.array()?;
-            }
-            if has_spread {
-                e.held_sigma = r.u32()?;
-                e.bounded = r.u8()? != 0;
-            }
-            if has_pending {
-                e.pending_blocks = r.u32()?;
-            }
-            if has_leaning {
-                e.leans_on = r.u64()?;
-                e.shared_blocks = r.u32()?;
-                e.shared_tokens = r.u64()?;
-            }
-            entries.push(e);
+                RequestEntry::read(&mut r, layout)?
+            });
         }
         Some(PodRecord {
             snapshot,
@@ -590,6 +619,71 @@ pub fn modify_from<T>(
         let out = change(&mut rec)?;
         Some((rec.encode(), out))
     })
+}
+
+/// Changes one request's entry where it lies in the stored record: a streamed answer's entry
+/// grows at each block boundary, and decoding and encoding a busy pod's whole record for that
+/// (an entry per request in flight) cost about 40,000 instructions a write at 200 in flight
+/// (`examples/request_cost --open 200 --stream 256`). Returns whether it was written. Like
+/// `modify`, a compare-and-swap that retries lost races, in which an entry that has expired is
+/// not renewed; unlike it, the record's other expired entries stay until the next `modify`
+/// (reads leave them out meanwhile). A record of an earlier version goes through `modify`.
+pub fn modify_entry(
+    store: &dyn Store,
+    pod: &str,
+    id: u64,
+    mut change: impl FnMut(&mut RequestEntry),
+) -> Result<bool, StoreError> {
+    let now = store.now_ms();
+    let mut earlier_version = false;
+    let written = update_from(store, &key(pod), None, |bytes| {
+        let bytes = bytes?;
+        let Some(start) = entries_start(bytes) else {
+            earlier_version = true;
+            return None;
+        };
+        let at = (start..bytes.len())
+            .step_by(ENTRY_BYTES)
+            .find(|&at| bytes.get(at..at + 8) == Some(&id.to_le_bytes()[..]))?;
+        let mut e = RequestEntry::read(
+            &mut Reader(bytes.get(at..at + ENTRY_BYTES)?),
+            Layout::of(VERSION),
+        )?;
+        if e.expires_ms <= now {
+            return None;
+        }
+        change(&mut e);
+        let mut out = bytes.to_vec();
+        out.get_mut(at..at + ENTRY_BYTES)?
+            .copy_from_slice(&e.packed());
+        Some((out, ()))
+    })?;
+    if !earlier_version {
+        return Ok(written.is_some());
+    }
+    modify(store, pod, |rec| {
+        change(rec.entries.iter_mut().find(|e| e.id == id)?);
+        Some(())
+    })
+    .map(|r| r.is_some())
+}
+
+/// Where the entries of a record of this version start, from its head alone; `None` for a
+/// record of another version, or one whose size is not its entries' count says.
+fn entries_start(bytes: &[u8]) -> Option<usize> {
+    if *bytes.first()? != VERSION {
+        return None;
+    }
+    let count_at =
+        2 + if *bytes.get(1)? != 0 {
+            SNAPSHOT_BYTES
+        } else {
+            0
+        } + 4;
+    let count = bytes.get(count_at..count_at + 4)?;
+    let n = u32::from_le_bytes(count.try_into().ok()?) as usize;
+    let start = count_at + 4;
+    (n.checked_mul(ENTRY_BYTES)?.checked_add(start)? == bytes.len()).then_some(start)
 }
 
 /// Removes a request's entry, exactly once: returns it the first time, `None` after. The prompt
@@ -727,6 +821,7 @@ mod tests {
         let entry_len = (bytes.len() - head) / 2;
         // Every field packed, none past the packer's end.
         assert_eq!(entry_len, ENTRY_BYTES);
+        assert_eq!(head, 2 + SNAPSHOT_BYTES + 8, "the snapshot's size");
         for i in (0..2).rev() {
             let end = head + (i + 1) * entry_len;
             bytes.drain(end - 20..end);
@@ -993,5 +1088,63 @@ mod tests {
         assert_eq!(finish(&vm, "p", 1).unwrap(), None);
         write_snapshot(&vm, "p", Snapshot::default(), 250, &Config::default()).unwrap();
         assert_eq!(read(&vm, "p").unwrap().held_tokens(), 0);
+    }
+
+    /// An entry changed where it lies: only it, only while it lives, through a compare-and-swap;
+    /// a record of an earlier version through `modify`.
+    #[test]
+    fn an_entry_is_changed_in_place() {
+        let (host, vm) = pod_with(&[entry(1, 10), entry(2, 20), entry(3, 30)]);
+        modify(&vm, "p", |rec| {
+            rec.snapshot = Some(Snapshot {
+                capacity_tokens: 4096,
+                ..Snapshot::default()
+            });
+            rec.entries[0].expires_ms = 500;
+            Some(())
+        })
+        .unwrap();
+        let before = PodRecord::decode(&vm.get(&key("p")).unwrap().value.unwrap()).unwrap();
+        host.set_now_ms(600);
+        let grow = |e: &mut RequestEntry| {
+            e.held_tokens += 16;
+            e.output_blocks += 1;
+        };
+        assert!(modify_entry(&vm, "p", 2, grow).unwrap());
+        let after = PodRecord::decode(&vm.get(&key("p")).unwrap().value.unwrap()).unwrap();
+        let mut expect = before.clone();
+        grow(&mut expect.entries[1]);
+        assert_eq!(
+            after, expect,
+            "the one entry changed; the expired one not dropped"
+        );
+        assert_eq!(
+            read(&vm, "p").unwrap().entries.len(),
+            2,
+            "reads leave it out"
+        );
+        assert!(
+            !modify_entry(&vm, "p", 1, grow).unwrap(),
+            "expired: not renewed"
+        );
+        assert!(!modify_entry(&vm, "p", 9, grow).unwrap(), "absent");
+        assert!(!modify_entry(&vm, "q", 1, grow).unwrap(), "no record");
+        // An earlier version's record.
+        let mut bytes = after.encode();
+        bytes[0] = VERSION_WITHOUT_LEANING;
+        for i in (0..3).rev() {
+            let end = 2 + SNAPSHOT_BYTES + 8 + (i + 1) * ENTRY_BYTES;
+            bytes.drain(end - 20..end);
+        }
+        vm.set(&key("p"), &bytes, None).unwrap();
+        assert!(modify_entry(&vm, "p", 3, grow).unwrap());
+        let read_back = read(&vm, "p").unwrap();
+        assert_eq!(read_back.entries.len(), 2);
+        assert_eq!(read_back.entries[1].held_tokens, 116);
+        assert_eq!(
+            entries_start(&read_back.encode()),
+            Some(2 + SNAPSHOT_BYTES + 8)
+        );
+        assert_eq!(entries_start(&bytes), None);
     }
 }

@@ -674,8 +674,7 @@ impl Router {
             // copy of the record would still say.
             self.copies.forget(&routed.pod);
         }
-        record::modify(store, &routed.pod, |rec| {
-            let e = rec.entries.iter_mut().find(|e| e.id == routed.request)?;
+        record::modify_entry(store, &routed.pod, routed.request, |e| {
             e.output_blocks = blocks;
             // Its first token came: its prompt is computed.
             e.pending_blocks = 0;
@@ -683,9 +682,7 @@ impl Router {
             e.held_tokens = e.held_tokens.saturating_add(more);
             e.left = u32::try_from(left).unwrap_or(u32::MAX);
             e.outlook = outlook;
-            Some(())
         })
-        .map(|r| r.is_some())
     }
 
     /// The request is over, however it ended. Safe to call more than once.
