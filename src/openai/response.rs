@@ -429,6 +429,16 @@ mod tests {
         }
     }
 
+    /// Draws in `0..n` from a fixed seed, so a randomized test repeats exactly.
+    fn xorshift(mut rng: u64) -> impl FnMut(usize) -> usize {
+        move |n| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            (rng % n as u64) as usize
+        }
+    }
+
     /// The direct reading of a JSON body's usage against the reading by value, on bodies built
     /// from the fields either API writes and values of every JSON type (repeated fields, numbers
     /// out of range, nesting past serde_json's depth limit, strings that are not UTF-8, usage
@@ -476,13 +486,7 @@ mod tests {
             br"prompt\u005ftokens",
             b"\xff",
         ];
-        let mut rng = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = |n: usize| {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            (rng % n as u64) as usize
-        };
+        let mut next = xorshift(0x9e37_79b9_7f4a_7c15);
         let mut direct = 0;
         for _ in 0..20_000 {
             let mut usage = Vec::new();
@@ -588,13 +592,7 @@ mod tests {
             br#"["a",{"b":[null]}]"#,
             deep.as_bytes(),
         ];
-        let mut rng = 0x2545_f491_4f6c_dd1du64;
-        let mut next = |n: usize| {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            (rng % n as u64) as usize
-        };
+        let mut next = xorshift(0x2545_f491_4f6c_dd1d);
         let value = |next: &mut Next| {
             values[if next(3) > 0 {
                 next(4)

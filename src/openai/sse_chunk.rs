@@ -97,52 +97,43 @@ impl<'a> Cursor<'a> {
         depth: u32,
         mut member: impl FnMut(&mut Self, &'a [u8]) -> Option<()>,
     ) -> Option<()> {
-        if depth > MAX_DEPTH {
-            return None;
-        }
-        self.eat(b'{')?;
-        if self.eat(b'}').is_some() {
-            return Some(());
-        }
-        loop {
-            self.ws();
-            let (key, plain) = self.string()?;
+        self.sequence(depth, b'{', b'}', |c| {
+            c.ws();
+            let (key, plain) = c.string()?;
             if !plain {
                 return None;
             }
-            self.eat(b':')?;
-            member(self, key)?;
-            self.ws();
-            match self.peek()? {
-                b',' => self.i += 1,
-                b'}' => {
-                    self.i += 1;
-                    return Some(());
-                }
-                _ => return None,
-            }
-        }
+            c.eat(b':')?;
+            member(c, key)
+        })
     }
 
     /// An array's elements, `element` reading each.
-    fn array(
+    fn array(&mut self, depth: u32, element: impl FnMut(&mut Self) -> Option<()>) -> Option<()> {
+        self.sequence(depth, b'[', b']', element)
+    }
+
+    /// `open`, items separated by commas (each read by `item`), `close`.
+    fn sequence(
         &mut self,
         depth: u32,
-        mut element: impl FnMut(&mut Self) -> Option<()>,
+        open: u8,
+        close: u8,
+        mut item: impl FnMut(&mut Self) -> Option<()>,
     ) -> Option<()> {
         if depth > MAX_DEPTH {
             return None;
         }
-        self.eat(b'[')?;
-        if self.eat(b']').is_some() {
+        self.eat(open)?;
+        if self.eat(close).is_some() {
             return Some(());
         }
         loop {
-            element(self)?;
+            item(self)?;
             self.ws();
             match self.peek()? {
                 b',' => self.i += 1,
-                b']' => {
+                b if b == close => {
                     self.i += 1;
                     return Some(());
                 }
