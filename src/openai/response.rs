@@ -663,7 +663,11 @@ mod tests {
                     a.push(b']');
                     a
                 }
-                b"type" if next(2) > 0 => br#""response.output_text.delta""#.to_vec(),
+                b"type" => match next(4) {
+                    0 => br#""response.output_text.delt\u0061""#.to_vec(),
+                    1 => values[next(values.len())].to_vec(),
+                    _ => br#""response.output_text.delta""#.to_vec(),
+                },
                 b"usage" | b"response" if next(2) > 0 => b"null".to_vec(),
                 b"usage" => br#"{"prompt_tokens":3,"completion_tokens":1}"#.to_vec(),
                 b"response" => br#"{"usage":{"input_tokens":3,"output_tokens":1}}"#.to_vec(),

@@ -9,10 +9,11 @@
 //! else its `reasoning_content`, when not empty; and a Responses API `response.output_text.delta`
 //! event. It declines (`None`) rather than differ: wherever a chunk's shape or bytes leave any
 //! doubt that serde_json would read it alike (a `usage` or `response` that is not null, a field
-//! of interest of another type or given twice, an escaped key, a `\u` escape of a surrogate,
-//! bytes that are not UTF-8, nesting past `MAX_DEPTH`, any syntax error), and the meter then
-//! reads the chunk through serde as before. Usage, once a stream, is always read through serde.
-//! The test `pieces_are_counted_as_the_serde_reading_counts_them` holds the two to each other.
+//! of interest of another type or given twice, an escaped key or event type, a `\u` escape of a
+//! surrogate, bytes that are not UTF-8, nesting past `MAX_DEPTH`, any syntax error), and the
+//! meter then reads the chunk through serde as before. Usage, once a stream, is always read
+//! through serde. The test `pieces_are_counted_as_the_serde_reading_counts_them` holds the two to
+//! each other.
 
 /// Deeper than this is declined (serde_json's own limit is 128).
 const MAX_DEPTH: u32 = 32;
@@ -52,7 +53,11 @@ pub fn pieces(data: &[u8]) -> Option<u64> {
         match field {
             0 => count += c.choices()?,
             1 => {
+                // Compared as written: an escaped name is serde's to read.
                 let kind = c.text_or_null()?;
+                if kind.is_some_and(|k| k.contains(&b'\\')) {
+                    return None;
+                }
                 count += u64::from(kind == Some(b"response.output_text.delta".as_slice()));
             }
             // Present with a value: the serde reading takes it.
