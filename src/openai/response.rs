@@ -271,8 +271,9 @@ impl ResponseMeter {
         let before = self.streamed_tokens;
         let mut rest = bytes;
         while let Some(i) = memchr::memchr(b'\n', rest) {
-            if self.kept.is_empty() && !self.overflowed {
-                // A whole line in this piece (a chunk's usual lot): read where it lies.
+            if self.kept.is_empty() && !self.overflowed && i <= MAX_KEPT {
+                // A whole line in this piece (a chunk's usual lot): read where it lies, as it
+                // would be read kept (a longer one is skipped, as `keep` skips it).
                 self.line(&rest[..i]);
                 rest = &rest[i + 1..];
                 continue;
@@ -725,6 +726,15 @@ mod tests {
         m.feed(&vec![b'a'; MAX_KEPT + 10]);
         m.feed(b"\ndata: {\"choices\":[{\"text\":\"ok\"}]}\n");
         assert_eq!(m.streamed_tokens, 1);
+        // A line past the limit is skipped whether it comes in pieces or whole.
+        let mut long = br#"data: {"choices":[{"text":"a"}],"x":""#.to_vec();
+        long.resize(MAX_KEPT + 10, b'x');
+        long.extend_from_slice(b"\"}\ndata: {\"choices\":[{\"text\":\"ok\"}]}\n");
+        let mut whole = ResponseMeter::new(Some("text/event-stream"));
+        whole.feed(&long);
+        let mut pieces = ResponseMeter::new(Some("text/event-stream"));
+        long.chunks(4096).for_each(|p| _ = pieces.feed(p));
+        assert_eq!((whole.streamed_tokens, pieces.streamed_tokens), (1, 1));
         let mut m = ResponseMeter::new(None);
         m.feed(&vec![b' '; MAX_KEPT + 1]);
         m.feed(br#"{"usage":{"prompt_tokens":1}}"#);
