@@ -61,7 +61,7 @@ pub fn pieces(data: &[u8]) -> Option<u64> {
                 count += u64::from(kind == Some(b"response.output_text.delta".as_slice()));
             }
             // Present with a value: the serde reading takes it.
-            _ => c.literal(b"null")?,
+            _ => c.null().then_some(())?,
         }
         Some(())
     })?;
@@ -197,11 +197,14 @@ impl<'a> Cursor<'a> {
         Some((raw, plain))
     }
 
+    /// Whether a null is next (and then past it).
+    fn null(&mut self) -> bool {
+        self.literal(b"null").is_some()
+    }
+
     /// A string field of interest (its raw bytes) or null; any other value declines.
     fn text_or_null(&mut self) -> Option<Option<&'a [u8]>> {
-        self.ws();
-        if self.peek()? == b'n' {
-            self.literal(b"null")?;
+        if self.null() {
             return Some(None);
         }
         Some(Some(self.string()?.0))
@@ -226,9 +229,8 @@ impl<'a> Cursor<'a> {
                     text = c.text_or_null()?;
                     return Some(());
                 }
-                c.ws();
-                if c.peek()? == b'n' {
-                    return c.literal(b"null");
+                if c.null() {
+                    return Some(());
                 }
                 let mut seen_in_delta = [false; 2];
                 c.object(3, |c, key| {
