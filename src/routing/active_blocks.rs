@@ -46,11 +46,6 @@ impl ActiveBlocks {
             .unwrap_or(0)
     }
 
-    /// In-flight requests on the pod.
-    pub fn requests(&self, pod: &str) -> usize {
-        self.pods.get(pod).map_or(0, |p| p.requests.len())
-    }
-
     pub fn add(&mut self, pod: &str, request: u64, hashes: Vec<u64>, now: u64) {
         let p = self.pods.entry_ref(pod).or_default();
         if p.requests.contains_key(&request) {

@@ -101,28 +101,20 @@ impl Terms {
 }
 
 /// The share of a hot prefix's prefill that one request copying it to another pod pays, when
-/// `holders` of the `in_flight` requests over `pods` eligible pods hold it, on `holding` of those
-/// pods.
+/// `holders` in-flight requests hold it over `pods` eligible pods.
 ///
 /// Computing a prompt's blocks is paid once per pod, not per request: a copy of a prefix serves
-/// every later request of it that lands there, for as long as the pod keeps it, and each pays its
-/// part, `1 / (1 + shared)`. A copy on one more pod is shared by the prefix's requests beyond what
-/// the pods already holding it run at the pool's average load (`in_flight / pods` each), at most
-/// its fair part of them, `holders / (holding + 1)`. A prefix few requests share is worth keeping
-/// where it is (its next request may well be the only one), and then the copy is paid in full;
-/// one that every request carries is copied cheaply until every pod has it (counted in full, an
-/// application's 2k-token system prompt at 20 req/s stayed on six of eight pods, each running a
-/// third more sequences than round robin's, where round robin pays each pod's copy once and then
-/// balances for free). And a prefix that is one of many sharing the pool is copied at full price
-/// once its pods run their share of the load, where pricing it by its holders alone (`1 / (1 +
-/// holders / pods)`, as if its requests had the pool to themselves) discounted any prefix with a
-/// few requests in flight (cache pressure, 96 groups: prefix hits 38.6 → 39.6 %; a burst of ten
-/// groups' copies come mostly from the pending term, docs/design.md).
-pub fn copy_weight(holders: u32, holding: usize, in_flight: usize, pods: usize) -> f64 {
-    let per_pod = in_flight as f64 / pods.max(1) as f64;
-    let beyond = f64::from(holders) - holding as f64 * per_pod;
-    let shared = beyond.clamp(0.0, f64::from(holders) / (holding + 1) as f64);
-    1.0 / (1.0 + shared)
+/// every later request of it that lands there, for as long as the pod keeps it. A prefix few
+/// requests share is worth keeping where it is (its next request may well be the only one), and
+/// then the copy is paid in full; one with many requests in flight arrives fast enough to keep
+/// about `holders / pods` of them on every pod, so a copy on one more pod is shared by that many,
+/// and each pays its part: `1 / (1 + holders / pods)`. Counted in full instead, a prefix every
+/// request carries stayed on the pods that first computed it until their decode load outweighed a
+/// whole recomputation (an application's 2k-token system prompt at 20 req/s used six of eight
+/// pods, each running a third more sequences than round robin's), where round robin pays each
+/// pod's copy once and then balances for free.
+pub fn copy_weight(holders: u32, pods: usize) -> f64 {
+    1.0 / (1.0 + f64::from(holders) / pods.max(1) as f64)
 }
 
 /// What a block the pod still computes for earlier requests weighs, against one this request
@@ -314,20 +306,9 @@ mod tests {
 
     #[test]
     fn a_hot_prefixs_copy_is_shared_by_the_requests_it_will_serve() {
-        assert_eq!(
-            copy_weight(0, 0, 8, 8),
-            1.0,
-            "nobody else holds it: paid in full"
-        );
-        // Every request carries it: shared by its part on one more pod.
-        assert!((copy_weight(36, 7, 36, 8) - 1.0 / 5.5).abs() < 1e-12);
-        assert!(
-            (copy_weight(8, 1, 8, 8) - 0.2).abs() < 1e-12,
-            "7 beyond its pod, 4 its part"
-        );
-        // One of ten groups, its pod at the pool's average load: paid in full.
-        assert_eq!(copy_weight(48, 1, 475, 8), 1.0);
-        assert!((copy_weight(90, 1, 475, 8) - 1.0 / (1.0 + 90.0 - 475.0 / 8.0)).abs() < 1e-12);
+        assert_eq!(copy_weight(0, 8), 1.0, "nobody else holds it: paid in full");
+        assert_eq!(copy_weight(8, 8), 0.5);
+        assert!((copy_weight(36, 8) - 1.0 / 5.5).abs() < 1e-12);
         let w = RoutingConfig::default();
         // 100 blocks to compute, 60 of them a prefix in flight elsewhere, at a fifth each.
         let c = Candidate {

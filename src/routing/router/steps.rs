@@ -171,15 +171,11 @@ impl Router {
         let Some(&deepest) = hot.checked_sub(1).and_then(|i| hashes.get(i)) else {
             return (0, 1.0);
         };
-        let (mut holders, mut holding, mut in_flight) = (0, 0, 0);
-        for &i in indices {
-            let pod = &self.pods[i];
-            let held = self.active.holders(pod, deepest);
-            holders += held;
-            holding += usize::from(held > 0);
-            in_flight += self.active.requests(pod);
-        }
-        (hot, copy_weight(holders, holding, in_flight, indices.len()))
+        let holders: u32 = indices
+            .iter()
+            .map(|&i| self.active.holders(&self.pods[i], deepest))
+            .sum();
+        (hot, copy_weight(holders, indices.len()))
     }
 
     /// Where a prompt goes among pods within half its prefill of the best (about what its
