@@ -87,25 +87,19 @@ impl QueueRecord {
     pub fn decode(bytes: &[u8]) -> Option<QueueRecord> {
         let mut r = Reader(bytes);
         let virtual_time = r.f64()?;
-        let n = r.count(16)?;
-        let tenants = (0..n)
-            .map(|_| Some((r.u64()?, r.f64()?)))
-            .collect::<Option<Vec<_>>>()?;
-        let n = r.count(49)?;
-        let tickets = (0..n)
-            .map(|_| {
-                Some(Ticket {
-                    id: r.u64()?,
-                    vm: r.u32()?,
-                    priority: r.u32()? as i32,
-                    boosted: r.u8()? != 0,
-                    start_tag: r.f64()?,
-                    enqueued_ms: r.u64()?,
-                    deadline_ms: r.u64()?,
-                    cost: r.u64()?,
-                })
+        let tenants = r.list(16, |r| Some((r.u64()?, r.f64()?)))?;
+        let tickets = r.list(49, |r| {
+            Some(Ticket {
+                id: r.u64()?,
+                vm: r.u32()?,
+                priority: r.u32()? as i32,
+                boosted: r.u8()? != 0,
+                start_tag: r.f64()?,
+                enqueued_ms: r.u64()?,
+                deadline_ms: r.u64()?,
+                cost: r.u64()?,
             })
-            .collect::<Option<Vec<_>>>()?;
+        })?;
         let passes = if r.is_empty() {
             (0, 0)
         } else {

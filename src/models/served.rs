@@ -114,26 +114,20 @@ impl Served {
             return None;
         }
         let listed = r.u64()?;
-        let n = r.count(5)?;
-        let mut models = Vec::with_capacity(n);
         let text = |r: &mut Reader| String::from_utf8(r.bytes()?.to_vec()).ok();
-        for _ in 0..n {
-            let id = text(&mut r)?;
+        let models = r.list(5, |r| {
+            let id = text(r)?;
             let parent = match r.u8()? {
                 0 => None,
-                _ => Some(text(&mut r)?),
+                _ => Some(text(r)?),
             };
-            models.push(ServedModel { id, parent });
-        }
+            Some(ServedModel { id, parent })
+        })?;
         let lora = match r.u8()? {
             0 => None,
             _ => {
                 let (at_ms, max_lora) = (r.u64()?, r.u32()?);
-                let mut ids = || -> Option<Vec<u64>> {
-                    let n = r.count(8)?;
-                    (0..n).map(|_| r.u64()).collect()
-                };
-                let (running, waiting) = (ids()?, ids()?);
+                let (running, waiting) = (r.list(8, Reader::u64)?, r.list(8, Reader::u64)?);
                 Some(LoraState {
                     at_ms,
                     max_lora,

@@ -18,8 +18,5 @@ pub fn encode_pods(pods: &[String]) -> Vec<u8> {
 
 pub fn decode_pods(bytes: &[u8]) -> Option<Vec<String>> {
     let mut r = Reader(bytes);
-    let n = r.count(4)?;
-    (0..n)
-        .map(|_| r.bytes().and_then(|b| String::from_utf8(b.to_vec()).ok()))
-        .collect()
+    r.list(4, |r| String::from_utf8(r.bytes()?.to_vec()).ok())
 }

@@ -539,16 +539,14 @@ impl PodRecord {
             }
         };
         let finished_since_scrape = r.u32()?;
-        let n = r.count(layout.entry_bytes())?;
-        let mut entries = Vec::with_capacity(n);
-        for _ in 0..n {
-            entries.push(if version == VERSION {
+        let entries = r.list(layout.entry_bytes(), |r| {
+            if version == VERSION {
                 // An entry of this version is a fixed size: taken whole, then read field by field.
-                RequestEntry::read(&mut Reader(r.array::<ENTRY_BYTES>()?), layout)?
+                RequestEntry::read(&mut Reader(r.array::<ENTRY_BYTES>()?), layout)
             } else {
-                RequestEntry::read(&mut r, layout)?
-            });
-        }
+                RequestEntry::read(r, layout)
+            }
+        })?;
         Some(PodRecord {
             snapshot,
             finished_since_scrape,

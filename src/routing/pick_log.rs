@@ -98,8 +98,7 @@ fn event(r: &mut Reader) -> Option<Event> {
         // A dispatch logged by a module from before adapters (during a reload) had none.
         DISPATCH_WITHOUT_ADAPTER | DISPATCH => {
             let adapter = if kind == DISPATCH { r.u64()? } else { 0 };
-            let n = r.count(8)?;
-            let hashes = (0..n).map(|_| r.u64()).collect::<Option<Vec<_>>>()?;
+            let hashes = r.list(8, Reader::u64)?;
             Event::Dispatch(Dispatch {
                 pod,
                 request,

@@ -137,6 +137,22 @@ impl<'a> Reader<'a> {
         (n.saturating_mul(min_size.max(1)) <= self.0.len()).then_some(n)
     }
 
+    /// A [`count`](Self::count) of elements, each read by `item`, in a vector sized once: a
+    /// list collected through `Option` grows by doublings (a tenth of a replayed pick's
+    /// instructions went to regrowing its hashes).
+    pub fn list<T>(
+        &mut self,
+        min_size: usize,
+        mut item: impl FnMut(&mut Self) -> Option<T>,
+    ) -> Option<Vec<T>> {
+        let n = self.count(min_size)?;
+        let mut items = Vec::with_capacity(n);
+        for _ in 0..n {
+            items.push(item(self)?);
+        }
+        Some(items)
+    }
+
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
@@ -164,6 +180,27 @@ mod tests {
         let mut w = Writer::new();
         w.u32(1_000_000);
         assert_eq!(Reader(&w.0).count(8), None);
+    }
+
+    #[test]
+    fn a_list_is_read_whole_sized_once_or_not_at_all() {
+        let mut w = Writer::new();
+        w.u32(3).u64(1).u64(2).u64(3).u8(9);
+        let mut r = Reader(&w.0);
+        let list = r.list(8, Reader::u64).unwrap();
+        assert_eq!((list.as_slice(), list.capacity()), (&[1, 2, 3][..], 3));
+        assert_eq!(r.u8(), Some(9), "the reader stops after the list");
+        assert_eq!(
+            Reader(&w.0[..20]).list(8, Reader::u64),
+            None,
+            "a count past the bytes left"
+        );
+        let odd = |r: &mut Reader| r.u64().filter(|v| v % 2 == 1);
+        assert_eq!(
+            Reader(&w.0).list(8, odd),
+            None,
+            "an element that does not read"
+        );
     }
 
     #[test]
