@@ -473,9 +473,9 @@ def test_tenant_header_is_trusted_as_the_fairness_key():
     gateway's authentication, never taken from clients. Long or odd values are just hashed."""
     cfg = default_plugin_config()
     # The line strictly in its order: with backfill a request behind a head that does not fit
-    # is admitted into the room left, and the quiet request's prompt, a few characters shorter
-    # than a flood's, was once estimated a token smaller than the head's and passed three floods
-    # (a CI run: fresh ids, quiet 4th). Backfill has tests of its own; this one is about the key.
+    # is admitted into the room left, and the quiet request's prompt is a few characters shorter
+    # than a flood's, so it may fit where the head does not and pass the floods behind it (two
+    # CI runs: fresh ids, quiet 4th). Backfill has tests of its own; this one is about the key.
     cfg["admission"] = {"budgetTokens": 1000, "maxWaitMs": 20000, "backfillPasses": 0,
                         "cacheFirstPasses": 0}
     with Sim(pods=1, args=["--time-scale", "20"]) as sim, kvgate_envoy(sim.endpoints, cfg) as envoy:
