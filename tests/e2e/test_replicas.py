@@ -73,8 +73,9 @@ def test_etcd_killed_mid_run_and_restarted(pool, etcd):
     print("etcd fault:", out)
     check(sim, answers, samples, before)
     assert out["fell_back"]
-    # Requests kept finishing while etcd was down, and after it came back mid-run.
-    assert out["killed_at"] < out["finished_while_down"] < out["restarted_at"] < len(answers), out
+    # Requests kept finishing while etcd was down, and after it came back mid-run. (Not also
+    # during its start: a quick start finished none, and a CI run failed on that.)
+    assert out["killed_at"] < out["finished_while_down"] <= out["restarted_at"] < len(answers), out
     syncs = [counter(e, "replicas.syncs") for e in envoys]
     assert wait_for(lambda: all(counter(e, "replicas.in_contact") == 1 for e in envoys)
                     and all(counter(e, "replicas.syncs") > s for e, s in zip(envoys, syncs)), timeout=10)
