@@ -150,6 +150,7 @@ mod tests {
     use super::*;
     use crate::config::Config;
     use crate::flow::{Decision, RequestHead, DESTINATION_HEADER};
+    use crate::pods::scrape::Target;
     use crate::store::fake_host::{FakeHost, FakeVm};
     use hashbrown::{HashMap, HashSet};
 
@@ -283,6 +284,38 @@ mod tests {
             .iter()
             .any(|(n, v)| n == DESTINATION_HEADER && v == POD));
         assert_eq!(host.parked.values().copied().collect::<Vec<_>>(), [3]);
+    }
+
+    #[test]
+    fn a_request_sent_before_the_first_discovery_waits_for_the_pool_and_goes_to_a_pick() {
+        let vm = FakeHost::new().vm();
+        let config =
+            r#"{"discovery":{"adminCluster":"kvgate_admin"},"admission":{"budgetTokens":1000}}"#;
+        let mut gate = Gate::new(Config::parse(config.as_bytes()).unwrap(), &vm).unwrap();
+        assert_eq!(gate.tick_ms(&vm), 20, "discovery is asked for at once");
+        let mut host = Host::default();
+        assert!(matches!(
+            send(&mut gate, &vm, &mut host, 1).step,
+            Step::Park(_)
+        ));
+        let calls = gate.on_tick(&vm);
+        assert!(calls.iter().any(|c| c.target == Target::Discovery));
+        let clusters = br#"{"cluster_statuses":[{"name":"models","host_statuses":[
+            {"address":{"socket_address":{"address":"10.0.0.1","port_value":8000}}}]}]}"#;
+        gate.on_call_response(&vm, &Target::Discovery, Some(200), clusters);
+        assert!(
+            vm.dequeue(gate.wake_queue()).unwrap().is_some(),
+            "the head's VM is woken by the discovery, not a tick later"
+        );
+        run_line(&mut gate, &vm, &mut host);
+        assert_eq!(host.resumed.len(), 1);
+        assert!(host.resumed[0]
+            .1
+            .set
+            .iter()
+            .any(|(n, v)| n == DESTINATION_HEADER && v == POD));
+        assert_eq!(gate.tick_ms(&vm), crate::gate::TICK_MS);
+        assert_eq!(gate.stats.take_count(stats::ROUTED), 1);
     }
 
     #[test]

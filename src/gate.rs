@@ -18,6 +18,9 @@ use crate::store::lease;
 const LEASE_MS: u64 = 1_500;
 /// The root context's tick: lease renewal, scrapes and discovery fall due on it.
 pub const TICK_MS: u64 = 250;
+/// The tick while requests wait for the first discovery (`Router::discovering`): the pool is
+/// known a few milliseconds after the gateway starts, not a whole tick later.
+const STARTUP_TICK_MS: u64 = 20;
 
 /// Per-VM state: the parsed config, the router's replicas, caches of shared data, the scraper
 /// (active only while this VM holds the lease) and the stats waiting to be flushed.
@@ -222,6 +225,16 @@ impl Gate {
         }
     }
 
+    /// The tick this VM wants now: short while no pod is known and the first discovery is
+    /// awaited, then `TICK_MS`.
+    pub fn tick_ms(&self, store: &dyn Store) -> u64 {
+        if self.router.awaits_pool(&self.config, store.now_ms()) {
+            STARTUP_TICK_MS
+        } else {
+            TICK_MS
+        }
+    }
+
     /// This VM's number among the plugin's VMs (unique: it names its wake queue and its requests).
     pub fn vm(&self) -> u32 {
         self.router.vm()
@@ -293,6 +306,11 @@ impl Gate {
                 .on_response(store, &self.config, &mut self.stats, target, status, body)
         {
             log::warn!("kvgate: recording {target:?} failed: {e:?}");
+        }
+        // A discovered pod, a pod's first capacity, a budget the engine's feedback restored or a
+        // model list may each make room: the head of the line tries now, not at its VM's tick.
+        if let Err(e) = self.admission.wake_head(store) {
+            log::debug!("kvgate: waking the line after {target:?}: {e:?}");
         }
         Vec::new()
     }

@@ -49,6 +49,9 @@ catalog! {
     ROUTE_ERRORS = "kvgate.route.errors";
     /// Picks Envoy could not use; its retry served the request elsewhere.
     ROUTE_REROUTED = "kvgate.route.rerouted";
+    /// Requests sent on without a pick because no pod was known: Envoy's balancing chose, and
+    /// no budget held them.
+    ROUTE_UNROUTED = "kvgate.route.unrouted";
     /// Prompt blocks of routed requests.
     PREFIX_BLOCKS_TOTAL = "kvgate.prefix.blocks_total";
     /// Of those, blocks the chosen pod was believed to cache.

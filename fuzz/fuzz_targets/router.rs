@@ -51,6 +51,7 @@ fn route(
     match placed.expect("the fake host never fails") {
         Placement::Routed(routed) => (Some(routed), false),
         Placement::NoPods => (None, false),
+        Placement::Discovering => unreachable!("configured pods, no discovery: the pool is known"),
         Placement::NoRoom => (None, true),
         Placement::Uncached(pods) => {
             assert!(cached, "only route_cached says where else there is room");

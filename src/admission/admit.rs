@@ -60,7 +60,8 @@ impl Class {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Admit {
     Routed(Routed),
-    /// No pods are known yet: the request goes to Envoy's own balancing.
+    /// No pod is known, and none is being discovered: the request goes to Envoy's own
+    /// balancing.
     Unrouted,
     /// Parked until woken; the ticket is in the shared line.
     Wait(Ticket),
@@ -167,7 +168,10 @@ impl Admission {
         if !a.enabled {
             return Ok(match router.route(store, cfg, model, hashes, est)? {
                 Placement::Routed(r) => Admit::Routed(r),
-                Placement::NoPods | Placement::NoRoom | Placement::Uncached(_) => Admit::Unrouted,
+                Placement::NoPods
+                | Placement::Discovering
+                | Placement::NoRoom
+                | Placement::Uncached(_) => Admit::Unrouted,
             });
         }
         if a.mode == Mode::Observe {
@@ -186,7 +190,10 @@ impl Admission {
                     }
                     Admit::Routed(r)
                 }
-                Placement::NoPods | Placement::NoRoom | Placement::Uncached(_) => Admit::Unrouted,
+                Placement::NoPods
+                | Placement::Discovering
+                | Placement::NoRoom
+                | Placement::Uncached(_) => Admit::Unrouted,
             });
         }
         let now = store.now_ms();
@@ -227,10 +234,11 @@ impl Admission {
                     return Ok(Admit::Routed(r));
                 }
                 Placement::NoPods => return Ok(Admit::Unrouted),
-                Placement::NoRoom | Placement::Uncached(_) => {}
+                Placement::Discovering | Placement::NoRoom | Placement::Uncached(_) => {}
             }
         }
-        if class.priority < 0 {
+        // While the pool is being discovered nothing is saturated: a sheddable request waits too.
+        if class.priority < 0 && !router.discovering(store, cfg) {
             stats.count(stats::ADMISSION_SHED, 1);
             return Ok(shed(
                 "the pool is saturated and this request's priority is sheddable",
@@ -294,7 +302,7 @@ impl Admission {
         let admit = match placed {
             Placement::Routed(r) => Admit::Routed(r),
             Placement::NoPods => Admit::Unrouted,
-            Placement::NoRoom => return Ok(Err(Stay::NoRoom)),
+            Placement::Discovering | Placement::NoRoom => return Ok(Err(Stay::NoRoom)),
             Placement::Uncached(pods) => return Ok(Err(Stay::Uncached(pods))),
         };
         self.leave(store, ticket.id, true)?;
@@ -438,8 +446,11 @@ impl Admission {
     }
 
     /// Empties this VM's wake queue (one pass over the line follows, whatever the count),
-    /// keeping the earliest release time the wakes carry.
+    /// keeping the earliest release time the wakes carry, for that pass alone: a wake whose pass
+    /// admitted nobody (the room it made was too small) is not where a later admission's wait
+    /// started.
     pub fn drain_wakes(&mut self, store: &dyn Store) {
+        self.released_at = None;
         while let Ok(Some(message)) = store.dequeue(self.wake_queue) {
             if let Some(at) = crate::store::codec::Reader(&message).u64() {
                 self.released_at = Some(self.released_at.map_or(at, |t| t.min(at)));
@@ -455,6 +466,7 @@ mod tests {
 
     use super::*;
     use crate::pods::record::{self, Snapshot};
+    use crate::pods::scrape::Target;
     use crate::store::fake_host::{FakeHost, FakeVm};
 
     struct Worker {
@@ -556,6 +568,63 @@ mod tests {
 
     fn reserved(vm: &FakeVm) -> u64 {
         record::read(vm, "a:1").unwrap().held_tokens()
+    }
+
+    #[test]
+    fn a_gateway_started_under_load_holds_requests_until_its_pods_are_discovered() {
+        let mut cfg = config(100);
+        cfg.pods.clear();
+        cfg.discovery.admin_cluster = "kvgate_admin".into();
+        let mut w = worker(&FakeHost::new(), &cfg);
+        let first = waiting(w.place(&cfg, class(&cfg, None, "t"), 80));
+        // Nothing is saturated yet: a sheddable request waits too, it is not refused.
+        let batch = waiting(w.place(&cfg, class(&cfg, Some("batch"), "t"), 10));
+        assert_eq!(w.retry(&cfg, &first, 80), None, "the pool is still unknown");
+        assert_eq!(w.stats.take_count(stats::ADMISSION_SHED), 0);
+        let clusters = br#"{"cluster_statuses":[{"name":"models","host_statuses":[
+            {"address":{"socket_address":{"address":"a","port_value":1}}}]}]}"#;
+        crate::pods::scrape::Scraper::default()
+            .on_response(
+                &w.vm,
+                &cfg,
+                &mut w.stats,
+                &Target::Discovery,
+                Some(200),
+                clusters,
+            )
+            .unwrap();
+        let first = routed(w.retry(&cfg, &first, 80).unwrap());
+        assert_eq!(first.pod, "a:1");
+        assert_eq!(reserved(&w.vm), 80, "and its budget holds it");
+        assert_eq!(
+            w.retry(&cfg, &batch, 10).map(routed).map(|r| r.pod),
+            Some("a:1".into())
+        );
+    }
+
+    #[test]
+    fn a_wake_that_admitted_nobody_does_not_start_a_later_admissions_wait() {
+        let cfg = config(100);
+        let host = FakeHost::new();
+        let mut w = worker(&host, &cfg);
+        host.set_now_ms(1_000);
+        let first = routed(w.place(&cfg, class(&cfg, None, "t"), 80));
+        let t = waiting(w.place(&cfg, class(&cfg, None, "t"), 50));
+        // Woken with no room made (a scrape, a release too small): its pass admits nobody.
+        w.admission.wake_head(&w.vm).unwrap();
+        w.admission.drain_wakes(&w.vm);
+        assert_eq!(w.retry(&cfg, &t, 50), None);
+        host.set_now_ms(1_500);
+        w.router.finish(&w.vm, &first).unwrap();
+        w.admission.wake_head(&w.vm).unwrap();
+        host.set_now_ms(1_503);
+        w.admission.drain_wakes(&w.vm);
+        routed(w.retry(&cfg, &t, 50).unwrap());
+        assert_eq!(
+            w.stats.take_count(stats::ADMISSION_WAKE_LATENCY_MS_TOTAL),
+            3,
+            "from the release that made room, not the earlier wake"
+        );
     }
 
     #[test]

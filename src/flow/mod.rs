@@ -439,7 +439,10 @@ impl Flow {
                 }
                 d
             }
-            Admit::Unrouted => Decision::step(Step::Forward),
+            Admit::Unrouted => {
+                gate.stats.count(stats::ROUTE_UNROUTED, 1);
+                Decision::step(Step::Forward)
+            }
             Admit::Wait(ticket) => Decision::step(Step::Park(ticket.id)),
             Admit::Refuse(reply) => Decision::step(Step::Reply(reply)),
         }

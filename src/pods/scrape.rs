@@ -6,6 +6,7 @@
 //! their answers; the shell only sends them.
 
 use crate::config::Config;
+use crate::gate::TICK_MS;
 use crate::models::served::{self, LoraState};
 use crate::pods::metrics;
 use crate::pods::pool::{decode_pods, encode_pods, PODS_KEY};
@@ -38,11 +39,22 @@ pub enum Target {
     Etcd,
 }
 
+/// How long after a VM starts its requests may wait for the first discovery while no pod is
+/// known (`Router::discovering`): the first tick, the admin call's timeout, and the tick of one
+/// retry (a failed first discovery is tried again at the next tick, not an interval later).
+pub fn first_discovery_ms(cfg: &Config) -> u64 {
+    2 * TICK_MS + cfg.discovery.timeout_ms
+}
+
 #[derive(Default)]
 pub struct Scraper {
     next_scrape: HashMap<String, u64>,
     next_models: HashMap<String, u64>,
     next_discovery: u64,
+    /// When this scraper planned its first calls: a failed discovery is tried again at the next
+    /// tick only within `first_discovery_ms` of it, so a broken admin cluster is not called on
+    /// every tick for good.
+    first_due_ms: Option<u64>,
     in_flight: HashMap<Target, u64>,
 }
 
@@ -50,6 +62,7 @@ impl Scraper {
     /// The calls due now. A target with a call still outstanding is skipped.
     pub fn due(&mut self, cfg: &Config, pods: &[String], now: u64) -> Vec<Call> {
         let mut calls = Vec::new();
+        self.first_due_ms.get_or_insert(now);
         let d = &cfg.discovery;
         if !d.admin_cluster.is_empty()
             && now >= self.next_discovery
@@ -139,6 +152,13 @@ impl Scraper {
                     .flatten()
                 else {
                     stats.count(stats::DISCOVERY_ERRORS, 1);
+                    let starting = self
+                        .first_due_ms
+                        .is_some_and(|t| now < t.saturating_add(first_discovery_ms(cfg)));
+                    if starting && store.get(PODS_KEY)?.value.is_none() {
+                        // Requests are waiting for a first pool: try again at the next tick.
+                        self.next_discovery = now;
+                    }
                     return Ok(());
                 };
                 publish_pods(store, &pods)
@@ -320,14 +340,13 @@ pub fn parse_clusters(body: &[u8], cluster: &str) -> Option<Vec<String>> {
 }
 
 /// Writes the discovered pod set: new pods' records are created first (so no request can race
-/// their creation), departed pods' records are blanked.
+/// their creation), departed pods' records are blanked. The first set is written even when
+/// empty: the pool is then known to have no pods, and no request waits for it.
 fn publish_pods(store: &dyn Store, pods: &[String]) -> Result<(), StoreError> {
-    let old = store
-        .get(PODS_KEY)?
-        .value
-        .and_then(|b| decode_pods(&b))
-        .unwrap_or_default();
-    if old == pods {
+    let old = store.get(PODS_KEY)?.value.map(|b| decode_pods(&b));
+    let first = old.is_none();
+    let old = old.flatten().unwrap_or_default();
+    if old == pods && !first {
         return Ok(());
     }
     for p in pods.iter().filter(|p| !old.contains(p)) {
@@ -376,6 +395,8 @@ mod tests {
         assert!(s.due(&c, &c.pods, 10).is_empty(), "in flight");
         let host = FakeHost::new();
         let vm = host.vm();
+        // A pool already known: a failed discovery waits for its interval.
+        vm.set(PODS_KEY, &encode_pods(&c.pods), None).unwrap();
         let mut stats = Stats::default();
         for call in &first {
             s.on_response(&vm, &c, &mut stats, &call.target, Some(500), b"")
@@ -552,6 +573,55 @@ mod tests {
             let snap = record::read(&vm, "a:1").unwrap().snapshot.unwrap();
             assert!((snap.itl_s - pace).abs() < 1e-12, "{status:?}: {snap:?}");
         }
+    }
+
+    #[test]
+    fn a_first_discovery_that_fails_is_tried_again_at_the_next_tick_and_an_empty_one_is_published()
+    {
+        let c = cfg();
+        let vm = FakeHost::new().vm();
+        let mut s = Scraper::default();
+        let mut stats = Stats::default();
+        let discovery = |calls: Vec<Call>| calls.iter().any(|c| c.target == Target::Discovery);
+        assert!(discovery(s.due(&c, &[], 0)));
+        s.on_response(&vm, &c, &mut stats, &Target::Discovery, None, b"")
+            .unwrap();
+        assert!(
+            discovery(s.due(&c, &[], 20)),
+            "requests wait for a first pool"
+        );
+        let none = br#"{"cluster_statuses":[{"name":"models","host_statuses":[]}]}"#;
+        s.on_response(&vm, &c, &mut stats, &Target::Discovery, Some(200), none)
+            .unwrap();
+        assert_eq!(
+            vm.get(PODS_KEY)
+                .unwrap()
+                .value
+                .and_then(|b| decode_pods(&b)),
+            Some(vec![]),
+            "known to be empty: nobody waits"
+        );
+        // Once a pool is known, a failure waits for the interval.
+        assert!(!discovery(s.due(&c, &[], 40)));
+        s.on_response(&vm, &c, &mut stats, &Target::Discovery, None, b"")
+            .unwrap();
+        assert!(!discovery(s.due(&c, &[], 60)));
+        assert!(discovery(s.due(&c, &[], 20 + c.discovery.interval_ms)));
+        assert_eq!(stats.take_count(stats::DISCOVERY_ERRORS), 2);
+
+        // A discovery still failing past the start's wait (a broken admin cluster) is not
+        // called on every tick.
+        let vm = FakeHost::new().vm();
+        let mut s = Scraper::default();
+        let late = first_discovery_ms(&c);
+        assert!(discovery(s.due(&c, &[], 0)));
+        s.on_response(&vm, &c, &mut stats, &Target::Discovery, None, b"")
+            .unwrap();
+        assert!(discovery(s.due(&c, &[], late - 1)));
+        vm.host().set_now_ms(late);
+        s.on_response(&vm, &c, &mut stats, &Target::Discovery, None, b"")
+            .unwrap();
+        assert!(!discovery(s.due(&c, &[], late + 20)));
     }
 
     #[test]

@@ -9,6 +9,7 @@ use crate::estimate::reservation::Estimate;
 use crate::models::served::{adapter_id, ServedView};
 use crate::pods::pool::{decode_pods, PODS_KEY};
 use crate::pods::record::{self, PodRecord, RequestEntry};
+use crate::pods::scrape::first_discovery_ms;
 use crate::routing::active_blocks::ActiveBlocks;
 use crate::routing::adapters::{Adapters, Fit};
 use crate::routing::pick::{rank, Candidate, Rng, Scored, Terms};
@@ -48,6 +49,9 @@ pub enum Placement {
     Routed(Routed),
     /// No pods known: Envoy's own balancing decides.
     NoPods,
+    /// No pods known yet, and discovery has yet to answer for the first time
+    /// (`Router::discovering`): the request waits for the pool rather than pass its budgets.
+    Discovering,
     /// Every eligible pod's budget is full: the request must wait.
     NoRoom,
     /// Asked for a pod holding the prompt's cached prefix ([`Router::route_cached`]): only pods
@@ -156,6 +160,10 @@ pub struct Router {
     served: ServedView,
     pods: Vec<String>,
     pods_read_ms: Option<u64>,
+    /// Whether the discovered pod set has been published (`kvgate.pods` exists), as last read.
+    discovered: bool,
+    /// When this VM started: how long its requests may wait for the first discovery.
+    started_ms: u64,
     /// Each pod's prefix-cache capacity in blocks, as last read from its record: replayed picks
     /// are bounded by it too, not only this VM's own.
     capacity: HashMap<String, usize>,
@@ -194,6 +202,8 @@ impl Router {
             served: ServedView::default(),
             pods: cfg.pods.clone(),
             pods_read_ms: None,
+            discovered: false,
+            started_ms: store.now_ms(),
             capacity: HashMap::new(),
             learned_ms: None,
             routed_ms: None,
@@ -227,6 +237,28 @@ impl Router {
         &self.pods
     }
 
+    /// Whether no pod is known yet because discovery has not answered for the first time: the
+    /// gateway has just started (a restart under load sends at once), and until the pool is
+    /// known a request sent on would reach a pod outside every budget. Bounded by
+    /// `scrape::first_discovery_ms` from the VM's start, after which a pool still unknown
+    /// (discovery broken) leaves the choice to Envoy's balancing, as with no pods at all.
+    pub fn discovering(&mut self, store: &dyn Store, cfg: &Config) -> bool {
+        let now = store.now_ms();
+        self.refresh_pods(store, cfg, now);
+        self.awaits_pool(cfg, now)
+    }
+
+    /// `discovering` as this VM last read the pool.
+    pub fn awaits_pool(&self, cfg: &Config, now: u64) -> bool {
+        self.pods.is_empty() && self.waits_for_discovery(cfg, now)
+    }
+
+    fn waits_for_discovery(&self, cfg: &Config, now: u64) -> bool {
+        !cfg.discovery.admin_cluster.is_empty()
+            && !self.discovered
+            && now < self.started_ms.saturating_add(first_discovery_ms(cfg))
+    }
+
     fn refresh_pods(&mut self, store: &dyn Store, cfg: &Config, now: u64) {
         if self
             .pods_read_ms
@@ -234,18 +266,21 @@ impl Router {
         {
             return;
         }
-        self.pods_read_ms = Some(now);
         let mut pods = cfg.pods.clone();
-        if let Some(found) = store
+        let found = store
             .get(PODS_KEY)
             .ok()
             .and_then(|v| v.value)
-            .and_then(|b| decode_pods(&b))
-        {
-            for p in found {
-                if !pods.contains(&p) {
-                    pods.push(p);
-                }
+            .and_then(|b| decode_pods(&b));
+        self.discovered = found.is_some();
+        // A pool discovery has yet to publish is read again by the next request, not a second
+        // later: those requests wait for it (`discovering`).
+        if !self.waits_for_discovery(cfg, now) {
+            self.pods_read_ms = Some(now);
+        }
+        for p in found.into_iter().flatten() {
+            if !pods.contains(&p) {
+                pods.push(p);
             }
         }
         if pods != self.pods {
@@ -383,10 +418,15 @@ impl Router {
         request: (&str, &[u64], &Estimate),
         need: Room,
     ) -> Result<Placement, StoreError> {
-        self.routed_ms = Some(store.now_ms());
+        let now = store.now_ms();
+        self.routed_ms = Some(now);
         self.sync(store, cfg)?;
         if self.pods.is_empty() {
-            return Ok(Placement::NoPods);
+            return Ok(if self.waits_for_discovery(cfg, now) {
+                Placement::Discovering
+            } else {
+                Placement::NoPods
+            });
         }
         let (placement, from_copies) = self.place(store, cfg, request, false, need)?;
         if from_copies && matches!(placement, Placement::NoRoom | Placement::Uncached(_)) {
@@ -1408,6 +1448,48 @@ mod tests {
         let mut pinned = cfg.clone();
         pinned.routing.block_tokens = 64;
         assert_eq!(r.block_tokens(&pinned.routing), 64);
+    }
+
+    #[test]
+    fn until_discovery_first_answers_a_request_waits_for_the_pool_and_then_is_routed() {
+        let (vm, mut cfg, _) = router(&[]);
+        cfg.discovery.admin_cluster = "kvgate_admin".into();
+        let mut r = Router::start(&vm, &cfg).unwrap();
+        let place = |r: &mut Router| r.route(&vm, &cfg, "m", &hashes(1, 4), &est(64, 0)).unwrap();
+        assert_eq!(place(&mut r), Placement::Discovering, "started under load");
+        assert!(r.discovering(&vm, &cfg));
+        // Published within the same second: the unknown pool was not cached.
+        vm.host().advance_ms(30);
+        vm.set(PODS_KEY, &encode_pods(&["x:1".into()]), None)
+            .unwrap();
+        assert!(matches!(place(&mut r), Placement::Routed(p) if p.pod == "x:1"));
+        assert!(!r.discovering(&vm, &cfg));
+
+        // Discovery found no pod: nothing to wait for.
+        let vm = FakeHost::new().vm();
+        let mut r = Router::start(&vm, &cfg).unwrap();
+        vm.set(PODS_KEY, &encode_pods(&[]), None).unwrap();
+        assert_eq!(
+            r.route(&vm, &cfg, "m", &hashes(1, 4), &est(64, 0)).unwrap(),
+            Placement::NoPods
+        );
+
+        // Discovery never answers (a broken admin cluster): past its first wait, Envoy's
+        // balancing serves, as with no pods at all.
+        let vm = FakeHost::new().vm();
+        let mut r = Router::start(&vm, &cfg).unwrap();
+        vm.host().advance_ms(first_discovery_ms(&cfg) - 1);
+        assert!(r.discovering(&vm, &cfg));
+        vm.host().advance_ms(1);
+        assert!(!r.discovering(&vm, &cfg));
+        assert_eq!(
+            r.route(&vm, &cfg, "m", &hashes(1, 4), &est(64, 0)).unwrap(),
+            Placement::NoPods
+        );
+
+        // Without discovery no pod will appear: no wait.
+        let (vm, cfg, mut r) = router(&[]);
+        assert!(!r.discovering(&vm, &cfg));
     }
 
     #[test]

@@ -7,7 +7,7 @@ use super::http::{apply, Http, Parked};
 use crate::config::Config;
 use crate::drive::{self, Waiting};
 use crate::flow::{Decision, Flow};
-use crate::gate::{Gate, TICK_MS};
+use crate::gate::Gate;
 use crate::pods::scrape::{Call, Target};
 use hashbrown::HashMap;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -18,6 +18,8 @@ use std::rc::Rc;
 #[derive(Default)]
 pub struct Root {
     gate: Option<Rc<RefCell<Gate>>>,
+    /// The tick period last asked of the host.
+    tick_ms: u64,
     calls: HashMap<u32, Target>,
     parked: Parked,
 }
@@ -128,8 +130,9 @@ impl RootContext for Root {
         match Gate::new(config, &HostStore::default()) {
             Ok(gate) => {
                 log::info!("kvgate: configured as vm {}", gate.vm());
+                self.tick_ms = gate.tick_ms(&HostStore::default());
+                host::set_tick_period(self.tick_ms);
                 self.gate = Some(Rc::new(RefCell::new(gate)));
-                host::set_tick_period(TICK_MS);
                 true
             }
             Err(e) => {
@@ -147,6 +150,11 @@ impl RootContext for Root {
         let calls = gate.on_tick(&HostStore::default());
         self.send(&mut gate, calls);
         self.run_line(&mut gate);
+        let tick_ms = gate.tick_ms(&HostStore::default());
+        if tick_ms != self.tick_ms {
+            self.tick_ms = tick_ms;
+            host::set_tick_period(tick_ms);
+        }
     }
 
     fn on_queue_ready(&mut self, queue_id: u32) {

@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from harness import (Sim, baseline_envoy, default_plugin_config, kvgate_envoy, kvgate_gauges, request, stream,
-                     wait_for)
+from harness import (Envoy, Sim, baseline_envoy, default_plugin_config, envoy_config, free_port, kvgate_envoy,
+                     kvgate_gauges, request, stream, wait_for)
 
 from bodies import MODEL, grouped_chat, unshared_chat
 BLOCKS, BLOCK = 256, 16
@@ -105,6 +105,30 @@ def test_with_max_tokens_the_engine_never_preempts(concurrency, max_tokens, clie
         # a pod in lockstep cohorts, so about 60 % on average (the peak is the budget).
         assert used >= 0.45, used
         assert wait_for(lambda: all(v == 0 for v in kvgate_gauges(envoy, "reserved_tokens").values()), timeout=5)
+
+
+@pytest.mark.parametrize("concurrency", [1, 2, 4])
+def test_a_gateway_started_under_load_admits_from_its_first_request(concurrency):
+    """A restart behind a load balancer: 48 clients send the moment Envoy's listener opens, before
+    kvgate has discovered or scraped a pod. Every request still goes through admission (none is
+    sent on unrouted, outside every budget) and, all with max_tokens, the engine never preempts.
+    Before (2026-11-27): the pod set was unknown for the first ~1.5 s, all 48 went to Envoy's round
+    robin unadmitted, 10-11 ran on each pod where 6 fit, and the pods preempted 16-18 times."""
+    with Sim(pods=2, args=SMALL_KV) as sim:
+        cfg = envoy_config(free_port(), free_port(), sim.endpoints, default_plugin_config())
+        with Envoy(cfg, concurrency=concurrency) as envoy:
+            with ThreadPoolExecutor(48) as pool:
+                answers = list(pool.map(
+                    lambda i: stream(envoy.port, "/v1/chat/completions", unshared_chat(i, 200)), range(48)))
+            assert all(a["status"] == 200 and a["chunks"] == 200 for a in answers), \
+                [a["status"] for a in answers if a["status"] != 200]
+            stats = envoy.stats("wasmcustom.kvgate.route")
+            first = min(a["ttft"] for a in answers)
+            print(f"concurrency {concurrency}: {stats}, preemptions {preemptions(sim)}, first token {first:.3f} s")
+            assert stats.get("wasmcustom.kvgate.routed") == 48, stats
+            assert stats.get("wasmcustom.kvgate.route.unrouted", 0) == 0, stats
+            assert preemptions(sim) == 0
+            assert wait_for(lambda: all(v == 0 for v in kvgate_gauges(envoy, "reserved_tokens").values()), timeout=5)
 
 
 def test_without_max_tokens_preemptions_are_a_sliver_of_round_robins():

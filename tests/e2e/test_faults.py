@@ -255,6 +255,32 @@ def test_discovery_down_from_the_start_uses_the_static_pods():
             assert_vm_alive(envoy, vm0)
 
 
+def test_discovery_down_from_the_start_with_no_static_pods_falls_back_to_envoys_balancing():
+    """With no pod known, requests wait for the first discovery (a restart under load must not
+    send them past every budget), but only for its first wait: with the admin cluster dead they
+    are then served by Envoy's own balancing, not held until maxWaitMs."""
+    plugin = default_plugin_config()
+    plugin["pods"] = []
+    with Sim(pods=2, args=FAST) as sim:
+        cfg = envoy_config(free_port(), free_port(), sim.endpoints, plugin)
+        set_admin_cluster_port(cfg, free_port())  # nothing listens there
+        with Envoy(cfg) as envoy:
+            vm0 = vm_stats(envoy)
+            first, waited = timed(request, envoy.port, "POST", "/v1/completions", tagged_completion("first"),
+                                  timeout=10)
+            later = [timed(request, envoy.port, "POST", "/v1/completions", tagged_completion(f"later{i}"),
+                           timeout=10) for i in range(6)]
+            print(f"first answered after {waited:.2f} s; later, slowest {max(dt for _, dt in later):.2f} s; "
+                  f"unrouted {counter(envoy, 'wasmcustom.kvgate.route.unrouted')}")
+            assert first.status == 200 and all(r.status == 200 for r, _ in later)
+            # The wait is two ticks and discovery.timeoutMs (1 s) from the VM's start.
+            assert waited < 3
+            assert max(dt for _, dt in later) < 1, "past the first wait nobody waits"
+            assert counter(envoy, "wasmcustom.kvgate.route.unrouted") == 7
+            assert counter(envoy, "wasmcustom.kvgate.discovery.errors") >= 1
+            assert_vm_alive(envoy, vm0)
+
+
 def test_discovery_failing_later_keeps_the_last_known_pods():
     plugin = default_plugin_config()
     plugin["discovery"]["intervalMs"] = 300
