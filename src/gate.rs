@@ -301,16 +301,20 @@ impl Gate {
                 Vec::new()
             });
         }
-        if let Err(e) =
-            self.scraper
-                .on_response(store, &self.config, &mut self.stats, target, status, body)
+        match self
+            .scraper
+            .on_response(store, &self.config, &mut self.stats, target, status, body)
         {
-            log::warn!("kvgate: recording {target:?} failed: {e:?}");
-        }
-        // A discovered pod, a pod's first capacity, a budget the engine's feedback restored or a
-        // model list may each make room: the head of the line tries now, not at its VM's tick.
-        if let Err(e) = self.admission.wake_head(store) {
-            log::debug!("kvgate: waking the line after {target:?}: {e:?}");
+            // A pod discovered, or scraped healthy for the first time (the gateway just started,
+            // the pool grew, a pod came back): the head of the line tries now, not at its VM's
+            // tick. Other scrapes leave the line to its tick.
+            Ok(true) => {
+                if let Err(e) = self.admission.wake_head(store) {
+                    log::debug!("kvgate: waking the line after {target:?}: {e:?}");
+                }
+            }
+            Ok(false) => {}
+            Err(e) => log::warn!("kvgate: recording {target:?} failed: {e:?}"),
         }
         Vec::new()
     }

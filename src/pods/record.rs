@@ -703,16 +703,19 @@ pub fn finish(store: &dyn Store, pod: &str, id: u64) -> Result<Option<RequestEnt
 /// compared with kvgate's accounting (`feedback`).
 /// Writes a scrape's snapshot (`grace_ms`: `metrics.waitingGraceMs`), with the engine's
 /// feedback on kvgate's accounting (`feedback`, steered by `cfg`'s admission settings).
+/// Returns whether the pod was opened by it: its first healthy snapshot, or the first since it
+/// was down (a pod taking one request at a time, or none, may now take many).
 pub fn write_snapshot(
     store: &dyn Store,
     pod: &str,
     mut snapshot: Snapshot,
     grace_ms: u64,
     cfg: &Config,
-) -> Result<(), StoreError> {
+) -> Result<bool, StoreError> {
     // With several gateway replicas, the others' requests on the pod are explained too.
     let remote = crate::replicas::share::remote_tokens(store, cfg, pod);
     modify(store, pod, |rec| {
+        let opened = snapshot.healthy && rec.snapshot.is_none_or(|prev| !prev.healthy);
         if let Some(prev) = rec.snapshot {
             if snapshot.capacity_tokens == 0 {
                 snapshot.capacity_tokens = prev.capacity_tokens;
@@ -736,9 +739,9 @@ pub fn write_snapshot(
         snapshot.waiting = (snapshot.waiting - unscheduled as f64).max(0.0);
         rec.snapshot = Some(snapshot);
         rec.finished_since_scrape = 0;
-        Some(())
+        Some(opened)
     })
-    .map(|_| ())
+    .map(|opened| opened.unwrap_or(false))
 }
 
 #[cfg(test)]

@@ -41,7 +41,7 @@ pub enum Target {
 
 /// How long after a VM starts its requests may wait for the first discovery while no pod is
 /// known (`Router::discovering`): the first tick, the admin call's timeout, and the tick of one
-/// retry (a failed first discovery is tried again at the next tick, not an interval later).
+/// more try (while no pod is known discovery is asked at every tick, not an interval later).
 pub fn first_discovery_ms(cfg: &Config) -> u64 {
     2 * TICK_MS + cfg.discovery.timeout_ms
 }
@@ -51,10 +51,6 @@ pub struct Scraper {
     next_scrape: HashMap<String, u64>,
     next_models: HashMap<String, u64>,
     next_discovery: u64,
-    /// When this scraper planned its first calls: a failed discovery is tried again at the next
-    /// tick only within `first_discovery_ms` of it, so a broken admin cluster is not called on
-    /// every tick for good.
-    first_due_ms: Option<u64>,
     in_flight: HashMap<Target, u64>,
 }
 
@@ -62,13 +58,15 @@ impl Scraper {
     /// The calls due now. A target with a call still outstanding is skipped.
     pub fn due(&mut self, cfg: &Config, pods: &[String], now: u64) -> Vec<Call> {
         let mut calls = Vec::new();
-        self.first_due_ms.get_or_insert(now);
         let d = &cfg.discovery;
         if !d.admin_cluster.is_empty()
             && now >= self.next_discovery
             && !self.in_flight.contains_key(&Target::Discovery)
         {
-            self.next_discovery = now.saturating_add(d.interval_ms);
+            // While no pod is known (the gateway starting, its cluster not yet populated or
+            // empty), discovery is asked again at every tick, not an interval later.
+            let every = if pods.is_empty() { 0 } else { d.interval_ms };
+            self.next_discovery = now.saturating_add(every);
             self.in_flight
                 .insert(Target::Discovery, now.saturating_add(d.timeout_ms));
             calls.push(Call {
@@ -133,7 +131,9 @@ impl Scraper {
         self.in_flight.remove(target);
     }
 
-    /// Reads an answer (`status` None when Envoy had no response: reset, timeout, no host).
+    /// Reads an answer (`status` None when Envoy had no response: reset, timeout, no host);
+    /// returns whether it opened pods to more requests (discovered ones, or a pod's first healthy
+    /// scrape), for which waiting requests need not wait for the next tick.
     pub fn on_response(
         &mut self,
         store: &dyn Store,
@@ -142,7 +142,7 @@ impl Scraper {
         target: &Target,
         status: Option<u32>,
         body: &[u8],
-    ) -> Result<(), StoreError> {
+    ) -> Result<bool, StoreError> {
         self.in_flight.remove(target);
         let now = store.now_ms();
         match target {
@@ -152,14 +152,7 @@ impl Scraper {
                     .flatten()
                 else {
                     stats.count(stats::DISCOVERY_ERRORS, 1);
-                    let starting = self
-                        .first_due_ms
-                        .is_some_and(|t| now < t.saturating_add(first_discovery_ms(cfg)));
-                    if starting && store.get(PODS_KEY)?.value.is_none() {
-                        // Requests are waiting for a first pool: try again at the next tick.
-                        self.next_discovery = now;
-                    }
-                    return Ok(());
+                    return Ok(false);
                 };
                 publish_pods(store, &pods)
             }
@@ -171,13 +164,13 @@ impl Scraper {
                 match parsed {
                     Ok(models) => {
                         stats.count(stats::MODELS_LIST_OK, 1);
-                        served::write_list(store, pod, &models, now)
+                        served::write_list(store, pod, &models, now).map(|()| false)
                     }
                     Err(e) => {
                         // The pod keeps its last known models: a failed list is not an empty one.
                         log::debug!("kvgate: model list of {pod}: {e}");
                         stats.count(stats::MODELS_LIST_ERRORS, 1);
-                        Ok(())
+                        Ok(false)
                     }
                 }
             }
@@ -230,12 +223,12 @@ impl Scraper {
                             };
                             record::write_snapshot(store, pod, down, 0, cfg)?;
                         }
-                        Ok(())
+                        Ok(false)
                     }
                 }
             }
             // The gate hands etcd's answers to the replicas' sync.
-            Target::Etcd => Ok(()),
+            Target::Etcd => Ok(false),
         }
     }
 
@@ -340,14 +333,17 @@ pub fn parse_clusters(body: &[u8], cluster: &str) -> Option<Vec<String>> {
 }
 
 /// Writes the discovered pod set: new pods' records are created first (so no request can race
-/// their creation), departed pods' records are blanked. The first set is written even when
-/// empty: the pool is then known to have no pods, and no request waits for it.
-fn publish_pods(store: &dyn Store, pods: &[String]) -> Result<(), StoreError> {
-    let old = store.get(PODS_KEY)?.value.map(|b| decode_pods(&b));
-    let first = old.is_none();
-    let old = old.flatten().unwrap_or_default();
-    if old == pods && !first {
-        return Ok(());
+/// their creation), departed pods' records are blanked. An empty set is never the first one
+/// written: a cluster not populated yet (EDS at start) is not a pool, and the gateway's first
+/// requests wait for the first that has pods (`Router::discovering`, bounded).
+fn publish_pods(store: &dyn Store, pods: &[String]) -> Result<bool, StoreError> {
+    let old = store
+        .get(PODS_KEY)?
+        .value
+        .and_then(|b| decode_pods(&b))
+        .unwrap_or_default();
+    if old == pods {
+        return Ok(false);
     }
     for p in pods.iter().filter(|p| !old.contains(p)) {
         record::ensure(store, p)?;
@@ -356,7 +352,7 @@ fn publish_pods(store: &dyn Store, pods: &[String]) -> Result<(), StoreError> {
     for p in old.iter().filter(|p| !pods.contains(p)) {
         record::blank(store, p)?;
     }
-    Ok(())
+    Ok(pods.iter().any(|p| !old.contains(p)))
 }
 
 #[cfg(test)]
@@ -395,8 +391,6 @@ mod tests {
         assert!(s.due(&c, &c.pods, 10).is_empty(), "in flight");
         let host = FakeHost::new();
         let vm = host.vm();
-        // A pool already known: a failed discovery waits for its interval.
-        vm.set(PODS_KEY, &encode_pods(&c.pods), None).unwrap();
         let mut stats = Stats::default();
         for call in &first {
             s.on_response(&vm, &c, &mut stats, &call.target, Some(500), b"")
@@ -417,6 +411,50 @@ mod tests {
             later.contains(&Target::Models("a:1".into())) && later.len() == 3,
             "{later:?}"
         );
+    }
+
+    #[test]
+    fn a_pods_first_healthy_scrape_and_pods_discovered_open_the_line_and_nothing_else_does() {
+        let c = cfg();
+        let vm = FakeHost::new().vm();
+        let mut s = Scraper::default();
+        let mut stats = Stats::default();
+        let mut answer = |target: Target, status, body: &[u8]| {
+            s.on_response(&vm, &c, &mut stats, &target, status, body)
+                .unwrap()
+        };
+        let pod = || Target::Pod("a:1".into());
+        let page = b"vllm:num_requests_running{model_name=\"m\"} 1\n";
+        assert!(answer(pod(), Some(200), page), "its first scrape");
+        assert!(!answer(pod(), Some(200), page), "a later one");
+        assert!(!answer(pod(), None, b""), "refused: down");
+        assert!(answer(pod(), Some(200), page), "back up");
+        let doc = |hosts: &str| {
+            format!(r#"{{"cluster_statuses":[{{"name":"models","host_statuses":[{hosts}]}}]}}"#)
+        };
+        let host = |h: &str| {
+            format!(r#"{{"address":{{"socket_address":{{"address":"{h}","port_value":1}}}}}}"#)
+        };
+        let one = doc(&host("a"));
+        let two = doc(&format!("{},{}", host("a"), host("b")));
+        assert!(answer(Target::Discovery, Some(200), one.as_bytes()));
+        assert!(
+            !answer(Target::Discovery, Some(200), one.as_bytes()),
+            "no change"
+        );
+        assert!(
+            answer(Target::Discovery, Some(200), two.as_bytes()),
+            "b joined"
+        );
+        assert!(
+            !answer(Target::Discovery, Some(200), one.as_bytes()),
+            "b left"
+        );
+        assert!(!answer(
+            Target::Models("a:1".into()),
+            Some(200),
+            br#"{"data":[]}"#
+        ));
     }
 
     #[test]
@@ -576,8 +614,7 @@ mod tests {
     }
 
     #[test]
-    fn a_first_discovery_that_fails_is_tried_again_at_the_next_tick_and_an_empty_one_is_published()
-    {
+    fn while_no_pod_is_known_discovery_is_asked_at_every_tick() {
         let c = cfg();
         let vm = FakeHost::new().vm();
         let mut s = Scraper::default();
@@ -586,42 +623,32 @@ mod tests {
         assert!(discovery(s.due(&c, &[], 0)));
         s.on_response(&vm, &c, &mut stats, &Target::Discovery, None, b"")
             .unwrap();
-        assert!(
-            discovery(s.due(&c, &[], 20)),
-            "requests wait for a first pool"
-        );
+        assert!(discovery(s.due(&c, &[], 20)), "failed: asked again");
         let none = br#"{"cluster_statuses":[{"name":"models","host_statuses":[]}]}"#;
         s.on_response(&vm, &c, &mut stats, &Target::Discovery, Some(200), none)
             .unwrap();
         assert_eq!(
-            vm.get(PODS_KEY)
-                .unwrap()
-                .value
-                .and_then(|b| decode_pods(&b)),
-            Some(vec![]),
-            "known to be empty: nobody waits"
+            vm.get(PODS_KEY).unwrap().value,
+            None,
+            "a cluster not populated yet is no pool"
         );
-        // Once a pool is known, a failure waits for the interval.
-        assert!(!discovery(s.due(&c, &[], 40)));
+        assert!(discovery(s.due(&c, &[], 40)), "empty: asked again");
+        let one = br#"{"cluster_statuses":[{"name":"models","host_statuses":[
+            {"address":{"socket_address":{"address":"a","port_value":1}}}]}]}"#;
+        s.on_response(&vm, &c, &mut stats, &Target::Discovery, Some(200), one)
+            .unwrap();
+        let pods = vec!["a:1".to_string()];
+        // Once pods are known, every interval, failed or not.
+        assert!(discovery(s.due(&c, &pods, 60)), "planned while none was");
+        s.on_response(&vm, &c, &mut stats, &Target::Discovery, Some(200), one)
+            .unwrap();
+        assert!(!discovery(s.due(&c, &pods, 80)));
+        let next = 60 + c.discovery.interval_ms;
+        assert!(discovery(s.due(&c, &pods, next)));
         s.on_response(&vm, &c, &mut stats, &Target::Discovery, None, b"")
             .unwrap();
-        assert!(!discovery(s.due(&c, &[], 60)));
-        assert!(discovery(s.due(&c, &[], 20 + c.discovery.interval_ms)));
+        assert!(!discovery(s.due(&c, &pods, next + 20)));
         assert_eq!(stats.take_count(stats::DISCOVERY_ERRORS), 2);
-
-        // A discovery still failing past the start's wait (a broken admin cluster) is not
-        // called on every tick.
-        let vm = FakeHost::new().vm();
-        let mut s = Scraper::default();
-        let late = first_discovery_ms(&c);
-        assert!(discovery(s.due(&c, &[], 0)));
-        s.on_response(&vm, &c, &mut stats, &Target::Discovery, None, b"")
-            .unwrap();
-        assert!(discovery(s.due(&c, &[], late - 1)));
-        vm.host().set_now_ms(late);
-        s.on_response(&vm, &c, &mut stats, &Target::Discovery, None, b"")
-            .unwrap();
-        assert!(!discovery(s.due(&c, &[], late + 20)));
     }
 
     #[test]

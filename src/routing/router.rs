@@ -1465,7 +1465,7 @@ mod tests {
         assert!(matches!(place(&mut r), Placement::Routed(p) if p.pod == "x:1"));
         assert!(!r.discovering(&vm, &cfg));
 
-        // Discovery found no pod: nothing to wait for.
+        // Discovery found pods, then lost them all: nothing to wait for.
         let vm = FakeHost::new().vm();
         let mut r = Router::start(&vm, &cfg).unwrap();
         vm.set(PODS_KEY, &encode_pods(&[]), None).unwrap();
