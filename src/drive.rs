@@ -300,9 +300,8 @@ mod tests {
         ));
         let calls = gate.on_tick(&vm);
         assert!(calls.iter().any(|c| c.target == Target::Discovery));
-        let clusters = br#"{"cluster_statuses":[{"name":"models","host_statuses":[
-            {"address":{"socket_address":{"address":"10.0.0.1","port_value":8000}}}]}]}"#;
-        gate.on_call_response(&vm, &Target::Discovery, Some(200), clusters);
+        let clusters = crate::test_support::clusters_json(&[POD]);
+        gate.on_call_response(&vm, &Target::Discovery, Some(200), &clusters);
         assert!(
             vm.dequeue(gate.wake_queue()).unwrap().is_some(),
             "the head's VM is woken by the discovery, not a tick later"

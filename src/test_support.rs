@@ -22,6 +22,23 @@ pub fn prompt_blocks(group: u64, n: u64) -> Vec<u64> {
     (0..n).map(|i| group * 1_000_000 + i).collect()
 }
 
+/// Envoy's admin `/clusters?format=json` with the model cluster (`models`) holding `hosts`
+/// (`address:port`): what discovery reads.
+pub fn clusters_json(hosts: &[&str]) -> Vec<u8> {
+    let statuses: Vec<String> = hosts
+        .iter()
+        .map(|h| {
+            let (address, port) = h.rsplit_once(':').unwrap_or((h, "0"));
+            format!(r#"{{"address":{{"socket_address":{{"address":"{address}","port_value":{port}}}}}}}"#)
+        })
+        .collect();
+    format!(
+        r#"{{"cluster_statuses":[{{"name":"models","host_statuses":[{}]}}]}}"#,
+        statuses.join(",")
+    )
+    .into_bytes()
+}
+
 /// Two worker VMs on one host (each reaches it through `host()`).
 pub fn two_vms() -> (FakeVm, FakeVm) {
     let host = FakeHost::new();

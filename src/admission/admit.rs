@@ -581,8 +581,7 @@ mod tests {
         let batch = waiting(w.place(&cfg, class(&cfg, Some("batch"), "t"), 10));
         assert_eq!(w.retry(&cfg, &first, 80), None, "the pool is still unknown");
         assert_eq!(w.stats.take_count(stats::ADMISSION_SHED), 0);
-        let clusters = br#"{"cluster_statuses":[{"name":"models","host_statuses":[
-            {"address":{"socket_address":{"address":"a","port_value":1}}}]}]}"#;
+        let clusters = crate::test_support::clusters_json(&["a:1"]);
         crate::pods::scrape::Scraper::default()
             .on_response(
                 &w.vm,
@@ -590,7 +589,7 @@ mod tests {
                 &mut w.stats,
                 &Target::Discovery,
                 Some(200),
-                clusters,
+                &clusters,
             )
             .unwrap();
         let first = routed(w.retry(&cfg, &first, 80).unwrap());

@@ -363,6 +363,7 @@ mod tests {
     use super::*;
     use crate::pods::pace;
     use crate::store::fake_host::FakeHost;
+    use crate::test_support::clusters_json;
 
     fn cfg() -> Config {
         let mut c = crate::test_support::with_pods(&["a:1", "b:1"]);
@@ -429,27 +430,11 @@ mod tests {
         assert!(!answer(pod(), Some(200), page), "a later one");
         assert!(!answer(pod(), None, b""), "refused: down");
         assert!(answer(pod(), Some(200), page), "back up");
-        let doc = |hosts: &str| {
-            format!(r#"{{"cluster_statuses":[{{"name":"models","host_statuses":[{hosts}]}}]}}"#)
-        };
-        let host = |h: &str| {
-            format!(r#"{{"address":{{"socket_address":{{"address":"{h}","port_value":1}}}}}}"#)
-        };
-        let one = doc(&host("a"));
-        let two = doc(&format!("{},{}", host("a"), host("b")));
-        assert!(answer(Target::Discovery, Some(200), one.as_bytes()));
-        assert!(
-            !answer(Target::Discovery, Some(200), one.as_bytes()),
-            "no change"
-        );
-        assert!(
-            answer(Target::Discovery, Some(200), two.as_bytes()),
-            "b joined"
-        );
-        assert!(
-            !answer(Target::Discovery, Some(200), one.as_bytes()),
-            "b left"
-        );
+        let (one, two) = (clusters_json(&["a:1"]), clusters_json(&["a:1", "b:1"]));
+        assert!(answer(Target::Discovery, Some(200), &one));
+        assert!(!answer(Target::Discovery, Some(200), &one), "no change");
+        assert!(answer(Target::Discovery, Some(200), &two), "b joined");
+        assert!(!answer(Target::Discovery, Some(200), &one), "b left");
         assert!(!answer(
             Target::Models("a:1".into()),
             Some(200),
@@ -624,8 +609,8 @@ mod tests {
         s.on_response(&vm, &c, &mut stats, &Target::Discovery, None, b"")
             .unwrap();
         assert!(discovery(s.due(&c, &[], 20)), "failed: asked again");
-        let none = br#"{"cluster_statuses":[{"name":"models","host_statuses":[]}]}"#;
-        s.on_response(&vm, &c, &mut stats, &Target::Discovery, Some(200), none)
+        let none = clusters_json(&[]);
+        s.on_response(&vm, &c, &mut stats, &Target::Discovery, Some(200), &none)
             .unwrap();
         assert_eq!(
             vm.get(PODS_KEY).unwrap().value,
@@ -633,14 +618,13 @@ mod tests {
             "a cluster not populated yet is no pool"
         );
         assert!(discovery(s.due(&c, &[], 40)), "empty: asked again");
-        let one = br#"{"cluster_statuses":[{"name":"models","host_statuses":[
-            {"address":{"socket_address":{"address":"a","port_value":1}}}]}]}"#;
-        s.on_response(&vm, &c, &mut stats, &Target::Discovery, Some(200), one)
+        let one = clusters_json(&["a:1"]);
+        s.on_response(&vm, &c, &mut stats, &Target::Discovery, Some(200), &one)
             .unwrap();
         let pods = vec!["a:1".to_string()];
         // Once pods are known, every interval, failed or not.
         assert!(discovery(s.due(&c, &pods, 60)), "planned while none was");
-        s.on_response(&vm, &c, &mut stats, &Target::Discovery, Some(200), one)
+        s.on_response(&vm, &c, &mut stats, &Target::Discovery, Some(200), &one)
             .unwrap();
         assert!(!discovery(s.due(&c, &pods, 80)));
         let next = 60 + c.discovery.interval_ms;

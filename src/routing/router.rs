@@ -421,12 +421,11 @@ impl Router {
         let now = store.now_ms();
         self.routed_ms = Some(now);
         self.sync(store, cfg)?;
+        if self.awaits_pool(cfg, now) {
+            return Ok(Placement::Discovering);
+        }
         if self.pods.is_empty() {
-            return Ok(if self.waits_for_discovery(cfg, now) {
-                Placement::Discovering
-            } else {
-                Placement::NoPods
-            });
+            return Ok(Placement::NoPods);
         }
         let (placement, from_copies) = self.place(store, cfg, request, false, need)?;
         if from_copies && matches!(placement, Placement::NoRoom | Placement::Uncached(_)) {
