@@ -313,7 +313,8 @@ def kvgate_envoy(upstreams, plugin_config=None, concurrency=4, **kw):
 
 def stream(port, path, body, headers=None, timeout=120.0):
     """POSTs a streaming request; returns status, headers, time to first token, total time,
-    number of content chunks and the usage chunk."""
+    number of content chunks, the longest gap between two of them (`stall`) and the usage
+    chunk."""
     body = dict(body, stream=True, stream_options={"include_usage": True})
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     t0 = time.perf_counter()
@@ -323,7 +324,7 @@ def stream(port, path, body, headers=None, timeout=120.0):
         conn.request("POST", path, body=json.dumps(body).encode(), headers=hdrs)
         r = conn.getresponse()
         result = {"status": r.status, "headers": {k.lower(): v for k, v in r.getheaders()},
-                  "ttft": None, "chunks": 0, "usage": None}
+                  "ttft": None, "chunks": 0, "stall": 0.0, "usage": None}
         if r.status != 200:
             result["body"] = r.read()
             result["total"] = time.perf_counter() - t0
@@ -341,8 +342,12 @@ def stream(port, path, body, headers=None, timeout=120.0):
             for c in chunk.get("choices", []):
                 piece = c.get("text") or (c.get("delta") or {}).get("content")
                 if piece:
+                    now = time.perf_counter() - t0
                     if result["ttft"] is None:
-                        result["ttft"] = time.perf_counter() - t0
+                        result["ttft"] = now
+                    else:
+                        result["stall"] = max(result["stall"], now - last)
+                    last = now
                     result["chunks"] += 1
         result["total"] = time.perf_counter() - t0
         return result
