@@ -83,6 +83,10 @@ pub struct AdmissionConfig {
     /// How many more times a head whose only room would compute its prompt's prefix again may be
     /// passed by requests of its band whose prefix is cached where that room is.
     pub cache_first_passes: u32,
+    /// How long a request waits for room on a pod caching its prompt's prefix, when few
+    /// in-flight requests share that prefix, before it takes room where the prefix would be
+    /// computed again; 0 routes it by cost alone.
+    pub cache_wait_ms: u64,
     /// Longest wait before 503 with Retry-After.
     pub max_wait_ms: u64,
     /// Header naming the GIE inference objective, mapped to a priority by `objectives`.
@@ -114,6 +118,7 @@ impl Default for AdmissionConfig {
             max_queue: 1_000,
             backfill_passes: 4,
             cache_first_passes: 16,
+            cache_wait_ms: 100,
             max_wait_ms: 30_000,
             objective_header: "x-gateway-inference-objective".into(),
             objectives: BTreeMap::new(),
@@ -454,6 +459,9 @@ impl AdmissionConfig {
         }
         if self.cache_first_passes > 1_000 {
             return e("cacheFirstPasses", "must be at most 1000");
+        }
+        if self.cache_wait_ms > 60_000 {
+            return e("cacheWaitMs", "must be at most 60000");
         }
         if !(0.0..=10.0).contains(&self.headroom_sigmas) {
             return e("headroomSigmas", "must be in [0, 10]");

@@ -101,6 +101,7 @@ pub fn run_line(gate: &mut Gate, store: &dyn Store, waiting: &mut impl Waiting) 
     for ticket in gate.expired(store) {
         let _ = retry(gate, store, waiting, ticket, Reach::Any);
     }
+    gate.admission.set_head_waits_for_cache(false);
     for _ in 0..MAX_ADMITS {
         let Some(ticket) = gate.next_parked(store) else {
             break;
@@ -128,8 +129,20 @@ pub fn run_line(gate: &mut Gate, store: &dyn Store, waiting: &mut impl Waiting) 
                 gate.stats.count(stats::ADMISSION_CACHE_FIRST, 1);
             }
         }
-        if retry(gate, store, waiting, ticket, Reach::Any).is_err() {
-            break;
+        // Within its `admission.cacheWaitMs`, a head whose prefix few requests share waits for
+        // room where it is cached (`Router::route_patient`) rather than take room elsewhere.
+        let reach = if gate.admission.patient(ticket, store.now_ms()) {
+            Reach::Patient
+        } else {
+            Reach::Any
+        };
+        match retry(gate, store, waiting, ticket, reach) {
+            Ok(()) => {}
+            Err(Stay::Uncached(_)) => {
+                gate.admission.set_head_waits_for_cache(true);
+                break;
+            }
+            Err(Stay::NoRoom) => break,
         }
         gate.stats.count(stats::ADMISSION_UNCACHED, 1);
     }
@@ -434,7 +447,7 @@ mod tests {
         for passes in [0, 1] {
             // Room for one request a pod, not for a second of its group beside it.
             let (vm, mut gate) = two_pods(&format!(
-                r#""budgetTokens":700,"backfillPasses":0,"cacheFirstPasses":{passes}"#
+                r#""budgetTokens":700,"backfillPasses":0,"cacheFirstPasses":{passes},"cacheWaitMs":0"#
             ));
             let mut host = Host::default();
             let mut send = |gate: &mut Gate, context: u32, group: &str| {
@@ -465,6 +478,45 @@ mod tests {
             for pod in PODS {
                 assert!(held(&vm, pod) <= 700, "{pod}: {}", held(&vm, pod));
             }
+        }
+    }
+
+    #[test]
+    fn a_request_waits_for_room_where_its_prefix_is_for_cache_wait_ms_and_then_takes_room_elsewhere(
+    ) {
+        for frees in ["its own pod", "nothing"] {
+            // Room for one request a pod, not for a second of its group beside it.
+            let (vm, mut gate) = two_pods(r#""budgetTokens":700,"cacheWaitMs":100"#);
+            let mut host = Host::default();
+            let send = |gate: &mut Gate, host: &mut Host, context: u32, group: &str| {
+                send_prompt((gate, &vm, host), context, group, 60, 16)
+            };
+            let x1 = send(&mut gate, &mut host, 1, "X").expect("routed");
+            let y1 = send(&mut gate, &mut host, 2, "Y").expect("routed");
+            // y's pod frees before x's next arrives: there is room, but only as a copy of x's
+            // prefix, which one request in flight shares. It waits.
+            host.flows.get_mut(&2).unwrap().on_done(&mut gate, &vm);
+            assert_eq!(send(&mut gate, &mut host, 3, "X"), None, "x's pod is full");
+            assert_eq!(gate.stats.take_count(stats::ADMISSION_CACHE_WAITS), 1);
+            run_line(&mut gate, &vm, &mut host);
+            assert!(host.resumed.is_empty(), "{:?}", host.resumed);
+            // Nothing may wake the line as the wait ends: the tick is quick meanwhile.
+            assert_eq!(gate.tick_ms(&vm), crate::gate::QUICK_TICK_MS);
+            if frees == "its own pod" {
+                host.flows.get_mut(&1).unwrap().on_done(&mut gate, &vm);
+                run_line(&mut gate, &vm, &mut host);
+                assert_eq!(destination(&host.resumed[0].1), Some(x1.clone()), "{frees}");
+            } else {
+                vm.host().advance_ms(99);
+                run_line(&mut gate, &vm, &mut host);
+                assert!(host.resumed.is_empty(), "{:?}", host.resumed);
+                vm.host().advance_ms(1);
+                run_line(&mut gate, &vm, &mut host);
+                assert_eq!(destination(&host.resumed[0].1), Some(y1.clone()), "{frees}");
+                assert_eq!(gate.stats.take_count(stats::ADMISSION_UNCACHED), 1);
+            }
+            assert_eq!(host.resumed.len(), 1);
+            assert_eq!(gate.tick_ms(&vm), crate::gate::TICK_MS);
         }
     }
 

@@ -18,9 +18,12 @@ use crate::store::lease;
 const LEASE_MS: u64 = 1_500;
 /// The root context's tick: lease renewal, scrapes and discovery fall due on it.
 pub const TICK_MS: u64 = 250;
-/// The tick while requests wait for the first discovery (`Router::discovering`): the pool is
-/// known a few milliseconds after the gateway starts, not a whole tick later.
-const STARTUP_TICK_MS: u64 = 20;
+/// The tick while requests wait for the first discovery (`Router::discovering`), so that the
+/// pool is known a few milliseconds after the gateway starts, not a whole tick later; and while
+/// the head of the line waits for room where its prefix is cached, so that it goes elsewhere as
+/// its `admission.cacheWaitMs` ends even when no release wakes the line. Only the first case
+/// runs the periodic work at this pace (`Gate::on_tick`).
+pub const QUICK_TICK_MS: u64 = 20;
 
 /// Per-VM state: the parsed config, the router's replicas, caches of shared data, the scraper
 /// (active only while this VM holds the lease) and the stats waiting to be flushed.
@@ -32,6 +35,8 @@ pub struct Gate {
     /// Public model names' round-robin credits (`models.routes`).
     pub(crate) split: Split,
     scraper: Scraper,
+    /// When the tick's periodic work last ran.
+    upkept_ms: Option<u64>,
     /// The replicas' etcd sync, run alongside the scraper by the same elected VM.
     sync: Sync,
     pub stats: Stats,
@@ -47,6 +52,7 @@ impl Gate {
             calibration: Calibration::default(),
             split: Split::default(),
             scraper: Scraper::default(),
+            upkept_ms: None,
             sync: Sync::default(),
             stats: Stats::default(),
         })
@@ -55,6 +61,15 @@ impl Gate {
     /// Periodic work: whichever VM holds the lease plans the scrapes and discovery calls due.
     pub fn on_tick(&mut self, store: &dyn Store) -> Vec<Call> {
         let now = store.now_ms();
+        // A quick tick for the line alone (`QUICK_TICK_MS`): the rest keeps its pace.
+        if !self.router.awaits_pool(&self.config, now)
+            && self
+                .upkept_ms
+                .is_some_and(|t| now < t + TICK_MS - QUICK_TICK_MS)
+        {
+            return Vec::new();
+        }
+        self.upkept_ms = Some(now);
         if let Err(e) = self.calibration.flush(store, &self.config.estimator) {
             log::debug!("kvgate: calibration flush failed: {e:?}");
         }
@@ -226,10 +241,12 @@ impl Gate {
     }
 
     /// The tick this VM wants now: short while no pod is known and the first discovery is
-    /// awaited, then `TICK_MS`.
+    /// awaited, or while the head of the line waits for its prefix's pods; otherwise `TICK_MS`.
     pub fn tick_ms(&self, store: &dyn Store) -> u64 {
-        if self.router.awaits_pool(&self.config, store.now_ms()) {
-            STARTUP_TICK_MS
+        if self.router.awaits_pool(&self.config, store.now_ms())
+            || self.admission.head_waits_for_cache()
+        {
+            QUICK_TICK_MS
         } else {
             TICK_MS
         }

@@ -96,6 +96,7 @@ catalog! {
     // The line's cache-friendly order (`drive::run_line`).
     ADMISSION_CACHE_FIRST = "kvgate.admission.cache_first";
     ADMISSION_UNCACHED = "kvgate.admission.uncached";
+    ADMISSION_CACHE_WAITS = "kvgate.admission.cache_waits";
 
     // The estimator against the engine's `usage` (`flow`).
     ESTIMATE_PROMPT_TOKENS = "kvgate.estimate.prompt_tokens";

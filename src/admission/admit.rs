@@ -79,13 +79,25 @@ fn shed(message: &str) -> Admit {
 pub struct Admission {
     vm: u32,
     wake_queue: u32,
-    /// This VM's parked tickets and their deadlines.
-    parked: BTreeMap<u64, u64>,
+    /// This VM's parked tickets and their times.
+    parked: BTreeMap<u64, Parked>,
+    /// The head of the line is this VM's and waits for room where its prefix is cached.
+    head_waits_for_cache: bool,
     /// When each VM was last woken by this one, so a burst of releases sends one wake.
     woken: HashMap<u32, u64>,
     /// The earliest release time carried by the wakes being served: the start of the wake-up
     /// latency the next admission measures.
     released_at: Option<u64>,
+}
+
+/// One of this VM's parked tickets, as its retries need it.
+#[derive(Debug, Clone, Copy)]
+struct Parked {
+    /// When it is answered 503 (`admission.maxWaitMs` after it arrived).
+    deadline_ms: u64,
+    /// Until when it waits for room where its prompt's prefix is cached (`Reach::Patient`;
+    /// `admission.cacheWaitMs` after it arrived).
+    patient_until_ms: u64,
 }
 
 /// Parked tickets a VM looks through for backfills, at most: the line is bounded, but a worker's
@@ -103,6 +115,9 @@ pub enum Reach {
     /// Only a pod holding its prompt's cached prefix, when some pod holds half the prompt
     /// (`Router::route_cached`).
     Cached,
+    /// As `Any`, except that a prompt whose cached prefix few in-flight requests share goes
+    /// only to a pod caching it (`Router::route_patient`).
+    Patient,
 }
 
 /// Why a retried request stays in the line.
@@ -140,6 +155,7 @@ impl Admission {
             vm,
             wake_queue,
             parked: BTreeMap::new(),
+            head_waits_for_cache: false,
             woken: HashMap::new(),
             released_at: None,
         })
@@ -223,7 +239,12 @@ impl Admission {
         // Only a request that would lead the line may go straight to a pod: nobody waiting on
         // any worker is overtaken by a lower-ordered newcomer.
         if line.would_lead(&ticket) {
-            match router.route(store, cfg, model, hashes, est)? {
+            let placed = if a.cache_wait_ms > 0 {
+                router.route_patient(store, cfg, (model, hashes, est))?
+            } else {
+                router.route(store, cfg, model, hashes, est)?
+            };
+            match placed {
                 Placement::Routed(r) => {
                     // Fair-queuing tags matter only under contention: an uncontended pool skips
                     // the write to the one line every worker shares.
@@ -234,7 +255,8 @@ impl Admission {
                     return Ok(Admit::Routed(r));
                 }
                 Placement::NoPods => return Ok(Admit::Unrouted),
-                Placement::Discovering | Placement::NoRoom | Placement::Uncached(_) => {}
+                Placement::Uncached(_) => stats.count(stats::ADMISSION_CACHE_WAITS, 1),
+                Placement::Discovering | Placement::NoRoom => {}
             }
         }
         // While the pool is being discovered nothing is saturated: a sheddable request waits too.
@@ -253,7 +275,13 @@ impl Admission {
             a.max_queue as usize,
         )? {
             Ok(t) => {
-                self.parked.insert(t.id, t.deadline_ms);
+                self.parked.insert(
+                    t.id,
+                    Parked {
+                        deadline_ms: t.deadline_ms,
+                        patient_until_ms: now.saturating_add(a.cache_wait_ms),
+                    },
+                );
                 stats.count(stats::ADMISSION_QUEUED, 1);
                 if boosted {
                     stats.count(stats::ADMISSION_BOOSTED, 1);
@@ -298,6 +326,7 @@ impl Admission {
         let placed = match reach {
             Reach::Any => router.route(store, cfg, model, hashes, est)?,
             Reach::Cached => router.route_cached(store, cfg, (model, hashes, est))?,
+            Reach::Patient => router.route_patient(store, cfg, (model, hashes, est))?,
         };
         let admit = match placed {
             Placement::Routed(r) => Admit::Routed(r),
@@ -391,9 +420,27 @@ impl Admission {
     pub fn expired(&self, now: u64) -> Vec<u64> {
         self.parked
             .iter()
-            .filter(|(_, &deadline)| now >= deadline)
+            .filter(|(_, p)| now >= p.deadline_ms)
             .map(|(&id, _)| id)
             .collect()
+    }
+
+    /// Whether the parked `ticket` still waits for room where its prompt's prefix is cached
+    /// (`Reach::Patient`).
+    pub fn patient(&self, ticket: u64, now: u64) -> bool {
+        self.parked
+            .get(&ticket)
+            .is_some_and(|p| now < p.patient_until_ms)
+    }
+
+    /// The head of the line, this VM's, waits for room where its prompt's prefix is cached
+    /// (`drive::run_line`): the line must run again as that wait ends, even if nothing wakes it.
+    pub fn set_head_waits_for_cache(&mut self, waits: bool) {
+        self.head_waits_for_cache = waits;
+    }
+
+    pub fn head_waits_for_cache(&self) -> bool {
+        self.head_waits_for_cache
     }
 
     /// A parked request's client went away.

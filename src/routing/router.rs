@@ -91,6 +91,9 @@ enum Room {
     /// It must fit, on a pod holding at least half of what the pod holding most of the prompt
     /// holds (cached or held by in-flight requests), when some pod holds half the prompt.
     Cached,
+    /// As `Required`, but as `Cached` for a prompt whose cached prefix few in-flight requests
+    /// share (`Router::route_patient`).
+    Patient,
     /// Admission observes only: the best-ranked pod takes the request whatever its budget says.
     Ignored,
 }
@@ -435,6 +438,25 @@ impl Router {
         Ok(placement)
     }
 
+    /// `route`, except for a prompt some pod caches at least half of (as `route_cached` says)
+    /// while fewer in-flight requests share that prefix than there are pods: when a pod caching
+    /// it is within a whole prefill of the prompt of the cheapest pod with room, it goes only to
+    /// such a pod, and gets `Placement::Uncached` when only the others have room, so that
+    /// admission holds it for room there (`admission.cacheWaitMs`; docs/design.md, "Waiting for
+    /// the prefix's pod"). The formula prices a copy at this request's prefill, but the copy also
+    /// evicts another prompt's prefix there; ranked by it alone, the pick copied whenever the
+    /// prefix's pod was busier by more than the prefill it saves. A prefix many requests share (a
+    /// hot system prompt) is copied by cost as before: a copy there serves the requests that
+    /// follow it (`pick::copy_weight`).
+    pub fn route_patient(
+        &mut self,
+        store: &dyn Store,
+        cfg: &Config,
+        request: (&str, &[u64], &Estimate),
+    ) -> Result<Placement, StoreError> {
+        self.route_with(store, cfg, request, Room::Patient)
+    }
+
     /// Whether this VM's index has `pod` caching at least half of the prompt
     /// (`PrefixIndex::caches_half`).
     pub fn caches_half(&self, pod: &str, hashes: &[u64], now: u64) -> bool {
@@ -552,11 +574,30 @@ impl Router {
             .collect();
         let most = held.iter().copied().max().unwrap_or(0);
         let near = |k: usize| most * 2 < prompt_blocks || held[k] * 2 >= most;
+        // Fewer in-flight requests hold the prefix than there are pods (`copy_weight` above a
+        // half; 1 when none holds it), and a pod caching it costs no more than the cheapest pod
+        // with room by a whole prefill of the prompt: what a copy costs the pool beyond this
+        // request (the prefill again, and the prefix it evicts there), which the formula leaves
+        // out. A pod caching it but far busier (an engine queue only its metrics show) is no
+        // place to wait for.
+        let sticks =
+            need == Room::Patient && most * 2 >= prompt_blocks && ask.copy_weight > 0.5 && {
+                let cheapest = |keep: &dyn Fn(usize) -> bool| {
+                    ranked
+                        .iter()
+                        .filter(|s| keep(s.index))
+                        .map(|s| s.cost)
+                        .fold(f64::INFINITY, f64::min)
+                };
+                let tolerance = r.prefill_weight * prompt_blocks as f64;
+                cheapest(&|k| near(k)) <= cheapest(&|k| room(k)) + tolerance
+            };
         // A pod may take the request when it has room, or when admission only observes.
         let takes = |k: usize| match need {
             Room::Ignored => true,
             Room::Required => room(k),
             Room::Cached => near(k) && room(k),
+            Room::Patient => room(k) && (!sticks || near(k)),
         };
         // Pods without room are not offered as fallbacks either: a retry must not overfill them.
         let order: Vec<String> = ranked
@@ -672,7 +713,7 @@ impl Router {
                 from_copies,
             ));
         }
-        if need == Room::Cached {
+        if need == Room::Cached || sticks {
             let roomy: Vec<String> = (0..candidates.len())
                 .filter(|&k| !near(k) && room(k))
                 .map(|k| candidates[k].pod.to_string())
@@ -1000,6 +1041,94 @@ mod tests {
         r.finish(&vm, &again).unwrap();
         r.finish(&vm, &busy).unwrap();
         assert_eq!(total_active(&vm, &cfg), 0);
+    }
+
+    #[test]
+    fn route_patient_keeps_a_prefix_few_requests_share_on_its_pods_and_copies_a_hot_one() {
+        let e = est(192, 16);
+        let prompt = |question| [hashes(1, 6), hashes(question, 6)].concat();
+        // The group's prefix is cached on a, which runs a long request of another group: busier
+        // than the idle b by more than the prefill a saves, but by less than a whole prefill
+        // more.
+        let pool = || {
+            let (vm, cfg, mut r) = router(&["a:1", "b:1"]);
+            r.prefix.insert("a:1", &prompt(10), vm.now_ms(), 1_000);
+            let long = RequestEntry {
+                id: 1,
+                expires_ms: u64::MAX,
+                held_tokens: 1_700,
+                context_blocks: 106,
+                prompt_blocks: 106,
+                left: 16,
+                outlook: [255; crate::estimate::output_dist::HORIZON_STEPS.len()],
+                ..RequestEntry::default()
+            };
+            record::modify(&vm, "a:1", |rec| {
+                rec.entries.push(long);
+                Some(())
+            })
+            .unwrap();
+            (vm, cfg, r)
+        };
+        // By cost alone, b computes the prefix again.
+        let (vm, cfg, mut r) = pool();
+        let by_cost = r.route_m(&vm, &cfg, &prompt(11), &e);
+        assert_eq!(by_cost.pod, "b:1", "{}", by_cost.ranking);
+
+        let (vm, mut cfg, mut r) = pool();
+        let patient = |r: &mut Router, cfg: &Config, question| {
+            r.route_patient(&vm, cfg, ("m", &prompt(question)[..], &e))
+                .unwrap()
+        };
+        // Kept to the pod caching its prefix.
+        let kept = patient(&mut r, &cfg, 11).routed();
+        assert_eq!(kept.pod, "a:1", "{}", kept.ranking);
+        // With that pod full, it waits for room there rather than copy the prefix to b.
+        cfg.admission.budget_tokens = record::read(&vm, "a:1").unwrap().forecast(None, 2.0, 16);
+        assert_eq!(
+            patient(&mut r, &cfg, 12),
+            Placement::Uncached(vec!["b:1".to_string()])
+        );
+        // A prompt no pod caches goes where there is room.
+        let fresh = r
+            .route_patient(&vm, &cfg, ("m", &hashes(3, 12), &e))
+            .unwrap()
+            .routed();
+        assert_eq!(fresh.pod, "b:1", "{}", fresh.ranking);
+        for done in [&kept, &fresh] {
+            r.finish(&vm, done).unwrap();
+        }
+
+        // Nor is it kept to a pod that is busier by more than a whole prefill of the prompt.
+        let (vm, cfg, mut r) = pool();
+        record::modify(&vm, "a:1", |rec| {
+            let first = rec.entries[0];
+            rec.entries.push(RequestEntry { id: 2, ..first });
+            Some(())
+        })
+        .unwrap();
+        let far = r
+            .route_patient(&vm, &cfg, ("m", &prompt(14)[..], &e))
+            .unwrap()
+            .routed();
+        assert_eq!(far.pod, "b:1", "{}", far.ranking);
+
+        // A prefix as many in-flight requests share as there are pods is copied by cost, as
+        // `route` does: such a copy serves the requests that follow it.
+        let (vm, cfg, mut r) = pool();
+        let held: Vec<Routed> = (20..22)
+            .map(|q| {
+                r.route_patient(&vm, &cfg, ("m", &prompt(q)[..], &e))
+                    .unwrap()
+                    .routed()
+            })
+            .collect();
+        assert!(held.iter().all(|h| h.pod == "a:1"));
+        let copied = r
+            .route_patient(&vm, &cfg, ("m", &prompt(22)[..], &e))
+            .unwrap()
+            .routed();
+        assert_eq!(copied.pod, "b:1", "{}", copied.ranking);
     }
 
     #[test]
