@@ -493,15 +493,17 @@ mod tests {
             };
             let x1 = send(&mut gate, &mut host, 1, "X").expect("routed");
             let y1 = send(&mut gate, &mut host, 2, "Y").expect("routed");
+            assert_eq!(gate.retick(&vm), Some(crate::gate::TICK_MS));
             // y's pod frees before x's next arrives: there is room, but only as a copy of x's
             // prefix, which one request in flight shares. It waits.
             host.flows.get_mut(&2).unwrap().on_done(&mut gate, &vm);
             assert_eq!(send(&mut gate, &mut host, 3, "X"), None, "x's pod is full");
             assert_eq!(gate.stats.take_count(stats::ADMISSION_CACHE_WAITS), 1);
+            // Nothing may wake the line as the wait ends: the tick is quick from its arrival.
+            assert_eq!(gate.retick(&vm), Some(crate::gate::QUICK_TICK_MS));
             run_line(&mut gate, &vm, &mut host);
             assert!(host.resumed.is_empty(), "{:?}", host.resumed);
-            // Nothing may wake the line as the wait ends: the tick is quick meanwhile.
-            assert_eq!(gate.tick_ms(&vm), crate::gate::QUICK_TICK_MS);
+            assert_eq!(gate.retick(&vm), None, "still quick");
             if frees == "its own pod" {
                 host.flows.get_mut(&1).unwrap().on_done(&mut gate, &vm);
                 run_line(&mut gate, &vm, &mut host);
@@ -516,7 +518,7 @@ mod tests {
                 assert_eq!(gate.stats.take_count(stats::ADMISSION_UNCACHED), 1);
             }
             assert_eq!(host.resumed.len(), 1);
-            assert_eq!(gate.tick_ms(&vm), crate::gate::TICK_MS);
+            assert_eq!(gate.retick(&vm), Some(crate::gate::TICK_MS));
         }
     }
 

@@ -37,6 +37,8 @@ pub struct Gate {
     scraper: Scraper,
     /// When the tick's periodic work last ran.
     upkept_ms: Option<u64>,
+    /// The tick period last asked of the host (`retick`).
+    asked_tick_ms: Option<u64>,
     /// The replicas' etcd sync, run alongside the scraper by the same elected VM.
     sync: Sync,
     pub stats: Stats,
@@ -53,6 +55,7 @@ impl Gate {
             split: Split::default(),
             scraper: Scraper::default(),
             upkept_ms: None,
+            asked_tick_ms: None,
             sync: Sync::default(),
             stats: Stats::default(),
         })
@@ -242,7 +245,7 @@ impl Gate {
 
     /// The tick this VM wants now: short while no pod is known and the first discovery is
     /// awaited, or while the head of the line waits for its prefix's pods; otherwise `TICK_MS`.
-    pub fn tick_ms(&self, store: &dyn Store) -> u64 {
+    pub(crate) fn tick_ms(&self, store: &dyn Store) -> u64 {
         if self.router.awaits_pool(&self.config, store.now_ms())
             || self.admission.head_waits_for_cache()
         {
@@ -250,6 +253,17 @@ impl Gate {
         } else {
             TICK_MS
         }
+    }
+
+    /// The tick period to ask of the host now, when it differs from the one last asked: after
+    /// configuring, after each tick, and whenever the line moves or a request parks (a head that
+    /// starts waiting for its prefix's pod needs the quick tick at once, not at the next tick).
+    pub fn retick(&mut self, store: &dyn Store) -> Option<u64> {
+        let want = self.tick_ms(store);
+        (self.asked_tick_ms != Some(want)).then(|| {
+            self.asked_tick_ms = Some(want);
+            want
+        })
     }
 
     /// This VM's number among the plugin's VMs (unique: it names its wake queue and its requests).

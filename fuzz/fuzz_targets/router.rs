@@ -32,21 +32,32 @@ use std::collections::HashSet;
 
 // ---- Adapters: the kvgate APIs that are still moving, in one place. --------------------------
 
-/// `Router::route` (or, `cached`, `Router::route_cached`, as the line retries): the routed
-/// request, or `None` when it was not placed (no pods, no room, room only where its prefix is not
-/// cached). The bool says whether it was refused for lack of room anywhere.
+/// Which of the router's entry points a request goes through.
+#[derive(Clone, Copy, PartialEq)]
+enum Reach {
+    /// `Router::route`: any pod with room.
+    Any,
+    /// `Router::route_cached`, as the line retries a head.
+    Cached,
+    /// `Router::route_patient`, as admission places a request that may wait for its prefix's pod.
+    Patient,
+}
+
+/// `Router::route`, `route_cached` or `route_patient`: the routed request, or `None` when it was
+/// not placed (no pods, no room, room only where its prefix is not cached). The bool says whether
+/// it was refused for lack of room anywhere.
 fn route(
     r: &mut Router,
     vm: &FakeVm,
     cfg: &Config,
-    (hashes, cached): (Vec<u64>, bool),
+    (hashes, reach): (Vec<u64>, Reach),
     est: &Estimate,
 ) -> (Option<Routed>, bool) {
     use kvgate::routing::router::Placement;
-    let placed = if cached {
-        r.route_cached(vm, cfg, ("m", &hashes, est))
-    } else {
-        r.route(vm, cfg, "m", &hashes, est)
+    let placed = match reach {
+        Reach::Any => r.route(vm, cfg, "m", &hashes, est),
+        Reach::Cached => r.route_cached(vm, cfg, ("m", &hashes, est)),
+        Reach::Patient => r.route_patient(vm, cfg, ("m", &hashes, est)),
     };
     match placed.expect("the fake host never fails") {
         Placement::Routed(routed) => (Some(routed), false),
@@ -54,7 +65,10 @@ fn route(
         Placement::Discovering => unreachable!("configured pods, no discovery: the pool is known"),
         Placement::NoRoom => (None, true),
         Placement::Uncached(pods) => {
-            assert!(cached, "only route_cached says where else there is room");
+            assert!(
+                reach != Reach::Any,
+                "only route_cached and route_patient say where else there is room"
+            );
             assert!(!pods.is_empty(), "room elsewhere names where");
             assert!(pods.iter().all(|p| POOL.contains(&p.as_str())), "{pods:?}");
             (None, false)
@@ -409,12 +423,16 @@ impl World {
                     est.max_output_tokens = 8192;
                 }
                 let hashes = chain_hashes(path, len);
-                let cached = cost & 2 == 2;
+                let reach = match (cost >> 1) % 3 {
+                    0 => Reach::Any,
+                    1 => Reach::Cached,
+                    _ => Reach::Patient,
+                };
                 let (routed, no_room) = route(
                     &mut self.routers[v],
                     &self.vms[v],
                     &self.cfg,
-                    (hashes, cached),
+                    (hashes, reach),
                     &est,
                 );
                 if no_room {

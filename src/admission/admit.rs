@@ -255,7 +255,11 @@ impl Admission {
                     return Ok(Admit::Routed(r));
                 }
                 Placement::NoPods => return Ok(Admit::Unrouted),
-                Placement::Uncached(_) => stats.count(stats::ADMISSION_CACHE_WAITS, 1),
+                Placement::Uncached(_) => {
+                    // It leads the line, and waits for room where its prefix is.
+                    stats.count(stats::ADMISSION_CACHE_WAITS, 1);
+                    self.head_waits_for_cache = true;
+                }
                 Placement::Discovering | Placement::NoRoom => {}
             }
         }

@@ -270,8 +270,12 @@ pub fn install_logging(level: log::LevelFilter) {
     }));
 }
 
-pub fn set_tick_period(ms: u64) {
-    let _ = raw::set_tick_period_milliseconds(u32::try_from(ms).unwrap_or(u32::MAX));
+/// Asks the host for the tick the gate wants now, if it changed (`Gate::retick`). From a stream's
+/// context too: the host applies it to the VM's root context.
+pub fn retick(gate: &mut crate::gate::Gate) {
+    if let Some(ms) = gate.retick(&HostStore::default()) {
+        let _ = raw::set_tick_period_milliseconds(u32::try_from(ms).unwrap_or(u32::MAX));
+    }
 }
 
 /// Sends a GET, or a POST when `body` is given, to `cluster`; returns the callout token.

@@ -82,6 +82,8 @@ impl Http {
             self.parked
                 .borrow_mut()
                 .insert(ticket, (self.id, self.flow.clone()));
+            // A request that waits for its prefix's pod needs the quick tick from now.
+            host::retick(&mut self.gate.borrow_mut());
         }
         apply(d, false)
     }

@@ -18,8 +18,6 @@ use std::rc::Rc;
 #[derive(Default)]
 pub struct Root {
     gate: Option<Rc<RefCell<Gate>>>,
-    /// The tick period last asked of the host.
-    tick_ms: u64,
     calls: HashMap<u32, Target>,
     parked: Parked,
 }
@@ -54,6 +52,7 @@ impl Root {
     fn run_line(&self, gate: &mut Gate) {
         drive::run_line(gate, &HostStore::default(), &mut self.parked.clone());
         host::flush_stats(&mut gate.stats);
+        host::retick(gate);
     }
 }
 
@@ -128,10 +127,9 @@ impl RootContext for Root {
             }
         }
         match Gate::new(config, &HostStore::default()) {
-            Ok(gate) => {
+            Ok(mut gate) => {
                 log::info!("kvgate: configured as vm {}", gate.vm());
-                self.tick_ms = gate.tick_ms(&HostStore::default());
-                host::set_tick_period(self.tick_ms);
+                host::retick(&mut gate);
                 self.gate = Some(Rc::new(RefCell::new(gate)));
                 true
             }
@@ -150,11 +148,6 @@ impl RootContext for Root {
         let calls = gate.on_tick(&HostStore::default());
         self.send(&mut gate, calls);
         self.run_line(&mut gate);
-        let tick_ms = gate.tick_ms(&HostStore::default());
-        if tick_ms != self.tick_ms {
-            self.tick_ms = tick_ms;
-            host::set_tick_period(tick_ms);
-        }
     }
 
     fn on_queue_ready(&mut self, queue_id: u32) {

@@ -1,5 +1,6 @@
 """KV-aware routing inside a real Envoy (--concurrency 4) in front of kvgate-sim pods: prefix
-groups stick to one pod each and spread across pods, a loaded pod is avoided, clients cannot
+groups stick to one pod each and spread across pods, a group's request waits for room on its pod
+before computing its prefix elsewhere, a loaded pod is avoided, clients cannot
 steer, a dead pod is routed around, the scrape runs once per interval per pod whatever the
 worker count, predicted active blocks return to zero, and pods of two speeds learn their pace."""
 
@@ -13,7 +14,7 @@ from harness import (ROOT, Envoy, Sim, baseline_envoy, default_plugin_config, en
                      kvgate_envoy, kvgate_gauges, request, stream, wait_for)
 from robustness import pick_of
 
-from bodies import MODEL, group_chat, group_system_prompt, unshared_chat
+from bodies import MODEL, group_chat, group_system_prompt, grouped_chat, unshared_chat
 SIM_ARGS = ["--time-scale", "20"]
 # Where engine time, not proxy overhead, dominates TTFT (prefill of a 3k-token prompt ≈ 45 ms).
 REALISTIC_SIM_ARGS = ["--time-scale", "2"]
@@ -214,6 +215,55 @@ def test_pod_holding_the_prefix_but_overloaded_is_avoided():
         r = request(envoy.port, "POST", "/v1/chat/completions", group_chat(2, 1))
         assert r.status == 200
         assert int(r.headers["x-sim-pod"]) != home, "kvgate avoided the overloaded pod holding the prefix"
+
+
+def test_a_groups_request_waits_for_room_on_its_pod_before_computing_its_prefix_elsewhere():
+    """Two pods and a budget that holds one of a group's requests a pod, not a second beside it.
+    The group's first request streams on one pod when its next arrives: the other pod has room,
+    but would compute the group's 1,500-token system prompt again, which one request in flight
+    shares. The next request waits for room on its group's pod (admission.cacheWaitMs): with a
+    wait longer than the first request it goes there once the first ends and finds its prefix
+    cached; with the default 100 ms it goes to the other pod as its wait ends, not at the next
+    250 ms tick, since nothing else wakes the line meanwhile (the worker's quick tick)."""
+    first, second = grouped_chat(1, 0, 300), grouped_chat(1, 1, 300)
+
+    def envoy_with(sim, **admission):
+        cfg = default_plugin_config()
+        cfg["statusPath"] = "/kvgate/status"
+        cfg["admission"] = dict(cfg.get("admission", {}), **admission)
+        return kvgate_envoy(sim.endpoints, cfg)
+
+    def while_first_streams(envoy, then):
+        """Starts the first request, waits until kvgate has it in flight, runs `then`; returns
+        the first's answer and what `then` returned."""
+        with ThreadPoolExecutor(1) as pool:
+            f = pool.submit(stream, envoy.port, "/v1/chat/completions", first)
+            pods = wait_for(lambda: [p for p in request(envoy.port, "GET", "/kvgate/status").json()["pods"]
+                                     if p["inFlight"]], timeout=5)
+            assert pods, "the first request is in flight"
+            out = then(pods[0])
+            return f.result(), out
+
+    with Sim(pods=2, args=REALISTIC_SIM_ARGS) as sim:
+        # What the first reserves alone, as admission counts it: the budget holds it and less
+        # than the second's question and answer beside it (about 470 tokens).
+        with envoy_with(sim, budgetTokens=1_000_000) as envoy:
+            _, reserved = while_first_streams(envoy, lambda pod: pod["reservedTokens"])
+        for wait in (5_000, 100):
+            with envoy_with(sim, budgetTokens=reserved + 200, cacheWaitMs=wait) as envoy:
+                a, b = while_first_streams(envoy, lambda _: stream(envoy.port, "/v1/chat/completions", second))
+                assert a["status"] == b["status"] == 200, (a["status"], b["status"])
+                waited = int(b["headers"]["x-kvgate-queue-ms"])
+                waits = envoy.stats("wasmcustom.kvgate.admission.cache_waits")
+                print(f"cacheWaitMs {wait}: first on pod {a['headers']['x-sim-pod']}, second on pod "
+                      f"{b['headers']['x-sim-pod']} after {waited} ms (first took {a['total']:.2f} s)")
+                assert waits.get("wasmcustom.kvgate.admission.cache_waits") == 1, waits
+                if wait > 1_000:
+                    assert b["headers"]["x-sim-pod"] == a["headers"]["x-sim-pod"], "its group's pod"
+                    assert b["usage"]["prompt_tokens_details"]["cached_tokens"] >= 1_400, b["usage"]
+                else:
+                    assert b["headers"]["x-sim-pod"] != a["headers"]["x-sim-pod"], "room elsewhere"
+                    assert 100 <= waited < 200, waited
 
 
 def test_dead_pod_is_routed_around_and_nothing_hangs():
