@@ -575,22 +575,22 @@ impl Router {
         let most = held.iter().copied().max().unwrap_or(0);
         let near = |k: usize| most * 2 < prompt_blocks || held[k] * 2 >= most;
         // Fewer in-flight requests hold the prefix than there are pods (`copy_weight` above a
-        // half; 1 when none holds it), and a pod caching it costs no more than the cheapest pod
-        // with room by a whole prefill of the prompt: what a copy costs the pool beyond this
-        // request (the prefill again, and the prefix it evicts there), which the formula leaves
-        // out. A pod caching it but far busier (an engine queue only its metrics show) is no
-        // place to wait for.
+        // half; 1 when none holds it), and no pod with room is cheaper than the cheapest pod
+        // caching it by more than a whole prefill of the prompt: what a copy costs the pool
+        // beyond this request (the prefill again, and the prefix it evicts there), which the
+        // formula leaves out. A pod caching it but far busier (an engine queue only its metrics
+        // show) is no place to wait for. Only pods that much cheaper have their fit worked out.
         let sticks =
             need == Room::Patient && most * 2 >= prompt_blocks && ask.copy_weight > 0.5 && {
-                let cheapest = |keep: &dyn Fn(usize) -> bool| {
-                    ranked
-                        .iter()
-                        .filter(|s| keep(s.index))
-                        .map(|s| s.cost)
-                        .fold(f64::INFINITY, f64::min)
-                };
+                let cached = ranked
+                    .iter()
+                    .filter(|s| near(s.index))
+                    .map(|s| s.cost)
+                    .fold(f64::INFINITY, f64::min);
                 let tolerance = r.prefill_weight * prompt_blocks as f64;
-                cheapest(&|k| near(k)) <= cheapest(&|k| room(k)) + tolerance
+                !ranked
+                    .iter()
+                    .any(|s| s.cost + tolerance < cached && room(s.index))
             };
         // A pod may take the request when it has room, or when admission only observes.
         let takes = |k: usize| match need {
