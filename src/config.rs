@@ -211,6 +211,10 @@ pub struct RoutingConfig {
     /// Blocks a pod's prefix cache is assumed to hold when its metrics do not say.
     pub pod_capacity_blocks: u64,
     pub prefix_ttl_ms: u64,
+    /// Correct what the prefix index believes each pod caches from the engine's own prefix-cache
+    /// counters (`pods::index_check`): its share of the pod's capacity, and a restart's empty
+    /// cache.
+    pub index_check: bool,
     /// Prompt blocks hashed per request at most.
     pub max_prompt_blocks: u32,
     /// Cost of each prompt block the pod would have to compute.
@@ -246,6 +250,7 @@ impl Default for RoutingConfig {
             chars_per_block_token: 4.0,
             pod_capacity_blocks: 8_192,
             prefix_ttl_ms: 600_000,
+            index_check: true,
             max_prompt_blocks: 2_048,
             prefill_weight: 2.0,
             decode_weight: 0.2,

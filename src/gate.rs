@@ -203,6 +203,14 @@ impl Gate {
                     stats::pod_stat(pod, stats::POD_RELIEF_PERCENT),
                     (s.relief * 100.0).round() as u64,
                 );
+                self.stats.gauge(
+                    stats::pod_stat(pod, stats::POD_INDEX_CAPACITY_PERCENT),
+                    (s.index_share() * 100.0).round() as u64,
+                );
+                self.stats.gauge(
+                    stats::pod_stat(pod, stats::POD_ENGINE_RESTARTS),
+                    u64::from(s.engine_restarts),
+                );
             }
             let budget =
                 crate::admission::budget::budget_tokens(&self.config, rec.snapshot.as_ref());

@@ -165,6 +165,10 @@ catalog! {
     /// cached: against the engine's counters, how right the prefix index is.
     POD_PREFIX_BLOCKS_TOTAL = "prefix_blocks_total";
     POD_PREFIX_BLOCKS_MATCHED = "prefix_blocks_matched";
+    /// The share of the pod's capacity its prefix index holds, in percent, and the engine
+    /// restarts seen, both from the engine's prefix-cache counters (`pods::index_check`).
+    POD_INDEX_CAPACITY_PERCENT = "index_capacity_percent";
+    POD_ENGINE_RESTARTS = "engine_restarts";
     /// The factor the pick scales the pod's time costs by, learned from its inter-token latency
     /// against the pool's (`pods::pace`), in percent: 100 is the pool's pace or unknown.
     POD_COST_FACTOR_PERCENT = "cost_factor_percent";

@@ -9,16 +9,22 @@
 use crate::admission::forecast::{peak, Load};
 use crate::config::{Config, MetricsConfig};
 use crate::estimate::output_dist::{Outlook, HORIZON_STEPS};
+use crate::pods::index_check::HitTotals;
 use crate::pods::metrics::ItlTotals;
 use crate::pods::pace::Pace;
 use crate::store::codec::{Packer, Reader, Writer};
 use crate::store::interface::{create_if_missing, update_from, Store, StoreError, Versioned};
 
-const VERSION: u8 = 8;
+const VERSION: u8 = 9;
 /// An entry's size in this version's records.
 const ENTRY_BYTES: usize = 77 + HORIZON_STEPS.len();
 /// A snapshot's size in this version's records.
-const SNAPSHOT_BYTES: usize = 118;
+const SNAPSHOT_BYTES: usize = 186;
+/// The record's [`Tally`]'s size, between its snapshot and its entries.
+const TALLY_BYTES: usize = 24;
+/// Records written before they carried what the engine's prefix-cache counters say of the index
+/// (`index_check`): read with no tally, no baseline and the index's whole share.
+const VERSION_WITHOUT_INDEX_CHECK: u8 = 8;
 /// Records written before entries said which entry counts the prefix they share (`leans_on`):
 /// read as sharing none.
 const VERSION_WITHOUT_LEANING: u8 = 7;
@@ -58,7 +64,7 @@ impl Layout {
             outlook: version >= VERSION_WITHOUT_SPREAD,
             spread: version >= VERSION_WITHOUT_PENDING,
             pending: version >= VERSION_WITHOUT_PACE,
-            leaning: version >= VERSION,
+            leaning: version > VERSION_WITHOUT_LEANING,
         }
     }
 
@@ -114,6 +120,49 @@ pub struct Snapshot {
     /// When a scrape interval last moved `itl_s` (that scrape's `at_ms`): a pace without fresh
     /// samples fades (`pace::kept`).
     pub itl_at_ms: u64,
+    /// The engine's prefix-cache counters (and the record's tally) at the scrape that opened the
+    /// interval `index_check` compares next; from the scraper, the counters just read.
+    pub hit_totals: Option<HitTotals>,
+    /// The share of the pod's capacity the prefix index leaves out, from the engine's counters
+    /// (`index_check`): 0 normally, so that a snapshot with nothing known keeps all of it.
+    pub index_cut: f64,
+    /// How many times the engine's counters were seen to start again (`index_check`): each
+    /// VM forgets what it believed the pod cached when this moves.
+    pub engine_restarts: u32,
+    /// The engine's prefix-cache (hits, queries) at the last scrape that had them: against the
+    /// next, whether it restarted (`index_check`).
+    pub hit_counts: Option<(f64, f64)>,
+}
+
+impl Snapshot {
+    /// The share of the pod's capacity the prefix index holds (`index_check`).
+    pub fn index_share(&self) -> f64 {
+        1.0 - self
+            .index_cut
+            .clamp(0.0, 1.0 - crate::pods::index_check::MIN_SHARE)
+    }
+}
+
+/// What kvgate believed of the prompts it routed to the pod, summed since the record was made:
+/// against the engine's prefix-cache counters, how right the prefix index is (`index_check`).
+/// Added to in the compare-and-swap that reserves each request, so every worker's count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Tally {
+    pub requests: u64,
+    /// Prompt blocks the pod was believed to cache when each request was routed there.
+    pub believed_blocks: u64,
+    /// The prompts' blocks.
+    pub sent_blocks: u64,
+}
+
+impl Tally {
+    pub fn add(&mut self, believed_blocks: u64, sent_blocks: u64) {
+        self.requests = self.requests.wrapping_add(1);
+        self.believed_blocks = self
+            .believed_blocks
+            .wrapping_add(believed_blocks.min(sent_blocks));
+        self.sent_blocks = self.sent_blocks.wrapping_add(sent_blocks);
+    }
 }
 
 /// One in-flight request's entry in the pod's record: what it holds there and until when.
@@ -251,6 +300,7 @@ pub struct PodRecord {
     pub snapshot: Option<Snapshot>,
     /// Requests that finished since the snapshot was taken.
     pub finished_since_scrape: u32,
+    pub tally: Tally,
     pub entries: Vec<RequestEntry>,
 }
 
@@ -481,13 +531,24 @@ impl PodRecord {
                     .f64(totals.count)
                     .f64(s.itl_s)
                     .u64(s.itl_at_ms);
+                let hits = s.hit_totals.unwrap_or(HitTotals {
+                    hits: f64::NAN,
+                    queries: f64::NAN,
+                    tally: Tally::default(),
+                });
+                w.f64(hits.hits).f64(hits.queries);
+                write_tally(&mut w, hits.tally);
+                w.f64(s.index_cut).u32(s.engine_restarts);
+                let (hits, queries) = s.hit_counts.unwrap_or((f64::NAN, f64::NAN));
+                w.f64(hits).f64(queries);
             }
             None => {
                 w.u8(0);
             }
         }
-        w.u32(self.finished_since_scrape)
-            .u32(self.entries.len() as u32);
+        w.u32(self.finished_since_scrape);
+        write_tally(&mut w, self.tally);
+        w.u32(self.entries.len() as u32);
         for e in &self.entries {
             w.0.extend_from_slice(&e.packed());
         }
@@ -504,6 +565,7 @@ impl PodRecord {
         let layout = Layout::of(version);
         let has_pace = version >= VERSION_WITHOUT_PACE_AGE;
         let has_pace_age = version >= VERSION_WITHOUT_LEANING;
+        let has_check = version > VERSION_WITHOUT_INDEX_CHECK;
         let snapshot = match r.u8()? {
             0 => None,
             _ => {
@@ -535,10 +597,29 @@ impl PodRecord {
                     s.itl_s = r.f64()?;
                     s.itl_at_ms = if has_pace_age { r.u64()? } else { s.at_ms };
                 }
+                if has_check {
+                    let (hits, queries) = (r.f64()?, r.f64()?);
+                    let tally = read_tally(&mut r)?;
+                    s.hit_totals = (hits.is_finite() && queries.is_finite()).then_some(HitTotals {
+                        hits,
+                        queries,
+                        tally,
+                    });
+                    s.index_cut = r.f64()?;
+                    s.engine_restarts = r.u32()?;
+                    let (hits, queries) = (r.f64()?, r.f64()?);
+                    s.hit_counts =
+                        (hits.is_finite() && queries.is_finite()).then_some((hits, queries));
+                }
                 Some(s)
             }
         };
         let finished_since_scrape = r.u32()?;
+        let tally = if has_check {
+            read_tally(&mut r)?
+        } else {
+            Tally::default()
+        };
         let entries = r.list(layout.entry_bytes(), |r| {
             if version == VERSION {
                 // An entry of this version is a fixed size: taken whole, then read field by field.
@@ -550,9 +631,22 @@ impl PodRecord {
         Some(PodRecord {
             snapshot,
             finished_since_scrape,
+            tally,
             entries,
         })
     }
+}
+
+fn write_tally(w: &mut Writer, t: Tally) {
+    w.u64(t.requests).u64(t.believed_blocks).u64(t.sent_blocks);
+}
+
+fn read_tally(r: &mut Reader) -> Option<Tally> {
+    Some(Tally {
+        requests: r.u64()?,
+        believed_blocks: r.u64()?,
+        sent_blocks: r.u64()?,
+    })
 }
 
 /// Reads a pod's record; expired entries are left out (they are dropped from storage on the next
@@ -677,7 +771,8 @@ fn entries_start(bytes: &[u8]) -> Option<usize> {
             SNAPSHOT_BYTES
         } else {
             0
-        } + 4;
+        } + 4
+            + TALLY_BYTES;
     let count = bytes.get(count_at..count_at + 4)?;
     let n = u32::from_le_bytes(count.try_into().ok()?) as usize;
     let start = count_at + 4;
@@ -737,6 +832,14 @@ pub fn write_snapshot(
             .filter(|e| e.dispatched_ms >= since)
             .count();
         snapshot.waiting = (snapshot.waiting - unscheduled as f64).max(0.0);
+        // After kvgate's own requests not yet scheduled are taken off the waiting: those the
+        // engine looks up once, at its next step.
+        crate::pods::index_check::follow(
+            rec.snapshot.as_ref(),
+            &mut snapshot,
+            rec.tally,
+            cfg.routing.index_check,
+        );
         rec.snapshot = Some(snapshot);
         rec.finished_since_scrape = 0;
         Some(opened)
@@ -764,6 +867,23 @@ mod tests {
         }
     }
 
+    /// The snapshot's part written by `index_check`: the engine's counters and their tally at
+    /// the interval's start, the cut, the restarts and the last scrape's counters.
+    const CHECK_BYTES: usize = 68;
+
+    /// A record of this version as a module before `index_check` wrote it.
+    fn without_index_check(bytes: &[u8]) -> Vec<u8> {
+        let mut b = bytes.to_vec();
+        b[0] = VERSION_WITHOUT_INDEX_CHECK;
+        let snapshot = if b[1] != 0 { SNAPSHOT_BYTES } else { 0 };
+        let tally_at = 2 + snapshot + 4;
+        b.drain(tally_at..tally_at + TALLY_BYTES);
+        if snapshot > 0 {
+            b.drain(2 + SNAPSHOT_BYTES - CHECK_BYTES..2 + SNAPSHOT_BYTES);
+        }
+        b
+    }
+
     #[test]
     fn round_trips_and_rejects_garbage() {
         let rec = PodRecord {
@@ -787,8 +907,25 @@ mod tests {
                 }),
                 itl_s: 0.014,
                 itl_at_ms: 3,
+                hit_totals: Some(HitTotals {
+                    hits: 300.0,
+                    queries: 1_000.0,
+                    tally: Tally {
+                        requests: 4,
+                        believed_blocks: 10,
+                        sent_blocks: 30,
+                    },
+                }),
+                index_cut: 0.25,
+                engine_restarts: 2,
+                hit_counts: Some((310.0, 1_020.0)),
             }),
             finished_since_scrape: 3,
+            tally: Tally {
+                requests: 9,
+                believed_blocks: 20,
+                sent_blocks: 70,
+            },
             entries: vec![
                 entry(1, 4),
                 RequestEntry {
@@ -809,20 +946,47 @@ mod tests {
         assert_eq!(back.entries, rec.entries);
         let pace = |r: &PodRecord| r.snapshot.map(|s| (s.itl_totals, s.itl_s, s.itl_at_ms));
         assert_eq!(pace(&back), pace(&rec));
-        // The same record as a module before entries leaned on a holder wrote it: each entry less
-        // its last 20 bytes, read as sharing nothing.
-        let head = PodRecord {
+        let check = |r: &PodRecord| {
+            r.snapshot.map(|s| {
+                (
+                    s.hit_totals,
+                    s.index_cut,
+                    s.engine_restarts,
+                    s.hit_counts,
+                    r.tally,
+                )
+            })
+        };
+        assert_eq!(check(&back), check(&rec));
+        let full_head = PodRecord {
             entries: Vec::new(),
             ..rec.clone()
         }
         .encode()
         .len();
-        let mut bytes = rec.encode();
+        assert_eq!(
+            full_head,
+            2 + SNAPSHOT_BYTES + 8 + TALLY_BYTES,
+            "the snapshot's size"
+        );
+        // As a module before the index check wrote it: read with none of it.
+        let eight = without_index_check(&rec.encode());
+        let read = PodRecord::decode(&eight).unwrap();
+        assert_eq!(read.entries, rec.entries);
+        assert_eq!(pace(&read), pace(&rec));
+        assert_eq!(
+            check(&read),
+            Some((None, 0.0, 0, None, Tally::default())),
+            "nothing known of the index"
+        );
+        // The same record as a module before entries leaned on a holder wrote it: each entry less
+        // its last 20 bytes, read as sharing nothing.
+        let head = full_head - CHECK_BYTES - TALLY_BYTES;
+        let mut bytes = eight;
         bytes[0] = VERSION_WITHOUT_LEANING;
         let entry_len = (bytes.len() - head) / 2;
         // Every field packed, none past the packer's end.
         assert_eq!(entry_len, ENTRY_BYTES);
-        assert_eq!(head, 2 + SNAPSHOT_BYTES + 8, "the snapshot's size");
         for i in (0..2).rev() {
             let end = head + (i + 1) * entry_len;
             bytes.drain(end - 20..end);
@@ -1131,10 +1295,10 @@ mod tests {
         assert!(!modify_entry(&vm, "p", 9, grow).unwrap(), "absent");
         assert!(!modify_entry(&vm, "q", 1, grow).unwrap(), "no record");
         // An earlier version's record.
-        let mut bytes = after.encode();
+        let mut bytes = without_index_check(&after.encode());
         bytes[0] = VERSION_WITHOUT_LEANING;
         for i in (0..3).rev() {
-            let end = 2 + SNAPSHOT_BYTES + 8 + (i + 1) * ENTRY_BYTES;
+            let end = 2 + SNAPSHOT_BYTES - CHECK_BYTES + 8 + (i + 1) * ENTRY_BYTES;
             bytes.drain(end - 20..end);
         }
         vm.set(&key("p"), &bytes, None).unwrap();
@@ -1144,7 +1308,7 @@ mod tests {
         assert_eq!(read_back.entries[1].held_tokens, 116);
         assert_eq!(
             entries_start(&read_back.encode()),
-            Some(2 + SNAPSHOT_BYTES + 8)
+            Some(2 + SNAPSHOT_BYTES + 8 + TALLY_BYTES)
         );
         assert_eq!(entries_start(&bytes), None);
     }

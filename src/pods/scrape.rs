@@ -8,9 +8,10 @@
 use crate::config::Config;
 use crate::gate::TICK_MS;
 use crate::models::served::{self, LoraState};
+use crate::pods::index_check::HitTotals;
 use crate::pods::metrics;
 use crate::pods::pool::{decode_pods, encode_pods, PODS_KEY};
-use crate::pods::record::{self, Snapshot};
+use crate::pods::record::{self, Snapshot, Tally};
 use crate::stats::{self, Stats};
 use crate::store::interface::{Store, StoreError};
 use hashbrown::HashMap;
@@ -200,6 +201,7 @@ impl Scraper {
                             no_prefix_caching: m.no_prefix_caching,
                             preemptions: m.preemptions.unwrap_or(f64::NAN),
                             itl_totals: m.itl,
+                            hit_totals: hit_totals(&m),
                             ..Snapshot::default()
                         };
                         record::write_snapshot(
@@ -260,6 +262,23 @@ fn engine_gauges(stats: &mut Stats, pod: &str, m: &metrics::PodMetrics) {
         if let Some(v) = value.filter(|v| v.is_finite() && *v >= 0.0) {
             stats.gauge(stats::pod_stat(pod, stat), v.round() as u64);
         }
+    }
+}
+
+/// The engine's prefix-cache counters, when the page has both (`index_check` completes the
+/// baseline with the record's tally).
+fn hit_totals(m: &metrics::PodMetrics) -> Option<HitTotals> {
+    match (m.prefix_cache_hits, m.prefix_cache_queries) {
+        (Some(hits), Some(queries))
+            if hits.is_finite() && queries.is_finite() && hits >= 0.0 && queries >= 0.0 =>
+        {
+            Some(HitTotals {
+                hits,
+                queries,
+                tally: Tally::default(),
+            })
+        }
+        _ => None,
     }
 }
 
@@ -523,6 +542,13 @@ mod tests {
                 "{name}: {gauges:?}"
             );
         }
+        // And into the record, the baseline `index_check` compares the next scrape's with.
+        let totals = record::read(&vm, "a:1")
+            .unwrap()
+            .snapshot
+            .and_then(|s| s.hit_totals)
+            .map(|t| (t.hits, t.queries));
+        assert_eq!(totals, Some((987_648.0, 1_234_567.0)));
     }
 
     #[test]

@@ -244,6 +244,14 @@ impl PrefixIndex {
         (ms >= now.saturating_sub(self.ttl_ms)).then_some(ms)
     }
 
+    /// Forgets every block believed in the pod (its engine started again with an empty cache,
+    /// `pods::index_check`); the homes of its groups stay: still where each was served.
+    pub fn forget_blocks(&mut self, pod: &str) {
+        if let Some(p) = self.pods.get_mut(pod) {
+            p.last_use.clear();
+        }
+    }
+
     /// Forgets pods that are no longer in the pool.
     pub fn retain_pods(&mut self, keep: impl Fn(&str) -> bool) {
         self.pods.retain(|pod, _| keep(pod));

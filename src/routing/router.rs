@@ -152,6 +152,15 @@ fn push_int(out: &mut String, n: i64) {
     out.extend(digits.iter().skip(start).map(|&d| char::from(d)));
 }
 
+/// What bounds a pod's prefix index, from its record: its capacity in blocks less the share the
+/// engine's counters say the index should leave out, and how many engine restarts the record has
+/// counted (`pods::index_check`).
+#[derive(Clone, Copy)]
+struct IndexBound {
+    blocks: usize,
+    restarts: u32,
+}
+
 pub struct Router {
     vm: u32,
     next_request: u32,
@@ -167,9 +176,9 @@ pub struct Router {
     discovered: bool,
     /// When this VM started: how long its requests may wait for the first discovery.
     started_ms: u64,
-    /// Each pod's prefix-cache capacity in blocks, as last read from its record: replayed picks
-    /// are bounded by it too, not only this VM's own.
-    capacity: HashMap<String, usize>,
+    /// What bounds each pod's prefix index, as last read from its record: replayed picks are
+    /// bounded by it too, not only this VM's own.
+    capacity: HashMap<String, IndexBound>,
     /// The largest block size the pods' metrics reported, 0 before any did.
     engine_block_tokens: u32,
     /// When this VM last learned from the pod records (`learn`).
@@ -323,12 +332,22 @@ impl Router {
             };
             self.active.prune(pod, is_live, now);
             self.adapters.prune(pod, is_live, now);
-            let capacity = rec.capacity_blocks(bt, cfg.routing.pod_capacity_blocks) as usize;
+            let capacity = rec.capacity_blocks(bt, cfg.routing.pod_capacity_blocks) as f64;
+            let bound = IndexBound {
+                blocks: (capacity * rec.snapshot.map_or(1.0, |s| s.index_share())).round() as usize,
+                restarts: rec.snapshot.map_or(0, |s| s.engine_restarts),
+            };
             // Per request: the pod's name is copied only the first time.
             match self.capacity.get_mut(pod.as_str()) {
-                Some(known) => *known = capacity,
+                Some(known) => {
+                    if known.restarts != bound.restarts {
+                        // The engine started again with an empty cache (`pods::index_check`).
+                        self.prefix.forget_blocks(pod);
+                    }
+                    *known = bound;
+                }
                 None => {
-                    self.capacity.insert(pod.clone(), capacity);
+                    self.capacity.insert(pod.clone(), bound);
                 }
             }
         }
@@ -374,7 +393,7 @@ impl Router {
         let default_capacity = cfg.routing.pod_capacity_blocks as usize;
         self.log.poll(store, self.vm, |event| match event {
             Event::Dispatch(d) => {
-                let cap = capacity.get(&d.pod).copied().unwrap_or(default_capacity);
+                let cap = capacity.get(&d.pod).map_or(default_capacity, |b| b.blocks);
                 prefix.insert(&d.pod, &d.hashes, now, cap);
                 adapters.dispatch(&d.pod, d.request, d.adapter, now);
                 copies.forget(&d.pod);
@@ -616,6 +635,9 @@ impl Router {
             let pod = best.pod.to_string();
             let shared_blocks = shared[s.index];
             let sharing = loads[s.index];
+            // What the pick believed the pod holds of the prompt, against the engine's hits
+            // (`pods::index_check`).
+            let believed = held[s.index] as u64;
             let entry = RequestEntry {
                 id: request,
                 expires_ms: now.saturating_add(r.request_ttl_ms),
@@ -629,7 +651,7 @@ impl Router {
                 output_blocks: 0,
                 context_blocks: prompt_blocks as u32,
                 pending_blocks: if est.streams {
-                    prompt_blocks.saturating_sub(best.cached_blocks.max(shared_blocks)) as u32
+                    prompt_blocks.saturating_sub(held[s.index]) as u32
                 } else {
                     0
                 },
@@ -665,6 +687,7 @@ impl Router {
                 if need != Room::Ignored && !fits(rec, load, budget, cfg, bt) {
                     return None;
                 }
+                rec.tally.add(believed, prompt_blocks as u64);
                 rec.entries.push(entry);
                 Some(rec.clone())
             })?;
@@ -673,8 +696,11 @@ impl Router {
             };
             self.copies.wrote(&pod, written, now);
             let kept = ask.recorded(&records[indices[s.index]]);
-            self.prefix
-                .insert(&pod, kept, now, best.capacity_blocks as usize);
+            let bound = self
+                .capacity
+                .get(&pod)
+                .map_or(best.capacity_blocks as usize, |b| b.blocks);
+            self.prefix.insert(&pod, kept, now, bound);
             let fit = adapter_fit[s.index];
             let adapter = fit.map_or(0, |_| adapter_id(model));
             self.adapters.dispatch(&pod, request, adapter, now);
@@ -797,6 +823,7 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     use super::*;
+    use crate::pods::index_check::HitTotals;
     use crate::pods::pool::encode_pods;
     use crate::pods::record::Snapshot;
     use crate::routing::record_copies::COPY_MS;
@@ -1409,6 +1436,94 @@ mod tests {
         host.advance_ms(5_000);
         m.tend(&main, &cfg).unwrap();
         assert_eq!(m.active.unique_blocks("a:1"), 0);
+    }
+
+    #[test]
+    fn the_engines_prefix_counters_shrink_what_the_index_holds_and_a_restart_empties_it() {
+        let host = FakeHost::new();
+        let (cfg, worker, mut w, main, mut m) = worker_and_main(&host);
+        let scraped = |hits: f64, queries: f64| {
+            let snapshot = Snapshot {
+                at_ms: host.now_ms(),
+                healthy: true,
+                block_size: 16,
+                capacity_tokens: 16 * 400,
+                hit_totals: Some(HitTotals {
+                    hits,
+                    queries,
+                    tally: record::Tally::default(),
+                }),
+                ..Snapshot::default()
+            };
+            record::write_snapshot(&worker, "a:1", snapshot, 0, &cfg).unwrap();
+        };
+        scraped(0.0, 0.0);
+        // Twenty prompts sent twice: kvgate believes the second of each cached, half of it all.
+        for i in 0..40 {
+            let routed = w.route_m(&worker, &cfg, &hashes(1_000 + i / 2, 8), &est(128, 16));
+            assert_eq!(routed.cached_blocks, if i % 2 == 1 { 8 } else { 0 });
+            w.finish(&worker, &routed).unwrap();
+        }
+        let tally = record::read(&worker, "a:1").unwrap().tally;
+        assert_eq!(
+            (tally.requests, tally.believed_blocks, tally.sent_blocks),
+            (40, 160, 320)
+        );
+        // The engine found none of it cached (others filled its cache): the index keeps half
+        // of the pod's 400 blocks.
+        scraped(0.0, 40.0 * 128.0);
+        let share = |vm: &FakeVm| {
+            record::read(vm, "a:1")
+                .unwrap()
+                .snapshot
+                .map(|s| s.index_share())
+        };
+        assert_eq!(share(&worker), Some(0.5));
+        for i in 0..30 {
+            let routed = w.route_m(&worker, &cfg, &hashes(2_000 + i, 8), &est(128, 16));
+            w.finish(&worker, &routed).unwrap();
+        }
+        m.route_m(&main, &cfg, &hashes(3_000, 8), &est(128, 16));
+        for (vm, held) in [
+            ("worker", w.prefix.blocks_held("a:1")),
+            ("main", m.prefix.blocks_held("a:1")),
+        ] {
+            // Evicted past a sixteenth above 200 blocks: 400 without the engine's word.
+            assert!(held <= 200 + 200 / 16, "{vm}: {held}");
+        }
+        let again = w.route_m(&worker, &cfg, &hashes(2_029, 8), &est(128, 16));
+        assert_eq!(again.cached_blocks, 8);
+        w.finish(&worker, &again).unwrap();
+        m.tend(&main, &cfg).unwrap();
+        assert_eq!(
+            m.prefix.matched("a:1", &hashes(2_029, 8), host.now_ms()),
+            8,
+            "replayed"
+        );
+        // The engine's counters start again: it restarted, with an empty cache, and every VM
+        // forgets what it believed the pod held, replayed picks included.
+        scraped(0.0, 128.0);
+        assert_eq!(
+            record::read(&worker, "a:1")
+                .unwrap()
+                .snapshot
+                .map(|s| s.engine_restarts),
+            Some(1)
+        );
+        // Once this VM's copy of the record is as old as copies get.
+        host.advance_ms(COPY_MS);
+        let after = w.route_m(&worker, &cfg, &hashes(2_028, 8), &est(128, 16));
+        assert_eq!(after.cached_blocks, 0, "believed cached before the restart");
+        // The other VM learns on its next request, or its tick a second after it last did.
+        host.advance_ms(LEARN_MS);
+        m.tend(&main, &cfg).unwrap();
+        assert_eq!(m.prefix.matched("a:1", &hashes(2_029, 8), host.now_ms()), 0);
+        assert_eq!(
+            m.prefix.matched("a:1", &hashes(2_028, 8), host.now_ms()),
+            8,
+            "sent since"
+        );
+        w.finish(&worker, &after).unwrap();
     }
 
     #[test]

@@ -266,6 +266,39 @@ def test_a_groups_request_waits_for_room_on_its_pod_before_computing_its_prefix_
                     assert 100 <= waited < 200, waited
 
 
+def test_a_restarted_engine_is_not_believed_to_cache_what_it_held_before():
+    """A pod's engine restarts on the same address: its prefix cache is empty, and its counters
+    (vllm:prefix_cache_*_total) start again. kvgate sees them go back at the next scrape
+    (`kvgate.pod.<pod>.engine_restarts`) and forgets what it believed the pod held, so the
+    group's next request is routed with nothing believed cached (before, the TTL alone aged the
+    belief out, ten minutes by default, and the pick counted on a cache that was gone)."""
+    with Sim(pods=1, args=SIM_ARGS) as one, Sim(pods=1, args=SIM_ARGS) as two:
+        with kvgate_envoy(one.endpoints + two.endpoints, default_plugin_config()) as envoy:
+            matched = "wasmcustom.kvgate.prefix.blocks_matched"
+
+            def ask(q):
+                r = request(envoy.port, "POST", "/v1/chat/completions", group_chat(0, q))
+                assert r.status == 200, r.body
+                return envoy.stats(matched).get(matched, 0)
+
+            ask(0)
+            before = ask(1)
+            assert before > 0, "the second found its group's prefix cached"
+            picks = kvgate_gauges(envoy, "picks")
+            home = next(seg for seg, n in picks.items() if n == 2)
+            assert kvgate_gauges(envoy, "engine_restarts").get(home, 0) == 0
+            # A scrape has seen the engine count them (a restart shows against what was seen).
+            assert wait_for(lambda: kvgate_gauges(envoy, "engine_prefix_hit_tokens").get(home, 0) > 0)
+            old = one if home.endswith(f"_{one.ports[0]}") else two
+            old.__exit__(None, None, None)
+            again = Sim(pods=1, args=SIM_ARGS)
+            again.base_port = old.base_port
+            with again:
+                assert wait_for(lambda: kvgate_gauges(envoy, "engine_restarts").get(home) == 1, timeout=10)
+                after = ask(2)
+                assert after == before, f"believed {after - before} blocks cached after the restart"
+
+
 def test_dead_pod_is_routed_around_and_nothing_hangs():
     with Sim(pods=3, args=SIM_ARGS) as live, Sim(pods=1, args=SIM_ARGS) as doomed:
         endpoints = live.endpoints + doomed.endpoints

@@ -46,11 +46,18 @@ impl Router {
                     kv_usage: f64::NAN,
                     ..record::Snapshot::default()
                 };
-                // A failed pick says nothing of the pod's pace: it keeps what it learned.
+                // A failed pick says nothing of the pod's pace, nor of its cache: it keeps what
+                // it learned of both.
                 crate::pods::pace::follow(
                     rec.snapshot.as_ref(),
                     &mut down,
                     cfg.metrics.interval_ms,
+                );
+                crate::pods::index_check::follow(
+                    rec.snapshot.as_ref(),
+                    &mut down,
+                    rec.tally,
+                    cfg.routing.index_check,
                 );
                 rec.snapshot = Some(down);
                 Some(rec.clone())
@@ -81,8 +88,7 @@ impl Router {
         let capacity = self
             .capacity
             .get(served_by)
-            .copied()
-            .unwrap_or(cfg.routing.pod_capacity_blocks as usize);
+            .map_or(cfg.routing.pod_capacity_blocks as usize, |b| b.blocks);
         self.prefix.insert(served_by, &hashes, now, capacity);
         self.adapters
             .dispatch(served_by, routed.request, adapter, now);
