@@ -3,8 +3,9 @@
 //! so prefixes collide), grow, finish (possibly twice), rehome, clock steps, pods joining and
 //! leaving through `PODS_KEY`, scrape snapshots, and the shared line's operations.
 //!
-//! Invariants, checked after every event: nothing panics; every pod record's reserved tokens and
-//! active blocks stay below 1e12 (a u64 that went below zero wraps far above); entries are
+//! Invariants, checked after every event: nothing panics; every pod's prefix-index share
+//! (`index_check`, from counters that rise, stay or go back) stays within its bounds; every pod
+//! record's reserved tokens and active blocks stay below 1e12 (a u64 that went below zero wraps far above); entries are
 //! unique by request id, and a request has at most one entry across all pods; a finished request
 //! has no entry anywhere; a routed request's entry reserves its estimate; with a budget, a pod
 //! admits only what fits (or a request alone), and "no room" means every pod the request could
@@ -22,6 +23,7 @@ use kvgate::config::{Config, StalePolicy};
 use kvgate::estimate::output_dist::OutputDist;
 use kvgate::estimate::reservation::Estimate;
 use kvgate::pods::pool::{decode_pods, encode_pods, PODS_KEY};
+use kvgate::pods::index_check::{self, HitTotals};
 use kvgate::pods::record::{self, Snapshot};
 use kvgate::routing::router::{Moved, Routed, Router};
 use kvgate::store::fake_host::{FakeHost, FakeVm};
@@ -166,6 +168,10 @@ enum Op {
         age_s: u8,
         block: u8,
         caches_prefixes: bool,
+        /// The engine's prefix-cache counters (`u16::MAX` queries: not on the page); they rise,
+        /// stay or fall (a restart) as the scrapes come.
+        hits: u16,
+        queries: u16,
     },
     Sync {
         vm: u8,
@@ -263,6 +269,14 @@ impl World {
         let records = self.records();
         let mut seen = HashSet::new();
         for (pod, rec) in POOL.iter().zip(&records) {
+            // Whatever the engine's counters did, the index keeps a share of the pod it can use.
+            if let Some(s) = rec.snapshot {
+                let share = s.index_share();
+                assert!(
+                    (index_check::MIN_SHARE..=1.0).contains(&share),
+                    "{pod}: index share {share}"
+                );
+            }
             for e in &live(rec, now).entries {
                 assert!(
                     seen.insert(e.id),
@@ -604,6 +618,8 @@ impl World {
                 age_s,
                 block,
                 caches_prefixes,
+                hits,
+                queries,
             } => {
                 let snapshot = Snapshot {
                     at_ms: now.saturating_sub(u64::from(age_s) * 100),
@@ -620,6 +636,11 @@ impl World {
                     no_prefix_caching: !caches_prefixes,
                     // A counter that rises, stays or resets as the scrapes come.
                     preemptions: f64::from(running / 16),
+                    hit_totals: (queries != u16::MAX).then(|| HitTotals {
+                        hits: f64::from(hits),
+                        queries: f64::from(queries),
+                        tally: Default::default(),
+                    }),
                     ..Snapshot::default()
                 };
                 let pod = POOL[usize::from(pod) % POOL.len()];

@@ -67,7 +67,8 @@ pub struct HitTotals {
 
 /// Fills `next`'s restart count, index share and baseline from the previous snapshot, the
 /// engine's counters it carries (`next.hit_totals`, with an empty tally), its waiting requests
-/// (kvgate's own just sent taken off: `record::write_snapshot`) and the record's tally now. A scrape without the counters (a pod marked down, an engine that does not export them,
+/// (kvgate's own just sent taken off: `record::write_snapshot`) and the record's tally now. A
+/// scrape without the counters (a pod marked down, an engine that does not export them,
 /// `enabled` false) keeps the previous baseline: it says nothing of them.
 pub fn follow(prev: Option<&Snapshot>, next: &mut Snapshot, tally: Tally, enabled: bool) {
     next.engine_restarts = prev.map_or(0, |p| p.engine_restarts);
