@@ -318,6 +318,13 @@ impl PodRecord {
             .map_or(default, |s| s.capacity_tokens / block_tokens.max(1))
     }
 
+    /// The blocks the prefix index may believe the pod holds: its capacity, less the share the
+    /// engine's prefix-cache counters say the index should leave out (`index_check`).
+    pub fn index_blocks(&self, block_tokens: u64, default: u64) -> usize {
+        let capacity = self.capacity_blocks(block_tokens, default) as f64;
+        (capacity * self.snapshot.map_or(1.0, |s| s.index_share())).round() as usize
+    }
+
     /// The KV its in-flight requests hold, in the engine's blocks of `block_tokens` (the
     /// predicted active blocks): each entry's held tokens in whole blocks, as the engine
     /// allocates them, a shared prefix once. Not the prompts' blocks as the prefix index cuts

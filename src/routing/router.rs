@@ -178,7 +178,7 @@ pub struct Router {
     started_ms: u64,
     /// What bounds each pod's prefix index, as last read from its record: replayed picks are
     /// bounded by it too, not only this VM's own.
-    capacity: HashMap<String, IndexBound>,
+    index_bounds: HashMap<String, IndexBound>,
     /// The largest block size the pods' metrics reported, 0 before any did.
     engine_block_tokens: u32,
     /// When this VM last learned from the pod records (`learn`).
@@ -216,7 +216,7 @@ impl Router {
             pods_read_ms: None,
             discovered: false,
             started_ms: store.now_ms(),
-            capacity: HashMap::new(),
+            index_bounds: HashMap::new(),
             learned_ms: None,
             routed_ms: None,
             engine_block_tokens: 0,
@@ -296,7 +296,7 @@ impl Router {
             }
         }
         if pods != self.pods {
-            self.capacity.retain(|p, _| pods.iter().any(|q| q == p));
+            self.index_bounds.retain(|p, _| pods.iter().any(|q| q == p));
             self.prefix.retain_pods(|p| pods.iter().any(|q| q == p));
             self.active.retain_pods(|p| pods.iter().any(|q| q == p));
             self.adapters.retain_pods(|p| pods.iter().any(|q| q == p));
@@ -332,13 +332,12 @@ impl Router {
             };
             self.active.prune(pod, is_live, now);
             self.adapters.prune(pod, is_live, now);
-            let capacity = rec.capacity_blocks(bt, cfg.routing.pod_capacity_blocks) as f64;
             let bound = IndexBound {
-                blocks: (capacity * rec.snapshot.map_or(1.0, |s| s.index_share())).round() as usize,
+                blocks: rec.index_blocks(bt, cfg.routing.pod_capacity_blocks),
                 restarts: rec.snapshot.map_or(0, |s| s.engine_restarts),
             };
             // Per request: the pod's name is copied only the first time.
-            match self.capacity.get_mut(pod.as_str()) {
+            match self.index_bounds.get_mut(pod.as_str()) {
                 Some(known) => {
                     if known.restarts != bound.restarts {
                         // The engine started again with an empty cache (`pods::index_check`).
@@ -347,7 +346,7 @@ impl Router {
                     *known = bound;
                 }
                 None => {
-                    self.capacity.insert(pod.clone(), bound);
+                    self.index_bounds.insert(pod.clone(), bound);
                 }
             }
         }
@@ -388,12 +387,12 @@ impl Router {
     pub fn sync(&mut self, store: &dyn Store, cfg: &Config) -> Result<(), StoreError> {
         let now = store.now_ms();
         self.refresh_pods(store, cfg, now);
-        let (prefix, active, capacity) = (&mut self.prefix, &mut self.active, &self.capacity);
+        let (prefix, active, bounds) = (&mut self.prefix, &mut self.active, &self.index_bounds);
         let (adapters, copies) = (&mut self.adapters, &mut self.copies);
         let default_capacity = cfg.routing.pod_capacity_blocks as usize;
         self.log.poll(store, self.vm, |event| match event {
             Event::Dispatch(d) => {
-                let cap = capacity.get(&d.pod).map_or(default_capacity, |b| b.blocks);
+                let cap = bounds.get(&d.pod).map_or(default_capacity, |b| b.blocks);
                 prefix.insert(&d.pod, &d.hashes, now, cap);
                 adapters.dispatch(&d.pod, d.request, d.adapter, now);
                 copies.forget(&d.pod);
@@ -695,11 +694,9 @@ impl Router {
                 continue;
             };
             self.copies.wrote(&pod, written, now);
-            let kept = ask.recorded(&records[indices[s.index]]);
-            let bound = self
-                .capacity
-                .get(&pod)
-                .map_or(best.capacity_blocks as usize, |b| b.blocks);
+            let rec = &records[indices[s.index]];
+            let kept = ask.recorded(rec);
+            let bound = rec.index_blocks(bt, r.pod_capacity_blocks);
             self.prefix.insert(&pod, kept, now, bound);
             let fit = adapter_fit[s.index];
             let adapter = fit.map_or(0, |_| adapter_id(model));

@@ -86,7 +86,7 @@ impl Router {
         }
         routed.pod = served_by.to_string();
         let capacity = self
-            .capacity
+            .index_bounds
             .get(served_by)
             .map_or(cfg.routing.pod_capacity_blocks as usize, |b| b.blocks);
         self.prefix.insert(served_by, &hashes, now, capacity);
