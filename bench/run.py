@@ -13,6 +13,7 @@ Every process started here is stopped on exit, on errors and on Ctrl-C.
 
 import argparse
 import contextlib
+import copy
 import hashlib
 import datetime
 import importlib.metadata
@@ -1355,6 +1356,22 @@ def smoke(cfg):
     return cfg
 
 
+def override_cells(cfg, specs):
+    """`cfg` with each `CELL.KEY=JSON` of `specs` applied (a copy: FULL and DEMO stay as defined); an
+    unknown cell or key stops the run, so a typo never measures the default unnoticed."""
+    cfg = copy.deepcopy(cfg)
+    for spec in specs:
+        name, _, value = spec.partition("=")
+        cell, _, key = name.partition(".")
+        if not isinstance(cfg.get(cell), dict) or key not in cfg[cell]:
+            sys.exit(f"--cell {spec}: no setting {key!r} in cell {cell!r}")
+        try:
+            cfg[cell][key] = json.loads(value)
+        except json.JSONDecodeError as e:
+            sys.exit(f"--cell {spec}: the value is not JSON ({e})")
+    return cfg
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = ap.add_mutually_exclusive_group(required=True)
@@ -1368,6 +1385,9 @@ def main():
                                         "cache-pressure,mixed,burst,chat,chat-bounded,lora")
     ap.add_argument("--no-overhead", action="store_true")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--cell", action="append", default=[], metavar="CELL.KEY=JSON",
+                    help="override one setting of a workload's cell, e.g. cache_pressure.rate=75 (the workload "
+                         "past saturation); repeatable; BENCHMARKS.md is then left as it is")
     ap.add_argument("--kvgate-config", metavar="JSON", default="{}",
                     help='merged into kvgate\'s plugin config, e.g. \'{"routing": {"activeWeight": 0.5}}\'')
     ap.add_argument("--out", help="output directory (default results/<timestamp>)")
@@ -1384,6 +1404,7 @@ def main():
     cfg = FULL if a.full else DEMO
     if a.smoke:
         cfg = smoke(cfg)
+    cfg = override_cells(cfg, a.cell)
     targets = a.targets.split(",") if a.targets else (ALL_TARGETS if a.full else ["kvgate", "envoy-rr"])
     workloads = a.workloads.split(",") if a.workloads else (
         ["shared-prefix", "multi-turn", "hot-prefix", "cache-pressure", "mixed", "burst", "chat", "chat-bounded",
@@ -1559,7 +1580,9 @@ def main():
     (out / "report.md").write_text(report)
     log(f"report: {out / 'report.md'}")
     print_summary(data)
-    if a.full and not a.smoke and not a.no_benchmarks_md and "interrupted before the end" not in data["notes"]:
+    # A run with cells overridden measures something else than the benchmark BENCHMARKS.md reports.
+    if a.full and not a.smoke and not a.no_benchmarks_md and not a.cell \
+            and "interrupted before the end" not in data["notes"]:
         update_benchmarks_md(ctx, data)
     return data
 

@@ -111,15 +111,16 @@ pub fn run_line(gate: &mut Gate, store: &dyn Store, waiting: &mut impl Waiting) 
             Err(Stay::NoRoom) => break,
             Err(Stay::Uncached(pods)) => pods,
         };
-        // Those behind it whose prefix this VM's index places on a pod with room: a cheap look
-        // through the line first, then a pick for each, which decides.
+        // Those behind it whose prompt belongs on a pod with room (its prefix cached there by
+        // this VM's index, or its group's home): a cheap look through the line first, then a
+        // pick for each, which decides.
         let now = store.now_ms();
         let Backfills { tickets, left } = gate.backfill(store, true);
         let cached: Vec<u64> = tickets
             .into_iter()
             .filter(|&t| {
                 waiting.find(t).is_some_and(|stream| {
-                    waiting.with_flow(&stream, |f| f.parked_prompt_cached_on(gate, &roomy, now))
+                    waiting.with_flow(&stream, |f| f.parked_prompt_belongs_on(gate, &roomy, now))
                 })
             })
             .take(left.min(MAX_BACKFILL_TRIES))
@@ -129,9 +130,16 @@ pub fn run_line(gate: &mut Gate, store: &dyn Store, waiting: &mut impl Waiting) 
                 gate.stats.count(stats::ADMISSION_CACHE_FIRST, 1);
             }
         }
-        // Within its `admission.cacheWaitMs`, a head whose prefix few requests share waits for
-        // room where it is cached (`Router::route_patient`) rather than take room elsewhere.
-        let reach = if gate.admission.patient(ticket, store.now_ms()) {
+        // For `admission.cacheWaitMs` from the first time it heads the line with room only
+        // elsewhere, a head whose prefix few requests share waits for room where it is cached
+        // (`Router::route_patient`) rather than take room elsewhere. Not from its arrival: in a
+        // saturated pool every request waits longer than that for room anywhere, and each head
+        // would then copy its prefix to whichever pod freed room first.
+        let cache_wait_ms = gate.config.admission.cache_wait_ms;
+        let reach = if gate
+            .admission
+            .patient(ticket, store.now_ms(), cache_wait_ms)
+        {
             Reach::Patient
         } else {
             Reach::Any
@@ -520,6 +528,38 @@ mod tests {
             assert_eq!(host.resumed.len(), 1);
             assert_eq!(gate.retick(&vm), Some(crate::gate::TICK_MS));
         }
+    }
+
+    #[test]
+    fn a_request_that_waited_for_room_anywhere_still_waits_cache_wait_ms_for_its_prefixs_pod() {
+        // Room for one request a pod, not for a second of its group beside it.
+        let (vm, mut gate) = two_pods(r#""budgetTokens":700,"cacheWaitMs":100"#);
+        let mut host = Host::default();
+        let send = |gate: &mut Gate, host: &mut Host, context: u32, group: &str| {
+            send_prompt((gate, &vm, host), context, group, 60, 16)
+        };
+        let x1 = send(&mut gate, &mut host, 1, "X").expect("routed");
+        let y1 = send(&mut gate, &mut host, 2, "Y").expect("routed");
+        assert_ne!(x1, y1);
+        // The pool is full: x's next waits for room anywhere, far longer than `cacheWaitMs`.
+        assert_eq!(send(&mut gate, &mut host, 3, "X"), None);
+        assert_eq!(gate.stats.take_count(stats::ADMISSION_CACHE_WAITS), 0);
+        vm.host().advance_ms(500);
+        run_line(&mut gate, &vm, &mut host);
+        assert!(host.resumed.is_empty(), "{:?}", host.resumed);
+        // y's pod frees: room, but only as a copy of x's prefix. Its wait for x's pod starts
+        // now, not at its arrival.
+        host.flows.get_mut(&2).unwrap().on_done(&mut gate, &vm);
+        run_line(&mut gate, &vm, &mut host);
+        assert!(host.resumed.is_empty(), "{:?}", host.resumed);
+        assert_eq!(gate.retick(&vm), Some(crate::gate::QUICK_TICK_MS));
+        vm.host().advance_ms(99);
+        run_line(&mut gate, &vm, &mut host);
+        assert!(host.resumed.is_empty(), "{:?}", host.resumed);
+        vm.host().advance_ms(1);
+        run_line(&mut gate, &vm, &mut host);
+        assert_eq!(destination(&host.resumed[0].1), Some(y1));
+        assert_eq!(gate.stats.take_count(stats::ADMISSION_UNCACHED), 1);
     }
 
     #[test]

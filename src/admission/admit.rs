@@ -95,9 +95,11 @@ pub struct Admission {
 struct Parked {
     /// When it is answered 503 (`admission.maxWaitMs` after it arrived).
     deadline_ms: u64,
-    /// Until when it waits for room where its prompt's prefix is cached (`Reach::Patient`;
-    /// `admission.cacheWaitMs` after it arrived).
-    patient_until_ms: u64,
+    /// Until when it waits for room where its prompt's prefix is cached (`Reach::Patient`):
+    /// `admission.cacheWaitMs` after it was first refused for want of room there. `None` while
+    /// it has only waited for room anywhere (the pool full): time in a line that admits nobody
+    /// is not time spent waiting for the prefix's pod.
+    patient_until_ms: Option<u64>,
 }
 
 /// Parked tickets a VM looks through for backfills, at most: the line is bounded, but a worker's
@@ -238,6 +240,7 @@ impl Admission {
         };
         // Only a request that would lead the line may go straight to a pod: nobody waiting on
         // any worker is overtaken by a lower-ordered newcomer.
+        let mut patient_until_ms = None;
         if line.would_lead(&ticket) {
             let placed = if a.cache_wait_ms > 0 {
                 router.route_patient(store, cfg, (model, hashes, est))?
@@ -259,6 +262,7 @@ impl Admission {
                     // It leads the line, and waits for room where its prefix is.
                     stats.count(stats::ADMISSION_CACHE_WAITS, 1);
                     self.head_waits_for_cache = true;
+                    patient_until_ms = Some(now.saturating_add(a.cache_wait_ms));
                 }
                 Placement::Discovering | Placement::NoRoom => {}
             }
@@ -283,7 +287,7 @@ impl Admission {
                     t.id,
                     Parked {
                         deadline_ms: t.deadline_ms,
-                        patient_until_ms: now.saturating_add(a.cache_wait_ms),
+                        patient_until_ms,
                     },
                 );
                 stats.count(stats::ADMISSION_QUEUED, 1);
@@ -429,12 +433,15 @@ impl Admission {
             .collect()
     }
 
-    /// Whether the parked `ticket` still waits for room where its prompt's prefix is cached
-    /// (`Reach::Patient`).
-    pub fn patient(&self, ticket: u64, now: u64) -> bool {
-        self.parked
-            .get(&ticket)
-            .is_some_and(|p| now < p.patient_until_ms)
+    /// Whether the parked `ticket`, at the head of the line with room only where its prompt's
+    /// prefix is not cached, still waits for room where it is (`Reach::Patient`): for
+    /// `cache_wait_ms` from the first time it was in that position.
+    pub fn patient(&mut self, ticket: u64, now: u64, cache_wait_ms: u64) -> bool {
+        self.parked.get_mut(&ticket).is_some_and(|p| {
+            now < *p
+                .patient_until_ms
+                .get_or_insert(now.saturating_add(cache_wait_ms))
+        })
     }
 
     /// The head of the line, this VM's, waits for room where its prompt's prefix is cached

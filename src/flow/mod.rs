@@ -448,13 +448,14 @@ impl Flow {
         }
     }
 
-    /// While parked: whether this VM's prefix index has one of `pods` caching at least half of
-    /// its prompt (`Router::caches_half`), a cheap test before a retry.
-    pub fn parked_prompt_cached_on(&self, gate: &Gate, pods: &[String], now: u64) -> bool {
+    /// While parked: whether its prompt belongs on one of `pods` (cached there by this VM's
+    /// prefix index, or its group's home: `Router::belongs_on`), a cheap test before a retry.
+    pub fn parked_prompt_belongs_on(&self, gate: &Gate, pods: &[String], now: u64) -> bool {
         let Some((_, hashes)) = self.admitted.as_ref().and_then(|a| a.waiting.as_ref()) else {
             return false;
         };
-        pods.iter().any(|p| gate.router.caches_half(p, hashes, now))
+        pods.iter()
+            .any(|p| gate.router.belongs_on(&gate.config, p, hashes, now))
     }
 
     /// The parked request is at the head of the line, a backfill, or past its deadline: try

@@ -233,24 +233,14 @@ pub fn prefer<K: Ord>(
     ranked.splice(0..0, keyed.into_iter().map(|(_, s)| s));
 }
 
-/// Several gateway replicas agreeing, without talking, where a prompt no pod caches goes: among
-/// the ranked pods within `tolerance` of the best cost, the one with the highest rendezvous score
-/// of `(first_block, pod)` (highest random weight, Thaler and Ravishankar, 1998). Every replica
+/// Several gateway replicas agreeing, without talking, where a prompt no pod caches goes: the
+/// pod with the highest rendezvous score of `(first_block, pod)` (highest random weight, Thaler
+/// and Ravishankar, 1998), among those close enough to the best (`prefer`). Every replica
 /// computes the same score, so a new prompt group's first requests meet on one pod whichever
 /// replica they come through, and its later ones find the prefix there; a pod leaving moves only
 /// the groups it held.
-pub fn rendezvous(
-    ranked: &mut Vec<Scored>,
-    candidates: &[Candidate],
-    first_block: u64,
-    tolerance: f64,
-) {
-    prefer(ranked, tolerance, |s| {
-        Some(crate::hash::chain(
-            first_block,
-            candidates[s.index].pod.as_bytes(),
-        ))
-    });
+pub fn rendezvous_score(first_block: u64, pod: &str) -> u64 {
+    crate::hash::chain(first_block, pod.as_bytes())
 }
 
 /// Draws an index with probability ∝ exp(-normalised cost / temperature).
@@ -448,7 +438,7 @@ mod tests {
         let mut firsts = std::collections::BTreeSet::new();
         for seed in 0..20 {
             let mut r = rank(&c, 100, 10, &w, &mut Rng::new(seed));
-            rendezvous(&mut r, &c, 42, 1.0);
+            prefer(&mut r, 1.0, |s| Some(rendezvous_score(42, c[s.index].pod)));
             firsts.insert(c[r[0].index].pod);
         }
         assert_eq!(firsts.len(), 1, "{firsts:?}");
@@ -457,7 +447,9 @@ mod tests {
         let mut pods = std::collections::BTreeSet::new();
         for group in 0..20 {
             let mut r = ranked(&c);
-            rendezvous(&mut r, &c, group * 7_919, 1.0);
+            prefer(&mut r, 1.0, |s| {
+                Some(rendezvous_score(group * 7_919, c[s.index].pod))
+            });
             pods.insert(c[r[0].index].pod);
         }
         assert_eq!(pods.len(), 2, "{pods:?}");

@@ -89,7 +89,8 @@ pub struct Routed {
 enum Room {
     Required,
     /// It must fit, on a pod holding at least half of what the pod holding most of the prompt
-    /// holds (cached or held by in-flight requests), when some pod holds half the prompt.
+    /// holds (cached or held by in-flight requests), when some pod holds half the prompt; on its
+    /// group's home when none does (`Router::route_cached`).
     Cached,
     /// As `Required`, but as `Cached` for a prompt whose cached prefix few in-flight requests
     /// share (`Router::route_patient`).
@@ -475,10 +476,26 @@ impl Router {
         self.route_with(store, cfg, request, Room::Patient)
     }
 
-    /// Whether this VM's index has `pod` caching at least half of the prompt
-    /// (`PrefixIndex::caches_half`).
-    pub fn caches_half(&self, pod: &str, hashes: &[u64], now: u64) -> bool {
-        self.prefix.caches_half(pod, hashes, now)
+    /// Whether the prompt belongs on `pod`, a cheap test before a pick decides: this VM's index
+    /// has the pod caching at least half of it (`PrefixIndex::caches_half`), or the pod is its
+    /// group's home (`Home`: the rendezvous choice among every pod with several replicas, the
+    /// pod its group was last sent to with one).
+    pub fn belongs_on(&self, cfg: &Config, pod: &str, hashes: &[u64], now: u64) -> bool {
+        if self.prefix.caches_half(pod, hashes, now) {
+            return true;
+        }
+        let Some(&first) = hashes.first() else {
+            return false;
+        };
+        if cfg.etcd.enabled() {
+            let score = |p: &String| crate::routing::pick::rendezvous_score(first, p);
+            self.pods
+                .iter()
+                .max_by_key(|p| score(p))
+                .is_some_and(|p| p == pod)
+        } else {
+            self.prefix.sent_home(pod, first, now).is_some()
+        }
     }
 
     /// `route` for a request [`route`](Self::route) found no room for, when admission only
@@ -591,25 +608,38 @@ impl Router {
             .map(|(c, &s)| c.cached_blocks.max(s))
             .collect();
         let most = held.iter().copied().max().unwrap_or(0);
-        let near = |k: usize| most * 2 < prompt_blocks || held[k] * 2 >= most;
+        let cached = most * 2 >= prompt_blocks;
+        // In the line (`route_cached`), a prompt no pod holds half of goes first to its group's
+        // home, when it has one, as a cached one goes first where it is cached: in a saturated
+        // pool room opens one request at a time wherever one ends, and a group evicted
+        // everywhere went to whichever pod freed room first, so its requests spread over most
+        // pods and each pod computed most groups and kept few (docs/design.md, "In a saturated
+        // pool").
+        let home = match need {
+            Room::Cached if !cached => self.home(cfg, &candidates, &ask),
+            _ => None,
+        };
+        let near = |k: usize| match home {
+            Some(h) => k == h,
+            None => !cached || held[k] * 2 >= most,
+        };
         // Fewer in-flight requests hold the prefix than there are pods (`copy_weight` above a
         // half; 1 when none holds it), and no pod with room is cheaper than the cheapest pod
         // caching it by more than a whole prefill of the prompt: what a copy costs the pool
         // beyond this request (the prefill again, and the prefix it evicts there), which the
         // formula leaves out. A pod caching it but far busier (an engine queue only its metrics
         // show) is no place to wait for. Only pods that much cheaper have their fit worked out.
-        let sticks =
-            need == Room::Patient && most * 2 >= prompt_blocks && ask.copy_weight > 0.5 && {
-                let cached = ranked
-                    .iter()
-                    .filter(|s| near(s.index))
-                    .map(|s| s.cost)
-                    .fold(f64::INFINITY, f64::min);
-                let tolerance = r.prefill_weight * prompt_blocks as f64;
-                !ranked
-                    .iter()
-                    .any(|s| s.cost + tolerance < cached && room(s.index))
-            };
+        let sticks = need == Room::Patient && cached && ask.copy_weight > 0.5 && {
+            let nearest = ranked
+                .iter()
+                .filter(|s| near(s.index))
+                .map(|s| s.cost)
+                .fold(f64::INFINITY, f64::min);
+            let tolerance = r.prefill_weight * prompt_blocks as f64;
+            !ranked
+                .iter()
+                .any(|s| s.cost + tolerance < nearest && room(s.index))
+        };
         // A pod may take the request when it has room, or when admission only observes.
         let takes = |k: usize| match need {
             Room::Ignored => true,
@@ -1065,6 +1095,60 @@ mod tests {
         r.finish(&vm, &again).unwrap();
         r.finish(&vm, &busy).unwrap();
         assert_eq!(total_active(&vm, &cfg), 0);
+    }
+
+    #[test]
+    fn in_the_line_a_group_evicted_everywhere_goes_first_to_its_home_as_a_cached_one_to_its_pod() {
+        let (vm, mut cfg, mut r) = router(&["a:1", "b:1"]);
+        let e = est(256, 16);
+        let group = |question| [hashes(1, 14), hashes(question, 2)].concat();
+        let first = r.route_m(&vm, &cfg, &group(10), &e);
+        r.finish(&vm, &first).unwrap();
+        let home = first.pod.clone();
+        let other = if home == "a:1" { "b:1" } else { "a:1" };
+        // Its home's cache turns over: nothing holds half of the prompt any more.
+        r.prefix.insert(&home, &hashes(2, 40), vm.now_ms(), 40);
+        assert_eq!(r.prefix.matched(&home, &group(11), vm.now_ms()), 0);
+        assert!(r
+            .prefix
+            .sent_home(&home, group(11)[0], vm.now_ms())
+            .is_some());
+        // The home has room for nothing more: a request of another group fills it.
+        let filler = RequestEntry {
+            id: 1,
+            expires_ms: u64::MAX,
+            held_tokens: 300,
+            context_blocks: 19,
+            prompt_blocks: 19,
+            left: 16,
+            outlook: [255; crate::estimate::output_dist::HORIZON_STEPS.len()],
+            ..RequestEntry::default()
+        };
+        record::modify(&vm, &home, |rec| {
+            rec.entries.push(filler);
+            Some(())
+        })
+        .unwrap();
+        cfg.admission.budget_tokens = record::read(&vm, &home).unwrap().forecast(None, 2.0, 16);
+        assert!(cfg.admission.budget_tokens >= 300);
+        let uncached = Placement::Uncached(vec![other.to_string()]);
+        // In the line's cache-first order it goes only to its home, as a cached prompt goes only
+        // where it is cached, and hears where else there is room. It is not held there
+        // (`route_patient`: nothing is cached at home either); routed as usual it goes where
+        // the room is.
+        let ask = ("m", &group(11)[..], &e);
+        assert_eq!(r.route_cached(&vm, &cfg, ask).unwrap(), uncached);
+        let patient = r.route_patient(&vm, &cfg, ask).unwrap().routed();
+        assert_eq!(patient.pod, other);
+        r.finish(&vm, &patient).unwrap();
+        let copied = r.route(&vm, &cfg, "m", ask.1, &e).unwrap().routed();
+        assert_eq!(copied.pod, other);
+        r.finish(&vm, &copied).unwrap();
+        // A group never sent anywhere has no home and takes the room.
+        let fresh = r
+            .route_cached(&vm, &cfg, ("m", &hashes(4, 16), &e))
+            .unwrap();
+        assert_eq!(fresh.routed().pod, other);
     }
 
     #[test]

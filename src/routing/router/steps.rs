@@ -13,7 +13,7 @@ use crate::models::served::adapter_id;
 use crate::pods::pace;
 use crate::pods::record::PodRecord;
 use crate::routing::adapters::Fit;
-use crate::routing::pick::{copy_weight, prefer, rendezvous, Candidate, Scored};
+use crate::routing::pick::{copy_weight, prefer, rendezvous_score, Candidate, Scored};
 use crate::routing::prefix_index::PrefixIndex;
 use crate::store::interface::Store;
 use std::rc::Rc;
@@ -179,19 +179,11 @@ impl Router {
     }
 
     /// Where a prompt goes among pods within half its prefill of the best (about what its
-    /// group's next request saves by finding the prefix there), for affinity beyond the cache:
-    /// - with several replicas, a prompt no pod caches goes where every replica would send it
-    ///   (`pick::rendezvous`);
-    /// - with one, a prompt goes back to the pod its group was last sent to, if any
-    ///   (`PrefixIndex::sent_home`, a group named by its first block). Under cache pressure a
-    ///   group evicted everywhere otherwise went to whichever pod was least loaded, so over time
-    ///   every pod computed every group and evicted the others' (a working set 1.5× the pool's
-    ///   KV: each group on 5.5 pods of 8, 29 % of prompt tokens hit, against 43–45 % for
-    ///   routers that keep a group on one pod). Not while in-flight requests hold the prompt's
-    ///   first blocks (a hot prefix: its copies are priced by `pick::copy_weight`, and the pod
-    ///   last sent it is no home), nor when every pod caches the first block (a prefix all share,
-    ///   not a group). A prompt's head may outlive the rest of it in a pod's index (as in the
-    ///   engine), so some pods matching a little does not stop it.
+    /// group's next request saves by finding the prefix there), for affinity beyond the cache
+    /// (`home_key`). Under cache pressure a group evicted everywhere otherwise went to whichever
+    /// pod was least loaded, so over time every pod computed every group and evicted the others'
+    /// (a working set 1.5× the pool's KV: each group on 5.5 pods of 8, 29 % of prompt tokens hit,
+    /// against 43–45 % for routers that keep a group on one pod).
     pub(super) fn send_home(
         &self,
         cfg: &Config,
@@ -199,19 +191,29 @@ impl Router {
         candidates: &[Candidate],
         ask: &Ask,
     ) {
-        let Some(&first) = ask.hashes.first() else {
+        let Some(home) = Home::of(cfg, candidates, ask) else {
             return;
         };
         let tolerance = cfg.routing.prefill_weight * ask.prompt_blocks as f64 / 2.0;
-        if cfg.etcd.enabled() {
-            if candidates.iter().all(|c| c.cached_blocks == 0) {
-                rendezvous(ranked, candidates, first, tolerance);
-            }
-        } else if ask.hot_blocks == 0 && candidates.iter().any(|c| c.cached_blocks == 0) {
-            prefer(ranked, tolerance, |s| {
-                self.prefix
-                    .sent_home(candidates[s.index].pod, first, ask.now)
-            });
+        prefer(ranked, tolerance, |s| {
+            self.home_key(home, candidates[s.index].pod, ask.now)
+        });
+    }
+
+    /// The candidate a prompt's group is at home on (the highest `home_key`), when it has one.
+    pub(super) fn home(&self, cfg: &Config, candidates: &[Candidate], ask: &Ask) -> Option<usize> {
+        let home = Home::of(cfg, candidates, ask)?;
+        (0..candidates.len())
+            .filter_map(|k| Some((self.home_key(home, candidates[k].pod, ask.now)?, k)))
+            .max_by_key(|&(key, _)| key)
+            .map(|(_, k)| k)
+    }
+
+    /// How much at home the prompt's group is on `pod` (higher first), `None` where not at all.
+    fn home_key(&self, home: Home, pod: &str, now: u64) -> Option<u64> {
+        match home {
+            Home::Rendezvous(first) => Some(rendezvous_score(first, pod)),
+            Home::LastSent(first) => self.prefix.sent_home(pod, first, now),
         }
     }
 
@@ -307,5 +309,34 @@ impl Router {
                 Some(self.adapters.fit(pod, id, lora))
             })
             .collect()
+    }
+}
+
+/// Where a prompt's group belongs beyond what the pods cache, named by its first block:
+/// - with several replicas, a prompt no pod caches goes where every replica would send it
+///   (`pick::rendezvous_score`), without their talking;
+/// - with one, the pod its group was last sent to (`PrefixIndex::sent_home`). Not while
+///   in-flight requests hold the prompt's first blocks (a hot prefix: its copies are priced by
+///   `pick::copy_weight`, and the pod last sent it is no home), nor when every pod caches the
+///   first block (a prefix all share, not a group). A prompt's head may outlive the rest of it
+///   in a pod's index (as in the engine), so some pods matching a little does not stop it.
+#[derive(Debug, Clone, Copy)]
+enum Home {
+    Rendezvous(u64),
+    LastSent(u64),
+}
+
+impl Home {
+    fn of(cfg: &Config, candidates: &[Candidate], ask: &Ask) -> Option<Home> {
+        let &first = ask.hashes.first()?;
+        if cfg.etcd.enabled() {
+            candidates
+                .iter()
+                .all(|c| c.cached_blocks == 0)
+                .then_some(Home::Rendezvous(first))
+        } else {
+            (ask.hot_blocks == 0 && candidates.iter().any(|c| c.cached_blocks == 0))
+                .then_some(Home::LastSent(first))
+        }
     }
 }
