@@ -438,6 +438,18 @@ mod tests {
     }
 
     /// The pod a decision sends its request to (the override host's first, before fallbacks).
+    /// Two pods with `cacheWaitMs` 100 and room for one request each (not for a second of its
+    /// group beside it), x's and y's first requests on them: the gate, the host, x's pod and
+    /// y's pod.
+    fn x_and_y_on_their_pods() -> (FakeVm, Gate, Host, String, String) {
+        let (vm, mut gate) = two_pods(r#""budgetTokens":700,"cacheWaitMs":100"#);
+        let mut host = Host::default();
+        let x1 = send_prompt((&mut gate, &vm, &mut host), 1, "X", 60, 16).expect("routed");
+        let y1 = send_prompt((&mut gate, &vm, &mut host), 2, "Y", 60, 16).expect("routed");
+        assert_ne!(x1, y1);
+        (vm, gate, host, x1, y1)
+    }
+
     fn destination(d: &Decision) -> Option<String> {
         d.set
             .iter()
@@ -493,14 +505,10 @@ mod tests {
     fn a_request_waits_for_room_where_its_prefix_is_for_cache_wait_ms_and_then_takes_room_elsewhere(
     ) {
         for frees in ["its own pod", "nothing"] {
-            // Room for one request a pod, not for a second of its group beside it.
-            let (vm, mut gate) = two_pods(r#""budgetTokens":700,"cacheWaitMs":100"#);
-            let mut host = Host::default();
+            let (vm, mut gate, mut host, x1, y1) = x_and_y_on_their_pods();
             let send = |gate: &mut Gate, host: &mut Host, context: u32, group: &str| {
                 send_prompt((gate, &vm, host), context, group, 60, 16)
             };
-            let x1 = send(&mut gate, &mut host, 1, "X").expect("routed");
-            let y1 = send(&mut gate, &mut host, 2, "Y").expect("routed");
             assert_eq!(gate.retick(&vm), Some(crate::gate::TICK_MS));
             // y's pod frees before x's next arrives: there is room, but only as a copy of x's
             // prefix, which one request in flight shares. It waits.
@@ -532,15 +540,10 @@ mod tests {
 
     #[test]
     fn a_request_that_waited_for_room_anywhere_still_waits_cache_wait_ms_for_its_prefixs_pod() {
-        // Room for one request a pod, not for a second of its group beside it.
-        let (vm, mut gate) = two_pods(r#""budgetTokens":700,"cacheWaitMs":100"#);
-        let mut host = Host::default();
+        let (vm, mut gate, mut host, _, y1) = x_and_y_on_their_pods();
         let send = |gate: &mut Gate, host: &mut Host, context: u32, group: &str| {
             send_prompt((gate, &vm, host), context, group, 60, 16)
         };
-        let x1 = send(&mut gate, &mut host, 1, "X").expect("routed");
-        let y1 = send(&mut gate, &mut host, 2, "Y").expect("routed");
-        assert_ne!(x1, y1);
         // The pool is full: x's next waits for room anywhere, far longer than `cacheWaitMs`.
         assert_eq!(send(&mut gate, &mut host, 3, "X"), None);
         assert_eq!(gate.stats.take_count(stats::ADMISSION_CACHE_WAITS), 0);

@@ -1138,6 +1138,9 @@ mod tests {
         // the room is.
         let ask = ("m", &group(11)[..], &e);
         assert_eq!(r.route_cached(&vm, &cfg, ask).unwrap(), uncached);
+        // The line's cheap look before a pick says the same.
+        assert!(r.belongs_on(&cfg, &home, ask.1, vm.now_ms()));
+        assert!(!r.belongs_on(&cfg, other, ask.1, vm.now_ms()));
         let patient = r.route_patient(&vm, &cfg, ask).unwrap().routed();
         assert_eq!(patient.pod, other);
         r.finish(&vm, &patient).unwrap();
@@ -1149,6 +1152,14 @@ mod tests {
             .route_cached(&vm, &cfg, ("m", &hashes(4, 16), &e))
             .unwrap();
         assert_eq!(fresh.routed().pod, other);
+        // With several replicas a group's home is where every replica would send it: one pod.
+        cfg.etcd.cluster = "etcd".into();
+        let homes: Vec<&String> = cfg
+            .pods
+            .iter()
+            .filter(|p| r.belongs_on(&cfg, p, &hashes(5, 16), vm.now_ms()))
+            .collect();
+        assert_eq!(homes.len(), 1, "{homes:?}");
     }
 
     #[test]
