@@ -437,10 +437,9 @@ mod tests {
         destination(&d)
     }
 
-    /// The pod a decision sends its request to (the override host's first, before fallbacks).
     /// Two pods with `cacheWaitMs` 100 and room for one request each (not for a second of its
-    /// group beside it), x's and y's first requests on them: the gate, the host, x's pod and
-    /// y's pod.
+    /// group beside it), x's and y's first requests on them: the VM, the gate, the host, x's pod
+    /// and y's pod.
     fn x_and_y_on_their_pods() -> (FakeVm, Gate, Host, String, String) {
         let (vm, mut gate) = two_pods(r#""budgetTokens":700,"cacheWaitMs":100"#);
         let mut host = Host::default();
@@ -450,6 +449,7 @@ mod tests {
         (vm, gate, host, x1, y1)
     }
 
+    /// The pod a decision sends its request to (the override host's first, before fallbacks).
     fn destination(d: &Decision) -> Option<String> {
         d.set
             .iter()

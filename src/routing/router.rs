@@ -421,7 +421,8 @@ impl Router {
     }
 
     /// `route` among the pods that hold the prompt's cached prefix, when some pod holds half of
-    /// it: `Placement::Uncached` when only the others have room. For the line's order
+    /// it, or on its group's home when none does (`send_home`'s, when it has one):
+    /// `Placement::Uncached` when only the others have room. For the line's order
     /// (`drive::run_line`): a parked request goes to room where its prefix is before one that
     /// would compute its prefix again there.
     pub fn route_cached(
