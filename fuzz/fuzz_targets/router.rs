@@ -5,15 +5,15 @@
 //!
 //! Invariants, checked after every event: nothing panics; every pod's prefix-index share
 //! (`index_check`, from counters that rise, stay or go back) stays within its bounds; every pod
-//! record's reserved tokens and active blocks stay below 1e12 (a u64 that went below zero wraps far above); entries are
-//! unique by request id, and a request has at most one entry across all pods; a finished request
-//! has no entry anywhere; a routed request's entry reserves its estimate; with a budget, a pod
-//! admits only what fits (or a request alone), and "no room" means every pod the request could
-//! go to is full for it; a grown entry reserves at least prompt + output, and a grow raises a
-//! pod's reservations (past its budget too) by no more than the request holds beyond its own;
-//! the line is unique and ordered, and a removed ticket never returns. At the end, once every
-//! routed request has finished, every pod's reserved tokens, active blocks and entries are zero
-//! and the line is empty.
+//! record's reserved tokens and active blocks stay below 1e12 (a u64 that went below zero wraps far
+//! above); entries are unique by request id, and a request has at most one entry across all pods; a
+//! finished request has no entry anywhere; a routed request's entry reserves its estimate; with a
+//! budget, a pod admits only what fits (or a request alone), and "no room" means every pod the
+//! request could go to is full for it; a grown entry reserves at least prompt + output, and a grow
+//! raises a pod's reservations (past its budget too) by no more than the request holds beyond its
+//! own; the line is unique and ordered, and a removed ticket never returns. At the end, once every
+//! routed request has finished, every pod's reserved tokens, active blocks and entries are zero and
+//! the line is empty.
 #![no_main]
 
 use arbitrary::Arbitrary;

@@ -479,24 +479,12 @@ impl Router {
 
     /// Whether the prompt belongs on `pod`, a cheap test before a pick decides: this VM's index
     /// has the pod caching at least half of it (`PrefixIndex::caches_half`), or the pod is its
-    /// group's home (`Home`: the rendezvous choice among every pod with several replicas, the
-    /// pod its group was last sent to with one).
+    /// group's home (`is_home`).
     pub fn belongs_on(&self, cfg: &Config, pod: &str, hashes: &[u64], now: u64) -> bool {
-        if self.prefix.caches_half(pod, hashes, now) {
-            return true;
-        }
-        let Some(&first) = hashes.first() else {
-            return false;
-        };
-        if cfg.etcd.enabled() {
-            let score = |p: &String| crate::routing::pick::rendezvous_score(first, p);
-            self.pods
-                .iter()
-                .max_by_key(|p| score(p))
-                .is_some_and(|p| p == pod)
-        } else {
-            self.prefix.sent_home(pod, first, now).is_some()
-        }
+        self.prefix.caches_half(pod, hashes, now)
+            || hashes
+                .first()
+                .is_some_and(|&first| self.is_home(cfg, pod, first, now))
     }
 
     /// `route` for a request [`route`](Self::route) found no room for, when admission only

@@ -209,6 +209,22 @@ impl Router {
             .map(|(_, k)| k)
     }
 
+    /// Whether `pod` is a home of the group whose prompts start with `first`, by the fleet's
+    /// rule alone (whatever the pods cache): the rendezvous choice among every pod with several
+    /// replicas, any pod the group was sent to with one. The line's cheap look
+    /// (`Router::belongs_on`); the pick decides.
+    pub(super) fn is_home(&self, cfg: &Config, pod: &str, first: u64, now: u64) -> bool {
+        let home = Home::rule(cfg, first);
+        match home {
+            Home::Rendezvous(_) => self
+                .pods
+                .iter()
+                .max_by_key(|p| self.home_key(home, p, now))
+                .is_some_and(|p| p == pod),
+            Home::LastSent(_) => self.home_key(home, pod, now).is_some(),
+        }
+    }
+
     /// How much at home the prompt's group is on `pod` (higher first), `None` where not at all.
     fn home_key(&self, home: Home, pod: &str, now: u64) -> Option<u64> {
         match home {
@@ -327,16 +343,24 @@ enum Home {
 }
 
 impl Home {
-    fn of(cfg: &Config, candidates: &[Candidate], ask: &Ask) -> Option<Home> {
-        let &first = ask.hashes.first()?;
+    /// The fleet's rule for the group named by `first`.
+    fn rule(cfg: &Config, first: u64) -> Home {
         if cfg.etcd.enabled() {
-            candidates
-                .iter()
-                .all(|c| c.cached_blocks == 0)
-                .then_some(Home::Rendezvous(first))
+            Home::Rendezvous(first)
         } else {
-            (ask.hot_blocks == 0 && candidates.iter().any(|c| c.cached_blocks == 0))
-                .then_some(Home::LastSent(first))
+            Home::LastSent(first)
         }
+    }
+
+    /// The rule, for a prompt it applies to among these candidates.
+    fn of(cfg: &Config, candidates: &[Candidate], ask: &Ask) -> Option<Home> {
+        let home = Home::rule(cfg, *ask.hashes.first()?);
+        match home {
+            Home::Rendezvous(_) => candidates.iter().all(|c| c.cached_blocks == 0),
+            Home::LastSent(_) => {
+                ask.hot_blocks == 0 && candidates.iter().any(|c| c.cached_blocks == 0)
+            }
+        }
+        .then_some(home)
     }
 }
