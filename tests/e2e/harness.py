@@ -34,29 +34,50 @@ def _probe() -> socket.socket:
     return s
 
 
-def free_port() -> int:
+def _ephemeral_range() -> tuple:
+    try:
+        lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+# Ports for the servers the tests start are handed out below the kernel's ephemeral range and
+# never twice in one process. A port the kernel chose (bind to 0) lies in the ephemeral range,
+# so between the probe closing it and the server binding it any outgoing connection could take
+# it as its local port: a CI run lost a test to exactly that ("cannot bind 127.0.0.1:39947:
+# Address already in use" from an Envoy started a moment after its port was probed).
+_LOW, _HIGH = 10000, min(32768, _ephemeral_range()[0]) - 1
+_cursor = [_LOW + (os.getpid() * 7919) % (_HIGH - _LOW)]
+_cursor_lock = threading.Lock()
+
+
+def _bindable(p: int) -> bool:
     with _probe() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", p))
+            return True
+        except OSError:
+            return False
 
 
 def free_ports(n: int) -> int:
-    """A base port with n consecutive free ports after it."""
-    for _ in range(200):
-        base = free_port()
-        if base + n >= 65000:
-            continue
-        ok = True
-        for p in range(base, base + n):
-            with _probe() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
+    """A base port with n consecutive free ports after it, none of them handed out before by this
+    process and none in the range the kernel picks outgoing connections' ports from."""
+    with _cursor_lock:
+        for _ in range(_HIGH - _LOW):
+            base = _cursor[0]
+            if base + n > _HIGH:
+                _cursor[0] = _LOW
+                continue
+            _cursor[0] = base + n
+            if all(_bindable(p) for p in range(base, base + n)):
+                return base
     raise RuntimeError("no run of free ports")
+
+
+def free_port() -> int:
+    return free_ports(1)
 
 
 def stop(proc) -> None:
