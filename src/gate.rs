@@ -335,6 +335,14 @@ impl Gate {
                 self.sync
                     .on_response(store, &self.config, &mut self.stats, &views, status, body)
             });
+            let placed = self.sync.take_placed();
+            if !placed.is_empty() {
+                self.stats
+                    .count(stats::REPLICAS_PLACEMENTS, placed.len() as u64);
+                if let Err(e) = self.router.import(store, &self.config, placed) {
+                    log::debug!("kvgate: the other replicas' placements: {e:?}");
+                }
+            }
             return next.unwrap_or_else(|e| {
                 log::warn!("kvgate: replicas sync failed: {e:?}");
                 Vec::new()

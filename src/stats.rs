@@ -123,6 +123,8 @@ catalog! {
     REPLICAS_CONFLICTS = "kvgate.replicas.conflicts";
     /// etcd calls that failed or timed out (the replica keeps admitting, within its fallback).
     REPLICAS_ERRORS = "kvgate.replicas.errors";
+    /// Prompts the other replicas sent the pods, applied to this replica's prefix index.
+    REPLICAS_PLACEMENTS = "kvgate.replicas.placements";
     /// Lapsed replicas whose grants this replica reclaimed.
     REPLICAS_RECLAIMED = "kvgate.replicas.reclaimed";
     /// Replicas whose lease etcd holds, as of the last sync.

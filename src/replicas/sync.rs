@@ -12,6 +12,8 @@
 //!   `reclaimGraceMs` (its own clock), in a txn that checks the replica did not come back.
 //! - `<prefix>/pod/<ip:port>/guard`: written by every txn that grows a grant on the pod, and
 //!   compared by the next: two replicas cannot hand out the same free credit.
+//! - `<prefix>/placed/<replica>`: under the replica's lease, the prompts it sent the pods lately
+//!   (`placements`), for the others' prefix indexes.
 //!
 //! The lease id and when it was last renewed live in shared data (`kvgate.replicas`), so a worker
 //! taking the election over carries on with the same lease.
@@ -19,6 +21,7 @@
 use crate::config::Config;
 use crate::pods::scrape::{Call, Target};
 use crate::replicas::gateway::{self, Compare, Kv, Op};
+use crate::replicas::placements::{Inbox, Outbox, Placement};
 use crate::replicas::share;
 use crate::replicas::split::{next_grant, Holder};
 use crate::stats::{self, Stats};
@@ -84,22 +87,28 @@ struct RangeRead<'a> {
     guards: HashMap<&'a str, i64>,
     /// Pod → (replica, its grant, the grant key's revision).
     grants: HashMap<&'a str, Vec<(&'a str, Published, i64)>>,
+    /// Replica → what it placed lately (`placements`).
+    placed: Vec<(&'a str, &'a [u8])>,
 }
 
 impl<'a> RangeRead<'a> {
     /// Sorts the keys of the range by what each says (keys of no known shape are passed over).
     fn parse(kvs: &'a [Kv], prefix: &str, at_ms: u64) -> RangeRead<'a> {
         let alive_prefix = alive_key(prefix, "");
+        let placed_prefix = placed_key(prefix, "");
         let pod_prefix = format!("{prefix}/pod/");
         let mut read = RangeRead {
             at_ms,
             alive: Vec::new(),
             guards: HashMap::new(),
             grants: HashMap::new(),
+            placed: Vec::new(),
         };
         for kv in kvs {
             if let Some(replica) = kv.key.strip_prefix(&alive_prefix) {
                 read.alive.push(replica);
+            } else if let Some(replica) = kv.key.strip_prefix(&placed_prefix) {
+                read.placed.push((replica, &kv.value));
             } else if let Some(rest) = kv.key.strip_prefix(&pod_prefix) {
                 if let Some(pod) = rest.strip_suffix("/guard") {
                     read.guards.insert(pod, kv.mod_revision);
@@ -133,6 +142,10 @@ fn grant_key(prefix: &str, pod: &str, replica: &str) -> String {
     format!("{prefix}/pod/{pod}/grant/{replica}")
 }
 
+fn placed_key(prefix: &str, replica: &str) -> String {
+    format!("{prefix}/placed/{replica}")
+}
+
 fn guard_key(prefix: &str, pod: &str) -> String {
     format!("{prefix}/pod/{pod}/guard")
 }
@@ -146,6 +159,11 @@ pub struct Sync {
     lapsed_since: HashMap<String, u64>,
     planned: Vec<Planned>,
     reclaiming: u64,
+    /// This replica's placements for the others, and theirs applied here.
+    outbox: Outbox,
+    inbox: Inbox,
+    /// The others' placements the last range read found, for the router (`take_placed`).
+    placed: Vec<Placement>,
 }
 
 /// The lease as shared between this replica's workers: its id and when it was last renewed.
@@ -281,6 +299,14 @@ impl Sync {
                     };
                     let read = RangeRead::parse(&kvs, &cfg.etcd.key_prefix, now);
                     stats.gauge(stats::REPLICAS_LIVE, read.alive.len() as u64);
+                    let me = cfg.etcd.replica_id.as_str();
+                    let others: Vec<_> = read
+                        .placed
+                        .iter()
+                        .filter(|(r, _)| *r != me)
+                        .copied()
+                        .collect();
+                    self.placed.extend(self.inbox.take(&others));
                     let txn = self.plan(store, cfg, pods, &read, lease)?;
                     let body = gateway::txn(&txn.compares, &txn.ops);
                     Ok(vec![self.send(cfg, now, Step::Txn, gateway::TXN, body)])
@@ -289,6 +315,7 @@ impl Sync {
             },
             Step::Txn => match gateway::parse_txn(body).filter(|_| ok) {
                 Some(true) => {
+                    self.outbox.written();
                     for p in &self.planned {
                         share::modify(store, &p.pod, |s| {
                             s.grant = p.grant;
@@ -315,6 +342,12 @@ impl Sync {
                 }
             },
         }
+    }
+
+    /// The other replicas' placements read since the last call, for the router
+    /// (`Router::import`).
+    pub fn take_placed(&mut self) -> Vec<Placement> {
+        std::mem::take(&mut self.placed)
     }
 
     fn failed(&mut self, stats: &mut Stats, body: &[u8]) -> Vec<Call> {
@@ -345,6 +378,13 @@ impl Sync {
             self.plan_pod(store, cfg, read, view, &mut txn)?;
         }
         self.reclaiming = txn.reclaimed.len() as u64;
+        if let Some(value) = self.outbox.value(store)? {
+            txn.ops.push(Op::Put {
+                key: placed_key(&cfg.etcd.key_prefix, me),
+                value,
+                lease: Some(lease),
+            });
+        }
         txn.ops.push(Op::Put {
             key: alive_key(&cfg.etcd.key_prefix, me),
             value: Vec::new(),

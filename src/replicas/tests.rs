@@ -369,3 +369,31 @@ fn a_lease_etcd_lost_is_granted_again_and_the_grants_stand_meanwhile() {
     assert!(etcd.kvs.keys().any(|k| k.ends_with("/alive/r0")));
     assert_eq!(etcd.grants()["r0"], before);
 }
+
+#[test]
+fn each_replicas_picks_reach_the_others_once_and_go_with_its_lease() {
+    use crate::routing::pick_log::{Dispatch, Event, PickLog};
+    let (mut etcd, mut rs) = synced(&[1_000, 1_000], 1_000);
+    let mut log = PickLog::start(&rs[0].vm).unwrap();
+    let sent = Event::Dispatch(Dispatch {
+        pod: POD.into(),
+        request: 1,
+        adapter: 0,
+        hashes: vec![7, 8, 9],
+    });
+    log.publish(&rs[0].vm, 1, &sent).unwrap();
+    run(&mut rs, &mut etcd, 1_000, 2_500);
+    assert!(rs[0].sync.take_placed().is_empty(), "not its own");
+    assert_eq!(
+        rs[1].sync.take_placed(),
+        vec![(POD.to_string(), vec![7, 8, 9])]
+    );
+    run(&mut rs, &mut etcd, 2_500, 4_000);
+    assert!(rs[1].sync.take_placed().is_empty(), "once");
+    assert!(etcd.kvs.contains_key("/kvgate/placed/r0"));
+    // r0 stops: its lease lapses within its TTL, and its placements go with it.
+    let dead = rs.remove(0);
+    run(&mut rs, &mut etcd, 4_000, 8_000);
+    assert!(!etcd.kvs.contains_key("/kvgate/placed/r0"));
+    drop(dead);
+}

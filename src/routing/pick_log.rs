@@ -1,5 +1,6 @@
 //! The pick log: how a routing decision made on one Envoy worker reaches every other worker
-//! within milliseconds. Each dispatch and finish is appended to a ring of shared-data slots
+//! within milliseconds. Each dispatch and finish (and what other gateway replicas placed,
+//! `replicas::placements`) is appended to a ring of shared-data slots
 //! (`kvgate.log.seq` and `kvgate.log.<0..RING>`: a bounded key schema); every VM replays what it
 //! has not seen before it decides, so each keeps a full replica of the prefix index and of the
 //! in-flight prompt blocks without reading per-block keys. A VM that falls more than a ring
@@ -42,12 +43,22 @@ pub struct Dispatch {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Event {
     Dispatch(Dispatch),
-    Finish { pod: String, request: u64 },
+    Finish {
+        pod: String,
+        request: u64,
+    },
+    /// Another gateway replica sent the pod a prompt with these blocks (`replicas::placements`):
+    /// for the prefix index only, as no request of this replica's holds them.
+    Placed {
+        pod: String,
+        hashes: Vec<u64>,
+    },
 }
 
 const DISPATCH_WITHOUT_ADAPTER: u8 = 1;
 const FINISH: u8 = 2;
 const DISPATCH: u8 = 3;
+const PLACED: u8 = 4;
 
 fn slot_key(seq: u64) -> String {
     format!("kvgate.log.{}", seq % RING)
@@ -73,6 +84,13 @@ fn encode<'a>(seq: u64, origin: u32, events: impl Iterator<Item = &'a Event>) ->
             Event::Finish { pod, request } => {
                 w.u8(FINISH).bytes(pod.as_bytes()).u64(*request);
             }
+            Event::Placed { pod, hashes } => {
+                w.0.reserve(9 + pod.len() + 8 * hashes.len());
+                w.u8(PLACED).bytes(pod.as_bytes()).u32(hashes.len() as u32);
+                hashes.iter().for_each(|h| {
+                    w.u64(*h);
+                });
+            }
         }
     }
     w.0
@@ -93,6 +111,10 @@ fn decode(bytes: &[u8]) -> Option<(u64, u32, Vec<Event>)> {
 fn event(r: &mut Reader) -> Option<Event> {
     let kind = r.u8()?;
     let pod = String::from_utf8(r.bytes()?.to_vec()).ok()?;
+    if kind == PLACED {
+        let hashes = r.list(8, Reader::u64)?;
+        return Some(Event::Placed { pod, hashes });
+    }
     let request = r.u64()?;
     Some(match kind {
         // A dispatch logged by a module from before adapters (during a reload) had none.
@@ -149,8 +171,18 @@ impl PickLog {
         origin: u32,
         event: &Event,
     ) -> Result<(), StoreError> {
+        self.publish_all(store, origin, std::slice::from_ref(event))
+    }
+
+    /// Appends events in one slot, with the finishes held so far.
+    pub fn publish_all(
+        &mut self,
+        store: &dyn Store,
+        origin: u32,
+        events: &[Event],
+    ) -> Result<(), StoreError> {
         let held = std::mem::take(&mut self.held);
-        self.append(store, origin, held.iter().chain([event]))
+        self.append(store, origin, held.iter().chain(events))
     }
 
     /// Holds a finish for the next append (appends at once when many are held).
@@ -216,6 +248,25 @@ impl PickLog {
         &mut self,
         store: &dyn Store,
         me: u32,
+        apply: impl FnMut(Event),
+    ) -> Result<(), StoreError> {
+        self.poll_from(store, Some(me), apply)
+    }
+
+    /// Replays every event this cursor has not seen yet, whichever VM appended it: a reader of
+    /// the whole log (the replica's placements sent to the others, `replicas::placements`).
+    pub fn poll_every(
+        &mut self,
+        store: &dyn Store,
+        apply: impl FnMut(Event),
+    ) -> Result<(), StoreError> {
+        self.poll_from(store, None, apply)
+    }
+
+    fn poll_from(
+        &mut self,
+        store: &dyn Store,
+        skip: Option<u32>,
         mut apply: impl FnMut(Event),
     ) -> Result<(), StoreError> {
         let seen = store.get(SEQ_KEY)?;
@@ -241,7 +292,7 @@ impl PickLog {
             };
             match slot.and_then(decode) {
                 Some((seq, origin, events)) if seq == self.next => {
-                    if origin != me {
+                    if skip != Some(origin) {
                         events.into_iter().for_each(&mut apply);
                     }
                 }

@@ -404,7 +404,40 @@ impl Router {
                 copies.forget(&pod);
                 active.remove(&pod, request);
             }
+            Event::Placed { pod, hashes } => {
+                let cap = bounds.get(&pod).map_or(default_capacity, |b| b.blocks);
+                prefix.insert(&pod, &hashes, now, cap);
+            }
         })
+    }
+
+    /// What the other gateway replicas sent the pods (`replicas::placements`), for this VM's
+    /// prefix index and, through the pick log, every other worker's. Pods not in the pool are
+    /// passed over.
+    pub fn import(
+        &mut self,
+        store: &dyn Store,
+        cfg: &Config,
+        placed: Vec<(String, Vec<u64>)>,
+    ) -> Result<(), StoreError> {
+        let now = store.now_ms();
+        let default_capacity = cfg.routing.pod_capacity_blocks as usize;
+        let events: Vec<Event> = placed
+            .into_iter()
+            .filter(|(pod, hashes)| !hashes.is_empty() && self.pods.contains(pod))
+            .map(|(pod, hashes)| {
+                let cap = self
+                    .index_bounds
+                    .get(&pod)
+                    .map_or(default_capacity, |b| b.blocks);
+                self.prefix.insert(&pod, &hashes, now, cap);
+                Event::Placed { pod, hashes }
+            })
+            .collect();
+        if events.is_empty() {
+            return Ok(());
+        }
+        self.log.publish_all(store, self.vm, &events)
     }
 
     /// Ranks the pods for a request and dispatches it to the best one whose budget has room for
@@ -927,6 +960,26 @@ mod tests {
         assert_eq!(second.pod, first.pod);
         assert_eq!(second.cached_blocks, 64);
         r2.finish(&w2, &second).unwrap();
+        assert_eq!(total_active(&w1, &cfg), 0);
+    }
+
+    #[test]
+    fn another_replicas_placement_steers_every_worker_and_holds_nothing() {
+        let cfg = config(&["a:1", "b:1", "c:1", "d:1"]);
+        let (_host, [(w1, mut r1), (w2, mut r2)]) = two_workers(&cfg);
+        let placed = vec![
+            ("c:1".to_string(), hashes(7, 64)),
+            ("elsewhere:1".to_string(), hashes(8, 64)),
+        ];
+        r1.import(&w1, &cfg, placed).unwrap();
+        // The other worker learns it through the pick log; no pod is charged for it.
+        assert_eq!(total_active(&w2, &cfg), 0);
+        let next = r2.route_m(&w2, &cfg, &hashes(7, 64), &est(1024, 16));
+        assert_eq!((next.pod.as_str(), next.cached_blocks), ("c:1", 64));
+        r2.finish(&w2, &next).unwrap();
+        let here = r1.route_m(&w1, &cfg, &hashes(7, 64), &est(1024, 16));
+        assert_eq!((here.pod.as_str(), here.cached_blocks), ("c:1", 64));
+        r1.finish(&w1, &here).unwrap();
         assert_eq!(total_active(&w1, &cfg), 0);
     }
 

@@ -56,12 +56,12 @@ class Etcd:
         self.proc.wait()
 
     def keys(self, prefix="/kvgate/"):
-        """Every key under `prefix` with its decoded value."""
+        """Every key under `prefix` with its value as text (a replica's placements are binary)."""
         end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
         r = request(self.port, "POST", "/v3/kv/range",
                     {"key": base64.b64encode(prefix.encode()).decode(),
                      "range_end": base64.b64encode(end.encode()).decode()})
-        return {base64.b64decode(kv["key"]).decode(): base64.b64decode(kv.get("value", "")).decode()
+        return {base64.b64decode(kv["key"]).decode(): base64.b64decode(kv.get("value", "")).decode(errors="replace")
                 for kv in r.json().get("kvs", [])}
 
     def __enter__(self):

@@ -200,6 +200,7 @@ def one_run(label, wasm, r, etcd, prefix, a, override, raw):
             "ttft_p90": percentile(ttft, 90), "goodput": sum(t <= CELL["ttft_slo_ms"] for t in ttft),
             "requests": len(records), "ok": len(ok), "failed": len(records) - len(ok), "preemptions": pre,
             "pods_per_group": spread[0], "main_pod_share": spread[1],
+            "pods_per_group_per_replica": [group_spread([x for x in ok if x["replica"] == k])[0] for k in range(r)],
             "wall_s": time.time() - t0, "sim": st, "kvgate": sides, "load": summaries}
 
 
@@ -338,7 +339,8 @@ def main():
                             print(f"  engine {pct(x['engine_hit'])}% predicted "
                                   f"{'/'.join(pct(p) for p in x['predicted'])}% ttft mean {ms(x['ttft_mean'])} ms "
                                   f"ok {x['ok']}/{x['requests']} pods a group {x['pods_per_group'] or 0:.2f} "
-                                  f"on its main pod {100 * (x['main_pod_share'] or 0):.0f}%", file=sys.stderr, flush=True)
+                                  f"on its main pod {100 * (x['main_pod_share'] or 0):.0f}% "
+                                  f"(per replica {'/'.join(f'{p or 0:.2f}' for p in x['pods_per_group_per_replica'])})", file=sys.stderr, flush=True)
     finally:
         if a.out and runs:
             Path(a.out).write_text(json.dumps(

@@ -2,8 +2,8 @@
 (issue 15): the issue's 2x overload spread over them never preempts and the replicas'
 reservations on a pod never sum past its budget; etcd killed mid-run and restarted, requests keep
 flowing within the fallback and the grants come back; a client sending straight to a pod shrinks
-what the replicas admit there within a scrape; prefix groups meet on one pod through any replica;
-a replica killed has its grants reclaimed after its lease and the grace. The independent-replicas
+what the replicas admit there within a scrape; prefix groups meet on one pod through any replica,
+and a prompt sent through one replica is known cached by the others; a replica killed has its grants reclaimed after its lease and the grace. The independent-replicas
 comparison and the latency numbers are in replicas_bench.py (BENCHMARKS.md)."""
 
 import json
@@ -191,3 +191,21 @@ def test_prefix_groups_meet_on_one_pod_through_any_replica(etcd):
             together = group_placement(three, 100)
     print(f"prefix groups on their pod: one replica {alone:.1%}, three {together:.1%}")
     assert together >= 0.95 * alone
+
+
+def test_a_prompt_sent_through_one_replica_is_known_cached_by_another(etcd):
+    """Each replica tells the others, on its sync, where it sent prompts (replicas::placements):
+    the next question of a group first sent through replica 0 finds its prefix cached on that pod
+    through replica 1, whose own picks never held it."""
+    with Sim(pods=4) as sim, fleet(sim, etcd.port, n=2, etcd={"keyPrefix": "/kvgate-placed"}) as two:
+        first = request(two[0].port, "POST", "/v1/chat/completions", group_chat(500, 0))
+        assert first.status == 200, first.body
+        assert wait_for(lambda: counter(two[1], "replicas.placements") >= 1, timeout=15)
+        again = request(two[1].port, "POST", "/v1/chat/completions", group_chat(500, 1))
+        assert again.status == 200, again.body
+        cached, total = (int(x) for x in again.headers["x-kvgate-prefix-blocks"].split("/"))
+        print(f"first through replica 0 on {first.headers['x-kvgate-pod']}; through replica 1 on "
+              f"{again.headers['x-kvgate-pod']} with {cached}/{total} blocks cached")
+        assert again.headers["x-kvgate-pod"] == first.headers["x-kvgate-pod"]
+        assert cached > 0
+        assert counter(two[0], "replicas.placements") == 0, "its own picks are not sent back"
