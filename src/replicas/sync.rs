@@ -161,6 +161,8 @@ pub struct Sync {
     reclaiming: u64,
     /// This replica's placements for the others, and theirs applied here.
     outbox: Outbox,
+    /// The txn in flight writes the outbox's value.
+    placing: bool,
     inbox: Inbox,
     /// The others' placements the last range read found, for the router (`take_placed`).
     placed: Vec<Placement>,
@@ -315,7 +317,9 @@ impl Sync {
             },
             Step::Txn => match gateway::parse_txn(body).filter(|_| ok) {
                 Some(true) => {
-                    self.outbox.written();
+                    if self.placing {
+                        self.outbox.written();
+                    }
                     for p in &self.planned {
                         share::modify(store, &p.pod, |s| {
                             s.grant = p.grant;
@@ -378,7 +382,11 @@ impl Sync {
             self.plan_pod(store, cfg, read, view, &mut txn)?;
         }
         self.reclaiming = txn.reclaimed.len() as u64;
-        if let Some(value) = self.outbox.value(store)? {
+        // Read whether or not another replica is live to learn them, so the log does not pile up.
+        let placed = self.outbox.value(store)?;
+        let placed = placed.filter(|_| read.alive.iter().any(|r| *r != me));
+        self.placing = placed.is_some();
+        if let Some(value) = placed {
             txn.ops.push(Op::Put {
                 key: placed_key(&cfg.etcd.key_prefix, me),
                 value,

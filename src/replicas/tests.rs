@@ -397,3 +397,28 @@ fn each_replicas_picks_reach_the_others_once_and_go_with_its_lease() {
     assert!(!etcd.kvs.contains_key("/kvgate/placed/r0"));
     drop(dead);
 }
+
+#[test]
+fn a_replica_alone_writes_no_placements() {
+    use crate::routing::pick_log::{Dispatch, Event, PickLog};
+    let (mut etcd, mut rs) = synced(&[1_000], 1_000);
+    let mut log = PickLog::start(&rs[0].vm).unwrap();
+    let sent = Event::Dispatch(Dispatch {
+        pod: POD.into(),
+        request: 1,
+        adapter: 0,
+        hashes: vec![7],
+    });
+    log.publish(&rs[0].vm, 1, &sent).unwrap();
+    run(&mut rs, &mut etcd, 1_000, 3_000);
+    assert!(!etcd.kvs.keys().any(|k| k.contains("/placed/")));
+    // A second replica comes up: it learns the placements kept for it (the last batches) and
+    // the next ones.
+    rs.push(Replica::new("r1", 3_000));
+    log.publish(&rs[0].vm, 1, &sent).unwrap();
+    run(&mut rs, &mut etcd, 3_000, 5_000);
+    assert_eq!(
+        rs[1].sync.take_placed(),
+        vec![(POD.to_string(), vec![7]); 2]
+    );
+}
