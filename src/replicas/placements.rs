@@ -67,12 +67,14 @@ impl Outbox {
             let new: Vec<u64> = d.hashes[1..]
                 .iter()
                 .copied()
-                .filter(|h| known.insert(*h))
+                .filter(|h| !known.contains(h))
                 .collect();
-            if (new.is_empty() && !known.insert(first)) || blocks + 1 + new.len() > MAX_BATCH_BLOCKS
+            if (new.is_empty() && known.contains(&first))
+                || blocks + 1 + new.len() > MAX_BATCH_BLOCKS
             {
                 return;
             }
+            known.extend(new.iter().copied());
             known.insert(first);
             blocks += 1 + new.len();
             let mut hashes = Vec::with_capacity(1 + new.len());

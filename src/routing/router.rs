@@ -162,6 +162,14 @@ struct IndexBound {
     restarts: u32,
 }
 
+/// The most blocks a pod's prefix index keeps: its bound as last read from its record, else the
+/// configured capacity.
+fn index_capacity(bounds: &HashMap<String, IndexBound>, pod: &str, cfg: &Config) -> usize {
+    bounds
+        .get(pod)
+        .map_or(cfg.routing.pod_capacity_blocks as usize, |b| b.blocks)
+}
+
 pub struct Router {
     vm: u32,
     next_request: u32,
@@ -390,11 +398,9 @@ impl Router {
         self.refresh_pods(store, cfg, now);
         let (prefix, active, bounds) = (&mut self.prefix, &mut self.active, &self.index_bounds);
         let (adapters, copies) = (&mut self.adapters, &mut self.copies);
-        let default_capacity = cfg.routing.pod_capacity_blocks as usize;
         self.log.poll(store, self.vm, |event| match event {
             Event::Dispatch(d) => {
-                let cap = bounds.get(&d.pod).map_or(default_capacity, |b| b.blocks);
-                prefix.insert(&d.pod, &d.hashes, now, cap);
+                prefix.insert(&d.pod, &d.hashes, now, index_capacity(bounds, &d.pod, cfg));
                 adapters.dispatch(&d.pod, d.request, d.adapter, now);
                 copies.forget(&d.pod);
                 active.add(&d.pod, d.request, d.hashes, now);
@@ -405,8 +411,7 @@ impl Router {
                 active.remove(&pod, request);
             }
             Event::Placed { pod, hashes } => {
-                let cap = bounds.get(&pod).map_or(default_capacity, |b| b.blocks);
-                prefix.insert(&pod, &hashes, now, cap);
+                prefix.insert(&pod, &hashes, now, index_capacity(bounds, &pod, cfg));
             }
         })
     }
@@ -421,15 +426,11 @@ impl Router {
         placed: Vec<(String, Vec<u64>)>,
     ) -> Result<(), StoreError> {
         let now = store.now_ms();
-        let default_capacity = cfg.routing.pod_capacity_blocks as usize;
         let events: Vec<Event> = placed
             .into_iter()
             .filter(|(pod, hashes)| !hashes.is_empty() && self.pods.contains(pod))
             .map(|(pod, hashes)| {
-                let cap = self
-                    .index_bounds
-                    .get(&pod)
-                    .map_or(default_capacity, |b| b.blocks);
+                let cap = index_capacity(&self.index_bounds, &pod, cfg);
                 self.prefix.insert(&pod, &hashes, now, cap);
                 Event::Placed { pod, hashes }
             })

@@ -85,10 +85,7 @@ impl Router {
             self.copies.wrote(served_by, moved, now);
         }
         routed.pod = served_by.to_string();
-        let capacity = self
-            .index_bounds
-            .get(served_by)
-            .map_or(cfg.routing.pod_capacity_blocks as usize, |b| b.blocks);
+        let capacity = super::index_capacity(&self.index_bounds, served_by, cfg);
         self.prefix.insert(served_by, &hashes, now, capacity);
         self.adapters
             .dispatch(served_by, routed.request, adapter, now);
