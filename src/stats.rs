@@ -125,6 +125,8 @@ catalog! {
     REPLICAS_ERRORS = "kvgate.replicas.errors";
     /// Prompts the other replicas sent the pods, applied to this replica's prefix index.
     REPLICAS_PLACEMENTS = "kvgate.replicas.placements";
+    /// Compactions of etcd's history this replica made (`etcd.compactionIntervalMs`).
+    REPLICAS_COMPACTIONS = "kvgate.replicas.compactions";
     /// Lapsed replicas whose grants this replica reclaimed.
     REPLICAS_RECLAIMED = "kvgate.replicas.reclaimed";
     /// Replicas whose lease etcd holds, as of the last sync.

@@ -25,6 +25,9 @@ pub struct EtcdConfig {
     /// The most replicas the fleet runs (the autoscaler's maximum): cut off from etcd, a replica
     /// admits at most a pod's budget divided by this.
     pub max_replicas: u32,
+    /// How often etcd's history of kvgate's writes is compacted, by one replica of the fleet, up
+    /// to the revision it read that long before; 0: never (the operator's etcd compacts itself).
+    pub compaction_interval_ms: u64,
 }
 
 impl Default for EtcdConfig {
@@ -38,6 +41,7 @@ impl Default for EtcdConfig {
             sync_interval_ms: 500,
             timeout_ms: 1_000,
             max_replicas: 0,
+            compaction_interval_ms: 300_000,
         }
     }
 }
@@ -76,6 +80,45 @@ impl EtcdConfig {
                 "must be at most half the lease TTL (the lease is renewed on the sync)",
             );
         }
+        if self.compaction_interval_ms != 0
+            && !(self.sync_interval_ms..=86_400_000).contains(&self.compaction_interval_ms)
+        {
+            return e(
+                "compactionIntervalMs",
+                "must be 0 (off) or from syncIntervalMs up to 86400000 (a day)",
+            );
+        }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    use crate::config::Config;
+
+    fn field(etcd: &str) -> Option<String> {
+        let json = format!(r#"{{"etcd": {{"cluster": "etcd", "maxReplicas": 3, {etcd}}}}}"#);
+        Config::parse(json.as_bytes()).err().map(|e| e.field)
+    }
+
+    #[test]
+    fn compaction_is_on_by_default_and_bounded_by_the_sync_and_a_day() {
+        let on = Config::parse(br#"{"etcd": {"cluster": "etcd", "maxReplicas": 3}}"#);
+        assert_eq!(
+            on.map(|c| c.etcd.compaction_interval_ms).ok(),
+            Some(300_000)
+        );
+        assert_eq!(field(r#""compactionIntervalMs": 0"#), None, "off");
+        assert_eq!(field(r#""compactionIntervalMs": 500"#), None);
+        for bad in ["499", "86400001"] {
+            assert_eq!(
+                field(&format!(r#""compactionIntervalMs": {bad}"#)).as_deref(),
+                Some("etcd.compactionIntervalMs"),
+                "{bad}"
+            );
+        }
     }
 }

@@ -15,6 +15,7 @@ pub const LEASE_GRANT: &str = "/v3/lease/grant";
 pub const LEASE_KEEPALIVE: &str = "/v3/lease/keepalive";
 pub const RANGE: &str = "/v3/kv/range";
 pub const TXN: &str = "/v3/kv/txn";
+pub const COMPACTION: &str = "/v3/kv/compaction";
 
 fn b64(bytes: &[u8]) -> String {
     STANDARD.encode(bytes)
@@ -44,6 +45,13 @@ pub fn range_prefix(prefix: &str) -> Vec<u8> {
         *last = last.saturating_add(1);
     }
     json!({ "key": b64(prefix.as_bytes()), "range_end": b64(&end) })
+        .to_string()
+        .into_bytes()
+}
+
+/// Drops the history of every key before `revision` (current values stay).
+pub fn compaction(revision: i64) -> Vec<u8> {
+    json!({ "revision": revision.to_string() })
         .to_string()
         .into_bytes()
 }
@@ -87,13 +95,22 @@ struct RawRange {
     kvs: Vec<RawKv>,
 }
 
-/// The keys a range read returned; `None` when the answer is not a range response (an error
-/// object, a proxy's page). Keys that are not UTF-8 or not base64 are left out: kvgate writes none.
-pub fn parse_range(body: &[u8]) -> Option<Vec<Kv>> {
+/// What a range read returned: the store's revision when it was read, and the keys.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Range {
+    pub revision: i64,
+    pub kvs: Vec<Kv>,
+}
+
+/// A range read's answer; `None` when it is not a range response (an error object, a proxy's
+/// page). Keys that are not UTF-8 or not base64 are left out: kvgate writes none.
+pub fn parse_range(body: &[u8]) -> Option<Range> {
     let raw: RawRange = serde_json::from_slice(body).ok()?;
-    raw.header.as_ref()?;
-    Some(
-        raw.kvs
+    let header = raw.header.as_ref()?;
+    Some(Range {
+        revision: number(header.get("revision")).unwrap_or(0),
+        kvs: raw
+            .kvs
             .into_iter()
             .filter_map(|kv| {
                 Some(Kv {
@@ -103,7 +120,7 @@ pub fn parse_range(body: &[u8]) -> Option<Vec<Kv>> {
                 })
             })
             .collect(),
-    )
+    })
 }
 
 /// A txn's condition.
@@ -176,6 +193,8 @@ mod tests {
         assert_eq!(r["range_end"], b64(b"/kvgate0"));
         let k: Value = serde_json::from_slice(&lease_keepalive(7_587_882_716_187_386_901)).unwrap();
         assert_eq!(k["ID"], "7587882716187386901", "64-bit ids as strings");
+        let c: Value = serde_json::from_slice(&compaction(12_345)).unwrap();
+        assert_eq!(c["revision"], "12345");
         let t: Value = serde_json::from_slice(&txn(
             &[Compare::ModRevision("/g".into(), 0)],
             &[
@@ -221,9 +240,10 @@ mod tests {
             b64(b"x"),
             b64(b"/kvgate/b")
         );
-        let kvs = parse_range(body.as_bytes()).unwrap();
+        let range = parse_range(body.as_bytes()).unwrap();
+        assert_eq!(range.revision, 9);
         assert_eq!(
-            kvs,
+            range.kvs,
             [
                 Kv {
                     key: "/kvgate/a".into(),
@@ -239,7 +259,10 @@ mod tests {
         );
         assert_eq!(
             parse_range(br#"{"header":{"revision":"9"}}"#),
-            Some(vec![]),
+            Some(Range {
+                revision: 9,
+                kvs: vec![]
+            }),
             "no keys"
         );
         assert_eq!(parse_range(br#"{"code":14,"message":"unavailable"}"#), None);

@@ -68,6 +68,7 @@ enum Step {
     KeepAlive,
     Range,
     Txn,
+    Compact,
 }
 
 /// A pod's outcome, applied to its share when the txn succeeds.
@@ -166,6 +167,11 @@ pub struct Sync {
     inbox: Inbox,
     /// The others' placements the last range read found, for the router (`take_placed`).
     placed: Vec<Placement>,
+    /// A revision read at some time (this VM's clock): etcd's history up to it is compacted once
+    /// it is `compactionIntervalMs` old.
+    history: Option<(u64, i64)>,
+    /// The compaction to send after the sync's txn.
+    compact_to: Option<i64>,
 }
 
 /// The lease as shared between this replica's workers: its id and when it was last renewed.
@@ -295,12 +301,13 @@ impl Sync {
                 None => Ok(self.failed(stats, body)),
             },
             Step::Range => match gateway::parse_range(body).filter(|_| ok) {
-                Some(kvs) => {
+                Some(range) => {
                     let Some((lease, _)) = read_lease(store)? else {
                         return Ok(Vec::new());
                     };
-                    let read = RangeRead::parse(&kvs, &cfg.etcd.key_prefix, now);
+                    let read = RangeRead::parse(&range.kvs, &cfg.etcd.key_prefix, now);
                     stats.gauge(stats::REPLICAS_LIVE, read.alive.len() as u64);
+                    self.note_history(cfg, &read, range.revision);
                     let me = cfg.etcd.replica_id.as_str();
                     let others: Vec<_> = read
                         .placed
@@ -315,6 +322,16 @@ impl Sync {
                 }
                 None => Ok(self.failed(stats, body)),
             },
+            Step::Compact => {
+                if ok {
+                    stats.count(stats::REPLICAS_COMPACTIONS, 1);
+                } else if !String::from_utf8_lossy(body).contains("has been compacted") {
+                    // (A revision etcd already compacted past is refused so: another replica,
+                    // or the operator's own compaction, was there first.)
+                    self.failed(stats, body);
+                }
+                Ok(Vec::new())
+            }
             Step::Txn => match gateway::parse_txn(body).filter(|_| ok) {
                 Some(true) => {
                     if self.placing {
@@ -328,14 +345,14 @@ impl Sync {
                     }
                     stats.count(stats::REPLICAS_SYNCS, 1);
                     stats.count(stats::REPLICAS_RECLAIMED, self.reclaiming);
-                    Ok(Vec::new())
+                    Ok(self.compact(cfg, now))
                 }
                 Some(false) => {
                     // Another replica grew a grant on a pod since the read: read again on the
                     // next tick rather than wait a whole interval.
                     stats.count(stats::REPLICAS_CONFLICTS, 1);
                     self.next_ms = now;
-                    Ok(Vec::new())
+                    Ok(self.compact(cfg, now))
                 }
                 None => {
                     // Unknown outcome, or a lease etcd no longer has: renew before the next sync.
@@ -345,6 +362,46 @@ impl Sync {
                     Ok(self.failed(stats, body))
                 }
             },
+        }
+    }
+
+    /// Keeps a revision to compact etcd's history to. Once it is `compactionIntervalMs` old, the
+    /// fleet's compactor (the first live replica by name: one a fleet, no election of its own)
+    /// compacts up to it after its txn, and every replica keeps the revision just read instead.
+    /// etcd keeps every value kvgate ever wrote until its history is compacted, and it does not
+    /// compact by default: the grants' and placements' writes (tens of KB a sync with
+    /// placements) would fill its 2 GB quota within hours, and a full etcd refuses every write.
+    /// Compacting to a revision that old follows Kubernetes' API server (every 5 minutes): a
+    /// reader of history younger than that loses nothing.
+    fn note_history(&mut self, cfg: &Config, read: &RangeRead, revision: i64) {
+        let every = cfg.etcd.compaction_interval_ms;
+        if every == 0 || revision <= 0 {
+            return;
+        }
+        match self.history {
+            Some((at, old)) if read.at_ms.saturating_sub(at) >= every => {
+                let me = cfg.etcd.replica_id.as_str();
+                if read.alive.iter().min() == Some(&me) {
+                    self.compact_to = Some(old);
+                }
+                self.history = Some((read.at_ms, revision));
+            }
+            Some(_) => {}
+            None => self.history = Some((read.at_ms, revision)),
+        }
+    }
+
+    /// The compaction planned by the sync's read, if any.
+    fn compact(&mut self, cfg: &Config, now: u64) -> Vec<Call> {
+        match self.compact_to.take() {
+            Some(revision) => vec![self.send(
+                cfg,
+                now,
+                Step::Compact,
+                gateway::COMPACTION,
+                gateway::compaction(revision),
+            )],
+            None => Vec::new(),
         }
     }
 

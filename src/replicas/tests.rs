@@ -28,6 +28,11 @@ struct FakeEtcd {
     leases: BTreeMap<i64, (u64, u64)>,
     next_lease: i64,
     down: bool,
+    /// Every compaction asked for (when, to which revision), in order; one at or below the last
+    /// is refused, as etcd does.
+    compactions: Vec<(u64, i64)>,
+    /// The revision at each call (when, revision).
+    revisions: Vec<(u64, i64)>,
 }
 
 fn text(v: &Value) -> String {
@@ -59,6 +64,7 @@ impl FakeEtcd {
             return None;
         }
         self.expire(now);
+        self.revisions.push((now, self.revision));
         let req: Value = serde_json::from_slice(body).unwrap();
         let header = json!({ "revision": self.revision.to_string() });
         let out = match path {
@@ -119,6 +125,22 @@ impl FakeEtcd {
                     }
                     json!({ "header": { "revision": self.revision.to_string() }, "succeeded": true })
                 }
+            }
+            "/v3/kv/compaction" => {
+                let revision = int(&req["revision"]);
+                if self
+                    .compactions
+                    .last()
+                    .is_some_and(|&(_, last)| revision <= last)
+                {
+                    return Some(
+                        br#"{"error":"etcdserver: mvcc: required revision has been compacted","code":11}"#
+                            .to_vec(),
+                    );
+                }
+                assert!(revision <= self.revision, "compacted past the present");
+                self.compactions.push((now, revision));
+                json!({ "header": header })
             }
             other => panic!("unexpected path {other}"),
         };
@@ -421,4 +443,38 @@ fn a_replica_alone_writes_no_placements() {
         rs[1].sync.take_placed(),
         vec![(POD.to_string(), vec![7]); 2]
     );
+}
+
+#[test]
+fn one_replica_compacts_etcds_history_to_a_revision_the_interval_old() {
+    let (mut etcd, mut rs) = synced(&[1_000, 1_000], 0);
+    for r in rs.iter_mut() {
+        r.cfg.etcd.compaction_interval_ms = 2_000;
+    }
+    run(&mut rs, &mut etcd, 0, 9_000);
+    let made: Vec<u64> = rs
+        .iter_mut()
+        .map(|r| r.counted(crate::stats::REPLICAS_COMPACTIONS))
+        .collect();
+    assert_eq!(made[1], 0, "only the first live replica by name compacts");
+    assert!(made[0] >= 3, "{made:?}");
+    // Each names a revision etcd had already reached the interval before it was asked for, and
+    // each is later than the one before.
+    for &(at, revision) in &etcd.compactions {
+        let then = etcd
+            .revisions
+            .iter()
+            .filter(|(t, _)| t + 2_000 <= at)
+            .map(|&(_, r)| r)
+            .max()
+            .unwrap_or(0);
+        assert!(revision <= then, "{:?}", etcd.compactions);
+    }
+    assert!(etcd.compactions.windows(2).all(|w| w[0].1 < w[1].1));
+    assert_eq!(rs[0].counted(crate::stats::REPLICAS_ERRORS), 0);
+    // Off: none.
+    let (mut quiet, mut rs) = synced(&[1_000], 0);
+    rs[0].cfg.etcd.compaction_interval_ms = 0;
+    run(&mut rs, &mut quiet, 0, 9_000);
+    assert!(quiet.compactions.is_empty());
 }

@@ -76,8 +76,9 @@ def replica_config(etcd_port, node_id, etcd=None):
     """The shipped plugin config with the etcd section on (None: an independent replica)."""
     plugin = default_plugin_config()
     if etcd is not None:
+        # etcd's history compacted every second: every replicas test runs with it.
         plugin["etcd"] = {"cluster": "etcd", "maxReplicas": 3, "leaseTtlSeconds": 2, "reclaimGraceMs": 1000,
-                          "syncIntervalMs": 250, "timeoutMs": 500, **etcd}
+                          "syncIntervalMs": 250, "timeoutMs": 500, "compactionIntervalMs": 1000, **etcd}
     return plugin
 
 

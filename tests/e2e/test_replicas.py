@@ -3,9 +3,11 @@
 reservations on a pod never sum past its budget; etcd killed mid-run and restarted, requests keep
 flowing within the fallback and the grants come back; a client sending straight to a pod shrinks
 what the replicas admit there within a scrape; prefix groups meet on one pod through any replica,
-and a prompt sent through one replica is known cached by the others; a replica killed has its grants reclaimed after its lease and the grace. The independent-replicas
+and a prompt sent through one replica is known cached by the others, with etcd's history
+compacted by one replica; a replica killed has its grants reclaimed after its lease and the grace. The independent-replicas
 comparison and the latency numbers are in replicas_bench.py (BENCHMARKS.md)."""
 
+import base64
 import json
 import threading
 import time
@@ -209,3 +211,14 @@ def test_a_prompt_sent_through_one_replica_is_known_cached_by_another(etcd):
         assert again.headers["x-kvgate-pod"] == first.headers["x-kvgate-pod"]
         assert cached > 0
         assert counter(two[0], "replicas.placements") == 0, "its own picks are not sent back"
+        # The first replica by name compacts etcd's history (each second here): the revisions of
+        # the first syncs are gone, the current values stay.
+        assert wait_for(lambda: counter(two[0], "replicas.compactions") >= 2, timeout=10)
+        assert counter(two[1], "replicas.compactions") == 0
+        old = request(etcd.port, "POST", "/v3/kv/range",
+                      {"key": base64.b64encode(b"/kvgate-placed/").decode(),
+                       "range_end": base64.b64encode(b"/kvgate-placed0").decode(), "revision": "2"})
+        assert "compacted" in old.body.decode(errors="replace"), old.body
+        both = [f"/kvgate-placed/placed/replica-{i}" for i in range(2)]
+        assert wait_for(lambda: sorted(k for k in etcd.keys("/kvgate-placed/") if "/placed/" in k) == both,
+                        timeout=5), etcd.keys("/kvgate-placed/").keys()
