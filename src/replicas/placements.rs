@@ -14,9 +14,8 @@
 //! Source of truth: the replica's own pick log (`routing::pick_log`), whose dispatches the
 //! elected worker reads (`Outbox`) and writes to `<prefix>/placed/<replica>` under the replica's
 //! lease while another replica is live, the last few batches together so a reader a sync behind
-//! misses none. Readers
-//! (`Inbox`) apply each batch once and append it to their own pick log as `Event::Placed`, which
-//! feeds the prefix index only: no request of theirs holds those blocks.
+//! misses none. Readers (`Inbox`) apply each batch once and append it to their own pick log as
+//! `Event::Placed`, which feeds the prefix index only: no request of theirs holds those blocks.
 
 use crate::routing::pick_log::{Event, PickLog};
 use crate::store::codec::{Reader, Writer};

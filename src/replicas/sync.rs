@@ -1,8 +1,9 @@
 //! The one sync a replica runs against etcd, on the tick of its elected worker (the scrape lease
 //! holder, `store::lease`): keep the replica's lease alive, read every key under the
-//! prefix in one range, work out each pod's next grant (`split`), write them in at most one txn,
-//! and copy the outcome into the pods' shares (`share`) that admission reads. Requests never wait
-//! for any of it.
+//! prefix in one range, work out each pod's next grant (`split`), write them in at most one txn
+//! (with the replica's placements, `placements`), copy the outcome into the pods' shares
+//! (`share`) that admission reads, and now and then compact etcd's history (`note_history`).
+//! Requests never wait for any of it.
 //!
 //! Keys under `etcd.keyPrefix` (the source of truth for every replica's grants):
 //! - `<prefix>/alive/<replica>`: under the replica's lease; gone when the lease lapses.
