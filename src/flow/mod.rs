@@ -454,8 +454,7 @@ impl Flow {
         let Some((_, hashes)) = self.admitted.as_ref().and_then(|a| a.waiting.as_ref()) else {
             return false;
         };
-        pods.iter()
-            .any(|p| gate.router.belongs_on(&gate.config, p, hashes, now))
+        gate.router.belongs_on(&gate.config, pods, hashes, now)
     }
 
     /// The parked request is at the head of the line, a backfill, or past its deadline: try

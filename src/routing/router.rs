@@ -511,14 +511,15 @@ impl Router {
         self.route_with(store, cfg, request, Room::Patient)
     }
 
-    /// Whether the prompt belongs on `pod`, a cheap test before a pick decides: this VM's index
-    /// has the pod caching at least half of it (`PrefixIndex::caches_half`), or the pod is its
-    /// group's home (`is_home`).
-    pub fn belongs_on(&self, cfg: &Config, pod: &str, hashes: &[u64], now: u64) -> bool {
-        self.prefix.caches_half(pod, hashes, now)
+    /// Whether the prompt belongs on one of `pods`, a cheap test before a pick decides: this VM's
+    /// index has one caching at least half of it (`PrefixIndex::caches_half`), or one is its
+    /// group's home (`home_among`).
+    pub fn belongs_on(&self, cfg: &Config, pods: &[String], hashes: &[u64], now: u64) -> bool {
+        pods.iter()
+            .any(|pod| self.prefix.caches_half(pod, hashes, now))
             || hashes
                 .first()
-                .is_some_and(|&first| self.is_home(cfg, pod, first, now))
+                .is_some_and(|&first| self.home_among(cfg, pods, first, now))
     }
 
     /// `route` for a request [`route`](Self::route) found no room for, when admission only
@@ -933,6 +934,21 @@ mod tests {
         Estimate::exact(prompt, output)
     }
 
+    /// An in-flight request holding `held_tokens` over `context_blocks` of prompt, 16 tokens to
+    /// go, as a pod's record keeps it.
+    fn running(id: u64, held_tokens: u64, context_blocks: u32) -> RequestEntry {
+        RequestEntry {
+            id,
+            expires_ms: u64::MAX,
+            held_tokens,
+            context_blocks,
+            prompt_blocks: context_blocks,
+            left: 16,
+            outlook: [255; crate::estimate::output_dist::HORIZON_STEPS.len()],
+            ..RequestEntry::default()
+        }
+    }
+
     use crate::test_support::prompt_blocks as hashes;
 
     fn total_active(vm: &FakeVm, cfg: &Config) -> u64 {
@@ -1085,18 +1101,8 @@ mod tests {
         r.prefix.insert("a:1", &group[..1], vm.now_ms(), 1_000);
         vm.host().advance_ms(10);
         r.prefix.insert("b:1", &group[..1], vm.now_ms(), 1_000);
-        let entry = |id, held_tokens, context_blocks| RequestEntry {
-            id,
-            expires_ms: u64::MAX,
-            held_tokens,
-            context_blocks,
-            prompt_blocks: context_blocks,
-            left: 16,
-            outlook: [255; crate::estimate::output_dist::HORIZON_STEPS.len()],
-            ..RequestEntry::default()
-        };
         // b is full; a runs a small request (dearer than the idle c, within the tolerance).
-        for (pod, e) in [("b:1", entry(1, 2_000, 4)), ("a:1", entry(2, 256, 16))] {
+        for (pod, e) in [("b:1", running(1, 2_000, 4)), ("a:1", running(2, 256, 16))] {
             record::modify(&vm, pod, |rec| {
                 rec.entries.push(e);
                 Some(())
@@ -1157,16 +1163,7 @@ mod tests {
             .sent_home(&home, group(11)[0], vm.now_ms())
             .is_some());
         // The home has room for nothing more: a request of another group fills it.
-        let filler = RequestEntry {
-            id: 1,
-            expires_ms: u64::MAX,
-            held_tokens: 300,
-            context_blocks: 19,
-            prompt_blocks: 19,
-            left: 16,
-            outlook: [255; crate::estimate::output_dist::HORIZON_STEPS.len()],
-            ..RequestEntry::default()
-        };
+        let filler = running(1, 300, 19);
         record::modify(&vm, &home, |rec| {
             rec.entries.push(filler);
             Some(())
@@ -1182,8 +1179,8 @@ mod tests {
         let ask = ("m", &group(11)[..], &e);
         assert_eq!(r.route_cached(&vm, &cfg, ask).unwrap(), uncached);
         // The line's cheap look before a pick says the same.
-        assert!(r.belongs_on(&cfg, &home, ask.1, vm.now_ms()));
-        assert!(!r.belongs_on(&cfg, other, ask.1, vm.now_ms()));
+        assert!(r.belongs_on(&cfg, std::slice::from_ref(&home), ask.1, vm.now_ms()));
+        assert!(!r.belongs_on(&cfg, &[other.to_string()], ask.1, vm.now_ms()));
         let patient = r.route_patient(&vm, &cfg, ask).unwrap().routed();
         assert_eq!(patient.pod, other);
         r.finish(&vm, &patient).unwrap();
@@ -1200,7 +1197,7 @@ mod tests {
         let homes: Vec<&String> = cfg
             .pods
             .iter()
-            .filter(|p| r.belongs_on(&cfg, p, &hashes(5, 16), vm.now_ms()))
+            .filter(|p| r.belongs_on(&cfg, std::slice::from_ref(*p), &hashes(5, 16), vm.now_ms()))
             .collect();
         assert_eq!(homes.len(), 1, "{homes:?}");
     }
@@ -1215,16 +1212,7 @@ mod tests {
         let pool = || {
             let (vm, cfg, mut r) = router(&["a:1", "b:1"]);
             r.prefix.insert("a:1", &prompt(10), vm.now_ms(), 1_000);
-            let long = RequestEntry {
-                id: 1,
-                expires_ms: u64::MAX,
-                held_tokens: 1_700,
-                context_blocks: 106,
-                prompt_blocks: 106,
-                left: 16,
-                outlook: [255; crate::estimate::output_dist::HORIZON_STEPS.len()],
-                ..RequestEntry::default()
-            };
+            let long = running(1, 1_700, 106);
             record::modify(&vm, "a:1", |rec| {
                 rec.entries.push(long);
                 Some(())

@@ -209,19 +209,19 @@ impl Router {
             .map(|(_, k)| k)
     }
 
-    /// Whether `pod` is a home of the group whose prompts start with `first`, by the fleet's
-    /// rule alone (whatever the pods cache): the rendezvous choice among every pod with several
-    /// replicas, any pod the group was sent to with one. The line's cheap look
-    /// (`Router::belongs_on`); the pick decides.
-    pub(super) fn is_home(&self, cfg: &Config, pod: &str, first: u64, now: u64) -> bool {
+    /// Whether one of `pods` is a home of the group whose prompts start with `first`, by the
+    /// fleet's rule alone (whatever the pods cache): the rendezvous choice among every pod with
+    /// several replicas (worked out once, not per pod asked about), any pod the group was sent
+    /// to with one. The line's cheap look (`Router::belongs_on`); the pick decides.
+    pub(super) fn home_among(&self, cfg: &Config, pods: &[String], first: u64, now: u64) -> bool {
         let home = Home::rule(cfg, first);
         match home {
             Home::Rendezvous(_) => self
                 .pods
                 .iter()
                 .max_by_key(|p| self.home_key(home, p, now))
-                .is_some_and(|p| p == pod),
-            Home::LastSent(_) => self.home_key(home, pod, now).is_some(),
+                .is_some_and(|h| pods.contains(h)),
+            Home::LastSent(_) => pods.iter().any(|p| self.home_key(home, p, now).is_some()),
         }
     }
 
