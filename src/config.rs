@@ -344,6 +344,13 @@ fn invalid(field: &str, reason: impl Into<String>) -> ConfigError {
 }
 
 impl Config {
+    /// Whether this filter has a pool of its own to route: static pods or discovery. A filter
+    /// that only splits models between clusters (`kvgate-models` in envoy/envoy-models.yaml)
+    /// has none.
+    pub fn has_pool(&self) -> bool {
+        !self.pods.is_empty() || !self.discovery.admin_cluster.is_empty()
+    }
+
     /// Parses the plugin configuration; empty input means all defaults.
     pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
         if bytes.iter().all(u8::is_ascii_whitespace) {

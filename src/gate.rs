@@ -89,7 +89,11 @@ impl Gate {
         }
         self.scraper.expire(now);
         let pods = self.router.pods().to_vec();
-        self.report_pods(store, &pods);
+        // Every kvgate filter in one Envoy writes the same pool gauges (`wasmcustom.kvgate.*`):
+        // one without a pool would overwrite the others' with zeros now and then.
+        if self.config.has_pool() {
+            self.report_pods(store, &pods);
+        }
         let mut calls = self.scraper.due(&self.config, &pods, now);
         if self.config.etcd.enabled() {
             match self.sync.due(store, &self.config) {
@@ -364,5 +368,46 @@ impl Gate {
             Err(e) => log::warn!("kvgate: recording {target:?} failed: {e:?}"),
         }
         Vec::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    use super::*;
+    use crate::stats::Stat;
+    use crate::store::fake_host::FakeHost;
+
+    /// The pool gauges `config` (JSON) has a tick write.
+    fn pool_gauges(config: &str) -> Vec<Stat> {
+        let host = FakeHost::new();
+        host.set_now_ms(1_000_000);
+        let vm = host.vm();
+        let mut gate = Gate::new(Config::parse(config.as_bytes()).unwrap(), &vm).unwrap();
+        gate.on_tick(&vm);
+        gate.stats
+            .drain()
+            .filter(|s| matches!(s, Stat::Gauge(name, _) if name.starts_with("kvgate.pods.")))
+            .collect()
+    }
+
+    #[test]
+    fn a_filter_without_a_pool_writes_none_of_the_pools_gauges() {
+        // envoy/envoy-models.yaml's kvgate-models beside the pool filters, which share the names.
+        let split = r#"{"admission":{"enabled":false},"models":{"path":"",
+            "routes":{"llama":{"targets":[{"model":"llama-3.1-8b","weight":1}]}}}}"#;
+        assert_eq!(pool_gauges(split), vec![]);
+        let pool = pool_gauges(r#"{"pods":["10.0.0.1:8000","10.0.0.2:8000"]}"#);
+        assert!(
+            pool.contains(&Stat::Gauge("kvgate.pods.total".into(), 2)),
+            "{pool:?}"
+        );
+        let discovered = pool_gauges(r#"{"discovery":{"adminCluster":"admin"}}"#);
+        assert!(
+            discovered.contains(&Stat::Gauge("kvgate.pods.total".into(), 0)),
+            "{discovered:?}"
+        );
     }
 }
