@@ -37,6 +37,9 @@ pub struct Gate {
     scraper: Scraper,
     /// When the tick's periodic work last ran.
     upkept_ms: Option<u64>,
+    /// Whether this VM held the scrape lease at that run: it alone syncs with etcd, at the
+    /// sync's own pace (`etcd.syncIntervalMs` may be shorter than the tick).
+    leads: bool,
     /// The tick period last asked of the host (`retick`).
     asked_tick_ms: Option<u64>,
     /// The replicas' etcd sync, run alongside the scraper by the same elected VM.
@@ -55,6 +58,7 @@ impl Gate {
             split: Split::default(),
             scraper: Scraper::default(),
             upkept_ms: None,
+            leads: false,
             asked_tick_ms: None,
             sync: Sync::default(),
             stats: Stats::default(),
@@ -70,7 +74,11 @@ impl Gate {
                 .upkept_ms
                 .is_some_and(|t| now < t + TICK_MS - QUICK_TICK_MS)
         {
-            return Vec::new();
+            return if self.leads {
+                self.sync_due(store)
+            } else {
+                Vec::new()
+            };
         }
         self.upkept_ms = Some(now);
         if let Err(e) = self.calibration.flush(store, &self.config.estimator) {
@@ -79,13 +87,15 @@ impl Gate {
         if let Err(e) = self.router.tend(store, &self.config) {
             log::debug!("kvgate: router upkeep failed: {e:?}");
         }
-        match lease::hold_lease(store, self.router.vm(), now, LEASE_MS) {
-            Ok(true) => {}
-            Ok(false) => return Vec::new(),
+        self.leads = match lease::hold_lease(store, self.router.vm(), now, LEASE_MS) {
+            Ok(leads) => leads,
             Err(e) => {
                 log::debug!("kvgate: lease: {e:?}");
-                return Vec::new();
+                false
             }
+        };
+        if !self.leads {
+            return Vec::new();
         }
         self.scraper.expire(now);
         let pods = self.router.pods().to_vec();
@@ -95,13 +105,23 @@ impl Gate {
             self.report_pods(store, &pods);
         }
         let mut calls = self.scraper.due(&self.config, &pods, now);
-        if self.config.etcd.enabled() {
-            match self.sync.due(store, &self.config) {
-                Ok(sync) => calls.extend(sync),
-                Err(e) => log::debug!("kvgate: replicas sync: {e:?}"),
-            }
-        }
+        calls.extend(self.sync_due(store));
         calls
+    }
+
+    /// The replicas' sync, when it is due (the lease holder's ticks only).
+    fn sync_due(&mut self, store: &dyn Store) -> Vec<Call> {
+        if !self.config.etcd.enabled() {
+            return Vec::new();
+        }
+        let busy_here =
+            || crate::admission::line::read(store).is_ok_and(|line| !line.tickets.is_empty());
+        self.sync
+            .due(store, &self.config, busy_here)
+            .unwrap_or_else(|e| {
+                log::debug!("kvgate: replicas sync: {e:?}");
+                Vec::new()
+            })
     }
 
     /// What the replicas' sync needs of each pod, from this replica's records and line.
@@ -262,6 +282,15 @@ impl Gate {
             || self.admission.head_waits_for_cache()
         {
             QUICK_TICK_MS
+        } else if self.leads && self.config.etcd.enabled() {
+            // Credit moves between replicas at the sync's pace, which the 250 ms tick held to
+            // 250 ms however short the interval configured.
+            let e = &self.config.etcd;
+            let quickest = match e.busy_sync_interval_ms {
+                0 => e.sync_interval_ms,
+                busy => busy,
+            };
+            TICK_MS.min(quickest.max(QUICK_TICK_MS))
         } else {
             TICK_MS
         }
@@ -391,6 +420,56 @@ mod tests {
             .drain()
             .filter(|s| matches!(s, Stat::Gauge(name, _) if name.starts_with("kvgate.pods.")))
             .collect()
+    }
+
+    /// The tick period a gate asks for and the etcd calls it sends over `ms` of ticks at that
+    /// period, every call answered at once by a failure (so each sync is one call).
+    fn etcd_calls(sync_interval_ms: u64, busy_ms: u64, ms: u64) -> (u64, usize) {
+        let host = FakeHost::new();
+        host.set_now_ms(1_000_000);
+        let vm = host.vm();
+        let config = format!(
+            r#"{{"pods":["10.0.0.1:8000"],"etcd":{{"cluster":"etcd","maxReplicas":2,
+                "syncIntervalMs":{sync_interval_ms},"busySyncIntervalMs":{busy_ms}}}}}"#
+        );
+        let mut gate = Gate::new(Config::parse(config.as_bytes()).unwrap(), &vm).unwrap();
+        let (mut calls, mut period) = (0, TICK_MS);
+        let end = 1_000_000 + ms;
+        // Each tick a millisecond early, as the wall clock read in whole milliseconds may have
+        // it against Envoy's monotonic timer.
+        let mut now = 1_000_000;
+        while now < end {
+            host.set_now_ms(now);
+            for call in gate.on_tick(&vm) {
+                if call.target == Target::Etcd {
+                    calls += 1;
+                    assert!(gate
+                        .on_call_response(&vm, &call.target, None, b"")
+                        .is_empty());
+                }
+            }
+            period = gate.tick_ms(&vm);
+            now += period - 1;
+        }
+        (period, calls)
+    }
+
+    #[test]
+    fn the_lease_holder_ticks_at_the_syncs_pace_when_it_is_shorter_than_the_tick() {
+        let (period, calls) = etcd_calls(100, 0, 2_000);
+        assert_eq!(period, 100);
+        assert!(calls >= 19, "{calls} syncs in 2 s at 100 ms");
+        // A 500 ms interval on the 250 ms tick: each sync on time, not a tick late (750 ms).
+        let (period, calls) = etcd_calls(500, 0, 5_000);
+        assert_eq!(period, TICK_MS);
+        assert!(calls >= 10, "{calls} syncs in 5 s at 500 ms");
+        // Ready for the busy pace, whose syncs come only while credit must move: none here.
+        let (period, calls) = etcd_calls(500, 100, 5_000);
+        assert_eq!(period, 100);
+        assert!(
+            (10..=11).contains(&calls),
+            "{calls} syncs in 5 s, nothing waiting"
+        );
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! `replicas` for what is done with it).
 
 use super::{invalid, ConfigError};
+use crate::gate::QUICK_TICK_MS;
 use serde::{Deserialize, Serialize};
 
 /// Several gateway replicas sharing each pod's budget through etcd v3 (`replicas`): off while
@@ -21,6 +22,9 @@ pub struct EtcdConfig {
     pub reclaim_grace_ms: u64,
     /// How often the elected worker syncs: one range read, at most one txn.
     pub sync_interval_ms: u64,
+    /// How often it syncs while credit must move: its own line has requests waiting, or the last
+    /// read showed a replica asking for more than its grant. 0: always `sync_interval_ms`.
+    pub busy_sync_interval_ms: u64,
     pub timeout_ms: u64,
     /// The most replicas the fleet runs (the autoscaler's maximum): cut off from etcd, a replica
     /// admits at most a pod's budget divided by this.
@@ -39,6 +43,7 @@ impl Default for EtcdConfig {
             lease_ttl_seconds: 10,
             reclaim_grace_ms: 5_000,
             sync_interval_ms: 500,
+            busy_sync_interval_ms: 100,
             timeout_ms: 1_000,
             max_replicas: 0,
             compaction_interval_ms: 300_000,
@@ -80,6 +85,15 @@ impl EtcdConfig {
                 "must be at most half the lease TTL (the lease is renewed on the sync)",
             );
         }
+        if self.busy_sync_interval_ms != 0
+            && !(QUICK_TICK_MS..=self.sync_interval_ms).contains(&self.busy_sync_interval_ms)
+        {
+            // No tick comes sooner than the quickest.
+            return e(
+                "busySyncIntervalMs",
+                &format!("must be 0 (off) or from {QUICK_TICK_MS} up to syncIntervalMs"),
+            );
+        }
         if self.compaction_interval_ms != 0
             && !(self.sync_interval_ms..=86_400_000).contains(&self.compaction_interval_ms)
         {
@@ -102,6 +116,20 @@ mod tests {
     fn field(etcd: &str) -> Option<String> {
         let json = format!(r#"{{"etcd": {{"cluster": "etcd", "maxReplicas": 3, {etcd}}}}}"#);
         Config::parse(json.as_bytes()).err().map(|e| e.field)
+    }
+
+    #[test]
+    fn the_busy_sync_is_off_or_between_the_quickest_tick_and_the_sync() {
+        assert_eq!(field(r#""busySyncIntervalMs": 0"#), None, "off");
+        assert_eq!(field(r#""busySyncIntervalMs": 20"#), None);
+        assert_eq!(field(r#""busySyncIntervalMs": 500"#), None);
+        for bad in ["19", "501"] {
+            assert_eq!(
+                field(&format!(r#""busySyncIntervalMs": {bad}"#)).as_deref(),
+                Some("etcd.busySyncIntervalMs"),
+                "{bad}"
+            );
+        }
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! The one sync a replica runs against etcd, on the tick of its elected worker (the scrape lease
-//! holder, `store::lease`): keep the replica's lease alive, read every key under the
+//! holder, `store::lease`), every `syncIntervalMs`, or `busySyncIntervalMs` while credit must move
+//! between replicas (`Sync::due`): keep the replica's lease alive, read every key under the
 //! prefix in one range, work out each pod's next grant (`split`), write them in at most one txn
 //! (with the replica's placements, `placements`), copy the outcome into the pods' shares
 //! (`share`) that admission reads, and now and then compact etcd's history (`note_history`).
@@ -32,6 +33,10 @@ use hashbrown::HashMap;
 use serde::{Deserialize, Serialize};
 
 const LEASE_KEY: &str = "kvgate.replicas";
+/// How early a tick may come and still run the sync due then. The tick's period divides the
+/// sync's interval, and the wall clock, read in whole milliseconds, may have a tick a
+/// millisecond early against Envoy's monotonic timer: that would put the sync off a whole tick.
+const EARLY_MS: u64 = 5;
 
 /// What the sync needs to know of a pod, from this replica's records.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -156,7 +161,11 @@ fn guard_key(prefix: &str, pod: &str) -> String {
 pub struct Sync {
     /// The call outstanding and its deadline: one at a time.
     waiting: Option<(Step, u64)>,
-    next_ms: u64,
+    /// When the last sync started (this VM's clock); `None`: one is due at the next tick.
+    started_ms: Option<u64>,
+    /// The last range read found a replica asking for more than its grant on some pod: credit
+    /// must move, so every replica syncs at the busy pace until it has.
+    contended: bool,
     /// Replicas seen without their alive key, and since when (this VM's clock).
     lapsed_since: HashMap<String, u64>,
     planned: Vec<Planned>,
@@ -206,8 +215,15 @@ fn call(cfg: &Config, path: &str, body: Vec<u8>) -> Call {
 
 impl Sync {
     /// The call due on this tick, if any: a lease grant, a renewal, or the range read that starts
-    /// a sync.
-    pub fn due(&mut self, store: &dyn Store, cfg: &Config) -> Result<Vec<Call>, StoreError> {
+    /// a sync. Syncs come every `syncIntervalMs`, or every `busySyncIntervalMs` while credit must
+    /// move between replicas: `busy_here` (asked only then) says this replica's line has requests
+    /// waiting, and the last read may have shown another's.
+    pub fn due(
+        &mut self,
+        store: &dyn Store,
+        cfg: &Config,
+        busy_here: impl FnOnce() -> bool,
+    ) -> Result<Vec<Call>, StoreError> {
         let now = store.now_ms();
         if let Some((_, deadline)) = self.waiting {
             // Envoy answers every callout by its timeout; this only guards a lost answer.
@@ -216,10 +232,16 @@ impl Sync {
             }
             self.waiting = None;
         }
-        if now < self.next_ms {
-            return Ok(Vec::new());
+        if let Some(started) = self.started_ms {
+            let since = now.saturating_add(EARLY_MS).saturating_sub(started);
+            let busy = cfg.etcd.busy_sync_interval_ms;
+            let due = since >= cfg.etcd.sync_interval_ms
+                || (busy > 0 && since >= busy && (self.contended || busy_here()));
+            if !due {
+                return Ok(Vec::new());
+            }
         }
-        self.next_ms = now.saturating_add(cfg.etcd.sync_interval_ms);
+        self.started_ms = Some(now);
         let lease = read_lease(store)?.filter(|&(id, _)| id != 0);
         let renew_every = u64::from(cfg.etcd.lease_ttl_seconds) * 1_000 / 3;
         let (step, path, body) = match lease {
@@ -308,6 +330,12 @@ impl Sync {
                     };
                     let read = RangeRead::parse(&range.kvs, &cfg.etcd.key_prefix, now);
                     stats.gauge(stats::REPLICAS_LIVE, read.alive.len() as u64);
+                    // Demand past both grant and holding is requests waiting for credit.
+                    self.contended = read
+                        .grants
+                        .values()
+                        .flatten()
+                        .any(|(_, p, _)| p.demand > p.grant.max(p.in_use));
                     self.note_history(cfg, &read, range.revision);
                     let me = cfg.etcd.replica_id.as_str();
                     let others: Vec<_> = read
@@ -352,7 +380,7 @@ impl Sync {
                     // Another replica grew a grant on a pod since the read: read again on the
                     // next tick rather than wait a whole interval.
                     stats.count(stats::REPLICAS_CONFLICTS, 1);
-                    self.next_ms = now;
+                    self.started_ms = None;
                     Ok(self.compact(cfg, now))
                 }
                 None => {

@@ -198,7 +198,9 @@ impl Replica {
     /// budget after each answer), until the sync has nothing more to send.
     fn tick(&mut self, etcd: &mut FakeEtcd, now: u64) {
         self.vm.host().set_now_ms(now);
-        let mut calls = self.sync.due(&self.vm, &self.cfg).unwrap();
+        // Its line waits while it asks for more than its requests hold.
+        let waiting = self.demand > self.in_use;
+        let mut calls = self.sync.due(&self.vm, &self.cfg, || waiting).unwrap();
         while let Some(call) = calls.pop() {
             let answer = etcd.handle(&call.path, call.body.as_deref().unwrap_or(b""), now);
             calls.extend(self.answer(answer.as_deref()));
@@ -290,6 +292,44 @@ fn an_idle_replica_gives_its_credit_back_to_a_busy_one() {
     assert!(rs[1].cap() >= 400);
 }
 
+/// Two replicas whose lines both wait (each holds 1 500 and asks for 2 000), then replica 1's
+/// requests end (it holds 500 and nothing waits there): how long until replica 0, still waiting,
+/// has more credit, with ticks every 20 ms and `busySyncIntervalMs` `busy_ms`.
+fn ms_until_credit_moves(busy_ms: u64) -> u64 {
+    let mut etcd = FakeEtcd::default();
+    let mut rs: Vec<Replica> = (0..2).map(|i| Replica::new(&format!("r{i}"), 0)).collect();
+    for r in &mut rs {
+        r.cfg.etcd.busy_sync_interval_ms = busy_ms;
+        (r.in_use, r.demand) = (1_500, 2_000);
+    }
+    let tick_all = |rs: &mut [Replica], etcd: &mut FakeEtcd, from: u64, to: u64| {
+        for now in (from..to).step_by(20) {
+            for r in rs.iter_mut() {
+                r.tick(etcd, now);
+            }
+        }
+    };
+    tick_all(&mut rs, &mut etcd, 0, 3_000);
+    assert_eq!(etcd.grants()["r0"], 1_500);
+    (rs[1].in_use, rs[1].demand) = (500, 500);
+    for t in (3_000..10_000).step_by(20) {
+        tick_all(&mut rs, &mut etcd, t, t + 20);
+        if etcd.grants()["r0"] > 1_500 {
+            return t + 20 - 3_000;
+        }
+    }
+    panic!("credit never moved")
+}
+
+#[test]
+fn while_a_line_waits_credit_moves_at_the_busy_pace() {
+    let busy = ms_until_credit_moves(100);
+    let idle = ms_until_credit_moves(0);
+    // The holder shrinks at its next sync, the waiter grows at its own: two busy intervals.
+    assert!(busy <= 220, "{busy} ms at the busy pace");
+    assert!(idle > 220, "{idle} ms every 500 ms");
+}
+
 #[test]
 fn two_replicas_growing_from_the_same_read_cannot_both_take_the_free_credit() {
     let (mut etcd, mut rs) = synced(&[500, 500, 2_000], 2_000);
@@ -309,7 +349,7 @@ fn two_replicas_growing_from_the_same_read_cannot_both_take_the_free_credit() {
     let txns: Vec<Call> = rs[..2]
         .iter_mut()
         .map(|r| {
-            let mut calls = r.sync.due(&r.vm, &r.cfg).unwrap();
+            let mut calls = r.sync.due(&r.vm, &r.cfg, || false).unwrap();
             loop {
                 let call = calls.pop().unwrap();
                 if call.path == "/v3/kv/txn" {

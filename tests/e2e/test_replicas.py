@@ -49,10 +49,17 @@ def check(sim, answers, samples, base_preemptions=0):
 
 def test_three_replicas_under_twice_the_pool_never_preempt_nor_pass_a_budget(pool):
     sim, envoys = pool
+    syncs, t0 = [counter(e, "replicas.syncs") for e in envoys], time.time()
     answers, samples = overload(sim, envoys)
+    took = time.time() - t0
     check(sim, answers, samples)
     served = Counter(a["headers"].get("x-kvgate-pod") for a in answers)
     assert len(served) == 2, served
+    # While lines wait, credit moves at the busy pace (busySyncIntervalMs, 100 ms), not every
+    # syncIntervalMs (250 ms here: 4 syncs a second).
+    rates = [(counter(e, "replicas.syncs") - s) / took for e, s in zip(envoys, syncs)]
+    print(f"syncs a second under overload: {rates}")
+    assert min(rates) > 5, rates
 
 
 def test_etcd_killed_mid_run_and_restarted(pool, etcd):
