@@ -1,6 +1,6 @@
 """Three Envoy + kvgate replicas sharing two kvgate-sim pods' budgets through a real etcd
 (issue 15): the issue's 2x overload spread over them never preempts and the replicas'
-reservations on a pod never sum past its budget; etcd killed mid-run and restarted, requests keep
+reservations on a pod never sum past its budget, with credit moving at the busy pace; etcd killed mid-run and restarted, requests keep
 flowing within the fallback and the grants come back; a client sending straight to a pod shrinks
 what the replicas admit there within a scrape; prefix groups meet on one pod through any replica,
 and a prompt sent through one replica is known cached by the others, with etcd's history
