@@ -368,6 +368,11 @@ impl Gate {
                 self.sync
                     .on_response(store, &self.config, &mut self.stats, &views, status, body)
             });
+            if self.sync.take_grew() {
+                if let Err(e) = self.admission.wake_head(store) {
+                    log::debug!("kvgate: waking the line after a grant grew: {e:?}");
+                }
+            }
             let placed = self.sync.take_placed();
             if !placed.is_empty() {
                 self.stats
@@ -406,6 +411,7 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     use super::*;
+    use crate::replicas::gateway;
     use crate::stats::Stat;
     use crate::store::fake_host::FakeHost;
 
@@ -470,6 +476,53 @@ mod tests {
             (10..=11).contains(&calls),
             "{calls} syncs in 5 s, nothing waiting"
         );
+    }
+
+    #[test]
+    fn a_grant_that_grows_wakes_the_line() {
+        let host = FakeHost::new();
+        host.set_now_ms(1_000_000);
+        let vm = host.vm();
+        let config = r#"{"pods":["10.0.0.1:8000"],"admission":{"budgetTokens":1000},
+            "etcd":{"cluster":"etcd","maxReplicas":2,"replicaId":"r0"}}"#;
+        let mut gate = Gate::new(Config::parse(config.as_bytes()).unwrap(), &vm).unwrap();
+        // A request waits: before its first sync the replica may reserve nothing.
+        let ticket = crate::admission::line::Ticket {
+            id: 1,
+            vm: gate.vm(),
+            priority: 0,
+            boosted: false,
+            start_tag: 0.0,
+            enqueued_ms: 1_000_000,
+            deadline_ms: 1_060_000,
+            cost: 100,
+        };
+        crate::admission::line::enqueue(&vm, ticket, 0, 0.0, 10)
+            .unwrap()
+            .unwrap();
+        // etcd answers a lone replica: its grant grows from nothing to the whole budget.
+        let answer = |path: &str| match path {
+            gateway::LEASE_GRANT => r#"{"header":{},"ID":"7","TTL":"10"}"#,
+            gateway::RANGE => r#"{"header":{"revision":"5"}}"#,
+            _ => r#"{"header":{},"succeeded":true}"#,
+        };
+        let mut woken = false;
+        for k in 0..20 {
+            host.set_now_ms(1_000_000 + k * TICK_MS);
+            let mut calls = gate.on_tick(&vm);
+            while let Some(call) = calls.pop() {
+                let body = answer(&call.path).as_bytes();
+                calls.extend(gate.on_call_response(&vm, &call.target, Some(200), body));
+                woken |= vm.dequeue(gate.wake_queue()).unwrap().is_some();
+            }
+        }
+        assert!(
+            crate::replicas::share::read(&vm, "10.0.0.1:8000")
+                .unwrap()
+                .is_some_and(|s| s.grant > 0),
+            "the grant grew"
+        );
+        assert!(woken, "the line was not woken");
     }
 
     #[test]

@@ -177,6 +177,8 @@ pub struct Sync {
     inbox: Inbox,
     /// The others' placements the last range read found, for the router (`take_placed`).
     placed: Vec<Placement>,
+    /// The last txn grew this replica's grant on a pod (`take_grew`).
+    grew: bool,
     /// A revision read at some time (this VM's clock): etcd's history up to it is compacted once
     /// it is `compactionIntervalMs` old.
     history: Option<(u64, i64)>,
@@ -368,6 +370,7 @@ impl Sync {
                     }
                     for p in &self.planned {
                         share::modify(store, &p.pod, |s| {
+                            self.grew |= p.grant > s.grant;
                             s.grant = p.grant;
                             s.granted = p.granted;
                         })?;
@@ -438,6 +441,12 @@ impl Sync {
     /// (`Router::import`).
     pub fn take_placed(&mut self) -> Vec<Placement> {
         std::mem::take(&mut self.placed)
+    }
+
+    /// Whether a grant grew since last asked: requests waiting in the line may fit now, and no
+    /// release on this replica would tell them.
+    pub fn take_grew(&mut self) -> bool {
+        std::mem::take(&mut self.grew)
     }
 
     fn failed(&mut self, stats: &mut Stats, body: &[u8]) -> Vec<Call> {

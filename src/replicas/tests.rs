@@ -280,6 +280,11 @@ fn busy_replicas_converge_to_equal_grants_that_never_sum_past_the_budget() {
 fn an_idle_replica_gives_its_credit_back_to_a_busy_one() {
     let (mut etcd, mut rs) = synced(&[2_000, 2_000], 3_000);
     assert_eq!(etcd.grants().values().sum::<u64>(), BUDGET);
+    assert!(
+        rs.iter_mut().all(|r| r.sync.take_grew()),
+        "both grew from 0"
+    );
+    assert!(!rs[0].sync.take_grew(), "asked once");
     // Replica 1's requests hold 400 and nothing waits there: it keeps those, 0 grows.
     rs[1].demand = 400;
     rs[1].in_use = 400;
@@ -288,6 +293,9 @@ fn an_idle_replica_gives_its_credit_back_to_a_busy_one() {
     let g = etcd.grants();
     // The spare credit is split evenly on top of both demands: 400 + 0 and 2 600 + 0.
     assert_eq!((g["r0"], g["r1"]), (2_600, 400), "{g:?}");
+    // Only the replica whose grant grew has its line woken (`Gate::on_call_response`).
+    assert!(rs[0].sync.take_grew());
+    assert!(!rs[1].sync.take_grew());
     // Replica 1 never went below what it had reserved.
     assert!(rs[1].cap() >= 400);
 }
