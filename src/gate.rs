@@ -68,11 +68,13 @@ impl Gate {
     /// Periodic work: whichever VM holds the lease plans the scrapes and discovery calls due.
     pub fn on_tick(&mut self, store: &dyn Store) -> Vec<Call> {
         let now = store.now_ms();
-        // A quick tick for the line alone (`QUICK_TICK_MS`): the rest keeps its pace.
+        // A quicker tick is for the line (`QUICK_TICK_MS`) or the replicas' sync: the rest keeps
+        // its pace, on the tick nearest to it.
+        let half_period = self.asked_tick_ms.unwrap_or(TICK_MS) / 2;
         if !self.router.awaits_pool(&self.config, now)
             && self
                 .upkept_ms
-                .is_some_and(|t| now < t + TICK_MS - QUICK_TICK_MS)
+                .is_some_and(|t| now + half_period < t + TICK_MS)
         {
             return if self.leads {
                 self.sync_due(store)
