@@ -179,6 +179,9 @@ pub struct Sync {
     placed: Vec<Placement>,
     /// The last txn grew this replica's grant on a pod (`take_grew`).
     grew: bool,
+    /// The last call failed: until a read succeeds, the slow pace (the busy one would retry an
+    /// unreachable etcd five times as often).
+    failing: bool,
     /// A revision read at some time (this VM's clock): etcd's history up to it is compacted once
     /// it is `compactionIntervalMs` old.
     history: Option<(u64, i64)>,
@@ -238,7 +241,7 @@ impl Sync {
             let since = now.saturating_add(EARLY_MS).saturating_sub(started);
             let busy = cfg.etcd.busy_sync_interval_ms;
             let due = since >= cfg.etcd.sync_interval_ms
-                || (busy > 0 && since >= busy && (self.contended || busy_here()));
+                || (busy > 0 && since >= busy && !self.failing && (self.contended || busy_here()));
             if !due {
                 return Ok(Vec::new());
             }
@@ -278,6 +281,7 @@ impl Sync {
 
     /// The call could not be sent (no such cluster): try again on the next sync.
     pub fn abandon(&mut self) {
+        self.failing = true;
         self.waiting = None;
     }
 
@@ -330,6 +334,7 @@ impl Sync {
                     let Some((lease, _)) = read_lease(store)? else {
                         return Ok(Vec::new());
                     };
+                    self.failing = false;
                     let read = RangeRead::parse(&range.kvs, &cfg.etcd.key_prefix, now);
                     stats.gauge(stats::REPLICAS_LIVE, read.alive.len() as u64);
                     // Demand past both grant and holding is requests waiting for credit.
@@ -450,6 +455,7 @@ impl Sync {
     }
 
     fn failed(&mut self, stats: &mut Stats, body: &[u8]) -> Vec<Call> {
+        self.failing = true;
         stats.count(stats::REPLICAS_ERRORS, 1);
         log::debug!(
             "kvgate: etcd answered {}",

@@ -170,6 +170,8 @@ struct Replica {
     stats: Stats,
     in_use: u64,
     demand: u64,
+    /// Calls sent to etcd so far.
+    calls: usize,
 }
 
 impl Replica {
@@ -191,6 +193,7 @@ impl Replica {
             stats: Stats::default(),
             in_use: 0,
             demand: 0,
+            calls: 0,
         }
     }
 
@@ -202,6 +205,7 @@ impl Replica {
         let waiting = self.demand > self.in_use;
         let mut calls = self.sync.due(&self.vm, &self.cfg, || waiting).unwrap();
         while let Some(call) = calls.pop() {
+            self.calls += 1;
             let answer = etcd.handle(&call.path, call.body.as_deref().unwrap_or(b""), now);
             calls.extend(self.answer(answer.as_deref()));
             let sum: u64 = etcd.grants().values().sum();
@@ -327,6 +331,29 @@ fn ms_until_credit_moves(busy_ms: u64) -> u64 {
         }
     }
     panic!("credit never moved")
+}
+
+#[test]
+fn an_unreachable_etcd_is_retried_at_the_slow_pace_even_while_a_line_waits() {
+    let mut etcd = FakeEtcd::default();
+    let mut r = Replica::new("r0", 0);
+    (r.in_use, r.demand) = (1_000, 5_000);
+    let tick = |r: &mut Replica, etcd: &mut FakeEtcd, from: u64, to: u64| {
+        let before = r.calls;
+        for now in (from..to).step_by(20) {
+            r.tick(etcd, now);
+        }
+        r.calls - before
+    };
+    // Reachable, with its line waiting: a sync every 100 ms, a renewal every third of the TTL.
+    let synced = tick(&mut r, &mut etcd, 0, 2_000);
+    assert!(synced >= 30, "{synced} calls in 2 s");
+    etcd.down = true;
+    let failed = tick(&mut r, &mut etcd, 2_000, 4_000);
+    assert!(failed <= 5, "{failed} calls in 2 s to an unreachable etcd");
+    etcd.down = false;
+    let back = tick(&mut r, &mut etcd, 4_000, 6_000);
+    assert!(back >= 30, "{back} calls in 2 s once it answers again");
 }
 
 #[test]
