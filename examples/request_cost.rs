@@ -8,8 +8,8 @@
 //!
 //! With it, `replay`: what another worker's VM then does with this request (Envoy runs one VM per
 //! worker, and every worker that routes replays the others' picks and finishes from the pick
-//! log, on its next request or tick): one tick of a second VM, which routed once and does not
-//! hold the scrape lease, after each request, its tick's own reads included.
+//! log, before its own next pick or on its tick): a second VM's catch-up after each request, its
+//! reads included.
 //!
 //! Each phase runs on a store that stands for the shell's (`shell::host::HostStore`: the clock
 //! read once per callback) and counts its calls; with the calls the shell itself makes around the
@@ -32,9 +32,10 @@
 //! cargo run --release --example request_cost -- --stream 256        # answers of 256 streamed tokens
 //! ```
 
-// The in-memory host is built for native targets only (a dev-dependency feature).
-#[cfg(not(target_arch = "wasm32"))]
-mod native {
+// The in-memory host is a feature: a native build's dev-dependency turns it on; a wasm32 build
+// asks for it (`--features fake-host`, as scripts/wasm_request_cost.sh does).
+#[cfg(any(not(target_arch = "wasm32"), feature = "fake-host"))]
+mod measure {
     use std::cell::Cell;
     use std::hint::black_box;
     use std::time::Instant;
@@ -304,10 +305,12 @@ mod native {
         store.add(1);
     }
 
-    /// Another worker's tick after the request: it replays the request's pick and finish.
+    /// What another worker then does with the request: before its own next pick (or on its
+    /// tick, while it routes) it replays the request's pick and finish from the pick log into its
+    /// replicas. Envoy's every other worker that routes pays this for every request.
     #[inline(never)]
     fn phase_replay(other: &mut Gate, store: &Callback) {
-        black_box(other.on_tick(store));
+        black_box(other.catch_up(store)).ok();
     }
 
     /// What the shell then sends to Envoy's stats when no other request is open
@@ -422,6 +425,6 @@ mod native {
 }
 
 fn main() {
-    #[cfg(not(target_arch = "wasm32"))]
-    native::main();
+    #[cfg(any(not(target_arch = "wasm32"), feature = "fake-host"))]
+    measure::main();
 }

@@ -10,8 +10,8 @@
 # The whole request (--request): examples/request_cost in its untimed mode, REQUESTS requests of
 # 4 KB through headers, body (parse, estimate, admission, the pick), response headers, response
 # body (metering), the end (release, pick log, calibration) and the stats they leave (what the
-# shell hands to Envoy when no other request is open), and another worker's tick replaying the
-# request's pick and finish (`replay`), one callgrind run per pool size, each
+# shell hands to Envoy when no other request is open), and another worker replaying the
+# request's pick and finish (`replay`: each other worker that routes pays it), one callgrind run per pool size, each
 # phase's inclusive count per request; then the host calls of each phase (not a callgrind count:
 # the example counts the store's calls and adds the shell's own, `request_cost --calls`).
 #
@@ -52,10 +52,10 @@ if [ "${1:-}" = --request ]; then
         callgrind_annotate --inclusive=yes --threshold=100 --auto=no "$OUT/request-$pods.out" \
             2>/dev/null |
             awk -v pods="$pods" -v n="$REQUESTS" '
-                /request_cost::native::phase_[a-z_]+ \[/ {
+                /request_cost::measure::phase_[a-z_]+ \[/ {
                     ir = $1; gsub(",", "", ir)
-                    match($0, /request_cost::native::phase_[a-z_]+/)
-                    count[substr($0, RSTART + 28, RLENGTH - 28)] = ir / n
+                    match($0, /request_cost::measure::phase_[a-z_]+/)
+                    count[substr($0, RSTART + 29, RLENGTH - 29)] = ir / n
                 }
                 END {
                     split("request_headers body response_headers response_body done replay stats", p)

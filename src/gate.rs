@@ -65,6 +65,13 @@ impl Gate {
         })
     }
 
+    /// Replays the other workers' picks and finishes into this VM's replicas, as its next pick
+    /// does first: what every other worker pays for each request one worker routes
+    /// (`examples/request_cost`'s `replay`).
+    pub fn catch_up(&mut self, store: &dyn Store) -> Result<(), StoreError> {
+        self.router.sync(store, &self.config)
+    }
+
     /// Periodic work: whichever VM holds the lease plans the scrapes and discovery calls due.
     pub fn on_tick(&mut self, store: &dyn Store) -> Vec<Call> {
         let now = store.now_ms();

@@ -1,5 +1,5 @@
 //! The OpenAI-compatible wire format, in both directions: what a request body says
-//! (`request`), what the model server's response reports as it streams past (`response`; each
+//! (`request`; the shapes its prompt takes, read in one pass, in `shapes`), what the model server's response reports as it streams past (`response`; each
 //! streamed chunk's pieces of text counted by `sse_chunk`), the answers kvgate gives itself
 //! instead of forwarding (`reply`), and a request's headers as the host serializes them
 //! (`header_map`).
@@ -11,4 +11,5 @@ pub mod header_map;
 pub mod reply;
 pub mod request;
 pub mod response;
+mod shapes;
 pub mod sse_chunk;

@@ -3,8 +3,8 @@
 //! canonical text rendering in which earlier chat turns are a true prefix of later ones, so the
 //! same text serves token estimation and prefix hashing.
 
+use super::shapes::{Content, Input, Message, Prompt, Text};
 use serde::Deserialize;
-use std::borrow::Cow;
 use std::fmt::{self, Write as _};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,74 +69,6 @@ impl fmt::Display for BadRequest {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.message)
     }
-}
-
-/// Text as it appears in the body: borrowed from the body when the JSON string has no escapes,
-/// decoded into its own buffer when it has.
-#[derive(Deserialize, Default)]
-struct Text<'a>(#[serde(borrow)] Cow<'a, str>);
-
-impl Text<'_> {
-    fn as_str(&self) -> &str {
-        &self.0
-    }
-}
-
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum Prompt<'a> {
-    Text(#[serde(borrow)] Text<'a>),
-    Texts(#[serde(borrow)] Vec<Text<'a>>),
-    Tokens(Vec<u32>),
-    TokenBatches(Vec<Vec<u32>>),
-}
-
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum Content<'a> {
-    Text(#[serde(borrow)] Text<'a>),
-    Parts(#[serde(borrow)] Vec<Part<'a>>),
-}
-
-#[derive(Deserialize, Default)]
-#[serde(default)]
-struct Part<'a> {
-    #[serde(rename = "type", borrow)]
-    kind: Text<'a>,
-    #[serde(borrow)]
-    text: Option<Text<'a>>,
-    /// Responses API refusals and outputs carry their text here.
-    #[serde(borrow)]
-    refusal: Option<Text<'a>>,
-}
-
-#[derive(Deserialize, Default)]
-#[serde(default)]
-struct Message<'a> {
-    #[serde(borrow)]
-    role: Option<Text<'a>>,
-    #[serde(borrow)]
-    content: Option<Content<'a>>,
-    #[serde(borrow)]
-    name: Option<Text<'a>>,
-    /// Assistant tool calls are prefilled on the next turn; their JSON is counted as text.
-    tool_calls: Option<serde_json::Value>,
-    /// Responses API items that are not messages (function calls, outputs) carry these.
-    #[serde(rename = "type", borrow)]
-    kind: Option<Text<'a>>,
-    #[serde(borrow)]
-    arguments: Option<Text<'a>>,
-    output: Option<serde_json::Value>,
-}
-
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum Input<'a> {
-    Text(#[serde(borrow)] Text<'a>),
-    Texts(#[serde(borrow)] Vec<Text<'a>>),
-    Tokens(Vec<u32>),
-    TokenBatches(Vec<Vec<u32>>),
-    Items(#[serde(borrow)] Vec<Message<'a>>),
 }
 
 #[derive(Deserialize, Default)]
@@ -312,7 +244,7 @@ impl Request {
         match api {
             Api::Completions => {
                 let prompt = b.prompt.ok_or_else(|| missing("prompt"))?;
-                out.push_prompt(prompt);
+                out.push_input(prompt.0);
                 if let Some(suffix) = &b.suffix {
                     out.text.push_str(suffix.as_str());
                 }
@@ -337,23 +269,11 @@ impl Request {
         Ok(out)
     }
 
-    fn push_prompt(&mut self, prompt: Prompt) {
-        match prompt {
-            Prompt::Text(t) => self.text.push_str(t.as_str()),
-            Prompt::Texts(ts) => ts.iter().for_each(|t| self.text.push_str(t.as_str())),
-            Prompt::Tokens(ids) => self.token_ids += ids.len() as u64,
-            Prompt::TokenBatches(b) => {
-                self.token_ids += b.iter().map(|v| v.len() as u64).sum::<u64>()
-            }
-        }
-    }
-
     fn push_input(&mut self, input: Input) {
         match input {
-            Input::Text(t) => self.push_prompt(Prompt::Text(t)),
-            Input::Texts(t) => self.push_prompt(Prompt::Texts(t)),
-            Input::Tokens(t) => self.push_prompt(Prompt::Tokens(t)),
-            Input::TokenBatches(t) => self.push_prompt(Prompt::TokenBatches(t)),
+            Input::Text(t) => self.text.push_str(t.as_str()),
+            Input::Texts(ts) => ts.iter().for_each(|t| self.text.push_str(t.as_str())),
+            Input::Tokens(n) => self.token_ids += n,
             Input::Items(items) => items.iter().for_each(|m| self.push_message(m)),
         }
     }
@@ -584,6 +504,20 @@ mod tests {
         }
         let err = Request::parse(Api::ChatCompletions, b"{\"model\":\"\xff\"}").unwrap_err();
         assert!(err.message.contains("UTF-8"));
+    }
+
+    #[test]
+    fn a_prompt_of_the_wrong_shape_names_the_element_at_fault() {
+        for (api, body, param) in [
+            (Api::Completions, r#"{"model":"m","prompt":["a",1]}"#, "prompt[1]"),
+            (Api::Completions, r#"{"model":"m","prompt":[{"a":1}]}"#, "prompt[0]"),
+            (Api::Completions, r#"{"model":"m","prompt":[1,-1]}"#, "prompt[1]"),
+            (Api::Responses, r#"{"model":"m","input":[[1],[2,"a"]]}"#, "input[1][1]"),
+            (Api::Embeddings, r#"{"model":"m","input":true}"#, "input"),
+        ] {
+            let err = Request::parse(api, body.as_bytes()).expect_err(body);
+            assert_eq!(err.param.as_deref(), Some(param), "{body}: {err}");
+        }
     }
 
     #[test]

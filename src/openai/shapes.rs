@@ -1,0 +1,357 @@
+//! The shapes a request's prompt takes in the body: a message's `content` (a string or a list of
+//! parts), a completions `prompt` and a responses or embeddings `input` (a string, a list of
+//! strings, token ids, lists of token ids, or — for `input` — items). `request` renders them into
+//! the canonical text.
+//!
+//! Each is told apart by the first thing the parser meets (a quote, a bracket, a digit, a brace)
+//! and read once, straight from the body. `#[serde(untagged)]` would buffer the whole value first
+//! and then try each shape on the copy: every message's content read twice on every request
+//! (issue 20's profile put that buffering at about a third of the parse).
+//!
+//! Source of truth: none; these borrow the request body and die with the parse.
+
+use serde::de::{self, value::MapAccessDeserializer, DeserializeSeed, SeqAccess, Visitor};
+use serde::{Deserialize, Deserializer};
+use std::borrow::Cow;
+use std::fmt;
+use std::marker::PhantomData;
+
+/// Text as it appears in the body: borrowed from the body when the JSON string has no escapes,
+/// decoded into its own buffer when it has.
+#[derive(Deserialize, Default)]
+pub(super) struct Text<'a>(#[serde(borrow)] Cow<'a, str>);
+
+impl<'a> Text<'a> {
+    pub(super) fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    fn borrowed(s: &'a str) -> Self {
+        Text(Cow::Borrowed(s))
+    }
+
+    fn owned(s: String) -> Self {
+        Text(Cow::Owned(s))
+    }
+}
+
+/// A message's `content`.
+pub(super) enum Content<'a> {
+    Text(Text<'a>),
+    Parts(Vec<Part<'a>>),
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+pub(super) struct Part<'a> {
+    #[serde(rename = "type", borrow)]
+    pub kind: Text<'a>,
+    #[serde(borrow)]
+    pub text: Option<Text<'a>>,
+    /// Responses API refusals and outputs carry their text here.
+    #[serde(borrow)]
+    pub refusal: Option<Text<'a>>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+pub(super) struct Message<'a> {
+    #[serde(borrow)]
+    pub role: Option<Text<'a>>,
+    #[serde(borrow)]
+    pub content: Option<Content<'a>>,
+    #[serde(borrow)]
+    pub name: Option<Text<'a>>,
+    /// Assistant tool calls are prefilled on the next turn; their JSON is counted as text.
+    pub tool_calls: Option<serde_json::Value>,
+    /// Responses API items that are not messages (function calls, outputs) carry these.
+    #[serde(rename = "type", borrow)]
+    pub kind: Option<Text<'a>>,
+    #[serde(borrow)]
+    pub arguments: Option<Text<'a>>,
+    pub output: Option<serde_json::Value>,
+}
+
+/// A responses or embeddings `input`, or (without `Items`) a completions `prompt`.
+pub(super) enum Input<'a> {
+    Text(Text<'a>),
+    Texts(Vec<Text<'a>>),
+    /// Token ids, however nested (a list of ids or a batch of lists): only their number counts.
+    Tokens(u64),
+    Items(Vec<Message<'a>>),
+}
+
+/// A completions `prompt`: an input that cannot hold items.
+pub(super) struct Prompt<'a>(pub Input<'a>);
+
+/// The strings every shape's visitor takes as text.
+macro_rules! text_visits {
+    ($value:expr) => {
+        fn visit_borrowed_str<E: de::Error>(self, s: &'de str) -> Result<Self::Value, E> {
+            Ok($value(Text::borrowed(s)))
+        }
+
+        fn visit_str<E: de::Error>(self, s: &str) -> Result<Self::Value, E> {
+            Ok($value(Text::owned(s.to_owned())))
+        }
+
+        fn visit_string<E: de::Error>(self, s: String) -> Result<Self::Value, E> {
+            Ok($value(Text::owned(s)))
+        }
+    };
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for Content<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V<'a>(PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> Visitor<'de> for V<'a> {
+            type Value = Content<'a>;
+
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a string or an array of content parts")
+            }
+
+            text_visits!(Content::Text);
+
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                let mut parts = Vec::new();
+                while let Some(part) = seq.next_element()? {
+                    parts.push(part);
+                }
+                Ok(Content::Parts(parts))
+            }
+        }
+        d.deserialize_any(V(PhantomData))
+    }
+}
+
+/// How many token ids a list holds (each must be one: a whole number that fits 32 bits).
+struct TokenCount(u64);
+
+impl<'de> Deserialize<'de> for TokenCount {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = TokenCount;
+
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("an array of token ids")
+            }
+
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                let mut n = 0;
+                while seq.next_element::<u32>()?.is_some() {
+                    n += 1;
+                }
+                Ok(TokenCount(n))
+            }
+        }
+        d.deserialize_seq(V)
+    }
+}
+
+/// The first element of a list, which says what the others must be.
+enum First<'a> {
+    Text(Text<'a>),
+    Token,
+    Tokens(u64),
+    Item(Message<'a>),
+}
+
+/// Reads a list's first element, whatever it is; an object only where items are allowed.
+struct FirstSeed<'a> {
+    items: bool,
+    life: PhantomData<&'a ()>,
+}
+
+impl<'de: 'a, 'a> DeserializeSeed<'de> for FirstSeed<'a> {
+    type Value = First<'a>;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de: 'a, 'a> Visitor<'de> for FirstSeed<'a> {
+    type Value = First<'a>;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str(if self.items {
+            "a string, a token id, an array of token ids or an input item"
+        } else {
+            "a string, a token id or an array of token ids"
+        })
+    }
+
+    text_visits!(First::Text);
+
+    fn visit_u64<E: de::Error>(self, id: u64) -> Result<Self::Value, E> {
+        u32::try_from(id)
+            .map(|_| First::Token)
+            .map_err(|_| E::invalid_value(de::Unexpected::Unsigned(id), &"a token id"))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Self::Value, A::Error> {
+        TokenCount::deserialize(de::value::SeqAccessDeserializer::new(seq))
+            .map(|n| First::Tokens(n.0))
+    }
+
+    fn visit_map<A: de::MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+        if !self.items {
+            return Err(de::Error::invalid_type(de::Unexpected::Map, &self));
+        }
+        Message::deserialize(MapAccessDeserializer::new(map)).map(First::Item)
+    }
+}
+
+/// Reads an input (`items`) or a prompt: a string, or a list whose elements are all of the kind
+/// its first one is.
+struct InputVisitor<'a> {
+    items: bool,
+    life: PhantomData<&'a ()>,
+}
+
+impl<'de: 'a, 'a> Visitor<'de> for InputVisitor<'a> {
+    type Value = Input<'a>;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str(if self.items {
+            "a string or an array of strings, token ids, arrays of token ids or input items"
+        } else {
+            "a string or an array of strings, token ids or arrays of token ids"
+        })
+    }
+
+    text_visits!(Input::Text);
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let first = FirstSeed {
+            items: self.items,
+            life: PhantomData,
+        };
+        Ok(match seq.next_element_seed(first)? {
+            None => Input::Texts(Vec::new()),
+            Some(First::Text(t)) => {
+                let mut texts = vec![t];
+                while let Some(t) = seq.next_element()? {
+                    texts.push(t);
+                }
+                Input::Texts(texts)
+            }
+            Some(First::Token) => {
+                let mut n = 1;
+                while seq.next_element::<u32>()?.is_some() {
+                    n += 1;
+                }
+                Input::Tokens(n)
+            }
+            Some(First::Tokens(mut n)) => {
+                while let Some(more) = seq.next_element::<TokenCount>()? {
+                    n += more.0;
+                }
+                Input::Tokens(n)
+            }
+            Some(First::Item(m)) => {
+                let mut items = vec![m];
+                while let Some(m) = seq.next_element()? {
+                    items.push(m);
+                }
+                Input::Items(items)
+            }
+        })
+    }
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for Input<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(InputVisitor {
+            items: true,
+            life: PhantomData,
+        })
+    }
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for Prompt<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(InputVisitor {
+            items: false,
+            life: PhantomData,
+        })
+        .map(Prompt)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    use super::*;
+
+    fn input(json: &str) -> Result<Input<'_>, serde_json::Error> {
+        serde_json::from_str(json)
+    }
+
+    fn prompt(json: &str) -> Result<Prompt<'_>, serde_json::Error> {
+        serde_json::from_str(json)
+    }
+
+    #[test]
+    fn each_shape_is_told_apart_by_its_first_element() {
+        assert!(matches!(input(r#""a""#), Ok(Input::Text(t)) if t.as_str() == "a"));
+        assert!(matches!(input(r#"["a","b"]"#), Ok(Input::Texts(t)) if t.len() == 2));
+        assert!(matches!(input("[]"), Ok(Input::Texts(t)) if t.is_empty()));
+        assert!(matches!(input("[1,2,3]"), Ok(Input::Tokens(3))));
+        assert!(matches!(input("[[1,2],[],[3]]"), Ok(Input::Tokens(3))));
+        assert!(matches!(input(r#"[{"role":"user"},{}]"#), Ok(Input::Items(m)) if m.len() == 2));
+        assert!(matches!(
+            prompt("[[4294967295]]"),
+            Ok(Prompt(Input::Tokens(1)))
+        ));
+    }
+
+    #[test]
+    fn text_without_escapes_is_borrowed_from_the_body() {
+        let t = match input(r#"["plain","esc\"aped"]"#) {
+            Ok(Input::Texts(t)) => t,
+            _ => Vec::new(),
+        };
+        assert_eq!(t.len(), 2);
+        assert!(matches!(t[0].0, Cow::Borrowed("plain")));
+        assert!(matches!(&t[1].0, Cow::Owned(s) if s == "esc\"aped"));
+    }
+
+    #[test]
+    fn mixed_lists_and_wrong_kinds_are_refused() {
+        for bad in [
+            r#"["a",1]"#,
+            r#"[1,"a"]"#,
+            "[[1],2]",
+            "[1,[2]]",
+            "[-1]",
+            "[4294967296]",
+            "[1.5]",
+            "[[\"a\"]]",
+            r#"[{"role":"user"},"a"]"#,
+            "5",
+            "true",
+            "{}",
+        ] {
+            assert!(input(bad).is_err(), "{bad}");
+        }
+        // A prompt holds no items.
+        assert!(prompt(r#"[{"role":"user"}]"#).is_err());
+        assert!(prompt(r#"["a"]"#).is_ok());
+    }
+
+    #[test]
+    fn content_is_a_string_or_parts() {
+        let c = |json| serde_json::from_str::<Content>(json);
+        assert!(matches!(c(r#""hi""#), Ok(Content::Text(t)) if t.as_str() == "hi"));
+        assert!(
+            matches!(c(r#"[{"type":"text","text":"a"},{"type":"image_url"}]"#), Ok(Content::Parts(p)) if p.len() == 2)
+        );
+        assert!(c("5").is_err());
+        assert!(c(r#"{"type":"text"}"#).is_err());
+    }
+}
