@@ -509,11 +509,37 @@ mod tests {
     #[test]
     fn a_prompt_of_the_wrong_shape_names_the_element_at_fault() {
         for (api, body, param) in [
-            (Api::Completions, r#"{"model":"m","prompt":["a",1]}"#, "prompt[1]"),
-            (Api::Completions, r#"{"model":"m","prompt":[{"a":1}]}"#, "prompt[0]"),
-            (Api::Completions, r#"{"model":"m","prompt":[1,-1]}"#, "prompt[1]"),
-            (Api::Responses, r#"{"model":"m","input":[[1],[2,"a"]]}"#, "input[1][1]"),
+            (
+                Api::Completions,
+                r#"{"model":"m","prompt":["a",1]}"#,
+                "prompt[1]",
+            ),
+            (
+                Api::Completions,
+                r#"{"model":"m","prompt":[{"a":1}]}"#,
+                "prompt[0]",
+            ),
+            (
+                Api::Completions,
+                r#"{"model":"m","prompt":[1,-1]}"#,
+                "prompt[1]",
+            ),
+            (
+                Api::Responses,
+                r#"{"model":"m","input":[[1],[2,"a"]]}"#,
+                "input[1][1]",
+            ),
             (Api::Embeddings, r#"{"model":"m","input":true}"#, "input"),
+            (
+                Api::Responses,
+                r#"{"model":"m","input":[{"role":"user","content":5}]}"#,
+                "input[0].content",
+            ),
+            (
+                Api::Responses,
+                r#"{"model":"m","input":[{"role":"user"},{"content":[{"text":1}]}]}"#,
+                "input[1].content[0].text",
+            ),
         ] {
             let err = Request::parse(api, body.as_bytes()).expect_err(body);
             assert_eq!(err.param.as_deref(), Some(param), "{body}: {err}");

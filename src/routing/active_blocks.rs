@@ -6,8 +6,17 @@
 //! request is charged for the blocks it adds, and which requests it may lean on for the rest. The
 //! record decides who counts a shared prefix (`RequestEntry::leans_on`): this replica may still
 //! hold a request another worker has finished.
+//!
+//! Block hashes are chained (each covers the prompt up to its block), so a block is held on a
+//! pod exactly when some in-flight request there shares the prompt up to it, and the requests
+//! sharing a prompt's first n blocks are a run of the pod's requests in lexicographic order of
+//! their hashes. The replica keeps that order, and answers every question with a binary search
+//! and comparisons of hash lists, where a map of block → holders took a map operation per block
+//! on every dispatch and finish, in this VM and again in every other worker's replay of the pick
+//! log (issue 20: about a seventh of a request's time in V8 at two workers, more at more).
 
 use hashbrown::HashMap;
+use std::rc::Rc;
 
 /// Requests seen in the log but absent from the pod's shared record for this long are dropped
 /// (their finish was lost, or their VM died).
@@ -15,8 +24,33 @@ const ORPHAN_MS: u64 = 5_000;
 
 #[derive(Default)]
 struct PodActive {
-    refs: HashMap<u64, u32>,
-    requests: HashMap<u64, (Vec<u64>, u64)>,
+    /// In-flight requests by id: their prompt's block hashes and when they were added.
+    requests: HashMap<u64, (Rc<[u64]>, u64)>,
+    /// The same requests in lexicographic order of their hashes, then of their ids.
+    order: Vec<(Rc<[u64]>, u64)>,
+}
+
+/// Leading blocks two hash lists share.
+fn common(a: &[u64], b: &[u64]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+impl PodActive {
+    /// Where in `order` the requests sharing all of `prefix` are (a run, as the order is
+    /// lexicographic: they start with it, and nothing else sorts among them).
+    fn sharing(&self, prefix: &[u64]) -> std::ops::Range<usize> {
+        let from = self.order.partition_point(|(hs, _)| &hs[..] < prefix);
+        let to = self
+            .order
+            .partition_point(|(hs, _)| &hs[..prefix.len().min(hs.len())] <= prefix);
+        from..to.max(from)
+    }
+
+    /// The position `(hashes, id)` has, or would have, in `order`.
+    fn position(&self, hashes: &[u64], id: u64) -> Result<usize, usize> {
+        self.order
+            .binary_search_by(|(hs, other)| (&hs[..], *other).cmp(&(hashes, id)))
+    }
 }
 
 #[derive(Default)]
@@ -25,25 +59,28 @@ pub struct ActiveBlocks {
 }
 
 impl ActiveBlocks {
-    /// Leading blocks of `hashes` already held by in-flight requests on the pod.
+    /// Leading blocks of `hashes` already held by in-flight requests on the pod: the most any one
+    /// request shares with it, which one of the two requests beside where it would sort does.
     pub fn active_prefix(&self, pod: &str, hashes: &[u64]) -> usize {
         let Some(p) = self.pods.get(pod) else {
             return 0;
         };
-        hashes
-            .iter()
-            .take_while(|h| p.refs.contains_key(*h))
-            .count()
+        let at = p.order.partition_point(|(hs, _)| &hs[..] < hashes);
+        [at.checked_sub(1), Some(at)]
+            .into_iter()
+            .flatten()
+            .filter_map(|i| p.order.get(i))
+            .map(|(hs, _)| common(hs, hashes))
+            .max()
+            .unwrap_or(0)
     }
 
-    /// In-flight requests on the pod whose prompt holds the block (with chained hashes: its
-    /// whole prefix up to there).
-    pub fn holders(&self, pod: &str, block: u64) -> u32 {
+    /// In-flight requests on the pod whose prompt holds all of `prefix` (with chained hashes:
+    /// its last block).
+    pub fn holders(&self, pod: &str, prefix: &[u64]) -> u32 {
         self.pods
             .get(pod)
-            .and_then(|p| p.refs.get(&block))
-            .copied()
-            .unwrap_or(0)
+            .map_or(0, |p| p.sharing(prefix).len() as u32)
     }
 
     pub fn add(&mut self, pod: &str, request: u64, hashes: Vec<u64>, now: u64) {
@@ -51,35 +88,33 @@ impl ActiveBlocks {
         if p.requests.contains_key(&request) {
             return;
         }
-        for h in &hashes {
-            *p.refs.entry(*h).or_insert(0) += 1;
+        let hashes: Rc<[u64]> = hashes.into();
+        if let Err(at) = p.position(&hashes, request) {
+            p.order.insert(at, (hashes.clone(), request));
         }
         p.requests.insert(request, (hashes, now));
     }
 
-    /// In-flight requests on the pod whose prompt holds the first `depth` blocks of `hashes` (with
-    /// chained hashes, those holding its block `depth - 1` there), in id order: who a request
-    /// sharing that prefix may lean on, as this replica knows it. The pod's record decides which
-    /// of them is still in flight (`Router::route`).
+    /// In-flight requests on the pod whose prompt holds the first `depth` blocks of `hashes`, in
+    /// id order: who a request sharing that prefix may lean on, as this replica knows it. The
+    /// pod's record decides which of them is still in flight (`Router::route`).
     pub fn holding(&self, pod: &str, hashes: &[u64], depth: usize) -> Vec<u64> {
-        let (Some(p), Some(deepest)) = (self.pods.get(pod), depth.checked_sub(1)) else {
+        let (Some(p), Some(prefix)) = (self.pods.get(pod), hashes.get(..depth)) else {
             return Vec::new();
         };
-        let Some(&block) = hashes.get(deepest) else {
+        if prefix.is_empty() {
             return Vec::new();
-        };
-        let mut ids: Vec<u64> = p
-            .requests
+        }
+        let mut ids: Vec<u64> = p.order[p.sharing(prefix)]
             .iter()
-            .filter(|(_, (hs, _))| hs.get(deepest) == Some(&block))
-            .map(|(id, _)| *id)
+            .map(|(_, id)| *id)
             .collect();
         ids.sort_unstable();
         ids
     }
 
     pub fn hashes_of(&self, pod: &str, request: u64) -> Option<Vec<u64>> {
-        Some(self.pods.get(pod)?.requests.get(&request)?.0.clone())
+        Some(self.pods.get(pod)?.requests.get(&request)?.0.to_vec())
     }
 
     pub fn remove(&mut self, pod: &str, request: u64) {
@@ -89,14 +124,8 @@ impl ActiveBlocks {
         let Some((hashes, _)) = p.requests.remove(&request) else {
             return;
         };
-        for h in hashes {
-            // One lookup per block, whether its count drops or the block goes.
-            if let hashbrown::hash_map::Entry::Occupied(mut n) = p.refs.entry(h) {
-                *n.get_mut() -= 1;
-                if *n.get() == 0 {
-                    n.remove();
-                }
-            }
+        if let Ok(at) = p.position(&hashes, request) {
+            p.order.remove(at);
         }
     }
 
@@ -121,8 +150,20 @@ impl ActiveBlocks {
         self.pods.retain(|pod, _| keep(pod));
     }
 
+    /// Distinct blocks the pod's in-flight requests hold: each request's, less what it shares
+    /// with the one before it in the order.
     pub fn unique_blocks(&self, pod: &str) -> usize {
-        self.pods.get(pod).map_or(0, |p| p.refs.len())
+        self.pods.get(pod).map_or(0, |p| {
+            let mut before: &[u64] = &[];
+            p.order
+                .iter()
+                .map(|(hs, _)| {
+                    let new = hs.len() - common(hs, before);
+                    before = hs;
+                    new
+                })
+                .sum()
+        })
     }
 }
 
@@ -149,6 +190,60 @@ mod tests {
         a.remove("p", 2);
         a.remove("p", 2);
         assert_eq!(a.unique_blocks("p"), 0);
+    }
+
+    /// Chained hashes of a prompt of `blocks` blocks drawn from a few texts per block, so that
+    /// prompts share prefixes of every length: each block's hash covers its text and the
+    /// hash before it, as `routing::prefix` chains them.
+    fn chain(rng: &mut u64, blocks: usize) -> Vec<u64> {
+        let mut h = 0u64;
+        (0..blocks)
+            .map(|_| {
+                *rng ^= *rng << 13;
+                *rng ^= *rng >> 7;
+                *rng ^= *rng << 17;
+                h = crate::hash::chain(h, &(*rng % 3).to_le_bytes());
+                h
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_answer_is_what_the_requests_themselves_give() {
+        let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+        let mut a = ActiveBlocks::default();
+        let mut live: Vec<(u64, Vec<u64>)> = Vec::new();
+        for step in 0..3_000u64 {
+            if live.len() > 40 || (!live.is_empty() && step % 3 == 0) {
+                let (id, _) = live.swap_remove((rng % live.len() as u64) as usize);
+                a.remove("p", id);
+            } else {
+                let blocks = 1 + (rng % 9) as usize;
+                let hs = chain(&mut rng, blocks);
+                a.add("p", step, hs.clone(), 0);
+                live.push((step, hs));
+            }
+            let blocks = 1 + (rng % 9) as usize;
+            let q = chain(&mut rng, blocks);
+            let shared = |hs: &[u64]| common(hs, &q);
+            let prefix = live.iter().map(|(_, hs)| shared(hs)).max().unwrap_or(0);
+            assert_eq!(a.active_prefix("p", &q), prefix);
+            for depth in 0..=q.len() {
+                let mut ids: Vec<u64> = live
+                    .iter()
+                    .filter(|(_, hs)| depth > 0 && shared(hs) >= depth)
+                    .map(|(id, _)| *id)
+                    .collect();
+                ids.sort_unstable();
+                if depth > 0 {
+                    assert_eq!(a.holders("p", &q[..depth]), ids.len() as u32);
+                }
+                assert_eq!(a.holding("p", &q, depth), ids);
+            }
+            let distinct: hashbrown::HashSet<u64> =
+                live.iter().flat_map(|(_, hs)| hs.iter().copied()).collect();
+            assert_eq!(a.unique_blocks("p"), distinct.len());
+        }
     }
 
     #[test]

@@ -168,12 +168,12 @@ impl Router {
         hashes: &[u64],
     ) -> (usize, f64) {
         let hot = shared.iter().copied().max().unwrap_or(0);
-        let Some(&deepest) = hot.checked_sub(1).and_then(|i| hashes.get(i)) else {
+        let Some(prefix) = hashes.get(..hot).filter(|p| !p.is_empty()) else {
             return (0, 1.0);
         };
         let holders: u32 = indices
             .iter()
-            .map(|&i| self.active.holders(&self.pods[i], deepest))
+            .map(|&i| self.active.holders(&self.pods[i], prefix))
             .sum();
         (hot, copy_weight(holders, indices.len()))
     }
