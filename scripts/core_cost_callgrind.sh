@@ -11,9 +11,10 @@
 # 4 KB through headers, body (parse, estimate, admission, the pick), response headers, response
 # body (metering), the end (release, pick log, calibration) and the stats they leave (what the
 # shell hands to Envoy when no other request is open), and another worker replaying the
-# request's pick and finish (`replay`: each other worker that routes pays it), one callgrind run per pool size, each
-# phase's inclusive count per request; then the host calls of each phase (not a callgrind count:
-# the example counts the store's calls and adds the shell's own, `request_cost --calls`).
+# request's pick and finish (`replay`: each other worker that routes pays it), one callgrind run
+# per pool size, each phase's inclusive count per request; then the host calls of each phase (not
+# a callgrind count: the example counts the store's calls and adds the shell's own,
+# `request_cost --calls`).
 #
 #   scripts/core_cost_callgrind.sh --request [PODS...]   default: 2 and 16 pods
 #   OPEN=N scripts/core_cost_callgrind.sh --request ...   with N other requests in flight over

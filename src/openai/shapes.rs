@@ -158,11 +158,42 @@ enum First<'a> {
     Item(Message<'a>),
 }
 
-/// Reads a list's first element, whatever it is; an object only where items are allowed.
-struct FirstSeed<'a> {
+/// Whether a list may hold input items (an `input`) or not (a `prompt`).
+#[derive(Clone, Copy)]
+struct Kinds<'a> {
     items: bool,
     life: PhantomData<&'a ()>,
 }
+
+impl<'a> Kinds<'a> {
+    fn new(items: bool) -> Self {
+        Kinds {
+            items,
+            life: PhantomData,
+        }
+    }
+
+    /// What a list's element may be.
+    fn element(self) -> &'static str {
+        if self.items {
+            "a string, a token id, an array of token ids or an input item"
+        } else {
+            "a string, a token id or an array of token ids"
+        }
+    }
+
+    /// What the whole value may be.
+    fn whole(self) -> &'static str {
+        if self.items {
+            "a string or an array of strings, token ids, arrays of token ids or input items"
+        } else {
+            "a string or an array of strings, token ids or arrays of token ids"
+        }
+    }
+}
+
+/// Reads a list's first element, whatever it is; an object only where items are allowed.
+struct FirstSeed<'a>(Kinds<'a>);
 
 impl<'de: 'a, 'a> DeserializeSeed<'de> for FirstSeed<'a> {
     type Value = First<'a>;
@@ -176,11 +207,7 @@ impl<'de: 'a, 'a> Visitor<'de> for FirstSeed<'a> {
     type Value = First<'a>;
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        f.write_str(if self.items {
-            "a string, a token id, an array of token ids or an input item"
-        } else {
-            "a string, a token id or an array of token ids"
-        })
+        f.write_str(self.0.element())
     }
 
     text_visits!(First::Text);
@@ -197,39 +224,28 @@ impl<'de: 'a, 'a> Visitor<'de> for FirstSeed<'a> {
     }
 
     fn visit_map<A: de::MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
-        if !self.items {
+        if !self.0.items {
             return Err(de::Error::invalid_type(de::Unexpected::Map, &self));
         }
         Message::deserialize(MapAccessDeserializer::new(map)).map(First::Item)
     }
 }
 
-/// Reads an input (`items`) or a prompt: a string, or a list whose elements are all of the kind
-/// its first one is.
-struct InputVisitor<'a> {
-    items: bool,
-    life: PhantomData<&'a ()>,
-}
+/// Reads an input or a prompt: a string, or a list whose elements are all of the kind its first
+/// one is.
+struct InputVisitor<'a>(Kinds<'a>);
 
 impl<'de: 'a, 'a> Visitor<'de> for InputVisitor<'a> {
     type Value = Input<'a>;
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        f.write_str(if self.items {
-            "a string or an array of strings, token ids, arrays of token ids or input items"
-        } else {
-            "a string or an array of strings, token ids or arrays of token ids"
-        })
+        f.write_str(self.0.whole())
     }
 
     text_visits!(Input::Text);
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-        let first = FirstSeed {
-            items: self.items,
-            life: PhantomData,
-        };
-        Ok(match seq.next_element_seed(first)? {
+        Ok(match seq.next_element_seed(FirstSeed(self.0))? {
             None => Input::Texts(Vec::new()),
             Some(First::Text(t)) => {
                 let mut texts = vec![t];
@@ -264,20 +280,14 @@ impl<'de: 'a, 'a> Visitor<'de> for InputVisitor<'a> {
 
 impl<'de: 'a, 'a> Deserialize<'de> for Input<'a> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_any(InputVisitor {
-            items: true,
-            life: PhantomData,
-        })
+        d.deserialize_any(InputVisitor(Kinds::new(true)))
     }
 }
 
 impl<'de: 'a, 'a> Deserialize<'de> for Prompt<'a> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_any(InputVisitor {
-            items: false,
-            life: PhantomData,
-        })
-        .map(Prompt)
+        d.deserialize_any(InputVisitor(Kinds::new(false)))
+            .map(Prompt)
     }
 }
 
