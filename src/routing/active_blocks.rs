@@ -13,7 +13,8 @@
 //! their hashes. The replica keeps that order, and answers every question with a binary search
 //! and comparisons of hash lists, where a map of block → holders took a map operation per block
 //! on every dispatch and finish, in this VM and again in every other worker's replay of the pick
-//! log (issue 20: about a seventh of a request's time in V8 at two workers, more at more).
+//! log: about a seventh of a request's time in V8 at two workers, more at more (BENCHMARKS.md,
+//! *Per-request cost*, 2026-11-27).
 
 use hashbrown::HashMap;
 use std::rc::Rc;
