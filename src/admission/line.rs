@@ -103,7 +103,7 @@ impl QueueRecord {
         let mut r = Reader(bytes);
         let virtual_time = r.f64()?;
         let tenants = r.list(16, |r| Some((r.u64()?, r.f64()?)))?;
-        let tickets = r.list(49, |r| {
+        let mut tickets = r.list(49, |r| {
             Some(Ticket {
                 id: r.u64()?,
                 vm: r.u32()?,
@@ -116,7 +116,6 @@ impl QueueRecord {
                 wants: 0,
             })
         })?;
-        let mut tickets = tickets;
         let passes = if r.is_empty() {
             (0, 0)
         } else {
