@@ -502,6 +502,21 @@ mod tests {
         );
     }
 
+    /// A request of `gate`'s VM waiting in the line since t = 1,000 s, for a minute at most.
+    fn waiting(gate: &Gate, id: u64, cost: u64, wants: u64) -> crate::admission::line::Ticket {
+        crate::admission::line::Ticket {
+            id,
+            vm: gate.vm(),
+            priority: 0,
+            boosted: false,
+            start_tag: 0.0,
+            enqueued_ms: 1_000_000,
+            deadline_ms: 1_060_000,
+            cost,
+            wants,
+        }
+    }
+
     #[test]
     fn a_grant_that_grows_wakes_the_line() {
         let host = FakeHost::new();
@@ -511,18 +526,7 @@ mod tests {
             "etcd":{"cluster":"etcd","maxReplicas":2,"replicaId":"r0"}}"#;
         let mut gate = Gate::new(Config::parse(config.as_bytes()).unwrap(), &vm).unwrap();
         // A request waits: before its first sync the replica may reserve nothing.
-        let ticket = crate::admission::line::Ticket {
-            id: 1,
-            vm: gate.vm(),
-            priority: 0,
-            boosted: false,
-            start_tag: 0.0,
-            enqueued_ms: 1_000_000,
-            deadline_ms: 1_060_000,
-            cost: 100,
-            wants: 0,
-        };
-        crate::admission::line::enqueue(&vm, ticket, 0, 0.0, 10)
+        crate::admission::line::enqueue(&vm, waiting(&gate, 1, 100, 0), 0, 0.0, 10)
             .unwrap()
             .unwrap();
         // etcd answers a lone replica: its grant grows from nothing to the whole budget.
@@ -552,7 +556,7 @@ mod tests {
 
     #[test]
     fn a_request_waiting_for_its_prefixs_pod_asks_the_replicas_for_credit_there() {
-        use crate::admission::line::{enqueue, pod_key, Ticket};
+        use crate::admission::line::{enqueue, pod_key};
         let host = FakeHost::new();
         host.set_now_ms(1_000_000);
         let vm = host.vm();
@@ -560,23 +564,12 @@ mod tests {
             "admission":{"budgetTokens":1000},
             "etcd":{"cluster":"etcd","maxReplicas":2,"replicaId":"r0"}}"#;
         let gate = Gate::new(Config::parse(config.as_bytes()).unwrap(), &vm).unwrap();
-        let waiting = |id, cost, wants| Ticket {
-            id,
-            vm: gate.vm(),
-            priority: 0,
-            boosted: false,
-            start_tag: 0.0,
-            enqueued_ms: 1_000_000,
-            deadline_ms: 1_060_000,
-            cost,
-            wants,
-        };
         // One waits for the first pod, where its prefix is; one may go anywhere; one waits for
         // a pod that has left the pool, and may now go anywhere too.
         for t in [
-            waiting(1, 300, pod_key("10.0.0.1:8000")),
-            waiting(2, 100, 0),
-            waiting(3, 60, pod_key("10.0.0.9:8000")),
+            waiting(&gate, 1, 300, pod_key("10.0.0.1:8000")),
+            waiting(&gate, 2, 100, 0),
+            waiting(&gate, 3, 60, pod_key("10.0.0.9:8000")),
         ] {
             enqueue(&vm, t, t.id, 0.0, 10).unwrap().unwrap();
         }
