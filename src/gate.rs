@@ -157,6 +157,7 @@ impl Gate {
                     rec.snapshot.as_ref(),
                 ),
                 in_use,
+                block_tokens: block,
                 // Waiting requests may go to any pod: each asks for an even part of them.
                 demand: in_use + queued / pods.len().max(1) as u64,
                 unit: head,

@@ -9,7 +9,8 @@ use crate::config::Config;
 use crate::gate::Gate;
 use crate::openai::reply::LocalReply;
 use crate::pods::record::{self, PodRecord};
-use crate::store::interface::Store;
+use crate::replicas::share::{self, Share};
+use crate::store::interface::{Store, StoreError};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 
@@ -49,22 +50,37 @@ pub fn reply(gate: &Gate, store: &dyn Store, method: &str, accept: Option<&str>)
 }
 
 /// One pod's line of the page.
-fn pod(cfg: &Config, block_tokens: u64, pod: &str, rec: &PodRecord, now: u64) -> Value {
+fn pod(
+    store: &dyn Store,
+    cfg: &Config,
+    block_tokens: u64,
+    pod: &str,
+    (rec, share): (&PodRecord, Option<Share>),
+    now: u64,
+) -> Value {
     let snapshot = rec.snapshot.as_ref();
     let age = snapshot.map(|s| now.saturating_sub(s.at_ms));
     // The same judgements the pool gauges make (gate.rs), from the pod record.
     let stale = rec.is_stale(now, &cfg.metrics);
+    let budget = crate::admission::budget::budget_tokens(cfg, snapshot);
     json!({
         "pod": pod,
         "healthy": !rec.is_down(),
         "stale": stale,
         "lastScrapeAgeMs": age,
         // null: no budget limits this pod.
-        "budgetTokens": crate::admission::budget::budget_tokens(cfg, snapshot),
+        "budgetTokens": budget,
         // What admission holds within the budget: the pod's KV forecast (the reserved_tokens
         // gauge), and what its requests hold now.
         "reservedTokens": rec.forecast(None, cfg.admission.headroom_sigmas, block_tokens),
         "heldTokens": rec.held_tokens(),
+        // With etcd on (null off): what this replica may reserve on the pod now (the
+        // grant_tokens gauge: its grant, scaled down when the budget fell, or its fallback cut
+        // off from etcd), and the grant etcd holds for it as far as it knows, which its
+        // reservations (read with it) never pass while the grants in etcd sum to at most the
+        // budget.
+        "grantTokens": share.and(share::cap(store, cfg, pod, budget)),
+        "syncedGrantTokens": share.map(|s| s.published),
         "backoff": snapshot.map(|s| s.backoff),
         "relief": snapshot.map(|s| s.relief),
         "unexplainedTokens": snapshot.map(|s| s.unexplained_tokens),
@@ -77,6 +93,32 @@ fn pod(cfg: &Config, block_tokens: u64, pod: &str, rec: &PodRecord, now: u64) ->
     })
 }
 
+/// The pod's record, and with etcd on its share (a pod not synced yet: an empty one), read as of
+/// one moment: the share again after the record, until it did not change in between (a sync
+/// changes it a few times a second, so a second read is rare and a fourth unheard of). Read so, its reservations never pass the grant
+/// etcd holds for this replica (`Share::published`); read one after the other, a sync that gave
+/// credit back between the reads could show them passing it.
+fn with_share(
+    store: &dyn Store,
+    cfg: &Config,
+    pod: &str,
+) -> Result<(PodRecord, Option<Share>), StoreError> {
+    if !cfg.etcd.enabled() {
+        return Ok((record::read(store, pod)?, None));
+    }
+    let (_, mut at) = share::read_versioned(store, pod)?;
+    let mut tries = 0;
+    loop {
+        let rec = record::read(store, pod)?;
+        let (share, now_at) = share::read_versioned(store, pod)?;
+        tries += 1;
+        if now_at == at || tries == 4 {
+            return Ok((rec, Some(share.unwrap_or_default())));
+        }
+        at = now_at;
+    }
+}
+
 /// The whole page as data; a pod or the line that cannot be read says so in its place.
 fn pool(gate: &Gate, store: &dyn Store) -> Value {
     let cfg = &gate.config;
@@ -86,8 +128,8 @@ fn pool(gate: &Gate, store: &dyn Store) -> Value {
         .router
         .pods()
         .iter()
-        .map(|p| match record::read(store, p) {
-            Ok(rec) => pod(cfg, block, p, &rec, now),
+        .map(|p| match with_share(store, cfg, p) {
+            Ok((rec, share)) => pod(store, cfg, block, p, (&rec, share), now),
             Err(e) => json!({"pod": p, "error": format!("{e:?}")}),
         })
         .collect();
@@ -146,13 +188,14 @@ fn cell(v: &Value) -> String {
     }
 }
 
-const COLUMNS: [(&str, &str); 11] = [
+const COLUMNS: [(&str, &str); 12] = [
     ("pod", "pod"),
     ("healthy", "healthy"),
     ("stale", "stale"),
     ("lastScrapeAgeMs", "last scrape (ms ago)"),
     ("budgetTokens", "budget (tokens)"),
     ("reservedTokens", "reserved (tokens)"),
+    ("grantTokens", "grant (tokens)"),
     ("activeBlocks", "active blocks"),
     ("inFlight", "in flight"),
     ("waiting", "waiting (scraped)"),
@@ -320,6 +363,48 @@ mod tests {
         gate.config.status_path = "/s".into();
         let json = get(&gate, &vm, "/s", Some("application/json"));
         assert!(matches!(json, Step::Reply(r) if r.headers[0].1 == "application/json"));
+    }
+
+    fn page(gate: &Gate, vm: &FakeVm) -> Value {
+        let Step::Reply(r) = get(gate, vm, "/kvgate/status", None) else {
+            panic!("the status path is answered locally");
+        };
+        serde_json::from_slice(&r.body).unwrap()
+    }
+
+    #[test]
+    fn with_etcd_on_each_pod_shows_this_replicas_grant() {
+        let (host, vm, mut gate) = pool_with_one_request();
+        let grants = |gate: &Gate| {
+            page(gate, &vm)["pods"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|p| (p["grantTokens"].clone(), p["syncedGrantTokens"].clone()))
+                .collect::<Vec<_>>()
+        };
+        let none = (Value::Null, Value::Null);
+        assert_eq!(grants(&gate), [none.clone(), none], "etcd off");
+        gate.config.etcd.cluster = "etcd".into();
+        gate.config.etcd.max_replicas = 10;
+        let now = host.now_ms();
+        // The never-scraped pod, whose budget is the configured one.
+        // A sync has lowered the grant admission reads, and not yet written it to etcd.
+        share::modify(&vm, PODS[1], |s| {
+            (s.grant, s.published, s.granted, s.contact_ms) = (1_234, 1_500, 5_000, now);
+        })
+        .unwrap();
+        assert_eq!(
+            grants(&gate),
+            [(json!(0), json!(0)), (json!(1_234), json!(1_500))],
+            "in contact, within the budget: the grant; a pod with no share: nothing"
+        );
+        host.set_now_ms(now + 60_000);
+        assert_eq!(
+            grants(&gate)[1],
+            (json!(10_000 / 10), json!(1_500)),
+            "cut off from etcd: the fallback"
+        );
     }
 
     #[test]

@@ -361,4 +361,51 @@ mod tests {
              more), and nothing after"
         );
     }
+
+    /// What the replicas' e2e check allows (tests/e2e/replicas.py, `held`): entries are written
+    /// at block boundaries (`Router::grow`), so between writes each request's `held` and `left`
+    /// lag its real progress by up to a block, and as they are rewritten the forecast of
+    /// requests already admitted moves. It rises by at most a block per other request in
+    /// flight: requests of known length whose ends the lag lines up differently.
+    #[test]
+    fn rewriting_entries_at_block_boundaries_raises_the_forecast_by_at_most_a_block_per_other_request(
+    ) {
+        let mut rng = crate::routing::pick::Rng::new(7);
+        let mut draw = |n: f64| (rng.next_f64() * n) as u64;
+        let mut worst = [0i64; 7];
+        for _ in 0..2_000 {
+            let n = 1 + draw(6.0) as usize;
+            let prompts: Vec<u64> = (0..n).map(|_| 330 + draw(40.0)).collect();
+            let starts: Vec<u64> = (0..n).map(|_| draw(300.0)).collect();
+            // The forecast at step `t`: each request (max 300 tokens, one a step) as its entry
+            // was last written, at its last block boundary.
+            let at = |t: u64| {
+                let loads: Vec<Load> = (0..n)
+                    .filter_map(|i| {
+                        let out = t.checked_sub(starts[i]).filter(|&o| o < 300)?;
+                        let written = if out == 0 { 0 } else { (out - 1) / 16 * 16 + 1 };
+                        Some(Load {
+                            held: prompts[i] + written,
+                            sigma: 0,
+                            left: 300 - written,
+                            outlook: [255; HORIZON_STEPS.len()],
+                        })
+                    })
+                    .collect();
+                (loads.len(), peak(loads.into_iter(), 0.0, 16) as i64)
+            };
+            let t0 = 300 + draw(300.0);
+            let (n0, f0) = at(t0);
+            for dt in (1..300).step_by(3) {
+                let (n1, f1) = at(t0 + dt);
+                if n1 == n0 {
+                    worst[n0] = worst[n0].max(f1 - f0);
+                }
+            }
+        }
+        for (n, &w) in worst.iter().enumerate().skip(1) {
+            assert!(w <= 16 * (n as i64 - 1), "{n} in flight: rose by {w}");
+        }
+        assert!(worst[3] > 0, "the rise is real: {worst:?}");
+    }
 }

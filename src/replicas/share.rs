@@ -11,8 +11,14 @@ use crate::store::interface::{update_record, Store, StoreError};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Share {
-    /// Tokens of the pod's budget this replica may reserve.
+    /// Tokens of the pod's budget this replica may reserve. Lowered as soon as a sync plans a
+    /// smaller grant, raised only once etcd took a larger one, so it can sit below what the
+    /// replica holds while a shrink is on its way to etcd.
     pub grant: u64,
+    /// The grant etcd holds for this replica, as far as it knows: the one read by the sync
+    /// under way, or the one its last txn wrote. What the replica's requests hold on the pod
+    /// never passes it; the status page shows it (`syncedGrantTokens`).
+    pub published: u64,
     /// The sum of every replica's grant at the last sync, this one's included.
     pub granted: u64,
     /// When this replica last read etcd (its clock).
@@ -29,6 +35,7 @@ impl Share {
     fn encode(&self) -> Vec<u8> {
         let mut w = Writer::new();
         w.u64(self.grant)
+            .u64(self.published)
             .u64(self.granted)
             .u64(self.contact_ms)
             .u64(self.remote_tokens);
@@ -39,6 +46,7 @@ impl Share {
         let mut r = Reader(bytes);
         Some(Share {
             grant: r.u64()?,
+            published: r.u64()?,
             granted: r.u64()?,
             contact_ms: r.u64()?,
             remote_tokens: r.u64()?,
@@ -58,7 +66,16 @@ impl Share {
 
 /// The pod's share; `None` before the first sync wrote it.
 pub fn read(store: &dyn Store, pod: &str) -> Result<Option<Share>, StoreError> {
-    Ok(store.get(&key(pod))?.value.and_then(|b| Share::decode(&b)))
+    Ok(read_versioned(store, pod)?.0)
+}
+
+/// `read`, with the version it was read at.
+pub fn read_versioned(
+    store: &dyn Store,
+    pod: &str,
+) -> Result<(Option<Share>, Option<u32>), StoreError> {
+    let read = store.get(&key(pod))?;
+    Ok((read.value.and_then(|b| Share::decode(&b)), read.cas))
 }
 
 /// Applies `change` to the pod's share (a default one when none is written yet).

@@ -45,8 +45,11 @@ pub struct PodView {
     /// The pod's budget as this replica's scrapes correct it (`admission::budget`); pods without
     /// one (unlimited, admission off) take no part.
     pub budget: Option<u64>,
-    /// The forecast of this replica's reservations there: what its grant must cover.
+    /// The forecast of this replica's reservations there: what its grant must cover. Read before
+    /// etcd's answer came; the sync reads it again where it shrinks the grant (`plan_pod`).
     pub in_use: u64,
+    /// The block size admission forecasts the pod's reservations in (`in_use`'s).
+    pub block_tokens: u64,
     /// What it asks for: `in_use` and its share of the requests waiting in its line.
     pub demand: u64,
     /// The size of the next request it would admit (the head of its line), 0 when none waits.
@@ -377,6 +380,7 @@ impl Sync {
                         share::modify(store, &p.pod, |s| {
                             self.grew |= p.grant > s.grant;
                             s.grant = p.grant;
+                            s.published = p.grant;
                             s.granted = p.granted;
                         })?;
                     }
@@ -549,8 +553,29 @@ impl Sync {
         holders[me_at].demand = view.demand;
         holders[me_at].unit = view.unit;
         let before = holders[me_at].grant;
-        let grant = next_grant(budget, &holders, me_at);
+        let target = next_grant(budget, &holders, me_at);
         let granted_before: u64 = holders.iter().map(|h| h.grant).sum();
+        // Admission reads the share's grant inside its compare-and-swap of the pod's record, so
+        // the share is lowered first and the record then written (unchanged, its version bumped)
+        // with what it holds read in the same swap: a request admitted against the old grant
+        // either landed before that write, and is read, or its swap fails on the bumped version
+        // and it is checked again against the lowered grant. The grant published covers what
+        // was read, so credit another replica takes is really free. (`view.in_use` is older:
+        // requests admitted while etcd answered were missed, and the replicas' reservations
+        // summed past a budget in the e2e runs.)
+        share::modify(store, &view.pod, |s| {
+            s.grant = s.grant.min(target).min(before);
+            s.published = before;
+            s.granted = granted_before;
+            s.contact_ms = now;
+            s.remote_tokens = remote;
+        })?;
+        let z = cfg.admission.headroom_sigmas;
+        let held = crate::pods::record::modify(store, &view.pod, |rec| {
+            Some(rec.forecast(None, z, view.block_tokens))
+        })?
+        .unwrap_or(0);
+        let grant = target.max(held.min(before));
         let granted = granted_before - before + grant;
         if grant > before {
             let guard = guard_key(prefix, &view.pod);
@@ -565,7 +590,7 @@ impl Sync {
         }
         let published = Published {
             grant,
-            in_use: view.in_use,
+            in_use: view.in_use.max(held),
             demand: view.demand,
             unit: view.unit,
             explained: view.explained,
@@ -575,12 +600,6 @@ impl Sync {
             value: serde_json::to_vec(&published).unwrap_or_default(),
             lease: None,
         });
-        share::modify(store, &view.pod, |s| {
-            s.grant = s.grant.min(grant).min(before);
-            s.granted = granted_before;
-            s.contact_ms = now;
-            s.remote_tokens = remote;
-        })?;
         self.planned.push(Planned {
             pod: view.pod.clone(),
             grant,

@@ -219,6 +219,7 @@ impl Replica {
             pod: POD.into(),
             budget: Some(BUDGET),
             in_use: self.in_use,
+            block_tokens: 16,
             demand: self.demand,
             unit: 0,
             explained: self.in_use,
@@ -302,6 +303,52 @@ fn an_idle_replica_gives_its_credit_back_to_a_busy_one() {
     assert!(!rs[1].sync.take_grew());
     // Replica 1 never went below what it had reserved.
     assert!(rs[1].cap() >= 400);
+}
+
+#[test]
+fn a_request_admitted_while_etcd_answers_stays_covered_by_the_grant_given_back() {
+    let (mut etcd, mut rs) = synced(&[2_000, 2_000], 3_000);
+    assert_eq!(etcd.grants()["r1"], 1_500);
+    // Replica 1's view of its pod says nothing is held and nothing waits, so it gives its credit
+    // back to replica 0, which asks for all of it; but a request of 1 000 tokens was admitted on
+    // the pod after the view was taken, while etcd answered the range read.
+    rs[1].demand = 0;
+    rs[0].demand = 5_000;
+    let admitted = crate::pods::record::RequestEntry {
+        id: 7,
+        expires_ms: u64::MAX,
+        held_tokens: 1_000,
+        bounded: true,
+        left: 100,
+        outlook: [255; crate::estimate::output_dist::HORIZON_STEPS.len()],
+        ..Default::default()
+    };
+    crate::pods::record::modify(&rs[1].vm, POD, |rec| {
+        rec.entries.push(admitted);
+        Some(())
+    })
+    .unwrap();
+    let held = crate::pods::record::read(&rs[1].vm, POD)
+        .unwrap()
+        .forecast(None, 0.0, 16);
+    assert!(held >= 1_000, "{held}");
+    // Another worker of replica 1 read the pod's record (and the share's grant) just before the
+    // sync: the sync's write of the record bumps its version, so that worker's compare-and-swap
+    // fails and it reads the lowered grant.
+    let (_, seen) = crate::pods::record::read_versioned(&rs[1].vm, POD).unwrap();
+    run(&mut rs, &mut etcd, 3_000, 6_000);
+    let g = etcd.grants();
+    assert!(
+        g["r1"] >= held,
+        "the grant covers the request: {g:?}, held {held}"
+    );
+    assert!(g["r1"] < 1_500, "and the rest went back: {g:?}");
+    assert_eq!(g.values().sum::<u64>(), BUDGET, "{g:?}");
+    assert!(rs[1].cap() >= held);
+    let mine = share::read(&rs[1].vm, POD).unwrap().unwrap();
+    assert_eq!(mine.published, g["r1"], "the share knows what etcd holds");
+    let (_, now) = crate::pods::record::read_versioned(&rs[1].vm, POD).unwrap();
+    assert_ne!(seen.cas, now.cas, "the sync fenced the record");
 }
 
 /// Two replicas whose lines both wait (each holds 1 500 and asks for 2 000), then replica 1's
