@@ -137,7 +137,23 @@ impl Gate {
     fn pod_views(&self, store: &dyn Store) -> Result<Vec<PodView>, StoreError> {
         let pods = self.router.pods();
         let line = crate::admission::line::read(store)?;
-        let queued: u64 = line.tickets.iter().map(|t| t.cost).sum();
+        // A waiting request asks for credit on the pod it would take first (where its prefix is
+        // cached, its group's home, the cheapest); one no pick has named yet asks every pod for
+        // an even part. Spread evenly, the requests waiting for a group's pod asked it for an
+        // eighth of what they needed at eight pods, and the credit they waited for came from
+        // wherever the split found it (docs/design.md, *The split*).
+        let keys: Vec<u64> = pods
+            .iter()
+            .map(|p| crate::admission::line::pod_key(p))
+            .collect();
+        let mut wanted = vec![0u64; pods.len()];
+        let mut anywhere = 0u64;
+        for t in &line.tickets {
+            match keys.iter().position(|&k| k == t.wants) {
+                Some(i) => wanted[i] += t.cost,
+                None => anywhere += t.cost,
+            }
+        }
         let head = line
             .tickets
             .iter()
@@ -146,7 +162,7 @@ impl Gate {
         let block = u64::from(self.router.block_tokens(&self.config.routing));
         let z = self.config.admission.headroom_sigmas;
         let mut views = Vec::with_capacity(pods.len());
-        for pod in pods {
+        for (pod, wanted) in pods.iter().zip(wanted) {
             let rec = crate::pods::record::read(store, pod)?;
             let in_use = rec.forecast(None, z, block);
             let block_size = rec.snapshot.map_or(0, |s| s.block_size);
@@ -158,8 +174,7 @@ impl Gate {
                 ),
                 in_use,
                 block_tokens: block,
-                // Waiting requests may go to any pod: each asks for an even part of them.
-                demand: in_use + queued / pods.len().max(1) as u64,
+                demand: in_use + wanted + anywhere / pods.len().max(1) as u64,
                 unit: head,
                 explained: crate::admission::feedback::explained(&rec, block_size),
             });
@@ -488,6 +503,21 @@ mod tests {
         );
     }
 
+    /// A request of `gate`'s VM waiting in the line since t = 1,000 s, for a minute at most.
+    fn waiting(gate: &Gate, id: u64, cost: u64, wants: u64) -> crate::admission::line::Ticket {
+        crate::admission::line::Ticket {
+            id,
+            vm: gate.vm(),
+            priority: 0,
+            boosted: false,
+            start_tag: 0.0,
+            enqueued_ms: 1_000_000,
+            deadline_ms: 1_060_000,
+            cost,
+            wants,
+        }
+    }
+
     #[test]
     fn a_grant_that_grows_wakes_the_line() {
         let host = FakeHost::new();
@@ -497,17 +527,7 @@ mod tests {
             "etcd":{"cluster":"etcd","maxReplicas":2,"replicaId":"r0"}}"#;
         let mut gate = Gate::new(Config::parse(config.as_bytes()).unwrap(), &vm).unwrap();
         // A request waits: before its first sync the replica may reserve nothing.
-        let ticket = crate::admission::line::Ticket {
-            id: 1,
-            vm: gate.vm(),
-            priority: 0,
-            boosted: false,
-            start_tag: 0.0,
-            enqueued_ms: 1_000_000,
-            deadline_ms: 1_060_000,
-            cost: 100,
-        };
-        crate::admission::line::enqueue(&vm, ticket, 0, 0.0, 10)
+        crate::admission::line::enqueue(&vm, waiting(&gate, 1, 100, 0), 0, 0.0, 10)
             .unwrap()
             .unwrap();
         // etcd answers a lone replica: its grant grows from nothing to the whole budget.
@@ -533,6 +553,40 @@ mod tests {
             "the grant grew"
         );
         assert!(woken, "the line was not woken");
+    }
+
+    #[test]
+    fn a_request_waiting_for_its_prefixs_pod_asks_the_replicas_for_credit_there() {
+        use crate::admission::line::{enqueue, pod_key};
+        let host = FakeHost::new();
+        host.set_now_ms(1_000_000);
+        let vm = host.vm();
+        let config = r#"{"pods":["10.0.0.1:8000","10.0.0.2:8000"],
+            "admission":{"budgetTokens":1000},
+            "etcd":{"cluster":"etcd","maxReplicas":2,"replicaId":"r0"}}"#;
+        let gate = Gate::new(Config::parse(config.as_bytes()).unwrap(), &vm).unwrap();
+        // One waits for the first pod, where its prefix is; one may go anywhere; one waits for
+        // a pod that has left the pool, and may now go anywhere too.
+        for t in [
+            waiting(&gate, 1, 300, pod_key("10.0.0.1:8000")),
+            waiting(&gate, 2, 100, 0),
+            waiting(&gate, 3, 60, pod_key("10.0.0.9:8000")),
+        ] {
+            enqueue(&vm, t, t.id, 0.0, 10).unwrap().unwrap();
+        }
+        let demand: Vec<(String, u64)> = gate
+            .pod_views(&vm)
+            .unwrap()
+            .into_iter()
+            .map(|v| (v.pod, v.demand))
+            .collect();
+        assert_eq!(
+            demand,
+            vec![
+                ("10.0.0.1:8000".to_string(), 300 + 80),
+                ("10.0.0.2:8000".to_string(), 80)
+            ]
+        );
     }
 
     #[test]

@@ -65,14 +65,21 @@ fn route(
         Placement::Routed(routed) => (Some(routed), false),
         Placement::NoPods => (None, false),
         Placement::Discovering => unreachable!("configured pods, no discovery: the pool is known"),
-        Placement::NoRoom => (None, true),
-        Placement::Uncached(pods) => {
+        Placement::NoRoom(belongs) => {
+            assert!(POOL.contains(&belongs.as_str()), "{belongs:?}");
+            (None, true)
+        }
+        Placement::Uncached(pods, belongs) => {
             assert!(
                 reach != Reach::Any,
                 "only route_cached and route_patient say where else there is room"
             );
             assert!(!pods.is_empty(), "room elsewhere names where");
             assert!(pods.iter().all(|p| POOL.contains(&p.as_str())), "{pods:?}");
+            assert!(
+                POOL.contains(&belongs.as_str()) && !pods.contains(&belongs),
+                "{belongs:?} among {pods:?}"
+            );
             (None, false)
         }
     }
@@ -678,6 +685,7 @@ impl World {
                     enqueued_ms: now,
                     deadline_ms: now + u64::from(wait_ms),
                     cost: u64::from(cost % (1 << 20)),
+                    wants: 0,
                 };
                 let out = line::enqueue(&self.vms[v], ticket, u64::from(tenant % 8), 8_192.0, 16)
                     .expect("fake host");

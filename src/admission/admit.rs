@@ -72,6 +72,17 @@ fn wake_queue_name(vm: u32) -> String {
     format!("kvgate.wake.{vm}")
 }
 
+/// How a ticket names the pod it waits for first (`Placement::NoRoom`, `Placement::Uncached`),
+/// if one is named and someone reads it: only the replicas' sync does (`Gate::pod_views`), so
+/// one gateway does not write it into the line.
+fn wanted(cfg: &Config, belongs: &str) -> u64 {
+    if belongs.is_empty() || !cfg.etcd.enabled() {
+        0
+    } else {
+        line::pod_key(belongs)
+    }
+}
+
 fn shed(message: &str) -> Admit {
     Admit::Refuse(LocalReply::error(429, "rate_limit_exceeded", message, None))
 }
@@ -188,15 +199,15 @@ impl Admission {
                 Placement::Routed(r) => Admit::Routed(r),
                 Placement::NoPods
                 | Placement::Discovering
-                | Placement::NoRoom
-                | Placement::Uncached(_) => Admit::Unrouted,
+                | Placement::NoRoom(_)
+                | Placement::Uncached(..) => Admit::Unrouted,
             });
         }
         if a.mode == Mode::Observe {
             // Nothing waits and nothing is refused: a request no pod has room for goes to the
             // best-ranked pod past its budget (`observe` counts it); nobody is ever in the line.
             let placed = match router.route(store, cfg, model, hashes, est)? {
-                Placement::NoRoom | Placement::Uncached(_) => {
+                Placement::NoRoom(_) | Placement::Uncached(..) => {
                     router.route_past_budget(store, cfg, (model, hashes, est))?
                 }
                 fits => fits,
@@ -210,8 +221,8 @@ impl Admission {
                 }
                 Placement::NoPods
                 | Placement::Discovering
-                | Placement::NoRoom
-                | Placement::Uncached(_) => Admit::Unrouted,
+                | Placement::NoRoom(_)
+                | Placement::Uncached(..) => Admit::Unrouted,
             });
         }
         let now = store.now_ms();
@@ -237,6 +248,7 @@ impl Admission {
             enqueued_ms: now,
             deadline_ms: now.saturating_add(a.max_wait_ms),
             cost: est.cost,
+            wants: 0,
         };
         // Only a request that would lead the line may go straight to a pod: nobody waiting on
         // any worker is overtaken by a lower-ordered newcomer.
@@ -258,13 +270,16 @@ impl Admission {
                     return Ok(Admit::Routed(r));
                 }
                 Placement::NoPods => return Ok(Admit::Unrouted),
-                Placement::Uncached(_) => {
+                Placement::Uncached(_, belongs) => {
                     // It leads the line, and waits for room where its prefix is.
                     stats.count(stats::ADMISSION_CACHE_WAITS, 1);
+                    ticket.wants = wanted(cfg, &belongs);
                     self.head_waits_for_cache = true;
                     patient_until_ms = Some(now.saturating_add(a.cache_wait_ms));
                 }
-                Placement::Discovering | Placement::NoRoom => {}
+                // It waits for room anywhere; first where it would go.
+                Placement::NoRoom(belongs) => ticket.wants = wanted(cfg, &belongs),
+                Placement::Discovering => {}
             }
         }
         // While the pool is being discovered nothing is saturated: a sheddable request waits too.
@@ -312,7 +327,7 @@ impl Admission {
         cfg: &Config,
         router: &mut Router,
         stats: &mut Stats,
-        ticket: &Ticket,
+        ticket: &mut Ticket,
         asks: &Asks,
         reach: Reach,
     ) -> Result<Result<Admit, Stay>, StoreError> {
@@ -339,8 +354,16 @@ impl Admission {
         let admit = match placed {
             Placement::Routed(r) => Admit::Routed(r),
             Placement::NoPods => Admit::Unrouted,
-            Placement::Discovering | Placement::NoRoom => return Ok(Err(Stay::NoRoom)),
-            Placement::Uncached(pods) => return Ok(Err(Stay::Uncached(pods))),
+            Placement::Discovering => return Ok(Err(Stay::NoRoom)),
+            // Where it now waits, for the replicas' sync (`Gate::pod_views`).
+            Placement::NoRoom(belongs) => {
+                Self::waits_on(store, cfg, ticket, &belongs)?;
+                return Ok(Err(Stay::NoRoom));
+            }
+            Placement::Uncached(pods, belongs) => {
+                Self::waits_on(store, cfg, ticket, &belongs)?;
+                return Ok(Err(Stay::Uncached(pods)));
+            }
         };
         self.leave(store, ticket.id, true)?;
         stats.count(stats::ADMISSION_ADMITTED, 1);
@@ -355,6 +378,22 @@ impl Admission {
             stats.count(stats::ADMISSION_WAKES, 1);
         }
         Ok(Ok(admit))
+    }
+
+    /// A parked ticket now waits for room on `belongs` first: the line says so when that
+    /// changed, and the ticket remembers it.
+    fn waits_on(
+        store: &dyn Store,
+        cfg: &Config,
+        ticket: &mut Ticket,
+        belongs: &str,
+    ) -> Result<(), StoreError> {
+        let wants = wanted(cfg, belongs);
+        if wants != ticket.wants {
+            line::set_wants(store, ticket.id, wants)?;
+            ticket.wants = wants;
+        }
+        Ok(())
     }
 
     /// The head of the line if this VM holds it; otherwise wakes the VM that does.
@@ -592,7 +631,7 @@ mod tests {
                     cfg,
                     &mut w.router,
                     &mut w.stats,
-                    t,
+                    &mut t.clone(),
                     &asks,
                     Reach::Any,
                 )
@@ -657,6 +696,45 @@ mod tests {
             w.retry(&cfg, &batch, 10).map(routed).map(|r| r.pod),
             Some("a:1".into())
         );
+    }
+
+    #[test]
+    fn a_waiting_ticket_names_the_pod_it_would_take_first_for_the_replicas_sync_alone() {
+        let (cfg, mut w) = one_worker(100);
+        routed(w.place(&cfg, class(&cfg, None, "t"), 80));
+        let alone = waiting(w.place(&cfg, class(&cfg, None, "t"), 50));
+        assert_eq!(
+            alone.wants, 0,
+            "one gateway: nothing reads it, nothing is written"
+        );
+        // A replica before its first sync holds no credit anywhere: a request waits, first
+        // for the pod it would take, and the line says so for the sync.
+        let mut cfg = config(100);
+        cfg.etcd.cluster = "etcd".into();
+        cfg.etcd.max_replicas = 2;
+        let mut w = worker(&FakeHost::new(), &cfg);
+        let mut t = waiting(w.place(&cfg, class(&cfg, None, "t"), 50));
+        assert_eq!(t.wants, line::pod_key("a:1"));
+        assert_eq!(line::read(&w.vm).unwrap().tickets[0].wants, t.wants);
+        // Where it would go first changes while it waits (here, by hand): a retry corrects the
+        // line.
+        line::set_wants(&w.vm, t.id, 5).unwrap();
+        t.wants = 5;
+        assert!(w
+            .admission
+            .retry(
+                &w.vm,
+                &cfg,
+                &mut w.router,
+                &mut w.stats,
+                &mut t,
+                &asks(&est(50)),
+                Reach::Any
+            )
+            .unwrap()
+            .is_err());
+        assert_eq!(t.wants, line::pod_key("a:1"));
+        assert_eq!(line::read(&w.vm).unwrap().tickets[0].wants, t.wants);
     }
 
     #[test]

@@ -38,6 +38,16 @@ pub struct Ticket {
     pub enqueued_ms: u64,
     pub deadline_ms: u64,
     pub cost: u64,
+    /// The pod it would take first had it room (`pod_key` of its name), as the last pick that
+    /// found it none said: with several gateway replicas this replica asks for credit there
+    /// (`Gate::pod_views`). 0 before any pick has named one, and with one gateway (nothing
+    /// reads it).
+    pub wants: u64,
+}
+
+/// How a ticket names the pod it waits for: never 0, which names none.
+pub fn pod_key(pod: &str) -> u64 {
+    crate::hash::fnv1a(pod.as_bytes()).max(1)
 }
 
 /// Orders tickets: the first is admitted first.
@@ -81,6 +91,11 @@ impl QueueRecord {
                 .u64(t.cost);
         }
         w.u64(self.passes.0).u32(self.passes.1);
+        // After the passes, for the same reason: a module that predates it reads none.
+        w.u32(self.tickets.len() as u32);
+        for t in &self.tickets {
+            w.u64(t.wants);
+        }
         w.0
     }
 
@@ -88,7 +103,7 @@ impl QueueRecord {
         let mut r = Reader(bytes);
         let virtual_time = r.f64()?;
         let tenants = r.list(16, |r| Some((r.u64()?, r.f64()?)))?;
-        let tickets = r.list(49, |r| {
+        let mut tickets = r.list(49, |r| {
             Some(Ticket {
                 id: r.u64()?,
                 vm: r.u32()?,
@@ -98,6 +113,7 @@ impl QueueRecord {
                 enqueued_ms: r.u64()?,
                 deadline_ms: r.u64()?,
                 cost: r.u64()?,
+                wants: 0,
             })
         })?;
         let passes = if r.is_empty() {
@@ -105,6 +121,14 @@ impl QueueRecord {
         } else {
             (r.u64()?, r.u32()?)
         };
+        if !r.is_empty() {
+            let wants = r.list(8, Reader::u64)?;
+            if wants.len() == tickets.len() {
+                for (t, w) in tickets.iter_mut().zip(wants) {
+                    t.wants = w;
+                }
+            }
+        }
         Some(QueueRecord {
             virtual_time,
             tenants,
@@ -239,6 +263,20 @@ pub fn remove(store: &dyn Store, id: u64, admitted: bool) -> Result<bool, StoreE
     .is_some())
 }
 
+/// A waiting ticket now waits for room on the pod `wants` names (`pod_key`; 0: on any), when it
+/// is still in the line and waited elsewhere before.
+pub fn set_wants(store: &dyn Store, id: u64, wants: u64) -> Result<(), StoreError> {
+    modify(store, |q| {
+        let t = q
+            .tickets
+            .iter_mut()
+            .find(|t| t.id == id && t.wants != wants)?;
+        t.wants = wants;
+        Some(())
+    })
+    .map(|_| ())
+}
+
 /// A request admitted without waiting still pays its tenant's share, so a tenant that had the
 /// pool to itself does not arrive at the next contention with a clean slate.
 pub fn charge_direct(store: &dyn Store, tenant: u64, cost: u64) -> Result<(), StoreError> {
@@ -269,6 +307,7 @@ mod tests {
             enqueued_ms: id,
             deadline_ms: 1_000_000,
             cost,
+            wants: 0,
         }
     }
 
@@ -378,13 +417,43 @@ mod tests {
             passes: (9, 2),
         };
         q.tickets[0].boosted = true;
+        q.tickets[0].wants = pod_key("10.0.0.1:8000");
         assert_eq!(QueueRecord::decode(&q.encode()), Some(q.clone()));
         assert_eq!(QueueRecord::decode(b"xx"), None);
-        // A record from before backfills (no passes after the tickets) reads with none.
+        // A record from before the pods tickets wait for (nothing after the passes) reads with
+        // none; one from before backfills (nothing after the tickets) with neither.
         let bytes = q.encode();
-        let older = QueueRecord::decode(&bytes[..bytes.len() - 12]).unwrap();
+        let before_wants = QueueRecord::decode(&bytes[..bytes.len() - 12]).unwrap();
+        assert_eq!(before_wants.passes, (9, 2));
+        assert_eq!(before_wants.tickets[0].wants, 0);
+        let older = QueueRecord::decode(&bytes[..bytes.len() - 24]).unwrap();
         assert_eq!(older.passes, (0, 0));
-        assert_eq!(older.tickets, q.tickets);
+        assert_eq!(older.tickets, before_wants.tickets);
+    }
+
+    #[test]
+    fn a_ticket_names_the_pod_it_waits_for_until_it_leaves() {
+        let host = FakeHost::new();
+        let vm = host.vm();
+        ensure(&vm).unwrap();
+        enqueue(&vm, ticket(1, 0, 10), 1, 0.0, 10).unwrap().unwrap();
+        enqueue(&vm, ticket(2, 0, 10), 2, 0.0, 10).unwrap().unwrap();
+        let a = pod_key("10.0.0.1:8000");
+        assert_ne!(a, pod_key("10.0.0.2:8000"));
+        set_wants(&vm, 2, a).unwrap();
+        let wants = |vm: &dyn Store| -> Vec<(u64, u64)> {
+            read(vm)
+                .unwrap()
+                .tickets
+                .iter()
+                .map(|t| (t.id, t.wants))
+                .collect()
+        };
+        assert_eq!(wants(&vm), vec![(1, 0), (2, a)]);
+        // Line order and the other tickets are untouched; a ticket gone is not brought back.
+        remove(&vm, 2, true).unwrap();
+        set_wants(&vm, 2, a).unwrap();
+        assert_eq!(wants(&vm), vec![(1, 0)]);
     }
 
     #[test]

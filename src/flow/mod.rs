@@ -468,17 +468,16 @@ impl Flow {
         let Some(a) = self.admitted.as_mut() else {
             return Err(Stay::NoRoom);
         };
-        let Some((ticket, hashes)) = a.waiting.as_ref() else {
+        let Some((ticket, hashes)) = a.waiting.as_mut() else {
             return Err(Stay::NoRoom);
         };
-        let ticket = *ticket;
         let est = a.estimate;
         let outcome = gate.admission.retry(
             store,
             &gate.config,
             &mut gate.router,
             &mut gate.stats,
-            &ticket,
+            ticket,
             &Asks {
                 model: &a.model,
                 hashes,
@@ -486,6 +485,7 @@ impl Flow {
             },
             reach,
         );
+        let ticket = *ticket;
         let admit = match outcome {
             Ok(Ok(admit)) => admit,
             Ok(Err(stay)) => return Err(stay),

@@ -52,11 +52,12 @@ pub enum Placement {
     /// No pods known yet, and discovery has yet to answer for the first time
     /// (`Router::discovering`): the request waits for the pool rather than pass its budgets.
     Discovering,
-    /// Every eligible pod's budget is full: the request must wait.
-    NoRoom,
+    /// Every eligible pod's budget is full: the request must wait; the pod it would take first.
+    NoRoom(String),
     /// Asked for a pod holding the prompt's cached prefix ([`Router::route_cached`]): only pods
-    /// that would compute it again have room; these.
-    Uncached(Vec<String>),
+    /// that would compute it again have room; these, and the pod it belongs on (the cheapest
+    /// caching it, or its group's home), which has none.
+    Uncached(Vec<String>, String),
 }
 
 /// A request kvgate routed, as the response side needs it.
@@ -485,7 +486,7 @@ impl Router {
             return Ok(Placement::NoPods);
         }
         let (placement, from_copies) = self.place(store, cfg, request, false, need)?;
-        if from_copies && matches!(placement, Placement::NoRoom | Placement::Uncached(_)) {
+        if from_copies && matches!(placement, Placement::NoRoom(_) | Placement::Uncached(..)) {
             // The copies said no pod has room: the records decide before the request waits.
             return Ok(self.place(store, cfg, request, true, need)?.0);
         }
@@ -790,16 +791,23 @@ impl Router {
                 from_copies,
             ));
         }
-        if need == Room::Cached || sticks {
+        // Where it waits: the pod it would take first, had that room.
+        let held_to_near = need == Room::Cached || sticks;
+        let belongs = ranked
+            .iter()
+            .find(|s| !held_to_near || near(s.index))
+            .map(|s| candidates[s.index].pod.to_string())
+            .unwrap_or_default();
+        if held_to_near {
             let roomy: Vec<String> = (0..candidates.len())
                 .filter(|&k| !near(k) && room(k))
                 .map(|k| candidates[k].pod.to_string())
                 .collect();
             if !roomy.is_empty() {
-                return Ok((Placement::Uncached(roomy), from_copies));
+                return Ok((Placement::Uncached(roomy, belongs), from_copies));
             }
         }
-        Ok((Placement::NoRoom, from_copies))
+        Ok((Placement::NoRoom(belongs), from_copies))
     }
 
     /// The response has produced `output_tokens` so far: grows the entry by whole blocks (what it
@@ -1171,7 +1179,7 @@ mod tests {
         .unwrap();
         cfg.admission.budget_tokens = record::read(&vm, &home).unwrap().forecast(None, 2.0, 16);
         assert!(cfg.admission.budget_tokens >= 300);
-        let uncached = Placement::Uncached(vec![other.to_string()]);
+        let uncached = Placement::Uncached(vec![other.to_string()], home.clone());
         // In the line's cache-first order it goes only to its home, as a cached prompt goes only
         // where it is cached, and hears where else there is room. It is not held there
         // (`route_patient`: nothing is cached at home either); routed as usual it goes where
@@ -1237,7 +1245,7 @@ mod tests {
         cfg.admission.budget_tokens = record::read(&vm, "a:1").unwrap().forecast(None, 2.0, 16);
         assert_eq!(
             patient(&mut r, &cfg, 12),
-            Placement::Uncached(vec!["b:1".to_string()])
+            Placement::Uncached(vec!["b:1".to_string()], "a:1".to_string())
         );
         // A prompt no pod caches goes where there is room.
         let fresh = r
@@ -1301,15 +1309,22 @@ mod tests {
             }
         };
         // x's pod is full; y's has room but would compute x's prefix again.
-        assert_eq!(x2(&mut r, true), Placement::Uncached(vec![y1.pod.clone()]));
+        assert_eq!(
+            x2(&mut r, true),
+            Placement::Uncached(vec![y1.pod.clone()], x1.pod.clone())
+        );
         let y2 = r
             .route_cached(&vm, &cfg, ("m", &prompt(2, 13), &e))
             .unwrap();
         assert_eq!(y2.routed().pod, y1.pod, "y's prefix is cached there");
-        assert_eq!(x2(&mut r, true), Placement::NoRoom, "no room anywhere now");
+        assert_eq!(
+            x2(&mut r, true),
+            Placement::NoRoom(x1.pod.clone()),
+            "no room anywhere now: it waits where its prefix is"
+        );
         // A prompt no pod caches may go anywhere; and any request may, routed as usual.
         let fresh = r.route_cached(&vm, &cfg, ("m", &prompt(3, 14), &e));
-        assert_eq!(fresh.unwrap(), Placement::NoRoom);
+        assert!(matches!(fresh.unwrap(), Placement::NoRoom(_)));
         let y2 = record::read(&vm, &y1.pod).unwrap().entries[0].id;
         record::finish(&vm, &y1.pod, y2).unwrap();
         assert!(matches!(
@@ -1507,7 +1522,7 @@ mod tests {
         assert!(matches!(second, Some(Placement::Routed(_))), "{second:?}");
         assert_eq!(
             third,
-            Placement::NoRoom,
+            Placement::NoRoom("a:1".to_string()),
             "checked again inside the compare-and-swap"
         );
         let rec = record::read(&w1, "a:1").unwrap();
@@ -1706,7 +1721,7 @@ mod tests {
         // target: a pod first seen unscraped, then scraped small, took a second request).
         scraped(600);
         let second = r.route(&vm, &cfg, "m", &hashes(2, 4), &est(300, 50));
-        assert_eq!(second.unwrap(), Placement::NoRoom);
+        assert_eq!(second.unwrap(), Placement::NoRoom("a:1".to_string()));
         assert_eq!(record::read(&vm, "a:1").unwrap().entries.len(), 1);
     }
 
