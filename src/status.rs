@@ -51,7 +51,6 @@ pub fn reply(gate: &Gate, store: &dyn Store, method: &str, accept: Option<&str>)
 
 /// One pod's line of the page.
 fn pod(
-    store: &dyn Store,
     cfg: &Config,
     block_tokens: u64,
     pod: &str,
@@ -79,7 +78,7 @@ fn pod(
         // off from etcd), and the grant etcd holds for it as far as it knows, which its
         // reservations (read with it) never pass while the grants in etcd sum to at most the
         // budget.
-        "grantTokens": share.and(share::cap(store, cfg, pod, budget)),
+        "grantTokens": share.and(share::cap_of(share, cfg, budget, now)),
         "syncedGrantTokens": share.map(|s| s.published),
         "backoff": snapshot.map(|s| s.backoff),
         "relief": snapshot.map(|s| s.relief),
@@ -95,9 +94,10 @@ fn pod(
 
 /// The pod's record, and with etcd on its share (a pod not synced yet: an empty one), read as of
 /// one moment: the share again after the record, until it did not change in between (a sync
-/// changes it a few times a second, so a second read is rare and a fourth unheard of). Read so, its reservations never pass the grant
-/// etcd holds for this replica (`Share::published`); read one after the other, a sync that gave
-/// credit back between the reads could show them passing it.
+/// changes it a few times a second, so a second read is rare and a fourth unheard of). Read so,
+/// its reservations never pass the grant etcd holds for this replica (`Share::published`); read
+/// one after the other, a sync that gave credit back between the reads could show them passing
+/// it.
 fn with_share(
     store: &dyn Store,
     cfg: &Config,
@@ -129,7 +129,7 @@ fn pool(gate: &Gate, store: &dyn Store) -> Value {
         .pods()
         .iter()
         .map(|p| match with_share(store, cfg, p) {
-            Ok((rec, share)) => pod(store, cfg, block, p, (&rec, share), now),
+            Ok((rec, share)) => pod(cfg, block, p, (&rec, share), now),
             Err(e) => json!({"pod": p, "error": format!("{e:?}")}),
         })
         .collect();

@@ -91,12 +91,19 @@ pub fn modify(
 /// it on, what this replica's grant lets it reserve there now (`split::admit_cap`), nothing
 /// before its first sync. An unlimited pod (`None`) stays unlimited.
 pub fn cap(store: &dyn Store, cfg: &Config, pod: &str, budget: Option<u64>) -> Option<u64> {
+    if budget.is_none() || !cfg.etcd.enabled() {
+        return budget;
+    }
+    cap_of(read(store, pod).ok().flatten(), cfg, budget, store.now_ms())
+}
+
+/// `cap` from a share already read (the status page reads it with the pod's record).
+pub fn cap_of(share: Option<Share>, cfg: &Config, budget: Option<u64>, now: u64) -> Option<u64> {
     let b = budget?;
     if !cfg.etcd.enabled() {
         return Some(b);
     }
-    let now = store.now_ms();
-    let Some(share) = read(store, pod).ok().flatten() else {
+    let Some(share) = share else {
         return Some(0);
     };
     Some(admit_cap(

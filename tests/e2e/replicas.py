@@ -144,10 +144,11 @@ def grants(etcd):
 def overload(sim, envoys, requests=72, clients=24, during=None, after=0, etcd=None):
     """The issue's overload: `requests` streaming completions (~350 prompt tokens, max_tokens 300)
     from `clients` closed-loop clients spread evenly over the replicas, while the pods, every
-    replica's status page and (given `etcd`) the grants there are sampled. `during(progress)` runs in its own thread (a fault to inject);
-    with `after`, the clients go on past `requests` until `during` has returned and `after` more
-    requests have finished, so the fault's end is always followed by traffic however long it took
-    (a CI machine's etcd once took the whole run to restart)."""
+    replica's status page and (given `etcd`) the grants there are sampled. `during(progress)`
+    runs in its own thread (a fault to inject); with `after`, the clients go on past `requests`
+    until `during` has returned and `after` more requests have finished, so the fault's end is
+    always followed by traffic however long it took (a CI machine's etcd once took the whole run
+    to restart)."""
     samples, halt = [], threading.Event()
     lock, answers, finished, fault_over = threading.Lock(), {}, [0], []
     sent = itertools.count()
@@ -242,11 +243,10 @@ def worst_excess(samples):
 
 def check_promise(samples):
     """The replicas' budget promise, each part from a read of one moment: every replica's
-    reservations on a pod within its grant there as last synced (its page), and the grants in
-    etcd summing to at most the pod's budget (one range). (A replica lowers its copy of a grant
-    before it writes the lower grant to etcd, and raises it only after etcd took the higher one:
-    the core's tests hold that.) Their sum then stays within the budget at every
-    instant, which reads of several replicas a few milliseconds apart cannot show directly."""
+    reservations on a pod within the grant etcd holds for it there (its page's
+    `syncedGrantTokens`), and the grants in etcd summing to at most the pod's budget (one range).
+    Their sum then stays within the budget at every instant, which reads of several replicas a
+    few milliseconds apart cannot show directly."""
     nominal = budgets(samples)
     over_grant = [(pod, held(line), line["syncedGrantTokens"]) for s in samples for page in s["replicas"]
                   for pod, line in page.items() if held(line) > line["syncedGrantTokens"]]
