@@ -43,7 +43,7 @@ impl Default for EtcdConfig {
             lease_ttl_seconds: 10,
             reclaim_grace_ms: 5_000,
             sync_interval_ms: 500,
-            busy_sync_interval_ms: 100,
+            busy_sync_interval_ms: 20,
             timeout_ms: 1_000,
             max_replicas: 0,
             compaction_interval_ms: 300_000,

@@ -182,7 +182,11 @@ def one_run(label, wasm, r, etcd, prefix, a, override, raw):
     sim_args = ["--time-scale", str(TIME_SCALE), "--seed", "0", "--num-gpu-blocks", str(CELL["num_gpu_blocks"])]
     with Sim(pods=PODS, args=sim_args) as sim:
         with fleet(sim, etcd, r, wasm, etcd is not None, prefix, override) as envoys:
+            # CPU seconds over the load: what sharing costs etcd and the replicas (their syncs).
+            pids = [etcd.proc.pid if etcd else None] + [e.proc.pid for e in envoys]
+            cpu0 = [bench.process_cpu_s(pid) for pid in pids]
             records, summaries = run_load(envoys, CELL["rate"] / r, a.seed, a.stagger, raw)
+            cpu = [bench.process_cpu_s(pid) - c for pid, c in zip(pids, cpu0)]
             bench.wait_idle(sim)
             sides = [kvgate_side(e) for e in envoys]
         st = bench.sim_stats(sim)
@@ -201,6 +205,8 @@ def one_run(label, wasm, r, etcd, prefix, a, override, raw):
             "requests": len(records), "ok": len(ok), "failed": len(records) - len(ok), "preemptions": pre,
             "pods_per_group": spread[0], "main_pod_share": spread[1],
             "pods_per_group_per_replica": [group_spread([x for x in ok if x["replica"] == k])[0] for k in range(r)],
+            "etcd_cpu_s": cpu[0] if etcd else None, "envoy_cpu_s": cpu[1:],
+            "syncs": [s["counters"].get("replicas.syncs") for s in sides],
             "wall_s": time.time() - t0, "sim": st, "kvgate": sides, "load": summaries}
 
 
@@ -235,8 +241,8 @@ def span(vals, f):
 
 def report(runs):
     print("\n| build | R | round | engine hits % (ideal) | predicted % per replica | pred − engine (pp) | "
-          "TTFT mean / p90 ms | ok / sent | preemptions | wall s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "TTFT mean / p90 ms | ok / sent | preemptions | syncs per replica | CPU s: etcd / Envoys | wall s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for x in runs:
         if "error" in x:
             print(f"| {x['build']} | {x['replicas']} | {x['round']} | FAILED: {x['error'][:80]} |")
@@ -245,7 +251,9 @@ def report(runs):
         print(f"| {x['build']} | {x['replicas']} | {x['round']} | {pct(x['engine_hit'])} ({pct(x['ideal_hit'])}) | "
               f"{' / '.join(pct(p) for p in x['predicted'])} | {'—' if gap is None else f'{gap:+.1f}'} | "
               f"{ms(x['ttft_mean'])} / {ms(x['ttft_p90'])} | {x['ok']}/{x['requests']} | {x['preemptions']} | "
-              f"{x['wall_s']:.0f} |")
+              f"{' / '.join(str(n) for n in x['syncs'])} | "
+              f"{'—' if x['etcd_cpu_s'] is None else round(x['etcd_cpu_s'], 1)} / "
+              f"{' + '.join(f'{c:.1f}' for c in x['envoy_cpu_s'])} | {x['wall_s']:.0f} |")
     for x in runs:
         for k, side in enumerate(x.get("kvgate", [])):
             if side["index_gauges"]:

@@ -226,9 +226,10 @@ def test_a_prompt_sent_through_one_replica_is_known_cached_by_another(etcd):
         assert again.headers["x-kvgate-pod"] == first.headers["x-kvgate-pod"]
         assert cached > 0
         assert counter(two[0], "replicas.placements") == 0, "its own picks are not sent back"
-        # The first replica by name compacts etcd's history (each second here): the revisions of
-        # the first syncs are gone, the current values stay.
-        assert wait_for(lambda: counter(two[0], "replicas.compactions") >= 2, timeout=10)
+        # The first replica by name compacts etcd's history (each second here, while syncs write:
+        # a settled fleet writes nothing, and leaves nothing to compact): the revisions of the
+        # first syncs are gone, the current values stay.
+        assert wait_for(lambda: counter(two[0], "replicas.compactions") >= 1, timeout=10)
         assert counter(two[1], "replicas.compactions") == 0
         old = request(etcd.port, "POST", "/v3/kv/range",
                       {"key": base64.b64encode(b"/kvgate-placed/").decode(),
