@@ -13,7 +13,10 @@ everything stopped after) this measures:
   them pooled (`pred − engine`: how much the indexes overestimate);
 - TTFT mean / p50 / p90 over every request of every load generator, requests ok / failed, the
   pods' preemptions, the wall time; and any per-pod kvgate gauge whose name contains `index`
-  (e.g. `index_capacity_percent`, if the build has it).
+  (e.g. `index_capacity_percent`, if the build has it);
+- each replica's syncs, and the CPU seconds etcd and each Envoy used over the load;
+- the pool's use, sampled every 0.5 s past the first 5 s: the KV the engines' running requests
+  hold and the tokens all replicas reserved, each against the pods' budgets.
 
 for R in --replicas, for each --wasm build alternated within each round (A, B, A, B, ...).
 
@@ -177,6 +180,38 @@ def kvgate_side(envoy):
             "counters": {k.replace("wasmcustom.kvgate.", ""): v for k, v in s.items() if ".pod." not in k}}
 
 
+class PoolSampler(bench.Sampler):
+    """Summed over the pods, each 0.5 s: the KV the engines' running requests hold, the tokens
+    every replica has reserved, and the pods' budgets (each pod's highest on any replica), in
+    tokens. A prefix two replicas' requests share on a pod is held once by the engine but
+    reserved by each replica (each counts its own requests' blocks); this shows what that and
+    the forecast's headroom leave unused."""
+
+    def __init__(self, sim, envoys):
+        super().__init__()
+        self.sim, self.envoys = sim, envoys
+
+    def sample(self):
+        engine = sum(self.sim.stats(i)["kv_blocks_used"] for i in range(self.sim.pods)) * bench.BLOCK_TOKENS
+        reserved = sum(sum(harness.kvgate_gauges(e, "reserved_tokens").values()) for e in self.envoys)
+        budgets = {}
+        for e in self.envoys:
+            for pod, v in harness.kvgate_gauges(e, "budget_tokens").items():
+                budgets[pod] = max(budgets.get(pod, 0), v)
+        return engine, reserved, sum(budgets.values())
+
+
+def pool_use(samples, skip_s=5):
+    """Means over the samples past the first `skip_s` s: (engine ÷ budget, reserved ÷ budget,
+    engine ÷ reserved); None without samples."""
+    kept = [x for t, x in samples if t >= skip_s and x[2] > 0]
+    if not kept:
+        return None
+    engine, reserved, budget = (sum(x[i] for x in kept) for i in range(3))
+    return {"engine_of_budget": engine / budget, "reserved_of_budget": reserved / budget,
+            "engine_of_reserved": engine / reserved if reserved else None}
+
+
 def one_run(label, wasm, r, etcd, prefix, a, override, raw):
     t0 = time.time()
     sim_args = ["--time-scale", str(TIME_SCALE), "--seed", "0", "--num-gpu-blocks", str(CELL["num_gpu_blocks"])]
@@ -185,7 +220,8 @@ def one_run(label, wasm, r, etcd, prefix, a, override, raw):
             # CPU seconds over the load: what sharing costs etcd and the replicas (their syncs).
             pids = [etcd.proc.pid if etcd else None] + [e.proc.pid for e in envoys]
             cpu0 = [bench.process_cpu_s(pid) for pid in pids]
-            records, summaries = run_load(envoys, CELL["rate"] / r, a.seed, a.stagger, raw)
+            with PoolSampler(sim, envoys) as pool:
+                records, summaries = run_load(envoys, CELL["rate"] / r, a.seed, a.stagger, raw)
             cpu = [bench.process_cpu_s(pid) - c for pid, c in zip(pids, cpu0)]
             bench.wait_idle(sim)
             sides = [kvgate_side(e) for e in envoys]
@@ -205,7 +241,7 @@ def one_run(label, wasm, r, etcd, prefix, a, override, raw):
             "requests": len(records), "ok": len(ok), "failed": len(records) - len(ok), "preemptions": pre,
             "pods_per_group": spread[0], "main_pod_share": spread[1],
             "pods_per_group_per_replica": [group_spread([x for x in ok if x["replica"] == k])[0] for k in range(r)],
-            "etcd_cpu_s": cpu[0] if etcd else None, "envoy_cpu_s": cpu[1:],
+            "etcd_cpu_s": cpu[0] if etcd else None, "envoy_cpu_s": cpu[1:], "pool": pool_use(pool.samples),
             "syncs": [s["counters"].get("replicas.syncs") for s in sides],
             "wall_s": time.time() - t0, "sim": st, "kvgate": sides, "load": summaries}
 
@@ -241,8 +277,9 @@ def span(vals, f):
 
 def report(runs):
     print("\n| build | R | round | engine hits % (ideal) | predicted % per replica | pred − engine (pp) | "
-          "TTFT mean / p90 ms | ok / sent | preemptions | syncs per replica | CPU s: etcd / Envoys | wall s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "TTFT mean / p90 ms | ok / sent | preemptions | syncs per replica | CPU s: etcd / Envoys | "
+          "KV held ÷ budget | reserved ÷ budget | wall s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for x in runs:
         if "error" in x:
             print(f"| {x['build']} | {x['replicas']} | {x['round']} | FAILED: {x['error'][:80]} |")
@@ -253,7 +290,9 @@ def report(runs):
               f"{ms(x['ttft_mean'])} / {ms(x['ttft_p90'])} | {x['ok']}/{x['requests']} | {x['preemptions']} | "
               f"{' / '.join(str(n) for n in x['syncs'])} | "
               f"{'—' if x['etcd_cpu_s'] is None else round(x['etcd_cpu_s'], 1)} / "
-              f"{' + '.join(f'{c:.1f}' for c in x['envoy_cpu_s'])} | {x['wall_s']:.0f} |")
+              f"{' + '.join(f'{c:.1f}' for c in x['envoy_cpu_s'])} | "
+              f"{pct(x['pool'] and x['pool']['engine_of_budget'])} | {pct(x['pool'] and x['pool']['reserved_of_budget'])} | "
+              f"{x['wall_s']:.0f} |")
     for x in runs:
         for k, side in enumerate(x.get("kvgate", [])):
             if side["index_gauges"]:
