@@ -344,6 +344,22 @@ fn invalid(field: &str, reason: impl Into<String>) -> ConfigError {
 }
 
 impl Config {
+    /// How long a request waits for room where its prompt's prefix is cached
+    /// (`admission.cacheWaitMs`). Through several replicas sharing budgets (`etcd` on) it waits
+    /// twice that: the room is often credit another replica holds on that pod, which comes only
+    /// after that replica's sync and this one's (about 70 ms at the default busy pace), on top of
+    /// the releases one gateway waits for. Measured under cache pressure through two and three
+    /// replicas, 200 ms against 100: hits +3.5 and +5.5 points at the same TTFT (BENCHMARKS.md,
+    /// *Credit at the quickest tick*); through one gateway a longer wait only added TTFT.
+    pub fn cache_wait_ms(&self) -> u64 {
+        let wait = self.admission.cache_wait_ms;
+        if self.etcd.enabled() {
+            wait.saturating_mul(2)
+        } else {
+            wait
+        }
+    }
+
     /// Whether this filter has a pool of its own to route: static pods or discovery. A filter
     /// that only splits models between clusters (`kvgate-models` in envoy/envoy-models.yaml)
     /// has none.
@@ -581,6 +597,22 @@ mod tests {
         assert_eq!(Config::parse(b"").unwrap(), Config::default());
         assert_eq!(Config::parse(b"  \n").unwrap(), Config::default());
         assert_eq!(Config::parse(b"{}").unwrap(), Config::default());
+    }
+
+    #[test]
+    fn through_several_replicas_a_request_waits_twice_as_long_for_its_prefixs_pod() {
+        let one = Config::parse(br#"{"admission":{"cacheWaitMs":120}}"#).unwrap();
+        assert_eq!(one.cache_wait_ms(), 120);
+        let shared = Config::parse(
+            br#"{"admission":{"cacheWaitMs":120},"etcd":{"cluster":"etcd","maxReplicas":3}}"#,
+        )
+        .unwrap();
+        assert_eq!(shared.cache_wait_ms(), 240);
+        let off = Config::parse(
+            br#"{"admission":{"cacheWaitMs":0},"etcd":{"cluster":"etcd","maxReplicas":3}}"#,
+        )
+        .unwrap();
+        assert_eq!(off.cache_wait_ms(), 0, "0 still routes by cost alone");
     }
 
     #[test]

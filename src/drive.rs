@@ -130,12 +130,12 @@ pub fn run_line(gate: &mut Gate, store: &dyn Store, waiting: &mut impl Waiting) 
                 gate.stats.count(stats::ADMISSION_CACHE_FIRST, 1);
             }
         }
-        // For `admission.cacheWaitMs` from the first time it heads the line with room only
+        // For `Config::cache_wait_ms` from the first time it heads the line with room only
         // elsewhere, a head whose prefix few requests share waits for room where it is cached
         // (`Router::route_patient`) rather than take room elsewhere. Not from its arrival: in a
         // saturated pool every request waits longer than that for room anywhere, and each head
         // would then copy its prefix to whichever pod freed room first.
-        let cache_wait_ms = gate.config.admission.cache_wait_ms;
+        let cache_wait_ms = gate.config.cache_wait_ms();
         let reach = if gate
             .admission
             .patient(ticket, store.now_ms(), cache_wait_ms)

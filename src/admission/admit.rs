@@ -275,7 +275,7 @@ impl Admission {
                     stats.count(stats::ADMISSION_CACHE_WAITS, 1);
                     ticket.wants = wanted(cfg, &belongs);
                     self.head_waits_for_cache = true;
-                    patient_until_ms = Some(now.saturating_add(a.cache_wait_ms));
+                    patient_until_ms = Some(now.saturating_add(cfg.cache_wait_ms()));
                 }
                 // It waits for room anywhere; first where it would go.
                 Placement::NoRoom(belongs) => ticket.wants = wanted(cfg, &belongs),
