@@ -8,6 +8,7 @@ compacted by one replica; a replica killed has its grants reclaimed after its le
 comparison and the latency numbers are in replicas_bench.py (BENCHMARKS.md)."""
 
 import base64
+import itertools
 import threading
 import time
 from collections import Counter
@@ -226,15 +227,21 @@ def test_a_prompt_sent_through_one_replica_is_known_cached_by_another(etcd):
         assert again.headers["x-kvgate-pod"] == first.headers["x-kvgate-pod"]
         assert cached > 0
         assert counter(two[0], "replicas.placements") == 0, "its own picks are not sent back"
-        # The first replica by name compacts etcd's history (each second here, while syncs write:
-        # a settled fleet writes nothing, and leaves nothing to compact): the revisions of the
-        # first syncs are gone, the current values stay.
-        assert wait_for(lambda: counter(two[0], "replicas.compactions") >= 1, timeout=10)
+        # The first replica by name compacts etcd's history (each second here) up to a revision
+        # read a second before: the revisions of the first syncs are gone, the current values
+        # stay. A settled fleet writes nothing and leaves nothing more to compact, so prompts keep
+        # coming through replica 0 (each makes it write its placements) until that is seen.
+        questions = itertools.count(2)
+
+        def first_revisions_gone():
+            request(two[0].port, "POST", "/v1/chat/completions", group_chat(500, next(questions)))
+            old = request(etcd.port, "POST", "/v3/kv/range",
+                          {"key": base64.b64encode(b"/kvgate-placed/").decode(),
+                           "range_end": base64.b64encode(b"/kvgate-placed0").decode(), "revision": "2"})
+            return counter(two[0], "replicas.compactions") >= 1 and "compacted" in old.body.decode(errors="replace")
+
+        assert wait_for(first_revisions_gone, timeout=15, interval=0.5)
         assert counter(two[1], "replicas.compactions") == 0
-        old = request(etcd.port, "POST", "/v3/kv/range",
-                      {"key": base64.b64encode(b"/kvgate-placed/").decode(),
-                       "range_end": base64.b64encode(b"/kvgate-placed0").decode(), "revision": "2"})
-        assert "compacted" in old.body.decode(errors="replace"), old.body
         both = [f"/kvgate-placed/placed/replica-{i}" for i in range(2)]
         assert wait_for(lambda: sorted(k for k in etcd.keys("/kvgate-placed/") if "/placed/" in k) == both,
                         timeout=5), etcd.keys("/kvgate-placed/").keys()
