@@ -177,6 +177,10 @@ impl Gate {
                 demand: in_use + wanted + anywhere / pods.len().max(1) as u64,
                 unit: head,
                 explained: crate::admission::feedback::explained(&rec, block_size),
+                kv_read_ms: rec
+                    .snapshot
+                    .filter(|s| s.healthy && s.kv_usage.is_finite() && s.capacity_tokens > 0)
+                    .map(|s| s.at_ms),
             });
         }
         Ok(views)

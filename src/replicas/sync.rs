@@ -11,7 +11,8 @@
 //! - `<prefix>/pod/<ip:port>/grant/<replica>`: its grant, demand and the KV its requests hold there
 //!   (JSON), with no lease, so a lapsed replica's grant outlives its lease: it may still be
 //!   admitting, cut off from etcd. Another replica deletes it once it has seen the lease gone for
-//!   `reclaimGraceMs` (its own clock), in a txn that checks the replica did not come back.
+//!   `reclaimGraceMs` (its own clock), in a txn that checks the replica did not come back, and
+//!   keeps its credit out of the split until a scrape has read the engine since (`Ghost`).
 //! - `<prefix>/pod/<ip:port>/guard`: written by every txn that grows a grant on the pod, and
 //!   compared by the next: two replicas cannot hand out the same free credit.
 //! - `<prefix>/placed/<replica>`: under the replica's lease, the prompts it sent the pods lately
@@ -57,6 +58,10 @@ pub struct PodView {
     /// The KV its requests hold there (`admission::feedback::explained`), for the other
     /// replicas' unexplained-KV feedback.
     pub explained: u64,
+    /// When this replica's scrapes last read the engine's KV in use there (None: never, or the
+    /// last scrape had no such figure): from then on its feedback counts a reclaimed replica's
+    /// requests (`Ghost`).
+    pub kv_read_ms: Option<u64>,
 }
 
 /// A grant's value in etcd.
@@ -160,6 +165,31 @@ fn guard_key(prefix: &str, pod: &str) -> String {
     format!("{prefix}/pod/{pod}/guard")
 }
 
+/// A replica seen without its alive key: since when (this VM's clock), and its grant on each pod
+/// as last read.
+struct Lapsed {
+    since: u64,
+    grants: HashMap<String, u64>,
+}
+
+/// The grant of a lapsed replica on a pod, deleted from etcd (reclaimed), which this replica
+/// keeps out of the pod's split until its scrapes have read the engine's KV since `at_ms`.
+///
+/// Why: a replica whose lease lapsed may be alive, cut off from etcd, and its requests still hold
+/// KV (up to its grant; it admits within its fallback meanwhile). Once its grant is deleted,
+/// nothing in etcd counts them: handed out at once, its credit was admitted against by the
+/// others before any scrape had shown the engine holding the lapsed replica's requests, and the
+/// pod ran past its budget by up to that grant. From the first scrape after the deletion, those
+/// requests are KV no live replica explains, taken off the budget by the feedback
+/// (`admission::feedback`), so the ghost can go. A pod whose engine gives no KV figure keeps it
+/// for as long as a request may live (`routing.requestTtlMs`).
+struct Ghost {
+    replica: String,
+    pod: String,
+    tokens: u64,
+    at_ms: u64,
+}
+
 #[derive(Default)]
 pub struct Sync {
     /// The call outstanding and its deadline: one at a time.
@@ -169,8 +199,10 @@ pub struct Sync {
     /// The last range read found a replica asking for more than its grant on some pod: credit
     /// must move, so every replica syncs at the busy pace until it has.
     contended: bool,
-    /// Replicas seen without their alive key, and since when (this VM's clock).
-    lapsed_since: HashMap<String, u64>,
+    /// Replicas seen holding grants without their alive key.
+    lapsed: HashMap<String, Lapsed>,
+    /// Grants of lapsed replicas deleted from etcd, still held out of the split (`Ghost`).
+    ghosts: Vec<Ghost>,
     planned: Vec<Planned>,
     reclaiming: u64,
     /// This replica's placements for the others, and theirs applied here.
@@ -498,7 +530,7 @@ impl Sync {
         lease: i64,
     ) -> Result<Txn<'a>, StoreError> {
         let me = cfg.etcd.replica_id.as_str();
-        self.note_lapsed(read, me);
+        self.note_lapsed(cfg, read, me);
         let mut txn = Txn::default();
         self.planned.clear();
         for view in pods {
@@ -529,27 +561,82 @@ impl Sync {
     }
 
     /// Keeps when each replica holding grants was first seen without its alive key (this VM's
-    /// clock), and forgets those no longer seen so.
-    fn note_lapsed(&mut self, read: &RangeRead, me: &str) {
-        let holders_seen: Vec<&str> = read
-            .grants
-            .values()
-            .flatten()
-            .map(|(r, _, _)| *r)
-            .filter(|r| *r != me && !read.alive.contains(r))
+    /// clock) and its grants as read, and forgets those no longer seen so. A lapsed replica's
+    /// grants become ghosts when they are deleted: by this sync (past its grace), or by another
+    /// replica's (gone from the read while its alive key is still missing).
+    fn note_lapsed(&mut self, cfg: &Config, read: &RangeRead, me: &str) {
+        let mut seen: HashMap<&str, HashMap<String, u64>> = HashMap::new();
+        for (pod, holders) in &read.grants {
+            for (r, value, _) in holders {
+                if *r != me && !read.alive.contains(r) {
+                    seen.entry(*r)
+                        .or_default()
+                        .insert(pod.to_string(), value.grant);
+                }
+            }
+        }
+        let deleted: Vec<(String, Lapsed)> = self
+            .lapsed
+            .extract_if(|r, _| !seen.contains_key(r.as_str()))
+            .filter(|(r, _)| !read.alive.contains(&r.as_str()))
             .collect();
-        self.lapsed_since
-            .retain(|r, _| holders_seen.contains(&r.as_str()));
-        for r in &holders_seen {
-            self.lapsed_since.entry(r.to_string()).or_insert(read.at_ms);
+        for (r, lapsed) in deleted {
+            self.haunt(&r, &lapsed.grants, read.at_ms);
+        }
+        for (r, grants) in seen {
+            self.lapsed
+                .entry(r.to_string())
+                .or_insert(Lapsed {
+                    since: read.at_ms,
+                    grants: HashMap::new(),
+                })
+                .grants = grants.clone();
+            // This sync deletes them (`holders`).
+            if self.reclaimable(r, cfg, read.at_ms) {
+                self.haunt(r, &grants, read.at_ms);
+            }
+        }
+        let ttl = cfg.routing.request_ttl_ms;
+        self.ghosts
+            .retain(|g| read.at_ms.saturating_sub(g.at_ms) < ttl);
+    }
+
+    /// Ghosts of `replica`'s deleted grants, the first time each is seen deleted.
+    fn haunt(&mut self, replica: &str, grants: &HashMap<String, u64>, at_ms: u64) {
+        for (pod, &tokens) in grants {
+            if !self
+                .ghosts
+                .iter()
+                .any(|g| g.replica == replica && g.pod == *pod)
+            {
+                self.ghosts.push(Ghost {
+                    replica: replica.to_string(),
+                    pod: pod.clone(),
+                    tokens,
+                    at_ms,
+                });
+            }
         }
     }
 
     /// The replica has been seen lapsed for its whole grace: its grants may be deleted.
     fn reclaimable(&self, replica: &str, cfg: &Config, now: u64) -> bool {
-        self.lapsed_since
+        self.lapsed
             .get(replica)
-            .is_some_and(|&since| now.saturating_sub(since) >= cfg.etcd.reclaim_grace_ms)
+            .is_some_and(|l| now.saturating_sub(l.since) >= cfg.etcd.reclaim_grace_ms)
+    }
+
+    /// What the pod's ghosts hold out of its split, once those its scrapes have read the engine
+    /// since are let go.
+    fn ghosts_on(&mut self, view: &PodView) -> u64 {
+        let read = view.kv_read_ms;
+        self.ghosts
+            .retain(|g| g.pod != view.pod || read.is_none_or(|at| at <= g.at_ms));
+        self.ghosts
+            .iter()
+            .filter(|g| g.pod == view.pod)
+            .map(|g| g.tokens)
+            .sum()
     }
 
     /// One pod's part of the plan (none for a pod without a budget): this replica's next grant
@@ -575,7 +662,8 @@ impl Sync {
         holders[me_at].demand = view.demand;
         holders[me_at].unit = view.unit;
         let before = holders[me_at].grant;
-        let target = next_grant(budget, &holders, me_at);
+        let ghosts = self.ghosts_on(view);
+        let target = next_grant(budget.saturating_sub(ghosts), &holders, me_at);
         let granted_before: u64 = holders.iter().map(|h| h.grant).sum();
         // Admission reads the share's grant inside its compare-and-swap of the pod's record, so
         // the share is lowered first and the record then written (unchanged, its version bumped)

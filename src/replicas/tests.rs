@@ -2,7 +2,7 @@
 //! (leases that lapse on the clock and take their keys along, compare-and-swap on mod revisions,
 //! the quirks `gateway` reads), on a deterministic clock: the grants in etcd never sum past a
 //! pod's budget, credit moves to whoever needs it, a replica cut off falls back, a lapsed one's
-//! grant is reclaimed only after the grace.
+//! grant is reclaimed only after the grace and handed out only once a scrape has read the engine.
 
 #[cfg(target_arch = "wasm32")]
 use wasm_bindgen_test::wasm_bindgen_test as test;
@@ -170,6 +170,12 @@ struct Replica {
     stats: Stats,
     in_use: u64,
     demand: u64,
+    /// Its scrapes read the engine's KV at every tick (the default); off, the last reading stays.
+    scraping: bool,
+    kv_read_ms: Option<u64>,
+    /// The pod's budget as its scrapes corrected it (the engine's KV no replica explains taken
+    /// off).
+    budget: u64,
     /// Calls sent to etcd so far.
     calls: usize,
 }
@@ -193,6 +199,9 @@ impl Replica {
             stats: Stats::default(),
             in_use: 0,
             demand: 0,
+            scraping: true,
+            kv_read_ms: None,
+            budget: BUDGET,
             calls: 0,
         }
     }
@@ -201,6 +210,9 @@ impl Replica {
     /// budget after each answer), until the sync has nothing more to send.
     fn tick(&mut self, etcd: &mut FakeEtcd, now: u64) {
         self.vm.host().set_now_ms(now);
+        if self.scraping {
+            self.kv_read_ms = Some(now);
+        }
         // Its line waits while it asks for more than its requests hold.
         let waiting = self.demand > self.in_use;
         let mut calls = self.sync.due(&self.vm, &self.cfg, || waiting).unwrap();
@@ -217,12 +229,13 @@ impl Replica {
     fn answer(&mut self, body: Option<&[u8]>) -> Vec<Call> {
         let views = [PodView {
             pod: POD.into(),
-            budget: Some(BUDGET),
+            budget: Some(self.budget),
             in_use: self.in_use,
             block_tokens: 16,
             demand: self.demand,
             unit: 0,
             explained: self.in_use,
+            kv_read_ms: self.kv_read_ms,
         }];
         let status = body.map(|_| 200);
         self.sync
@@ -532,6 +545,42 @@ fn a_lapsed_replicas_grant_counts_for_the_grace_and_is_then_reclaimed() {
         .sum();
     assert_eq!(reclaimed, 1);
     drop(dead);
+}
+
+#[test]
+fn a_reclaimed_grant_is_handed_out_only_once_a_scrape_has_read_the_engine_since() {
+    // r2 is cut off from etcd at 3 000 but alive: its requests hold its whole grant, and it
+    // admits within its fallback meanwhile. Its lease lapses, the others reclaim its grant past
+    // the grace, while their scrapes read nothing new (a slow metrics interval).
+    let (mut etcd, mut rs) = synced(&[5_000; 3], 3_000);
+    let held = etcd.grants()["r2"];
+    let cut_off = rs.pop().unwrap();
+    for r in rs.iter_mut() {
+        r.scraping = false;
+    }
+    run(&mut rs, &mut etcd, 3_000, 10_000);
+    let g = etcd.grants();
+    assert!(!g.contains_key("r2"), "reclaimed: {g:?}");
+    assert!(
+        g["r0"] + g["r1"] + held <= BUDGET,
+        "the cut-off replica's requests are still counted: {g:?}"
+    );
+    // A scrape reads the engine: r2's requests are KV no live replica explains, off the budget.
+    for r in rs.iter_mut() {
+        r.scraping = true;
+        r.budget = BUDGET - held;
+    }
+    run(&mut rs, &mut etcd, 10_000, 11_000);
+    let g = etcd.grants();
+    assert!(g["r0"] + g["r1"] <= BUDGET - held, "{g:?}");
+    // The requests end: the engine's KV shows the room, and the others grow into it.
+    for r in rs.iter_mut() {
+        r.budget = BUDGET;
+    }
+    run(&mut rs, &mut etcd, 11_000, 12_000);
+    let g = etcd.grants();
+    assert_eq!(g["r0"] + g["r1"], BUDGET - BUDGET % 2, "{g:?}");
+    drop(cut_off);
 }
 
 #[test]

@@ -9,6 +9,7 @@ import json
 import itertools
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import threading
@@ -86,20 +87,23 @@ def replica_config(etcd_port, node_id, etcd=None):
 
 
 @contextlib.contextmanager
-def fleet(sim, etcd_port, n=3, etcd=None, concurrency=2):
+def fleet(sim, etcd_port, n=3, etcd=None, concurrency=2, etcd_ports=None, metrics=None):
     """`n` Envoy + kvgate replicas in front of `sim`'s pods, named by their node ids, each with a
-    cluster reaching etcd over HTTP/1.1; `etcd=None` runs them independently."""
+    cluster reaching etcd over HTTP/1.1 (at `etcd_ports[i]` when given, e.g. through a `Cut`);
+    `etcd=None` runs them independently; `metrics` is merged into their `metrics` section."""
     with contextlib.ExitStack() as stack:
         envoys = []
         for i in range(n):
+            port = etcd_ports[i] if etcd_ports else etcd_port
             plugin = replica_config(etcd_port, f"replica-{i}", etcd)
+            plugin["metrics"] = {**plugin.get("metrics", {}), **(metrics or {})}
             cfg = envoy_config(free_port(), free_port(), sim.endpoints, plugin)
             cfg["node"] = {"id": f"replica-{i}", "cluster": "kvgate-gateway"}
             cfg["static_resources"]["clusters"].append({
                 "name": "etcd", "type": "STATIC", "connect_timeout": "0.25s",
                 "load_assignment": {"cluster_name": "etcd", "endpoints": [{"lb_endpoints": [
                     {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1",
-                                                                  "port_value": etcd_port}}}}]}]}})
+                                                                  "port_value": port}}}}]}]}})
             envoys.append(stack.enter_context(_started(cfg, concurrency, len(sim.endpoints))))
         if etcd is not None:
             # An idle fleet's steady state: every replica holds a share of every pod's budget (the
@@ -129,6 +133,88 @@ def status(envoy):
 def segment(pod):
     """A pod's address as kvgate's stat names and these tests key it (127_0_0_1_<port>)."""
     return pod.replace(".", "_").replace(":", "_")
+
+
+class Cut:
+    """A TCP relay between one replica and etcd that the test can cut: `cut` closes its listener
+    and every connection (the replica's calls fail at once, as with a network partition that
+    refuses), `mend` listens again on the same port."""
+
+    def __init__(self, upstream_port):
+        self.upstream, self.port = upstream_port, free_port()
+        self.lock, self.conns, self.listener = threading.Lock(), [], None
+        self.mend()
+
+    def mend(self):
+        listener = socket.create_server(("127.0.0.1", self.port))
+        with self.lock:
+            self.listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def _accept(self, listener):
+        while True:
+            try:
+                down, _ = listener.accept()
+            except OSError:
+                return
+            with self.lock:
+                if listener is not self.listener:
+                    # Accepted as the cut came: refused.
+                    down.close()
+                    return
+                try:
+                    up = socket.create_connection(("127.0.0.1", self.upstream))
+                except OSError:
+                    down.close()
+                    continue
+                self.conns += [down, up]
+            for a, b in ((down, up), (up, down)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src, dst):
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def cut(self):
+        with self.lock:
+            listener, self.listener = self.listener, None
+            conns, self.conns = self.conns, []
+        if listener is None:
+            return
+        # Shut down first: a close alone does not wake the thread blocked in accept, which would
+        # take one more connection (and Envoy keeps its connections alive).
+        for c in [listener, *conns]:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            c.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.cut()
+
+
+def grants_by_replica(etcd):
+    """Each pod's grants in etcd, by replica: one range, so of one revision."""
+    out = {}
+    for key, value in etcd.keys().items():
+        if "/grant/" in key:
+            parts = key.split("/")
+            out.setdefault(segment(parts[3]), {})[parts[5]] = json.loads(value)["grant"]
+    return out
 
 
 def grants(etcd):

@@ -4,7 +4,8 @@ reservations on a pod never sum past its budget, with credit moving at the busy 
 flowing within the fallback and the grants come back; a client sending straight to a pod shrinks
 what the replicas admit there within a scrape; prefix groups meet on one pod through any replica,
 and a prompt sent through one replica is known cached by the others, with etcd's history
-compacted by one replica; a replica killed has its grants reclaimed after its lease and the grace. The independent-replicas
+compacted by one replica; a replica killed has its grants reclaimed after its lease and the grace, and one cut off
+from etcd while its requests stream has them counted by the others after the reclaim. The independent-replicas
 comparison and the latency numbers are in replicas_bench.py (BENCHMARKS.md)."""
 
 import base64
@@ -18,7 +19,8 @@ import pytest
 
 from bodies import group_chat, unshared_completion
 from harness import Sim, request, stream, wait_for
-from replicas import SMALL_KV, Etcd, budgets, check_promise, fleet, grants, overload, preemptions, status
+from replicas import (SMALL_KV, Cut, Etcd, budgets, check_promise, fleet, grants, grants_by_replica, overload,
+                      preemptions, status)
 
 LEASE_S, GRACE_S, SCRAPE_S = 2, 1, 1.0
 
@@ -174,6 +176,83 @@ def test_a_killed_replicas_grants_are_reclaimed_after_its_lease_and_the_grace(po
     assert LEASE_S / 2 + GRACE_S <= took <= LEASE_S + GRACE_S + 1.5
     assert sum(counter(e, "replicas.reclaimed") for e in envoys[:2]) >= 1
     assert wait_for(lambda: all(counter(e, "replicas.live") == 2 for e in envoys[:2]), timeout=5)
+
+
+def test_a_replica_cut_off_from_etcd_has_its_requests_counted_after_its_grant_is_reclaimed():
+    """Replica 2 is cut off from etcd while two long answers stream through it; its lease lapses
+    and the others reclaim its grants, while their lines wait for credit. They must not hand its
+    credit out before a scrape has read the engine holding its requests (docs/design.md, *What
+    a deleted grant leaves behind*): here the replicas scrape only at start, so at every sample
+    after the reclaim the others' grants in etcd, plus the grant replica 2 last held there, stay
+    within the pod's budget. Mended, replica 2 is granted again.
+
+    The pods run at --time-scale 0.5, so replica 2's answers of 800 tokens outlast its lease
+    (2 s) and the grace (1 s) by seconds. Before ghosts, the others' grants took the whole budget
+    at the reclaim, past it by all replica 2 had held (its grant, a third of the budget or more)."""
+    with Etcd() as etcd, Cut(etcd.port) as cut, \
+            Sim(pods=2, args=["--time-scale", "0.5", "--num-gpu-blocks", "256"]) as sim, \
+            fleet(sim, etcd.port, etcd={}, etcd_ports=[etcd.port, etcd.port, cut.port],
+                  metrics={"intervalMs": 60_000, "staleAfterMs": 120_000}) as envoys:
+        halt, samples, answers = threading.Event(), [], []
+
+        def load(k):
+            # The live replicas' lines wait: they ask for credit, and would take the reclaimed.
+            for i in itertools.count(1000 + k * 1000):
+                if halt.is_set():
+                    return
+                r = stream(envoys[i % 2].port, "/v1/completions", unshared_completion(i, max_tokens=200))
+                answers.append(r["status"])
+
+        def long(i):
+            return stream(envoys[2].port, "/v1/completions", unshared_completion(i, max_tokens=800))
+
+        def sample():
+            while not halt.is_set():
+                try:
+                    samples.append((time.time(), grants_by_replica(etcd), [status(e) for e in envoys]))
+                except (OSError, ValueError):
+                    pass
+                time.sleep(0.05)
+
+        with ThreadPoolExecutor(20) as pool:
+            try:
+                loads = [pool.submit(load, k) for k in range(12)]
+                longs = [pool.submit(long, i) for i in range(2)]
+                assert wait_for(lambda: sum(p["inFlight"] for p in status(envoys[2]).values()) > 0, timeout=10), \
+                    status(envoys[2])
+                sampler = pool.submit(sample)
+                cut.cut()
+                cut_at = time.time()
+                long_answers = [f.result() for f in longs]
+            finally:
+                halt.set()
+            for f in loads + [sampler]:
+                f.result()
+        assert all(a["status"] == 200 and a["chunks"] == 800 for a in long_answers), long_answers
+        assert answers and all(s == 200 for s in answers), Counter(answers)
+        nominal = {pod: max(page[pod]["budgetTokens"] for _, _, pages in samples for page in pages)
+                   for pod in samples[0][2][2]}
+        last_grant, checked, reclaimed_at = {}, 0, {}
+        for at, by_pod, (_, _, p2) in samples:
+            for pod, held in by_pod.items():
+                if "replica-2" in held:
+                    last_grant[pod] = held["replica-2"]
+                    continue
+                reclaimed_at.setdefault(pod, round(at - cut_at, 2))
+                if p2[pod]["inFlight"] == 0:
+                    continue
+                # Reclaimed, with replica 2's requests still there.
+                others = held.get("replica-0", 0) + held.get("replica-1", 0)
+                checked += 1
+                assert others + last_grant[pod] <= nominal[pod], \
+                    (round(at - cut_at, 2), pod, held, last_grant[pod], nominal[pod])
+        print(f"cut off: reclaimed {reclaimed_at} s after the cut; {checked} samples after, with replica 2's "
+              f"requests in flight; its last grants {last_grant}, budgets {nominal}")
+        assert checked >= 5, checked
+        # Mended: replica 2 reaches etcd again and holds grants there.
+        cut.mend()
+        assert wait_for(lambda: all("replica-2" in g for g in grants_by_replica(etcd).values())
+                        and counter(envoys[2], "replicas.in_contact") == 1, timeout=10), grants_by_replica(etcd)
 
 
 def group_placement(envoys, first_group, groups=48, questions=6):
