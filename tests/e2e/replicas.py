@@ -219,12 +219,7 @@ def grants_by_replica(etcd):
 
 def grants(etcd):
     """Each pod's grants in etcd, summed over the replicas: one range, so of one revision."""
-    out = {}
-    for key, value in etcd.keys().items():
-        if "/grant/" in key:
-            pod = segment(key.split("/")[3])
-            out[pod] = out.get(pod, 0) + json.loads(value)["grant"]
-    return out
+    return {pod: sum(by_replica.values()) for pod, by_replica in grants_by_replica(etcd).items()}
 
 
 def overload(sim, envoys, requests=72, clients=24, during=None, after=0, etcd=None):

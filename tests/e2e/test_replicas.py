@@ -234,18 +234,18 @@ def test_a_replica_cut_off_from_etcd_has_its_requests_counted_after_its_grant_is
                    for pod in samples[0][2][2]}
         last_grant, checked, reclaimed_at = {}, 0, {}
         for at, by_pod, (_, _, p2) in samples:
-            for pod, held in by_pod.items():
-                if "replica-2" in held:
-                    last_grant[pod] = held["replica-2"]
+            for pod, by_replica in by_pod.items():
+                if "replica-2" in by_replica:
+                    last_grant[pod] = by_replica["replica-2"]
                     continue
                 reclaimed_at.setdefault(pod, round(at - cut_at, 2))
                 if p2[pod]["inFlight"] == 0:
                     continue
                 # Reclaimed, with replica 2's requests still there.
-                others = held.get("replica-0", 0) + held.get("replica-1", 0)
+                others = by_replica.get("replica-0", 0) + by_replica.get("replica-1", 0)
                 checked += 1
                 assert others + last_grant[pod] <= nominal[pod], \
-                    (round(at - cut_at, 2), pod, held, last_grant[pod], nominal[pod])
+                    (round(at - cut_at, 2), pod, by_replica, last_grant[pod], nominal[pod])
         print(f"cut off: reclaimed {reclaimed_at} s after the cut; {checked} samples after, with replica 2's "
               f"requests in flight; its last grants {last_grant}, budgets {nominal}")
         assert checked >= 5, checked
