@@ -131,13 +131,23 @@ def test_traffic_straight_to_a_pod_shrinks_what_the_replicas_admit_there_within_
     t = threading.Thread(target=bypass)
     t.start()
     try:
-        # From when the pod first holds the bypass's KV to when every replica's budget and grant
-        # there have shrunk (read on the status pages: the gauges add a tick's lag).
+        # From when the pod first holds the bypass's KV, each replica's scrapes of it (told apart
+        # by when they were taken, the page's lastScrapeAgeMs read against the clock: a second
+        # apart, against a read's few ms), up to the one that shows its budget shrunk (read on
+        # the status pages: the gauges add a tick's lag).
         wait_for(lambda: sim.stats(0)["kv_blocks_used"] > 64, timeout=10, interval=0.02)
         seen = time.time()
-        shrunk = wait_for(lambda: all(status(e)[segment]["budgetTokens"] < nominal * 0.8 for e in envoys),
-                          timeout=5, interval=0.02)
-        took = time.time() - seen
+        taken, shrunk = [[] for _ in envoys], [None] * len(envoys)
+        while None in shrunk and time.time() < seen + 5:
+            for i, e in enumerate(envoys):
+                if shrunk[i] is None:
+                    now, line = time.time(), status(e)[segment]
+                    at = now - line["lastScrapeAgeMs"] / 1000
+                    if at > seen and all(abs(at - t) > 0.3 for t in taken[i]):
+                        taken[i].append(at)
+                    if line["budgetTokens"] < nominal * 0.8:
+                        shrunk[i] = (len(taken[i]), round(now - seen, 2))
+            time.sleep(0.02)
         # Each replica scrapes the pod itself and caps its grant by its own view of the budget,
         # which keeps shrinking as the bypass grows; the pages are read one after another, so
         # the grants are held against the largest budget any replica showed around them (read
@@ -146,12 +156,12 @@ def test_traffic_straight_to_a_pod_shrinks_what_the_replicas_admit_there_within_
         after = [status(e)[segment] for e in envoys]
         budget = max(line["budgetTokens"] for line in lines + after)
         caps = [line["grantTokens"] for line in lines]
-        print(f"bypass: budget {nominal} -> {budget} in {took:.2f} s; what the replicas may reserve {caps}")
-        assert shrunk, "the budget did not shrink"
-        # The first scrape that sees the traffic shrinks the budget: within a scrape interval
-        # (1.0–1.2 s measured); the bound allows one more for a scrape a loaded 2-core machine
-        # delays (1.8 s seen once, with the gauges' tick on top).
-        assert took <= 2 * SCRAPE_S
+        print(f"bypass: budget {nominal} -> {budget}, (scrapes, s) {shrunk}; what the replicas may reserve {caps}")
+        assert None not in shrunk, "the budget did not shrink"
+        # The first scrape that reads the pod's KV after shrinks the budget, or the next when one
+        # was under way as the pod was seen: counted in scrapes, since a loaded 2-core machine
+        # delays them (1.0-1.2 s measured on a quiet one, 1.8 s and once 2.4 s in CI).
+        assert all(n <= 2 for n, _ in shrunk), shrunk
         assert sum(caps) <= budget + len(envoys), "the grants scale down with the budget at once"
         # kvgate keeps admitting on the pod, within what is left.
         answers, samples = overload(sim, envoys, requests=24, clients=12)
