@@ -284,8 +284,8 @@ impl Gate {
         self.stats.gauge(stats::PODS_UNHEALTHY, unhealthy);
     }
 
-    /// A pod's grant gauges, with several replicas: what this one may reserve there now and what
-    /// the others hold.
+    /// A pod's grant gauges, with several replicas: what this one may reserve there now, what
+    /// the others hold, and what lapsed replicas' reclaimed grants hold out of the split.
     fn report_share(&mut self, store: &dyn Store, pod: &str, budget: Option<u64>) {
         let cap = crate::replicas::share::cap(store, &self.config, pod, budget);
         self.stats.gauge(
@@ -296,6 +296,10 @@ impl Gate {
             self.stats.gauge(
                 stats::pod_stat(pod, stats::POD_REMOTE_TOKENS),
                 share.remote_tokens,
+            );
+            self.stats.gauge(
+                stats::pod_stat(pod, stats::POD_GHOST_TOKENS),
+                share.ghost_tokens,
             );
             self.stats.gauge(
                 stats::REPLICAS_IN_CONTACT,

@@ -158,6 +158,9 @@ catalog! {
     POD_GRANT_TOKENS = "grant_tokens";
     /// With several replicas: the KV the other replicas' requests hold on the pod.
     POD_REMOTE_TOKENS = "remote_tokens";
+    /// With several replicas: lapsed replicas' reclaimed grants held out of the pod's split
+    /// (`replicas::sync::Ghost`).
+    POD_GHOST_TOKENS = "ghost_tokens";
     /// The engine's own KV in use at the last scrape, in blocks: against `active_blocks`, how right
     /// kvgate's prediction is.
     POD_ENGINE_BLOCKS = "engine_blocks";

@@ -80,6 +80,9 @@ fn pod(
         // budget.
         "grantTokens": share.and(share::cap_of(share, cfg, budget, now)),
         "syncedGrantTokens": share.map(|s| s.published),
+        // Lapsed replicas' reclaimed grants held out of the pod's split until a scrape has read
+        // the engine since (the ghost_tokens gauge).
+        "ghostTokens": share.map(|s| s.ghost_tokens),
         "backoff": snapshot.map(|s| s.backoff),
         "relief": snapshot.map(|s| s.relief),
         "unexplainedTokens": snapshot.map(|s| s.unexplained_tokens),

@@ -1,6 +1,7 @@
 //! This replica's share of one pod, as its workers see it (`kvgate.share.<ip:port>`): the grant it
-//! holds in etcd, the sum of all grants there when it last synced, when it last reached etcd and
-//! what the other replicas account for on the pod. Written by the syncing worker (`sync`), read on
+//! holds in etcd, the sum of all grants there when it last synced, when it last reached etcd,
+//! what the other replicas account for on the pod and what lapsed replicas' reclaimed grants still
+//! hold out of it. Written by the syncing worker (`sync`), read on
 //! every admission (`cap`) and by the scrape's feedback (`remote_tokens`). A copy of etcd, derived:
 //! lost, the pod admits nothing until the next sync writes it again, which errs on the safe side.
 
@@ -25,6 +26,10 @@ pub struct Share {
     pub contact_ms: u64,
     /// KV tokens the other replicas' in-flight requests hold on the pod, as they published them.
     pub remote_tokens: u64,
+    /// Tokens of lapsed replicas' reclaimed grants the syncing worker holds out of the pod's
+    /// split until a scrape has read the engine since (`sync::Ghost`): why the grants there may
+    /// sum to less than the budget after a reclaim.
+    pub ghost_tokens: u64,
 }
 
 pub fn key(pod: &str) -> String {
@@ -38,7 +43,8 @@ impl Share {
             .u64(self.published)
             .u64(self.granted)
             .u64(self.contact_ms)
-            .u64(self.remote_tokens);
+            .u64(self.remote_tokens)
+            .u64(self.ghost_tokens);
         w.0
     }
 
@@ -50,6 +56,8 @@ impl Share {
             granted: r.u64()?,
             contact_ms: r.u64()?,
             remote_tokens: r.u64()?,
+            // Written last: a share an older module wrote reads as holding no ghosts.
+            ghost_tokens: r.u64().unwrap_or(0),
         })
     }
 

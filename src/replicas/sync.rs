@@ -679,6 +679,7 @@ impl Sync {
             s.granted = granted_before;
             s.contact_ms = now;
             s.remote_tokens = remote;
+            s.ghost_tokens = ghosts;
         })?;
         let z = cfg.admission.headroom_sigmas;
         let (held, in_flight) = crate::pods::record::modify(store, &view.pod, |rec| {

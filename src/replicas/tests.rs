@@ -565,6 +565,11 @@ fn a_reclaimed_grant_is_handed_out_only_once_a_scrape_has_read_the_engine_since(
         g["r0"] + g["r1"] + held <= BUDGET,
         "the cut-off replica's requests are still counted: {g:?}"
     );
+    let ghosts = |r: &Replica| share::read(&r.vm, POD).unwrap().unwrap().ghost_tokens;
+    assert!(
+        rs.iter().all(|r| ghosts(r) == held),
+        "each replica's share shows the grant it holds out (the ghost_tokens gauge)"
+    );
     // A scrape reads the engine: r2's requests are KV no live replica explains, off the budget.
     for r in rs.iter_mut() {
         r.scraping = true;
@@ -573,6 +578,7 @@ fn a_reclaimed_grant_is_handed_out_only_once_a_scrape_has_read_the_engine_since(
     run(&mut rs, &mut etcd, 10_000, 11_000);
     let g = etcd.grants();
     assert!(g["r0"] + g["r1"] <= BUDGET - held, "{g:?}");
+    assert!(rs.iter().all(|r| ghosts(r) == 0), "and lets it go");
     // The requests end: the engine's KV shows the room, and the others grow into it.
     for r in rs.iter_mut() {
         r.budget = BUDGET;

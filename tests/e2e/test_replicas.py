@@ -242,13 +242,17 @@ def test_a_replica_cut_off_from_etcd_has_its_requests_counted_after_its_grant_is
         assert answers and all(s == 200 for s in answers), Counter(answers)
         nominal = {pod: max(page[pod]["budgetTokens"] for _, _, pages in samples for page in pages)
                    for pod in samples[0][2][2]}
-        last_grant, checked, reclaimed_at = {}, 0, {}
-        for at, by_pod, (_, _, p2) in samples:
+        last_grant, checked, reclaimed_at, shown = {}, 0, {}, set()
+        for at, by_pod, (p0, p1, p2) in samples:
             for pod, by_replica in by_pod.items():
                 if "replica-2" in by_replica:
                     last_grant[pod] = by_replica["replica-2"]
                     continue
                 reclaimed_at.setdefault(pod, round(at - cut_at, 2))
+                # What each live replica holds out of the split, on its status page (each holds
+                # it from its own sync after the deletion: a sample may come between).
+                if all(page[pod]["ghostTokens"] == last_grant.get(pod) for page in (p0, p1)):
+                    shown.add(pod)
                 if p2[pod]["inFlight"] == 0:
                     continue
                 # Reclaimed, with replica 2's requests still there.
@@ -257,8 +261,9 @@ def test_a_replica_cut_off_from_etcd_has_its_requests_counted_after_its_grant_is
                 assert others + last_grant[pod] <= nominal[pod], \
                     (round(at - cut_at, 2), pod, by_replica, last_grant[pod], nominal[pod])
         print(f"cut off: reclaimed {reclaimed_at} s after the cut; {checked} samples after, with replica 2's "
-              f"requests in flight; its last grants {last_grant}, budgets {nominal}")
+              f"requests in flight; its last grants {last_grant}, budgets {nominal}; ghosts shown on {shown}")
         assert checked >= 5, checked
+        assert shown == set(reclaimed_at), "the live replicas' pages show the reclaimed grants held out"
         # Mended: replica 2 reaches etcd again and holds grants there.
         cut.mend()
         assert wait_for(lambda: all("replica-2" in g for g in grants_by_replica(etcd).values())
