@@ -134,3 +134,35 @@ pub fn remote_tokens(store: &dyn Store, cfg: &Config, pod: &str) -> u64 {
         .flatten()
         .map_or(0, |s| s.remote_tokens)
 }
+
+#[cfg(test)]
+mod tests {
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    use super::*;
+
+    #[test]
+    fn a_share_reads_back_as_written_and_an_older_modules_as_holding_no_ghosts() {
+        let share = Share {
+            grant: 1,
+            published: 2,
+            granted: 3,
+            contact_ms: 4,
+            remote_tokens: 5,
+            ghost_tokens: 6,
+        };
+        let bytes = share.encode();
+        assert_eq!(Share::decode(&bytes), Some(share));
+        // The same share as a module before `ghost_tokens` wrote it: its last field missing.
+        let older = &bytes[..bytes.len() - 8];
+        assert_eq!(
+            Share::decode(older),
+            Some(Share {
+                ghost_tokens: 0,
+                ..share
+            })
+        );
+        assert_eq!(Share::decode(&bytes[..8]), None, "a torn record is none");
+    }
+}
