@@ -49,7 +49,7 @@ mod measure {
     /// One callback's store, as the shell's: the clock read at most once, every call counted.
     struct Callback<'a> {
         vm: &'a FakeVm,
-        now_ms: Cell<Option<u64>>,
+        now_us: Cell<Option<u64>>,
         calls: Cell<u64>,
     }
 
@@ -57,7 +57,7 @@ mod measure {
         fn new(vm: &'a FakeVm) -> Self {
             Callback {
                 vm,
-                now_ms: Cell::new(None),
+                now_us: Cell::new(None),
                 calls: Cell::new(0),
             }
         }
@@ -99,13 +99,13 @@ mod measure {
             self.vm.dequeue(queue)
         }
 
-        fn now_ms(&self) -> u64 {
-            if let Some(now) = self.now_ms.get() {
+        fn now_us(&self) -> u64 {
+            if let Some(now) = self.now_us.get() {
                 return now;
             }
             self.add(1);
-            let now = self.vm.now_ms();
-            self.now_ms.set(Some(now));
+            let now = self.vm.now_us();
+            self.now_us.set(Some(now));
             now
         }
     }

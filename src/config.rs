@@ -232,6 +232,13 @@ pub struct RoutingConfig {
     pub queue_weight: f64,
     /// Cost of the scraped KV-cache usage, as a fraction of the pod's capacity in blocks.
     pub kv_usage_weight: f64,
+    /// Among pods loaded alike that mostly cache the prompt, send it where the engine step under
+    /// way ends first (`routing::step_phase`).
+    pub step_phase: bool,
+    /// How long a request takes from the pick to the engine's scheduler at most (Envoy's
+    /// upstream, the network, the engine's HTTP server), in ms: the step phase is judged at its
+    /// arrival.
+    pub dispatch_delay_ms: f64,
     /// Softmax temperature over normalised costs; 0 picks the lowest cost (ties at random).
     pub temperature: f64,
     /// Further pods listed after the pick, for retries.
@@ -258,6 +265,8 @@ impl Default for RoutingConfig {
             active_weight: 0.05,
             queue_weight: 1.0,
             kv_usage_weight: 0.0,
+            step_phase: true,
+            dispatch_delay_ms: 1.0,
             temperature: 0.0,
             fallback_pods: 2,
             set_original_dst_header: false,
@@ -529,6 +538,7 @@ impl RoutingConfig {
             ("activeWeight", self.active_weight),
             ("queueWeight", self.queue_weight),
             ("kvUsageWeight", self.kv_usage_weight),
+            ("dispatchDelayMs", self.dispatch_delay_ms),
             ("temperature", self.temperature),
         ] {
             if !(w.is_finite() && w >= 0.0) {

@@ -96,6 +96,10 @@ impl Gate {
         if let Err(e) = self.router.tend(store, &self.config) {
             log::debug!("kvgate: router upkeep failed: {e:?}");
         }
+        // Each routing worker learns its own; they differ little (one Envoy, one network).
+        if let Some(us) = self.router.dispatch_delay_us() {
+            self.stats.gauge(stats::ROUTING_DISPATCH_DELAY_US, us);
+        }
         self.leads = match lease::hold_lease(store, self.router.vm(), now, LEASE_MS) {
             Ok(leads) => leads,
             Err(e) => {

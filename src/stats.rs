@@ -52,6 +52,9 @@ catalog! {
     /// Requests sent on without a pick because no pod was known: Envoy's balancing chose, and
     /// no budget held them.
     ROUTE_UNROUTED = "kvgate.route.unrouted";
+    /// The delay from a pick to the engine's scheduler, in µs, as a routing worker learned it
+    /// from its first tokens (`routing::step_phase`).
+    ROUTING_DISPATCH_DELAY_US = "kvgate.routing.dispatch_delay_us";
     /// Prompt blocks of routed requests.
     PREFIX_BLOCKS_TOTAL = "kvgate.prefix.blocks_total";
     /// Of those, blocks the chosen pod was believed to cache.

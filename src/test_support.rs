@@ -104,7 +104,7 @@ impl Store for Watched<'_> {
     fn dequeue(&self, queue: u32) -> Result<Option<Vec<u8>>, StoreError> {
         self.vm.dequeue(queue)
     }
-    fn now_ms(&self) -> u64 {
-        self.vm.now_ms()
+    fn now_us(&self) -> u64 {
+        self.vm.now_us()
     }
 }

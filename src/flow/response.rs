@@ -106,10 +106,12 @@ impl Flow {
         let (Some(m), Some(a)) = (&mut self.meter, &mut self.admitted) else {
             return;
         };
-        if m.feed(bytes) == 0 {
+        let tokens = m.feed(bytes);
+        if tokens == 0 {
             return;
         }
         if let Some(routed) = &mut a.routed {
+            gate.router.streamed(store, routed, tokens);
             if let Err(e) =
                 gate.router
                     .grow(store, &gate.config, routed, &a.estimate, m.streamed_tokens)

@@ -18,3 +18,4 @@ pub mod prefix;
 pub mod prefix_index;
 pub mod record_copies;
 pub mod router;
+pub mod step_phase;

@@ -16,6 +16,7 @@ use crate::routing::pick::{rank, Candidate, Rng, Scored, Terms};
 use crate::routing::pick_log::{Dispatch, Event, PickLog, MAX_EVENT_BLOCKS};
 use crate::routing::prefix_index::PrefixIndex;
 use crate::routing::record_copies::RecordCopies;
+use crate::routing::step_phase::StepPhases;
 use crate::store::codec::Reader;
 use crate::store::interface::{create_if_missing, update, Store, StoreError};
 use hashbrown::HashMap;
@@ -77,12 +78,17 @@ pub struct Routed {
     /// The pick had to load the request's adapter (it was not resident there).
     pub adapter_load: bool,
     /// With debug headers on: every candidate best first, as
-    /// `pod cost=prefill+decode+active+queue+kv+adapter`,
+    /// `pod cost=prefill+decode+active+queue+kv+adapter wait=<µs>us` (the wait for the engine's
+    /// step under way, where known),
     /// ` full` where its budget had no room.
     pub ranking: String,
     /// Placed past every budget: no pod had room, and admission only observes
     /// (`admission.mode` `observe`, [`Router::route_past_budget`]).
     pub over_budget: bool,
+    /// When it was dispatched, and when its stream's last chunk with tokens came, in µs
+    /// (`routing::step_phase`).
+    pub dispatched_us: u64,
+    pub last_token_us: Option<u64>,
 }
 
 /// Whether a pick must fit its pod's budget.
@@ -125,6 +131,12 @@ fn explain(
         for (k, term) in terms.into_iter().enumerate() {
             out.push(if k == 0 { '=' } else { '+' });
             push_int(&mut out, whole(term));
+        }
+        let wait_us = whole(c.step_wait_ms * 1_000.0);
+        if wait_us > 0 {
+            out.push_str(" wait=");
+            push_int(&mut out, wait_us);
+            out.push_str("us");
         }
         if !room(s.index) {
             out.push_str(" full");
@@ -197,6 +209,8 @@ pub struct Router {
     routed_ms: Option<u64>,
     /// The pod records as this VM last read or wrote them, for ranking.
     copies: RecordCopies,
+    /// Where each pod stands in its engine step, from the streams this VM carries.
+    phases: StepPhases,
 }
 
 impl Router {
@@ -231,6 +245,7 @@ impl Router {
             routed_ms: None,
             engine_block_tokens: 0,
             copies: RecordCopies::default(),
+            phases: StepPhases::new(cfg.routing.dispatch_delay_ms * 1_000.0),
         })
     }
 
@@ -595,6 +610,7 @@ impl Router {
             .collect();
         (ask.hot_blocks, ask.copy_weight) = self.hot_prefix(&indices, &shared, hashes);
         let (loads, alone) = charges(est, &shared, &ask, cfg.estimator.safety_factor);
+        let waits = self.step_waits(store, r, &indices, &records);
         let candidates = candidates(
             &self.pods,
             &self.prefix,
@@ -603,10 +619,12 @@ impl Router {
             &loads,
             &adapter_fit,
             &ask,
+            &waits,
         );
         let mut rng = Rng::new(request ^ now.rotate_left(17));
         let own_blocks = prompt_blocks as u64 + output_blocks;
         let mut ranked = rank(&candidates, prompt_blocks, own_blocks, r, &mut rng);
+        Self::soonest_step(r, &mut ranked, &candidates, prompt_blocks, own_blocks);
         self.send_home(cfg, &mut ranked, &candidates, &ask);
         let budgets: Vec<Option<u64>> = indices
             .iter()
@@ -787,6 +805,8 @@ impl Router {
                     adapter_load: fit.is_some_and(|f| f != Fit::Resident),
                     ranking,
                     over_budget: need == Room::Ignored,
+                    dispatched_us: store.now_us(),
+                    last_token_us: None,
                 }),
                 from_copies,
             ));
@@ -808,6 +828,51 @@ impl Router {
             }
         }
         Ok((Placement::NoRoom(belongs), from_copies))
+    }
+
+    /// A chunk of the response carried `tokens` output tokens: the end of a step on its pod
+    /// (`routing::step_phase`).
+    pub fn streamed(&mut self, store: &dyn Store, routed: &mut Routed, tokens: u64) {
+        let now = store.now_us();
+        self.phases.tokens(
+            &routed.pod,
+            tokens,
+            routed.last_token_us,
+            routed.dispatched_us,
+            now,
+        );
+        routed.last_token_us = Some(now);
+    }
+
+    /// The delay from a pick to the engine's scheduler this VM has learned, in µs, when it routes
+    /// (a VM that never routed, such as Envoy's main thread, learned nothing).
+    pub fn dispatch_delay_us(&self) -> Option<u64> {
+        self.routed_ms
+            .map(|_| self.phases.delay_us().round() as u64)
+    }
+
+    /// How long a request sent now would wait, in ms, for each candidate's current engine step to
+    /// end (`routing::step_phase`): none on a pod running none of kvgate's requests.
+    fn step_waits(
+        &self,
+        store: &dyn Store,
+        r: &RoutingConfig,
+        indices: &[usize],
+        records: &[Rc<PodRecord>],
+    ) -> Vec<f64> {
+        if !r.step_phase {
+            return vec![0.0; indices.len()];
+        }
+        let pods: Vec<&str> = indices.iter().map(|&i| self.pods[i].as_str()).collect();
+        let busy: Vec<bool> = indices
+            .iter()
+            .map(|&i| !records[i].entries.is_empty())
+            .collect();
+        self.phases
+            .waits(&pods, &busy, store.now_us())
+            .into_iter()
+            .map(|us| us / 1_000.0)
+            .collect()
     }
 
     /// The response has produced `output_tokens` so far: grows the entry by whole blocks (what it
@@ -1070,6 +1135,93 @@ mod tests {
             r.finish(&vm, routed).unwrap();
         }
         assert_eq!(pending(), 0);
+    }
+
+    /// Two pods each running one stream alike, whose engines end their steps every 6 ms, `b`'s
+    /// `offset_ms` after `a`'s; the clock stops `at_ms` after `a`'s last step ended. Both cache
+    /// an 8-block prefix ([`on_the_cached_prefix`]).
+    fn streaming_on_two_pods(offset_ms: u64, at_ms: u64) -> (FakeVm, Config, Router) {
+        streaming_on(config(&["a:1", "b:1"]), offset_ms, at_ms)
+    }
+
+    fn streaming_on(cfg: Config, offset_ms: u64, at_ms: u64) -> (FakeVm, Config, Router) {
+        let vm = FakeHost::new().vm();
+        let mut r = Router::start(&vm, &cfg).unwrap();
+        let mut first = r.route_m(&vm, &cfg, &hashes(1, 8), &est(128, 512));
+        let mut second = r.route_m(&vm, &cfg, &hashes(2, 8), &est(128, 512));
+        let (on_a, on_b) = if first.pod == "a:1" {
+            (&mut first, &mut second)
+        } else {
+            (&mut second, &mut first)
+        };
+        for _ in 0..4 {
+            vm.host().advance_ms(6 - offset_ms);
+            r.streamed(&vm, on_a, 1);
+            vm.host().advance_ms(offset_ms);
+            r.streamed(&vm, on_b, 1);
+        }
+        vm.host().advance_ms(at_ms.saturating_sub(offset_ms));
+        for pod in ["a:1", "b:1"] {
+            r.prefix.insert(pod, &hashes(70, 8), vm.now_ms(), 10_000);
+        }
+        (vm, cfg, r)
+    }
+
+    /// A prompt both pods mostly cache: the 8-block prefix, and one block of its own.
+    fn on_the_cached_prefix(q: u64) -> Vec<u64> {
+        let mut prompt = hashes(70, 8);
+        prompt.push(hashes(1_000 + q, 1)[0]);
+        prompt
+    }
+
+    #[test]
+    fn among_pods_loaded_alike_the_one_whose_engine_step_ends_first_takes_a_cached_prompt() {
+        // a ended a step 4 ms ago (2 left), b 1 ms ago (5 left): a request reaching the engine
+        // 1–1.5 ms from now waits 0.75 ms on a, 3.75 ms on b.
+        let (vm, cfg, mut r) = streaming_on_two_pods(3, 4);
+        let probe = r.route_m(&vm, &cfg, &on_the_cached_prefix(0), &est(144, 16));
+        assert_eq!(probe.pod, "a:1", "{}", probe.ranking);
+        // a's step ends in 1 ms, within the delay: a request sent now misses it and waits for
+        // the next one there (1 + 6 − 1.25 ms), while b's has just begun (6 − 1.25 ms).
+        let (vm, cfg, mut r) = streaming_on_two_pods(5, 0);
+        let probe = r.route_m(&vm, &cfg, &on_the_cached_prefix(0), &est(144, 16));
+        assert_eq!(probe.pod, "b:1", "{}", probe.ranking);
+        // Were requests there at once, a would be sooner.
+        let mut at_once = config(&["a:1", "b:1"]);
+        at_once.routing.dispatch_delay_ms = 0.0;
+        let (vm, cfg, mut r) = streaming_on(at_once, 5, 0);
+        let probe = r.route_m(&vm, &cfg, &on_the_cached_prefix(0), &est(144, 16));
+        assert_eq!(probe.pod, "a:1", "{}", probe.ranking);
+        // Off, the phase does not count: the pods tie, and either may take it.
+        let (vm, mut cfg, mut r) = streaming_on_two_pods(3, 4);
+        cfg.routing.step_phase = false;
+        let mut took = std::collections::BTreeSet::new();
+        for q in 0..16 {
+            let probe = r.route_m(&vm, &cfg, &on_the_cached_prefix(q), &est(144, 16));
+            took.insert(probe.pod.clone());
+            r.finish(&vm, &probe).unwrap();
+        }
+        assert_eq!(took.len(), 2, "{took:?}");
+        // A prompt mostly still to compute keeps the cost's order: the phase does not decide.
+        let (vm, cfg, mut r) = streaming_on_two_pods(3, 4);
+        let mut took = std::collections::BTreeSet::new();
+        for q in 0..16 {
+            let probe = r.route_m(&vm, &cfg, &hashes(100 + q, 9), &est(144, 16));
+            took.insert(probe.pod.clone());
+            r.finish(&vm, &probe).unwrap();
+        }
+        assert_eq!(took.len(), 2, "{took:?}");
+    }
+
+    #[test]
+    fn the_step_phase_never_takes_a_prompt_from_the_pod_caching_it() {
+        // a's step ends sooner (as above); b caches the prompt's 32-block prefix.
+        let (vm, cfg, mut r) = streaming_on_two_pods(3, 4);
+        let mut prompt = hashes(50, 32);
+        r.prefix.insert("b:1", &prompt, vm.now_ms(), 10_000);
+        prompt.extend(hashes(60, 4));
+        let probe = r.route_m(&vm, &cfg, &prompt, &est(576, 16));
+        assert_eq!(probe.pod, "b:1", "{}", probe.ranking);
     }
 
     #[test]

@@ -24,7 +24,7 @@ fn store_error(status: u32) -> StoreError {
 /// callback (`HostStore::default()`); a store kept across callbacks would stop the clock.
 #[derive(Default)]
 pub struct HostStore {
-    now_ms: std::cell::Cell<Option<u64>>,
+    now_us: std::cell::Cell<Option<u64>>,
 }
 
 impl Store for HostStore {
@@ -64,12 +64,12 @@ impl Store for HostStore {
         }
     }
 
-    fn now_ms(&self) -> u64 {
-        if let Some(now) = self.now_ms.get() {
+    fn now_us(&self) -> u64 {
+        if let Some(now) = self.now_us.get() {
             return now;
         }
-        let now = raw::get_current_time_nanoseconds().map_or(0, |ns| ns / 1_000_000);
-        self.now_ms.set(Some(now));
+        let now = raw::get_current_time_nanoseconds().map_or(0, |ns| ns / 1_000);
+        self.now_us.set(Some(now));
         now
     }
 }

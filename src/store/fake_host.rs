@@ -23,7 +23,7 @@ struct Shared {
     queue_names: HashMap<String, u32>,
     /// Per VM, the queue ids whose `on_queue_ready` the host would call, in order.
     notifications: HashMap<usize, Vec<u32>>,
-    now_ms: u64,
+    now_us: u64,
 }
 
 /// The host process: one per test, shared by every fake VM.
@@ -55,15 +55,23 @@ impl FakeHost {
     }
 
     pub fn now_ms(&self) -> u64 {
-        self.shared.borrow().now_ms
+        self.now_us() / 1_000
+    }
+
+    pub fn now_us(&self) -> u64 {
+        self.shared.borrow().now_us
     }
 
     pub fn set_now_ms(&self, now: u64) {
-        self.shared.borrow_mut().now_ms = now;
+        self.shared.borrow_mut().now_us = now * 1_000;
     }
 
     pub fn advance_ms(&self, by: u64) {
-        self.shared.borrow_mut().now_ms += by;
+        self.advance_us(by * 1_000);
+    }
+
+    pub fn advance_us(&self, by: u64) {
+        self.shared.borrow_mut().now_us += by;
     }
 }
 
@@ -154,8 +162,8 @@ impl Store for FakeVm {
         }
     }
 
-    fn now_ms(&self) -> u64 {
-        self.host.now_ms()
+    fn now_us(&self) -> u64 {
+        self.host.now_us()
     }
 }
 

@@ -35,8 +35,13 @@ pub trait Store {
     fn resolve_queue(&self, name: &str) -> Result<Option<u32>, StoreError>;
     fn enqueue(&self, queue: u32, message: &[u8]) -> Result<(), StoreError>;
     fn dequeue(&self, queue: u32) -> Result<Option<Vec<u8>>, StoreError>;
-    /// Wall-clock milliseconds, from the host.
-    fn now_ms(&self) -> u64;
+    /// Wall-clock microseconds, from the host: what happens within a millisecond (where a pod
+    /// is in an engine step of a few milliseconds, `routing::step_phase`) needs them.
+    fn now_us(&self) -> u64;
+    /// Wall-clock milliseconds: every other time kvgate keeps.
+    fn now_ms(&self) -> u64 {
+        self.now_us() / 1_000
+    }
 }
 
 /// How many times a read-modify-write retries a lost compare-and-swap before giving up. Races are

@@ -2,10 +2,12 @@
 groups stick to one pod each and spread across pods, a group's request waits for room on its pod
 before computing its prefix elsewhere, a loaded pod is avoided, clients cannot
 steer, a dead pod is routed around, the scrape runs once per interval per pod whatever the
-worker count, predicted active blocks return to zero, and pods of two speeds learn their pace."""
+worker count, predicted active blocks return to zero, pods of two speeds learn their pace, and a
+request goes where the engine step under way ends first."""
 
 import http.client
 import json
+import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +16,7 @@ from harness import (ROOT, Envoy, Sim, baseline_envoy, default_plugin_config, en
                      kvgate_envoy, kvgate_gauges, request, stream, wait_for)
 from robustness import pick_of
 
-from bodies import MODEL, group_chat, group_system_prompt, grouped_chat, unshared_chat
+from bodies import MODEL, group_chat, grouped_chat, unshared_chat
 SIM_ARGS = ["--time-scale", "20"]
 # Where engine time, not proxy overhead, dominates TTFT (prefill of a 3k-token prompt ≈ 45 ms).
 REALISTIC_SIM_ARGS = ["--time-scale", "2"]
@@ -440,3 +442,67 @@ def test_slower_pods_learn_their_pace_and_take_less():
         assert min(factors[i] for i in slow) / max(factors[i] for i in fast) > 1.6, (learn, factors)
     off, on = arms[False][2], arms[True][2]
     assert on >= off + 0.1, f"fast pods' share {on:.1%} learned vs {off:.1%} not"
+
+
+def test_a_cached_prompt_goes_where_the_engine_step_under_way_ends_first():
+    # An engine takes a new request in at the start of its next step. Both pods cache a group's
+    # 2k-token system prompt and decode two long answers each; probes of the group sent at random
+    # moments go, with routing.stepPhase, to the pod whose step ends first as kvgate reads it from
+    # the chunks it streams, and start sooner than without it (the pods tie; the wait is half a
+    # step on average). At --time-scale 0.5 a step is about 12 ms of wall time, many times Envoy's
+    # own jitter; the second pod runs a tenth slower, so the two pods' steps drift apart and a
+    # probe finds them at any two phases (equal engines started together step in lockstep). One
+    # Envoy worker sees every stream, so it knows both pods' phases (each worker reads its own).
+    rng = random.Random(5)
+    arms = {}
+    with Sim(pods=2, args=["--time-scale", "0.5", "--pod-speed", "1,0.9"]) as sim:
+        for phase in (True, False):
+            cfg = default_plugin_config()
+            # A low prefill weight lets the group's prompt be copied to the second pod at once.
+            cfg["routing"] = {"stepPhase": phase, "prefillWeight": 0.1}
+            with kvgate_envoy(sim.endpoints, cfg, concurrency=1) as envoy:
+                with ThreadPoolExecutor(4) as pool:
+                    # The group's prompt on both pods: two at once, the second where the first's
+                    # prefill is not under way.
+                    warmed = set()
+                    for attempt in range(4):
+                        warm = pool.map(lambda i: stream(envoy.port, "/v1/chat/completions",
+                                                         group_chat(0, i, max_tokens=4)), (2 * attempt, 2 * attempt + 1))
+                        warmed |= {w["headers"].get("x-sim-pod") for w in warm}
+                        if len(warmed) == 2:
+                            break
+                    warmed = sorted(warmed)
+                    # Long answers of prompts of their own, which the phase does not place.
+                    long = []
+                    for i in range(4):
+                        long.append(pool.submit(stream, envoy.port, "/v1/chat/completions", unshared_chat(i, 600)))
+                        time.sleep(0.3)
+                    time.sleep(1.0)
+                    ttfts, rankings = [], []
+                    for q in range(80):
+                        time.sleep(rng.uniform(0.0, 0.03))
+                        r = stream(envoy.port, "/v1/chat/completions", group_chat(0, 100 + q, max_tokens=1))
+                        assert r["status"] == 200, r
+                        ttfts.append(r["ttft"] * 1000)
+                        rankings.append(r["headers"].get("x-kvgate-ranking", ""))
+                    background = [f.result() for f in long]
+                    assert all(b["status"] == 200 for b in background), background
+                    spread = sorted(b["headers"].get("x-sim-pod") for b in background)
+                delay = envoy.stats("wasmcustom.kvgate.routing.dispatch_delay_us").get(
+                    "wasmcustom.kvgate.routing.dispatch_delay_us")
+            ttfts.sort()
+            arms[phase] = (sum(ttfts) / len(ttfts), ttfts[len(ttfts) // 2], delay, rankings, spread, warmed)
+            print(f"stepPhase {phase}: TTFT mean {arms[phase][0]:.1f} ms, p50 {arms[phase][1]:.1f} ms, "
+                  f"learned delay {delay} µs, group warmed on {warmed}, long answers on {spread}; "
+                  f"e.g. {rankings[-1]}")
+    on, off = arms[True], arms[False]
+    assert on[5] == off[5] == ["0", "1"], "both pods cache the group's prompt"
+    assert on[4] == off[4] == ["0", "0", "1", "1"], "two long answers on each pod"
+    # Where a worker knows a pod's phase, the ranking shows the wait it read.
+    assert sum("wait=" in r for r in on[3]) >= 60, on[3][:3]
+    # The delay is learned from the first tokens (it starts at routing.dispatchDelayMs, 1 ms):
+    # under a step, as the chunks see it.
+    assert on[2] is not None and 0 < on[2] < 12_000, on[2]
+    # The wait is half a step on average, about 6 ms; the sooner of two phases (less the delay's
+    # misses) saves about 2 ms of it (five runs: mean 1.6–2.7 ms, p50 2.7–3.6 ms sooner).
+    assert on[0] < off[0] - 0.5 and on[1] < off[1] - 1.0, (on[:3], off[:3])

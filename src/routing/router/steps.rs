@@ -7,7 +7,7 @@
 
 use super::Router;
 use crate::admission::forecast::Load;
-use crate::config::{Config, StalePolicy};
+use crate::config::{Config, RoutingConfig, StalePolicy};
 use crate::estimate::reservation::Estimate;
 use crate::models::served::adapter_id;
 use crate::pods::pace;
@@ -94,7 +94,9 @@ pub(super) fn charges(
 }
 
 /// What the cost formula (`pick`) knows of each eligible pod (`indices` into `pods`) for
-/// this request, `loads` what it would hold on each (`charges`).
+/// this request, `loads` what it would hold on each (`charges`), `step_waits` how long it would
+/// wait there for the engine's step under way (`Router::step_waits`).
+#[allow(clippy::too_many_arguments)]
 pub(super) fn candidates<'a>(
     pods: &'a [String],
     prefix: &PrefixIndex,
@@ -103,6 +105,7 @@ pub(super) fn candidates<'a>(
     loads: &[Load],
     adapter_fit: &[Option<Fit>],
     ask: &Ask,
+    step_waits: &[f64],
 ) -> Vec<Candidate<'a>> {
     let r = &cfg.routing;
     let now = ask.now;
@@ -151,6 +154,7 @@ pub(super) fn candidates<'a>(
                     prefix.blocks_held(pod)
                 },
                 cost_factor: factors[k],
+                step_wait_ms: step_waits[k],
             }
         })
         .collect()
@@ -184,6 +188,38 @@ impl Router {
     /// pod was least loaded, so over time every pod computed every group and evicted the others'
     /// (a working set 1.5× the pool's KV: each group on 5.5 pods of 8, 29 % of prompt tokens hit,
     /// against 43–45 % for routers that keep a group on one pod).
+    /// For a prompt the best pod mostly caches, among the pods loaded alike that mostly cache it
+    /// too, the one whose engine step ends first goes first (`routing::step_phase`). Alike: within what one more sequence like
+    /// this request costs a pod (its context read at every decode step and its blocks held) of the
+    /// best cost. Such a prompt's own prefill is short, so the wait for the step under way is much
+    /// of its first token's time; and a step dominated by its fixed cost changes little with one
+    /// sequence more (on a hot prefix's pods, round robin's even split gave a lower TTFT than
+    /// kvgate's balance by blocks read). A prompt mostly still to compute is left to the cost:
+    /// a new conversation's next turns come back where its first lands, and placed by phase its
+    /// pods filled unevenly and more follow-ups had to leave them (multi-turn: 95–97.5 % on the
+    /// previous turn's pod against 98.9 %), as they did, less often, when a pod that would
+    /// compute a follow-up's history again was as cheap as its busier home (97.6–98 %). The band is one sequence wide, so affinity (a
+    /// prefix's prefill) and balance beyond that keep their order.
+    pub(super) fn soonest_step(
+        r: &RoutingConfig,
+        ranked: &mut Vec<Scored>,
+        candidates: &[Candidate],
+        prompt_blocks: usize,
+        own_blocks: u64,
+    ) {
+        let mostly_cached = |s: &Scored| candidates[s.index].cached_blocks * 2 >= prompt_blocks;
+        if !r.step_phase || !ranked.first().is_some_and(mostly_cached) {
+            return;
+        }
+        let alike = (r.decode_weight + r.active_weight) * own_blocks as f64;
+        // Only pods that mostly cache it too: one that would compute the prompt again, at a
+        // cost close to the best only because the best is busier, keeps its place behind.
+        prefer(ranked, alike, |s| {
+            let wait_us = (candidates[s.index].step_wait_ms * 1_000.0).round() as u64;
+            mostly_cached(s).then_some(std::cmp::Reverse(wait_us))
+        });
+    }
+
     pub(super) fn send_home(
         &self,
         cfg: &Config,
