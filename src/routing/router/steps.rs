@@ -196,7 +196,7 @@ impl Router {
     /// sequence more (on a hot prefix's pods, round robin's even split gave a lower TTFT than
     /// kvgate's balance by blocks read). A prompt mostly still to compute is left to the cost:
     /// a new conversation's next turns come back where its first lands, and placed by phase its
-    /// pods filled unevenly and more follow-ups had to leave them (multi-turn: 95–97.5 % on the
+    /// pods filled unevenly and more follow-ups had to leave them (multi-turn: 94.9–97.5 % on the
     /// previous turn's pod against 98.9 %), as they did, less often, when a pod that would
     /// compute a follow-up's history again was as cheap as its busier home (97.6–98 %). The band is one sequence wide, so affinity (a
     /// prefix's prefill) and balance beyond that keep their order.
