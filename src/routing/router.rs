@@ -326,6 +326,7 @@ impl Router {
             self.active.retain_pods(|p| pods.iter().any(|q| q == p));
             self.adapters.retain_pods(|p| pods.iter().any(|q| q == p));
             self.copies.retain_pods(|p| pods.iter().any(|q| q == p));
+            self.phases.retain_pods(|p| pods.iter().any(|q| q == p));
             self.pods = pods;
         }
     }

@@ -164,6 +164,11 @@ impl StepPhases {
         }
     }
 
+    /// Forgets the pods that left the pool.
+    pub fn retain_pods(&mut self, keep: impl Fn(&str) -> bool) {
+        self.pods.retain(|pod, _| keep(pod));
+    }
+
     /// The delay from a pick to the engine's scheduler, in µs, as learned so far.
     pub fn delay_us(&self) -> f64 {
         self.delay_us
@@ -297,6 +302,20 @@ mod tests {
         assert!(close(s.waits(&["a"], &[true], 17_000)[0], 4_000.0));
         // Four steps without a chunk: this VM's streams there ended; nothing is known.
         assert_eq!(s.waits(&["a"], &[true], 40_000), vec![0.0]);
+    }
+
+    #[test]
+    fn a_pod_that_left_the_pool_is_forgotten() {
+        let mut s = StepPhases::new(0.0);
+        stream(&mut s, "a", 0, 6_000, 6_000);
+        stream(&mut s, "b", 0, 6_000, 6_000);
+        s.retain_pods(|p| p == "b");
+        // a's phase is unknown again: half the known pods' step.
+        assert_eq!(
+            s.waits(&["a", "b"], &[true, true], 7_000),
+            vec![3_000.0, 5_000.0]
+        );
+        assert!(s.pods.get("a").is_none());
     }
 
     #[test]

@@ -182,23 +182,18 @@ impl Router {
         (hot, copy_weight(holders, indices.len()))
     }
 
-    /// Where a prompt goes among pods within half its prefill of the best (about what its
-    /// group's next request saves by finding the prefix there), for affinity beyond the cache
-    /// (`home_key`). Under cache pressure a group evicted everywhere otherwise went to whichever
-    /// pod was least loaded, so over time every pod computed every group and evicted the others'
-    /// (a working set 1.5× the pool's KV: each group on 5.5 pods of 8, 29 % of prompt tokens hit,
-    /// against 43–45 % for routers that keep a group on one pod).
     /// For a prompt the best pod mostly caches, among the pods loaded alike that mostly cache it
-    /// too, the one whose engine step ends first goes first (`routing::step_phase`). Alike: within what one more sequence like
-    /// this request costs a pod (its context read at every decode step and its blocks held) of the
-    /// best cost. Such a prompt's own prefill is short, so the wait for the step under way is much
-    /// of its first token's time; and a step dominated by its fixed cost changes little with one
-    /// sequence more (on a hot prefix's pods, round robin's even split gave a lower TTFT than
-    /// kvgate's balance by blocks read). A prompt mostly still to compute is left to the cost:
-    /// a new conversation's next turns come back where its first lands, and placed by phase its
-    /// pods filled unevenly and more follow-ups had to leave them (multi-turn: 94.9–97.5 % on the
-    /// previous turn's pod against 98.9 %), as they did, less often, when a pod that would
-    /// compute a follow-up's history again was as cheap as its busier home (97.6–98 %). The band is one sequence wide, so affinity (a
+    /// too, the one whose engine step ends first goes first (`routing::step_phase`). Alike:
+    /// within what one more sequence like this request costs a pod (its context read at every
+    /// decode step and its blocks held) of the best cost. Such a prompt's own prefill is short,
+    /// so the wait for the step under way is much of its first token's time; and a step dominated
+    /// by its fixed cost changes little with one sequence more (on a hot prefix's pods, round
+    /// robin's even split gave a lower TTFT than kvgate's balance by blocks read). A prompt
+    /// mostly still to compute is left to the cost: a new conversation's next turns come back
+    /// where its first lands, and placed by phase its pods filled unevenly and more follow-ups
+    /// had to leave them (multi-turn: 94.9–97.5 % on the previous turn's pod against 98.9 %), as
+    /// they did, less often, when a pod that would compute a follow-up's history again was as
+    /// cheap as its busier home (97.6–98 %). The band is one sequence wide, so affinity (a
     /// prefix's prefill) and balance beyond that keep their order.
     pub(super) fn soonest_step(
         r: &RoutingConfig,
@@ -220,6 +215,12 @@ impl Router {
         });
     }
 
+    /// Where a prompt goes among pods within half its prefill of the best (about what its
+    /// group's next request saves by finding the prefix there), for affinity beyond the cache
+    /// (`home_key`). Under cache pressure a group evicted everywhere otherwise went to whichever
+    /// pod was least loaded, so over time every pod computed every group and evicted the others'
+    /// (a working set 1.5× the pool's KV: each group on 5.5 pods of 8, 29 % of prompt tokens hit,
+    /// against 43–45 % for routers that keep a group on one pod).
     pub(super) fn send_home(
         &self,
         cfg: &Config,
