@@ -5,10 +5,10 @@
 //! one decode token for each running sequence), runs it, and sends every sequence's new token at
 //! its end. A request arriving mid-step waits for that step to end before it is scheduled, so its
 //! first token comes a step's remainder plus its own prefill step after it arrives; on an idle
-//! engine a step starts at once. Between equally loaded pods (one system prompt cached on all of
-//! them, or no shared prefix at all) that remainder is what still tells them apart: uniform over
+//! engine a step starts at once. Between equally loaded pods that all cache a prompt (one system
+//! prompt in front of every request) that remainder is what still tells them apart: uniform over
 //! the step on any pod a router cannot see into, about half a step on average, and a few tenths
-//! of a millisecond on the pod about to end its step.
+//! of a millisecond on the pod about to end its step (`Router::soonest_step` orders them by it).
 //!
 //! Each streamed chunk with tokens marks the end of a step on the pod that sent it: its arrival is
 //! the pod's last known step boundary, and the interval since the same stream's previous chunk,
@@ -20,7 +20,8 @@
 //! every chunk's time across workers would cost a shared-data write per token; a pod running a
 //! few streams almost always has one on each worker, and where this VM has none lately, the pod's
 //! phase is unknown and it is costed at the average (half a step). Nothing here must return to
-//! zero: a pod whose streams ended is forgotten once its phase is out of date.
+//! zero: a pod whose streams here ended is unknown again once its phase is out of date, and one
+//! that left the pool is forgotten.
 
 use hashbrown::HashMap;
 
