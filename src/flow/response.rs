@@ -111,7 +111,9 @@ impl Flow {
             return;
         }
         if let Some(routed) = &mut a.routed {
-            gate.router.streamed(store, routed, tokens);
+            if gate.config.routing.step_phase {
+                gate.router.streamed(store, routed, tokens);
+            }
             if let Err(e) =
                 gate.router
                     .grow(store, &gate.config, routed, &a.estimate, m.streamed_tokens)

@@ -26,7 +26,7 @@ use std::rc::Rc;
 mod rehome;
 mod steps;
 pub use rehome::Moved;
-use steps::{candidates, charges, Ask};
+use steps::{candidates, charges, mostly_cached, Ask};
 
 const VM_SEQ_KEY: &str = "kvgate.vm.seq";
 const PODS_CACHE_MS: u64 = 1_000;
@@ -611,8 +611,7 @@ impl Router {
             .collect();
         (ask.hot_blocks, ask.copy_weight) = self.hot_prefix(&indices, &shared, hashes);
         let (loads, alone) = charges(est, &shared, &ask, cfg.estimator.safety_factor);
-        let waits = self.step_waits(store, r, &indices, &records);
-        let candidates = candidates(
+        let mut candidates = candidates(
             &self.pods,
             &self.prefix,
             cfg,
@@ -620,12 +619,24 @@ impl Router {
             &loads,
             &adapter_fit,
             &ask,
-            &waits,
         );
         let mut rng = Rng::new(request ^ now.rotate_left(17));
         let own_blocks = prompt_blocks as u64 + output_blocks;
         let mut ranked = rank(&candidates, prompt_blocks, own_blocks, r, &mut rng);
-        Self::soonest_step(r, &mut ranked, &candidates, prompt_blocks, own_blocks);
+        // The engine steps' phase orders pods for a prompt the best mostly caches, and the ranking
+        // header shows it: worked out only then.
+        let phase_counts = ranked
+            .first()
+            .is_some_and(|s| mostly_cached(&candidates[s.index], prompt_blocks));
+        if r.step_phase && (phase_counts || cfg.debug_headers) {
+            let waits = self.step_waits(store, &indices, &records);
+            for (c, wait) in candidates.iter_mut().zip(waits) {
+                c.step_wait_ms = wait;
+            }
+            if phase_counts {
+                Self::soonest_step(r, &mut ranked, &candidates, prompt_blocks, own_blocks);
+            }
+        }
         self.send_home(cfg, &mut ranked, &candidates, &ask);
         let budgets: Vec<Option<u64>> = indices
             .iter()
@@ -857,13 +868,9 @@ impl Router {
     fn step_waits(
         &self,
         store: &dyn Store,
-        r: &RoutingConfig,
         indices: &[usize],
         records: &[Rc<PodRecord>],
     ) -> Vec<f64> {
-        if !r.step_phase {
-            return vec![0.0; indices.len()];
-        }
         let pods: Vec<&str> = indices.iter().map(|&i| self.pods[i].as_str()).collect();
         let busy: Vec<bool> = indices
             .iter()

@@ -115,6 +115,8 @@ impl StepPhases {
         if tokens == 0 {
             return;
         }
+        // The delay is a field apart from the map, so the pod's phase is looked up once.
+        let delay_us = &mut self.delay_us;
         let Some(phase) = self.pods.get_mut(pod) else {
             self.pods.insert(
                 pod.to_string(),
@@ -147,17 +149,14 @@ impl StepPhases {
                         (made - phase.step_us, made)
                     });
                 if let Some((missed, made)) = bracket {
-                    if self.delay_us > made {
-                        self.delay_us = (self.delay_us - DELAY_DOWN_US).max(0.0);
-                    } else if self.delay_us <= missed {
-                        self.delay_us = (self.delay_us + DELAY_UP_US).min(MAX_STEP_US as f64);
+                    if *delay_us > made {
+                        *delay_us = (*delay_us - DELAY_DOWN_US).max(0.0);
+                    } else if *delay_us <= missed {
+                        *delay_us = (*delay_us + DELAY_UP_US).min(MAX_STEP_US as f64);
                     }
                 }
             }
         }
-        let Some(phase) = self.pods.get_mut(pod) else {
-            return;
-        };
         let same = (now_us.saturating_sub(phase.boundary_us) as f64) < SAME_STEP * phase.step_us;
         if !same && now_us > phase.boundary_us {
             phase.previous_us = phase.boundary_us;
@@ -190,11 +189,14 @@ impl StepPhases {
     /// wait is 0: nothing tells the pods apart.
     pub fn waits(&self, pods: &[&str], busy: &[bool], now_us: u64) -> Vec<f64> {
         let phases: Vec<Option<(f64, f64)>> = pods.iter().map(|p| self.phase(p, now_us)).collect();
-        let known: Vec<f64> = phases.iter().flatten().map(|&(step, _)| step).collect();
-        if known.is_empty() {
+        let (sum, known) = phases
+            .iter()
+            .flatten()
+            .fold((0.0, 0usize), |(sum, n), &(step, _)| (sum + step, n + 1));
+        if known == 0 {
             return vec![0.0; pods.len()];
         }
-        let average = known.iter().sum::<f64>() / known.len() as f64;
+        let average = sum / known as f64;
         let delay = self.delay_us;
         phases
             .iter()

@@ -51,6 +51,11 @@ fn caches_nothing(rec: &PodRecord) -> bool {
     rec.snapshot.is_some_and(|s| s.no_prefix_caching)
 }
 
+/// Whether the pod is believed to cache at least half of the prompt's blocks.
+pub(super) fn mostly_cached(c: &Candidate, prompt_blocks: usize) -> bool {
+    c.cached_blocks * 2 >= prompt_blocks
+}
+
 /// What the request holds on each candidate (`shared`: its leading blocks already held there by
 /// in-flight requests), and what it holds where it shares nothing.
 pub(super) fn charges(
@@ -94,9 +99,8 @@ pub(super) fn charges(
 }
 
 /// What the cost formula (`pick`) knows of each eligible pod (`indices` into `pods`) for
-/// this request, `loads` what it would hold on each (`charges`), `step_waits` how long it would
-/// wait there for the engine's step under way (`Router::step_waits`).
-#[allow(clippy::too_many_arguments)]
+/// this request, `loads` what it would hold on each (`charges`). The wait for each engine's step
+/// is left at 0, for the pick to work out where it counts (`Router::step_waits`).
 pub(super) fn candidates<'a>(
     pods: &'a [String],
     prefix: &PrefixIndex,
@@ -105,7 +109,6 @@ pub(super) fn candidates<'a>(
     loads: &[Load],
     adapter_fit: &[Option<Fit>],
     ask: &Ask,
-    step_waits: &[f64],
 ) -> Vec<Candidate<'a>> {
     let r = &cfg.routing;
     let now = ask.now;
@@ -154,7 +157,7 @@ pub(super) fn candidates<'a>(
                     prefix.blocks_held(pod)
                 },
                 cost_factor: factors[k],
-                step_wait_ms: step_waits[k],
+                step_wait_ms: 0.0,
             }
         })
         .collect()
@@ -182,7 +185,7 @@ impl Router {
         (hot, copy_weight(holders, indices.len()))
     }
 
-    /// For a prompt the best pod mostly caches, among the pods loaded alike that mostly cache it
+    /// For a prompt the best pod mostly caches (the caller checks), among the pods loaded alike that mostly cache it
     /// too, the one whose engine step ends first goes first (`routing::step_phase`). Alike:
     /// within what one more sequence like this request costs a pod (its context read at every
     /// decode step and its blocks held) of the best cost. Such a prompt's own prefill is short,
@@ -202,16 +205,12 @@ impl Router {
         prompt_blocks: usize,
         own_blocks: u64,
     ) {
-        let mostly_cached = |s: &Scored| candidates[s.index].cached_blocks * 2 >= prompt_blocks;
-        if !r.step_phase || !ranked.first().is_some_and(mostly_cached) {
-            return;
-        }
         let alike = (r.decode_weight + r.active_weight) * own_blocks as f64;
         // Only pods that mostly cache it too: one that would compute the prompt again, at a
         // cost close to the best only because the best is busier, keeps its place behind.
         prefer(ranked, alike, |s| {
             let wait_us = (candidates[s.index].step_wait_ms * 1_000.0).round() as u64;
-            mostly_cached(s).then_some(std::cmp::Reverse(wait_us))
+            mostly_cached(&candidates[s.index], prompt_blocks).then_some(std::cmp::Reverse(wait_us))
         });
     }
 
