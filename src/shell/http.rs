@@ -196,7 +196,9 @@ impl Http {
     }
 
     fn response_body(&mut self, body_size: usize) -> Action {
-        if !self.flow.borrow().reads_response() {
+        // An empty piece (the end of a stream Envoy hands on its own) carries nothing to meter:
+        // not read, a host call saved on every response.
+        if body_size == 0 || !self.flow.borrow().reads_response() {
             return Action::Continue;
         }
         // Envoy hands each chunk as the buffer's whole content when the filter does not pause.

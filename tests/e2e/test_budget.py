@@ -17,7 +17,7 @@ import pytest
 from harness import (Envoy, Sim, baseline_envoy, default_plugin_config, envoy_config, free_port, kvgate_envoy,
                      kvgate_gauges, request, stream, wait_for)
 
-from bodies import MODEL, grouped_chat, unshared_chat
+from bodies import grouped_chat, unshared_chat
 BLOCKS, BLOCK = 256, 16
 SMALL_KV = ["--time-scale", "10", "--num-gpu-blocks", str(BLOCKS)]
 # Common English words: about one token each, so the estimate is right from the first request.
@@ -69,11 +69,20 @@ def delivery_lag(answers):
     return math.ceil(statistics.median(a["stall"] for a in streams) / token)
 
 
-def check_promise(samples, bounded, delivered_lag):
+def check_promise(samples, bounded, delivered_lag, ports=None):
     """At every sample kvgate's predicted blocks fit the pod; with every answer's length bounded,
     the pod's forecast stays within its budget too (an exact bound only falls as requests end;
     without one, a request that outlives its expected length raises the forecast after the fact,
     which the headroom is there for).
+
+    Without a bound (`ports`: the pods' ports, for their engines' samples), answers that outlive
+    the headroom can take the pod's real demand past its blocks: the engine meets it by preempting,
+    which the caller bounds, and kvgate's prediction rightly says so; a request the engine has just
+    ended and kvgate not yet released also counts for a few milliseconds. So there a prediction
+    past the pod's blocks must come with the engine itself nearly full (90 % of its blocks) at that
+    sample; kvgate predicting a full pod that its engine does not see nearly full would be a
+    miscount. (Held to the pod's blocks alone, this check failed one CI run in about thirty: 278
+    blocks predicted on the 256-block pod.)
 
     The forecast is read from the requests' entries, which trail their streams: an entry is
     written at its output's block boundaries, so up to a block (less a token) behind what kvgate
@@ -104,8 +113,12 @@ def check_promise(samples, bounded, delivered_lag):
         for pod, reserved in g["reserved_tokens"].items():
             lag = (BLOCK - 1 + delivered_lag) * (g["in_flight"].get(pod, 0) + most.get(pod, 0))
             assert not bounded or reserved <= nominal[pod] + lag, (pod, reserved, nominal[pod], lag)
+    index = {f"127_0_0_1_{p}": i for i, p in enumerate(ports or [])}
+    for pods, g in samples:
         for pod, blocks in g["active_blocks"].items():
-            assert blocks <= BLOCKS, f"kvgate predicts {blocks} blocks on a {BLOCKS}-block pod {pod}"
+            engine = pods[index[pod]]["kv_blocks_used"] if pod in index else None
+            assert blocks <= BLOCKS or (engine is not None and engine >= 0.9 * BLOCKS), \
+                f"kvgate predicts {blocks} blocks on a {BLOCKS}-block pod {pod} (its engine: {engine})"
 
 
 @pytest.mark.parametrize("concurrency", [1, 2, 4])
@@ -173,7 +186,7 @@ def test_without_max_tokens_preemptions_are_a_sliver_of_round_robins():
                 out[name] = {"preemptions": preemptions(sim), "kv_used": round(mean_kv_used(samples), 2),
                              "output_per_s": round(sum(a["usage"]["completion_tokens"] for a in answers) / elapsed)}
                 if name == "kvgate":
-                    check_promise(samples, bounded=False, delivered_lag=delivery_lag(answers))
+                    check_promise(samples, bounded=False, delivered_lag=delivery_lag(answers), ports=sim.ports)
                     out["relief_percent"] = max(max(g["relief_percent"].values(), default=0) for _, g in samples)
                     assert wait_for(lambda: all(v == 0 for v in kvgate_gauges(envoy, "reserved_tokens").values()),
                                     timeout=5)
