@@ -1587,9 +1587,17 @@ def main():
     return data
 
 
+# Where BENCHMARKS.md's own history starts: the separate runs of every session since the last
+# full run, written by hand. A full run replaces the report above it and keeps it.
+HISTORY_MARK = "\n# Earlier sessions' measurements"
+HISTORY_RULE = "-" * 99
+
+
 def update_benchmarks_md(ctx, data):
-    """BENCHMARKS.md = this run's report; its plots are copied to bench/plots/ (results/ is not
-    checked in)."""
+    """BENCHMARKS.md = this run's report, then the file's hand-written history (from
+    `HISTORY_MARK`, with the rule above it) as it was; the last run's observations, written by hand
+    between the two, go with that run's report. Its plots are copied to bench/plots/ (results/ is
+    not checked in)."""
     plots_dir = ROOT / "bench/plots"
     plots_dir.mkdir(exist_ok=True)
     for old in plots_dir.glob("*.png"):
@@ -1597,8 +1605,15 @@ def update_benchmarks_md(ctx, data):
     for p in data["plots"]:
         shutil.copy(ctx["out"] / p, plots_dir / p)
     ctx = dict(ctx, for_benchmarks_md=True)
-    (ROOT / "BENCHMARKS.md").write_text(write_report(ctx, data))
-    log("BENCHMARKS.md updated (plots in bench/plots/)")
+    path = ROOT / "BENCHMARKS.md"
+    before = path.read_text() if path.exists() else ""
+    at = before.find(HISTORY_MARK)
+    history = ""
+    if at >= 0:
+        rule = before.rfind(HISTORY_RULE, 0, at)
+        history = "\n" + before[rule if rule >= 0 else at + 1:]
+    path.write_text(write_report(ctx, data).rstrip("\n") + "\n" + history)
+    log("BENCHMARKS.md updated (plots in bench/plots/; the hand-written history below the report kept)")
 
 
 def rewrite_report(out_dir, benchmarks_md):
