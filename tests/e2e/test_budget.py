@@ -1,8 +1,9 @@
 """The budget is a promise both ways, in a real Envoy at --concurrency 1, 2 and 4 in front of two
 kvgate-sim pods of 256 KV blocks (4,096 tokens each), with more streaming chat clients than the
 pool holds: sampled through the run, a pod's forecast (what admission keeps within the budget)
-never passes its budget and kvgate's predicted blocks never pass the pod's blocks; with
-max_tokens on every request the engine never preempts; without it (long-tailed answers drawn by
+never passes its budget and kvgate's predicted blocks never pass the pod's blocks (without
+max_tokens, not unless the engine itself is full: `check_promise`); with max_tokens on every
+request the engine never preempts; without it (long-tailed answers drawn by
 the simulator) it preempts at most a sliver of what round robin does; and the pods' KV is used,
 not left idle. Everything returns to zero afterwards."""
 
