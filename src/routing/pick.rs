@@ -46,9 +46,9 @@ pub struct Candidate<'a> {
     /// inter-token latency against theirs), 1 when unknown or not learned.
     pub cost_factor: f64,
     /// How long the request would wait there for the engine's step under way to end before it
-    /// is scheduled, in ms (`routing::step_phase`): not a cost, an order among pods loaded alike
+    /// is scheduled, in µs (`routing::step_phase`): not a cost, an order among pods loaded alike
     /// (`Router::soonest_step`).
-    pub step_wait_ms: f64,
+    pub step_wait_us: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -290,7 +290,7 @@ mod tests {
             adapter_cost: 0.0,
             cached_total: 0,
             cost_factor: 1.0,
-            step_wait_ms: 0.0,
+            step_wait_us: 0,
         }
     }
 

@@ -132,10 +132,9 @@ fn explain(
             out.push(if k == 0 { '=' } else { '+' });
             push_int(&mut out, whole(term));
         }
-        let wait_us = whole(c.step_wait_ms * 1_000.0);
-        if wait_us > 0 {
+        if c.step_wait_us > 0 {
             out.push_str(" wait=");
-            push_int(&mut out, wait_us);
+            push_int(&mut out, c.step_wait_us as i64);
             out.push_str("us");
         }
         if !room(s.index) {
@@ -631,7 +630,7 @@ impl Router {
         if r.step_phase && (phase_counts || cfg.debug_headers) {
             let waits = self.step_waits(store, &indices, &records);
             for (c, wait) in candidates.iter_mut().zip(waits) {
-                c.step_wait_ms = wait;
+                c.step_wait_us = wait;
             }
             if phase_counts {
                 Self::soonest_step(r, &mut ranked, &candidates, prompt_blocks, own_blocks);
@@ -863,14 +862,14 @@ impl Router {
             .map(|_| self.phases.delay_us().round() as u64)
     }
 
-    /// How long a request sent now would wait, in ms, for each candidate's current engine step to
-    /// end (`routing::step_phase`): none on a pod running none of kvgate's requests.
+    /// How long a request sent now would wait, in whole µs, for each candidate's current engine
+    /// step to end (`routing::step_phase`): none on a pod running none of kvgate's requests.
     fn step_waits(
         &self,
         store: &dyn Store,
         indices: &[usize],
         records: &[Rc<PodRecord>],
-    ) -> Vec<f64> {
+    ) -> Vec<u64> {
         let pods: Vec<&str> = indices.iter().map(|&i| self.pods[i].as_str()).collect();
         let busy: Vec<bool> = indices
             .iter()
@@ -879,7 +878,7 @@ impl Router {
         self.phases
             .waits(&pods, &busy, store.now_us())
             .into_iter()
-            .map(|us| us / 1_000.0)
+            .map(|us| us.round() as u64)
             .collect()
     }
 

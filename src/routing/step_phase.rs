@@ -55,6 +55,11 @@ struct Phase {
 }
 
 impl Phase {
+    /// Whether a chunk arriving at `now` belongs to the step whose first chunk set the boundary.
+    fn same_step(&self, now: u64) -> bool {
+        (now.saturating_sub(self.boundary_us) as f64) < SAME_STEP * self.step_us
+    }
+
     /// Where the step that ended with a chunk arriving at `now` started, as seen here, when this
     /// VM saw both of its ends: the last boundary, or the one before when `now` is still within
     /// the last step's chunks.
@@ -62,8 +67,7 @@ impl Phase {
         if self.step_us <= 0.0 || self.previous_us == 0 {
             return None;
         }
-        let same = (now.saturating_sub(self.boundary_us) as f64) < SAME_STEP * self.step_us;
-        let (start, before) = if same {
+        let (start, before) = if self.same_step(now) {
             (self.previous_us, None)
         } else {
             (self.boundary_us, Some(self.previous_us))
@@ -157,8 +161,7 @@ impl StepPhases {
                 }
             }
         }
-        let same = (now_us.saturating_sub(phase.boundary_us) as f64) < SAME_STEP * phase.step_us;
-        if !same && now_us > phase.boundary_us {
+        if !phase.same_step(now_us) && now_us > phase.boundary_us {
             phase.previous_us = phase.boundary_us;
             phase.boundary_us = now_us;
         }

@@ -157,7 +157,7 @@ pub(super) fn candidates<'a>(
                     prefix.blocks_held(pod)
                 },
                 cost_factor: factors[k],
-                step_wait_ms: 0.0,
+                step_wait_us: 0,
             }
         })
         .collect()
@@ -209,8 +209,8 @@ impl Router {
         // Only pods that mostly cache it too: one that would compute the prompt again, at a
         // cost close to the best only because the best is busier, keeps its place behind.
         prefer(ranked, alike, |s| {
-            let wait_us = (candidates[s.index].step_wait_ms * 1_000.0).round() as u64;
-            mostly_cached(&candidates[s.index], prompt_blocks).then_some(std::cmp::Reverse(wait_us))
+            let c = &candidates[s.index];
+            mostly_cached(c, prompt_blocks).then_some(std::cmp::Reverse(c.step_wait_us))
         });
     }
 
