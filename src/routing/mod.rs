@@ -3,7 +3,8 @@
 //! (`prefix`), where LoRA adapters stand (`adapters`), and the two replicas a VM routes on: what
 //! each pod's prefix cache holds (`prefix_index`) and which blocks in-flight requests occupy
 //! (`active_blocks`), both kept current across workers by the `pick_log`, and the copies of the pod
-//! records it ranks on (`record_copies`).
+//! records it ranks on (`record_copies`); and whether the pool's KV is about to run short, from
+//! the rate of picks (`demand`).
 //!
 //! Source of truth: a request's reservation and its active-block counts live in the pod's shared
 //! record (`pods::record`), changed only by compare-and-swap; those must return to zero. The prefix
@@ -12,6 +13,7 @@
 
 pub mod active_blocks;
 pub mod adapters;
+pub mod demand;
 pub mod pick;
 pub mod pick_log;
 pub mod prefix;
