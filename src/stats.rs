@@ -119,6 +119,10 @@ catalog! {
     MODELS_LIST_ERRORS = "kvgate.models.list_errors";
     /// Picks that send a request's adapter to a pod where it is not resident (it is loaded there).
     ADAPTER_LOADS = "kvgate.adapter.loads";
+    // The pick (`routing::router`).
+    /// Picks that held a hot prefix to the pods caching it, as the pool's KV read as about to run
+    /// short (`routing::demand`).
+    ROUTING_HOT_PREFIX_HELD = "kvgate.routing.hot_prefix_held";
     // Replicas sharing budgets through etcd (`replicas::sync`, `gate`).
     /// Syncs whose txn etcd applied.
     REPLICAS_SYNCS = "kvgate.replicas.syncs";

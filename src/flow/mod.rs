@@ -404,6 +404,8 @@ impl Flow {
                 gate.stats.count(stats::ROUTED, 1);
                 gate.stats
                     .count(stats::ADAPTER_LOADS, u64::from(routed.adapter_load));
+                gate.stats
+                    .count(stats::ROUTING_HOT_PREFIX_HELD, u64::from(routed.hot_held));
                 if let Some(a) = &self.admitted {
                     gate.stats
                         .count(stats::model_stat(&a.stat_model, stats::MODEL_PICKS), 1);

@@ -86,6 +86,9 @@ pub struct Routed {
     /// Placed past every budget: no pod had room, and admission only observes
     /// (`admission.mode` `observe`, [`Router::route_past_budget`]).
     pub over_budget: bool,
+    /// Its prompt's hot prefix was held to the pods caching it, rather than copied by cost,
+    /// because the pool's KV read as about to run short (`routing::demand`).
+    pub hot_held: bool,
     /// When it was dispatched, and when its stream's last chunk with tokens came, in µs
     /// (`routing::step_phase`).
     pub dispatched_us: u64,
@@ -578,8 +581,7 @@ impl Router {
         let output_blocks = est.output_tokens.div_ceil(bt);
 
         let request = self.next_request_id();
-        let head = self.log.head();
-        if let Some(head) = head {
+        if let Some(head) = self.log.head() {
             self.demand.sample(now, head);
         }
         let mut from_copies = false;
@@ -686,7 +688,7 @@ impl Router {
             None => !cached || held[k] * 2 >= most,
         };
         // Fewer in-flight requests hold the prefix than there are pods (`copy_weight` above a
-        // half; 1 when none holds it), or the pool's KV is about to run short (`short`), and no
+        // half; 1 when none holds it), or the pool's KV is about to run short (`kv_short`), and no
         // pod with room is cheaper than the cheapest pod caching it by more than a whole prefill
         // of the prompt: what a copy costs the pool beyond this request (the prefill again, and
         // the prefix it evicts there), which the formula leaves out. A pod caching it but far
@@ -700,22 +702,11 @@ impl Router {
         // 12 ms, on pods still empty, which then filled with copies instead of requests (held:
         // 7–10 more, 533–545 requests in the first wave against 464–504, TTFT mean 6 % lower;
         // a hot prefix's steady stream reads a fourteenth of its pool and is copied as before).
-        let short = || {
-            let pool: Option<u64> = budgets.iter().copied().sum();
+        let hot = need == Room::Patient && cached && ask.copy_weight <= 0.5 && {
             let blocks_each = prompt_blocks.saturating_sub(most) as u64 + output_blocks;
-            let paces: Vec<f64> = indices
-                .iter()
-                .filter_map(|&i| records[i].snapshot.map(|s| s.itl_s))
-                .filter(|&itl| itl > 0.0)
-                .collect();
-            let token_ms = (!paces.is_empty())
-                .then(|| 1_000.0 * paces.iter().sum::<f64>() / paces.len() as f64);
-            let output = (est.output_tokens, token_ms);
-            pool.zip(head).is_some_and(|(pool, head)| {
-                self.demand.short(now, head, output, blocks_each, pool / bt)
-            })
+            self.kv_short(&ask, &indices, &budgets, est, blocks_each)
         };
-        let sticks = need == Room::Patient && cached && (ask.copy_weight > 0.5 || short()) && {
+        let sticks = need == Room::Patient && cached && (ask.copy_weight > 0.5 || hot) && {
             let nearest = ranked
                 .iter()
                 .filter(|s| near(s.index))
@@ -848,6 +839,7 @@ impl Router {
                     adapter_load: fit.is_some_and(|f| f != Fit::Resident),
                     ranking,
                     over_budget: need == Room::Ignored,
+                    hot_held: hot && sticks,
                     dispatched_us: store.now_us(),
                     last_token_us: None,
                 }),
@@ -1505,7 +1497,12 @@ mod tests {
                     .routed()
             };
             for q in 20..22 {
-                assert_eq!(patient(q).pod, "a:1");
+                let held = patient(q);
+                assert_eq!(held.pod, "a:1");
+                assert!(
+                    !held.hot_held,
+                    "a lightly shared prefix is held whatever the KV"
+                );
             }
             let mut other = PickLog::start(&vm).unwrap();
             for k in 0..16 {
@@ -1516,6 +1513,7 @@ mod tests {
             }
             let next = patient(22);
             assert_eq!(next.pod == "a:1", held_home, "{}", next.ranking);
+            assert_eq!(next.hot_held, held_home);
         }
     }
 

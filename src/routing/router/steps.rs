@@ -1,7 +1,8 @@
 //! The steps of a pick before its reservation (`Router::route` runs them in order): which pods
 //! may take the request (`eligible`: serving its model, up, fresh enough), what the cost formula
 //! knows of each (`candidates`, its pace among them included), what the request would hold on
-//! each (`charges`), and where its model and LoRA adapter stand (`serves`, `adapter_fits`).
+//! each (`charges`), where its model and LoRA adapter stand (`serves`, `adapter_fits`), and
+//! whether the pool's KV is about to run short (`kv_short`).
 //! Everything here reads: the records as `route` read them, this VM's replicas (prefix index,
 //! adapters) and the model lists.
 
@@ -183,6 +184,40 @@ impl Router {
             .map(|&i| self.active.holders(&self.pods[i], prefix))
             .sum();
         (hot, copy_weight(holders, indices.len()))
+    }
+
+    /// Whether the pool's KV is about to run short (`routing::demand`) for requests like this one,
+    /// `blocks_each` the blocks it would add: the pick rate as this pick's poll of the log left it,
+    /// against the candidates' budgets (`budgets`, tokens), with their pace where scraped. Asked
+    /// only for a hot prefix's pick.
+    pub(super) fn kv_short(
+        &self,
+        ask: &Ask,
+        indices: &[usize],
+        budgets: &[Option<u64>],
+        est: &Estimate,
+        blocks_each: u64,
+    ) -> bool {
+        let (Some(pool), Some(head)) = (
+            budgets.iter().copied().sum::<Option<u64>>(),
+            self.log.head(),
+        ) else {
+            return false;
+        };
+        let (mut sum, mut n) = (0.0, 0u32);
+        for itl in indices
+            .iter()
+            .filter_map(|&i| ask.records[i].snapshot.map(|s| s.itl_s))
+            .filter(|&itl| itl > 0.0)
+        {
+            sum += itl;
+            n += 1;
+        }
+        let token_ms = (n > 0).then(|| 1_000.0 * sum / f64::from(n));
+        let output = (est.output_tokens, token_ms);
+        let budget_blocks = pool / ask.block_tokens.max(1);
+        self.demand
+            .short(ask.now, head, output, blocks_each, budget_blocks)
     }
 
     /// For a prompt the best pod mostly caches (the caller checks), among the pods loaded alike that mostly cache it
