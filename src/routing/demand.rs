@@ -4,7 +4,7 @@
 //! where the pods' fill cannot say so yet: in a burst's first milliseconds every pod is nearly
 //! empty, and a hot prefix copied to more pods then (its copy priced as shared by the requests to
 //! come, `pick::copy_weight`) takes KV those requests need a few milliseconds later
-//! (`Router::place`, "holds").
+//! (`Router::place` holds it home instead, asking `router::steps::kv_short`).
 //!
 //! Source of truth: the pick log's head (`kvgate.log.seq`), which counts every worker's appends
 //! (one per dispatch; finishes ride on them), as this VM's picks read it anyway; and how long this
@@ -33,7 +33,7 @@ const SAMPLES: usize = 32;
 /// full batch). Low, so that a fresh gateway under-reads demand rather than over-reads it; the
 /// simulated pods take about 15 ms. A burst still reads as past the budget: its picks came at
 /// 1.5–8 a ms (two Envoy workers), 64 tokens and 24 blocks each against 8 pods of 1,945 blocks'
-/// budget, past it from one a ms.
+/// budget, past it from just over one a ms.
 pub const DEFAULT_TOKEN_MS: f64 = 10.0;
 /// Weight of one finished request's lifetime in the mean (about 20 requests' memory).
 const WEIGHT: f64 = 0.05;
