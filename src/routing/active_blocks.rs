@@ -5,7 +5,8 @@
 //! pod record (`pods::record`); this replica only says which blocks are already active, so a new
 //! request is charged for the blocks it adds, and which requests it may lean on for the rest. The
 //! record decides who counts a shared prefix (`RequestEntry::leans_on`): this replica may still
-//! hold a request another worker has finished.
+//! hold a request another worker has finished. Fed by every dispatch, it also counts them per
+//! pod: the rate `routing::demand` reads.
 //!
 //! Block hashes are chained (each covers the prompt up to its block), so a block is held on a
 //! pod exactly when some in-flight request there shares the prompt up to it, and the requests
@@ -30,6 +31,8 @@ struct PodActive {
     requests: HashMap<u64, (Rc<Vec<u64>>, u64)>,
     /// The same requests in lexicographic order of their hashes, then of their ids.
     order: Vec<(Rc<Vec<u64>>, u64)>,
+    /// Requests ever added: the dispatches to the pod this VM has seen (`routing::demand`).
+    dispatched: u64,
 }
 
 /// Leading blocks two hash lists share.
@@ -90,11 +93,17 @@ impl ActiveBlocks {
         if p.requests.contains_key(&request) {
             return;
         }
+        p.dispatched += 1;
         let hashes = Rc::new(hashes);
         if let Err(at) = p.position(&hashes, request) {
             p.order.insert(at, (hashes.clone(), request));
         }
         p.requests.insert(request, (hashes, now));
+    }
+
+    /// The dispatches to the pod this VM has seen so far, its own and the pick log's.
+    pub fn dispatched(&self, pod: &str) -> u64 {
+        self.pods.get(pod).map_or(0, |p| p.dispatched)
     }
 
     /// In-flight requests on the pod whose prompt holds the first `depth` blocks of `hashes`, in
@@ -196,6 +205,10 @@ mod tests {
         a.remove("p", 2);
         a.remove("p", 2);
         assert_eq!(a.unique_blocks("p"), 0);
+        // Every dispatch counts once, a replayed one seen twice once, whatever has ended since.
+        a.add("p", 3, vec![10], 0);
+        a.add("p", 3, vec![10], 0);
+        assert_eq!((a.dispatched("p"), a.dispatched("q")), (3, 0));
     }
 
     /// Chained hashes of a prompt of `blocks` blocks drawn from a few texts per block, so that

@@ -6,93 +6,136 @@
 //! come, `pick::copy_weight`) takes KV those requests need a few milliseconds later
 //! (`Router::place` holds it home instead, asking `router::steps::kv_short`).
 //!
-//! Source of truth: the pick log's head (`kvgate.log.seq`), which counts every worker's appends
-//! (one per dispatch; finishes ride on them), as this VM's picks read it anyway; and how long this
-//! VM's own requests lived, dispatch to finish, or until one has ended, the pods' scraped
-//! inter-token latency (`pods::pace`). Per VM, approximate, and nothing shared is written. With
-//! several gateway replicas the log and the budgets are both this replica's (its grant of each
-//! pod's, `replicas::share`), so the two sides of the comparison stay alike.
+//! The pool is the request's: the pods that may take it (those serving its model). A gateway in
+//! front of several models' pools reads each against its own pods, so a burst on one model does
+//! not read as the other's, nor a small pool's stream get lost in a large one's.
+//!
+//! Source of truth: the dispatches to the pool's pods that this VM has seen, its own and the
+//! other workers' through the pick log (`ActiveBlocks::dispatched`, counted as they are
+//! replayed, which every pick does first); and how long this VM's own requests lived on those
+//! pods, dispatch to finish, or until one has ended there, the pods' scraped inter-token latency
+//! (`pods::pace`). Per VM, approximate, and nothing shared is written. With several gateway
+//! replicas both the dispatches and the budgets are this replica's (its grant of each pod's,
+//! `replicas::share`), so the two sides of the comparison stay alike.
 //!
 //! What it cannot tell apart is far apart: a burst reads as past the pool's budget by several
 //! times, and a hot prefix's steady stream (20 requests a second on 8 pods) at a fourteenth of it.
 
+use hashbrown::HashMap;
 use std::collections::VecDeque;
 
-/// Appends the rate is measured over, at least: fewer decide nothing. A Poisson stream of 20 a
-/// second (a hot prefix's benchmark) puts 16 appends within 75 ms, the span that would take it
+/// Dispatches the rate is measured over, at least: fewer decide nothing. A Poisson stream of 20 a
+/// second (a hot prefix's benchmark) puts 16 dispatches within 75 ms, the span that would take it
 /// past a pool's budget there, about once in 10⁹ picks; a burst gives them in 2–3 ms, before its
 /// groups have requests enough in flight to be priced as shared.
 pub const MIN_APPENDS: u64 = 16;
-/// Samples kept: twice [`MIN_APPENDS`], with one sample per head seen, so that a span of that many
-/// appends is always among them.
+/// Samples kept per pool: twice [`MIN_APPENDS`], with one sample per count seen, so that a span
+/// of that many dispatches is always among them.
 const SAMPLES: usize = 32;
-/// A request's lifetime until this VM has seen one end, per expected output token, while no pod's
-/// inter-token latency is known either (a gateway that has just started, before any answer): the
-/// low side of what engines take per token once their KV fills (a decode step reads the weights
-/// and every sequence's KV: an 8B model on an H100 takes 6–7 ms alone, 15–20 on an A100 with a
-/// full batch). Low, so that a fresh gateway under-reads demand rather than over-reads it; the
-/// simulated pods take about 15 ms. A burst still reads as past the budget: its picks came at
-/// 1.5–8 a ms (two Envoy workers), 64 tokens and 24 blocks each against 8 pods of 1,945 blocks'
-/// budget, past it from just over one a ms.
+/// Pools whose samples are kept: one per model a gateway serves, as a rule; the pool picked for
+/// longest ago makes room for a new one (a model's pods changing make a new pool too).
+const POOLS: usize = 8;
+/// A request's lifetime until this VM has seen one end on the pool's pods, per expected output
+/// token, while no pod's inter-token latency is known either (a gateway that has just started,
+/// before any answer): the low side of what engines take per token once their KV fills (a decode
+/// step reads the weights and every sequence's KV: an 8B model on an H100 takes 6–7 ms alone,
+/// 15–20 on an A100 with a full batch). Low, so that a fresh gateway under-reads demand rather
+/// than over-reads it; the simulated pods take about 15 ms. A burst still reads as past the
+/// budget: its picks came at 1.5–8 a ms (two Envoy workers), 64 tokens and 24 blocks each against
+/// 8 pods of 1,945 blocks' budget, past it from just over one a ms.
 pub const DEFAULT_TOKEN_MS: f64 = 10.0;
-/// Weight of one finished request's lifetime in the mean (about 20 requests' memory).
+/// Weight of one finished request's lifetime in its pod's mean (about 20 requests' memory).
 const WEIGHT: f64 = 0.05;
+
+/// A pool as a pick sees it: which pods (`key`, from their names: [`pool_key`]) and how many
+/// dispatches to them this VM has seen so far.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reading {
+    pub key: u64,
+    pub dispatched: u64,
+}
+
+/// The key of the pool made of these pods (in the router's order).
+pub fn pool_key<'a>(pods: impl Iterator<Item = &'a str>) -> u64 {
+    pods.fold(0, |h, pod| crate::hash::chain(h, pod.as_bytes()))
+}
 
 #[derive(Debug, Default)]
 pub struct Demand {
-    /// (ms, head) at this VM's picks, oldest first, one per head.
-    samples: VecDeque<(u64, u64)>,
-    /// Mean lifetime (ms) of this VM's requests, dispatch to finish, once one has ended.
-    lifetime_ms: Option<f64>,
+    /// Per pool, the one picked last first: its key, and (ms, dispatches) at this VM's picks,
+    /// oldest first, one per count.
+    pools: VecDeque<(u64, VecDeque<(u64, u64)>)>,
+    /// Mean lifetime (ms) of this VM's requests on each pod, dispatch to finish, once one has
+    /// ended there.
+    lifetimes: HashMap<String, f64>,
 }
 
 impl Demand {
-    /// Notes the log's head as a pick read it.
-    pub fn sample(&mut self, now: u64, head: u64) {
-        if self.samples.back().is_some_and(|&(_, h)| h >= head) {
-            return;
+    /// Notes the pool's count as a pick read it.
+    pub fn sample(&mut self, now: u64, pool: Reading) {
+        let at = self.pools.iter().position(|(key, _)| *key == pool.key);
+        let (key, mut samples) = match at.and_then(|i| self.pools.remove(i)) {
+            Some(known) => known,
+            None => (pool.key, VecDeque::with_capacity(SAMPLES)),
+        };
+        if samples.back().is_none_or(|&(_, n)| n < pool.dispatched) {
+            if samples.len() == SAMPLES {
+                samples.pop_front();
+            }
+            samples.push_back((now, pool.dispatched));
         }
-        if self.samples.len() == SAMPLES {
-            self.samples.pop_front();
-        }
-        self.samples.push_back((now, head));
+        self.pools.push_front((key, samples));
+        self.pools.truncate(POOLS);
     }
 
-    /// Appends per ms over the latest span of at least [`MIN_APPENDS`] appends that ends now, if
-    /// the samples hold one (a span within one ms counts as one ms).
-    pub fn rate(&self, now: u64, head: u64) -> Option<f64> {
-        let &(at, from) = self
-            .samples
+    /// Dispatches per ms to the pool over the latest span of at least [`MIN_APPENDS`] of them that
+    /// ends now, if its samples hold one (a span within one ms counts as one ms).
+    pub fn rate(&self, now: u64, pool: Reading) -> Option<f64> {
+        let (_, samples) = self.pools.iter().find(|(key, _)| *key == pool.key)?;
+        let &(at, from) = samples
             .iter()
             .rev()
-            .find(|&&(_, h)| head.saturating_sub(h) >= MIN_APPENDS)?;
-        Some((head - from) as f64 / now.saturating_sub(at).max(1) as f64)
+            .find(|&&(_, n)| pool.dispatched.saturating_sub(n) >= MIN_APPENDS)?;
+        Some((pool.dispatched - from) as f64 / now.saturating_sub(at).max(1) as f64)
     }
 
-    /// One of this VM's requests lived this long.
-    pub fn finished(&mut self, lifetime_ms: u64) {
+    /// One of this VM's requests lived this long on `pod`.
+    pub fn finished(&mut self, pod: &str, lifetime_ms: u64) {
         let ms = lifetime_ms as f64;
-        self.lifetime_ms = Some(self.lifetime_ms.map_or(ms, |m| m + WEIGHT * (ms - m)));
+        let mean = self.lifetimes.entry_ref(pod).or_insert(ms);
+        *mean += WEIGHT * (ms - *mean);
+    }
+
+    /// Forgets the pods that left the pool.
+    pub fn retain_pods(&mut self, keep: impl Fn(&str) -> bool) {
+        self.lifetimes.retain(|pod, _| keep(pod));
     }
 
     /// Whether requests like this one (`blocks_each`: the KV blocks it would add, `output_tokens`:
-    /// its expected answer, `token_ms`: the pods' time per token where known), arriving at the
-    /// present rate for as long as one lives, would hold more than `budget_blocks`, the pool's
-    /// budget.
-    pub fn short(
+    /// its expected answer, `token_ms`: the pods' time per token where known), arriving on the
+    /// pool (`pods`, as read in `pool`) at the present rate for as long as one lives there, would
+    /// hold more than `budget_blocks`, the pool's budget.
+    pub fn short<'a>(
         &self,
         now: u64,
-        head: u64,
+        (pool, pods): (Reading, impl Iterator<Item = &'a str>),
         (output_tokens, token_ms): (u64, Option<f64>),
         blocks_each: u64,
         budget_blocks: u64,
     ) -> bool {
-        let Some(rate) = self.rate(now, head) else {
+        let Some(rate) = self.rate(now, pool) else {
             return false;
         };
-        let lifetime = self
-            .lifetime_ms
-            .unwrap_or_else(|| output_tokens as f64 * token_ms.unwrap_or(DEFAULT_TOKEN_MS));
+        let (mut sum, mut n) = (0.0, 0u32);
+        for ms in pods.filter_map(|pod| self.lifetimes.get(pod)) {
+            sum += ms;
+            n += 1;
+        }
+        let lifetime = if n > 0 {
+            sum / f64::from(n)
+        } else {
+            output_tokens as f64 * token_ms.unwrap_or(DEFAULT_TOKEN_MS)
+        };
         rate * lifetime * blocks_each as f64 > budget_blocks as f64
     }
 }
@@ -104,22 +147,51 @@ mod tests {
 
     use super::*;
 
-    /// Picks every `gap` ms, `n` of them, from `t0`, each one append.
-    fn picks(d: &mut Demand, t0: u64, gap: u64, n: u64, head0: u64) -> (u64, u64) {
-        for k in 0..n {
-            d.sample(t0 + k * gap, head0 + k);
+    const PODS: [&str; 2] = ["a:1", "b:1"];
+
+    /// The pool of [`PODS`] with `n` dispatches seen.
+    fn at(n: u64) -> Reading {
+        Reading {
+            key: pool_key(PODS.into_iter()),
+            dispatched: n,
         }
-        (t0 + (n - 1) * gap, head0 + n - 1)
+    }
+
+    /// Picks every `gap` ms, `n` of them, from `t0`, each after one more dispatch.
+    fn picks(d: &mut Demand, t0: u64, gap: u64, n: u64, from: u64) -> (u64, u64) {
+        for k in 0..n {
+            d.sample(t0 + k * gap, at(from + k));
+        }
+        (t0 + (n - 1) * gap, from + n - 1)
+    }
+
+    fn short(
+        d: &Demand,
+        now: u64,
+        n: u64,
+        output: (u64, Option<f64>),
+        each: u64,
+        budget: u64,
+    ) -> bool {
+        d.short(now, (at(n), PODS.into_iter()), output, each, budget)
     }
 
     #[test]
-    fn a_rate_needs_enough_appends() {
+    fn a_rate_needs_enough_dispatches() {
         let mut d = Demand::default();
-        let (now, head) = picks(&mut d, 1_000, 1, MIN_APPENDS, 0);
-        assert_eq!(d.rate(now, head), None, "15 appends since the first sample");
-        assert_eq!(d.rate(now + 1, head + 1), Some(1.0), "16 appends in 16 ms");
-        // Appends by other workers count as much as this VM's own picks.
-        assert_eq!(d.rate(now + 4, head + 40), Some(40.0 / 4.0));
+        let (now, n) = picks(&mut d, 1_000, 1, MIN_APPENDS, 0);
+        assert_eq!(
+            d.rate(now, at(n)),
+            None,
+            "15 dispatches since the first sample"
+        );
+        assert_eq!(
+            d.rate(now + 1, at(n + 1)),
+            Some(1.0),
+            "16 dispatches in 16 ms"
+        );
+        // Other workers' dispatches count as much as this VM's own.
+        assert_eq!(d.rate(now + 4, at(n + 40)), Some(40.0 / 4.0));
     }
 
     #[test]
@@ -128,19 +200,19 @@ mod tests {
         // each, against 8 pods of 1,945 blocks: 8 a ms × 640 ms × 20 = 102,400 blocks.
         let mut d = Demand::default();
         for k in 0..17 {
-            d.sample(k / 8, k);
+            d.sample(k / 8, at(k));
         }
-        assert!(d.short(2, 16, (64, None), 20, 15_564));
+        assert!(short(&d, 2, 16, (64, None), 20, 15_564));
         // At one pick a ms it is 12,800: not yet.
-        assert!(!d.short(16, 16, (64, None), 20, 15_564));
+        assert!(!short(&d, 16, 16, (64, None), 20, 15_564));
         // The same pool at 20 requests a second that live 1.8 s and add 32 blocks: 1,152.
         let mut d = Demand::default();
-        let (now, head) = picks(&mut d, 0, 50, 40, 0);
-        (0..40).for_each(|_| d.finished(1_800));
-        assert!(!d.short(now, head, (256, None), 32, 15_564));
+        let (now, n) = picks(&mut d, 0, 50, 40, 0);
+        (0..40).for_each(|_| d.finished("a:1", 1_800));
+        assert!(!short(&d, now, n, (256, None), 32, 15_564));
         // Seventeen times the rate is past it: 0.33 a ms × 1.8 s × 32 = 19,200.
-        let (now, head) = picks(&mut d, now + 3, 3, 40, head + 1);
-        assert!(d.short(now, head, (256, None), 32, 15_564));
+        let (now, n) = picks(&mut d, now + 3, 3, 40, n + 1);
+        assert!(short(&d, now, n, (256, None), 32, 15_564));
     }
 
     #[test]
@@ -148,30 +220,66 @@ mod tests {
         // This VM picks once, then again a second later after another worker's 100 picks: the
         // span is the second, not the millisecond of the replay.
         let mut d = Demand::default();
-        d.sample(0, 0);
-        d.sample(1_000, 100);
-        assert_eq!(d.rate(1_000, 100), Some(0.1));
-        // Samples at one head (a line retried at one room) are one sample.
+        d.sample(0, at(0));
+        d.sample(1_000, at(100));
+        assert_eq!(d.rate(1_000, at(100)), Some(0.1));
+        // Samples at one count (a line retried at one room) are one sample.
         let mut d = Demand::default();
-        (0..100).for_each(|t| d.sample(t, 5));
-        d.sample(200, 21);
-        assert_eq!(d.rate(200, 21), Some(16.0 / 200.0));
+        (0..100).for_each(|t| d.sample(t, at(5)));
+        d.sample(200, at(21));
+        assert_eq!(d.rate(200, at(21)), Some(16.0 / 200.0));
+    }
+
+    #[test]
+    fn each_pool_reads_its_own_dispatches() {
+        // A burst on one model's pods, while another model's pool takes a request a second.
+        let other = |n| Reading {
+            key: pool_key(["c:1", "d:1"].into_iter()),
+            dispatched: n,
+        };
+        let mut d = Demand::default();
+        for k in 0..40 {
+            d.sample(k / 8, at(k));
+            d.sample(k / 8, other(k / 40));
+        }
+        assert!(d.rate(5, at(40)).is_some_and(|r| r >= 8.0));
+        assert_eq!(d.rate(5, other(1)), None, "one dispatch there");
+        // As many pools as models, then the one picked longest ago gives way.
+        for k in 0..POOLS as u64 {
+            d.sample(
+                10,
+                Reading {
+                    key: k,
+                    dispatched: 1,
+                },
+            );
+        }
+        assert_eq!(d.rate(5, at(40)), None, "forgotten");
     }
 
     #[test]
     fn lifetimes_learned_replace_the_pace_and_the_pace_the_default() {
         let mut d = Demand::default();
-        let (now, head) = picks(&mut d, 0, 10, 20, 0);
+        let (now, n) = picks(&mut d, 0, 10, 20, 0);
         // 0.1 a ms × 10 tokens × 10 ms × 10 blocks = 100.
-        assert!(d.short(now, head, (10, None), 10, 99));
-        assert!(!d.short(now, head, (10, None), 10, 100));
+        assert!(short(&d, now, n, (10, None), 10, 99));
+        assert!(!short(&d, now, n, (10, None), 10, 100));
         // The pods' pace, 30 ms a token: 300.
-        assert!(d.short(now, head, (10, Some(30.0)), 10, 299));
-        assert!(!d.short(now, head, (10, Some(30.0)), 10, 300));
-        d.finished(1_000);
-        assert!(d.short(now, head, (10, Some(30.0)), 10, 999));
-        assert!(!d.short(now, head, (10, Some(30.0)), 10, 1_000));
-        d.finished(0);
-        assert!((d.lifetime_ms.unwrap_or(0.0) - 950.0).abs() < 1e-9);
+        assert!(short(&d, now, n, (10, Some(30.0)), 10, 299));
+        assert!(!short(&d, now, n, (10, Some(30.0)), 10, 300));
+        // A lifetime learned on another pool's pod says nothing of this one's.
+        d.finished("c:1", 5_000);
+        assert!(!short(&d, now, n, (10, Some(30.0)), 10, 300));
+        d.finished("a:1", 1_000);
+        assert!(short(&d, now, n, (10, Some(30.0)), 10, 999));
+        assert!(!short(&d, now, n, (10, Some(30.0)), 10, 1_000));
+        d.finished("a:1", 0);
+        // 950 ms on a, 2,000 on b: the pool's requests live 1,475 ms.
+        d.finished("b:1", 2_000);
+        assert!(short(&d, now, n, (10, None), 10, 1_474));
+        assert!(!short(&d, now, n, (10, None), 10, 1_475));
+        d.retain_pods(|pod| pod != "b:1");
+        assert!(short(&d, now, n, (10, None), 10, 949));
+        assert!(!short(&d, now, n, (10, None), 10, 950));
     }
 }

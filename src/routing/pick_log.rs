@@ -243,12 +243,6 @@ impl PickLog {
         Ok(())
     }
 
-    /// The log's head as the last poll read it (until this VM's next append): how many appends
-    /// every worker has made (`routing::demand`).
-    pub fn head(&self) -> Option<u64> {
-        self.seen.as_ref().map(|v| seq_of(v.value.as_deref()))
-    }
-
     /// Replays events from other VMs that this VM has not seen yet.
     pub fn poll(
         &mut self,

@@ -333,6 +333,7 @@ impl Router {
             self.adapters.retain_pods(|p| pods.iter().any(|q| q == p));
             self.copies.retain_pods(|p| pods.iter().any(|q| q == p));
             self.phases.retain_pods(|p| pods.iter().any(|q| q == p));
+            self.demand.retain_pods(|p| pods.iter().any(|q| q == p));
             self.pods = pods;
         }
     }
@@ -581,9 +582,6 @@ impl Router {
         let output_blocks = est.output_tokens.div_ceil(bt);
 
         let request = self.next_request_id();
-        if let Some(head) = self.log.head() {
-            self.demand.sample(now, head);
-        }
         let mut from_copies = false;
         let mut records: Vec<Rc<PodRecord>> = Vec::with_capacity(self.pods.len());
         for pod in &self.pods {
@@ -598,6 +596,7 @@ impl Router {
             // The model lists changed since the flow checked: the engine answers for itself.
             return Ok((Placement::NoPods, from_copies));
         }
+        self.demand.sample(now, self.pool(&indices));
         let adapter_fit = self.adapter_fits(&indices, model, &records, now, cfg);
         let mut ask = Ask {
             records: &records,
@@ -960,7 +959,7 @@ impl Router {
         if let Some(entry) = &gone {
             let now = store.now_ms();
             self.demand
-                .finished(now.saturating_sub(entry.dispatched_ms));
+                .finished(&routed.pod, now.saturating_sub(entry.dispatched_ms));
             let event = Event::Finish {
                 pod: routed.pod.clone(),
                 request: routed.request,
@@ -1475,16 +1474,27 @@ mod tests {
         assert_eq!(copied.pod, "b:1", "{}", copied.ranking);
 
         // Unless the pool's KV is about to run short (`routing::demand`): after another worker's
-        // 16 picks within a millisecond (a burst's pace), requests like these would fill the
+        // 16 dispatches within a millisecond (a burst's pace), requests like these would fill the
         // pool's budget many times over within their lifetime, and the hot prefix is held to its
-        // pod like a lightly shared one. The same picks spread over a second leave it copied. A
-        // long prefix, so that its pod stays within a prefill of the idle one.
+        // pod like a lightly shared one. The same dispatches spread over a second leave it
+        // copied, and so do those of a burst on another model's pod. A long prefix, so that its
+        // pod stays within a prefill of the idle one.
         let e = est(512, 16);
         let prompt = |question| [hashes(1, 30), hashes(question, 2)].concat();
-        for (spread_ms, held_home) in [(0, true), (1_600, false)] {
-            let (vm, mut cfg, mut r) = router(&["a:1", "b:1"]);
+        for (spread_ms, burst_on, held_home) in
+            [(0, "b:1", true), (1_600, "b:1", false), (0, "c:1", false)]
+        {
+            let (vm, mut cfg, mut r) = router(&["a:1", "b:1", "c:1"]);
+            let now = vm.now_ms();
+            for (pod, model) in [("a:1", "m"), ("b:1", "m"), ("c:1", "n")] {
+                let list = [crate::models::served::ServedModel {
+                    id: model.into(),
+                    parent: None,
+                }];
+                crate::models::served::write_list(&vm, pod, &list, now).unwrap();
+            }
             cfg.admission.budget_tokens = 10_000;
-            r.prefix.insert("a:1", &prompt(10), vm.now_ms(), 1_000);
+            r.prefix.insert("a:1", &prompt(10), now, 1_000);
             // And a long answer of another group's, so that a copy to b is the cheaper pick.
             record::modify(&vm, "a:1", |rec| {
                 rec.entries.push(running(1, 3_200, 200));
@@ -1507,12 +1517,22 @@ mod tests {
             let mut other = PickLog::start(&vm).unwrap();
             for k in 0..16 {
                 vm.host().advance_ms(spread_ms / 16);
-                let pod = "a:1".to_string();
-                let event = Event::Finish { pod, request: k };
+                let event = Event::Dispatch(Dispatch {
+                    pod: burst_on.to_string(),
+                    request: 1_000 + k,
+                    adapter: 0,
+                    hashes: hashes(100 + k, 2),
+                });
                 other.publish(&vm, u32::MAX, &event).unwrap();
             }
             let next = patient(22);
-            assert_eq!(next.pod == "a:1", held_home, "{}", next.ranking);
+            assert_eq!(
+                next.pod == "a:1",
+                held_home,
+                "{burst_on} {spread_ms} {}",
+                next.ranking
+            );
+            assert_eq!(next.hot_held, held_home);
             assert_eq!(next.hot_held, held_home);
         }
     }

@@ -14,6 +14,7 @@ use crate::models::served::adapter_id;
 use crate::pods::pace;
 use crate::pods::record::PodRecord;
 use crate::routing::adapters::Fit;
+use crate::routing::demand::{pool_key, Reading};
 use crate::routing::pick::{copy_weight, prefer, rendezvous_score, Candidate, Scored};
 use crate::routing::prefix_index::PrefixIndex;
 use crate::store::interface::Store;
@@ -186,10 +187,20 @@ impl Router {
         (hot, copy_weight(holders, indices.len()))
     }
 
+    /// The pool of these candidates as the demand reads it (`routing::demand`): which pods, and
+    /// the dispatches to them this VM has seen.
+    pub(super) fn pool(&self, indices: &[usize]) -> Reading {
+        let pods = || indices.iter().map(|&i| self.pods[i].as_str());
+        Reading {
+            key: pool_key(pods()),
+            dispatched: pods().map(|pod| self.active.dispatched(pod)).sum(),
+        }
+    }
+
     /// Whether the pool's KV is about to run short (`routing::demand`) for requests like this one,
-    /// `blocks_each` the blocks it would add: the pick rate as this pick's poll of the log left it,
-    /// against the candidates' budgets (`budgets`, tokens), with their pace where scraped. Asked
-    /// only for a hot prefix's pick.
+    /// `blocks_each` the blocks it would add: the rate of dispatches to the candidates, against
+    /// their budgets (`budgets`, tokens), with their pace where scraped. Asked only for a hot
+    /// prefix's pick.
     pub(super) fn kv_short(
         &self,
         ask: &Ask,
@@ -198,10 +209,7 @@ impl Router {
         est: &Estimate,
         blocks_each: u64,
     ) -> bool {
-        let (Some(pool), Some(head)) = (
-            budgets.iter().copied().sum::<Option<u64>>(),
-            self.log.head(),
-        ) else {
+        let Some(pool) = budgets.iter().copied().sum::<Option<u64>>() else {
             return false;
         };
         let (mut sum, mut n) = (0.0, 0u32);
@@ -216,8 +224,14 @@ impl Router {
         let token_ms = (n > 0).then(|| 1_000.0 * sum / f64::from(n));
         let output = (est.output_tokens, token_ms);
         let budget_blocks = pool / ask.block_tokens.max(1);
-        self.demand
-            .short(ask.now, head, output, blocks_each, budget_blocks)
+        let pods = indices.iter().map(|&i| self.pods[i].as_str());
+        self.demand.short(
+            ask.now,
+            (self.pool(indices), pods),
+            output,
+            blocks_each,
+            budget_blocks,
+        )
     }
 
     /// For a prompt the best pod mostly caches (the caller checks), among the pods loaded alike that mostly cache it
