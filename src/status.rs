@@ -83,6 +83,9 @@ fn pod(
         // Lapsed replicas' reclaimed grants held out of the pod's split until a scrape has read
         // the engine since (the ghost_tokens gauge).
         "ghostTokens": share.map(|s| s.ghost_tokens),
+        // What the other replicas' requests hold on the pod as last synced: explained, not
+        // subtracted, in `unexplainedTokens` (the remote_tokens gauge).
+        "remoteTokens": share.map(|s| s.remote_tokens),
         "backoff": snapshot.map(|s| s.backoff),
         "relief": snapshot.map(|s| s.relief),
         "unexplainedTokens": snapshot.map(|s| s.unexplained_tokens),
@@ -395,12 +398,19 @@ mod tests {
         // A sync has lowered the grant admission reads, and not yet written it to etcd.
         share::modify(&vm, PODS[1], |s| {
             (s.grant, s.published, s.granted, s.contact_ms) = (1_234, 1_500, 5_000, now);
+            s.remote_tokens = 77;
         })
         .unwrap();
         assert_eq!(
             grants(&gate),
             [(json!(0), json!(0)), (json!(1_234), json!(1_500))],
             "in contact, within the budget: the grant; a pod with no share: nothing"
+        );
+        let remote = |p: &Value| p["remoteTokens"].clone();
+        let pods = page(&gate, &vm)["pods"].as_array().unwrap().clone();
+        assert_eq!(
+            pods.iter().map(remote).collect::<Vec<_>>(),
+            [json!(0), json!(77)]
         );
         host.set_now_ms(now + 60_000);
         assert_eq!(
