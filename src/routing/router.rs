@@ -1533,7 +1533,6 @@ mod tests {
                 next.ranking
             );
             assert_eq!(next.hot_held, held_home);
-            assert_eq!(next.hot_held, held_home);
         }
     }
 
