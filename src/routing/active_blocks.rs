@@ -61,6 +61,8 @@ impl PodActive {
 #[derive(Default)]
 pub struct ActiveBlocks {
     pods: HashMap<String, PodActive>,
+    /// The dispatches this VM has seen to any pod, ever.
+    dispatched: u64,
 }
 
 impl ActiveBlocks {
@@ -94,6 +96,7 @@ impl ActiveBlocks {
             return;
         }
         p.dispatched += 1;
+        self.dispatched += 1;
         let hashes = Rc::new(hashes);
         if let Err(at) = p.position(&hashes, request) {
             p.order.insert(at, (hashes.clone(), request));
@@ -104,6 +107,11 @@ impl ActiveBlocks {
     /// The dispatches to the pod this VM has seen so far, its own and the pick log's.
     pub fn dispatched(&self, pod: &str) -> u64 {
         self.pods.get(pod).map_or(0, |p| p.dispatched)
+    }
+
+    /// The same, to every pod.
+    pub fn dispatched_in_all(&self) -> u64 {
+        self.dispatched
     }
 
     /// In-flight requests on the pod whose prompt holds the first `depth` blocks of `hashes`, in
@@ -208,7 +216,9 @@ mod tests {
         // Every dispatch counts once, a replayed one seen twice once, whatever has ended since.
         a.add("p", 3, vec![10], 0);
         a.add("p", 3, vec![10], 0);
-        assert_eq!((a.dispatched("p"), a.dispatched("q")), (3, 0));
+        a.add("q", 4, vec![10], 0);
+        assert_eq!((a.dispatched("p"), a.dispatched("q")), (3, 1));
+        assert_eq!(a.dispatched_in_all(), 4);
     }
 
     /// Chained hashes of a prompt of `blocks` blocks drawn from a few texts per block, so that

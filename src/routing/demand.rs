@@ -47,17 +47,24 @@ pub const DEFAULT_TOKEN_MS: f64 = 10.0;
 /// Weight of one finished request's lifetime in its pod's mean (about 20 requests' memory).
 const WEIGHT: f64 = 0.05;
 
-/// A pool as a pick sees it: which pods (`key`, from their names: [`pool_key`]) and how many
-/// dispatches to them this VM has seen so far.
+/// A pool as a pick sees it: which pods (`key`: [`pool_key`]) and how many dispatches to them
+/// this VM has seen so far.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Reading {
     pub key: u64,
     pub dispatched: u64,
 }
 
-/// The key of the pool made of these pods (in the router's order).
-pub fn pool_key<'a>(pods: impl Iterator<Item = &'a str>) -> u64 {
-    pods.fold(0, |h, pod| crate::hash::chain(h, pod.as_bytes()))
+/// The key of the pool made of these pods, by their places in the router's list of `of` pods (so
+/// a new list makes every key anew: [`Demand::pods_changed`]): a bit per pod up to 64 pods, a
+/// hash beyond.
+pub fn pool_key(indices: &[usize], of: usize) -> u64 {
+    if of <= 64 {
+        indices.iter().fold(0, |mask, &i| mask | 1 << i)
+    } else {
+        let hash = |h, &i: &usize| crate::hash::chain(h, &(i as u64).to_le_bytes());
+        indices.iter().fold(0, hash)
+    }
 }
 
 #[derive(Debug, Default)]
@@ -73,10 +80,23 @@ pub struct Demand {
 impl Demand {
     /// Notes the pool's count as a pick read it.
     pub fn sample(&mut self, now: u64, pool: Reading) {
-        let at = self.pools.iter().position(|(key, _)| *key == pool.key);
-        let (key, mut samples) = match at.and_then(|i| self.pools.remove(i)) {
-            Some(known) => known,
-            None => (pool.key, VecDeque::with_capacity(SAMPLES)),
+        // The pool picked last is first (a gateway of one model has no other): moved there
+        // otherwise, or made.
+        match self.pools.iter().position(|(key, _)| *key == pool.key) {
+            Some(0) => {}
+            Some(i) => {
+                if let Some(known) = self.pools.remove(i) {
+                    self.pools.push_front(known);
+                }
+            }
+            None => {
+                self.pools
+                    .push_front((pool.key, VecDeque::with_capacity(SAMPLES)));
+                self.pools.truncate(POOLS);
+            }
+        }
+        let Some((_, samples)) = self.pools.front_mut() else {
+            return;
         };
         if samples.back().is_none_or(|&(_, n)| n < pool.dispatched) {
             if samples.len() == SAMPLES {
@@ -84,8 +104,6 @@ impl Demand {
             }
             samples.push_back((now, pool.dispatched));
         }
-        self.pools.push_front((key, samples));
-        self.pools.truncate(POOLS);
     }
 
     /// Dispatches per ms to the pool over the latest span of at least [`MIN_APPENDS`] of them that
@@ -106,8 +124,10 @@ impl Demand {
         *mean += WEIGHT * (ms - *mean);
     }
 
-    /// Forgets the pods that left the pool.
-    pub fn retain_pods(&mut self, keep: impl Fn(&str) -> bool) {
+    /// The router's list of pods changed: the pools' keys name other pods now, and the pods that
+    /// left are forgotten.
+    pub fn pods_changed(&mut self, keep: impl Fn(&str) -> bool) {
+        self.pools.clear();
         self.lifetimes.retain(|pod, _| keep(pod));
     }
 
@@ -147,12 +167,13 @@ mod tests {
 
     use super::*;
 
+    /// The first two of four pods.
     const PODS: [&str; 2] = ["a:1", "b:1"];
 
     /// The pool of [`PODS`] with `n` dispatches seen.
     fn at(n: u64) -> Reading {
         Reading {
-            key: pool_key(PODS.into_iter()),
+            key: pool_key(&[0, 1], 4),
             dispatched: n,
         }
     }
@@ -234,7 +255,7 @@ mod tests {
     fn each_pool_reads_its_own_dispatches() {
         // A burst on one model's pods, while another model's pool takes a request a second.
         let other = |n| Reading {
-            key: pool_key(["c:1", "d:1"].into_iter()),
+            key: pool_key(&[2, 3], 4),
             dispatched: n,
         };
         let mut d = Demand::default();
@@ -244,16 +265,15 @@ mod tests {
         }
         assert!(d.rate(5, at(40)).is_some_and(|r| r >= 8.0));
         assert_eq!(d.rate(5, other(1)), None, "one dispatch there");
-        // As many pools as models, then the one picked longest ago gives way.
-        for k in 0..POOLS as u64 {
-            d.sample(
-                10,
-                Reading {
-                    key: k,
-                    dispatched: 1,
-                },
-            );
-        }
+        // As many pools as models, then the one picked longest ago gives way: six more, each
+        // of one pod of sixteen, make eight, of which the first pool is the oldest.
+        let one = |pod| Reading {
+            key: pool_key(&[pod], 16),
+            dispatched: 1,
+        };
+        (4..4 + POOLS - 2).for_each(|pod| d.sample(10, one(pod)));
+        assert!(d.rate(5, at(40)).is_some(), "eight pools");
+        d.sample(10, one(15));
         assert_eq!(d.rate(5, at(40)), None, "forgotten");
     }
 
@@ -278,7 +298,9 @@ mod tests {
         d.finished("b:1", 2_000);
         assert!(short(&d, now, n, (10, None), 10, 1_474));
         assert!(!short(&d, now, n, (10, None), 10, 1_475));
-        d.retain_pods(|pod| pod != "b:1");
+        d.pods_changed(|pod| pod != "b:1");
+        assert_eq!(d.rate(now, at(n)), None, "the pools are made anew");
+        let (now, n) = picks(&mut d, now, 10, 20, n);
         assert!(short(&d, now, n, (10, None), 10, 949));
         assert!(!short(&d, now, n, (10, None), 10, 950));
     }

@@ -333,7 +333,7 @@ impl Router {
             self.adapters.retain_pods(|p| pods.iter().any(|q| q == p));
             self.copies.retain_pods(|p| pods.iter().any(|q| q == p));
             self.phases.retain_pods(|p| pods.iter().any(|q| q == p));
-            self.demand.retain_pods(|p| pods.iter().any(|q| q == p));
+            self.demand.pods_changed(|p| pods.iter().any(|q| q == p));
             self.pods = pods;
         }
     }

@@ -190,10 +190,16 @@ impl Router {
     /// The pool of these candidates as the demand reads it (`routing::demand`): which pods, and
     /// the dispatches to them this VM has seen.
     pub(super) fn pool(&self, indices: &[usize]) -> Reading {
-        let pods = || indices.iter().map(|&i| self.pods[i].as_str());
+        // Every pod (a gateway of one model): the total, without a lookup per pod.
+        let dispatched = if indices.len() == self.pods.len() {
+            self.active.dispatched_in_all()
+        } else {
+            let pods = indices.iter().map(|&i| self.pods[i].as_str());
+            pods.map(|pod| self.active.dispatched(pod)).sum()
+        };
         Reading {
-            key: pool_key(pods()),
-            dispatched: pods().map(|pod| self.active.dispatched(pod)).sum(),
+            key: pool_key(indices, self.pods.len()),
+            dispatched,
         }
     }
 
