@@ -28,8 +28,8 @@ use std::collections::VecDeque;
 /// second (a hot prefix's benchmark) puts 16 dispatches within 75 ms, the span that would take it
 /// past a pool's budget there, about once in 10⁹ picks; a burst gives them in 2–3 ms, before its
 /// groups have requests enough in flight to be priced as shared.
-pub const MIN_APPENDS: u64 = 16;
-/// Samples kept per pool: twice [`MIN_APPENDS`], with one sample per count seen, so that a span
+pub const MIN_DISPATCHES: u64 = 16;
+/// Samples kept per pool: twice [`MIN_DISPATCHES`], with one sample per count seen, so that a span
 /// of that many dispatches is always among them.
 const SAMPLES: usize = 32;
 /// Pools whose samples are kept: one per model a gateway serves, as a rule; the pool picked for
@@ -106,14 +106,14 @@ impl Demand {
         }
     }
 
-    /// Dispatches per ms to the pool over the latest span of at least [`MIN_APPENDS`] of them that
+    /// Dispatches per ms to the pool over the latest span of at least [`MIN_DISPATCHES`] of them that
     /// ends now, if its samples hold one (a span within one ms counts as one ms).
     pub fn rate(&self, now: u64, pool: Reading) -> Option<f64> {
         let (_, samples) = self.pools.iter().find(|(key, _)| *key == pool.key)?;
         let &(at, from) = samples
             .iter()
             .rev()
-            .find(|&&(_, n)| pool.dispatched.saturating_sub(n) >= MIN_APPENDS)?;
+            .find(|&&(_, n)| pool.dispatched.saturating_sub(n) >= MIN_DISPATCHES)?;
         Some((pool.dispatched - from) as f64 / now.saturating_sub(at).max(1) as f64)
     }
 
@@ -200,7 +200,7 @@ mod tests {
     #[test]
     fn a_rate_needs_enough_dispatches() {
         let mut d = Demand::default();
-        let (now, n) = picks(&mut d, 1_000, 1, MIN_APPENDS, 0);
+        let (now, n) = picks(&mut d, 1_000, 1, MIN_DISPATCHES, 0);
         assert_eq!(
             d.rate(now, at(n)),
             None,
