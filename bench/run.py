@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests/e2e"))
 
 import harness  # noqa: E402
-from harness import (LEAST_REQUEST, ROUND_ROBIN, Envoy, Sim, default_plugin_config,  # noqa: E402
+from harness import (LEAST_REQUEST, ROUND_ROBIN, STATUS_PATH, Envoy, Sim, default_plugin_config,  # noqa: E402
                      envoy_config, free_port, kvgate_envoy, request, wait_port)
 
 VENV = ROOT / ".venv"
@@ -326,7 +326,8 @@ def cli_strings():
         return " ".join(Path(a).name if a.startswith(str(ROOT)) else a for a in argv)
     return {
         "kvgate": f"Envoy --concurrency {ENVOY_CONCURRENCY} with kvgate.wasm, plugin config "
-                  f"harness.default_plugin_config() (+ admission.objectives {json.dumps(MIXED_OBJECTIVES)} for mixed)"
+                  f"harness.default_plugin_config() (+ admission.objectives {json.dumps(MIXED_OBJECTIVES)} for mixed; "
+                  f"statusPath {STATUS_PATH} but for the overhead, read every 0.5 s for how right kvgate was)"
                   + (f" merged with {json.dumps(KVGATE_OVERRIDE)}" if KVGATE_OVERRIDE else ""),
         "kvgate-no-affinity": f"kvgate as above, merged with {json.dumps(NO_AFFINITY)} (lora workload only)",
         "envoy-rr": f"Envoy --concurrency {ENVOY_CONCURRENCY}, no kvgate, load_balancing_policy round_robin",
@@ -345,6 +346,9 @@ def kvgate_config(workload):
     cfg = default_plugin_config()
     if workload == "mixed":
         cfg.setdefault("admission", {})["objectives"] = dict(MIXED_OBJECTIVES)
+    if workload != "overhead":
+        # For `ActiveSampler`: the pods as shared data holds them at the moment it asks.
+        cfg["statusPath"] = STATUS_PATH
     for key, value in KVGATE_OVERRIDE.items():
         if isinstance(value, dict):
             cfg.setdefault(key, {}).update(value)
@@ -495,19 +499,27 @@ class Sampler:
 
 
 class ActiveSampler(Sampler):
-    """kvgate's predicted active blocks, the engines' own KV in use and what admission's entries
-    hold (per pod, the `active_blocks`, `engine_blocks` and `held_tokens` gauges, the last in
-    blocks): [(predicted, engine, held) per pod]."""
+    """kvgate's predicted active blocks, the engines' own KV in use as kvgate last scraped it, what
+    admission's entries hold (per pod, the `active_blocks`, `engine_blocks` and `held_tokens`
+    gauges, the last in blocks), and the first and the third again as the status page and
+    `/sim/stats` (kv_blocks_used) give them at the moment of the sample: [(predicted, engine, held,
+    predicted now, engine now, held now) per pod]. The gauges are written on kvgate's tick and the
+    engine's figure at its last scrape, so comparing them counts both lags as kvgate's error."""
 
-    def __init__(self, envoy):
+    def __init__(self, envoy, sim):
         super().__init__()
-        self.envoy = envoy
+        self.envoy, self.sim = envoy, sim
 
     def sample(self):
         active = harness.kvgate_gauges(self.envoy, "active_blocks")
         engine = harness.kvgate_gauges(self.envoy, "engine_blocks")
         held = harness.kvgate_gauges(self.envoy, "held_tokens")
-        return [(active[p], engine[p], held.get(p, 0) / BLOCK_TOKENS) for p in active if p in engine]
+        page = {p["pod"].replace(".", "_").replace(":", "_"): p
+                for p in request(self.envoy.port, "GET", STATUS_PATH).json()["pods"]}
+        live = {f"127_0_0_1_{port}": self.sim.stats(i)["kv_blocks_used"] for i, port in enumerate(self.sim.ports)}
+        return [(active[p], engine[p], held.get(p, 0) / BLOCK_TOKENS, page[p]["activeBlocks"], live[p],
+                 page[p]["heldTokens"] / BLOCK_TOKENS)
+                for p in active if p in engine and p in page and p in live]
 
 
 class KvSampler(Sampler):
@@ -522,14 +534,16 @@ class KvSampler(Sampler):
         return [s["kv_blocks_used"] / s["num_gpu_blocks"] for s in st]
 
 
-def active_fit(samples, lo, hi, which=0):
-    """kvgate's predicted active blocks (`which` 0) or admission's held tokens in blocks (1)
-    against the engines' KV in use, over the samples from `lo` to `hi` s where the pool is busy
-    (the engines hold at least a tenth of what they did at most): (Σ kvgate ÷ Σ engine, its bias;
-    Σ|kvgate − engine| ÷ Σ engine, which also counts the scrape's lag, since the engine's figure
-    is its last scrape's). None for samples without that figure (runs before it was sampled)."""
-    pairs = [(s[0] if which == 0 else s[2], s[1]) for t, per_pod in samples if lo <= t <= hi
-             for s in per_pod if which == 0 or len(s) > 2]
+def active_fit(samples, lo, hi, kvgate=0, engine=1):
+    """One of kvgate's figures (`kvgate`: 0 its predicted active blocks, 2 admission's held tokens
+    in blocks, from its gauges; 3 and 5 the same at the sample) against one of the engines'
+    (`engine`: 1 their KV in use as kvgate last scraped it, 4 as it was at the sample), over the
+    samples from `lo` to `hi` s where the pool is busy (the
+    engines hold at least a tenth of what they did at most): (Σ kvgate ÷ Σ engine, its bias;
+    Σ|kvgate − engine| ÷ Σ engine, which against the scraped figure also counts the scrape's lag).
+    None for samples without the figures (runs before they were sampled)."""
+    pairs = [(s[kvgate], s[engine]) for t, per_pod in samples if lo <= t <= hi
+             for s in per_pod if len(s) > max(kvgate, engine)]
     peak = max((e for _, e in pairs), default=0)
     busy = [(a, e) for a, e in pairs if e >= peak / 10 and e > 0]
     total = sum(e for _, e in busy)
@@ -552,7 +566,7 @@ def run_cell(ctx, tname, wname, label, bench_args, sim_args, timeout, concurrenc
             with target(tname, sim.endpoints, wname, str(ctx["out"] / "logs"), ctx["cli"], concurrency) as (port, envoy):
                 is_kvgate = tname.startswith("kvgate")
                 with KvSampler(sim) if sample_kv else contextlib.nullcontext() as sampler, \
-                        ActiveSampler(envoy) if is_kvgate else contextlib.nullcontext() as active:
+                        ActiveSampler(envoy, sim) if is_kvgate else contextlib.nullcontext() as active:
                     summary = run_bench(port, bench_args, out_base, timeout)
                 kv = sampler.samples if sampler else None
                 wait_idle(sim)
@@ -1134,15 +1148,20 @@ def accuracy_line(cell):
         if e.get("prompt") is not None and e.get("output") is not None:
             parts.append(f"estimate error, median over answers ({model}): prompt {e['prompt']:.1f} %, "
                          f"output {e['output']:.1f} %")
-    fit = active_fit(acc.get("active") or [], 2.0, float("inf"))
-    if fit is not None:
-        parts.append(f"predicted active blocks ÷ the engines' KV in use {fit[0]:.2f}, {100 * fit[1]:.1f} % apart "
-                     f"(Σ kvgate ÷ Σ engine; Σ|kvgate − engine| ÷ Σ engine, with the scrape's lag; 0.5 s "
-                     f"samples while busy)")
-    held = active_fit(acc.get("active") or [], 2.0, float("inf"), which=1)
-    if held is not None:
-        parts.append(f"what admission's entries hold ÷ the engines' KV {held[0]:.2f}, {100 * held[1]:.1f} % apart "
-                     f"(in {BLOCK_TOKENS}-token blocks)")
+    samples = acc.get("active") or []
+    for kvgate, what, unit in ((0, "predicted active blocks", ""),
+                               (2, "what admission's entries hold", f" (in {BLOCK_TOKENS}-token blocks)")):
+        fit = active_fit(samples, 2.0, float("inf"), kvgate)
+        if fit is None:
+            continue
+        part = f"{what} ÷ the engines' KV in use {fit[0]:.2f}, {100 * fit[1]:.1f} % apart{unit}"
+        if kvgate == 0:
+            part += (" (Σ kvgate ÷ Σ engine; Σ|kvgate − engine| ÷ Σ engine, with kvgate's tick and the "
+                     "scrape's lag; 0.5 s samples while busy)")
+        now = active_fit(samples, 2.0, float("inf"), kvgate + 3, engine=4)
+        if now is not None:
+            part += f", both read at the same moment {now[0]:.2f}, {100 * now[1]:.1f} % apart"
+        parts.append(part)
     k = cell.get("kvgate") or {}
     if k.get("prefix.blocks_total"):
         predicted = k.get("prefix.blocks_matched", 0) / k["prefix.blocks_total"]

@@ -3,7 +3,6 @@ kvgate.wasm (config derived from envoy/envoy.yaml), kvgate-sim pods, and small h
 loopback. Everything started here is stopped by the context managers, even when a test fails."""
 
 import contextlib
-import copy
 import json
 import os
 import socket
@@ -21,6 +20,8 @@ WASM = Path(os.environ.get("KVGATE_WASM", ROOT / "target/wasm32-wasip1/release/k
 SIM_BIN = Path(os.environ.get("KVGATE_SIM_BIN", ROOT / "target/tools/kvgate-sim"))
 ENVOY_BIN = Path(os.environ.get("KVGATE_ENVOY_BIN", ROOT / ".venv/bin/envoy"))
 ENVOY_YAML = ROOT / "envoy/envoy.yaml"
+# Where the tests and the benchmark ask kvgate for its status page (`statusPath`, off by default).
+STATUS_PATH = "/kvgate/status"
 
 
 def _probe() -> socket.socket:
@@ -346,6 +347,7 @@ def stream(port, path, body, headers=None, timeout=120.0):
         r = conn.getresponse()
         result = {"status": r.status, "headers": {k.lower(): v for k, v in r.getheaders()},
                   "ttft": None, "chunks": 0, "stall": 0.0, "usage": None}
+        last = 0.0  # when the last chunk with text came (set by the first, which sets the TTFT)
         if r.status != 200:
             result["body"] = r.read()
             result["total"] = time.perf_counter() - t0

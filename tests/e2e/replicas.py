@@ -16,15 +16,14 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from harness import (default_plugin_config, envoy_config, free_port, kvgate_gauges, request, stop, stream,
-                     wait_port, Envoy, wait_for)
+from harness import (STATUS_PATH, default_plugin_config, envoy_config, free_port, kvgate_gauges, request, stop,
+                     stream, wait_port, Envoy, wait_for)
 
 from bodies import unshared_completion
 
 # Two pods of 256 blocks x 16 tokens = 4096 tokens of KV each (the pool).
 SMALL_KV = ["--time-scale", "10", "--num-gpu-blocks", "256"]
 BLOCK = 16
-STATUS_PATH = "/kvgate/status"
 
 
 class Etcd:

@@ -15,7 +15,6 @@ from pathlib import Path
 
 from harness import Envoy, Sim, envoy_config, free_port, kvgate_gauges, request, wait_for
 
-from bodies import MODEL
 
 # ---------------------------------------------------------------------------------------------
 # Health of the filter's VMs

@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from harness import (Envoy, Sim, baseline_envoy, default_plugin_config, envoy_config, free_port, kvgate_envoy,
-                     kvgate_gauges, request, stream, wait_for)
+from harness import (STATUS_PATH, Envoy, Sim, baseline_envoy, default_plugin_config, envoy_config, free_port,
+                     kvgate_envoy, kvgate_gauges, request, stream, wait_for)
 
 from bodies import grouped_chat, unshared_chat
 BLOCKS, BLOCK = 256, 16
@@ -216,7 +216,7 @@ def test_a_burst_of_shared_prefixes_is_counted_in_full_however_the_workers_inter
     asserted: once in 44 runs with the fix the pods preempted while the accounting held,
     docs/limitations.md.)"""
     cfg = default_plugin_config()
-    cfg["statusPath"] = "/kvgate/status"
+    cfg["statusPath"] = STATUS_PATH
     groups, per_group, max_tokens, system_words = 8, 50, 64, 3000
     gaps, stop = {}, threading.Event()
     with Sim(pods=4, args=["--num-gpu-blocks", "1024"]) as sim, \
@@ -229,7 +229,7 @@ def test_a_burst_of_shared_prefixes_is_counted_in_full_however_the_workers_inter
             # ended after, so the records must count it.
             while not stop.is_set():
                 before = [sim.stats(i) for i in range(sim.pods)]
-                status = request(envoy.port, "GET", "/kvgate/status").json()
+                status = request(envoy.port, "GET", STATUS_PATH).json()
                 after = [sim.stats(i) for i in range(sim.pods)]
                 for pod in status["pods"]:
                     i = port_of[pod["pod"]]

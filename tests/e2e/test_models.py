@@ -5,7 +5,6 @@ lists that do not parse are answered clearly, and the two-cluster example (envoy
 sends each model to its own cluster and kvgate pool."""
 
 import json
-import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 

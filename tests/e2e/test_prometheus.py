@@ -14,7 +14,6 @@
 
 import json
 import math
-import re
 import shutil
 import subprocess
 import tempfile
@@ -26,12 +25,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harness import (ROOT, Sim, default_plugin_config, free_port, kvgate_envoy, request, stop,
-                     wait_for, wait_port)
+from harness import (ROOT, STATUS_PATH, Sim, default_plugin_config, free_port, kvgate_envoy, request,
+                     stop, wait_for, wait_port)
 
 MONITORING = ROOT / "monitoring"
 RULES = MONITORING / "kvgate-rules.yml"
-STATUS_PATH = "/kvgate/status"
 # Long enough to cut into several 16-token blocks, shared by every request: prefix hits.
 SYSTEM = "You are a careful assistant for the operations team. " * 12
 SCRAPE_S = 1

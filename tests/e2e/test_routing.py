@@ -12,8 +12,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from harness import (ROOT, Envoy, Sim, baseline_envoy, default_plugin_config, envoy_config, free_port,
-                     kvgate_envoy, kvgate_gauges, request, stream, wait_for)
+from harness import (ROOT, STATUS_PATH, Envoy, Sim, baseline_envoy, default_plugin_config, envoy_config,
+                     free_port, kvgate_envoy, kvgate_gauges, request, stream, wait_for)
 from robustness import pick_of
 
 from bodies import MODEL, group_chat, grouped_chat, unshared_chat
@@ -231,7 +231,7 @@ def test_a_groups_request_waits_for_room_on_its_pod_before_computing_its_prefix_
 
     def envoy_with(sim, **admission):
         cfg = default_plugin_config()
-        cfg["statusPath"] = "/kvgate/status"
+        cfg["statusPath"] = STATUS_PATH
         cfg["admission"] = dict(cfg.get("admission", {}), **admission)
         return kvgate_envoy(sim.endpoints, cfg)
 
@@ -240,7 +240,7 @@ def test_a_groups_request_waits_for_room_on_its_pod_before_computing_its_prefix_
         the first's answer and what `then` returned."""
         with ThreadPoolExecutor(1) as pool:
             f = pool.submit(stream, envoy.port, "/v1/chat/completions", first)
-            pods = wait_for(lambda: [p for p in request(envoy.port, "GET", "/kvgate/status").json()["pods"]
+            pods = wait_for(lambda: [p for p in request(envoy.port, "GET", STATUS_PATH).json()["pods"]
                                      if p["inFlight"]], timeout=5)
             assert pods, "the first request is in flight"
             out = then(pods[0])

@@ -11,13 +11,11 @@ minute; latencies below are converted back to simulated seconds where stated.
 import http.client
 import json
 import math
-import os
 import random
 import subprocess
 import tempfile
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
