@@ -701,11 +701,12 @@ impl Router {
         // 12 ms, on pods still empty, which then filled with copies instead of requests (held:
         // 7–10 more, 533–545 requests in the first wave against 464–504, TTFT mean 6 % lower;
         // a hot prefix's steady stream reads a fourteenth of its pool and is copied as before).
-        let hot = need == Room::Patient && cached && ask.copy_weight <= 0.5 && {
+        let patient = need == Room::Patient && cached;
+        let hot = patient && ask.copy_weight <= 0.5 && {
             let blocks_each = prompt_blocks.saturating_sub(most) as u64 + output_blocks;
             self.kv_short(&ask, &indices, &budgets, est, blocks_each)
         };
-        let sticks = need == Room::Patient && cached && (ask.copy_weight > 0.5 || hot) && {
+        let sticks = patient && (ask.copy_weight > 0.5 || hot) && {
             let nearest = ranked
                 .iter()
                 .filter(|s| near(s.index))
