@@ -538,10 +538,10 @@ def active_fit(samples, lo, hi, kvgate=0, engine=1):
     """One of kvgate's figures (`kvgate`: 0 its predicted active blocks, 2 admission's held tokens
     in blocks, from its gauges; 3 and 5 the same at the sample) against one of the engines'
     (`engine`: 1 their KV in use as kvgate last scraped it, 4 as it was at the sample), over the
-    samples from `lo` to `hi` s where the pool is busy (the
-    engines hold at least a tenth of what they did at most): (Σ kvgate ÷ Σ engine, its bias;
-    Σ|kvgate − engine| ÷ Σ engine, which against the scraped figure also counts the scrape's lag).
-    None for samples without the figures (runs before they were sampled)."""
+    samples from `lo` to `hi` s where the pool is busy (the engines hold at least a tenth of what
+    they did at most): (Σ kvgate ÷ Σ engine, its bias; Σ|kvgate − engine| ÷ Σ engine, which against
+    the scraped figure also counts the scrape's lag). None for samples without the figures (runs
+    before they were sampled)."""
     pairs = [(s[kvgate], s[engine]) for t, per_pod in samples if lo <= t <= hi
              for s in per_pod if len(s) > max(kvgate, engine)]
     peak = max((e for _, e in pairs), default=0)
