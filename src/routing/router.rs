@@ -596,7 +596,8 @@ impl Router {
             // The model lists changed since the flow checked: the engine answers for itself.
             return Ok((Placement::NoPods, from_copies));
         }
-        self.demand.sample(now, self.pool(&indices));
+        let pool = self.pool(&indices);
+        self.demand.sample(now, pool);
         let adapter_fit = self.adapter_fits(&indices, model, &records, now, cfg);
         let mut ask = Ask {
             records: &records,
@@ -607,6 +608,7 @@ impl Router {
             now,
             hot_blocks: 0,
             copy_weight: 1.0,
+            pool,
         };
         // Leading prompt blocks already held by in-flight requests, per candidate: they cost no
         // new KV there, in the score and in the reservation alike.

@@ -35,6 +35,9 @@ pub(super) struct Ask<'a> {
     /// share of their prefill a request copying them to another pod pays (`pick::copy_weight`).
     pub(super) hot_blocks: usize,
     pub(super) copy_weight: f64,
+    /// The candidates as the demand reads them (`Router::pool`), read once for the pick's sample
+    /// and its `kv_short`.
+    pub(super) pool: Reading,
 }
 
 impl Ask<'_> {
@@ -233,7 +236,7 @@ impl Router {
         let pods = indices.iter().map(|&i| self.pods[i].as_str());
         self.demand.short(
             ask.now,
-            (self.pool(indices), pods),
+            (ask.pool, pods),
             output,
             blocks_each,
             budget_blocks,
