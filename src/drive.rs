@@ -4,7 +4,7 @@
 //! stream is already gone. The shell (and the flow fuzz target) supply the host side through
 //! [`Waiting`]; the logic lives here so it is tested natively and shared by both.
 
-use crate::admission::admit::{Backfills, Reach, Stay};
+use crate::admission::admit::{Reach, Stay};
 use crate::flow::{Flow, Gate, Step};
 use crate::openai::reply::LocalReply;
 use crate::stats;
@@ -14,8 +14,8 @@ use crate::store::interface::Store;
 /// admits or drops one ticket and the line is bounded, so this only guards against a loop.
 const MAX_ADMITS: usize = 1_000;
 
-/// Backfills tried in one pass over the line at most: each is a routing attempt on the request
-/// path of whatever woke the VM.
+/// Backfills tried in one pass over the line at most, however many passes the head has left:
+/// each is a routing attempt on the request path of whatever woke the VM.
 const MAX_BACKFILL_TRIES: usize = 8;
 
 /// What the host does with a stream once a decision's header edits are made.
@@ -115,21 +115,19 @@ pub fn run_line(gate: &mut Gate, store: &dyn Store, waiting: &mut impl Waiting) 
         // this VM's index, or its group's home): a cheap look through the line first, then a
         // pick for each, which decides.
         let now = store.now_ms();
-        let Backfills { tickets, left } = gate.backfill(store, true);
-        let cached: Vec<u64> = tickets
+        let cached: Vec<u64> = gate
+            .backfill(store, true)
             .into_iter()
             .filter(|&t| {
                 waiting.find(t).is_some_and(|stream| {
                     waiting.with_flow(&stream, |f| f.parked_prompt_belongs_on(gate, &roomy, now))
                 })
             })
-            .take(left.min(MAX_BACKFILL_TRIES))
+            .take(MAX_BACKFILL_TRIES)
             .collect();
-        for backfill in cached {
-            if retry(gate, store, waiting, backfill, Reach::Cached).is_ok() {
-                gate.stats.count(stats::ADMISSION_CACHE_FIRST, 1);
-            }
-        }
+        let admitted = backfill(gate, store, waiting, cached, true);
+        gate.stats
+            .count(stats::ADMISSION_CACHE_FIRST, admitted as u64);
         // For `Config::cache_wait_ms` from the first time it heads the line with room only
         // elsewhere, a head whose prefix few requests share waits for room where it is cached
         // (`Router::route_patient`) rather than take room elsewhere. Not from its arrival: in a
@@ -157,10 +155,32 @@ pub fn run_line(gate: &mut Gate, store: &dyn Store, waiting: &mut impl Waiting) 
     // Behind a head with no room (or another VM's), a backfill goes only where its prefix is,
     // when some pod holds it: a pass spent on a copy of a prefix another pod holds would cost
     // the room of several requests.
-    let Backfills { tickets, left } = gate.backfill(store, false);
-    for ticket in tickets.into_iter().take(left.min(MAX_BACKFILL_TRIES)) {
-        let _ = retry(gate, store, waiting, ticket, Reach::Cached);
+    let tickets = gate.backfill(store, false);
+    backfill(gate, store, waiting, tickets, false);
+}
+
+/// Retries `tickets` in line order, each where its prefix is when some pod caches it, while the
+/// head may still be passed (`cache_first`: by `cacheFirstPasses` more), up to
+/// `MAX_BACKFILL_TRIES`; how many left the line. The passes a head has left do not limit the
+/// tries: behind a long prompt the first few parked requests are often long too, and a shorter
+/// one further back fits the room.
+fn backfill(
+    gate: &mut Gate,
+    store: &dyn Store,
+    waiting: &mut impl Waiting,
+    tickets: Vec<u64>,
+    cache_first: bool,
+) -> usize {
+    let mut admitted = 0;
+    for ticket in tickets.into_iter().take(MAX_BACKFILL_TRIES) {
+        if !gate.may_pass(store, cache_first) {
+            break;
+        }
+        if retry(gate, store, waiting, ticket, Reach::Cached).is_ok() {
+            admitted += 1;
+        }
     }
+    admitted
 }
 
 #[cfg(test)]
@@ -391,6 +411,57 @@ mod tests {
     }
 
     const PODS: [&str; 2] = ["10.0.0.1:8000", "10.0.0.2:8000"];
+
+    #[test]
+    fn a_head_with_passes_left_has_parked_requests_tried_past_one_that_does_not_fit() {
+        let (_h, vm, mut gate) = gate_with(r#""budgetTokens":300,"backfillPasses":1"#);
+        let mut host = Host::default();
+        assert_eq!(
+            send_sized(&mut gate, &vm, &mut host, 1, 40, 100).step,
+            Step::Forward
+        );
+        // Behind a head of about 255 tokens, one of about 200 that does not fit either, then
+        // one of about 30 that does: the one pass left is not one try.
+        for (context, words, max) in [(2, 150, 100), (3, 100, 100), (4, 5, 20)] {
+            assert!(matches!(
+                send_sized(&mut gate, &vm, &mut host, context, words, max).step,
+                Step::Park(_)
+            ));
+        }
+        run_line(&mut gate, &vm, &mut host);
+        let resumed: Vec<u32> = host.resumed.iter().map(|(c, _)| *c).collect();
+        assert_eq!(resumed, [4]);
+        assert!(reserved(&vm) <= 300);
+    }
+
+    #[test]
+    fn a_head_is_passed_backfill_passes_times_for_each_pod() {
+        let (vm, mut gate) = two_pods(r#""budgetTokens":300,"backfillPasses":1"#);
+        let mut host = Host::default();
+        // About 145 tokens run on each pod; a head of about 255 fits on neither, and three of
+        // about 30 behind it would fit on either.
+        for context in [1, 2] {
+            assert_eq!(
+                send_sized(&mut gate, &vm, &mut host, context, 40, 100).step,
+                Step::Forward
+            );
+        }
+        for (context, words, max) in [(3, 150, 100), (4, 5, 20), (5, 5, 20), (6, 5, 20)] {
+            assert!(matches!(
+                send_sized(&mut gate, &vm, &mut host, context, words, max).step,
+                Step::Park(_)
+            ));
+        }
+        run_line(&mut gate, &vm, &mut host);
+        let resumed: Vec<u32> = host.resumed.iter().map(|(c, _)| *c).collect();
+        assert_eq!(resumed, [4, 5], "one pass for each of the two pods");
+        let line = crate::admission::line::read(&vm).unwrap();
+        assert_eq!(line.head_passes(), 2);
+        assert_eq!(host.parked.len(), 2, "the head and the last");
+        for pod in PODS {
+            assert!(crate::pods::record::read(&vm, pod).unwrap().held_tokens() <= 300);
+        }
+    }
 
     /// Two pods, waits of 5 s, and `admission` (JSON members) added to the admission config.
     fn two_pods(admission: &str) -> (FakeVm, Gate) {

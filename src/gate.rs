@@ -3,7 +3,7 @@
 //! and the stats waiting to be flushed. Requests (`flow`) borrow it; the shell's root context
 //! drives its tick, callouts and wake-ups.
 
-use crate::admission::admit::{Admission, Backfills};
+use crate::admission::admit::Admission;
 use crate::config::Config;
 use crate::estimate::calibration::Calibration;
 use crate::models::split::Split;
@@ -374,9 +374,23 @@ impl Gate {
 
     /// This VM's parked requests that may be admitted past the head of the line now
     /// (`cache_first`: into room where their prefix is, which the head would copy its own to).
-    pub fn backfill(&self, store: &dyn Store, cache_first: bool) -> Backfills {
-        self.admission
-            .backfill(store, &self.config.admission, cache_first)
+    pub fn backfill(&self, store: &dyn Store, cache_first: bool) -> Vec<u64> {
+        self.admission.backfill(
+            store,
+            &self.config.admission,
+            cache_first,
+            self.pods().len(),
+        )
+    }
+
+    /// Whether the head of the line may still be passed (`Admission::may_pass`).
+    pub fn may_pass(&self, store: &dyn Store, cache_first: bool) -> bool {
+        self.admission.may_pass(
+            store,
+            &self.config.admission,
+            cache_first,
+            self.pods().len(),
+        )
     }
 
     /// Parked requests past their deadline; the shell retries each, which answers 503.
