@@ -375,22 +375,14 @@ impl Gate {
     /// This VM's parked requests that may be admitted past the head of the line now
     /// (`cache_first`: into room where their prefix is, which the head would copy its own to).
     pub fn backfill(&self, store: &dyn Store, cache_first: bool) -> Vec<u64> {
-        self.admission.backfill(
-            store,
-            &self.config.admission,
-            cache_first,
-            self.pods().len(),
-        )
+        self.admission
+            .backfill(store, &self.config.admission, cache_first)
     }
 
     /// Whether the head of the line may still be passed (`Admission::may_pass`).
     pub fn may_pass(&self, store: &dyn Store, cache_first: bool) -> bool {
-        self.admission.may_pass(
-            store,
-            &self.config.admission,
-            cache_first,
-            self.pods().len(),
-        )
+        self.admission
+            .may_pass(store, &self.config.admission, cache_first)
     }
 
     /// Parked requests past their deadline; the shell retries each, which answers 503.

@@ -824,14 +824,14 @@ impl World {
              ({surely_held} of them surely still holding theirs)"
         );
         let q = live_line(&checked_queue(store), now);
-        // Backfills past one head: the configured passes for each pod (at most the pool's),
-        // plus one per worker racing for the last (each checks the count before it routes).
+        // Backfills past one head: the configured passes, plus one per worker racing for the
+        // last (each checks the count before it routes).
         let racing = self.workers.len() as u32;
-        let allowed = self.backfill_passes * POOL.len() as u32;
         assert!(
-            q.head_passes() <= allowed + racing,
-            "{} backfills past the head, {allowed} allowed",
+            q.head_passes() <= self.backfill_passes + racing,
+            "{} backfills past the head, {} allowed",
             q.head_passes(),
+            self.backfill_passes
         );
         let parked: usize = self.workers.iter().map(|w| w.parked.len()).sum();
         assert!(

@@ -5,7 +5,7 @@
 //! VM, since a shared queue notifies only its last registrant); the head is retried there, and on
 //! success the next head's VM is woken in turn. A tick retries too, as a backstop only.
 
-use crate::admission::line::{self, QueueRecord, Refused, Ticket};
+use crate::admission::line::{self, Refused, Ticket};
 use crate::admission::sessions;
 use crate::config::AdmissionConfig;
 use crate::config::{Config, Mode};
@@ -72,23 +72,19 @@ fn wake_queue_name(vm: u32) -> String {
     format!("kvgate.wake.{vm}")
 }
 
+/// How many times a head may be passed: `backfillPasses`, and `cacheFirstPasses` more for a
+/// backfill into room where its own prefix is cached (`cache_first`).
+fn passes(cfg: &AdmissionConfig, cache_first: bool) -> u32 {
+    if cache_first {
+        cfg.backfill_passes.saturating_add(cfg.cache_first_passes)
+    } else {
+        cfg.backfill_passes
+    }
+}
+
 /// How a ticket names the pod it waits for first (`Placement::NoRoom`, `Placement::Uncached`),
 /// if one is named and someone reads it: only the replicas' sync does (`Gate::pod_views`), so
 /// one gateway does not write it into the line.
-/// Whether `line`'s head has been passed fewer times than it may be: `backfillPasses` for each
-/// of the gateway's `pods`, and `cacheFirstPasses` more for a backfill into room where its own
-/// prefix is cached (`cache_first`).
-fn passes_left(line: &QueueRecord, cfg: &AdmissionConfig, cache_first: bool, pods: usize) -> bool {
-    let per_pod = u32::try_from(pods.max(1)).unwrap_or(u32::MAX);
-    let passes = cfg.backfill_passes.saturating_mul(per_pod);
-    let passes = if cache_first {
-        passes.saturating_add(cfg.cache_first_passes)
-    } else {
-        passes
-    };
-    line.head_passes() < passes
-}
-
 fn wanted(cfg: &Config, belongs: &str) -> u64 {
     if belongs.is_empty() || !cfg.etcd.enabled() {
         0
@@ -425,24 +421,18 @@ impl Admission {
 
     /// This VM's parked tickets that may be admitted past the head now (backfills, in line
     /// order): in the head's band, while the head has been passed fewer than
-    /// `admission.backfillPasses` times for each of the gateway's `pods`, or, for requests whose
-    /// prefix is cached where the head would compute its own again (`cache_first`),
-    /// `cacheFirstPasses` more. Each is then retried like the head; its admission counts the
-    /// pass (`line::remove`).
-    ///
-    /// For each pod: room opens on every pod as its own requests end, and a head that fits none
-    /// of it held the whole pool's. With 4 passes a head on 8 pods, a KV-bound pool of prompts
-    /// from 200 to 3,000 tokens left 3.5–3.9 % of its budget free while 100 requests waited;
-    /// with 4 a pod, 2.0–2.6 % (BENCHMARKS.md). The head's wait grows by at most
-    /// `backfillPasses × pods` reservations (docs/design.md, "The bound").
+    /// `admission.backfillPasses` times, or, for requests whose prefix is cached where the head
+    /// would compute its own again (`cache_first`), `cacheFirstPasses` more. Each is then
+    /// retried like the head (`may_pass` first); its admission counts the pass
+    /// (`line::remove`).
     pub fn backfill(
         &self,
         store: &dyn Store,
         cfg: &AdmissionConfig,
         cache_first: bool,
-        pods: usize,
     ) -> Vec<u64> {
-        if self.parked.is_empty() {
+        let passes = passes(cfg, cache_first);
+        if self.parked.is_empty() || passes == 0 {
             return Vec::new();
         }
         let line = match line::read(store) {
@@ -455,7 +445,7 @@ impl Admission {
         let Some(head) = line.tickets.first() else {
             return Vec::new();
         };
-        if !passes_left(&line, cfg, cache_first, pods) {
+        if line.head_passes() >= passes {
             return Vec::new();
         }
         line.tickets
@@ -471,14 +461,8 @@ impl Admission {
     /// Whether the head of the line may still be passed, read again before each backfill's pick:
     /// another worker may have taken the last passes meanwhile, and read once for a whole pass
     /// over the parked requests each worker could take all of them.
-    pub fn may_pass(
-        &self,
-        store: &dyn Store,
-        cfg: &AdmissionConfig,
-        cache_first: bool,
-        pods: usize,
-    ) -> bool {
-        line::read(store).is_ok_and(|line| passes_left(&line, cfg, cache_first, pods))
+    pub fn may_pass(&self, store: &dyn Store, cfg: &AdmissionConfig, cache_first: bool) -> bool {
+        line::read(store).is_ok_and(|line| line.head_passes() < passes(cfg, cache_first))
     }
 
     /// Parked tickets past their deadline.

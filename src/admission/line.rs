@@ -7,11 +7,11 @@
 //! forward by a fixed credit; ties go to the earlier arrival. The head is admitted first; a
 //! ticket behind it is admitted first only as a *backfill*: in the head's band, into room the
 //! head does not fit (a pod's free KV after a release is often less than a long prompt, and
-//! would idle until more is released), at most `admission.backfillPasses` times per head for
-//! each pod of the gateway ([`QueueRecord::passes`]).
+//! would idle until more is released), at most `admission.backfillPasses` times per head
+//! ([`QueueRecord::passes`]).
 //!
 //! Bound (docs/design.md): within a band, a ticket with start tag S is admitted after at most
-//! the tickets with smaller tags, plus at most `backfillPasses` backfills for each pod (a few more when
+//! the tickets with smaller tags, plus at most `backfillPasses` backfills (a few more when
 //! workers race for the last pass: one per worker) while it is the head; a ticket arriving later
 //! has a tag of at least V − credit, and V never passes S while S waits (a backfill moves V no
 //! further than the head's tag), so what can overtake it is bounded by the tenants' backlogs
