@@ -172,8 +172,9 @@ fn backfill(
     cache_first: bool,
 ) -> usize {
     let mut admitted = 0;
-    for ticket in tickets.into_iter().take(MAX_BACKFILL_TRIES) {
-        if !gate.may_pass(store, cache_first) {
+    for (i, ticket) in tickets.into_iter().take(MAX_BACKFILL_TRIES).enumerate() {
+        // The listing (`Gate::backfill`) has just read the passes for the first.
+        if i > 0 && !gate.may_pass(store, cache_first) {
             break;
         }
         if retry(gate, store, waiting, ticket, Reach::Cached).is_ok() {

@@ -74,7 +74,7 @@ fn wake_queue_name(vm: u32) -> String {
 
 /// How many times a head may be passed: `backfillPasses`, and `cacheFirstPasses` more for a
 /// backfill into room where its own prefix is cached (`cache_first`).
-fn passes(cfg: &AdmissionConfig, cache_first: bool) -> u32 {
+fn passes_allowed(cfg: &AdmissionConfig, cache_first: bool) -> u32 {
     if cache_first {
         cfg.backfill_passes.saturating_add(cfg.cache_first_passes)
     } else {
@@ -431,7 +431,7 @@ impl Admission {
         cfg: &AdmissionConfig,
         cache_first: bool,
     ) -> Vec<u64> {
-        let passes = passes(cfg, cache_first);
+        let passes = passes_allowed(cfg, cache_first);
         if self.parked.is_empty() || passes == 0 {
             return Vec::new();
         }
@@ -462,7 +462,7 @@ impl Admission {
     /// another worker may have taken the last passes meanwhile, and read once for a whole pass
     /// over the parked requests each worker could take all of them.
     pub fn may_pass(&self, store: &dyn Store, cfg: &AdmissionConfig, cache_first: bool) -> bool {
-        line::read(store).is_ok_and(|line| line.head_passes() < passes(cfg, cache_first))
+        line::read(store).is_ok_and(|line| line.head_passes() < passes_allowed(cfg, cache_first))
     }
 
     /// Parked tickets past their deadline.
