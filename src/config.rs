@@ -113,7 +113,7 @@ impl Default for AdmissionConfig {
         Self {
             enabled: true,
             mode: Mode::Enforce,
-            utilization: 0.95,
+            utilization: 1.0,
             budget_tokens: 0,
             max_queue: 1_000,
             backfill_passes: 4,
@@ -128,7 +128,7 @@ impl Default for AdmissionConfig {
             session_header: "x-session-id".into(),
             session_boost_ms: 60_000,
             session_boost_tokens: 65_536,
-            headroom_sigmas: 2.0,
+            headroom_sigmas: 2.5,
         }
     }
 }

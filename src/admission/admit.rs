@@ -903,8 +903,8 @@ mod tests {
             Admit::Routed(_)
         ));
         assert!(
-            matches!(w.place(&cfg, class(&cfg, None, "t"), 100), Admit::Wait(_)),
-            "a budget of 950 (0.95 of 1000)"
+            matches!(w.place(&cfg, class(&cfg, None, "t"), 200), Admit::Wait(_)),
+            "a budget of 1000 (the whole capacity, `utilization` 1.0)"
         );
     }
 

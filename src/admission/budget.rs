@@ -81,6 +81,8 @@ mod tests {
     fn derived_configured_unknown_or_unlimited() {
         let mut cfg = scraping();
         let snap = scraped(1000);
+        assert_eq!(budget_tokens(&cfg, Some(&snap)), Some(1000), "the whole KV");
+        cfg.admission.utilization = 0.95;
         assert_eq!(budget_tokens(&cfg, Some(&snap)), Some(950));
         assert_eq!(
             budget_tokens(&cfg, None),
@@ -105,7 +107,7 @@ mod tests {
             unexplained_tokens: 100,
             ..scraped(1000)
         };
-        assert_eq!(budget_tokens(&cfg, Some(&snap)), Some(950 * 8 / 10 - 100));
+        assert_eq!(budget_tokens(&cfg, Some(&snap)), Some(1000 * 8 / 10 - 100));
         cfg.admission.budget_tokens = 500;
         assert_eq!(
             budget_tokens(&cfg, Some(&snap)),
