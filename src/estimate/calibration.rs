@@ -4,7 +4,9 @@
 //! samples, not dropped). Records live in shared data under a bounded key schema, `kvgate.cal.<slot>`,
 //! one slot per model hash (32 slots); a slot held by another model that is still being updated is
 //! left alone, and that model keeps the static rule. Each VM caches what it read for a second, so
-//! the request path makes at most one host call per model per second for this.
+//! the request path makes at most one host call per model per second for this. The lengths read
+//! are pooled with the VM's own `cohort` of answers started, running ones included, which the
+//! finished answers alone are biased against (see there).
 //!
 //! LoRA adapters are learned twice: each under its own name, and all of one base model's together
 //! in a family record ([`family`], slots `kvgate.calf.<slot>`), which an adapter falls back to
@@ -15,6 +17,7 @@
 //! a calibrated model), some for good, since 33 names in 32 slots collide.
 
 use crate::config::EstimatorConfig;
+use crate::estimate::cohort::Cohort;
 use crate::estimate::output_dist::{bucket, OutputDist, BUCKETS};
 use crate::estimate::reservation::Learned;
 use crate::store::interface::{update, Store, StoreError};
@@ -92,13 +95,24 @@ impl ModelStats {
         self.samples = self.samples.saturating_add(1);
     }
 
-    fn learned(&self, cfg: &EstimatorConfig) -> Option<Learned> {
+    /// What the record has learned, its lengths pooled with this VM's `cohort` of answers
+    /// started (deaths and censorings added per bucket: `cohort`'s module says why).
+    fn learned(&self, cohort: Option<&Cohort>, cfg: &EstimatorConfig) -> Option<Learned> {
+        let (mut ended, mut cut) = (self.output.clone(), self.cut.clone());
+        if let Some((e, c)) = cohort.map(Cohort::counts) {
+            for (into, from) in [(&mut ended, e), (&mut cut, c)] {
+                into.resize(BUCKETS, 0.0);
+                for (x, y) in into.iter_mut().zip(from) {
+                    *x += y;
+                }
+            }
+        }
         (self.samples >= cfg.min_samples).then(|| Learned {
             prompt_scale: self.prompt_scale,
             prompt_spread: self
                 .prompt_var
                 .map_or(cfg.prompt_spread, |v| v.max(0.0).sqrt().min(1.0)),
-            output: OutputDist::learned(&self.output, &self.cut, cfg.default_output_tokens),
+            output: OutputDist::learned(&ended, &cut, cfg.default_output_tokens),
         })
     }
 }
@@ -146,6 +160,19 @@ pub struct Calibration {
     /// Samples gathered since the last flush: written once a tick, not once a response, so
     /// the shared records are not a point of contention on the request path.
     pending: Vec<(String, Sample)>,
+    /// The answers this VM started last, per model and adapter family (`cohort`).
+    cohorts: HashMap<String, Cohort>,
+    /// Numbers the answers in the cohorts.
+    started: u32,
+}
+
+/// An answer's place in its model's cohorts (`Calibration::started`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Started {
+    seq: u32,
+    /// The length bucket last noted: the cohorts hear of an answer again only when it moves to
+    /// the next (a few dozen times over a long answer), not at every chunk.
+    bucket: usize,
 }
 
 /// Samples kept between flushes at most; beyond, new ones are dropped (a tick's worth of
@@ -186,13 +213,69 @@ impl Calibration {
             .and_then(|v| v.value)
             .and_then(|bytes| serde_json::from_slice::<ModelStats>(&bytes).ok())
             .filter(|s| s.model == model)
-            .and_then(|s| s.learned(cfg));
+            .and_then(|s| s.learned(self.cohorts.get(model), cfg));
         // The cache is bounded like the slots: models beyond them are not worth remembering.
         if self.cache.len() >= SLOTS as usize * 4 {
             self.cache.clear();
         }
         self.cache.insert(model.to_string(), (now, learned));
         learned
+    }
+
+    /// An answer for `model` (and its adapter `family`) has started streaming.
+    pub fn started(
+        &mut self,
+        model: &str,
+        family: Option<&str>,
+        cfg: &EstimatorConfig,
+    ) -> Option<Started> {
+        if !cfg.calibrate {
+            return None;
+        }
+        self.started = self.started.wrapping_add(1);
+        // Bounded like the cache; a VM serving more models than that keeps learning from the
+        // shared records alone for the ones it drops.
+        if self.cohorts.len() >= SLOTS as usize * 2 {
+            self.cohorts.clear();
+        }
+        for name in std::iter::once(model).chain(family) {
+            self.cohorts
+                .entry(name.to_string())
+                .or_default()
+                .start(self.started);
+        }
+        Some(Started {
+            seq: self.started,
+            bucket: 0,
+        })
+    }
+
+    /// What `model`'s cohort holds: per bucket, the answers ended and censored (tests).
+    #[cfg(test)]
+    pub fn cohort_counts(&self, model: &str) -> Option<([f64; BUCKETS], [f64; BUCKETS])> {
+        self.cohorts.get(model).map(Cohort::counts)
+    }
+
+    /// The answer has streamed `tokens` so far, or stopped there (`over`: `Some(true)` by
+    /// itself, `Some(false)` cut off by its limit or lost).
+    pub fn streamed(
+        &mut self,
+        model: &str,
+        family: Option<&str>,
+        at: &mut Started,
+        tokens: u64,
+        over: Option<bool>,
+    ) {
+        let b = bucket(tokens);
+        if over.is_none() && b == at.bucket {
+            return;
+        }
+        at.bucket = b;
+        for name in std::iter::once(model).chain(family) {
+            if let Some(c) = self.cohorts.get_mut(name) {
+                c.note(at.seq, tokens, over);
+            }
+        }
     }
 
     /// Notes one response's ground truth, for `model` and its adapter `family` if it has one;
@@ -309,6 +392,52 @@ mod tests {
         assert!((0.08..=0.14).contains(&tail), "P(> 500) = {tail}");
         assert!(learned.output.survival(150.0) < 0.2);
         assert_eq!(cal.learned(&b, "other", None, &cfg), None);
+    }
+
+    /// The shared record has seen only short answers finish; this VM has long ones still
+    /// streaming. They count as running past what they have streamed (censored), so the
+    /// lengths learned are not the finished ones' alone, and once they end they are deaths
+    /// like any other. An adapter's answers count for its family too.
+    #[test]
+    fn answers_still_streaming_lengthen_what_is_learned() {
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let cfg = learning_after(5);
+        for _ in 0..100 {
+            Calibration::record(&vm, "m", &[sample(100.0, 100, 100)], &cfg).unwrap();
+        }
+        let finished_only = Calibration::default()
+            .learned(&vm, "m", None, &cfg)
+            .unwrap()
+            .output;
+        let mut cal = Calibration::default();
+        let fam = family("m");
+        let mut running: Vec<Started> = (0..100)
+            .map(|_| cal.started("m", Some(&fam), &cfg).unwrap())
+            .collect();
+        for at in &mut running {
+            for tokens in (16..=600).step_by(16) {
+                cal.streamed("m", Some(&fam), at, tokens, None);
+            }
+        }
+        let with_running = cal.learned(&vm, "m", None, &cfg).unwrap().output;
+        assert!(finished_only.survival(300.0) < 0.05, "{finished_only:?}");
+        // Half the answers seen are still running at 600: at least that many run past 300.
+        assert!(with_running.survival(300.0) > 0.45, "{with_running:?}");
+        assert!(with_running.expected(0, 8192) > 2 * finished_only.expected(0, 8192));
+        // Once they end at 600, they are lengths: half at 100, half at 600.
+        for at in &mut running {
+            cal.streamed("m", Some(&fam), at, 600, Some(true));
+        }
+        host.advance_ms(CACHE_MS);
+        let ended = cal.learned(&vm, "m", None, &cfg).unwrap().output;
+        assert!((0.45..0.55).contains(&ended.survival(300.0)), "{ended:?}");
+        assert!(ended.survival(700.0) < 0.1, "{ended:?}");
+        // The family's cohort heard of them too.
+        assert_eq!(
+            cal.cohorts.get(&fam).map(|c| c.counts().0[bucket(600)]),
+            Some(100.0)
+        );
     }
 
     #[test]

@@ -1,13 +1,16 @@
 //! What a request will cost in tokens, before a tokenizer or the engine has seen it: the static
 //! character rule for prompts (`text`), the reservation charged to a pod from prompt and expected
-//! output (`reservation`), the learned output-length distribution (`output_dist`) and the
-//! per-model corrections learned from responses' `usage` (`calibration`).
+//! output (`reservation`), the learned output-length distribution (`output_dist`), the
+//! per-model corrections learned from responses' `usage` (`calibration`) and the answers each VM
+//! has started, running ones included (`cohort`).
 //!
 //! Source of truth: a model's learned state is its shared-data slot `kvgate.cal.<n>`
 //! (`calibration`), which every worker updates by compare-and-swap; each VM's `Calibration` holds a
-//! copy cached for a second, derived and allowed to lag. The rule and the formula hold no state.
+//! copy cached for a second, derived and allowed to lag, and its own cohorts, which only it
+//! knows. The rule and the formula hold no state.
 
 pub mod calibration;
+pub mod cohort;
 pub mod output_dist;
 pub mod reservation;
 pub mod text;

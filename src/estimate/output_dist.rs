@@ -88,13 +88,20 @@ impl OutputDist {
     }
 
     /// Kaplan–Meier over bucketed, faded sample counts: `ended[b]` answers that stopped by
-    /// themselves in bucket b, `cut[b]` answers cut off there by their own `max_tokens` (they
-    /// say only that the model would have gone on; dropping them would bias lengths short).
+    /// themselves in bucket b, `cut[b]` answers known only to have gone on past bucket b (cut
+    /// off there by their own `max_tokens`, or still running: dropping them would bias lengths
+    /// short).
+    ///
+    /// Past the longest sample nothing is known: the survival there fades like the prior from
+    /// where the samples leave it. Kaplan–Meier alone would hold it flat when the longest
+    /// sample is censored, and a few answers still running would have every answer expected
+    /// to run to the output cap.
     pub fn learned(ended: &[f64], cut: &[f64], prior_mean: u64) -> OutputDist {
         let n: f64 = ended.iter().chain(cut).sum();
         let mut at_risk = n;
         let mut km = 1.0;
         let mut knots = [1f32; BUCKETS + 1];
+        let mut last = None;
         for b in 0..BUCKETS {
             let d = ended.get(b).copied().unwrap_or(0.0);
             let c = cut.get(b).copied().unwrap_or(0.0);
@@ -102,7 +109,17 @@ impl OutputDist {
                 km *= (1.0 - d / at_risk).max(0.0);
             }
             at_risk -= d + c;
+            if d + c > 0.0 {
+                last = Some(b);
+            }
             knots[b + 1] = km as f32;
+        }
+        if let Some(last) = last {
+            let from = f64::from(knots[last + 1]);
+            for b in last + 1..BUCKETS {
+                let past = bucket_edge(b) - bucket_edge(last);
+                knots[b + 1] = (from * (-past / prior_mean.max(1) as f64).exp()) as f32;
+            }
         }
         OutputDist {
             knots,
@@ -254,6 +271,21 @@ mod tests {
         assert!(
             dropped.survival(150.0) < 0.1,
             "dropping them says nobody runs that long"
+        );
+    }
+
+    #[test]
+    fn past_the_longest_sample_the_survival_fades_like_the_prior() {
+        // Every answer seen is still running (censored) at 300 tokens.
+        let d = OutputDist::learned(&[0.0; BUCKETS], &hist(&[(300, 100.0)]), 256);
+        assert!(d.survival(250.0) > 0.95);
+        let at = |t: f64| d.survival(t);
+        // From there on, the prior's exponential with mean 256, not 1 up to the output cap.
+        assert!(at(3_000.0) < 0.01, "{d:?}");
+        let e = d.expected(0, 100_000);
+        assert!(
+            (450..=650).contains(&e),
+            "about 300 and the prior's 256: {e}"
         );
     }
 

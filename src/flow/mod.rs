@@ -7,7 +7,7 @@
 use crate::admission::admit::{Admit, Asks, Class, Reach, Stay};
 use crate::admission::line::Ticket;
 use crate::config::Config;
-use crate::estimate::calibration::family;
+use crate::estimate::calibration::{family, Started};
 use crate::estimate::reservation::{estimate_from, Estimate};
 use crate::estimate::text::static_prompt_tokens;
 pub use crate::gate::Gate;
@@ -116,6 +116,8 @@ struct Admitted {
     fixed_tokens: u64,
     max_output_tokens: Option<u64>,
     routed: Option<Routed>,
+    /// Its answer's place in the VM's cohorts of answers started, once it streams.
+    started: Option<Started>,
     /// While parked: the ticket and what a retry needs.
     waiting: Option<(Ticket, Vec<u64>)>,
     waited_ms: Option<u64>,
@@ -302,6 +304,7 @@ impl Flow {
             static_text_tokens,
             fixed_tokens: req.token_ids + req.non_text_parts * cfg.non_text_part_tokens,
             max_output_tokens: req.max_output_tokens,
+            started: None,
             model: req.model,
             family,
             estimate: est,

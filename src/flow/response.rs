@@ -110,6 +110,17 @@ impl Flow {
         if tokens == 0 {
             return;
         }
+        let (model, family) = (&a.model, a.family.as_deref());
+        match &mut a.started {
+            Some(at) => gate
+                .calibration
+                .streamed(model, family, at, m.streamed_tokens, None),
+            None => {
+                a.started = gate
+                    .calibration
+                    .started(model, family, &gate.config.estimator)
+            }
+        }
         if let Some(routed) = &mut a.routed {
             if gate.config.routing.step_phase {
                 gate.router.streamed(store, routed, tokens);
@@ -158,10 +169,23 @@ impl Flow {
                 }
             }
         }
-        let (Some(a), Some(meter)) = (&self.admitted, &mut self.meter) else {
+        let (Some(a), Some(meter)) = (&mut self.admitted, &mut self.meter) else {
             return;
         };
-        let Some(usage) = meter.finish() else {
+        let usage = meter.finish();
+        // The request's own limit cut the answer off: the model would have gone on.
+        let cut = usage.map(|u| {
+            a.max_output_tokens
+                .is_some_and(|m| u.completion_tokens >= m)
+        });
+        if let Some(at) = &mut a.started {
+            // Without usage the stream was lost: the answer is known to have run this far.
+            let tokens = usage.map_or(meter.streamed_tokens, |u| u.completion_tokens);
+            let ended = cut == Some(false);
+            gate.calibration
+                .streamed(&a.model, a.family.as_deref(), at, tokens, Some(ended));
+        }
+        let (Some(usage), Some(cut)) = (usage, cut) else {
             return;
         };
         // The estimate beside what the engine reported, summed: ratios of their rates are the
@@ -206,9 +230,7 @@ impl Flow {
             fixed_tokens: a.fixed_tokens,
             prompt_tokens: usage.prompt_tokens,
             completion_tokens: usage.completion_tokens,
-            cut: a
-                .max_output_tokens
-                .is_some_and(|m| usage.completion_tokens >= m),
+            cut,
         };
         gate.calibration.observe(
             &a.model,
@@ -235,6 +257,55 @@ mod tests {
         assert_eq!(error_percent(50, 200), 75);
         assert_eq!(error_percent(0, 0), 0);
         assert_eq!(error_percent(7, 0), 100);
+    }
+
+    #[test]
+    fn a_streamed_answer_counts_as_running_until_it_ends_and_a_lost_one_as_censored() {
+        use crate::estimate::output_dist::bucket;
+        let cfg = crate::test_support::with_pods(&["10.0.0.1:80"]);
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let mut gate = Gate::new(cfg, &vm).unwrap();
+        let stream = |gate: &mut Gate, pieces: u64, usage: bool| {
+            let mut f = Flow::default();
+            f.on_request_headers(gate, &vm, &RequestHead::json_post("/v1/completions"));
+            f.on_body(gate, &vm, br#"{"model":"m","prompt":"hi","stream":true}"#);
+            f.on_response_headers(gate, &vm, Some("text/event-stream"), Some("10.0.0.1:80"));
+            for _ in 0..pieces {
+                f.on_response_body(gate, &vm, b"data: {\"choices\":[{\"text\":\"a\"}]}\n\n");
+            }
+            if usage {
+                let end = format!(
+                    "data: {{\"choices\":[],\"usage\":{{\"prompt_tokens\":2,\"completion_tokens\":{pieces}}}}}\n\n"
+                );
+                f.on_response_body(gate, &vm, end.as_bytes());
+            }
+            f
+        };
+        let mut running = stream(&mut gate, 40, false);
+        let censored_at = |gate: &Gate, b| gate.calibration.cohort_counts("m").map(|c| c.1[b]);
+        assert_eq!(censored_at(&gate, bucket(40)), Some(1.0), "running at 40");
+        running.on_response_body(
+            &mut gate,
+            &vm,
+            b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":2,\"completion_tokens\":41}}\n\n",
+        );
+        running.on_done(&mut gate, &vm);
+        let counts = gate.calibration.cohort_counts("m").unwrap();
+        assert_eq!(
+            (counts.0[bucket(41)], counts.1.iter().sum::<f64>()),
+            (1.0, 0.0),
+            "ended"
+        );
+        // A stream lost at 70 tokens: the model would have gone on.
+        stream(&mut gate, 70, false).on_done(&mut gate, &vm);
+        assert_eq!(censored_at(&gate, bucket(70)), Some(1.0));
+        // One that ends by itself is a length.
+        stream(&mut gate, 20, true).on_done(&mut gate, &vm);
+        assert_eq!(
+            gate.calibration.cohort_counts("m").unwrap().0[bucket(20)],
+            1.0
+        );
     }
 
     #[test]
