@@ -165,6 +165,7 @@ impl Admission {
     pub fn start(store: &dyn Store, vm: u32) -> Result<Admission, StoreError> {
         line::ensure(store)?;
         sessions::ensure(store)?;
+        crate::admission::feedback::ensure(store)?;
         let wake_queue = store.register_queue(&wake_queue_name(vm))?;
         Ok(Admission {
             vm,

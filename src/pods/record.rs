@@ -816,6 +816,9 @@ pub fn write_snapshot(
 ) -> Result<bool, StoreError> {
     // With several gateway replicas, the others' requests on the pod are explained too.
     let remote = crate::replicas::share::remote_tokens(store, cfg, pod);
+    let (now, interval) = (snapshot.at_ms, cfg.metrics.interval_ms);
+    let pool_lost = crate::admission::feedback::pool_lost(store, now, interval);
+    let mut raised = None;
     modify(store, pod, |rec| {
         let opened = snapshot.healthy && rec.snapshot.is_none_or(|prev| !prev.healthy);
         if let Some(prev) = rec.snapshot {
@@ -826,7 +829,15 @@ pub fn write_snapshot(
                 snapshot.block_size = prev.block_size;
             }
         }
-        crate::admission::feedback::follow(rec.snapshot.as_ref(), &mut snapshot, rec, cfg, remote);
+        let preempted = crate::admission::feedback::follow(
+            rec.snapshot.as_ref(),
+            &mut snapshot,
+            rec,
+            cfg,
+            remote,
+            pool_lost,
+        );
+        raised = preempted.then_some(snapshot.relief_lost);
         crate::pods::pace::follow(
             rec.snapshot.as_ref(),
             &mut snapshot,
@@ -852,6 +863,13 @@ pub fn write_snapshot(
         Some(opened)
     })
     .map(|opened| opened.unwrap_or(false))
+    .inspect(|_| {
+        if let Some(lost) = raised.filter(|&l| l > pool_lost) {
+            if let Err(e) = crate::admission::feedback::share_lost(store, lost, now, interval) {
+                log::debug!("kvgate: sharing the relief cap failed: {e:?}");
+            }
+        }
+    })
 }
 
 #[cfg(test)]
@@ -1207,6 +1225,51 @@ mod tests {
         assert_eq!(waiting(&vm), 0.0, "never below zero");
         write_snapshot(&vm, "p", scraped(3.0), 0, &Config::default()).unwrap();
         assert_eq!(waiting(&vm), 3.0, "no grace: the engine's count");
+    }
+
+    /// Pods of a pool serve the same traffic: the relief that let one run out is capped on
+    /// all of them at once, not learned by each preempting in turn; and regained with time.
+    #[test]
+    fn a_preemption_on_one_pod_caps_every_pods_relief() {
+        let (host, vm) = pod_with(&[]);
+        let scraped = |at_ms, preemptions| Snapshot {
+            at_ms,
+            healthy: true,
+            preemptions,
+            kv_usage: 0.5,
+            capacity_tokens: 4096,
+            block_size: 16,
+            ..Snapshot::default()
+        };
+        for pod in ["a", "b"] {
+            modify(&vm, pod, |rec| {
+                rec.snapshot = Some(Snapshot {
+                    relief: 0.3,
+                    ..scraped(0, 0.0)
+                });
+                Some(())
+            })
+            .unwrap();
+        }
+        host.set_now_ms(1_000);
+        let cfg = Config::default();
+        write_snapshot(&vm, "a", scraped(1_000, 1.0), 0, &cfg).unwrap();
+        let a = read(&vm, "a").unwrap().snapshot.unwrap();
+        assert!(a.relief_lost > 0.0 && a.relief == 0.0, "{a:?}");
+        write_snapshot(&vm, "b", scraped(1_000, 0.0), 0, &cfg).unwrap();
+        let b = read(&vm, "b").unwrap().snapshot.unwrap();
+        // Capped as `a` is, less the step a clean scrape regains.
+        assert!(
+            b.relief_lost > a.relief_lost - 0.01,
+            "b never preempted: {b:?}"
+        );
+        assert!(b.relief <= 0.3 - b.relief_lost + 1e-9, "{b:?}");
+        // Regained as each pod's own is: a step every fifty scrape intervals.
+        let interval = cfg.metrics.interval_ms;
+        let lost = |now| crate::admission::feedback::pool_lost(&vm, now, interval);
+        assert_eq!(lost(1_000), a.relief_lost);
+        assert!(lost(1_000 + 10 * interval) < a.relief_lost);
+        assert_eq!(lost(1_000 + 1_000 * interval), 0.0);
     }
 
     #[test]
