@@ -239,7 +239,10 @@ impl Calibration {
             self.cohorts.clear();
         }
         for name in std::iter::once(model).chain(family) {
-            self.cohorts.entry_ref(name).or_default().start(self.started);
+            self.cohorts
+                .entry_ref(name)
+                .or_default()
+                .start(self.started);
         }
         Some(Started {
             seq: self.started,
