@@ -257,7 +257,8 @@ impl Calibration {
     }
 
     /// The answer has streamed `tokens` so far, or stopped there (`over`: `Some(true)` by
-    /// itself, `Some(false)` cut off by its limit or lost).
+    /// itself, `Some(false)` cut off by its limit or lost). Returns whether the cohorts heard
+    /// of it (it moved to the next length bucket, or stopped).
     pub fn streamed(
         &mut self,
         model: &str,
@@ -265,10 +266,10 @@ impl Calibration {
         at: &mut Started,
         tokens: u64,
         over: Option<bool>,
-    ) {
+    ) -> bool {
         let b = bucket(tokens);
         if over.is_none() && b == at.bucket {
-            return;
+            return false;
         }
         at.bucket = b;
         for name in std::iter::once(model).chain(family) {
@@ -276,6 +277,7 @@ impl Calibration {
                 c.note(at.seq, tokens, over);
             }
         }
+        true
     }
 
     /// Notes one response's ground truth, for `model` and its adapter `family` if it has one;

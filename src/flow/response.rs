@@ -111,14 +111,24 @@ impl Flow {
             return;
         }
         let (model, family) = (&a.model, a.family.as_deref());
-        match &mut a.started {
+        let moved = match &mut a.started {
             Some(at) => gate
                 .calibration
                 .streamed(model, family, at, m.streamed_tokens, None),
             None => {
                 a.started = gate
                     .calibration
-                    .started(model, family, &gate.config.estimator)
+                    .started(model, family, &gate.config.estimator);
+                false
+            }
+        };
+        if moved {
+            // Its outlook from here on is read from the lengths learned now, not those it was
+            // admitted with: answers admitted in a pool's first seconds, when little had ended,
+            // would otherwise be forecast from the prior's tail for as long as they run.
+            let cfg = &gate.config.estimator;
+            if let Some(l) = gate.calibration.learned(store, model, family, cfg) {
+                a.estimate.output = l.output.limited(a.max_output_tokens.is_some());
             }
         }
         if let Some(routed) = &mut a.routed {
@@ -306,6 +316,63 @@ mod tests {
             gate.calibration.cohort_counts("m").unwrap().0[bucket(20)],
             1.0
         );
+    }
+
+    /// Lengths learned after a request was admitted reach its outlook as it streams.
+    #[test]
+    fn an_answers_outlook_follows_the_lengths_learned_while_it_streams() {
+        use crate::estimate::calibration::{Calibration, Sample};
+        let mut cfg = crate::test_support::with_pods(&["10.0.0.1:80"]);
+        cfg.estimator.min_samples = 5;
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let learn = |n, tokens| {
+            let s = Sample {
+                static_text_tokens: 1.0,
+                fixed_tokens: 0,
+                prompt_tokens: 1,
+                completion_tokens: tokens,
+                cut: false,
+            };
+            for _ in 0..n {
+                Calibration::record(&vm, "m", &[s], &cfg.estimator).unwrap();
+            }
+        };
+        learn(50, 10);
+        let mut gate = Gate::new(cfg.clone(), &vm).unwrap();
+        let mut f = Flow::default();
+        f.on_request_headers(&gate, &vm, &RequestHead::json_post("/v1/completions"));
+        f.on_body(
+            &mut gate,
+            &vm,
+            br#"{"model":"m","prompt":"hi","stream":true}"#,
+        );
+        f.on_response_headers(
+            &mut gate,
+            &vm,
+            Some("text/event-stream"),
+            Some("10.0.0.1:80"),
+        );
+        let far = |f: &Flow| {
+            f.admitted
+                .as_ref()
+                .unwrap()
+                .estimate
+                .output
+                .survival(1_000.0)
+        };
+        assert!(far(&f) < 0.05, "admitted when every answer was short");
+        // Every answer since has run to 3,000 tokens.
+        learn(1_000, 3_000);
+        host.advance_ms(2_000);
+        for _ in 0..40 {
+            f.on_response_body(
+                &mut gate,
+                &vm,
+                b"data: {\"choices\":[{\"text\":\"a\"}]}\n\n",
+            );
+        }
+        assert!(far(&f) > 0.5, "{}", far(&f));
     }
 
     #[test]
