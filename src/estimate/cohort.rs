@@ -18,7 +18,7 @@ use crate::estimate::output_dist::{bucket, BUCKETS};
 use std::collections::VecDeque;
 
 /// How many starts a cohort remembers: several times the answers a VM streams at once, so most
-/// of the cohort has finished and the tail is seen, at 8 bytes a member.
+/// of the cohort has finished and the tail is seen, at 12 bytes a member.
 const MEMBERS: usize = 1024;
 
 /// What became of an answer so far.
