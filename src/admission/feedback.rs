@@ -41,6 +41,7 @@
 use crate::admission::budget::budget_tokens;
 use crate::config::Config;
 use crate::pods::record::{PodRecord, Snapshot};
+use crate::store::codec::{Reader, Writer};
 use crate::store::interface::{create_if_missing, update, Store, StoreError};
 
 /// Each scrape that saw preemptions keeps this fraction of what the budget had left.
@@ -92,16 +93,16 @@ fn regained(lost: f64, at: u64, now: u64, interval_ms: u64) -> f64 {
 }
 
 fn decode_lost(bytes: &[u8], now: u64, interval_ms: u64) -> Option<f64> {
-    let lost = f64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
-    let at = u64::from_le_bytes(bytes.get(8..16)?.try_into().ok()?);
+    let mut r = Reader(bytes);
+    let (lost, at) = (r.f64()?, r.u64()?);
     lost.is_finite()
         .then(|| regained(lost.clamp(0.0, MAX_RELIEF), at, now, interval_ms))
 }
 
 fn encode_lost(lost: f64, at: u64) -> Vec<u8> {
-    let mut bytes = lost.to_le_bytes().to_vec();
-    bytes.extend_from_slice(&at.to_le_bytes());
-    bytes
+    let mut w = Writer::new();
+    w.f64(lost).u64(at);
+    w.0
 }
 
 /// Creates the gateway's cap, none yet, before traffic can raise it (a compare-and-swap on a

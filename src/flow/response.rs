@@ -269,6 +269,18 @@ mod tests {
         assert_eq!(error_percent(7, 0), 100);
     }
 
+    /// One streamed output token, as the engine sends it.
+    const PIECE: &[u8] = b"data: {\"choices\":[{\"text\":\"a\"}]}\n\n";
+
+    /// A streaming request for model `m`, sent to the one pod and answering.
+    fn streaming(gate: &mut Gate, vm: &crate::store::fake_host::FakeVm) -> Flow {
+        let mut f = Flow::default();
+        f.on_request_headers(gate, vm, &RequestHead::json_post("/v1/completions"));
+        f.on_body(gate, vm, br#"{"model":"m","prompt":"hi","stream":true}"#);
+        f.on_response_headers(gate, vm, Some("text/event-stream"), Some("10.0.0.1:80"));
+        f
+    }
+
     #[test]
     fn a_streamed_answer_counts_as_running_until_it_ends_and_a_lost_one_as_censored() {
         use crate::estimate::output_dist::bucket;
@@ -277,12 +289,9 @@ mod tests {
         let vm = host.vm();
         let mut gate = Gate::new(cfg, &vm).unwrap();
         let stream = |gate: &mut Gate, pieces: u64, usage: bool| {
-            let mut f = Flow::default();
-            f.on_request_headers(gate, &vm, &RequestHead::json_post("/v1/completions"));
-            f.on_body(gate, &vm, br#"{"model":"m","prompt":"hi","stream":true}"#);
-            f.on_response_headers(gate, &vm, Some("text/event-stream"), Some("10.0.0.1:80"));
+            let mut f = streaming(gate, &vm);
             for _ in 0..pieces {
-                f.on_response_body(gate, &vm, b"data: {\"choices\":[{\"text\":\"a\"}]}\n\n");
+                f.on_response_body(gate, &vm, PIECE);
             }
             if usage {
                 let end = format!(
@@ -340,19 +349,7 @@ mod tests {
         };
         learn(50, 10);
         let mut gate = Gate::new(cfg.clone(), &vm).unwrap();
-        let mut f = Flow::default();
-        f.on_request_headers(&gate, &vm, &RequestHead::json_post("/v1/completions"));
-        f.on_body(
-            &mut gate,
-            &vm,
-            br#"{"model":"m","prompt":"hi","stream":true}"#,
-        );
-        f.on_response_headers(
-            &mut gate,
-            &vm,
-            Some("text/event-stream"),
-            Some("10.0.0.1:80"),
-        );
+        let mut f = streaming(&mut gate, &vm);
         let far = |f: &Flow| {
             f.admitted
                 .as_ref()
@@ -366,11 +363,7 @@ mod tests {
         learn(1_000, 3_000);
         host.advance_ms(2_000);
         for _ in 0..40 {
-            f.on_response_body(
-                &mut gate,
-                &vm,
-                b"data: {\"choices\":[{\"text\":\"a\"}]}\n\n",
-            );
+            f.on_response_body(&mut gate, &vm, PIECE);
         }
         assert!(far(&f) > 0.5, "{}", far(&f));
     }
