@@ -58,7 +58,10 @@ pub struct OutputDist {
 }
 
 /// A request's outlook: for the start of each interval of [`HORIZON_STEPS`], the chance (in
-/// 255ths, rounded up so the forecast errs towards full) that it is still running then.
+/// 255ths, the nearest) that it is still running then. Rounded to the nearest, not up: a chance
+/// rounded up from nothing to 1/255 at thousands of steps ahead, where a request would hold
+/// thousands of tokens, is a variance the forecast pays in full (`forecast::peak`); a pod of many
+/// short answers was held at half its KV for tails none of them had.
 pub type Outlook = [u8; HORIZON_STEPS.len()];
 
 impl OutputDist {
@@ -208,7 +211,7 @@ impl OutputDist {
             let t = k + f64::from(s);
             // In flight now, whatever it has left; past its limit, certainly gone.
             if s == 0 || t < max as f64 {
-                *o = (self.conditional(k, t) * 255.0).ceil().clamp(0.0, 255.0) as u8;
+                *o = (self.conditional(k, t) * 255.0).round().clamp(0.0, 255.0) as u8;
             }
         }
         out

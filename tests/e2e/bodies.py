@@ -30,9 +30,9 @@ WORDS = ("the of and to in is you that it he was for on are as with his they at 
          "get come made may part").split()
 
 
-def unshared_chat(i, max_tokens):
+def unshared_chat(i, max_tokens, words=300):
     # A distinct first word: no two requests share a prefix, each one's KV is its own.
-    text = f"question {i}: " + " ".join(WORDS[(i * 7 + j * 13) % len(WORDS)] for j in range(300))
+    text = f"question {i}: " + " ".join(WORDS[(i * 7 + j * 13) % len(WORDS)] for j in range(words))
     body = {"model": MODEL, "messages": [{"role": "user", "content": text}]}
     if max_tokens is not None:
         body["max_tokens"] = max_tokens
