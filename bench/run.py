@@ -101,6 +101,14 @@ FULL = {
     },
     # The chat workload with max_tokens on every request, kvgate at each Envoy worker count.
     "chat_bounded": {"envoy_concurrency": [1, 2, 4]},
+    # Short answers without max_tokens (classification, extraction, short turns): each request is
+    # its prompt and little more, a pod runs a couple of dozen at once, and two small pods keep the
+    # pool KV-bound at a request rate this machine's load generator and proxy still drive.
+    "chat_short": {
+        "pods": 2, "num_gpu_blocks": 256, "prompt_tokens": "50,150", "output_len_mean": 32,
+        "unbounded_fraction": 1.0, "max_tokens": "16,64", "clients": 120, "duration": 30, "warmup": 5,
+        "ttft_slos_ms": [1000, 5000],
+    },
     # Many LoRA adapters of one base model, more than the pool's adapter slots (pods × maxLoras).
     "lora": {
         "adapters": 32, "zipf": 1.0, "max_loras": 2, "prompt_tokens": "200,600", "output_tokens": 64,
@@ -552,9 +560,10 @@ def active_fit(samples, lo, hi, kvgate=0, engine=1):
     return sum(a for a, _ in busy) / total, sum(abs(a - e) for a, e in busy) / total
 
 
-def run_cell(ctx, tname, wname, label, bench_args, sim_args, timeout, concurrency=None, sample_kv=False):
+def run_cell(ctx, tname, wname, label, bench_args, sim_args, timeout, concurrency=None, sample_kv=False, pods=None):
     """Fresh pods + target + workload. Returns the cell's result dict (or an error). `concurrency`:
-    Envoy's workers; `sample_kv`: record the pods' KV use during the run."""
+    Envoy's workers; `sample_kv`: record the pods' KV use during the run; `pods`: the pool's size
+    when the workload sets its own."""
     raw = ctx["out"] / "raw" / tname
     raw.mkdir(parents=True, exist_ok=True)
     out_base = raw / label
@@ -562,7 +571,7 @@ def run_cell(ctx, tname, wname, label, bench_args, sim_args, timeout, concurrenc
     t0 = time.time()
     kv = None
     try:
-        with Sim(pods=ctx["cfg"]["pods"], args=sim_args) as sim:
+        with Sim(pods=pods or ctx["cfg"]["pods"], args=sim_args) as sim:
             with target(tname, sim.endpoints, wname, str(ctx["out"] / "logs"), ctx["cli"], concurrency) as (port, envoy):
                 is_kvgate = tname.startswith("kvgate")
                 with KvSampler(sim) if sample_kv else contextlib.nullcontext() as sampler, \
@@ -639,8 +648,10 @@ def lora_args(w, seed):
 
 def chat_sim_args(w, sim_args):
     """The chat workloads' pods: smaller KV, so the pool is KV-bound at a client count this machine
-    drives, and answers that may end (EOS) before their max_tokens, as on real vLLM."""
-    return [*sim_args, "--num-gpu-blocks", str(w["num_gpu_blocks"]), "--eos-before-max-tokens"]
+    drives, and answers that may end (EOS) before their max_tokens, as on real vLLM; the answers'
+    mean length where the workload sets it (the simulator's lognormal)."""
+    lengths = ["--output-len-mean", str(w["output_len_mean"])] if "output_len_mean" in w else []
+    return [*sim_args, "--num-gpu-blocks", str(w["num_gpu_blocks"]), "--eos-before-max-tokens", *lengths]
 
 
 def chat_args(w, seed, unbounded_fraction):
@@ -1124,6 +1135,10 @@ WORKLOAD_DESC = {
     "chat-bounded": "the chat workload with max_tokens (uniform in {max_tokens}, EOS may come first) on every "
                     "request; kvgate at each Envoy --concurrency, Envoy round robin for reference; {clients} "
                     "closed-loop clients for {duration} s; pods with {num_gpu_blocks} KV blocks",
+    "chat-short": "short answers without max_tokens (the simulator's lognormal lengths, mean {output_len_mean}), "
+                  "unique prompts of {prompt_tokens} tokens (log-uniform); {clients} closed-loop clients for "
+                  "{duration} s; {pods} pods with {num_gpu_blocks} KV blocks; steady window from {warmup} s to "
+                  "{duration} s; TTFT objectives {ttft_slos_ms} ms",
     "lora": "{adapters} LoRA adapters of one base model on every pod, each pod with --max-loras {max_loras} "
             "(adapter slots) and the simulator's adapter load time (40 ms from disk, 3 ms into a slot); each request "
             "names an adapter drawn by Zipf popularity (s = {zipf}), unique prompts of {prompt_tokens} tokens "
@@ -1216,7 +1231,7 @@ def write_report(ctx, data):
         if ideal:
             L.append(f"Hit-rate ceiling (every prefix computed once, one cache of unbounded size): "
                      f"{100 * min(ideal):.1f}–{100 * max(ideal):.1f} % of prompt tokens.\n")
-        if w in ("chat", "chat-bounded"):
+        if w in ("chat", "chat-bounded", "chat-short"):
             L.append(chat_table(rows))
             per_peer = chat_ratio_table(rows)
             if per_peer:
@@ -1368,6 +1383,8 @@ def smoke(cfg):
         cfg["overhead"].update(seconds=1, repeats=2)
     if "chat" in cfg:
         cfg["chat"].update(clients=40, duration=6, warmup=2)
+    if "chat_short" in cfg:
+        cfg["chat_short"].update(clients=40, duration=6, warmup=2)
     if "mixed" in cfg:
         cfg["mixed"]["calibration_s"] = 6
     if "lora" in cfg:
@@ -1401,7 +1418,7 @@ def main():
     ap.add_argument("--benchmarks-md", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--targets", help="comma-separated subset of " + ",".join(ALL_TARGETS))
     ap.add_argument("--workloads", help="comma-separated subset of shared-prefix,multi-turn,hot-prefix,"
-                                        "cache-pressure,mixed,burst,chat,chat-bounded,lora")
+                                        "cache-pressure,mixed,burst,chat,chat-bounded,chat-short,lora")
     ap.add_argument("--no-overhead", action="store_true")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--cell", action="append", default=[], metavar="CELL.KEY=JSON",
@@ -1427,7 +1444,7 @@ def main():
     targets = a.targets.split(",") if a.targets else (ALL_TARGETS if a.full else ["kvgate", "envoy-rr"])
     workloads = a.workloads.split(",") if a.workloads else (
         ["shared-prefix", "multi-turn", "hot-prefix", "cache-pressure", "mixed", "burst", "chat", "chat-bounded",
-         "lora"] if a.full
+         "chat-short", "lora"] if a.full
         else ["shared-prefix"])
     out = Path(a.out) if a.out else ROOT / "results" / started.strftime("%Y%m%d-%H%M%S")
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -1540,11 +1557,11 @@ def main():
             w = cfg["burst"]
             every_target("burst", burst_args(w, seed), 400, n=w["groups"] * w["questions"], **w)
 
-        def chat_cell(t, name, unbounded, concurrency=None):
-            w = cfg["chat"]
+        def chat_cell(t, name, unbounded, concurrency=None, w=None):
+            w = w or cfg["chat"]
             label = name if concurrency is None else f"{name}-c{concurrency}"
             cell = run_cell(ctx, t, name, label, chat_args(w, seed, unbounded), chat_sim_args(w, sim_args),
-                            w["duration"] + 400, concurrency=concurrency, sample_kv=True)
+                            w["duration"] + 400, concurrency=concurrency, sample_kv=True, pods=w.get("pods"))
             if "error" not in cell:
                 cell["steady"] = steady(cell, out, w)
             return cell
@@ -1565,6 +1582,13 @@ def main():
                 cells["envoy-rr"] = chat_cell("envoy-rr", "chat-bounded", 0.0)
             data["results"]["chat-bounded"] = cells
             data["workload_desc"]["chat-bounded"] = WORKLOAD_DESC["chat-bounded"].format(**w)
+
+        if "chat-short" in workloads:
+            w = cfg["chat_short"]
+            log("chat-short")
+            data["results"]["chat-short"] = {t: chat_cell(t, "chat-short", w["unbounded_fraction"], w=w)
+                                             for t in live}
+            data["workload_desc"]["chat-short"] = WORKLOAD_DESC["chat-short"].format(**w)
 
         if "lora" in workloads:
             w = cfg.get("lora") or FULL["lora"]
