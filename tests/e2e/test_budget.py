@@ -51,6 +51,18 @@ def run(envoy, sim, max_tokens, clients, requests, sample_kvgate=True, words=300
     return answers, samples
 
 
+def timed_run(envoy, sim, clients, requests, sample_kvgate, words=300):
+    """`run` without max_tokens, every answer a 200; returns its answers, its samples and what it
+    did: the engines' preemptions, the pool's mean KV use while busy, output tokens a second."""
+    started = time.monotonic()
+    answers, samples = run(envoy, sim, None, clients, requests, sample_kvgate=sample_kvgate, words=words)
+    elapsed = time.monotonic() - started
+    assert all(a["status"] == 200 for a in answers)
+    return answers, samples, {
+        "preemptions": preemptions(sim), "kv_used": round(mean_kv_used(samples), 2),
+        "output_per_s": round(sum(a["usage"]["completion_tokens"] for a in answers) / elapsed)}
+
+
 def preemptions(sim):
     return sum(sim.stats(i)["preemptions"] for i in range(sim.pods))
 
@@ -180,12 +192,7 @@ def test_without_max_tokens_preemptions_are_a_sliver_of_round_robins():
             ctx = baseline_envoy(sim.endpoints) if name == "round_robin" else \
                 kvgate_envoy(sim.endpoints, default_plugin_config(), concurrency=4)
             with ctx as envoy:
-                started = time.monotonic()
-                answers, samples = run(envoy, sim, None, 48, 240, sample_kvgate=name == "kvgate")
-                elapsed = time.monotonic() - started
-                assert all(a["status"] == 200 for a in answers)
-                out[name] = {"preemptions": preemptions(sim), "kv_used": round(mean_kv_used(samples), 2),
-                             "output_per_s": round(sum(a["usage"]["completion_tokens"] for a in answers) / elapsed)}
+                answers, samples, out[name] = timed_run(envoy, sim, 48, 240, sample_kvgate=name == "kvgate")
                 if name == "kvgate":
                     check_promise(samples, bounded=False, delivered_lag=delivery_lag(answers), ports=sim.ports)
                     out["relief_percent"] = max(max(g["relief_percent"].values(), default=0) for _, g in samples)
@@ -214,12 +221,7 @@ def test_short_answers_fill_the_pod():
             ctx = baseline_envoy(sim.endpoints) if name == "round_robin" else \
                 kvgate_envoy(sim.endpoints, default_plugin_config(), concurrency=2)
             with ctx as envoy:
-                started = time.monotonic()
-                answers, samples = run(envoy, sim, None, 64, 640, sample_kvgate=False, words=80)
-                elapsed = time.monotonic() - started
-                assert all(a["status"] == 200 for a in answers)
-                out[name] = {"preemptions": preemptions(sim), "kv_used": round(mean_kv_used(samples), 2),
-                             "output_per_s": round(sum(a["usage"]["completion_tokens"] for a in answers) / elapsed)}
+                out[name] = timed_run(envoy, sim, 64, 640, sample_kvgate=False, words=80)[2]
     print("short answers:", out)
     assert out["kvgate"]["preemptions"] <= max(2, 0.02 * out["round_robin"]["preemptions"]), out
     # Measured 2026-11-30 (prompts of about 100 tokens): with the chance rounded up, KV 0.39 and
