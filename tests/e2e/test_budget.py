@@ -4,8 +4,8 @@ pool holds: sampled through the run, a pod's forecast (what admission keeps with
 never passes its budget and kvgate's predicted blocks never pass the pod's blocks (without
 max_tokens, not unless the engine itself is full: `check_promise`); with max_tokens on every
 request the engine never preempts; without it (long-tailed answers drawn by
-the simulator) it preempts at most a sliver of what round robin does; and the pods' KV is used,
-not left idle. Everything returns to zero afterwards."""
+the simulator) it preempts at most a sliver of what round robin does, answers that do not
+stream too; and the pods' KV is used, not left idle. Everything returns to zero afterwards."""
 
 import math
 import statistics
@@ -25,9 +25,17 @@ SMALL_KV = ["--time-scale", "10", "--num-gpu-blocks", str(BLOCKS)]
 
 
 
-def run(envoy, sim, max_tokens, clients, requests, sample_kvgate=True, words=300):
-    """Sends the requests (prompts of about `words` tokens) from `clients` closed-loop streams while
-    sampling the pods and kvgate's gauges; returns the answers and the samples."""
+def answer(port, body):
+    """A request whose answer does not stream, reported as `stream` reports one (its status and
+    usage)."""
+    r = request(port, "POST", "/v1/chat/completions", body, timeout=120.0)
+    return {"status": r.status, "usage": r.json().get("usage") if r.status == 200 else None}
+
+
+def run(envoy, sim, max_tokens, clients, requests, sample_kvgate=True, words=300, streams=True):
+    """Sends the requests (prompts of about `words` tokens) from `clients` closed-loop clients,
+    streaming unless `streams` is off, while sampling the pods and kvgate's gauges; returns the
+    answers and the samples."""
     samples, stop = [], threading.Event()
 
     def sampler():
@@ -43,19 +51,21 @@ def run(envoy, sim, max_tokens, clients, requests, sample_kvgate=True, words=300
     thread.start()
     try:
         with ThreadPoolExecutor(clients) as pool:
-            answers = list(pool.map(lambda i: stream(envoy.port, "/v1/chat/completions", unshared_chat(i, max_tokens, words)),
-                                    range(requests)))
+            answers = list(pool.map(
+                lambda i: stream(envoy.port, "/v1/chat/completions", unshared_chat(i, max_tokens, words)) if streams
+                else answer(envoy.port, unshared_chat(i, max_tokens, words)), range(requests)))
     finally:
         stop.set()
         thread.join()
     return answers, samples
 
 
-def timed_run(envoy, sim, clients, requests, sample_kvgate, words=300):
+def timed_run(envoy, sim, clients, requests, sample_kvgate, words=300, streams=True):
     """`run` without max_tokens, every answer a 200; returns its answers, its samples and what it
     did: the engines' preemptions, the pool's mean KV use while busy, output tokens a second."""
     started = time.monotonic()
-    answers, samples = run(envoy, sim, None, clients, requests, sample_kvgate=sample_kvgate, words=words)
+    answers, samples = run(envoy, sim, None, clients, requests, sample_kvgate=sample_kvgate, words=words,
+                           streams=streams)
     elapsed = time.monotonic() - started
     assert all(a["status"] == 200 for a in answers)
     return answers, samples, {
@@ -229,6 +239,27 @@ def test_short_answers_fill_the_pod():
     # 40-42 preemptions). Bounds between the two, with room for a loaded CI machine.
     assert out["kvgate"]["kv_used"] >= 0.65 * out["round_robin"]["kv_used"], out
     assert out["kvgate"]["output_per_s"] >= 0.75 * out["round_robin"]["output_per_s"], out
+
+
+def test_answers_that_do_not_stream_are_held_too():
+    """Answers that do not stream (a batch client's; most SDKs' default) give kvgate no token before
+    they end: such a request's entry holds its prompt while the engine's KV for it grows. The
+    forecast counts each one's expected length from its start, and what the engine holds beyond
+    kvgate's entries comes off the budget at each scrape (`feedback`), so the pool still stays
+    within its KV, and is used. Issue 13's small pool at the simulator's own pace, no max_tokens."""
+    out = {}
+    for name in ("round_robin", "kvgate"):
+        with Sim(pods=2, args=["--num-gpu-blocks", str(BLOCKS)]) as sim:
+            ctx = baseline_envoy(sim.endpoints) if name == "round_robin" else \
+                kvgate_envoy(sim.endpoints, default_plugin_config(), concurrency=2)
+            with ctx as envoy:
+                out[name] = timed_run(envoy, sim, 48, 192, sample_kvgate=False, streams=False)[2]
+    print("answers that do not stream:", out)
+    # Measured 2026-11-30: kvgate 2 preemptions against round robin's 126, 0.86x its output. The
+    # growth kvgate does not see is corrected a scrape late, so a sliver more than streams preempt.
+    assert out["round_robin"]["preemptions"] >= 50, out
+    assert out["kvgate"]["preemptions"] <= 0.05 * out["round_robin"]["preemptions"], out
+    assert out["kvgate"]["output_per_s"] >= 0.65 * out["round_robin"]["output_per_s"], out
 
 
 @pytest.mark.parametrize("concurrency", [2, 4])
