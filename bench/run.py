@@ -1381,10 +1381,9 @@ def smoke(cfg):
         cfg["cache_pressure"].update(duration=4)
     if "overhead" in cfg:
         cfg["overhead"].update(seconds=1, repeats=2)
-    if "chat" in cfg:
-        cfg["chat"].update(clients=40, duration=6, warmup=2)
-    if "chat_short" in cfg:
-        cfg["chat_short"].update(clients=40, duration=6, warmup=2)
+    for chat in ("chat", "chat_short"):
+        if chat in cfg:
+            cfg[chat].update(clients=40, duration=6, warmup=2)
     if "mixed" in cfg:
         cfg["mixed"]["calibration_s"] = 6
     if "lora" in cfg:

@@ -25,10 +25,10 @@ SMALL_KV = ["--time-scale", "10", "--num-gpu-blocks", str(BLOCKS)]
 
 
 
-def answer(port, body):
+def answer(port, path, body):
     """A request whose answer does not stream, reported as `stream` reports one (its status and
     usage)."""
-    r = request(port, "POST", "/v1/chat/completions", body, timeout=120.0)
+    r = request(port, "POST", path, body, timeout=120.0)
     return {"status": r.status, "usage": r.json().get("usage") if r.status == 200 else None}
 
 
@@ -49,11 +49,11 @@ def run(envoy, sim, max_tokens, clients, requests, sample_kvgate=True, words=300
 
     thread = threading.Thread(target=sampler)
     thread.start()
+    send = stream if streams else answer
     try:
         with ThreadPoolExecutor(clients) as pool:
-            answers = list(pool.map(
-                lambda i: stream(envoy.port, "/v1/chat/completions", unshared_chat(i, max_tokens, words)) if streams
-                else answer(envoy.port, unshared_chat(i, max_tokens, words)), range(requests)))
+            answers = list(pool.map(lambda i: send(envoy.port, "/v1/chat/completions", unshared_chat(i, max_tokens, words)),
+                                    range(requests)))
     finally:
         stop.set()
         thread.join()
@@ -71,6 +71,19 @@ def timed_run(envoy, sim, clients, requests, sample_kvgate, words=300, streams=T
     return answers, samples, {
         "preemptions": preemptions(sim), "kv_used": round(mean_kv_used(samples), 2),
         "output_per_s": round(sum(a["usage"]["completion_tokens"] for a in answers) / elapsed)}
+
+
+def against_round_robin(sim_args, clients, requests, **run_args):
+    """`timed_run` through plain round robin, then through kvgate (at `--concurrency` 2), each on
+    fresh pods of `sim_args`; returns what each did."""
+    out = {}
+    for name in ("round_robin", "kvgate"):
+        with Sim(pods=2, args=sim_args) as sim:
+            ctx = baseline_envoy(sim.endpoints) if name == "round_robin" else \
+                kvgate_envoy(sim.endpoints, default_plugin_config(), concurrency=2)
+            with ctx as envoy:
+                out[name] = timed_run(envoy, sim, clients, requests, sample_kvgate=False, **run_args)[2]
+    return out
 
 
 def preemptions(sim):
@@ -225,13 +238,7 @@ def test_short_answers_fill_the_pod():
     of running thousands of tokens more is nil; a forecast that rounded it up to 1 in 255 held a
     variance of thousands of tokens for that tail and kept such pods half full (BENCHMARKS.md,
     *Short answers*)."""
-    out = {}
-    for name in ("round_robin", "kvgate"):
-        with Sim(pods=2, args=["--num-gpu-blocks", str(BLOCKS), "--output-len-mean", "32"]) as sim:
-            ctx = baseline_envoy(sim.endpoints) if name == "round_robin" else \
-                kvgate_envoy(sim.endpoints, default_plugin_config(), concurrency=2)
-            with ctx as envoy:
-                out[name] = timed_run(envoy, sim, 64, 640, sample_kvgate=False, words=80)[2]
+    out = against_round_robin(["--num-gpu-blocks", str(BLOCKS), "--output-len-mean", "32"], 64, 640, words=80)
     print("short answers:", out)
     assert out["kvgate"]["preemptions"] <= max(2, 0.02 * out["round_robin"]["preemptions"]), out
     # Measured 2026-11-30 (prompts of about 100 tokens): with the chance rounded up, KV 0.39 and
@@ -247,13 +254,7 @@ def test_answers_that_do_not_stream_are_held_too():
     forecast counts each one's expected length from its start, and what the engine holds beyond
     kvgate's entries comes off the budget at each scrape (`feedback`), so the pool still stays
     within its KV, and is used. Issue 13's small pool at the simulator's own pace, no max_tokens."""
-    out = {}
-    for name in ("round_robin", "kvgate"):
-        with Sim(pods=2, args=["--num-gpu-blocks", str(BLOCKS)]) as sim:
-            ctx = baseline_envoy(sim.endpoints) if name == "round_robin" else \
-                kvgate_envoy(sim.endpoints, default_plugin_config(), concurrency=2)
-            with ctx as envoy:
-                out[name] = timed_run(envoy, sim, 48, 192, sample_kvgate=False, streams=False)[2]
+    out = against_round_robin(["--num-gpu-blocks", str(BLOCKS)], 48, 192, streams=False)
     print("answers that do not stream:", out)
     # Measured 2026-11-30: kvgate 2 preemptions against round robin's 126, 0.86x its output. The
     # growth kvgate does not see is corrected a scrape late, so a sliver more than streams preempt.
