@@ -131,23 +131,28 @@ def test_traffic_straight_to_a_pod_shrinks_what_the_replicas_admit_there_within_
     t = threading.Thread(target=bypass)
     t.start()
     try:
-        # From when the pod first holds the bypass's KV, each replica's scrapes of it (told apart
-        # by when they were taken, the page's lastScrapeAgeMs read against the clock: a second
-        # apart, against a read's few ms), up to the one that shows its budget shrunk (read on
-        # the status pages: the gauges add a tick's lag).
+        # From when the pod first holds the bypass's KV, each replica's scrapes of it, up to the
+        # one that shows its budget shrunk (read on the status pages: the gauges add a tick's
+        # lag). A scrape is told apart by when it was taken: the page's lastScrapeAgeMs puts it
+        # between the clock before the read and after it, less the age, and two readings of one
+        # scrape give overlapping spans (scrapes are a second apart). A fixed window did not: a
+        # loaded CI machine's reads varied by more than its 0.3 s, and one scrape counted twice.
         wait_for(lambda: sim.stats(0)["kv_blocks_used"] > 64, timeout=10, interval=0.02)
         seen = time.time()
         taken, shrunk, readings = [[] for _ in envoys], [None] * len(envoys), [[] for _ in envoys]
         while None in shrunk and time.time() < seen + 5:
             for i, e in enumerate(envoys):
                 if shrunk[i] is None:
-                    now, line = time.time(), status(e)[segment]
-                    at = now - line["lastScrapeAgeMs"] / 1000
-                    if at > seen and all(abs(at - t) > 0.3 for t in taken[i]):
+                    before, line = time.time(), status(e)[segment]
+                    now, age = time.time(), line["lastScrapeAgeMs"] / 1000
+                    # The age is whole milliseconds.
+                    at = (before - age - 0.002, now - age + 0.002)
+                    if at[0] > seen and all(at[0] > t[1] or at[1] < t[0] for t in taken[i]):
                         taken[i].append(at)
                         # What each scrape read, for a failure to say why the budget held.
-                        readings[i].append({"s": round(at - seen, 2), **{k: line.get(k) for k in (
-                            "budgetTokens", "unexplainedTokens", "remoteTokens", "kvUsage", "heldTokens", "inFlight")}})
+                        readings[i].append({"s": round(at[0] - seen, 2), **{k: line.get(k) for k in (
+                            "budgetTokens", "unexplainedTokens", "remoteTokens", "kvUsage", "capacityTokens",
+                            "heldTokens", "inFlight")}})
                     if line["budgetTokens"] < nominal * 0.8:
                         shrunk[i] = (len(taken[i]), round(now - seen, 2))
             time.sleep(0.02)
@@ -161,10 +166,16 @@ def test_traffic_straight_to_a_pod_shrinks_what_the_replicas_admit_there_within_
         caps = [line["grantTokens"] for line in lines]
         print(f"bypass: budget {nominal} -> {budget}, (scrapes, s) {shrunk}; what the replicas may reserve {caps}")
         assert None not in shrunk, "the budget did not shrink"
-        # The first scrape that reads the pod's KV after shrinks the budget, or the next when one
-        # was under way as the pod was seen: counted in scrapes, since a loaded 2-core machine
-        # delays them (1.0-1.2 s measured on a quiet one, 1.8 s and once 2.4 s in CI).
-        assert all(n <= 2 for n, _ in shrunk), (shrunk, readings)
+        # Each scrape shrinks the budget by all the KV it read there, kvgate's requests holding
+        # none: the budget a scrape leaves is at most the pod's capacity less what it read (the
+        # utilisation target and the backoff take more). Judged on
+        # what each scrape read, not on how many came before the shrink: the bypass's two streams
+        # end and start again together, so a scrape taken just after holds their prompts only (a
+        # CI run read 0.19 of the pod then, and its budget rightly stayed above 80 %).
+        print("each replica's scrapes from the moment the pod held the bypass's KV:", readings)
+        for r in itertools.chain(*readings):
+            assert r["inFlight"] == 0 and r["remoteTokens"] == 0, r
+            assert r["budgetTokens"] <= r["capacityTokens"] - int(r["kvUsage"] * r["capacityTokens"]), r
         assert sum(caps) <= budget + len(envoys), "the grants scale down with the budget at once"
         # kvgate keeps admitting on the pod, within what is left.
         answers, samples = overload(sim, envoys, requests=24, clients=12)
