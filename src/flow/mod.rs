@@ -115,6 +115,9 @@ struct Admitted {
     static_text_tokens: f64,
     fixed_tokens: u64,
     max_output_tokens: Option<u64>,
+    /// The client asked for a stream (`stream`): an answer that does not stream is metered on
+    /// the tick instead (`Flow::on_tick`).
+    streams: bool,
     routed: Option<Routed>,
     /// Its answer's place in the VM's cohorts of answers started, once it streams.
     started: Option<Started>,
@@ -304,6 +307,7 @@ impl Flow {
             static_text_tokens,
             fixed_tokens: req.token_ids + req.non_text_parts * cfg.non_text_part_tokens,
             max_output_tokens: req.max_output_tokens,
+            streams: req.stream,
             started: None,
             model: req.model,
             family,

@@ -144,6 +144,32 @@ impl Flow {
         }
     }
 
+    /// Whether the answer will not stream, so that the VM's tick grows its entry (`on_tick`):
+    /// known once the body is read, for as long as the request is open.
+    pub fn answers_unseen(&self) -> bool {
+        self.admitted.as_ref().is_some_and(|a| !a.streams)
+    }
+
+    /// The VM's tick, for an answer that does not stream and has not begun: its entry grows at
+    /// the pod's pace (`Router::grow_unseen`). Once its response begins its body follows at
+    /// once, metered as it comes.
+    pub fn on_tick(&mut self, gate: &mut Gate, store: &dyn Store) {
+        if self.finished || self.meter.is_some() {
+            return;
+        }
+        let Some(a) = self.admitted.as_mut().filter(|a| !a.streams) else {
+            return;
+        };
+        if let Some(routed) = &mut a.routed {
+            if let Err(e) = gate
+                .router
+                .grow_unseen(store, &gate.config, routed, &a.estimate)
+            {
+                log::debug!("kvgate: growing an unseen answer failed: {e:?}");
+            }
+        }
+    }
+
     /// The stream is over, however it ended. Runs its effects once even if called again.
     pub fn on_done(&mut self, gate: &mut Gate, store: &dyn Store) {
         if std::mem::replace(&mut self.finished, true) {
@@ -267,6 +293,87 @@ mod tests {
         assert_eq!(error_percent(50, 200), 75);
         assert_eq!(error_percent(0, 0), 0);
         assert_eq!(error_percent(7, 0), 100);
+    }
+
+    /// An answer that does not stream: its entry grows on the tick at the pod's pace, up to its
+    /// limit, until its response begins; a streamed one, and any on a pod of unknown pace, only
+    /// as its tokens come.
+    #[test]
+    fn an_answer_that_does_not_stream_grows_at_its_pods_pace() {
+        use crate::pods::record::{self, Snapshot};
+        let pod = "10.0.0.1:80";
+        let cfg = crate::test_support::with_pods(&[pod]);
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let mut gate = Gate::new(cfg, &vm).unwrap();
+        let paced = |itl_s: f64| {
+            let now = vm.now_ms();
+            record::modify(&vm, pod, |rec| {
+                rec.snapshot = Some(Snapshot {
+                    at_ms: now,
+                    healthy: true,
+                    capacity_tokens: 1 << 20,
+                    block_size: 16,
+                    kv_usage: 0.0,
+                    itl_s,
+                    itl_at_ms: now,
+                    ..Snapshot::default()
+                });
+                Some(())
+            })
+            .unwrap();
+        };
+        let send = |gate: &mut Gate, stream: bool| {
+            let mut f = Flow::default();
+            f.on_request_headers(gate, &vm, &RequestHead::json_post("/v1/completions"));
+            let body =
+                format!(r#"{{"model":"m","prompt":"hi","max_tokens":100,"stream":{stream}}}"#);
+            f.on_body(gate, &vm, body.as_bytes());
+            f
+        };
+        // (held tokens, steps left) of each entry on the pod, oldest first.
+        let entries = || {
+            let mut e = record::read(&vm, pod).unwrap().entries;
+            e.sort_by_key(|e| e.id);
+            e.iter()
+                .map(|e| (e.held_tokens, e.left))
+                .collect::<Vec<_>>()
+        };
+        paced(0.0);
+        let mut unknown = send(&mut gate, false);
+        host.advance_ms(500);
+        unknown.on_tick(&mut gate, &vm);
+        let prompt = entries()[0].0;
+        assert_eq!(
+            entries(),
+            vec![(prompt, 100)],
+            "no pace: nothing to grow by"
+        );
+        unknown.on_done(&mut gate, &vm);
+
+        paced(0.010);
+        let (mut unseen, mut streamed) = (send(&mut gate, false), send(&mut gate, true));
+        assert!(unseen.answers_unseen() && !streamed.answers_unseen());
+        host.advance_ms(405);
+        unseen.on_tick(&mut gate, &vm);
+        streamed.on_tick(&mut gate, &vm);
+        assert_eq!(
+            entries(),
+            vec![(prompt + 40, 60), (prompt, 100)],
+            "40 steps of 10 ms"
+        );
+        host.advance_ms(100);
+        unseen.on_tick(&mut gate, &vm);
+        assert_eq!(entries()[0], (prompt + 50, 50), "a block boundary crossed");
+        host.advance_ms(2_000);
+        unseen.on_tick(&mut gate, &vm);
+        assert_eq!(entries()[0], (prompt + 100, 0), "up to its max_tokens");
+        // Its response begins: what comes is metered, not guessed.
+        let mut begun = send(&mut gate, false);
+        begun.on_response_headers(&mut gate, &vm, Some("application/json"), Some(pod));
+        host.advance_ms(500);
+        begun.on_tick(&mut gate, &vm);
+        assert_eq!(entries()[2], (prompt, 100));
     }
 
     /// One streamed output token, as the engine sends it.

@@ -948,6 +948,33 @@ impl Router {
         })
     }
 
+    /// An answer that does not stream shows kvgate no token until it ends, while the engine's
+    /// KV for it grows a token a step: its entry grows as `grow` grows a stream's, by the tokens
+    /// the pod's pace says it has made since it was sent (its smoothed inter-token latency,
+    /// `pods::pace`, the first token counted a step in). Without this its entry held its prompt
+    /// alone and what the engine held beyond was unexplained KV, taken off the budget at each
+    /// scrape while the forecast counted the same tokens as still to come: each of those
+    /// answers was paid for twice. A pod whose pace is unknown grows nothing, as before. The
+    /// estimate errs long while the engine queues the request (kvgate's admission keeps it from
+    /// queueing), short when it prefills at once; the scrape's unexplained KV still takes what
+    /// the engine holds beyond it. Returns whether the entry was written.
+    pub fn grow_unseen(
+        &mut self,
+        store: &dyn Store,
+        cfg: &Config,
+        routed: &mut Routed,
+        est: &Estimate,
+    ) -> Result<bool, StoreError> {
+        let (rec, _) = self.copies.get(store, &routed.pod, store.now_ms(), false)?;
+        let itl_s = rec.pace().itl_s;
+        if !(itl_s.is_finite() && itl_s > 0.0) {
+            return Ok(false);
+        }
+        let sent_s = store.now_us().saturating_sub(routed.dispatched_us) as f64 / 1e6;
+        let made = ((sent_s / itl_s).floor() as u64).min(est.max_output_tokens);
+        self.grow(store, cfg, routed, est, made)
+    }
+
     /// The request is over, however it ended. Safe to call more than once.
     pub fn finish(
         &mut self,

@@ -25,6 +25,10 @@ thread_local! {
 /// Requests of this VM waiting in the line: ticket → (context id, its flow).
 pub type Parked = Rc<RefCell<HashMap<u64, (u32, Rc<RefCell<Flow>>)>>>;
 
+/// Requests of this VM whose answers do not stream, from their body to their end: context id →
+/// its flow, for the root's tick to grow their entries (`Flow::on_tick`).
+pub type Unseen = Rc<RefCell<HashMap<u32, Rc<RefCell<Flow>>>>>;
+
 /// Carries out a decision on the current (effective) stream. Returns the action for a callback;
 /// `resume` is for a request parked earlier, which must be resumed explicitly.
 pub fn apply(d: Decision, resume: bool) -> Action {
@@ -52,18 +56,20 @@ pub struct Http {
     id: u32,
     gate: Rc<RefCell<Gate>>,
     parked: Parked,
+    unseen: Unseen,
     flow: Rc<RefCell<Flow>>,
     /// Host calls this request's callbacks have made so far (`raw::calls`).
     host_calls: u64,
 }
 
 impl Http {
-    pub fn new(id: u32, gate: Rc<RefCell<Gate>>, parked: Parked) -> Self {
+    pub fn new(id: u32, gate: Rc<RefCell<Gate>>, parked: Parked, unseen: Unseen) -> Self {
         OPEN.with(|n| n.set(n.get() + 1));
         Self {
             id,
             gate,
             parked,
+            unseen,
             flow: Rc::new(RefCell::new(Flow::default())),
             host_calls: 0,
         }
@@ -92,6 +98,7 @@ impl Http {
 impl Context for Http {
     fn on_done(&mut self) -> bool {
         self.parked.borrow_mut().retain(|_, (id, _)| *id != self.id);
+        self.unseen.borrow_mut().remove(&self.id);
         let open = OPEN.with(|n| {
             n.set(n.get().saturating_sub(1));
             n.get()
@@ -170,6 +177,9 @@ impl Http {
                 .borrow_mut()
                 .on_body(&mut gate, &HostStore::default(), &body)
         };
+        if self.flow.borrow().answers_unseen() {
+            self.unseen.borrow_mut().insert(self.id, self.flow.clone());
+        }
         // Only here, in the body callback itself, is the buffered body the stream's to replace.
         if let Some(new_body) = decision.body.take() {
             host::replace_request_body(body_size, &new_body);

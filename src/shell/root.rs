@@ -1,9 +1,10 @@
 //! The root context of one VM: parses the plugin configuration, creates HTTP contexts that share
-//! this VM's `Gate`, runs the tick (lease, scrapes, discovery, the queue's backstop) and delivers
+//! this VM's `Gate`, runs the tick (lease, scrapes, discovery, the queue's backstop, the growth
+//! of answers that do not stream) and delivers
 //! callout answers and wake-ups to parked requests, which it resumes in their own context.
 
 use super::host::{self, HostStore};
-use super::http::{apply, Http, Parked};
+use super::http::{apply, Http, Parked, Unseen};
 use crate::config::Config;
 use crate::drive::{self, Waiting};
 use crate::flow::{Decision, Flow};
@@ -20,6 +21,7 @@ pub struct Root {
     gate: Option<Rc<RefCell<Gate>>>,
     calls: HashMap<u32, Target>,
     parked: Parked,
+    unseen: Unseen,
 }
 
 impl Root {
@@ -147,6 +149,9 @@ impl RootContext for Root {
         let mut gate = gate.borrow_mut();
         let calls = gate.on_tick(&HostStore::default());
         self.send(&mut gate, calls);
+        for flow in self.unseen.borrow().values() {
+            flow.borrow_mut().on_tick(&mut gate, &HostStore::default());
+        }
         self.run_line(&mut gate);
     }
 
@@ -162,7 +167,12 @@ impl RootContext for Root {
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         let gate = self.gate.clone()?;
-        Some(Box::new(Http::new(context_id, gate, self.parked.clone())))
+        Some(Box::new(Http::new(
+            context_id,
+            gate,
+            self.parked.clone(),
+            self.unseen.clone(),
+        )))
     }
 
     fn get_type(&self) -> Option<ContextType> {
