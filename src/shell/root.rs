@@ -1,7 +1,7 @@
 //! The root context of one VM: parses the plugin configuration, creates HTTP contexts that share
 //! this VM's `Gate`, runs the tick (lease, scrapes, discovery, the queue's backstop, the growth
-//! of answers that do not stream) and delivers
-//! callout answers and wake-ups to parked requests, which it resumes in their own context.
+//! of this VM's answers that do not stream) and delivers callout answers and wake-ups to parked
+//! requests, which it resumes in their own context.
 
 use super::host::{self, HostStore};
 use super::http::{apply, Http, Parked, Unseen};
