@@ -6,9 +6,9 @@
 //! limit (the rest of the line it lands in pushes it over); byte 1 is the number of cut points k (mod 16); then
 //! k little-endian u16 cut points; the rest is the body. A seed is `\x00\x00` + an SSE stream.
 //!
-//! Invariants: no panic; `feed` returns exactly the growth of `streamed_tokens`, which never
+//! Invariants: no panic; `feed` returns exactly the growth of `pieces`, which never
 //! decreases; one piece, the given pieces and (for short bodies) byte-by-byte feeding end with
-//! the same `streamed_tokens` and the same `finish()` usage.
+//! the same `pieces` and the same `finish()` usage.
 #![no_main]
 
 use kvgate::openai::response::{ResponseMeter, Usage};
@@ -28,15 +28,15 @@ fn run(content_type: Option<&str>, body: &[u8], cuts: &[(usize, usize)]) -> (u64
     let mut m = ResponseMeter::new(content_type);
     let mut total = 0u64;
     for &(a, b) in cuts {
-        let before = m.streamed_tokens;
+        let before = m.pieces;
         let n = m.feed(&body[a..b]);
-        assert!(m.streamed_tokens >= before, "streamed tokens went down");
-        assert_eq!(m.streamed_tokens - before, n, "feed's return is the growth");
+        assert!(m.pieces >= before, "streamed tokens went down");
+        assert_eq!(m.pieces - before, n, "feed's return is the growth");
         total += n;
     }
-    assert_eq!(total, m.streamed_tokens);
+    assert_eq!(total, m.pieces);
     let usage = m.finish();
-    (m.streamed_tokens, usage)
+    (m.pieces, usage)
 }
 
 fuzz_target!(|data: &[u8]| {

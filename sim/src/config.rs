@@ -144,6 +144,11 @@ pub struct Args {
     /// Sigma of the underlying normal for the lognormal distribution.
     #[arg(long, default_value_t = 0.8)]
     pub output_len_sigma: f64,
+    /// Tokens per streamed chunk: a stream sends its text N tokens at a time (the last chunk
+    /// what is left), as SGLang does with its `--stream-interval` and an engine running
+    /// speculative decoding does with the tokens a step accepts; `usage` counts every token.
+    #[arg(long, default_value_t = 1)]
+    pub stream_interval: usize,
     /// A request with max_tokens also stops at EOS (its length drawn from --output-len-dist,
     /// capped at max_tokens), as real vLLM does unless ignore_eos is set; off, max_tokens is
     /// generated in full (benchmark-style).

@@ -85,6 +85,9 @@ struct StreamState {
     continuous_usage: bool,
     prompt_tokens: usize,
     completion_tokens: usize,
+    /// Text of tokens made and not sent yet (`--stream-interval`), and how many.
+    unsent: String,
+    unsent_tokens: usize,
 }
 
 impl StreamState {
@@ -126,7 +129,25 @@ impl StreamState {
 
     fn on_event(&mut self, ev: &Event, buf: &mut Vec<u8>) {
         self.completion_tokens += 1;
-        let piece = self.g.tok.piece(ev.token);
+        self.unsent.push_str(&self.g.tok.piece(ev.token));
+        self.unsent_tokens += 1;
+        if ev.finish.is_none() && self.unsent_tokens < self.g.args.stream_interval.max(1) {
+            if ev.first && self.kind == Kind::Chat {
+                // The role comes with the first token, as it would a chunk at a time.
+                let c = self.chunk(json!({
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": null,
+                    "finish_reason": null,
+                }));
+                Self::push(buf, &c);
+            }
+            return;
+        }
+        let piece = std::mem::take(&mut self.unsent);
+        let piece = piece.as_str();
+        self.unsent_tokens = 0;
+        let first = ev.first && self.kind == Kind::Chat;
         let finish = ev.finish.map(|f| f.reason.as_str());
         if let Some(f) = ev.finish {
             self.prompt_tokens = f.prompt_tokens;
@@ -144,7 +165,7 @@ impl StreamState {
                 Self::push(buf, &c);
             }
             Kind::Chat => {
-                if ev.first {
+                if first {
                     let c = self.chunk(json!({
                         "index": 0,
                         "delta": {"role": "assistant", "content": ""},
@@ -626,6 +647,8 @@ async fn generate_inner(
             continuous_usage,
             prompt_tokens: prompt_len,
             completion_tokens: 0,
+            unsent: String::new(),
+            unsent_tokens: 0,
         };
         let mut r = Response::new(SimBody::Sse(Box::new(SseBody {
             rx,
@@ -1264,6 +1287,8 @@ mod tests {
             continuous_usage: false,
             prompt_tokens: 5,
             completion_tokens: 0,
+            unsent: String::new(),
+            unsent_tokens: 0,
         };
         let mut buf = Vec::new();
         st.on_event(
@@ -1297,5 +1322,66 @@ mod tests {
         assert_eq!(usage["usage"]["total_tokens"], 7);
         assert_eq!(usage["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
         assert_eq!(events[4], "data: [DONE]");
+    }
+
+    /// With `--stream-interval 3` seven tokens come as chunks of 3, 3 and 1, the role first
+    /// and usage counting all seven.
+    #[test]
+    fn a_stream_interval_sends_several_tokens_a_chunk() {
+        let args = <crate::config::Args as clap::Parser>::parse_from([
+            "kvgate-sim",
+            "--stream-interval",
+            "3",
+        ]);
+        let tok = crate::tokenizer::Tokenizer::new("o200k_base").unwrap();
+        let g = Arc::new(Shared::new(args, tok));
+        let t0 = g.tok.filler()[0];
+        let mut st = StreamState {
+            g: g.clone(),
+            kind: Kind::Chat,
+            id: "chatcmpl-x".into(),
+            created: 1,
+            model: "m".into(),
+            include_usage: true,
+            continuous_usage: false,
+            prompt_tokens: 5,
+            completion_tokens: 0,
+            unsent: String::new(),
+            unsent_tokens: 0,
+        };
+        let mut buf = Vec::new();
+        for i in 0..7 {
+            let finish = (i == 6).then_some(Finish {
+                reason: FinishReason::Stop,
+                prompt_tokens: 5,
+                completion_tokens: 7,
+                cached_tokens: 0,
+            });
+            st.on_event(
+                &Event {
+                    token: t0,
+                    first: i == 0,
+                    finish,
+                },
+                &mut buf,
+            );
+        }
+        let text = String::from_utf8(buf).unwrap();
+        let events: Vec<Value> = text
+            .split("\n\n")
+            .filter(|s| !s.is_empty() && *s != "data: [DONE]")
+            .map(|s| serde_json::from_str(s.trim_start_matches("data: ")).unwrap())
+            .collect();
+        let piece = g.tok.piece(t0);
+        let contents: Vec<&str> = events
+            .iter()
+            .filter_map(|e| e["choices"][0]["delta"]["content"].as_str())
+            .collect();
+        assert_eq!(
+            contents,
+            ["", &piece.repeat(3), &piece.repeat(3), &piece],
+            "{text}"
+        );
+        assert_eq!(events.last().unwrap()["usage"]["completion_tokens"], 7);
     }
 }

@@ -1,7 +1,7 @@
 //! Self-calibration of the estimator, per model, shared by every worker: each response's `usage`
-//! moves a model's prompt scale (real tokens per static-rule token) and its output-length
+//! moves a model's prompt scale (real tokens per static-rule token), its output-length
 //! distribution (`output_dist`: answers cut off by their own `max_tokens` are kept as censored
-//! samples, not dropped). Records live in shared data under a bounded key schema, `kvgate.cal.<slot>`,
+//! samples, not dropped) and, for streamed answers, its tokens per streamed piece of text. Records live in shared data under a bounded key schema, `kvgate.cal.<slot>`,
 //! one slot per model hash (32 slots); a slot held by another model that is still being updated is
 //! left alone, and that model keeps the static rule. Each VM caches what it read for a second, so
 //! the request path makes at most one host call per model per second for this. The lengths read
@@ -33,6 +33,9 @@ const SLOT_IDLE_MS: u64 = 10 * 60 * 1_000;
 /// hundreds of samples to be seen at all (the prompt scale, one number, moves faster: its weight
 /// is `estimator.calibrationWeight`), and a model's length profile drifts slowly.
 const OUTPUT_FADE: f64 = 1.0 / 256.0;
+/// A sample's tokens per streamed piece count as at most this many: more is not a stream of
+/// tokens (a client's own chunking of a non-streamed body, say).
+const MAX_TOKENS_PER_PIECE: f64 = 16.0;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct ModelStats {
@@ -50,6 +53,16 @@ struct ModelStats {
     /// gone on). Absent from records written before censoring was kept.
     #[serde(default)]
     cut: Vec<f64>,
+    /// Streamed answers' output tokens and the pieces of text they came in, summed and faded
+    /// like the length histograms: their ratio is the tokens a piece carries, 1 from an engine
+    /// that sends a token a chunk, more from one that sends several (SGLang's
+    /// `--stream-interval`, the tokens a speculative-decoding step accepts). A ratio of sums,
+    /// not a mean of each answer's: an answer's last chunk holds what is left, so short answers
+    /// carry fewer tokens a piece, and the long answers that hold a pod's KV would be counted
+    /// short by their mean (a pool streaming four tokens a chunk learned 3.8 that way). Absent
+    /// until a streamed answer's usage was seen.
+    #[serde(default)]
+    streamed: Option<(f64, f64)>,
     updated_ms: u64,
 }
 
@@ -62,6 +75,7 @@ impl ModelStats {
             prompt_var: None,
             output: vec![0.0; BUCKETS],
             cut: vec![0.0; BUCKETS],
+            streamed: None,
             updated_ms: 0,
         }
     }
@@ -80,6 +94,14 @@ impl ModelStats {
             let var = self.prompt_var.unwrap_or(cfg.prompt_spread.powi(2));
             self.prompt_var = Some(var + weight * (error * error - var));
             self.prompt_scale += weight * (ratio - self.prompt_scale);
+        }
+        if sample.pieces > 0 && sample.completion_tokens > 0 {
+            let (tokens, pieces) = self.streamed.unwrap_or_default();
+            let keep = 1.0 - OUTPUT_FADE;
+            self.streamed = Some((
+                tokens * keep + sample.completion_tokens as f64,
+                pieces * keep + sample.pieces as f64,
+            ));
         }
         for x in self.output.iter_mut().chain(self.cut.iter_mut()) {
             *x *= 1.0 - OUTPUT_FADE;
@@ -113,6 +135,12 @@ impl ModelStats {
                 .prompt_var
                 .map_or(cfg.prompt_spread, |v| v.max(0.0).sqrt().min(1.0)),
             output: OutputDist::learned(&ended, &cut, cfg.default_output_tokens),
+            tokens_per_piece: self
+                .streamed
+                .filter(|&(_, pieces)| pieces > 0.0)
+                .map_or(1.0, |(tokens, pieces)| {
+                    (tokens / pieces).clamp(1.0, MAX_TOKENS_PER_PIECE)
+                }),
         })
     }
 }
@@ -128,6 +156,9 @@ pub struct Sample {
     pub completion_tokens: u64,
     /// The request's own limit cut the answer off: the model would have gone on.
     pub cut: bool,
+    /// Pieces of text its stream carried (`ResponseMeter::pieces`); 0 for an answer that did
+    /// not stream.
+    pub pieces: u64,
 }
 
 /// Marks a family record's name.
@@ -360,6 +391,7 @@ mod tests {
             prompt_tokens: real,
             completion_tokens: out,
             cut: false,
+            pieces: 0,
         }
     }
 
@@ -394,6 +426,47 @@ mod tests {
         assert!((0.08..=0.14).contains(&tail), "P(> 500) = {tail}");
         assert!(learned.output.survival(150.0) < 0.2);
         assert_eq!(cal.learned(&b, "other", None, &cfg), None);
+    }
+
+    /// Streamed answers teach how many tokens a piece of text carries; answers that did not
+    /// stream (no pieces) leave it alone, and a model no stream has taught counts one.
+    #[test]
+    fn tokens_per_streamed_piece_are_learned_from_usage() {
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let cfg = learning_after(5);
+        let streamed = |out, pieces| Sample {
+            pieces,
+            ..sample(100.0, 100, out)
+        };
+        for _ in 0..20 {
+            Calibration::record(&vm, "one", &[streamed(100, 100)], &cfg).unwrap();
+            // Four tokens a chunk, an answer's last chunk what is left: long and short answers
+            // (each one's own ratio 3.99 and 2.5), and one that did not stream.
+            Calibration::record(
+                &vm,
+                "four",
+                &[streamed(997, 250), streamed(5, 2), sample(100.0, 100, 300)],
+                &cfg,
+            )
+            .unwrap();
+            Calibration::record(&vm, "none", &[sample(100.0, 100, 100)], &cfg).unwrap();
+        }
+        let per_piece = |model| {
+            Calibration::default()
+                .learned(&vm, model, None, &cfg)
+                .unwrap()
+                .tokens_per_piece
+        };
+        assert_eq!(per_piece("one"), 1.0);
+        // About 3.98 (each faded once more than the next); counted at the answers' mean ratio,
+        // 3.24, a long answer would lag a fifth behind.
+        assert!(
+            (per_piece("four") - 1002.0 / 252.0).abs() < 1e-3,
+            "{}",
+            per_piece("four")
+        );
+        assert_eq!(per_piece("none"), 1.0);
     }
 
     /// The shared record has seen only short answers finish; this VM has long ones still

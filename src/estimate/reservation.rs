@@ -18,6 +18,8 @@ pub struct Learned {
     pub prompt_spread: f64,
     /// How long the model's answers run.
     pub output: OutputDist,
+    /// Output tokens per streamed piece of text (`calibration`): what a stream's pieces count.
+    pub tokens_per_piece: f64,
 }
 
 /// The estimate for one request, in tokens.
@@ -143,6 +145,7 @@ mod tests {
             prompt_scale: 1.0,
             prompt_spread: 0.0,
             output: OutputDist::learned(&ended, &[0.0; crate::estimate::output_dist::BUCKETS], 256),
+            tokens_per_piece: 1.0,
         }
     }
 

@@ -118,12 +118,23 @@ struct Admitted {
     /// The client asked for a stream (`stream`): an answer that does not stream is metered on
     /// the tick instead (`Flow::on_tick`).
     streams: bool,
+    /// What one streamed piece of its answer counts, in tokens: the model's learned tokens per
+    /// piece when it was admitted (`calibration`; 1 until learned), kept for the whole answer
+    /// so that its count only grows.
+    tokens_per_piece: f64,
     routed: Option<Routed>,
     /// Its answer's place in the VM's cohorts of answers started, once it streams.
     started: Option<Started>,
     /// While parked: the ticket and what a retry needs.
     waiting: Option<(Ticket, Vec<u64>)>,
     waited_ms: Option<u64>,
+}
+
+impl Admitted {
+    /// The output tokens `pieces` streamed pieces of its answer hold.
+    fn made(&self, pieces: u64) -> u64 {
+        (pieces as f64 * self.tokens_per_piece).round() as u64
+    }
 }
 
 #[derive(Default)]
@@ -308,6 +319,7 @@ impl Flow {
             fixed_tokens: req.token_ids + req.non_text_parts * cfg.non_text_part_tokens,
             max_output_tokens: req.max_output_tokens,
             streams: req.stream,
+            tokens_per_piece: learned.map_or(1.0, |l| l.tokens_per_piece),
             started: None,
             model: req.model,
             family,

@@ -106,15 +106,14 @@ impl Flow {
         let (Some(m), Some(a)) = (&mut self.meter, &mut self.admitted) else {
             return;
         };
-        let tokens = m.feed(bytes);
-        if tokens == 0 {
+        let pieces = m.feed(bytes);
+        if pieces == 0 {
             return;
         }
+        let made = a.made(m.pieces);
         let (model, family) = (&a.model, a.family.as_deref());
         let moved = match &mut a.started {
-            Some(at) => gate
-                .calibration
-                .streamed(model, family, at, m.streamed_tokens, None),
+            Some(at) => gate.calibration.streamed(model, family, at, made, None),
             None => {
                 a.started = gate
                     .calibration
@@ -133,11 +132,11 @@ impl Flow {
         }
         if let Some(routed) = &mut a.routed {
             if gate.config.routing.step_phase {
-                gate.router.streamed(store, routed, tokens);
+                gate.router.streamed(store, routed, pieces);
             }
-            if let Err(e) =
-                gate.router
-                    .grow(store, &gate.config, routed, &a.estimate, m.streamed_tokens)
+            if let Err(e) = gate
+                .router
+                .grow(store, &gate.config, routed, &a.estimate, made)
             {
                 log::debug!("kvgate: grow failed: {e:?}");
             }
@@ -214,9 +213,9 @@ impl Flow {
             a.max_output_tokens
                 .is_some_and(|m| u.completion_tokens >= m)
         });
+        // Without usage the stream was lost: the answer is known to have run this far.
+        let tokens = usage.map_or(a.made(meter.pieces), |u| u.completion_tokens);
         if let Some(at) = &mut a.started {
-            // Without usage the stream was lost: the answer is known to have run this far.
-            let tokens = usage.map_or(meter.streamed_tokens, |u| u.completion_tokens);
             let ended = cut == Some(false);
             gate.calibration
                 .streamed(&a.model, a.family.as_deref(), at, tokens, Some(ended));
@@ -267,6 +266,7 @@ impl Flow {
             prompt_tokens: usage.prompt_tokens,
             completion_tokens: usage.completion_tokens,
             cut,
+            pieces: meter.pieces,
         };
         gate.calibration.observe(
             &a.model,
@@ -449,6 +449,7 @@ mod tests {
                 prompt_tokens: 1,
                 completion_tokens: tokens,
                 cut: false,
+                pieces: 0,
             };
             for _ in 0..n {
                 Calibration::record(&vm, "m", &[s], &cfg.estimator).unwrap();
@@ -473,6 +474,46 @@ mod tests {
             f.on_response_body(&mut gate, &vm, PIECE);
         }
         assert!(far(&f) > 0.5, "{}", far(&f));
+    }
+
+    /// A model whose engine streams four tokens a chunk: each piece of its answer counts four
+    /// in its entry, and a stream lost without usage is known to have run that far too.
+    #[test]
+    fn a_streamed_piece_counts_the_tokens_the_model_sends_a_chunk() {
+        use crate::estimate::calibration::{Calibration, Sample};
+        use crate::pods::record;
+        let pod = "10.0.0.1:80";
+        let mut cfg = crate::test_support::with_pods(&[pod]);
+        cfg.estimator.min_samples = 5;
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let s = Sample {
+            static_text_tokens: 1.0,
+            fixed_tokens: 0,
+            prompt_tokens: 1,
+            completion_tokens: 200,
+            cut: false,
+            pieces: 50,
+        };
+        for _ in 0..10 {
+            Calibration::record(&vm, "m", &[s], &cfg.estimator).unwrap();
+        }
+        let mut gate = Gate::new(cfg, &vm).unwrap();
+        let mut f = streaming(&mut gate, &vm);
+        let held = || record::read(&vm, pod).unwrap().entries[0].held_tokens;
+        let prompt = held();
+        // The entry is written as the count enters a new block: at 4, 20, 36 and 52 tokens.
+        for _ in 0..13 {
+            f.on_response_body(&mut gate, &vm, PIECE);
+        }
+        assert_eq!(held(), prompt + 52);
+        f.on_done(&mut gate, &vm);
+        let counts = gate.calibration.cohort_counts("m").unwrap();
+        assert_eq!(
+            counts.1[crate::estimate::output_dist::bucket(52)],
+            1.0,
+            "lost at 52 tokens"
+        );
     }
 
     #[test]

@@ -249,8 +249,10 @@ pub struct ResponseMeter {
     sse: bool,
     kept: Vec<u8>,
     overflowed: bool,
-    /// Output tokens seen so far (one per streamed piece of text).
-    pub streamed_tokens: u64,
+    /// Pieces of text streamed so far: a token each from an engine that sends a token a chunk,
+    /// several from one that sends more (the flow counts them at the model's learned tokens per
+    /// piece, `calibration`).
+    pub pieces: u64,
     pub usage: Option<Usage>,
 }
 
@@ -262,13 +264,13 @@ impl ResponseMeter {
         }
     }
 
-    /// Feeds the next piece of the body; returns how many output tokens it carried.
+    /// Feeds the next piece of the body; returns how many pieces of text it carried.
     pub fn feed(&mut self, bytes: &[u8]) -> u64 {
         if !self.sse {
             self.keep(bytes);
             return 0;
         }
-        let before = self.streamed_tokens;
+        let before = self.pieces;
         let mut rest = bytes;
         while let Some(i) = memchr::memchr(b'\n', rest) {
             if self.kept.is_empty() && !self.overflowed && i <= MAX_KEPT {
@@ -288,7 +290,7 @@ impl ResponseMeter {
             rest = &rest[i + 1..];
         }
         self.keep(rest);
-        self.streamed_tokens - before
+        self.pieces - before
     }
 
     /// The body has ended: reads a non-streaming body's usage.
@@ -321,7 +323,7 @@ impl ResponseMeter {
             return;
         }
         if let Some(pieces) = crate::openai::sse_chunk::pieces(data) {
-            self.streamed_tokens += pieces;
+            self.pieces += pieces;
             return;
         }
         self.read_chunk(data);
@@ -332,7 +334,7 @@ impl ResponseMeter {
         let Ok(chunk) = serde_json::from_slice::<Chunk>(data) else {
             return;
         };
-        self.streamed_tokens += chunk.pieces();
+        self.pieces += chunk.pieces();
         if let Some(u) = chunk.usage {
             self.usage = Some(u);
         }
@@ -384,7 +386,7 @@ mod tests {
         m.feed(
             b"data: {\"choices\":[{\"text\":\"a\"}]}\r\ndata: {\"choices\":[{\"text\":\"b\"}]}\n",
         );
-        assert_eq!(m.streamed_tokens, 2);
+        assert_eq!(m.pieces, 2);
         assert_eq!(m.finish(), None);
     }
 
@@ -400,7 +402,7 @@ mod tests {
         let mut m = ResponseMeter::new(Some("text/event-stream"));
         m.feed(b"data: {\"type\":\"response.output_text.delta\",\"delta\":\"x\"}\n");
         m.feed(b"data: {\"type\":\"response.completed\",\"response\":{\"usage\":{\"input_tokens\":4,\"output_tokens\":1}}}\n");
-        assert_eq!(m.streamed_tokens, 1);
+        assert_eq!(m.pieces, 1);
         assert_eq!(m.finish().map(|u| u.prompt_tokens), Some(4));
     }
 
@@ -725,7 +727,7 @@ mod tests {
         m.feed(b"data: {not json\n: comment\nevent: x\n\xff\xfe\n");
         m.feed(&vec![b'a'; MAX_KEPT + 10]);
         m.feed(b"\ndata: {\"choices\":[{\"text\":\"ok\"}]}\n");
-        assert_eq!(m.streamed_tokens, 1);
+        assert_eq!(m.pieces, 1);
         // A line past the limit is skipped whether it comes in pieces or whole.
         let mut long = br#"data: {"choices":[{"text":"a"}],"x":""#.to_vec();
         long.resize(MAX_KEPT + 10, b'x');
@@ -734,7 +736,7 @@ mod tests {
         whole.feed(&long);
         let mut pieces = ResponseMeter::new(Some("text/event-stream"));
         long.chunks(4096).for_each(|p| _ = pieces.feed(p));
-        assert_eq!((whole.streamed_tokens, pieces.streamed_tokens), (1, 1));
+        assert_eq!((whole.pieces, pieces.pieces), (1, 1));
         let mut m = ResponseMeter::new(None);
         m.feed(&vec![b' '; MAX_KEPT + 1]);
         m.feed(br#"{"usage":{"prompt_tokens":1}}"#);

@@ -265,6 +265,33 @@ def test_answers_that_do_not_stream_are_held_too():
     assert out["kvgate"]["output_per_s"] >= 0.65 * out["round_robin"]["output_per_s"], out
 
 
+def held(envoy):
+    """The tokens kvgate's entries hold on the gateway's one pod, from its status page."""
+    return request(envoy.port, "GET", STATUS_PATH).json()["pods"][0]["heldTokens"]
+
+
+def held_while(envoy, sim, send, body):
+    """Sends `body` with `send` (`stream` or `answer`) through the gateway to its one pod, sampling
+    every 0.1 s while it runs (the tokens kvgate's entries hold there, the engine's KV in tokens);
+    returns the answer and the samples."""
+    out, samples = {}, []
+    worker = threading.Thread(target=lambda: out.update(send(envoy.port, "/v1/chat/completions", body)))
+    worker.start()
+    while worker.is_alive():
+        samples.append((held(envoy), sim.stats(0)["kv_blocks_used"] * BLOCK))
+        time.sleep(0.1)
+    worker.join()
+    return out, samples
+
+
+def assert_follows(samples):
+    """Mid-answer (the middle third of the samples) kvgate's count follows the engine's KV: within
+    a quarter of it and three blocks (an entry moves a block at a time, on a tick for an answer
+    that does not stream)."""
+    middle = samples[len(samples) // 3: 2 * len(samples) // 3]
+    assert middle and all(abs(h - e) <= 0.25 * e + 3 * BLOCK for h, e in middle), middle
+
+
 def test_an_answer_that_does_not_stream_is_counted_as_the_engine_makes_it():
     """While an answer that does not stream runs, its entry grows on the tick at the pod's pace
     (`Router::grow_unseen`): what kvgate says the pod's requests hold follows the engine's KV, not
@@ -273,21 +300,6 @@ def test_an_answer_that_does_not_stream_is_counted_as_the_engine_makes_it():
     cfg = dict(default_plugin_config(), statusPath=STATUS_PATH)
     with Sim(pods=1, args=["--num-gpu-blocks", "1024"]) as sim, \
             kvgate_envoy(sim.endpoints, cfg, concurrency=1) as envoy:
-        def held():
-            return request(envoy.port, "GET", STATUS_PATH).json()["pods"][0]["heldTokens"]
-
-        def one(i):
-            # A long answer, not streamed, and (kvgate's held tokens, the engine's KV) while it runs.
-            out, samples = {}, []
-            worker = threading.Thread(target=lambda: out.update(
-                answer(envoy.port, "/v1/chat/completions", unshared_chat(i, 800, 50))))
-            worker.start()
-            while worker.is_alive():
-                samples.append((held(), sim.stats(0)["kv_blocks_used"] * BLOCK))
-                time.sleep(0.1)
-            worker.join()
-            return out, samples
-
         for i in range(3):
             # The pace needs 256 tokens made between two scrapes (`pods::pace::MIN_TOKENS`), and a
             # scrape after them: until then an answer's entry stays at its prompt.
@@ -295,16 +307,34 @@ def test_an_answer_that_does_not_stream_is_counted_as_the_engine_makes_it():
                 list(pool.map(lambda j: stream(envoy.port, "/v1/chat/completions", unshared_chat(j, 200, 50)),
                               range(8)))
             time.sleep(1.2)
-            out, samples = one(1000 + i)
+            out, samples = held_while(envoy, sim, answer, unshared_chat(1000 + i, 800, 50))
             if max(h for h, _ in samples) - min(h for h, _ in samples if h) >= 8 * BLOCK:
                 break
         print(f"non-streamed answer, try {i + 1}, (kvgate held, engine KV) tokens:", samples)
         assert out.get("status") == 200 and out["usage"]["completion_tokens"] == 800, out
-        # Mid-answer (the middle third of the samples) kvgate's count follows the engine's KV:
-        # within a quarter of it and three blocks (the entry moves on the tick, a block at a time).
-        middle = samples[len(samples) // 3: 2 * len(samples) // 3]
-        assert middle and all(abs(h - e) <= 0.25 * e + 3 * BLOCK for h, e in middle), middle
-        assert wait_for(lambda: held() == 0, timeout=5)
+        assert_follows(samples)
+        assert wait_for(lambda: held(envoy) == 0, timeout=5)
+
+
+def test_a_stream_of_several_tokens_a_chunk_is_counted_in_tokens():
+    """An engine that streams several tokens a chunk (SGLang's `--stream-interval`, speculative
+    decoding's accepted tokens): the tokens a piece carries are learned from the streams' usage
+    (`calibration`), and each piece counts that many in its entry, which follows the engine's KV.
+    Counted a token a piece, the entry held a quarter of the answer."""
+    cfg = dict(default_plugin_config(), statusPath=STATUS_PATH)
+    with Sim(pods=1, args=["--num-gpu-blocks", "1024", "--stream-interval", "4"]) as sim, \
+            kvgate_envoy(sim.endpoints, cfg, concurrency=1) as envoy:
+        # The model's first `estimator.minSamples` (20) answers teach it, read a second later.
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda j: stream(envoy.port, "/v1/chat/completions", unshared_chat(j, 100, 50)),
+                                    range(24)))
+        assert all(a["status"] == 200 and a["chunks"] == 25 for a in answers), answers[0]
+        time.sleep(1.5)
+        out, samples = held_while(envoy, sim, stream, unshared_chat(1000, 800, 50))
+        print("stream of 4 tokens a chunk, (kvgate held, engine KV) tokens:", samples)
+        assert out.get("status") == 200 and out["usage"]["completion_tokens"] == 800, out
+        assert_follows(samples)
+        assert wait_for(lambda: held(envoy) == 0, timeout=5)
 
 
 @pytest.mark.parametrize("concurrency", [2, 4])
