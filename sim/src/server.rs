@@ -129,25 +129,24 @@ impl StreamState {
 
     fn on_event(&mut self, ev: &Event, buf: &mut Vec<u8>) {
         self.completion_tokens += 1;
+        if ev.first && self.kind == Kind::Chat {
+            // The role comes with the first token, however many tokens a chunk carries.
+            let c = self.chunk(json!({
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": null,
+                "finish_reason": null,
+            }));
+            Self::push(buf, &c);
+        }
         self.unsent.push_str(&self.g.tok.piece(ev.token));
         self.unsent_tokens += 1;
         if ev.finish.is_none() && self.unsent_tokens < self.g.args.stream_interval.max(1) {
-            if ev.first && self.kind == Kind::Chat {
-                // The role comes with the first token, as it would a chunk at a time.
-                let c = self.chunk(json!({
-                    "index": 0,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": null,
-                    "finish_reason": null,
-                }));
-                Self::push(buf, &c);
-            }
             return;
         }
         let piece = std::mem::take(&mut self.unsent);
         let piece = piece.as_str();
         self.unsent_tokens = 0;
-        let first = ev.first && self.kind == Kind::Chat;
         let finish = ev.finish.map(|f| f.reason.as_str());
         if let Some(f) = ev.finish {
             self.prompt_tokens = f.prompt_tokens;
@@ -165,15 +164,6 @@ impl StreamState {
                 Self::push(buf, &c);
             }
             Kind::Chat => {
-                if first {
-                    let c = self.chunk(json!({
-                        "index": 0,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": null,
-                        "finish_reason": null,
-                    }));
-                    Self::push(buf, &c);
-                }
                 let mut choice = json!({
                     "index": 0,
                     "delta": {"content": piece},
@@ -1271,14 +1261,14 @@ mod tests {
             .all(|&p| p == (7, FinishReason::Stop)));
     }
 
-    #[test]
-    fn sse_chunks_for_chat_and_usage() {
-        let args = <crate::config::Args as clap::Parser>::parse_from(["kvgate-sim"]);
+    /// A chat stream with usage, from a simulator started with `flags`.
+    fn chat_stream(flags: &[&str]) -> StreamState {
+        let args = <crate::config::Args as clap::Parser>::parse_from(
+            std::iter::once("kvgate-sim").chain(flags.iter().copied()),
+        );
         let tok = crate::tokenizer::Tokenizer::new("o200k_base").unwrap();
-        let g = Arc::new(Shared::new(args, tok));
-        let t0 = g.tok.filler()[0];
-        let mut st = StreamState {
-            g: g.clone(),
+        StreamState {
+            g: Arc::new(Shared::new(args, tok)),
             kind: Kind::Chat,
             id: "chatcmpl-x".into(),
             created: 1,
@@ -1289,7 +1279,13 @@ mod tests {
             completion_tokens: 0,
             unsent: String::new(),
             unsent_tokens: 0,
-        };
+        }
+    }
+
+    #[test]
+    fn sse_chunks_for_chat_and_usage() {
+        let mut st = chat_stream(&[]);
+        let t0 = st.g.tok.filler()[0];
         let mut buf = Vec::new();
         st.on_event(
             &Event {
@@ -1328,27 +1324,8 @@ mod tests {
     /// and usage counting all seven.
     #[test]
     fn a_stream_interval_sends_several_tokens_a_chunk() {
-        let args = <crate::config::Args as clap::Parser>::parse_from([
-            "kvgate-sim",
-            "--stream-interval",
-            "3",
-        ]);
-        let tok = crate::tokenizer::Tokenizer::new("o200k_base").unwrap();
-        let g = Arc::new(Shared::new(args, tok));
-        let t0 = g.tok.filler()[0];
-        let mut st = StreamState {
-            g: g.clone(),
-            kind: Kind::Chat,
-            id: "chatcmpl-x".into(),
-            created: 1,
-            model: "m".into(),
-            include_usage: true,
-            continuous_usage: false,
-            prompt_tokens: 5,
-            completion_tokens: 0,
-            unsent: String::new(),
-            unsent_tokens: 0,
-        };
+        let mut st = chat_stream(&["--stream-interval", "3"]);
+        let (g, t0) = (st.g.clone(), st.g.tok.filler()[0]);
         let mut buf = Vec::new();
         for i in 0..7 {
             let finish = (i == 6).then_some(Finish {
