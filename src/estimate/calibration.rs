@@ -1,7 +1,8 @@
 //! Self-calibration of the estimator, per model, shared by every worker: each response's `usage`
 //! moves a model's prompt scale (real tokens per static-rule token), its output-length
 //! distribution (`output_dist`: answers cut off by their own `max_tokens` are kept as censored
-//! samples, not dropped) and, for streamed answers, its tokens per streamed piece of text. Records live in shared data under a bounded key schema, `kvgate.cal.<slot>`,
+//! samples, not dropped) and, for streamed answers, its tokens per streamed piece of text.
+//! Records live in shared data under a bounded key schema, `kvgate.cal.<slot>`,
 //! one slot per model hash (32 slots); a slot held by another model that is still being updated is
 //! left alone, and that model keeps the static rule. Each VM caches what it read for a second, so
 //! the request path makes at most one host call per model per second for this. The lengths read

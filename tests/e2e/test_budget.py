@@ -74,16 +74,22 @@ def timed_run(envoy, sim, clients, requests, sample_kvgate, words=300, streams=T
         "output_per_s": round(sum(a["usage"]["completion_tokens"] for a in answers) / elapsed)}
 
 
-def against_round_robin(sim_args, clients, requests, **run_args):
-    """`timed_run` through plain round robin, then through kvgate (at `--concurrency` 2), each on
-    fresh pods of `sim_args`; returns what each did."""
+def against_round_robin(sim_args, clients, requests, concurrency=2, on_kvgate=None, **run_args):
+    """`timed_run` through plain round robin, then through kvgate (at `concurrency` workers), each on
+    fresh pods of `sim_args`; returns what each did. `on_kvgate(envoy, sim, answers, samples)`, when
+    given, checks kvgate's run while its Envoy is up (its gauges sampled for it), and what it
+    returns is added to the result."""
     out = {}
     for name in ("round_robin", "kvgate"):
         with Sim(pods=2, args=sim_args) as sim:
             ctx = baseline_envoy(sim.endpoints) if name == "round_robin" else \
-                kvgate_envoy(sim.endpoints, default_plugin_config(), concurrency=2)
+                kvgate_envoy(sim.endpoints, default_plugin_config(), concurrency=concurrency)
+            check = on_kvgate if name == "kvgate" else None
             with ctx as envoy:
-                out[name] = timed_run(envoy, sim, clients, requests, sample_kvgate=False, **run_args)[2]
+                answers, samples, out[name] = timed_run(envoy, sim, clients, requests,
+                                                        sample_kvgate=check is not None, **run_args)
+                if check:
+                    out.update(check(envoy, sim, answers, samples) or {})
     return out
 
 
@@ -210,18 +216,12 @@ def test_without_max_tokens_preemptions_are_a_sliver_of_round_robins():
     in this test's 240 requests kvgate did 1.02-1.05x round robin's output tokens per second (round
     robin's preemptions weigh most in so short a run); over 960 requests, 0.86x, KV 72-73 % used
     against 87-88 % (BENCHMARKS.md); at the issue's filing, 0.50x and 42 %."""
-    out = {}
-    for name in ("round_robin", "kvgate"):
-        with Sim(pods=2, args=SMALL_KV) as sim:
-            ctx = baseline_envoy(sim.endpoints) if name == "round_robin" else \
-                kvgate_envoy(sim.endpoints, default_plugin_config(), concurrency=4)
-            with ctx as envoy:
-                answers, samples, out[name] = timed_run(envoy, sim, 48, 240, sample_kvgate=name == "kvgate")
-                if name == "kvgate":
-                    check_promise(samples, bounded=False, delivered_lag=delivery_lag(answers), ports=sim.ports)
-                    out["relief_percent"] = max(max(g["relief_percent"].values(), default=0) for _, g in samples)
-                    assert wait_for(lambda: all(v == 0 for v in kvgate_gauges(envoy, "reserved_tokens").values()),
-                                    timeout=5)
+    def held(envoy, sim, answers, samples):
+        check_promise(samples, bounded=False, delivered_lag=delivery_lag(answers), ports=sim.ports)
+        assert wait_for(lambda: all(v == 0 for v in kvgate_gauges(envoy, "reserved_tokens").values()), timeout=5)
+        return {"relief_percent": max(max(g["relief_percent"].values(), default=0) for _, g in samples)}
+
+    out = against_round_robin(SMALL_KV, 48, 240, concurrency=4, on_kvgate=held)
     print("without max_tokens:", out)
     assert out["round_robin"]["preemptions"] >= 50
     assert out["kvgate"]["preemptions"] <= 0.02 * out["round_robin"]["preemptions"]
