@@ -285,12 +285,12 @@ impl Sse {
             read_usage(&v, &mut self.out);
             if let Some(choices) = v.get("choices").and_then(Value::as_array) {
                 for c in choices {
-                    let piece = c
-                        .get("text")
-                        .and_then(Value::as_str)
-                        .or_else(|| c.pointer("/delta/content").and_then(Value::as_str))
-                        .unwrap_or("");
-                    if piece.is_empty() {
+                    let text = |at: &str| c.pointer(at).and_then(Value::as_str).unwrap_or("");
+                    let piece = [text("/text"), text("/delta/content")].concat();
+                    // A reasoning model's reasoning (vLLM's `reasoning`, SGLang's
+                    // `reasoning_content`) is its first tokens, not its answer.
+                    let reasoning = [text("/delta/reasoning"), text("/delta/reasoning_content")];
+                    if piece.is_empty() && reasoning.iter().all(|r| r.is_empty()) {
                         continue;
                     }
                     match self.last {
@@ -302,7 +302,7 @@ impl Sse {
                     }
                     self.last = Some(now);
                     self.out.chunks += 1;
-                    self.out.content.push_str(piece);
+                    self.out.content.push_str(&piece);
                 }
             }
         }
@@ -372,6 +372,26 @@ mod tests {
             (Some(7), Some(2), Some(4))
         );
         assert!(o.error.is_none());
+    }
+
+    /// A reasoning model's first token is its reasoning's: it sets the TTFT and counts as a
+    /// chunk, and only the answer is its content.
+    #[test]
+    fn reasoning_is_a_token_but_not_the_answer() {
+        let t0 = Instant::now();
+        let mut p = Sse::new(t0);
+        let ms = |n| t0 + Duration::from_millis(n);
+        p.feed(
+            b"data: {\"choices\":[{\"delta\":{\"reasoning\":\"Hm\"}}]}\n\n",
+            ms(4),
+        );
+        p.feed(
+            b"data: {\"choices\":[{\"delta\":{\"reasoning_content\":\".\",\"content\":\"A\"}}]}\n\n",
+            ms(9),
+        );
+        let o = p.finish(Outcome::default());
+        assert_eq!((o.chunks, o.content.as_str()), (2, "A"));
+        assert!((o.ttft.unwrap_or(0.0) - 0.004).abs() < 1e-9);
     }
 
     #[test]

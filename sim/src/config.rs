@@ -149,6 +149,11 @@ pub struct Args {
     /// speculative decoding does with the tokens a step accepts; `usage` counts every token.
     #[arg(long, default_value_t = 1)]
     pub stream_interval: usize,
+    /// The share of each chat answer that is reasoning, as a reasoning model's behind vLLM's
+    /// `--reasoning-parser`: its first tokens stream as `delta.reasoning` (vLLM's name since its
+    /// PR 27752) and come back as `message.reasoning`, the rest as content; `usage` counts both.
+    #[arg(long, default_value_t = 0.0)]
+    pub reasoning_share: f64,
     /// A request with max_tokens also stops at EOS (its length drawn from --output-len-dist,
     /// capped at max_tokens), as real vLLM does unless ignore_eos is set; off, max_tokens is
     /// generated in full (benchmark-style).
@@ -168,6 +173,9 @@ pub struct Args {
 
 impl Args {
     pub fn validate(&self) -> Result<(), String> {
+        if !(0.0..=1.0).contains(&self.reasoning_share) {
+            return Err("--reasoning-share must be within 0 and 1".into());
+        }
         if self.pods == 0 {
             return Err("--pods must be at least 1".into());
         }

@@ -85,9 +85,19 @@ struct StreamState {
     continuous_usage: bool,
     prompt_tokens: usize,
     completion_tokens: usize,
-    /// Text of tokens made and not sent yet (`--stream-interval`), and how many.
-    unsent: String,
+    /// The answer's first tokens that are reasoning (`--reasoning-share`).
+    reasoning_tokens: usize,
+    /// Text of tokens made and not sent yet (`--stream-interval`), reasoning and answer, and how
+    /// many.
+    unsent: Unsent,
     unsent_tokens: usize,
+}
+
+/// An answer's text, split as a reasoning parser splits it.
+#[derive(Default)]
+struct Unsent {
+    reasoning: String,
+    content: String,
 }
 
 impl StreamState {
@@ -139,13 +149,17 @@ impl StreamState {
             }));
             Self::push(buf, &c);
         }
-        self.unsent.push_str(&self.g.tok.piece(ev.token));
+        let piece = self.g.tok.piece(ev.token);
+        if self.kind == Kind::Chat && self.completion_tokens <= self.reasoning_tokens {
+            self.unsent.reasoning.push_str(&piece);
+        } else {
+            self.unsent.content.push_str(&piece);
+        }
         self.unsent_tokens += 1;
         if ev.finish.is_none() && self.unsent_tokens < self.g.args.stream_interval.max(1) {
             return;
         }
-        let piece = std::mem::take(&mut self.unsent);
-        let piece = piece.as_str();
+        let Unsent { reasoning, content } = std::mem::take(&mut self.unsent);
         self.unsent_tokens = 0;
         let finish = ev.finish.map(|f| f.reason.as_str());
         if let Some(f) = ev.finish {
@@ -156,7 +170,7 @@ impl StreamState {
             Kind::Completion => {
                 let c = self.chunk(json!({
                     "index": 0,
-                    "text": piece,
+                    "text": content,
                     "logprobs": null,
                     "finish_reason": finish,
                     "stop_reason": null,
@@ -164,9 +178,18 @@ impl StreamState {
                 Self::push(buf, &c);
             }
             Kind::Chat => {
+                // vLLM's delta carries the step's reasoning, its answer, or both where a
+                // step's text crosses the end of the reasoning.
+                let mut delta = json!({});
+                if !reasoning.is_empty() {
+                    delta["reasoning"] = json!(reasoning);
+                }
+                if !content.is_empty() || reasoning.is_empty() {
+                    delta["content"] = json!(content);
+                }
                 let mut choice = json!({
                     "index": 0,
-                    "delta": {"content": piece},
+                    "delta": delta,
                     "logprobs": null,
                     "finish_reason": finish,
                 });
@@ -617,6 +640,11 @@ async fn generate_inner(
         }
     };
     let created = unix_now();
+    // What a reasoning parser would split off: the answer's first share (chat only).
+    let reasoning_tokens = match kind {
+        Kind::Chat => (g.args.reasoning_share * max_output as f64).round() as usize,
+        Kind::Completion => 0,
+    };
     let (rid, mut rx) = pod.submit(Submit {
         prompt,
         max_output,
@@ -637,7 +665,8 @@ async fn generate_inner(
             continuous_usage,
             prompt_tokens: prompt_len,
             completion_tokens: 0,
-            unsent: String::new(),
+            reasoning_tokens,
+            unsent: Unsent::default(),
             unsent_tokens: 0,
         };
         let mut r = Response::new(SimBody::Sse(Box::new(SseBody {
@@ -655,10 +684,17 @@ async fn generate_inner(
         return Ok(r);
     }
 
-    let mut text = String::new();
+    let mut text = Unsent::default();
     let mut fin: Option<Finish> = None;
+    let mut made = 0;
     while let Some(ev) = rx.recv().await {
-        text.push_str(&g.tok.piece(ev.token));
+        made += 1;
+        let part = if made <= reasoning_tokens {
+            &mut text.reasoning
+        } else {
+            &mut text.content
+        };
+        part.push_str(&g.tok.piece(ev.token));
         if let Some(f) = ev.finish {
             fin = Some(f);
             break;
@@ -686,7 +722,7 @@ async fn generate_inner(
             "model": model,
             "choices": [{
                 "index": 0,
-                "text": text,
+                "text": text.content,
                 "logprobs": null,
                 "finish_reason": f.reason.as_str(),
                 "stop_reason": null,
@@ -701,9 +737,10 @@ async fn generate_inner(
             "model": model,
             "choices": [{
                 "index": 0,
-                "message": {"role": "assistant", "content": text, "refusal": null,
+                "message": {"role": "assistant", "content": text.content, "refusal": null,
                             "annotations": null, "audio": null, "function_call": null,
-                            "tool_calls": [], "reasoning_content": null},
+                            "tool_calls": [],
+                            "reasoning": (!text.reasoning.is_empty()).then_some(text.reasoning)},
                 "logprobs": null,
                 "finish_reason": f.reason.as_str(),
                 "stop_reason": null,
@@ -1277,7 +1314,8 @@ mod tests {
             continuous_usage: false,
             prompt_tokens: 5,
             completion_tokens: 0,
-            unsent: String::new(),
+            reasoning_tokens: 0,
+            unsent: Unsent::default(),
             unsent_tokens: 0,
         }
     }
@@ -1320,18 +1358,16 @@ mod tests {
         assert_eq!(events[4], "data: [DONE]");
     }
 
-    /// With `--stream-interval 3` seven tokens come as chunks of 3, 3 and 1, the role first
-    /// and usage counting all seven.
-    #[test]
-    fn a_stream_interval_sends_several_tokens_a_chunk() {
-        let mut st = chat_stream(&["--stream-interval", "3"]);
-        let (g, t0) = (st.g.clone(), st.g.tok.filler()[0]);
+    /// The chunks of an answer of `n` tokens (each the tokenizer's first filler), parsed, and
+    /// that token's text.
+    fn stream_of(st: &mut StreamState, n: usize) -> (Vec<Value>, String) {
+        let t0 = st.g.tok.filler()[0];
         let mut buf = Vec::new();
-        for i in 0..7 {
-            let finish = (i == 6).then_some(Finish {
+        for i in 0..n {
+            let finish = (i + 1 == n).then_some(Finish {
                 reason: FinishReason::Stop,
                 prompt_tokens: 5,
-                completion_tokens: 7,
+                completion_tokens: n,
                 cached_tokens: 0,
             });
             st.on_event(
@@ -1343,22 +1379,55 @@ mod tests {
                 &mut buf,
             );
         }
-        let text = String::from_utf8(buf).unwrap();
-        let events: Vec<Value> = text
+        let events = String::from_utf8(buf)
+            .unwrap()
             .split("\n\n")
             .filter(|s| !s.is_empty() && *s != "data: [DONE]")
             .map(|s| serde_json::from_str(s.trim_start_matches("data: ")).unwrap())
             .collect();
-        let piece = g.tok.piece(t0);
-        let contents: Vec<&str> = events
+        (events, st.g.tok.piece(t0))
+    }
+
+    /// Each chunk's delta field `key`, where it has one.
+    fn deltas<'a>(events: &'a [Value], key: &str) -> Vec<&'a str> {
+        events
             .iter()
-            .filter_map(|e| e["choices"][0]["delta"]["content"].as_str())
-            .collect();
+            .filter_map(|e| e["choices"][0]["delta"][key].as_str())
+            .collect()
+    }
+
+    /// With `--stream-interval 3` seven tokens come as chunks of 3, 3 and 1, the role first
+    /// and usage counting all seven.
+    #[test]
+    fn a_stream_interval_sends_several_tokens_a_chunk() {
+        let mut st = chat_stream(&["--stream-interval", "3"]);
+        let (events, piece) = stream_of(&mut st, 7);
         assert_eq!(
-            contents,
+            deltas(&events, "content"),
             ["", &piece.repeat(3), &piece.repeat(3), &piece],
-            "{text}"
+            "{events:?}"
         );
         assert_eq!(events.last().unwrap()["usage"]["completion_tokens"], 7);
+    }
+
+    /// A reasoning answer streams its first tokens as `delta.reasoning`, as vLLM's reasoning
+    /// parser does, the rest as content, and a chunk that crosses the end carries both; usage
+    /// counts them all.
+    #[test]
+    fn reasoning_streams_as_vllm_streams_it() {
+        let mut st = chat_stream(&["--stream-interval", "2"]);
+        st.reasoning_tokens = 3;
+        let (events, piece) = stream_of(&mut st, 6);
+        assert_eq!(
+            deltas(&events, "reasoning"),
+            [piece.repeat(2), piece.clone()]
+        );
+        assert_eq!(
+            deltas(&events, "content"),
+            ["", &piece, &piece.repeat(2)],
+            "{events:?}"
+        );
+        assert!(events[1]["choices"][0]["delta"].get("content").is_none());
+        assert_eq!(events.last().unwrap()["usage"]["completion_tokens"], 6);
     }
 }

@@ -4,6 +4,8 @@
 
 use serde::Deserialize;
 
+use super::sse_chunk::TEXT_EVENTS;
+
 /// The most of a non-streaming body, or of one SSE line, kvgate keeps to read `usage` from.
 const MAX_KEPT: usize = 1024 * 1024;
 
@@ -30,7 +32,27 @@ fn cached_tokens<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, 
 #[serde(default)]
 struct Delta {
     content: Option<String>,
+    reasoning: Option<String>,
     reasoning_content: Option<String>,
+    tool_calls: Option<Vec<ToolCall>>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct ToolCall {
+    function: Option<Function>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct Function {
+    name: Option<String>,
+    arguments: Option<String>,
+}
+
+/// Whether a field holds text.
+fn some(text: &Option<String>) -> bool {
+    text.as_ref().is_some_and(|t| !t.is_empty())
 }
 
 #[derive(Deserialize, Default)]
@@ -45,7 +67,7 @@ struct Choice {
 struct Chunk {
     choices: Vec<Choice>,
     usage: Option<Usage>,
-    /// The Responses API streams `response.output_text.delta` events and ends with
+    /// The Responses API streams events (`sse_chunk::TEXT_EVENTS`) and ends with
     /// `response.completed`, whose response carries usage in its own names.
     #[serde(rename = "type")]
     kind: Option<String>,
@@ -53,19 +75,28 @@ struct Chunk {
 }
 
 impl Chunk {
-    /// Its pieces of text: each choice's `text`, else its delta's `content`, else its
-    /// `reasoning_content`, when not empty; and a Responses API text delta.
+    /// Its pieces of text: each choice that carries any (its `text`, or its delta's answer,
+    /// reasoning under either name, or a tool call's name or arguments), and each Responses
+    /// API event that carries one.
     fn pieces(&self) -> u64 {
         let choices = self.choices.iter().filter(|c| {
-            let delta = c.delta.as_ref();
-            c.text
-                .as_deref()
-                .or(delta.and_then(|d| d.content.as_deref()))
-                .or(delta.and_then(|d| d.reasoning_content.as_deref()))
-                .is_some_and(|p| !p.is_empty())
+            some(&c.text)
+                || c.delta.as_ref().is_some_and(|d| {
+                    some(&d.content)
+                        || some(&d.reasoning)
+                        || some(&d.reasoning_content)
+                        || d.tool_calls.iter().flatten().any(|t| {
+                            t.function
+                                .as_ref()
+                                .is_some_and(|f| some(&f.name) || some(&f.arguments))
+                        })
+                })
         });
-        choices.count() as u64
-            + u64::from(self.kind.as_deref() == Some("response.output_text.delta"))
+        let event = self
+            .kind
+            .as_deref()
+            .is_some_and(|k| TEXT_EVENTS.contains(&k));
+        choices.count() as u64 + u64::from(event)
     }
 }
 
@@ -618,7 +649,16 @@ mod tests {
             o.push(b'}');
             o
         };
-        let delta_keys: [&[u8]; 4] = [b"role", b"content", b"reasoning_content", b"tool_calls"];
+        let delta_keys: [&[u8]; 6] = [
+            b"role",
+            b"content",
+            b"reasoning",
+            b"reasoning_content",
+            b"tool_calls",
+            b"re\\u0061soning",
+        ];
+        let call_keys: [&[u8]; 4] = [b"index", b"id", b"type", b"function"];
+        let function_keys: [&[u8]; 3] = [b"name", b"arguments", b"n\\u0061me"];
         let choice_keys: [&[u8]; 6] = [
             b"index",
             b"text",
@@ -656,9 +696,32 @@ mod tests {
                             next,
                             &mut |key, next| match (key, next(8)) {
                                 (b"delta", 0) => value(next),
-                                (b"delta", _) => {
-                                    object(&delta_keys, next, &mut |_, next| value(next))
-                                }
+                                (b"delta", _) => object(&delta_keys, next, &mut |key, next| {
+                                    if key != b"tool_calls" || next(4) == 0 {
+                                        return value(next);
+                                    }
+                                    let mut a = b"[".to_vec();
+                                    for k in 0..next(3) {
+                                        if k > 0 {
+                                            a.push(b',');
+                                        }
+                                        a.extend(if next(10) == 0 {
+                                            value(next)
+                                        } else {
+                                            object(&call_keys, next, &mut |key, next| {
+                                                if key == b"function" && next(5) > 0 {
+                                                    object(&function_keys, next, &mut |_, next| {
+                                                        value(next)
+                                                    })
+                                                } else {
+                                                    value(next)
+                                                }
+                                            })
+                                        });
+                                    }
+                                    a.push(b']');
+                                    a
+                                }),
                                 _ => value(next),
                             },
                         ));
@@ -666,10 +729,11 @@ mod tests {
                     a.push(b']');
                     a
                 }
-                b"type" => match next(4) {
+                b"type" => match next(6) {
                     0 => br#""response.output_text.delt\u0061""#.to_vec(),
                     1 => values[next(values.len())].to_vec(),
-                    _ => br#""response.output_text.delta""#.to_vec(),
+                    2 => br#""response.output_text.done""#.to_vec(),
+                    k => format!("\"{}\"", TEXT_EVENTS[k - 3]).into_bytes(),
                 },
                 b"usage" | b"response" if next(2) > 0 => b"null".to_vec(),
                 b"usage" => br#"{"prompt_tokens":3,"completion_tokens":1}"#.to_vec(),
@@ -710,6 +774,17 @@ mod tests {
             (br#"{"id":"c","choices":[{"index":0,"delta":{},"finish_reason":"length"}]}"#, 0),
             (br#"{"type":"response.output_text.delta","sequence_number":4,"item_id":"msg_1","output_index":0,"content_index":0,"delta":"x","logprobs":[]}"#, 1),
             (br#"{"type":"response.content_part.added","part":{"type":"output_text","text":""}}"#, 0),
+            // vLLM's reasoning (its name since vLLM PR 27752), and at the end of it a step whose
+            // text is both reasoning and answer: one piece.
+            (br#"{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"reasoning":" step"},"logprobs":null,"finish_reason":null}]}"#, 1),
+            (br#"{"choices":[{"index":0,"delta":{"reasoning":".","content":"The"}}]}"#, 1),
+            (br#"{"choices":[{"index":0,"text":"","delta":{"content":"x"}}]}"#, 1),
+            // A tool call as vLLM streams it: its name, then its arguments a piece at a time.
+            (br#"{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"tool_calls":[{"id":"chatcmpl-tool-1","type":"function","index":0,"function":{"name":"get_weather"}}]},"logprobs":null,"finish_reason":null}]}"#, 1),
+            (br#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{\"city\": \""}}]},"logprobs":null,"finish_reason":null}]}"#, 1),
+            (br#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":""}}]}}]}"#, 0),
+            (br#"{"type":"response.reasoning_text.delta","content_index":0,"delta":" is","item_id":"r","output_index":0,"sequence_number":95}"#, 1),
+            (br#"{"type":"response.function_call_arguments.delta","delta":"{\"","item_id":"fc","output_index":1,"sequence_number":7}"#, 1),
         ] {
             assert_eq!(crate::openai::sse_chunk::pieces(chunk), Some(n), "{}", String::from_utf8_lossy(chunk));
             assert_eq!(serde_reading(chunk).0, n);

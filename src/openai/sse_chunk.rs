@@ -5,15 +5,24 @@
 //! than the rest of the request together (`examples/request_cost --stream`).
 //!
 //! [`pieces`] walks the chunk's JSON once, allocating nothing, and counts what the serde reading
-//! (`response::Chunk`) counts: for each of `choices`, its `text` or else its delta's `content` or
-//! else its `reasoning_content`, when not empty; and a Responses API `response.output_text.delta`
-//! event. It declines (`None`) rather than differ: wherever a chunk's shape or bytes leave any
+//! (`response::Chunk`) counts: each of `choices` that carries any text — its `text`, or its
+//! delta's `content`, `reasoning` (vLLM's name since its PR 27752), `reasoning_content`
+//! (SGLang's, and vLLM's before) or a tool call's function `name` or `arguments` —, and each
+//! Responses API event of [`TEXT_EVENTS`]. It declines (`None`) rather than differ: wherever a chunk's shape or bytes leave any
 //! doubt that serde_json would read it alike (a `usage` or `response` that is not null, a field
 //! of interest of another type or given twice, an escaped key or event type, a `\u` escape of a
 //! surrogate, bytes that are not UTF-8, nesting past `MAX_DEPTH`, any syntax error), and the
 //! meter then reads the chunk through serde as before. Usage, once a stream, is always read
 //! through serde. The test `pieces_are_counted_as_the_serde_reading_counts_them` holds the two to
 //! each other.
+
+/// The Responses API's streamed events that each carry a piece of the answer: its text, its
+/// reasoning (vLLM's `response.reasoning_text.delta`) and a function call's arguments.
+pub const TEXT_EVENTS: [&str; 3] = [
+    "response.output_text.delta",
+    "response.reasoning_text.delta",
+    "response.function_call_arguments.delta",
+];
 
 /// Deeper than this is declined (serde_json's own limit is 128).
 const MAX_DEPTH: u32 = 32;
@@ -58,7 +67,8 @@ pub fn pieces(data: &[u8]) -> Option<u64> {
                 if kind.is_some_and(|k| k.contains(&b'\\')) {
                     return None;
                 }
-                count += u64::from(kind == Some(b"response.output_text.delta".as_slice()));
+                count +=
+                    u64::from(kind.is_some_and(|k| TEXT_EVENTS.iter().any(|e| e.as_bytes() == k)));
             }
             // Present with a value: the serde reading takes it.
             _ => c.null().then_some(())?,
@@ -210,11 +220,16 @@ impl<'a> Cursor<'a> {
         Some(Some(self.string()?.0))
     }
 
-    /// `choices`: an array of objects; the pieces of text among them.
+    /// A string field of interest or null: whether it holds text.
+    fn some_text(&mut self) -> Option<bool> {
+        Some(self.text_or_null()?.is_some_and(|t| !t.is_empty()))
+    }
+
+    /// `choices`: an array of objects; the pieces of text among them (a choice with any text).
     fn choices(&mut self) -> Option<u64> {
         let mut count = 0;
         self.array(1, |c| {
-            let (mut text, mut content, mut reasoning) = (None, None, None);
+            let mut text = false;
             let mut seen = [false; 2];
             c.object(2, |c, key| {
                 let field = match key {
@@ -226,31 +241,81 @@ impl<'a> Cursor<'a> {
                     return None;
                 }
                 if field == 0 {
-                    text = c.text_or_null()?;
+                    text |= c.some_text()?;
                     return Some(());
+                }
+                if !c.null() {
+                    text |= c.delta()?;
+                }
+                Some(())
+            })?;
+            count += u64::from(text);
+            Some(())
+        })?;
+        Some(count)
+    }
+
+    /// A choice's `delta` (an object): whether any of its answer, reasoning (under either name)
+    /// or tool calls' names and arguments carries text.
+    fn delta(&mut self) -> Option<bool> {
+        let mut text = false;
+        let mut seen = [false; 4];
+        self.object(3, |c, key| {
+            let field = match key {
+                b"content" => 0,
+                b"reasoning" => 1,
+                b"reasoning_content" => 2,
+                b"tool_calls" => 3,
+                _ => return c.value(4),
+            };
+            if std::mem::replace(&mut seen[field], true) {
+                return None;
+            }
+            text |= if field == 3 {
+                c.tool_calls()?
+            } else {
+                c.some_text()?
+            };
+            Some(())
+        })?;
+        Some(text)
+    }
+
+    /// A delta's `tool_calls` (an array of objects, or null): whether any call's function has a
+    /// name or arguments in this chunk.
+    fn tool_calls(&mut self) -> Option<bool> {
+        if self.null() {
+            return Some(false);
+        }
+        let mut text = false;
+        self.array(4, |c| {
+            let mut seen = false;
+            c.object(5, |c, key| {
+                if key != b"function" {
+                    return c.value(6);
+                }
+                if std::mem::replace(&mut seen, true) {
+                    return None;
                 }
                 if c.null() {
                     return Some(());
                 }
-                let mut seen_in_delta = [false; 2];
-                c.object(3, |c, key| {
-                    let (field, piece) = match key {
-                        b"content" => (0, &mut content),
-                        b"reasoning_content" => (1, &mut reasoning),
-                        _ => return c.value(4),
+                let mut seen = [false; 2];
+                c.object(6, |c, key| {
+                    let field = match key {
+                        b"name" => 0,
+                        b"arguments" => 1,
+                        _ => return c.value(7),
                     };
-                    if std::mem::replace(&mut seen_in_delta[field], true) {
+                    if std::mem::replace(&mut seen[field], true) {
                         return None;
                     }
-                    *piece = c.text_or_null()?;
+                    text |= c.some_text()?;
                     Some(())
                 })
-            })?;
-            let piece = text.or(content).or(reasoning);
-            count += u64::from(piece.is_some_and(|p| !p.is_empty()));
-            Some(())
+            })
         })?;
-        Some(count)
+        Some(text)
     }
 
     /// Any JSON value, checked and skipped.

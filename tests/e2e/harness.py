@@ -335,8 +335,8 @@ def kvgate_envoy(upstreams, plugin_config=None, concurrency=4, **kw):
 
 def stream(port, path, body, headers=None, timeout=120.0):
     """POSTs a streaming request; returns status, headers, time to first token, total time,
-    number of content chunks, the longest gap between two of them (`stall`) and the usage
-    chunk."""
+    number of chunks with text (answer or reasoning), the longest gap between two of them
+    (`stall`) and the usage chunk."""
     body = dict(body, stream=True, stream_options={"include_usage": True})
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     t0 = time.perf_counter()
@@ -363,7 +363,8 @@ def stream(port, path, body, headers=None, timeout=120.0):
             if chunk.get("usage"):
                 result["usage"] = chunk["usage"]
             for c in chunk.get("choices", []):
-                piece = c.get("text") or (c.get("delta") or {}).get("content")
+                delta = c.get("delta") or {}
+                piece = c.get("text") or delta.get("content") or delta.get("reasoning")
                 if piece:
                     now = time.perf_counter() - t0
                     if result["ttft"] is None:

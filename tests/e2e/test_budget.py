@@ -316,22 +316,27 @@ def test_an_answer_that_does_not_stream_is_counted_as_the_engine_makes_it():
         assert wait_for(lambda: held(envoy) == 0, timeout=5)
 
 
-def test_a_stream_of_several_tokens_a_chunk_is_counted_in_tokens():
+@pytest.mark.parametrize("engine, chunks", [(["--stream-interval", "4"], 25), (["--reasoning-share", "0.75"], 100)],
+                         ids=["four-tokens-a-chunk", "reasoning"])
+def test_a_stream_is_counted_in_tokens_however_the_engine_writes_them(engine, chunks):
     """An engine that streams several tokens a chunk (SGLang's `--stream-interval`, speculative
     decoding's accepted tokens): the tokens a piece carries are learned from the streams' usage
     (`calibration`), and each piece counts that many in its entry, which follows the engine's KV.
-    Counted a token a piece, the entry held a quarter of the answer."""
+    Counted a token a piece, the entry held a quarter of the answer. A reasoning model behind vLLM's
+    reasoning parser streams most of its answer as `delta.reasoning` (vLLM PR 27752's name): counted
+    as pieces like its text. Before, the entry held the prompt alone through the reasoning, and each
+    piece of the answer after it counted the four tokens a piece learned from usage."""
     cfg = dict(default_plugin_config(), statusPath=STATUS_PATH)
-    with Sim(pods=1, args=["--num-gpu-blocks", "1024", "--stream-interval", "4"]) as sim, \
+    with Sim(pods=1, args=["--num-gpu-blocks", "1024", *engine]) as sim, \
             kvgate_envoy(sim.endpoints, cfg, concurrency=1) as envoy:
         # The model's first `estimator.minSamples` (20) answers teach it, read a second later.
         with ThreadPoolExecutor(4) as pool:
             answers = list(pool.map(lambda j: stream(envoy.port, "/v1/chat/completions", unshared_chat(j, 100, 50)),
                                     range(24)))
-        assert all(a["status"] == 200 and a["chunks"] == 25 for a in answers), answers[0]
+        assert all(a["status"] == 200 and a["chunks"] == chunks for a in answers), answers[0]
         time.sleep(1.5)
         out, samples = held_while(envoy, sim, stream, unshared_chat(1000, 800, 50))
-        print("stream of 4 tokens a chunk, (kvgate held, engine KV) tokens:", samples)
+        print(f"{' '.join(engine)}: (kvgate held, engine KV) tokens:", samples)
         assert out.get("status") == 200 and out["usage"]["completion_tokens"] == 800, out
         assert_follows(samples)
         assert wait_for(lambda: held(envoy) == 0, timeout=5)
