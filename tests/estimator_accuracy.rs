@@ -162,7 +162,7 @@ fn learn_scale(pairs: impl Iterator<Item = (f64, usize)>) -> f64 {
             fixed_tokens: 0,
             prompt_tokens: truth as u64,
             completion_tokens: 0,
-            cut: false,
+            length: calibration::Length::Ended,
             pieces: 0,
         };
         Calibration::record(&vm, MODEL, &[sample], &cfg).expect("the in-memory host never fails");

@@ -104,16 +104,18 @@ impl ModelStats {
                 pieces * keep + sample.pieces as f64,
             ));
         }
-        for x in self.output.iter_mut().chain(self.cut.iter_mut()) {
-            *x *= 1.0 - OUTPUT_FADE;
-        }
-        let into = if sample.cut {
-            &mut self.cut
-        } else {
-            &mut self.output
-        };
-        if let Some(x) = into.get_mut(bucket(sample.completion_tokens)) {
-            *x += 1.0;
+        if sample.length != Length::Untold {
+            for x in self.output.iter_mut().chain(self.cut.iter_mut()) {
+                *x *= 1.0 - OUTPUT_FADE;
+            }
+            let into = if sample.length == Length::Cut {
+                &mut self.cut
+            } else {
+                &mut self.output
+            };
+            if let Some(x) = into.get_mut(bucket(sample.completion_tokens)) {
+                *x += 1.0;
+            }
         }
         self.samples = self.samples.saturating_add(1);
     }
@@ -155,11 +157,23 @@ pub struct Sample {
     pub fixed_tokens: u64,
     pub prompt_tokens: u64,
     pub completion_tokens: u64,
-    /// The request's own limit cut the answer off: the model would have gone on.
-    pub cut: bool,
+    pub length: Length,
     /// Pieces of text its stream carried (`ResponseMeter::pieces`); 0 for an answer that did
     /// not stream.
     pub pieces: u64,
+}
+
+/// What an answer's length says of the model's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Length {
+    /// The model stopped by itself: its length.
+    Ended,
+    /// The request's own limit cut the answer off: the model would have gone on.
+    Cut,
+    /// The engine held its end back (`min_tokens`, `ignore_eos`): nothing of where the model
+    /// stops. Past a `min_tokens` floor the model did stop by itself, but only answers that
+    /// ran past it show that, a sample of the long ones.
+    Untold,
 }
 
 /// Marks a family record's name.
@@ -391,7 +405,7 @@ mod tests {
             fixed_tokens: 0,
             prompt_tokens: real,
             completion_tokens: out,
-            cut: false,
+            length: Length::Ended,
             pieces: 0,
         }
     }
@@ -608,7 +622,7 @@ mod tests {
         let cfg = learning_after(1);
         for _ in 0..100 {
             let cut = Sample {
-                cut: true,
+                length: Length::Cut,
                 ..sample(10.0, 10, 50)
             };
             Calibration::record(&vm, "m", &[cut], &cfg).unwrap();

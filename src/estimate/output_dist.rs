@@ -55,6 +55,9 @@ pub struct OutputDist {
     prior_mean: f32,
     /// The prior is "runs to its limit" (a request with a max-tokens field), not exponential.
     runs_to_limit: bool,
+    /// The request's answer runs at least this long, whatever the model would say: vLLM and
+    /// SGLang hold its end of sequence back until `min_tokens`, or for good under `ignore_eos`.
+    floor: u64,
 }
 
 /// A request's outlook: for the start of each interval of [`HORIZON_STEPS`], the chance (in
@@ -72,20 +75,24 @@ impl OutputDist {
             samples: 0.0,
             prior_mean: mean.max(1) as f32,
             runs_to_limit: false,
+            floor: 0,
         }
     }
 
     /// Answers that run to their limit, whatever it is (known lengths: `Estimate::exact`).
     #[cfg(any(test, feature = "fake-host"))]
     pub fn never_stops() -> OutputDist {
-        OutputDist::prior(1).limited(true)
+        OutputDist::prior(1).of_request(true, 0)
     }
 
-    /// The same lengths for a request that has (or has not) a limit of its own: the prior then
-    /// runs to it.
-    pub fn limited(self, has_limit: bool) -> OutputDist {
+    /// The same lengths for one request: one that has a limit of its own (the prior then runs to
+    /// it), and whose answer runs at least `floor` tokens (`Request::min_output_tokens`). An
+    /// answer the engine may not end before `m` tokens is `max(L, m)` of the model's length `L`:
+    /// sure to run until `m`, and past it as likely as any answer is to run that far.
+    pub fn of_request(self, has_limit: bool, floor: u64) -> OutputDist {
         OutputDist {
             runs_to_limit: has_limit,
+            floor,
             ..self
         }
     }
@@ -155,9 +162,9 @@ impl OutputDist {
     }
 
     /// P(output > t): the learned survival blended with the prior, which weighs as
-    /// `PRIOR_SAMPLES` samples.
+    /// `PRIOR_SAMPLES` samples; certain below the request's floor.
     pub fn survival(&self, t: f64) -> f64 {
-        if t <= 0.0 {
+        if t <= 0.0 || t < self.floor as f64 {
             return 1.0;
         }
         let n = f64::from(self.samples);
@@ -186,9 +193,11 @@ impl OutputDist {
         if k >= m {
             return max;
         }
-        // Trapezoids over a geometric grid from k to m: fine where S bends most, cheap in total.
-        let mut total = 0.0;
-        let (mut t, mut s) = (k, 1.0);
+        // Certain up to the floor; from there trapezoids over a geometric grid to m: fine where
+        // S bends most, cheap in total.
+        let from = k.max((self.floor as f64).min(m));
+        let mut total = from - k;
+        let (mut t, mut s) = (from, self.conditional(k, from));
         let mut step = 1.0f64;
         while t < m {
             let next = (t + step).min(m);
@@ -295,12 +304,33 @@ mod tests {
     #[test]
     fn a_request_with_a_limit_runs_to_it_until_lengths_are_learned() {
         let prior = OutputDist::prior(256);
-        assert_eq!(prior.limited(true).expected(0, 1000), 1000);
+        assert_eq!(prior.of_request(true, 0).expected(0, 1000), 1000);
         let ended = hist(&[(50, 100.0)]);
-        let learned = OutputDist::learned(&ended, &[0.0; BUCKETS], 256).limited(true);
+        let learned = OutputDist::learned(&ended, &[0.0; BUCKETS], 256).of_request(true, 0);
         let e = learned.expected(0, 1000);
         // 100 answers of 50 tokens, and eight samples' worth of running to the limit.
         assert!((100..=160).contains(&e), "{e}");
+    }
+
+    /// An answer the engine will not end before `floor` tokens runs there surely, and past it as
+    /// the model's answers run (`max(L, floor)`); under `ignore_eos` (a floor past the limit) to
+    /// its limit.
+    #[test]
+    fn a_floor_holds_the_answer_on_until_it() {
+        let d = OutputDist::learned(&hist(&[(50, 90.0), (400, 10.0)]), &[0.0; BUCKETS], 256);
+        let held = d.of_request(false, 200);
+        assert_eq!(held.survival(199.0), 1.0);
+        assert_eq!(held.survival(300.0), d.survival(300.0));
+        assert!(d.expected(0, 8192) < 150 && held.expected(0, 8192) > 200);
+        // Streamed 100 of its 200 sure tokens: still certain at 180, then the long answers' odds.
+        let o = held.outlook(100, 8192);
+        let at = |s: u32| HORIZON_STEPS.iter().position(|&h| h == s).unwrap();
+        assert_eq!(o[at(64)], 255);
+        assert!(o[at(128)] < 60, "{o:?}");
+        let exact = d.of_request(true, u64::MAX);
+        assert_eq!(exact.expected(0, 300), 300);
+        let o = exact.outlook(0, 300);
+        assert!(o[..at(362)].iter().all(|&p| p == 255) && o[at(362)..].iter().all(|&p| p == 0));
     }
 
     #[test]

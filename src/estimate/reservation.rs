@@ -90,15 +90,15 @@ pub fn estimate_from(
         text_tokens.saturating_add(req.non_text_parts.saturating_mul(cfg.non_text_part_tokens));
     let prompt_tokens = by_rule.saturating_add(req.token_ids);
     let prompt_sigma = (by_rule as f64 * spread * cfg.safety_factor).round() as u64;
+    let max_output_tokens = req
+        .max_output_tokens
+        .map_or(cfg.output_cap_tokens, |m| m.min(cfg.output_cap_tokens));
     let output = learned
         .map_or_else(
             || OutputDist::prior(cfg.default_output_tokens),
             |l| l.output,
         )
-        .limited(req.max_output_tokens.is_some());
-    let max_output_tokens = req
-        .max_output_tokens
-        .map_or(cfg.output_cap_tokens, |m| m.min(cfg.output_cap_tokens));
+        .of_request(req.max_output_tokens.is_some(), req.min_output_tokens);
     let output_tokens = output
         .expected(0, max_output_tokens)
         .max(cfg.output_floor_tokens)
@@ -174,6 +174,19 @@ mod tests {
         assert_eq!(estimate(&req("x", Some(0)), None, &cfg).output_tokens, 0);
         let short = estimate(&req("x", None), Some(learned_all(3, 1000.0)), &cfg);
         assert_eq!(short.output_tokens, 16, "the floor");
+        // Answers of 100 tokens learned; this one's end is held back to its limit, or to 250.
+        let held = |min_output_tokens| Request {
+            min_output_tokens,
+            ..req("x", Some(600))
+        };
+        let exact = estimate(&held(u64::MAX), Some(learned_all(100, 1000.0)), &cfg);
+        assert_eq!(exact.output_tokens, 600, "ignore_eos: runs to its limit");
+        let floored = estimate(&held(250), Some(learned_all(100, 1000.0)), &cfg);
+        let at_least = floored.output_tokens;
+        assert!(
+            (250..=260).contains(&at_least),
+            "min_tokens: its floor: {at_least}"
+        );
     }
 
     #[test]

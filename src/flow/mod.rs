@@ -115,6 +115,8 @@ struct Admitted {
     static_text_tokens: f64,
     fixed_tokens: u64,
     max_output_tokens: Option<u64>,
+    /// What its answer runs at least (`Request::min_output_tokens`).
+    min_output_tokens: u64,
     /// The client asked for a stream (`stream`): an answer that does not stream is metered on
     /// the tick instead (`Flow::on_tick`).
     streams: bool,
@@ -318,6 +320,7 @@ impl Flow {
             static_text_tokens,
             fixed_tokens: req.token_ids + req.non_text_parts * cfg.non_text_part_tokens,
             max_output_tokens: req.max_output_tokens,
+            min_output_tokens: req.min_output_tokens,
             streams: req.stream,
             tokens_per_piece: learned.map_or(1.0, |l| l.tokens_per_piece),
             started: None,

@@ -4,7 +4,7 @@
 //! calibration). The request side is `flow`'s `mod.rs`.
 
 use super::{Flow, Gate};
-use crate::estimate::calibration::Sample;
+use crate::estimate::calibration::{Length, Sample};
 use crate::observe;
 use crate::openai::response::ResponseMeter;
 use crate::stats;
@@ -114,6 +114,9 @@ impl Flow {
         let (model, family) = (&a.model, a.family.as_deref());
         let moved = match &mut a.started {
             Some(at) => gate.calibration.streamed(model, family, at, made, None),
+            // An answer the engine holds on past where the model may stop teaches no length
+            // (`Length::Untold`).
+            None if a.min_output_tokens > 0 => false,
             None => {
                 a.started = gate
                     .calibration
@@ -127,7 +130,9 @@ impl Flow {
             // would otherwise be forecast from the prior's tail for as long as they run.
             let cfg = &gate.config.estimator;
             if let Some(l) = gate.calibration.learned(store, model, family, cfg) {
-                a.estimate.output = l.output.limited(a.max_output_tokens.is_some());
+                a.estimate.output = l
+                    .output
+                    .of_request(a.max_output_tokens.is_some(), a.min_output_tokens);
             }
         }
         if let Some(routed) = &mut a.routed {
@@ -208,19 +213,26 @@ impl Flow {
             return;
         };
         let usage = meter.finish();
-        // The request's own limit cut the answer off: the model would have gone on.
-        let cut = usage.map(|u| {
-            a.max_output_tokens
+        let length = usage.map(|u| {
+            if a.min_output_tokens > 0 {
+                Length::Untold
+            } else if a
+                .max_output_tokens
                 .is_some_and(|m| u.completion_tokens >= m)
+            {
+                Length::Cut
+            } else {
+                Length::Ended
+            }
         });
         // Without usage the stream was lost: the answer is known to have run this far.
         let tokens = usage.map_or(a.made(meter.pieces), |u| u.completion_tokens);
         if let Some(at) = &mut a.started {
-            let ended = cut == Some(false);
+            let ended = length == Some(Length::Ended);
             gate.calibration
                 .streamed(&a.model, a.family.as_deref(), at, tokens, Some(ended));
         }
-        let (Some(usage), Some(cut)) = (usage, cut) else {
+        let (Some(usage), Some(length)) = (usage, length) else {
             return;
         };
         // The estimate beside what the engine reported, summed: ratios of their rates are the
@@ -265,7 +277,7 @@ impl Flow {
             fixed_tokens: a.fixed_tokens,
             prompt_tokens: usage.prompt_tokens,
             completion_tokens: usage.completion_tokens,
-            cut,
+            length,
             pieces: meter.pieces,
         };
         gate.calibration.observe(
@@ -448,7 +460,7 @@ mod tests {
                 fixed_tokens: 0,
                 prompt_tokens: 1,
                 completion_tokens: tokens,
-                cut: false,
+                length: Length::Ended,
                 pieces: 0,
             };
             for _ in 0..n {
@@ -492,7 +504,7 @@ mod tests {
             fixed_tokens: 0,
             prompt_tokens: 1,
             completion_tokens: 200,
-            cut: false,
+            length: Length::Ended,
             pieces: 50,
         };
         for _ in 0..10 {

@@ -51,6 +51,10 @@ pub struct Request {
     pub non_text_parts: u64,
     /// The request's own output limit, from whichever max-tokens field it used.
     pub max_output_tokens: Option<u64>,
+    /// What its answer runs at least, whatever the model would say: vLLM's and SGLang's
+    /// `min_tokens`, or its whole limit (`u64::MAX`: the limit, whatever it is) under
+    /// `ignore_eos`, as benchmark clients send (`vllm bench serve`, genai-perf).
+    pub min_output_tokens: u64,
     pub stream: bool,
     pub include_usage: bool,
     pub user: Option<String>,
@@ -98,6 +102,10 @@ struct Body<'a> {
     max_completion_tokens: Option<u64>,
     max_output_tokens: Option<u64>,
     n: Option<u64>,
+    /// The engine's parameters, read as values: one of another type is the engine's to refuse
+    /// or coerce (vLLM's pydantic takes `"true"`), not a reason for kvgate to refuse the body.
+    ignore_eos: Option<serde_json::Value>,
+    min_tokens: Option<serde_json::Value>,
     stream: Option<bool>,
     stream_options: Option<StreamOptions>,
     user: Option<String>,
@@ -105,6 +113,18 @@ struct Body<'a> {
 }
 
 const MAX_MODEL_CHARS: usize = 256;
+
+/// A flag as the engines' lax parsing reads it: `true`, or a string saying so.
+fn is_true(flag: &serde_json::Value) -> bool {
+    match flag {
+        serde_json::Value::Bool(b) => *b,
+        serde_json::Value::String(s) => ["true", "1", "yes", "on"]
+            .iter()
+            .any(|t| s.trim().eq_ignore_ascii_case(t)),
+        serde_json::Value::Number(n) => n.as_u64() == Some(1),
+        _ => false,
+    }
+}
 
 fn bad(message: impl Into<String>, param: Option<&str>) -> BadRequest {
     BadRequest {
@@ -237,7 +257,14 @@ impl Request {
             Api::Embeddings => Some(0),
         };
         // `n` choices each generate up to the limit; the prompt is prefilled once.
-        out.max_output_tokens = max.map(|m| m.saturating_mul(b.n.unwrap_or(1).max(1)));
+        let choices = b.n.unwrap_or(1).max(1);
+        out.max_output_tokens = max.map(|m| m.saturating_mul(choices));
+        out.min_output_tokens = if b.ignore_eos.as_ref().is_some_and(is_true) {
+            u64::MAX
+        } else {
+            let min = b.min_tokens.as_ref().and_then(serde_json::Value::as_u64);
+            min.unwrap_or(0).saturating_mul(choices)
+        };
         if let Some(tools) = &b.tools {
             out.push_json("tools", tools);
         }
@@ -411,6 +438,26 @@ mod tests {
             let e = Request::parse(Api::Completions, bad.as_bytes()).unwrap_err();
             assert_eq!(e.param.as_deref(), Some("model"), "{bad}");
         }
+    }
+
+    /// `ignore_eos` holds the answer to its whole limit and `min_tokens` to a floor, each choice;
+    /// a value of another type is read as the engines' lax parsing reads it, or left to them,
+    /// never refused here.
+    #[test]
+    fn ignore_eos_and_min_tokens_set_the_answer_s_floor() {
+        let floor = |extra: &str| {
+            chat(&format!(
+                r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}],"max_tokens":300{extra}}}"#
+            ))
+            .map(|r| r.min_output_tokens)
+        };
+        assert_eq!(floor(""), Ok(0));
+        assert_eq!(floor(r#","ignore_eos":true"#), Ok(u64::MAX));
+        assert_eq!(floor(r#","ignore_eos":"True""#), Ok(u64::MAX));
+        assert_eq!(floor(r#","ignore_eos":false,"min_tokens":20"#), Ok(20));
+        assert_eq!(floor(r#","min_tokens":20,"n":3"#), Ok(60));
+        assert_eq!(floor(r#","ignore_eos":null,"min_tokens":"x""#), Ok(0));
+        assert_eq!(floor(r#","ignore_eos":{},"min_tokens":-1"#), Ok(0));
     }
 
     #[test]

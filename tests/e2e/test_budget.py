@@ -342,6 +342,33 @@ def test_a_stream_is_counted_in_tokens_however_the_engine_writes_them(engine, ch
         assert wait_for(lambda: held(envoy) == 0, timeout=5)
 
 
+def test_answers_held_on_by_ignore_eos_are_forecast_to_their_limit():
+    """Benchmark clients (`vllm bench serve`, genai-perf) send `ignore_eos`: the engine runs each
+    answer to its `max_tokens`, whatever the model would say. The model's own answers, learned
+    first, are short (the simulator's, mean 64); forecast by them, a burst of answers held to 600
+    tokens each was admitted several times over what the pod holds, and it preempted. Read as
+    running to their limit, they fit, and teach no length: the model's short answers stay learned."""
+    cfg = dict(default_plugin_config(), statusPath=STATUS_PATH)
+    sim_args = ["--num-gpu-blocks", "1024", "--output-len-mean", "64", "--eos-before-max-tokens"]
+    with Sim(pods=1, args=sim_args) as sim, kvgate_envoy(sim.endpoints, cfg, concurrency=2) as envoy:
+        with ThreadPoolExecutor(8) as pool:
+            learned = list(pool.map(lambda j: stream(envoy.port, "/v1/chat/completions", unshared_chat(j, 600, 50)),
+                                    range(40)))
+        assert all(a["status"] == 200 for a in learned), learned[0]
+        time.sleep(1.5)
+        bodies = [dict(unshared_chat(100 + j, 600, 50), ignore_eos=True) for j in range(48)]
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            held_on = list(pool.map(lambda b: stream(envoy.port, "/v1/chat/completions", b), bodies))
+        lengths = [a["usage"]["completion_tokens"] for a in held_on if a["status"] == 200]
+        print(f"ignore_eos: {len(lengths)} answered, preemptions {preemptions(sim)}, "
+              f"learned answers' mean {statistics.mean(a['usage']['completion_tokens'] for a in learned):.0f}")
+        assert lengths == [600] * len(bodies)
+        assert preemptions(sim) == 0
+        # The model's lengths were not taught by them: a plain request is still expected short.
+        plain = request(envoy.port, "POST", "/v1/chat/completions", unshared_chat(999, None, 50))
+        assert plain.status == 200 and int(plain.headers["x-kvgate-output-tokens"]) < 200, plain.headers
+
+
 @pytest.mark.parametrize("concurrency", [2, 4])
 def test_a_burst_of_shared_prefixes_is_counted_in_full_however_the_workers_interleave(concurrency):
     """The `burst` benchmark's shape, smaller: requests of a few groups, each group sharing a
