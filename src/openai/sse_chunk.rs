@@ -47,34 +47,28 @@ pub fn pieces(data: &[u8]) -> Option<u64> {
     let mut c = Cursor { b: data, i: 0 };
     c.ws();
     let mut count = 0;
-    let mut seen = [false; 4];
-    c.object(0, |c, key| {
-        let field = match key {
-            b"choices" => 0,
-            b"type" => 1,
-            b"usage" => 2,
-            b"response" => 3,
-            _ => return c.value(1),
-        };
-        if std::mem::replace(&mut seen[field], true) {
-            return None;
-        }
-        match field {
-            0 => count += c.choices()?,
-            1 => {
-                // Compared as written: an escaped name is serde's to read.
-                let kind = c.text_or_null()?;
-                if kind.is_some_and(|k| k.contains(&b'\\')) {
-                    return None;
+    c.fields(
+        0,
+        [b"choices", b"type", b"usage", b"response"],
+        |c, field| {
+            match field {
+                0 => count += c.choices()?,
+                1 => {
+                    // Compared as written: an escaped name is serde's to read.
+                    let kind = c.text_or_null()?;
+                    if kind.is_some_and(|k| k.contains(&b'\\')) {
+                        return None;
+                    }
+                    count += u64::from(
+                        kind.is_some_and(|k| TEXT_EVENTS.iter().any(|e| e.as_bytes() == k)),
+                    );
                 }
-                count +=
-                    u64::from(kind.is_some_and(|k| TEXT_EVENTS.iter().any(|e| e.as_bytes() == k)));
+                // Present with a value: the serde reading takes it.
+                _ => c.null().then_some(())?,
             }
-            // Present with a value: the serde reading takes it.
-            _ => c.null().then_some(())?,
-        }
-        Some(())
-    })?;
+            Some(())
+        },
+    )?;
     c.ws();
     (c.i == c.b.len()).then_some(count)
 }
@@ -120,6 +114,26 @@ impl<'a> Cursor<'a> {
             }
             c.eat(b':')?;
             member(c, key)
+        })
+    }
+
+    /// An object's members of interest, `field` reading the value of `names[i]` as `i`: each at
+    /// most once (one given twice declines), the others checked and skipped.
+    fn fields<const N: usize>(
+        &mut self,
+        depth: u32,
+        names: [&[u8]; N],
+        mut field: impl FnMut(&mut Self, usize) -> Option<()>,
+    ) -> Option<()> {
+        let mut seen = [false; N];
+        self.object(depth, |c, key| {
+            let Some(i) = names.iter().position(|&n| n == key) else {
+                return c.value(depth + 1);
+            };
+            if std::mem::replace(&mut seen[i], true) {
+                return None;
+            }
+            field(c, i)
         })
     }
 
@@ -230,23 +244,12 @@ impl<'a> Cursor<'a> {
         let mut count = 0;
         self.array(1, |c| {
             let mut text = false;
-            let mut seen = [false; 2];
-            c.object(2, |c, key| {
-                let field = match key {
-                    b"text" => 0,
-                    b"delta" => 1,
-                    _ => return c.value(3),
+            c.fields(2, [b"text", b"delta"], |c, field| {
+                text |= match field {
+                    0 => c.some_text()?,
+                    _ if c.null() => false,
+                    _ => c.delta()?,
                 };
-                if std::mem::replace(&mut seen[field], true) {
-                    return None;
-                }
-                if field == 0 {
-                    text |= c.some_text()?;
-                    return Some(());
-                }
-                if !c.null() {
-                    text |= c.delta()?;
-                }
                 Some(())
             })?;
             count += u64::from(text);
@@ -259,18 +262,13 @@ impl<'a> Cursor<'a> {
     /// or tool calls' names and arguments carries text.
     fn delta(&mut self) -> Option<bool> {
         let mut text = false;
-        let mut seen = [false; 4];
-        self.object(3, |c, key| {
-            let field = match key {
-                b"content" => 0,
-                b"reasoning" => 1,
-                b"reasoning_content" => 2,
-                b"tool_calls" => 3,
-                _ => return c.value(4),
-            };
-            if std::mem::replace(&mut seen[field], true) {
-                return None;
-            }
+        let names: [&[u8]; 4] = [
+            b"content",
+            b"reasoning",
+            b"reasoning_content",
+            b"tool_calls",
+        ];
+        self.fields(3, names, |c, field| {
             text |= if field == 3 {
                 c.tool_calls()?
             } else {
@@ -289,27 +287,11 @@ impl<'a> Cursor<'a> {
         }
         let mut text = false;
         self.array(4, |c| {
-            let mut seen = false;
-            c.object(5, |c, key| {
-                if key != b"function" {
-                    return c.value(6);
-                }
-                if std::mem::replace(&mut seen, true) {
-                    return None;
-                }
+            c.fields(5, [b"function"], |c, _| {
                 if c.null() {
                     return Some(());
                 }
-                let mut seen = [false; 2];
-                c.object(6, |c, key| {
-                    let field = match key {
-                        b"name" => 0,
-                        b"arguments" => 1,
-                        _ => return c.value(7),
-                    };
-                    if std::mem::replace(&mut seen[field], true) {
-                        return None;
-                    }
+                c.fields(6, [b"name", b"arguments"], |c, _| {
                     text |= c.some_text()?;
                     Some(())
                 })
