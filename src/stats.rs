@@ -55,6 +55,12 @@ catalog! {
     /// The delay from a pick to the engine's scheduler, in µs, as a routing worker learned it
     /// from its first tokens (`routing::step_phase`).
     ROUTING_DISPATCH_DELAY_US = "kvgate.routing.dispatch_delay_us";
+    /// Responses API follow-ups sent to the pod that stored the response they name
+    /// (`routing::stored`; `/v1/responses/{id}` calls go there too, uncounted).
+    STORED_FOLLOWED = "kvgate.stored.followed";
+    /// Those naming a response this Envoy did not see stored (before it started, another
+    /// replica's, or forgotten past 4,096): routed as any request, the engine answers.
+    STORED_UNKNOWN = "kvgate.stored.unknown";
     /// Prompt blocks of routed requests.
     PREFIX_BLOCKS_TOTAL = "kvgate.prefix.blocks_total";
     /// Of those, blocks the chosen pod was believed to cache.

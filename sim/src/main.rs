@@ -12,6 +12,7 @@ mod kv;
 mod lora;
 mod metrics;
 mod pod;
+mod responses;
 mod server;
 mod tokenizer;
 

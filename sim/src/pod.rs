@@ -179,6 +179,8 @@ pub struct Inner {
     next_seq: u64,
     /// Per-process salt so response ids differ between runs (like vLLM's uuids).
     id_salt: u64,
+    /// The Responses API's stored responses (`responses`): this pod's own.
+    pub responses: crate::responses::Store,
 }
 
 impl Inner {
@@ -323,6 +325,7 @@ impl Pod {
             e2e: Histogram::new(E2E_BUCKETS),
             itl: Histogram::new(ITL_BUCKETS),
             next_seq: 0,
+            responses: crate::responses::Store::default(),
             id_salt: mix64(
                 SystemTime::now()
                     .duration_since(UNIX_EPOCH)

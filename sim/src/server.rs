@@ -22,6 +22,7 @@ use crate::metrics::{render, MetricsInput};
 use crate::pod::{
     draw_output_len, AbortGuard, Event, Fault, Finish, LoadError, MetricsFault, Pod, Shared, Submit,
 };
+use crate::responses;
 use crate::tokenizer::{render_chat, segments_text, Segment};
 
 const MAX_BODY: usize = 64 << 20;
@@ -73,6 +74,8 @@ impl Body for SimBody {
 enum Kind {
     Completion,
     Chat,
+    /// The Responses API (`responses`).
+    Responses,
 }
 
 struct StreamState {
@@ -91,6 +94,18 @@ struct StreamState {
     /// many.
     unsent: Unsent,
     unsent_tokens: usize,
+    /// A Responses API answer's own state.
+    response: Option<ResponseStream>,
+}
+
+/// What a streamed Responses API answer keeps until it ends: its events' numbering, its text,
+/// and, for the store, the pod and the conversation's tokens (the prompt's, then the answer's).
+struct ResponseStream {
+    events: responses::Events,
+    text: String,
+    tokens: Vec<u32>,
+    previous: Option<String>,
+    store: Option<Arc<Pod>>,
 }
 
 /// An answer's text, split as a reasoning parser splits it.
@@ -122,7 +137,7 @@ impl StreamState {
     fn chunk(&self, choice: Value) -> Value {
         let object = match self.kind {
             Kind::Completion => "text_completion",
-            Kind::Chat => "chat.completion.chunk",
+            Kind::Chat | Kind::Responses => "chat.completion.chunk",
         };
         let mut v = json!({
             "id": self.id,
@@ -138,6 +153,9 @@ impl StreamState {
     }
 
     fn on_event(&mut self, ev: &Event, buf: &mut Vec<u8>) {
+        if self.response.is_some() {
+            return self.on_response_event(ev, buf);
+        }
         self.completion_tokens += 1;
         if ev.first && self.kind == Kind::Chat {
             // The role comes with the first token, however many tokens a chunk carries.
@@ -167,7 +185,7 @@ impl StreamState {
             self.completion_tokens = f.completion_tokens;
         }
         match self.kind {
-            Kind::Completion => {
+            Kind::Completion | Kind::Responses => {
                 let c = self.chunk(json!({
                     "index": 0,
                     "text": content,
@@ -205,11 +223,66 @@ impl StreamState {
         }
     }
 
+    /// A Responses API answer's token: its opening events with the first, a text delta at each
+    /// chunk's end (`--stream-interval`), and at its end the closing events and the store.
+    fn on_response_event(&mut self, ev: &Event, buf: &mut Vec<u8>) {
+        let Some(r) = self.response.as_mut() else {
+            return;
+        };
+        self.completion_tokens += 1;
+        if ev.first {
+            let opened = responses::object(
+                &self.id,
+                self.created,
+                &self.model,
+                None,
+                r.previous.as_deref(),
+            );
+            r.events.open(buf, &opened);
+        }
+        r.tokens.push(ev.token);
+        self.unsent.content.push_str(&self.g.tok.piece(ev.token));
+        self.unsent_tokens += 1;
+        if ev.finish.is_none() && self.unsent_tokens < self.g.args.stream_interval.max(1) {
+            return;
+        }
+        let piece = std::mem::take(&mut self.unsent.content);
+        self.unsent_tokens = 0;
+        r.events.delta(buf, &piece);
+        r.text.push_str(&piece);
+        let Some(f) = ev.finish else {
+            return;
+        };
+        let usage = responses::usage(f.prompt_tokens, f.completion_tokens, f.cached_tokens);
+        let done = responses::object(
+            &self.id,
+            self.created,
+            &self.model,
+            Some((&r.events.item_id, &r.text, usage)),
+            r.previous.as_deref(),
+        );
+        r.events.close(buf, &r.text, &done);
+        if let Some(pod) = r.store.take() {
+            let tokens = std::mem::take(&mut r.tokens);
+            pod.lock().responses.insert(
+                self.id.clone(),
+                responses::Stored {
+                    tokens,
+                    object: done,
+                },
+            );
+        }
+    }
+
     fn finish(&mut self, buf: &mut Vec<u8>, f: Option<Finish>) {
+        if self.response.is_some() {
+            // A Responses API stream ends with its last event, and one cut short just ends.
+            return;
+        }
         if let (true, Some(f)) = (self.include_usage, f) {
             let object = match self.kind {
                 Kind::Completion => "text_completion",
-                Kind::Chat => "chat.completion.chunk",
+                Kind::Chat | Kind::Responses => "chat.completion.chunk",
             };
             let v = json!({
                 "id": self.id,
@@ -456,6 +529,12 @@ fn tokenize_sync(g: &Shared, kind: Kind, body: &Value) -> Result<(Vec<u32>, Stri
             let segs = chat_segments(g, body)?;
             Ok((g.tok.encode_segments(&segs), segments_text(&segs)))
         }
+        Kind::Responses => {
+            let msgs = responses::messages(body).map_err(ApiError::bad)?;
+            let segs = render_chat(&msgs, body.get("tools"), true, g.args.media_part_tokens)
+                .map_err(ApiError::bad)?;
+            Ok((g.tok.encode_segments(&segs), segments_text(&segs)))
+        }
     }
 }
 
@@ -488,6 +567,7 @@ fn requested_max_tokens(kind: Kind, body: &Value) -> Result<Option<usize>, ApiEr
             None => as_usize(body.get("max_tokens"), "max_tokens"),
         },
         Kind::Completion => as_usize(body.get("max_tokens"), "max_tokens"),
+        Kind::Responses => as_usize(body.get("max_output_tokens"), "max_output_tokens"),
     }
 }
 
@@ -556,7 +636,7 @@ fn plan_output(
         let cap = match (explicit, kind) {
             (Some(mt), _) => mt,
             (None, Kind::Completion) => COMPLETIONS_DEFAULT_MAX_TOKENS.min(room),
-            (None, Kind::Chat) => room,
+            (None, Kind::Chat | Kind::Responses) => room,
         };
         // Without --eos-before-max-tokens an explicit max_tokens is generated in full
         // (benchmark-style, EOS ignored); otherwise EOS (the drawn length) may come first.
@@ -613,8 +693,29 @@ async fn generate_inner(
     let (headers, body, size) = read_json(req).await?;
     let g = pod.g.clone();
     let (model, lora) = check_model(&pod, &body)?;
-    let (prompt, _text, body) = tokenize(&g, kind, body, size).await?;
+    // A Responses API follow-up's prompt starts with its conversation so far, from this pod's
+    // store: a response another pod stored is not found here, as in vLLM.
+    let previous = match body.get("previous_response_id") {
+        Some(Value::String(id)) if kind == Kind::Responses => {
+            let history = pod.lock().responses.get(id).map(|s| s.tokens.clone());
+            let history = history.ok_or_else(|| ApiError {
+                status: StatusCode::NOT_FOUND,
+                kind: "invalid_request_error",
+                message: responses::not_found_message(id),
+            })?;
+            Some((id.clone(), history))
+        }
+        _ => None,
+    };
+    let (mut prompt, _text, body) = tokenize(&g, kind, body, size).await?;
+    let previous = previous.map(|(id, mut history)| {
+        history.append(&mut prompt);
+        prompt = history;
+        id
+    });
     let (max_output, finish_reason) = plan_output(&pod, kind, &headers, &body, prompt.len())?;
+    let stores =
+        kind == Kind::Responses && body.get("store").and_then(Value::as_bool) != Some(false);
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
     let opts = body.get("stream_options");
     let include_usage = opts
@@ -637,14 +738,16 @@ async fn generate_inner(
         match kind {
             Kind::Completion => format!("cmpl-{suffix}"),
             Kind::Chat => format!("chatcmpl-{suffix}"),
+            Kind::Responses => format!("resp_{suffix}"),
         }
     };
     let created = unix_now();
     // What a reasoning parser would split off: the answer's first share (chat only).
     let reasoning_tokens = match kind {
         Kind::Chat => (g.args.reasoning_share * max_output as f64).round() as usize,
-        Kind::Completion => 0,
+        Kind::Completion | Kind::Responses => 0,
     };
+    let conversation = stores.then(|| prompt.clone());
     let (rid, mut rx) = pod.submit(Submit {
         prompt,
         max_output,
@@ -668,6 +771,13 @@ async fn generate_inner(
             reasoning_tokens,
             unsent: Unsent::default(),
             unsent_tokens: 0,
+            response: (kind == Kind::Responses).then(|| ResponseStream {
+                events: responses::Events::new(format!("msg_{}", pod.lock().next_response_id())),
+                text: String::new(),
+                tokens: conversation.clone().unwrap_or_default(),
+                previous: previous.clone(),
+                store: stores.then(|| pod.clone()),
+            }),
         };
         let mut r = Response::new(SimBody::Sse(Box::new(SseBody {
             rx,
@@ -687,8 +797,12 @@ async fn generate_inner(
     let mut text = Unsent::default();
     let mut fin: Option<Finish> = None;
     let mut made = 0;
+    let mut conversation = conversation;
     while let Some(ev) = rx.recv().await {
         made += 1;
+        if let Some(c) = &mut conversation {
+            c.push(ev.token);
+        }
         let part = if made <= reasoning_tokens {
             &mut text.reasoning
         } else {
@@ -748,8 +862,35 @@ async fn generate_inner(
             "usage": usage,
             "prompt_logprobs": null,
         }),
+        Kind::Responses => {
+            let item_id = format!("msg_{}", pod.lock().next_response_id());
+            let usage = responses::usage(f.prompt_tokens, f.completion_tokens, f.cached_tokens);
+            let answer = Some((item_id.as_str(), text.content.as_str(), usage));
+            let v = responses::object(&id, created, &model, answer, previous.as_deref());
+            if let Some(tokens) = conversation {
+                let stored = responses::Stored {
+                    tokens,
+                    object: v.clone(),
+                };
+                pod.lock().responses.insert(id.clone(), stored);
+            }
+            v
+        }
     };
     Ok(ok_json(&v))
+}
+
+/// `GET /v1/responses/{id}`: a response this pod stored.
+fn retrieve_response(pod: &Pod, id: &str) -> Response<SimBody> {
+    match pod.lock().responses.get(id) {
+        Some(s) => ok_json(&s.object),
+        None => ApiError {
+            status: StatusCode::NOT_FOUND,
+            kind: "invalid_request_error",
+            message: responses::not_found_message(id),
+        }
+        .response(),
+    }
 }
 
 /// vLLM's /v1/completions/render and /v1/chat/completions/render: the rendered
@@ -771,7 +912,7 @@ async fn render_endpoint(
             format!("cmpl-{suffix}"),
             Some(max_tokens.unwrap_or(COMPLETIONS_DEFAULT_MAX_TOKENS)),
         ),
-        Kind::Chat => (format!("chatcmpl-{suffix}"), max_tokens),
+        Kind::Chat | Kind::Responses => (format!("chatcmpl-{suffix}"), max_tokens),
     };
     let gen = json!({
         "request_id": rid,
@@ -785,7 +926,7 @@ async fn render_endpoint(
     });
     Ok(ok_json(&match kind {
         Kind::Completion => json!([gen]),
-        Kind::Chat => gen,
+        Kind::Chat | Kind::Responses => gen,
     }))
 }
 
@@ -1185,6 +1326,10 @@ async fn route(pod: Arc<Pod>, req: Request<Incoming>) -> Response<SimBody> {
         }
         "/v1/completions" if post => generate(pod, req, Kind::Completion).await,
         "/v1/chat/completions" if post => generate(pod, req, Kind::Chat).await,
+        "/v1/responses" if post => generate(pod, req, Kind::Responses).await,
+        p if get && p.starts_with("/v1/responses/") => {
+            retrieve_response(&pod, &p["/v1/responses/".len()..])
+        }
         "/v1/completions/render" if post => {
             flatten(render_endpoint(pod, req, Kind::Completion).await)
         }
@@ -1216,6 +1361,7 @@ async fn route(pod: Arc<Pod>, req: Request<Incoming>) -> Response<SimBody> {
         | "/version"
         | "/v1/completions"
         | "/v1/chat/completions"
+        | "/v1/responses"
         | "/v1/completions/render"
         | "/v1/chat/completions/render"
         | "/tokenize"
@@ -1317,6 +1463,7 @@ mod tests {
             reasoning_tokens: 0,
             unsent: Unsent::default(),
             unsent_tokens: 0,
+            response: None,
         }
     }
 

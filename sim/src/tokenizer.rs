@@ -164,7 +164,7 @@ fn render_content(
                     }
                     Value::Object(o) => {
                         let ty = o.get("type").and_then(Value::as_str).unwrap_or("text");
-                        if ty == "text" || ty == "input_text" {
+                        if ty == "text" || ty == "input_text" || ty == "output_text" {
                             let t = o.get("text").and_then(Value::as_str).unwrap_or("");
                             if !first_text {
                                 push_text(segs, "\n");

@@ -49,6 +49,9 @@ pub struct Estimate {
     /// Its expected size when done, prompt × safety factor + expected output, clamped: what the
     /// line's fair queuing charges its tenant and the `x-kvgate-cost` header shows.
     pub cost: u64,
+    /// The one pod that can answer it, by a hash of its address (`hash::fnv1a`): a Responses API
+    /// follow-up's, where its previous response is stored (`routing::stored`).
+    pub only_on: Option<u64>,
 }
 
 impl Estimate {
@@ -66,6 +69,7 @@ impl Estimate {
             streams: false,
             output: OutputDist::never_stops(),
             cost: prompt_tokens + output_tokens,
+            only_on: None,
         }
     }
 }
@@ -119,6 +123,7 @@ pub fn estimate_from(
         streams: req.stream,
         output,
         cost,
+        only_on: None,
     }
 }
 

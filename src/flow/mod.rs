@@ -117,6 +117,11 @@ struct Admitted {
     max_output_tokens: Option<u64>,
     /// What its answer runs at least (`Request::min_output_tokens`).
     min_output_tokens: u64,
+    /// The engine stores its answer (`Request::stored`), on the pod that answered
+    /// (`answered_by`, the upstream Envoy used), which its follow-ups must go back to
+    /// (`routing::stored`).
+    stored: bool,
+    answered_by: Option<String>,
     /// The client asked for a stream (`stream`): an answer that does not stream is metered on
     /// the tick instead (`Flow::on_tick`).
     streams: bool,
@@ -183,6 +188,53 @@ fn too_large(limit: u64) -> LocalReply {
     )
 }
 
+/// A Responses API follow-up: the pod its previous response is stored on, the only one that
+/// can answer it, and the conversation the engine prepends, counted as known tokens.
+fn follow(gate: &mut Gate, store: &dyn Store, req: &mut Request) -> Option<u64> {
+    let id = req.previous_response.as_deref()?;
+    match crate::routing::stored::find(store, id) {
+        Ok(Some(s)) => {
+            gate.stats.count(stats::STORED_FOLLOWED, 1);
+            req.token_ids = req.token_ids.saturating_add(s.tokens);
+            Some(crate::hash::fnv1a(s.pod.as_bytes()))
+        }
+        Ok(None) => {
+            gate.stats.count(stats::STORED_UNKNOWN, 1);
+            None
+        }
+        Err(e) => {
+            log::debug!("kvgate: stored responses unreadable: {e:?}");
+            None
+        }
+    }
+}
+
+/// The pod storing the response a `/v1/responses/{id}` path names (its retrieval, `/cancel`,
+/// `/input_items`), which only that pod can answer, while routing is enforced.
+fn stored_on(cfg: &Config, store: &dyn Store, path: &str) -> Option<String> {
+    let id = crate::routing::stored::id_in_path(path)?;
+    if !observe::enforces_routing(cfg) {
+        return None;
+    }
+    crate::routing::stored::find(store, id)
+        .ok()
+        .flatten()
+        .map(|s| s.pod)
+}
+
+/// Forward to `pod` through Envoy's override host (and the original-destination header, when
+/// configured).
+fn to_pod(cfg: &Config, pod: &str) -> Decision {
+    let mut d = Decision::step(Step::Forward);
+    d.set
+        .push((DESTINATION_HEADER.to_string(), pod.to_string()));
+    if cfg.routing.set_original_dst_header {
+        d.set
+            .push((ORIGINAL_DST_HEADER.to_string(), pod.to_string()));
+    }
+    d
+}
+
 impl Flow {
     pub fn on_request_headers(
         &mut self,
@@ -207,6 +259,8 @@ impl Flow {
                 head.method,
                 head.accept,
             )))
+        } else if let Some(pod) = stored_on(cfg, store, head.path) {
+            to_pod(cfg, &pod)
         } else {
             self.classify(cfg, head)
         };
@@ -283,13 +337,15 @@ impl Flow {
             Ok(m) => m,
             Err(reply) => return Decision::step(Step::Reply(reply)),
         };
+        let only_on = follow(gate, store, &mut req);
         let cfg = &gate.config.estimator;
         let family = gate.router.base_of(&req.model).map(family);
         let learned = gate
             .calibration
             .learned(store, &req.model, family.as_deref(), cfg);
         let static_text_tokens = static_prompt_tokens(&req.text);
-        let est = estimate_from(&req, static_text_tokens, learned, cfg);
+        let mut est = estimate_from(&req, static_text_tokens, learned, cfg);
+        est.only_on = only_on;
         let r = &gate.config.routing;
         let hashes = block_hashes(
             &req.model,
@@ -321,6 +377,8 @@ impl Flow {
             fixed_tokens: req.token_ids + req.non_text_parts * cfg.non_text_part_tokens,
             max_output_tokens: req.max_output_tokens,
             min_output_tokens: req.min_output_tokens,
+            stored: req.stored,
+            answered_by: None,
             streams: req.stream,
             tokens_per_piece: learned.map_or(1.0, |l| l.tokens_per_piece),
             started: None,

@@ -55,8 +55,16 @@ impl Flow {
             }
             observed = picked.and_then(|p| observe::header(&gate.config, routed, self.class, &p));
         }
+        let meter = ResponseMeter::new(content_type);
+        self.meter = Some(if a.stored {
+            a.answered_by = served_by
+                .map(str::to_string)
+                .or_else(|| a.routed.as_ref().map(|r| r.pod.clone()));
+            meter.keeping_id()
+        } else {
+            meter
+        });
         let a = &*a;
-        self.meter = Some(ResponseMeter::new(content_type));
         if !gate.config.debug_headers {
             return Vec::new();
         }
@@ -235,6 +243,12 @@ impl Flow {
         let (Some(usage), Some(length)) = (usage, length) else {
             return;
         };
+        if let (Some(id), Some(pod)) = (&meter.response_id, &a.answered_by) {
+            let conversation = usage.prompt_tokens.saturating_add(usage.completion_tokens);
+            if let Err(e) = crate::routing::stored::remember(store, id, pod, conversation) {
+                log::debug!("kvgate: stored response not noted: {e:?}");
+            }
+        }
         // The estimate beside what the engine reported, summed: ratios of their rates are the
         // estimator's error over any window (the dashboard's accuracy panel, the drift alerts).
         let stats = &mut gate.stats;
@@ -386,6 +400,100 @@ mod tests {
         host.advance_ms(500);
         begun.on_tick(&mut gate, &vm);
         assert_eq!(entries()[2], (prompt, 100));
+    }
+
+    /// A Responses API answer is remembered on the pod that answered it (the upstream Envoy
+    /// used), by its id; a follow-up naming it goes to that pod alone, counted with the
+    /// conversation the engine prepends, and a `GET` of it goes there too. An id never seen
+    /// stored is routed by cost.
+    #[test]
+    fn a_stored_response_s_follow_ups_go_back_to_its_pod() {
+        use crate::flow::{Step, DESTINATION_HEADER};
+        use crate::routing::stored;
+        let pods = ["10.0.0.1:80", "10.0.0.2:80", "10.0.0.3:80"];
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let mut gate = Gate::new(crate::test_support::with_pods(&pods), &vm).unwrap();
+        let mut first = Flow::default();
+        first.on_request_headers(&gate, &vm, &RequestHead::json_post("/v1/responses"));
+        first.on_body(
+            &mut gate,
+            &vm,
+            br#"{"model":"m","input":"hello","stream":true}"#,
+        );
+        first.on_response_headers(&mut gate, &vm, Some("text/event-stream"), Some(pods[1]));
+        for event in [
+            &br#"event: response.created
+data: {"type":"response.created","sequence_number":0,"response":{"id":"resp_1","status":"in_progress","usage":null}}
+
+"#[..],
+            br#"event: response.output_text.delta
+data: {"type":"response.output_text.delta","sequence_number":1,"delta":"Hi","item_id":"m1"}
+
+"#,
+            br#"event: response.completed
+data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1","status":"completed","usage":{"input_tokens":700,"output_tokens":300}}}
+
+"#,
+        ] {
+            first.on_response_body(&mut gate, &vm, event);
+        }
+        first.on_done(&mut gate, &vm);
+        let on = stored::find(&vm, "resp_1").unwrap().unwrap();
+        assert_eq!((on.pod.as_str(), on.tokens), (pods[1], 1_000));
+        let destination = |d: &crate::flow::Decision| {
+            d.set
+                .iter()
+                .find(|(name, _)| name == DESTINATION_HEADER)
+                .map(|(_, v)| v.clone())
+        };
+        let follow = |gate: &mut Gate, previous: &str| {
+            let mut f = Flow::default();
+            f.on_request_headers(gate, &vm, &RequestHead::json_post("/v1/responses"));
+            let body =
+                format!(r#"{{"model":"m","input":"more","previous_response_id":"{previous}"}}"#);
+            let d = f.on_body(gate, &vm, body.as_bytes());
+            let prompt = f.admitted.as_ref().map(|a| a.estimate.prompt_tokens);
+            f.on_done(gate, &vm);
+            (destination(&d), prompt)
+        };
+        for _ in 0..3 {
+            let (to, prompt) = follow(&mut gate, "resp_1");
+            assert_eq!(to.as_deref(), Some(pods[1]), "that pod alone");
+            assert!(prompt.is_some_and(|p| p > 1_000), "{prompt:?}");
+        }
+        assert_eq!(gate.stats.take_count(stats::STORED_FOLLOWED), 3);
+        let (to, prompt) = follow(&mut gate, "resp_unknown");
+        assert!(to.is_some(), "routed by cost");
+        assert!(prompt.is_some_and(|p| p < 100));
+        assert_eq!(gate.stats.take_count(stats::STORED_UNKNOWN), 1);
+        let get = RequestHead {
+            method: "GET",
+            path: "/v1/responses/resp_1",
+            ..RequestHead::default()
+        };
+        let d = Flow::default().on_request_headers(&gate, &vm, &get);
+        assert!(matches!(d.step, Step::Forward) && destination(&d).as_deref() == Some(pods[1]));
+        // A JSON answer's id is its body's; `store: false` keeps nothing.
+        for (body, id) in [
+            (&br#"{"model":"m","input":"x"}"#[..], "resp_2"),
+            (br#"{"model":"m","input":"x","store":false}"#, "resp_3"),
+        ] {
+            let mut f = Flow::default();
+            f.on_request_headers(&gate, &vm, &RequestHead::json_post("/v1/responses"));
+            f.on_body(&mut gate, &vm, body);
+            f.on_response_headers(&mut gate, &vm, Some("application/json"), Some(pods[2]));
+            let answer = format!(
+                r#"{{"id":"{id}","object":"response","status":"completed","usage":{{"input_tokens":5,"output_tokens":2}}}}"#
+            );
+            f.on_response_body(&mut gate, &vm, answer.as_bytes());
+            f.on_done(&mut gate, &vm);
+        }
+        assert_eq!(
+            stored::find(&vm, "resp_2").unwrap().map(|s| s.tokens),
+            Some(7)
+        );
+        assert_eq!(stored::find(&vm, "resp_3").unwrap(), None);
     }
 
     /// One streamed output token, as the engine sends it.

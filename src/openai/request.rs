@@ -55,6 +55,11 @@ pub struct Request {
     /// `min_tokens`, or its whole limit (`u64::MAX`: the limit, whatever it is) under
     /// `ignore_eos`, as benchmark clients send (`vllm bench serve`, genai-perf).
     pub min_output_tokens: u64,
+    /// A Responses API follow-up's `previous_response_id`: the engine prepends that response's
+    /// conversation, which only the server that stored it holds (`routing::stored`).
+    pub previous_response: Option<String>,
+    /// The engine stores the answer (the Responses API's `store`, on unless turned off).
+    pub stored: bool,
     pub stream: bool,
     pub include_usage: bool,
     pub user: Option<String>,
@@ -106,6 +111,8 @@ struct Body<'a> {
     /// or coerce (vLLM's pydantic takes `"true"`), not a reason for kvgate to refuse the body.
     ignore_eos: Option<serde_json::Value>,
     min_tokens: Option<serde_json::Value>,
+    previous_response_id: Option<serde_json::Value>,
+    store: Option<serde_json::Value>,
     stream: Option<bool>,
     stream_options: Option<StreamOptions>,
     user: Option<String>,
@@ -257,6 +264,14 @@ impl Request {
             Api::Embeddings => Some(0),
         };
         // `n` choices each generate up to the limit; the prompt is prefilled once.
+        if api == Api::Responses {
+            out.previous_response = b
+                .previous_response_id
+                .as_ref()
+                .and_then(serde_json::Value::as_str)
+                .map(str::to_string);
+            out.stored = b.store.as_ref().is_none_or(is_true);
+        }
         let choices = b.n.unwrap_or(1).max(1);
         out.max_output_tokens = max.map(|m| m.saturating_mul(choices));
         out.min_output_tokens = if b.ignore_eos.as_ref().is_some_and(is_true) {
@@ -458,6 +473,28 @@ mod tests {
         assert_eq!(floor(r#","min_tokens":20,"n":3"#), Ok(60));
         assert_eq!(floor(r#","ignore_eos":null,"min_tokens":"x""#), Ok(0));
         assert_eq!(floor(r#","ignore_eos":{},"min_tokens":-1"#), Ok(0));
+    }
+
+    /// A Responses API request is stored unless it says not, and a follow-up names the response
+    /// it continues; other APIs store nothing.
+    #[test]
+    fn a_responses_follow_up_names_its_previous_response() {
+        let p = |api, s: &str| Request::parse(api, s.as_bytes()).unwrap();
+        let r = p(
+            Api::Responses,
+            r#"{"model":"m","input":"more","previous_response_id":"resp_1"}"#,
+        );
+        assert_eq!(
+            (r.previous_response.as_deref(), r.stored),
+            (Some("resp_1"), true)
+        );
+        let off = p(Api::Responses, r#"{"model":"m","input":"x","store":false}"#);
+        assert_eq!((off.previous_response, off.stored), (None, false));
+        let chat = p(
+            Api::ChatCompletions,
+            r#"{"model":"m","messages":[{"role":"user","content":"x"}],"previous_response_id":"resp_1"}"#,
+        );
+        assert_eq!((chat.previous_response, chat.stored), (None, false));
     }
 
     #[test]

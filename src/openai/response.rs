@@ -111,6 +111,14 @@ struct ResponsesUsage {
 #[serde(default)]
 struct ResponsesBody {
     usage: Option<ResponsesUsage>,
+    id: Option<String>,
+}
+
+/// A non-streaming Responses API body's id.
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct Id {
+    id: Option<String>,
 }
 
 /// A non-streaming body, its `usage` read as `U`.
@@ -285,6 +293,9 @@ pub struct ResponseMeter {
     /// piece, `calibration`).
     pub pieces: u64,
     pub usage: Option<Usage>,
+    /// Whether to read the Responses API response's id (`keeping_id`), and the id read.
+    wants_id: bool,
+    pub response_id: Option<String>,
 }
 
 impl ResponseMeter {
@@ -292,6 +303,15 @@ impl ResponseMeter {
         Self {
             sse: content_type.is_some_and(|c| c.contains("text/event-stream")),
             ..Self::default()
+        }
+    }
+
+    /// A meter that also reads the Responses API response's id (`routing::stored`): a streamed
+    /// one's from its events' `response`, a JSON one's from its body.
+    pub fn keeping_id(self) -> Self {
+        Self {
+            wants_id: true,
+            ..self
         }
     }
 
@@ -328,6 +348,11 @@ impl ResponseMeter {
     pub fn finish(&mut self) -> Option<Usage> {
         if !self.sse && !self.overflowed && self.usage.is_none() {
             self.usage = body_usage(&self.kept);
+            if self.wants_id {
+                self.response_id = serde_json::from_slice::<Id>(&self.kept)
+                    .ok()
+                    .and_then(|b| b.id);
+            }
         }
         if self.sse && !self.kept.is_empty() && !self.overflowed {
             let line = std::mem::take(&mut self.kept);
@@ -369,7 +394,13 @@ impl ResponseMeter {
         if let Some(u) = chunk.usage {
             self.usage = Some(u);
         }
-        if let Some(u) = chunk.response.and_then(|r| r.usage) {
+        let Some(response) = chunk.response else {
+            return;
+        };
+        if self.wants_id && response.id.is_some() {
+            self.response_id = response.id;
+        }
+        if let Some(u) = response.usage {
             self.usage = Some(Usage {
                 prompt_tokens: u.input_tokens,
                 completion_tokens: u.output_tokens,

@@ -4,7 +4,8 @@
 //! each pod's prefix cache holds (`prefix_index`) and which blocks in-flight requests occupy
 //! (`active_blocks`), both kept current across workers by the `pick_log`, and the copies of the pod
 //! records it ranks on (`record_copies`); and whether the pool's KV is about to run short, from
-//! the rate of dispatches to the pods that may take a request (`demand`).
+//! the rate of dispatches to the pods that may take a request (`demand`); and which pod stores a
+//! Responses API response its follow-ups must go back to (`stored`).
 //!
 //! Source of truth: a request's reservation and its active-block counts live in the pod's shared
 //! record (`pods::record`), changed only by compare-and-swap; those must return to zero. The prefix
@@ -21,3 +22,4 @@ pub mod prefix_index;
 pub mod record_copies;
 pub mod router;
 pub mod step_phase;
+pub mod stored;

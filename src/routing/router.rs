@@ -233,6 +233,7 @@ impl Router {
         for pod in &cfg.pods {
             record::ensure(store, pod)?;
         }
+        crate::routing::stored::ensure(store)?;
         Ok(Router {
             vm,
             next_request: 0,
@@ -591,7 +592,15 @@ impl Router {
         }
         self.learn(cfg, &records, now);
         self.served.refresh(store, &self.pods, now);
-        let indices = self.eligible(cfg, model, &records, now);
+        let mut indices = self.eligible(cfg, model, &records, now);
+        if let Some(only) = est.only_on {
+            // Only that pod can answer; gone from the pool, its engine's answer is a clear 404
+            // wherever the request goes, so it goes by cost.
+            let on = |&i: &usize| crate::hash::fnv1a(self.pods[i].as_bytes()) == only;
+            if indices.iter().any(on) {
+                indices.retain(on);
+            }
+        }
         if indices.is_empty() {
             // The model lists changed since the flow checked: the engine answers for itself.
             return Ok((Placement::NoPods, from_copies));

@@ -2,8 +2,9 @@
 groups stick to one pod each and spread across pods, a group's request waits for room on its pod
 before computing its prefix elsewhere, a loaded pod is avoided, clients cannot
 steer, a dead pod is routed around, the scrape runs once per interval per pod whatever the
-worker count, predicted active blocks return to zero, pods of two speeds learn their pace, and a
-request goes where the engine step under way ends first."""
+worker count, predicted active blocks return to zero, pods of two speeds learn their pace, a
+request goes where the engine step under way ends first, and a stored response's follow-ups go
+back to the pod that stored it."""
 
 import http.client
 import json
@@ -506,3 +507,74 @@ def test_a_cached_prompt_goes_where_the_engine_step_under_way_ends_first():
     # The wait is half a step on average, about 6 ms; the sooner of two phases (less the delay's
     # misses) saves about 2 ms of it (five runs: mean 1.6–2.7 ms, p50 2.7–3.6 ms sooner).
     assert on[0] < off[0] - 0.5 and on[1] < off[1] - 1.0, (on[:3], off[:3])
+
+
+def responses_call(port, body):
+    """POSTs a Responses API request (streamed when `body` says so); returns the status, the pod
+    that answered, the response's id and its usage (from `response.completed` when streamed)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.request("POST", "/v1/responses", body=json.dumps(body).encode(),
+                     headers={"content-type": "application/json"})
+        r = conn.getresponse()
+        pod, raw = r.getheader("x-sim-pod"), r.read()
+        if r.status != 200:
+            return r.status, pod, None, None
+        if not body.get("stream"):
+            answer = json.loads(raw)
+            return r.status, pod, answer["id"], answer["usage"]
+        for line in raw.decode().splitlines():
+            if line.startswith("data: ") and '"response.completed"' in line:
+                done = json.loads(line[6:])["response"]
+                return r.status, pod, done["id"], done["usage"]
+        return r.status, pod, None, None
+    finally:
+        conn.close()
+
+
+def test_a_stored_responses_follow_ups_go_back_to_the_pod_that_stored_it():
+    """The Responses API's stored responses live in the memory of the engine that made them
+    (vLLM's store is its API server's; the simulator's is each pod's): a follow-up naming one by
+    `previous_response_id`, or a `GET /v1/responses/{id}`, is answered only by that pod, and
+    elsewhere is a 404. Through kvgate each conversation's turns (streamed or not) all go to the
+    pod that answered its first, and each turn's prompt, the whole conversation so far, grows;
+    through round robin most follow-ups are not found."""
+    def conversations(port, count, turns):
+        """Per conversation its turns' pods, their prompts and its last response's id; and every
+        follow-up's status."""
+        done, statuses = [], []
+        for c in range(count):
+            status, pod, rid, usage = responses_call(
+                port, {"model": MODEL, "input": f"conversation {c}: tell me about KV caches",
+                       "max_output_tokens": 12, "stream": c % 2 == 0})
+            assert status == 200 and rid, (status, rid)
+            pods, prompts = [pod], [usage["input_tokens"]]
+            for turn in range(1, turns):
+                status, pod, next_id, usage = responses_call(
+                    port, {"model": MODEL, "input": f"and then {turn}?", "max_output_tokens": 12,
+                           "previous_response_id": rid, "stream": turn % 2 == 1})
+                statuses.append(status)
+                if status != 200:
+                    break
+                pods.append(pod)
+                prompts.append(usage["input_tokens"])
+                rid = next_id
+            done.append((pods, prompts, rid))
+        return done, statuses
+
+    with Sim(pods=4, args=SIM_ARGS) as sim:
+        with kvgate_envoy(sim.endpoints, default_plugin_config(), concurrency=4) as envoy:
+            done, statuses = conversations(envoy.port, 6, 4)
+            assert statuses == [200] * 18, statuses
+            for pods, prompts, last in done:
+                assert len(set(pods)) == 1, pods
+                assert prompts == sorted(prompts) and prompts[-1] > prompts[0] + 3 * 12, prompts
+                got = request(envoy.port, "GET", f"/v1/responses/{last}")
+                assert got.status == 200 and got.json()["id"] == last, got.status
+                assert got.headers.get("x-sim-pod") == pods[0]
+            followed = envoy.stats("wasmcustom.kvgate.stored").get("wasmcustom.kvgate.stored.followed", 0)
+            assert followed == 18, followed
+        with baseline_envoy(sim.endpoints) as rr:
+            _, statuses = conversations(rr.port, 8, 2)
+            print("round robin follow-ups:", statuses)
+            assert statuses.count(404) >= 2, statuses

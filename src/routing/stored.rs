@@ -1,0 +1,185 @@
+//! Responses the engines store, and the pod each is stored on: the Responses API's `store`
+//! (on unless a request turns it off) keeps a response in its server's memory, and a follow-up
+//! naming it as `previous_response_id` (or a `GET /v1/responses/{id}`) is answered only by that
+//! server (vLLM keeps its store in the API server's process; its PR 37938, a store shared by
+//! several instances, was not merged). Sent anywhere else it is not found: behind a pool of n pods,
+//! n − 1 follow-ups in n failed. So the pod and the conversation's tokens so far are remembered
+//! by response id, and the follow-up goes to that pod, its prompt counted with the history the
+//! engine prepends.
+//!
+//! Source of truth: `SLOTS` shared records `kvgate.stored.<slot>`, a response's slot a hash of its
+//! id, each the slot's last `PER_SLOT` responses (bounded keys and memory, oldest forgotten
+//! first), written by the worker that saw the response end. One Envoy's: replicas do not share it
+//! (docs/limitations.md).
+
+use crate::hash::fnv1a;
+use crate::store::codec::{Reader, Writer};
+use crate::store::interface::{create_if_missing, update_record, Store, StoreError};
+
+const VERSION: u8 = 1;
+/// Shared-data keys, one per slot: keys cannot be deleted, so their number is fixed.
+pub const SLOTS: u64 = 256;
+/// Responses a slot remembers: `SLOTS × PER_SLOT` in all (4,096).
+const PER_SLOT: usize = 16;
+const MAX_POD_CHARS: usize = 256;
+
+fn key(slot: u64) -> String {
+    format!("kvgate.stored.{slot}")
+}
+
+/// Where a stored response lives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stored {
+    pub pod: String,
+    /// The conversation's tokens so far (the response's prompt, its history included, and its
+    /// answer): what the engine prepends to a follow-up's input.
+    pub tokens: u64,
+}
+
+#[derive(Debug, Default)]
+struct Slot(Vec<(u64, Stored)>);
+
+fn decode(bytes: &[u8]) -> Option<Slot> {
+    let mut r = Reader(bytes);
+    if r.u8()? != VERSION {
+        return None;
+    }
+    let entries = r.list(20, |r| {
+        let id = r.u64()?;
+        let tokens = r.u64()?;
+        let pod = std::str::from_utf8(r.bytes()?).ok()?.to_string();
+        Some((id, Stored { pod, tokens }))
+    })?;
+    Some(Slot(entries))
+}
+
+fn encode(slot: &Slot) -> Vec<u8> {
+    let mut w = Writer::new();
+    w.u8(VERSION).u32(slot.0.len() as u32);
+    for (id, s) in &slot.0 {
+        w.u64(*id).u64(s.tokens).bytes(s.pod.as_bytes());
+    }
+    w.0
+}
+
+/// Creates the slots before traffic can touch them: a compare-and-swap on a missing key is a
+/// blind create, in which one of two workers' first responses would be lost.
+pub fn ensure(store: &dyn Store) -> Result<(), StoreError> {
+    let empty = encode(&Slot::default());
+    (0..SLOTS).try_for_each(|slot| create_if_missing(store, &key(slot), &empty))
+}
+
+/// Notes that `pod` stored response `id`, whose conversation now holds `tokens`.
+pub fn remember(store: &dyn Store, id: &str, pod: &str, tokens: u64) -> Result<(), StoreError> {
+    if pod.len() > MAX_POD_CHARS {
+        return Ok(());
+    }
+    let h = fnv1a(id.as_bytes());
+    let stored = Stored {
+        pod: pod.to_string(),
+        tokens,
+    };
+    update_record(store, &key(h % SLOTS), decode, encode, |slot| {
+        slot.0.retain(|(other, _)| *other != h);
+        if slot.0.len() >= PER_SLOT {
+            slot.0.remove(0);
+        }
+        slot.0.push((h, stored.clone()));
+    })
+}
+
+/// Where response `id` is stored, if this Envoy saw it end.
+pub fn find(store: &dyn Store, id: &str) -> Result<Option<Stored>, StoreError> {
+    let h = fnv1a(id.as_bytes());
+    let Some(bytes) = store.get(&key(h % SLOTS))?.value else {
+        return Ok(None);
+    };
+    Ok(decode(&bytes).and_then(|slot| {
+        slot.0
+            .into_iter()
+            .find_map(|(other, s)| (other == h).then_some(s))
+    }))
+}
+
+/// The response id a `/v1/responses/{id}` path (or one of its sub-paths: `/cancel`,
+/// `/input_items`) names.
+pub fn id_in_path(path: &str) -> Option<&str> {
+    let path = path.split(['?', '#']).next().unwrap_or(path);
+    let rest = path.split("/v1/responses/").nth(1)?;
+    let id = rest.split('/').next()?;
+    (!id.is_empty()).then_some(id)
+}
+
+#[cfg(test)]
+mod tests {
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    use super::*;
+    use crate::store::fake_host::FakeHost;
+
+    #[test]
+    fn a_response_is_found_on_its_pod_until_its_slot_forgets_it() {
+        let host = FakeHost::new();
+        let vm = host.vm();
+        ensure(&vm).unwrap();
+        assert_eq!(find(&vm, "resp_a").unwrap(), None);
+        remember(&vm, "resp_a", "10.0.0.1:8000", 120).unwrap();
+        let other = host.vm();
+        assert_eq!(
+            find(&other, "resp_a").unwrap(),
+            Some(Stored {
+                pod: "10.0.0.1:8000".into(),
+                tokens: 120
+            }),
+            "every worker finds it"
+        );
+        // A follow-up's own response replaces nothing but itself; the slot keeps its last 16.
+        remember(&vm, "resp_a", "10.0.0.1:8000", 300).unwrap();
+        assert_eq!(find(&vm, "resp_a").unwrap().map(|s| s.tokens), Some(300));
+        let h = fnv1a(b"resp_a") % SLOTS;
+        let mut filled = 0;
+        for i in 0.. {
+            let id = format!("resp_{i}");
+            if fnv1a(id.as_bytes()) % SLOTS == h && id != "resp_a" {
+                remember(&vm, &id, "10.0.0.2:8000", 1).unwrap();
+                filled += 1;
+                if filled == PER_SLOT {
+                    break;
+                }
+            }
+        }
+        assert_eq!(
+            find(&vm, "resp_a").unwrap(),
+            None,
+            "the oldest is forgotten"
+        );
+    }
+
+    #[test]
+    fn garbage_in_a_slot_is_nothing_stored() {
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let h = fnv1a(b"resp_x") % SLOTS;
+        vm.set(&key(h), b"\x07garbage", None).unwrap();
+        assert_eq!(find(&vm, "resp_x").unwrap(), None);
+        remember(&vm, "resp_x", "p:1", 5).unwrap();
+        assert_eq!(
+            find(&vm, "resp_x").unwrap().map(|s| s.pod),
+            Some("p:1".into())
+        );
+    }
+
+    #[test]
+    fn paths_name_their_response() {
+        assert_eq!(id_in_path("/v1/responses/resp_1"), Some("resp_1"));
+        assert_eq!(id_in_path("/v1/responses/resp_1/cancel"), Some("resp_1"));
+        assert_eq!(
+            id_in_path("/v1/responses/resp_1?stream=true"),
+            Some("resp_1")
+        );
+        assert_eq!(id_in_path("/v1/responses"), None);
+        assert_eq!(id_in_path("/v1/responses/"), None);
+        assert_eq!(id_in_path("/v1/chat/completions"), None);
+    }
+}
