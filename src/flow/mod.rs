@@ -259,10 +259,8 @@ impl Flow {
                 head.method,
                 head.accept,
             )))
-        } else if let Some(pod) = stored_on(cfg, store, head.path) {
-            to_pod(cfg, &pod)
         } else {
-            self.classify(cfg, head)
+            self.classify(cfg, store, head)
         };
         if !head.no_upstream_headers {
             decision.remove.push(DESTINATION_HEADER);
@@ -271,12 +269,15 @@ impl Flow {
         decision
     }
 
-    fn classify(&mut self, cfg: &Config, head: &RequestHead) -> Decision {
+    fn classify(&mut self, cfg: &Config, store: &dyn Store, head: &RequestHead) -> Decision {
         let json = head
             .content_type
             .is_none_or(|c| c.to_ascii_lowercase().contains("json"));
         let api = Api::from_path(head.path).filter(|_| head.method.eq_ignore_ascii_case("POST"));
         let Some(api) = api.filter(|_| json) else {
+            if let Some(pod) = stored_on(cfg, store, head.path) {
+                return to_pod(cfg, &pod);
+            }
             return Decision::step(if cfg.passthrough_unknown {
                 Step::Forward
             } else {

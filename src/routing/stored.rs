@@ -104,10 +104,16 @@ pub fn find(store: &dyn Store, id: &str) -> Result<Option<Stored>, StoreError> {
 /// The response id a `/v1/responses/{id}` path (or one of its sub-paths: `/cancel`,
 /// `/input_items`) names.
 pub fn id_in_path(path: &str) -> Option<&str> {
-    let path = path.split(['?', '#']).next().unwrap_or(path);
-    let rest = path.split("/v1/responses/").nth(1)?;
-    let id = rest.split('/').next()?;
-    (!id.is_empty()).then_some(id)
+    // Read from the end, a segment at a time: every request's path passes here.
+    let end = memchr::memchr2(b'?', b'#', path.as_bytes()).unwrap_or(path.len());
+    let path = path.get(..end)?;
+    let mut segments = path.rsplit('/');
+    let mut id = segments.next()?;
+    if matches!(id, "cancel" | "input_items") {
+        id = segments.next()?;
+    }
+    let named = segments.next()? == "responses" && segments.next()? == "v1";
+    (named && !id.is_empty()).then_some(id)
 }
 
 #[cfg(test)]
@@ -181,5 +187,10 @@ mod tests {
         assert_eq!(id_in_path("/v1/responses"), None);
         assert_eq!(id_in_path("/v1/responses/"), None);
         assert_eq!(id_in_path("/v1/chat/completions"), None);
+        assert_eq!(id_in_path("/v1/responses/cancel"), None);
+        assert_eq!(
+            id_in_path("/openai/v1/responses/resp_2/input_items"),
+            Some("resp_2")
+        );
     }
 }
