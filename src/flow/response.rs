@@ -240,15 +240,20 @@ impl Flow {
             gate.calibration
                 .streamed(&a.model, a.family.as_deref(), at, tokens, Some(ended));
         }
-        let (Some(usage), Some(length)) = (usage, length) else {
-            return;
-        };
         if let (Some(id), Some(pod)) = (&meter.response_id, &a.answered_by) {
-            let conversation = usage.prompt_tokens.saturating_add(usage.completion_tokens);
+            // Its conversation so far as the engine counted it; a response answered in the
+            // background (`background: true`, polled by `GET`) has no usage yet: as estimated.
+            let conversation = usage
+                .map_or(a.estimate.prompt_tokens + a.estimate.output_tokens, |u| {
+                    u.prompt_tokens.saturating_add(u.completion_tokens)
+                });
             if let Err(e) = crate::routing::stored::remember(store, id, pod, conversation) {
                 log::debug!("kvgate: stored response not noted: {e:?}");
             }
         }
+        let (Some(usage), Some(length)) = (usage, length) else {
+            return;
+        };
         // The estimate beside what the engine reported, summed: ratios of their rates are the
         // estimator's error over any window (the dashboard's accuracy panel, the drift alerts).
         let stats = &mut gate.stats;
@@ -454,8 +459,12 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
                 format!(r#"{{"model":"m","input":"more","previous_response_id":"{previous}"}}"#);
             let d = f.on_body(gate, &vm, body.as_bytes());
             let prompt = f.admitted.as_ref().map(|a| a.estimate.prompt_tokens);
+            let to = destination(&d);
+            let pod = to.as_deref().and_then(|t| t.split(',').next());
+            f.on_response_headers(gate, &vm, Some("application/json"), pod);
+            f.on_response_body(gate, &vm, br#"{"id":"resp_next","usage":null}"#);
             f.on_done(gate, &vm);
-            (destination(&d), prompt)
+            (to, prompt)
         };
         for _ in 0..3 {
             let (to, prompt) = follow(&mut gate, "resp_1");
@@ -474,26 +483,35 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
         };
         let d = Flow::default().on_request_headers(&gate, &vm, &get);
         assert!(matches!(d.step, Step::Forward) && destination(&d).as_deref() == Some(pods[1]));
-        // A JSON answer's id is its body's; `store: false` keeps nothing.
-        for (body, id) in [
-            (&br#"{"model":"m","input":"x"}"#[..], "resp_2"),
-            (br#"{"model":"m","input":"x","store":false}"#, "resp_3"),
+        // A JSON answer's id is its body's; `store: false` keeps nothing; one answered in the
+        // background has no usage yet, and is found all the same (its `GET`s poll it).
+        let usage = r#"{"input_tokens":5,"output_tokens":2}"#;
+        for (body, id, usage) in [
+            (&br#"{"model":"m","input":"x"}"#[..], "resp_2", usage),
+            (
+                br#"{"model":"m","input":"x","store":false}"#,
+                "resp_3",
+                usage,
+            ),
+            (
+                br#"{"model":"m","input":"x","background":true}"#,
+                "resp_4",
+                "null",
+            ),
         ] {
             let mut f = Flow::default();
             f.on_request_headers(&gate, &vm, &RequestHead::json_post("/v1/responses"));
-            f.on_body(&mut gate, &vm, body);
-            f.on_response_headers(&mut gate, &vm, Some("application/json"), Some(pods[2]));
-            let answer = format!(
-                r#"{{"id":"{id}","object":"response","status":"completed","usage":{{"input_tokens":5,"output_tokens":2}}}}"#
-            );
+            let d = f.on_body(&mut gate, &vm, body);
+            let to = destination(&d);
+            let pod = to.as_deref().and_then(|t| t.split(',').next());
+            f.on_response_headers(&mut gate, &vm, Some("application/json"), pod);
+            let answer = format!(r#"{{"id":"{id}","object":"response","usage":{usage}}}"#);
             f.on_response_body(&mut gate, &vm, answer.as_bytes());
             f.on_done(&mut gate, &vm);
         }
-        assert_eq!(
-            stored::find(&vm, "resp_2").unwrap().map(|s| s.tokens),
-            Some(7)
-        );
-        assert_eq!(stored::find(&vm, "resp_3").unwrap(), None);
+        let tokens = |id| stored::find(&vm, id).unwrap().map(|s| s.tokens);
+        assert_eq!((tokens("resp_2"), tokens("resp_3")), (Some(7), None));
+        assert!(tokens("resp_4").is_some_and(|t| t > 0));
     }
 
     /// One streamed output token, as the engine sends it.
