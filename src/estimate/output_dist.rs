@@ -102,10 +102,15 @@ impl OutputDist {
     /// off there by their own `max_tokens`, or still running: dropping them would bias lengths
     /// short).
     ///
-    /// Past the longest sample nothing is known: the survival there fades like the prior from
-    /// where the samples leave it. Kaplan–Meier alone would hold it flat when the longest
-    /// sample is censored, and a few answers still running would have every answer expected
-    /// to run to the output cap.
+    /// Past the longest sample nothing is known: the survival there fades exponentially from
+    /// where the samples leave it, with the prior's mean or the samples' own (their survival's
+    /// area up to the longest), whichever is longer. Kaplan–Meier alone would hold it flat when
+    /// the longest sample is censored, and a few answers still running would have every answer
+    /// expected to run to the output cap. The prior's mean alone (256 tokens by default) said
+    /// of a model whose answers were all still running at a thousand tokens that each would end
+    /// within a few hundred more: on pods of answers a reasoning model's length (1,500 on
+    /// average), the pods took more than they could hold while the first answers ran, and
+    /// preempted.
     pub fn learned(ended: &[f64], cut: &[f64], prior_mean: u64) -> OutputDist {
         let n: f64 = ended.iter().chain(cut).sum();
         let mut at_risk = n;
@@ -126,9 +131,16 @@ impl OutputDist {
         }
         if let Some(last) = last {
             let from = f64::from(knots[last + 1]);
+            let area: f64 = (0..=last)
+                .map(|b| {
+                    let lo = if b == 0 { 0.0 } else { bucket_edge(b - 1) };
+                    f64::from(knots[b] + knots[b + 1]) * 0.5 * (bucket_edge(b) - lo)
+                })
+                .sum();
+            let fade = area.max(prior_mean.max(1) as f64);
             for b in last + 1..BUCKETS {
                 let past = bucket_edge(b) - bucket_edge(last);
-                knots[b + 1] = (from * (-past / prior_mean.max(1) as f64).exp()) as f32;
+                knots[b + 1] = (from * (-past / fade).exp()) as f32;
             }
         }
         OutputDist {
@@ -292,13 +304,21 @@ mod tests {
         let d = OutputDist::learned(&[0.0; BUCKETS], &hist(&[(300, 100.0)]), 256);
         assert!(d.survival(250.0) > 0.95);
         let at = |t: f64| d.survival(t);
-        // From there on, the prior's exponential with mean 256, not 1 up to the output cap.
+        // From there on, an exponential with the samples' mean of about 300, not 1 up to the
+        // output cap.
         assert!(at(3_000.0) < 0.01, "{d:?}");
         let e = d.expected(0, 100_000);
-        assert!(
-            (450..=650).contains(&e),
-            "about 300 and the prior's 256: {e}"
-        );
+        assert!((500..=700).contains(&e), "about 300 and 300 more: {e}");
+        // Answers of a short model: past its longest, the prior's mean, longer than its own.
+        let short = OutputDist::learned(&hist(&[(20, 90.0), (60, 10.0)]), &[0.0; BUCKETS], 256);
+        let tail = |d: &OutputDist, t: f64| d.survival(t + 100.0) / d.survival(t);
+        let prior_tail = (-100.0f64 / 256.0).exp();
+        assert!((tail(&short, 200.0) - prior_tail).abs() < 0.05);
+        // Answers all still running at a thousand tokens: expected to go on about as long again,
+        // not to end within the prior's 256.
+        let running = OutputDist::learned(&[0.0; BUCKETS], &hist(&[(1_000, 50.0)]), 256);
+        let more = running.expected(1_000, 100_000) - 1_000;
+        assert!((800..=1_300).contains(&more), "{more}");
     }
 
     #[test]
