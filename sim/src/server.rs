@@ -167,18 +167,10 @@ impl StreamState {
             }));
             Self::push(buf, &c);
         }
-        let piece = self.g.tok.piece(ev.token);
-        if self.kind == Kind::Chat && self.completion_tokens <= self.reasoning_tokens {
-            self.unsent.reasoning.push_str(&piece);
-        } else {
-            self.unsent.content.push_str(&piece);
-        }
-        self.unsent_tokens += 1;
-        if ev.finish.is_none() && self.unsent_tokens < self.g.args.stream_interval.max(1) {
+        let reasoning = self.kind == Kind::Chat && self.completion_tokens <= self.reasoning_tokens;
+        let Some(Unsent { reasoning, content }) = self.buffer(ev, reasoning) else {
             return;
-        }
-        let Unsent { reasoning, content } = std::mem::take(&mut self.unsent);
-        self.unsent_tokens = 0;
+        };
         let finish = ev.finish.map(|f| f.reason.as_str());
         if let Some(f) = ev.finish {
             self.prompt_tokens = f.prompt_tokens;
@@ -223,6 +215,24 @@ impl StreamState {
         }
     }
 
+    /// Keeps a token's text (as reasoning or answer) until its chunk is due
+    /// (`--stream-interval`, or the answer's end), then hands the chunk's text over.
+    fn buffer(&mut self, ev: &Event, reasoning: bool) -> Option<Unsent> {
+        let piece = self.g.tok.piece(ev.token);
+        let part = if reasoning {
+            &mut self.unsent.reasoning
+        } else {
+            &mut self.unsent.content
+        };
+        part.push_str(&piece);
+        self.unsent_tokens += 1;
+        if ev.finish.is_none() && self.unsent_tokens < self.g.args.stream_interval.max(1) {
+            return None;
+        }
+        self.unsent_tokens = 0;
+        Some(std::mem::take(&mut self.unsent))
+    }
+
     /// A Responses API answer's token: its opening events with the first, a text delta at each
     /// chunk's end (`--stream-interval`), and at its end the closing events and the store.
     fn on_response_event(&mut self, ev: &Event, buf: &mut Vec<u8>) {
@@ -241,13 +251,12 @@ impl StreamState {
             r.events.open(buf, &opened);
         }
         r.tokens.push(ev.token);
-        self.unsent.content.push_str(&self.g.tok.piece(ev.token));
-        self.unsent_tokens += 1;
-        if ev.finish.is_none() && self.unsent_tokens < self.g.args.stream_interval.max(1) {
+        let Some(Unsent { content: piece, .. }) = self.buffer(ev, false) else {
             return;
-        }
-        let piece = std::mem::take(&mut self.unsent.content);
-        self.unsent_tokens = 0;
+        };
+        let Some(r) = self.response.as_mut() else {
+            return;
+        };
         r.events.delta(buf, &piece);
         r.text.push_str(&piece);
         let Some(f) = ev.finish else {

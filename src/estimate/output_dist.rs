@@ -173,6 +173,17 @@ impl OutputDist {
         s_lo + (s_hi - s_lo) * (t - lo) / (hi - lo)
     }
 
+    /// The lengths of `learned` for the request these were made for: its limit's prior and its
+    /// floor kept (`of_request`), for lengths learned while it runs.
+    pub fn relearned(self, learned: OutputDist) -> OutputDist {
+        learned.of_request(self.runs_to_limit, self.floor)
+    }
+
+    /// Whether the engine holds the answer's end back (a floor): its length is not the model's.
+    pub fn held_on(&self) -> bool {
+        self.floor > 0
+    }
+
     /// P(output > t): the learned survival blended with the prior, which weighs as
     /// `PRIOR_SAMPLES` samples; certain below the request's floor.
     pub fn survival(&self, t: f64) -> f64 {

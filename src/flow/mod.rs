@@ -115,8 +115,6 @@ struct Admitted {
     static_text_tokens: f64,
     fixed_tokens: u64,
     max_output_tokens: Option<u64>,
-    /// What its answer runs at least (`Request::min_output_tokens`).
-    min_output_tokens: u64,
     /// The engine stores its answer (`Request::stored`), on the pod that answered
     /// (`answered_by`, the upstream Envoy used), which its follow-ups must go back to
     /// (`routing::stored`).
@@ -377,7 +375,6 @@ impl Flow {
             static_text_tokens,
             fixed_tokens: req.token_ids + req.non_text_parts * cfg.non_text_part_tokens,
             max_output_tokens: req.max_output_tokens,
-            min_output_tokens: req.min_output_tokens,
             stored: req.stored,
             answered_by: None,
             streams: req.stream,

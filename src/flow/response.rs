@@ -124,7 +124,7 @@ impl Flow {
             Some(at) => gate.calibration.streamed(model, family, at, made, None),
             // An answer the engine holds on past where the model may stop teaches no length
             // (`Length::Untold`).
-            None if a.min_output_tokens > 0 => false,
+            None if a.estimate.output.held_on() => false,
             None => {
                 a.started = gate
                     .calibration
@@ -138,9 +138,7 @@ impl Flow {
             // would otherwise be forecast from the prior's tail for as long as they run.
             let cfg = &gate.config.estimator;
             if let Some(l) = gate.calibration.learned(store, model, family, cfg) {
-                a.estimate.output = l
-                    .output
-                    .of_request(a.max_output_tokens.is_some(), a.min_output_tokens);
+                a.estimate.output = a.estimate.output.relearned(l.output);
             }
         }
         if let Some(routed) = &mut a.routed {
@@ -222,7 +220,7 @@ impl Flow {
         };
         let usage = meter.finish();
         let length = usage.map(|u| {
-            if a.min_output_tokens > 0 {
+            if a.estimate.output.held_on() {
                 Length::Untold
             } else if a
                 .max_output_tokens

@@ -8,8 +8,8 @@
 //! (`response::Chunk`) counts: each of `choices` that carries any text — its `text`, or its
 //! delta's `content`, `reasoning` (vLLM's name since its PR 27752), `reasoning_content`
 //! (SGLang's, and vLLM's before) or a tool call's function `name` or `arguments` —, and each
-//! Responses API event of [`TEXT_EVENTS`]. It declines (`None`) rather than differ: wherever a chunk's shape or bytes leave any
-//! doubt that serde_json would read it alike (a `usage` or `response` that is not null, a field
+//! Responses API event of [`TEXT_EVENTS`]. It declines (`None`) rather than differ: wherever a
+//! chunk's shape or bytes leave any doubt that serde_json would read it alike (a `usage` or `response` that is not null, a field
 //! of interest of another type or given twice, an escaped key or event type, a `\u` escape of a
 //! surrogate, bytes that are not UTF-8, nesting past `MAX_DEPTH`, any syntax error), and the
 //! meter then reads the chunk through serde as before. Usage, once a stream, is always read
