@@ -199,14 +199,14 @@ mod measure {
         };
         let mut flow = Flow::default();
         let b = body(0);
-        let _ = flow.on_request_headers(&other.gate, &other.vm, &head(&b));
+        let _ = flow.on_request_headers(&mut other.gate, &other.vm, &head(&b));
         let _ = flow.on_body(&mut other.gate, &other.vm, &b);
         flow.on_done(&mut other.gate, &other.vm);
         for i in 0..open {
             // Prompts of their own, as a loaded pool's mostly are.
             let b = led_body(&format!("held {i}: "), i);
             let mut held = Flow::default();
-            let _ = held.on_request_headers(&gate, &vm, &head(&b));
+            let _ = held.on_request_headers(&mut gate, &vm, &head(&b));
             let _ = held.on_body(&mut gate, &vm, &b);
         }
         (host, vm, gate, other)
@@ -245,7 +245,12 @@ mod measure {
     }
 
     #[inline(never)]
-    fn phase_request_headers(flow: &mut Flow, gate: &Gate, store: &Callback, head: &RequestHead) {
+    fn phase_request_headers(
+        flow: &mut Flow,
+        gate: &mut Gate,
+        store: &Callback,
+        head: &RequestHead,
+    ) {
         let d = flow.on_request_headers(gate, store, head);
         store.add(shell_calls(&d));
         black_box(d);

@@ -36,7 +36,7 @@ pub fn next(step: &Step, parked_earlier: bool) -> Next<'_> {
     match step {
         Step::Forward if parked_earlier => Next::Resume,
         Step::Forward => Next::Continue,
-        Step::WaitForBody | Step::Park(_) => Next::Pause,
+        Step::WaitForBody | Step::Park(_) | Step::Hold => Next::Pause,
         Step::Reply(reply) => Next::Reply(reply),
     }
 }

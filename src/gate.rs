@@ -44,6 +44,9 @@ pub struct Gate {
     asked_tick_ms: Option<u64>,
     /// The replicas' etcd sync, run alongside the scraper by the same elected VM.
     sync: Sync,
+    /// Until when a request of this VM's may be held for another replica's note of a stored
+    /// response (`Flow::sought`, asked on each tick).
+    seeking_until_ms: Option<u64>,
     pub stats: Stats,
 }
 
@@ -61,6 +64,7 @@ impl Gate {
             leads: false,
             asked_tick_ms: None,
             sync: Sync::default(),
+            seeking_until_ms: None,
             stats: Stats::default(),
         })
     }
@@ -315,8 +319,10 @@ impl Gate {
     /// The tick this VM wants now: short while no pod is known and the first discovery is
     /// awaited, or while the head of the line waits for its prefix's pods; otherwise `TICK_MS`.
     pub(crate) fn tick_ms(&self, store: &dyn Store) -> u64 {
-        if self.router.awaits_pool(&self.config, store.now_ms())
+        let now = store.now_ms();
+        if self.router.awaits_pool(&self.config, now)
             || self.admission.head_waits_for_cache()
+            || self.seeking_until_ms.is_some_and(|until| now <= until)
         {
             QUICK_TICK_MS
         } else if self.leads && self.config.etcd.enabled() {
@@ -331,6 +337,12 @@ impl Gate {
         } else {
             TICK_MS
         }
+    }
+
+    /// A request of this VM's is held for another replica's note of a stored response until
+    /// `until_ms` at most: the quick tick looks for it meanwhile.
+    pub(crate) fn seeking_until(&mut self, until_ms: u64) {
+        self.seeking_until_ms = Some(self.seeking_until_ms.unwrap_or(0).max(until_ms));
     }
 
     /// The tick period to ask of the host now, when it differs from the one last asked: after
@@ -416,12 +428,19 @@ impl Gate {
                     log::debug!("kvgate: waking the line after a grant grew: {e:?}");
                 }
             }
-            let placed = self.sync.take_placed();
-            if !placed.is_empty() {
+            let received = self.sync.take_received();
+            if !received.placed.is_empty() {
                 self.stats
-                    .count(stats::REPLICAS_PLACEMENTS, placed.len() as u64);
-                if let Err(e) = self.router.import(store, &self.config, placed) {
+                    .count(stats::REPLICAS_PLACEMENTS, received.placed.len() as u64);
+                if let Err(e) = self.router.import(store, &self.config, received.placed) {
                     log::debug!("kvgate: the other replicas' placements: {e:?}");
+                }
+            }
+            self.stats
+                .count(stats::REPLICAS_STORED, received.stored.len() as u64);
+            for n in received.stored {
+                if let Err(e) = crate::routing::stored::remember(store, n.id, &n.pod, n.tokens) {
+                    log::debug!("kvgate: another replica's stored response: {e:?}");
                 }
             }
             return next.unwrap_or_else(|e| {

@@ -58,9 +58,12 @@ catalog! {
     /// Responses API follow-ups sent to the pod that stored the response they name
     /// (`routing::stored`; `/v1/responses/{id}` calls go there too, uncounted).
     STORED_FOLLOWED = "kvgate.stored.followed";
-    /// Those naming a response this Envoy did not see stored (before it started, another
-    /// replica's, or forgotten past 4,096): routed as any request, the engine answers.
+    /// Those naming a response this Envoy did not see stored, nor heard of from another replica
+    /// (before it started, or forgotten past 4,096): routed as any request, the engine answers.
     STORED_UNKNOWN = "kvgate.stored.unknown";
+    /// Requests naming a stored response this replica had not heard of, held for another
+    /// replica's note of it (`etcd.followUpWaitMs`), found or not.
+    STORED_WAITED = "kvgate.stored.waited";
     /// Prompt blocks of routed requests.
     PREFIX_BLOCKS_TOTAL = "kvgate.prefix.blocks_total";
     /// Of those, blocks the chosen pod was believed to cache.
@@ -138,6 +141,9 @@ catalog! {
     REPLICAS_ERRORS = "kvgate.replicas.errors";
     /// Prompts the other replicas sent the pods, applied to this replica's prefix index.
     REPLICAS_PLACEMENTS = "kvgate.replicas.placements";
+    /// Responses the other replicas' pods stored, noted here for their follow-ups
+    /// (`routing::stored`).
+    REPLICAS_STORED = "kvgate.replicas.stored";
     /// Compactions of etcd's history this replica made (`etcd.compactionIntervalMs`).
     REPLICAS_COMPACTIONS = "kvgate.replicas.compactions";
     /// Lapsed replicas whose grants this replica reclaimed.

@@ -289,7 +289,7 @@ mod tests {
         let mut flow = Flow::default();
         let head = RequestHead::json_post("/v1/completions");
         assert_eq!(
-            flow.on_request_headers(&gate, &vm, &head).step,
+            flow.on_request_headers(&mut gate, &vm, &head).step,
             Step::WaitForBody
         );
         let body = br#"{"model":"m","prompt":"a prompt of a few words","max_tokens":100}"#;
@@ -297,7 +297,7 @@ mod tests {
         (host, vm, gate)
     }
 
-    fn get(gate: &Gate, vm: &FakeVm, path: &str, accept: Option<&str>) -> Step {
+    fn get(gate: &mut Gate, vm: &FakeVm, path: &str, accept: Option<&str>) -> Step {
         let head = RequestHead {
             method: "GET",
             path,
@@ -309,8 +309,8 @@ mod tests {
 
     #[test]
     fn the_page_shows_each_pod_as_shared_data_holds_it() {
-        let (_host, vm, gate) = pool_with_one_request();
-        let Step::Reply(r) = get(&gate, &vm, "/kvgate/status?x=1", None) else {
+        let (_host, vm, mut gate) = pool_with_one_request();
+        let Step::Reply(r) = get(&mut gate, &vm, "/kvgate/status?x=1", None) else {
             panic!("the status path is answered locally");
         };
         assert_eq!(r.status, 200);
@@ -353,7 +353,7 @@ mod tests {
     fn a_person_asking_for_html_gets_a_table_with_names_escaped() {
         let (_host, vm, mut gate) = pool_with_one_request();
         let Step::Reply(r) = get(
-            &gate,
+            &mut gate,
             &vm,
             "/kvgate/status",
             Some("text/html,application/xhtml+xml"),
@@ -367,11 +367,11 @@ mod tests {
         assert!(html.contains("<td>0.25</td>"), "fractions shown as such");
         assert_eq!(escape("<b x='1'>&\""), "&lt;b x=&#39;1&#39;&gt;&amp;&quot;");
         gate.config.status_path = "/s".into();
-        let json = get(&gate, &vm, "/s", Some("application/json"));
+        let json = get(&mut gate, &vm, "/s", Some("application/json"));
         assert!(matches!(json, Step::Reply(r) if r.headers[0].1 == "application/json"));
     }
 
-    fn page(gate: &Gate, vm: &FakeVm) -> Value {
+    fn page(gate: &mut Gate, vm: &FakeVm) -> Value {
         let Step::Reply(r) = get(gate, vm, "/kvgate/status", None) else {
             panic!("the status path is answered locally");
         };
@@ -381,7 +381,7 @@ mod tests {
     #[test]
     fn with_etcd_on_each_pod_shows_this_replicas_grant() {
         let (host, vm, mut gate) = pool_with_one_request();
-        let grants = |gate: &Gate| {
+        let grants = |gate: &mut Gate| {
             page(gate, &vm)["pods"]
                 .as_array()
                 .unwrap()
@@ -390,7 +390,7 @@ mod tests {
                 .collect::<Vec<_>>()
         };
         let none = (Value::Null, Value::Null);
-        assert_eq!(grants(&gate), [none.clone(), none], "etcd off");
+        assert_eq!(grants(&mut gate), [none.clone(), none], "etcd off");
         gate.config.etcd.cluster = "etcd".into();
         gate.config.etcd.max_replicas = 10;
         let now = host.now_ms();
@@ -402,19 +402,19 @@ mod tests {
         })
         .unwrap();
         assert_eq!(
-            grants(&gate),
+            grants(&mut gate),
             [(json!(0), json!(0)), (json!(1_234), json!(1_500))],
             "in contact, within the budget: the grant; a pod with no share: nothing"
         );
         let remote = |p: &Value| p["remoteTokens"].clone();
-        let pods = page(&gate, &vm)["pods"].as_array().unwrap().clone();
+        let pods = page(&mut gate, &vm)["pods"].as_array().unwrap().clone();
         assert_eq!(
             pods.iter().map(remote).collect::<Vec<_>>(),
             [json!(0), json!(77)]
         );
         host.set_now_ms(now + 60_000);
         assert_eq!(
-            grants(&gate)[1],
+            grants(&mut gate)[1],
             (json!(10_000 / 10), json!(1_500)),
             "cut off from etcd: the fallback"
         );
@@ -424,16 +424,16 @@ mod tests {
     fn the_page_is_off_by_default_and_answers_only_reads() {
         let (_host, vm, mut gate) = pool_with_one_request();
         let post = RequestHead::json_post("/kvgate/status");
-        let d = Flow::default().on_request_headers(&gate, &vm, &post);
+        let d = Flow::default().on_request_headers(&mut gate, &vm, &post);
         assert!(matches!(&d.step, Step::Reply(r) if r.status == 405));
         assert!(d.remove.contains(&crate::flow::DESTINATION_HEADER));
         assert_eq!(
-            get(&gate, &vm, "/kvgate/status/other", None),
+            get(&mut gate, &vm, "/kvgate/status/other", None),
             Step::Forward,
             "only the exact path"
         );
         gate.config.status_path = String::new();
-        assert_eq!(get(&gate, &vm, "/kvgate/status", None), Step::Forward);
-        assert_eq!(get(&gate, &vm, "", None), Step::Forward);
+        assert_eq!(get(&mut gate, &vm, "/kvgate/status", None), Step::Forward);
+        assert_eq!(get(&mut gate, &vm, "", None), Step::Forward);
     }
 }

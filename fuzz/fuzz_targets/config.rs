@@ -114,7 +114,7 @@ fn run(config: Config) {
         };
         let mut flow = Flow::default();
         let mut parked = None;
-        if flow.on_request_headers(&gate, &vm, &head).step == Step::WaitForBody {
+        if flow.on_request_headers(&mut gate, &vm, &head).step == Step::WaitForBody {
             let body = if path.contains("chat") {
                 br#"{"model":"m","messages":[{"role":"user","content":"Hello there, how are you doing today?"}],"max_tokens":4000,"stream":true}"#.to_vec()
             } else {

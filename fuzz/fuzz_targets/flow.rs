@@ -561,6 +561,7 @@ impl World {
             }
             Step::Reply(_) => State::Replied,
             Step::WaitForBody => panic!("WaitForBody after the whole body"),
+            Step::Hold => panic!("held for another replica's note without replicas"),
         };
     }
 
@@ -647,8 +648,8 @@ impl World {
                     no_upstream_headers: false,
                 };
                 let mut flow = Flow::default();
-                let worker = &self.workers[w];
-                let d = flow.on_request_headers(&worker.gate, &worker.vm, &head);
+                let worker = &mut self.workers[w];
+                let d = flow.on_request_headers(&mut worker.gate, &worker.vm, &head);
                 assert!(
                     d.remove.contains(&DESTINATION_HEADER),
                     "destination not stripped"

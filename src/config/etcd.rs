@@ -32,6 +32,9 @@ pub struct EtcdConfig {
     /// How often etcd's history of kvgate's writes is compacted, by one replica of the fleet, up
     /// to the revision it read that long before; 0: never (the operator's etcd compacts itself).
     pub compaction_interval_ms: u64,
+    /// How long a request naming a stored response (a Responses API follow-up, a retrieval) that
+    /// this replica has not heard of waits for another replica's note of it; 0: not at all.
+    pub follow_up_wait_ms: u64,
 }
 
 impl Default for EtcdConfig {
@@ -47,6 +50,7 @@ impl Default for EtcdConfig {
             timeout_ms: 1_000,
             max_replicas: 0,
             compaction_interval_ms: 300_000,
+            follow_up_wait_ms: 300,
         }
     }
 }
@@ -101,6 +105,9 @@ impl EtcdConfig {
                 "compactionIntervalMs",
                 "must be 0 (off) or from syncIntervalMs up to 86400000 (a day)",
             );
+        }
+        if self.follow_up_wait_ms > 10_000 {
+            return e("followUpWaitMs", "must be at most 10000");
         }
         Ok(())
     }

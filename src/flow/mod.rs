@@ -17,6 +17,7 @@ use crate::openai::request::{Api, Request};
 use crate::openai::response::ResponseMeter;
 use crate::routing::prefix::block_hashes;
 use crate::routing::router::Routed;
+use crate::routing::stored::Stored;
 use crate::stats;
 use crate::store::interface::Store;
 
@@ -42,6 +43,9 @@ pub enum Step {
     Reply(LocalReply),
     /// Hold the request (paused, body buffered) until woken: no pod has room yet.
     Park(u64),
+    /// Hold the request (paused) while the note of the stored response it names may still come
+    /// from another gateway replica; the root's tick asks again (`Flow::sought`).
+    Hold,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -142,10 +146,25 @@ impl Admitted {
     }
 }
 
+/// A request held for another gateway replica's note of the stored response it names
+/// (`Step::Hold`), until it comes or `until_ms`.
+struct Seeking {
+    until_ms: u64,
+    what: Sought,
+}
+
+enum Sought {
+    /// A Responses API follow-up, parsed and its model chosen.
+    FollowUp(Box<(Request, SentAs)>),
+    /// A retrieval, `/cancel` or `/input_items` of the response `id`.
+    Retrieval(String),
+}
+
 #[derive(Default)]
 pub struct Flow {
     api: Option<Api>,
     class: Class,
+    seeking: Option<Seeking>,
     admitted: Option<Admitted>,
     meter: Option<ResponseMeter>,
     finished: bool,
@@ -186,38 +205,67 @@ fn too_large(limit: u64) -> LocalReply {
     )
 }
 
-/// A Responses API follow-up: the pod its previous response is stored on, the only one that
-/// can answer it, and the conversation the engine prepends, counted as known tokens.
-fn follow(gate: &mut Gate, store: &dyn Store, req: &mut Request) -> Option<u64> {
-    let id = req.previous_response.as_deref()?;
+/// Where the response a request names is stored, as far as this replica knows.
+enum Named {
+    /// It names none (or the notes cannot be read).
+    Nothing,
+    On(Stored),
+    Unknown,
+}
+
+fn named(store: &dyn Store, id: Option<&str>) -> Named {
+    let Some(id) = id else {
+        return Named::Nothing;
+    };
     match crate::routing::stored::find(store, id) {
-        Ok(Some(s)) => {
-            gate.stats.count(stats::STORED_FOLLOWED, 1);
-            req.token_ids = req.token_ids.saturating_add(s.tokens);
-            Some(crate::hash::fnv1a(s.pod.as_bytes()))
-        }
-        Ok(None) => {
-            gate.stats.count(stats::STORED_UNKNOWN, 1);
-            None
-        }
+        Ok(Some(s)) => Named::On(s),
+        Ok(None) => Named::Unknown,
         Err(e) => {
             log::debug!("kvgate: stored responses unreadable: {e:?}");
-            None
+            Named::Nothing
         }
     }
 }
 
-/// The pod storing the response a `/v1/responses/{id}` path names (its retrieval, `/cancel`,
-/// `/input_items`), which only that pod can answer, while routing is enforced.
-fn stored_on(cfg: &Config, store: &dyn Store, path: &str) -> Option<String> {
-    let id = crate::routing::stored::id_in_path(path)?;
-    if !observe::enforces_routing(cfg) {
+/// A Responses API follow-up goes to the pod its previous response is stored on, the only one
+/// that can answer it, with the conversation the engine prepends counted as known tokens.
+fn follow(gate: &mut Gate, req: &mut Request, on: &Stored) -> u64 {
+    gate.stats.count(stats::STORED_FOLLOWED, 1);
+    req.token_ids = req.token_ids.saturating_add(on.tokens);
+    crate::hash::fnv1a(on.pod.as_bytes())
+}
+
+/// How long a request naming a stored response this replica has not heard of is held for
+/// another replica's note of it (`etcd.followUpWaitMs`), from now; `None`: not held (no
+/// replicas share etcd, or Envoy's balancer chooses: `routing.mode` `observe` holds nothing).
+fn seek(gate: &mut Gate, store: &dyn Store) -> Option<u64> {
+    let e = &gate.config.etcd;
+    if !e.enabled() || e.follow_up_wait_ms == 0 || !observe::enforces_routing(&gate.config) {
         return None;
     }
-    crate::routing::stored::find(store, id)
-        .ok()
-        .flatten()
-        .map(|s| s.pod)
+    let until = store.now_ms().saturating_add(e.follow_up_wait_ms);
+    gate.seeking_until(until);
+    // The elected worker syncs at the busy pace meanwhile, to read the note sooner.
+    if let Err(e) = crate::routing::stored::seek(store, until) {
+        log::debug!("kvgate: marking a stored response sought: {e:?}");
+    }
+    gate.stats.count(stats::STORED_WAITED, 1);
+    Some(until)
+}
+
+/// The decision for a request kvgate does not read: forwarded, or refused while
+/// `passthroughUnknown` is off.
+fn unread(cfg: &Config) -> Decision {
+    Decision::step(if cfg.passthrough_unknown {
+        Step::Forward
+    } else {
+        Step::Reply(LocalReply::error(
+            404,
+            "not_found_error",
+            "kvgate serves only POST OpenAI JSON APIs here (passthroughUnknown is off)",
+            None,
+        ))
+    })
 }
 
 /// Forward to `pod` through Envoy's override host (and the original-destination header, when
@@ -236,7 +284,7 @@ fn to_pod(cfg: &Config, pod: &str) -> Decision {
 impl Flow {
     pub fn on_request_headers(
         &mut self,
-        gate: &Gate,
+        gate: &mut Gate,
         store: &dyn Store,
         head: &RequestHead,
     ) -> Decision {
@@ -258,7 +306,7 @@ impl Flow {
                 head.accept,
             )))
         } else {
-            self.classify(cfg, store, head)
+            self.classify(gate, store, head)
         };
         if !head.no_upstream_headers {
             decision.remove.push(DESTINATION_HEADER);
@@ -267,25 +315,34 @@ impl Flow {
         decision
     }
 
-    fn classify(&mut self, cfg: &Config, store: &dyn Store, head: &RequestHead) -> Decision {
+    fn classify(&mut self, gate: &mut Gate, store: &dyn Store, head: &RequestHead) -> Decision {
+        let cfg = &gate.config;
         let json = head
             .content_type
             .is_none_or(|c| c.to_ascii_lowercase().contains("json"));
         let api = Api::from_path(head.path).filter(|_| head.method.eq_ignore_ascii_case("POST"));
         let Some(api) = api.filter(|_| json) else {
-            if let Some(pod) = stored_on(cfg, store, head.path) {
-                return to_pod(cfg, &pod);
-            }
-            return Decision::step(if cfg.passthrough_unknown {
-                Step::Forward
-            } else {
-                Step::Reply(LocalReply::error(
-                    404,
-                    "not_found_error",
-                    "kvgate serves only POST OpenAI JSON APIs here (passthroughUnknown is off)",
-                    None,
-                ))
-            });
+            // A response's retrieval, `/cancel` or `/input_items`: only the pod storing it can
+            // answer (while routing is enforced).
+            let id = crate::routing::stored::id_in_path(head.path)
+                .filter(|_| observe::enforces_routing(cfg));
+            return match (named(store, id), id) {
+                (Named::On(s), _) => to_pod(cfg, &s.pod),
+                (Named::Unknown, Some(id)) => {
+                    let id = id.to_string();
+                    match seek(gate, store) {
+                        Some(until_ms) => {
+                            self.seeking = Some(Seeking {
+                                until_ms,
+                                what: Sought::Retrieval(id),
+                            });
+                            Decision::step(Step::Hold)
+                        }
+                        None => unread(&gate.config),
+                    }
+                }
+                _ => unread(cfg),
+            };
         };
         self.api = Some(api);
         if head.content_length.is_some_and(|n| n > cfg.max_body_bytes) {
@@ -304,7 +361,7 @@ impl Flow {
 
     /// Whether the request has been classified as one kvgate reads the body of.
     pub fn wants_body(&self) -> bool {
-        self.api.is_some() && self.admitted.is_none()
+        self.api.is_some() && self.admitted.is_none() && self.seeking.is_none()
     }
 
     /// More of the body has arrived (`size` bytes buffered so far).
@@ -332,11 +389,89 @@ impl Flow {
                 )))
             }
         };
-        let sent_as = match self.choose_model(gate, store, &mut req, body) {
+        let mut sent_as = match self.choose_model(gate, store, &mut req, body) {
             Ok(m) => m,
             Err(reply) => return Decision::step(Step::Reply(reply)),
         };
-        let only_on = follow(gate, store, &mut req);
+        let only_on = match named(store, req.previous_response.as_deref()) {
+            Named::On(on) => Some(follow(gate, &mut req, &on)),
+            Named::Unknown => match seek(gate, store) {
+                Some(until_ms) => {
+                    // Set now, while the body and headers are this callback's to change.
+                    let mut d = Decision::step(Step::Hold);
+                    d.set = std::mem::take(&mut sent_as.headers);
+                    d.body = sent_as.body.take();
+                    self.seeking = Some(Seeking {
+                        until_ms,
+                        what: Sought::FollowUp(Box::new((req, sent_as))),
+                    });
+                    return d;
+                }
+                None => {
+                    gate.stats.count(stats::STORED_UNKNOWN, 1);
+                    None
+                }
+            },
+            Named::Nothing => None,
+        };
+        let SentAs {
+            requested,
+            stat_model,
+            headers,
+            body,
+        } = sent_as;
+        let mut decision = self.admit(gate, store, req, only_on, requested, stat_model);
+        // Set now, while the body and headers are still this callback's to change, even for a
+        // request that parks: it is resumed later from another callback.
+        decision.set.extend(headers);
+        decision.body = body;
+        decision
+    }
+
+    /// Held for another replica's note of the stored response it names (`Step::Hold`): the
+    /// decision, once the note is here or the wait is over; `None` while it still waits.
+    pub fn sought(&mut self, gate: &mut Gate, store: &dyn Store) -> Option<Decision> {
+        let seeking = self.seeking.as_ref()?;
+        let id = match &seeking.what {
+            Sought::FollowUp(parsed) => parsed.0.previous_response.as_deref(),
+            Sought::Retrieval(id) => Some(id.as_str()),
+        };
+        let on = match named(store, id) {
+            Named::On(on) => Some(on),
+            _ if store.now_ms() < seeking.until_ms => return None,
+            _ => None,
+        };
+        let seeking = self.seeking.take()?;
+        Some(match seeking.what {
+            Sought::FollowUp(parsed) => {
+                let (mut req, sent_as) = *parsed;
+                let only_on = match on {
+                    Some(on) => Some(follow(gate, &mut req, &on)),
+                    None => {
+                        gate.stats.count(stats::STORED_UNKNOWN, 1);
+                        None
+                    }
+                };
+                let (requested, stat_model) = (sent_as.requested, sent_as.stat_model);
+                self.admit(gate, store, req, only_on, requested, stat_model)
+            }
+            Sought::Retrieval(_) => match on {
+                Some(on) => to_pod(&gate.config, &on.pod),
+                None => unread(&gate.config),
+            },
+        })
+    }
+
+    /// Estimates, places and admits a parsed request (`only_on`: the one pod it may go to).
+    fn admit(
+        &mut self,
+        gate: &mut Gate,
+        store: &dyn Store,
+        req: Request,
+        only_on: Option<u64>,
+        requested: Option<String>,
+        stat_model: String,
+    ) -> Decision {
         let cfg = &gate.config.estimator;
         let family = gate.router.base_of(&req.model).map(family);
         let learned = gate
@@ -365,13 +500,11 @@ impl Flow {
                 est: &est,
             },
         );
-        gate.stats.count(
-            stats::model_stat(&sent_as.stat_model, stats::MODEL_REQUESTS),
-            1,
-        );
+        gate.stats
+            .count(stats::model_stat(&stat_model, stats::MODEL_REQUESTS), 1);
         self.admitted = Some(Admitted {
-            requested: sent_as.requested,
-            stat_model: sent_as.stat_model,
+            requested,
+            stat_model,
             static_text_tokens,
             fixed_tokens: req.token_ids + req.non_text_parts * cfg.non_text_part_tokens,
             max_output_tokens: req.max_output_tokens,
@@ -387,7 +520,7 @@ impl Flow {
             waiting: None,
             waited_ms: None,
         });
-        let mut decision = match placed {
+        match placed {
             Ok(Admit::Wait(ticket)) => {
                 if let Some(a) = &mut self.admitted {
                     a.waiting = Some((ticket, hashes));
@@ -401,12 +534,7 @@ impl Flow {
                 gate.stats.count(stats::ROUTE_ERRORS, 1);
                 Decision::step(Step::Forward)
             }
-        };
-        // Set now, while the body and headers are still this callback's to change, even for a
-        // request that parks: it is resumed later from another callback.
-        decision.set.extend(sent_as.headers);
-        decision.body = sent_as.body;
-        decision
+        }
     }
 
     /// The model step: the public name's target (a rename or weighted split, the body rewritten
@@ -612,7 +740,7 @@ mod tests {
 
     #[test]
     fn destination_header_is_always_stripped() {
-        let (_, vm, gate) = gate(Config::default());
+        let (_, vm, mut gate) = gate(Config::default());
         for h in [
             head("/v1/chat/completions"),
             head("/other"),
@@ -622,7 +750,9 @@ mod tests {
             },
         ] {
             assert_eq!(
-                Flow::default().on_request_headers(&gate, &vm, &h).remove,
+                Flow::default()
+                    .on_request_headers(&mut gate, &vm, &h)
+                    .remove,
                 [DESTINATION_HEADER, ORIGINAL_DST_HEADER]
             );
             let without = RequestHead {
@@ -631,7 +761,7 @@ mod tests {
             };
             assert!(
                 Flow::default()
-                    .on_request_headers(&gate, &vm, &without)
+                    .on_request_headers(&mut gate, &vm, &without)
                     .remove
                     .is_empty(),
                 "nothing to strip from a request known to carry neither"
@@ -644,7 +774,7 @@ mod tests {
         let (_, vm, mut gate) = gate(Config::default());
         assert_eq!(
             Flow::default()
-                .on_request_headers(&gate, &vm, &head("/v1/models"))
+                .on_request_headers(&mut gate, &vm, &head("/v1/models"))
                 .step,
             Step::Forward
         );
@@ -653,27 +783,29 @@ mod tests {
             ..head("/v1/completions")
         };
         assert_eq!(
-            Flow::default().on_request_headers(&gate, &vm, &text).step,
+            Flow::default()
+                .on_request_headers(&mut gate, &vm, &text)
+                .step,
             Step::Forward
         );
         gate.config.passthrough_unknown = false;
-        let d = Flow::default().on_request_headers(&gate, &vm, &head("/v1/models"));
+        let d = Flow::default().on_request_headers(&mut gate, &vm, &head("/v1/models"));
         assert!(matches!(d.step, Step::Reply(r) if r.status == 404));
     }
 
     #[test]
     fn oversize_and_empty_bodies_answer_locally() {
-        let (_, vm, gate) = gate(Config::default());
+        let (_, vm, mut gate) = gate(Config::default());
         let big = RequestHead {
             content_length: Some(2 << 20),
             ..head("/v1/completions")
         };
         assert!(
-            matches!(Flow::default().on_request_headers(&gate, &vm, &big).step, Step::Reply(r) if r.status == 413)
+            matches!(Flow::default().on_request_headers(&mut gate, &vm, &big).step, Step::Reply(r) if r.status == 413)
         );
         let mut f = Flow::default();
         assert_eq!(
-            f.on_request_headers(&gate, &vm, &head("/v1/completions"))
+            f.on_request_headers(&mut gate, &vm, &head("/v1/completions"))
                 .step,
             Step::WaitForBody
         );
@@ -686,7 +818,7 @@ mod tests {
             ..head("/v1/completions")
         };
         assert!(
-            matches!(Flow::default().on_request_headers(&gate, &vm, &empty).step, Step::Reply(r) if r.status == 400)
+            matches!(Flow::default().on_request_headers(&mut gate, &vm, &empty).step, Step::Reply(r) if r.status == 400)
         );
     }
 
@@ -697,12 +829,12 @@ mod tests {
             ..crate::test_support::with_pods(&["10.0.0.1:80"])
         });
         let mut f = Flow::default();
-        f.on_request_headers(&gate, &vm, &head("/v1/chat/completions"));
+        f.on_request_headers(&mut gate, &vm, &head("/v1/chat/completions"));
         let d = f.on_body(&mut gate, &vm, b"{oops");
         assert!(matches!(d.step, Step::Reply(r) if r.status == 400));
 
         let mut f = Flow::default();
-        f.on_request_headers(&gate, &vm, &head("/v1/chat/completions"));
+        f.on_request_headers(&mut gate, &vm, &head("/v1/chat/completions"));
         let body = br#"{"model":"m","messages":[{"role":"user","content":"hello there"}],"max_tokens":20}"#;
         let d = f.on_body(&mut gate, &vm, body);
         assert_eq!(d.step, Step::Forward);
@@ -815,7 +947,7 @@ mod tests {
         let (_, vm, mut gate) = gate(config);
         let body = r#"{"model":"llama","messages":[{"role":"user","content":"hi"}]}"#;
         let mut f = Flow::default();
-        f.on_request_headers(&gate, &vm, &head("/v1/chat/completions"));
+        f.on_request_headers(&mut gate, &vm, &head("/v1/chat/completions"));
         assert_eq!(f.class.priority, 0);
         let d = f.on_body(&mut gate, &vm, body.as_bytes());
         assert_eq!(f.class.priority, 7, "the model's default band");

@@ -7,6 +7,7 @@ use super::{Flow, Gate};
 use crate::estimate::calibration::{Length, Sample};
 use crate::observe;
 use crate::openai::response::ResponseMeter;
+use crate::routing::stored;
 use crate::stats;
 use crate::store::interface::Store;
 
@@ -245,8 +246,15 @@ impl Flow {
                 .map_or(a.estimate.prompt_tokens + a.estimate.output_tokens, |u| {
                     u.prompt_tokens.saturating_add(u.completion_tokens)
                 });
-            if let Err(e) = crate::routing::stored::remember(store, id, pod, conversation) {
+            let h = stored::id_hash(id);
+            if let Err(e) = stored::remember(store, h, pod, conversation) {
                 log::debug!("kvgate: stored response not noted: {e:?}");
+            }
+            // For the other gateway replicas, through which a follow-up may come.
+            if gate.config.etcd.enabled() {
+                if let Err(e) = gate.router.stored(store, pod, h, conversation) {
+                    log::debug!("kvgate: stored response not logged: {e:?}");
+                }
             }
         }
         let (Some(usage), Some(length)) = (usage, length) else {
@@ -412,13 +420,12 @@ mod tests {
     #[test]
     fn a_stored_response_s_follow_ups_go_back_to_its_pod() {
         use crate::flow::{Step, DESTINATION_HEADER};
-        use crate::routing::stored;
         let pods = ["10.0.0.1:80", "10.0.0.2:80", "10.0.0.3:80"];
         let host = FakeHost::new();
         let vm = host.vm();
         let mut gate = Gate::new(crate::test_support::with_pods(&pods), &vm).unwrap();
         let mut first = Flow::default();
-        first.on_request_headers(&gate, &vm, &RequestHead::json_post("/v1/responses"));
+        first.on_request_headers(&mut gate, &vm, &RequestHead::json_post("/v1/responses"));
         first.on_body(
             &mut gate,
             &vm,
@@ -479,7 +486,7 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
             path: "/v1/responses/resp_1",
             ..RequestHead::default()
         };
-        let d = Flow::default().on_request_headers(&gate, &vm, &get);
+        let d = Flow::default().on_request_headers(&mut gate, &vm, &get);
         assert!(matches!(d.step, Step::Forward) && destination(&d).as_deref() == Some(pods[1]));
         // A JSON answer's id is its body's; `store: false` keeps nothing; one answered in the
         // background has no usage yet, and is found all the same (its `GET`s poll it).
@@ -498,7 +505,7 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
             ),
         ] {
             let mut f = Flow::default();
-            f.on_request_headers(&gate, &vm, &RequestHead::json_post("/v1/responses"));
+            f.on_request_headers(&mut gate, &vm, &RequestHead::json_post("/v1/responses"));
             let d = f.on_body(&mut gate, &vm, body);
             let to = destination(&d);
             let pod = to.as_deref().and_then(|t| t.split(',').next());
@@ -510,6 +517,124 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
         let tokens = |id| stored::find(&vm, id).unwrap().map(|s| s.tokens);
         assert_eq!((tokens("resp_2"), tokens("resp_3")), (Some(7), None));
         assert!(tokens("resp_4").is_some_and(|t| t > 0));
+    }
+
+    /// With gateway replicas, a stored response is logged for the others (`Event::Stored`,
+    /// carried by `replicas::placements`); alone, it is not.
+    #[test]
+    fn a_stored_response_is_logged_for_the_other_replicas_when_there_are_any() {
+        use crate::routing::pick_log::{Event, PickLog};
+        for replicas in [false, true] {
+            let host = FakeHost::new();
+            let vm = host.vm();
+            let mut cfg = crate::test_support::with_pods(&["10.0.0.1:80"]);
+            if replicas {
+                cfg.etcd.cluster = "etcd".into();
+                cfg.etcd.replica_id = "r0".into();
+            }
+            let mut gate = Gate::new(cfg, &vm).unwrap();
+            let mut log = PickLog::start(&vm).unwrap();
+            let mut f = Flow::default();
+            f.on_request_headers(&mut gate, &vm, &RequestHead::json_post("/v1/responses"));
+            f.on_body(&mut gate, &vm, br#"{"model":"m","input":"x"}"#);
+            f.on_response_headers(
+                &mut gate,
+                &vm,
+                Some("application/json"),
+                Some("10.0.0.1:80"),
+            );
+            let answer = br#"{"id":"resp_9","usage":{"input_tokens":5,"output_tokens":2}}"#;
+            f.on_response_body(&mut gate, &vm, answer);
+            f.on_done(&mut gate, &vm);
+            let mut logged = Vec::new();
+            log.poll_every(&vm, |e| {
+                if let Event::Stored { pod, id, tokens } = e {
+                    logged.push((pod, id, tokens));
+                }
+            })
+            .unwrap();
+            let expected = vec![("10.0.0.1:80".to_string(), stored::id_hash("resp_9"), 7)];
+            assert_eq!(logged, if replicas { expected } else { vec![] });
+        }
+    }
+
+    /// With replicas, a follow-up or a retrieval naming a response this replica has not heard
+    /// of is held for another replica's note of it: sent to the pod storing it as soon as the
+    /// note is here, by cost once `followUpWaitMs` is over.
+    #[test]
+    fn a_request_naming_a_response_another_replica_saw_stored_waits_for_its_note() {
+        use crate::flow::{Decision, Step, DESTINATION_HEADER};
+        use crate::gate::{QUICK_TICK_MS, TICK_MS};
+        let pods = ["10.0.0.1:80", "10.0.0.2:80", "10.0.0.3:80"];
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let mut cfg = crate::test_support::with_pods(&pods);
+        cfg.etcd.cluster = "etcd".into();
+        cfg.etcd.replica_id = "r0".into();
+        cfg.etcd.busy_sync_interval_ms = 0;
+        let mut gate = Gate::new(cfg, &vm).unwrap();
+        let follow_up = |gate: &mut Gate, previous: &str| {
+            let mut f = Flow::default();
+            f.on_request_headers(gate, &vm, &RequestHead::json_post("/v1/responses"));
+            let body =
+                format!(r#"{{"model":"m","input":"more","previous_response_id":"{previous}"}}"#);
+            let d = f.on_body(gate, &vm, body.as_bytes());
+            (f, d)
+        };
+        let destination = |d: &Decision| {
+            d.set
+                .iter()
+                .find(|(name, _)| name == DESTINATION_HEADER)
+                .map(|(_, v)| v.split(',').next().unwrap_or_default().to_string())
+        };
+        let (mut f, d) = follow_up(&mut gate, "resp_far");
+        assert_eq!(d.step, Step::Hold);
+        assert!(stored::sought(&vm).unwrap(), "the sync is told to hurry");
+        assert_eq!(gate.tick_ms(&vm), QUICK_TICK_MS);
+        host.advance_ms(100);
+        assert!(f.sought(&mut gate, &vm).is_none(), "still waiting");
+        // The sync brings the other replica's note.
+        stored::remember(&vm, stored::id_hash("resp_far"), pods[2], 800).unwrap();
+        let d = f.sought(&mut gate, &vm).unwrap();
+        assert_eq!(d.step, Step::Forward);
+        assert_eq!(destination(&d).as_deref(), Some(pods[2]));
+        let prompt = f.admitted.as_ref().map(|a| a.estimate.prompt_tokens);
+        assert!(prompt.is_some_and(|p| p > 800), "{prompt:?}");
+        assert!(f.sought(&mut gate, &vm).is_none(), "decided once");
+        assert_eq!(gate.stats.take_count(stats::STORED_FOLLOWED), 1);
+        // One no replica noted: routed by cost once the wait is over.
+        let (mut g, d) = follow_up(&mut gate, "resp_gone");
+        assert_eq!(d.step, Step::Hold);
+        host.advance_ms(299);
+        assert!(g.sought(&mut gate, &vm).is_none());
+        host.advance_ms(1);
+        let d = g.sought(&mut gate, &vm).unwrap();
+        assert!(d.step == Step::Forward && destination(&d).is_some());
+        assert_eq!(gate.stats.take_count(stats::STORED_UNKNOWN), 1);
+        // A retrieval, held at its headers.
+        let get = RequestHead {
+            method: "GET",
+            path: "/v1/responses/resp_polled",
+            ..RequestHead::default()
+        };
+        let mut r = Flow::default();
+        assert_eq!(r.on_request_headers(&mut gate, &vm, &get).step, Step::Hold);
+        stored::remember(&vm, stored::id_hash("resp_polled"), pods[0], 50).unwrap();
+        let d = r.sought(&mut gate, &vm).unwrap();
+        assert_eq!(destination(&d).as_deref(), Some(pods[0]));
+        assert_eq!(gate.stats.take_count(stats::STORED_WAITED), 1);
+        host.advance_ms(400);
+        assert_eq!(gate.tick_ms(&vm), TICK_MS, "the quick tick was for them");
+        assert!(!stored::sought(&vm).unwrap());
+        // Not held when Envoy's balancer chooses, nor when the wait is off.
+        gate.config.routing.mode = crate::config::Mode::Observe;
+        let (_, d) = follow_up(&mut gate, "resp_other");
+        assert_eq!(d.step, Step::Forward);
+        gate.config.routing.mode = crate::config::Mode::Enforce;
+        gate.config.etcd.follow_up_wait_ms = 0;
+        let (_, d) = follow_up(&mut gate, "resp_other");
+        assert_eq!(d.step, Step::Forward);
+        assert_eq!(gate.stats.take_count(stats::STORED_UNKNOWN), 2);
     }
 
     /// One streamed output token, as the engine sends it.
@@ -660,7 +785,7 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
         let mut gate = Gate::new(cfg, &vm).unwrap();
         let mut f = Flow::default();
         let head = RequestHead::json_post("/v1/completions");
-        f.on_request_headers(&gate, &vm, &head);
+        f.on_request_headers(&mut gate, &vm, &head);
         f.on_body(
             &mut gate,
             &vm,

@@ -18,6 +18,7 @@
 //! `Event::Placed`, which feeds the prefix index only: no request of theirs holds those blocks.
 
 use crate::routing::pick_log::{Event, PickLog};
+use crate::routing::stored::Note;
 use crate::store::codec::{Reader, Writer};
 use crate::store::interface::{Store, StoreError};
 use hashbrown::{HashMap, HashSet};
@@ -28,64 +29,144 @@ const BATCHES: usize = 3;
 /// Blocks one batch carries at most (32 KiB of hashes): past it a sync's placements are dropped,
 /// the index being approximate by design.
 const MAX_BATCH_BLOCKS: usize = 4_096;
+/// Stored responses one batch carries at most (about 160 KiB with pods' names): past it the
+/// oldest are dropped, and a follow-up to one of them through another replica is routed by cost.
+const MAX_BATCH_NOTES: usize = 4_096;
 
 /// One pod and the blocks of a prompt sent to it.
 pub type Placement = (String, Vec<u64>);
 
-/// This replica's placements not yet written to etcd, from its pick log.
+/// What one sync's batch carries: the prompts sent, and the responses stored.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Batch {
+    pub placed: Vec<Placement>,
+    pub stored: Vec<Note>,
+}
+
+impl Batch {
+    fn is_empty(&self) -> bool {
+        self.placed.is_empty() && self.stored.is_empty()
+    }
+
+    fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::new();
+        w.u32(self.placed.len() as u32);
+        for (pod, hashes) in &self.placed {
+            w.bytes(pod.as_bytes()).u32(hashes.len() as u32);
+            hashes.iter().for_each(|h| {
+                w.u64(*h);
+            });
+        }
+        // After the placements: a reader of an older module stops before it.
+        w.u32(self.stored.len() as u32);
+        for n in &self.stored {
+            w.u64(n.id).u64(n.tokens).bytes(n.pod.as_bytes());
+        }
+        w.0
+    }
+
+    fn decode(bytes: &[u8]) -> Option<Batch> {
+        let mut r = Reader(bytes);
+        let placed = r.list(8, |r| {
+            let pod = String::from_utf8(r.bytes()?.to_vec()).ok()?;
+            Some((pod, r.list(8, Reader::u64)?))
+        })?;
+        // A writer of an older module sent placements only.
+        let stored = if r.is_empty() {
+            Vec::new()
+        } else {
+            r.list(20, |r| {
+                let id = r.u64()?;
+                let tokens = r.u64()?;
+                let pod = String::from_utf8(r.bytes()?.to_vec()).ok()?;
+                Some(Note { pod, id, tokens })
+            })?
+        };
+        Some(Batch { placed, stored })
+    }
+}
+
+/// This replica's placements and stored responses not yet written to etcd, from its pick log.
 #[derive(Default)]
 pub struct Outbox {
     log: Option<PickLog>,
-    /// The last batches, newest last: (its number, its placements encoded).
+    /// What the log brought since the last batch was made.
+    next: Batch,
+    /// The blocks `next` names for each pod: a group's prompts share their head.
+    named: HashMap<String, HashSet<u64>>,
+    /// The last batches, newest last: (its number, the batch encoded).
     batches: VecDeque<(u64, Vec<u8>)>,
     /// A batch not yet in etcd (the txn carrying it failed, or none was sent yet).
     unwritten: bool,
+    /// One of them carries stored responses.
+    unwritten_stored: bool,
 }
 
 impl Outbox {
-    /// Reads the dispatches the pick log took since the last call into a batch, and returns the
-    /// value to write when it holds a batch etcd has not been sent yet.
-    pub fn value(&mut self, store: &dyn Store) -> Result<Option<Vec<u8>>, StoreError> {
+    /// Reads the dispatches and stored responses the pick log took since the last call into the
+    /// next batch.
+    fn collect(&mut self, store: &dyn Store) -> Result<(), StoreError> {
         let log = match self.log.as_mut() {
             Some(log) => log,
             None => self.log.insert(PickLog::start(store)?),
         };
-        let mut placed: Vec<Placement> = Vec::new();
-        let mut seen: HashMap<String, HashSet<u64>> = HashMap::new();
-        let mut blocks = 0;
-        log.poll_every(store, |event| {
-            let Event::Dispatch(d) = event else {
-                return;
-            };
-            let Some(&first) = d.hashes.first() else {
-                return;
-            };
-            // A group's prompts share their head: only the blocks this batch has not named for
-            // the pod yet, and the first always, which names the group's home.
-            let known = seen.entry_ref(d.pod.as_str()).or_default();
-            let new: Vec<u64> = d.hashes[1..]
-                .iter()
-                .copied()
-                .filter(|h| !known.contains(h))
-                .collect();
-            if (new.is_empty() && known.contains(&first))
-                || blocks + 1 + new.len() > MAX_BATCH_BLOCKS
-            {
-                return;
+        let (next, named) = (&mut self.next, &mut self.named);
+        let mut blocks: usize = next.placed.iter().map(|(_, h)| h.len()).sum();
+        log.poll_every(store, |event| match event {
+            Event::Dispatch(d) => {
+                let Some(&first) = d.hashes.first() else {
+                    return;
+                };
+                // Only the blocks this batch has not named for the pod yet, and the first
+                // always, which names the group's home.
+                let known = named.entry_ref(d.pod.as_str()).or_default();
+                let new: Vec<u64> = d.hashes[1..]
+                    .iter()
+                    .copied()
+                    .filter(|h| !known.contains(h))
+                    .collect();
+                if (new.is_empty() && known.contains(&first))
+                    || blocks + 1 + new.len() > MAX_BATCH_BLOCKS
+                {
+                    return;
+                }
+                known.extend(new.iter().copied());
+                known.insert(first);
+                blocks += 1 + new.len();
+                let mut hashes = Vec::with_capacity(1 + new.len());
+                hashes.push(first);
+                hashes.extend(new);
+                next.placed.push((d.pod, hashes));
             }
-            known.extend(new.iter().copied());
-            known.insert(first);
-            blocks += 1 + new.len();
-            let mut hashes = Vec::with_capacity(1 + new.len());
-            hashes.push(first);
-            hashes.extend(new);
-            placed.push((d.pod, hashes));
-        })?;
-        if !placed.is_empty() {
+            Event::Stored { pod, id, tokens } => {
+                if next.stored.len() >= MAX_BATCH_NOTES {
+                    next.stored.remove(0);
+                }
+                next.stored.push(Note { pod, id, tokens });
+            }
+            Event::Finish { .. } | Event::Placed { .. } => {}
+        })
+    }
+
+    /// Whether a stored response waits to be written: a follow-up may soon come through
+    /// another replica, so the sync should not wait its slow pace.
+    pub fn holds_stored(&mut self, store: &dyn Store) -> Result<bool, StoreError> {
+        self.collect(store)?;
+        Ok(self.unwritten_stored || !self.next.stored.is_empty())
+    }
+
+    /// The value to write when it holds a batch etcd has not been sent yet; what the log brought
+    /// since the last call makes a new batch.
+    pub fn value(&mut self, store: &dyn Store) -> Result<Option<Vec<u8>>, StoreError> {
+        self.collect(store)?;
+        if !self.next.is_empty() {
             let number = store
                 .now_ms()
                 .max(self.batches.back().map_or(0, |b| b.0 + 1));
-            self.batches.push_back((number, encode_batch(&placed)));
+            let batch = std::mem::take(&mut self.next);
+            self.named.clear();
+            self.unwritten_stored |= !batch.stored.is_empty();
+            self.batches.push_back((number, batch.encode()));
             if self.batches.len() > BATCHES {
                 self.batches.pop_front();
             }
@@ -105,36 +186,17 @@ impl Outbox {
     /// etcd holds the value last returned.
     pub fn written(&mut self) {
         self.unwritten = false;
+        self.unwritten_stored = false;
     }
 }
 
-fn encode_batch(placed: &[Placement]) -> Vec<u8> {
-    let mut w = Writer::new();
-    w.u32(placed.len() as u32);
-    for (pod, hashes) in placed {
-        w.bytes(pod.as_bytes()).u32(hashes.len() as u32);
-        hashes.iter().for_each(|h| {
-            w.u64(*h);
-        });
-    }
-    w.0
-}
-
-fn decode_batch(bytes: &[u8]) -> Option<Vec<Placement>> {
-    let mut r = Reader(bytes);
-    r.list(8, |r| {
-        let pod = String::from_utf8(r.bytes()?.to_vec()).ok()?;
-        Some((pod, r.list(8, Reader::u64)?))
-    })
-}
-
-/// The batches of one value: (number, its placements), a malformed batch passed over.
-fn decode(value: &[u8]) -> Vec<(u64, Vec<Placement>)> {
+/// The batches of one value: (number, its batch), a malformed batch passed over.
+fn decode(value: &[u8]) -> Vec<(u64, Batch)> {
     let mut r = Reader(value);
     r.list(12, |r| Some((r.u64()?, r.bytes()?)))
         .unwrap_or_default()
         .into_iter()
-        .filter_map(|(n, b)| Some((n, decode_batch(b)?)))
+        .filter_map(|(n, b)| Some((n, Batch::decode(b)?)))
         .collect()
 }
 
@@ -146,17 +208,18 @@ pub struct Inbox {
 }
 
 impl Inbox {
-    /// The placements in the other replicas' values (replica → value) not applied before.
+    /// What the other replicas' values (replica → value) carry that was not applied before.
     /// Replicas no longer found are forgotten.
-    pub fn take(&mut self, values: &[(&str, &[u8])]) -> Vec<Placement> {
-        let mut out = Vec::new();
+    pub fn take(&mut self, values: &[(&str, &[u8])]) -> Batch {
+        let mut out = Batch::default();
         let mut applied = HashMap::new();
         for &(replica, value) in values {
             let before = self.applied.remove(replica).unwrap_or_default();
             let mut now = Vec::new();
-            for (number, placed) in decode(value) {
+            for (number, batch) in decode(value) {
                 if !before.contains(&number) {
-                    out.extend(placed);
+                    out.placed.extend(batch.placed);
+                    out.stored.extend(batch.stored);
                 }
                 now.push(number);
             }
@@ -213,10 +276,26 @@ mod tests {
             hashes: vec![99],
         };
         l1.publish(&w1, 1, &echo).unwrap();
+        assert!(!out.holds_stored(&elected).unwrap());
+        let stored = Note {
+            pod: "q".into(),
+            id: 77,
+            tokens: 900,
+        };
+        let note = Event::Stored {
+            pod: stored.pod.clone(),
+            id: stored.id,
+            tokens: stored.tokens,
+        };
+        l2.publish(&w2, 2, &note).unwrap();
+        assert!(out.holds_stored(&elected).unwrap(), "due at the busy pace");
         let first = out.value(&elected).unwrap().unwrap();
+        assert!(out.holds_stored(&elected).unwrap(), "until etcd has it");
         let mut inbox = Inbox::default();
+        let batch = inbox.take(&[("b", &first)]);
+        assert_eq!(batch.stored, vec![stored]);
         assert_eq!(
-            inbox.take(&[("b", &first)]),
+            batch.placed,
             vec![
                 ("p".to_string(), vec![10, 11, 12]),
                 ("p".to_string(), vec![10, 13]),
@@ -227,16 +306,29 @@ mod tests {
         // Until etcd has it the value stays due; then only a new batch is.
         assert!(out.value(&elected).unwrap().is_some());
         out.written();
+        assert!(!out.holds_stored(&elected).unwrap());
         assert_eq!(out.value(&elected).unwrap(), None);
         host.advance_ms(5);
         l2.publish(&w2, 2, &dispatch("q", 4, &[20])).unwrap();
         let second = out.value(&elected).unwrap().unwrap();
         assert_eq!(
-            inbox.take(&[("b", &second)]),
+            inbox.take(&[("b", &second)]).placed,
             vec![("q".to_string(), vec![20])]
         );
         // A reader that missed the first value finds both batches in the second.
-        assert_eq!(Inbox::default().take(&[("b", &second)]).len(), 4);
+        assert_eq!(Inbox::default().take(&[("b", &second)]).placed.len(), 4);
+        // A batch of an older module's, placements only, is read as such.
+        let mut batch = Writer::new();
+        batch.u32(1).bytes(b"p").u32(1).u64(5);
+        let mut older = Writer::new();
+        older.u32(1).u64(1).bytes(&batch.0);
+        assert_eq!(
+            Inbox::default().take(&[("c", &older.0)]),
+            Batch {
+                placed: vec![("p".to_string(), vec![5])],
+                stored: vec![],
+            }
+        );
     }
 
     #[test]
@@ -254,7 +346,7 @@ mod tests {
         assert_eq!(decode(&last).len(), BATCHES);
         let mut inbox = Inbox::default();
         assert!(inbox.take(&[("b", b"\xff\xff\xff\xff garbage")]).is_empty());
-        assert!(inbox.take(&[("b", &last[..last.len() - 3])]).len() < BATCHES);
+        assert!(inbox.take(&[("b", &last[..last.len() - 3])]).placed.len() < BATCHES);
     }
 
     #[test]
@@ -268,7 +360,7 @@ mod tests {
         }
         let mut out = Outbox::default();
         let placed = Inbox::default().take(&[("b", &out.value(&elected).unwrap().unwrap())]);
-        let blocks: usize = placed.iter().map(|(_, h)| h.len()).sum();
-        assert_eq!((placed.len(), blocks), (2, 4_000));
+        let blocks: usize = placed.placed.iter().map(|(_, h)| h.len()).sum();
+        assert_eq!((placed.placed.len(), blocks), (2, 4_000));
     }
 }

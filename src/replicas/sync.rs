@@ -1,8 +1,8 @@
 //! The one sync a replica runs against etcd, on the tick of its elected worker (the scrape lease
-//! holder, `store::lease`), every `syncIntervalMs`, or `busySyncIntervalMs` while credit must move
-//! between replicas (`Sync::due`): keep the replica's lease alive, read every key under the
+//! holder, `store::lease`), every `syncIntervalMs`, or `busySyncIntervalMs` while credit or
+//! stored responses must move between replicas (`Sync::due`): keep the replica's lease alive, read every key under the
 //! prefix in one range, work out each pod's next grant (`split`), write them in at most one txn
-//! (with the replica's placements, `placements`), copy the outcome into the pods' shares
+//! (with the replica's placements and stored responses, `placements`), copy the outcome into the pods' shares
 //! (`share`) that admission reads, and now and then compact etcd's history (`note_history`).
 //! Requests never wait for any of it.
 //!
@@ -24,7 +24,7 @@
 use crate::config::Config;
 use crate::pods::scrape::{Call, Target};
 use crate::replicas::gateway::{self, Compare, Kv, Op};
-use crate::replicas::placements::{Inbox, Outbox, Placement};
+use crate::replicas::placements::{Batch, Inbox, Outbox};
 use crate::replicas::share;
 use crate::replicas::split::{next_grant, Holder};
 use crate::stats::{self, Stats};
@@ -205,13 +205,17 @@ pub struct Sync {
     ghosts: Vec<Ghost>,
     planned: Vec<Planned>,
     reclaiming: u64,
-    /// This replica's placements for the others, and theirs applied here.
+    /// This replica's placements and stored responses for the others, and theirs applied here.
     outbox: Outbox,
     /// The txn in flight writes the outbox's value.
     placing: bool,
     inbox: Inbox,
-    /// The others' placements the last range read found, for the router (`take_placed`).
-    placed: Vec<Placement>,
+    /// What the others placed and stored, as the last range reads found it, for the gate
+    /// (`take_received`).
+    received: Batch,
+    /// The last range read found another replica live.
+    peers: bool,
+
     /// The last txn grew this replica's grant on a pod (`take_grew`).
     grew: bool,
     /// The last call failed: until a read succeeds, the slow pace (the busy one would retry an
@@ -259,8 +263,8 @@ fn call(cfg: &Config, path: &str, body: Vec<u8>) -> Call {
 impl Sync {
     /// The call due on this tick, if any: a lease grant, a renewal, or the range read that starts
     /// a sync. Syncs come every `syncIntervalMs`, or every `busySyncIntervalMs` while credit must
-    /// move between replicas: `busy_here` (asked only then) says this replica's line has requests
-    /// waiting, and the last read may have shown another's.
+    /// move between replicas (`busy_here`, asked only then, says this replica's line has requests
+    /// waiting, and the last read may have shown another's), or stored responses (`notes_due`).
     pub fn due(
         &mut self,
         store: &dyn Store,
@@ -279,7 +283,10 @@ impl Sync {
             let since = now.saturating_add(EARLY_MS).saturating_sub(started);
             let busy = cfg.etcd.busy_sync_interval_ms;
             let due = since >= cfg.etcd.sync_interval_ms
-                || (busy > 0 && since >= busy && !self.failing && (self.contended || busy_here()));
+                || (busy > 0
+                    && since >= busy
+                    && !self.failing
+                    && (self.contended || busy_here() || self.notes_due(store)?));
             if !due {
                 return Ok(Vec::new());
             }
@@ -389,7 +396,10 @@ impl Sync {
                         .filter(|(r, _)| *r != me)
                         .copied()
                         .collect();
-                    self.placed.extend(self.inbox.take(&others));
+                    let batch = self.inbox.take(&others);
+                    self.peers = read.alive.iter().any(|r| *r != me);
+                    self.received.placed.extend(batch.placed);
+                    self.received.stored.extend(batch.stored);
                     let txn = self.plan(store, cfg, pods, &read, lease)?;
                     if txn.ops.is_empty() {
                         // Nothing etcd holds would change: the read was the whole sync.
@@ -496,10 +506,21 @@ impl Sync {
         }
     }
 
-    /// The other replicas' placements read since the last call, for the router
-    /// (`Router::import`).
-    pub fn take_placed(&mut self) -> Vec<Placement> {
-        std::mem::take(&mut self.placed)
+    /// Stored responses must move between replicas: this one has some to write, or a request
+    /// here is held for another's (`stored::sought`). A follow-up may come through another
+    /// replica as soon as its previous answer ended (an agent's next turn), so a note is written
+    /// at the busy pace, and read at it while a request waits for it, not a slow sync or two
+    /// late. (Read at the busy pace all the while a fleet serves stored responses, each replica
+    /// would read etcd up to 50 times a second for follow-ups that mostly come seconds later.)
+    fn notes_due(&mut self, store: &dyn Store) -> Result<bool, StoreError> {
+        Ok(self.peers
+            && (self.outbox.holds_stored(store)? || crate::routing::stored::sought(store)?))
+    }
+
+    /// What the other replicas placed and stored, read since the last call: placements for the
+    /// router (`Router::import`), stored responses for `routing::stored`.
+    pub fn take_received(&mut self) -> Batch {
+        std::mem::take(&mut self.received)
     }
 
     /// Whether a grant grew since last asked: requests waiting in the line may fit now, and no

@@ -613,13 +613,13 @@ fn each_replicas_picks_reach_the_others_once_and_go_with_its_lease() {
     });
     log.publish(&rs[0].vm, 1, &sent).unwrap();
     run(&mut rs, &mut etcd, 1_000, 2_500);
-    assert!(rs[0].sync.take_placed().is_empty(), "not its own");
+    assert!(rs[0].sync.take_received().placed.is_empty(), "not its own");
     assert_eq!(
-        rs[1].sync.take_placed(),
+        rs[1].sync.take_received().placed,
         vec![(POD.to_string(), vec![7, 8, 9])]
     );
     run(&mut rs, &mut etcd, 2_500, 4_000);
-    assert!(rs[1].sync.take_placed().is_empty(), "once");
+    assert!(rs[1].sync.take_received().placed.is_empty(), "once");
     assert!(etcd.kvs.contains_key("/kvgate/placed/r0"));
     // r0 stops: its lease lapses within its TTL, and its placements go with it.
     let dead = rs.remove(0);
@@ -648,7 +648,7 @@ fn a_replica_alone_writes_no_placements() {
     log.publish(&rs[0].vm, 1, &sent).unwrap();
     run(&mut rs, &mut etcd, 3_000, 5_000);
     assert_eq!(
-        rs[1].sync.take_placed(),
+        rs[1].sync.take_received().placed,
         vec![(POD.to_string(), vec![7]); 2]
     );
 }
@@ -695,4 +695,62 @@ fn one_replica_compacts_etcds_history_to_a_revision_the_interval_old() {
     rs[0].cfg.etcd.compaction_interval_ms = 0;
     run(&mut rs, &mut quiet, 0, 9_000);
     assert!(quiet.compactions.is_empty());
+}
+
+/// Replica 0 logs a stored response at 3 s: how long until replica 1 has it, with ticks every
+/// 20 ms and the default busy pace; `sought`: a request on replica 1 is held for it meanwhile.
+fn ms_until_a_stored_response_crosses(sought: bool) -> u64 {
+    use crate::routing::pick_log::{Event, PickLog};
+    let mut etcd = FakeEtcd::default();
+    let mut rs: Vec<Replica> = (0..2).map(|i| Replica::new(&format!("r{i}"), 0)).collect();
+    let mut log = PickLog::start(&rs[0].vm).unwrap();
+    let mut got = Vec::new();
+    // Both sync at 3 s, the last tick before it is sent.
+    tick_until(&mut rs, &mut etcd, &mut got, 0, 3_001, 0);
+    let sent = 3_000 + 7;
+    let note = Event::Stored {
+        pod: POD.into(),
+        id: 2,
+        tokens: 300,
+    };
+    log.publish(&rs[0].vm, 1, &note).unwrap();
+    if sought {
+        crate::routing::stored::seek(&rs[1].vm, sent + 300).unwrap();
+    }
+    let at = tick_until(&mut rs, &mut etcd, &mut got, sent, 4_000, 2);
+    assert_eq!(got, [2], "once");
+    at - sent
+}
+
+/// Ticks every 20 ms from `from` until replica 1 has received stored response `id` (its time),
+/// or `to`; what it received goes into `got`.
+fn tick_until(
+    rs: &mut [Replica],
+    etcd: &mut FakeEtcd,
+    got: &mut Vec<u64>,
+    from: u64,
+    to: u64,
+    id: u64,
+) -> u64 {
+    for now in (from..to).step_by(20) {
+        for r in rs.iter_mut() {
+            r.tick(etcd, now);
+        }
+        assert!(rs[0].sync.take_received().stored.is_empty(), "not its own");
+        got.extend(rs[1].sync.take_received().stored.iter().map(|n| n.id));
+        if got.contains(&id) {
+            return now;
+        }
+    }
+    to
+}
+
+#[test]
+fn a_stored_response_reaches_a_replica_holding_a_request_for_it_at_the_busy_pace() {
+    let unsought = ms_until_a_stored_response_crosses(false);
+    let sought = ms_until_a_stored_response_crosses(true);
+    // Written at its replica's next tick (the busy pace); read at the other's next sync, slow
+    // unless a request there is held for it.
+    assert!((400..=520).contains(&unsought), "{unsought} ms");
+    assert!(sought <= 60, "{sought} ms");
 }

@@ -1,6 +1,7 @@
 //! The pick log: how a routing decision made on one Envoy worker reaches every other worker
 //! within milliseconds. Each dispatch and finish (and what other gateway replicas placed,
-//! `replicas::placements`) is appended to a ring of shared-data slots
+//! `replicas::placements`, and, with replicas, each response an engine stored,
+//! `routing::stored`) is appended to a ring of shared-data slots
 //! (`kvgate.log.seq` and `kvgate.log.<0..RING>`: a bounded key schema); every VM replays what it
 //! has not seen before it decides, so each keeps a full replica of the prefix index and of the
 //! in-flight prompt blocks without reading per-block keys. A VM that falls more than a ring
@@ -53,12 +54,23 @@ pub enum Event {
         pod: String,
         hashes: Vec<u64>,
     },
+    /// A response stored on the pod (`routing::stored`), for the other gateway replicas
+    /// (`replicas::placements`): no VM of this replica's indexes it. Logged only while replicas
+    /// share etcd; a module from before it passes over the slot that carries it.
+    Stored {
+        pod: String,
+        /// The response id's hash (`stored::id_hash`).
+        id: u64,
+        /// The conversation's tokens so far.
+        tokens: u64,
+    },
 }
 
 const DISPATCH_WITHOUT_ADAPTER: u8 = 1;
 const FINISH: u8 = 2;
 const DISPATCH: u8 = 3;
 const PLACED: u8 = 4;
+const STORED: u8 = 5;
 
 fn slot_key(seq: u64) -> String {
     format!("kvgate.log.{}", seq % RING)
@@ -90,6 +102,9 @@ fn encode<'a>(seq: u64, origin: u32, events: impl Iterator<Item = &'a Event>) ->
                 hashes.iter().for_each(|h| {
                     w.u64(*h);
                 });
+            }
+            Event::Stored { pod, id, tokens } => {
+                w.u8(STORED).bytes(pod.as_bytes()).u64(*id).u64(*tokens);
             }
         }
     }
@@ -129,6 +144,11 @@ fn event(r: &mut Reader) -> Option<Event> {
             })
         }
         FINISH => Event::Finish { pod, request },
+        STORED => Event::Stored {
+            pod,
+            id: request,
+            tokens: r.u64()?,
+        },
         _ => return None,
     })
 }
@@ -347,8 +367,13 @@ mod tests {
             pod: "p".into(),
             request: 8,
         };
-        lb.finish(&b, 2, finish).unwrap();
-        lb.flush(&b, 2).unwrap();
+        lb.finish(&b, 2, finish.clone()).unwrap();
+        let stored = Event::Stored {
+            pod: "p".into(),
+            id: 9,
+            tokens: 1_234,
+        };
+        lb.publish(&b, 2, &stored).unwrap();
         let mut seen_b = Vec::new();
         lb.poll(&b, 2, |e| seen_b.push(e)).unwrap();
         assert_eq!(seen_b, vec![dispatch(7)]);
@@ -356,13 +381,7 @@ mod tests {
         assert_eq!(seen_b.len(), 1, "nothing twice");
         let mut seen_a = Vec::new();
         la.poll(&a, 1, |e| seen_a.push(e)).unwrap();
-        assert_eq!(
-            seen_a,
-            vec![Event::Finish {
-                pod: "p".into(),
-                request: 8
-            }]
-        );
+        assert_eq!(seen_a, vec![finish, stored], "the held finish rides along");
     }
 
     #[test]

@@ -438,6 +438,7 @@ impl Router {
             Event::Placed { pod, hashes } => {
                 prefix.insert(&pod, &hashes, now, index_capacity(bounds, &pod, cfg));
             }
+            Event::Stored { .. } => {}
         })
     }
 
@@ -1010,6 +1011,24 @@ impl Router {
             }
         }
         Ok(gone)
+    }
+
+    /// A response stored on `pod` (`routing::stored`), logged for this replica's placements to
+    /// carry to the other gateway replicas: appended now, not held, as a follow-up may come
+    /// through another replica soon after its answer.
+    pub fn stored(
+        &mut self,
+        store: &dyn Store,
+        pod: &str,
+        id: u64,
+        tokens: u64,
+    ) -> Result<(), StoreError> {
+        let event = Event::Stored {
+            pod: pod.to_string(),
+            id,
+            tokens,
+        };
+        self.log.publish(store, self.vm, &event)
     }
 }
 

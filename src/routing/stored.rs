@@ -9,8 +9,10 @@
 //!
 //! Source of truth: `SLOTS` shared records `kvgate.stored.<slot>`, a response's slot a hash of its
 //! id, each the slot's last `PER_SLOT` responses (bounded keys and memory, oldest forgotten
-//! first), written by the worker that saw the response end. One Envoy's: replicas do not share it
-//! (docs/limitations.md).
+//! first), written by the worker that saw the response end, and by the elected worker for the
+//! responses other gateway replicas saw end: with replicas sharing etcd, each note is logged
+//! (`Event::Stored`) and travels to the others with the replica's placements
+//! (`replicas::placements`), a sync or two late (docs/design.md).
 
 use crate::hash::fnv1a;
 use crate::store::codec::{Reader, Writer};
@@ -33,6 +35,15 @@ pub struct Stored {
     pub pod: String,
     /// The conversation's tokens so far (the response's prompt, its history included, and its
     /// answer): what the engine prepends to a follow-up's input.
+    pub tokens: u64,
+}
+
+/// A response stored on a pod, as the pick log and the other replicas carry it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Note {
+    pub pod: String,
+    /// The response id's hash (`id_hash`).
+    pub id: u64,
     pub tokens: u64,
 }
 
@@ -69,12 +80,18 @@ pub fn ensure(store: &dyn Store) -> Result<(), StoreError> {
     (0..SLOTS).try_for_each(|slot| create_if_missing(store, &key(slot), &empty))
 }
 
-/// Notes that `pod` stored response `id`, whose conversation now holds `tokens`.
-pub fn remember(store: &dyn Store, id: &str, pod: &str, tokens: u64) -> Result<(), StoreError> {
+/// A response id as the slots, the pick log and the other replicas know it: ids are long, and
+/// 64 bits tell 4,096 of them apart.
+pub fn id_hash(id: &str) -> u64 {
+    fnv1a(id.as_bytes())
+}
+
+/// Notes that `pod` stored the response whose id hashes to `h` (`id_hash`), whose conversation
+/// now holds `tokens`.
+pub fn remember(store: &dyn Store, h: u64, pod: &str, tokens: u64) -> Result<(), StoreError> {
     if pod.len() > MAX_POD_CHARS {
         return Ok(());
     }
-    let h = fnv1a(id.as_bytes());
     let stored = Stored {
         pod: pod.to_string(),
         tokens,
@@ -88,9 +105,29 @@ pub fn remember(store: &dyn Store, id: &str, pod: &str, tokens: u64) -> Result<(
     })
 }
 
-/// Where response `id` is stored, if this Envoy saw it end.
+/// Shared: until when some worker holds a request for another replica's note of a stored
+/// response (`etcd.followUpWaitMs`): the elected worker's sync keeps the busy pace until then.
+const SOUGHT_KEY: &str = "kvgate.stored.sought";
+
+/// A request is held for another replica's note until `until_ms` (a blind write: every writer
+/// writes a later time, give or take a worker's clock).
+pub fn seek(store: &dyn Store, until_ms: u64) -> Result<(), StoreError> {
+    store.set(SOUGHT_KEY, &until_ms.to_le_bytes(), None)
+}
+
+/// Whether a request may still be held for another replica's note.
+pub fn sought(store: &dyn Store) -> Result<bool, StoreError> {
+    let until = store
+        .get(SOUGHT_KEY)?
+        .value
+        .and_then(|b| Some(u64::from_le_bytes(b.get(..8)?.try_into().ok()?)));
+    Ok(until.is_some_and(|until| store.now_ms() <= until))
+}
+
+/// Where response `id` is stored, if this Envoy saw it end, or heard of it from another
+/// replica.
 pub fn find(store: &dyn Store, id: &str) -> Result<Option<Stored>, StoreError> {
-    let h = fnv1a(id.as_bytes());
+    let h = id_hash(id);
     let Some(bytes) = store.get(&key(h % SLOTS))?.value else {
         return Ok(None);
     };
@@ -130,7 +167,7 @@ mod tests {
         let vm = host.vm();
         ensure(&vm).unwrap();
         assert_eq!(find(&vm, "resp_a").unwrap(), None);
-        remember(&vm, "resp_a", "10.0.0.1:8000", 120).unwrap();
+        remember(&vm, id_hash("resp_a"), "10.0.0.1:8000", 120).unwrap();
         let other = host.vm();
         assert_eq!(
             find(&other, "resp_a").unwrap(),
@@ -141,14 +178,14 @@ mod tests {
             "every worker finds it"
         );
         // A follow-up's own response replaces nothing but itself; the slot keeps its last 16.
-        remember(&vm, "resp_a", "10.0.0.1:8000", 300).unwrap();
+        remember(&vm, id_hash("resp_a"), "10.0.0.1:8000", 300).unwrap();
         assert_eq!(find(&vm, "resp_a").unwrap().map(|s| s.tokens), Some(300));
-        let h = fnv1a(b"resp_a") % SLOTS;
+        let h = id_hash("resp_a") % SLOTS;
         let mut filled = 0;
         for i in 0.. {
             let id = format!("resp_{i}");
-            if fnv1a(id.as_bytes()) % SLOTS == h && id != "resp_a" {
-                remember(&vm, &id, "10.0.0.2:8000", 1).unwrap();
+            if id_hash(&id) % SLOTS == h && id != "resp_a" {
+                remember(&vm, id_hash(&id), "10.0.0.2:8000", 1).unwrap();
                 filled += 1;
                 if filled == PER_SLOT {
                     break;
@@ -166,10 +203,10 @@ mod tests {
     fn garbage_in_a_slot_is_nothing_stored() {
         let host = FakeHost::new();
         let vm = host.vm();
-        let h = fnv1a(b"resp_x") % SLOTS;
+        let h = id_hash("resp_x") % SLOTS;
         vm.set(&key(h), b"\x07garbage", None).unwrap();
         assert_eq!(find(&vm, "resp_x").unwrap(), None);
-        remember(&vm, "resp_x", "p:1", 5).unwrap();
+        remember(&vm, id_hash("resp_x"), "p:1", 5).unwrap();
         assert_eq!(
             find(&vm, "resp_x").unwrap().map(|s| s.pod),
             Some("p:1".into())

@@ -1,6 +1,7 @@
 //! The HTTP context: moves one request's headers and bodies between Envoy and `flow::Flow`, and
 //! turns its decisions into host actions. It holds no logic of its own. A request that must wait
-//! is registered in `Parked`, where the root context finds it when the line moves.
+//! is registered in `Parked`, where the root context finds it when the line moves (or in `Held`,
+//! where its tick does).
 
 use super::host::{self, HostStore};
 use super::raw;
@@ -24,6 +25,10 @@ thread_local! {
 
 /// Requests of this VM waiting in the line: ticket → (context id, its flow).
 pub type Parked = Rc<RefCell<HashMap<u64, (u32, Rc<RefCell<Flow>>)>>>;
+
+/// Requests of this VM held for another gateway replica's note of the stored response they name
+/// (`Step::Hold`): context id → its flow, for the root's tick to ask again (`Flow::sought`).
+pub type Held = Rc<RefCell<HashMap<u32, Rc<RefCell<Flow>>>>>;
 
 /// Requests of this VM whose answers do not stream, from their body to their end: context id →
 /// its flow, for the root's tick to grow their entries (`Flow::on_tick`).
@@ -56,6 +61,7 @@ pub struct Http {
     id: u32,
     gate: Rc<RefCell<Gate>>,
     parked: Parked,
+    held: Held,
     unseen: Unseen,
     flow: Rc<RefCell<Flow>>,
     /// Host calls this request's callbacks have made so far (`raw::calls`).
@@ -63,12 +69,19 @@ pub struct Http {
 }
 
 impl Http {
-    pub fn new(id: u32, gate: Rc<RefCell<Gate>>, parked: Parked, unseen: Unseen) -> Self {
+    pub fn new(
+        id: u32,
+        gate: Rc<RefCell<Gate>>,
+        parked: Parked,
+        held: Held,
+        unseen: Unseen,
+    ) -> Self {
         OPEN.with(|n| n.set(n.get() + 1));
         Self {
             id,
             gate,
             parked,
+            held,
             unseen,
             flow: Rc::new(RefCell::new(Flow::default())),
             host_calls: 0,
@@ -91,6 +104,10 @@ impl Http {
             // A request that waits for its prefix's pod needs the quick tick from now.
             host::retick(&mut self.gate.borrow_mut());
         }
+        if d.step == Step::Hold {
+            self.held.borrow_mut().insert(self.id, self.flow.clone());
+            host::retick(&mut self.gate.borrow_mut());
+        }
         apply(d, false)
     }
 }
@@ -98,6 +115,7 @@ impl Http {
 impl Context for Http {
     fn on_done(&mut self) -> bool {
         self.parked.borrow_mut().retain(|_, (id, _)| *id != self.id);
+        self.held.borrow_mut().remove(&self.id);
         self.unseen.borrow_mut().remove(&self.id);
         let open = OPEN.with(|n| {
             n.set(n.get().saturating_sub(1));
@@ -147,11 +165,12 @@ impl Http {
             session,
             no_upstream_headers,
         };
-        let decision =
-            self.flow
-                .borrow_mut()
-                .on_request_headers(&gate, &HostStore::default(), &head);
         drop(gate);
+        let decision = self.flow.borrow_mut().on_request_headers(
+            &mut self.gate.borrow_mut(),
+            &HostStore::default(),
+            &head,
+        );
         self.act(decision)
     }
 

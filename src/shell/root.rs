@@ -1,13 +1,14 @@
 //! The root context of one VM: parses the plugin configuration, creates HTTP contexts that share
 //! this VM's `Gate`, runs the tick (lease, scrapes, discovery, the queue's backstop, the growth
-//! of this VM's answers that do not stream) and delivers callout answers and wake-ups to parked
-//! requests, which it resumes in their own context.
+//! of this VM's answers that do not stream, requests held for another replica's note) and
+//! delivers callout answers and wake-ups to parked requests, which it resumes in their own
+//! context.
 
 use super::host::{self, HostStore};
-use super::http::{apply, Http, Parked, Unseen};
+use super::http::{apply, Held, Http, Parked, Unseen};
 use crate::config::Config;
 use crate::drive::{self, Waiting};
-use crate::flow::{Decision, Flow};
+use crate::flow::{Decision, Flow, Step};
 use crate::gate::Gate;
 use crate::pods::scrape::{Call, Target};
 use hashbrown::HashMap;
@@ -21,6 +22,7 @@ pub struct Root {
     gate: Option<Rc<RefCell<Gate>>>,
     calls: HashMap<u32, Target>,
     parked: Parked,
+    held: Held,
     unseen: Unseen,
 }
 
@@ -46,6 +48,32 @@ impl Root {
                     gate.on_call_failed(&call.target);
                 }
             }
+        }
+    }
+
+    /// Asks each request held for another replica's note whether it may go on now, and carries
+    /// out the decision of those that may, in their own context.
+    fn run_held(&self, gate: &mut Gate) {
+        let held: Vec<(u32, Rc<RefCell<Flow>>)> = self
+            .held
+            .borrow()
+            .iter()
+            .map(|(id, flow)| (*id, flow.clone()))
+            .collect();
+        let store = HostStore::default();
+        for (context, flow) in held {
+            // (A stream reset and not yet done is left to its on_done, which forgets it.)
+            if !host::switch_to(context) {
+                continue;
+            }
+            let Some(decision) = flow.borrow_mut().sought(gate, &store) else {
+                continue;
+            };
+            self.held.borrow_mut().remove(&context);
+            if let Step::Park(ticket) = decision.step {
+                self.parked.borrow_mut().insert(ticket, (context, flow));
+            }
+            apply(decision, true);
         }
     }
 
@@ -152,6 +180,9 @@ impl RootContext for Root {
         for flow in self.unseen.borrow().values() {
             flow.borrow_mut().on_tick(&mut gate, &HostStore::default());
         }
+        if !self.held.borrow().is_empty() {
+            self.run_held(&mut gate);
+        }
         self.run_line(&mut gate);
     }
 
@@ -171,6 +202,7 @@ impl RootContext for Root {
             context_id,
             gate,
             self.parked.clone(),
+            self.held.clone(),
             self.unseen.clone(),
         )))
     }

@@ -127,6 +127,29 @@ def request(port, method, path, body=None, headers=None, timeout=60.0) -> Respon
         conn.close()
 
 
+def responses_call(port, body):
+    """POSTs a Responses API request (streamed when `body` says so); returns the status, the pod
+    that answered, the response's id and its usage (from `response.completed` when streamed)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.request("POST", "/v1/responses", body=json.dumps(body).encode(),
+                     headers={"content-type": "application/json"})
+        r = conn.getresponse()
+        pod, raw = r.getheader("x-sim-pod"), r.read()
+        if r.status != 200:
+            return r.status, pod, None, None
+        if not body.get("stream"):
+            answer = json.loads(raw)
+            return r.status, pod, answer["id"], answer["usage"]
+        for line in raw.decode().splitlines():
+            if line.startswith("data: ") and '"response.completed"' in line:
+                done = json.loads(line[6:])["response"]
+                return r.status, pod, done["id"], done["usage"]
+        return r.status, pod, None, None
+    finally:
+        conn.close()
+
+
 def envoy_config(listen_port, admin_port, upstreams, plugin_config=None, wasm=WASM, with_kvgate=True,
                  lb_policy=None, yaml_path=ENVOY_YAML):
     """envoy/envoy.yaml (or a variant) with its ports, pods, plugin config and wasm path replaced."""

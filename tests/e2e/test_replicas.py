@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from bodies import group_chat, unshared_completion
-from harness import Sim, request, stream, wait_for
+from bodies import MODEL, group_chat, unshared_completion
+from harness import Sim, request, responses_call, stream, wait_for
 from replicas import (SMALL_KV, Cut, Etcd, budgets, check_promise, fleet, grants, grants_by_replica, overload,
                       preemptions, status)
 
@@ -353,3 +353,52 @@ def test_a_prompt_sent_through_one_replica_is_known_cached_by_another(etcd):
         both = [f"/kvgate-placed/placed/replica-{i}" for i in range(2)]
         assert wait_for(lambda: sorted(k for k in etcd.keys("/kvgate-placed/") if "/placed/" in k) == both,
                         timeout=5), etcd.keys("/kvgate-placed/").keys()
+
+
+def test_a_stored_responses_follow_ups_find_its_pod_through_any_replica(etcd):
+    """A stored response lives in the memory of the engine that made it, and only that pod can
+    answer a follow-up naming it (test_routing.py). Each replica tells the others, with its sync,
+    which pod stored each response (replicas::placements), at the busy pace while any move; a
+    follow-up naming one its replica has not heard of yet is held up to etcd.followUpWaitMs for
+    the note. Conversations whose turns alternate between two replicas, each turn sent as soon as
+    the last one's answer ended (an agent's loop), stay on one pod, every follow-up answered, and
+    a `GET` of the last response through the other replica finds it. With the wait off, the turns
+    whose note had not come yet are routed by cost, and mostly not found."""
+    def conversations(envoys, count, turns):
+        done, statuses = [], []
+        for c in range(count):
+            status, pod, rid, _ = responses_call(
+                envoys[c % 2].port, {"model": MODEL, "input": f"agent {c}: plan the next step",
+                                     "max_output_tokens": 8, "stream": c % 2 == 0})
+            assert status == 200 and rid, (status, rid)
+            pods = [pod]
+            for turn in range(1, turns):
+                status, pod, next_id, _ = responses_call(
+                    envoys[(c + turn) % 2].port,
+                    {"model": MODEL, "input": f"tool result {turn}", "max_output_tokens": 8,
+                     "previous_response_id": rid, "stream": turn % 2 == 1})
+                statuses.append(status)
+                if status != 200:
+                    break
+                pods.append(pod)
+                rid = next_id
+            done.append((c, pods, rid))
+        return done, statuses
+
+    with Sim(pods=4, args=["--time-scale", "20"]) as sim:
+        with fleet(sim, etcd.port, n=2, etcd={"keyPrefix": "/kvgate-stored"}) as two:
+            done, statuses = conversations(two, 8, 4)
+            assert statuses == [200] * 24, statuses
+            for c, pods, last in done:
+                assert len(set(pods)) == 1, pods
+                got = request(two[(c + 4) % 2].port, "GET", f"/v1/responses/{last}")
+                assert got.status == 200 and got.headers.get("x-sim-pod") == pods[0], got.status
+            waited = [counter(e, "stored.waited") for e in two]
+            crossed = [counter(e, "replicas.stored") for e in two]
+            unknown = [counter(e, "stored.unknown") for e in two]
+            print(f"follow-ups held for a note {waited}, notes received {crossed}, unknown {unknown}")
+            assert min(crossed) >= 8 and sum(unknown) == 0
+        with fleet(sim, etcd.port, n=2, etcd={"keyPrefix": "/kvgate-stored-nowait", "followUpWaitMs": 0}) as two:
+            _, statuses = conversations(two, 8, 4)
+            print("without the wait:", statuses)
+            assert statuses.count(404) >= 2, statuses

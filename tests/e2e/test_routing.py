@@ -14,7 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from harness import (ROOT, STATUS_PATH, Envoy, Sim, baseline_envoy, default_plugin_config, envoy_config,
-                     free_port, kvgate_envoy, kvgate_gauges, request, stream, wait_for)
+                     free_port, kvgate_envoy, kvgate_gauges, request, responses_call, stream, wait_for)
 from robustness import pick_of
 
 from bodies import MODEL, group_chat, grouped_chat, unshared_chat
@@ -507,29 +507,6 @@ def test_a_cached_prompt_goes_where_the_engine_step_under_way_ends_first():
     # The wait is half a step on average, about 6 ms; the sooner of two phases (less the delay's
     # misses) saves about 2 ms of it (five runs: mean 1.6–2.7 ms, p50 2.7–3.6 ms sooner).
     assert on[0] < off[0] - 0.5 and on[1] < off[1] - 1.0, (on[:3], off[:3])
-
-
-def responses_call(port, body):
-    """POSTs a Responses API request (streamed when `body` says so); returns the status, the pod
-    that answered, the response's id and its usage (from `response.completed` when streamed)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    try:
-        conn.request("POST", "/v1/responses", body=json.dumps(body).encode(),
-                     headers={"content-type": "application/json"})
-        r = conn.getresponse()
-        pod, raw = r.getheader("x-sim-pod"), r.read()
-        if r.status != 200:
-            return r.status, pod, None, None
-        if not body.get("stream"):
-            answer = json.loads(raw)
-            return r.status, pod, answer["id"], answer["usage"]
-        for line in raw.decode().splitlines():
-            if line.startswith("data: ") and '"response.completed"' in line:
-                done = json.loads(line[6:])["response"]
-                return r.status, pod, done["id"], done["usage"]
-        return r.status, pod, None, None
-    finally:
-        conn.close()
 
 
 def test_a_stored_responses_follow_ups_go_back_to_the_pod_that_stored_it():
