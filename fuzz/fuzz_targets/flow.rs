@@ -7,7 +7,9 @@
 //!
 //! Parked requests are retried by `drive::run_line`, the shell's own line driver, through this
 //! target's `Waiting`; a parked stream can vanish (reset, its on_done not delivered yet), which
-//! the driver must release itself.
+//! the driver must release itself. With replicas on (etcd's calls answered arbitrarily), a
+//! request naming a stored response no note names is held, and asked again on its worker's
+//! ticks (`Flow::sought`) while notes arrive (`Op::Note`) and the clock moves.
 //!
 //! Invariants: nothing panics; the destination header is always stripped and, when set, names
 //! only pods the deciding worker knows; local replies carry an expected status; pod records never
@@ -23,6 +25,7 @@ use kvgate::drive::{self, Waiting};
 use kvgate::flow::{Decision, Flow, Gate, RequestHead, Step, DESTINATION_HEADER};
 use kvgate::pods::pool::{decode_pods, PODS_KEY};
 use kvgate::pods::scrape::{Call, Target};
+use kvgate::routing::stored;
 use kvgate::store::fake_host::{FakeHost, FakeVm};
 use kvgate::store::interface::Store;
 use kvgate_fuzz::{checked_pod, checked_queue, live, live_line, skip};
@@ -62,6 +65,10 @@ struct Knobs {
     session_boost: bool,
     max_body: u8,
     backfill: u8,
+    /// Gateway replicas sharing etcd (whose calls get arbitrary answers, as the scrapes'), and
+    /// how long a request naming a stored response it has not heard of is held.
+    replicas: bool,
+    follow_up_wait: u8,
 }
 
 #[derive(Arbitrary, Debug)]
@@ -91,6 +98,8 @@ enum Body {
         len: u8,
         instructions: Option<String>,
         max_output: Option<u16>,
+        /// Names `resp_<n % 4>` as its `previous_response_id`.
+        previous: Option<u8>,
     },
     Embeddings {
         model: u8,
@@ -187,6 +196,13 @@ enum Op {
     AdvanceLong {
         s: u8,
     },
+    /// A note of response `resp_<id % 4>` stored on a pod arrives, as another replica's would
+    /// through the sync.
+    Note {
+        id: u8,
+        pod: u8,
+        tokens: u16,
+    },
 }
 
 #[derive(Arbitrary, Debug)]
@@ -239,6 +255,16 @@ fn config(k: &Knobs) -> Config {
         "estimator": {
             "calibrate": k.calibrate,
             "minSamples": 2,
+        },
+        "etcd": if k.replicas {
+            json!({
+                "cluster": "etcd",
+                "replicaId": "r0",
+                "maxReplicas": 2,
+                "followUpWaitMs": pick(&[300u64, 0, 1, 10_000], k.follow_up_wait),
+            })
+        } else {
+            json!({})
         },
     });
     match Config::parse(json.to_string().as_bytes()) {
@@ -315,6 +341,7 @@ fn body_bytes(b: &Body) -> (&'static str, Vec<u8>) {
             len,
             instructions,
             max_output,
+            previous,
         } => {
             let mut v = json!({
                 "model": model(*m),
@@ -325,6 +352,9 @@ fn body_bytes(b: &Body) -> (&'static str, Vec<u8>) {
             }
             if let Some(t) = max_output {
                 v["max_output_tokens"] = json!(t);
+            }
+            if let Some(p) = previous {
+                v["previous_response_id"] = json!(format!("resp_{}", p % 4));
             }
             ("/v1/responses", v.to_string().into_bytes())
         }
@@ -430,6 +460,8 @@ enum State {
         routed: bool,
     },
     Parked(u64),
+    /// Held for another replica's note of the stored response it names.
+    Held,
     Responding {
         routed: bool,
     },
@@ -539,7 +571,10 @@ impl World {
     fn take(&mut self, s: usize, d: Decision) {
         let w = self.streams[s].worker;
         check_decision(&d, self.workers[w].gate.pods());
-        let routed = d.set.iter().any(|(n, _)| n == DESTINATION_HEADER);
+        // (A stored response's retrieval, sent to the pod storing it, holds no entry: kvgate
+        // decided no admission for it.)
+        let routed = d.set.iter().any(|(n, _)| n == DESTINATION_HEADER)
+            && self.streams[s].flow.reads_response_headers();
         self.streams[s].state = match d.step {
             Step::Forward => {
                 self.streams[s].pod = d
@@ -561,8 +596,25 @@ impl World {
             }
             Step::Reply(_) => State::Replied,
             Step::WaitForBody => panic!("WaitForBody after the whole body"),
-            Step::Hold => panic!("held for another replica's note without replicas"),
+            Step::Hold => State::Held,
         };
+    }
+
+    /// Worker `w`'s tick asks its held streams again, as the shell's root does (one reset is
+    /// left to its on_done).
+    fn run_held(&mut self, w: usize) {
+        for s in 0..self.streams.len() {
+            let st = &mut self.streams[s];
+            if st.worker != w || st.state != State::Held || st.gone {
+                continue;
+            }
+            let Worker { vm, gate, .. } = &mut self.workers[w];
+            if let Some(d) = self.streams[s].flow.sought(gate, vm) {
+                assert_ne!(d.step, Step::Hold, "held again");
+                assert!(d.body.is_none(), "a body set after its callback");
+                self.take(s, d);
+            }
+        }
     }
 
     /// The line moved on worker `w`: the shell's driver decides, the streams carry it out.
@@ -625,6 +677,8 @@ impl World {
                     "/openai/v1/chat/completions?x=1",
                     "/v1/models",
                     "/v1/completions/",
+                    "/v1/responses/resp_1",
+                    "/v1/responses/resp_2/cancel",
                 ];
                 let tenant = format!("tenant-{}", tenant % 3);
                 let session_id = format!("s{}", session % 4);
@@ -734,7 +788,9 @@ impl World {
                 }
             }
             Op::Vanish { flow } => {
-                if let Some(s) = self.stream(*flow, |st| matches!(st, State::Parked(_))) {
+                if let Some(s) =
+                    self.stream(*flow, |st| matches!(st, State::Parked(_) | State::Held))
+                {
                     self.streams[s].gone = true;
                 }
             }
@@ -746,6 +802,7 @@ impl World {
                 let new = gate.on_tick(vm);
                 calls.extend(new);
                 calls.truncate(32);
+                self.run_held(w);
                 self.run_line(w);
             }
             Op::Deliver => {
@@ -787,6 +844,13 @@ impl World {
             }
             Op::Advance { ms } => self.host.advance_ms(u64::from(*ms)),
             Op::AdvanceLong { s } => self.host.advance_ms(u64::from(*s) * 1_000),
+            Op::Note { id, pod, tokens } => {
+                let id = stored::id_hash(&format!("resp_{}", id % 4));
+                let pod = POOL[usize::from(*pod) % POOL.len()];
+                let vm = &self.workers[0].vm;
+                stored::remember(vm, id, pod, u64::from(*tokens))
+                    .expect("the fake host never fails");
+            }
         }
         for w in &mut self.workers {
             w.gate.stats.send(|_| {});

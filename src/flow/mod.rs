@@ -268,9 +268,14 @@ fn unread(cfg: &Config) -> Decision {
     })
 }
 
-/// Forward to `pod` through Envoy's override host (and the original-destination header, when
-/// configured).
-fn to_pod(cfg: &Config, pod: &str) -> Decision {
+/// A stored response's retrieval goes to the pod storing it, through Envoy's override host (and
+/// the original-destination header, when configured), while that pod is in the pool; one gone
+/// (or another replica's pod this one does not know) is no constraint, as for a follow-up.
+fn retrieval(gate: &Gate, pod: &str) -> Decision {
+    let cfg = &gate.config;
+    if !gate.pods().iter().any(|p| p == pod) {
+        return unread(cfg);
+    }
     let mut d = Decision::step(Step::Forward);
     d.set
         .push((DESTINATION_HEADER.to_string(), pod.to_string()));
@@ -327,7 +332,7 @@ impl Flow {
             let id = crate::routing::stored::id_in_path(head.path)
                 .filter(|_| observe::enforces_routing(cfg));
             return match (named(store, id), id) {
-                (Named::On(s), _) => to_pod(cfg, &s.pod),
+                (Named::On(s), _) => retrieval(gate, &s.pod),
                 (Named::Unknown, Some(id)) => {
                     let id = id.to_string();
                     match seek(gate, store) {
@@ -456,7 +461,7 @@ impl Flow {
                 self.admit(gate, store, req, only_on, requested, stat_model)
             }
             Sought::Retrieval(_) => match on {
-                Some(on) => to_pod(&gate.config, &on.pod),
+                Some(on) => retrieval(gate, &on.pod),
                 None => unread(&gate.config),
             },
         })

@@ -488,6 +488,14 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
         };
         let d = Flow::default().on_request_headers(&mut gate, &vm, &get);
         assert!(matches!(d.step, Step::Forward) && destination(&d).as_deref() == Some(pods[1]));
+        // Stored on a pod gone from the pool: Envoy's balancer chooses.
+        stored::remember(&vm, stored::id_hash("resp_old"), "10.0.0.9:80", 5).unwrap();
+        let old = RequestHead {
+            path: "/v1/responses/resp_old",
+            ..get
+        };
+        let d = Flow::default().on_request_headers(&mut gate, &vm, &old);
+        assert!(matches!(d.step, Step::Forward) && destination(&d).is_none());
         // A JSON answer's id is its body's; `store: false` keeps nothing; one answered in the
         // background has no usage yet, and is found all the same (its `GET`s poll it).
         let usage = r#"{"input_tokens":5,"output_tokens":2}"#;

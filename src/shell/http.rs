@@ -175,6 +175,11 @@ impl Http {
     }
 
     fn request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if self.held.borrow().contains_key(&self.id) {
+            // Held at its headers (a `/cancel` with a body): buffered until the root decides,
+            // as a Continue here would send it on undecided.
+            return Action::Pause;
+        }
         if !self.flow.borrow().wants_body() {
             return Action::Continue;
         }
