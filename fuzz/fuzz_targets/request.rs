@@ -60,18 +60,21 @@ fn learned() -> [Option<Learned>; 4] {
         None,
         Some(Learned {
             prompt_scale: 0.1,
+            part_tokens: Some(0.0),
             prompt_spread: 0.0,
             output: OutputDist::learned(&shortest, &none, 256),
             tokens_per_piece: 1.0,
         }),
         Some(Learned {
             prompt_scale: 10.0,
+            part_tokens: Some(65_536.0),
             prompt_spread: 1.0,
             output: OutputDist::learned(&longest, &none, 1),
             tokens_per_piece: 16.0,
         }),
         Some(Learned {
             prompt_scale: 1.0,
+            part_tokens: None,
             prompt_spread: 0.05,
             output: OutputDist::learned(&[1.0; BUCKETS], &[1.0; BUCKETS], 65_536),
             tokens_per_piece: 4.0,

@@ -37,6 +37,9 @@ const OUTPUT_FADE: f64 = 1.0 / 256.0;
 /// A sample's tokens per streamed piece count as at most this many: more is not a stream of
 /// tokens (a client's own chunking of a non-streamed body, say).
 const MAX_TOKENS_PER_PIECE: f64 = 16.0;
+/// A non-text part counts as at most this many tokens: a model's largest images take a few
+/// thousand (Qwen2-VL's at 16k pixels a side, 16,384 by its default limit).
+const MAX_PART_TOKENS: f64 = 65_536.0;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct ModelStats {
@@ -64,6 +67,16 @@ struct ModelStats {
     /// until a streamed answer's usage was seen.
     #[serde(default)]
     streamed: Option<(f64, f64)>,
+    /// The tokens one non-text content part (an image, an audio clip) takes in the engine's
+    /// prompt, and how many responses taught it: what a request's prompt held past its text
+    /// (scaled) and its token ids, per part, faded like the scale. A model's own, as its
+    /// processor makes it (Qwen2-VL's images take tokens by resolution, LLaVA's 576, others a
+    /// few dozen): the configured `nonTextPartTokens` until learned. Absent from records written
+    /// before it was learned.
+    #[serde(default)]
+    part_tokens: Option<f64>,
+    #[serde(default)]
+    part_samples: u32,
     updated_ms: u64,
 }
 
@@ -77,6 +90,8 @@ impl ModelStats {
             output: vec![0.0; BUCKETS],
             cut: vec![0.0; BUCKETS],
             streamed: None,
+            part_tokens: None,
+            part_samples: 0,
             updated_ms: 0,
         }
     }
@@ -84,8 +99,23 @@ impl ModelStats {
     /// Folds one response in.
     fn add(&mut self, sample: &Sample, cfg: &EstimatorConfig) {
         let w = cfg.calibration_weight;
-        let text_truth = sample.prompt_tokens.saturating_sub(sample.fixed_tokens) as f64;
-        if sample.static_text_tokens >= 1.0 && text_truth >= 1.0 {
+        // What the prompt held besides the tokens known exactly: its text and its parts.
+        let estimated = sample.prompt_tokens.saturating_sub(sample.known_tokens) as f64;
+        if sample.parts > 0 {
+            // The text's share by the scale requests of text alone taught; what is left is the
+            // parts'. (Taught by such requests too, the scale would take the parts' error for
+            // the text's: a short question about an image is a few tokens of text beside
+            // hundreds of the image's, and one model's text-only prompts were then estimated at
+            // four times their size.)
+            let text = self.prompt_scale * sample.static_text_tokens;
+            let per_part = ((estimated - text) / sample.parts as f64).clamp(0.0, MAX_PART_TOKENS);
+            let weight = w.max(1.0 / (self.part_samples as f64 + 1.0));
+            let old = self.part_tokens.unwrap_or(per_part);
+            self.part_tokens = Some(old + weight * (per_part - old));
+            self.part_samples = self.part_samples.saturating_add(1);
+        }
+        let text_truth = estimated;
+        if sample.parts == 0 && sample.static_text_tokens >= 1.0 && text_truth >= 1.0 {
             let ratio = (text_truth / sample.static_text_tokens).clamp(0.1, 10.0);
             // Early samples count fully so the scale converges quickly from the rule's 1.0.
             let weight = w.max(1.0 / (self.samples as f64 + 1.0));
@@ -134,6 +164,7 @@ impl ModelStats {
         }
         (self.samples >= cfg.min_samples).then(|| Learned {
             prompt_scale: self.prompt_scale,
+            part_tokens: self.part_tokens.filter(|_| self.part_samples > 0),
             prompt_spread: self
                 .prompt_var
                 .map_or(cfg.prompt_spread, |v| v.max(0.0).sqrt().min(1.0)),
@@ -153,8 +184,10 @@ impl ModelStats {
 pub struct Sample {
     /// What the static rule said for the prompt's text part (0 when the prompt was token ids).
     pub static_text_tokens: f64,
-    /// Tokens kvgate knew exactly or charged by rule (token ids, non-text parts).
-    pub fixed_tokens: u64,
+    /// Tokens kvgate knew exactly: token ids, a stored conversation's history.
+    pub known_tokens: u64,
+    /// Its non-text content parts (images, audio).
+    pub parts: u64,
     pub prompt_tokens: u64,
     pub completion_tokens: u64,
     pub length: Length,
@@ -402,7 +435,8 @@ mod tests {
     fn sample(static_tokens: f64, real: u64, out: u64) -> Sample {
         Sample {
             static_text_tokens: static_tokens,
-            fixed_tokens: 0,
+            known_tokens: 0,
+            parts: 0,
             prompt_tokens: real,
             completion_tokens: out,
             length: Length::Ended,
@@ -556,6 +590,50 @@ mod tests {
             .learned(&vm, "exact", None, &cfg)
             .unwrap();
         assert!(exact.prompt_spread < 0.01, "{exact:?}");
+    }
+
+    /// A vision model's traffic: text-only chats (the rule says 100 for 120 tokens) and short
+    /// questions about an image (10 by the rule, 12 real, plus the image's 1,200 after its token
+    /// ids' 30). The text-only ones teach the scale; those with an image, the image's cost. The
+    /// scale used to learn from both, and took the image's 700 tokens past the configured 512
+    /// for the text's: the text-only prompts were then estimated at about four times their size.
+    #[test]
+    fn a_part_costs_what_the_prompts_carrying_it_held_past_their_text() {
+        let vm = FakeHost::new().vm();
+        let cfg = learning_after(5);
+        for i in 0..200 {
+            let s = if i % 2 == 0 {
+                sample(100.0, 120, 10)
+            } else {
+                Sample {
+                    known_tokens: 30,
+                    parts: 1,
+                    ..sample(10.0, 30 + 12 + 1_200, 10)
+                }
+            };
+            Calibration::record(&vm, "vl", &[s], &cfg).unwrap();
+        }
+        let learned = Calibration::default()
+            .learned(&vm, "vl", None, &cfg)
+            .unwrap();
+        assert!((learned.prompt_scale - 1.2).abs() < 0.01, "{learned:?}");
+        let part = learned.part_tokens.unwrap_or_default();
+        assert!((part - 1_200.0).abs() < 2.0, "{learned:?}");
+        assert!(learned.prompt_spread < 0.02, "{learned:?}");
+        // Estimated so: an image request within a token or two, a text-only one exact.
+        let image = crate::openai::request::Request {
+            non_text_parts: 1,
+            token_ids: 30,
+            ..crate::openai::request::Request::default()
+        };
+        let e = crate::estimate::reservation::estimate_from(&image, 10.0, Some(learned), &cfg);
+        assert!(e.prompt_tokens.abs_diff(1_242) <= 2, "{e:?}");
+        // A model no request with parts has taught keeps the configured cost.
+        for _ in 0..10 {
+            Calibration::record(&vm, "text", &[sample(100.0, 120, 10)], &cfg).unwrap();
+        }
+        let text = Calibration::default().learned(&vm, "text", None, &cfg);
+        assert_eq!(text.and_then(|l| l.part_tokens), None);
     }
 
     #[test]

@@ -14,6 +14,9 @@ use crate::openai::request::Request;
 pub struct Learned {
     /// Real prompt tokens per static-rule token.
     pub prompt_scale: f64,
+    /// Tokens one non-text content part takes, once a response of a request with parts taught
+    /// it (`estimator.nonTextPartTokens` until then).
+    pub part_tokens: Option<f64>,
     /// The scaled estimate's relative error, one standard deviation.
     pub prompt_spread: f64,
     /// How long the model's answers run.
@@ -89,9 +92,11 @@ pub fn estimate_from(
     let scale = learned.map_or(1.0, |l| l.prompt_scale);
     let spread = learned.map_or(cfg.prompt_spread, |l| l.prompt_spread);
     let text_tokens = (static_text_tokens * scale).round() as u64;
+    let part_tokens = learned
+        .and_then(|l| l.part_tokens)
+        .map_or(cfg.non_text_part_tokens, |t| t.round() as u64);
     // Token ids are counted exactly; text and non-text parts by rule.
-    let by_rule =
-        text_tokens.saturating_add(req.non_text_parts.saturating_mul(cfg.non_text_part_tokens));
+    let by_rule = text_tokens.saturating_add(req.non_text_parts.saturating_mul(part_tokens));
     let prompt_tokens = by_rule.saturating_add(req.token_ids);
     let prompt_sigma = (by_rule as f64 * spread * cfg.safety_factor).round() as u64;
     let max_output_tokens = req
@@ -148,6 +153,7 @@ mod tests {
         ended[crate::estimate::output_dist::bucket(len)] = n;
         Learned {
             prompt_scale: 1.0,
+            part_tokens: None,
             prompt_spread: 0.0,
             output: OutputDist::learned(&ended, &[0.0; crate::estimate::output_dist::BUCKETS], 256),
             tokens_per_piece: 1.0,

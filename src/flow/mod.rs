@@ -117,7 +117,10 @@ struct Admitted {
     stat_model: String,
     estimate: Estimate,
     static_text_tokens: f64,
-    fixed_tokens: u64,
+    /// Prompt tokens known exactly (token ids, a stored conversation's history), and the
+    /// non-text parts: what calibration needs besides the text (`calibration::Sample`).
+    known_tokens: u64,
+    parts: u64,
     max_output_tokens: Option<u64>,
     /// The engine stores its answer (`Request::stored`), on the pod that answered
     /// (`answered_by`, the upstream Envoy used), which its follow-ups must go back to
@@ -511,7 +514,8 @@ impl Flow {
             requested,
             stat_model,
             static_text_tokens,
-            fixed_tokens: req.token_ids + req.non_text_parts * cfg.non_text_part_tokens,
+            known_tokens: req.token_ids,
+            parts: req.non_text_parts,
             max_output_tokens: req.max_output_tokens,
             stored: req.stored,
             answered_by: None,

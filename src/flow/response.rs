@@ -299,7 +299,8 @@ impl Flow {
         }
         let sample = Sample {
             static_text_tokens: a.static_text_tokens,
-            fixed_tokens: a.fixed_tokens,
+            known_tokens: a.known_tokens,
+            parts: a.parts,
             prompt_tokens: usage.prompt_tokens,
             completion_tokens: usage.completion_tokens,
             length,
@@ -714,7 +715,8 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
         let learn = |n, tokens| {
             let s = Sample {
                 static_text_tokens: 1.0,
-                fixed_tokens: 0,
+                known_tokens: 0,
+                parts: 0,
                 prompt_tokens: 1,
                 completion_tokens: tokens,
                 length: Length::Ended,
@@ -758,7 +760,8 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
         let vm = host.vm();
         let s = Sample {
             static_text_tokens: 1.0,
-            fixed_tokens: 0,
+            known_tokens: 0,
+            parts: 0,
             prompt_tokens: 1,
             completion_tokens: 200,
             length: Length::Ended,
