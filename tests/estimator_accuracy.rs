@@ -159,7 +159,8 @@ fn learn_scale(pairs: impl Iterator<Item = (f64, usize)>) -> f64 {
     for (estimate, truth) in pairs {
         let sample = calibration::Sample {
             static_text_tokens: estimate,
-            fixed_tokens: 0,
+            known_tokens: 0,
+            parts: 0,
             prompt_tokens: truth as u64,
             completion_tokens: 0,
             length: calibration::Length::Ended,
