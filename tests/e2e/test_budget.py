@@ -19,7 +19,7 @@ import pytest
 from harness import (STATUS_PATH, Envoy, Sim, baseline_envoy, default_plugin_config, envoy_config, free_port,
                      kvgate_envoy, kvgate_gauges, request, stream, wait_for)
 
-from bodies import grouped_chat, unshared_chat
+from bodies import MODEL, grouped_chat, unshared_chat
 BLOCKS, BLOCK = 256, 16
 SMALL_KV = ["--time-scale", "10", "--num-gpu-blocks", str(BLOCKS)]
 # Common English words: about one token each, so the estimate is right from the first request.
@@ -431,3 +431,33 @@ def test_a_burst_of_shared_prefixes_is_counted_in_full_however_the_workers_inter
         assert len(every) >= 20 and len(gaps) == sim.pods, gaps
         assert p90 < system_words // 2, gaps
         assert wait_for(lambda: all(v == 0 for v in kvgate_gauges(envoy, "reserved_tokens").values()), timeout=5)
+
+
+def test_a_vision_models_images_and_text_are_each_estimated_by_what_they_take():
+    """An image takes what the model's processor makes of it (the simulator's here: 1,200
+    tokens), not the configured `nonTextPartTokens` (512). Calibration learns a model's part cost
+    from the usage of requests with parts, and its text scale from text-only requests alone:
+    taught by both, the scale took an image's 700 tokens past the configured cost for the few
+    words of text asked about it (clamped at ten times), and text-only prompts were estimated at
+    over four times their size, a pod's budget spent on KV they never took."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    system = "You are a careful assistant who answers questions about databases. " * 6
+    with Sim(pods=1, args=["--time-scale", "50", "--media-part-tokens", "1200"]) as sim, \
+            kvgate_envoy(sim.endpoints, default_plugin_config(), concurrency=1) as envoy:
+        errors = {"text": [], "image": []}
+        for i in range(80):
+            if i % 2:
+                kind, messages = "image", [{"role": "user", "content": [
+                    {"type": "text", "text": f"What is in picture {i}?"}, image]}]
+            else:
+                kind, messages = "text", [{"role": "system", "content": system},
+                                          {"role": "user", "content": f"Question {i}: how large a connection pool?"}]
+            r = request(envoy.port, "POST", "/v1/chat/completions",
+                        {"model": MODEL, "messages": messages, "max_tokens": 4})
+            assert r.status == 200, r.body
+            truth = r.json()["usage"]["prompt_tokens"]
+            if i >= 60:
+                errors[kind].append(abs(int(r.headers["x-kvgate-prompt-tokens"]) - truth) / truth)
+            time.sleep(0.03)
+        print({k: f"max {max(v):.1%}" for k, v in errors.items()})
+        assert max(errors["text"]) < 0.05 and max(errors["image"]) < 0.05, errors
