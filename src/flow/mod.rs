@@ -510,6 +510,10 @@ impl Flow {
         );
         gate.stats
             .count(stats::model_stat(&stat_model, stats::MODEL_REQUESTS), 1);
+        if !req.stream {
+            // Until its on_done (`Flow::on_done`), the VM's tick is quick to grow its entry.
+            gate.unseen_answers += 1;
+        }
         self.admitted = Some(Admitted {
             requested,
             stat_model,

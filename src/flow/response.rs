@@ -186,6 +186,9 @@ impl Flow {
         if std::mem::replace(&mut self.finished, true) {
             return;
         }
+        if self.answers_unseen() {
+            gate.unseen_answers = gate.unseen_answers.saturating_sub(1);
+        }
         if let Some((ticket, _)) = self.admitted.as_ref().and_then(|a| a.waiting.as_ref()) {
             // The client left while parked.
             if let Err(e) = gate.admission.abandon(store, &mut gate.stats, ticket.id) {
@@ -412,6 +415,14 @@ mod tests {
         host.advance_ms(500);
         begun.on_tick(&mut gate, &vm);
         assert_eq!(entries()[2], (prompt, 100));
+        // The VM ticks quickly while any of them is in flight, so their entries keep up.
+        use crate::gate::{QUICK_TICK_MS, TICK_MS};
+        assert_eq!(gate.tick_ms(&vm), QUICK_TICK_MS);
+        for mut f in [unseen, begun, streamed] {
+            f.on_done(&mut gate, &vm);
+            f.on_done(&mut gate, &vm);
+        }
+        assert_eq!(gate.tick_ms(&vm), TICK_MS);
     }
 
     /// A Responses API answer is remembered on the pod that answered it (the upstream Envoy
