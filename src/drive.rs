@@ -260,7 +260,9 @@ mod tests {
         max_tokens: u32,
     ) -> Decision {
         let body = format!(
-            r#"{{"model":"m","prompt":"request {context} {}","max_tokens":{max_tokens}}}"#,
+            // Streamed: an answer that does not stream keeps its VM's tick quick, which these tests
+            // of the line's own tick would see.
+            r#"{{"model":"m","prompt":"request {context} {}","max_tokens":{max_tokens},"stream":true}}"#,
             "x ".repeat(words)
         );
         let mut flow = Flow::default();
@@ -464,8 +466,9 @@ mod tests {
             format!("You are assistant {system}. ").repeat(60)
         };
         let question = format!("question {context} ").repeat(words);
-        let body =
-            format!(r#"{{"model":"m","prompt":"{system}{question}","max_tokens":{max_tokens}}}"#);
+        let body = format!(
+            r#"{{"model":"m","prompt":"{system}{question}","max_tokens":{max_tokens},"stream":true}}"#
+        );
         let mut flow = Flow::default();
         let head = RequestHead {
             content_length: Some(body.len() as u64),

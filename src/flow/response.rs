@@ -596,8 +596,9 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
         let follow_up = |gate: &mut Gate, previous: &str| {
             let mut f = Flow::default();
             f.on_request_headers(gate, &vm, &RequestHead::json_post("/v1/responses"));
-            let body =
-                format!(r#"{{"model":"m","input":"more","previous_response_id":"{previous}"}}"#);
+            let body = format!(
+                r#"{{"model":"m","input":"more","previous_response_id":"{previous}","stream":true}}"#
+            );
             let d = f.on_body(gate, &vm, body.as_bytes());
             (f, d)
         };
