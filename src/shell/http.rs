@@ -203,6 +203,8 @@ impl Http {
         };
         if self.flow.borrow().answers_unseen() {
             self.unseen.borrow_mut().insert(self.id, self.flow.clone());
+            // Its entry grows on the tick, quick from now (`Gate::tick_ms`), not from the next.
+            host::retick(&mut self.gate.borrow_mut());
         }
         // Only here, in the body callback itself, is the buffered body the stream's to replace.
         if let Some(new_body) = decision.body.take() {
