@@ -1,5 +1,7 @@
 //! Where each gateway replica sends prompts, told to the others: every replica's prefix index
 //! then learns of every replica's picks, as it learns of its own workers' through the pick log.
+//! The same batches carry the responses its pods stored (`routing::stored`), whose follow-ups
+//! may come through any replica.
 //!
 //! Without it each replica's index saw only its own picks. Two replicas sent one prompt group to
 //! different pods as soon as either spilled it past a full pod, and each went on believing its own
@@ -11,11 +13,12 @@
 //! kvgate has etcd, read and written only by each replica's sync (`sync`), so placements travel
 //! with it, a sync late.
 //!
-//! Source of truth: the replica's own pick log (`routing::pick_log`), whose dispatches the
-//! elected worker reads (`Outbox`) and writes to `<prefix>/placed/<replica>` under the replica's
-//! lease while another replica is live, the last few batches together so a reader a sync behind
-//! misses none. Readers (`Inbox`) apply each batch once and append it to their own pick log as
-//! `Event::Placed`, which feeds the prefix index only: no request of theirs holds those blocks.
+//! Source of truth: the replica's own pick log (`routing::pick_log`), whose dispatches and stored
+//! responses the elected worker reads (`Outbox`) and writes to `<prefix>/placed/<replica>` under
+//! the replica's lease while another replica is live, the last few batches together so a reader
+//! a sync behind misses none. Readers (`Inbox`) apply each batch once: its placements are appended
+//! to their own pick log as `Event::Placed`, which feeds the prefix index only (no request of
+//! theirs holds those blocks), and its stored responses are noted in their records.
 
 use crate::routing::pick_log::{Event, PickLog};
 use crate::routing::stored::Note;

@@ -16,7 +16,8 @@
 //! - `<prefix>/pod/<ip:port>/guard`: written by every txn that grows a grant on the pod, and
 //!   compared by the next: two replicas cannot hand out the same free credit.
 //! - `<prefix>/placed/<replica>`: under the replica's lease, the prompts it sent the pods lately
-//!   (`placements`), for the others' prefix indexes.
+//!   and the responses they stored (`placements`), for the others' prefix indexes and stored
+//!   responses' follow-ups.
 //!
 //! The lease id and when it was last renewed live in shared data (`kvgate.replicas`), so a worker
 //! taking the election over carries on with the same lease.
