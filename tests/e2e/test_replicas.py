@@ -362,7 +362,7 @@ def test_a_stored_responses_follow_ups_find_its_pod_through_any_replica(etcd):
     follow-up naming one its replica has not heard of yet is held up to etcd.followUpWaitMs for
     the note. Conversations whose turns alternate between two replicas, each turn sent as soon as
     the last one's answer ended (an agent's loop), stay on one pod, every follow-up answered, and
-    a `GET` of the last response through the other replica finds it. With the wait off, the turns
+    a `GET` of a response through the other replica finds it, also at once (held at its headers). With the wait off, the turns
     whose note had not come yet are routed by cost, and mostly not found."""
     def conversations(envoys, count, turns):
         done, statuses = [], []
@@ -393,6 +393,13 @@ def test_a_stored_responses_follow_ups_find_its_pod_through_any_replica(etcd):
                 assert len(set(pods)) == 1, pods
                 got = request(two[(c + 4) % 2].port, "GET", f"/v1/responses/{last}")
                 assert got.status == 200 and got.headers.get("x-sim-pod") == pods[0], got.status
+            # A retrieval through the other replica as soon as the answer ended: held at its
+            # headers until the note comes, then sent to the pod that stored it.
+            for c in range(4):
+                status, pod, rid, _ = responses_call(two[0].port, {"model": MODEL, "input": f"poll {c}",
+                                                                   "max_output_tokens": 8})
+                got = request(two[1].port, "GET", f"/v1/responses/{rid}")
+                assert got.status == 200 and got.headers.get("x-sim-pod") == pod, (got.status, pod)
             waited = [counter(e, "stored.waited") for e in two]
             crossed = [counter(e, "replicas.stored") for e in two]
             unknown = [counter(e, "stored.unknown") for e in two]
