@@ -445,8 +445,10 @@ impl Gate {
                     log::debug!("kvgate: the other replicas' placements: {e:?}");
                 }
             }
-            self.stats
-                .count(stats::REPLICAS_STORED, received.stored.len() as u64);
+            if !received.stored.is_empty() {
+                self.stats
+                    .count(stats::REPLICAS_STORED, received.stored.len() as u64);
+            }
             for n in received.stored {
                 if let Err(e) = crate::routing::stored::remember(store, n.id, &n.pod, n.tokens) {
                     log::debug!("kvgate: another replica's stored response: {e:?}");

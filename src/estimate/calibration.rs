@@ -113,10 +113,8 @@ impl ModelStats {
             let old = self.part_tokens.unwrap_or(per_part);
             self.part_tokens = Some(old + weight * (per_part - old));
             self.part_samples = self.part_samples.saturating_add(1);
-        }
-        let text_truth = estimated;
-        if sample.parts == 0 && sample.static_text_tokens >= 1.0 && text_truth >= 1.0 {
-            let ratio = (text_truth / sample.static_text_tokens).clamp(0.1, 10.0);
+        } else if sample.static_text_tokens >= 1.0 && estimated >= 1.0 {
+            let ratio = (estimated / sample.static_text_tokens).clamp(0.1, 10.0);
             // Early samples count fully so the scale converges quickly from the rule's 1.0.
             let weight = w.max(1.0 / (self.samples as f64 + 1.0));
             // The error of the estimate this request was routed with, before the scale learns

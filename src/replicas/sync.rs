@@ -1,10 +1,10 @@
 //! The one sync a replica runs against etcd, on the tick of its elected worker (the scrape lease
 //! holder, `store::lease`), every `syncIntervalMs`, or `busySyncIntervalMs` while credit or
-//! stored responses must move between replicas (`Sync::due`): keep the replica's lease alive, read every key under the
-//! prefix in one range, work out each pod's next grant (`split`), write them in at most one txn
-//! (with the replica's placements and stored responses, `placements`), copy the outcome into the pods' shares
-//! (`share`) that admission reads, and now and then compact etcd's history (`note_history`).
-//! Requests never wait for any of it.
+//! stored responses must move between replicas (`Sync::due`): keep the replica's lease alive,
+//! read every key under the prefix in one range, work out each pod's next grant (`split`), write
+//! them in at most one txn (with the replica's placements and stored responses, `placements`),
+//! copy the outcome into the pods' shares (`share`) that admission reads, and now and then
+//! compact etcd's history (`note_history`). Requests never wait for any of it.
 //!
 //! Keys under `etcd.keyPrefix` (the source of truth for every replica's grants):
 //! - `<prefix>/alive/<replica>`: under the replica's lease; gone when the lease lapses.
@@ -216,7 +216,6 @@ pub struct Sync {
     received: Batch,
     /// The last range read found another replica live.
     peers: bool,
-
     /// The last txn grew this replica's grant on a pod (`take_grew`).
     grew: bool,
     /// The last call failed: until a read succeeds, the slow pace (the busy one would retry an

@@ -117,10 +117,7 @@ pub fn seek(store: &dyn Store, until_ms: u64) -> Result<(), StoreError> {
 
 /// Whether a request may still be held for another replica's note.
 pub fn sought(store: &dyn Store) -> Result<bool, StoreError> {
-    let until = store
-        .get(SOUGHT_KEY)?
-        .value
-        .and_then(|b| Some(u64::from_le_bytes(b.get(..8)?.try_into().ok()?)));
+    let until = store.get(SOUGHT_KEY)?.value.and_then(|b| Reader(&b).u64());
     Ok(until.is_some_and(|until| store.now_ms() <= until))
 }
 
