@@ -372,8 +372,9 @@ impl PodRecord {
     /// the budget, and what the `reserved_tokens` gauge shows. Its headroom is `headroom_sigmas`
     /// less what the engine's feedback has given up on this pod (`Snapshot::relief`), in the
     /// share of its requests that set no output limit: a client's `max_tokens` is a bound kvgate
-    /// keeps its whole headroom for (measured: relieved, pods of bounded requests preempted now
-    /// and then; never with the whole headroom).
+    /// keeps its whole headroom for (measured, with limits on the forecast's grid counted:
+    /// relieved, pods of bounded requests preempted in 2 of 4 runs; with the whole headroom, in
+    /// none).
     pub fn forecast(&self, extra: Option<Load>, headroom_sigmas: f64, block_tokens: u64) -> u64 {
         let relief = self.snapshot.map_or(0.0, |s| s.relief.clamp(0.0, 1.0));
         let unbounded = self.entries.iter().filter(|e| !e.bounded).count();
