@@ -79,11 +79,11 @@ pub fn peak(loads: impl Iterator<Item = Load>, z: f64, block: u64) -> u64 {
         }
         worst = worst.max(sums.at(start, z));
         // The pod holds most at a grid step or just before one of its requests stops (at its
-        // limit, where it is still counted). A limit on the next grid step is this interval's
-        // too: its request's outlook there is 0 (it has stopped), so counted only from the next
-        // interval the forecast would lose it, and the growth of every other request since this
-        // interval's start, just before it stops (measured: a pod of seven answers of 300 tokens
-        // forecast 4,087 tokens where they took 4,262, and preempted).
+        // limit, where it is still counted). A limit on the next grid step belongs to this
+        // interval too: at that step its request's outlook is 0 (it has stopped), so the next
+        // interval never counts it. Left there, the forecast lost that request just before it
+        // stops, with every other request's growth since this interval's start (measured: seven
+        // answers of 300 tokens forecast at 4,087 tokens took 4,262, and the pod preempted).
         let mut next = first;
         while next < loads.len() && loads[next].left <= end {
             let s = loads[next].left;
