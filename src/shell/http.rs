@@ -30,9 +30,20 @@ pub type Parked = Rc<RefCell<HashMap<u64, (u32, Rc<RefCell<Flow>>)>>>;
 /// (`Step::Hold`): context id → its flow, for the root's tick to ask again (`Flow::sought`).
 pub type Held = Rc<RefCell<HashMap<u32, Rc<RefCell<Flow>>>>>;
 
-/// Requests of this VM whose answers do not stream, from their body to their end: context id →
-/// its flow, for the root's tick to grow their entries (`Flow::on_tick`).
+/// Requests of this VM whose answers do not stream, from their admission to their end: context
+/// id → its flow, for the root's tick to grow their entries (`Flow::on_tick`).
 pub type Unseen = Rc<RefCell<HashMap<u32, Rc<RefCell<Flow>>>>>;
+
+/// Puts the request in `unseen` if it was admitted with an answer that does not stream: from its
+/// body callback, or from the tick that let it go on after it was held (`Root::run_held`).
+/// Returns whether it did.
+pub fn watch_unseen(unseen: &Unseen, context: u32, flow: &Rc<RefCell<Flow>>) -> bool {
+    let watched = flow.borrow().answers_unseen();
+    if watched {
+        unseen.borrow_mut().insert(context, flow.clone());
+    }
+    watched
+}
 
 /// Carries out a decision on the current (effective) stream. Returns the action for a callback;
 /// `resume` is for a request parked earlier, which must be resumed explicitly.
@@ -201,8 +212,7 @@ impl Http {
                 .borrow_mut()
                 .on_body(&mut gate, &HostStore::default(), &body)
         };
-        if self.flow.borrow().answers_unseen() {
-            self.unseen.borrow_mut().insert(self.id, self.flow.clone());
+        if watch_unseen(&self.unseen, self.id, &self.flow) {
             // Its entry grows on the tick, quick from now (`Gate::tick_ms`), not from the next.
             host::retick(&mut self.gate.borrow_mut());
         }

@@ -5,7 +5,7 @@
 //! context.
 
 use super::host::{self, HostStore};
-use super::http::{apply, Held, Http, Parked, Unseen};
+use super::http::{apply, watch_unseen, Held, Http, Parked, Unseen};
 use crate::config::Config;
 use crate::drive::{self, Waiting};
 use crate::flow::{Decision, Flow, Step};
@@ -70,6 +70,8 @@ impl Root {
                 continue;
             };
             self.held.borrow_mut().remove(&context);
+            // Its tick's retick (`run_line`, next) makes the tick quick for it.
+            watch_unseen(&self.unseen, context, &flow);
             if let Step::Park(ticket) = decision.step {
                 self.parked.borrow_mut().insert(ticket, (context, flow));
             }
