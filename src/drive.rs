@@ -85,7 +85,8 @@ pub fn retry(
 }
 
 /// The line moved (a wake-up or the tick): answers the parked requests whose wait ran out, then
-/// admits from the head of the line while the head is this VM's and fits, then tries this VM's
+/// admits from the head of each group of the line (`line::QueueRecord::leaders`: one group per
+/// set of pods its requests share) while that head is this VM's and fits, then tries this VM's
 /// backfills (requests behind a head that does not fit, into the room it leaves).
 ///
 /// In a cache-friendly order: a request goes where its prompt's prefix is cached, when some pod
@@ -102,13 +103,18 @@ pub fn run_line(gate: &mut Gate, store: &dyn Store, waiting: &mut impl Waiting) 
         let _ = retry(gate, store, waiting, ticket, Reach::Any);
     }
     gate.admission.set_head_waits_for_cache(false);
+    // Heads of this VM that stay in the line in this pass: the next group's head is tried.
+    let mut tried = Vec::new();
     for _ in 0..MAX_ADMITS {
-        let Some(ticket) = gate.next_parked(store) else {
+        let Some(ticket) = gate.next_parked(store, &tried) else {
             break;
         };
         let roomy = match retry(gate, store, waiting, ticket, Reach::Cached) {
             Ok(()) => continue,
-            Err(Stay::NoRoom) => break,
+            Err(Stay::NoRoom) => {
+                tried.push(ticket);
+                continue;
+            }
             Err(Stay::Uncached(pods)) => pods,
         };
         // Those behind it whose prompt belongs on a pod with room (its prefix cached there by
@@ -116,7 +122,7 @@ pub fn run_line(gate: &mut Gate, store: &dyn Store, waiting: &mut impl Waiting) 
         // pick for each, which decides.
         let now = store.now_ms();
         let cached: Vec<u64> = gate
-            .backfill(store, true)
+            .backfill(store, true, Some(ticket))
             .into_iter()
             .filter(|&t| {
                 waiting.find(t).is_some_and(|stream| {
@@ -143,19 +149,19 @@ pub fn run_line(gate: &mut Gate, store: &dyn Store, waiting: &mut impl Waiting) 
             Reach::Any
         };
         match retry(gate, store, waiting, ticket, reach) {
-            Ok(()) => {}
-            Err(Stay::Uncached(_)) => {
-                gate.admission.set_head_waits_for_cache(true);
-                break;
+            Ok(()) => gate.stats.count(stats::ADMISSION_UNCACHED, 1),
+            Err(stay) => {
+                if matches!(stay, Stay::Uncached(_)) {
+                    gate.admission.set_head_waits_for_cache(true);
+                }
+                tried.push(ticket);
             }
-            Err(Stay::NoRoom) => break,
         }
-        gate.stats.count(stats::ADMISSION_UNCACHED, 1);
     }
     // Behind a head with no room (or another VM's), a backfill goes only where its prefix is,
     // when some pod holds it: a pass spent on a copy of a prefix another pod holds would cost
     // the room of several requests.
-    let tickets = gate.backfill(store, false);
+    let tickets = gate.backfill(store, false, None);
     backfill(gate, store, waiting, tickets, false);
 }
 
@@ -174,7 +180,7 @@ fn backfill(
     let mut admitted = 0;
     for (i, ticket) in tickets.into_iter().take(MAX_BACKFILL_TRIES).enumerate() {
         // The listing (`Gate::backfill`) has just read the passes for the first.
-        if i > 0 && !gate.may_pass(store, cache_first) {
+        if i > 0 && !gate.may_pass(store, cache_first, ticket) {
             break;
         }
         if retry(gate, store, waiting, ticket, Reach::Cached).is_ok() {
@@ -197,6 +203,12 @@ mod tests {
     use hashbrown::{HashMap, HashSet};
 
     const POD: &str = "10.0.0.1:8000";
+
+    /// Backfills admitted past the first ticket of the line while it headed it.
+    fn first_passes(vm: &FakeVm) -> u32 {
+        let q = crate::admission::line::read(vm).unwrap();
+        q.tickets.first().map_or(0, |h| q.passes(h.id))
+    }
 
     /// A host holding flows by context id, some of whose streams may be gone.
     #[derive(Default)]
@@ -259,10 +271,22 @@ mod tests {
         words: usize,
         max_tokens: u32,
     ) -> Decision {
+        send_to(gate, vm, host, context, "m", (words, max_tokens))
+    }
+
+    /// `send_sized` for `model`.
+    fn send_to(
+        gate: &mut Gate,
+        vm: &FakeVm,
+        host: &mut Host,
+        context: u32,
+        model: &str,
+        (words, max_tokens): (usize, u32),
+    ) -> Decision {
         let body = format!(
             // Streamed: an answer that does not stream keeps its VM's tick quick, which these tests
             // of the line's own tick would see.
-            r#"{{"model":"m","prompt":"request {context} {}","max_tokens":{max_tokens},"stream":true}}"#,
+            r#"{{"model":"{model}","prompt":"request {context} {}","max_tokens":{max_tokens},"stream":true}}"#,
             "x ".repeat(words)
         );
         let mut flow = Flow::default();
@@ -284,6 +308,67 @@ mod tests {
 
     fn reserved(vm: &FakeVm) -> u64 {
         crate::pods::record::read(vm, POD).unwrap().held_tokens()
+    }
+
+    #[test]
+    fn a_model_on_pods_of_its_own_is_not_held_behind_another_models_line() {
+        // Model m on POD, model n on B, each budget one request, and a strict line (no
+        // backfills): before the line had a head per group, n's requests waited behind m's head
+        // however idle n's pod was.
+        const B: &str = "10.0.0.2:8000";
+        let host = FakeHost::new();
+        host.set_now_ms(1_000_000);
+        let vm = host.vm();
+        let served = |pod: &str, model: &str| {
+            let list = [crate::models::served::ServedModel {
+                id: model.into(),
+                parent: None,
+            }];
+            crate::models::served::write_list(&vm, pod, &list, 1).unwrap();
+        };
+        served(POD, "m");
+        served(B, "n");
+        let config = Config::parse(
+            format!(
+                r#"{{"pods":["{POD}","{B}"],"admission":{{"maxWaitMs":5000,"budgetTokens":100,"backfillPasses":0}}}}"#
+            )
+            .as_bytes(),
+        )
+        .unwrap();
+        let mut gate = Gate::new(config, &vm).unwrap();
+        let mut host = Host::default();
+        let size = (40, 50);
+        let on = |d: &Decision| {
+            d.set
+                .iter()
+                .find(|(n, _)| n == DESTINATION_HEADER)
+                .map(|(_, v)| v.clone())
+        };
+        let m1 = send_to(&mut gate, &vm, &mut host, 1, "m", size);
+        assert_eq!(on(&m1).as_deref(), Some(POD));
+        let m2 = send_to(&mut gate, &vm, &mut host, 2, "m", size);
+        assert!(matches!(m2.step, Step::Park(_)), "m's pod is full");
+        let n1 = send_to(&mut gate, &vm, &mut host, 3, "n", size);
+        assert_eq!(on(&n1).as_deref(), Some(B), "nobody waits for B: at once");
+        let n2 = send_to(&mut gate, &vm, &mut host, 4, "n", size);
+        assert!(matches!(n2.step, Step::Park(_)), "B is full now");
+        // B frees: n's head goes, m's stays.
+        host.flows.get_mut(&3).unwrap().on_done(&mut gate, &vm);
+        run_line(&mut gate, &vm, &mut host);
+        assert_eq!(host.resumed.len(), 1, "{:?}", host.resumed);
+        assert_eq!(host.resumed[0].0, 4);
+        assert_eq!(on(&host.resumed[0].1).as_deref(), Some(B));
+        assert_eq!(
+            first_passes(&vm),
+            0,
+            "a head of its own group passes nobody"
+        );
+        // And m's pod frees: its head goes.
+        host.flows.get_mut(&1).unwrap().on_done(&mut gate, &vm);
+        run_line(&mut gate, &vm, &mut host);
+        assert_eq!(host.resumed.len(), 2, "{:?}", host.resumed);
+        assert_eq!(host.resumed[1].0, 2);
+        assert!(host.parked.is_empty());
     }
 
     #[test]
@@ -409,7 +494,7 @@ mod tests {
                 "{:?}",
                 host.resumed
             );
-            assert_eq!(crate::admission::line::read(&vm).unwrap().head_passes(), 0);
+            assert_eq!(first_passes(&vm), 0);
         }
     }
 
@@ -539,7 +624,7 @@ mod tests {
                 assert_eq!(*context, 3, "a strict line: the head goes, and copies");
             } else {
                 assert_eq!(*context, 4, "the room goes where its prefix is");
-                assert_eq!(crate::admission::line::read(&vm).unwrap().head_passes(), 1);
+                assert_eq!(first_passes(&vm), 1);
             }
             for pod in PODS {
                 assert!(held(&vm, pod) <= 700, "{pod}: {}", held(&vm, pod));

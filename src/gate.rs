@@ -380,30 +380,32 @@ impl Gate {
         self.admission.wake_queue()
     }
 
-    /// Woken (or ticking): empties the wake queue and returns the head of the line if this VM
-    /// holds it. The shell retries that request and asks again until `None`.
-    pub fn next_parked(&mut self, store: &dyn Store) -> Option<u64> {
+    /// Woken (or ticking): the first head of a group of the line that this VM holds and has not
+    /// `tried` in this pass (`Admission::next_head`), having emptied the wake queue. The shell
+    /// retries that request and asks again until `None`.
+    pub fn next_parked(&mut self, store: &dyn Store, tried: &[u64]) -> Option<u64> {
         self.admission.drain_wakes(store);
         if self.admission.parked() == 0 {
             return None;
         }
-        self.admission.next_head(store).unwrap_or_else(|e| {
+        self.admission.next_head(store, tried).unwrap_or_else(|e| {
             log::debug!("kvgate: reading the queue failed: {e:?}");
             None
         })
     }
 
-    /// This VM's parked requests that may be admitted past the head of the line now
-    /// (`cache_first`: into room where their prefix is, which the head would copy its own to).
-    pub fn backfill(&self, store: &dyn Store, cache_first: bool) -> Vec<u64> {
+    /// This VM's parked requests that may be admitted past the head of their group now
+    /// (`cache_first`: into room where their prefix is, which the head would copy its own to;
+    /// `behind`: behind that head only).
+    pub fn backfill(&self, store: &dyn Store, cache_first: bool, behind: Option<u64>) -> Vec<u64> {
         self.admission
-            .backfill(store, &self.config.admission, cache_first)
+            .backfill(store, &self.config.admission, cache_first, behind)
     }
 
-    /// Whether the head of the line may still be passed (`Admission::may_pass`).
-    pub fn may_pass(&self, store: &dyn Store, cache_first: bool) -> bool {
+    /// Whether the head of `ticket`'s group may still be passed (`Admission::may_pass`).
+    pub fn may_pass(&self, store: &dyn Store, cache_first: bool, ticket: u64) -> bool {
         self.admission
-            .may_pass(store, &self.config.admission, cache_first)
+            .may_pass(store, &self.config.admission, cache_first, ticket)
     }
 
     /// Parked requests past their deadline; the shell retries each, which answers 503.
@@ -563,6 +565,7 @@ mod tests {
             deadline_ms: 1_060_000,
             cost,
             wants,
+            reach: crate::admission::line::ANYWHERE,
         }
     }
 

@@ -138,7 +138,7 @@ fn run(config: Config) {
                 }
             }
         }
-        while let Some(t) = gate.next_parked(&vm) {
+        while let Some(t) = gate.next_parked(&vm, &[]) {
             let Some((f, p)) = flows.iter_mut().find(|(_, p)| *p == Some(t)) else {
                 break;
             };

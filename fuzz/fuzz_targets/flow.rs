@@ -892,12 +892,13 @@ impl World {
         // Backfills past one head: the configured passes, plus one per worker racing for the
         // last (each checks the count before it routes).
         let racing = self.workers.len() as u32;
-        assert!(
-            q.head_passes() <= self.backfill_passes + racing,
-            "{} backfills past the head, {} allowed",
-            q.head_passes(),
-            self.backfill_passes
-        );
+        for &(head, passes) in &q.passes {
+            assert!(
+                passes <= self.backfill_passes + racing,
+                "{passes} backfills past head {head}, {} allowed",
+                self.backfill_passes
+            );
+        }
         let parked: usize = self.workers.iter().map(|w| w.parked.len()).sum();
         assert!(
             q.tickets.len() <= parked,

@@ -190,6 +190,8 @@ enum Op {
         cost: u32,
         boosted: bool,
         wait_ms: u16,
+        /// The pods it may go to: four groups' bits, anywhere at 0.
+        reach: u8,
     },
     Remove {
         ticket: u8,
@@ -673,6 +675,7 @@ impl World {
                 cost,
                 boosted,
                 wait_ms,
+                reach,
             } => {
                 let v = usize::from(vm) % self.vms.len();
                 self.next_ticket += 1;
@@ -686,6 +689,10 @@ impl World {
                     deadline_ms: now + u64::from(wait_ms),
                     cost: u64::from(cost % (1 << 20)),
                     wants: 0,
+                    reach: match reach % 16 {
+                        0 => line::ANYWHERE,
+                        bits => u64::from(bits),
+                    },
                 };
                 let out = line::enqueue(&self.vms[v], ticket, u64::from(tenant % 8), 8_192.0, 16)
                     .expect("fake host");

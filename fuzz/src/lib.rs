@@ -132,6 +132,14 @@ pub fn checked_queue(store: &dyn Store) -> QueueRecord {
             w[1]
         );
     }
+    // Each ticket's group head is at or ahead of it and heads its own group, and a ticket heads
+    // its group exactly when no ticket ahead of it may take a pod it may take.
+    let heads = q.leaders();
+    for (i, (&head, t)) in heads.iter().zip(&q.tickets).enumerate() {
+        assert!(head <= i && heads[head] == head, "heads {heads:?}");
+        let alone = q.tickets[..i].iter().all(|a| a.reach & t.reach == 0);
+        assert_eq!(head == i, alone, "ticket {i} of {q:?}: heads {heads:?}");
+    }
     assert!(
         q.virtual_time.is_finite(),
         "virtual time {}",

@@ -252,9 +252,14 @@ impl Admission {
             deadline_ms: now.saturating_add(a.max_wait_ms),
             cost: est.cost,
             wants: 0,
+            reach: line::ANYWHERE,
         };
-        // Only a request that would lead the line may go straight to a pod: nobody waiting on
-        // any worker is overtaken by a lower-ordered newcomer.
+        // Whom it competes with matters only against tickets already waiting, and once it waits.
+        if !line.tickets.is_empty() {
+            ticket.reach = router.reach(store, model);
+        }
+        // Only a request that would head its group of the line may go straight to a pod: nobody
+        // waiting on any worker for a pod it may take is overtaken by a lower-ordered newcomer.
         let mut patient_until_ms = None;
         if line.would_lead(&ticket) {
             let placed = if a.cache_wait_ms > 0 {
@@ -293,6 +298,9 @@ impl Admission {
             ));
         }
         ticket.id = router.next_request_id();
+        if line.tickets.is_empty() {
+            ticket.reach = router.reach(store, model);
+        }
         match line::enqueue(
             store,
             ticket,
@@ -360,11 +368,11 @@ impl Admission {
             Placement::Discovering => return Ok(Err(Stay::NoRoom)),
             // Where it now waits, for the replicas' sync (`Gate::pod_views`).
             Placement::NoRoom(belongs) => {
-                Self::waits_on(store, cfg, ticket, &belongs)?;
+                Self::waits_on(store, cfg, ticket, &belongs, router.reach(store, model))?;
                 return Ok(Err(Stay::NoRoom));
             }
             Placement::Uncached(pods, belongs) => {
-                Self::waits_on(store, cfg, ticket, &belongs)?;
+                Self::waits_on(store, cfg, ticket, &belongs, router.reach(store, model))?;
                 return Ok(Err(Stay::Uncached(pods)));
             }
         };
@@ -383,54 +391,64 @@ impl Admission {
         Ok(Ok(admit))
     }
 
-    /// A parked ticket now waits for room on `belongs` first: the line says so when that
-    /// changed, and the ticket remembers it.
+    /// A parked ticket now waits for room on `belongs` first, and may go to the pods `reach`
+    /// names: the line says so when either changed, and the ticket remembers it.
     fn waits_on(
         store: &dyn Store,
         cfg: &Config,
         ticket: &mut Ticket,
         belongs: &str,
+        reach: u64,
     ) -> Result<(), StoreError> {
         let wants = wanted(cfg, belongs);
-        if wants != ticket.wants {
-            line::set_wants(store, ticket.id, wants)?;
-            ticket.wants = wants;
+        if (wants, reach) != (ticket.wants, ticket.reach) {
+            line::set_wants(store, ticket.id, wants, reach)?;
+            (ticket.wants, ticket.reach) = (wants, reach);
         }
         Ok(())
     }
 
-    /// The head of the line if this VM holds it; otherwise wakes the VM that does.
-    pub fn next_head(&mut self, store: &dyn Store) -> Result<Option<u64>, StoreError> {
+    /// The first head of a group of the line (`QueueRecord::leaders`) that this VM holds and
+    /// that is not in `tried`; the VMs holding the heads before it are woken.
+    pub fn next_head(
+        &mut self,
+        store: &dyn Store,
+        tried: &[u64],
+    ) -> Result<Option<u64>, StoreError> {
         // Tickets of this VM that it no longer holds (it lost track: a reload) are cleared; the
         // loop is bounded by the line's length.
-        for _ in 0..64 {
+        'read: for _ in 0..64 {
             let line = line::read(store)?;
-            let Some(head) = line.tickets.first() else {
-                return Ok(None);
-            };
-            if head.vm != self.vm {
-                self.wake(store, head.vm);
-                return Ok(None);
+            for (i, head) in line.leaders().into_iter().enumerate() {
+                let Some(t) = line.tickets.get(i).filter(|_| head == i) else {
+                    continue;
+                };
+                if t.vm != self.vm {
+                    self.wake(store, t.vm);
+                } else if !self.parked.contains_key(&t.id) {
+                    line::remove(store, t.id, false)?;
+                    continue 'read;
+                } else if !tried.contains(&t.id) {
+                    return Ok(Some(t.id));
+                }
             }
-            if self.parked.contains_key(&head.id) {
-                return Ok(Some(head.id));
-            }
-            line::remove(store, head.id, false)?;
+            return Ok(None);
         }
         Ok(None)
     }
 
-    /// This VM's parked tickets that may be admitted past the head now (backfills, in line
-    /// order): in the head's band, while the head has been passed fewer than
-    /// `admission.backfillPasses` times, or, for requests whose prefix is cached where the head
-    /// would compute its own again (`cache_first`), `cacheFirstPasses` more. Each is then
-    /// retried like the head (`may_pass` first); its admission counts the pass
-    /// (`line::remove`).
+    /// This VM's parked tickets that may be admitted past the head of their group now
+    /// (backfills, in line order; `behind`: behind that head only): in their head's band, while
+    /// it has been passed fewer than `admission.backfillPasses` times, or, for requests whose
+    /// prefix is cached where the head would compute its own again (`cache_first`),
+    /// `cacheFirstPasses` more. Each is then retried like a head (`may_pass` first); its
+    /// admission counts the pass (`line::remove`).
     pub fn backfill(
         &self,
         store: &dyn Store,
         cfg: &AdmissionConfig,
         cache_first: bool,
+        behind: Option<u64>,
     ) -> Vec<u64> {
         let passes = passes_allowed(cfg, cache_first);
         if self.parked.is_empty() || passes == 0 {
@@ -443,27 +461,43 @@ impl Admission {
                 return Vec::new();
             }
         };
-        let Some(head) = line.tickets.first() else {
-            return Vec::new();
-        };
-        if line.head_passes() >= passes {
-            return Vec::new();
-        }
-        line.tickets
-            .iter()
-            .skip(1)
-            .take_while(|t| t.priority == head.priority)
-            .filter(|t| self.parked.contains_key(&t.id))
+        let tickets = &line.tickets;
+        line.leaders()
+            .into_iter()
+            .zip(tickets)
+            .filter_map(|(head, t)| Some((tickets.get(head).filter(|h| h.id != t.id)?, t)))
+            .filter(|(head, t)| {
+                behind.is_none_or(|b| b == head.id)
+                    && t.priority == head.priority
+                    && line.passes(head.id) < passes
+                    && self.parked.contains_key(&t.id)
+            })
             .take(MAX_BACKFILL_SCAN)
-            .map(|t| t.id)
+            .map(|(_, t)| t.id)
             .collect()
     }
 
-    /// Whether the head of the line may still be passed, read again before each backfill's pick:
-    /// another worker may have taken the last passes meanwhile, and read once for a whole pass
-    /// over the parked requests each worker could take all of them.
-    pub fn may_pass(&self, store: &dyn Store, cfg: &AdmissionConfig, cache_first: bool) -> bool {
-        line::read(store).is_ok_and(|line| line.head_passes() < passes_allowed(cfg, cache_first))
+    /// Whether the head of `ticket`'s group may still be passed, read again before each
+    /// backfill's pick: another worker may have taken the last passes meanwhile, and read once
+    /// for a whole pass over the parked requests each worker could take all of them. True when
+    /// it heads its group now.
+    pub fn may_pass(
+        &self,
+        store: &dyn Store,
+        cfg: &AdmissionConfig,
+        cache_first: bool,
+        ticket: u64,
+    ) -> bool {
+        line::read(store).is_ok_and(|line| {
+            let heads = line.leaders();
+            line.tickets
+                .iter()
+                .position(|t| t.id == ticket)
+                .and_then(|i| line.tickets.get(heads.get(i).copied()?))
+                .is_some_and(|head| {
+                    head.id == ticket || line.passes(head.id) < passes_allowed(cfg, cache_first)
+                })
+        })
     }
 
     /// Parked tickets past their deadline.
@@ -517,10 +551,13 @@ impl Admission {
         self.wake_head(store)
     }
 
-    /// Budget was released: the head of the line gets a chance.
+    /// Budget was released: the head of each group of the line gets a chance.
     pub fn wake_head(&mut self, store: &dyn Store) -> Result<(), StoreError> {
-        if let Some(head) = line::read(store)?.tickets.first() {
-            self.wake(store, head.vm);
+        let line = line::read(store)?;
+        for (i, head) in line.leaders().into_iter().enumerate() {
+            if let Some(t) = line.tickets.get(i).filter(|_| head == i) {
+                self.wake(store, t.vm);
+            }
         }
         Ok(())
     }
@@ -721,7 +758,7 @@ mod tests {
         assert_eq!(line::read(&w.vm).unwrap().tickets[0].wants, t.wants);
         // Where it would go first changes while it waits (here, by hand): a retry corrects the
         // line.
-        line::set_wants(&w.vm, t.id, 5).unwrap();
+        line::set_wants(&w.vm, t.id, 5, t.reach).unwrap();
         t.wants = 5;
         assert!(w
             .admission
@@ -770,7 +807,7 @@ mod tests {
         let (cfg, mut w) = one_worker(100);
         let first = routed(w.place(&cfg, class(&cfg, None, "t"), 80));
         let t = waiting(w.place(&cfg, class(&cfg, None, "t"), 50));
-        assert_eq!(w.admission.next_head(&w.vm).unwrap(), Some(t.id));
+        assert_eq!(w.admission.next_head(&w.vm, &[]).unwrap(), Some(t.id));
         assert_eq!(w.retry(&cfg, &t, 50), None, "still no room");
         w.router.finish(&w.vm, &first).unwrap();
         w.admission.wake_head(&w.vm).unwrap();
@@ -858,7 +895,7 @@ mod tests {
         ));
         w1.router.finish(&w1.vm, &big).unwrap();
         assert_eq!(
-            w2.admission.next_head(&w2.vm).unwrap(),
+            w2.admission.next_head(&w2.vm, &[]).unwrap(),
             None,
             "w1 holds the head"
         );

@@ -1,17 +1,22 @@
 """Many models behind one gateway, in a real Envoy (--concurrency 4): pods serving different models
 each get only their own model's requests, a model no pod serves is answered 404 by kvgate, a
 weighted split holds its weights and the upstream sees the rewritten model, odd names and model
-lists that do not parse are answered clearly, and the two-cluster example (envoy/envoy-models.yaml)
-sends each model to its own cluster and kvgate pool."""
+lists that do not parse are answered clearly, a model whose pods have room is not held behind
+another model's waiting requests, and the two-cluster example (envoy/envoy-models.yaml) sends each
+model to its own cluster and kvgate pool."""
 
 import json
+import threading
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import yaml
 
+from bodies import unshared_chat
 from harness import (ROOT, WASM, Envoy, Sim, StubUpstream, default_plugin_config, free_port, kvgate_envoy,
-                     request, wait_for)
+                     request, stream, wait_for)
 
 SIM_ARGS = ["--time-scale", "20"]
 MODELS_YAML = ROOT / "envoy/envoy-models.yaml"
@@ -58,6 +63,52 @@ def test_each_model_reaches_only_pods_serving_it_and_an_unknown_model_is_404():
         assert stats.get("wasmcustom.kvgate.model.model_a.requests") == 60, stats
         assert stats.get("wasmcustom.kvgate.model.model_b.picks") == 60, stats
         assert envoy.stats("wasmcustom.kvgate.models.not_found")["wasmcustom.kvgate.models.not_found"] == 1
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_a_model_whose_pods_have_room_is_not_held_behind_another_models_line(concurrency):
+    """model-a on two pods of 4k tokens, saturated by 48 streaming clients (its requests wait in
+    kvgate's line); model-b on two pods of its own with room, 4 clients alongside. No model-b
+    request waits in the line (`x-kvgate-queue-ms`, a debug header): it heads a line of its own
+    pods. Before (2026-11-30, one line for every model): 16-96 of model-b's ~1,700 requests in
+    8 s waited behind model-a's head, up to 0.4-0.6 s, at --concurrency 1, 2 and 4."""
+    def body(model, i, max_tokens, words):
+        return dict(unshared_chat(i, max_tokens, words), model=model)
+
+    kv = ["--time-scale", "10", "--num-gpu-blocks", "256"]
+    with Sim(pods=2, args=kv + ["--served-model-name", "model-a"]) as a, \
+            Sim(pods=2, args=["--time-scale", "10", "--served-model-name", "model-b"]) as b, \
+            kvgate_envoy(a.endpoints + b.endpoints, default_plugin_config(), concurrency=concurrency) as envoy:
+        assert lists_read(envoy, 4)
+        a_answers, b_answers = [], []
+
+        def load_a():
+            with ThreadPoolExecutor(48) as pool:
+                a_answers.extend(pool.map(
+                    lambda i: stream(envoy.port, "/v1/chat/completions", body("model-a", i, 300, 300)), range(192)))
+
+        def client_b(c):
+            i = 0
+            while time.monotonic() < until:
+                b_answers.append(stream(envoy.port, "/v1/chat/completions", body("model-b", 10_000 * (c + 1) + i, 20, 50)))
+                i += 1
+
+        loader = threading.Thread(target=load_a)
+        loader.start()
+        time.sleep(1.0)
+        until = time.monotonic() + 3.0
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(client_b, range(4)))
+        loader.join()
+        assert all(x["status"] == 200 for x in a_answers + b_answers), \
+            Counter(x["status"] for x in a_answers + b_answers)
+        waited = lambda answers: [x for x in answers if "x-kvgate-queue-ms" in x["headers"]]  # noqa: E731
+        assert len(waited(a_answers)) >= 48, "model-a's line was busy"
+        assert len(b_answers) >= 100, len(b_answers)
+        slow = waited(b_answers)
+        assert not slow, f"{len(slow)} of {len(b_answers)} model-b requests waited: " \
+            f"{sorted(int(x['headers']['x-kvgate-queue-ms']) for x in slow)}"
+        assert sum(a.stats(i)["preemptions"] for i in range(2)) == 0
 
 
 def test_a_90_10_split_holds_within_3_percent_and_the_upstream_sees_the_target():

@@ -8,6 +8,7 @@
 
 use super::Router;
 use crate::admission::forecast::Load;
+use crate::admission::line;
 use crate::config::{Config, RoutingConfig, StalePolicy};
 use crate::estimate::reservation::Estimate;
 use crate::models::served::adapter_id;
@@ -382,6 +383,26 @@ impl Router {
                 .map_or(true, |(r, _)| !r.is_down())
         };
         self.served.serving_any(pods, model, up)
+    }
+
+    /// The pods a request for `model` may be sent to, as the line's reach (`line::pod_bit`s):
+    /// those whose model lists, as last read, name it, or, when none does, every pod without a
+    /// list (down or not: the reach only says whom a waiting request competes with, and a pod
+    /// may come back). `line::ANYWHERE` while no pod is known.
+    pub fn reach(&mut self, store: &dyn Store, model: &str) -> u64 {
+        self.served.refresh(store, &self.pods, store.now_ms());
+        let serving = self.served.serving(&self.pods, model, |_| true);
+        let reach = self
+            .pods
+            .iter()
+            .zip(serving)
+            .filter(|(_, serves)| *serves)
+            .fold(0, |reach, (pod, _)| reach | line::pod_bit(pod));
+        if reach == 0 {
+            line::ANYWHERE
+        } else {
+            reach
+        }
     }
 
     /// Whether a pod's model list, as last read, names `model`.
