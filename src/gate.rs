@@ -150,20 +150,36 @@ impl Gate {
         let pods = self.router.pods();
         let line = crate::admission::line::read(store)?;
         // A waiting request asks for credit on the pod it would take first (where its prefix is
-        // cached, its group's home, the cheapest); one no pick has named yet asks every pod for
-        // an even part. Spread evenly, the requests waiting for a group's pod asked it for an
-        // eighth of what they needed at eight pods, and the credit they waited for came from
-        // wherever the split found it (docs/design.md, *The split*).
+        // cached, its group's home, the cheapest); one no pick has named yet asks every pod it
+        // may go to (its model's: `Ticket::reach`) for an even part. Spread evenly, the requests
+        // waiting for a group's pod asked it for an eighth of what they needed at eight pods,
+        // and the credit they waited for came from wherever the split found it (docs/design.md,
+        // *The split*).
         let keys: Vec<u64> = pods
             .iter()
             .map(|p| crate::admission::line::pod_key(p))
             .collect();
+        let bits: Vec<u64> = pods
+            .iter()
+            .map(|p| crate::admission::line::pod_bit(p))
+            .collect();
         let mut wanted = vec![0u64; pods.len()];
-        let mut anywhere = 0u64;
         for t in &line.tickets {
-            match keys.iter().position(|&k| k == t.wants) {
-                Some(i) => wanted[i] += t.cost,
-                None => anywhere += t.cost,
+            if let Some(i) = keys.iter().position(|&k| k == t.wants) {
+                wanted[i] += t.cost;
+                continue;
+            }
+            // Every pod, when none of this pool's is in its reach.
+            let reach = if bits.iter().any(|&b| b & t.reach != 0) {
+                t.reach
+            } else {
+                crate::admission::line::ANYWHERE
+            };
+            let part = t.cost / bits.iter().filter(|&&b| b & reach != 0).count().max(1) as u64;
+            for (w, &b) in wanted.iter_mut().zip(&bits) {
+                if b & reach != 0 {
+                    *w += part;
+                }
             }
         }
         let head = line
@@ -186,7 +202,7 @@ impl Gate {
                 ),
                 in_use,
                 block_tokens: block,
-                demand: in_use + wanted + anywhere / pods.len().max(1) as u64,
+                demand: in_use + wanted,
                 unit: head,
                 explained: crate::admission::feedback::explained(&rec, block_size),
                 kv_read_ms: rec
@@ -617,11 +633,18 @@ mod tests {
             "etcd":{"cluster":"etcd","maxReplicas":2,"replicaId":"r0"}}"#;
         let gate = Gate::new(Config::parse(config.as_bytes()).unwrap(), &vm).unwrap();
         // One waits for the first pod, where its prefix is; one may go anywhere; one waits for
-        // a pod that has left the pool, and may now go anywhere too.
+        // a pod that has left the pool, and may now go anywhere too; one's model is served by
+        // the second pod alone.
+        let second = crate::admission::line::pod_bit("10.0.0.2:8000");
+        assert_ne!(second, crate::admission::line::pod_bit("10.0.0.1:8000"));
         for t in [
             waiting(&gate, 1, 300, pod_key("10.0.0.1:8000")),
             waiting(&gate, 2, 100, 0),
             waiting(&gate, 3, 60, pod_key("10.0.0.9:8000")),
+            crate::admission::line::Ticket {
+                reach: second,
+                ..waiting(&gate, 4, 40, 0)
+            },
         ] {
             enqueue(&vm, t, t.id, 0.0, 10).unwrap().unwrap();
         }
@@ -635,7 +658,7 @@ mod tests {
             demand,
             vec![
                 ("10.0.0.1:8000".to_string(), 300 + 80),
-                ("10.0.0.2:8000".to_string(), 80)
+                ("10.0.0.2:8000".to_string(), 80 + 40)
             ]
         );
     }
