@@ -152,6 +152,8 @@ impl Admitted {
 /// A request held for another gateway replica's note of the stored response it names
 /// (`Step::Hold`), until it comes or `until_ms`.
 struct Seeking {
+    /// When it was held.
+    since_ms: u64,
     until_ms: u64,
     what: Sought,
 }
@@ -341,6 +343,7 @@ impl Flow {
                     match seek(gate, store) {
                         Some(until_ms) => {
                             self.seeking = Some(Seeking {
+                                since_ms: store.now_ms(),
                                 until_ms,
                                 what: Sought::Retrieval(id),
                             });
@@ -410,6 +413,7 @@ impl Flow {
                     d.set = std::mem::take(&mut sent_as.headers);
                     d.body = sent_as.body.take();
                     self.seeking = Some(Seeking {
+                        since_ms: store.now_ms(),
                         until_ms,
                         what: Sought::FollowUp(Box::new((req, sent_as))),
                     });
@@ -444,9 +448,17 @@ impl Flow {
             Sought::FollowUp(parsed) => parsed.0.previous_response.as_deref(),
             Sought::Retrieval(id) => Some(id.as_str()),
         };
+        // Held until the note comes, the wait is over, or a read of etcd since it was held found
+        // no other replica alive (nobody to send a note: a lone replica with `etcd` on held each
+        // such request for the whole wait, before the engine's 404).
         let on = match named(store, id) {
             Named::On(on) => Some(on),
-            _ if store.now_ms() < seeking.until_ms => return None,
+            _ if store.now_ms() < seeking.until_ms
+                && !crate::routing::stored::alone_since(store, seeking.since_ms)
+                    .unwrap_or(false) =>
+            {
+                return None
+            }
             _ => None,
         };
         let seeking = self.seeking.take()?;

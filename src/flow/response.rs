@@ -647,6 +647,26 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
         host.advance_ms(400);
         assert_eq!(gate.tick_ms(&vm), TICK_MS, "the quick tick was for them");
         assert!(!stored::sought(&vm).unwrap());
+        // Held until a read of etcd since then finds no other replica alive: nobody else can
+        // have stored it, or send its note.
+        stored::note_peers(&vm, false).unwrap();
+        host.advance_ms(1);
+        let (mut a, d) = follow_up(&mut gate, "resp_alone");
+        assert_eq!(d.step, Step::Hold, "that read came before it");
+        host.advance_ms(20);
+        assert!(a.sought(&mut gate, &vm).is_none());
+        stored::note_peers(&vm, true).unwrap();
+        assert!(
+            a.sought(&mut gate, &vm).is_none(),
+            "another replica is alive"
+        );
+        host.advance_ms(20);
+        stored::note_peers(&vm, false).unwrap();
+        let d = a.sought(&mut gate, &vm).unwrap();
+        assert!(d.step == Step::Forward && destination(&d).is_some());
+        assert_eq!(gate.stats.take_count(stats::STORED_UNKNOWN), 1);
+        stored::note_peers(&vm, true).unwrap();
+        host.advance_ms(400);
         // Not held when Envoy's balancer chooses, nor when the wait is off.
         gate.config.routing.mode = crate::config::Mode::Observe;
         let (_, d) = follow_up(&mut gate, "resp_other");

@@ -398,6 +398,7 @@ impl Sync {
                         .collect();
                     let batch = self.inbox.take(&others);
                     self.peers = read.alive.iter().any(|r| *r != me);
+                    crate::routing::stored::note_peers(store, self.peers)?;
                     self.received.placed.extend(batch.placed);
                     self.received.stored.extend(batch.stored);
                     let txn = self.plan(store, cfg, pods, &read, lease)?;
@@ -506,15 +507,19 @@ impl Sync {
         }
     }
 
-    /// Stored responses must move between replicas: this one has some to write, or a request
-    /// here is held for another's (`stored::sought`). A follow-up may come through another
-    /// replica as soon as its previous answer ended (an agent's next turn), so a note is written
-    /// at the busy pace, and read at it while a request waits for it, not a slow sync or two
-    /// late. (Read at the busy pace all the while a fleet serves stored responses, each replica
-    /// would read etcd up to 50 times a second for follow-ups that mostly come seconds later.)
+    /// Stored responses must move between replicas: this one has some to write and others to
+    /// read them, or a request here is held for another's note (`stored::sought`). A follow-up
+    /// may come through another replica as soon as its previous answer ended (an agent's next
+    /// turn), so a note is written at the busy pace, and read at it while a request waits for
+    /// it, not a slow sync or two late; a replica that finds itself alone lets the request go at
+    /// that read (`stored::alone_since`). (Read at the busy pace all the while a fleet serves
+    /// stored responses, each replica would read etcd up to 50 times a second for follow-ups
+    /// that mostly come seconds later.)
     fn notes_due(&mut self, store: &dyn Store) -> Result<bool, StoreError> {
-        Ok(self.peers
-            && (self.outbox.holds_stored(store)? || crate::routing::stored::sought(store)?))
+        Ok(
+            self.peers && self.outbox.holds_stored(store)?
+                || crate::routing::stored::sought(store)?,
+        )
     }
 
     /// What the other replicas placed and stored, read since the last call: placements for the

@@ -121,6 +121,24 @@ pub fn sought(store: &dyn Store) -> Result<bool, StoreError> {
     Ok(until.is_some_and(|until| store.now_ms() <= until))
 }
 
+/// Shared: when the elected worker's last read of etcd found no other replica alive (its
+/// clock), 0 when it found some; absent before the first read.
+const ALONE_KEY: &str = "kvgate.stored.alone";
+
+/// What the last read of etcd found (`replicas::sync`): whether another replica is alive.
+pub fn note_peers(store: &dyn Store, peers: bool) -> Result<(), StoreError> {
+    let at = if peers { 0 } else { store.now_ms().max(1) };
+    store.set(ALONE_KEY, &at.to_le_bytes(), None)
+}
+
+/// Whether a read of etcd since `since_ms` found no other replica alive: then none is there to
+/// have stored a response this one has not heard of, or to send a note of it. False until such
+/// a read (etcd out of reach, or not read since): others may be there.
+pub fn alone_since(store: &dyn Store, since_ms: u64) -> Result<bool, StoreError> {
+    let at = store.get(ALONE_KEY)?.value.and_then(|b| Reader(&b).u64());
+    Ok(at.is_some_and(|at| at > 0 && at >= since_ms))
+}
+
 /// Where response `id` is stored, if this Envoy saw it end, or heard of it from another
 /// replica.
 pub fn find(store: &dyn Store, id: &str) -> Result<Option<Stored>, StoreError> {

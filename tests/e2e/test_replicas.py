@@ -355,6 +355,28 @@ def test_a_prompt_sent_through_one_replica_is_known_cached_by_another(etcd):
                         timeout=5), etcd.keys("/kvgate-placed/").keys()
 
 
+def test_a_lone_replica_holds_a_follow_up_only_until_etcd_says_it_is_alone(etcd):
+    """A replica with etcd on, and no other replica alive: a follow-up naming a response it never
+    heard of (stored before a restart, or a wrong id) waits only for the replica's next read of
+    etcd (at the busy pace while it is held), which finds nobody to send a note, and then goes by
+    cost to the engine's own 404. Before (2026-11-30) each was held for the whole
+    etcd.followUpWaitMs (300 ms) first."""
+    with Sim(pods=2, args=["--time-scale", "20"]) as sim:
+        with fleet(sim, etcd.port, n=1, etcd={"keyPrefix": "/kvgate-alone"}) as (one,):
+            took = []
+            for i in range(8):
+                started = time.monotonic()
+                status, _, _, _ = responses_call(one.port, {
+                    "model": MODEL, "input": "and then?", "previous_response_id": f"resp_never_{i}",
+                    "max_output_tokens": 8})
+                took.append(time.monotonic() - started)
+                assert status == 404, status
+            assert counter(one, "stored.waited") == 8 and counter(one, "stored.unknown") == 8
+            took.sort()
+            print("a lone replica's follow-ups to unknown responses took (s):", [round(t, 3) for t in took])
+            assert took[len(took) // 2] < 0.15, took
+
+
 def test_a_stored_responses_follow_ups_find_its_pod_through_any_replica(etcd):
     """A stored response lives in the memory of the engine that made it, and only that pod can
     answer a follow-up naming it (test_routing.py). Each replica tells the others, with its sync,
