@@ -296,7 +296,9 @@ pub enum Refused {
     Full,
 }
 
-/// Joins the line; the ticket's start tag is assigned here (start-time fair queuing).
+/// Joins the line, unless `max_len` tickets already wait for a pod it may take (one model's
+/// flood does not refuse another model's requests, which wait for pods of their own); the
+/// ticket's start tag is assigned here (start-time fair queuing).
 pub fn enqueue(
     store: &dyn Store,
     mut ticket: Ticket,
@@ -305,7 +307,8 @@ pub fn enqueue(
     max_len: usize,
 ) -> Result<Result<Ticket, Refused>, StoreError> {
     let out = modify(store, |q| {
-        if q.tickets.len() >= max_len {
+        let competing = q.tickets.iter().filter(|t| t.reach & ticket.reach != 0);
+        if competing.count() >= max_len {
             return Some(Err(Refused::Full));
         }
         let start = q.virtual_time.max(q.tenant_finish(tenant));
@@ -473,8 +476,30 @@ mod tests {
             enqueue(&vm, ticket(2, 0, 10), 1, 0.0, 1).unwrap(),
             Err(Refused::Full)
         );
+        // One that waits for other pods is not refused for it.
+        let elsewhere = Ticket {
+            reach: 2,
+            ..ticket(3, 0, 10)
+        };
+        set_wants(&vm, 1, 0, 1).unwrap();
+        enqueue(&vm, elsewhere, 1, 0.0, 1).unwrap().unwrap();
+        assert_eq!(
+            enqueue(
+                &vm,
+                Ticket {
+                    reach: 3,
+                    ..ticket(4, 0, 10)
+                },
+                1,
+                0.0,
+                1
+            )
+            .unwrap(),
+            Err(Refused::Full)
+        );
         assert!(remove(&vm, 1, true).unwrap());
         assert!(!remove(&vm, 1, true).unwrap());
+        assert!(remove(&vm, 3, false).unwrap());
         assert!(read(&vm).unwrap().tickets.is_empty());
     }
 
