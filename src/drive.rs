@@ -85,8 +85,8 @@ pub fn retry(
 }
 
 /// The line moved (a wake-up or the tick): answers the parked requests whose wait ran out, then
-/// admits from the head of each group of the line (`line::QueueRecord::leaders`: one group per
-/// set of pods its requests share) while that head is this VM's and fits, then tries this VM's
+/// admits from each head of a line of its own (`line::QueueRecord::leaders`: one per set of pods
+/// its requests share) while that head is this VM's and fits, then tries this VM's
 /// backfills (requests behind a head that does not fit, into the room it leaves).
 ///
 /// In a cache-friendly order: a request goes where its prompt's prefix is cached, when some pod
@@ -103,7 +103,7 @@ pub fn run_line(gate: &mut Gate, store: &dyn Store, waiting: &mut impl Waiting) 
         let _ = retry(gate, store, waiting, ticket, Reach::Any);
     }
     gate.admission.set_head_waits_for_cache(false);
-    // Heads of this VM that stay in the line in this pass: the next group's head is tried.
+    // Heads of this VM that stay in the line in this pass: the next head is tried.
     let mut tried = Vec::new();
     for _ in 0..MAX_ADMITS {
         let Some(ticket) = gate.next_parked(store, &tried) else {
@@ -313,7 +313,7 @@ mod tests {
     #[test]
     fn a_model_on_pods_of_its_own_is_not_held_behind_another_models_line() {
         // Model m on POD, model n on B, each budget one request, and a strict line (no
-        // backfills): before the line had a head per group, n's requests waited behind m's head
+        // backfills): before the line had a head per set of pods, n's requests waited behind m's head
         // however idle n's pod was.
         const B: &str = "10.0.0.2:8000";
         let host = FakeHost::new();
@@ -361,7 +361,7 @@ mod tests {
         assert_eq!(
             first_passes(&vm),
             0,
-            "a head of its own group passes nobody"
+            "a head of a line of its own passes nobody"
         );
         // And m's pod frees: its head goes.
         host.flows.get_mut(&1).unwrap().on_done(&mut gate, &vm);

@@ -148,6 +148,8 @@ fn pool(gate: &Gate, store: &dyn Store) -> Value {
             let oldest = q.tickets.iter().map(|t| t.enqueued_ms).min();
             json!({
                 "length": q.tickets.len(),
+                // Heads of lines of their own: models on pods of their own wait apart.
+                "heads": q.leaders().len(),
                 "byPriority": bands,
                 "oldestWaitMs": oldest.map(|t| now.saturating_sub(t)),
             })
@@ -217,8 +219,9 @@ fn render_html(page: &Value) -> String {
     );
     let q = &page["queue"];
     html.push_str(&format!(
-        "<p>line: {} waiting (by priority: {}), oldest {} ms; admission {}; seen by VM {}</p>\n",
+        "<p>line: {} waiting behind {} heads (by priority: {}), oldest {} ms; admission {}; seen by VM {}</p>\n",
         cell(&q["length"]),
+        cell(&q["heads"]),
         escape(&q["byPriority"].to_string()),
         cell(&q["oldestWaitMs"]),
         if page["admission"] == Value::Bool(true) {
@@ -347,6 +350,30 @@ mod tests {
             "never scraped: stale, but not held against"
         );
         assert_eq!(page["queue"]["length"], 0);
+        assert_eq!(page["queue"]["heads"], 0);
+        // Two tickets for pods of their own, then one for both, which waits behind them.
+        for (id, reach) in [(1, 1), (2, 2), (3, 3)] {
+            let t = crate::admission::line::Ticket {
+                id,
+                vm: 1,
+                priority: 0,
+                boosted: false,
+                start_tag: 0.0,
+                enqueued_ms: id,
+                deadline_ms: u64::MAX / 2,
+                cost: 10,
+                wants: 0,
+                reach,
+            };
+            crate::admission::line::enqueue(&vm, t, id, 0.0, 10)
+                .unwrap()
+                .unwrap();
+            let Step::Reply(r) = get(&mut gate, &vm, "/kvgate/status", None) else {
+                panic!("no page");
+            };
+            let page: Value = serde_json::from_slice(&r.body).unwrap();
+            assert_eq!(page["queue"]["heads"], json!(id.min(2)), "{id}");
+        }
     }
 
     #[test]

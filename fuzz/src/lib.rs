@@ -132,13 +132,20 @@ pub fn checked_queue(store: &dyn Store) -> QueueRecord {
             w[1]
         );
     }
-    // Each ticket's group head is at or ahead of it and heads its own group, and a ticket heads
-    // its group exactly when no ticket ahead of it may take a pod it may take.
-    let heads = q.leaders();
-    for (i, (&head, t)) in heads.iter().zip(&q.tickets).enumerate() {
-        assert!(head <= i && heads[head] == head, "heads {heads:?}");
+    // A ticket heads a line of its own exactly when no ticket ahead of it may take a pod it may
+    // take; otherwise it waits behind heads ahead of it, each heading a line of its own, at
+    // least one of them sharing a pod with it through its group.
+    let heads = q.heads();
+    for (i, (hs, t)) in heads.iter().zip(&q.tickets).enumerate() {
         let alone = q.tickets[..i].iter().all(|a| a.reach & t.reach == 0);
-        assert_eq!(head == i, alone, "ticket {i} of {q:?}: heads {heads:?}");
+        assert_eq!(hs[..] == [i], alone, "ticket {i} of {q:?}: heads {heads:?}");
+        assert!(
+            !hs.is_empty() && hs.windows(2).all(|w| w[0] < w[1]),
+            "heads {heads:?}"
+        );
+        for &h in hs {
+            assert!(h <= i && heads[h][..] == [h], "ticket {i}: heads {heads:?}");
+        }
     }
     assert!(
         q.virtual_time.is_finite(),

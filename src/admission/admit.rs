@@ -258,7 +258,7 @@ impl Admission {
         if !line.tickets.is_empty() {
             ticket.reach = router.reach(store, model);
         }
-        // Only a request that would head its group of the line may go straight to a pod: nobody
+        // Only a request that would head a line of its own may go straight to a pod: nobody
         // waiting on any worker for a pod it may take is overtaken by a lower-ordered newcomer.
         let mut patient_until_ms = None;
         if line.would_lead(&ticket) {
@@ -408,7 +408,7 @@ impl Admission {
         Ok(())
     }
 
-    /// The first head of a group of the line (`QueueRecord::leaders`) that this VM holds and
+    /// The first head of a line of its own (`QueueRecord::leaders`) that this VM holds and
     /// that is not in `tried`; the VMs holding the heads before it are woken.
     pub fn next_head(
         &mut self,
@@ -419,10 +419,7 @@ impl Admission {
         // loop is bounded by the line's length.
         'read: for _ in 0..64 {
             let line = line::read(store)?;
-            for (i, head) in line.leaders().into_iter().enumerate() {
-                let Some(t) = line.tickets.get(i).filter(|_| head == i) else {
-                    continue;
-                };
+            for t in line.leaders() {
                 if t.vm != self.vm {
                     self.wake(store, t.vm);
                 } else if !self.parked.contains_key(&t.id) {
@@ -437,12 +434,12 @@ impl Admission {
         Ok(None)
     }
 
-    /// This VM's parked tickets that may be admitted past the head of their group now
-    /// (backfills, in line order; `behind`: behind that head only): in their head's band, while
-    /// it has been passed fewer than `admission.backfillPasses` times, or, for requests whose
-    /// prefix is cached where the head would compute its own again (`cache_first`),
+    /// This VM's parked tickets that may be admitted past their heads (`QueueRecord::heads`) now
+    /// (backfills, in line order; `behind`: those behind that head only): in their heads' band,
+    /// while each has been passed fewer than `admission.backfillPasses` times, or, for requests
+    /// whose prefix is cached where the head would compute its own again (`cache_first`),
     /// `cacheFirstPasses` more. Each is then retried like a head (`may_pass` first); its
-    /// admission counts the pass (`line::remove`).
+    /// admission counts the pass against each (`line::remove`).
     pub fn backfill(
         &self,
         store: &dyn Store,
@@ -462,25 +459,28 @@ impl Admission {
             }
         };
         let tickets = &line.tickets;
-        line.leaders()
-            .into_iter()
-            .zip(tickets)
-            .filter_map(|(head, t)| Some((tickets.get(head).filter(|h| h.id != t.id)?, t)))
-            .filter(|(head, t)| {
-                behind.is_none_or(|b| b == head.id)
-                    && t.priority == head.priority
-                    && line.passes(head.id) < passes
-                    && self.parked.contains_key(&t.id)
+        line.heads()
+            .iter()
+            .enumerate()
+            .filter_map(|(i, heads)| {
+                let t = tickets.get(i)?;
+                let heads: Vec<&Ticket> = heads.iter().filter_map(|&h| tickets.get(h)).collect();
+                let passable = heads.iter().all(|h| {
+                    h.id != t.id && h.priority == t.priority && line.passes(h.id) < passes
+                });
+                (passable
+                    && behind.is_none_or(|b| heads.iter().any(|h| h.id == b))
+                    && self.parked.contains_key(&t.id))
+                .then_some(t.id)
             })
             .take(MAX_BACKFILL_SCAN)
-            .map(|(_, t)| t.id)
             .collect()
     }
 
-    /// Whether the head of `ticket`'s group may still be passed, read again before each
-    /// backfill's pick: another worker may have taken the last passes meanwhile, and read once
-    /// for a whole pass over the parked requests each worker could take all of them. True when
-    /// it heads its group now.
+    /// Whether `ticket`'s heads may all still be passed, read again before each backfill's
+    /// pick: another worker may have taken the last passes meanwhile, and read once for a whole
+    /// pass over the parked requests each worker could take all of them. True when it heads a
+    /// line of its own now.
     pub fn may_pass(
         &self,
         store: &dyn Store,
@@ -489,14 +489,19 @@ impl Admission {
         ticket: u64,
     ) -> bool {
         line::read(store).is_ok_and(|line| {
-            let heads = line.leaders();
-            line.tickets
-                .iter()
-                .position(|t| t.id == ticket)
-                .and_then(|i| line.tickets.get(heads.get(i).copied()?))
-                .is_some_and(|head| {
-                    head.id == ticket || line.passes(head.id) < passes_allowed(cfg, cache_first)
+            let Some(i) = line.tickets.iter().position(|t| t.id == ticket) else {
+                return false;
+            };
+            let allowed = passes_allowed(cfg, cache_first);
+            line.heads().get(i).is_some_and(|heads| {
+                heads.iter().all(|&h| {
+                    h == i
+                        || line
+                            .tickets
+                            .get(h)
+                            .is_some_and(|h| line.passes(h.id) < allowed)
                 })
+            })
         })
     }
 
@@ -551,13 +556,11 @@ impl Admission {
         self.wake_head(store)
     }
 
-    /// Budget was released: the head of each group of the line gets a chance.
+    /// Budget was released: every head of a line of its own gets a chance.
     pub fn wake_head(&mut self, store: &dyn Store) -> Result<(), StoreError> {
         let line = line::read(store)?;
-        for (i, head) in line.leaders().into_iter().enumerate() {
-            if let Some(t) = line.tickets.get(i).filter(|_| head == i) {
-                self.wake(store, t.vm);
-            }
+        for t in line.leaders() {
+            self.wake(store, t.vm);
         }
         Ok(())
     }

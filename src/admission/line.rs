@@ -11,12 +11,13 @@
 //! ([`QueueRecord::passes`]).
 //!
 //! Each ticket names the pods it may be sent to (`Ticket::reach`: its model's). Order matters
-//! only between tickets that wait for room on a pod in common: the line is one line per *group*
-//! (the tickets joined by pods in common, directly or through tickets between them), each with
-//! its own head ([`QueueRecord::leaders`]). Pods of one model make one group, and the line is
-//! then the single line above; a second model on pods of its own is not held behind the first
+//! only between tickets that wait for room on a pod in common: a ticket that no ticket ahead of
+//! it shares a pod with heads a line of its own; any other waits behind the heads it is joined
+//! to by pods in common, directly or through tickets between them ([`QueueRecord::heads`]), and
+//! a backfill past them counts a pass against each. Pods of one model make one line with one
+//! head, the single line above; a second model on pods of its own is not held behind the first
 //! model's head (measured: with one model's pods saturated, 1–2 % of another model's requests,
-//! whose pods were idle, waited 0.3–0.7 s behind its line).
+//! whose pods were idle, waited 0.15–0.6 s behind its line).
 //!
 //! Bound (docs/design.md): within a band, a ticket with start tag S is admitted after at most
 //! the tickets with smaller tags, plus at most `backfillPasses` backfills (a few more when
@@ -24,8 +25,8 @@
 //! has a tag of at least V − credit, and V never passes S while S waits (a backfill moves V no
 //! further than the head's tag), so what can overtake it is bounded by the tenants' backlogs
 //! ahead of S, one boost credit and the backfills — however large the ticket's own cost. The
-//! same holds in each group: a ticket is passed only by its group's tickets as above, and by
-//! tickets that cannot take the room it waits for.
+//! same holds for each head: it is passed only by the tickets behind it as above, and by tickets
+//! that cannot take the room it waits for.
 
 use crate::store::codec::{Reader, Writer};
 use crate::store::interface::{create_if_missing, update, Store, StoreError};
@@ -89,7 +90,7 @@ pub struct QueueRecord {
     pub tenants: Vec<(u64, f64)>,
     /// Kept sorted by `order`.
     pub tickets: Vec<Ticket>,
-    /// Tickets admitted past a group's head (`(head id, how many)`), for the backfill bound;
+    /// Tickets admitted past a head (`(head id, how many)`), for the backfill bound;
     /// only for tickets still in the line. The first ticket's is also written where a module
     /// from before reaches reads it (after the tickets: a record without it, older still, reads
     /// as no passes).
@@ -121,7 +122,7 @@ impl QueueRecord {
         for t in &self.tickets {
             w.u64(t.wants);
         }
-        // And the reaches and every group's passes after those.
+        // And the reaches and every head's passes after those.
         w.u32(self.tickets.len() as u32);
         for t in &self.tickets {
             w.u64(t.reach);
@@ -182,7 +183,7 @@ impl QueueRecord {
         })
     }
 
-    /// Tickets admitted past the ticket `id` while it headed its group.
+    /// Tickets admitted past the ticket `id` while it headed a line of its own.
     pub fn passes(&self, id: u64) -> u32 {
         self.passes
             .iter()
@@ -190,28 +191,43 @@ impl QueueRecord {
             .map_or(0, |(_, n)| *n)
     }
 
-    /// The head of each ticket's group, by index, in line order: the first of the tickets that
-    /// wait for room on a pod in common with it, directly or through tickets between them, among
-    /// those up to it (itself when none is ahead). A ticket is its own head when no ticket ahead
-    /// of it may take a pod it may take. `O(n · groups)`; groups are at most 64 (the bits).
-    pub fn leaders(&self) -> Vec<usize> {
-        // Each group so far: the pods its tickets may take, and its head.
-        let mut groups: Vec<(u64, usize)> = Vec::new();
-        let mut heads = Vec::with_capacity(self.tickets.len());
+    /// For each ticket, by index in line order, the heads it waits behind: the tickets ahead of
+    /// it, or itself, that no ticket ahead of them shares a pod with, and to which it is joined
+    /// by pods in common, directly or through tickets between them (its group). Just itself when
+    /// no ticket ahead of it may take a pod it may take: then it heads a line of its own.
+    /// Ascending. `O(n · groups)`; groups are at most 64 (the bits).
+    pub fn heads(&self) -> Vec<Vec<usize>> {
+        // Each group so far: the pods its tickets may take, and its heads.
+        let mut groups: Vec<(u64, Vec<usize>)> = Vec::new();
+        let mut out = Vec::with_capacity(self.tickets.len());
         for (i, t) in self.tickets.iter().enumerate() {
-            let (mut reach, mut head) = (t.reach, i);
-            groups.retain(|&(r, h)| {
-                let joins = r & t.reach != 0;
+            let (mut reach, mut heads) = (t.reach, Vec::new());
+            groups.retain_mut(|(r, h)| {
+                let joins = *r & t.reach != 0;
                 if joins {
-                    reach |= r;
-                    head = head.min(h);
+                    reach |= *r;
+                    heads.append(h);
                 }
                 !joins
             });
-            groups.push((reach, head));
-            heads.push(head);
+            if heads.is_empty() {
+                heads.push(i);
+            }
+            heads.sort_unstable();
+            out.push(heads.clone());
+            groups.push((reach, heads));
         }
-        heads
+        out
+    }
+
+    /// The tickets that head a line of their own (`heads`), in line order.
+    pub fn leaders(&self) -> Vec<&Ticket> {
+        self.heads()
+            .iter()
+            .enumerate()
+            .filter(|(i, heads)| heads[..] == [*i])
+            .filter_map(|(i, _)| self.tickets.get(i))
+            .collect()
     }
 
     fn pass(&mut self, head: u64) {
@@ -248,7 +264,7 @@ impl QueueRecord {
         }
     }
 
-    /// Whether a request with this key would head its group: no ticket ahead of it may take a
+    /// Whether a request with this key would head a line of its own: no ticket ahead of it may take a
     /// pod it may take.
     pub fn would_lead(&self, candidate: &Ticket) -> bool {
         self.tickets
@@ -325,22 +341,27 @@ pub fn enqueue(
 
 /// Leaves the line (admitted, timed out or gone), exactly once: true the first time. An admitted
 /// ticket advances the virtual time to its start tag, but never past the first ticket's; one
-/// admitted from behind its group's head (a backfill) counts a pass against that head.
+/// admitted from behind heads (a backfill) counts a pass against each.
 pub fn remove(store: &dyn Store, id: u64, admitted: bool) -> Result<bool, StoreError> {
     Ok(modify(store, |q| {
         let i = q.tickets.iter().position(|t| t.id == id)?;
-        let head = q.leaders().get(i).copied().unwrap_or(i);
+        // Heads it passes, if admitted: ahead of it, so where they were.
+        let passed: Vec<u64> = q
+            .heads()
+            .get(i)
+            .into_iter()
+            .flatten()
+            .filter(|&&h| h < i)
+            .filter_map(|&h| q.tickets.get(h).map(|h| h.id))
+            .collect();
         let t = q.tickets.remove(i);
         if admitted {
             let mut tag = t.start_tag;
             if let Some(first) = q.tickets.first().filter(|_| i > 0) {
                 tag = tag.min(first.start_tag);
             }
-            if head < i {
-                // Ahead of `i`, so where it was.
-                if let Some(h) = q.tickets.get(head).map(|h| h.id) {
-                    q.pass(h);
-                }
+            for h in passed {
+                q.pass(h);
             }
             q.virtual_time = q.virtual_time.max(tag);
         }
@@ -620,8 +641,16 @@ mod tests {
         // Two models on pods of their own (bits 1 and 2), one on both (3), one unknown.
         line_of(&vm, &[1, 2, 1, 2, 3, 1, ANYWHERE]);
         let q = read(&vm).unwrap();
-        assert_eq!(q.leaders(), vec![0, 1, 0, 1, 0, 0, 0]);
-        // A newcomer heads its group when nobody ahead of it may take its pods.
+        let heads = q.heads();
+        assert_eq!(heads[..4], [vec![0], vec![1], vec![0], vec![1]]);
+        assert_eq!(
+            heads[4..],
+            [vec![0, 1], vec![0, 1], vec![0, 1]],
+            "3 joins them"
+        );
+        let leaders: Vec<u64> = q.leaders().iter().map(|t| t.id).collect();
+        assert_eq!(leaders, vec![1, 2]);
+        // A newcomer heads a line of its own when nobody ahead of it may take its pods.
         let last = |reach| Ticket {
             reach,
             start_tag: 1e9,
@@ -637,14 +666,25 @@ mod tests {
     }
 
     #[test]
-    fn a_pass_counts_against_the_head_of_the_backfills_group_only() {
+    fn a_backfill_that_shares_pods_with_two_heads_passes_both() {
+        let vm = FakeHost::new().vm();
+        line_of(&vm, &[1, 2, 3]);
+        assert!(remove(&vm, 3, true).unwrap());
+        assert_eq!(read(&vm).unwrap().passes, vec![(1, 1), (2, 1)]);
+    }
+
+    #[test]
+    fn a_pass_counts_against_the_backfills_own_heads_only() {
         let vm = FakeHost::new().vm();
         line_of(&vm, &[1, 2, 1, 2]);
         assert!(remove(&vm, 3, true).unwrap(), "3 backfills past 1");
-        assert!(remove(&vm, 2, true).unwrap(), "2 heads its group: no pass");
+        assert!(
+            remove(&vm, 2, true).unwrap(),
+            "2 heads a line of its own: no pass"
+        );
         let q = read(&vm).unwrap();
         assert_eq!(q.passes, vec![(1, 1)]);
-        assert_eq!(q.leaders(), vec![0, 1], "4 heads its group now");
+        assert_eq!(q.heads(), vec![vec![0], vec![1]], "4 heads its line now");
         assert_eq!(
             q.virtual_time, 0.0,
             "the virtual time stays behind the first ticket's tag"
