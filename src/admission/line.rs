@@ -388,12 +388,16 @@ pub fn set_wants(store: &dyn Store, id: u64, wants: u64, reach: u64) -> Result<(
 }
 
 /// A request admitted without waiting still pays its tenant's share, so a tenant that had the
-/// pool to itself does not arrive at the next contention with a clean slate.
+/// pool to itself does not arrive at the next contention with a clean slate. The virtual time
+/// moves no further than the first waiting ticket's tag: a request heading a line of its own
+/// (another model's pods) may be admitted past tickets with earlier tags, and a virtual time past
+/// theirs would start a light tenant's next ticket behind them.
 pub fn charge_direct(store: &dyn Store, tenant: u64, cost: u64) -> Result<(), StoreError> {
     modify(store, |q| {
         let start = q.virtual_time.max(q.tenant_finish(tenant));
         q.charge(tenant, start, cost);
-        q.virtual_time = q.virtual_time.max(start);
+        let waiting = q.tickets.first().map_or(f64::INFINITY, |t| t.start_tag);
+        q.virtual_time = q.virtual_time.max(start.min(waiting));
         Some(())
     })
     .map(|_| ())
@@ -663,6 +667,25 @@ mod tests {
         assert!(q.would_lead(&last(4)), "a third model's pods");
         assert!(!q.would_lead(&last(2)), "behind 2 and 3");
         assert!(!q.would_lead(&last(ANYWHERE)));
+    }
+
+    #[test]
+    fn a_request_sent_past_waiting_tickets_leaves_the_virtual_time_behind_them() {
+        let vm = FakeHost::new().vm();
+        // Tenant 1 has been sent much; one ticket of tenant 2 waits for pods 1.
+        charge_direct(&vm, 1, 5_000).unwrap();
+        line_of(&vm, &[1]);
+        let waiting = read(&vm).unwrap().tickets[0].start_tag;
+        // Tenant 1 goes straight to pods 2 twice: its tags are far ahead of the waiting one's.
+        charge_direct(&vm, 1, 100).unwrap();
+        charge_direct(&vm, 1, 100).unwrap();
+        let q = read(&vm).unwrap();
+        assert!(q.virtual_time <= waiting, "{} > {waiting}", q.virtual_time);
+        assert_eq!(
+            q.start_tag(3, 0.0),
+            q.virtual_time,
+            "a new tenant starts with it"
+        );
     }
 
     #[test]
