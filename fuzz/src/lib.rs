@@ -135,7 +135,7 @@ pub fn checked_queue(store: &dyn Store) -> QueueRecord {
     // A ticket heads a line of its own exactly when no ticket ahead of it may take a pod it may
     // take; otherwise it waits behind heads ahead of it, each heading a line of its own, at
     // least one of them sharing a pod with it through its group.
-    let heads = q.heads();
+    let heads: Vec<Vec<usize>> = (0..q.tickets.len()).map(|i| q.heads_of(i)).collect();
     for (i, (hs, t)) in heads.iter().zip(&q.tickets).enumerate() {
         let alone = q.tickets[..i].iter().all(|a| a.reach & t.reach == 0);
         assert_eq!(hs[..] == [i], alone, "ticket {i} of {q:?}: heads {heads:?}");

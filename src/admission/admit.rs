@@ -459,22 +459,24 @@ impl Admission {
             }
         };
         let tickets = &line.tickets;
-        line.heads()
-            .iter()
-            .enumerate()
-            .filter_map(|(i, heads)| {
-                let t = tickets.get(i)?;
-                let heads: Vec<&Ticket> = heads.iter().filter_map(|&h| tickets.get(h)).collect();
-                let passable = heads.iter().all(|h| {
-                    h.id != t.id && h.priority == t.priority && line.passes(h.id) < passes
-                });
-                (passable
-                    && behind.is_none_or(|b| heads.iter().any(|h| h.id == b))
-                    && self.parked.contains_key(&t.id))
-                .then_some(t.id)
-            })
-            .take(MAX_BACKFILL_SCAN)
-            .collect()
+        let mut out = Vec::new();
+        line.visit_heads(|i, heads| {
+            let Some(t) = tickets.get(i) else {
+                return false;
+            };
+            let mut heads = heads.iter().filter_map(|&h| tickets.get(h));
+            let passable = heads
+                .clone()
+                .all(|h| h.id != t.id && h.priority == t.priority && line.passes(h.id) < passes);
+            if passable
+                && behind.is_none_or(|b| heads.any(|h| h.id == b))
+                && self.parked.contains_key(&t.id)
+            {
+                out.push(t.id);
+            }
+            out.len() < MAX_BACKFILL_SCAN
+        });
+        out
     }
 
     /// Whether `ticket`'s heads may all still be passed, read again before each backfill's
@@ -493,14 +495,12 @@ impl Admission {
                 return false;
             };
             let allowed = passes_allowed(cfg, cache_first);
-            line.heads().get(i).is_some_and(|heads| {
-                heads.iter().all(|&h| {
-                    h == i
-                        || line
-                            .tickets
-                            .get(h)
-                            .is_some_and(|h| line.passes(h.id) < allowed)
-                })
+            line.heads_of(i).iter().all(|&h| {
+                h == i
+                    || line
+                        .tickets
+                        .get(h)
+                        .is_some_and(|h| line.passes(h.id) < allowed)
             })
         })
     }

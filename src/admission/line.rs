@@ -191,43 +191,75 @@ impl QueueRecord {
             .map_or(0, |(_, n)| *n)
     }
 
-    /// For each ticket, by index in line order, the heads it waits behind: the tickets ahead of
-    /// it, or itself, that no ticket ahead of them shares a pod with, and to which it is joined
-    /// by pods in common, directly or through tickets between them (its group). Just itself when
-    /// no ticket ahead of it may take a pod it may take: then it heads a line of its own.
-    /// Ascending. `O(n · groups)`; groups are at most 64 (the bits).
-    pub fn heads(&self) -> Vec<Vec<usize>> {
+    /// Calls `f` with each ticket's index, in line order, and the heads it waits behind: the
+    /// tickets ahead of it, or itself, that no ticket ahead of them shares a pod with, and to
+    /// which it is joined by pods in common, directly or through tickets between them (its
+    /// group). Just itself when no ticket ahead of it may take a pod it may take: then it heads a
+    /// line of its own. Ascending. Stops when `f` returns false. `O(n · groups)`, groups at most
+    /// 64 (the bits), allocating only as groups form or join: this runs on every release.
+    pub fn visit_heads(&self, mut f: impl FnMut(usize, &[usize]) -> bool) {
         // Each group so far: the pods its tickets may take, and its heads.
         let mut groups: Vec<(u64, Vec<usize>)> = Vec::new();
-        let mut out = Vec::with_capacity(self.tickets.len());
         for (i, t) in self.tickets.iter().enumerate() {
-            let (mut reach, mut heads) = (t.reach, Vec::new());
-            groups.retain_mut(|(r, h)| {
-                let joins = *r & t.reach != 0;
-                if joins {
-                    reach |= *r;
-                    heads.append(h);
+            let mut joined = groups
+                .iter()
+                .enumerate()
+                .filter(|(_, g)| g.0 & t.reach != 0)
+                .map(|(k, _)| k);
+            let at = match (joined.next(), joined.next()) {
+                (Some(k), None) => k,
+                (None, _) => {
+                    groups.push((t.reach, vec![i]));
+                    groups.len() - 1
                 }
-                !joins
-            });
-            if heads.is_empty() {
-                heads.push(i);
+                (Some(_), Some(_)) => {
+                    // It joins several groups into one.
+                    let (mut reach, mut heads) = (t.reach, Vec::new());
+                    groups.retain_mut(|(r, h)| {
+                        let joins = *r & t.reach != 0;
+                        if joins {
+                            reach |= *r;
+                            heads.append(h);
+                        }
+                        !joins
+                    });
+                    heads.sort_unstable();
+                    groups.push((reach, heads));
+                    groups.len() - 1
+                }
+            };
+            let Some(group) = groups.get_mut(at) else {
+                return;
+            };
+            group.0 |= t.reach;
+            if !f(i, &group.1) {
+                return;
             }
-            heads.sort_unstable();
-            out.push(heads.clone());
-            groups.push((reach, heads));
         }
+    }
+
+    /// The heads ticket `i` waits behind (`visit_heads`); empty past the line's end.
+    pub fn heads_of(&self, i: usize) -> Vec<usize> {
+        let mut out = Vec::new();
+        self.visit_heads(|k, heads| {
+            if k == i {
+                out = heads.to_vec();
+            }
+            k < i
+        });
         out
     }
 
-    /// The tickets that head a line of their own (`heads`), in line order.
+    /// The tickets that head a line of their own (`visit_heads`), in line order.
     pub fn leaders(&self) -> Vec<&Ticket> {
-        self.heads()
-            .iter()
-            .enumerate()
-            .filter(|(i, heads)| heads[..] == [*i])
-            .filter_map(|(i, _)| self.tickets.get(i))
-            .collect()
+        let mut out = Vec::new();
+        self.visit_heads(|i, heads| {
+            if heads[..] == [i] {
+                out.extend(self.tickets.get(i));
+            }
+            true
+        });
+        out
     }
 
     fn pass(&mut self, head: u64) {
@@ -347,10 +379,8 @@ pub fn remove(store: &dyn Store, id: u64, admitted: bool) -> Result<bool, StoreE
         let i = q.tickets.iter().position(|t| t.id == id)?;
         // Heads it passes, if admitted: ahead of it, so where they were.
         let passed: Vec<u64> = q
-            .heads()
-            .get(i)
-            .into_iter()
-            .flatten()
+            .heads_of(i)
+            .iter()
             .filter(|&&h| h < i)
             .filter_map(|&h| q.tickets.get(h).map(|h| h.id))
             .collect();
@@ -645,7 +675,8 @@ mod tests {
         // Two models on pods of their own (bits 1 and 2), one on both (3), one unknown.
         line_of(&vm, &[1, 2, 1, 2, 3, 1, ANYWHERE]);
         let q = read(&vm).unwrap();
-        let heads = q.heads();
+        let heads: Vec<Vec<usize>> = (0..7).map(|i| q.heads_of(i)).collect();
+        assert!(q.heads_of(7).is_empty());
         assert_eq!(heads[..4], [vec![0], vec![1], vec![0], vec![1]]);
         assert_eq!(
             heads[4..],
@@ -707,7 +738,11 @@ mod tests {
         );
         let q = read(&vm).unwrap();
         assert_eq!(q.passes, vec![(1, 1)]);
-        assert_eq!(q.heads(), vec![vec![0], vec![1]], "4 heads its line now");
+        assert_eq!(
+            (q.heads_of(0), q.heads_of(1)),
+            (vec![0], vec![1]),
+            "4 heads a line of its own now"
+        );
         assert_eq!(
             q.virtual_time, 0.0,
             "the virtual time stays behind the first ticket's tag"
