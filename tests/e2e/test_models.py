@@ -111,6 +111,45 @@ def test_a_model_whose_pods_have_room_is_not_held_behind_another_models_line(con
         assert sum(a.stats(i)["preemptions"] for i in range(2)) == 0
 
 
+def test_a_models_waiting_requests_are_counted_apart_from_another_models_for_max_queue():
+    """Both models saturated, each on two pods of 4k tokens (about 12 of these requests fit a
+    model's pods), admission.maxQueue 16: model-a's 48 clients overflow its line and some get 429,
+    while model-b's 24 clients, 12 of them waiting at a time, all get through. Before (one count
+    for the whole line), model-a's waiting requests filled it and model-b's were refused too."""
+    def body(model, i):
+        return dict(unshared_chat(i, 300, 300), model=model)
+
+    kv = ["--time-scale", "10", "--num-gpu-blocks", "256"]
+    cfg = default_plugin_config()
+    cfg.setdefault("admission", {})["maxQueue"] = 16
+    with Sim(pods=2, args=kv + ["--served-model-name", "model-a"]) as a, \
+            Sim(pods=2, args=kv + ["--served-model-name", "model-b"]) as b, \
+            kvgate_envoy(a.endpoints + b.endpoints, cfg, concurrency=2) as envoy:
+        assert lists_read(envoy, 4)
+
+        def flood_a(c):
+            # Closed loop until model-b is done: a refused client sends again.
+            out, i = [], 0
+            while not b_done.is_set():
+                out.append(stream(envoy.port, "/v1/chat/completions", body("model-a", 1_000 * c + i)))
+                i += 1
+            return out
+
+        b_done = threading.Event()
+        with ThreadPoolExecutor(48) as a_pool:
+            a_runs = [a_pool.submit(flood_a, c) for c in range(48)]
+            time.sleep(0.5)
+            with ThreadPoolExecutor(24) as pool:
+                b_answers = list(pool.map(
+                    lambda i: stream(envoy.port, "/v1/chat/completions", body("model-b", 100_000 + i)), range(72)))
+            b_done.set()
+            a_answers = [x for run in a_runs for x in run.result()]
+        a_status, b_status = Counter(x["status"] for x in a_answers), Counter(x["status"] for x in b_answers)
+        print(f"model-a {dict(a_status)}, model-b {dict(b_status)}")
+        assert a_status[429] > 0, a_status
+        assert b_status == {200: 72}, b_status
+
+
 def test_a_90_10_split_holds_within_3_percent_and_the_upstream_sees_the_target():
     plugin = default_plugin_config()
     # The stub serves no metrics: without a fixed budget a pod never scraped takes one request
