@@ -396,7 +396,7 @@ impl Gate {
         self.admission.wake_queue()
     }
 
-    /// Woken (or ticking): the first head of a group of the line that this VM holds and has not
+    /// Woken (or ticking): the first head of a line of its own that this VM holds and has not
     /// `tried` in this pass (`Admission::next_head`), having emptied the wake queue. The shell
     /// retries that request and asks again until `None`.
     pub fn next_parked(&mut self, store: &dyn Store, tried: &[u64]) -> Option<u64> {
@@ -410,15 +410,15 @@ impl Gate {
         })
     }
 
-    /// This VM's parked requests that may be admitted past the head of their group now
+    /// This VM's parked requests that may be admitted past their heads now
     /// (`cache_first`: into room where their prefix is, which the head would copy its own to;
-    /// `behind`: behind that head only).
+    /// `behind`: those behind that head only).
     pub fn backfill(&self, store: &dyn Store, cache_first: bool, behind: Option<u64>) -> Vec<u64> {
         self.admission
             .backfill(store, &self.config.admission, cache_first, behind)
     }
 
-    /// Whether the head of `ticket`'s group may still be passed (`Admission::may_pass`).
+    /// Whether `ticket`'s heads may all still be passed (`Admission::may_pass`).
     pub fn may_pass(&self, store: &dyn Store, cache_first: bool, ticket: u64) -> bool {
         self.admission
             .may_pass(store, &self.config.admission, cache_first, ticket)

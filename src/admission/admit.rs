@@ -434,12 +434,13 @@ impl Admission {
         Ok(None)
     }
 
-    /// This VM's parked tickets that may be admitted past their heads (`QueueRecord::heads`) now
-    /// (backfills, in line order; `behind`: those behind that head only): in their heads' band,
-    /// while each has been passed fewer than `admission.backfillPasses` times, or, for requests
-    /// whose prefix is cached where the head would compute its own again (`cache_first`),
-    /// `cacheFirstPasses` more. Each is then retried like a head (`may_pass` first); its
-    /// admission counts the pass against each (`line::remove`).
+    /// This VM's parked tickets that may be admitted past their heads
+    /// (`QueueRecord::visit_heads`) now (backfills, in line order; `behind`: those behind that
+    /// head only): in their heads' band, while each has been passed fewer than
+    /// `admission.backfillPasses` times, or, for requests whose prefix is cached where the head
+    /// would compute its own again (`cache_first`), `cacheFirstPasses` more. Each is then
+    /// retried like a head (`may_pass` first); its admission counts the pass against each
+    /// (`line::remove`).
     pub fn backfill(
         &self,
         store: &dyn Store,

@@ -13,11 +13,11 @@
 //! Each ticket names the pods it may be sent to (`Ticket::reach`: its model's). Order matters
 //! only between tickets that wait for room on a pod in common: a ticket that no ticket ahead of
 //! it shares a pod with heads a line of its own; any other waits behind the heads it is joined
-//! to by pods in common, directly or through tickets between them ([`QueueRecord::heads`]), and
-//! a backfill past them counts a pass against each. Pods of one model make one line with one
-//! head, the single line above; a second model on pods of its own is not held behind the first
-//! model's head (measured: with one model's pods saturated, 1–2 % of another model's requests,
-//! whose pods were idle, waited 0.15–0.6 s behind its line).
+//! to by pods in common, directly or through tickets between them
+//! ([`QueueRecord::visit_heads`]), and a backfill past them counts a pass against each. Pods of
+//! one model make one line with one head, the single line above; a second model on pods of its
+//! own is not held behind the first model's head (measured: with one model's pods saturated,
+//! 1–2 % of another model's requests, whose pods were idle, waited 0.15–0.6 s behind its line).
 //!
 //! Bound (docs/design.md): within a band, a ticket with start tag S is admitted after at most
 //! the tickets with smaller tags, plus at most `backfillPasses` backfills (a few more when
@@ -296,8 +296,8 @@ impl QueueRecord {
         }
     }
 
-    /// Whether a request with this key would head a line of its own: no ticket ahead of it may take a
-    /// pod it may take.
+    /// Whether a request with this key would head a line of its own: no ticket ahead of it may
+    /// take a pod it may take.
     pub fn would_lead(&self, candidate: &Ticket) -> bool {
         self.tickets
             .iter()
