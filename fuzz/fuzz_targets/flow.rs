@@ -141,6 +141,11 @@ enum Answer {
     Clusters {
         mask: u8,
     },
+    /// A pod's model list naming some of the models requests ask for: pods of different
+    /// models make lines of their own.
+    Models {
+        mask: u8,
+    },
     Refused,
     Raw(Vec<u8>),
 }
@@ -445,6 +450,17 @@ fn answer_bytes(a: &Answer) -> Vec<u8> {
                 })
                 .collect();
             json!({"cluster_statuses": [{"name": "models", "host_statuses": hosts}]})
+                .to_string()
+                .into_bytes()
+        }
+        Answer::Models { mask } => {
+            let data: Vec<serde_json::Value> = MODELS
+                .iter()
+                .enumerate()
+                .filter(|(i, m)| mask & (1 << i) != 0 && !m.is_empty())
+                .map(|(_, m)| json!({"id": m, "object": "model", "owned_by": "vllm", "root": m, "parent": null}))
+                .collect();
+            json!({"object": "list", "data": data})
                 .to_string()
                 .into_bytes()
         }
