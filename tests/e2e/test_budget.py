@@ -157,9 +157,16 @@ def check_promise(samples, bounded, delivered_lag, ports=None):
             lag = (BLOCK - 1 + delivered_lag) * (g["in_flight"].get(pod, 0) + most.get(pod, 0))
             assert not bounded or reserved <= nominal[pod] + lag, (pod, reserved, nominal[pod], lag)
     index = {f"127_0_0_1_{p}": i for i, p in enumerate(ports or [])}
-    for pods, g in samples:
+    for k, (_, g) in enumerate(samples):
         for pod, blocks in g["active_blocks"].items():
-            engine = pods[index[pod]]["kv_blocks_used"] if pod in index else None
+            # The gauge is written at its worker's tick (every 250 ms), so it may show the pod as
+            # it was up to a tick before the engine's sample: the engine's fullest over the last
+            # half second of samples is what it is held to. (Against the same sample alone, this
+            # failed one CI run in about thirty: 265 blocks predicted while the engine, sampled
+            # just then, held 201, at this test's ten-fold clock ~400 tokens a request a tick.)
+            recent = [s[index[pod]]["kv_blocks_used"] for s, _ in samples[max(0, k - 10):k + 1]] \
+                if pod in index else []
+            engine = max(recent) if recent else None
             assert blocks <= BLOCKS or (engine is not None and engine >= 0.9 * BLOCKS), \
                 f"kvgate predicts {blocks} blocks on a {BLOCKS}-block pod {pod} (its engine: {engine})"
 
