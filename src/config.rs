@@ -247,6 +247,10 @@ pub struct RoutingConfig {
     pub set_original_dst_header: bool,
     /// An in-flight entry lives this long without news of its stream.
     pub request_ttl_ms: u64,
+    /// How long a request naming a stored response no note here names is held while the pods
+    /// that may store it are asked (`routing::stored_ask`, through `metrics.cluster`); 0: never
+    /// asked, such a request is routed by cost.
+    pub stored_lookup_ms: u64,
 }
 
 impl Default for RoutingConfig {
@@ -271,6 +275,7 @@ impl Default for RoutingConfig {
             fallback_pods: 2,
             set_original_dst_header: false,
             request_ttl_ms: 660_000,
+            stored_lookup_ms: 500,
         }
     }
 }
@@ -544,6 +549,9 @@ impl RoutingConfig {
             if !(w.is_finite() && w >= 0.0) {
                 return e(name, "must be a finite number >= 0");
             }
+        }
+        if self.stored_lookup_ms > 10_000 {
+            return e("storedLookupMs", "must be at most 10000");
         }
         if self.max_prompt_blocks == 0 || self.pod_capacity_blocks == 0 {
             return e("maxPromptBlocks", "block limits must be > 0");

@@ -364,8 +364,8 @@ impl Gate {
         }
     }
 
-    /// A request of this VM's is held for another replica's note of a stored response until
-    /// `until_ms` at most: the quick tick looks for it meanwhile.
+    /// A request of this VM's is held for a stored response's place (another replica's note, the
+    /// pods' answers) until `until_ms` at most: the quick tick looks for it meanwhile.
     pub(crate) fn seeking_until(&mut self, until_ms: u64) {
         self.seeking_until_ms = Some(self.seeking_until_ms.unwrap_or(0).max(until_ms));
     }

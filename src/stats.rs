@@ -59,11 +59,17 @@ catalog! {
     /// (`routing::stored`; `/v1/responses/{id}` calls go there too, uncounted).
     STORED_FOLLOWED = "kvgate.stored.followed";
     /// Those naming a response this Envoy did not see stored, nor heard of from another replica
-    /// (before it started, or forgotten past 4,096): routed as any request, the engine answers.
+    /// (before it started, or forgotten past 4,096), nor found by asking the pods: routed as
+    /// any request, the engine answers.
     STORED_UNKNOWN = "kvgate.stored.unknown";
     /// Requests naming a stored response this replica had not heard of, held for another
     /// replica's note of it (`etcd.followUpWaitMs`), found or not.
     STORED_WAITED = "kvgate.stored.waited";
+    /// Requests naming a stored response no note here names, held while the pods that may store
+    /// it were asked for it (`routing.storedLookupMs`), found or not.
+    STORED_ASKED = "kvgate.stored.asked";
+    /// Of those, the ones a pod answered it stores: sent there.
+    STORED_FOUND = "kvgate.stored.found";
     /// Prompt blocks of routed requests.
     PREFIX_BLOCKS_TOTAL = "kvgate.prefix.blocks_total";
     /// Of those, blocks the chosen pod was believed to cache.

@@ -94,6 +94,7 @@ fn run(config: Config) {
                 Target::Models(_) => MODELS,
                 // The first call of a replicas' sync is a lease grant.
                 Target::Etcd => br#"{"header":{},"ID":"7","TTL":"10"}"#.as_slice(),
+                Target::Stored(_) => panic!("a gate's tick asked for a stored response"),
             };
             gate.on_call_response(&vm, &call.target, Some(200), body);
         }

@@ -9,7 +9,8 @@
 //! target's `Waiting`; a parked stream can vanish (reset, its on_done not delivered yet), which
 //! the driver must release itself. With replicas on (etcd's calls answered arbitrarily), a
 //! request naming a stored response no note names is held, and asked again on its worker's
-//! ticks (`Flow::sought`) while notes arrive (`Op::Note`) and the clock moves.
+//! ticks (`Flow::sought`) while notes arrive (`Op::Note`) and the clock moves; with a metrics
+//! cluster, while the pods asked for it answer (`Op::Ask`), as arbitrarily.
 //!
 //! Invariants: nothing panics; the destination header is always stripped and, when set, names
 //! only pods the deciding worker knows; local replies carry an expected status; pod records never
@@ -69,6 +70,8 @@ struct Knobs {
     /// how long a request naming a stored response it has not heard of is held.
     replicas: bool,
     follow_up_wait: u8,
+    /// How long such a request is held while the pods are asked for it (with a metrics cluster).
+    stored_lookup: u8,
 }
 
 #[derive(Arbitrary, Debug)]
@@ -201,6 +204,14 @@ enum Op {
     AdvanceLong {
         s: u8,
     },
+    /// A pod asked whether it stores the response a held stream names answers: a 404, a
+    /// response `resp_<id % 4>` (the one named, or not), no answer, or garbage.
+    Ask {
+        flow: u8,
+        ask: u8,
+        answer: u8,
+        id: u8,
+    },
     /// A note of response `resp_<id % 4>` stored on a pod arrives, as another replica's would
     /// through the sync.
     Note {
@@ -246,6 +257,7 @@ fn config(k: &Knobs) -> Config {
         "routing": {
             "requestTtlMs": pick(&[660_000u64, 3_000, 604_800_000], k.ttl),
             "temperature": if k.temperature { 0.3 } else { 0.0 },
+            "storedLookupMs": pick(&[500u64, 0, 1, 10_000], k.stored_lookup),
         },
         "admission": {
             "enabled": k.admission,
@@ -494,6 +506,8 @@ struct Stream {
     gone: bool,
     /// When kvgate routed it: (clock, op number).
     routed_at: Option<(u64, usize)>,
+    /// While held: the pods asked for the stored response it names, not yet answered.
+    asks: Vec<String>,
 }
 
 struct Worker {
@@ -612,8 +626,45 @@ impl World {
             }
             Step::Reply(_) => State::Replied,
             Step::WaitForBody => panic!("WaitForBody after the whole body"),
-            Step::Hold => State::Held,
+            Step::Hold => {
+                let known = self.workers[w].gate.pods();
+                let asks = self.streams[s].flow.take_asks(None);
+                self.streams[s].asks = asks
+                    .into_iter()
+                    .map(|c| match c.target {
+                        Target::Stored(pod) if known.contains(&pod) => pod,
+                        other => panic!("asked {other:?}, not a known pod"),
+                    })
+                    .collect();
+                State::Held
+            }
         };
+    }
+
+    /// A pod answers a held stream's ask, in the stream's own context as the shell's does.
+    fn answer_ask(&mut self, s: usize, ask: usize, answer: u8, id: u8) {
+        let st = &mut self.streams[s];
+        if st.asks.is_empty() || st.gone {
+            return;
+        }
+        let pod = st.asks.swap_remove(ask % st.asks.len());
+        let found = format!(
+            r#"{{"id":"resp_{}","object":"response","usage":{{"input_tokens":{id},"output_tokens":3}}}}"#,
+            id % 4
+        );
+        let (status, body) = match answer % 4 {
+            0 => (Some(404), br#"{"error":{"message":"not found"}}"#.to_vec()),
+            1 => (Some(200), found.into_bytes()),
+            2 => (None, Vec::new()),
+            _ => (Some(200), b"\xff{".to_vec()),
+        };
+        let Worker { vm, gate, .. } = &mut self.workers[st.worker];
+        if let Some(d) = st.flow.answered(gate, vm, &pod, status, &body) {
+            assert_eq!(st.state, State::Held, "decided while not held");
+            assert_ne!(d.step, Step::Hold, "held again");
+            assert!(d.body.is_none(), "a body set after its callback");
+            self.take(s, d);
+        }
     }
 
     /// Worker `w`'s tick asks its held streams again, as the shell's root does (one reset is
@@ -732,6 +783,7 @@ impl World {
                     pod: None,
                     gone: false,
                     routed_at: None,
+                    asks: Vec::new(),
                 });
                 match d.step {
                     Step::WaitForBody => {
@@ -860,6 +912,16 @@ impl World {
             }
             Op::Advance { ms } => self.host.advance_ms(u64::from(*ms)),
             Op::AdvanceLong { s } => self.host.advance_ms(u64::from(*s) * 1_000),
+            Op::Ask {
+                flow,
+                ask,
+                answer,
+                id,
+            } => {
+                if let Some(s) = self.stream(*flow, |st| *st == State::Held) {
+                    self.answer_ask(s, usize::from(*ask), *answer, *id);
+                }
+            }
             Op::Note { id, pod, tokens } => {
                 let id = stored::id_hash(&format!("resp_{}", id % 4));
                 let pod = POOL[usize::from(*pod) % POOL.len()];

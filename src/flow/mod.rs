@@ -15,9 +15,11 @@ use crate::observe;
 use crate::openai::reply::LocalReply;
 use crate::openai::request::{Api, Request};
 use crate::openai::response::ResponseMeter;
+use crate::pods::scrape::Call;
 use crate::routing::prefix::block_hashes;
 use crate::routing::router::Routed;
 use crate::routing::stored::Stored;
+use crate::routing::stored_ask::{self, Asking};
 use crate::stats;
 use crate::store::interface::Store;
 
@@ -149,13 +151,39 @@ impl Admitted {
     }
 }
 
-/// A request held for another gateway replica's note of the stored response it names
-/// (`Step::Hold`), until it comes or `until_ms`.
+/// A request naming a stored response this replica has no note of, held (`Step::Hold`) for
+/// another replica's note of it, or while the pods are asked for it (`routing::stored_ask`),
+/// until one tells where it is or neither can any more.
 struct Seeking {
     /// When it was held.
     since_ms: u64,
-    until_ms: u64,
+    /// Until when another replica's note may come (`etcd.followUpWaitMs`); 0: none is awaited.
+    note_until_ms: u64,
+    asking: Option<Asking>,
     what: Sought,
+}
+
+impl Seeking {
+    /// The response's place once known (a note, or a pod's answer), and whether the wait is
+    /// over: `(None, false)` while it may still be learned.
+    fn settled(&self, store: &dyn Store, id: Option<&str>) -> (Option<Stored>, bool) {
+        if let Named::On(on) = named(store, id) {
+            return (Some(on), true);
+        }
+        if let Some(found) = self.asking.as_ref().and_then(Asking::found) {
+            return (Some(found.clone()), true);
+        }
+        let now = store.now_ms();
+        // A note may still come until the wait is over, unless every pod said it stores no such
+        // response, or a read of etcd since the hold found no other replica alive (nobody to
+        // send one: a lone replica with `etcd` on held each such request for the whole wait,
+        // before the engine's 404).
+        let note_due = now < self.note_until_ms
+            && !self.asking.as_ref().is_some_and(Asking::nowhere)
+            && !crate::routing::stored::alone_since(store, self.since_ms).unwrap_or(false);
+        let answers_due = self.asking.as_ref().is_some_and(|a| !a.settled(now));
+        (None, !note_due && !answers_due)
+    }
 }
 
 enum Sought {
@@ -170,6 +198,8 @@ pub struct Flow {
     api: Option<Api>,
     class: Class,
     seeking: Option<Seeking>,
+    /// The calls asking the pods for the stored response it is held for, for the shell to send.
+    asks: Vec<Call>,
     admitted: Option<Admitted>,
     meter: Option<ResponseMeter>,
     finished: bool,
@@ -241,7 +271,7 @@ fn follow(gate: &mut Gate, req: &mut Request, on: &Stored) -> u64 {
 }
 
 /// How long a request naming a stored response this replica has not heard of is held for
-/// another replica's note of it (`etcd.followUpWaitMs`), from now; `None`: not held (no
+/// another replica's note of it (`etcd.followUpWaitMs`), from now; `None`: not held for one (no
 /// replicas share etcd, or Envoy's balancer chooses: `routing.mode` `observe` holds nothing).
 fn seek(gate: &mut Gate, store: &dyn Store) -> Option<u64> {
     let e = &gate.config.etcd;
@@ -249,13 +279,62 @@ fn seek(gate: &mut Gate, store: &dyn Store) -> Option<u64> {
         return None;
     }
     let until = store.now_ms().saturating_add(e.follow_up_wait_ms);
-    gate.seeking_until(until);
     // The elected worker syncs at the busy pace meanwhile, to read the note sooner.
     if let Err(e) = crate::routing::stored::seek(store, until) {
         log::debug!("kvgate: marking a stored response sought: {e:?}");
     }
     gate.stats.count(stats::STORED_WAITED, 1);
     Some(until)
+}
+
+/// The pods asked for stored response `id` (`routing::stored_ask`) and the calls that ask them;
+/// `None` when none is asked (`routing.storedLookupMs` 0, no cluster to ask through, no pod
+/// known, or Envoy's balancer chooses). A follow-up's model narrows the pods to those serving
+/// it.
+fn ask(
+    gate: &mut Gate,
+    store: &dyn Store,
+    id: &str,
+    model: Option<&str>,
+) -> Option<(Asking, Vec<Call>)> {
+    let cfg = &gate.config;
+    if !stored_ask::asks(cfg) || !observe::enforces_routing(cfg) {
+        return None;
+    }
+    let pods = match model {
+        Some(model) => gate.router.serving_pods(store, model),
+        None => gate.pods().to_vec(),
+    };
+    if pods.is_empty() {
+        return None;
+    }
+    let until = store.now_ms().saturating_add(cfg.routing.stored_lookup_ms);
+    gate.stats.count(stats::STORED_ASKED, 1);
+    Some(Asking::start(cfg, id, &pods, until))
+}
+
+/// What a request naming a stored response this replica has no note of is held for: another
+/// replica's note (until `note_until_ms`; 0: none awaited), the pods' answers, or both.
+struct Wait {
+    note_until_ms: u64,
+    asking: Option<(Asking, Vec<Call>)>,
+}
+
+/// `None`: held for neither, the request is routed by cost at once (the engine answers, a 404
+/// unless it lands where the response is stored).
+fn wait_for(gate: &mut Gate, store: &dyn Store, id: &str, model: Option<&str>) -> Option<Wait> {
+    let note_until_ms = seek(gate, store).unwrap_or(0);
+    let asking = ask(gate, store, id, model);
+    let until = note_until_ms.max(asking.as_ref().map_or(0, |(a, _)| a.until_ms));
+    if until == 0 {
+        return None;
+    }
+    // The quick tick ends the wait on time, whatever the pods answer.
+    gate.seeking_until(until);
+    Some(Wait {
+        note_until_ms,
+        asking,
+    })
 }
 
 /// The decision for a request kvgate does not read: forwarded, or refused while
@@ -338,20 +417,13 @@ impl Flow {
                 .filter(|_| observe::enforces_routing(cfg));
             return match (named(store, id), id) {
                 (Named::On(s), _) => retrieval(gate, &s.pod),
-                (Named::Unknown, Some(id)) => {
-                    let id = id.to_string();
-                    match seek(gate, store) {
-                        Some(until_ms) => {
-                            self.seeking = Some(Seeking {
-                                since_ms: store.now_ms(),
-                                until_ms,
-                                what: Sought::Retrieval(id),
-                            });
-                            Decision::step(Step::Hold)
-                        }
-                        None => unread(&gate.config),
+                (Named::Unknown, Some(id)) => match wait_for(gate, store, id, None) {
+                    Some(wait) => {
+                        self.hold(store, wait, Sought::Retrieval(id.to_string()));
+                        Decision::step(Step::Hold)
                     }
-                }
+                    None => unread(&gate.config),
+                },
                 _ => unread(cfg),
             };
         };
@@ -406,24 +478,23 @@ impl Flow {
         };
         let only_on = match named(store, req.previous_response.as_deref()) {
             Named::On(on) => Some(follow(gate, &mut req, &on)),
-            Named::Unknown => match seek(gate, store) {
-                Some(until_ms) => {
-                    // Set now, while the body and headers are this callback's to change.
-                    let mut d = Decision::step(Step::Hold);
-                    d.set = std::mem::take(&mut sent_as.headers);
-                    d.body = sent_as.body.take();
-                    self.seeking = Some(Seeking {
-                        since_ms: store.now_ms(),
-                        until_ms,
-                        what: Sought::FollowUp(Box::new((req, sent_as))),
-                    });
-                    return d;
+            Named::Unknown => {
+                let id = req.previous_response.as_deref().unwrap_or_default();
+                match wait_for(gate, store, id, Some(&req.model)) {
+                    Some(wait) => {
+                        // Set now, while the body and headers are this callback's to change.
+                        let mut d = Decision::step(Step::Hold);
+                        d.set = std::mem::take(&mut sent_as.headers);
+                        d.body = sent_as.body.take();
+                        self.hold(store, wait, Sought::FollowUp(Box::new((req, sent_as))));
+                        return d;
+                    }
+                    None => {
+                        gate.stats.count(stats::STORED_UNKNOWN, 1);
+                        None
+                    }
                 }
-                None => {
-                    gate.stats.count(stats::STORED_UNKNOWN, 1);
-                    None
-                }
-            },
+            }
             Named::Nothing => None,
         };
         let SentAs {
@@ -440,27 +511,79 @@ impl Flow {
         decision
     }
 
-    /// Held for another replica's note of the stored response it names (`Step::Hold`): the
-    /// decision, once the note is here or the wait is over; `None` while it still waits.
+    /// Holds the request (`Step::Hold`) for `what` it names, leaving the calls that ask the
+    /// pods for the shell to send (`take_asks`).
+    fn hold(&mut self, store: &dyn Store, wait: Wait, what: Sought) {
+        let (asking, calls) = wait.asking.unzip();
+        self.asks = calls.unwrap_or_default();
+        self.seeking = Some(Seeking {
+            since_ms: store.now_ms(),
+            note_until_ms: wait.note_until_ms,
+            asking,
+            what,
+        });
+    }
+
+    /// The calls asking the pods for the stored response the request is held for, to send now,
+    /// with the client's `authorization` when it sent one (`stored_ask::Asking::authorize`).
+    pub fn take_asks(&mut self, authorization: Option<&str>) -> Vec<Call> {
+        let mut calls = std::mem::take(&mut self.asks);
+        if let Some(auth) = authorization {
+            Asking::authorize(&mut calls, auth);
+        }
+        calls
+    }
+
+    /// Whether the request waits for the pods' answers to calls not yet sent (`take_asks`).
+    pub fn has_asks(&self) -> bool {
+        !self.asks.is_empty()
+    }
+
+    /// A call to `pod` could not be sent: no answer will come from it. The decision waits for
+    /// the tick (`sought`), as the callback that held the request is still running.
+    pub fn unasked(&mut self, pod: &str) {
+        if let Some(asking) = self.seeking.as_mut().and_then(|s| s.asking.as_mut()) {
+            asking.answered(pod, None, &[]);
+        }
+    }
+
+    /// `pod`'s answer to whether it stores the response the request is held for (`status`
+    /// `None`: no answer, or the call could not be sent): the decision once that settles it,
+    /// `None` while it still waits (or was decided before).
+    pub fn answered(
+        &mut self,
+        gate: &mut Gate,
+        store: &dyn Store,
+        pod: &str,
+        status: Option<u32>,
+        body: &[u8],
+    ) -> Option<Decision> {
+        let asking = self.seeking.as_mut()?.asking.as_mut()?;
+        let id = asking.id().to_string();
+        if let Some(found) = asking.answered(pod, status, body) {
+            gate.stats.count(stats::STORED_FOUND, 1);
+            let h = crate::routing::stored::id_hash(&id);
+            // Its next turns need no asking.
+            if let Err(e) = crate::routing::stored::remember(store, h, &found.pod, found.tokens) {
+                log::debug!("kvgate: found stored response not noted: {e:?}");
+            }
+        }
+        self.sought(gate, store)
+    }
+
+    /// Held for the stored response it names (`Step::Hold`): the decision, once a note or a pod
+    /// says where it is, or neither can any more; `None` while it still waits. Asked again at
+    /// each of its worker's ticks, and at each pod's answer (`answered`).
     pub fn sought(&mut self, gate: &mut Gate, store: &dyn Store) -> Option<Decision> {
         let seeking = self.seeking.as_ref()?;
         let id = match &seeking.what {
             Sought::FollowUp(parsed) => parsed.0.previous_response.as_deref(),
             Sought::Retrieval(id) => Some(id.as_str()),
         };
-        // Held until the note comes, the wait is over, or a read of etcd since it was held found
-        // no other replica alive (nobody to send a note: a lone replica with `etcd` on held each
-        // such request for the whole wait, before the engine's 404).
-        let on = match named(store, id) {
-            Named::On(on) => Some(on),
-            _ if store.now_ms() < seeking.until_ms
-                && !crate::routing::stored::alone_since(store, seeking.since_ms)
-                    .unwrap_or(false) =>
-            {
-                return None
-            }
-            _ => None,
-        };
+        let (on, over) = seeking.settled(store, id);
+        if !over {
+            return None;
+        }
         let seeking = self.seeking.take()?;
         Some(match seeking.what {
             Sought::FollowUp(parsed) => {

@@ -578,12 +578,36 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
         }
     }
 
+    /// A streamed Responses API follow-up naming `previous`, through its body: its flow and the
+    /// decision.
+    fn streamed_follow_up(
+        gate: &mut Gate,
+        vm: &crate::store::fake_host::FakeVm,
+        previous: &str,
+    ) -> (Flow, crate::flow::Decision) {
+        let mut f = Flow::default();
+        f.on_request_headers(gate, vm, &RequestHead::json_post("/v1/responses"));
+        let body = format!(
+            r#"{{"model":"m","input":"more","previous_response_id":"{previous}","stream":true}}"#
+        );
+        let d = f.on_body(gate, vm, body.as_bytes());
+        (f, d)
+    }
+
+    /// The pod a decision sends its request to (the first of the destination's list).
+    fn destination(d: &crate::flow::Decision) -> Option<String> {
+        d.set
+            .iter()
+            .find(|(name, _)| name == crate::flow::DESTINATION_HEADER)
+            .map(|(_, v)| v.split(',').next().unwrap_or_default().to_string())
+    }
+
     /// With replicas, a follow-up or a retrieval naming a response this replica has not heard
     /// of is held for another replica's note of it: sent to the pod storing it as soon as the
     /// note is here, by cost once `followUpWaitMs` is over.
     #[test]
     fn a_request_naming_a_response_another_replica_saw_stored_waits_for_its_note() {
-        use crate::flow::{Decision, Step, DESTINATION_HEADER};
+        use crate::flow::Step;
         use crate::gate::{QUICK_TICK_MS, TICK_MS};
         let pods = ["10.0.0.1:80", "10.0.0.2:80", "10.0.0.3:80"];
         let host = FakeHost::new();
@@ -593,21 +617,7 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
         cfg.etcd.replica_id = "r0".into();
         cfg.etcd.busy_sync_interval_ms = 0;
         let mut gate = Gate::new(cfg, &vm).unwrap();
-        let follow_up = |gate: &mut Gate, previous: &str| {
-            let mut f = Flow::default();
-            f.on_request_headers(gate, &vm, &RequestHead::json_post("/v1/responses"));
-            let body = format!(
-                r#"{{"model":"m","input":"more","previous_response_id":"{previous}","stream":true}}"#
-            );
-            let d = f.on_body(gate, &vm, body.as_bytes());
-            (f, d)
-        };
-        let destination = |d: &Decision| {
-            d.set
-                .iter()
-                .find(|(name, _)| name == DESTINATION_HEADER)
-                .map(|(_, v)| v.split(',').next().unwrap_or_default().to_string())
-        };
+        let follow_up = |gate: &mut Gate, previous: &str| streamed_follow_up(gate, &vm, previous);
         let (mut f, d) = follow_up(&mut gate, "resp_far");
         assert_eq!(d.step, Step::Hold);
         assert!(stored::sought(&vm).unwrap(), "the sync is told to hurry");
@@ -676,6 +686,178 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
         let (_, d) = follow_up(&mut gate, "resp_other");
         assert_eq!(d.step, Step::Forward);
         assert_eq!(gate.stats.take_count(stats::STORED_UNKNOWN), 2);
+    }
+
+    /// A request naming a response no note names (made before this Envoy started, forgotten,
+    /// or seen by a replica sharing no etcd) is held while each pod is asked for it, with the
+    /// client's key: it goes to the first that has it, counted with the conversation its answer
+    /// reports, and its next turns need no asking; by cost once every pod has said no, a call
+    /// could not be sent, or the time is up.
+    #[test]
+    fn a_request_naming_a_response_no_note_names_asks_the_pods_and_goes_where_it_is_stored() {
+        use crate::flow::Step;
+        use crate::gate::QUICK_TICK_MS;
+        use crate::pods::scrape::Target;
+        use crate::stats::{Name, Stat};
+        let pods = ["10.0.0.1:80", "10.0.0.2:80", "10.0.0.3:80"];
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let mut cfg = crate::test_support::with_pods(&pods);
+        cfg.metrics.cluster = "kvgate_metrics".into();
+        let mut gate = Gate::new(cfg, &vm).unwrap();
+        let follow_up = |gate: &mut Gate, previous: &str| streamed_follow_up(gate, &vm, previous);
+        let asked = |f: &mut Flow| -> Vec<String> {
+            f.take_asks(Some("Bearer k"))
+                .into_iter()
+                .map(|c| {
+                    assert_eq!(c.cluster, "kvgate_metrics");
+                    assert!(c
+                        .headers
+                        .contains(&("authorization".into(), "Bearer k".into())));
+                    match c.target {
+                        Target::Stored(pod) => pod,
+                        other => panic!("{other:?}"),
+                    }
+                })
+                .collect()
+        };
+        let (mut f, d) = follow_up(&mut gate, "resp_lost");
+        assert_eq!(d.step, Step::Hold);
+        assert_eq!(asked(&mut f), pods.to_vec(), "every pod serving the model");
+        assert!(f.take_asks(None).is_empty(), "sent once");
+        assert_eq!(gate.tick_ms(&vm), QUICK_TICK_MS, "its wait ends on time");
+        assert!(!stored::sought(&vm).unwrap(), "no replica to hurry");
+        let not_found = br#"{"error":{"message":"Response with id 'resp_lost' not found."}}"#;
+        assert!(f
+            .answered(&mut gate, &vm, pods[0], Some(404), not_found)
+            .is_none());
+        assert!(
+            f.sought(&mut gate, &vm).is_none(),
+            "one pod is still to answer"
+        );
+        let answer = br#"{"id":"resp_lost","object":"response","status":"completed","usage":{"input_tokens":700,"output_tokens":100}}"#;
+        let d = f
+            .answered(&mut gate, &vm, pods[2], Some(200), answer)
+            .unwrap();
+        assert_eq!(d.step, Step::Forward);
+        assert_eq!(destination(&d).as_deref(), Some(pods[2]));
+        let prompt = f.admitted.as_ref().map(|a| a.estimate.prompt_tokens);
+        assert!(prompt.is_some_and(|p| p > 800), "{prompt:?}");
+        assert!(
+            f.answered(&mut gate, &vm, pods[1], Some(404), not_found)
+                .is_none(),
+            "decided once"
+        );
+        let noted = stored::find(&vm, "resp_lost").unwrap().unwrap();
+        assert_eq!((noted.pod.as_str(), noted.tokens), (pods[2], 800));
+        // (Taking a count drains every stat.)
+        let counts = |gate: &mut Gate| {
+            let all: Vec<Stat> = gate.stats.drain().collect();
+            [
+                stats::STORED_ASKED,
+                stats::STORED_FOUND,
+                stats::STORED_FOLLOWED,
+                stats::STORED_UNKNOWN,
+            ]
+            .map(|name| {
+                all.iter()
+                    .map(|s| match s {
+                        Stat::Counter(n, by) if *n == Name::from(name).to_string() => *by,
+                        _ => 0,
+                    })
+                    .sum::<u64>()
+            })
+        };
+        assert_eq!(counts(&mut gate), [1, 1, 1, 0]);
+        // The next turn naming it is not asked again.
+        f.on_done(&mut gate, &vm);
+        let (mut n, d) = follow_up(&mut gate, "resp_lost");
+        assert_eq!(destination(&d).as_deref(), Some(pods[2]));
+        n.on_done(&mut gate, &vm);
+        assert_eq!(counts(&mut gate), [0, 0, 1, 0]);
+        // Stored nowhere: by cost as soon as every pod has said so.
+        let (mut f, _) = follow_up(&mut gate, "resp_nowhere");
+        for pod in asked(&mut f) {
+            let d = f.answered(&mut gate, &vm, &pod, Some(404), not_found);
+            assert_eq!(d.is_some(), pod == pods[2], "{pod}");
+            if let Some(d) = d {
+                assert!(d.step == Step::Forward && destination(&d).is_some());
+            }
+        }
+        f.on_done(&mut gate, &vm);
+        assert_eq!(counts(&mut gate), [1, 0, 0, 1]);
+        // A pod that does not answer: by cost when the time is up (`routing.storedLookupMs`).
+        let (mut f, _) = follow_up(&mut gate, "resp_slow");
+        asked(&mut f);
+        assert!(f.answered(&mut gate, &vm, pods[0], None, b"").is_none());
+        host.advance_ms(499);
+        assert!(f.sought(&mut gate, &vm).is_none());
+        host.advance_ms(1);
+        assert_eq!(
+            f.sought(&mut gate, &vm).map(|d| d.step),
+            Some(Step::Forward)
+        );
+        f.on_done(&mut gate, &vm);
+        // Calls that could not be sent leave nothing to wait for: the tick decides.
+        let (mut f, _) = follow_up(&mut gate, "resp_unsent");
+        for pod in asked(&mut f) {
+            f.unasked(&pod);
+        }
+        assert_eq!(
+            f.sought(&mut gate, &vm).map(|d| d.step),
+            Some(Step::Forward)
+        );
+        f.on_done(&mut gate, &vm);
+        assert_eq!(counts(&mut gate), [2, 0, 0, 2]);
+        // A retrieval asks every pod, and goes to the one storing it.
+        let get = RequestHead {
+            method: "GET",
+            path: "/v1/responses/resp_got",
+            ..RequestHead::default()
+        };
+        let mut r = Flow::default();
+        assert_eq!(r.on_request_headers(&mut gate, &vm, &get).step, Step::Hold);
+        assert_eq!(asked(&mut r).len(), 3);
+        let answer = br#"{"id":"resp_got","object":"response","usage":null}"#;
+        let d = r
+            .answered(&mut gate, &vm, pods[1], Some(200), answer)
+            .unwrap();
+        assert_eq!(destination(&d).as_deref(), Some(pods[1]));
+        r.on_done(&mut gate, &vm);
+        // With replicas, another replica's note may tell first; every pod saying no ends the
+        // wait for one (an engine stores a response before a client can name it).
+        gate.config.etcd.cluster = "etcd".into();
+        gate.config.etcd.replica_id = "r0".into();
+        let (mut f, d) = follow_up(&mut gate, "resp_noted");
+        assert_eq!(d.step, Step::Hold);
+        assert!(stored::sought(&vm).unwrap() && asked(&mut f).len() == 3);
+        stored::remember(&vm, stored::id_hash("resp_noted"), pods[0], 50).unwrap();
+        // (Parked: this replica has no grant of the pods' budgets before its first sync.)
+        assert!(f.sought(&mut gate, &vm).is_some());
+        let only_on = f.admitted.as_ref().and_then(|a| a.estimate.only_on);
+        assert_eq!(only_on, Some(crate::hash::fnv1a(pods[0].as_bytes())));
+        assert!(f
+            .answered(&mut gate, &vm, pods[0], Some(404), not_found)
+            .is_none());
+        f.on_done(&mut gate, &vm);
+        let (mut f, _) = follow_up(&mut gate, "resp_none");
+        let asked_pods = asked(&mut f);
+        let mut decided = asked_pods
+            .iter()
+            .filter_map(|pod| f.answered(&mut gate, &vm, pod, Some(404), not_found));
+        assert!(decided.next().is_some() && decided.next().is_none());
+        f.on_done(&mut gate, &vm);
+        assert_eq!(counts(&mut gate), [3, 1, 1, 1], "the retrieval found");
+        // Not asked when Envoy's balancer chooses, nor when asking is off.
+        gate.config.etcd.cluster.clear();
+        gate.config.routing.mode = crate::config::Mode::Observe;
+        let (_, d) = follow_up(&mut gate, "resp_other");
+        assert_eq!(d.step, Step::Forward);
+        gate.config.routing.mode = crate::config::Mode::Enforce;
+        gate.config.routing.stored_lookup_ms = 0;
+        let (_, d) = follow_up(&mut gate, "resp_other");
+        assert_eq!(d.step, Step::Forward);
+        assert_eq!(counts(&mut gate), [0, 0, 0, 2]);
     }
 
     /// One streamed output token, as the engine sends it.

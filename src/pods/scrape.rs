@@ -38,6 +38,9 @@ pub enum Target {
     Discovery,
     /// etcd's JSON gateway, for the replicas' sync (`replicas::sync`: one call at a time).
     Etcd,
+    /// A pod asked whether it stores a response a request names (`routing::stored_ask`): sent
+    /// and answered in that request's own context, never the gate's.
+    Stored(String),
 }
 
 /// How long after a VM starts its requests may wait for the first discovery while no pod is
@@ -229,8 +232,9 @@ impl Scraper {
                     }
                 }
             }
-            // The gate hands etcd's answers to the replicas' sync.
-            Target::Etcd => Ok(false),
+            // The gate hands etcd's answers to the replicas' sync; a pod asked for a stored
+            // response answers the request that asked.
+            Target::Etcd | Target::Stored(_) => Ok(false),
         }
     }
 

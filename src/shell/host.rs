@@ -91,6 +91,11 @@ pub fn request_headers() -> HeaderMap {
         .unwrap_or_default()
 }
 
+/// One request header, for the rare path that needs one more than `request_headers` kept.
+pub fn request_header(name: &str) -> Option<String> {
+    header(MapType::HttpRequestHeaders, name)
+}
+
 pub fn response_header(name: &str) -> Option<String> {
     header(MapType::HttpResponseHeaders, name)
 }

@@ -9,6 +9,7 @@ use crate::drive::{self, Next};
 use crate::flow::{
     Decision, Flow, Gate, RequestHead, Step, DESTINATION_HEADER, ORIGINAL_DST_HEADER,
 };
+use crate::pods::scrape::Target;
 use crate::stats;
 use crate::store::interface::Store;
 use hashbrown::HashMap;
@@ -45,6 +46,23 @@ pub fn watch_unseen(unseen: &Unseen, context: u32, flow: &Rc<RefCell<Flow>>) -> 
     watched
 }
 
+/// A held request's decision has come (`Flow::sought`, from the root's tick, or
+/// `Flow::answered`, from a pod's answer in the request's own context): it leaves `held`, and
+/// the decision is carried out on the current stream, resumed.
+pub fn release_held(
+    (held, parked, unseen): (&Held, &Parked, &Unseen),
+    context: u32,
+    flow: &Rc<RefCell<Flow>>,
+    decision: Decision,
+) {
+    held.borrow_mut().remove(&context);
+    watch_unseen(unseen, context, flow);
+    if let Step::Park(ticket) = decision.step {
+        parked.borrow_mut().insert(ticket, (context, flow.clone()));
+    }
+    apply(decision, true);
+}
+
 /// Carries out a decision on the current (effective) stream. Returns the action for a callback;
 /// `resume` is for a request parked earlier, which must be resumed explicitly.
 pub fn apply(d: Decision, resume: bool) -> Action {
@@ -75,6 +93,8 @@ pub struct Http {
     held: Held,
     unseen: Unseen,
     flow: Rc<RefCell<Flow>>,
+    /// Calls out asking pods for the stored response the request is held for: token → pod.
+    asks: HashMap<u32, String>,
     /// Host calls this request's callbacks have made so far (`raw::calls`).
     host_calls: u64,
 }
@@ -95,6 +115,7 @@ impl Http {
             held,
             unseen,
             flow: Rc::new(RefCell::new(Flow::default())),
+            asks: HashMap::new(),
             host_calls: 0,
         }
     }
@@ -107,7 +128,7 @@ impl Http {
         r
     }
 
-    fn act(&self, d: Decision) -> Action {
+    fn act(&mut self, d: Decision) -> Action {
         if let Step::Park(ticket) = d.step {
             self.parked
                 .borrow_mut()
@@ -117,13 +138,83 @@ impl Http {
         }
         if d.step == Step::Hold {
             self.held.borrow_mut().insert(self.id, self.flow.clone());
+            self.send_asks();
             host::retick(&mut self.gate.borrow_mut());
         }
         apply(d, false)
     }
+
+    /// Sends the calls asking the pods for the stored response the request is held for; their
+    /// answers come to this context (`on_http_call_response`). One that cannot be sent counts as
+    /// no answer.
+    fn send_asks(&mut self) {
+        if !self.flow.borrow().has_asks() {
+            return;
+        }
+        let authorization = host::request_header("authorization");
+        let calls = self.flow.borrow_mut().take_asks(authorization.as_deref());
+        for call in calls {
+            let Target::Stored(pod) = call.target else {
+                continue;
+            };
+            match host::dispatch(
+                &call.cluster,
+                &call.path,
+                &call.headers,
+                None,
+                call.timeout_ms,
+            ) {
+                Some(token) => {
+                    self.asks.insert(token, pod);
+                }
+                None => {
+                    log::warn!(
+                        "kvgate: cannot call cluster `{}` (is it defined?)",
+                        call.cluster
+                    );
+                    // Its decision comes at the tick: this callback's is the hold.
+                    self.flow.borrow_mut().unasked(&pod);
+                }
+            }
+        }
+    }
+
+    /// A pod's answer to whether it stores the response the request is held for.
+    fn ask_answered(&mut self, token: u32, headers: usize, body_size: usize) {
+        let Some(pod) = self.asks.remove(&token) else {
+            return;
+        };
+        // No headers: the call failed (reset, timeout); the host then refuses to read them.
+        let (status, body) = if headers == 0 {
+            (None, Vec::new())
+        } else {
+            host::call_response(body_size)
+        };
+        let decision = {
+            let mut gate = self.gate.borrow_mut();
+            self.flow
+                .borrow_mut()
+                .answered(&mut gate, &HostStore::default(), &pod, status, &body)
+        };
+        if let Some(decision) = decision {
+            let lists = (&self.held, &self.parked, &self.unseen);
+            release_held(lists, self.id, &self.flow, decision);
+            host::retick(&mut self.gate.borrow_mut());
+        }
+    }
 }
 
 impl Context for Http {
+    fn on_http_call_response(
+        &mut self,
+        token: u32,
+        headers: usize,
+        body_size: usize,
+        _trailers: usize,
+    ) {
+        self.counted(|s| s.ask_answered(token, headers, body_size));
+    }
+
     fn on_done(&mut self) -> bool {
         self.parked.borrow_mut().retain(|_, (id, _)| *id != self.id);
         self.held.borrow_mut().remove(&self.id);

@@ -5,10 +5,10 @@
 //! context.
 
 use super::host::{self, HostStore};
-use super::http::{apply, watch_unseen, Held, Http, Parked, Unseen};
+use super::http::{apply, release_held, Held, Http, Parked, Unseen};
 use crate::config::Config;
 use crate::drive::{self, Waiting};
-use crate::flow::{Decision, Flow, Step};
+use crate::flow::{Decision, Flow};
 use crate::gate::Gate;
 use crate::pods::scrape::{Call, Target};
 use hashbrown::HashMap;
@@ -69,13 +69,9 @@ impl Root {
             let Some(decision) = flow.borrow_mut().sought(gate, &store) else {
                 continue;
             };
-            self.held.borrow_mut().remove(&context);
             // Its tick's retick (`run_line`, next) makes the tick quick for it.
-            watch_unseen(&self.unseen, context, &flow);
-            if let Step::Park(ticket) = decision.step {
-                self.parked.borrow_mut().insert(ticket, (context, flow));
-            }
-            apply(decision, true);
+            let lists = (&self.held, &self.parked, &self.unseen);
+            release_held(lists, context, &flow, decision);
         }
     }
 

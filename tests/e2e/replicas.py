@@ -86,16 +86,17 @@ def replica_config(etcd_port, node_id, etcd=None):
 
 
 @contextlib.contextmanager
-def fleet(sim, etcd_port, n=3, etcd=None, concurrency=2, etcd_ports=None, metrics=None):
+def fleet(sim, etcd_port, n=3, etcd=None, concurrency=2, etcd_ports=None, metrics=None, routing=None):
     """`n` Envoy + kvgate replicas in front of `sim`'s pods, named by their node ids, each with a
     cluster reaching etcd over HTTP/1.1 (at `etcd_ports[i]` when given, e.g. through a `Cut`);
-    `etcd=None` runs them independently; `metrics` is merged into their `metrics` section."""
+    `etcd=None` runs them independently; `metrics` and `routing` are merged into their sections."""
     with contextlib.ExitStack() as stack:
         envoys = []
         for i in range(n):
             port = etcd_ports[i] if etcd_ports else etcd_port
             plugin = replica_config(etcd_port, f"replica-{i}", etcd)
             plugin["metrics"] = {**plugin.get("metrics", {}), **(metrics or {})}
+            plugin["routing"] = {**plugin.get("routing", {}), **(routing or {})}
             cfg = envoy_config(free_port(), free_port(), sim.endpoints, plugin)
             cfg["node"] = {"id": f"replica-{i}", "cluster": "kvgate-gateway"}
             cfg["static_resources"]["clusters"].append({

@@ -384,8 +384,10 @@ def test_a_stored_responses_follow_ups_find_its_pod_through_any_replica(etcd):
     follow-up naming one its replica has not heard of yet is held up to etcd.followUpWaitMs for
     the note. Conversations whose turns alternate between two replicas, each turn sent as soon as
     the last one's answer ended (an agent's loop), stay on one pod, every follow-up answered, and
-    a `GET` of a response through the other replica finds it, also at once (held at its headers). With the wait off, the turns
-    whose note had not come yet are routed by cost, and mostly not found."""
+    a `GET` of a response through the other replica finds it, also at once (held at its headers).
+    With the wait off, the pods are still asked for a response no note names
+    (`routing.storedLookupMs`), and every turn is found; with the asking off too, the turns whose
+    note had not come yet are routed by cost, and mostly not found."""
     def conversations(envoys, count, turns):
         done, statuses = [], []
         for c in range(count):
@@ -427,7 +429,13 @@ def test_a_stored_responses_follow_ups_find_its_pod_through_any_replica(etcd):
             unknown = [counter(e, "stored.unknown") for e in two]
             print(f"follow-ups held for a note {waited}, notes received {crossed}, unknown {unknown}")
             assert min(crossed) >= 8 and sum(unknown) == 0
-        with fleet(sim, etcd.port, n=2, etcd={"keyPrefix": "/kvgate-stored-nowait", "followUpWaitMs": 0}) as two:
+        with fleet(sim, etcd.port, n=2, etcd={"keyPrefix": "/kvgate-stored-asked", "followUpWaitMs": 0}) as two:
             _, statuses = conversations(two, 8, 4)
-            print("without the wait:", statuses)
+            asked = [counter(e, "stored.asked") for e in two]
+            print("without the wait, asking the pods:", statuses, "asked", asked)
+            assert statuses == [200] * 24 and sum(asked) > 0, statuses
+        with fleet(sim, etcd.port, n=2, etcd={"keyPrefix": "/kvgate-stored-nowait", "followUpWaitMs": 0},
+                   routing={"storedLookupMs": 0}) as two:
+            _, statuses = conversations(two, 8, 4)
+            print("without the wait nor the asking:", statuses)
             assert statuses.count(404) >= 2, statuses

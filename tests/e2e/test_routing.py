@@ -555,3 +555,53 @@ def test_a_stored_responses_follow_ups_go_back_to_the_pod_that_stored_it():
             _, statuses = conversations(rr.port, 8, 2)
             print("round robin follow-ups:", statuses)
             assert statuses.count(404) >= 2, statuses
+
+
+def test_a_gateway_that_did_not_see_a_stored_response_asks_the_pods_where_it_is():
+    """kvgate's notes of stored responses live in Envoy's shared data: a restarted Envoy (or a
+    replica sharing no etcd) has none of the responses stored before it, and their follow-ups
+    went where their cost said, a 404 three times in four on four pods. Now such a request is
+    held while the pods are asked `GET /v1/responses/{id}` (`routing.storedLookupMs`) and goes
+    to the one storing it. Through a first gateway, first turns and responses to retrieve;
+    through a second, new one, each conversation's next two turns (asked once, then noted) and
+    the retrievals; an id no pod stores gets the engine's 404 as soon as every pod has said so."""
+    with Sim(pods=4, args=SIM_ARGS) as sim:
+        firsts, kept = [], []
+        with kvgate_envoy(sim.endpoints, default_plugin_config(), concurrency=2) as before:
+            for c in range(16):
+                status, pod, rid, usage = responses_call(
+                    before.port, {"model": MODEL, "input": f"conversation {c}: what is a KV cache?",
+                                  "max_output_tokens": 12, "stream": c % 2 == 0})
+                assert status == 200 and rid, status
+                (firsts if c < 8 else kept).append((pod, rid, usage["input_tokens"] + usage["output_tokens"]))
+        assert len({pod for pod, _, _ in firsts + kept}) > 1, "spread over pods"
+        with kvgate_envoy(sim.endpoints, default_plugin_config(), concurrency=2) as after:
+            held = []
+            for c, (pod, rid, tokens) in enumerate(firsts):
+                for turn in range(2):
+                    t0 = time.monotonic()
+                    status, on, rid, usage = responses_call(
+                        after.port, {"model": MODEL, "input": f"and then {turn}?", "max_output_tokens": 12,
+                                     "previous_response_id": rid, "stream": (c + turn) % 2 == 1})
+                    assert status == 200 and on == pod, (c, turn, status, on, pod)
+                    assert usage["input_tokens"] > tokens, "the conversation prepended"
+                    tokens = usage["input_tokens"] + usage["output_tokens"]
+                    held.append(time.monotonic() - t0)
+            for pod, rid, _ in kept:
+                got = request(after.port, "GET", f"/v1/responses/{rid}")
+                assert got.status == 200 and got.json()["id"] == rid, got.status
+                assert got.headers.get("x-sim-pod") == pod
+            t0 = time.monotonic()
+            status, _, _, _ = responses_call(
+                after.port, {"model": MODEL, "input": "hm", "max_output_tokens": 4,
+                             "previous_response_id": "resp_stored_nowhere"})
+            nowhere_s = time.monotonic() - t0
+            assert status == 404, status
+            counts = after.stats("wasmcustom.kvgate.stored")
+            got = {k.rsplit(".", 1)[-1]: v for k, v in counts.items()}
+            print("stored:", got, "turns' times (ms):", [round(h * 1000) for h in held],
+                  "nowhere:", round(nowhere_s * 1000))
+            assert (got.get("asked"), got.get("found")) == (17, 16), got
+            assert (got.get("followed"), got.get("unknown")) == (16, 1), got
+            # Asked at once, answered at once: far inside the lookup's 500 ms.
+            assert nowhere_s < 0.4, nowhere_s

@@ -390,19 +390,29 @@ impl Router {
     /// list (down or not: the reach only says whom a waiting request competes with, and a pod
     /// may come back). `line::ANYWHERE` while no pod is known.
     pub fn reach(&mut self, store: &dyn Store, model: &str) -> u64 {
-        self.served.refresh(store, &self.pods, store.now_ms());
-        let serving = self.served.serving(&self.pods, model, |_| true);
         let reach = self
-            .pods
-            .iter()
-            .zip(serving)
-            .filter(|(_, serves)| *serves)
-            .fold(0, |reach, (pod, _)| reach | line::pod_bit(pod));
+            .serving(store, model)
+            .fold(0, |reach, pod| reach | line::pod_bit(pod));
         if reach == 0 {
             line::ANYWHERE
         } else {
             reach
         }
+    }
+
+    /// The pods a request for `model` may be sent to, as `reach` counts them: those whose model
+    /// lists name it, or, when none does, every pod without a list.
+    pub fn serving_pods(&mut self, store: &dyn Store, model: &str) -> Vec<String> {
+        self.serving(store, model).cloned().collect()
+    }
+
+    fn serving(&mut self, store: &dyn Store, model: &str) -> impl Iterator<Item = &String> {
+        self.served.refresh(store, &self.pods, store.now_ms());
+        let serving = self.served.serving(&self.pods, model, |_| true);
+        self.pods
+            .iter()
+            .zip(serving)
+            .filter_map(|(pod, serves)| serves.then_some(pod))
     }
 
     /// Whether a pod's model list, as last read, names `model`.
