@@ -50,6 +50,9 @@ pub struct Gate {
     /// This VM's admitted answers that do not stream, not done yet: their entries grow on the
     /// tick (`Flow::on_tick`), which is quick while there are any.
     pub(crate) unseen_answers: usize,
+    /// This VM's requests held while the pods are asked for a stored response
+    /// (`routing::stored_ask`), at most `stored_ask::MAX_ASKING`.
+    pub(crate) asking: usize,
     pub stats: Stats,
 }
 
@@ -69,6 +72,7 @@ impl Gate {
             sync: Sync::default(),
             seeking_until_ms: None,
             unseen_answers: 0,
+            asking: 0,
             stats: Stats::default(),
         })
     }

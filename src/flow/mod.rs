@@ -289,7 +289,7 @@ fn seek(gate: &mut Gate, store: &dyn Store) -> Option<u64> {
 
 /// The pods asked for stored response `id` (`routing::stored_ask`) and the calls that ask them;
 /// `None` when none is asked (`routing.storedLookupMs` 0, no cluster to ask through, no pod
-/// known, or Envoy's balancer chooses). A follow-up's model narrows the pods to those serving
+/// known, Envoy's balancer chooses, or `stored_ask::MAX_ASKING` of the VM's requests ask now). A follow-up's model narrows the pods to those serving
 /// it.
 fn ask(
     gate: &mut Gate,
@@ -298,7 +298,10 @@ fn ask(
     model: Option<&str>,
 ) -> Option<(Asking, Vec<Call>)> {
     let cfg = &gate.config;
-    if !stored_ask::asks(cfg) || !observe::enforces_routing(cfg) {
+    if !stored_ask::asks(cfg)
+        || !observe::enforces_routing(cfg)
+        || gate.asking >= stored_ask::MAX_ASKING
+    {
         return None;
     }
     let pods = match model {
@@ -310,6 +313,7 @@ fn ask(
     }
     let until = store.now_ms().saturating_add(cfg.routing.stored_lookup_ms);
     gate.stats.count(stats::STORED_ASKED, 1);
+    gate.asking += 1;
     Some(Asking::start(cfg, id, &pods, until))
 }
 
@@ -524,6 +528,16 @@ impl Flow {
         });
     }
 
+    /// The request is no longer held (decided, or its stream done): its place among the VM's
+    /// asking requests is free.
+    fn end_seeking(&mut self, gate: &mut Gate) -> Option<Seeking> {
+        let seeking = self.seeking.take()?;
+        if seeking.asking.is_some() {
+            gate.asking = gate.asking.saturating_sub(1);
+        }
+        Some(seeking)
+    }
+
     /// The calls asking the pods for the stored response the request is held for, to send now,
     /// with the client's `authorization` when it sent one (`stored_ask::Asking::authorize`).
     pub fn take_asks(&mut self, authorization: Option<&str>) -> Vec<Call> {
@@ -584,7 +598,7 @@ impl Flow {
         if !over {
             return None;
         }
-        let seeking = self.seeking.take()?;
+        let seeking = self.end_seeking(gate)?;
         Some(match seeking.what {
             Sought::FollowUp(parsed) => {
                 let (mut req, sent_as) = *parsed;

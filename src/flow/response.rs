@@ -189,6 +189,8 @@ impl Flow {
         if self.answers_unseen() {
             gate.unseen_answers = gate.unseen_answers.saturating_sub(1);
         }
+        // The client left while the request was held.
+        self.end_seeking(gate);
         if let Some((ticket, _)) = self.admitted.as_ref().and_then(|a| a.waiting.as_ref()) {
             // The client left while parked.
             if let Err(e) = gate.admission.abandon(store, &mut gate.stats, ticket.id) {
@@ -858,6 +860,48 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
         let (_, d) = follow_up(&mut gate, "resp_other");
         assert_eq!(d.step, Step::Forward);
         assert_eq!(counts(&mut gate), [0, 0, 0, 2]);
+    }
+
+    /// At most `MAX_ASKING` requests of a VM are held asking at once: past them a request naming
+    /// an unknown response is routed by cost, and a request decided, or whose client left, frees
+    /// its place.
+    #[test]
+    fn a_vms_requests_asking_the_pods_are_bounded() {
+        use crate::flow::Step;
+        use crate::routing::stored_ask::MAX_ASKING;
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let mut cfg = crate::test_support::with_pods(&["10.0.0.1:80", "10.0.0.2:80"]);
+        cfg.metrics.cluster = "kvgate_metrics".into();
+        let mut gate = Gate::new(cfg, &vm).unwrap();
+        let mut held: Vec<Flow> = (0..MAX_ASKING)
+            .map(|i| {
+                let (f, d) = streamed_follow_up(&mut gate, &vm, &format!("resp_{i}"));
+                assert_eq!(d.step, Step::Hold, "{i}");
+                f
+            })
+            .collect();
+        let (mut past, d) = streamed_follow_up(&mut gate, &vm, "resp_past");
+        assert_ne!(d.step, Step::Hold, "routed by cost");
+        past.on_done(&mut gate, &vm);
+        // One client leaves, another request is decided: two places free.
+        held[0].on_done(&mut gate, &vm);
+        for pod in held[1]
+            .take_asks(None)
+            .iter()
+            .filter_map(|c| match &c.target {
+                crate::pods::scrape::Target::Stored(pod) => Some(pod.clone()),
+                _ => None,
+            })
+        {
+            held[1].answered(&mut gate, &vm, &pod, Some(404), b"{}");
+        }
+        for name in ["resp_again", "resp_more"] {
+            let (_, d) = streamed_follow_up(&mut gate, &vm, name);
+            assert_eq!(d.step, Step::Hold, "{name}");
+        }
+        let (_, d) = streamed_follow_up(&mut gate, &vm, "resp_full");
+        assert_ne!(d.step, Step::Hold);
     }
 
     /// One streamed output token, as the engine sends it.

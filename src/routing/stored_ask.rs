@@ -15,6 +15,12 @@ use crate::pods::scrape::{Call, Target};
 use crate::routing::stored::Stored;
 use serde::Deserialize;
 
+/// A VM's requests held while the pods are asked, at most: each asks every pod of its model, and
+/// a client naming ids no engine made (a bug, or worse) would otherwise turn each of its
+/// requests into a call to every pod. Past it a request is routed by cost, as with the asking
+/// off. A restarted gateway's conversations hold one each for a round trip, a few at a time.
+pub const MAX_ASKING: usize = 32;
+
 /// The response a request names, asked of the pods that may store it.
 #[derive(Debug)]
 pub struct Asking {
