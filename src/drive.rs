@@ -314,8 +314,14 @@ mod tests {
     fn a_model_on_pods_of_its_own_is_not_held_behind_another_models_line() {
         // Model m on POD, model n on B, each budget one request, and a strict line (no
         // backfills): before the line had a head per set of pods, n's requests waited behind m's head
-        // however idle n's pod was.
-        const B: &str = "10.0.0.2:8000";
+        // however idle n's pod was. The second B's name hashes to POD's bit: before each pod of
+        // the pool had a bit of its own, those two pods' requests waited for each other.
+        for b in ["10.0.0.2:8000", "10.0.0.12:8000"] {
+            own_line(b);
+        }
+    }
+
+    fn own_line(b: &str) {
         let host = FakeHost::new();
         host.set_now_ms(1_000_000);
         let vm = host.vm();
@@ -327,10 +333,10 @@ mod tests {
             crate::models::served::write_list(&vm, pod, &list, 1).unwrap();
         };
         served(POD, "m");
-        served(B, "n");
+        served(b, "n");
         let config = Config::parse(
             format!(
-                r#"{{"pods":["{POD}","{B}"],"admission":{{"maxWaitMs":5000,"budgetTokens":100,"backfillPasses":0}}}}"#
+                r#"{{"pods":["{POD}","{b}"],"admission":{{"maxWaitMs":5000,"budgetTokens":100,"backfillPasses":0}}}}"#
             )
             .as_bytes(),
         )
@@ -349,15 +355,15 @@ mod tests {
         let m2 = send_to(&mut gate, &vm, &mut host, 2, "m", size);
         assert!(matches!(m2.step, Step::Park(_)), "m's pod is full");
         let n1 = send_to(&mut gate, &vm, &mut host, 3, "n", size);
-        assert_eq!(on(&n1).as_deref(), Some(B), "nobody waits for B: at once");
+        assert_eq!(on(&n1).as_deref(), Some(b), "nobody waits for b: at once");
         let n2 = send_to(&mut gate, &vm, &mut host, 4, "n", size);
-        assert!(matches!(n2.step, Step::Park(_)), "B is full now");
-        // B frees: n's head goes, m's stays.
+        assert!(matches!(n2.step, Step::Park(_)), "b is full now");
+        // b frees: n's head goes, m's stays.
         host.flows.get_mut(&3).unwrap().on_done(&mut gate, &vm);
         run_line(&mut gate, &vm, &mut host);
         assert_eq!(host.resumed.len(), 1, "{:?}", host.resumed);
         assert_eq!(host.resumed[0].0, 4);
-        assert_eq!(on(&host.resumed[0].1).as_deref(), Some(B));
+        assert_eq!(on(&host.resumed[0].1).as_deref(), Some(b));
         assert_eq!(
             first_passes(&vm),
             0,

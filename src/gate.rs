@@ -163,10 +163,7 @@ impl Gate {
             .iter()
             .map(|p| crate::admission::line::pod_key(p))
             .collect();
-        let bits: Vec<u64> = pods
-            .iter()
-            .map(|p| crate::admission::line::pod_bit(p))
-            .collect();
+        let bits = self.router.pod_bits();
         let mut wanted = vec![0u64; pods.len()];
         for t in &line.tickets {
             if let Some(i) = keys.iter().position(|&k| k == t.wants) {
@@ -180,7 +177,7 @@ impl Gate {
                 crate::admission::line::ANYWHERE
             };
             let part = t.cost / bits.iter().filter(|&&b| b & reach != 0).count().max(1) as u64;
-            for (w, &b) in wanted.iter_mut().zip(&bits) {
+            for (w, &b) in wanted.iter_mut().zip(bits) {
                 if b & reach != 0 {
                     *w += part;
                 }
@@ -639,8 +636,8 @@ mod tests {
         // One waits for the first pod, where its prefix is; one may go anywhere; one waits for
         // a pod that has left the pool, and may now go anywhere too; one's model is served by
         // the second pod alone.
-        let second = crate::admission::line::pod_bit("10.0.0.2:8000");
-        assert_ne!(second, crate::admission::line::pod_bit("10.0.0.1:8000"));
+        let second = gate.router.pod_bits()[1];
+        assert_ne!(second, gate.router.pod_bits()[0]);
         for t in [
             waiting(&gate, 1, 300, pod_key("10.0.0.1:8000")),
             waiting(&gate, 2, 100, 0),

@@ -196,6 +196,8 @@ pub struct Router {
     /// What each pod serves, as last scraped (`models::served`).
     served: ServedView,
     pods: Vec<String>,
+    /// Each pod's bit in a waiting request's reach (`line::pod_bits`), as `pods` is ordered.
+    pod_bits: Vec<u64>,
     pods_read_ms: Option<u64>,
     /// Whether the discovered pod set has been published (`kvgate.pods` exists), as last read.
     discovered: bool,
@@ -243,6 +245,7 @@ impl Router {
             adapters: Adapters::default(),
             served: ServedView::default(),
             pods: cfg.pods.clone(),
+            pod_bits: crate::admission::line::pod_bits(&cfg.pods),
             pods_read_ms: None,
             discovered: false,
             started_ms: store.now_ms(),
@@ -279,6 +282,11 @@ impl Router {
 
     pub fn pods(&self) -> &[String] {
         &self.pods
+    }
+
+    /// Each pod's bit in a waiting request's reach (`line::pod_bits`), as `pods` orders them.
+    pub fn pod_bits(&self) -> &[u64] {
+        &self.pod_bits
     }
 
     /// Whether no pod is known yet because discovery has not answered for the first time: the
@@ -335,6 +343,7 @@ impl Router {
             self.copies.retain_pods(|p| pods.iter().any(|q| q == p));
             self.phases.retain_pods(|p| pods.iter().any(|q| q == p));
             self.demand.pods_changed(|p| pods.iter().any(|q| q == p));
+            self.pod_bits = crate::admission::line::pod_bits(&pods);
             self.pods = pods;
         }
     }

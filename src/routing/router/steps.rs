@@ -385,14 +385,18 @@ impl Router {
         self.served.serving_any(pods, model, up)
     }
 
-    /// The pods a request for `model` may be sent to, as the line's reach (`line::pod_bit`s):
+    /// The pods a request for `model` may be sent to, as the line's reach (`line::pod_bits`):
     /// those whose model lists, as last read, name it, or, when none does, every pod without a
     /// list (down or not: the reach only says whom a waiting request competes with, and a pod
     /// may come back). `line::ANYWHERE` while no pod is known.
     pub fn reach(&mut self, store: &dyn Store, model: &str) -> u64 {
+        let serving = self.serving(store, model);
         let reach = self
-            .serving(store, model)
-            .fold(0, |reach, pod| reach | line::pod_bit(pod));
+            .pod_bits
+            .iter()
+            .zip(serving)
+            .filter(|(_, serves)| *serves)
+            .fold(0, |reach, (bit, _)| reach | bit);
         if reach == 0 {
             line::ANYWHERE
         } else {
@@ -403,16 +407,18 @@ impl Router {
     /// The pods a request for `model` may be sent to, as `reach` counts them: those whose model
     /// lists name it, or, when none does, every pod without a list.
     pub fn serving_pods(&mut self, store: &dyn Store, model: &str) -> Vec<String> {
-        self.serving(store, model).cloned().collect()
-    }
-
-    fn serving(&mut self, store: &dyn Store, model: &str) -> impl Iterator<Item = &String> {
-        self.served.refresh(store, &self.pods, store.now_ms());
-        let serving = self.served.serving(&self.pods, model, |_| true);
+        let serving = self.serving(store, model);
         self.pods
             .iter()
             .zip(serving)
-            .filter_map(|(pod, serves)| serves.then_some(pod))
+            .filter_map(|(pod, serves)| serves.then(|| pod.clone()))
+            .collect()
+    }
+
+    /// Per pod (as `pods` orders them), whether a request for `model` may be sent there.
+    fn serving(&mut self, store: &dyn Store, model: &str) -> Vec<bool> {
+        self.served.refresh(store, &self.pods, store.now_ms());
+        self.served.serving(&self.pods, model, |_| true)
     }
 
     /// Whether a pod's model list, as last read, names `model`.
