@@ -411,7 +411,8 @@ impl Router {
         self.pods
             .iter()
             .zip(serving)
-            .filter_map(|(pod, serves)| serves.then(|| pod.clone()))
+            .filter(|(_, serves)| *serves)
+            .map(|(pod, _)| pod.clone())
             .collect()
     }
 
