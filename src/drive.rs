@@ -281,6 +281,18 @@ mod tests {
         host: &mut Host,
         context: u32,
         model: &str,
+        size: (usize, u32),
+    ) -> Decision {
+        send_from(gate, vm, host, (context, None), model, size)
+    }
+
+    /// `send_to` from `tenant`, when given.
+    fn send_from(
+        gate: &mut Gate,
+        vm: &FakeVm,
+        host: &mut Host,
+        (context, tenant): (u32, Option<&str>),
+        model: &str,
         (words, max_tokens): (usize, u32),
     ) -> Decision {
         let body = format!(
@@ -292,6 +304,7 @@ mod tests {
         let mut flow = Flow::default();
         let head = RequestHead {
             content_length: Some(body.len() as u64),
+            tenant,
             ..RequestHead::json_post("/v1/completions")
         };
         assert_eq!(
@@ -375,6 +388,47 @@ mod tests {
         assert_eq!(host.resumed.len(), 2, "{:?}", host.resumed);
         assert_eq!(host.resumed[1].0, 2);
         assert!(host.parked.is_empty());
+    }
+
+    #[test]
+    fn a_tenants_use_of_one_models_pods_does_not_put_it_behind_on_anothers() {
+        // Models m on POD and n on B, each budget one request. Tenant x fills m's line; then x
+        // and y wait on n's, x first. Before fairness was kept per set of pods, x's tokens on m
+        // put its request on n behind y's.
+        const B: &str = "10.0.0.2:8000";
+        let host = FakeHost::new();
+        host.set_now_ms(1_000_000);
+        let vm = host.vm();
+        for (pod, model) in [(POD, "m"), (B, "n")] {
+            let list = [crate::models::served::ServedModel {
+                id: model.into(),
+                parent: None,
+            }];
+            crate::models::served::write_list(&vm, pod, &list, 1).unwrap();
+        }
+        let config = Config::parse(
+            format!(
+                r#"{{"pods":["{POD}","{B}"],"admission":{{"maxWaitMs":5000,"budgetTokens":100,"backfillPasses":0}}}}"#
+            )
+            .as_bytes(),
+        )
+        .unwrap();
+        let mut gate = Gate::new(config, &vm).unwrap();
+        let mut host = Host::default();
+        let size = (40, 50);
+        let z = send_from(&mut gate, &vm, &mut host, (1, Some("z")), "n", size);
+        assert_eq!(z.step, Step::Forward, "B taken");
+        for c in 2..6 {
+            send_from(&mut gate, &vm, &mut host, (c, Some("x")), "m", size);
+        }
+        for (c, tenant) in [(10, "x"), (11, "y")] {
+            let d = send_from(&mut gate, &vm, &mut host, (c, Some(tenant)), "n", size);
+            assert!(matches!(d.step, Step::Park(_)), "{tenant} waits on n's line");
+        }
+        host.flows.get_mut(&1).unwrap().on_done(&mut gate, &vm);
+        run_line(&mut gate, &vm, &mut host);
+        let resumed: Vec<u32> = host.resumed.iter().map(|(c, _)| *c).collect();
+        assert_eq!(resumed, [10], "x came first on n, and is not behind there");
     }
 
     #[test]

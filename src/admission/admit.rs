@@ -235,29 +235,29 @@ impl Admission {
                 None => false,
             };
         let line = line::read(store)?;
+        // Whom it competes with matters only against tickets already waiting, and once it waits.
+        let reach = if line.tickets.is_empty() {
+            line::ANYWHERE
+        } else {
+            router.reach(store, model)
+        };
+        let boost = if boosted {
+            a.session_boost_tokens as f64
+        } else {
+            0.0
+        };
         let mut ticket = Ticket {
             id: 0,
             vm: self.vm,
             priority: class.priority,
             boosted,
-            start_tag: line.start_tag(
-                class.tenant,
-                if boosted {
-                    a.session_boost_tokens as f64
-                } else {
-                    0.0
-                },
-            ),
+            start_tag: line.start_tag(line::fair_key(class.tenant, reach), boost),
             enqueued_ms: now,
             deadline_ms: now.saturating_add(a.max_wait_ms),
             cost: est.cost,
             wants: 0,
-            reach: line::ANYWHERE,
+            reach,
         };
-        // Whom it competes with matters only against tickets already waiting, and once it waits.
-        if !line.tickets.is_empty() {
-            ticket.reach = router.reach(store, model);
-        }
         // Only a request that would head a line of its own may go straight to a pod: nobody
         // waiting on any worker for a pod it may take is overtaken by a lower-ordered newcomer.
         let mut patient_until_ms = None;
@@ -272,7 +272,8 @@ impl Admission {
                     // Fair-queuing tags matter only under contention: an uncontended pool skips
                     // the write to the one line every worker shares.
                     if !line.tickets.is_empty() {
-                        line::charge_direct(store, class.tenant, est.cost)?;
+                        let tenant = line::fair_key(class.tenant, ticket.reach);
+                        line::charge_direct(store, tenant, est.cost)?;
                     }
                     stats.count(stats::ADMISSION_ADMITTED, 1);
                     return Ok(Admit::Routed(r));
@@ -304,7 +305,7 @@ impl Admission {
         match line::enqueue(
             store,
             ticket,
-            class.tenant,
+            line::fair_key(class.tenant, ticket.reach),
             a.session_boost_tokens as f64,
             a.max_queue as usize,
         )? {

@@ -94,6 +94,19 @@ pub fn pod_bits(pods: &[String]) -> Vec<u64> {
     bits
 }
 
+/// Who a ticket's tokens are charged to among the tenants: its tenant on the pods it may go to.
+/// A tenant's use of one model's pods does not put its requests for another model's pods, whose
+/// line is another, behind the other tenants there (as the Gateway API Inference Extension's
+/// flow control keeps fairness per pool). Tickets of one model, and any whose pods are not known,
+/// are charged to the tenant alone, as before.
+pub fn fair_key(tenant: u64, reach: u64) -> u64 {
+    if reach == ANYWHERE {
+        tenant
+    } else {
+        crate::hash::fnv1a_from(tenant, &reach.to_le_bytes())
+    }
+}
+
 /// Orders tickets: the first is admitted first.
 pub fn order(a: &Ticket, b: &Ticket) -> Ordering {
     b.priority
