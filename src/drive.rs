@@ -423,7 +423,10 @@ mod tests {
         }
         for (c, tenant) in [(10, "x"), (11, "y")] {
             let d = send_from(&mut gate, &vm, &mut host, (c, Some(tenant)), "n", size);
-            assert!(matches!(d.step, Step::Park(_)), "{tenant} waits on n's line");
+            assert!(
+                matches!(d.step, Step::Park(_)),
+                "{tenant} waits on n's line"
+            );
         }
         host.flows.get_mut(&1).unwrap().on_done(&mut gate, &vm);
         run_line(&mut gate, &vm, &mut host);
