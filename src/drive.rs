@@ -325,28 +325,28 @@ mod tests {
 
     #[test]
     fn a_model_on_pods_of_its_own_is_not_held_behind_another_models_line() {
-        // Model m on POD, model n on B, each budget one request, and a strict line (no
-        // backfills): before the line had a head per set of pods, n's requests waited behind m's head
-        // however idle n's pod was. The second B's name hashes to POD's bit: before each pod of
-        // the pool had a bit of its own, those two pods' requests waited for each other.
+        // Model m on POD, model n on b (`two_models`): before the line had a head per set of
+        // pods, n's requests waited behind m's head however idle n's pod was. The second b's name
+        // hashes to POD's bit: before each pod of the pool had a bit of its own, those two pods'
+        // requests waited for each other.
         for b in ["10.0.0.2:8000", "10.0.0.12:8000"] {
             own_line(b);
         }
     }
 
-    fn own_line(b: &str) {
+    /// Model m on POD and model n on `b`, each pod's budget one request, and a strict line (no
+    /// backfills).
+    fn two_models(b: &str) -> (FakeHost, FakeVm, Gate) {
         let host = FakeHost::new();
         host.set_now_ms(1_000_000);
         let vm = host.vm();
-        let served = |pod: &str, model: &str| {
+        for (pod, model) in [(POD, "m"), (b, "n")] {
             let list = [crate::models::served::ServedModel {
                 id: model.into(),
                 parent: None,
             }];
             crate::models::served::write_list(&vm, pod, &list, 1).unwrap();
-        };
-        served(POD, "m");
-        served(b, "n");
+        }
         let config = Config::parse(
             format!(
                 r#"{{"pods":["{POD}","{b}"],"admission":{{"maxWaitMs":5000,"budgetTokens":100,"backfillPasses":0}}}}"#
@@ -354,7 +354,12 @@ mod tests {
             .as_bytes(),
         )
         .unwrap();
-        let mut gate = Gate::new(config, &vm).unwrap();
+        let gate = Gate::new(config, &vm).unwrap();
+        (host, vm, gate)
+    }
+
+    fn own_line(b: &str) {
+        let (_host, vm, mut gate) = two_models(b);
         let mut host = Host::default();
         let size = (40, 50);
         let on = |d: &Decision| {
@@ -392,28 +397,9 @@ mod tests {
 
     #[test]
     fn a_tenants_use_of_one_models_pods_does_not_put_it_behind_on_anothers() {
-        // Models m on POD and n on B, each budget one request. Tenant x fills m's line; then x
-        // and y wait on n's, x first. Before fairness was kept per set of pods, x's tokens on m
-        // put its request on n behind y's.
-        const B: &str = "10.0.0.2:8000";
-        let host = FakeHost::new();
-        host.set_now_ms(1_000_000);
-        let vm = host.vm();
-        for (pod, model) in [(POD, "m"), (B, "n")] {
-            let list = [crate::models::served::ServedModel {
-                id: model.into(),
-                parent: None,
-            }];
-            crate::models::served::write_list(&vm, pod, &list, 1).unwrap();
-        }
-        let config = Config::parse(
-            format!(
-                r#"{{"pods":["{POD}","{B}"],"admission":{{"maxWaitMs":5000,"budgetTokens":100,"backfillPasses":0}}}}"#
-            )
-            .as_bytes(),
-        )
-        .unwrap();
-        let mut gate = Gate::new(config, &vm).unwrap();
+        // Tenant x fills m's line; then x and y wait on n's, x first. Before fairness was kept
+        // per set of pods, x's tokens on m put its request on n behind y's.
+        let (_host, vm, mut gate) = two_models("10.0.0.2:8000");
         let mut host = Host::default();
         let size = (40, 50);
         let z = send_from(&mut gate, &vm, &mut host, (1, Some("z")), "n", size);
