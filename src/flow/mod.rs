@@ -289,8 +289,8 @@ fn seek(gate: &mut Gate, store: &dyn Store) -> Option<u64> {
 
 /// The pods asked for stored response `id` (`routing::stored_ask`) and the calls that ask them;
 /// `None` when none is asked (`routing.storedLookupMs` 0, no cluster to ask through, no pod
-/// known, Envoy's balancer chooses, or `stored_ask::MAX_ASKING` of the VM's requests ask now). A follow-up's model narrows the pods to those serving
-/// it.
+/// known, Envoy's balancer chooses, or `stored_ask::MAX_ASKING` of the VM's requests ask now).
+/// A follow-up's model narrows the pods to those serving it.
 fn ask(
     gate: &mut Gate,
     store: &dyn Store,
@@ -573,10 +573,9 @@ impl Flow {
         body: &[u8],
     ) -> Option<Decision> {
         let asking = self.seeking.as_mut()?.asking.as_mut()?;
-        let id = asking.id().to_string();
+        let h = crate::routing::stored::id_hash(asking.id());
         if let Some(found) = asking.answered(pod, status, body) {
             gate.stats.count(stats::STORED_FOUND, 1);
-            let h = crate::routing::stored::id_hash(&id);
             // Its next turns need no asking.
             if let Err(e) = crate::routing::stored::remember(store, h, &found.pod, found.tokens) {
                 log::debug!("kvgate: found stored response not noted: {e:?}");

@@ -310,6 +310,25 @@ pub fn dispatch(
     .ok()
 }
 
+/// Sends one of the core's callouts from the current context (whose `on_http_call_response`
+/// gets the answer); `None`, logged, when the host refuses it (the cluster is not defined).
+pub fn send(call: &crate::pods::scrape::Call) -> Option<u32> {
+    let token = dispatch(
+        &call.cluster,
+        &call.path,
+        &call.headers,
+        call.body.as_deref(),
+        call.timeout_ms,
+    );
+    if token.is_none() {
+        log::warn!(
+            "kvgate: cannot call cluster `{}` (is it defined?)",
+            call.cluster
+        );
+    }
+    token
+}
+
 /// The status and body of the callout response being delivered.
 pub fn call_response(body_size: usize) -> (Option<u32>, Vec<u8>) {
     let status = header(MapType::HttpCallResponseHeaders, ":status").and_then(|s| s.parse().ok());

@@ -154,27 +154,16 @@ impl Http {
         let authorization = host::request_header("authorization");
         let calls = self.flow.borrow_mut().take_asks(authorization.as_deref());
         for call in calls {
+            let token = host::send(&call);
             let Target::Stored(pod) = call.target else {
                 continue;
             };
-            match host::dispatch(
-                &call.cluster,
-                &call.path,
-                &call.headers,
-                None,
-                call.timeout_ms,
-            ) {
+            match token {
                 Some(token) => {
                     self.asks.insert(token, pod);
                 }
-                None => {
-                    log::warn!(
-                        "kvgate: cannot call cluster `{}` (is it defined?)",
-                        call.cluster
-                    );
-                    // Its decision comes at the tick: this callback's is the hold.
-                    self.flow.borrow_mut().unasked(&pod);
-                }
+                // Its decision comes at the tick: this callback's is the hold.
+                None => self.flow.borrow_mut().unasked(&pod),
             }
         }
     }

@@ -30,23 +30,11 @@ impl Root {
     /// Sends the core's callouts; one that cannot be sent is handed back as failed.
     fn send(&mut self, gate: &mut Gate, calls: Vec<Call>) {
         for call in calls {
-            match host::dispatch(
-                &call.cluster,
-                &call.path,
-                &call.headers,
-                call.body.as_deref(),
-                call.timeout_ms,
-            ) {
+            match host::send(&call) {
                 Some(token) => {
                     self.calls.insert(token, call.target);
                 }
-                None => {
-                    log::warn!(
-                        "kvgate: cannot call cluster `{}` (is it defined?)",
-                        call.cluster
-                    );
-                    gate.on_call_failed(&call.target);
-                }
+                None => gate.on_call_failed(&call.target),
             }
         }
     }
