@@ -5,6 +5,7 @@
 //! [`Waiting`]; the logic lives here so it is tested natively and shared by both.
 
 use crate::admission::admit::{Reach, Stay};
+use crate::admission::line::ANYWHERE;
 use crate::flow::{Flow, Gate, Step};
 use crate::openai::reply::LocalReply;
 use crate::stats;
@@ -59,14 +60,14 @@ pub trait Waiting {
     fn resume(&mut self, stream: &Self::Stream, decision: crate::flow::Decision);
 }
 
-/// Retries one parked request on the pods `reach` allows; `Ok` when it left the line (admitted,
-/// answered or released).
+/// Retries one parked request on the pods `reach` allows among those its bits name
+/// (`line::ANYWHERE`: all); `Ok` when it left the line (admitted, answered or released).
 pub fn retry(
     gate: &mut Gate,
     store: &dyn Store,
     waiting: &mut impl Waiting,
     ticket: u64,
-    reach: Reach,
+    reach: (Reach, u64),
 ) -> Result<(), Stay> {
     let Some(stream) = waiting.find(ticket) else {
         return Err(Stay::NoRoom);
@@ -100,16 +101,16 @@ pub fn retry(
 /// copy holding the KV of about seven requests, so a third wave was needed; in this order, 2–15.
 pub fn run_line(gate: &mut Gate, store: &dyn Store, waiting: &mut impl Waiting) {
     for ticket in gate.expired(store) {
-        let _ = retry(gate, store, waiting, ticket, Reach::Any);
+        let _ = retry(gate, store, waiting, ticket, (Reach::Any, ANYWHERE));
     }
     gate.admission.set_head_waits_for_cache(false);
     // Heads of this VM that stay in the line in this pass: the next head is tried.
     let mut tried = Vec::new();
     for _ in 0..MAX_ADMITS {
-        let Some(ticket) = gate.next_parked(store, &tried) else {
+        let Some((ticket, within)) = gate.next_parked(store, &tried) else {
             break;
         };
-        let roomy = match retry(gate, store, waiting, ticket, Reach::Cached) {
+        let roomy = match retry(gate, store, waiting, ticket, (Reach::Cached, within)) {
             Ok(()) => continue,
             Err(Stay::NoRoom) => {
                 tried.push(ticket);
@@ -148,7 +149,7 @@ pub fn run_line(gate: &mut Gate, store: &dyn Store, waiting: &mut impl Waiting) 
         } else {
             Reach::Any
         };
-        match retry(gate, store, waiting, ticket, reach) {
+        match retry(gate, store, waiting, ticket, (reach, within)) {
             Ok(()) => gate.stats.count(stats::ADMISSION_UNCACHED, 1),
             Err(stay) => {
                 if matches!(stay, Stay::Uncached(_)) {
@@ -183,7 +184,7 @@ fn backfill(
         if i > 0 && !gate.may_pass(store, cache_first, ticket) {
             break;
         }
-        if retry(gate, store, waiting, ticket, Reach::Cached).is_ok() {
+        if retry(gate, store, waiting, ticket, (Reach::Cached, ANYWHERE)).is_ok() {
             admitted += 1;
         }
     }
@@ -393,6 +394,71 @@ mod tests {
         assert_eq!(host.resumed.len(), 2, "{:?}", host.resumed);
         assert_eq!(host.resumed[1].0, 2);
         assert!(host.parked.is_empty());
+    }
+
+    #[test]
+    fn a_request_goes_to_pods_no_ticket_ahead_of_it_may_take_past_a_head_waiting_for_others() {
+        // Base model m on POD and b; its adapter x on POD only. Each pod's budget holds one
+        // request, and the line is strict (no backfills). Before a ticket headed the line on the
+        // pods no ticket ahead of it may take, m's requests waited behind x's head for room on
+        // POD however idle b was.
+        let b = "10.0.0.2:8000";
+        let host_ = FakeHost::new();
+        host_.set_now_ms(1_000_000);
+        let vm = host_.vm();
+        let served = |id: &str, parent: Option<&str>| crate::models::served::ServedModel {
+            id: id.into(),
+            parent: parent.map(Into::into),
+        };
+        let lists = [
+            (POD, vec![served("m", None), served("x", Some("m"))]),
+            (b, vec![served("m", None)]),
+        ];
+        for (pod, list) in lists {
+            crate::models::served::write_list(&vm, pod, &list, 1).unwrap();
+        }
+        let config = Config::parse(
+            format!(
+                r#"{{"pods":["{POD}","{b}"],"admission":{{"maxWaitMs":5000,"budgetTokens":100,"backfillPasses":0}}}}"#
+            )
+            .as_bytes(),
+        )
+        .unwrap();
+        let mut gate = Gate::new(config, &vm).unwrap();
+        let mut host = Host::default();
+        let size = (40, 50);
+        let on = |d: &Decision| {
+            d.set
+                .iter()
+                .find(|(n, _)| n == DESTINATION_HEADER)
+                .map(|(_, v)| v.clone())
+        };
+        let x1 = send_to(&mut gate, &vm, &mut host, 1, "x", size);
+        assert_eq!(on(&x1).as_deref(), Some(POD));
+        let x2 = send_to(&mut gate, &vm, &mut host, 2, "x", size);
+        assert!(matches!(x2.step, Step::Park(_)), "x's pod is full");
+        let m1 = send_to(&mut gate, &vm, &mut host, 3, "m", size);
+        assert_eq!(on(&m1).as_deref(), Some(b), "nobody waits for b: at once");
+        for c in [4, 5] {
+            let d = send_to(&mut gate, &vm, &mut host, c, "m", size);
+            assert!(matches!(d.step, Step::Park(_)), "b is full now");
+        }
+        // b frees: the first m behind x's head goes there, and passes nobody.
+        host.flows.get_mut(&3).unwrap().on_done(&mut gate, &vm);
+        run_line(&mut gate, &vm, &mut host);
+        let resumed: Vec<(u32, Option<String>)> =
+            host.resumed.iter().map(|(c, d)| (*c, on(d))).collect();
+        assert_eq!(resumed, vec![(4, Some(b.to_string()))]);
+        assert_eq!(first_passes(&vm), 0, "4 took no room x's head waits for");
+        // POD frees: x's head takes it, not the m behind it.
+        host.flows.get_mut(&1).unwrap().on_done(&mut gate, &vm);
+        run_line(&mut gate, &vm, &mut host);
+        assert_eq!(host.resumed.len(), 2, "{:?}", host.resumed);
+        assert_eq!(
+            (host.resumed[1].0, on(&host.resumed[1].1).as_deref()),
+            (2, Some(POD))
+        );
+        assert_eq!(host.parked.values().copied().collect::<Vec<_>>(), vec![5]);
     }
 
     #[test]
@@ -827,7 +893,7 @@ mod tests {
     fn a_ticket_this_vm_does_not_hold_is_not_retried() {
         let (_h, vm, mut gate) = gate();
         let mut host = Host::default();
-        assert!(retry(&mut gate, &vm, &mut host, 42, Reach::Any).is_err());
+        assert!(retry(&mut gate, &vm, &mut host, 42, (Reach::Any, ANYWHERE)).is_err());
         assert!(host.resumed.is_empty());
     }
 }

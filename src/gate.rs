@@ -397,10 +397,10 @@ impl Gate {
         self.admission.wake_queue()
     }
 
-    /// Woken (or ticking): the first head of a line of its own that this VM holds and has not
-    /// `tried` in this pass (`Admission::next_head`), having emptied the wake queue. The shell
-    /// retries that request and asks again until `None`.
-    pub fn next_parked(&mut self, store: &dyn Store, tried: &[u64]) -> Option<u64> {
+    /// Woken (or ticking): the first ticket heading the line on some pods that this VM holds and
+    /// has not `tried` in this pass, and those pods (`Admission::next_head`), having emptied the
+    /// wake queue. The shell retries that request and asks again until `None`.
+    pub fn next_parked(&mut self, store: &dyn Store, tried: &[u64]) -> Option<(u64, u64)> {
         self.admission.drain_wakes(store);
         if self.admission.parked() == 0 {
             return None;

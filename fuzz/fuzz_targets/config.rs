@@ -9,6 +9,7 @@
 #![no_main]
 
 use kvgate::admission::admit::Reach;
+use kvgate::admission::line::ANYWHERE;
 use kvgate::config::Config;
 use kvgate::flow::{Flow, Gate, RequestHead, Step};
 use kvgate::pods::pool::{encode_pods, PODS_KEY};
@@ -134,16 +135,16 @@ fn run(config: Config) {
         tick(&mut gate);
         for t in gate.expired(&vm) {
             if let Some((f, p)) = flows.iter_mut().find(|(_, p)| *p == Some(t)) {
-                if f.retry(&mut gate, &vm, Reach::Any).is_ok() {
+                if f.retry(&mut gate, &vm, (Reach::Any, ANYWHERE)).is_ok() {
                     *p = None;
                 }
             }
         }
-        while let Some(t) = gate.next_parked(&vm, &[]) {
+        while let Some((t, within)) = gate.next_parked(&vm, &[]) {
             let Some((f, p)) = flows.iter_mut().find(|(_, p)| *p == Some(t)) else {
                 break;
             };
-            if f.retry(&mut gate, &vm, Reach::Any).is_err() {
+            if f.retry(&mut gate, &vm, (Reach::Any, within)).is_err() {
                 break;
             }
             *p = None;

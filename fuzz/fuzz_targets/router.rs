@@ -195,7 +195,8 @@ enum Op {
     },
     Remove {
         ticket: u8,
-        admitted: bool,
+        /// Admitted onto the pod of bit `1 << (n % 5)` (`1 << 4`: one no ticket reaches), or not.
+        admitted: Option<u8>,
     },
     ChargeDirect {
         tenant: u8,
@@ -715,10 +716,30 @@ impl World {
                     .tickets
                     .iter()
                     .any(|t| t.id == id);
-                let removed = line::remove(self.store(), id, admitted).expect("fake host");
+                let before = checked_queue(self.store());
+                let leave = match admitted {
+                    Some(n) => line::Leave::Admitted(1 << (n % 5)),
+                    None => line::Leave::NotAdmitted,
+                };
+                let removed = line::remove(self.store(), id, leave).expect("fake host");
                 if removed {
                     assert!(present, "removed ticket {id} that was not in the line");
                     assert!(self.removed.insert(id), "ticket {id} removed twice");
+                    // A pass is counted only against a head it went past on a pod that head's
+                    // group may take.
+                    let after = checked_queue(self.store());
+                    let headed = before.leaders().iter().any(|(t, free)| {
+                        t.id == id && matches!(leave, line::Leave::Admitted(b) if b & free != 0)
+                    });
+                    if headed || leave == line::Leave::NotAdmitted {
+                        for t in &after.tickets {
+                            assert!(
+                                after.passes(t.id) <= before.passes(t.id),
+                                "ticket {id} left ({leave:?}) where it headed the line, yet {} was passed: {before:?} → {after:?}",
+                                t.id
+                            );
+                        }
+                    }
                 }
             }
             Op::ChargeDirect { tenant, cost } => {
@@ -783,7 +804,7 @@ fuzz_target!(|input: Input| {
         );
     }
     for id in world.queued.clone() {
-        line::remove(world.store(), id, false).expect("fake host");
+        line::remove(world.store(), id, line::Leave::NotAdmitted).expect("fake host");
     }
     let raw = checked_queue(world.store());
     let q = if skip("abandoned-tickets") {

@@ -147,6 +147,19 @@ pub fn checked_queue(store: &dyn Store) -> QueueRecord {
             assert!(h <= i && heads[h][..] == [h], "ticket {i}: heads {heads:?}");
         }
     }
+    // A ticket heads the line on the pods of its that no ticket ahead of it may take, when there
+    // are any: every ticket heading a line of its own, on all its pods.
+    let leaders = q.leaders();
+    let mut ahead = 0u64;
+    for (i, t) in q.tickets.iter().enumerate() {
+        let free = t.reach & !ahead;
+        let listed = leaders.iter().find(|(l, _)| l.id == t.id).map(|(_, f)| *f);
+        assert_eq!(listed, (free != 0).then_some(free), "ticket {i} of {q:?}");
+        if heads[i][..] == [i] {
+            assert_eq!(free, t.reach, "ticket {i} heads a line of its own: {q:?}");
+        }
+        ahead |= t.reach;
+    }
     assert!(
         q.virtual_time.is_finite(),
         "virtual time {}",

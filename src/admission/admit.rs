@@ -5,7 +5,7 @@
 //! VM, since a shared queue notifies only its last registrant); the head is retried there, and on
 //! success the next head's VM is woken in turn. A tick retries too, as a backstop only.
 
-use crate::admission::line::{self, Refused, Ticket};
+use crate::admission::line::{self, Leave, Refused, Ticket};
 use crate::admission::sessions;
 use crate::config::AdmissionConfig;
 use crate::config::{Config, Mode};
@@ -90,6 +90,15 @@ fn wanted(cfg: &Config, belongs: &str) -> u64 {
         0
     } else {
         line::pod_key(belongs)
+    }
+}
+
+/// `est` for a pick among the pods `free` names (`Estimate::within`), or among all of them when
+/// that is all of `reach` (a request heading a line of its own).
+fn within(est: &Estimate, free: u64, reach: u64) -> Estimate {
+    Estimate {
+        within: if free == reach { line::ANYWHERE } else { free },
+        ..*est
     }
 }
 
@@ -247,7 +256,9 @@ impl Admission {
             0.0
         };
         let mut ticket = Ticket {
-            id: 0,
+            // The newest of its tag and millisecond until it has an id: a waiting ticket with
+            // both is ahead of it (with 0 it went first and was sent past that ticket's pods).
+            id: u64::MAX,
             vm: self.vm,
             priority: class.priority,
             boosted,
@@ -258,10 +269,13 @@ impl Admission {
             wants: 0,
             reach,
         };
-        // Only a request that would head a line of its own may go straight to a pod: nobody
-        // waiting on any worker for a pod it may take is overtaken by a lower-ordered newcomer.
+        // Only a request that would head the line on some of its pods may go straight to a pod,
+        // and only to those: nobody waiting on any worker for a pod is overtaken there by a
+        // lower-ordered newcomer (per-pod precedence, `QueueRecord::leaders`).
         let mut patient_until_ms = None;
-        if line.would_lead(&ticket) {
+        let free = line.free_for(&ticket);
+        if free != 0 {
+            let est = &within(est, free, ticket.reach);
             let placed = if a.cache_wait_ms > 0 {
                 router.route_patient(store, cfg, (model, hashes, est))?
             } else {
@@ -331,7 +345,9 @@ impl Admission {
     }
 
     /// Retries a parked request that is at the head of the line, a backfill, or past its
-    /// deadline (which is answered wherever it may reach). `Err`: it stays parked, and why.
+    /// deadline (which is answered wherever it may reach), on the pods `within` names
+    /// (`line::ANYWHERE`: all of its model's; fewer for a ticket heading the line on those
+    /// only, `next_head`). `Err`: it stays parked, and why.
     #[allow(clippy::too_many_arguments)]
     pub fn retry(
         &mut self,
@@ -341,12 +357,16 @@ impl Admission {
         stats: &mut Stats,
         ticket: &mut Ticket,
         asks: &Asks,
-        reach: Reach,
+        (reach, within_pods): (Reach, u64),
     ) -> Result<Result<Admit, Stay>, StoreError> {
         let Asks { model, hashes, est } = *asks;
+        let est = &Estimate {
+            within: within_pods,
+            ..*est
+        };
         let now = store.now_ms();
         if now >= ticket.deadline_ms {
-            self.leave(store, ticket.id, false)?;
+            self.leave(store, ticket.id, Leave::NotAdmitted)?;
             stats.count(stats::ADMISSION_TIMED_OUT, 1);
             let waited_s = now.saturating_sub(ticket.enqueued_ms).div_ceil(1000).max(1);
             let reply = LocalReply::error(
@@ -363,11 +383,18 @@ impl Admission {
             Reach::Cached => router.route_cached(store, cfg, (model, hashes, est))?,
             Reach::Patient => router.route_patient(store, cfg, (model, hashes, est))?,
         };
-        let admit = match placed {
-            Placement::Routed(r) => Admit::Routed(r),
-            Placement::NoPods => Admit::Unrouted,
+        let (admit, on) = match placed {
+            Placement::Routed(r) => {
+                let bit = router.bit_of(&r.pod);
+                (Admit::Routed(r), bit)
+            }
+            Placement::NoPods => (Admit::Unrouted, 0),
             Placement::Discovering => return Ok(Err(Stay::NoRoom)),
-            // Where it now waits, for the replicas' sync (`Gate::pod_views`).
+            // Where it now waits, for the replicas' sync (`Gate::pod_views`); a pick among some
+            // of its pods that found none of them in the pool names nothing new.
+            Placement::NoRoom(belongs) if belongs.is_empty() && est.within != line::ANYWHERE => {
+                return Ok(Err(Stay::NoRoom));
+            }
             Placement::NoRoom(belongs) => {
                 Self::waits_on(store, cfg, ticket, &belongs, router.reach(store, model))?;
                 return Ok(Err(Stay::NoRoom));
@@ -377,7 +404,7 @@ impl Admission {
                 return Ok(Err(Stay::Uncached(pods)));
             }
         };
-        self.leave(store, ticket.id, true)?;
+        self.leave(store, ticket.id, Leave::Admitted(on))?;
         stats.count(stats::ADMISSION_ADMITTED, 1);
         stats.histogram(
             stats::ADMISSION_WAIT_MS,
@@ -409,25 +436,31 @@ impl Admission {
         Ok(())
     }
 
-    /// The first head of a line of its own (`QueueRecord::leaders`) that this VM holds and
-    /// that is not in `tried`; the VMs holding the heads before it are woken.
+    /// The first ticket heading the line on some of its pods (`QueueRecord::leaders`) that this
+    /// VM holds and that is not in `tried`, and the pods it may be sent to now (`line::ANYWHERE`
+    /// when it heads a line of its own); the VMs holding the heads before it are woken.
     pub fn next_head(
         &mut self,
         store: &dyn Store,
         tried: &[u64],
-    ) -> Result<Option<u64>, StoreError> {
+    ) -> Result<Option<(u64, u64)>, StoreError> {
         // Tickets of this VM that it no longer holds (it lost track: a reload) are cleared; the
         // loop is bounded by the line's length.
         'read: for _ in 0..64 {
             let line = line::read(store)?;
-            for t in line.leaders() {
+            for (t, free) in line.leaders() {
                 if t.vm != self.vm {
                     self.wake(store, t.vm);
                 } else if !self.parked.contains_key(&t.id) {
-                    line::remove(store, t.id, false)?;
+                    line::remove(store, t.id, Leave::NotAdmitted)?;
                     continue 'read;
                 } else if !tried.contains(&t.id) {
-                    return Ok(Some(t.id));
+                    let within = if free == t.reach {
+                        line::ANYWHERE
+                    } else {
+                        free
+                    };
+                    return Ok(Some((t.id, within)));
                 }
             }
             return Ok(None);
@@ -546,22 +579,22 @@ impl Admission {
     ) -> Result<(), StoreError> {
         if self.parked.contains_key(&ticket) {
             stats.count(stats::ADMISSION_ABANDONED, 1);
-            self.leave(store, ticket, false)?;
+            self.leave(store, ticket, Leave::NotAdmitted)?;
         }
         Ok(())
     }
 
-    fn leave(&mut self, store: &dyn Store, ticket: u64, admitted: bool) -> Result<(), StoreError> {
+    fn leave(&mut self, store: &dyn Store, ticket: u64, leave: Leave) -> Result<(), StoreError> {
         self.parked.remove(&ticket);
-        line::remove(store, ticket, admitted)?;
+        line::remove(store, ticket, leave)?;
         // Whoever is next may fit in what is left.
         self.wake_head(store)
     }
 
-    /// Budget was released: every head of a line of its own gets a chance.
+    /// Budget was released: every ticket heading the line on some pods gets a chance.
     pub fn wake_head(&mut self, store: &dyn Store) -> Result<(), StoreError> {
         let line = line::read(store)?;
-        for t in line.leaders() {
+        for (t, _) in line.leaders() {
             self.wake(store, t.vm);
         }
         Ok(())
@@ -678,7 +711,7 @@ mod tests {
                     &mut w.stats,
                     &mut t.clone(),
                     &asks,
-                    Reach::Any,
+                    (Reach::Any, line::ANYWHERE),
                 )
                 .unwrap()
                 .ok()
@@ -774,7 +807,7 @@ mod tests {
                 &mut w.stats,
                 &mut t,
                 &asks(&est(50)),
-                Reach::Any
+                (Reach::Any, line::ANYWHERE)
             )
             .unwrap()
             .is_err());
@@ -812,7 +845,10 @@ mod tests {
         let (cfg, mut w) = one_worker(100);
         let first = routed(w.place(&cfg, class(&cfg, None, "t"), 80));
         let t = waiting(w.place(&cfg, class(&cfg, None, "t"), 50));
-        assert_eq!(w.admission.next_head(&w.vm, &[]).unwrap(), Some(t.id));
+        assert_eq!(
+            w.admission.next_head(&w.vm, &[]).unwrap(),
+            Some((t.id, line::ANYWHERE))
+        );
         assert_eq!(w.retry(&cfg, &t, 50), None, "still no room");
         w.router.finish(&w.vm, &first).unwrap();
         w.admission.wake_head(&w.vm).unwrap();
@@ -888,11 +924,15 @@ mod tests {
         let mut w2 = worker(&host, &cfg);
         let big = routed(w1.place(&cfg, class(&cfg, None, "t"), 90));
         let t = waiting(w1.place(&cfg, class(&cfg, None, "t"), 50));
-        // 10 tokens are free: a small newcomer would fit, but it must queue behind the ticket.
-        assert!(matches!(
-            w2.place(&cfg, class(&cfg, None, "t"), 5),
-            Admit::Wait(_)
-        ));
+        // 10 tokens are free: a small newcomer would fit, but it must queue behind the ticket;
+        // also one of another tenant whose tag ties with the ticket's, in the same millisecond
+        // (which went first while it had no id).
+        for tenant in ["t", "u"] {
+            assert!(matches!(
+                w2.place(&cfg, class(&cfg, None, tenant), 5),
+                Admit::Wait(_)
+            ));
+        }
         // A higher band leads the line and may go straight in.
         assert!(matches!(
             w2.place(&cfg, class(&cfg, Some("critical"), "t"), 5),

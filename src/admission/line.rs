@@ -14,7 +14,10 @@
 //! only between tickets that wait for room on a pod in common: a ticket that no ticket ahead of
 //! it shares a pod with heads a line of its own; any other waits behind the heads it is joined
 //! to by pods in common, directly or through tickets between them
-//! ([`QueueRecord::visit_heads`]), and a backfill past them counts a pass against each. Pods of
+//! ([`QueueRecord::visit_heads`]), and a backfill past them counts a pass against each. On the
+//! pods of its reach that no ticket ahead of it may take, a ticket heads the line
+//! ([`QueueRecord::leaders`]: per-pod precedence): it is retried there like a head, and taking
+//! room there passes nobody, since no ticket ahead of it waits for that room. Pods of
 //! one model make one line with one head, the single line above; a second model on pods of its
 //! own is not held behind the first model's head (measured: with one model's pods saturated,
 //! 1–2 % of another model's requests, whose pods were idle, waited 0.15–0.6 s behind its line).
@@ -283,15 +286,26 @@ impl QueueRecord {
         out
     }
 
-    /// The tickets that head a line of their own (`visit_heads`), in line order.
-    pub fn leaders(&self) -> Vec<&Ticket> {
-        let mut out = Vec::new();
-        self.visit_heads(|i, heads| {
-            if heads[..] == [i] {
-                out.extend(self.tickets.get(i));
+    /// Each ticket that heads the line on some of its pods, in line order, with those pods (as
+    /// bits, `free`): the pods it may take that no ticket ahead of it may take. A ticket heading a
+    /// line of its own (`visit_heads`) heads it on all its pods; one joined to heads ahead of it by
+    /// some of its pods heads it on the others, since room taken there is room no ticket ahead of
+    /// it waits for (per-pod precedence). A base model's request behind a LoRA adapter's that
+    /// only some of its pods serve goes to the others as they free room, instead of waiting for
+    /// room where the adapter is, or a pass. At most one a pod: each takes a pod no earlier one
+    /// may take.
+    pub fn leaders(&self) -> Vec<(&Ticket, u64)> {
+        let (mut ahead, mut out) = (0u64, Vec::new());
+        for t in &self.tickets {
+            let free = t.reach & !ahead;
+            if free != 0 {
+                out.push((t, free));
             }
-            true
-        });
+            ahead |= t.reach;
+            if ahead == ANYWHERE {
+                break;
+            }
+        }
         out
     }
 
@@ -329,13 +343,16 @@ impl QueueRecord {
         }
     }
 
-    /// Whether a request with this key would head a line of its own: no ticket ahead of it may
-    /// take a pod it may take.
-    pub fn would_lead(&self, candidate: &Ticket) -> bool {
-        self.tickets
+    /// The pods (as bits) on which a request ordered as `candidate` would head the line
+    /// (`leaders`): those it may take that no ticket ahead of it may take. 0: none; all of its
+    /// reach when it would head a line of its own.
+    pub fn free_for(&self, candidate: &Ticket) -> u64 {
+        let ahead = self
+            .tickets
             .iter()
             .take_while(|t| order(t, candidate) == Ordering::Less)
-            .all(|t| t.reach & candidate.reach == 0)
+            .fold(0, |ahead, t| ahead | t.reach);
+        candidate.reach & !ahead
     }
 }
 
@@ -404,19 +421,36 @@ pub fn enqueue(
     Ok(out.unwrap_or(Err(Refused::Full)))
 }
 
+/// How a ticket leaves the line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Leave {
+    /// Sent to the pod of this bit (`pod_bits`; 0 when not known).
+    Admitted(u64),
+    /// Timed out, gone, or answered without a pod.
+    NotAdmitted,
+}
+
 /// Leaves the line (admitted, timed out or gone), exactly once: true the first time. An admitted
 /// ticket advances the virtual time to its start tag, but never past the first ticket's; one
-/// admitted from behind heads (a backfill) counts a pass against each.
-pub fn remove(store: &dyn Store, id: u64, admitted: bool) -> Result<bool, StoreError> {
+/// admitted from behind heads (a backfill) counts a pass against each, unless the pod it went to
+/// is one no ticket ahead of it may take (it headed the line there: `QueueRecord::leaders`).
+pub fn remove(store: &dyn Store, id: u64, leave: Leave) -> Result<bool, StoreError> {
     Ok(modify(store, |q| {
         let i = q.tickets.iter().position(|t| t.id == id)?;
-        // Heads it passes, if admitted: ahead of it, so where they were.
-        let passed: Vec<u64> = q
-            .heads_of(i)
-            .iter()
-            .filter(|&&h| h < i)
-            .filter_map(|&h| q.tickets.get(h).map(|h| h.id))
-            .collect();
+        let ahead = q.tickets[..i].iter().fold(0, |ahead, t| ahead | t.reach);
+        let free = q.tickets[i].reach & !ahead;
+        let admitted = leave != Leave::NotAdmitted;
+        // Heads it passes, if admitted onto a pod one of them may take: ahead of it, so where
+        // they were.
+        let passed: Vec<u64> = match leave {
+            Leave::Admitted(bit) if bit & free == 0 => q
+                .heads_of(i)
+                .iter()
+                .filter(|&&h| h < i)
+                .filter_map(|&h| q.tickets.get(h).map(|h| h.id))
+                .collect(),
+            _ => Vec::new(),
+        };
         let t = q.tickets.remove(i);
         if admitted {
             let mut tag = t.start_tag;
@@ -585,9 +619,9 @@ mod tests {
             .unwrap(),
             Err(Refused::Full)
         );
-        assert!(remove(&vm, 1, true).unwrap());
-        assert!(!remove(&vm, 1, true).unwrap());
-        assert!(remove(&vm, 3, false).unwrap());
+        assert!(remove(&vm, 1, Leave::Admitted(0)).unwrap());
+        assert!(!remove(&vm, 1, Leave::Admitted(0)).unwrap());
+        assert!(remove(&vm, 3, Leave::NotAdmitted).unwrap());
         assert!(read(&vm).unwrap().tickets.is_empty());
     }
 
@@ -695,7 +729,7 @@ mod tests {
         };
         assert_eq!(wants(&vm), vec![(1, 0, ANYWHERE), (2, a, 6)]);
         // Line order and the other tickets are untouched; a ticket gone is not brought back.
-        remove(&vm, 2, true).unwrap();
+        remove(&vm, 2, Leave::Admitted(0)).unwrap();
         set_wants(&vm, 2, a, 6).unwrap();
         assert_eq!(wants(&vm), vec![(1, 0, ANYWHERE)]);
     }
@@ -715,16 +749,22 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(ids(&vm), vec![1, 3, 2]);
-        assert!(remove(&vm, 2, true).unwrap(), "2 backfills past 1 (and 3)");
+        assert!(
+            remove(&vm, 2, Leave::Admitted(0)).unwrap(),
+            "2 backfills past 1 (and 3)"
+        );
         let q = read(&vm).unwrap();
         assert_eq!(q.passes(1), 1);
         assert_eq!(
             q.virtual_time, 0.0,
             "the tag of the waiting head (0), not the backfill's (100)"
         );
-        assert!(remove(&vm, 3, true).unwrap());
+        assert!(remove(&vm, 3, Leave::Admitted(0)).unwrap());
         assert_eq!(read(&vm).unwrap().passes(1), 2);
-        assert!(remove(&vm, 1, false).unwrap(), "the head leaves");
+        assert!(
+            remove(&vm, 1, Leave::NotAdmitted).unwrap(),
+            "the head leaves"
+        );
         assert_eq!(read(&vm).unwrap().passes, vec![], "and its passes with it");
     }
 
@@ -753,21 +793,64 @@ mod tests {
             [vec![0, 1], vec![0, 1], vec![0, 1]],
             "3 joins them"
         );
-        let leaders: Vec<u64> = q.leaders().iter().map(|t| t.id).collect();
-        assert_eq!(leaders, vec![1, 2]);
+        let leaders: Vec<(u64, u64)> = q.leaders().iter().map(|(t, f)| (t.id, *f)).collect();
+        assert_eq!(
+            leaders,
+            vec![(1, 1), (2, 2), (7, !3)],
+            "7 may go anywhere: it heads the line on the pods nobody ahead of it may take"
+        );
         // A newcomer heads a line of its own when nobody ahead of it may take its pods.
         let last = |reach| Ticket {
             reach,
             start_tag: 1e9,
             ..ticket(99, 0, 1)
         };
-        assert!(!q.would_lead(&last(4)), "behind 7, which may go anywhere");
+        assert_eq!(q.free_for(&last(4)), 0, "behind 7, which may go anywhere");
         let vm = FakeHost::new().vm();
         line_of(&vm, &[1, 2, 2]);
         let q = read(&vm).unwrap();
-        assert!(q.would_lead(&last(4)), "a third model's pods");
-        assert!(!q.would_lead(&last(2)), "behind 2 and 3");
-        assert!(!q.would_lead(&last(ANYWHERE)));
+        assert_eq!(q.free_for(&last(4)), 4, "a third model's pods");
+        assert_eq!(q.free_for(&last(2)), 0, "behind 2 and 3");
+        assert_eq!(q.free_for(&last(ANYWHERE)), !3);
+    }
+
+    #[test]
+    fn a_ticket_heads_the_line_on_the_pods_no_ticket_ahead_of_it_may_take() {
+        let vm = FakeHost::new().vm();
+        // An adapter on pods 1 (bit 1) waits; its base model, on pods 1 and 2 (3), waits behind
+        // it; so does an adapter on pod 2 (2), behind the base model's ticket.
+        line_of(&vm, &[1, 3, 2, 3]);
+        let q = read(&vm).unwrap();
+        assert_eq!(
+            q.heads_of(1),
+            vec![0],
+            "the base model's ticket is joined to 1"
+        );
+        assert_eq!(
+            q.heads_of(2),
+            vec![0],
+            "and the other adapter's, through it"
+        );
+        let leaders: Vec<(u64, u64)> = q.leaders().iter().map(|(t, f)| (t.id, *f)).collect();
+        assert_eq!(leaders, vec![(1, 1), (2, 2)], "2 heads it on pod 2");
+        assert_eq!(
+            q.free_for(&Ticket {
+                reach: 3,
+                start_tag: 1e9,
+                ..ticket(99, 0, 1)
+            }),
+            0
+        );
+        // Sent to pod 2, which 1 may not take: no pass against 1.
+        assert!(remove(&vm, 2, Leave::Admitted(2)).unwrap());
+        assert_eq!(read(&vm).unwrap().passes, vec![]);
+        // 3 now heads a line of its own.
+        assert_eq!(read(&vm).unwrap().heads_of(1), vec![1]);
+        assert!(remove(&vm, 3, Leave::Admitted(2)).unwrap());
+        assert_eq!(read(&vm).unwrap().passes, vec![]);
+        // 4, sent to pod 1, goes past 1 where 1 waits: a pass.
+        assert!(remove(&vm, 4, Leave::Admitted(1)).unwrap());
+        assert_eq!(read(&vm).unwrap().passes, vec![(1, 1)]);
     }
 
     #[test]
@@ -793,7 +876,7 @@ mod tests {
     fn a_backfill_that_shares_pods_with_two_heads_passes_both() {
         let vm = FakeHost::new().vm();
         line_of(&vm, &[1, 2, 3]);
-        assert!(remove(&vm, 3, true).unwrap());
+        assert!(remove(&vm, 3, Leave::Admitted(0)).unwrap());
         assert_eq!(read(&vm).unwrap().passes, vec![(1, 1), (2, 1)]);
     }
 
@@ -801,9 +884,12 @@ mod tests {
     fn a_pass_counts_against_the_backfills_own_heads_only() {
         let vm = FakeHost::new().vm();
         line_of(&vm, &[1, 2, 1, 2]);
-        assert!(remove(&vm, 3, true).unwrap(), "3 backfills past 1");
         assert!(
-            remove(&vm, 2, true).unwrap(),
+            remove(&vm, 3, Leave::Admitted(0)).unwrap(),
+            "3 backfills past 1"
+        );
+        assert!(
+            remove(&vm, 2, Leave::Admitted(0)).unwrap(),
             "2 heads a line of its own: no pass"
         );
         let q = read(&vm).unwrap();

@@ -55,6 +55,10 @@ pub struct Estimate {
     /// The one pod that can answer it, by a hash of its address (`hash::fnv1a`): a Responses API
     /// follow-up's, where its previous response is stored (`routing::stored`).
     pub only_on: Option<u64>,
+    /// The pods it may go to now, as the line's bits (`admission::line::pod_bits`):
+    /// `line::ANYWHERE` for every pod serving its model, fewer where it heads the line on some
+    /// of its pods only (`QueueRecord::leaders`: tickets ahead of it wait for the others).
+    pub within: u64,
 }
 
 impl Estimate {
@@ -73,6 +77,7 @@ impl Estimate {
             output: OutputDist::never_stops(),
             cost: prompt_tokens + output_tokens,
             only_on: None,
+            within: crate::admission::line::ANYWHERE,
         }
     }
 }
@@ -129,6 +134,7 @@ pub fn estimate_from(
         output,
         cost,
         only_on: None,
+        within: crate::admission::line::ANYWHERE,
     }
 }
 

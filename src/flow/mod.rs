@@ -827,12 +827,13 @@ impl Flow {
     }
 
     /// The parked request is at the head of the line, a backfill, or past its deadline: try
-    /// again, on the pods `reach` allows. `Err` while it still has to wait, and why.
+    /// again, on the pods `reach` allows among those its bits name (`Admission::retry`). `Err`
+    /// while it still has to wait, and why.
     pub fn retry(
         &mut self,
         gate: &mut Gate,
         store: &dyn Store,
-        reach: Reach,
+        reach: (Reach, u64),
     ) -> Result<Decision, Stay> {
         let Some(a) = self.admitted.as_mut() else {
             return Err(Stay::NoRoom);

@@ -4,6 +4,7 @@
 //! output crossed a block boundary) and `finish` (remove it, exactly once).
 
 use crate::admission::budget::{budget_tokens, fits};
+use crate::admission::line;
 use crate::config::{Config, RoutingConfig, MAX_BLOCK_TOKENS};
 use crate::estimate::reservation::Estimate;
 use crate::models::served::{adapter_id, ServedView};
@@ -287,6 +288,15 @@ impl Router {
     /// Each pod's bit in a waiting request's reach (`line::pod_bits`), as `pods` orders them.
     pub fn pod_bits(&self) -> &[u64] {
         &self.pod_bits
+    }
+
+    /// The bit of `pod` (`pod_bits`); 0 for a pod not in the pool.
+    pub fn bit_of(&self, pod: &str) -> u64 {
+        self.pods
+            .iter()
+            .position(|p| p == pod)
+            .and_then(|i| self.pod_bits.get(i).copied())
+            .unwrap_or(0)
     }
 
     /// Whether no pod is known yet because discovery has not answered for the first time: the
@@ -614,6 +624,14 @@ impl Router {
         if indices.is_empty() {
             // The model lists changed since the flow checked: the engine answers for itself.
             return Ok((Placement::NoPods, from_copies));
+        }
+        if est.within != line::ANYWHERE {
+            // It heads the line on these pods only: the others are for tickets ahead of it.
+            let bits = &self.pod_bits;
+            indices.retain(|&i| bits.get(i).is_some_and(|b| b & est.within != 0));
+            if indices.is_empty() {
+                return Ok((Placement::NoRoom(String::new()), from_copies));
+            }
         }
         let pool = self.pool(&indices);
         self.demand.sample(now, pool);
