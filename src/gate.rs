@@ -430,6 +430,21 @@ impl Gate {
         self.admission.expired(store.now_ms())
     }
 
+    /// A response stored on `pod` (`routing::stored`; `id`: its id's hash), with the
+    /// conversation's `tokens` so far, as this replica learned it (an answer it carried, or a pod
+    /// that said so when asked): noted for this Envoy's workers and, with gateway replicas,
+    /// logged for the others, through which a follow-up may come.
+    pub fn note_stored(&mut self, store: &dyn Store, id: u64, pod: &str, tokens: u64) {
+        if let Err(e) = crate::routing::stored::remember(store, id, pod, tokens) {
+            log::debug!("kvgate: stored response not noted: {e:?}");
+        }
+        if self.config.etcd.enabled() {
+            if let Err(e) = self.router.stored(store, pod, id, tokens) {
+                log::debug!("kvgate: stored response not logged: {e:?}");
+            }
+        }
+    }
+
     pub fn on_call_failed(&mut self, target: &Target) {
         match target {
             Target::Etcd => self.sync.abandon(),

@@ -576,10 +576,8 @@ impl Flow {
         let h = crate::routing::stored::id_hash(asking.id());
         if let Some(found) = asking.answered(pod, status, body) {
             gate.stats.count(stats::STORED_FOUND, 1);
-            // Its next turns need no asking.
-            if let Err(e) = crate::routing::stored::remember(store, h, &found.pod, found.tokens) {
-                log::debug!("kvgate: found stored response not noted: {e:?}");
-            }
+            // Its next turns need no asking, through this replica or another.
+            gate.note_stored(store, h, &found.pod, found.tokens);
         }
         self.sought(gate, store)
     }

@@ -251,16 +251,7 @@ impl Flow {
                 .map_or(a.estimate.prompt_tokens + a.estimate.output_tokens, |u| {
                     u.prompt_tokens.saturating_add(u.completion_tokens)
                 });
-            let h = stored::id_hash(id);
-            if let Err(e) = stored::remember(store, h, pod, conversation) {
-                log::debug!("kvgate: stored response not noted: {e:?}");
-            }
-            // For the other gateway replicas, through which a follow-up may come.
-            if gate.config.etcd.enabled() {
-                if let Err(e) = gate.router.stored(store, pod, h, conversation) {
-                    log::debug!("kvgate: stored response not logged: {e:?}");
-                }
-            }
+            gate.note_stored(store, stored::id_hash(id), pod, conversation);
         }
         let (Some(usage), Some(length)) = (usage, length) else {
             return;
@@ -578,6 +569,38 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
             let expected = vec![("10.0.0.1:80".to_string(), stored::id_hash("resp_9"), 7)];
             assert_eq!(logged, if replicas { expected } else { vec![] });
         }
+    }
+
+    /// A response found by asking the pods (`routing::stored_ask`) is logged for the other
+    /// replicas too: each would otherwise ask for it again.
+    #[test]
+    fn a_stored_response_found_by_asking_is_logged_for_the_other_replicas() {
+        use crate::routing::pick_log::{Event, PickLog};
+        let pods = ["10.0.0.1:80", "10.0.0.2:80"];
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let mut cfg = crate::test_support::with_pods(&pods);
+        cfg.metrics.cluster = "kvgate_metrics".into();
+        cfg.etcd.cluster = "etcd".into();
+        cfg.etcd.replica_id = "r0".into();
+        let mut gate = Gate::new(cfg, &vm).unwrap();
+        let mut log = PickLog::start(&vm).unwrap();
+        let (mut f, d) = streamed_follow_up(&mut gate, &vm, "resp_lost");
+        assert_eq!(d.step, crate::flow::Step::Hold);
+        assert_eq!(f.take_asks(None).len(), 2, "both pods asked");
+        let answer = br#"{"id":"resp_lost","object":"response","status":"completed","usage":{"input_tokens":700,"output_tokens":100}}"#;
+        let d = f.answered(&mut gate, &vm, pods[1], Some(200), answer);
+        assert!(d.is_some(), "settled");
+        let mut logged = Vec::new();
+        log.poll_every(&vm, |e| {
+            if let Event::Stored { pod, id, tokens } = e {
+                logged.push((pod, id, tokens));
+            }
+        })
+        .unwrap();
+        let expected = vec![(pods[1].to_string(), stored::id_hash("resp_lost"), 800)];
+        assert_eq!(logged, expected);
+        f.on_done(&mut gate, &vm);
     }
 
     /// A streamed Responses API follow-up naming `previous`, through its body: its flow and the

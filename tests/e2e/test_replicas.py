@@ -348,7 +348,7 @@ def test_a_prompt_sent_through_one_replica_is_known_cached_by_another(etcd):
                            "range_end": base64.b64encode(b"/kvgate-placed0").decode(), "revision": "2"})
             return counter(two[0], "replicas.compactions") >= 1 and "compacted" in old.body.decode(errors="replace")
 
-        assert wait_for(first_revisions_gone, timeout=15, interval=0.5)
+        assert wait_for(first_revisions_gone, timeout=30, interval=0.5)
         assert counter(two[1], "replicas.compactions") == 0
         both = [f"/kvgate-placed/placed/replica-{i}" for i in range(2)]
         assert wait_for(lambda: sorted(k for k in etcd.keys("/kvgate-placed/") if "/placed/" in k) == both,
