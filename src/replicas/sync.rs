@@ -564,7 +564,9 @@ impl Sync {
         }
         self.reclaiming = txn.reclaimed.len() as u64;
         // Read whether or not another replica is live to learn them, so the log does not pile up.
-        let placed = self.outbox.value(store)?;
+        // Another replica reads at least every sync interval: twice that misses none.
+        let keep_ms = cfg.etcd.sync_interval_ms.saturating_mul(2);
+        let placed = self.outbox.value(store, keep_ms)?;
         let placed = placed.filter(|_| read.alive.iter().any(|r| *r != me));
         self.placing = placed.is_some();
         if let Some(value) = placed {

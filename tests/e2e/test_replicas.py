@@ -439,3 +439,25 @@ def test_a_stored_responses_follow_ups_find_its_pod_through_any_replica(etcd):
             _, statuses = conversations(two, 8, 4)
             print("without the wait nor the asking:", statuses)
             assert statuses.count(404) >= 2, statuses
+
+
+def test_a_replica_idle_while_another_stores_many_responses_hears_of_each(etcd):
+    """Replica 0 carries 20 conversations' first turns one after another (syncing at the busy
+    pace while it has stored responses to tell), while replica 1, idle, reads etcd at its slow
+    pace (`etcd.syncIntervalMs`); then their second turns come through replica 1, with the pods'
+    asking off, so only the notes can send them to their pods. Each is answered at once. Before
+    (2026-12-01), a value carried the writer's last three batches only: replica 1 received 11-15
+    of the 20 notes, and 5-7 follow-ups were answered 404 after the whole etcd.followUpWaitMs."""
+    with Sim(pods=4, args=["--time-scale", "20"]) as sim:
+        with fleet(sim, etcd.port, n=2, etcd={"keyPrefix": "/kvgate-idle"}, routing={"storedLookupMs": 0}) as two:
+            ids = []
+            for c in range(20):
+                status, _, rid, _ = responses_call(two[0].port, {"model": MODEL, "input": f"agent {c}",
+                                                                  "max_output_tokens": 8})
+                assert status == 200 and rid, status
+                ids.append(rid)
+            time.sleep(1.5)
+            statuses = [responses_call(two[1].port, {"model": MODEL, "input": "tool result", "max_output_tokens": 8,
+                                                     "previous_response_id": rid})[0] for rid in ids]
+            print("notes received", counter(two[1], "replicas.stored"), "follow-ups", Counter(statuses))
+            assert statuses == [200] * 20 and counter(two[1], "stored.unknown") == 0, Counter(statuses)
