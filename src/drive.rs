@@ -338,19 +338,33 @@ mod tests {
     /// Model m on POD and model n on `b`, each pod's budget one request, and a strict line (no
     /// backfills).
     fn two_models(b: &str) -> (FakeHost, FakeVm, Gate) {
+        serving(&[(POD, &[("m", None)]), (b, &[("n", None)])])
+    }
+
+    /// A model a pod's list names, with its base model for an adapter.
+    type Listed<'a> = (&'a str, Option<&'a str>);
+
+    /// Pods whose model lists name these models, each pod's budget one request, and a strict
+    /// line (no backfills).
+    fn serving(lists: &[(&str, &[Listed])]) -> (FakeHost, FakeVm, Gate) {
         let host = FakeHost::new();
         host.set_now_ms(1_000_000);
         let vm = host.vm();
-        for (pod, model) in [(POD, "m"), (b, "n")] {
-            let list = [crate::models::served::ServedModel {
-                id: model.into(),
-                parent: None,
-            }];
+        for (pod, models) in lists {
+            let list: Vec<_> = models
+                .iter()
+                .map(|(id, parent)| crate::models::served::ServedModel {
+                    id: (*id).into(),
+                    parent: parent.map(Into::into),
+                })
+                .collect();
             crate::models::served::write_list(&vm, pod, &list, 1).unwrap();
         }
+        let pods: Vec<String> = lists.iter().map(|(p, _)| format!("\"{p}\"")).collect();
         let config = Config::parse(
             format!(
-                r#"{{"pods":["{POD}","{b}"],"admission":{{"maxWaitMs":5000,"budgetTokens":100,"backfillPasses":0}}}}"#
+                r#"{{"pods":[{}],"admission":{{"maxWaitMs":5000,"budgetTokens":100,"backfillPasses":0}}}}"#,
+                pods.join(",")
             )
             .as_bytes(),
         )
@@ -359,16 +373,18 @@ mod tests {
         (host, vm, gate)
     }
 
+    /// The pod a decision sends its request to.
+    fn on(d: &Decision) -> Option<String> {
+        d.set
+            .iter()
+            .find(|(n, _)| n == DESTINATION_HEADER)
+            .map(|(_, v)| v.clone())
+    }
+
     fn own_line(b: &str) {
         let (_host, vm, mut gate) = two_models(b);
         let mut host = Host::default();
         let size = (40, 50);
-        let on = |d: &Decision| {
-            d.set
-                .iter()
-                .find(|(n, _)| n == DESTINATION_HEADER)
-                .map(|(_, v)| v.clone())
-        };
         let m1 = send_to(&mut gate, &vm, &mut host, 1, "m", size);
         assert_eq!(on(&m1).as_deref(), Some(POD));
         let m2 = send_to(&mut gate, &vm, &mut host, 2, "m", size);
@@ -403,36 +419,10 @@ mod tests {
         // pods no ticket ahead of it may take, m's requests waited behind x's head for room on
         // POD however idle b was.
         let b = "10.0.0.2:8000";
-        let host_ = FakeHost::new();
-        host_.set_now_ms(1_000_000);
-        let vm = host_.vm();
-        let served = |id: &str, parent: Option<&str>| crate::models::served::ServedModel {
-            id: id.into(),
-            parent: parent.map(Into::into),
-        };
-        let lists = [
-            (POD, vec![served("m", None), served("x", Some("m"))]),
-            (b, vec![served("m", None)]),
-        ];
-        for (pod, list) in lists {
-            crate::models::served::write_list(&vm, pod, &list, 1).unwrap();
-        }
-        let config = Config::parse(
-            format!(
-                r#"{{"pods":["{POD}","{b}"],"admission":{{"maxWaitMs":5000,"budgetTokens":100,"backfillPasses":0}}}}"#
-            )
-            .as_bytes(),
-        )
-        .unwrap();
-        let mut gate = Gate::new(config, &vm).unwrap();
+        let (_host, vm, mut gate) =
+            serving(&[(POD, &[("m", None), ("x", Some("m"))]), (b, &[("m", None)])]);
         let mut host = Host::default();
         let size = (40, 50);
-        let on = |d: &Decision| {
-            d.set
-                .iter()
-                .find(|(n, _)| n == DESTINATION_HEADER)
-                .map(|(_, v)| v.clone())
-        };
         let x1 = send_to(&mut gate, &vm, &mut host, 1, "x", size);
         assert_eq!(on(&x1).as_deref(), Some(POD));
         let x2 = send_to(&mut gate, &vm, &mut host, 2, "x", size);
