@@ -93,15 +93,6 @@ fn wanted(cfg: &Config, belongs: &str) -> u64 {
     }
 }
 
-/// `est` for a pick among the pods `free` names (`Estimate::within`), or among all of them when
-/// that is all of `reach` (a request heading a line of its own).
-fn within(est: &Estimate, free: u64, reach: u64) -> Estimate {
-    Estimate {
-        within: if free == reach { line::ANYWHERE } else { free },
-        ..*est
-    }
-}
-
 fn shed(message: &str) -> Admit {
     Admit::Refuse(LocalReply::error(429, "rate_limit_exceeded", message, None))
 }
@@ -275,7 +266,10 @@ impl Admission {
         let mut patient_until_ms = None;
         let free = line.free_for(&ticket);
         if free != 0 {
-            let est = &within(est, free, ticket.reach);
+            let est = &Estimate {
+                within: line::within(free, ticket.reach),
+                ..*est
+            };
             let placed = if a.cache_wait_ms > 0 {
                 router.route_patient(store, cfg, (model, hashes, est))?
             } else {
@@ -455,12 +449,7 @@ impl Admission {
                     line::remove(store, t.id, Leave::NotAdmitted)?;
                     continue 'read;
                 } else if !tried.contains(&t.id) {
-                    let within = if free == t.reach {
-                        line::ANYWHERE
-                    } else {
-                        free
-                    };
-                    return Ok(Some((t.id, within)));
+                    return Ok(Some((t.id, line::within(free, t.reach))));
                 }
             }
             return Ok(None);

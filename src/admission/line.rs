@@ -97,6 +97,17 @@ pub fn pod_bits(pods: &[String]) -> Vec<u64> {
     bits
 }
 
+/// The pods a ticket heading the line on `free` (`QueueRecord::leaders`, `free_for`) may be
+/// sent to, as `Estimate::within` takes them: `ANYWHERE` when that is all of its `reach` (it
+/// heads a line of its own), and its pick is then not narrowed.
+pub fn within(free: u64, reach: u64) -> u64 {
+    if free == reach {
+        ANYWHERE
+    } else {
+        free
+    }
+}
+
 /// Who a ticket's tokens are charged to among the tenants: its tenant on the pods it may go to.
 /// A tenant's use of one model's pods does not put its requests for another model's pods, whose
 /// line is another, behind the other tenants there (as the Gateway API Inference Extension's
