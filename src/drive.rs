@@ -86,8 +86,9 @@ pub fn retry(
 }
 
 /// The line moved (a wake-up or the tick): answers the parked requests whose wait ran out, then
-/// admits from each head of a line of its own (`line::QueueRecord::leaders`: one per set of pods
-/// its requests share) while that head is this VM's and fits, then tries this VM's
+/// admits from each ticket heading the line on some pods (`line::QueueRecord::leaders`: the head
+/// of each set of pods its requests share, and a ticket behind heads on the pods none of them
+/// may take, there only) while that ticket is this VM's and fits, then tries this VM's
 /// backfills (requests behind a head that does not fit, into the room it leaves).
 ///
 /// In a cache-friendly order: a request goes where its prompt's prefix is cached, when some pod
