@@ -98,8 +98,9 @@ pub struct Outbox {
     next: Batch,
     /// The blocks `next` names for each pod: a group's prompts share their head.
     named: HashMap<String, HashSet<u64>>,
-    /// The last batches, newest last: (its number, the batch).
-    batches: VecDeque<(u64, Batch)>,
+    /// The last batches, newest last: (its number, the batch, the batch encoded). Each is
+    /// encoded again only when trimmed, not at every write of the value that carries it.
+    batches: VecDeque<(u64, Batch, Vec<u8>)>,
     /// A batch not yet in etcd (the txn carrying it failed, or none was sent yet).
     unwritten: bool,
     /// One of them carries stored responses.
@@ -180,7 +181,8 @@ impl Outbox {
             let batch = std::mem::take(&mut self.next);
             self.named.clear();
             self.unwritten_stored |= !batch.stored.is_empty();
-            self.batches.push_back((number, batch));
+            let encoded = batch.encode();
+            self.batches.push_back((number, batch, encoded));
             while self.batches.len() > BATCHES
                 && self
                     .batches
@@ -190,17 +192,22 @@ impl Outbox {
                 self.batches.pop_front();
             }
             let mut notes = 0;
-            for (k, (_, b)) in self.batches.iter_mut().rev().enumerate() {
-                if k >= BATCHES {
+            for (k, (_, b, encoded)) in self.batches.iter_mut().rev().enumerate() {
+                let mut trimmed = k >= BATCHES && !b.placed.is_empty();
+                if trimmed {
                     b.placed.clear();
                 }
                 let room = MAX_BATCH_NOTES.saturating_sub(notes);
                 if b.stored.len() > room {
                     b.stored.drain(..b.stored.len() - room);
+                    trimmed = true;
                 }
                 notes += b.stored.len();
+                if trimmed {
+                    *encoded = b.encode();
+                }
             }
-            self.batches.retain(|(_, b)| !b.is_empty());
+            self.batches.retain(|(_, b, _)| !b.is_empty());
             self.unwritten = true;
         }
         if !self.unwritten {
@@ -208,8 +215,8 @@ impl Outbox {
         }
         let mut w = Writer::new();
         w.u32(self.batches.len() as u32);
-        for (number, batch) in &self.batches {
-            w.u64(*number).bytes(&batch.encode());
+        for (number, _, encoded) in &self.batches {
+            w.u64(*number).bytes(encoded);
         }
         Ok(Some(w.0))
     }

@@ -154,16 +154,15 @@ impl Http {
         let authorization = host::request_header("authorization");
         let calls = self.flow.borrow_mut().take_asks(authorization.as_deref());
         for call in calls {
-            let token = host::send(&call);
-            let Target::Stored(pod) = call.target else {
+            let Target::Stored(pod) = &call.target else {
                 continue;
             };
-            match token {
+            match host::send(&call) {
                 Some(token) => {
-                    self.asks.insert(token, pod);
+                    self.asks.insert(token, pod.clone());
                 }
                 // Its decision comes at the tick: this callback's is the hold.
-                None => self.flow.borrow_mut().unasked(&pod),
+                None => self.flow.borrow_mut().unasked(pod),
             }
         }
     }
