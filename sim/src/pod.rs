@@ -91,6 +91,8 @@ impl MetricsFault {
 pub struct Fault {
     pub metrics: MetricsFault,
     pub metrics_delay_ms: u64,
+    /// Wall-clock delay before `GET /v1/responses/{id}` answers (a busy store, a slow link).
+    pub retrieve_delay_ms: u64,
 }
 
 /// Small deterministic RNG (SplitMix64).
@@ -351,6 +353,7 @@ impl Pod {
             fault: Mutex::new(Fault {
                 metrics: MetricsFault::Ok,
                 metrics_delay_ms: 0,
+                retrieve_delay_ms: 0,
             }),
             clock_resyncs: AtomicU64::new(0),
             ideal_query_tokens: AtomicU64::new(0),

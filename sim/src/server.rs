@@ -1222,7 +1222,8 @@ fn sim_stats(pod: &Pod) -> Response<SimBody> {
 }
 
 fn fault_json(f: &Fault) -> Value {
-    json!({"metrics": f.metrics.as_str(), "metricsDelayMs": f.metrics_delay_ms})
+    json!({"metrics": f.metrics.as_str(), "metricsDelayMs": f.metrics_delay_ms,
+           "retrieveDelayMs": f.retrieve_delay_ms})
 }
 
 async fn set_fault(pod: Arc<Pod>, req: Request<Incoming>) -> Result<Response<SimBody>, ApiError> {
@@ -1246,6 +1247,9 @@ async fn set_fault(pod: Arc<Pod>, req: Request<Incoming>) -> Result<Response<Sim
     }
     if let Some(d) = as_usize(body.get("metricsDelayMs"), "metricsDelayMs")? {
         f.metrics_delay_ms = d as u64;
+    }
+    if let Some(d) = as_usize(body.get("retrieveDelayMs"), "retrieveDelayMs")? {
+        f.retrieve_delay_ms = d as u64;
     }
     pod.set_fault(f);
     Ok(ok_json(&fault_json(&f)))
@@ -1337,6 +1341,11 @@ async fn route(pod: Arc<Pod>, req: Request<Incoming>) -> Response<SimBody> {
         "/v1/chat/completions" if post => generate(pod, req, Kind::Chat).await,
         "/v1/responses" if post => generate(pod, req, Kind::Responses).await,
         p if get && p.starts_with("/v1/responses/") => {
+            let delay = pod.fault().retrieve_delay_ms;
+            if delay > 0 {
+                // Wall-clock, like the metrics' delay.
+                tokio::time::sleep(Duration::from_millis(delay)).await;
+            }
             retrieve_response(&pod, &p["/v1/responses/".len()..])
         }
         "/v1/completions/render" if post => {

@@ -9,6 +9,7 @@ back to the pod that stored it."""
 import http.client
 import json
 import random
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -605,3 +606,40 @@ def test_a_gateway_that_did_not_see_a_stored_response_asks_the_pods_where_it_is(
             assert (got.get("followed"), got.get("unknown")) == (16, 1), got
             # Asked at once, answered at once: far inside the lookup's 500 ms.
             assert nowhere_s < 0.4, nowhere_s
+
+
+def test_a_request_gone_while_the_pods_are_asked_leaves_nothing_behind():
+    """A client that leaves while its follow-up is held for the pods' answers: the calls go on
+    to their end (Envoy does not cancel a stream's calls when it resets; the SDK forgets each
+    call when its answer comes), and the answer of the pod that stores the response, coming
+    after the request is gone, admits nothing and counts nothing. Two pods whose store answers
+    after 1 s (the lookup allows 2 s); the response stored on pod 0 without this gateway."""
+    cfg = default_plugin_config()
+    cfg.setdefault("routing", {})["storedLookupMs"] = 2000
+    with Sim(pods=2, args=SIM_ARGS) as sim, kvgate_envoy(sim.endpoints, cfg, concurrency=1) as envoy:
+        status, pod, rid, _ = responses_call(sim.ports[0], {"model": MODEL, "input": "hello", "max_output_tokens": 4})
+        assert status == 200 and rid
+        for port in sim.ports:
+            assert request(port, "POST", "/sim/fault", {"retrieveDelayMs": 1000}).status == 200
+        stat = lambda name: envoy.stats(name).get(name, 0)
+        body = json.dumps({"model": MODEL, "input": "and?", "max_output_tokens": 400,
+                           "previous_response_id": rid}).encode()
+        s = socket.create_connection(("127.0.0.1", envoy.port), timeout=10)
+        s.sendall(b"POST /v1/responses HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  + f"content-length: {len(body)}\r\n\r\n".encode() + body)
+        assert wait_for(lambda: stat("wasmcustom.kvgate.stored.asked") == 1, timeout=2)
+        s.close()
+        # Both pods answer, 404 and 200, a second after the asks: neither is cancelled.
+        assert wait_for(lambda: stat("cluster.kvgate_metrics.upstream_rq_404") == 1, timeout=5)
+        time.sleep(0.3)
+        assert stat("wasmcustom.kvgate.stored.found") == 0 and stat("wasmcustom.kvgate.stored.followed") == 0
+        assert all(v == 0 for v in kvgate_gauges(envoy, "reserved_tokens").values())
+        assert all(v == 0 for v in kvgate_gauges(envoy, "in_flight").values())
+        assert sum(sim.stats(i)["request_cache_misses"] for i in range(2)) == 1, "only the first turn ran"
+        for port in sim.ports:
+            request(port, "POST", "/sim/fault", {"retrieveDelayMs": 0})
+        # The VM goes on: the next turn is asked for, found and followed.
+        status, on, _, _ = responses_call(
+            envoy.port, {"model": MODEL, "input": "and?", "max_output_tokens": 4, "previous_response_id": rid})
+        assert (status, on) == (200, pod)
+        assert stat("wasmcustom.kvgate.stored.followed") == 1

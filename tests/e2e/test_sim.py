@@ -382,8 +382,15 @@ def test_metrics_exposition_and_fault_injection():
         t0 = time.perf_counter()
         assert call(port, "GET", "/metrics").status == 200
         assert time.perf_counter() - t0 >= 0.3
-        assert call(port, "POST", "/sim/fault", {"metrics": "ok"}).json() == {"metrics": "ok", "metricsDelayMs": 0}
+        assert call(port, "POST", "/sim/fault", {"metrics": "ok"}).json() == {
+            "metrics": "ok", "metricsDelayMs": 0, "retrieveDelayMs": 0}
         assert call(port, "GET", "/metrics").status == 200
+        # A slow store: the retrieval of a stored response waits, whether it finds one or not.
+        call(port, "POST", "/sim/fault", {"retrieveDelayMs": 300})
+        t0 = time.perf_counter()
+        assert call(port, "GET", "/v1/responses/resp_nowhere").status == 404
+        assert time.perf_counter() - t0 >= 0.3
+        assert call(port, "POST", "/sim/fault", {"retrieveDelayMs": 0}).json()["retrieveDelayMs"] == 0
 
 
 def test_peer_router_endpoints():
