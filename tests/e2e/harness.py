@@ -402,6 +402,16 @@ def stream(port, path, body, headers=None, timeout=120.0):
         conn.close()
 
 
+def stat(envoy, name) -> int:
+    """One of Envoy's stats by its full name: 0 until it is first set."""
+    return envoy.stats(name).get(name, 0)
+
+
+def kvgate_stat(envoy, name) -> int:
+    """One of kvgate's stats, by its name under `wasmcustom.kvgate.`."""
+    return stat(envoy, "wasmcustom.kvgate." + name)
+
+
 def kvgate_gauges(envoy, suffix):
     """kvgate's per-pod gauges of one kind (e.g. active_blocks), by pod segment."""
     out = {}

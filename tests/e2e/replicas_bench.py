@@ -19,12 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from bodies import tagged_completion  # noqa: E402
-from harness import Sim, request  # noqa: E402
+from harness import Sim, kvgate_stat, request  # noqa: E402
 from replicas import SMALL_KV, Etcd, fleet, overload, peak_sum_reserved, preemptions, worst_excess  # noqa: E402
-
-
-def counter(envoy, name):
-    return envoy.stats(f"wasmcustom.kvgate.{name}").get(f"wasmcustom.kvgate.{name}", 0)
 
 
 def overload_run(etcd, n, shared, prefix):
@@ -51,16 +47,16 @@ def latency_run(etcd, shared, prefix, requests=300, clients=6):
 
             with ThreadPoolExecutor(clients) as p:
                 list(p.map(one, range(30)))  # warm-up: calibration, connections
-            queued0 = sum(counter(e, "admission.queued") for e in envoys)
-            syncs0 = sum(counter(e, "replicas.syncs") for e in envoys)
+            queued0 = sum(kvgate_stat(e, "admission.queued") for e in envoys)
+            syncs0 = sum(kvgate_stat(e, "replicas.syncs") for e in envoys)
             t0 = time.time()
             with ThreadPoolExecutor(clients) as p:
                 lat = sorted(p.map(one, range(requests)))
             wall = time.time() - t0
             return {"p50_ms": 1000 * lat[len(lat) // 2], "p99_ms": 1000 * lat[int(len(lat) * 0.99)],
-                    "queued": sum(counter(e, "admission.queued") for e in envoys) - queued0,
+                    "queued": sum(kvgate_stat(e, "admission.queued") for e in envoys) - queued0,
                     "requests": requests,
-                    "syncs_per_s": (sum(counter(e, "replicas.syncs") for e in envoys) - syncs0) / wall}
+                    "syncs_per_s": (sum(kvgate_stat(e, "replicas.syncs") for e in envoys) - syncs0) / wall}
 
 
 def main():

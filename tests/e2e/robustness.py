@@ -91,10 +91,6 @@ def assert_drained(envoy, timeout=6.0):
     assert ok, f"kvgate's accounting did not return to zero: {detail}"
 
 
-def counter(envoy, name) -> int:
-    return envoy.stats(name).get(name, 0)
-
-
 # ---------------------------------------------------------------------------------------------
 # Clients that misbehave
 # ---------------------------------------------------------------------------------------------

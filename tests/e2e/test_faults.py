@@ -18,10 +18,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from harness import (Envoy, Sim, default_plugin_config, envoy_config, free_port, kvgate_envoy, kvgate_gauges,
-                     request, wait_for)
+                     request, stat, wait_for)
 from bodies import tagged_chat, tagged_completion
 from robustness import (FakePod, LdsEnvoy, Pod, assert_drained, assert_vm_alive, bad_log_lines,
-                            counter, pick_of, pool, raw_post, sim_fault, stream_outcome, timed, vm_stats)
+                            pick_of, pool, raw_post, sim_fault, stream_outcome, timed, vm_stats)
 
 FAST = ["--time-scale", "20"]
 
@@ -143,10 +143,10 @@ def test_metrics_endpoint_slow_garbage_or_500():
         for mode, fault in [("slow", {"metrics": "slow", "metricsDelayMs": 1500}), ("garbage", {"metrics": "garbage"}),
                             ("500", {"metrics": "500"})]:
             sim_fault(sim.ports[0], **fault)
-            errs0, ok0 = counter(envoy, err_name), counter(envoy, "wasmcustom.kvgate.scrape.ok")
+            errs0, ok0 = stat(envoy, err_name), stat(envoy, "wasmcustom.kvgate.scrape.ok")
             time.sleep(2.0)
             rs, slowest = routed_ok(envoy, [f"{mode}{i}" for i in range(24)], timeout=10)
-            errs, oks = counter(envoy, err_name) - errs0, counter(envoy, "wasmcustom.kvgate.scrape.ok") - ok0
+            errs, oks = stat(envoy, err_name) - errs0, stat(envoy, "wasmcustom.kvgate.scrape.ok") - ok0
             picks = sum(r.headers["x-kvgate-pod"] == sick for r in rs)
             print(f"metrics {mode}: scrape errors on the pod +{errs}, scrapes ok (others) +{oks}, "
                   f"picks of the pod {picks}/24, slowest request {slowest * 1000:.0f} ms, "
@@ -157,9 +157,9 @@ def test_metrics_endpoint_slow_garbage_or_500():
             assert picks >= 1, f"{mode}: the pod is still routed to on kvgate's own accounting"
             assert slowest < 2.0
         sim_fault(sim.ports[0], metrics="ok")
-        ok0 = counter(envoy, err_name)
+        ok0 = stat(envoy, err_name)
         time.sleep(1.5)
-        assert counter(envoy, err_name) - ok0 <= 1, "scrapes recover once the endpoint does"
+        assert stat(envoy, err_name) - ok0 <= 1, "scrapes recover once the endpoint does"
         assert_drained(envoy)
         assert_vm_alive(envoy, vm0)
 
@@ -181,7 +181,7 @@ def test_a_pod_failing_mid_scrape_does_not_take_the_vm_down(metrics):
             print(f"metrics {metrics}: answers {sorted(r.status for r in statuses)}; {len(panics)} panic lines")
             assert not panics, panics[:4]
             assert all(r.status == 200 and r.headers.get("x-kvgate-pod") for r in statuses)
-            assert counter(envoy, f"wasmcustom.kvgate.pod.{seg(bad.addr)}.scrape_errors") >= 1
+            assert stat(envoy, f"wasmcustom.kvgate.pod.{seg(bad.addr)}.scrape_errors") >= 1
             assert_drained(envoy)
             assert_vm_alive(envoy, vm0)
 
@@ -245,10 +245,10 @@ def test_discovery_down_from_the_start_uses_the_static_pods():
         set_admin_cluster_port(cfg, free_port())  # nothing listens there
         with Envoy(cfg) as envoy:
             vm0 = vm_stats(envoy)
-            assert wait_for(lambda: counter(envoy, "wasmcustom.kvgate.discovery.errors") >= 2, timeout=5)
+            assert wait_for(lambda: stat(envoy, "wasmcustom.kvgate.discovery.errors") >= 2, timeout=5)
             rs, slowest = routed_ok(envoy, [f"static{i}" for i in range(12)])
             pods = {r.headers["x-kvgate-pod"] for r in rs}
-            print(f"discovery errors {counter(envoy, 'wasmcustom.kvgate.discovery.errors')}; routed to {pods}")
+            print(f"discovery errors {stat(envoy, 'wasmcustom.kvgate.discovery.errors')}; routed to {pods}")
             assert pods <= set(plugin["pods"]), "only the static pods are kvgate's"
             assert slowest < 2
             assert_drained(envoy)
@@ -271,13 +271,13 @@ def test_discovery_down_from_the_start_with_no_static_pods_falls_back_to_envoys_
             later = [timed(request, envoy.port, "POST", "/v1/completions", tagged_completion(f"later{i}"),
                            timeout=10) for i in range(6)]
             print(f"first answered after {waited:.2f} s; later, slowest {max(dt for _, dt in later):.2f} s; "
-                  f"unrouted {counter(envoy, 'wasmcustom.kvgate.route.unrouted')}")
+                  f"unrouted {stat(envoy, 'wasmcustom.kvgate.route.unrouted')}")
             assert first.status == 200 and all(r.status == 200 for r, _ in later)
             # The wait is two ticks and discovery.timeoutMs (1 s) from the VM's start.
             assert waited < 3
             assert max(dt for _, dt in later) < 1, "past the first wait nobody waits"
-            assert counter(envoy, "wasmcustom.kvgate.route.unrouted") == 7
-            assert counter(envoy, "wasmcustom.kvgate.discovery.errors") >= 1
+            assert stat(envoy, "wasmcustom.kvgate.route.unrouted") == 7
+            assert stat(envoy, "wasmcustom.kvgate.discovery.errors") >= 1
             assert_vm_alive(envoy, vm0)
 
 
@@ -295,10 +295,10 @@ def test_discovery_failing_later_keeps_the_last_known_pods():
                 assert wait_for(lambda: len(kvgate_gauges(envoy, "healthy")) == 3, timeout=10)
                 for mode in ("500", "garbage", "no_cluster", "reset"):
                     proxy.mode = mode
-                    e0, c0 = counter(envoy, "wasmcustom.kvgate.discovery.errors"), proxy.calls
+                    e0, c0 = stat(envoy, "wasmcustom.kvgate.discovery.errors"), proxy.calls
                     assert wait_for(lambda: proxy.calls >= c0 + 3, timeout=5), f"{mode}: discovery keeps trying"
                     rs, slowest = routed_ok(envoy, [f"{mode}{i}" for i in range(12)])
-                    errors = counter(envoy, "wasmcustom.kvgate.discovery.errors") - e0
+                    errors = stat(envoy, "wasmcustom.kvgate.discovery.errors") - e0
                     pods = {r.headers["x-kvgate-pod"] for r in rs}
                     print(f"admin {mode}: discovery errors +{errors}; routed to {len(pods)} pods; "
                           f"slowest {slowest * 1000:.0f} ms")
@@ -329,19 +329,19 @@ def test_client_disconnects_while_queued_and_while_streaming():
         assert holder.recv(200).startswith(b"HTTP/1.1 200"), "the holder streams"
         reserved = pool(envoy)["reserved_tokens"]
         assert wait_for(lambda: pool(envoy)["reserved_tokens"] > 0, timeout=2), "the holder reserved its cost"
-        abandoned0 = counter(envoy, "wasmcustom.kvgate.admission.abandoned")
+        abandoned0 = stat(envoy, "wasmcustom.kvgate.admission.abandoned")
         waiting = [raw_post(envoy.port, "/v1/completions", json.dumps(tagged_completion(f"q{i}", words=200, max_tokens=600)).encode())
                    for i in range(6)]
         assert wait_for(lambda: pool(envoy)["queue_length"] == 6, timeout=3), pool(envoy)
         t0 = time.perf_counter()
         for s in waiting:
             s.close()
-        left = wait_for(lambda: counter(envoy, "wasmcustom.kvgate.admission.abandoned") - abandoned0 == 6
+        left = wait_for(lambda: stat(envoy, "wasmcustom.kvgate.admission.abandoned") - abandoned0 == 6
                         and pool(envoy)["queue_length"] == 0, timeout=3)
         t_left = time.perf_counter() - t0
         print(f"holder reserved {pool(envoy)['reserved_tokens']} (first read {reserved}); six queued clients "
               f"left the line within {t_left * 1000:.0f} ms")
-        assert left, (pool(envoy), counter(envoy, "wasmcustom.kvgate.admission.abandoned") - abandoned0)
+        assert left, (pool(envoy), stat(envoy, "wasmcustom.kvgate.admission.abandoned") - abandoned0)
         assert pool(envoy)["in_flight"] == 1, "the queued requests never reached the pod"
 
         t0 = time.perf_counter()

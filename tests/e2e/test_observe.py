@@ -8,7 +8,7 @@ reservations end at exactly zero, accounted on the pod that really served each r
 import collections
 from concurrent.futures import ThreadPoolExecutor
 
-from harness import Sim, default_plugin_config, kvgate_envoy, kvgate_gauges, stream, wait_for
+from harness import Sim, default_plugin_config, kvgate_envoy, kvgate_gauges, kvgate_stat, stream, wait_for
 
 from bodies import unshared_completion
 
@@ -25,11 +25,6 @@ def observing():
     return cfg
 
 
-def counter(envoy, name):
-    full = "wasmcustom.kvgate." + name
-    return envoy.stats(full).get(full, 0)
-
-
 def test_observe_mode_decides_and_reports_but_acts_on_nothing():
     with Sim(pods=2, args=SMALL_KV) as sim, kvgate_envoy(sim.endpoints, observing()) as envoy:
         # About twice what the pool holds (the same load test_admission queues without a
@@ -43,9 +38,9 @@ def test_observe_mode_decides_and_reports_but_acts_on_nothing():
             answers = list(pool.map(send, range(REQUESTS)))
 
         assert [a["status"] for a in answers] == [200] * REQUESTS, "nothing waits or is refused"
-        assert counter(envoy, "admission.queued") == 0
-        assert counter(envoy, "admission.shed") == 0
-        would_wait, would_shed = counter(envoy, "observe.would_wait"), counter(envoy, "observe.would_shed")
+        assert kvgate_stat(envoy, "admission.queued") == 0
+        assert kvgate_stat(envoy, "admission.shed") == 0
+        would_wait, would_shed = kvgate_stat(envoy, "observe.would_wait"), kvgate_stat(envoy, "observe.would_shed")
         assert would_wait > 0 and would_shed > 0, (would_wait, would_shed)
         observed = [a["headers"].get("x-kvgate-observed", "") for a in answers]
         assert sum("would-wait" in o for o in observed) == would_wait, observed
@@ -55,9 +50,9 @@ def test_observe_mode_decides_and_reports_but_acts_on_nothing():
 
         # Envoy's balancer chose every host; kvgate counted each answer against its pick and
         # accounted the request where it ran.
-        same, other = counter(envoy, "observe.routing_same"), counter(envoy, "observe.routing_other")
+        same, other = kvgate_stat(envoy, "observe.routing_same"), kvgate_stat(envoy, "observe.routing_other")
         assert same + other == REQUESTS and other > 0, (same, other)
-        assert counter(envoy, "route.rerouted") == 0, "Envoy's choice is not a failed pick"
+        assert kvgate_stat(envoy, "route.rerouted") == 0, "Envoy's choice is not a failed pick"
         assert sum("pick=" in o for o in observed) == other
         served = collections.Counter(a["headers"]["x-kvgate-pod"] for a in answers)
         finished = {f"127.0.0.1:{port}": sim.stats(i)["finished"] for i, port in enumerate(sim.ports)}

@@ -18,15 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from bodies import MODEL, group_chat, unshared_completion
-from harness import Sim, request, responses_call, stream, wait_for
+from harness import Sim, kvgate_stat, request, responses_call, stream, wait_for
 from replicas import (SMALL_KV, Cut, Etcd, budgets, check_promise, fleet, grants, grants_by_replica, overload,
                       preemptions, status)
 
 LEASE_S, GRACE_S, SCRAPE_S = 2, 1, 1.0
-
-
-def counter(envoy, name):
-    return envoy.stats(f"wasmcustom.kvgate.{name}").get(f"wasmcustom.kvgate.{name}", 0)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +46,7 @@ def check(sim, answers, samples, base_preemptions=0):
 
 def test_three_replicas_under_twice_the_pool_never_preempt_nor_pass_a_budget(pool, etcd):
     sim, envoys = pool
-    syncs, t0 = [counter(e, "replicas.syncs") for e in envoys], time.time()
+    syncs, t0 = [kvgate_stat(e, "replicas.syncs") for e in envoys], time.time()
     answers, samples = overload(sim, envoys, etcd=etcd)
     took = time.time() - t0
     check(sim, answers, samples)
@@ -58,7 +54,7 @@ def test_three_replicas_under_twice_the_pool_never_preempt_nor_pass_a_budget(poo
     assert len(served) == 2, served
     # While lines wait, credit moves at the busy pace (busySyncIntervalMs, 100 ms), not every
     # syncIntervalMs (250 ms here: 4 syncs a second).
-    rates = [(counter(e, "replicas.syncs") - s) / took for e, s in zip(envoys, syncs)]
+    rates = [(kvgate_stat(e, "replicas.syncs") - s) / took for e, s in zip(envoys, syncs)]
     print(f"syncs a second under overload: {rates}")
     assert min(rates) > 5, rates
 
@@ -73,8 +69,8 @@ def test_etcd_killed_mid_run_and_restarted(pool, etcd):
         etcd.kill()
         out["killed_at"] = finished()
         # Long enough for every replica to fall back (two syncs and a timeout: 1 s).
-        wait_for(lambda: all(counter(e, "replicas.in_contact") == 0 for e in envoys), timeout=5)
-        out["fell_back"] = all(counter(e, "replicas.in_contact") == 0 for e in envoys)
+        wait_for(lambda: all(kvgate_stat(e, "replicas.in_contact") == 0 for e in envoys), timeout=5)
+        out["fell_back"] = all(kvgate_stat(e, "replicas.in_contact") == 0 for e in envoys)
         out["finished_while_down"] = finished()
         t0 = time.time()
         etcd.start()
@@ -89,9 +85,9 @@ def test_etcd_killed_mid_run_and_restarted(pool, etcd):
     # on for 24 requests past the restart, which a CI machine's etcd once took the whole run to
     # finish). Not also during its start: a quick start finished none, and a CI run failed on that.
     assert out["killed_at"] < out["finished_while_down"] <= out["restarted_at"] < len(answers), out
-    syncs = [counter(e, "replicas.syncs") for e in envoys]
-    assert wait_for(lambda: all(counter(e, "replicas.in_contact") == 1 for e in envoys)
-                    and all(counter(e, "replicas.syncs") > s for e, s in zip(envoys, syncs)), timeout=10)
+    syncs = [kvgate_stat(e, "replicas.syncs") for e in envoys]
+    assert wait_for(lambda: all(kvgate_stat(e, "replicas.in_contact") == 1 for e in envoys)
+                    and all(kvgate_stat(e, "replicas.syncs") > s for e, s in zip(envoys, syncs)), timeout=10)
     # The grants are back in etcd, summing to at most each pod's budget (as derived from its
     # capacity: the engine's feedback may have lowered it since, which each replica's admission
     # applies at once by scaling its grant, before the next sync rewrites them).
@@ -198,8 +194,8 @@ def test_a_killed_replicas_grants_are_reclaimed_after_its_lease_and_the_grace(po
     assert gone
     # Not before its lease could lapse (renewed every third of it), nor long after lease + grace.
     assert LEASE_S / 2 + GRACE_S <= took <= LEASE_S + GRACE_S + 1.5
-    assert sum(counter(e, "replicas.reclaimed") for e in envoys[:2]) >= 1
-    assert wait_for(lambda: all(counter(e, "replicas.live") == 2 for e in envoys[:2]), timeout=5)
+    assert sum(kvgate_stat(e, "replicas.reclaimed") for e in envoys[:2]) >= 1
+    assert wait_for(lambda: all(kvgate_stat(e, "replicas.live") == 2 for e in envoys[:2]), timeout=5)
 
 
 def test_a_replica_cut_off_from_etcd_has_its_requests_counted_after_its_grant_is_reclaimed():
@@ -281,7 +277,7 @@ def test_a_replica_cut_off_from_etcd_has_its_requests_counted_after_its_grant_is
         # Mended: replica 2 reaches etcd again and holds grants there.
         cut.mend()
         assert wait_for(lambda: all("replica-2" in g for g in grants_by_replica(etcd).values())
-                        and counter(envoys[2], "replicas.in_contact") == 1, timeout=10), grants_by_replica(etcd)
+                        and kvgate_stat(envoys[2], "replicas.in_contact") == 1, timeout=10), grants_by_replica(etcd)
 
 
 def group_placement(envoys, first_group, groups=48, questions=6):
@@ -326,7 +322,7 @@ def test_a_prompt_sent_through_one_replica_is_known_cached_by_another(etcd):
     with Sim(pods=4) as sim, fleet(sim, etcd.port, n=2, etcd={"keyPrefix": "/kvgate-placed"}) as two:
         first = request(two[0].port, "POST", "/v1/chat/completions", group_chat(500, 0))
         assert first.status == 200, first.body
-        assert wait_for(lambda: counter(two[1], "replicas.placements") >= 1, timeout=15)
+        assert wait_for(lambda: kvgate_stat(two[1], "replicas.placements") >= 1, timeout=15)
         again = request(two[1].port, "POST", "/v1/chat/completions", group_chat(500, 1))
         assert again.status == 200, again.body
         cached, total = (int(x) for x in again.headers["x-kvgate-prefix-blocks"].split("/"))
@@ -334,7 +330,7 @@ def test_a_prompt_sent_through_one_replica_is_known_cached_by_another(etcd):
               f"{again.headers['x-kvgate-pod']} with {cached}/{total} blocks cached")
         assert again.headers["x-kvgate-pod"] == first.headers["x-kvgate-pod"]
         assert cached > 0
-        assert counter(two[0], "replicas.placements") == 0, "its own picks are not sent back"
+        assert kvgate_stat(two[0], "replicas.placements") == 0, "its own picks are not sent back"
         # The first replica by name compacts etcd's history (each second here) up to a revision
         # read a second before: the revisions of the first syncs are gone, the current values
         # stay. A settled fleet writes nothing and leaves nothing more to compact, so prompts keep
@@ -346,10 +342,10 @@ def test_a_prompt_sent_through_one_replica_is_known_cached_by_another(etcd):
             old = request(etcd.port, "POST", "/v3/kv/range",
                           {"key": base64.b64encode(b"/kvgate-placed/").decode(),
                            "range_end": base64.b64encode(b"/kvgate-placed0").decode(), "revision": "2"})
-            return counter(two[0], "replicas.compactions") >= 1 and "compacted" in old.body.decode(errors="replace")
+            return kvgate_stat(two[0], "replicas.compactions") >= 1 and "compacted" in old.body.decode(errors="replace")
 
         assert wait_for(first_revisions_gone, timeout=30, interval=0.5)
-        assert counter(two[1], "replicas.compactions") == 0
+        assert kvgate_stat(two[1], "replicas.compactions") == 0
         both = [f"/kvgate-placed/placed/replica-{i}" for i in range(2)]
         assert wait_for(lambda: sorted(k for k in etcd.keys("/kvgate-placed/") if "/placed/" in k) == both,
                         timeout=5), etcd.keys("/kvgate-placed/").keys()
@@ -371,7 +367,7 @@ def test_a_lone_replica_holds_a_follow_up_only_until_etcd_says_it_is_alone(etcd)
                     "max_output_tokens": 8})
                 took.append(time.monotonic() - started)
                 assert status == 404, status
-            assert counter(one, "stored.waited") == 8 and counter(one, "stored.unknown") == 8
+            assert kvgate_stat(one, "stored.waited") == 8 and kvgate_stat(one, "stored.unknown") == 8
             took.sort()
             print("a lone replica's follow-ups to unknown responses took (s):", [round(t, 3) for t in took])
             assert took[len(took) // 2] < 0.15, took
@@ -424,14 +420,14 @@ def test_a_stored_responses_follow_ups_find_its_pod_through_any_replica(etcd):
                                                                    "max_output_tokens": 8})
                 got = request(two[1].port, "GET", f"/v1/responses/{rid}")
                 assert got.status == 200 and got.headers.get("x-sim-pod") == pod, (got.status, pod)
-            waited = [counter(e, "stored.waited") for e in two]
-            crossed = [counter(e, "replicas.stored") for e in two]
-            unknown = [counter(e, "stored.unknown") for e in two]
+            waited = [kvgate_stat(e, "stored.waited") for e in two]
+            crossed = [kvgate_stat(e, "replicas.stored") for e in two]
+            unknown = [kvgate_stat(e, "stored.unknown") for e in two]
             print(f"follow-ups held for a note {waited}, notes received {crossed}, unknown {unknown}")
             assert min(crossed) >= 8 and sum(unknown) == 0
         with fleet(sim, etcd.port, n=2, etcd={"keyPrefix": "/kvgate-stored-asked", "followUpWaitMs": 0}) as two:
             _, statuses = conversations(two, 8, 4)
-            asked = [counter(e, "stored.asked") for e in two]
+            asked = [kvgate_stat(e, "stored.asked") for e in two]
             print("without the wait, asking the pods:", statuses, "asked", asked)
             assert statuses == [200] * 24 and sum(asked) > 0, statuses
         with fleet(sim, etcd.port, n=2, etcd={"keyPrefix": "/kvgate-stored-nowait", "followUpWaitMs": 0},
@@ -459,5 +455,5 @@ def test_a_replica_idle_while_another_stores_many_responses_hears_of_each(etcd):
             time.sleep(1.5)
             statuses = [responses_call(two[1].port, {"model": MODEL, "input": "tool result", "max_output_tokens": 8,
                                                      "previous_response_id": rid})[0] for rid in ids]
-            print("notes received", counter(two[1], "replicas.stored"), "follow-ups", Counter(statuses))
-            assert statuses == [200] * 20 and counter(two[1], "stored.unknown") == 0, Counter(statuses)
+            print("notes received", kvgate_stat(two[1], "replicas.stored"), "follow-ups", Counter(statuses))
+            assert statuses == [200] * 20 and kvgate_stat(two[1], "stored.unknown") == 0, Counter(statuses)

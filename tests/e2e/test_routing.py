@@ -15,7 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from harness import (ROOT, STATUS_PATH, Envoy, Sim, baseline_envoy, default_plugin_config, envoy_config,
-                     free_port, kvgate_envoy, kvgate_gauges, request, responses_call, stream, wait_for)
+                     free_port, kvgate_envoy, kvgate_gauges, request, responses_call, stat, stream, wait_for)
 from robustness import pick_of
 
 from bodies import MODEL, group_chat, grouped_chat, unshared_chat
@@ -621,18 +621,17 @@ def test_a_request_gone_while_the_pods_are_asked_leaves_nothing_behind():
         assert status == 200 and rid
         for port in sim.ports:
             assert request(port, "POST", "/sim/fault", {"retrieveDelayMs": 1000}).status == 200
-        stat = lambda name: envoy.stats(name).get(name, 0)
         body = json.dumps({"model": MODEL, "input": "and?", "max_output_tokens": 400,
                            "previous_response_id": rid}).encode()
         s = socket.create_connection(("127.0.0.1", envoy.port), timeout=10)
         s.sendall(b"POST /v1/responses HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                   + f"content-length: {len(body)}\r\n\r\n".encode() + body)
-        assert wait_for(lambda: stat("wasmcustom.kvgate.stored.asked") == 1, timeout=2)
+        assert wait_for(lambda: stat(envoy, "wasmcustom.kvgate.stored.asked") == 1, timeout=2)
         s.close()
         # Both pods answer, 404 and 200, a second after the asks: neither is cancelled.
-        assert wait_for(lambda: stat("cluster.kvgate_metrics.upstream_rq_404") == 1, timeout=5)
+        assert wait_for(lambda: stat(envoy, "cluster.kvgate_metrics.upstream_rq_404") == 1, timeout=5)
         time.sleep(0.3)
-        assert stat("wasmcustom.kvgate.stored.found") == 0 and stat("wasmcustom.kvgate.stored.followed") == 0
+        assert stat(envoy, "wasmcustom.kvgate.stored.found") == 0 and stat(envoy, "wasmcustom.kvgate.stored.followed") == 0
         assert all(v == 0 for v in kvgate_gauges(envoy, "reserved_tokens").values())
         assert all(v == 0 for v in kvgate_gauges(envoy, "in_flight").values())
         assert sum(sim.stats(i)["request_cache_misses"] for i in range(2)) == 1, "only the first turn ran"
@@ -642,4 +641,4 @@ def test_a_request_gone_while_the_pods_are_asked_leaves_nothing_behind():
         status, on, _, _ = responses_call(
             envoy.port, {"model": MODEL, "input": "and?", "max_output_tokens": 4, "previous_response_id": rid})
         assert (status, on) == (200, pod)
-        assert stat("wasmcustom.kvgate.stored.followed") == 1
+        assert stat(envoy, "wasmcustom.kvgate.stored.followed") == 1
