@@ -169,6 +169,11 @@ pub struct Args {
     /// num_tokens) or "legacy" ({"load": N}, older SGLang / sglang-router).
     #[arg(long, default_value = "list")]
     pub get_load_format: String,
+    /// Which engine's `/metrics` the pods expose: "vllm" (`vllm:*`) or "sglang" (`sglang:*`, as
+    /// SGLang's scheduler and tokenizer collectors name them: usage in tokens, retractions,
+    /// prompt and cached tokens counted when a request ends).
+    #[arg(long, default_value = "vllm")]
+    pub metrics_flavor: String,
 }
 
 impl Args {
@@ -178,6 +183,9 @@ impl Args {
         }
         if self.pods == 0 {
             return Err("--pods must be at least 1".into());
+        }
+        if !matches!(self.metrics_flavor.as_str(), "vllm" | "sglang") {
+            return Err("--metrics-flavor must be vllm or sglang".into());
         }
         if usize::from(self.base_port) + self.pods > 65536 {
             return Err("--base-port + --pods exceeds the port range".into());

@@ -232,6 +232,10 @@ pub struct Counters {
     pub finished_stop: u64,
     pub finished_length: u64,
     pub finished_abort: u64,
+    /// Prompt tokens, and those found cached at first admission, of the requests that ended:
+    /// SGLang's `prompt_tokens_total` and `cached_tokens_total`, counted when a request ends.
+    pub finished_prompt_tokens: u64,
+    pub finished_cached_tokens: u64,
     pub peak_used_blocks: usize,
     pub steps: u64,
     pub busy_time: f64,
@@ -655,7 +659,10 @@ impl Engine {
         for (id, r) in finished {
             self.running.retain(|&x| x != id);
             self.kv.free(id);
-            self.reqs.remove(&id);
+            if let Some(req) = self.reqs.remove(&id) {
+                self.counters.finished_prompt_tokens += req.prompt_len as u64;
+                self.counters.finished_cached_tokens += req.num_cached_tokens.unwrap_or(0) as u64;
+            }
             match r {
                 FinishReason::Stop => self.counters.finished_stop += 1,
                 FinishReason::Length => self.counters.finished_length += 1,

@@ -142,6 +142,8 @@ pub struct MetricsInput<'a> {
     /// `--max-loras` (0 without LoRA).
     pub max_lora: usize,
     pub lora_info: &'a LoraInfo,
+    /// `--metrics-flavor sglang`: SGLang's names instead of vLLM's (`render_sglang`).
+    pub sglang: bool,
 }
 
 struct Out {
@@ -188,6 +190,9 @@ impl Out {
 }
 
 pub fn render(m: &MetricsInput<'_>) -> String {
+    if m.sglang {
+        return render_sglang(m);
+    }
     let mut o = Out {
         s: String::with_capacity(8192),
         labels: format!("model_name=\"{}\",engine=\"0\"", escape(m.model_name)),
@@ -305,6 +310,110 @@ prefix_caching_hash_algo=\"sha256\",sliding_window=\"None\",swap_space=\"4\",eng
     o.s
 }
 
+/// The same pod as SGLang exposes it (`--enable-metrics`): its scheduler's gauges, labelled by
+/// engine type and parallel ranks, KV in tokens (`max_total_num_tokens`, pages of `page_size`),
+/// retractions (SGLang's preemptions) as a counter; its tokenizer's counters and histograms,
+/// labelled by model only, prompt and cached tokens counted when a request ends.
+fn render_sglang(m: &MetricsInput<'_>) -> String {
+    let model = escape(m.model_name);
+    let mut o = Out {
+        s: String::with_capacity(8192),
+        labels: format!(
+            "engine_type=\"unified\",model_name=\"{model}\",moe_ep_rank=\"0\",pp_rank=\"0\",tp_rank=\"0\""
+        ),
+    };
+    let c = m.counters;
+    let capacity = (m.num_gpu_blocks * m.block_size) as f64;
+    o.gauge(
+        "sglang:num_running_reqs",
+        "The number of running requests.",
+        m.running as f64,
+    );
+    o.gauge(
+        "sglang:num_used_tokens",
+        "The number of used tokens.",
+        (m.kv_usage * capacity).round(),
+    );
+    o.gauge("sglang:token_usage", "The token usage.", m.kv_usage);
+    o.gauge(
+        "sglang:num_queue_reqs",
+        "The number of requests in the waiting queue.",
+        m.waiting as f64,
+    );
+    let hit_rate = if c.finished_prompt_tokens == 0 {
+        0.0
+    } else {
+        c.finished_cached_tokens as f64 / c.finished_prompt_tokens as f64
+    };
+    o.gauge(
+        "sglang:cache_hit_rate",
+        "The prefix cache hit rate.",
+        hit_rate,
+    );
+    o.gauge(
+        "sglang:max_total_num_tokens",
+        "Maximum total number of tokens in the KV cache pool.",
+        capacity,
+    );
+    o.gauge(
+        "sglang:page_size",
+        "KV cache page size in tokens.",
+        m.block_size as f64,
+    );
+    o.gauge(
+        "sglang:num_pages",
+        "Number of KV cache pages.",
+        m.num_gpu_blocks as f64,
+    );
+    o.counter(
+        "sglang:num_retracted_requests_total",
+        "Total number of retracted requests.",
+        c.preemptions as f64,
+    );
+    o.labels = format!("model_name=\"{model}\"");
+    o.counter(
+        "sglang:prompt_tokens_total",
+        "Number of prefill tokens processed.",
+        c.finished_prompt_tokens as f64,
+    );
+    o.counter(
+        "sglang:generation_tokens_total",
+        "Number of generation tokens processed.",
+        c.generation_tokens as f64,
+    );
+    o.header(
+        "sglang:cached_tokens_total",
+        "Number of cached prompt tokens by source (device/host/storage).",
+        "counter",
+    );
+    o.sample(
+        "sglang:cached_tokens_total",
+        "cache_source=\"device\"",
+        c.finished_cached_tokens as f64,
+    );
+    o.counter(
+        "sglang:num_requests_total",
+        "Number of requests processed.",
+        (c.finished_stop + c.finished_length) as f64,
+    );
+    o.histogram(
+        "sglang:time_to_first_token_seconds",
+        "Histogram of time to first token in seconds.",
+        m.ttft,
+    );
+    o.histogram(
+        "sglang:inter_token_latency_seconds",
+        "Histogram of inter-token latency in seconds.",
+        m.itl,
+    );
+    o.histogram(
+        "sglang:e2e_request_latency_seconds",
+        "Histogram of End-to-end request latency in seconds",
+        m.e2e,
+    );
+    o.s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -365,6 +474,7 @@ mod tests {
             itl: &i,
             max_lora: 0,
             lora_info: &LoraInfo::new(1.0),
+            sglang: false,
         });
         assert!(text.contains("# TYPE vllm:num_requests_waiting gauge"));
         assert!(text.contains("vllm:num_requests_waiting{model_name=\"m/x\",engine=\"0\"} 3.0"));
@@ -379,5 +489,52 @@ mod tests {
         ));
         assert_eq!(fmt_f64(0.25), "0.25");
         assert_eq!(fmt_f64(2560.0), "2560.0");
+    }
+
+    #[test]
+    fn sglang_flavor_names_capacity_in_tokens_and_counts_prompts_at_their_end() {
+        let c = Counters {
+            preemptions: 3,
+            finished_prompt_tokens: 1000,
+            finished_cached_tokens: 250,
+            prefix_queries: 9999,
+            ..Counters::default()
+        };
+        let (h, e, i) = (
+            Histogram::new(TTFT_BUCKETS),
+            Histogram::new(E2E_BUCKETS),
+            Histogram::new(ITL_BUCKETS),
+        );
+        let text = render(&MetricsInput {
+            model_name: "m/x",
+            running: 2,
+            waiting: 3,
+            kv_usage: 0.5,
+            block_size: 16,
+            num_gpu_blocks: 2048,
+            enable_prefix_caching: true,
+            counters: &c,
+            ttft: &h,
+            e2e: &e,
+            itl: &i,
+            max_lora: 0,
+            lora_info: &LoraInfo::new(1.0),
+            sglang: true,
+        });
+        assert!(!text.contains("vllm:"));
+        let sched = "engine_type=\"unified\",model_name=\"m/x\",moe_ep_rank=\"0\",pp_rank=\"0\",tp_rank=\"0\"";
+        for line in [
+            format!("sglang:num_queue_reqs{{{sched}}} 3.0"),
+            format!("sglang:max_total_num_tokens{{{sched}}} 32768.0"),
+            format!("sglang:num_used_tokens{{{sched}}} 16384.0"),
+            format!("sglang:num_retracted_requests_total{{{sched}}} 3.0"),
+            format!("sglang:cache_hit_rate{{{sched}}} 0.25"),
+            "sglang:prompt_tokens_total{model_name=\"m/x\"} 1000.0".to_string(),
+            "sglang:cached_tokens_total{model_name=\"m/x\",cache_source=\"device\"} 250.0"
+                .to_string(),
+            "sglang:inter_token_latency_seconds_count{model_name=\"m/x\"} 0.0".to_string(),
+        ] {
+            assert!(text.contains(&line), "{line} in\n{text}");
+        }
     }
 }

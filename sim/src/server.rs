@@ -1297,6 +1297,7 @@ async fn metrics_endpoint(pod: Arc<Pod>) -> Response<SimBody> {
                     itl: &inner.itl,
                     max_lora: e.cfg.lora.map_or(0, |l| l.max_loras),
                     lora_info: &inner.lora_info,
+                    sglang: g.args.metrics_flavor == "sglang",
                 })
             };
             full(

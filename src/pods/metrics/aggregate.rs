@@ -207,7 +207,7 @@ impl Tally {
             Metric::NumPages => self.gauge_pages.add(key, whole(value).map(|n| n as f64)),
             Metric::MaxTotalTokens => self.gauge_tokens.add(key, whole(value).map(|n| n as f64)),
             // Counters kept per name variant (vLLM's and SGLang's, old and new), summed over engines.
-            Metric::PrefixHits(i) => add_counter(&mut self.hits, i, key, value),
+            Metric::PrefixHits(i) => add_counter(&mut self.hits, i, labels.part_key(), value),
             Metric::PrefixQueries(i) => add_counter(&mut self.queries, i, key, value),
             Metric::Preemptions(i) => add_counter(&mut self.preemptions, i, key, value),
             Metric::ItlSum(i) => add_counter(&mut self.itl_sum, i, key, value),

@@ -28,16 +28,19 @@ pub struct PodMetrics {
     pub num_gpu_blocks: Option<u64>,
     /// KV capacity in tokens, summed over the pod's engines.
     pub capacity_tokens: Option<u64>,
-    /// vLLM prefix-cache hits in tokens since start (counter), summed over engines.
+    /// Prefix-cache hits in tokens since start (vLLM's hits, SGLang's cached tokens: counters),
+    /// summed over engines.
     pub prefix_cache_hits: Option<f64>,
-    /// vLLM prefix-cache queries in tokens since start (counter), summed over engines.
+    /// Prefix-cache queries in tokens since start (vLLM's queries, SGLang's prompt tokens:
+    /// counters), summed over engines.
     pub prefix_cache_queries: Option<f64>,
-    /// vLLM's preemptions since start (counter), summed over engines.
+    /// Preemptions since start (vLLM's preemptions, SGLang's retractions: counters), summed over
+    /// engines.
     pub preemptions: Option<f64>,
     /// vLLM's `cache_config_info` says `enable_prefix_caching="False"` for one of the pod's
     /// engines: a prompt it served once is not cached there, and sequences share no blocks.
     pub no_prefix_caching: bool,
-    /// vLLM's inter-token latency histogram since start, summed over engines.
+    /// The engine's inter-token latency histogram since start, summed over engines.
     pub itl: Option<ItlTotals>,
 }
 

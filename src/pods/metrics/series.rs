@@ -1,6 +1,7 @@
 //! Which series kvgate reads, by what they mean rather than by engine (`classify`), and the labels
-//! of a sample that matter: those naming a distinct engine of the pod (`Labels::engine_key`), the
-//! priority breakdown to skip, and the cache settings an info gauge carries.
+//! of a sample that matter: those naming a distinct engine of the pod (`Labels::engine_key`) or a
+//! part of its counter (`Labels::part_key`), the priority breakdown to skip, and the cache
+//! settings an info gauge carries.
 
 use super::figures::Engine;
 use crate::hash::fnv1a_from;
@@ -60,6 +61,21 @@ pub(super) fn classify(name: &str) -> Option<(Engine, Metric)> {
         "sglang:page_size" => (Sglang, PageSize),
         "sglang:num_pages" => (Sglang, NumPages),
         "sglang:max_total_num_tokens" => (Sglang, MaxTotalTokens),
+        // SGLang counts each request's prompt tokens and those it found cached when the request
+        // ends (its `TokenizerMetricsCollector`): over an interval, the same hit rate as vLLM's
+        // hits over queries. The cached tokens are one series per `cache_source` (device, host,
+        // storage), each a hit: they are added up (`Labels::part_key`).
+        "sglang:cached_tokens_total" => (Sglang, PrefixHits(0)),
+        "sglang:prompt_tokens_total" => (Sglang, PrefixQueries(0)),
+        // A retraction is SGLang's preemption: a running request sent back to the queue when
+        // the KV pool runs out mid-decode. The counter is recent; before it, a gauge carried
+        // the running total.
+        "sglang:num_retracted_requests_total" => (Sglang, Preemptions(0)),
+        "sglang:total_retracted_reqs" => (Sglang, Preemptions(1)),
+        "sglang:inter_token_latency_seconds_sum" => (Sglang, ItlSum(0)),
+        "sglang:inter_token_latency_seconds_count" => (Sglang, ItlCount(0)),
+        "sglang:time_per_output_token_seconds_sum" => (Sglang, ItlSum(1)),
+        "sglang:time_per_output_token_seconds_count" => (Sglang, ItlCount(1)),
         _ => return None,
     })
 }
@@ -83,6 +99,7 @@ pub(super) struct Labels<'a> {
     pub(super) max_lora: Option<&'a str>,
     pub(super) running_lora_adapters: Option<&'a str>,
     pub(super) waiting_lora_adapters: Option<&'a str>,
+    pub(super) cache_source: Option<&'a str>,
 }
 
 impl<'a> Labels<'a> {
@@ -103,6 +120,7 @@ impl<'a> Labels<'a> {
             "max_lora" => &mut self.max_lora,
             "running_lora_adapters" => &mut self.running_lora_adapters,
             "waiting_lora_adapters" => &mut self.waiting_lora_adapters,
+            "cache_source" => &mut self.cache_source,
             _ => return,
         };
         *slot = Some(value);
@@ -118,5 +136,15 @@ impl<'a> Labels<'a> {
                 Some(v) => fnv1a_from(fnv1a_from(h, &[1]), v.as_bytes()),
                 None => fnv1a_from(h, &[0, 0xff]),
             })
+    }
+
+    /// Which part of one engine's counter a series is: the engine, and the source of the hits
+    /// SGLang counts apart (a part per source, added up where each engine's series would be
+    /// taken at their largest).
+    pub(super) fn part_key(&self) -> u64 {
+        match self.cache_source {
+            Some(source) => fnv1a_from(fnv1a_from(self.engine_key(), &[2]), source.as_bytes()),
+            None => self.engine_key(),
+        }
     }
 }

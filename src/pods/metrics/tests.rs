@@ -76,13 +76,55 @@ fn full_sglang_document() {
             block_size: Some(1),
             num_gpu_blocks: Some(146_368),
             capacity_tokens: Some(146_368),
-            prefix_cache_hits: None,
-            prefix_cache_queries: None,
-            preemptions: None,
+            // The device's and the host's cached tokens, each a hit.
+            prefix_cache_hits: Some(21_870_000.0),
+            prefix_cache_queries: Some(35_186_000.0),
+            preemptions: Some(37.0),
             no_prefix_caching: false,
-            itl: None,
+            itl: Some(ItlTotals {
+                sum_s: 98_091.2,
+                count: 7_545_478.0,
+            }),
         }
     );
+}
+
+#[test]
+fn older_sglang_retractions_and_inter_token_latency() {
+    // Before the retraction counter, a gauge carried the running total; before the inter-token
+    // latency histogram, the time per output token. The per-step retraction gauge is no total.
+    let doc = "sglang:token_usage{model_name=\"m\"} 0.5\n\
+               sglang:num_retracted_reqs{model_name=\"m\"} 2\n\
+               sglang:total_retracted_reqs{model_name=\"m\"} 9\n\
+               sglang:time_per_output_token_seconds_sum{model_name=\"m\"} 1.5\n\
+               sglang:time_per_output_token_seconds_count{model_name=\"m\"} 100\n";
+    let m = ok(doc);
+    assert_eq!(m.preemptions, Some(9.0));
+    assert_eq!(
+        m.itl,
+        Some(ItlTotals {
+            sum_s: 1.5,
+            count: 100.0
+        })
+    );
+    // Both names present: the counter is read, never added to the gauge's total.
+    let both = format!("{doc}sglang:num_retracted_requests_total{{model_name=\"m\"}} 9\n");
+    assert_eq!(ok(&both).preemptions, Some(9.0));
+}
+
+#[test]
+fn sglang_cached_tokens_add_up_over_sources_and_dp_ranks_not_tp_copies() {
+    let doc = "sglang:cached_tokens_total{cache_source=\"device\",dp_rank=\"0\",tp_rank=\"0\"} 100\n\
+               sglang:cached_tokens_total{cache_source=\"device\",dp_rank=\"0\",tp_rank=\"1\"} 100\n\
+               sglang:cached_tokens_total{cache_source=\"host\",dp_rank=\"0\",tp_rank=\"0\"} 20\n\
+               sglang:cached_tokens_total{cache_source=\"storage\",dp_rank=\"0\",tp_rank=\"0\"} 3\n\
+               sglang:cached_tokens_total{cache_source=\"device\",dp_rank=\"1\",tp_rank=\"0\"} 50\n\
+               sglang:prompt_tokens_total{dp_rank=\"0\",tp_rank=\"0\"} 400\n\
+               sglang:prompt_tokens_total{dp_rank=\"0\",tp_rank=\"1\"} 400\n\
+               sglang:prompt_tokens_total{dp_rank=\"1\",tp_rank=\"0\"} 300\n";
+    let m = ok(doc);
+    assert_eq!(m.prefix_cache_hits, Some(173.0));
+    assert_eq!(m.prefix_cache_queries, Some(700.0));
 }
 
 #[test]
