@@ -55,10 +55,13 @@ def test_sglang_pods_are_budgeted_paced_checked_and_backed_off_like_vllm_pods():
         # backs that pod's budget off.
         assert gauge("backoff_percent").get(fast, 0) == 0
         with ThreadPoolExecutor(16) as pool:
+            t0 = time.time()
             direct = [pool.submit(request, sim.ports[0], "POST", "/v1/chat/completions",
                                   unshared_chat(10_000 + i, 1200), timeout=120) for i in range(16)]
             assert wait_for(lambda: gauge("backoff_percent").get(fast, 0) > 0, timeout=10), \
                 (gauge("backoff_percent"), sim.stats(0).get("preemptions"))
+            print(f"backoff {gauge('backoff_percent')} % after {time.time() - t0:.1f} s, "
+                  f"{sim.stats(0)['preemptions']} retractions so far")
             assert all(f.result().status == 200 for f in direct)
         assert sim.stats(0)["preemptions"] > 0
         assert gauge("backoff_percent").get(slow, 0) == 0
