@@ -73,6 +73,8 @@ pub enum MetricsFault {
     Ok,
     Garbage,
     Error500,
+    /// No `/metrics` route: an engine that exports none (SGLang without `--enable-metrics`).
+    NotFound,
     Slow,
 }
 
@@ -82,6 +84,7 @@ impl MetricsFault {
             MetricsFault::Ok => "ok",
             MetricsFault::Garbage => "garbage",
             MetricsFault::Error500 => "500",
+            MetricsFault::NotFound => "404",
             MetricsFault::Slow => "slow",
         }
     }

@@ -1234,10 +1234,11 @@ async fn set_fault(pod: Arc<Pod>, req: Request<Incoming>) -> Result<Response<Sim
             Some("ok") => MetricsFault::Ok,
             Some("garbage") => MetricsFault::Garbage,
             Some("500") => MetricsFault::Error500,
+            Some("404") => MetricsFault::NotFound,
             Some("slow") => MetricsFault::Slow,
             _ => {
                 return Err(ApiError::bad(
-                    "metrics must be one of ok, garbage, 500, slow",
+                    "metrics must be one of ok, garbage, 500, 404, slow",
                 ))
             }
         };
@@ -1270,6 +1271,11 @@ async fn metrics_endpoint(pod: Arc<Pod>) -> Response<SimBody> {
             StatusCode::INTERNAL_SERVER_ERROR,
             Some("text/plain; charset=utf-8"),
             Bytes::from_static(b"Internal Server Error"),
+        ),
+        MetricsFault::NotFound => full(
+            StatusCode::NOT_FOUND,
+            Some("application/json"),
+            Bytes::from_static(b"{\"detail\":\"Not Found\"}"),
         ),
         MetricsFault::Garbage => full(
             StatusCode::OK,

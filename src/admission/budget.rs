@@ -4,7 +4,9 @@
 //! (`feedback`: backed off after preemptions, less the KV kvgate cannot account for). A request
 //! fits when the pod's KV forecast with it added (`forecast`) stays within the budget. Until a pod's first scrape says how large it is, it takes one
 //! request at a time (kvgate will not guess, and will not flood a pod it knows nothing of); a pod
-//! whose metrics carry no capacity, or any pod when nothing is scraped, is not limited.
+//! whose metrics carry no capacity, one whose metrics could not be read at all
+//! (`pods::scrape::UNREADABLE_SCRAPES` in a row), or any pod when nothing is scraped, is not
+//! limited.
 
 use crate::admission::forecast::Load;
 use crate::config::Config;

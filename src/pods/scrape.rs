@@ -50,12 +50,19 @@ pub fn first_discovery_ms(cfg: &Config) -> u64 {
     2 * TICK_MS + cfg.discovery.timeout_ms
 }
 
+/// Scrapes in a row that a pod answered without metrics kvgate can read (an error status, a page
+/// of no known series, garbage) before it is admitted to without its capacity
+/// (`Scraper::unreadable`).
+pub const UNREADABLE_SCRAPES: u32 = 3;
+
 #[derive(Default)]
 pub struct Scraper {
     next_scrape: HashMap<String, u64>,
     next_models: HashMap<String, u64>,
     next_discovery: u64,
     in_flight: HashMap<Target, u64>,
+    /// Pod → scrapes in a row it answered without readable metrics.
+    unreadable: HashMap<String, u32>,
 }
 
 impl Scraper {
@@ -88,6 +95,7 @@ impl Scraper {
         }
         self.next_scrape.retain(|p, _| pods.contains(p));
         self.next_models.retain(|p, _| pods.contains(p));
+        self.unreadable.retain(|p, _| pods.contains(p));
         let md = &cfg.models;
         for pod in pods {
             let metrics = (
@@ -183,6 +191,7 @@ impl Scraper {
                 match parsed {
                     Some(Ok(m)) => {
                         stats.count(stats::SCRAPE_OK, 1);
+                        self.unreadable.remove(pod);
                         if let Some(l) = metrics::lora_info(body) {
                             let lora = LoraState {
                                 at_ms: now,
@@ -220,6 +229,7 @@ impl Scraper {
                         stats.count(stats::pod_stat(pod, stats::POD_SCRAPE_ERRORS), 1);
                         if refused(status, body) {
                             // Down, not merely slow: avoid it until a scrape succeeds again.
+                            self.unreadable.remove(pod);
                             let down = Snapshot {
                                 at_ms: now,
                                 healthy: false,
@@ -227,8 +237,9 @@ impl Scraper {
                                 ..Snapshot::default()
                             };
                             record::write_snapshot(store, pod, down, 0, cfg)?;
+                            return Ok(false);
                         }
-                        Ok(false)
+                        self.unreadable(store, cfg, pod, status, now)
                     }
                 }
             }
@@ -236,6 +247,47 @@ impl Scraper {
             // response answers the request that asked.
             Target::Etcd | Target::Stored(_) => Ok(false),
         }
+    }
+
+    /// A pod answered its scrape without metrics kvgate can read. Until a pod's first scrape
+    /// says how large it is, it takes one request at a time (`admission::budget`); a pod whose
+    /// metrics never come (SGLang started without `--enable-metrics` answers 404, a page behind
+    /// an auth proxy, an exporter kvgate does not know) would take one for good, a pool of such
+    /// pods running a request per pod. After `UNREADABLE_SCRAPES` in a row it is taken as
+    /// healthy with its size unknown, which admission does not bound (`admission.budgetTokens`
+    /// still does), routed on kvgate's own accounting, once; a pod back from down keeps the
+    /// size an earlier scrape said (`record::write_snapshot`). A pod whose last snapshot is
+    /// healthy is left to it (stale, `metrics.stalePolicy`). Returns whether that opened the pod.
+    fn unreadable(
+        &mut self,
+        store: &dyn Store,
+        cfg: &Config,
+        pod: &str,
+        status: Option<u32>,
+        now: u64,
+    ) -> Result<bool, StoreError> {
+        let n = self.unreadable.entry_ref(pod).or_insert(0);
+        *n = n.saturating_add(1);
+        if *n != UNREADABLE_SCRAPES
+            || record::read(store, pod)?
+                .snapshot
+                .is_some_and(|s| s.healthy)
+        {
+            return Ok(false);
+        }
+        log::warn!(
+            "kvgate: pod {pod}: {UNREADABLE_SCRAPES} scrapes of {} in a row without metrics kvgate reads (last status {status:?}); \
+             admitting to it without its KV capacity: enable the engine's metrics (SGLang: --enable-metrics) or set admission.budgetTokens",
+            cfg.metrics.path
+        );
+        let unknown = Snapshot {
+            at_ms: now,
+            healthy: true,
+            kv_usage: f64::NAN,
+            preemptions: f64::NAN,
+            ..Snapshot::default()
+        };
+        record::write_snapshot(store, pod, unknown, 0, cfg)
     }
 
     /// Calls outstanding past their timeout (the host never answered) are forgotten.
@@ -463,6 +515,66 @@ mod tests {
             Some(200),
             br#"{"data":[]}"#
         ));
+    }
+
+    #[test]
+    fn a_pod_whose_metrics_cannot_be_read_is_admitted_to_unbounded_after_a_few_scrapes() {
+        use crate::admission::budget::budget_tokens;
+        let c = cfg();
+        let vm = FakeHost::new().vm();
+        let (mut s, mut stats) = (Scraper::default(), Stats::default());
+        let mut answer = |pod: &str, status, body: &[u8]| {
+            s.on_response(&vm, &c, &mut stats, &Target::Pod(pod.into()), status, body)
+                .unwrap()
+        };
+        let budget =
+            |pod: &str| budget_tokens(&c, record::read(&vm, pod).unwrap().snapshot.as_ref());
+        assert_eq!(
+            budget("a:1"),
+            Some(0),
+            "not scraped yet: one request at a time"
+        );
+        assert!(!answer("a:1", Some(404), b"Not Found"));
+        assert!(!answer("a:1", Some(200), b"garbage"));
+        assert_eq!(budget("a:1"), Some(0));
+        assert!(answer("a:1", Some(504), b""), "the third in a row opens it");
+        let snap = record::read(&vm, "a:1").unwrap().snapshot.unwrap();
+        assert!(snap.healthy && snap.capacity_tokens == 0 && snap.kv_usage.is_nan());
+        assert_eq!(budget("a:1"), None, "its size unknown: not bounded");
+        assert!(!answer("a:1", Some(404), b""), "opened once");
+        // A refusal in between starts the count again, and a pod back from down keeps the size
+        // a scrape said before.
+        let page = b"vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"100\"} 1\n";
+        assert!(answer("b:1", Some(200), page));
+        assert!(!answer("b:1", Some(404), b""));
+        assert!(!answer("b:1", None, b""), "refused: down");
+        assert!(!answer("b:1", Some(404), b""));
+        assert!(!answer("b:1", Some(404), b""));
+        assert!(
+            answer("b:1", Some(404), b""),
+            "the third since it answered again"
+        );
+        assert_eq!(budget("b:1"), Some(1_600));
+        // A healthy pod whose page turns unreadable keeps its last snapshot, stale.
+        let (mut s2, before) = (
+            Scraper::default(),
+            record::read(&vm, "b:1").unwrap().snapshot,
+        );
+        for _ in 0..4 {
+            s2.on_response(
+                &vm,
+                &c,
+                &mut stats,
+                &Target::Pod("b:1".into()),
+                Some(500),
+                b"",
+            )
+            .unwrap();
+        }
+        assert_eq!(
+            record::read(&vm, "b:1").unwrap().snapshot.map(|s| s.at_ms),
+            before.map(|s| s.at_ms)
+        );
     }
 
     #[test]

@@ -164,6 +164,38 @@ def test_metrics_endpoint_slow_garbage_or_500():
         assert_vm_alive(envoy, vm0)
 
 
+@pytest.mark.parametrize("metrics", ["404", "garbage"])
+def test_pods_whose_metrics_never_read_are_admitted_to_after_three_scrapes(metrics):
+    """Pods whose /metrics never gives a page kvgate reads, from the start: SGLang started
+    without `--enable-metrics` answers 404; a page behind an auth proxy or from an exporter
+    kvgate does not know is garbage to it. A pod not yet scraped takes one request at a time,
+    so each such pod took one for good (16 clients on two pods: two at once, 14 queued). After
+    three unreadable scrapes in a row a pod is taken as healthy with its size unknown, which
+    admission does not bound, and kvgate logs why."""
+    cfg = default_plugin_config()
+    cfg["metrics"].update(intervalMs=300)
+    with Sim(pods=2, args=FAST) as sim:
+        for port in sim.ports:
+            sim_fault(port, metrics=metrics)
+        with kvgate_envoy(sim.endpoints, cfg) as envoy:
+            vm0 = vm_stats(envoy)
+            time.sleep(1.5)  # five scrape intervals
+            with ThreadPoolExecutor(16) as pool:
+                rs = list(pool.map(lambda i: request(envoy.port, "POST", "/v1/completions",
+                                                     tagged_completion(f"{metrics}{i}", max_tokens=200), timeout=30),
+                                   range(16)))
+            queued = stat(envoy, "wasmcustom.kvgate.admission.queued")
+            served = {r.headers.get("x-sim-pod") for r in rs}
+            print(f"metrics {metrics}: statuses {sorted({r.status for r in rs})}, queued {queued}, pods {served}")
+            assert all(r.status == 200 for r in rs)
+            assert queued == 0, "no request waited for a size the pods never tell"
+            assert served == {"0", "1"}
+            assert "without metrics kvgate reads" in envoy.logs()
+            assert kvgate_gauges(envoy, "healthy") == {seg(f"127.0.0.1:{p}"): 1 for p in sim.ports}
+            assert_drained(envoy)
+            assert_vm_alive(envoy, vm0)
+
+
 @pytest.mark.parametrize("metrics", ["truncate", "huge"])
 def test_a_pod_failing_mid_scrape_does_not_take_the_vm_down(metrics):
     """A pod that sends its /metrics headers and then drops the connection (as a pod dying in
