@@ -445,10 +445,13 @@ impl Gate {
         }
     }
 
-    pub fn on_call_failed(&mut self, target: &Target) {
+    pub fn on_call_failed(&mut self, store: &dyn Store, target: &Target) {
         match target {
             Target::Etcd => self.sync.abandon(),
-            _ => self.scraper.abandon(target),
+            _ => {
+                let opened = self.scraper.abandon(store, &self.config, target);
+                self.opened(store, target, opened);
+            }
         }
     }
 
@@ -493,13 +496,19 @@ impl Gate {
                 Vec::new()
             });
         }
-        match self
-            .scraper
-            .on_response(store, &self.config, &mut self.stats, target, status, body)
-        {
+        let opened =
+            self.scraper
+                .on_response(store, &self.config, &mut self.stats, target, status, body);
+        self.opened(store, target, opened);
+        Vec::new()
+    }
+
+    /// What a scrape's answer (or its failure to go out) did to the pool.
+    fn opened(&mut self, store: &dyn Store, target: &Target, opened: Result<bool, StoreError>) {
+        match opened {
             // A pod discovered, or scraped healthy for the first time (the gateway just started,
-            // the pool grew, a pod came back): the head of the line tries now, not at its VM's
-            // tick. Other scrapes leave the line to its tick.
+            // the pool grew, a pod came back), or opened unbounded: the head of the line tries
+            // now, not at its VM's tick. Other scrapes leave the line to its tick.
             Ok(true) => {
                 if let Err(e) = self.admission.wake_head(store) {
                     log::debug!("kvgate: waking the line after {target:?}: {e:?}");
@@ -508,7 +517,6 @@ impl Gate {
             Ok(false) => {}
             Err(e) => log::warn!("kvgate: recording {target:?} failed: {e:?}"),
         }
-        Vec::new()
     }
 }
 

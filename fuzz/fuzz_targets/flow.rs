@@ -903,12 +903,14 @@ impl World {
             }
             Op::CallFailed { worker, call } => {
                 let w = usize::from(*worker) % self.workers.len();
-                let Worker { gate, calls, .. } = &mut self.workers[w];
+                let Worker {
+                    vm, gate, calls, ..
+                } = &mut self.workers[w];
                 if calls.is_empty() {
                     return;
                 }
                 let c = calls.remove(usize::from(*call) % calls.len());
-                gate.on_call_failed(&c.target);
+                gate.on_call_failed(vm, &c.target);
             }
             Op::Advance { ms } => self.host.advance_ms(u64::from(*ms)),
             Op::AdvanceLong { s } => self.host.advance_ms(u64::from(*s) * 1_000),

@@ -138,9 +138,20 @@ impl Scraper {
         calls
     }
 
-    /// A call could not be sent at all.
-    pub fn abandon(&mut self, target: &Target) {
+    /// A call could not be sent at all. A pod's scrape that cannot be sent (no such cluster in
+    /// Envoy: `metrics.cluster` names none) reads nothing, as an unreadable page does; returns
+    /// whether that opened the pod (`unreadable`).
+    pub fn abandon(
+        &mut self,
+        store: &dyn Store,
+        cfg: &Config,
+        target: &Target,
+    ) -> Result<bool, StoreError> {
         self.in_flight.remove(target);
+        match target {
+            Target::Pod(pod) => self.unreadable(store, cfg, pod, None, store.now_ms()),
+            _ => Ok(false),
+        }
     }
 
     /// Reads an answer (`status` None when Envoy had no response: reset, timeout, no host);
@@ -574,6 +585,15 @@ mod tests {
         assert_eq!(
             record::read(&vm, "b:1").unwrap().snapshot.map(|s| s.at_ms),
             before.map(|s| s.at_ms)
+        );
+        // A scrape that cannot be sent at all (`metrics.cluster` names no cluster) reads nothing
+        // either.
+        let pod = Target::Pod("c:1".into());
+        let opened: Vec<bool> = (0..4).map(|_| s2.abandon(&vm, &c, &pod).unwrap()).collect();
+        assert_eq!(opened, [false, false, true, false]);
+        assert_eq!(
+            budget_tokens(&c, record::read(&vm, "c:1").unwrap().snapshot.as_ref()),
+            None
         );
     }
 

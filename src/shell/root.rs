@@ -34,7 +34,7 @@ impl Root {
                 Some(token) => {
                     self.calls.insert(token, call.target);
                 }
-                None => gate.on_call_failed(&call.target),
+                None => gate.on_call_failed(&HostStore::default(), &call.target),
             }
         }
     }

@@ -164,19 +164,23 @@ def test_metrics_endpoint_slow_garbage_or_500():
         assert_vm_alive(envoy, vm0)
 
 
-@pytest.mark.parametrize("metrics", ["404", "garbage"])
+@pytest.mark.parametrize("metrics", ["404", "garbage", "no-cluster"])
 def test_pods_whose_metrics_never_read_are_admitted_to_after_three_scrapes(metrics):
     """Pods whose /metrics never gives a page kvgate reads, from the start: SGLang started
     without `--enable-metrics` answers 404; a page behind an auth proxy or from an exporter
-    kvgate does not know is garbage to it. A pod not yet scraped takes one request at a time,
-    so each such pod took one for good (16 clients on two pods: two at once, 14 queued). After
-    three unreadable scrapes in a row a pod is taken as healthy with its size unknown, which
-    admission does not bound, and kvgate logs why."""
+    kvgate does not know is garbage to it; a `metrics.cluster` Envoy does not define sends no
+    scrape at all. A pod not yet scraped takes one request at a time, so each such pod took one
+    for good (16 clients on two pods: two at once, 14 queued). After three unreadable scrapes in
+    a row a pod is taken as healthy with its size unknown, which admission does not bound, and
+    kvgate logs why."""
     cfg = default_plugin_config()
     cfg["metrics"].update(intervalMs=300)
+    if metrics == "no-cluster":
+        cfg["metrics"]["cluster"] = "no_such_cluster"
     with Sim(pods=2, args=FAST) as sim:
         for port in sim.ports:
-            sim_fault(port, metrics=metrics)
+            if metrics != "no-cluster":
+                sim_fault(port, metrics=metrics)
         with kvgate_envoy(sim.endpoints, cfg) as envoy:
             vm0 = vm_stats(envoy)
             time.sleep(1.5)  # five scrape intervals
