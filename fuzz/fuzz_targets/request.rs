@@ -1,7 +1,8 @@
 //! Request bodies: `Request::parse` for every API on the same bytes, then the estimator and the
 //! prompt-block hashing on whatever parsed, under several valid configurations.
 //!
-//! Invariants: nothing panics; a parsed body was a JSON object with a non-empty model;
+//! Invariants: nothing panics; a parsed body was a JSON object whose model, when it names one, is
+//! the JSON string at the request's model span (an absent, null or empty model is the engine's own);
 //! `estimate.cost` lies in [minReservationTokens, maxReservationTokens]; output never exceeds
 //! outputCapTokens; the static rule is finite and >= 0; `block_hashes` returns exactly
 //! min(full blocks, max) hashes, is deterministic, and a longer text keeps the shorter one's
@@ -170,7 +171,14 @@ fuzz_target!(|data: &[u8]| {
             Some(&b'{'),
             "only JSON objects parse"
         );
-        assert!(!req.model.is_empty(), "a parsed request names its model");
+        let (start, end) = req.model_span;
+        if end > start {
+            let named: String =
+                serde_json::from_slice(&data[start..end]).expect("the span is the model's string");
+            assert_eq!(named, req.model, "a rename writes where the model is");
+        } else {
+            assert!(req.model.is_empty(), "no span, no model");
+        }
         if api == Api::Embeddings {
             assert_eq!(req.max_output_tokens, Some(0));
         }

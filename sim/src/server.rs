@@ -446,7 +446,9 @@ fn as_usize(v: Option<&Value>, name: &str) -> Result<Option<usize>, ApiError> {
 fn check_model(pod: &Pod, body: &Value) -> Result<(String, Option<LoraRef>), ApiError> {
     let g = &pod.g;
     match body.get("model") {
+        // vLLM's `_is_model_supported`: no name at all (`not model_name`) is the served model.
         None | Some(Value::Null) => Ok((g.served[0].clone(), None)),
+        Some(Value::String(m)) if m.is_empty() => Ok((g.served[0].clone(), None)),
         Some(Value::String(m)) => {
             if g.served.iter().any(|s| s == m) {
                 return Ok((m.clone(), None));

@@ -705,6 +705,26 @@ impl Flow {
         req: &mut Request,
         body: &[u8],
     ) -> Result<SentAs, LocalReply> {
+        if req.model.is_empty() {
+            match gate.router.default_model(store, &gate.config) {
+                // The engine serves its own model: the body is sent as it came, and `routes`
+                // (keyed by the names clients send) do not apply.
+                Ok(Some(model)) => req.model = model,
+                Ok(None) => {}
+                Err(several) => {
+                    return Err(LocalReply::error(
+                        400,
+                        "invalid_request_error",
+                        &format!(
+                            "`model` is required: the model servers behind this gateway serve several models ({}).",
+                            several.join(", ")
+                        ),
+                        Some("model"),
+                    ))
+                }
+            }
+            return self.model_found(gate, store, req, SentAs::default());
+        }
         let models = &gate.config.models;
         let requested = req.model.clone();
         let mut sent = SentAs::default();
@@ -729,6 +749,18 @@ impl Flow {
                 self.class.priority = band;
             }
         }
+        self.model_found(gate, store, req, sent)
+    }
+
+    /// The model `req` is sent as is served by some pod (else 404); its stat name and header.
+    fn model_found(
+        &mut self,
+        gate: &mut Gate,
+        store: &dyn Store,
+        req: &Request,
+        mut sent: SentAs,
+    ) -> Result<SentAs, LocalReply> {
+        let models = &gate.config.models;
         if !gate.router.serves(store, &gate.config, &req.model) {
             gate.stats.count(stats::MODELS_NOT_FOUND, 1);
             let renamed = sent
@@ -755,7 +787,7 @@ impl Flow {
         } else {
             stats::OTHER_MODEL.to_string()
         };
-        if !models.header.is_empty() {
+        if !models.header.is_empty() && !req.model.is_empty() {
             sent.headers
                 .push((models.header.clone(), header_value(&req.model)));
         }

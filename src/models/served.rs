@@ -367,6 +367,20 @@ impl ServedView {
                 .any(|(i, &listed)| !listed && up(i))
     }
 
+    /// The base models (not their adapters) `pods`' lists, as last read, name, sorted.
+    pub fn base_models(&self, pods: &[String]) -> Vec<&str> {
+        let mut out: Vec<&str> = pods
+            .iter()
+            .filter_map(|p| self.pods.get(p))
+            .flat_map(|s| s.models.iter())
+            .filter(|m| m.parent.as_deref().is_none_or(|p| p == m.id))
+            .map(|m| m.id.as_str())
+            .collect();
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+
     /// Whether any of `pods`' lists, as last read, names `model`.
     pub fn lists(&mut self, pods: &[String], model: &str) -> bool {
         self.memo(pods, model).lists.contains(&true)
@@ -480,6 +494,13 @@ mod tests {
             view.base_of(&pods[..1], "m-lora"),
             None,
             "a has no such adapter"
+        );
+        // The base models the lists name (a request naming no model is for the pool's one).
+        assert_eq!(view.base_models(&pods), ["m", "n"]);
+        assert_eq!(
+            view.base_models(&pods[..2]),
+            ["m"],
+            "adapters are not base models"
         );
         // A list written since is seen at the next read, not before.
         write_list(&vm, "c:1", &[base("m")], 2).unwrap();

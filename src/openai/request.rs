@@ -40,8 +40,10 @@ impl Api {
 /// What kvgate needs from a request body.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Request {
+    /// Empty when the body names none: the engine's own model (`flow`'s `choose_model`).
     pub model: String,
-    /// Where the `model` value (a JSON string, quotes included) lies in the body, for a rewrite.
+    /// Where the `model` value (a JSON string, quotes included) lies in the body, for a rewrite
+    /// (never of a body that names no model).
     pub model_span: (usize, usize),
     /// Canonical text of everything the engine will prefill, in order.
     pub text: String,
@@ -198,18 +200,21 @@ impl Request {
             Ok(parsed) => parsed,
             Err(_) => return Err(Self::explain_error(body)),
         };
-        let raw = parsed
-            .model
-            .filter(|m| m.get() != "null")
-            .ok_or_else(|| missing("model"))?;
-        let start = raw.get().as_ptr() as usize - body.as_ptr() as usize;
-        let model_span = (start, start + raw.get().len());
-        let model: String = serde_json::from_str(raw.get()).map_err(|_| {
-            bad(
-                "request body has an invalid field: `model` must be a string",
-                Some("model"),
-            )
-        })?;
+        // No model (absent, null or empty) is the engine's own: vLLM and SGLang then serve the
+        // model they were started with (`Request::model` empty; the gateway works out which).
+        let (model, model_span) = match parsed.model.filter(|m| m.get() != "null") {
+            Some(raw) => {
+                let start = raw.get().as_ptr() as usize - body.as_ptr() as usize;
+                let model: String = serde_json::from_str(raw.get()).map_err(|_| {
+                    bad(
+                        "request body has an invalid field: `model` must be a string",
+                        Some("model"),
+                    )
+                })?;
+                (model, (start, start + raw.get().len()))
+            }
+            None => (String::new(), (0, 0)),
+        };
         Self::from_body(api, parsed, model, model_span, body.len())
     }
 
@@ -232,9 +237,6 @@ impl Request {
         model_span: (usize, usize),
         body_len: usize,
     ) -> Result<Request, BadRequest> {
-        if model.is_empty() {
-            return Err(missing("model"));
-        }
         // Model names key per-VM caches and may appear in a debug header: bound them.
         if model.chars().count() > MAX_MODEL_CHARS {
             return Err(bad(
@@ -446,12 +448,16 @@ mod tests {
             chat(std::str::from_utf8(&out).unwrap()).unwrap().model,
             "tgt \"v2\""
         );
-        for bad in [
-            r#"{"model":7,"prompt":"x"}"#,
+        let e = Request::parse(Api::Completions, br#"{"model":7,"prompt":"x"}"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("model"));
+        // No model is the engine's own, as vLLM and SGLang take it.
+        for none in [
+            r#"{"prompt":"x"}"#,
             r#"{"model":null,"prompt":"x"}"#,
+            r#"{"model":"","prompt":"x"}"#,
         ] {
-            let e = Request::parse(Api::Completions, bad.as_bytes()).unwrap_err();
-            assert_eq!(e.param.as_deref(), Some("model"), "{bad}");
+            let r = Request::parse(Api::Completions, none.as_bytes()).unwrap();
+            assert_eq!((r.model.as_str(), r.text.as_str()), ("", "x"), "{none}");
         }
     }
 
@@ -560,10 +566,6 @@ mod tests {
             ("{", None),
             ("not json", None),
             ("[]", None),
-            (
-                r#"{"messages":[{"role":"user","content":"x"}]}"#,
-                Some("model"),
-            ),
             (r#"{"model":"m"}"#, Some("messages")),
             (r#"{"model":"m","messages":[]}"#, Some("messages")),
             (r#"{"model":"m","messages":"hi"}"#, Some("messages")),

@@ -64,6 +64,33 @@ def test_each_model_reaches_only_pods_serving_it_and_an_unknown_model_is_404():
         assert stats.get("wasmcustom.kvgate.model.model_a.requests") == 60, stats
         assert stats.get("wasmcustom.kvgate.model.model_b.picks") == 60, stats
         assert envoy.stats("wasmcustom.kvgate.models.not_found")["wasmcustom.kvgate.models.not_found"] == 1
+        # A request naming no model: each pod would answer with its own, so kvgate asks for one.
+        body = chat("x", 0)
+        del body["model"]
+        r = request(envoy.port, "POST", "/v1/chat/completions", body)
+        assert r.status == 400 and r.json()["error"]["param"] == "model", (r.status, r.body)
+        assert "model-a, model-b" in r.json()["error"]["message"], r.body
+
+
+def test_a_request_naming_no_model_is_for_the_model_the_pods_serve():
+    """vLLM and SGLang serve the model they were started with to a request whose `model` is
+    absent, null or empty; kvgate refused such a request (400). It now takes it as the pool's one
+    model, as the engines do: routed, estimated and counted as that model, its body untouched."""
+    with Sim(pods=2, args=SIM_ARGS + ["--served-model-name", "model-a"]) as sim, \
+            kvgate_envoy(sim.endpoints, default_plugin_config()) as envoy:
+        assert lists_read(envoy, 2)
+        for i, model in enumerate([None, "", "absent"]):
+            body = chat("model-a", i)
+            if model == "absent":
+                del body["model"]
+            else:
+                body["model"] = model
+            r = request(envoy.port, "POST", "/v1/chat/completions", body)
+            assert r.status == 200, (model, r.status, r.body)
+            assert r.headers.get("x-kvgate-model") == "model-a", r.headers
+            assert r.json()["model"] == "model-a"
+        stats = envoy.stats("wasmcustom.kvgate.model")
+        assert stats.get("wasmcustom.kvgate.model.model_a.requests") == 3, stats
 
 
 def flood_and_probe(envoy, flooded, probe):

@@ -385,6 +385,26 @@ impl Router {
         self.served.serving_any(pods, model, up)
     }
 
+    /// The model a request that names none is for. An engine serves its own then (vLLM and
+    /// SGLang take a missing `model` as the one they were started with), so the pool's one base
+    /// model, as the pods' lists name it: `Ok(None)` while no list is known (every pod is taken
+    /// to serve every model), `Err` with the models when the lists name several (which pod
+    /// would answer decides which model does).
+    pub fn default_model(
+        &mut self,
+        store: &dyn Store,
+        cfg: &Config,
+    ) -> Result<Option<String>, Vec<String>> {
+        let now = store.now_ms();
+        self.refresh_pods(store, cfg, now);
+        self.served.refresh(store, &self.pods, now);
+        match self.served.base_models(&self.pods).as_slice() {
+            [] => Ok(None),
+            [one] => Ok(Some((*one).to_string())),
+            several => Err(several.iter().map(|m| (*m).to_string()).collect()),
+        }
+    }
+
     /// The pods a request for `model` may be sent to, as the line's reach (`line::pod_bits`):
     /// those whose model lists, as last read, name it, or, when none does, every pod without a
     /// list (down or not: the reach only says whom a waiting request competes with, and a pod
