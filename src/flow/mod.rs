@@ -11,6 +11,7 @@ use crate::estimate::calibration::{family, Started};
 use crate::estimate::reservation::{estimate_from, Estimate};
 use crate::estimate::text::static_prompt_tokens;
 pub use crate::gate::Gate;
+use crate::models::listing;
 use crate::observe;
 use crate::openai::reply::LocalReply;
 use crate::openai::request::{Api, Request};
@@ -409,6 +410,15 @@ impl Flow {
     }
 
     fn classify(&mut self, gate: &mut Gate, store: &dyn Store, head: &RequestHead) -> Decision {
+        // The gateway's model list: every pod's, not the one pod's Envoy would pick.
+        if head.method.eq_ignore_ascii_case("GET") && observe::enforces_routing(&gate.config) {
+            if let Some(id) = listing::asks(head.path) {
+                if let Some(served) = gate.router.listed_models(store, &gate.config) {
+                    let reply = listing::reply(&served, &gate.config.models, id, store.now_ms());
+                    return Decision::step(Step::Reply(reply));
+                }
+            }
+        }
         let cfg = &gate.config;
         let json = head
             .content_type

@@ -395,14 +395,15 @@ def test_client_disconnects_while_queued_and_while_streaming():
 def test_plugin_config_pushed_while_traffic_flows():
     """The listener (and kvgate's configuration in it) comes from a watched file. A new
     configuration is pushed while streams and plain requests run: those in flight finish on the
-    old one, new requests get the new one (passthroughUnknown off: GET /v1/models becomes 404),
+    old one, new requests get the new one (passthroughUnknown off: the pods' GET /health becomes
+    404),
     nothing hangs, the VMs are not reloaded. A broken configuration is then rejected by Envoy
     (update_rejected) and the running one keeps serving."""
     cfg = default_plugin_config()
     with Sim(pods=3, args=["--time-scale", "10"]) as sim, LdsEnvoy(sim.endpoints, cfg) as envoy:
         assert wait_for(lambda: len(kvgate_gauges(envoy, "healthy")) == 3, timeout=10)
         vm0 = vm_stats(envoy)
-        assert request(envoy.port, "GET", "/v1/models").status == 200
+        assert request(envoy.port, "GET", "/health").status == 200
         stop = threading.Event()
         results = []
 
@@ -426,7 +427,7 @@ def test_plugin_config_pushed_while_traffic_flows():
             time.sleep(1.5)
             counts = envoy.push(dict(cfg, passthroughUnknown=False))
             assert counts[1] == 0, "the new configuration is accepted"
-            assert wait_for(lambda: request(envoy.port, "GET", "/v1/models").status == 404, timeout=5), \
+            assert wait_for(lambda: request(envoy.port, "GET", "/health").status == 404, timeout=5), \
                 "new requests run with the new configuration"
             time.sleep(1.5)
             rejected = envoy.push(dict(cfg, estimator={"safetyFactr": 2}))
@@ -435,7 +436,7 @@ def test_plugin_config_pushed_while_traffic_flows():
             stop.set()
             for c in clients:
                 c.result(timeout=30)
-        assert request(envoy.port, "GET", "/v1/models").status == 404, "the last good configuration still runs"
+        assert request(envoy.port, "GET", "/health").status == 404, "the last good configuration still runs"
         bad = [r for r in results if r[1] != 200 or not r[2] or not r[3] or r[4] > 10]
         print(f"{len(results)} requests across two pushes; slowest {max(r[4] for r in results):.2f}s; "
               f"not ok: {bad[:5]}; VM stats {vm_stats(envoy)}")
@@ -464,7 +465,7 @@ def test_requests_queued_across_a_config_push_are_admitted():
                              tagged_completion(f"old{i}", words=200, max_tokens=20), timeout=30) for i in range(4)]
             assert wait_for(lambda: pool(envoy)["queue_length"] == 4, timeout=3), pool(envoy)
             envoy.push(dict(cfg, passthroughUnknown=False))
-            assert wait_for(lambda: request(envoy.port, "GET", "/v1/models").status == 404, timeout=5)
+            assert wait_for(lambda: request(envoy.port, "GET", "/health").status == 404, timeout=5)
             assert not holder.done() and not any(f.done() for f in old), "still queued after the push"
             new = [tp.submit(timed, request, envoy.port, "POST", "/v1/completions",
                              tagged_completion(f"new{i}", words=200, max_tokens=20), timeout=30) for i in range(3)]

@@ -1,5 +1,6 @@
 """Many models behind one gateway, in a real Envoy (--concurrency 4): pods serving different models
-each get only their own model's requests, a model no pod serves is answered 404 by kvgate, a
+each get only their own model's requests, a model no pod serves is answered 404 by kvgate, the
+gateway lists every pod's models, a request naming no model is for the pool's one model, a
 weighted split holds its weights and the upstream sees the rewritten model, odd names and model
 lists that do not parse are answered clearly, a model whose pods have room is not held behind
 another model's waiting requests (nor a base model behind its adapter's, on the pods the adapter
@@ -70,6 +71,14 @@ def test_each_model_reaches_only_pods_serving_it_and_an_unknown_model_is_404():
         r = request(envoy.port, "POST", "/v1/chat/completions", body)
         assert r.status == 400 and r.json()["error"]["param"] == "model", (r.status, r.body)
         assert "model-a, model-b" in r.json()["error"]["message"], r.body
+        # The gateway's model list is every pod's, not the one pod's Envoy would pick (which
+        # alternated between model-a's and model-b's).
+        for _ in range(4):
+            r = request(envoy.port, "GET", "/v1/models")
+            assert r.status == 200 and [m["id"] for m in r.json()["data"]] == ["model-a", "model-b"], r.body
+        assert request(envoy.port, "GET", "/v1/models/model-b").json()["id"] == "model-b"
+        r = request(envoy.port, "GET", "/v1/models/model-c")
+        assert r.status == 404 and r.json()["error"]["type"] == "model_not_found", r.body
 
 
 def test_a_request_naming_no_model_is_for_the_model_the_pods_serve():

@@ -11,7 +11,7 @@ use crate::admission::forecast::Load;
 use crate::admission::line;
 use crate::config::{Config, RoutingConfig, StalePolicy};
 use crate::estimate::reservation::Estimate;
-use crate::models::served::adapter_id;
+use crate::models::served::{adapter_id, Served, ServedModel};
 use crate::pods::pace;
 use crate::pods::record::PodRecord;
 use crate::routing::adapters::Fit;
@@ -383,6 +383,26 @@ impl Router {
                 .map_or(true, |(r, _)| !r.is_down())
         };
         self.served.serving_any(pods, model, up)
+    }
+
+    /// Every model the pods' lists, as last read, name (in pod order; a name once per pod), for
+    /// the gateway's own `GET /v1/models` (`models::listing`); `None` while no list is known.
+    pub fn listed_models(&mut self, store: &dyn Store, cfg: &Config) -> Option<Vec<ServedModel>> {
+        let now = store.now_ms();
+        self.refresh_pods(store, cfg, now);
+        self.served.refresh(store, &self.pods, now);
+        let lists: Vec<&Served> = self
+            .pods
+            .iter()
+            .filter_map(|p| self.served.get(p))
+            .filter(|s| s.listed_ms.is_some())
+            .collect();
+        (!lists.is_empty()).then(|| {
+            lists
+                .iter()
+                .flat_map(|s| s.models.iter().cloned())
+                .collect()
+        })
     }
 
     /// The model a request that names none is for. An engine serves its own then (vLLM and
