@@ -39,8 +39,9 @@ fn entry(id: &str, parent: Option<&str>, created_s: u64) -> Value {
 }
 
 /// The gateway's list: the pods' models (the first pod's entry for a name two pods list), then
-/// the routes' public names no pod lists, sorted by name; `id` asks for one entry (404 when no
-/// pod and no route names it).
+/// the routes' public names no pod lists whose requests some pod serves (one of their targets),
+/// sorted by name; `id` asks for one entry (404 when nothing listed names it). A route without
+/// targets keeps its name, listed only where a pod lists it.
 pub fn reply(
     served: &[ServedModel],
     models: &ModelsConfig,
@@ -55,8 +56,9 @@ pub fn reply(
             entries.push((m.id.as_str(), parent));
         }
     }
-    for name in models.routes.keys() {
-        if !entries.iter().any(|(e, _)| e == name) {
+    for (name, route) in &models.routes {
+        let served_as = |t: &crate::config::ModelTarget| served.iter().any(|m| m.id == t.model);
+        if route.targets.iter().any(served_as) && !entries.iter().any(|(e, _)| e == name) {
             entries.push((name.as_str(), None));
         }
     }
@@ -93,6 +95,7 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     use super::*;
+    use crate::config::{ModelRoute, ModelTarget};
 
     fn model(id: &str, parent: Option<&str>) -> ServedModel {
         ServedModel {
@@ -118,9 +121,19 @@ mod tests {
 
     #[test]
     fn every_pods_models_and_the_routes_names_once_sorted() {
+        let to = |model: &str| ModelRoute {
+            targets: vec![ModelTarget {
+                model: model.into(),
+                weight: 1,
+            }],
+            priority: None,
+        };
         let mut cfg = ModelsConfig::default();
-        cfg.routes.insert("public".into(), Default::default());
-        cfg.routes.insert("b".into(), Default::default());
+        cfg.routes.insert("public".into(), to("a"));
+        cfg.routes.insert("b".into(), to("a"));
+        // Its targets served nowhere, or no targets (a priority band for a name pods list).
+        cfg.routes.insert("nowhere".into(), to("gone"));
+        cfg.routes.insert("banded".into(), ModelRoute::default());
         let served = [
             model("b", None),
             model("a", None),
