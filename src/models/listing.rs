@@ -11,6 +11,7 @@ use crate::config::ModelsConfig;
 use crate::models::served::ServedModel;
 use crate::openai::reply::LocalReply;
 use serde_json::{json, Value};
+use std::collections::BTreeMap;
 
 /// The OpenAI path of the list, and of one model's entry below it.
 pub const PATH: &str = "/v1/models";
@@ -49,26 +50,31 @@ pub fn reply(
     now_ms: u64,
 ) -> LocalReply {
     let created = now_ms / 1_000;
-    let mut entries: Vec<(&str, Option<&str>)> = Vec::new();
+    // By name, so each is listed once (the first pod's entry) and the list comes sorted.
+    let mut entries: BTreeMap<&str, Option<&str>> = BTreeMap::new();
     for m in served {
-        if !entries.iter().any(|(e, _)| *e == m.id) {
-            let parent = m.parent.as_deref().filter(|p| *p != m.id);
-            entries.push((m.id.as_str(), parent));
-        }
+        let parent = m.parent.as_deref().filter(|p| *p != m.id);
+        entries.entry(m.id.as_str()).or_insert(parent);
     }
-    for (name, route) in &models.routes {
-        let served_as = |t: &crate::config::ModelTarget| served.iter().any(|m| m.id == t.model);
-        if route.targets.iter().any(served_as) && !entries.iter().any(|(e, _)| e == name) {
-            entries.push((name.as_str(), None));
-        }
-    }
-    entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
+    let routes: Vec<&str> = models
+        .routes
+        .iter()
+        .filter(|(name, route)| {
+            !entries.contains_key(name.as_str())
+                && route
+                    .targets
+                    .iter()
+                    .any(|t| entries.contains_key(t.model.as_str()))
+        })
+        .map(|(name, _)| name.as_str())
+        .collect();
+    entries.extend(routes.into_iter().map(|name| (name, None)));
     let body = match id {
         None => json!({
             "object": "list",
             "data": entries.iter().map(|(id, parent)| entry(id, *parent, created)).collect::<Vec<_>>(),
         }),
-        Some(id) => match entries.iter().find(|(e, _)| *e == id) {
+        Some(id) => match entries.get_key_value(id) {
             Some((id, parent)) => entry(id, *parent, created),
             None => {
                 return LocalReply::error(

@@ -368,12 +368,10 @@ impl Router {
     /// Whether some pod may serve `model` (false only once every pod's model list is known and
     /// none lists it). With no pods known, Envoy's own balancing decides: true.
     pub fn serves(&mut self, store: &dyn Store, cfg: &Config, model: &str) -> bool {
-        let now = store.now_ms();
-        self.refresh_pods(store, cfg, now);
+        let now = self.refresh_lists(store, cfg);
         if self.pods.is_empty() {
             return true;
         }
-        self.served.refresh(store, &self.pods, now);
         // Health is read only for pods without a list, and only when no list names the model;
         // from this VM's copies of the records, as the pick reads them.
         let (pods, copies) = (&self.pods, &mut self.copies);
@@ -388,9 +386,7 @@ impl Router {
     /// Every model the pods' lists, as last read, name (in pod order; a name once per pod), for
     /// the gateway's own `GET /v1/models` (`models::listing`); `None` while no list is known.
     pub fn listed_models(&mut self, store: &dyn Store, cfg: &Config) -> Option<Vec<ServedModel>> {
-        let now = store.now_ms();
-        self.refresh_pods(store, cfg, now);
-        self.served.refresh(store, &self.pods, now);
+        self.refresh_lists(store, cfg);
         let lists: Vec<&Served> = self
             .pods
             .iter()
@@ -415,9 +411,7 @@ impl Router {
         store: &dyn Store,
         cfg: &Config,
     ) -> Result<Option<String>, Vec<String>> {
-        let now = store.now_ms();
-        self.refresh_pods(store, cfg, now);
-        self.served.refresh(store, &self.pods, now);
+        self.refresh_lists(store, cfg);
         match self.served.base_models(&self.pods).as_slice() {
             [] => Ok(None),
             [one] => Ok(Some((*one).to_string())),
@@ -454,6 +448,15 @@ impl Router {
             .filter(|(_, serves)| *serves)
             .map(|(pod, _)| pod.clone())
             .collect()
+    }
+
+    /// The pod set and their model lists brought up to date, for a question asked outside a
+    /// pick; the time they were read at.
+    fn refresh_lists(&mut self, store: &dyn Store, cfg: &Config) -> u64 {
+        let now = store.now_ms();
+        self.refresh_pods(store, cfg, now);
+        self.served.refresh(store, &self.pods, now);
+        now
     }
 
     /// Per pod (as `pods` orders them), whether a request for `model` may be sent there.
