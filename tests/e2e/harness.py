@@ -5,6 +5,7 @@ loopback. Everything started here is stopped by the context managers, even when 
 import contextlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import tempfile
@@ -208,9 +209,10 @@ class Envoy:
         self.admin_port = config["admin"]["address"]["socket_address"]["port_value"]
         self.proc = None
         self.log_path = None
+        self.workdir = None
 
     def __enter__(self):
-        d = tempfile.mkdtemp(prefix="kvgate-envoy-")
+        self.workdir = d = tempfile.mkdtemp(prefix="kvgate-envoy-")
         path = Path(d) / "envoy.json"
         path.write_text(json.dumps(self.config))
         self.log_path = Path(d) / "envoy.log"
@@ -249,9 +251,14 @@ class Envoy:
                 out[s["name"]] = s["value"]
         return out
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
         stop(self.proc)
         self.log.close()
+        # Its configuration and log are kept for a test that failed, and said where.
+        if exc_type is None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        else:
+            print(f"envoy's configuration and log kept in {self.workdir}")
 
 
 class Sim:

@@ -7,6 +7,7 @@ from a watched file (LDS), so a new plugin configuration can be pushed while tra
 import json
 import os
 import re
+import shutil
 import socket
 import tempfile
 import threading
@@ -22,7 +23,10 @@ from harness import Envoy, Sim, envoy_config, free_port, kvgate_gauges, request,
 
 # Envoy 1.40 exposes, for a Wasm plugin with vm_id `kvgate`: wasm.kvgate.vm_reload{,_success,
 # _failure,_backoff} (reloads after a VM failed, with `failure_policy: FAIL_RELOAD`), and for the
-# runtime: wasm.envoy.wasm.runtime.v8.{created,active} and wasm.wasm_vm_count.
+# runtime: wasm.envoy.wasm.runtime.v8.{created,active} and wasm.wasm_vm_count. Only the last is
+# asserted exactly: each VM sets `v8.active` to the count it read when it started or stopped
+# (Envoy's `RuntimeStatsHandler::onEvent`, `active_.set(active_wasms++)`), so workers starting
+# their VMs at once leave it short by the last writer's lag (seen reading 4 of 6 in one CI run).
 VM_STATS = ("wasm.kvgate.vm_reload", "wasm.kvgate.vm_reload_failure", "wasm.wasm_vm_count",
             "wasm.envoy.wasm.runtime.v8.created", "wasm.envoy.wasm.runtime.v8.active")
 
@@ -50,10 +54,9 @@ def assert_vm_alive(envoy, before=None, expected=None):
     assert not bad, "VM trouble in envoy's log:\n" + "\n".join(bad[:20])
     now = vm_stats(envoy)
     vms = envoy.concurrency + 2
-    assert now["wasm.wasm_vm_count"] == vms and now["wasm.envoy.wasm.runtime.v8.active"] == vms, (vms, now)
+    assert now["wasm.wasm_vm_count"] == vms, (vms, now)
     if before is not None:
         assert now["wasm.wasm_vm_count"] == before["wasm.wasm_vm_count"], (before, now)
-        assert now["wasm.envoy.wasm.runtime.v8.active"] == before["wasm.envoy.wasm.runtime.v8.active"], (before, now)
     return now
 
 
@@ -306,6 +309,11 @@ class LdsEnvoy(Envoy):
         ok = wait_for(lambda: self.lds_counts() != before, timeout=timeout, interval=0.1)
         assert ok, f"no LDS update within {timeout}s: {before}"
         return self.lds_counts()
+
+    def __exit__(self, exc_type, *exc):
+        super().__exit__(exc_type, *exc)
+        if exc_type is None:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def lds_counts(self):
         st = self.stats("listener_manager.lds")
