@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use tokio::sync::mpsc::UnboundedSender;
 
 use crate::config::Args;
 use crate::engine::{Engine, FinishReason, NewRequest, Output};
@@ -63,6 +63,9 @@ pub struct Finish {
 /// One generated token for a request (the last one carries `finish`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Event {
+    /// Which of the request's choices (its `n`) the token is for: vLLM's
+    /// `CompletionOutput.index`.
+    pub choice: usize,
     pub token: u32,
     pub first: bool,
     pub finish: Option<Finish>,
@@ -139,6 +142,7 @@ pub fn draw_output_len(rng: &mut Rng, dist: &str, mean: f64, sigma: f64) -> usiz
 
 struct Sink {
     tx: UnboundedSender<Event>,
+    choice: usize,
     arrival: Instant,
     last: Option<Instant>,
 }
@@ -216,6 +220,7 @@ impl Inner {
             let delivered = sink
                 .tx
                 .send(Event {
+                    choice: sink.choice,
                     token: o.token,
                     first: o.first,
                     finish,
@@ -306,13 +311,16 @@ pub struct Pod {
     ideal_hit_tokens: AtomicU64,
 }
 
-/// What a handler submits.
+/// What a handler submits: one engine request, or one choice of a request with `n` of them
+/// (vLLM V1's `ParentRequest` makes each choice a child request of its own).
 pub struct Submit {
     pub prompt: Vec<u32>,
     pub max_output: usize,
     pub finish_reason: FinishReason,
     pub cache_salt: Option<String>,
     pub lora: Option<LoraRef>,
+    /// The choice's index, which its events carry.
+    pub choice: usize,
 }
 
 impl Pod {
@@ -414,9 +422,9 @@ impl Pod {
         }
     }
 
-    /// Queue a request; tokens arrive on the returned channel.
-    pub fn submit(&self, s: Submit) -> (ReqId, UnboundedReceiver<Event>) {
-        let (tx, rx) = unbounded_channel();
+    /// Queue a request; its tokens are sent on `tx`, which a request's choices share, so that
+    /// their tokens arrive in the order the engine made them.
+    pub fn submit(&self, s: Submit, tx: &UnboundedSender<Event>) -> ReqId {
         let mut inner = self.lock();
         let seed = inner.rng.next_u64();
         let id = inner.engine.add_request(NewRequest {
@@ -440,14 +448,15 @@ impl Pod {
         inner.sinks.insert(
             id,
             Sink {
-                tx,
+                tx: tx.clone(),
+                choice: s.choice,
                 arrival: Instant::now(),
                 last: None,
             },
         );
         drop(inner);
         self.cv.notify_one();
-        (id, rx)
+        id
     }
 
     /// The registered adapter called `name`.
@@ -479,11 +488,13 @@ impl Pod {
         true
     }
 
-    /// Client went away: abort in the engine (frees its KV blocks).
-    pub fn abort(&self, id: ReqId) {
+    /// Client went away: abort the requests still running in the engine (frees their KV blocks).
+    pub fn abort(&self, ids: &[ReqId]) {
         let mut inner = self.lock();
-        if inner.sinks.remove(&id).is_some() {
-            inner.engine.abort(id);
+        for &id in ids {
+            if inner.sinks.remove(&id).is_some() {
+                inner.engine.abort(id);
+            }
         }
     }
 
@@ -541,19 +552,20 @@ impl Pod {
     }
 }
 
-/// Aborts the request in the engine when dropped while still armed (the
-/// response body or handler future was dropped: the client disconnected).
+/// Aborts a request's engine requests (one per choice) when dropped while still
+/// armed (the response body or handler future was dropped: the client
+/// disconnected). Those that finished already are left alone.
 pub struct AbortGuard {
     pod: Arc<Pod>,
-    id: ReqId,
+    ids: Vec<ReqId>,
     armed: bool,
 }
 
 impl AbortGuard {
-    pub fn new(pod: Arc<Pod>, id: ReqId) -> Self {
+    pub fn new(pod: Arc<Pod>, ids: Vec<ReqId>) -> Self {
         AbortGuard {
             pod,
-            id,
+            ids,
             armed: true,
         }
     }
@@ -565,7 +577,7 @@ impl AbortGuard {
 impl Drop for AbortGuard {
     fn drop(&mut self) {
         if self.armed {
-            self.pod.abort(self.id);
+            self.pod.abort(&self.ids);
         }
     }
 }

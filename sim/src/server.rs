@@ -14,7 +14,7 @@ use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper::header::{HeaderMap, HeaderValue, CACHE_CONTROL, CONTENT_TYPE};
 use hyper::{Method, Request, Response, StatusCode};
 use serde_json::{json, Value};
-use tokio::sync::mpsc::UnboundedReceiver;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use crate::engine::FinishReason;
 use crate::lora::LoraRef;
@@ -87,13 +87,12 @@ struct StreamState {
     include_usage: bool,
     continuous_usage: bool,
     prompt_tokens: usize,
-    completion_tokens: usize,
-    /// The answer's first tokens that are reasoning (`--reasoning-share`).
-    reasoning_tokens: usize,
-    /// Text of tokens made and not sent yet (`--stream-interval`), reasoning and answer, and how
-    /// many.
-    unsent: Unsent,
-    unsent_tokens: usize,
+    /// The answer's choices (the request's `n`), as they are made.
+    choices: Vec<Choice>,
+    /// Choices not finished yet: the usage chunk and `[DONE]` follow the last one's end.
+    unfinished: usize,
+    /// The chat roles went out (with the answer's first token).
+    roles_sent: bool,
     /// A Responses API answer's own state.
     response: Option<ResponseStream>,
 }
@@ -115,6 +114,76 @@ struct Unsent {
     content: String,
 }
 
+/// One choice of an answer as it is made: vLLM V1 makes each of a request's `n` choices an
+/// engine request of its own (`ParentRequest`), with its own length, text and end.
+#[derive(Default)]
+struct Choice {
+    /// Tokens made so far.
+    tokens: usize,
+    /// The choice's first tokens that are reasoning (`--reasoning-share`).
+    reasoning_tokens: usize,
+    /// Text of tokens made and not handed on yet (`--stream-interval`), reasoning and answer,
+    /// and how many.
+    unsent: Unsent,
+    unsent_tokens: usize,
+    finish: Option<Finish>,
+}
+
+impl Choice {
+    /// A choice that is to make `max_output` tokens, of which a chat answer's first share is
+    /// reasoning: what a reasoning parser would split off.
+    fn new(g: &Shared, kind: Kind, max_output: usize) -> Self {
+        let reasoning_tokens = match kind {
+            Kind::Chat => (g.args.reasoning_share * max_output as f64).round() as usize,
+            Kind::Completion | Kind::Responses => 0,
+        };
+        Choice {
+            reasoning_tokens,
+            ..Choice::default()
+        }
+    }
+
+    /// Adds a token's text (as reasoning or answer) and, with the last token, the choice's end.
+    fn add(&mut self, piece: &str, finish: Option<Finish>) {
+        self.tokens += 1;
+        let part = if self.tokens <= self.reasoning_tokens {
+            &mut self.unsent.reasoning
+        } else {
+            &mut self.unsent.content
+        };
+        part.push_str(piece);
+        self.unsent_tokens += 1;
+        if let Some(f) = finish {
+            self.tokens = f.completion_tokens;
+            self.finish = Some(f);
+        }
+    }
+
+    /// The text not handed on yet, when its chunk is due: every `interval` tokens, and at the
+    /// choice's end.
+    fn due(&mut self, interval: usize) -> Option<Unsent> {
+        if self.finish.is_none() && self.unsent_tokens < interval.max(1) {
+            return None;
+        }
+        self.unsent_tokens = 0;
+        Some(std::mem::take(&mut self.unsent))
+    }
+}
+
+/// vLLM's `UsageInfo`: the prompt counted once however many choices, their tokens summed, and
+/// the prefix-cache hit tokens where reported.
+fn usage(prompt_tokens: usize, completion_tokens: usize, cached: Option<usize>) -> Value {
+    let mut u = json!({
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+    });
+    if let Some(c) = cached {
+        u["prompt_tokens_details"] = json!({ "cached_tokens": c });
+    }
+    u
+}
+
 impl StreamState {
     fn push(buf: &mut Vec<u8>, v: &Value) {
         buf.extend_from_slice(b"data: ");
@@ -122,19 +191,9 @@ impl StreamState {
         buf.extend_from_slice(b"\n\n");
     }
 
-    fn usage(&self, cached: Option<usize>) -> Value {
-        let mut u = json!({
-            "prompt_tokens": self.prompt_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "completion_tokens": self.completion_tokens,
-        });
-        if let Some(c) = cached {
-            u["prompt_tokens_details"] = json!({ "cached_tokens": c });
-        }
-        u
-    }
-
-    fn chunk(&self, choice: Value) -> Value {
+    /// A chunk with one choice, the `i`-th. Continuous usage counts that choice's tokens so far,
+    /// as vLLM's does.
+    fn chunk(&self, i: usize, choice: Value) -> Value {
         let object = match self.kind {
             Kind::Completion => "text_completion",
             Kind::Chat | Kind::Responses => "chat.completion.chunk",
@@ -147,44 +206,65 @@ impl StreamState {
             "choices": [choice],
         });
         if self.continuous_usage {
-            v["usage"] = self.usage(None);
+            let tokens = self.choices.get(i).map_or(0, |c| c.tokens);
+            v["usage"] = usage(self.prompt_tokens, tokens, None);
         }
         v
     }
 
+    /// The `i`-th choice's text not sent yet, when its chunk is due.
+    fn due(&mut self, i: usize) -> Option<Unsent> {
+        let interval = self.g.args.stream_interval;
+        self.choices.get_mut(i)?.due(interval)
+    }
+
     fn on_event(&mut self, ev: &Event, buf: &mut Vec<u8>) {
+        let i = ev.choice;
+        let piece = self.g.tok.piece(ev.token);
+        let Some(c) = self.choices.get_mut(i) else {
+            return;
+        };
+        c.add(&piece, ev.finish);
+        if let Some(f) = ev.finish {
+            self.prompt_tokens = f.prompt_tokens;
+            self.unfinished = self.unfinished.saturating_sub(1);
+        }
         if self.response.is_some() {
             return self.on_response_event(ev, buf);
         }
-        self.completion_tokens += 1;
-        if ev.first && self.kind == Kind::Chat {
-            // The role comes with the first token, however many tokens a chunk carries.
-            let c = self.chunk(json!({
-                "index": 0,
-                "delta": {"role": "assistant", "content": ""},
-                "logprobs": null,
-                "finish_reason": null,
-            }));
-            Self::push(buf, &c);
+        if !self.roles_sent && self.kind == Kind::Chat {
+            // vLLM sends every choice's role with the answer's first output, however many
+            // tokens a chunk carries.
+            self.roles_sent = true;
+            for j in 0..self.choices.len() {
+                let c = self.chunk(
+                    j,
+                    json!({
+                        "index": j,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": null,
+                        "finish_reason": null,
+                    }),
+                );
+                Self::push(buf, &c);
+            }
         }
-        let reasoning = self.kind == Kind::Chat && self.completion_tokens <= self.reasoning_tokens;
-        let Some(Unsent { reasoning, content }) = self.buffer(ev, reasoning) else {
+        let Some(Unsent { reasoning, content }) = self.due(i) else {
             return;
         };
         let finish = ev.finish.map(|f| f.reason.as_str());
-        if let Some(f) = ev.finish {
-            self.prompt_tokens = f.prompt_tokens;
-            self.completion_tokens = f.completion_tokens;
-        }
         match self.kind {
             Kind::Completion | Kind::Responses => {
-                let c = self.chunk(json!({
-                    "index": 0,
-                    "text": content,
-                    "logprobs": null,
-                    "finish_reason": finish,
-                    "stop_reason": null,
-                }));
+                let c = self.chunk(
+                    i,
+                    json!({
+                        "index": i,
+                        "text": content,
+                        "logprobs": null,
+                        "finish_reason": finish,
+                        "stop_reason": null,
+                    }),
+                );
                 Self::push(buf, &c);
             }
             Kind::Chat => {
@@ -198,7 +278,7 @@ impl StreamState {
                     delta["content"] = json!(content);
                 }
                 let mut choice = json!({
-                    "index": 0,
+                    "index": i,
                     "delta": delta,
                     "logprobs": null,
                     "finish_reason": finish,
@@ -206,31 +286,13 @@ impl StreamState {
                 if finish.is_some() {
                     choice["stop_reason"] = Value::Null;
                 }
-                let c = self.chunk(choice);
+                let c = self.chunk(i, choice);
                 Self::push(buf, &c);
             }
         }
-        if let Some(f) = ev.finish {
-            self.finish(buf, Some(f));
+        if finish.is_some() && self.unfinished == 0 {
+            self.finish(buf, true);
         }
-    }
-
-    /// Keeps a token's text (as reasoning or answer) until its chunk is due
-    /// (`--stream-interval`, or the answer's end), then hands the chunk's text over.
-    fn buffer(&mut self, ev: &Event, reasoning: bool) -> Option<Unsent> {
-        let piece = self.g.tok.piece(ev.token);
-        let part = if reasoning {
-            &mut self.unsent.reasoning
-        } else {
-            &mut self.unsent.content
-        };
-        part.push_str(&piece);
-        self.unsent_tokens += 1;
-        if ev.finish.is_none() && self.unsent_tokens < self.g.args.stream_interval.max(1) {
-            return None;
-        }
-        self.unsent_tokens = 0;
-        Some(std::mem::take(&mut self.unsent))
     }
 
     /// A Responses API answer's token: its opening events with the first, a text delta at each
@@ -239,7 +301,6 @@ impl StreamState {
         let Some(r) = self.response.as_mut() else {
             return;
         };
-        self.completion_tokens += 1;
         if ev.first {
             let opened = responses::object(
                 &self.id,
@@ -251,7 +312,7 @@ impl StreamState {
             r.events.open(buf, &opened);
         }
         r.tokens.push(ev.token);
-        let Some(Unsent { content: piece, .. }) = self.buffer(ev, false) else {
+        let Some(Unsent { content: piece, .. }) = self.due(ev.choice) else {
             return;
         };
         let Some(r) = self.response.as_mut() else {
@@ -283,23 +344,32 @@ impl StreamState {
         }
     }
 
-    fn finish(&mut self, buf: &mut Vec<u8>, f: Option<Finish>) {
+    /// The stream's end: after every choice's end (`complete`) the usage chunk, if asked for,
+    /// then `[DONE]`.
+    fn finish(&mut self, buf: &mut Vec<u8>, complete: bool) {
         if self.response.is_some() {
             // A Responses API stream ends with its last event, and one cut short just ends.
             return;
         }
-        if let (true, Some(f)) = (self.include_usage, f) {
+        if self.include_usage && complete {
             let object = match self.kind {
                 Kind::Completion => "text_completion",
                 Kind::Chat | Kind::Responses => "chat.completion.chunk",
             };
+            let completion_tokens = self.choices.iter().map(|c| c.tokens).sum();
+            // vLLM reports one request's prefix-cache hits: the first choice's.
+            let cached = self.choices.first().and_then(|c| c.finish);
             let v = json!({
                 "id": self.id,
                 "object": object,
                 "created": self.created,
                 "model": self.model,
                 "choices": [],
-                "usage": self.usage(Some(f.cached_tokens)),
+                "usage": usage(
+                    self.prompt_tokens,
+                    completion_tokens,
+                    Some(cached.map_or(0, |f| f.cached_tokens)),
+                ),
             });
             Self::push(buf, &v);
         }
@@ -327,7 +397,7 @@ impl SseBody {
             match self.rx.poll_recv(cx) {
                 Poll::Ready(Some(ev)) => {
                     self.st.on_event(&ev, &mut buf);
-                    if ev.finish.is_some() {
+                    if self.st.unfinished == 0 {
                         self.guard.disarm();
                         self.done = true;
                         break;
@@ -335,7 +405,7 @@ impl SseBody {
                 }
                 Poll::Ready(None) => {
                     // The engine dropped the request (aborted): end the stream.
-                    self.st.finish(&mut buf, None);
+                    self.st.finish(&mut buf, false);
                     self.done = true;
                     break;
                 }
@@ -582,7 +652,42 @@ fn requested_max_tokens(kind: Kind, body: &Value) -> Result<Option<usize>, ApiEr
     }
 }
 
-/// Decide how many tokens to generate and the finish reason reported.
+/// vLLM's default most choices a request may ask for (`VLLM_MAX_N_SEQUENCES`).
+const MAX_N: usize = 16384;
+/// Below this temperature vLLM samples greedily (`_SAMPLING_EPS`).
+const SAMPLING_EPS: f64 = 1e-5;
+
+/// The request's `n`: how many choices to make, as vLLM's `SamplingParams` checks it. The
+/// Responses API has no `n`.
+fn requested_n(kind: Kind, body: &Value) -> Result<usize, ApiError> {
+    if kind == Kind::Responses {
+        return Ok(1);
+    }
+    let n = match as_usize(body.get("n"), "n")? {
+        None => 1,
+        Some(0) => return Err(ApiError::bad("n must be at least 1, got 0.")),
+        Some(n) if n > MAX_N => {
+            return Err(ApiError::bad(format!(
+                "n must be at most {MAX_N}, got {n}. To increase this limit, set the \
+                 VLLM_MAX_N_SEQUENCES environment variable."
+            )))
+        }
+        Some(n) => n,
+    };
+    // Greedy choices would all be the same answer: vLLM's `_verify_greedy_sampling` refuses them.
+    let greedy = body
+        .get("temperature")
+        .and_then(Value::as_f64)
+        .is_some_and(|t| t < SAMPLING_EPS);
+    if n > 1 && greedy {
+        return Err(ApiError::bad(format!(
+            "n must be 1 when using greedy sampling, got {n}."
+        )));
+    }
+    Ok(n)
+}
+
+/// Decide how many tokens one choice generates and the finish reason reported.
 fn plan_output(
     pod: &Pod,
     kind: Kind,
@@ -614,11 +719,6 @@ fn plan_output(
                  the length of the messages or completion.",
                 prompt_len + mt
             )));
-        }
-    }
-    if let Some(n) = body.get("n").and_then(Value::as_u64) {
-        if n > 1 {
-            return Err(ApiError::bad("kvgate-sim supports n=1 only"));
         }
     }
     let header = match headers.get("x-sim-output-tokens") {
@@ -690,18 +790,29 @@ fn plan_output(
 // ---------------------------------------------------------------- handlers
 
 async fn generate(pod: Arc<Pod>, req: Request<Incoming>, kind: Kind) -> Response<SimBody> {
-    match generate_inner(pod, req, kind).await {
-        Ok(r) => r,
-        Err(e) => e.response(),
+    let answer = match read_json(req).await {
+        Ok((headers, body, size)) => generate_inner(pod, kind, &headers, body, size).await,
+        Err(e) => Err(e),
+    };
+    flatten(answer)
+}
+
+/// What a request whose answer is cut short gets.
+fn aborted() -> ApiError {
+    ApiError {
+        status: StatusCode::INTERNAL_SERVER_ERROR,
+        kind: "InternalServerError",
+        message: "request was aborted".into(),
     }
 }
 
 async fn generate_inner(
     pod: Arc<Pod>,
-    req: Request<Incoming>,
     kind: Kind,
+    headers: &HeaderMap,
+    body: Value,
+    size: usize,
 ) -> Result<Response<SimBody>, ApiError> {
-    let (headers, body, size) = read_json(req).await?;
     let g = pod.g.clone();
     let (model, lora) = check_model(&pod, &body)?;
     // A Responses API follow-up's prompt starts with its conversation so far, from this pod's
@@ -724,7 +835,11 @@ async fn generate_inner(
         prompt = history;
         id
     });
-    let (max_output, finish_reason) = plan_output(&pod, kind, &headers, &body, prompt.len())?;
+    // Each choice plans its own output, as each of vLLM's child requests meets EOS on its own.
+    let n = requested_n(kind, &body)?;
+    let plans = (0..n)
+        .map(|_| plan_output(&pod, kind, headers, &body, prompt.len()))
+        .collect::<Result<Vec<_>, _>>()?;
     let stores =
         kind == Kind::Responses && body.get("store").and_then(Value::as_bool) != Some(false);
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
@@ -753,20 +868,32 @@ async fn generate_inner(
         }
     };
     let created = unix_now();
-    // What a reasoning parser would split off: the answer's first share (chat only).
-    let reasoning_tokens = match kind {
-        Kind::Chat => (g.args.reasoning_share * max_output as f64).round() as usize,
-        Kind::Completion | Kind::Responses => 0,
-    };
+    let mut choices: Vec<Choice> = plans
+        .iter()
+        .map(|&(max_output, _)| Choice::new(&g, kind, max_output))
+        .collect();
     let conversation = stores.then(|| prompt.clone());
-    let (rid, mut rx) = pod.submit(Submit {
-        prompt,
-        max_output,
-        finish_reason,
-        cache_salt,
-        lora,
-    });
-    let mut guard = AbortGuard::new(pod.clone(), rid);
+    // vLLM V1's `ParentRequest`: a child request per choice, in order, each with the prompt
+    // (shared only through the prefix cache) and its own output.
+    let (tx, mut rx) = unbounded_channel();
+    let ids = plans
+        .into_iter()
+        .enumerate()
+        .map(|(choice, (max_output, finish_reason))| {
+            let s = Submit {
+                prompt: prompt.clone(),
+                max_output,
+                finish_reason,
+                cache_salt: cache_salt.clone(),
+                lora: lora.clone(),
+                choice,
+            };
+            pod.submit(s, &tx)
+        })
+        .collect();
+    // The channel closes once every choice's request has ended or was aborted.
+    drop(tx);
+    let mut guard = AbortGuard::new(pod.clone(), ids);
 
     if stream {
         let st = StreamState {
@@ -778,10 +905,9 @@ async fn generate_inner(
             include_usage,
             continuous_usage,
             prompt_tokens: prompt_len,
-            completion_tokens: 0,
-            reasoning_tokens,
-            unsent: Unsent::default(),
-            unsent_tokens: 0,
+            unfinished: choices.len(),
+            choices,
+            roles_sent: false,
             response: (kind == Kind::Responses).then(|| ResponseStream {
                 events: responses::Events::new(format!("msg_{}", pod.lock().next_response_id())),
                 text: String::new(),
@@ -805,63 +931,58 @@ async fn generate_inner(
         return Ok(r);
     }
 
-    let mut text = Unsent::default();
-    let mut fin: Option<Finish> = None;
-    let mut made = 0;
+    // The answer goes out when every choice has ended.
+    let mut unfinished = choices.len();
     let mut conversation = conversation;
-    while let Some(ev) = rx.recv().await {
-        made += 1;
+    while unfinished > 0 {
+        let Some(ev) = rx.recv().await else {
+            break;
+        };
         if let Some(c) = &mut conversation {
             c.push(ev.token);
         }
-        let part = if made <= reasoning_tokens {
-            &mut text.reasoning
-        } else {
-            &mut text.content
-        };
-        part.push_str(&g.tok.piece(ev.token));
-        if let Some(f) = ev.finish {
-            fin = Some(f);
-            break;
+        if let Some(c) = choices.get_mut(ev.choice) {
+            c.add(&g.tok.piece(ev.token), ev.finish);
+        }
+        if ev.finish.is_some() {
+            unfinished -= 1;
         }
     }
     guard.disarm();
-    let Some(f) = fin else {
-        return Err(ApiError {
-            status: StatusCode::INTERNAL_SERVER_ERROR,
-            kind: "InternalServerError",
-            message: "request was aborted".into(),
-        });
-    };
-    let usage = json!({
-        "prompt_tokens": f.prompt_tokens,
-        "total_tokens": f.prompt_tokens + f.completion_tokens,
-        "completion_tokens": f.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": f.cached_tokens},
-    });
+    let ended = choices
+        .into_iter()
+        .map(|c| c.finish.map(|f| (c.unsent, f)))
+        .collect::<Option<Vec<_>>>()
+        .ok_or_else(aborted)?;
+    // The prompt once, every choice's tokens, and the first choice's prefix-cache hits (vLLM's
+    // usage of a request with `n` choices).
+    let (prompt_tokens, cached) = ended
+        .first()
+        .map_or((prompt_len, 0), |(_, f)| (f.prompt_tokens, f.cached_tokens));
+    let completion_tokens = ended.iter().map(|(_, f)| f.completion_tokens).sum();
     let v = match kind {
         Kind::Completion => json!({
             "id": id,
             "object": "text_completion",
             "created": created,
             "model": model,
-            "choices": [{
-                "index": 0,
+            "choices": ended.into_iter().enumerate().map(|(i, (text, f))| json!({
+                "index": i,
                 "text": text.content,
                 "logprobs": null,
                 "finish_reason": f.reason.as_str(),
                 "stop_reason": null,
                 "prompt_logprobs": null,
-            }],
-            "usage": usage,
+            })).collect::<Vec<_>>(),
+            "usage": usage(prompt_tokens, completion_tokens, Some(cached)),
         }),
         Kind::Chat => json!({
             "id": id,
             "object": "chat.completion",
             "created": created,
             "model": model,
-            "choices": [{
-                "index": 0,
+            "choices": ended.into_iter().enumerate().map(|(i, (text, f))| json!({
+                "index": i,
                 "message": {"role": "assistant", "content": text.content, "refusal": null,
                             "annotations": null, "audio": null, "function_call": null,
                             "tool_calls": [],
@@ -869,14 +990,16 @@ async fn generate_inner(
                 "logprobs": null,
                 "finish_reason": f.reason.as_str(),
                 "stop_reason": null,
-            }],
-            "usage": usage,
+            })).collect::<Vec<_>>(),
+            "usage": usage(prompt_tokens, completion_tokens, Some(cached)),
             "prompt_logprobs": null,
         }),
         Kind::Responses => {
+            // The Responses API has no `n`: its one choice is the answer.
+            let text = ended.first().map_or("", |(t, _)| t.content.as_str());
             let item_id = format!("msg_{}", pod.lock().next_response_id());
-            let usage = responses::usage(f.prompt_tokens, f.completion_tokens, f.cached_tokens);
-            let answer = Some((item_id.as_str(), text.content.as_str(), usage));
+            let usage = responses::usage(prompt_tokens, completion_tokens, cached);
+            let answer = Some((item_id.as_str(), text, usage));
             let v = responses::object(&id, created, &model, answer, previous.as_deref());
             if let Some(tokens) = conversation {
                 let stored = responses::Stored {
@@ -917,6 +1040,7 @@ async fn render_endpoint(
     let (model, _) = check_model(&pod, &body)?;
     let (ids, _text, body) = tokenize(&g, kind, body, size).await?;
     let max_tokens = requested_max_tokens(kind, &body)?;
+    let n = requested_n(kind, &body)?;
     let suffix = pod.lock().next_response_id();
     let (rid, max_tokens) = match kind {
         Kind::Completion => (
@@ -929,7 +1053,7 @@ async fn render_endpoint(
         "request_id": rid,
         "token_ids": ids,
         "features": null,
-        "sampling_params": {"n": 1, "max_tokens": max_tokens},
+        "sampling_params": {"n": n, "max_tokens": max_tokens},
         "model": model,
         "stream": body.get("stream").and_then(Value::as_bool).unwrap_or(false),
         "cache_salt": body.get("cache_salt").cloned().unwrap_or(Value::Null),
@@ -1486,10 +1610,9 @@ mod tests {
             include_usage: true,
             continuous_usage: false,
             prompt_tokens: 5,
-            completion_tokens: 0,
-            reasoning_tokens: 0,
-            unsent: Unsent::default(),
-            unsent_tokens: 0,
+            choices: vec![Choice::default()],
+            unfinished: 1,
+            roles_sent: false,
             response: None,
         }
     }
@@ -1501,6 +1624,7 @@ mod tests {
         let mut buf = Vec::new();
         st.on_event(
             &Event {
+                choice: 0,
                 token: t0,
                 first: true,
                 finish: None,
@@ -1509,6 +1633,7 @@ mod tests {
         );
         st.on_event(
             &Event {
+                choice: 0,
                 token: t0,
                 first: false,
                 finish: Some(Finish {
@@ -1546,6 +1671,7 @@ mod tests {
             });
             st.on_event(
                 &Event {
+                    choice: 0,
                     token: t0,
                     first: i == 0,
                     finish,
@@ -1590,7 +1716,7 @@ mod tests {
     #[test]
     fn reasoning_streams_as_vllm_streams_it() {
         let mut st = chat_stream(&["--stream-interval", "2"]);
-        st.reasoning_tokens = 3;
+        st.choices[0].reasoning_tokens = 3;
         let (events, piece) = stream_of(&mut st, 6);
         assert_eq!(
             deltas(&events, "reasoning"),
@@ -1603,5 +1729,264 @@ mod tests {
         );
         assert!(events[1]["choices"][0]["delta"].get("content").is_none());
         assert_eq!(events.last().unwrap()["usage"]["completion_tokens"], 6);
+    }
+
+    /// A pod whose engine runs on a thread of its own, as `main` starts it.
+    fn running_pod(flags: &[&str]) -> Arc<Pod> {
+        let pod = pod_with(flags);
+        let engine = pod.clone();
+        std::thread::spawn(move || engine.run_engine());
+        pod
+    }
+
+    /// The answer to a generation request with these headers and body.
+    async fn post(
+        pod: &Arc<Pod>,
+        kind: Kind,
+        headers: &HeaderMap,
+        body: Value,
+    ) -> Response<SimBody> {
+        flatten(generate_inner(pod.clone(), kind, headers, body, 0).await)
+    }
+
+    /// An answer's status and body.
+    async fn read(r: Response<SimBody>) -> (StatusCode, String) {
+        let status = r.status();
+        let bytes = r.into_body().collect().await.unwrap().to_bytes();
+        (status, String::from_utf8(bytes.to_vec()).unwrap())
+    }
+
+    /// A stream's chunks, parsed; it must end with one `[DONE]`.
+    fn chunks(text: &str) -> Vec<Value> {
+        let events: Vec<&str> = text.split("\n\n").filter(|s| !s.is_empty()).collect();
+        assert_eq!(events.last(), Some(&"data: [DONE]"), "{text}");
+        assert_eq!(events.iter().filter(|e| **e == "data: [DONE]").count(), 1);
+        events[..events.len() - 1]
+            .iter()
+            .map(|e| serde_json::from_str(e.strip_prefix("data: ").unwrap()).unwrap())
+            .collect()
+    }
+
+    /// The prompt tokens of a one-choice answer to `body`.
+    async fn prompt_tokens(pod: &Arc<Pod>, kind: Kind, body: &Value) -> u64 {
+        let (_, text) = read(post(pod, kind, &HeaderMap::new(), body.clone()).await).await;
+        let v: Value = serde_json::from_str(&text).unwrap();
+        v["usage"]["prompt_tokens"].as_u64().unwrap()
+    }
+
+    /// `n` is vLLM's `SamplingParams.n`: 1 when absent or null, at least 1 and at most
+    /// `VLLM_MAX_N_SEQUENCES`, an integer, 1 for greedy sampling; the Responses API has none.
+    #[test]
+    fn n_is_checked_as_vllm_checks_it() {
+        let n = |body: Value| requested_n(Kind::Chat, &body).map_err(|e| e.message);
+        assert_eq!(n(json!({})), Ok(1));
+        assert_eq!(n(json!({"n": null})), Ok(1));
+        assert_eq!(n(json!({"n": 3})), Ok(3));
+        assert_eq!(n(json!({"n": 3, "temperature": 0.7})), Ok(3));
+        assert_eq!(n(json!({"n": 1, "temperature": 0})), Ok(1));
+        assert_eq!(
+            n(json!({"n": 0})),
+            Err("n must be at least 1, got 0.".into())
+        );
+        for bad in [json!(-1), json!(1.5), json!("2"), json!(MAX_N + 1)] {
+            assert!(n(json!({ "n": bad })).is_err(), "{bad}");
+        }
+        assert_eq!(
+            n(json!({"n": 2, "temperature": 0.0})),
+            Err("n must be 1 when using greedy sampling, got 2.".into())
+        );
+        assert_eq!(requested_n(Kind::Responses, &json!({"n": 5})).ok(), Some(1));
+    }
+
+    /// n = 0 is vLLM's 400, in its error shape.
+    #[tokio::test]
+    async fn n_zero_is_a_bad_request() {
+        let pod = pod_with(&[]);
+        let body = json!({"messages": [{"role": "user", "content": "hi"}], "n": 0});
+        let (status, text) = read(post(&pod, Kind::Chat, &HeaderMap::new(), body).await).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["error"]["type"], "BadRequestError");
+        assert_eq!(v["error"]["code"], 400);
+        assert_eq!(pod.lock().engine.num_waiting(), 0);
+    }
+
+    /// n = 3 with max_tokens: three choices (indices 0..2), each an engine request of its own
+    /// that runs to the limit; usage counts the prompt once and sums the choices' tokens. The
+    /// test header fixes every choice's length.
+    #[tokio::test]
+    async fn n_choices_answer_together_and_count_the_prompt_once() {
+        let pod = running_pod(&["--time-scale", "1000"]);
+        let none = HeaderMap::new();
+        let bodies = [
+            (
+                Kind::Completion,
+                json!({"prompt": "Tell me a story", "max_tokens": 8}),
+            ),
+            (
+                Kind::Chat,
+                json!({"messages": [{"role": "user", "content": "Tell me a story"}],
+                       "max_tokens": 8}),
+            ),
+        ];
+        for (kind, body) in bodies {
+            let prompt = prompt_tokens(&pod, kind, &body).await;
+            let admitted = pod.lock().engine.counters.admitted_requests;
+            let mut three = body.clone();
+            three["n"] = json!(3);
+            let (status, text) = read(post(&pod, kind, &none, three).await).await;
+            assert_eq!(status, StatusCode::OK, "{text}");
+            let v: Value = serde_json::from_str(&text).unwrap();
+            let choices = v["choices"].as_array().unwrap();
+            assert_eq!(choices.len(), 3, "{text}");
+            for (i, c) in choices.iter().enumerate() {
+                assert_eq!(c["index"], i);
+                assert_eq!(c["finish_reason"], "length");
+                let text = match kind {
+                    Kind::Completion => &c["text"],
+                    _ => &c["message"]["content"],
+                };
+                assert!(!text.as_str().unwrap().is_empty());
+            }
+            assert_eq!(v["usage"]["prompt_tokens"], prompt);
+            assert_eq!(v["usage"]["completion_tokens"], 24);
+            assert_eq!(v["usage"]["total_tokens"], prompt + 24);
+            assert!(v["usage"]["prompt_tokens_details"]["cached_tokens"].is_u64());
+            assert_eq!(pod.lock().engine.counters.admitted_requests, admitted + 3);
+        }
+        let mut fixed = HeaderMap::new();
+        fixed.insert("x-sim-output-tokens", "5".parse().unwrap());
+        let body = json!({"prompt": "Tell me a story", "max_tokens": 8, "n": 2});
+        let (_, text) = read(post(&pod, Kind::Completion, &fixed, body).await).await;
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["choices"][0]["finish_reason"], "stop");
+        assert_eq!(v["choices"][1]["finish_reason"], "stop");
+        assert_eq!(v["usage"]["completion_tokens"], 10);
+    }
+
+    /// Streamed, every chunk names its choice; each choice ends with its own finish chunk, and
+    /// the one usage chunk (prompt once, tokens summed) and `[DONE]` follow the last. Chat
+    /// sends every choice's role first, as vLLM does.
+    #[tokio::test]
+    async fn n_choices_stream_with_one_usage_chunk() {
+        let pod = running_pod(&["--time-scale", "1000"]);
+        let bodies = [
+            (Kind::Completion, json!({"prompt": "Tell me a story"})),
+            (
+                Kind::Chat,
+                json!({"messages": [{"role": "user", "content": "Tell me a story"}]}),
+            ),
+        ];
+        for (kind, mut body) in bodies {
+            body["max_tokens"] = json!(4);
+            let prompt = prompt_tokens(&pod, kind, &body).await;
+            body["n"] = json!(3);
+            body["stream"] = json!(true);
+            body["stream_options"] = json!({"include_usage": true});
+            let (_, text) = read(post(&pod, kind, &HeaderMap::new(), body).await).await;
+            let chunks = chunks(&text);
+            let (usage, choices) = chunks.split_last().unwrap();
+            assert_eq!(usage["choices"], json!([]), "{text}");
+            assert_eq!(usage["usage"]["prompt_tokens"], prompt);
+            assert_eq!(usage["usage"]["completion_tokens"], 12);
+            assert_eq!(usage["usage"]["total_tokens"], prompt + 12);
+            let mut roles = Vec::new();
+            let mut tokens = [0; 3];
+            let mut ended = [false; 3];
+            for c in choices {
+                let choice = &c["choices"][0];
+                let i = choice["index"].as_u64().unwrap() as usize;
+                assert!(c.get("usage").is_none() && !ended[i], "{text}");
+                if choice["delta"].get("role").is_some() {
+                    roles.push(i);
+                    continue;
+                }
+                tokens[i] += 1;
+                ended[i] = !choice["finish_reason"].is_null();
+                if ended[i] {
+                    assert_eq!(choice["finish_reason"], "length");
+                }
+            }
+            assert_eq!(tokens, [4; 3], "{text}");
+            assert_eq!(ended, [true; 3]);
+            if kind == Kind::Chat {
+                assert_eq!(roles, [0, 1, 2]);
+                assert!(choices[..3]
+                    .iter()
+                    .all(|c| c["choices"][0]["delta"]["role"] == "assistant"));
+            } else {
+                assert!(roles.is_empty());
+            }
+        }
+    }
+
+    /// Without max_tokens each choice draws its own length (seeded); usage sums them, and a
+    /// choice's continuous usage counts its own tokens, as vLLM's does.
+    #[tokio::test]
+    async fn each_choice_draws_its_own_length() {
+        let pod = running_pod(&["--time-scale", "1000", "--output-len-mean", "12"]);
+        let body = json!({
+            "messages": [{"role": "user", "content": "Tell me a story"}],
+            "n": 4,
+            "stream": true,
+            "stream_options": {"include_usage": true, "continuous_usage_stats": true},
+        });
+        let (_, text) = read(post(&pod, Kind::Chat, &HeaderMap::new(), body).await).await;
+        let chunks = chunks(&text);
+        let (usage, choices) = chunks.split_last().unwrap();
+        let mut lengths = [0; 4];
+        for c in choices {
+            let choice = &c["choices"][0];
+            if choice["delta"].get("role").is_some() {
+                continue;
+            }
+            let i = choice["index"].as_u64().unwrap() as usize;
+            lengths[i] += 1;
+            assert_eq!(c["usage"]["completion_tokens"], lengths[i], "{text}");
+            if !choice["finish_reason"].is_null() {
+                assert_eq!(choice["finish_reason"], "stop");
+            }
+        }
+        assert_eq!(
+            usage["usage"]["completion_tokens"],
+            lengths.iter().sum::<u64>()
+        );
+        assert!(lengths.iter().any(|&l| l != lengths[0]), "{lengths:?}");
+    }
+
+    /// Each choice runs as a request of its own, holding its own KV, in vLLM's gauges; a client
+    /// that goes away aborts them all.
+    #[tokio::test]
+    async fn choices_run_as_requests_and_abort_together() {
+        let pod = running_pod(&[]);
+        let body = json!({
+            "messages": [{"role": "user", "content": "Tell me a story"}],
+            "n": 3,
+            "max_tokens": 5000,
+            "stream": true,
+        });
+        let r = post(&pod, Kind::Chat, &HeaderMap::new(), body).await;
+        let mut stream = r.into_body();
+        assert!(stream.frame().await.is_some());
+        for _ in 0..500 {
+            if pod.lock().engine.num_running() == 3 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let (_, metrics) = read(metrics_endpoint(pod.clone()).await).await;
+        let running = metrics
+            .lines()
+            .find(|l| l.starts_with("vllm:num_requests_running{"))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok());
+        assert_eq!(running, Some(3.0), "{metrics}");
+        assert!(pod.lock().engine.kv.pool.num_used() >= 3);
+        drop(stream);
+        let inner = pod.lock();
+        let e = &inner.engine;
+        assert_eq!((e.num_running(), e.num_waiting()), (0, 0));
+        assert_eq!(e.counters.finished_abort, 3);
+        assert_eq!(e.kv.pool.num_used(), 0);
     }
 }
