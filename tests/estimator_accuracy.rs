@@ -163,6 +163,7 @@ fn learn_scale(pairs: impl Iterator<Item = (f64, usize)>) -> f64 {
             parts: 0,
             prompt_tokens: truth as u64,
             completion_tokens: 0,
+            choices: 1,
             length: calibration::Length::Ended,
             pieces: 0,
         };

@@ -142,10 +142,13 @@ fn check_estimates(req: &Request) {
                 cfg.min_reservation_tokens,
                 cfg.max_reservation_tokens
             );
-            assert!(e.output_tokens <= cfg.output_cap_tokens, "{e:?}");
+            // Each of its choices runs at most to the cap.
+            let cap = cfg.output_cap_tokens.saturating_mul(req.choices.max(1));
+            assert_eq!(e.choices, req.choices.max(1), "{e:?}");
+            assert!(e.output_tokens <= cap, "{e:?}");
             assert!(e.output_tokens <= e.max_output_tokens, "{e:?}");
-            assert!(e.max_output_tokens <= cfg.output_cap_tokens, "{e:?}");
-            let outlook = e.output.outlook(0, e.max_output_tokens);
+            assert!(e.max_output_tokens <= cap, "{e:?}");
+            let outlook = e.outlook(0);
             assert!(outlook.windows(2).all(|w| w[0] >= w[1]), "{outlook:?}");
             if req.max_output_tokens == Some(0) {
                 assert_eq!(e.output_tokens, 0, "{e:?}");

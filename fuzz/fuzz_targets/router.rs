@@ -85,15 +85,20 @@ fn route(
     }
 }
 
-/// The prompt tokens a routed request holds at least (the floor `grow` reconciles to).
 /// The request as the pod's forecast would take it with no shared-prefix discount: the most it
-/// can hold on any pod.
+/// can hold on any pod, a copy of its prompt for each of its answers, as on a pod caching no
+/// prefixes (whether a pod caches them the router reads from its copy of the pod's record, which
+/// may be older).
 fn undiscounted(cfg: &Config, est: &Estimate) -> Load {
+    let copies = est.choices;
     Load {
-        held: (est.prompt_tokens as f64 * cfg.estimator.safety_factor).round() as u64,
-        sigma: est.prompt_sigma,
-        left: est.max_output_tokens,
-        outlook: est.output.outlook(0, est.max_output_tokens),
+        held: (est.prompt_tokens as f64 * cfg.estimator.safety_factor * copies as f64).round()
+            as u64,
+        sigma: est.prompt_sigma * copies,
+        left: est.steps_left(0),
+        rate: est.choices,
+        streamed: 0,
+        outlook: est.outlook(0),
     }
 }
 
@@ -353,7 +358,6 @@ impl World {
         let any_eligible = records.iter().any(|(_, r)| eligible(r));
         // A shared prefix only lowers what the request holds, so a pod that is full for it is
         // full for it undiscounted too.
-        let load = undiscounted(&self.cfg, est);
         let down = |r: &record::PodRecord| r.snapshot.is_some_and(|s| !s.healthy);
         let tried = |r: &record::PodRecord| {
             if any_eligible {
@@ -363,6 +367,7 @@ impl World {
             }
         };
         for (pod, rec) in records.iter().filter(|(_, r)| tried(r)) {
+            let load = undiscounted(&self.cfg, est);
             let with = forecast(&self.cfg, &self.routers[v], rec, Some(load));
             let full = budget(&self.cfg, rec.snapshot.as_ref())
                 .is_some_and(|b| !rec.entries.is_empty() && with > b);
@@ -446,6 +451,10 @@ impl World {
                     est.output = OutputDist::prior(256);
                     est.max_output_tokens = 8192;
                 }
+                // Parallel sampling: its choices grow it that many tokens a step.
+                est.choices = 1 + u64::from(cost >> 3) % 4;
+                est.output_tokens *= est.choices;
+                est.max_output_tokens *= est.choices;
                 let hashes = chain_hashes(path, len);
                 let reach = match (cost >> 1) % 3 {
                     0 => Reach::Any,
@@ -496,8 +505,9 @@ impl World {
                 );
                 assert_eq!(
                     u64::from(entry.left),
-                    est.max_output_tokens.min(u64::from(u32::MAX))
+                    est.steps_left(0).min(u64::from(u32::MAX))
                 );
+                assert_eq!(u64::from(entry.choices), est.choices);
                 assert_eq!(entry.outlook, most.outlook, "{entry:?}");
                 // The promise: admitted only within the budget, unless it runs alone.
                 if let Some(b) = budget(&self.cfg, rec.snapshot.as_ref()) {
@@ -542,9 +552,12 @@ impl World {
                         .unwrap_or_else(|| panic!("grow wrote but no entry: {routed:?}"));
                     let bt = u64::from(routed.block_tokens);
                     assert_eq!(u64::from(e.output_blocks), out.div_ceil(bt), "{e:?}");
-                    let left = est.max_output_tokens.saturating_sub(out);
+                    // Its choices each make a token a step, from where each stands on average.
+                    let n = est.choices;
+                    let left = est.max_output_tokens.saturating_sub(out).div_ceil(n);
                     assert_eq!(u64::from(e.left), left.min(u64::from(u32::MAX)), "{e:?}");
-                    assert_eq!(e.outlook, est.output.outlook(out, est.max_output_tokens));
+                    let each = est.output.outlook(out / n, est.max_output_tokens / n);
+                    assert_eq!(e.outlook, each, "{e:?}");
                 }
                 // What the pod holds rises by what this request streamed since its last write,
                 // once: never by its whole output again.

@@ -125,6 +125,8 @@ mod tests {
             held,
             sigma: 0,
             left: 1,
+            rate: 1,
+            streamed: 0,
             outlook: RUNNING,
         };
         let holding = |held| PodRecord {
@@ -159,6 +161,8 @@ mod tests {
             held,
             sigma: 0,
             left: 8192,
+            rate: 1,
+            streamed: 0,
             outlook,
         };
         let mut rec = PodRecord {

@@ -141,7 +141,10 @@ pub fn share_lost(
 /// What kvgate's entries may hold on the pod, as the forecast counts it (`forecast::slack`).
 pub fn explained(rec: &PodRecord, block_size: u32) -> u64 {
     let block = u64::from(block_size.max(1));
-    rec.held_tokens() + crate::admission::forecast::slack(block) * rec.entries.len() as u64
+    let slack = |e: &crate::pods::record::RequestEntry| {
+        crate::admission::forecast::slack(block, u64::from(e.choices))
+    };
+    rec.held_tokens() + rec.entries.iter().map(slack).sum::<u64>()
 }
 
 /// Fills `next`'s `backoff`, `unexplained_tokens` and `relief` from the previous snapshot and

@@ -15,10 +15,14 @@
 //! Var(s) = Σ_{left_i ≥ s} (held_i + s + slack)² · p_i (1 − p_i) + σ_i² · p_i
 //! ```
 //!
-//! (`slack`: what a request may hold beyond its entry, two blocks, see [`slack`]; `σ_i`: how far
-//! `held_i` may be off, since its prompt was estimated by rule — the spread calibration measured,
-//! so prompts are held at their expected size and their uncertainty is paid once per pod, not as
-//! a margin on every request). The forecast is the highest
+//! A request of several answers (`n`, parallel sampling) runs a sequence for each on its prompt,
+//! which each extends by a token a step and which it holds while any of them runs; its answers
+//! end independently, each with one answer's chance (`Sums` has the terms).
+//!
+//! (`slack`: what a request may hold beyond its entry, a block per answer and one more, see
+//! [`slack`]; `σ_i`: how far `held_i` may be off, since its prompt was estimated by rule — the
+//! spread calibration measured, so prompts are held at their expected size and their uncertainty
+//! is paid once per pod, not as a margin on every request). The forecast is the highest
 //! `E + z·σ` (never more than all of them still running would hold) at the grid's steps and just
 //! before each request's limit, and a request is admitted when it stays within the budget. A
 //! request with `max_tokens` is thus counted exactly up to its limit. The sum of
@@ -36,16 +40,21 @@ pub struct Load {
     pub sigma: u64,
     /// Decode steps until its own limit (`max_tokens`, or the output cap) stops it.
     pub left: u64,
+    /// Tokens it makes a decode step: its choices (`n`).
+    pub rate: u64,
+    /// What of `held` its answers have made so far, over all of them (the rest is its prompt).
+    pub streamed: u64,
     pub outlook: Outlook,
 }
 
-/// The most a request may hold beyond its entry's `held`, in tokens, with blocks of `block`
-/// tokens: its last block is partly filled (the engine allocates whole blocks), and an entry is
+/// The most a request of `sequences` answers may hold beyond its entry's `held`, in tokens, with
+/// blocks of `block` tokens: each answer's last block is partly filled (the engine allocates whole
+/// blocks, and a prompt's last, partial block is copied to each answer), and an entry is
 /// written only when its output crosses a block boundary, so the stream may be up to a block
 /// further along than the entry says. Left out, the second made the forecast of a full pod creep
 /// past its budget as the entries caught up (by up to a block per request in flight).
-pub fn slack(block: u64) -> u64 {
-    block.saturating_mul(2)
+pub fn slack(block: u64, sequences: u64) -> u64 {
+    block.saturating_mul(sequences.max(1).saturating_add(1))
 }
 
 /// The highest `E + z·σ` over the horizon, in tokens, with blocks of `block` tokens.
@@ -65,8 +74,7 @@ pub fn peak(loads: impl Iterator<Item = Load>, z: f64, block: u64) -> u64 {
     // mean does not. With 5 % of the pod kept free besides, the mean sufficed; with the whole KV
     // as the budget, pods of 4k tokens running six requests each preempted 1–3 times at
     // `--concurrency` 2 and 4 with every answer's length known (`tests/e2e/test_budget.py`).
-    let slack = slack(block) as f64;
-    let mut loads: Vec<Term> = loads.map(|l| Term::of(&l, slack)).collect();
+    let mut loads: Vec<Term> = loads.map(|l| Term::of(&l, block)).collect();
     loads.sort_unstable_by_key(|l| l.left);
     let mut worst: f64 = 0.0;
     for (j, &start) in HORIZON_STEPS.iter().enumerate() {
@@ -105,24 +113,33 @@ pub fn peak(loads: impl Iterator<Item = Load>, z: f64, block: u64) -> u64 {
 }
 
 /// A request as the sweep adds it: what does not change between intervals worked out once (the
-/// sweep adds each request to the sums of every interval it may run in).
+/// sweep adds each request to the sums of every interval it may run in). It is a prompt, held
+/// while any of its answers runs, and `r` answers of `k` tokens each, each growing a token a step
+/// and running on, independently of the others, with the chance its outlook gives.
 struct Term {
     left: u64,
-    /// `held +` its slack, and its square.
-    h: f64,
-    h2: f64,
+    /// The prompt part of `held`, and the entry's lag behind its stream (a block of slack).
+    hp: f64,
+    /// Each answer's part: what it has made, and its partly filled last block (its slack).
+    k: f64,
+    /// Answers, each making a token a step.
+    r: f64,
     /// The spread of `held`, squared.
     sigma2: f64,
     outlook: Outlook,
 }
 
 impl Term {
-    fn of(l: &Load, slack: f64) -> Term {
-        let h = l.held as f64 + slack;
+    fn of(l: &Load, block: u64) -> Term {
+        let r = l.rate.max(1);
+        let streamed = l.streamed.min(l.held);
+        let k = (streamed as f64 / r as f64) + block as f64;
+        let hp = (l.held + slack(block, r)) as f64 - r as f64 * k;
         Term {
             left: l.left,
-            h,
-            h2: h * h,
+            hp,
+            k,
+            r: r as f64,
             sigma2: (l.sigma as f64).powi(2),
             outlook: l.outlook,
         }
@@ -130,11 +147,18 @@ impl Term {
 }
 
 /// The sums `peak` sweeps, over the requests that may still run in one interval.
+///
+/// At `s` steps ahead a request holds `hp·B + Σ_j (k + s)·A_j`, its answers running (`A_j`) each
+/// with chance `p`, its prompt (`B`) while any does, with chance `P = 1 − (1 − p)^r`. So it adds
+/// `hp·P + r·p·(k + s)` to the mean and, with `q = p(1 − p)` and `Cov(B, A_j) = p(1 − P)`,
+/// `hp²·P(1 − P) + r·q·(k + s)² + 2·hp·r·p(1 − P)·(k + s)` to the variance: polynomials in `s`.
+/// With one answer (`P = p`) this is `(hp + k + s)` held with chance `p`, as a request always was.
 #[derive(Default)]
 struct Sums {
-    /// Σ h·p, Σ p, Σ h²·q, Σ h·q, Σ q, Σ h, the count, Σ σ²·p and Σ σ², with `h = held +` its
-    /// slack, `p` the chance of running, `q = p(1 − p)` and `σ` the spread of `held`; only
-    /// requests with `p > 0`.
+    /// The mean's constant and `s` coefficient; the variance's constant, half its `s`
+    /// coefficient and its `s²` coefficient; everything held now and made a step by all the
+    /// requests; their spreads `σ²` by the prompts' chances, and in all. Only requests with
+    /// `p > 0`.
     a: f64,
     c: f64,
     q2: f64,
@@ -152,18 +176,20 @@ impl Sums {
         if p <= 0.0 {
             return;
         }
-        let (h, sigma2) = (t.h, t.sigma2);
+        let (hp, k, r) = (t.hp, t.k, t.r);
+        // The prompt's chance: one answer's, or any of several's.
+        let big_p = if r > 1.0 { 1.0 - (1.0 - p).powf(r) } else { p };
         let q = p * (1.0 - p);
-        self.a += sign * h * p;
-        self.c += sign * p;
-        // `sign` is ±1, so this is `sign · h · h · q` to the last bit.
-        self.q2 += sign * t.h2 * q;
-        self.q1 += sign * h * q;
-        self.q0 += sign * q;
-        self.h += sign * h;
-        self.n += sign;
-        self.v += sign * sigma2 * p;
-        self.w += sign * sigma2;
+        let cov = r * p * (1.0 - big_p);
+        self.a += sign * (hp * big_p + r * k * p);
+        self.c += sign * r * p;
+        self.q2 += sign * (hp * hp * big_p * (1.0 - big_p) + r * k * k * q + 2.0 * hp * k * cov);
+        self.q1 += sign * (r * k * q + hp * cov);
+        self.q0 += sign * r * q;
+        self.h += sign * (hp + r * k);
+        self.n += sign * r;
+        self.v += sign * t.sigma2 * big_p;
+        self.w += sign * t.sigma2;
     }
 
     /// `E + z·σ` at `s` steps ahead, never more than all the requests still able to run would
@@ -192,6 +218,8 @@ mod tests {
             held,
             sigma: 0,
             left: max.saturating_sub(streamed),
+            rate: 1,
+            streamed,
             outlook: OutputDist::prior(256).outlook(streamed, max),
         }
     }
@@ -218,12 +246,94 @@ mod tests {
             held,
             sigma: 0,
             left: 1000,
+            rate: 1,
+            streamed: 0,
             outlook: OutputDist::never_stops().outlook(0, 1000),
         };
         assert_eq!(
             peak([running(300), running(300)].into_iter(), 2.0, 16),
             2 * (300 + 1000 + 32)
         );
+    }
+
+    #[test]
+    fn a_request_of_several_choices_grows_by_each_a_step() {
+        // Four answers to 100 tokens each on one prompt beside one answer of 100: at step 100
+        // the pod holds both prompts, 400 tokens of the first and 100 of the second. Counted
+        // a token a step, the first reached its 400 at step 400, long after the second had
+        // gone, and the forecast fell 100 short of the peak.
+        let running = |held, rate| Load {
+            held,
+            sigma: 0,
+            left: 100,
+            rate,
+            streamed: 0,
+            outlook: OutputDist::never_stops().outlook(0, 100),
+        };
+        // Each answer's last block may be partly filled: five blocks for the four, two for one.
+        assert_eq!(
+            peak([running(300, 4), running(300, 1)].into_iter(), 2.0, 16),
+            (300 + 400 + 80) + (300 + 100 + 32)
+        );
+        // Unknown lengths: four answers are expected four times as far as one, and, ending
+        // independently, spread twice as far: between two and four times one's growth.
+        let unknown = |rate| Load {
+            held: 300,
+            sigma: 0,
+            left: 8_192,
+            rate,
+            streamed: 0,
+            outlook: OutputDist::prior(256).outlook(0, 8_192),
+        };
+        let one = peak(std::iter::once(unknown(1)), 2.0, 16) - 332;
+        let four = peak(std::iter::once(unknown(4)), 2.0, 16) - 380;
+        assert!(2 * one < four && four < 4 * one, "{one} {four}");
+    }
+
+    /// The sums' terms for one request of several answers, against its every outcome: its
+    /// answers each running or not, its prompt held while any is.
+    #[test]
+    fn several_answers_end_independently_and_hold_their_prompt_while_any_runs() {
+        let (r, p) = (4u32, 0.4f64);
+        let chance = (p * 255.0).round() as u8;
+        let t = Term::of(
+            &Load {
+                held: 500,
+                sigma: 0,
+                left: 1_000,
+                rate: u64::from(r),
+                streamed: 200,
+                outlook: [chance; HORIZON_STEPS.len()],
+            },
+            16,
+        );
+        let p = f64::from(chance) / 255.0;
+        let s = 30.0;
+        let (mut mean, mut square) = (0.0, 0.0);
+        for outcome in 0..1u32 << r {
+            let running = outcome.count_ones();
+            let likely = p.powi(running as i32) * (1.0 - p).powi((r - running) as i32);
+            let held = if running > 0 { t.hp } else { 0.0 } + f64::from(running) * (t.k + s);
+            mean += likely * held;
+            square += likely * held * held;
+        }
+        let mut sums = Sums::default();
+        sums.add(&t, 0, 1.0);
+        let at = |sums: &Sums, z| sums.at(s as u64, z);
+        assert!(
+            (at(&sums, 0.0) - mean).abs() < 1e-6,
+            "{} {mean}",
+            at(&sums, 0.0)
+        );
+        let sd = (square - mean * mean).sqrt();
+        assert!(
+            (at(&sums, 1.0) - (mean + sd)).abs() < 1e-6,
+            "{} {}",
+            at(&sums, 1.0),
+            mean + sd
+        );
+        // Its parts: the prompt and the entry's lag, and each answer's 50 tokens and its block.
+        assert_eq!((t.hp, t.k), (500.0 + 5.0 * 16.0 - 4.0 * 66.0, 66.0));
     }
 
     #[test]
@@ -235,6 +345,8 @@ mod tests {
             held,
             sigma: 0,
             left: 300 - streamed,
+            rate: 1,
+            streamed: 0,
             outlook: bounded.outlook(streamed, 300),
         };
         assert!(HORIZON_STEPS.contains(&91));
@@ -279,6 +391,8 @@ mod tests {
             held: 1000,
             sigma,
             left: 10,
+            rate: 1,
+            streamed: 0,
             outlook: OutputDist::never_stops().outlook(0, 10),
         };
         // (Blocks of no size: no slack to blur the sum.)
@@ -305,11 +419,19 @@ mod tests {
                 for l in loads {
                     let p = f64::from(l.outlook[j]) / 255.0;
                     if p > 0.0 && l.left >= s {
-                        let size = (l.held + s + slack(block)) as f64;
+                        // Its prompt, held while any answer runs, and its answers.
+                        let r = l.rate.max(1) as f64;
+                        let answer = l.streamed.min(l.held) as f64 / r + block as f64;
+                        let prompt = (l.held + slack(block, l.rate)) as f64 - r * answer;
+                        let size = answer + s as f64;
+                        let any = 1.0 - (1.0 - p).powf(r);
                         let sigma2 = (l.sigma as f64).powi(2);
-                        mean += size * p;
-                        var += size * size * p * (1.0 - p) + sigma2 * p;
-                        all += (l.held + s + slack(block)) as f64;
+                        mean += prompt * any + r * size * p;
+                        var += prompt * prompt * any * (1.0 - any)
+                            + r * size * size * p * (1.0 - p)
+                            + 2.0 * prompt * r * size * p * (1.0 - any)
+                            + sigma2 * any;
+                        all += prompt + r * size;
                         spread += (l.sigma as f64).powi(2);
                     }
                 }
@@ -351,6 +473,8 @@ mod tests {
                         held: next(3000),
                         sigma: next(4) * next(100),
                         left: max - streamed.min(max),
+                        rate: 1 + next(3) * next(4),
+                        streamed: next(3) * streamed,
                         outlook: OutputDist::prior(1 + next(500)).outlook(streamed, max),
                     }
                 })
@@ -372,6 +496,8 @@ mod tests {
             held: 500,
             sigma: 0,
             left: 0,
+            rate: 1,
+            streamed: 0,
             outlook: [255; HORIZON_STEPS.len()],
         };
         assert_eq!(
@@ -410,6 +536,8 @@ mod tests {
                             held: prompts[i] + written,
                             sigma: 0,
                             left: 300 - written,
+                            rate: 1,
+                            streamed: 0,
                             outlook: bounded.outlook(written, 300),
                         })
                     })

@@ -141,7 +141,8 @@ impl ModelStats {
             } else {
                 &mut self.output
             };
-            if let Some(x) = into.get_mut(bucket(sample.completion_tokens)) {
+            let one = sample.completion_tokens / sample.choices.max(1);
+            if let Some(x) = into.get_mut(bucket(one)) {
                 *x += 1.0;
             }
         }
@@ -187,7 +188,12 @@ pub struct Sample {
     /// Its non-text content parts (images, audio).
     pub parts: u64,
     pub prompt_tokens: u64,
+    /// Over all its choices.
     pub completion_tokens: u64,
+    /// Its answers (`n`): one answer's length is taken as their mean (the usage counts them
+    /// together; learned as one answer's, a request for eight taught the model's every request
+    /// eight times its length).
+    pub choices: u64,
     pub length: Length,
     /// Pieces of text its stream carried (`ResponseMeter::pieces`); 0 for an answer that did
     /// not stream.
@@ -437,6 +443,7 @@ mod tests {
             parts: 0,
             prompt_tokens: real,
             completion_tokens: out,
+            choices: 1,
             length: Length::Ended,
             pieces: 0,
         }
@@ -473,6 +480,26 @@ mod tests {
         assert!((0.08..=0.14).contains(&tail), "P(> 500) = {tail}");
         assert!(learned.output.survival(150.0) < 0.2);
         assert_eq!(cal.learned(&b, "other", None, &cfg), None);
+    }
+
+    /// A request for eight answers reports their tokens together: the model learns one
+    /// answer's length from it, not eight answers' as one.
+    #[test]
+    fn a_request_of_several_choices_teaches_one_answers_length() {
+        let vm = FakeHost::new().vm();
+        let cfg = learning_after(5);
+        let eight = Sample {
+            choices: 8,
+            ..sample(100.0, 100, 800)
+        };
+        for _ in 0..200 {
+            Calibration::record(&vm, "m", &[eight], &cfg).unwrap();
+        }
+        let learned = Calibration::default()
+            .learned(&vm, "m", None, &cfg)
+            .unwrap();
+        let mean = learned.output.expected(0, 100_000);
+        assert!((90..=130).contains(&mean), "mean {mean}");
     }
 
     /// Streamed answers teach how many tokens a piece of text carries; answers that did not

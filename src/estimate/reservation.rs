@@ -1,11 +1,12 @@
 //! The reservation formula: a request's expected size, from its prompt (the static rule in
 //! `text`, scaled by what `calibration` learned for the model) and its expected output (the
-//! model's output-length distribution, `output_dist`, up to the request's own limit). Its `cost`
+//! model's output-length distribution, `output_dist`, up to the request's own limit, for each of
+//! its `n` answers). Its `cost`
 //! is what the line's fair queuing charges a tenant; the pod's forecast (`admission::forecast`)
 //! uses the outlook the distribution gives instead.
 
 use crate::config::EstimatorConfig;
-use crate::estimate::output_dist::OutputDist;
+use crate::estimate::output_dist::{Outlook, OutputDist};
 use crate::estimate::text::static_prompt_tokens;
 use crate::openai::request::Request;
 
@@ -38,10 +39,15 @@ pub struct Estimate {
     /// not shrink, so each prompt carries it; once the scale has removed the bias, what is left
     /// differs from request to request and the forecast pools it (`prompt_sigma`).
     pub prompt_margin: f64,
-    /// Expected output: the model's mean answer length, up to the request's own limit.
+    /// Expected output: the model's mean answer length, up to the request's own limit, over all
+    /// its choices.
     pub output_tokens: u64,
-    /// The hard limit: the request's max-tokens field, or `estimator.outputCapTokens`.
+    /// The hard limit: the request's max-tokens field, or `estimator.outputCapTokens`, over all
+    /// its choices.
     pub max_output_tokens: u64,
+    /// Its answers (`n`): each a sequence of its own on the shared prompt, so its output grows
+    /// this many tokens a decode step, and `output` is one answer's length.
+    pub choices: u64,
     /// The request set its own limit (a max-tokens field).
     pub bounded: bool,
     /// The answer streams, so its first token is seen when it comes (`routing::router`: until
@@ -72,6 +78,7 @@ impl Estimate {
             prompt_margin: 1.0,
             output_tokens,
             max_output_tokens: output_tokens,
+            choices: 1,
             bounded: true,
             streams: false,
             output: OutputDist::never_stops(),
@@ -79,6 +86,24 @@ impl Estimate {
             only_on: None,
             within: crate::admission::line::ANYWHERE,
         }
+    }
+}
+
+impl Estimate {
+    /// Its outlook (`output_dist`) once it has streamed `output_tokens` over its choices: each
+    /// answer's, from where an answer stands on average.
+    pub fn outlook(&self, output_tokens: u64) -> Outlook {
+        let n = self.choices.max(1);
+        self.output
+            .outlook(output_tokens / n, self.max_output_tokens / n)
+    }
+
+    /// Decode steps until its limit stops it, having streamed `output_tokens`: its choices make
+    /// that many tokens a step.
+    pub fn steps_left(&self, output_tokens: u64) -> u64 {
+        self.max_output_tokens
+            .saturating_sub(output_tokens)
+            .div_ceil(self.choices.max(1))
     }
 }
 
@@ -104,19 +129,27 @@ pub fn estimate_from(
     let by_rule = text_tokens.saturating_add(req.non_text_parts.saturating_mul(part_tokens));
     let prompt_tokens = by_rule.saturating_add(req.token_ids);
     let prompt_sigma = (by_rule as f64 * spread * cfg.safety_factor).round() as u64;
-    let max_output_tokens = req
-        .max_output_tokens
-        .map_or(cfg.output_cap_tokens, |m| m.min(cfg.output_cap_tokens));
+    // One answer's limit: the field's value (the request's total over its choices, split), the
+    // output cap without one.
+    let choices = req.choices.max(1);
+    let per_choice = req.max_output_tokens.map_or(cfg.output_cap_tokens, |m| {
+        (m / choices).min(cfg.output_cap_tokens)
+    });
     let output = learned
         .map_or_else(
             || OutputDist::prior(cfg.default_output_tokens),
             |l| l.output,
         )
-        .of_request(req.max_output_tokens.is_some(), req.min_output_tokens);
+        .of_request(
+            req.max_output_tokens.is_some(),
+            req.min_output_tokens / choices,
+        );
     let output_tokens = output
-        .expected(0, max_output_tokens)
+        .expected(0, per_choice)
         .max(cfg.output_floor_tokens)
-        .min(max_output_tokens);
+        .min(per_choice)
+        .saturating_mul(choices);
+    let max_output_tokens = per_choice.saturating_mul(choices);
     let raw = prompt_tokens as f64 * cfg.safety_factor + output_tokens as f64;
     let cost = (raw.ceil() as u64).clamp(cfg.min_reservation_tokens, cfg.max_reservation_tokens);
     Estimate {
@@ -129,6 +162,7 @@ pub fn estimate_from(
         },
         output_tokens,
         max_output_tokens,
+        choices,
         bounded: req.max_output_tokens.is_some(),
         streams: req.stream,
         output,
@@ -164,6 +198,43 @@ mod tests {
             output: OutputDist::learned(&ended, &[0.0; crate::estimate::output_dist::BUCKETS], 256),
             tokens_per_piece: 1.0,
         }
+    }
+
+    /// `n` answers on one prompt: each its own limit and length, so `n` times one answer's
+    /// expected output within `n` times its limit, its outlook one answer's, and its steps to
+    /// the limit one answer's too.
+    #[test]
+    fn several_choices_are_each_an_answer() {
+        let cfg = EstimatorConfig::default();
+        let learned = Some(learned_all(100, 1_000.0));
+        let n = |max: Option<u64>, choices: u64| Request {
+            choices,
+            max_output_tokens: max.map(|m| m * choices),
+            ..req("x", None)
+        };
+        let (one, four) = (
+            estimate(&n(None, 1), learned, &cfg),
+            estimate(&n(None, 4), learned, &cfg),
+        );
+        assert_eq!(four.choices, 4);
+        assert_eq!(four.output_tokens, 4 * one.output_tokens);
+        assert_eq!(four.max_output_tokens, 4 * cfg.output_cap_tokens);
+        assert_eq!(four.outlook(0), one.outlook(0));
+        assert_eq!(
+            four.outlook(400),
+            one.outlook(100),
+            "as far as each has run"
+        );
+        assert_eq!(four.steps_left(0), cfg.output_cap_tokens);
+        let bounded = estimate(&n(Some(50), 4), learned, &cfg);
+        assert_eq!(
+            (bounded.max_output_tokens, bounded.steps_left(0)),
+            (200, 50)
+        );
+        assert_eq!(bounded.steps_left(199), 1);
+        // A client's limit past the output cap is each answer's, capped each.
+        let long = estimate(&n(Some(cfg.output_cap_tokens * 2), 3), learned, &cfg);
+        assert_eq!(long.max_output_tokens, 3 * cfg.output_cap_tokens);
     }
 
     #[test]

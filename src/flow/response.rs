@@ -121,8 +121,10 @@ impl Flow {
         }
         let made = a.made(m.pieces);
         let (model, family) = (&a.model, a.family.as_deref());
+        // The cohort follows answers: one of its choices has run about their mean.
+        let answer = made / a.estimate.choices.max(1);
         let moved = match &mut a.started {
-            Some(at) => gate.calibration.streamed(model, family, at, made, None),
+            Some(at) => gate.calibration.streamed(model, family, at, answer, None),
             // An answer the engine holds on past where the model may stop teaches no length
             // (`Length::Untold`).
             None if a.estimate.output.held_on() => false,
@@ -241,8 +243,9 @@ impl Flow {
         let tokens = usage.map_or(a.made(meter.pieces), |u| u.completion_tokens);
         if let Some(at) = &mut a.started {
             let ended = length == Some(Length::Ended);
+            let answer = tokens / a.estimate.choices.max(1);
             gate.calibration
-                .streamed(&a.model, a.family.as_deref(), at, tokens, Some(ended));
+                .streamed(&a.model, a.family.as_deref(), at, answer, Some(ended));
         }
         if let (Some(id), Some(pod)) = (&meter.response_id, &a.answered_by) {
             // Its conversation so far as the engine counted it; a response answered in the
@@ -299,6 +302,7 @@ impl Flow {
             parts: a.parts,
             prompt_tokens: usage.prompt_tokens,
             completion_tokens: usage.completion_tokens,
+            choices: a.estimate.choices,
             length,
             pieces: meter.pieces,
         };
@@ -1000,6 +1004,7 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
                 parts: 0,
                 prompt_tokens: 1,
                 completion_tokens: tokens,
+                choices: 1,
                 length: Length::Ended,
                 pieces: 0,
             };
@@ -1045,6 +1050,7 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
             parts: 0,
             prompt_tokens: 1,
             completion_tokens: 200,
+            choices: 1,
             length: Length::Ended,
             pieces: 50,
         };

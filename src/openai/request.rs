@@ -51,7 +51,12 @@ pub struct Request {
     pub token_ids: u64,
     /// Non-text content parts (images, audio, files), charged a configured cost each.
     pub non_text_parts: u64,
-    /// The request's own output limit, from whichever max-tokens field it used.
+    /// The answers it asks for (`n`, parallel sampling), at least 1: the engine runs each as
+    /// its own sequence on one shared prompt (vLLM V1's `ParentRequest`), so its output grows
+    /// this many tokens a step.
+    pub choices: u64,
+    /// The request's own output limit, from whichever max-tokens field it used, over all its
+    /// choices (each may run to the field's value).
     pub max_output_tokens: Option<u64>,
     /// What its answer runs at least, whatever the model would say: vLLM's and SGLang's
     /// `min_tokens`, or its whole limit (`u64::MAX`: the limit, whatever it is) under
@@ -275,6 +280,7 @@ impl Request {
             out.stored = b.store.as_ref().is_none_or(is_true);
         }
         let choices = b.n.unwrap_or(1).max(1);
+        out.choices = choices;
         out.max_output_tokens = max.map(|m| m.saturating_mul(choices));
         out.min_output_tokens = if b.ignore_eos.as_ref().is_some_and(is_true) {
             u64::MAX
@@ -522,8 +528,10 @@ mod tests {
         assert_eq!(p(r#"{"model":"m","prompt":[1,2,3]}"#).token_ids, 3);
         assert_eq!(p(r#"{"model":"m","prompt":[[1,2],[3]]}"#).token_ids, 3);
         let r = p(r#"{"model":"m","prompt":"x","max_tokens":7,"n":3}"#);
-        assert_eq!(r.max_output_tokens, Some(21));
-        assert_eq!(p(r#"{"model":"m","prompt":"x"}"#).max_output_tokens, None);
+        assert_eq!((r.max_output_tokens, r.choices), (Some(21), 3));
+        let one = p(r#"{"model":"m","prompt":"x"}"#);
+        assert_eq!((one.max_output_tokens, one.choices), (None, 1));
+        assert_eq!(p(r#"{"model":"m","prompt":"x","n":0}"#).choices, 1);
     }
 
     #[test]

@@ -15,13 +15,15 @@ use crate::pods::pace::Pace;
 use crate::store::codec::{Packer, Reader, Writer};
 use crate::store::interface::{create_if_missing, update_from, Store, StoreError, Versioned};
 
-const VERSION: u8 = 9;
+const VERSION: u8 = 10;
 /// An entry's size in this version's records.
-const ENTRY_BYTES: usize = 77 + HORIZON_STEPS.len();
+const ENTRY_BYTES: usize = 79 + HORIZON_STEPS.len();
 /// A snapshot's size in this version's records.
 const SNAPSHOT_BYTES: usize = 186;
 /// The record's [`Tally`]'s size, between its snapshot and its entries.
 const TALLY_BYTES: usize = 24;
+/// Records written before entries carried their choices (`n`): read as one answer each.
+const VERSION_WITHOUT_CHOICES: u8 = 9;
 /// Records written before they carried what the engine's prefix-cache counters say of the index
 /// (`index_check`): read with no tally, no baseline and the index's whole share.
 const VERSION_WITHOUT_INDEX_CHECK: u8 = 8;
@@ -55,6 +57,7 @@ struct Layout {
     spread: bool,
     pending: bool,
     leaning: bool,
+    choices: bool,
 }
 
 impl Layout {
@@ -65,6 +68,7 @@ impl Layout {
             spread: version >= VERSION_WITHOUT_PENDING,
             pending: version >= VERSION_WITHOUT_PACE,
             leaning: version > VERSION_WITHOUT_LEANING,
+            choices: version > VERSION_WITHOUT_CHOICES,
         }
     }
 
@@ -79,6 +83,7 @@ impl Layout {
             + 5 * usize::from(self.spread)
             + 4 * usize::from(self.pending)
             + 20 * usize::from(self.leaning)
+            + 2 * usize::from(self.choices)
     }
 }
 
@@ -204,6 +209,8 @@ pub struct RequestEntry {
     pub leans_on: u64,
     pub shared_blocks: u32,
     pub shared_tokens: u64,
+    /// Its answers (`n`): the tokens it makes a decode step (`forecast`); 0 reads as 1.
+    pub choices: u16,
 }
 
 impl RequestEntry {
@@ -224,7 +231,8 @@ impl RequestEntry {
             .u32(self.pending_blocks)
             .u64(self.leans_on)
             .u32(self.shared_blocks)
-            .u64(self.shared_tokens);
+            .u64(self.shared_tokens)
+            .u16(self.choices);
         *p.packed()
     }
 
@@ -259,6 +267,9 @@ impl RequestEntry {
             e.leans_on = r.u64()?;
             e.shared_blocks = r.u32()?;
             e.shared_tokens = r.u64()?;
+        }
+        if layout.choices {
+            e.choices = r.u16()?;
         }
         Some(e)
     }
@@ -339,11 +350,15 @@ impl PodRecord {
     }
 
     /// Blocks the pod's in-flight sequences read at every decode step: each its whole context,
-    /// so a prefix shared by ten requests counts ten times here and once in `active_blocks`.
+    /// so a prefix shared by ten requests (or one request's ten choices) counts ten times here
+    /// and once in `active_blocks`.
     pub fn read_blocks(&self) -> u64 {
         self.entries
             .iter()
-            .map(|e| u64::from(e.context_blocks) + u64::from(e.output_blocks))
+            .map(|e| {
+                let sequences = u64::from(e.choices.max(1));
+                sequences * u64::from(e.context_blocks) + u64::from(e.output_blocks)
+            })
             .sum()
     }
 
@@ -387,6 +402,9 @@ impl PodRecord {
                 held: e.held_tokens,
                 sigma: u64::from(e.held_sigma),
                 left: u64::from(e.left),
+                rate: u64::from(e.choices.max(1)),
+                // Streamed to its last block boundary (what `grow` writes at).
+                streamed: u64::from(e.output_blocks) * block_tokens,
                 outlook: e.outlook,
             })
             .chain(extra);
@@ -897,9 +915,30 @@ mod tests {
     /// the interval's start, the cut, the restarts and the last scrape's counters.
     const CHECK_BYTES: usize = 68;
 
+    /// A record of this version as a module before entries carried their choices wrote it:
+    /// each entry less its last 2 bytes.
+    fn without_choices(bytes: &[u8]) -> Vec<u8> {
+        let mut b = bytes.to_vec();
+        b[0] = VERSION_WITHOUT_CHOICES;
+        let snapshot = if b[1] != 0 { SNAPSHOT_BYTES } else { 0 };
+        let head = 2 + snapshot + 8 + TALLY_BYTES;
+        let entries = (b.len() - head) / ENTRY_BYTES;
+        for i in (0..entries).rev() {
+            let end = head + (i + 1) * ENTRY_BYTES;
+            b.drain(end - 2..end);
+        }
+        b
+    }
+
+    /// The entries as a record before choices holds them: one answer each.
+    fn one_answer_each(entries: &[RequestEntry]) -> Vec<RequestEntry> {
+        let each = |e: &RequestEntry| RequestEntry { choices: 0, ..*e };
+        entries.iter().map(each).collect()
+    }
+
     /// A record of this version as a module before `index_check` wrote it.
     fn without_index_check(bytes: &[u8]) -> Vec<u8> {
-        let mut b = bytes.to_vec();
+        let mut b = without_choices(bytes);
         b[0] = VERSION_WITHOUT_INDEX_CHECK;
         let snapshot = if b[1] != 0 { SNAPSHOT_BYTES } else { 0 };
         let tally_at = 2 + snapshot + 4;
@@ -964,12 +1003,16 @@ mod tests {
                     leans_on: 1,
                     shared_blocks: 3,
                     shared_tokens: 33,
+                    choices: 4,
                     ..entry(2, 5)
                 },
             ],
         };
         let back = PodRecord::decode(&rec.encode()).unwrap();
         assert_eq!(back.entries, rec.entries);
+        // As a module before entries carried their choices wrote it: one answer each.
+        let nine = PodRecord::decode(&without_choices(&rec.encode())).unwrap();
+        assert_eq!(nine.entries, one_answer_each(&rec.entries));
         let pace = |r: &PodRecord| r.snapshot.map(|s| (s.itl_totals, s.itl_s, s.itl_at_ms));
         assert_eq!(pace(&back), pace(&rec));
         let check = |r: &PodRecord| {
@@ -998,7 +1041,7 @@ mod tests {
         // As a module before the index check wrote it: read with none of it.
         let eight = without_index_check(&rec.encode());
         let read = PodRecord::decode(&eight).unwrap();
-        assert_eq!(read.entries, rec.entries);
+        assert_eq!(read.entries, one_answer_each(&rec.entries));
         assert_eq!(pace(&read), pace(&rec));
         assert_eq!(
             check(&read),
@@ -1012,7 +1055,7 @@ mod tests {
         bytes[0] = VERSION_WITHOUT_LEANING;
         let entry_len = (bytes.len() - head) / 2;
         // Every field packed, none past the packer's end.
-        assert_eq!(entry_len, ENTRY_BYTES);
+        assert_eq!(entry_len, ENTRY_BYTES - 2);
         for i in (0..2).rev() {
             let end = head + (i + 1) * entry_len;
             bytes.drain(end - 20..end);
@@ -1025,6 +1068,7 @@ mod tests {
                     leans_on: 0,
                     shared_blocks: 0,
                     shared_tokens: 0,
+                    choices: 0,
                     ..*e
                 })
                 .collect(),
@@ -1369,7 +1413,7 @@ mod tests {
         let mut bytes = without_index_check(&after.encode());
         bytes[0] = VERSION_WITHOUT_LEANING;
         for i in (0..3).rev() {
-            let end = 2 + SNAPSHOT_BYTES - CHECK_BYTES + 8 + (i + 1) * ENTRY_BYTES;
+            let end = 2 + SNAPSHOT_BYTES - CHECK_BYTES + 8 + (i + 1) * (ENTRY_BYTES - 2);
             bytes.drain(end - 20..end);
         }
         vm.set(&key("p"), &bytes, None).unwrap();

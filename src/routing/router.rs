@@ -28,7 +28,7 @@ use std::rc::Rc;
 mod rehome;
 mod steps;
 pub use rehome::Moved;
-use steps::{candidates, charges, mostly_cached, Ask};
+use steps::{candidates, charges, mostly_cached, prompt_copies, Ask};
 
 const VM_SEQ_KEY: &str = "kvgate.vm.seq";
 const PODS_CACHE_MS: u64 = 1_000;
@@ -657,7 +657,8 @@ impl Router {
             })
             .collect();
         (ask.hot_blocks, ask.copy_weight) = self.hot_prefix(&indices, &shared, hashes);
-        let (loads, alone) = charges(est, &shared, &ask, cfg.estimator.safety_factor);
+        let copies = prompt_copies(&records, &indices, est.choices);
+        let (loads, alones) = charges(est, &shared, &copies, &ask, cfg.estimator.safety_factor);
         let mut candidates = candidates(
             &self.pods,
             &self.prefix,
@@ -668,7 +669,8 @@ impl Router {
             &ask,
         );
         let mut rng = Rng::new(request ^ now.rotate_left(17));
-        let own_blocks = prompt_blocks as u64 + output_blocks;
+        // Each of its choices reads the prompt a step.
+        let own_blocks = prompt_blocks as u64 * est.choices.max(1) + output_blocks;
         let mut ranked = rank(&candidates, prompt_blocks, own_blocks, r, &mut rng);
         // The engine steps' phase orders pods for a prompt the best mostly caches, and the ranking
         // header shows it: worked out only then.
@@ -780,6 +782,7 @@ impl Router {
             let pod = best.pod.to_string();
             let shared_blocks = shared[s.index];
             let sharing = loads[s.index];
+            let alone = alones[s.index];
             // What the pick believed the pod holds of the prompt, against the engine's hits
             // (`pods::index_check`).
             let believed = held[s.index] as u64;
@@ -803,6 +806,7 @@ impl Router {
                 leans_on: 0,
                 shared_blocks: 0,
                 shared_tokens: 0,
+                choices: u16::try_from(est.choices).unwrap_or(u16::MAX),
             };
             // Who the replica says holds the shared prefix: the record says which of them is
             // still in flight, and without one the request counts its whole prompt.
@@ -967,8 +971,8 @@ impl Router {
         // another request stays counted.
         let more = output_tokens.saturating_sub(routed.streamed);
         routed.streamed = output_tokens;
-        let outlook = est.output.outlook(output_tokens, est.max_output_tokens);
-        let left = est.max_output_tokens.saturating_sub(output_tokens);
+        let outlook = est.outlook(output_tokens);
+        let left = est.steps_left(output_tokens);
         if first {
             // The first token: the prompt it waited for no longer loads the pod, which this VM's
             // copy of the record would still say.
@@ -1008,7 +1012,10 @@ impl Router {
             return Ok(false);
         }
         let sent_s = store.now_us().saturating_sub(routed.dispatched_us) as f64 / 1e6;
-        let made = ((sent_s / itl_s).floor() as u64).min(est.max_output_tokens);
+        // Each of its choices makes a token a step.
+        let made = ((sent_s / itl_s).floor() as u64)
+            .saturating_mul(est.choices.max(1))
+            .min(est.max_output_tokens);
         self.grow(store, cfg, routed, est, made)
     }
 
@@ -2124,6 +2131,31 @@ mod tests {
         assert_eq!(record::read(&vm, "a:1").unwrap().active_blocks(16), 11);
         r.finish(&vm, &y).unwrap();
         assert_eq!(total_active(&vm, &cfg), 0);
+        // A request of three answers: each answer's sequence holds its own copy of the prompt
+        // there (vLLM shares a prompt among answers only through its prefix cache).
+        let three = Estimate {
+            choices: 3,
+            ..est(160, 0)
+        };
+        let z = r.route_m(&vm, &cfg, &hashes(2, 10), &three);
+        assert_eq!(record::read(&vm, "a:1").unwrap().held_tokens(), 3 * 176);
+        r.finish(&vm, &z).unwrap();
+    }
+
+    #[test]
+    fn a_request_of_several_answers_holds_its_prompt_once_where_prefixes_are_cached() {
+        let (vm, cfg, mut r) = router(&["a:1"]);
+        let three = Estimate {
+            choices: 3,
+            ..est(160, 0)
+        };
+        let z = r.route_m(&vm, &cfg, &hashes(2, 10), &three);
+        let rec = record::read(&vm, "a:1").unwrap();
+        assert_eq!(rec.held_tokens(), 176);
+        assert_eq!(rec.entries[0].choices, 3);
+        // Each answer reads the prompt at each step: three times its 10 blocks.
+        assert_eq!(rec.read_blocks(), 3 * 10);
+        r.finish(&vm, &z).unwrap();
     }
 
     #[test]

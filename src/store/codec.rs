@@ -67,6 +67,10 @@ impl<const N: usize> Packer<N> {
         self.put(&[v])
     }
 
+    pub fn u16(&mut self, v: u16) -> &mut Self {
+        self.put(&v.to_le_bytes())
+    }
+
     pub fn u32(&mut self, v: u32) -> &mut Self {
         self.put(&v.to_le_bytes())
     }
@@ -111,6 +115,10 @@ impl<'a> Reader<'a> {
     /// it, whose bounds the compiler then knows.
     pub fn array<const N: usize>(&mut self) -> Option<&'a [u8; N]> {
         self.take(N)?.try_into().ok()
+    }
+
+    pub fn u16(&mut self) -> Option<u16> {
+        self.take(2)?.try_into().ok().map(u16::from_le_bytes)
     }
 
     pub fn u32(&mut self) -> Option<u32> {

@@ -468,3 +468,58 @@ def test_a_vision_models_images_and_text_are_each_estimated_by_what_they_take():
             time.sleep(0.03)
         print({k: f"max {max(v):.1%}" for k, v in errors.items()})
         assert max(errors["text"]) < 0.05 and max(errors["image"]) < 0.05, errors
+
+
+def test_several_answers_on_one_prompt_are_forecast_and_learned_as_answers():
+    """A request for `n` answers (parallel sampling) runs as `n` sequences on its prompt, each
+    growing a token a step, and reports their tokens together. Learned from their usage, the
+    model's answers were taken to be `n` times as long; forecast as one answer growing a token a
+    step, a mix of four-answer and one-answer requests with `max_tokens` was admitted past the
+    pod, which preempted."""
+    cfg = dict(default_plugin_config(), statusPath=STATUS_PATH)
+    with Sim(pods=1, args=SMALL_KV + ["--output-len-mean", "64"]) as sim, \
+            kvgate_envoy(sim.endpoints, cfg, concurrency=2) as envoy:
+        # Learned from plain answers first, then from answers in eights.
+        with ThreadPoolExecutor(4) as pool:
+            plain = list(pool.map(lambda j: stream(envoy.port, "/v1/chat/completions", unshared_chat(j, None, 50)),
+                                  range(40)))
+            eights = list(pool.map(
+                lambda j: stream(envoy.port, "/v1/chat/completions", dict(unshared_chat(100 + j, None, 50), n=8)),
+                range(40)))
+        assert all(a["status"] == 200 for a in plain + eights), (plain + eights)[0]
+        one = statistics.mean(a["usage"]["completion_tokens"] for a in plain)
+        eight = statistics.mean(a["usage"]["completion_tokens"] for a in eights)
+        assert eight > 5 * one, (one, eight)
+        time.sleep(1.5)
+        expected = lambda body: int(request(envoy.port, "POST", "/v1/chat/completions", body)
+                                    .headers["x-kvgate-output-tokens"])
+        alone, as_eight = expected(unshared_chat(999, None, 50)), expected(dict(unshared_chat(998, None, 50), n=8))
+        print(f"answers: one {one:.0f} tokens, eight {eight:.0f}; expected {alone} and {as_eight}")
+        assert alone < 2.5 * one, "one answer is expected as one answer's length"
+        assert 5 * alone <= as_eight <= 12 * alone, "eight answers as eight"
+    # Four answers of 100 beside one answer of 100, on prompts of about 330 tokens, more than the
+    # pod holds at once: at their 100th step the first hold 730 tokens each, the second 430.
+    with Sim(pods=1, args=SMALL_KV) as sim, kvgate_envoy(sim.endpoints, cfg, concurrency=2) as envoy:
+        bodies = [dict(unshared_chat(2000 + j, 100), n=4 if j % 2 else 1) for j in range(72)]
+        samples, stop = [], threading.Event()
+
+        def sampler():
+            while not stop.is_set():
+                samples.append((None, {k: kvgate_gauges(envoy, k)
+                                       for k in ("reserved_tokens", "budget_tokens", "active_blocks", "in_flight")}))
+                time.sleep(0.05)
+
+        thread = threading.Thread(target=sampler)
+        thread.start()
+        try:
+            with ThreadPoolExecutor(24) as pool:
+                mixed = list(pool.map(lambda b: stream(envoy.port, "/v1/chat/completions", b), bodies))
+        finally:
+            stop.set()
+            thread.join()
+        assert all(a["status"] == 200 for a in mixed), [a for a in mixed if a["status"] != 200][:1]
+        assert [a["usage"]["completion_tokens"] for a in mixed] == [400 if j % 2 else 100 for j in range(72)]
+        print(f"mixed: preemptions {preemptions(sim)}, peak {sim.stats(0)['peak_kv_blocks_used']} blocks, "
+              f"most in flight {max(sum(g['in_flight'].values()) for _, g in samples)}")
+        assert preemptions(sim) == 0
+        check_promise(samples, bounded=True, delivered_lag=delivery_lag(mixed))

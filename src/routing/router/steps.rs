@@ -63,13 +63,16 @@ pub(super) fn mostly_cached(c: &Candidate, prompt_blocks: usize) -> bool {
 }
 
 /// What the request holds on each candidate (`shared`: its leading blocks already held there by
-/// in-flight requests), and what it holds where it shares nothing.
+/// in-flight requests), and what it holds there when it shares nothing. `copies`: how many
+/// copies of its prompt the candidate's engine holds, one per answer where it caches no prefixes
+/// (vLLM shares a prompt among a request's answers only through its prefix cache), else one.
 pub(super) fn charges(
     est: &Estimate,
     shared: &[usize],
+    copies: &[u64],
     ask: &Ask,
     safety: f64,
-) -> (Vec<Load>, Load) {
+) -> (Vec<Load>, Vec<Load>) {
     let bt = ask.block_tokens as f64;
     // Until calibration has measured the model, its prompts carry the rule's shared bias.
     let safety = safety * est.prompt_margin;
@@ -83,9 +86,9 @@ pub(super) fn charges(
     } else {
         (est.prompt_tokens as f64 / ask.hashes.len() as f64).min(bt)
     };
-    let outlook = est.output.outlook(0, est.max_output_tokens);
-    let load = |b: usize| {
-        let whole = est.prompt_tokens as f64 * safety;
+    let outlook = est.outlook(0);
+    let load = |b: usize, copies: u64| {
+        let whole = est.prompt_tokens as f64 * safety * copies as f64;
         // The engine shares whole blocks of tokens: the block in which the held prefix ends
         // holds this request's own text after it, so it is this request's (counted as shared,
         // up to a block per request went uncounted, and a burst of a few hundred requests of
@@ -96,12 +99,33 @@ pub(super) fn charges(
         let share = if whole > 0.0 { held / whole } else { 0.0 };
         Load {
             held: held.round() as u64,
-            sigma: (est.prompt_sigma as f64 * share).round() as u64,
-            left: est.max_output_tokens,
+            sigma: (est.prompt_sigma as f64 * copies as f64 * share).round() as u64,
+            left: est.steps_left(0),
+            rate: est.choices,
+            streamed: 0,
             outlook,
         }
     };
-    (shared.iter().map(|&b| load(b)).collect(), load(0))
+    let sharing = shared.iter().zip(copies).map(|(&b, &c)| load(b, c));
+    let alone = copies.iter().map(|&c| load(0, c));
+    (sharing.collect(), alone.collect())
+}
+
+/// The copies of a prompt of `choices` answers each candidate (`indices` into `records`) holds:
+/// one per answer where its engine caches no prefixes, one elsewhere.
+pub(super) fn prompt_copies(
+    records: &[Rc<PodRecord>],
+    indices: &[usize],
+    choices: u64,
+) -> Vec<u64> {
+    let copies = |&i: &usize| {
+        if records.get(i).is_some_and(|r| caches_nothing(r)) {
+            choices.max(1)
+        } else {
+            1
+        }
+    };
+    indices.iter().map(copies).collect()
 }
 
 /// What the cost formula (`pick`) knows of each eligible pod (`indices` into `pods`) for
