@@ -148,7 +148,7 @@ fn check_estimates(req: &Request) {
             assert!(e.output_tokens <= cap, "{e:?}");
             assert!(e.output_tokens <= e.max_output_tokens, "{e:?}");
             assert!(e.max_output_tokens <= cap, "{e:?}");
-            let outlook = e.outlook(0);
+            let outlook = e.outlook(e.choices, 0);
             assert!(outlook.windows(2).all(|w| w[0] >= w[1]), "{outlook:?}");
             if req.max_output_tokens == Some(0) {
                 assert_eq!(e.output_tokens, 0, "{e:?}");

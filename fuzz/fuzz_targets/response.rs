@@ -3,15 +3,18 @@
 //!
 //! Input layout: byte 0 picks the content type (bits 0-1) and, when bits 2-6 are all set, inserts
 //! `data: xxx…` of 1 MiB - 1 + (bit 7) bytes at the first cut point, at the meter's line buffer
-//! limit (the rest of the line it lands in pushes it over); byte 1 is the number of cut points k (mod 16); then
+//! limit (the rest of the line it lands in pushes it over); byte 1 is the number of cut points k
+//! (its low four bits) and the answers the meter follows, one more than its high four bits; then
 //! k little-endian u16 cut points; the rest is the body. A seed is `\x00\x00` + an SSE stream.
 //!
 //! Invariants: no panic; `feed` returns exactly the growth of `pieces`, which never
 //! decreases; one piece, the given pieces and (for short bodies) byte-by-byte feeding end with
-//! the same `pieces` and the same `finish()` usage.
+//! the same `pieces`, the same `finish()` usage and the same answers ended; following answers
+//! changes neither the pieces nor the usage, and the answers ended are at most those followed,
+//! with at most the stream's pieces.
 #![no_main]
 
-use kvgate::openai::response::{ResponseMeter, Usage};
+use kvgate::openai::response::{EndedAnswers, ResponseMeter, Usage};
 use kvgate_fuzz::pieces;
 use libfuzzer_sys::fuzz_target;
 
@@ -24,8 +27,10 @@ const CONTENT_TYPES: [Option<&str>; 4] = [
 /// The meter's MAX_KEPT (private in response.rs).
 const MAX_KEPT: usize = 1024 * 1024;
 
-fn run(content_type: Option<&str>, body: &[u8], cuts: &[(usize, usize)]) -> (u64, Option<Usage>) {
-    let mut m = ResponseMeter::new(content_type);
+type Read = (u64, Option<Usage>, EndedAnswers);
+
+fn run(content_type: Option<&str>, answers: u64, body: &[u8], cuts: &[(usize, usize)]) -> Read {
+    let mut m = ResponseMeter::new(content_type).answering(answers);
     let mut total = 0u64;
     for &(a, b) in cuts {
         let before = m.pieces;
@@ -36,7 +41,12 @@ fn run(content_type: Option<&str>, body: &[u8], cuts: &[(usize, usize)]) -> (u64
     }
     assert_eq!(total, m.pieces);
     let usage = m.finish();
-    (m.pieces, usage)
+    let ended = m.ended();
+    assert!(
+        ended.answers <= answers && ended.pieces <= m.pieces,
+        "{ended:?}"
+    );
+    (m.pieces, usage, ended)
 }
 
 fuzz_target!(|data: &[u8]| {
@@ -45,6 +55,7 @@ fuzz_target!(|data: &[u8]| {
     }
     let mode = data[0];
     let k = usize::from(data[1] % 16);
+    let answers = 1 + u64::from(data[1] >> 4);
     let rest = &data[2..];
     if rest.len() < 2 * k {
         return;
@@ -65,15 +76,19 @@ fuzz_target!(|data: &[u8]| {
         body.splice(at..at, long);
     }
     let content_type = CONTENT_TYPES[usize::from(mode & 3)];
-    let whole = run(content_type, &body, &[(0, body.len())]);
-    let split = run(content_type, &body, &pieces(body.len(), &cuts));
+    let whole = run(content_type, answers, &body, &[(0, body.len())]);
+    let split = run(content_type, answers, &body, &pieces(body.len(), &cuts));
     assert_eq!(whole, split, "one piece vs pieces at {cuts:?}");
     if body.len() <= 256 {
         let bytes: Vec<(usize, usize)> = (0..body.len()).map(|i| (i, i + 1)).collect();
         assert_eq!(
             whole,
-            run(content_type, &body, &bytes),
+            run(content_type, answers, &body, &bytes),
             "one piece vs byte by byte"
         );
+    }
+    if answers > 1 {
+        let one = run(content_type, 1, &body, &[(0, body.len())]);
+        assert_eq!((one.0, one.1), (whole.0, whole.1), "following answers");
     }
 });

@@ -21,7 +21,7 @@ use kvgate::admission::forecast::Load;
 use kvgate::admission::line::{self, Ticket};
 use kvgate::config::{Config, StalePolicy};
 use kvgate::estimate::output_dist::OutputDist;
-use kvgate::estimate::reservation::Estimate;
+use kvgate::estimate::reservation::{Ended, Estimate};
 use kvgate::pods::index_check::{self, HitTotals};
 use kvgate::pods::pool::{decode_pods, encode_pods, PODS_KEY};
 use kvgate::pods::record::{self, Snapshot};
@@ -95,10 +95,10 @@ fn undiscounted(cfg: &Config, est: &Estimate) -> Load {
         held: (est.prompt_tokens as f64 * cfg.estimator.safety_factor * copies as f64).round()
             as u64,
         sigma: est.prompt_sigma * copies,
-        left: est.steps_left(0),
+        left: est.steps_left(est.choices, 0),
         rate: est.choices,
         streamed: 0,
-        outlook: est.outlook(0),
+        outlook: est.outlook(est.choices, 0),
     }
 }
 
@@ -150,6 +150,9 @@ enum Op {
     Grow {
         req: u8,
         tokens: u16,
+        /// One more of its answers ends here (a request for several), having made this share
+        /// (in 255ths) of what the answers still running have made.
+        ends: Option<u8>,
     },
     Finish {
         req: u8,
@@ -256,6 +259,8 @@ struct Req {
     /// The estimate it was routed with: its outlook as it streams comes from it.
     est: Estimate,
     out: u64,
+    /// Its answers that have ended, and their tokens.
+    ended: Ended,
     finished: bool,
 }
 
@@ -505,7 +510,7 @@ impl World {
                 );
                 assert_eq!(
                     u64::from(entry.left),
-                    est.steps_left(0).min(u64::from(u32::MAX))
+                    est.steps_left(est.choices, 0).min(u64::from(u32::MAX))
                 );
                 assert_eq!(u64::from(entry.choices), est.choices);
                 assert_eq!(entry.outlook, most.outlook, "{entry:?}");
@@ -524,18 +529,29 @@ impl World {
                     routed,
                     est,
                     out: 0,
+                    ended: Ended::default(),
                     finished: false,
                 });
             }
-            Op::Grow { req, tokens } => {
+            Op::Grow { req, tokens, ends } => {
                 let Some(i) = self.live(req) else { return };
                 let owner = self.reqs[i].owner;
                 self.reqs[i].out += u64::from(tokens);
                 let out = self.reqs[i].out;
+                let est = self.reqs[i].est;
+                let was = self.reqs[i].ended;
+                if let Some(share) = ends.filter(|_| was.answers + 1 < est.choices) {
+                    let live = out - was.tokens;
+                    let ending = live * u64::from(share) / 255 / (est.choices - was.answers);
+                    self.reqs[i].ended = Ended {
+                        answers: was.answers + 1,
+                        tokens: was.tokens + ending,
+                    };
+                }
+                let ended = self.reqs[i].ended;
                 let pod = self.reqs[i].routed.pod.clone();
                 let before = live(&checked_pod(self.store(), &pod), now);
                 let streamed = self.reqs[i].routed.streamed;
-                let est = self.reqs[i].est;
                 let wrote = self.routers[owner]
                     .grow(
                         &self.vms[owner],
@@ -543,24 +559,30 @@ impl World {
                         &mut self.reqs[i].routed,
                         &est,
                         out,
+                        ended,
                     )
                     .expect("fake host");
                 let routed = &self.reqs[i].routed;
+                // Its answers still running, and what they have made.
+                let running = est.choices - ended.answers;
+                let made = out - ended.tokens;
                 if wrote {
                     let e = self
                         .entry_of(&routed.pod, routed.request)
                         .unwrap_or_else(|| panic!("grow wrote but no entry: {routed:?}"));
                     let bt = u64::from(routed.block_tokens);
-                    assert_eq!(u64::from(e.output_blocks), out.div_ceil(bt), "{e:?}");
-                    // Its choices each make a token a step, from where each stands on average.
-                    let n = est.choices;
-                    let left = est.max_output_tokens.saturating_sub(out).div_ceil(n);
+                    assert_eq!(u64::from(e.output_blocks), made.div_ceil(bt), "{e:?}");
+                    assert_eq!(u64::from(e.choices), running, "{e:?}");
+                    // Each makes a token a step, from where they stand on average.
+                    let limit = est.max_output_tokens / est.choices;
+                    let left = (limit * running).saturating_sub(made).div_ceil(running);
                     assert_eq!(u64::from(e.left), left.min(u64::from(u32::MAX)), "{e:?}");
-                    let each = est.output.outlook(out / n, est.max_output_tokens / n);
+                    let each = est.output.outlook(made / running, limit);
                     assert_eq!(e.outlook, each, "{e:?}");
                 }
                 // What the pod holds rises by what this request streamed since its last write,
-                // once: never by its whole output again.
+                // once (never by its whole output again), less what its answers that ended since
+                // had made.
                 let after = live(&checked_pod(self.store(), &pod), now);
                 let growth = if wrote { out - streamed } else { 0 };
                 assert!(

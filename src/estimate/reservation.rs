@@ -89,21 +89,29 @@ impl Estimate {
     }
 }
 
+/// The answers of a request for several that have ended (`n`: the engine frees each one's
+/// tokens as it ends, the others running on), and the tokens they made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Ended {
+    pub answers: u64,
+    pub tokens: u64,
+}
+
 impl Estimate {
-    /// Its outlook (`output_dist`) once it has streamed `output_tokens` over its choices: each
-    /// answer's, from where an answer stands on average.
-    pub fn outlook(&self, output_tokens: u64) -> Outlook {
-        let n = self.choices.max(1);
+    /// Its outlook (`output_dist`) with `running` of its answers still running, having made
+    /// `made` tokens between them: each one's, from where they stand on average.
+    pub fn outlook(&self, running: u64, made: u64) -> Outlook {
+        let n = running.max(1);
         self.output
-            .outlook(output_tokens / n, self.max_output_tokens / n)
+            .outlook(made / n, self.max_output_tokens / self.choices.max(1))
     }
 
-    /// Decode steps until its limit stops it, having streamed `output_tokens`: its choices make
-    /// that many tokens a step.
-    pub fn steps_left(&self, output_tokens: u64) -> u64 {
-        self.max_output_tokens
-            .saturating_sub(output_tokens)
-            .div_ceil(self.choices.max(1))
+    /// Decode steps until its limit stops `running` answers that have made `made` tokens between
+    /// them: each makes a token a step, up to each one's limit.
+    pub fn steps_left(&self, running: u64, made: u64) -> u64 {
+        let n = running.max(1);
+        let limit = self.max_output_tokens / self.choices.max(1) * n;
+        limit.saturating_sub(made).div_ceil(n)
     }
 }
 
@@ -219,19 +227,17 @@ mod tests {
         assert_eq!(four.choices, 4);
         assert_eq!(four.output_tokens, 4 * one.output_tokens);
         assert_eq!(four.max_output_tokens, 4 * cfg.output_cap_tokens);
-        assert_eq!(four.outlook(0), one.outlook(0));
-        assert_eq!(
-            four.outlook(400),
-            one.outlook(100),
-            "as far as each has run"
-        );
-        assert_eq!(four.steps_left(0), cfg.output_cap_tokens);
+        assert_eq!(four.outlook(4, 0), one.outlook(1, 0));
+        let far = four.outlook(4, 400);
+        assert_eq!(far, one.outlook(1, 100), "as far as each has run");
+        assert_eq!(four.outlook(2, 200), far, "two of them ended");
+        assert_eq!(four.steps_left(4, 0), cfg.output_cap_tokens);
         let bounded = estimate(&n(Some(50), 4), learned, &cfg);
-        assert_eq!(
-            (bounded.max_output_tokens, bounded.steps_left(0)),
-            (200, 50)
-        );
-        assert_eq!(bounded.steps_left(199), 1);
+        assert_eq!(bounded.max_output_tokens, 200);
+        assert_eq!(bounded.steps_left(4, 0), 50);
+        assert_eq!(bounded.steps_left(4, 199), 1);
+        let two = bounded.steps_left(2, 60);
+        assert_eq!(two, 20, "two left, 30 tokens into their 50");
         // A client's limit past the output cap is each answer's, capped each.
         let long = estimate(&n(Some(cfg.output_cap_tokens * 2), 3), learned, &cfg);
         assert_eq!(long.max_output_tokens, 3 * cfg.output_cap_tokens);

@@ -5,6 +5,7 @@
 
 use super::{Flow, Gate};
 use crate::estimate::calibration::{Length, Sample};
+use crate::estimate::reservation::Ended;
 use crate::observe;
 use crate::openai::response::ResponseMeter;
 use crate::routing::stored;
@@ -56,7 +57,7 @@ impl Flow {
             }
             observed = picked.and_then(|p| observe::header(&gate.config, routed, self.class, &p));
         }
-        let meter = ResponseMeter::new(content_type);
+        let meter = ResponseMeter::new(content_type).answering(a.estimate.choices);
         self.meter = Some(if a.stored {
             a.answered_by = served_by
                 .map(str::to_string)
@@ -116,10 +117,20 @@ impl Flow {
             return;
         };
         let pieces = m.feed(bytes);
-        if pieces == 0 {
+        // A request for several answers: an answer's end frees its tokens, in a chunk of no text.
+        let ended = m.ended();
+        let ends = a
+            .routed
+            .as_ref()
+            .is_some_and(|r| ended.answers > r.ended.answers);
+        if pieces == 0 && !ends {
             return;
         }
         let made = a.made(m.pieces);
+        let ended = Ended {
+            answers: ended.answers,
+            tokens: a.made(ended.pieces),
+        };
         let (model, family) = (&a.model, a.family.as_deref());
         // The cohort follows answers: one of its choices has run about their mean.
         let answer = made / a.estimate.choices.max(1);
@@ -150,7 +161,7 @@ impl Flow {
             }
             if let Err(e) = gate
                 .router
-                .grow(store, &gate.config, routed, &a.estimate, made)
+                .grow(store, &gate.config, routed, &a.estimate, made, ended)
             {
                 log::debug!("kvgate: grow failed: {e:?}");
             }
@@ -941,6 +952,47 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
         f.on_body(gate, vm, br#"{"model":"m","prompt":"hi","stream":true}"#);
         f.on_response_headers(gate, vm, Some("text/event-stream"), Some("10.0.0.1:80"));
         f
+    }
+
+    /// A request for two answers streams both, interleaved; the first ends (vLLM's last chunk
+    /// of an answer: no text, its `finish_reason`) while the second runs on: the pod's entry
+    /// then holds the prompt and the second's tokens, growing a token a step.
+    #[test]
+    fn an_answer_that_ends_frees_its_tokens_in_the_pods_entry() {
+        use crate::pods::record;
+        let pod = "10.0.0.1:80";
+        let cfg = crate::test_support::with_pods(&[pod]);
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let mut gate = Gate::new(cfg, &vm).unwrap();
+        let mut f = Flow::default();
+        f.on_request_headers(&mut gate, &vm, &RequestHead::json_post("/v1/completions"));
+        f.on_body(
+            &mut gate,
+            &vm,
+            br#"{"model":"m","prompt":"hi","stream":true,"n":2,"max_tokens":100}"#,
+        );
+        f.on_response_headers(&mut gate, &vm, Some("text/event-stream"), Some(pod));
+        let entry = || record::read(&vm, pod).unwrap().entries[0];
+        let prompt = entry().held_tokens;
+        assert_eq!(entry().choices, 2);
+        let piece = |i: u8| format!("data: {{\"choices\":[{{\"index\":{i},\"text\":\"a\"}}]}}\n\n");
+        for _ in 0..20 {
+            f.on_response_body(&mut gate, &vm, piece(0).as_bytes());
+            f.on_response_body(&mut gate, &vm, piece(1).as_bytes());
+        }
+        // Written as the stream crosses its blocks: at its 33rd token.
+        assert_eq!(entry().held_tokens, prompt + 33);
+        f.on_response_body(
+            &mut gate,
+            &vm,
+            b"data: {\"choices\":[{\"index\":0,\"text\":\"\",\"finish_reason\":\"stop\"}]}\n\n",
+        );
+        let e = entry();
+        assert_eq!((e.held_tokens, e.choices), (prompt + 20, 1), "{e:?}");
+        assert_eq!(e.left, 100 - 20, "the one left, 20 tokens into its 100");
+        f.on_done(&mut gate, &vm);
+        assert!(record::read(&vm, pod).unwrap().entries.is_empty());
     }
 
     #[test]

@@ -127,6 +127,9 @@ struct Body<'a> {
 }
 
 const MAX_MODEL_CHARS: usize = 256;
+/// The most answers a request is read to ask for: vLLM's default limit
+/// (`VLLM_MAX_N_SEQUENCES`), past which the engine refuses it.
+const MAX_CHOICES: u64 = 16_384;
 
 /// A flag as the engines' lax parsing reads it: `true`, or a string saying so.
 fn is_true(flag: &serde_json::Value) -> bool {
@@ -279,7 +282,7 @@ impl Request {
                 .map(str::to_string);
             out.stored = b.store.as_ref().is_none_or(is_true);
         }
-        let choices = b.n.unwrap_or(1).max(1);
+        let choices = b.n.unwrap_or(1).clamp(1, MAX_CHOICES);
         out.choices = choices;
         out.max_output_tokens = max.map(|m| m.saturating_mul(choices));
         out.min_output_tokens = if b.ignore_eos.as_ref().is_some_and(is_true) {
@@ -532,6 +535,11 @@ mod tests {
         let one = p(r#"{"model":"m","prompt":"x"}"#);
         assert_eq!((one.max_output_tokens, one.choices), (None, 1));
         assert_eq!(p(r#"{"model":"m","prompt":"x","n":0}"#).choices, 1);
+        let many = p(r#"{"model":"m","prompt":"x","max_tokens":2,"n":18446744073709551615}"#);
+        assert_eq!(
+            (many.choices, many.max_output_tokens),
+            (16_384, Some(32_768))
+        );
     }
 
     #[test]

@@ -62,6 +62,43 @@ struct Choice {
     delta: Option<Delta>,
 }
 
+/// A chunk of a stream of several answers, read again for which answer each of its choices is
+/// (`index`) and whether it ends there (`finish_reason`). Read apart from `Chunk`, whose reading
+/// `sse_chunk` must match, which these fields would change (a key given twice, a value of
+/// another type).
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct AnswerChunk {
+    choices: Vec<AnswerPiece>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct AnswerPiece {
+    index: Option<serde_json::Value>,
+    finish_reason: Option<serde_json::Value>,
+    #[serde(flatten)]
+    choice: Choice,
+}
+
+impl Choice {
+    /// Whether it carries any text: its `text`, or its delta's answer, reasoning under either
+    /// name, or a tool call's name or arguments.
+    fn has_text(&self) -> bool {
+        some(&self.text)
+            || self.delta.as_ref().is_some_and(|d| {
+                some(&d.content)
+                    || some(&d.reasoning)
+                    || some(&d.reasoning_content)
+                    || d.tool_calls.iter().flatten().any(|t| {
+                        t.function
+                            .as_ref()
+                            .is_some_and(|f| some(&f.name) || some(&f.arguments))
+                    })
+            })
+    }
+}
+
 #[derive(Deserialize, Default)]
 #[serde(default)]
 struct Chunk {
@@ -79,19 +116,7 @@ impl Chunk {
     /// reasoning under either name, or a tool call's name or arguments), and each Responses
     /// API event that carries one.
     fn pieces(&self) -> u64 {
-        let choices = self.choices.iter().filter(|c| {
-            some(&c.text)
-                || c.delta.as_ref().is_some_and(|d| {
-                    some(&d.content)
-                        || some(&d.reasoning)
-                        || some(&d.reasoning_content)
-                        || d.tool_calls.iter().flatten().any(|t| {
-                            t.function
-                                .as_ref()
-                                .is_some_and(|f| some(&f.name) || some(&f.arguments))
-                        })
-                })
-        });
+        let choices = self.choices.iter().filter(|c| c.has_text());
         let event = self
             .kind
             .as_deref()
@@ -296,6 +321,51 @@ pub struct ResponseMeter {
     /// Whether to read the Responses API response's id (`keeping_id`), and the id read.
     wants_id: bool,
     pub response_id: Option<String>,
+    /// A stream of several answers (`answering`): each answer's pieces, and which have ended.
+    answers: Option<Answers>,
+}
+
+/// The answers of a request for several (`n`): their chunks say which each piece is for and when
+/// each ends, and the engine frees an answer's tokens when it ends (vLLM V1 runs each as a
+/// request of its own), while the others run on.
+#[derive(Debug, Default)]
+struct Answers {
+    pieces: Vec<u64>,
+    ended: Vec<bool>,
+}
+
+impl Answers {
+    /// Each of the chunk's choices: a piece of its answer when it carries text (when the chunk's
+    /// `pieces`, as the stream counted them, are those, so that its answers never carry more
+    /// than the stream), and its end.
+    fn read(&mut self, data: &[u8], pieces: u64) {
+        let Ok(chunk) = serde_json::from_slice::<AnswerChunk>(data) else {
+            return;
+        };
+        let texts = chunk.choices.iter().filter(|c| c.choice.has_text()).count();
+        let counted = texts as u64 == pieces;
+        for c in &chunk.choices {
+            let i = c.index.as_ref().map_or(Some(0), serde_json::Value::as_u64);
+            let i = i
+                .and_then(|i| usize::try_from(i).ok())
+                .unwrap_or(usize::MAX);
+            if let (Some(p), Some(e)) = (self.pieces.get_mut(i), self.ended.get_mut(i)) {
+                *p += u64::from(counted && c.choice.has_text());
+                let reason = c.finish_reason.as_ref().and_then(serde_json::Value::as_str);
+                *e |= reason.is_some_and(|r| !r.is_empty());
+            }
+        }
+    }
+}
+
+/// Answers told apart, at most: a request for more is metered as one stream, ended as a whole.
+pub const MAX_ANSWERS: u64 = 256;
+
+/// The answers of a stream of several that have ended, and the pieces they carried.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct EndedAnswers {
+    pub answers: u64,
+    pub pieces: u64,
 }
 
 impl ResponseMeter {
@@ -313,6 +383,29 @@ impl ResponseMeter {
             wants_id: true,
             ..self
         }
+    }
+
+    /// A meter that also follows each of `n` answers (up to [`MAX_ANSWERS`]), for a request of
+    /// several: each chunk is read through serde once more, for which answer it is and whether
+    /// it ends it (a request of one is read as before).
+    pub fn answering(self, n: u64) -> Self {
+        let answers = (2..=MAX_ANSWERS).contains(&n).then(|| Answers {
+            pieces: vec![0; n as usize],
+            ended: vec![false; n as usize],
+        });
+        Self { answers, ..self }
+    }
+
+    /// The answers that have ended so far, of a stream of several (`answering`).
+    pub fn ended(&self) -> EndedAnswers {
+        let Some(a) = &self.answers else {
+            return EndedAnswers::default();
+        };
+        let ended = a.ended.iter().zip(&a.pieces).filter(|(e, _)| **e);
+        ended.fold(EndedAnswers::default(), |sum, (_, p)| EndedAnswers {
+            answers: sum.answers + 1,
+            pieces: sum.pieces + p,
+        })
     }
 
     /// Feeds the next piece of the body; returns how many pieces of text it carried.
@@ -378,11 +471,14 @@ impl ResponseMeter {
         if data.is_empty() || data == b"[DONE]" {
             return;
         }
-        if let Some(pieces) = crate::openai::sse_chunk::pieces(data) {
-            self.pieces += pieces;
-            return;
+        let before = self.pieces;
+        match crate::openai::sse_chunk::pieces(data) {
+            Some(pieces) => self.pieces += pieces,
+            None => self.read_chunk(data),
         }
-        self.read_chunk(data);
+        if let Some(a) = &mut self.answers {
+            a.read(data, self.pieces - before);
+        }
     }
 
     /// An SSE chunk through serde: what `sse_chunk` declines (usage among it).
@@ -426,6 +522,59 @@ mod tests {
         "\"total_tokens\":14,\"prompt_tokens_details\":{\"cached_tokens\":8}}}\n\n",
         "data: [DONE]\n\n"
     );
+
+    /// Two answers interleaved, as vLLM streams a request with `n` 2: each chunk says whose
+    /// piece it is, and each answer ends with a chunk of its own (an empty delta and its
+    /// `finish_reason`); the answers that ended, and their pieces, are known from there.
+    #[test]
+    fn the_answers_of_a_request_for_several_are_followed_to_their_ends() {
+        let piece = |i: u64, text: &str| {
+            format!("data: {{\"choices\":[{{\"index\":{i},\"delta\":{{\"content\":\"{text}\"}},\"finish_reason\":null}}]}}\n\n")
+        };
+        let end = |i: u64| {
+            format!("data: {{\"choices\":[{{\"index\":{i},\"delta\":{{}},\"finish_reason\":\"stop\"}}]}}\n\n")
+        };
+        let mut m = ResponseMeter::new(Some("text/event-stream")).answering(2);
+        for chunk in [
+            piece(0, "a"),
+            piece(1, "b"),
+            piece(0, "c"),
+            piece(1, "d"),
+            piece(1, "e"),
+        ] {
+            assert_eq!(m.feed(chunk.as_bytes()), 1);
+        }
+        assert_eq!(m.ended(), EndedAnswers::default());
+        assert_eq!(m.feed(end(0).as_bytes()), 0);
+        assert_eq!(
+            m.ended(),
+            EndedAnswers {
+                answers: 1,
+                pieces: 2
+            }
+        );
+        m.feed(piece(1, "f").as_bytes());
+        m.feed(end(1).as_bytes());
+        assert_eq!(
+            m.ended(),
+            EndedAnswers {
+                answers: 2,
+                pieces: 6
+            }
+        );
+        assert_eq!(m.pieces, 6);
+        // One answer, or more than are told apart: read as one stream.
+        let mut one = ResponseMeter::new(Some("text/event-stream")).answering(1);
+        one.feed(end(0).as_bytes());
+        assert_eq!(one.ended(), EndedAnswers::default());
+        let many = ResponseMeter::new(Some("text/event-stream")).answering(MAX_ANSWERS + 1);
+        assert!(many.answers.is_none());
+        // An index past the answers, or of another type, is nobody's.
+        let mut odd = ResponseMeter::new(Some("text/event-stream")).answering(2);
+        odd.feed(end(7).as_bytes());
+        odd.feed(b"data: {\"choices\":[{\"index\":\"0\",\"finish_reason\":\"stop\"}]}\n\n");
+        assert_eq!(odd.ended(), EndedAnswers::default());
+    }
 
     #[test]
     fn counts_stream_tokens_and_reads_usage_across_any_split() {

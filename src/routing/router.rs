@@ -6,7 +6,7 @@
 use crate::admission::budget::{budget_tokens, fits};
 use crate::admission::line;
 use crate::config::{Config, RoutingConfig, MAX_BLOCK_TOKENS};
-use crate::estimate::reservation::Estimate;
+use crate::estimate::reservation::{Ended, Estimate};
 use crate::models::served::{adapter_id, ServedView};
 use crate::pods::pool::{decode_pods, PODS_KEY};
 use crate::pods::record::{self, PodRecord, RequestEntry};
@@ -70,6 +70,9 @@ pub struct Routed {
     pub pod: String,
     /// Output tokens its entry in the pod's record accounts for (written at block boundaries).
     pub streamed: u64,
+    /// Its answers whose end its entry has taken (a request for several), and their tokens,
+    /// which the engine freed.
+    pub ended: Ended,
     /// The pick first, then fallbacks, as written in the override header.
     pub order: Vec<String>,
     pub prompt_blocks: usize,
@@ -874,6 +877,7 @@ impl Router {
                     request,
                     pod,
                     streamed: 0,
+                    ended: Ended::default(),
                     order,
                     prompt_blocks,
                     cached_blocks: best.cached_blocks,
@@ -949,9 +953,11 @@ impl Router {
             .collect()
     }
 
-    /// The response has produced `output_tokens` so far: grows the entry by whole blocks (what it
-    /// holds by what it streamed since, its outlook from where it now stands, by the estimate it
-    /// was routed with) and renews its expiry. Returns whether the shared record was written.
+    /// The response has produced `output_tokens` so far, of which answers that `ended` made
+    /// some (a request for several): grows the entry by whole blocks (what it holds by what it
+    /// streamed since, less what its answers that ended since held, its outlook and its steps
+    /// from where its answers still running stand, by the estimate it was routed with) and
+    /// renews its expiry. Returns whether the shared record was written.
     pub fn grow(
         &mut self,
         store: &dyn Store,
@@ -959,32 +965,40 @@ impl Router {
         routed: &mut Routed,
         est: &Estimate,
         output_tokens: u64,
+        ended: Ended,
     ) -> Result<bool, StoreError> {
-        let blocks = output_tokens.div_ceil(u64::from(routed.block_tokens.max(1))) as u32;
-        if blocks <= routed.output_blocks {
+        let bt = u64::from(routed.block_tokens.max(1));
+        let blocks = output_tokens.div_ceil(bt) as u32;
+        let ends = ended.answers > routed.ended.answers;
+        if blocks <= routed.output_blocks && !ends {
             return Ok(false);
         }
         let first = routed.output_blocks == 0;
-        routed.output_blocks = blocks;
+        routed.output_blocks = routed.output_blocks.max(blocks);
         let expires = store.now_ms().saturating_add(cfg.routing.request_ttl_ms);
-        // Only what streamed since the last write is added: a prefix inherited meanwhile from
-        // another request stays counted.
+        // Only what streamed since the last write is added, and only what ended since is taken
+        // off: a prefix inherited meanwhile from another request stays counted.
         let more = output_tokens.saturating_sub(routed.streamed);
+        let freed = ended.tokens.saturating_sub(routed.ended.tokens);
         routed.streamed = output_tokens;
-        let outlook = est.outlook(output_tokens);
-        let left = est.steps_left(output_tokens);
+        routed.ended = ended;
+        let running = est.choices.saturating_sub(ended.answers).max(1);
+        let live = output_tokens.saturating_sub(ended.tokens);
+        let outlook = est.outlook(running, live);
+        let left = est.steps_left(running, live);
         if first {
             // The first token: the prompt it waited for no longer loads the pod, which this VM's
             // copy of the record would still say.
             self.copies.forget(&routed.pod);
         }
         record::modify_entry(store, &routed.pod, routed.request, |e| {
-            e.output_blocks = blocks;
+            e.output_blocks = live.div_ceil(bt) as u32;
             // Its first token came: its prompt is computed.
             e.pending_blocks = 0;
             e.expires_ms = expires;
-            e.held_tokens = e.held_tokens.saturating_add(more);
+            e.held_tokens = e.held_tokens.saturating_add(more).saturating_sub(freed);
             e.left = u32::try_from(left).unwrap_or(u32::MAX);
+            e.choices = u16::try_from(running).unwrap_or(u16::MAX);
             e.outlook = outlook;
         })
     }
@@ -1016,7 +1030,7 @@ impl Router {
         let made = ((sent_s / itl_s).floor() as u64)
             .saturating_mul(est.choices.max(1))
             .min(est.max_output_tokens);
-        self.grow(store, cfg, routed, est, made)
+        self.grow(store, cfg, routed, est, made, Ended::default())
     }
 
     /// The request is over, however it ended. Safe to call more than once.
@@ -1245,7 +1259,8 @@ mod tests {
         // of its decode steps there), and a shorter one still waiting for its first token on the
         // other.
         let mut long = r.route_m(&vm, &cfg, &hashes(1, 40), &streaming(640));
-        r.grow(&vm, &cfg, &mut long, &streaming(640), 1).unwrap();
+        r.grow(&vm, &cfg, &mut long, &streaming(640), 1, Ended::default())
+            .unwrap();
         assert_eq!(pending(), 0, "the first token came: its prompt is computed");
         let mut waiting = r.route_m(&vm, &cfg, &hashes(2, 10), &streaming(160));
         assert_ne!(waiting.pod, long.pod);
@@ -1254,7 +1269,15 @@ mod tests {
         // its first token would wait for the 10 blocks that pod is computing (2 × 10).
         let small = r.route_m(&vm, &cfg, &hashes(3, 2), &streaming(32));
         assert_eq!(small.pod, long.pod, "{}", small.ranking);
-        r.grow(&vm, &cfg, &mut waiting, &streaming(160), 1).unwrap();
+        r.grow(
+            &vm,
+            &cfg,
+            &mut waiting,
+            &streaming(160),
+            1,
+            Ended::default(),
+        )
+        .unwrap();
         assert_eq!(pending(), 2);
         for routed in [&long, &waiting, &small] {
             r.finish(&vm, routed).unwrap();
@@ -1829,8 +1852,12 @@ mod tests {
         let mut routed = r.route_m(&vm, &cfg, &hashes(1, 4), &est(64, 64));
         assert_eq!(routed.pod, "b:1");
         let e = est(64, 64);
-        assert!(r.grow(&vm, &cfg, &mut routed, &e, 17).unwrap());
-        assert!(!r.grow(&vm, &cfg, &mut routed, &e, 20).unwrap());
+        assert!(r
+            .grow(&vm, &cfg, &mut routed, &e, 17, Ended::default())
+            .unwrap());
+        assert!(!r
+            .grow(&vm, &cfg, &mut routed, &e, 20, Ended::default())
+            .unwrap());
         assert_eq!(record::read(&vm, "b:1").unwrap().active_blocks(16), 4 + 2);
         r.finish(&vm, &routed).unwrap();
         assert_eq!(total_active(&vm, &cfg), 0);
@@ -2071,8 +2098,10 @@ mod tests {
         let mut routed = r.route_m(&vm, &cfg, &hashes(1, 4), &e);
         let held = || record::read(&vm, "a:1").unwrap().held_tokens();
         assert_eq!(held(), 110);
-        r.grow(&vm, &cfg, &mut routed, &e, 17).unwrap();
-        r.grow(&vm, &cfg, &mut routed, &e, 40).unwrap();
+        r.grow(&vm, &cfg, &mut routed, &e, 17, Ended::default())
+            .unwrap();
+        r.grow(&vm, &cfg, &mut routed, &e, 40, Ended::default())
+            .unwrap();
         assert_eq!(
             held(),
             110 + 40,
@@ -2080,6 +2109,45 @@ mod tests {
         );
         let rec = record::read(&vm, "a:1").unwrap();
         assert_eq!(rec.entries[0].left, 64 - 40);
+    }
+
+    /// Four answers of up to 64 tokens: as two of them end, the engine frees their tokens and
+    /// the entry holds, grows and reads for the two still running.
+    #[test]
+    fn answers_that_end_free_their_tokens_while_the_others_run_on() {
+        let (vm, cfg, mut r) = router(&["a:1"]);
+        let e = Estimate {
+            choices: 4,
+            max_output_tokens: 4 * 64,
+            ..est(100, 4 * 64)
+        };
+        let mut routed = r.route_m(&vm, &cfg, &hashes(1, 4), &e);
+        let entry = || record::read(&vm, "a:1").unwrap().entries[0];
+        assert_eq!(
+            (entry().held_tokens, entry().choices, entry().left),
+            (110, 4, 64)
+        );
+        r.grow(&vm, &cfg, &mut routed, &e, 80, Ended::default())
+            .unwrap();
+        assert_eq!((entry().held_tokens, entry().left), (110 + 80, 64 - 20));
+        // Two answers end, 25 tokens between them, while the stream reaches 90.
+        let two = Ended {
+            answers: 2,
+            tokens: 25,
+        };
+        assert!(r.grow(&vm, &cfg, &mut routed, &e, 90, two).unwrap());
+        let now = entry();
+        assert_eq!((now.held_tokens, now.choices), (110 + 90 - 25, 2));
+        // The two left have made 65 tokens, 32 or so each: 64 less that, a step each.
+        assert_eq!(now.left, (2 * 64 - 65u32).div_ceil(2));
+        assert_eq!(now.output_blocks, 65u32.div_ceil(16));
+        assert_eq!(now.outlook, e.outlook(2, 65));
+        assert!(
+            !r.grow(&vm, &cfg, &mut routed, &e, 90, two).unwrap(),
+            "nothing new"
+        );
+        r.finish(&vm, &routed).unwrap();
+        assert_eq!(total_active(&vm, &cfg), 0);
     }
 
     #[test]

@@ -236,14 +236,15 @@ def test_enormous_max_tokens_and_prompts_reserve_a_clamped_cost(stubs):
     envoy = stubs
     cap, out_cap = 131072, 8192  # estimator.maxReservationTokens, outputCapTokens (defaults)
     u64 = 18446744073709551615
-    for body in [chat_bytes(max_tokens=u64), chat_bytes(max_completion_tokens=u64, n=u64),
-                 json.dumps({"model": MODEL, "prompt": "x", "max_tokens": u64, "n": 1000}).encode(),
-                 json.dumps({"model": MODEL, "input": "x", "max_output_tokens": u64}).encode()]:
+    # Each answer's output is capped; `n` is read up to vLLM's limit, 16,384 answers.
+    for body, answers in [(chat_bytes(max_tokens=u64), 1), (chat_bytes(max_completion_tokens=u64, n=u64), 16384),
+                          (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": u64, "n": 1000}).encode(), 1000),
+                          (json.dumps({"model": MODEL, "input": "x", "max_output_tokens": u64}).encode(), 1)]:
         path = "/v1/chat/completions" if b"messages" in body else (
             "/v1/completions" if b"prompt" in body else "/v1/responses")
         st, h, b, _ = send(envoy, body, path=path)
         assert st == 200, b[:300]
-        assert 0 < int(h["x-kvgate-cost"]) <= cap and int(h["x-kvgate-output-tokens"]) <= out_cap, h
+        assert 0 < int(h["x-kvgate-cost"]) <= cap and int(h["x-kvgate-output-tokens"]) <= out_cap * answers, h
     # A prompt the estimator counts as bigger than any reservation (a lone digit after a space
     # is two tokens: ~1 token per byte). Its own model name: the stub answers every request with
     # 10 prompt tokens, so the prompt scale learned for MODEL by the tests before (down to 0.1×)

@@ -86,7 +86,7 @@ pub(super) fn charges(
     } else {
         (est.prompt_tokens as f64 / ask.hashes.len() as f64).min(bt)
     };
-    let outlook = est.outlook(0);
+    let outlook = est.outlook(est.choices, 0);
     let load = |b: usize, copies: u64| {
         let whole = est.prompt_tokens as f64 * safety * copies as f64;
         // The engine shares whole blocks of tokens: the block in which the held prefix ends
@@ -100,7 +100,7 @@ pub(super) fn charges(
         Load {
             held: held.round() as u64,
             sigma: (est.prompt_sigma as f64 * copies as f64 * share).round() as u64,
-            left: est.steps_left(0),
+            left: est.steps_left(est.choices, 0),
             rate: est.choices,
             streamed: 0,
             outlook,
