@@ -156,7 +156,8 @@ impl Flow {
             }
         }
         if let Some(routed) = &mut a.routed {
-            if gate.config.routing.step_phase {
+            // A chunk that only ends an answer carries no token: no step of the engine to time.
+            if gate.config.routing.step_phase && pieces > 0 {
                 gate.router.streamed(store, routed, pieces);
             }
             if let Err(e) = gate

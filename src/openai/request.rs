@@ -282,7 +282,9 @@ impl Request {
                 .map(str::to_string);
             out.stored = b.store.as_ref().is_none_or(is_true);
         }
-        let choices = b.n.unwrap_or(1).clamp(1, MAX_CHOICES);
+        // The Responses API has no `n`: one answer, whatever the body says.
+        let n = if api == Api::Responses { None } else { b.n };
+        let choices = n.unwrap_or(1).clamp(1, MAX_CHOICES);
         out.choices = choices;
         out.max_output_tokens = max.map(|m| m.saturating_mul(choices));
         out.min_output_tokens = if b.ignore_eos.as_ref().is_some_and(is_true) {
@@ -547,14 +549,18 @@ mod tests {
         let r = Request::parse(
             Api::Responses,
             br#"{"model":"m","instructions":"sys","input":[{"role":"user","content":[{"type":"input_text","text":"q"}]},
-                {"type":"function_call_output","call_id":"c","output":"42"}],"max_output_tokens":9}"#,
+                {"type":"function_call_output","call_id":"c","output":"42"}],"max_output_tokens":9,"n":3}"#,
         )
         .unwrap();
         assert_eq!(
             r.text,
             "<system>\nsys\n<user>\nq\n<function_call_output>\n42\n"
         );
-        assert_eq!(r.max_output_tokens, Some(9));
+        assert_eq!(
+            (r.max_output_tokens, r.choices),
+            (Some(9), 1),
+            "no `n` there"
+        );
         let r = Request::parse(Api::Responses, br#"{"model":"m","input":"plain"}"#).unwrap();
         assert_eq!(r.text, "plain");
         let r = Request::parse(Api::Embeddings, br#"{"model":"e","input":["a","b"]}"#).unwrap();
