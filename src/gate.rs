@@ -103,10 +103,10 @@ impl Gate {
         }
         self.upkept_ms = Some(now);
         if let Err(e) = self.calibration.flush(store, &self.config.estimator) {
-            log::debug!("kvgate: calibration flush failed: {e:?}");
+            log::debug!("calibration flush failed: {e:?}");
         }
         if let Err(e) = self.router.tend(store, &self.config) {
-            log::debug!("kvgate: router upkeep failed: {e:?}");
+            log::debug!("router upkeep failed: {e:?}");
         }
         // Each routing worker learns its own; they differ little (one Envoy, one network).
         if let Some(us) = self.router.dispatch_delay_us() {
@@ -115,7 +115,7 @@ impl Gate {
         self.leads = match lease::hold_lease(store, self.router.vm(), now, LEASE_MS) {
             Ok(leads) => leads,
             Err(e) => {
-                log::debug!("kvgate: lease: {e:?}");
+                log::debug!("lease: {e:?}");
                 false
             }
         };
@@ -144,7 +144,7 @@ impl Gate {
         self.sync
             .due(store, &self.config, busy_here)
             .unwrap_or_else(|e| {
-                log::debug!("kvgate: replicas sync: {e:?}");
+                log::debug!("replicas sync: {e:?}");
                 Vec::new()
             })
     }
@@ -406,7 +406,7 @@ impl Gate {
             return None;
         }
         self.admission.next_head(store, tried).unwrap_or_else(|e| {
-            log::debug!("kvgate: reading the queue failed: {e:?}");
+            log::debug!("reading the queue failed: {e:?}");
             None
         })
     }
@@ -436,11 +436,11 @@ impl Gate {
     /// logged for the others, through which a follow-up may come.
     pub fn note_stored(&mut self, store: &dyn Store, id: u64, pod: &str, tokens: u64) {
         if let Err(e) = crate::routing::stored::remember(store, id, pod, tokens) {
-            log::debug!("kvgate: stored response not noted: {e:?}");
+            log::debug!("stored response not noted: {e:?}");
         }
         if self.config.etcd.enabled() {
             if let Err(e) = self.router.stored(store, pod, id, tokens) {
-                log::debug!("kvgate: stored response not logged: {e:?}");
+                log::debug!("stored response not logged: {e:?}");
             }
         }
     }
@@ -471,7 +471,7 @@ impl Gate {
             });
             if self.sync.take_grew() {
                 if let Err(e) = self.admission.wake_head(store) {
-                    log::debug!("kvgate: waking the line after a grant grew: {e:?}");
+                    log::debug!("waking the line after a grant grew: {e:?}");
                 }
             }
             let received = self.sync.take_received();
@@ -479,7 +479,7 @@ impl Gate {
                 self.stats
                     .count(stats::REPLICAS_PLACEMENTS, received.placed.len() as u64);
                 if let Err(e) = self.router.import(store, &self.config, received.placed) {
-                    log::debug!("kvgate: the other replicas' placements: {e:?}");
+                    log::debug!("the other replicas' placements: {e:?}");
                 }
             }
             if !received.stored.is_empty() {
@@ -488,11 +488,11 @@ impl Gate {
             }
             for n in received.stored {
                 if let Err(e) = crate::routing::stored::remember(store, n.id, &n.pod, n.tokens) {
-                    log::debug!("kvgate: another replica's stored response: {e:?}");
+                    log::debug!("another replica's stored response: {e:?}");
                 }
             }
             return next.unwrap_or_else(|e| {
-                log::warn!("kvgate: replicas sync failed: {e:?}");
+                log::warn!("replicas sync failed: {e:?}");
                 Vec::new()
             });
         }
@@ -511,11 +511,11 @@ impl Gate {
             // now, not at its VM's tick. Other scrapes leave the line to its tick.
             Ok(true) => {
                 if let Err(e) = self.admission.wake_head(store) {
-                    log::debug!("kvgate: waking the line after {target:?}: {e:?}");
+                    log::debug!("waking the line after {target:?}: {e:?}");
                 }
             }
             Ok(false) => {}
-            Err(e) => log::warn!("kvgate: recording {target:?} failed: {e:?}"),
+            Err(e) => log::warn!("recording {target:?} failed: {e:?}"),
         }
     }
 }

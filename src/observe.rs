@@ -93,7 +93,7 @@ pub fn served(gate: &mut Gate, store: &dyn Store, routed: &mut Routed, served_by
         .router
         .rehome(store, &gate.config, routed, served_by, why)
     {
-        log::debug!("kvgate: rehome failed: {e:?}");
+        log::debug!("rehome failed: {e:?}");
     }
 }
 

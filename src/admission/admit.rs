@@ -478,7 +478,7 @@ impl Admission {
         let line = match line::read(store) {
             Ok(line) => line,
             Err(e) => {
-                log::debug!("kvgate: reading the queue failed: {e:?}");
+                log::debug!("reading the queue failed: {e:?}");
                 return Vec::new();
             }
         };
@@ -602,10 +602,10 @@ impl Admission {
         match store.resolve_queue(&wake_queue_name(vm)) {
             Ok(Some(q)) => {
                 if let Err(e) = store.enqueue(q, &now.to_le_bytes()) {
-                    log::debug!("kvgate: wake of vm {vm} failed: {e:?}");
+                    log::debug!("wake of vm {vm} failed: {e:?}");
                 }
             }
-            other => log::debug!("kvgate: no wake queue for vm {vm}: {other:?}"),
+            other => log::debug!("no wake queue for vm {vm}: {other:?}"),
         }
     }
 

@@ -257,7 +257,7 @@ fn named(store: &dyn Store, id: Option<&str>) -> Named {
         Ok(Some(s)) => Named::On(s),
         Ok(None) => Named::Unknown,
         Err(e) => {
-            log::debug!("kvgate: stored responses unreadable: {e:?}");
+            log::debug!("stored responses unreadable: {e:?}");
             Named::Nothing
         }
     }
@@ -282,7 +282,7 @@ fn seek(gate: &mut Gate, store: &dyn Store) -> Option<u64> {
     let until = store.now_ms().saturating_add(e.follow_up_wait_ms);
     // The elected worker syncs at the busy pace meanwhile, to read the note sooner.
     if let Err(e) = crate::routing::stored::seek(store, until) {
-        log::debug!("kvgate: marking a stored response sought: {e:?}");
+        log::debug!("marking a stored response sought: {e:?}");
     }
     gate.stats.count(stats::STORED_WAITED, 1);
     Some(until)
@@ -699,7 +699,7 @@ impl Flow {
             Ok(admit) => self.decide(gate, admit),
             Err(e) => {
                 // Shared state unavailable: Envoy's fallback policy still serves the request.
-                log::warn!("kvgate: admission failed, falling back to Envoy's balancing: {e:?}");
+                log::warn!("admission failed, falling back to Envoy's balancing: {e:?}");
                 gate.stats.count(stats::ROUTE_ERRORS, 1);
                 Decision::step(Step::Forward)
             }
@@ -900,7 +900,7 @@ impl Flow {
             Ok(Ok(admit)) => admit,
             Ok(Err(stay)) => return Err(stay),
             Err(e) => {
-                log::warn!("kvgate: admission retry failed, sending unrouted: {e:?}");
+                log::warn!("admission retry failed, sending unrouted: {e:?}");
                 Admit::Unrouted
             }
         };

@@ -164,7 +164,7 @@ impl Flow {
                 .router
                 .grow(store, &gate.config, routed, &a.estimate, made, ended)
             {
-                log::debug!("kvgate: grow failed: {e:?}");
+                log::debug!("grow failed: {e:?}");
             }
         }
     }
@@ -190,7 +190,7 @@ impl Flow {
                 .router
                 .grow_unseen(store, &gate.config, routed, &a.estimate)
             {
-                log::debug!("kvgate: growing an unseen answer failed: {e:?}");
+                log::debug!("growing an unseen answer failed: {e:?}");
             }
         }
     }
@@ -208,19 +208,19 @@ impl Flow {
         if let Some((ticket, _)) = self.admitted.as_ref().and_then(|a| a.waiting.as_ref()) {
             // The client left while parked.
             if let Err(e) = gate.admission.abandon(store, &mut gate.stats, ticket.id) {
-                log::warn!("kvgate: leaving the queue failed (the ticket expires): {e:?}");
+                log::warn!("leaving the queue failed (the ticket expires): {e:?}");
             }
         }
         if let Some(routed) = self.admitted.as_ref().and_then(|a| a.routed.as_ref()) {
             match gate.router.finish(store, routed) {
                 Ok(_) => {
                     if let Err(e) = gate.admission.wake_head(store) {
-                        log::debug!("kvgate: waking the queue failed: {e:?}");
+                        log::debug!("waking the queue failed: {e:?}");
                     }
                 }
                 // The entry expires by itself (routing.requestTtlMs).
                 Err(e) => log::warn!(
-                    "kvgate: release of {} on {} failed: {e:?}",
+                    "release of {} on {} failed: {e:?}",
                     routed.request,
                     routed.pod
                 ),
@@ -231,7 +231,7 @@ impl Flow {
                 .filter(|_| gate.config.admission.session_boost_ms > 0)
             {
                 if let Err(e) = crate::admission::sessions::finished_turn(store, session) {
-                    log::debug!("kvgate: session record failed: {e:?}");
+                    log::debug!("session record failed: {e:?}");
                 }
             }
         }

@@ -885,7 +885,7 @@ pub fn write_snapshot(
     .inspect(|_| {
         if let Some(lost) = raised.filter(|&l| l > pool_lost) {
             if let Err(e) = crate::admission::feedback::share_lost(store, lost, now, interval) {
-                log::debug!("kvgate: sharing the relief cap failed: {e:?}");
+                log::debug!("sharing the relief cap failed: {e:?}");
             }
         }
     })

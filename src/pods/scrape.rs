@@ -191,7 +191,7 @@ impl Scraper {
                     }
                     Err(e) => {
                         // The pod keeps its last known models: a failed list is not an empty one.
-                        log::debug!("kvgate: model list of {pod}: {e}");
+                        log::debug!("model list of {pod}: {e}");
                         stats.count(stats::MODELS_LIST_ERRORS, 1);
                         Ok(false)
                     }
@@ -287,7 +287,7 @@ impl Scraper {
             return Ok(false);
         }
         log::warn!(
-            "kvgate: pod {pod}: {UNREADABLE_SCRAPES} scrapes of {} in a row without metrics kvgate reads (last status {status:?}); \
+            "pod {pod}: {UNREADABLE_SCRAPES} scrapes of {} in a row without metrics kvgate reads (last status {status:?}); \
              admitting to it without its KV capacity: enable the engine's metrics (SGLang: --enable-metrics) or set admission.budgetTokens",
             cfg.metrics.path
         );

@@ -538,7 +538,7 @@ impl Sync {
         self.failing = true;
         stats.count(stats::REPLICAS_ERRORS, 1);
         log::debug!(
-            "kvgate: etcd answered {}",
+            "etcd answered {}",
             String::from_utf8_lossy(&body[..body.len().min(200)])
         );
         Vec::new()

@@ -862,7 +862,7 @@ impl Router {
             });
             if let Err(e) = self.log.publish(store, self.vm, &event) {
                 // The other workers miss one pick; their replicas are approximate by design.
-                log::debug!("kvgate: pick log publish failed: {e:?}");
+                log::debug!("pick log publish failed: {e:?}");
             }
             // The published copy of the hashes becomes this VM's replica entry: one copy per pick.
             if let Event::Dispatch(d) = event {
@@ -1055,7 +1055,7 @@ impl Router {
             // Held for this VM's next append: the other workers' replicas keep the request a
             // little longer, which their prune by the pod records bounds.
             if let Err(e) = self.log.finish(store, self.vm, event) {
-                log::debug!("kvgate: pick log publish failed: {e:?}");
+                log::debug!("pick log publish failed: {e:?}");
             }
         }
         Ok(gone)

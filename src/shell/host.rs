@@ -147,7 +147,7 @@ pub fn request_body(size: usize) -> Vec<u8> {
 /// Replaces the buffered request body (its first `old_size` bytes: all of it) with `body`.
 pub fn replace_request_body(old_size: usize, body: &[u8]) {
     if let Err(status) = raw::set_buffer_bytes(BufferType::HttpRequestBody, 0, old_size, body) {
-        log::warn!("kvgate: rewriting the request body failed: status {status}");
+        log::warn!("rewriting the request body failed: status {status}");
     }
 }
 
@@ -157,7 +157,7 @@ pub fn response_body(size: usize) -> Vec<u8> {
 
 pub fn resume_request() {
     if let Err(status) = raw::continue_stream(StreamType::HttpRequest) {
-        log::debug!("kvgate: resume failed: status {status}");
+        log::debug!("resume failed: status {status}");
     }
 }
 
@@ -173,10 +173,7 @@ pub fn send_reply(reply: &LocalReply) {
         .map(|(k, v)| (k.as_str(), v.as_str()))
         .collect();
     if let Err(status) = raw::send_local_response(reply.status, &headers, &reply.body) {
-        log::warn!(
-            "kvgate: local reply {} failed: status {status}",
-            reply.status
-        );
+        log::warn!("local reply {} failed: status {status}", reply.status);
     }
 }
 
@@ -321,10 +318,7 @@ pub fn send(call: &crate::pods::scrape::Call) -> Option<u32> {
         call.timeout_ms,
     );
     if token.is_none() {
-        log::warn!(
-            "kvgate: cannot call cluster `{}` (is it defined?)",
-            call.cluster
-        );
+        log::warn!("cannot call cluster `{}` (is it defined?)", call.cluster);
     }
     token
 }

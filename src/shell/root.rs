@@ -144,13 +144,13 @@ impl RootContext for Root {
         }
         match Gate::new(config, &HostStore::default()) {
             Ok(mut gate) => {
-                log::info!("kvgate: configured as vm {}", gate.vm());
+                log::info!("configured as vm {}", gate.vm());
                 host::retick(&mut gate);
                 self.gate = Some(Rc::new(RefCell::new(gate)));
                 true
             }
             Err(e) => {
-                log::error!("kvgate: shared data unavailable at configure: {e:?}");
+                log::error!("shared data unavailable at configure: {e:?}");
                 false
             }
         }

@@ -96,7 +96,7 @@ impl Router {
             hashes,
         });
         if let Err(e) = self.log.publish(store, self.vm, &event) {
-            log::debug!("kvgate: pick log publish failed: {e:?}");
+            log::debug!("pick log publish failed: {e:?}");
         }
         if let Event::Dispatch(d) = event {
             self.active.add(served_by, routed.request, d.hashes, now);
