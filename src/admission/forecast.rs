@@ -120,10 +120,15 @@ struct Term {
     left: u64,
     /// The prompt part of `held`, and the entry's lag behind its stream (a block of slack).
     hp: f64,
-    /// Each answer's part: what it has made, and its partly filled last block (its slack).
-    k: f64,
     /// Answers, each making a token a step.
     r: f64,
+    /// With `k` each answer's part (what it has made, and its partly filled last block, its
+    /// slack), the products `Sums::add` needs in every interval whatever the chance: `hp²`,
+    /// `r·k`, `r·k²` and `2·hp·k`, worked out once a request, not once an interval.
+    hp2: f64,
+    rk: f64,
+    rk2: f64,
+    hpk2: f64,
     /// The spread of `held`, squared.
     sigma2: f64,
     outlook: Outlook,
@@ -135,11 +140,15 @@ impl Term {
         let streamed = l.streamed.min(l.held);
         let k = (streamed as f64 / r as f64) + block as f64;
         let hp = (l.held + slack(block, r)) as f64 - r as f64 * k;
+        let r = r as f64;
         Term {
             left: l.left,
             hp,
-            k,
-            r: r as f64,
+            r,
+            hp2: hp * hp,
+            rk: r * k,
+            rk2: r * k * k,
+            hpk2: 2.0 * hp * k,
             sigma2: (l.sigma as f64).powi(2),
             outlook: l.outlook,
         }
@@ -176,17 +185,17 @@ impl Sums {
         if p <= 0.0 {
             return;
         }
-        let (hp, k, r) = (t.hp, t.k, t.r);
+        let (hp, r) = (t.hp, t.r);
         // The prompt's chance: one answer's, or any of several's.
         let big_p = if r > 1.0 { 1.0 - (1.0 - p).powf(r) } else { p };
         let q = p * (1.0 - p);
         let cov = r * p * (1.0 - big_p);
-        self.a += sign * (hp * big_p + r * k * p);
+        self.a += sign * (hp * big_p + t.rk * p);
         self.c += sign * r * p;
-        self.q2 += sign * (hp * hp * big_p * (1.0 - big_p) + r * k * k * q + 2.0 * hp * k * cov);
-        self.q1 += sign * (r * k * q + hp * cov);
+        self.q2 += sign * (t.hp2 * big_p * (1.0 - big_p) + t.rk2 * q + t.hpk2 * cov);
+        self.q1 += sign * (t.rk * q + hp * cov);
         self.q0 += sign * r * q;
-        self.h += sign * (hp + r * k);
+        self.h += sign * (hp + t.rk);
         self.n += sign * r;
         self.v += sign * t.sigma2 * big_p;
         self.w += sign * t.sigma2;
@@ -308,12 +317,14 @@ mod tests {
             16,
         );
         let p = f64::from(chance) / 255.0;
+        // Each answer: what it streamed, and its last block.
+        let k = 200.0 / f64::from(r) + 16.0;
         let s = 30.0;
         let (mut mean, mut square) = (0.0, 0.0);
         for outcome in 0..1u32 << r {
             let running = outcome.count_ones();
             let likely = p.powi(running as i32) * (1.0 - p).powi((r - running) as i32);
-            let held = if running > 0 { t.hp } else { 0.0 } + f64::from(running) * (t.k + s);
+            let held = if running > 0 { t.hp } else { 0.0 } + f64::from(running) * (k + s);
             mean += likely * held;
             square += likely * held * held;
         }
@@ -333,7 +344,7 @@ mod tests {
             mean + sd
         );
         // Its parts: the prompt and the entry's lag, and each answer's 50 tokens and its block.
-        assert_eq!((t.hp, t.k), (500.0 + 5.0 * 16.0 - 4.0 * 66.0, 66.0));
+        assert_eq!((t.hp, t.rk), (500.0 + 5.0 * 16.0 - 4.0 * 66.0, 4.0 * 66.0));
     }
 
     #[test]

@@ -28,7 +28,7 @@ use std::rc::Rc;
 mod rehome;
 mod steps;
 pub use rehome::Moved;
-use steps::{candidates, charges, mostly_cached, prompt_copies, Ask};
+use steps::{candidates, charges, mostly_cached, Ask};
 
 const VM_SEQ_KEY: &str = "kvgate.vm.seq";
 const PODS_CACHE_MS: u64 = 1_000;
@@ -660,8 +660,7 @@ impl Router {
             })
             .collect();
         (ask.hot_blocks, ask.copy_weight) = self.hot_prefix(&indices, &shared, hashes);
-        let copies = prompt_copies(&records, &indices, est.choices);
-        let (loads, alones) = charges(est, &shared, &copies, &ask, cfg.estimator.safety_factor);
+        let (loads, alones) = charges(est, &indices, &shared, &ask, cfg.estimator.safety_factor);
         let mut candidates = candidates(
             &self.pods,
             &self.prefix,

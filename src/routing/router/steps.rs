@@ -62,14 +62,15 @@ pub(super) fn mostly_cached(c: &Candidate, prompt_blocks: usize) -> bool {
     c.cached_blocks * 2 >= prompt_blocks
 }
 
-/// What the request holds on each candidate (`shared`: its leading blocks already held there by
-/// in-flight requests), and what it holds there when it shares nothing. `copies`: how many
-/// copies of its prompt the candidate's engine holds, one per answer where it caches no prefixes
-/// (vLLM shares a prompt among a request's answers only through its prefix cache), else one.
+/// What the request holds on each candidate (`indices` into `ask.records`; `shared`: its
+/// leading blocks already held there by in-flight requests), and what it holds there when it
+/// shares nothing. A candidate's engine holds one copy of the prompt per answer where it caches
+/// no prefixes (vLLM shares a prompt among a request's answers only through its prefix cache),
+/// else one.
 pub(super) fn charges(
     est: &Estimate,
+    indices: &[usize],
     shared: &[usize],
-    copies: &[u64],
     ask: &Ask,
     safety: f64,
 ) -> (Vec<Load>, Vec<Load>) {
@@ -106,26 +107,19 @@ pub(super) fn charges(
             outlook,
         }
     };
-    let sharing = shared.iter().zip(copies).map(|(&b, &c)| load(b, c));
-    let alone = copies.iter().map(|&c| load(0, c));
-    (sharing.collect(), alone.collect())
-}
-
-/// The copies of a prompt of `choices` answers each candidate (`indices` into `records`) holds:
-/// one per answer where its engine caches no prefixes, one elsewhere.
-pub(super) fn prompt_copies(
-    records: &[Rc<PodRecord>],
-    indices: &[usize],
-    choices: u64,
-) -> Vec<u64> {
-    let copies = |&i: &usize| {
-        if records.get(i).is_some_and(|r| caches_nothing(r)) {
-            choices.max(1)
+    let copies = |i: usize| {
+        if ask.records.get(i).is_some_and(|r| caches_nothing(r)) {
+            est.choices.max(1)
         } else {
             1
         }
     };
-    indices.iter().map(copies).collect()
+    let sharing = indices
+        .iter()
+        .zip(shared)
+        .map(|(&i, &b)| load(b, copies(i)));
+    let alone = indices.iter().map(|&i| load(0, copies(i)));
+    (sharing.collect(), alone.collect())
 }
 
 /// What the cost formula (`pick`) knows of each eligible pod (`indices` into `pods`) for
