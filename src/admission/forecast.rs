@@ -61,11 +61,7 @@ pub fn slack(block: u64, sequences: u64) -> u64 {
 }
 
 /// What a request of `sequences` answers holds beyond its entry's `held` as the forecast counts
-/// it: three parts, each anywhere in a block and independent from request to request, so the
-/// pod's sum of them is close to its mean and they are counted by their mean and variance (as
-/// the answers' lengths are), not each at its bound ([`slack`]: two blocks a request, which on
-/// pods running thirty short requests held a tenth of the KV idle, `chat-short` 84 % KV against
-/// 89 % counted so):
+/// it. It has three parts:
 /// - each answer's last block is partly filled (the engine allocates whole blocks): half a
 ///   block on average;
 /// - the entry is written when the request's output crosses a block boundary, so its stream
@@ -74,17 +70,23 @@ pub fn slack(block: u64, sequences: u64) -> u64 {
 ///   buffering: 5–11 tokens at the e2e tests' ten-fold clock, about one at real speed): half a
 ///   block an answer.
 ///
-/// The first two are uniform over a block, `block²/12` each of variance; the lag, taken at about
-/// its mean at the e2e tests' clock and well above it at real speed, none.
-/// With one answer: a block and a half on average, within a block of it. Counted at a block
-/// (with the 5 % of the pod kept free then), pods of 4k tokens running six requests with every
+/// The first two are anywhere in a block and independent from request to request, so a pod's
+/// sum of them is close to its mean: they are counted by their mean and their variance
+/// (`block²/12` each), as the answers' lengths are, not each at its bound ([`slack`]: two blocks
+/// a request, which held pods running thirty short requests at 84 % of their KV where this holds
+/// them at 89 %, `chat-short`). The lag moves all of a pod's streams together (a learned mean of
+/// 11–13 tokens a request preempted 14–26 times in 30 s, BENCHMARKS.md, thirtieth session), so
+/// it has no spread to pool: it is counted at a margin, about its mean at the e2e tests' clock
+/// and well above it at real speed. Left out, with the partial blocks at their mean of a block
+/// (and 5 % of the pod kept free then), pods of 4k tokens running six requests with every
 /// answer's length known preempted 1–3 times at `--concurrency` 2 and 4
-/// (`tests/e2e/test_budget.py`): the lag was left out.
+/// (`tests/e2e/test_budget.py`).
 struct Slack {
     /// Of the prompt's part: the entry's lag behind its stream.
     prompt: f64,
     /// Of each answer's part: its partial block and its stream's lag.
     answer: f64,
+    /// Of the partial blocks, one an answer and the entry's: uniform over a block each.
     variance: f64,
 }
 
