@@ -329,9 +329,13 @@ pub struct ResponseMeter {
 /// each ends, and the engine frees an answer's tokens when it ends (vLLM V1 runs each as a
 /// request of its own), while the others run on.
 #[derive(Debug, Default)]
-struct Answers {
-    pieces: Vec<u64>,
-    ended: Vec<bool>,
+struct Answers(Vec<Answer>);
+
+/// One answer of several: its pieces so far, and whether it has ended.
+#[derive(Debug, Clone, Copy, Default)]
+struct Answer {
+    pieces: u64,
+    ended: bool,
 }
 
 impl Answers {
@@ -349,10 +353,10 @@ impl Answers {
             let i = i
                 .and_then(|i| usize::try_from(i).ok())
                 .unwrap_or(usize::MAX);
-            if let (Some(p), Some(e)) = (self.pieces.get_mut(i), self.ended.get_mut(i)) {
-                *p += u64::from(counted && c.choice.has_text());
+            if let Some(a) = self.0.get_mut(i) {
+                a.pieces += u64::from(counted && c.choice.has_text());
                 let reason = c.finish_reason.as_ref().and_then(serde_json::Value::as_str);
-                *e |= reason.is_some_and(|r| !r.is_empty());
+                a.ended |= reason.is_some_and(|r| !r.is_empty());
             }
         }
     }
@@ -389,10 +393,9 @@ impl ResponseMeter {
     /// several: each chunk is read through serde once more, for which answer it is and whether
     /// it ends it (a request of one is read as before).
     pub fn answering(self, n: u64) -> Self {
-        let answers = (2..=MAX_ANSWERS).contains(&n).then(|| Answers {
-            pieces: vec![0; n as usize],
-            ended: vec![false; n as usize],
-        });
+        let answers = (2..=MAX_ANSWERS)
+            .contains(&n)
+            .then(|| Answers(vec![Answer::default(); n as usize]));
         Self { answers, ..self }
     }
 
@@ -401,10 +404,10 @@ impl ResponseMeter {
         let Some(a) = &self.answers else {
             return EndedAnswers::default();
         };
-        let ended = a.ended.iter().zip(&a.pieces).filter(|(e, _)| **e);
-        ended.fold(EndedAnswers::default(), |sum, (_, p)| EndedAnswers {
+        let ended = a.0.iter().filter(|a| a.ended);
+        ended.fold(EndedAnswers::default(), |sum, a| EndedAnswers {
             answers: sum.answers + 1,
-            pieces: sum.pieces + p,
+            pieces: sum.pieces + a.pieces,
         })
     }
 
