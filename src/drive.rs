@@ -70,6 +70,10 @@ pub fn retry(
     reach: (Reach, u64),
 ) -> Result<(), Stay> {
     let Some(stream) = waiting.find(ticket) else {
+        // A ticket this VM parked with no stream to resume: nobody would ever take it out of
+        // the line, which waits behind it. (Every path that lets a stream go leaves the line
+        // too; this keeps one that did not from stopping the line.)
+        gate.admission.abandon(store, &mut gate.stats, ticket);
         return Err(Stay::NoRoom);
     };
     if !waiting.enter(&stream) {
@@ -878,6 +882,34 @@ mod tests {
             "{d:?}"
         );
         assert!(host.parked.is_empty());
+    }
+
+    /// A parked request whose stream this VM no longer holds (every path that lets a stream go
+    /// takes its ticket out of the line; this is the backstop) is taken out of the line when met
+    /// at its head, and the line moves on.
+    #[test]
+    fn a_head_with_no_stream_to_resume_leaves_the_line_and_the_next_is_admitted() {
+        let (_h, vm, mut gate) = gate();
+        let mut host = Host::default();
+        send(&mut gate, &vm, &mut host, 1);
+        send(&mut gate, &vm, &mut host, 2);
+        send(&mut gate, &vm, &mut host, 3);
+        assert_eq!(host.parked.len(), 2);
+        let (&lost, _) = host.parked.iter().find(|(_, &c)| c == 2).unwrap();
+        host.parked.remove(&lost);
+        host.flows.get_mut(&1).unwrap().on_done(&mut gate, &vm);
+        run_line(&mut gate, &vm, &mut host);
+        assert!(
+            crate::admission::line::read(&vm)
+                .unwrap()
+                .tickets
+                .is_empty(),
+            "both out of the line"
+        );
+        let [(3, d)] = host.resumed.as_slice() else {
+            panic!("{:?}", host.resumed);
+        };
+        assert_eq!(destination(d).as_deref(), Some(POD));
     }
 
     #[test]

@@ -53,6 +53,8 @@ pub struct Watched<'a> {
     pub reads: Cell<u32>,
     pub keys: RefCell<Vec<String>>,
     meanwhile: RefCell<Option<Box<dyn FnOnce() + 'a>>>,
+    /// Writes of keys starting with this fail, as a host refusing them would.
+    fails: Option<&'a str>,
 }
 
 impl<'a> Watched<'a> {
@@ -62,6 +64,15 @@ impl<'a> Watched<'a> {
             reads: Cell::new(0),
             keys: RefCell::new(Vec::new()),
             meanwhile: RefCell::new(None),
+            fails: None,
+        }
+    }
+
+    /// A worker whose writes of keys starting with `prefix` fail.
+    pub fn failing(vm: &'a FakeVm, prefix: &'a str) -> Self {
+        Watched {
+            fails: Some(prefix),
+            ..Watched::new(vm)
         }
     }
 
@@ -85,6 +96,9 @@ impl Store for Watched<'_> {
         self.vm.get(key)
     }
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+        if self.fails.is_some_and(|prefix| key.starts_with(prefix)) {
+            return Err(StoreError::Host(1));
+        }
         if key.starts_with("kvgate.pod.") && cas.is_some() {
             if let Some(other) = self.meanwhile.borrow_mut().take() {
                 other();

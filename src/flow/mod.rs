@@ -900,7 +900,9 @@ impl Flow {
             Ok(Ok(admit)) => admit,
             Ok(Err(stay)) => return Err(stay),
             Err(e) => {
+                // It has left the line (`Admission::retry`).
                 log::warn!("admission retry failed, sending unrouted: {e:?}");
+                gate.stats.count(stats::ROUTE_ERRORS, 1);
                 Admit::Unrouted
             }
         };

@@ -207,9 +207,7 @@ impl Flow {
         self.end_seeking(gate);
         if let Some((ticket, _)) = self.admitted.as_ref().and_then(|a| a.waiting.as_ref()) {
             // The client left while parked.
-            if let Err(e) = gate.admission.abandon(store, &mut gate.stats, ticket.id) {
-                log::warn!("leaving the queue failed (the ticket expires): {e:?}");
-            }
+            gate.admission.abandon(store, &mut gate.stats, ticket.id);
         }
         if let Some(routed) = self.admitted.as_ref().and_then(|a| a.routed.as_ref()) {
             match gate.router.finish(store, routed) {
