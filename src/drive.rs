@@ -884,6 +884,31 @@ mod tests {
         assert!(host.parked.is_empty());
     }
 
+    /// Shared data fails while the head of the line is retried: it goes on undecided, and its
+    /// ticket leaves the line with it, so the request behind it is admitted in the same pass.
+    #[test]
+    fn a_head_whose_retry_fails_on_shared_data_goes_on_and_the_next_is_admitted() {
+        let (_h, vm, mut gate) = gate();
+        let mut host = Host::default();
+        send(&mut gate, &vm, &mut host, 1);
+        send(&mut gate, &vm, &mut host, 2);
+        send(&mut gate, &vm, &mut host, 3);
+        host.flows.get_mut(&1).unwrap().on_done(&mut gate, &vm);
+        // The head's write of the pod's record fails; the next one's goes through.
+        let failing = crate::test_support::Watched::failing_once(&vm, "kvgate.pod.");
+        run_line(&mut gate, &failing, &mut host);
+        let [(2, undecided), (3, admitted)] = host.resumed.as_slice() else {
+            panic!("{:?}", host.resumed);
+        };
+        assert_eq!(undecided.step, Step::Forward);
+        assert_eq!(destination(undecided), None);
+        assert_eq!(destination(admitted).as_deref(), Some(POD));
+        assert!(crate::admission::line::read(&vm)
+            .unwrap()
+            .tickets
+            .is_empty());
+    }
+
     /// A parked request whose stream this VM no longer holds (every path that lets a stream go
     /// takes its ticket out of the line; this is the backstop) is taken out of the line when met
     /// at its head, and the line moves on.

@@ -53,8 +53,8 @@ pub struct Watched<'a> {
     pub reads: Cell<u32>,
     pub keys: RefCell<Vec<String>>,
     meanwhile: RefCell<Option<Box<dyn FnOnce() + 'a>>>,
-    /// Writes of keys starting with this fail, as a host refusing them would.
-    fails: Option<&'a str>,
+    /// The next write of a key starting with this fails, as a host refusing it would.
+    fails: Cell<Option<&'a str>>,
 }
 
 impl<'a> Watched<'a> {
@@ -64,16 +64,15 @@ impl<'a> Watched<'a> {
             reads: Cell::new(0),
             keys: RefCell::new(Vec::new()),
             meanwhile: RefCell::new(None),
-            fails: None,
+            fails: Cell::new(None),
         }
     }
 
-    /// A worker whose writes of keys starting with `prefix` fail.
-    pub fn failing(vm: &'a FakeVm, prefix: &'a str) -> Self {
-        Watched {
-            fails: Some(prefix),
-            ..Watched::new(vm)
-        }
+    /// A worker whose next write of a key starting with `prefix` fails.
+    pub fn failing_once(vm: &'a FakeVm, prefix: &'a str) -> Self {
+        let w = Watched::new(vm);
+        w.fails.set(Some(prefix));
+        w
     }
 
     /// Runs `meanwhile` just before this worker's first compare-and-swap of a pod record.
@@ -96,7 +95,8 @@ impl Store for Watched<'_> {
         self.vm.get(key)
     }
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
-        if self.fails.is_some_and(|prefix| key.starts_with(prefix)) {
+        if self.fails.get().is_some_and(|p| key.starts_with(p)) {
+            self.fails.set(None);
             return Err(StoreError::Host(1));
         }
         if key.starts_with("kvgate.pod.") && cas.is_some() {

@@ -278,10 +278,9 @@ impl Admission {
             match placed {
                 Placement::Routed(r) => {
                     // Fair-queuing tags matter only under contention: an uncontended pool skips
-                    // the write to the one line every worker shares.
-                    // Its entry is written: a failure here costs the tenant's tag this charge,
-                    // not the request its place (an error would send it on unrouted, its entry
-                    // left to expire).
+                    // the write to the one line every worker shares. Its entry is written: a
+                    // failure here costs the tenant's tag this charge, not the request its place
+                    // (an error would send it on unrouted, its entry left to expire).
                     if !line.tickets.is_empty() {
                         let tenant = line::fair_key(class.tenant, ticket.reach);
                         if let Err(e) = line::charge_direct(store, tenant, est.cost) {
@@ -347,32 +346,10 @@ impl Admission {
     /// deadline (which is answered wherever it may reach), on the pods `within` names
     /// (`line::ANYWHERE`: all of its model's; fewer for a ticket heading the line on those
     /// only, `next_head`). `Ok(Err)`: it stays parked, and why. `Err`: shared data failed, and
-    /// the request goes on undecided (`Flow::retry`): it has left the line. Left there, its
-    /// ticket headed the line for nobody until it was dropped as abandoned, 35 s on, with every
-    /// request behind it waiting: in the `chat-short` benchmark's tiny-request regime (400
-    /// clients) one lost compare-and-swap in about three runs timed out all 400.
+    /// its ticket is where it was (the caller sends the request on undecided and `withdraw`s
+    /// it).
     #[allow(clippy::too_many_arguments)]
     pub fn retry(
-        &mut self,
-        store: &dyn Store,
-        cfg: &Config,
-        router: &mut Router,
-        stats: &mut Stats,
-        ticket: &mut Ticket,
-        asks: &Asks,
-        reach: (Reach, u64),
-    ) -> Result<Result<Admit, Stay>, StoreError> {
-        let id = ticket.id;
-        let outcome = self.try_again(store, cfg, router, stats, ticket, asks, reach);
-        if outcome.is_err() {
-            self.leave(store, id, Leave::NotAdmitted);
-        }
-        outcome
-    }
-
-    /// `retry`'s attempt; an error leaves the ticket where it is.
-    #[allow(clippy::too_many_arguments)]
-    fn try_again(
         &mut self,
         store: &dyn Store,
         cfg: &Config,
@@ -590,10 +567,22 @@ impl Admission {
 
     /// A parked request's client went away, or this VM lost its stream.
     pub fn abandon(&mut self, store: &dyn Store, stats: &mut Stats, ticket: u64) {
-        if self.parked.contains_key(&ticket) {
+        if self.withdraw(store, ticket) {
             stats.count(stats::ADMISSION_ABANDONED, 1);
+        }
+    }
+
+    /// A parked request goes on without waiting any longer (its retry failed on shared data):
+    /// its ticket leaves the line. Left there, it headed the line for nobody until it was
+    /// dropped as abandoned, 35 s on, with every request behind it waiting: in the `chat-short`
+    /// benchmark's tiny-request regime (400 clients) one failed retry in about three runs timed
+    /// out all 400. Whether it was parked here.
+    pub fn withdraw(&mut self, store: &dyn Store, ticket: u64) -> bool {
+        let parked = self.parked.contains_key(&ticket);
+        if parked {
             self.leave(store, ticket, Leave::NotAdmitted);
         }
+        parked
     }
 
     /// The ticket leaves the line. This VM forgets it first: should the line's write fail, the
@@ -743,43 +732,6 @@ mod tests {
             hashes: &[1, 2],
             est,
         }
-    }
-
-    /// Shared data fails while a parked request is retried: it goes on undecided
-    /// (`Flow::retry`), and its ticket leaves the line with it. Left there, it headed the line
-    /// for nobody, and every request behind it waited until its wait ran out.
-    #[test]
-    fn a_retry_that_shared_data_fails_takes_its_ticket_out_of_the_line() {
-        let (cfg, mut w) = one_worker(100);
-        let first = routed(w.place(&cfg, class(&cfg, None, "t"), 80));
-        let second = waiting(w.place(&cfg, class(&cfg, None, "t"), 80));
-        let third = waiting(w.place(&cfg, class(&cfg, None, "t"), 80));
-        w.router.finish(&w.vm, &first).unwrap();
-        let vm = w.vm.clone();
-        let failing = crate::test_support::Watched::failing(&vm, "kvgate.pod.");
-        let est = est(80);
-        let outcome = w.admission.retry(
-            &failing,
-            &cfg,
-            &mut w.router,
-            &mut w.stats,
-            &mut second.clone(),
-            &asks(&est),
-            (Reach::Any, line::ANYWHERE),
-        );
-        assert!(outcome.is_err(), "{outcome:?}");
-        let ids: Vec<u64> = line::read(&w.vm)
-            .unwrap()
-            .tickets
-            .iter()
-            .map(|t| t.id)
-            .collect();
-        assert_eq!(ids, [third.id], "the second has left the line");
-        assert_eq!(
-            w.admission.next_head(&w.vm, &[]).unwrap().map(|(t, _)| t),
-            Some(third.id)
-        );
-        routed(w.retry(&cfg, &third, 80).unwrap());
     }
 
     fn routed(a: Admit) -> Routed {

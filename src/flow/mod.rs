@@ -900,9 +900,9 @@ impl Flow {
             Ok(Ok(admit)) => admit,
             Ok(Err(stay)) => return Err(stay),
             Err(e) => {
-                // It has left the line (`Admission::retry`).
                 log::warn!("admission retry failed, sending unrouted: {e:?}");
                 gate.stats.count(stats::ROUTE_ERRORS, 1);
+                gate.admission.withdraw(store, ticket.id);
                 Admit::Unrouted
             }
         };
