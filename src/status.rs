@@ -5,6 +5,7 @@
 //! Stats say how these numbers move over time; this page says what they are now, per pod, without
 //! a Prometheus in between.
 
+use crate::admission::forecast::Lag;
 use crate::config::Config;
 use crate::gate::Gate;
 use crate::openai::reply::LocalReply;
@@ -89,6 +90,12 @@ fn pod(
         "backoff": snapshot.map(|s| s.backoff),
         "relief": snapshot.map(|s| s.relief),
         "unexplainedTokens": snapshot.map(|s| s.unexplained_tokens),
+        // The most output tokens one chunk brought an answer of a stream in flight there: how far
+        // behind the engine the forecast counts every answer (null: none seen yet).
+        "streamLagTokens": match rec.lag() {
+            Lag::Seen(l) => Some(l),
+            Lag::Unseen => None,
+        },
         "activeBlocks": rec.active_blocks(block_tokens),
         "inFlight": rec.entries.len(),
         "waiting": snapshot.map(|s| s.waiting),

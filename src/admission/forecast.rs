@@ -19,8 +19,8 @@
 //! which each extends by a token a step and which it holds while any of them runs; its answers
 //! end independently, each with one answer's chance (`Sums` has the terms).
 //!
-//! (`slack`: what a request holds beyond its entry, its partial blocks and its stream's lag, at
-//! their mean, see `Slack`; `σ_i`: how far `held_i` and the slack may be off — the prompt was
+//! (`slack`: what a request holds beyond its entry, its partial blocks at their mean and its
+//! stream's lag as measured on the pod, see `Slack`; `σ_i`: how far `held_i` and the slack may be off — the prompt was
 //! estimated by rule, with the spread calibration measured, and the slack is anywhere in a block
 //! or two — so both are held at their expected size and their uncertainty is paid once per pod,
 //! not as a margin on every request). The forecast is the highest
@@ -66,9 +66,8 @@ pub fn slack(block: u64, sequences: u64) -> u64 {
 ///   block on average;
 /// - the entry is written when the request's output crosses a block boundary, so its stream
 ///   is up to a block further along: half a block on average, once a request;
-/// - the stream reaches the filter a few tokens after the engine made them (Envoy's own
-///   buffering: 5–11 tokens at the e2e tests' ten-fold clock, about one at real speed): half a
-///   block an answer.
+/// - the stream reaches the filter some tokens after the engine made them (the delivery lag):
+///   the pod's [`Lag`] an answer.
 ///
 /// The first two are anywhere in a block and independent from request to request, so a pod's
 /// sum of them is close to its mean: they are counted by their mean and their variance
@@ -76,10 +75,9 @@ pub fn slack(block: u64, sequences: u64) -> u64 {
 /// a request, which held pods running thirty short requests at 84 % of their KV where this holds
 /// them at 89 %, `chat-short`). The lag moves all of a pod's streams together (a learned mean of
 /// 11–13 tokens a request preempted 14–26 times in 30 s, BENCHMARKS.md, thirtieth session), so
-/// it has no spread to pool: it is counted at a margin, about its mean at the e2e tests' clock
-/// and well above it at real speed. Left out, with the partial blocks at their mean of a block
-/// (and 5 % of the pod kept free then), pods of 4k tokens running six requests with every
-/// answer's length known preempted 1–3 times at `--concurrency` 2 and 4
+/// it has no spread to pool: it is counted at a margin. Left out, with the partial blocks at
+/// their mean of a block (and 5 % of the pod kept free then), pods of 4k tokens running six
+/// requests with every answer's length known preempted 1–3 times at `--concurrency` 2 and 4
 /// (`tests/e2e/test_budget.py`).
 struct Slack {
     /// Of the prompt's part: the entry's lag behind its stream.
@@ -91,17 +89,56 @@ struct Slack {
 }
 
 impl Slack {
-    fn of(block: u64, sequences: u64) -> Slack {
+    fn of(block: u64, sequences: u64, lag: Lag) -> Slack {
         let b = block as f64;
         Slack {
             prompt: b / 2.0,
-            answer: b,
+            answer: b / 2.0 + lag.margin(block) as f64,
             variance: (sequences.max(1) + 1) as f64 * b * b / 12.0,
         }
     }
 }
 
-/// The highest `E + z·σ` over the horizon, in tokens, with blocks of `block` tokens.
+/// How far behind its engine a pod's streams reach the filter, as its requests' entries have seen
+/// it: the most output tokens one response-body callback brought an answer (`RequestEntry::lag`),
+/// over the pod's requests in flight. A stream that arrives several tokens at once was that far
+/// behind the engine, which had allocated their KV (Envoy's worker or buffers busy, an engine
+/// that streams every few tokens, vLLM's output merging under load). At real speed on an idle
+/// proxy it is a token; at `tests/e2e/test_budget.py`'s ten-fold clock, 5–8.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lag {
+    /// No stream on the pod has shown one yet.
+    Unseen,
+    Seen(u64),
+}
+
+impl Lag {
+    /// The most of `lags` (0: none seen).
+    pub fn most(lags: impl Iterator<Item = u64>) -> Lag {
+        match lags.max().unwrap_or(0) {
+            0 => Lag::Unseen,
+            l => Lag::Seen(l),
+        }
+    }
+
+    /// What the forecast counts for it an answer, in tokens: what was seen, the token the engine
+    /// is computing (its KV slot is allocated before the step), and one on its way: a steady
+    /// delay from the engine to the filter brings a token a chunk, which the chunks' sizes do
+    /// not show. Half a block while none was seen. Measured on `chat-short` (pods of thirty
+    /// short requests at real speed, where the lag seen is a token): counting what was seen and
+    /// one token, the pods preempted 1–3 times in 30 s; with two, 2, 0 and 0 times in three
+    /// runs; with half a block, never, at 1.6 % less output (BENCHMARKS.md, forty-first
+    /// session).
+    fn margin(self, block: u64) -> u64 {
+        match self {
+            Lag::Unseen => block / 2,
+            Lag::Seen(l) => l.saturating_add(2),
+        }
+    }
+}
+
+/// The highest `E + z·σ` over the horizon, in tokens, with blocks of `block` tokens and the
+/// pod's streams' `lag`.
 ///
 /// It is taken at each grid step, where each request's chance of running is its outlook's, and
 /// at each request's limit, just before it stops, with the chance at the step before (which errs
@@ -111,8 +148,8 @@ impl Slack {
 /// `all = H + s·N`. With the requests sorted by limit, each interval is one sweep that drops a
 /// request from the sums once `s` passes its limit: `O(n log n)` per pod, not `O(n²)`, which
 /// matters on the request path for pods running hundreds of sequences.
-pub fn peak(loads: impl Iterator<Item = Load>, z: f64, block: u64) -> u64 {
-    let mut loads: Vec<Term> = loads.map(|l| Term::of(&l, block)).collect();
+pub fn peak(loads: impl Iterator<Item = Load>, z: f64, block: u64, lag: Lag) -> u64 {
+    let mut loads: Vec<Term> = loads.map(|l| Term::of(&l, block, lag)).collect();
     loads.sort_unstable_by_key(|l| l.left);
     let mut worst: f64 = 0.0;
     for (j, &start) in HORIZON_STEPS.iter().enumerate() {
@@ -173,8 +210,8 @@ struct Term {
 }
 
 impl Term {
-    fn of(l: &Load, block: u64) -> Term {
-        let slack = Slack::of(block, l.rate);
+    fn of(l: &Load, block: u64, lag: Lag) -> Term {
+        let slack = Slack::of(block, l.rate, lag);
         let r = l.rate.max(1) as f64;
         let streamed = l.streamed.min(l.held) as f64;
         let k = streamed / r + slack.answer;
@@ -275,7 +312,7 @@ mod tests {
     fn requests_that_must_stop_soon_forecast_little_more_than_they_hold() {
         // Ten requests of 300 prompt tokens with max_tokens 20: gone within 32 steps.
         let loads = vec![load(300, 0, 20); 10];
-        let p = peak(loads.iter().copied(), 2.0, 16);
+        let p = peak(loads.iter().copied(), 2.0, 16, Lag::Unseen);
         // Each holds 300 and a block and a half more on average (`Slack`), which spreads by
         // √(2 × 16²/12) = 6.5 tokens a request, 21 for ten.
         assert!(p >= 10 * 324, "never below what they hold now: {p}");
@@ -299,10 +336,25 @@ mod tests {
             streamed: 0,
             outlook: OutputDist::never_stops().outlook(0, 1000),
         };
+        let two = || [running(300), running(300)].into_iter();
         assert_eq!(
-            peak([running(300), running(300)].into_iter(), 2.0, 16),
+            peak(two(), 2.0, 16, Lag::Unseen),
             2 * (300 + 1000 + 24) + 19
         );
+        // Their streams seen a token behind the engine: each answer counts that token, the one
+        // the engine is computing and one on its way, 3, where a lag not seen yet counts half a
+        // block, 8: the slack's mean is 8 + 8 + 3. Seen 20 behind (an engine that streams 20
+        // tokens a chunk), 8 + 8 + 22.
+        assert_eq!(
+            peak(two(), 2.0, 16, Lag::Seen(1)),
+            2 * (300 + 1000 + 19) + 19
+        );
+        assert_eq!(
+            peak(two(), 2.0, 16, Lag::Seen(20)),
+            2 * (300 + 1000 + 38) + 19
+        );
+        assert_eq!(Lag::most([0, 0].into_iter()), Lag::Unseen);
+        assert_eq!(Lag::most([0, 3, 1].into_iter()), Lag::Seen(3));
     }
 
     #[test]
@@ -324,7 +376,12 @@ mod tests {
         // blocks for the four, one and a half for one; and two σ of the seven blocks' spread,
         // 2 × √(7 × 16²/12) = 24.4.
         assert_eq!(
-            peak([running(300, 4), running(300, 1)].into_iter(), 2.0, 16),
+            peak(
+                [running(300, 4), running(300, 1)].into_iter(),
+                2.0,
+                16,
+                Lag::Unseen
+            ),
             (300 + 400 + 72) + (300 + 100 + 24) + 25
         );
         // Unknown lengths: four answers are expected four times as far as one, and, ending
@@ -337,8 +394,8 @@ mod tests {
             streamed: 0,
             outlook: OutputDist::prior(256).outlook(0, 8_192),
         };
-        let one = peak(std::iter::once(unknown(1)), 2.0, 16) - 324;
-        let four = peak(std::iter::once(unknown(4)), 2.0, 16) - 372;
+        let one = peak(std::iter::once(unknown(1)), 2.0, 16, Lag::Unseen) - 324;
+        let four = peak(std::iter::once(unknown(4)), 2.0, 16, Lag::Unseen) - 372;
         assert!(2 * one < four && four < 4 * one, "{one} {four}");
     }
 
@@ -358,6 +415,7 @@ mod tests {
                 outlook: [chance; HORIZON_STEPS.len()],
             },
             16,
+            Lag::Unseen,
         );
         let p = f64::from(chance) / 255.0;
         // Each answer: what it streamed, and its last block.
@@ -407,17 +465,27 @@ mod tests {
         };
         assert!(HORIZON_STEPS.contains(&91));
         assert_eq!(
-            peak([at(309, 209), at(100, 0)].into_iter(), 2.0, 16),
+            peak([at(309, 209), at(100, 0)].into_iter(), 2.0, 16, Lag::Unseen),
             (309 + 91 + 24) + (100 + 91 + 24) + 19
         );
     }
 
     #[test]
     fn many_requests_need_less_headroom_each_than_one() {
-        let one = peak([load(300, 0, u64::MAX)].into_iter(), 2.0, 16);
-        let many = peak(vec![load(300, 0, u64::MAX); 16].into_iter(), 2.0, 16);
+        let one = peak([load(300, 0, u64::MAX)].into_iter(), 2.0, 16, Lag::Unseen);
+        let many = peak(
+            vec![load(300, 0, u64::MAX); 16].into_iter(),
+            2.0,
+            16,
+            Lag::Unseen,
+        );
         assert!(many < 16 * one * 3 / 4, "one {one}, sixteen {many}");
-        let bare = peak(vec![load(300, 0, u64::MAX); 16].into_iter(), 0.0, 16);
+        let bare = peak(
+            vec![load(300, 0, u64::MAX); 16].into_iter(),
+            0.0,
+            16,
+            Lag::Unseen,
+        );
         assert!(bare < many, "z adds headroom");
     }
 
@@ -436,7 +504,7 @@ mod tests {
             ..short
         };
         let held = 15 * (133 + 24);
-        let p = peak(vec![short; 15].into_iter(), 2.5, 16);
+        let p = peak(vec![short; 15].into_iter(), 2.5, 16, Lag::Unseen);
         assert!(p >= held, "never below what they hold: {p}");
         assert!(p <= held * 5 / 4, "{p} for {held} held");
     }
@@ -452,21 +520,22 @@ mod tests {
             outlook: OutputDist::never_stops().outlook(0, 10),
         };
         // (Blocks of no size: no slack to blur the sum.)
-        let known = peak(vec![exact(0); 16].into_iter(), 2.0, 0);
-        let guessed = peak(vec![exact(100); 16].into_iter(), 2.0, 0);
+        let known = peak(vec![exact(0); 16].into_iter(), 2.0, 0, Lag::Unseen);
+        let guessed = peak(vec![exact(100); 16].into_iter(), 2.0, 0, Lag::Unseen);
         // Sixteen prompts each off by 100 tokens (one σ), independently: the sum is off by
         // 400 (√16 × 100), and two σ of headroom is 800, where a margin on each would be 3,200.
         assert_eq!(guessed - known, 800);
         assert_eq!(
-            peak(vec![exact(100); 16].into_iter(), 0.0, 0),
+            peak(vec![exact(100); 16].into_iter(), 0.0, 0, Lag::Unseen),
             known,
             "no headroom: the expectation alone"
         );
     }
 
     /// The forecast as defined: at every grid step (and the horizon's end) and every request's
-    /// limit, each request summed directly.
-    fn peak_by_definition(loads: &[Load], z: f64, block: u64) -> f64 {
+    /// limit, each request summed directly; each answer's stream `lag` tokens behind the
+    /// engine.
+    fn peak_by_definition(loads: &[Load], z: f64, block: u64, lag: f64) -> f64 {
         let mut worst: f64 = 0.0;
         for (j, &start) in HORIZON_STEPS.iter().enumerate() {
             let end = u64::from(HORIZON_STEPS.get(j + 1).copied().unwrap_or(HORIZON_END));
@@ -477,10 +546,11 @@ mod tests {
                     if p > 0.0 && l.left >= s {
                         // Its prompt, held while any answer runs, and its answers.
                         let r = l.rate.max(1) as f64;
-                        // Each answer's partial block and lag, a block; the entry's half a block.
+                        // Each answer's partial block, half a block, and its lag; the entry's
+                        // half a block.
                         let b = block as f64;
                         let streamed = l.streamed.min(l.held) as f64;
-                        let answer = streamed / r + b;
+                        let answer = streamed / r + b / 2.0 + lag;
                         let prompt = l.held as f64 - streamed + b / 2.0;
                         let size = answer + s as f64;
                         let any = 1.0 - (1.0 - p).powf(r);
@@ -540,8 +610,13 @@ mod tests {
                 })
                 .collect();
             let z = next(4) as f64 * 0.75;
-            let swept = peak(loads.iter().copied(), z, 16) as f64;
-            let defined = peak_by_definition(&loads, z, 16);
+            // Half a block while the pod's lag is unseen, what it saw and two tokens once seen.
+            let (lag, margin) = match next(3) {
+                0 => (Lag::Unseen, 8.0),
+                l => (Lag::Seen(l * 3), (l * 3 + 2) as f64),
+            };
+            let swept = peak(loads.iter().copied(), z, 16, lag) as f64;
+            let defined = peak_by_definition(&loads, z, 16, margin);
             assert!(
                 (swept - defined.ceil()).abs() <= 1.0 + defined * 1e-9,
                 "{swept} vs {defined}"
@@ -551,7 +626,7 @@ mod tests {
 
     #[test]
     fn an_empty_pod_forecasts_nothing() {
-        assert_eq!(peak(std::iter::empty(), 2.0, 16), 0);
+        assert_eq!(peak(std::iter::empty(), 2.0, 16, Lag::Unseen), 0);
         let last = Load {
             held: 500,
             sigma: 0,
@@ -561,7 +636,7 @@ mod tests {
             outlook: [255; HORIZON_STEPS.len()],
         };
         assert_eq!(
-            peak([last].into_iter(), 2.0, 16),
+            peak([last].into_iter(), 2.0, 16, Lag::Unseen),
             500 + 24 + 14,
             "a request at its limit holds its KV now (and its slack, with two σ of it), and \
              nothing after"
@@ -603,7 +678,10 @@ mod tests {
                         })
                     })
                     .collect();
-                (loads.len(), peak(loads.into_iter(), 0.0, 16) as i64)
+                (
+                    loads.len(),
+                    peak(loads.into_iter(), 0.0, 16, Lag::Unseen) as i64,
+                )
             };
             let t0 = 300 + draw(300.0);
             let (n0, f0) = at(t0);

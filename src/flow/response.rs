@@ -155,10 +155,22 @@ impl Flow {
                 a.estimate.output = a.estimate.output.relearned(l.output);
             }
         }
+        let brought = a.made(pieces);
         if let Some(routed) = &mut a.routed {
             // A chunk that only ends an answer carries no token: no step of the engine to time.
             if gate.config.routing.step_phase && pieces > 0 {
                 gate.router.streamed(store, routed, pieces);
+            }
+            if a.streams && pieces > 0 {
+                // What the chunk brought each answer running when it came: the engine had made
+                // (and allocated KV for) that many before the filter saw the first of them.
+                let running = a
+                    .estimate
+                    .choices
+                    .saturating_sub(routed.ended.answers)
+                    .max(1);
+                let each = brought.div_ceil(running);
+                routed.lag = routed.lag.max(u16::try_from(each).unwrap_or(u16::MAX));
             }
             if let Err(e) = gate
                 .router
@@ -1082,6 +1094,35 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
             f.on_response_body(&mut gate, &vm, PIECE);
         }
         assert!(far(&f) > 0.5, "{}", far(&f));
+    }
+
+    /// A stream that reaches the filter several tokens at once was that far behind its engine:
+    /// its entry keeps the most one chunk brought it, by which the pod's forecast counts every
+    /// answer there behind its engine (`forecast::Lag`).
+    #[test]
+    fn a_chunk_of_several_tokens_shows_how_far_behind_its_engine_the_stream_came() {
+        use crate::admission::forecast::Lag;
+        use crate::pods::record;
+        let pod = "10.0.0.1:80";
+        let cfg = crate::test_support::with_pods(&[pod]);
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let mut gate = Gate::new(cfg, &vm).unwrap();
+        let mut f = streaming(&mut gate, &vm);
+        let lag = || record::read(&vm, pod).unwrap().entries[0].lag;
+        assert_eq!(lag(), 0, "none seen before its stream");
+        f.on_response_body(&mut gate, &vm, PIECE);
+        assert_eq!(lag(), 1, "its first token, alone in its chunk");
+        // Three at once, to its 19th token: written as it enters its second block.
+        for _ in 0..6 {
+            f.on_response_body(&mut gate, &vm, &PIECE.repeat(3));
+        }
+        assert_eq!(lag(), 3);
+        assert_eq!(record::read(&vm, pod).unwrap().lag(), Lag::Seen(3));
+        for _ in 0..20 {
+            f.on_response_body(&mut gate, &vm, PIECE);
+        }
+        assert_eq!(lag(), 3, "the most it saw");
     }
 
     /// A model whose engine streams four tokens a chunk: each piece of its answer counts four

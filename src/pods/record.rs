@@ -6,7 +6,7 @@
 //! expiry, renewed as their response streams, so those left by a crashed or reloaded VM vanish.
 //! Keys are per pod address; a pod that leaves has its record blanked (keys cannot be deleted).
 
-use crate::admission::forecast::{peak, Load};
+use crate::admission::forecast::{peak, Lag, Load};
 use crate::config::{Config, MetricsConfig};
 use crate::estimate::output_dist::{Outlook, HORIZON_STEPS};
 use crate::pods::index_check::HitTotals;
@@ -15,13 +15,15 @@ use crate::pods::pace::Pace;
 use crate::store::codec::{Packer, Reader, Writer};
 use crate::store::interface::{create_if_missing, update_from, Store, StoreError, Versioned};
 
-const VERSION: u8 = 10;
+const VERSION: u8 = 11;
 /// An entry's size in this version's records.
-const ENTRY_BYTES: usize = 79 + HORIZON_STEPS.len();
+const ENTRY_BYTES: usize = 81 + HORIZON_STEPS.len();
 /// A snapshot's size in this version's records.
 const SNAPSHOT_BYTES: usize = 186;
 /// The record's [`Tally`]'s size, between its snapshot and its entries.
 const TALLY_BYTES: usize = 24;
+/// Records written before entries carried their streams' lag: read with none seen.
+const VERSION_WITHOUT_LAG: u8 = 10;
 /// Records written before entries carried their choices (`n`): read as one answer each.
 const VERSION_WITHOUT_CHOICES: u8 = 9;
 /// Records written before they carried what the engine's prefix-cache counters say of the index
@@ -58,6 +60,7 @@ struct Layout {
     pending: bool,
     leaning: bool,
     choices: bool,
+    lag: bool,
 }
 
 impl Layout {
@@ -69,6 +72,7 @@ impl Layout {
             pending: version >= VERSION_WITHOUT_PACE,
             leaning: version > VERSION_WITHOUT_LEANING,
             choices: version > VERSION_WITHOUT_CHOICES,
+            lag: version > VERSION_WITHOUT_LAG,
         }
     }
 
@@ -84,6 +88,7 @@ impl Layout {
             + 4 * usize::from(self.pending)
             + 20 * usize::from(self.leaning)
             + 2 * usize::from(self.choices)
+            + 2 * usize::from(self.lag)
     }
 }
 
@@ -211,6 +216,10 @@ pub struct RequestEntry {
     pub shared_tokens: u64,
     /// Its answers (`n`): the tokens it makes a decode step (`forecast`); 0 reads as 1.
     pub choices: u16,
+    /// The most output tokens an answer of its stream brought in one response-body callback so
+    /// far: how far behind the engine the stream has been seen to reach the filter
+    /// (`forecast::Slack`); 0 until its stream shows one.
+    pub lag: u16,
 }
 
 impl RequestEntry {
@@ -232,7 +241,8 @@ impl RequestEntry {
             .u64(self.leans_on)
             .u32(self.shared_blocks)
             .u64(self.shared_tokens)
-            .u16(self.choices);
+            .u16(self.choices)
+            .u16(self.lag);
         *p.packed()
     }
 
@@ -270,6 +280,9 @@ impl RequestEntry {
         }
         if layout.choices {
             e.choices = r.u16()?;
+        }
+        if layout.lag {
+            e.lag = r.u16()?;
         }
         Some(e)
     }
@@ -383,18 +396,26 @@ impl PodRecord {
         self.entries.iter().map(|e| e.held_tokens).sum()
     }
 
+    /// How far behind the engine the pod's streams have been seen to reach the filter: the most
+    /// any of its requests in flight saw (`forecast::Lag`).
+    pub fn lag(&self) -> Lag {
+        Lag::most(self.entries.iter().map(|e| u64::from(e.lag)))
+    }
+
     /// The pod's KV forecast (`forecast::peak`) with `extra` added: what admission holds within
     /// the budget, and what the `reserved_tokens` gauge shows. Its headroom is `headroom_sigmas`
     /// less what the engine's feedback has given up on this pod (`Snapshot::relief`), in the
     /// share of its requests that set no output limit: a client's `max_tokens` is a bound kvgate
     /// keeps its whole headroom for (measured, with limits on the forecast's grid counted:
     /// relieved, pods of bounded requests preempted in 2 of 4 runs; with the whole headroom, in
-    /// none).
+    /// none). Every answer's stream is counted behind the engine by the most any of the pod's
+    /// streams was seen behind it (`forecast::Lag`).
     pub fn forecast(&self, extra: Option<Load>, headroom_sigmas: f64, block_tokens: u64) -> u64 {
         let relief = self.snapshot.map_or(0.0, |s| s.relief.clamp(0.0, 1.0));
         let unbounded = self.entries.iter().filter(|e| !e.bounded).count();
         let share = unbounded as f64 / self.entries.len().max(1) as f64;
         let z = headroom_sigmas * (1.0 - relief * share);
+        let lag = self.lag();
         let loads = self
             .entries
             .iter()
@@ -408,7 +429,7 @@ impl PodRecord {
                 outlook: e.outlook,
             })
             .chain(extra);
-        peak(loads, z, block_tokens)
+        peak(loads, z, block_tokens, lag)
     }
 
     /// Scraped within `stale_after_ms`: its figures are recent enough to route on. A pod never
@@ -911,28 +932,75 @@ mod tests {
         }
     }
 
+    #[test]
+    fn every_answer_on_a_pod_is_counted_behind_its_engine_by_the_most_any_stream_was_seen() {
+        let running = |id, lag| RequestEntry {
+            left: 100,
+            outlook: [255; HORIZON_STEPS.len()],
+            lag,
+            ..entry(id, 2)
+        };
+        let pod = |lags: &[u16]| PodRecord {
+            entries: (1..).zip(lags).map(|(id, &l)| running(id, l)).collect(),
+            ..PodRecord::default()
+        };
+        assert_eq!(pod(&[0, 0]).lag(), Lag::Unseen);
+        assert_eq!(pod(&[0, 3, 1]).lag(), Lag::Seen(3));
+        // Half a block an answer while none is seen; once one is, the most seen and two tokens
+        // (`Lag`), 5: 3 tokens less for each of the two, the one that has not streamed yet too.
+        assert_eq!(
+            pod(&[0, 0]).forecast(None, 2.0, 16) - pod(&[0, 3]).forecast(None, 2.0, 16),
+            6
+        );
+    }
+
     /// The snapshot's part written by `index_check`: the engine's counters and their tally at
     /// the interval's start, the cut, the restarts and the last scrape's counters.
     const CHECK_BYTES: usize = 68;
 
-    /// A record of this version as a module before entries carried their choices wrote it:
-    /// each entry less its last 2 bytes.
-    fn without_choices(bytes: &[u8]) -> Vec<u8> {
+    /// A record of this version as a module of `version`, whose entries were `entry_bytes` long,
+    /// wrote it: each entry less its last `cut` bytes.
+    fn cut_entries(bytes: &[u8], version: u8, entry_bytes: usize, cut: usize) -> Vec<u8> {
         let mut b = bytes.to_vec();
-        b[0] = VERSION_WITHOUT_CHOICES;
+        b[0] = version;
         let snapshot = if b[1] != 0 { SNAPSHOT_BYTES } else { 0 };
         let head = 2 + snapshot + 8 + TALLY_BYTES;
-        let entries = (b.len() - head) / ENTRY_BYTES;
+        let entries = (b.len() - head) / entry_bytes;
         for i in (0..entries).rev() {
-            let end = head + (i + 1) * ENTRY_BYTES;
-            b.drain(end - 2..end);
+            let end = head + (i + 1) * entry_bytes;
+            b.drain(end - cut..end);
         }
         b
     }
 
+    /// A record of this version as a module before entries carried their streams' lag wrote it.
+    fn without_lag(bytes: &[u8]) -> Vec<u8> {
+        cut_entries(bytes, VERSION_WITHOUT_LAG, ENTRY_BYTES, 2)
+    }
+
+    /// ... and before they carried their choices.
+    fn without_choices(bytes: &[u8]) -> Vec<u8> {
+        cut_entries(
+            &without_lag(bytes),
+            VERSION_WITHOUT_CHOICES,
+            ENTRY_BYTES - 2,
+            2,
+        )
+    }
+
+    /// The entries as a record before lags holds them: none seen.
+    fn no_lag(entries: &[RequestEntry]) -> Vec<RequestEntry> {
+        let each = |e: &RequestEntry| RequestEntry { lag: 0, ..*e };
+        entries.iter().map(each).collect()
+    }
+
     /// The entries as a record before choices holds them: one answer each.
     fn one_answer_each(entries: &[RequestEntry]) -> Vec<RequestEntry> {
-        let each = |e: &RequestEntry| RequestEntry { choices: 0, ..*e };
+        let each = |e: &RequestEntry| RequestEntry {
+            choices: 0,
+            lag: 0,
+            ..*e
+        };
         entries.iter().map(each).collect()
     }
 
@@ -1004,12 +1072,16 @@ mod tests {
                     shared_blocks: 3,
                     shared_tokens: 33,
                     choices: 4,
+                    lag: 3,
                     ..entry(2, 5)
                 },
             ],
         };
         let back = PodRecord::decode(&rec.encode()).unwrap();
         assert_eq!(back.entries, rec.entries);
+        // As a module before entries carried their lag wrote it: none seen.
+        let ten = PodRecord::decode(&without_lag(&rec.encode())).unwrap();
+        assert_eq!(ten.entries, no_lag(&rec.entries));
         // As a module before entries carried their choices wrote it: one answer each.
         let nine = PodRecord::decode(&without_choices(&rec.encode())).unwrap();
         assert_eq!(nine.entries, one_answer_each(&rec.entries));
@@ -1055,7 +1127,7 @@ mod tests {
         bytes[0] = VERSION_WITHOUT_LEANING;
         let entry_len = (bytes.len() - head) / 2;
         // Every field packed, none past the packer's end.
-        assert_eq!(entry_len, ENTRY_BYTES - 2);
+        assert_eq!(entry_len, ENTRY_BYTES - 4);
         for i in (0..2).rev() {
             let end = head + (i + 1) * entry_len;
             bytes.drain(end - 20..end);
@@ -1069,6 +1141,7 @@ mod tests {
                     shared_blocks: 0,
                     shared_tokens: 0,
                     choices: 0,
+                    lag: 0,
                     ..*e
                 })
                 .collect(),
@@ -1413,7 +1486,7 @@ mod tests {
         let mut bytes = without_index_check(&after.encode());
         bytes[0] = VERSION_WITHOUT_LEANING;
         for i in (0..3).rev() {
-            let end = 2 + SNAPSHOT_BYTES - CHECK_BYTES + 8 + (i + 1) * (ENTRY_BYTES - 2);
+            let end = 2 + SNAPSHOT_BYTES - CHECK_BYTES + 8 + (i + 1) * (ENTRY_BYTES - 4);
             bytes.drain(end - 20..end);
         }
         vm.set(&key("p"), &bytes, None).unwrap();

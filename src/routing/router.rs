@@ -97,6 +97,9 @@ pub struct Routed {
     /// (`routing::step_phase`).
     pub dispatched_us: u64,
     pub last_token_us: Option<u64>,
+    /// The most output tokens one chunk of its stream brought an answer: how far behind the
+    /// engine its stream was seen to reach the filter (`forecast::Lag`), written with its entry.
+    pub lag: u16,
 }
 
 /// Whether a pick must fit its pod's budget.
@@ -809,6 +812,8 @@ impl Router {
                 shared_blocks: 0,
                 shared_tokens: 0,
                 choices: u16::try_from(est.choices).unwrap_or(u16::MAX),
+                // Its stream shows it once it comes.
+                lag: 0,
             };
             // Who the replica says holds the shared prefix: the record says which of them is
             // still in flight, and without one the request counts its whole prompt.
@@ -888,6 +893,7 @@ impl Router {
                     hot_held: hot && sticks,
                     dispatched_us: store.now_us(),
                     last_token_us: None,
+                    lag: 0,
                 }),
                 from_copies,
             ));
@@ -955,8 +961,9 @@ impl Router {
     /// The response has produced `output_tokens` so far, of which answers that `ended` made
     /// some (a request for several): grows the entry by whole blocks (what it holds by what it
     /// streamed since, less what its answers that ended since held, its outlook and its steps
-    /// from where its answers still running stand, by the estimate it was routed with) and
-    /// renews its expiry. Returns whether the shared record was written.
+    /// from where its answers still running stand, by the estimate it was routed with, and how
+    /// far behind the engine its stream has been seen, `Routed::lag`) and renews its expiry.
+    /// Returns whether the shared record was written.
     pub fn grow(
         &mut self,
         store: &dyn Store,
@@ -999,6 +1006,7 @@ impl Router {
             e.left = u32::try_from(left).unwrap_or(u32::MAX);
             e.choices = u16::try_from(running).unwrap_or(u16::MAX);
             e.outlook = outlook;
+            e.lag = routed.lag;
         })
     }
 
