@@ -279,16 +279,19 @@ def held(envoy):
 
 def held_while(envoy, sim, send, body):
     """Sends `body` with `send` (`stream` or `answer`) through the gateway to its one pod, sampling
-    every 0.1 s while it runs (the tokens kvgate's entries hold there, the engine's KV in tokens);
-    returns the answer and the samples."""
-    out, samples = {}, []
+    every 0.1 s while it runs (the tokens kvgate's entries hold there, the engine's KV in tokens,
+    and the pod's stream lag as the status page shows it); returns the answer, the (held, KV)
+    samples and the lags."""
+    out, samples, lags = {}, [], []
     worker = threading.Thread(target=lambda: out.update(send(envoy.port, "/v1/chat/completions", body)))
     worker.start()
     while worker.is_alive():
-        samples.append((held(envoy), sim.stats(0)["kv_blocks_used"] * BLOCK))
+        pod = request(envoy.port, "GET", STATUS_PATH).json()["pods"][0]
+        samples.append((pod["heldTokens"], sim.stats(0)["kv_blocks_used"] * BLOCK))
+        lags.append(pod["streamLagTokens"])
         time.sleep(0.1)
     worker.join()
-    return out, samples
+    return out, samples, lags
 
 
 def assert_follows(samples):
@@ -314,12 +317,13 @@ def test_an_answer_that_does_not_stream_is_counted_as_the_engine_makes_it():
                 list(pool.map(lambda j: stream(envoy.port, "/v1/chat/completions", unshared_chat(j, 200, 50)),
                               range(8)))
             time.sleep(1.2)
-            out, samples = held_while(envoy, sim, answer, unshared_chat(1000 + i, 800, 50))
+            out, samples, lags = held_while(envoy, sim, answer, unshared_chat(1000 + i, 800, 50))
             if max(h for h, _ in samples) - min(h for h, _ in samples if h) >= 8 * BLOCK:
                 break
         print(f"non-streamed answer, try {i + 1}, (kvgate held, engine KV) tokens:", samples)
         assert out.get("status") == 200 and out["usage"]["completion_tokens"] == 800, out
         assert_follows(samples)
+        assert set(lags) == {None}, f"an answer that does not stream shows no lag: {lags}"
         assert wait_for(lambda: held(envoy) == 0, timeout=5)
 
 
@@ -332,7 +336,8 @@ def test_a_stream_is_counted_in_tokens_however_the_engine_writes_them(engine, ch
     Counted a token a piece, the entry held a quarter of the answer. A reasoning model behind vLLM's
     reasoning parser streams most of its answer as `delta.reasoning` (vLLM PR 27752's name): counted
     as pieces like its text. Before, the entry held the prompt alone through the reasoning, and each
-    piece of the answer after it counted the four tokens a piece learned from usage."""
+    piece of the answer after it counted the four tokens a piece learned from usage. The pod's
+    stream lag (`forecast::Lag`) is at least what a chunk brings: four tokens, and one."""
     cfg = dict(default_plugin_config(), statusPath=STATUS_PATH)
     with Sim(pods=1, args=["--num-gpu-blocks", "1024", *engine]) as sim, \
             kvgate_envoy(sim.endpoints, cfg, concurrency=1) as envoy:
@@ -342,10 +347,12 @@ def test_a_stream_is_counted_in_tokens_however_the_engine_writes_them(engine, ch
                                     range(24)))
         assert all(a["status"] == 200 and a["chunks"] == chunks for a in answers), answers[0]
         time.sleep(1.5)
-        out, samples = held_while(envoy, sim, stream, unshared_chat(1000, 800, 50))
-        print(f"{' '.join(engine)}: (kvgate held, engine KV) tokens:", samples)
+        out, samples, lags = held_while(envoy, sim, stream, unshared_chat(1000, 800, 50))
+        print(f"{' '.join(engine)}: (kvgate held, engine KV) tokens:", samples, "lags:", lags)
         assert out.get("status") == 200 and out["usage"]["completion_tokens"] == 800, out
         assert_follows(samples)
+        seen = [lag for lag in lags if lag is not None]
+        assert seen and min(seen) >= 100 // chunks, lags
         assert wait_for(lambda: held(envoy) == 0, timeout=5)
 
 
