@@ -20,10 +20,10 @@
 //! end independently, each with one answer's chance (`Sums` has the terms).
 //!
 //! (`slack`: what a request holds beyond its entry, its partial blocks at their mean and its
-//! stream's lag as measured on the pod, see `Slack`; `σ_i`: how far `held_i` and the slack may be off — the prompt was
-//! estimated by rule, with the spread calibration measured, and the slack is anywhere in a block
-//! or two — so both are held at their expected size and their uncertainty is paid once per pod,
-//! not as a margin on every request). The forecast is the highest
+//! stream's lag as measured on the pod, see `Slack`; `σ_i`: how far `held_i` and the slack may be
+//! off — the prompt was estimated by rule, with the spread calibration measured, and the slack is
+//! anywhere in a block or two — so both are held at their expected size and their uncertainty is
+//! paid once per pod, not as a margin on every request). The forecast is the highest
 //! `E + z·σ` (never more than all of them still running would hold) at the grid's steps and just
 //! before each request's limit, and a request is admitted when it stays within the budget. A
 //! request with `max_tokens` is thus counted exactly up to its limit. The sum of
@@ -103,8 +103,9 @@ impl Slack {
 /// it: the most output tokens one response-body callback brought an answer (`RequestEntry::lag`),
 /// over the pod's requests in flight. A stream that arrives several tokens at once was that far
 /// behind the engine, which had allocated their KV (Envoy's worker or buffers busy, an engine
-/// that streams every few tokens, vLLM's output merging under load). At real speed on an idle
-/// proxy it is a token; at `tests/e2e/test_budget.py`'s ten-fold clock, 5–8.
+/// that streams every few tokens with vLLM's or SGLang's `--stream-interval`, vLLM's output
+/// merging under load). At real speed on an idle proxy it is a token; at
+/// `tests/e2e/test_budget.py`'s ten-fold clock, 5–8.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Lag {
     /// No stream on the pod has shown one yet.

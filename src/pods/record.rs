@@ -218,7 +218,7 @@ pub struct RequestEntry {
     pub choices: u16,
     /// The most output tokens an answer of its stream brought in one response-body callback so
     /// far: how far behind the engine the stream has been seen to reach the filter
-    /// (`forecast::Slack`); 0 until its stream shows one.
+    /// (`forecast::Lag`); 0 until its stream shows one.
     pub lag: u16,
 }
 
