@@ -575,7 +575,7 @@ impl Admission {
     /// A parked request goes on without waiting any longer (its retry failed on shared data):
     /// its ticket leaves the line. Left there, it headed the line for nobody until it was
     /// dropped as abandoned, 35 s on, with every request behind it waiting: in the `chat-short`
-    /// benchmark's tiny-request regime (400 clients) one failed retry in about three runs timed
+    /// benchmark's tiny-request regime (400 clients) one failed retry in two runs of three timed
     /// out all 400. Whether it was parked here.
     pub fn withdraw(&mut self, store: &dyn Store, ticket: u64) -> bool {
         let parked = self.parked.contains_key(&ticket);
