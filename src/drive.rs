@@ -73,7 +73,9 @@ pub fn retry(
         // A ticket this VM parked with no stream to resume: nobody would ever take it out of
         // the line, which waits behind it. (Every path that lets a stream go leaves the line
         // too; this keeps one that did not from stopping the line.)
-        gate.admission.abandon(store, &mut gate.stats, ticket);
+        if gate.admission.withdraw(store, ticket) {
+            gate.stats.count(stats::ADMISSION_LOST, 1);
+        }
         return Err(Stay::NoRoom);
     };
     if !waiting.enter(&stream) {
@@ -108,7 +110,7 @@ pub fn run_line(gate: &mut Gate, store: &dyn Store, waiting: &mut impl Waiting) 
     for ticket in gate.expired(store) {
         let _ = retry(gate, store, waiting, ticket, (Reach::Any, ANYWHERE));
     }
-    gate.admission.set_head_waits_for_cache(false);
+    gate.admission.begin_pass();
     // Heads of this VM that stay in the line in this pass: the next head is tried.
     let mut tried = Vec::new();
     for _ in 0..MAX_ADMITS {
@@ -158,7 +160,7 @@ pub fn run_line(gate: &mut Gate, store: &dyn Store, waiting: &mut impl Waiting) 
             Ok(()) => gate.stats.count(stats::ADMISSION_UNCACHED, 1),
             Err(stay) => {
                 if matches!(stay, Stay::Uncached(_)) {
-                    gate.admission.set_head_waits_for_cache(true);
+                    gate.admission.set_head_waits_for_cache();
                 }
                 tried.push(ticket);
             }
@@ -909,6 +911,67 @@ mod tests {
             .is_empty());
     }
 
+    /// Other workers win every race of the head's pick (each of its compare-and-swaps of the
+    /// pod's record): nothing is charged, it keeps its place rather than go on past the budget,
+    /// the VM asks for the quick tick (no release may come to wake the line), and the next pass
+    /// admits it.
+    #[test]
+    fn a_head_whose_pick_loses_every_race_keeps_its_place_and_the_next_pass_admits_it() {
+        let (_h, vm, mut gate) = gate();
+        let mut host = Host::default();
+        send(&mut gate, &vm, &mut host, 1);
+        send(&mut gate, &vm, &mut host, 2);
+        host.flows.get_mut(&1).unwrap().on_done(&mut gate, &vm);
+        gate.retick(&vm);
+        let losing = crate::test_support::Watched::losing_races(&vm, "kvgate.pod.");
+        run_line(&mut gate, &losing, &mut host);
+        assert!(host.resumed.is_empty(), "{:?}", host.resumed);
+        assert_eq!(host.parked.len(), 1);
+        assert_eq!(reserved(&vm), 0);
+        assert_eq!(gate.stats.take_count(stats::ADMISSION_CONTENDED), 1);
+        assert_eq!(gate.stats.take_count(stats::ROUTE_ERRORS), 0);
+        assert_eq!(gate.retick(&vm), Some(crate::gate::QUICK_TICK_MS));
+        run_line(&mut gate, &vm, &mut host);
+        let [(2, d)] = host.resumed.as_slice() else {
+            panic!("{:?}", host.resumed);
+        };
+        assert_eq!(destination(d).as_deref(), Some(POD));
+        assert!(reserved(&vm) > 0);
+        assert_eq!(gate.retick(&vm), Some(crate::gate::TICK_MS));
+    }
+
+    /// A request arriving while other workers win every race of its pick waits in the line
+    /// instead of going on undecided, and the next pass admits it.
+    #[test]
+    fn an_arrival_whose_pick_loses_every_race_waits_and_the_next_pass_admits_it() {
+        let (_h, vm, mut gate) = gate();
+        let mut host = Host::default();
+        let losing = crate::test_support::Watched::losing_races(&vm, "kvgate.pod.");
+        let body = r#"{"model":"m","prompt":"hello","max_tokens":50,"stream":true}"#;
+        let mut flow = Flow::default();
+        flow.on_request_headers(
+            &mut gate,
+            &losing,
+            &RequestHead {
+                content_length: Some(body.len() as u64),
+                ..RequestHead::json_post("/v1/completions")
+            },
+        );
+        let d = flow.on_body(&mut gate, &losing, body.as_bytes());
+        let Step::Park(ticket) = d.step else {
+            panic!("{d:?}");
+        };
+        host.parked.insert(ticket, 1);
+        host.flows.insert(1, flow);
+        assert_eq!(gate.stats.take_count(stats::ADMISSION_CONTENDED), 1);
+        assert_eq!(gate.retick(&vm), Some(crate::gate::QUICK_TICK_MS));
+        run_line(&mut gate, &vm, &mut host);
+        let [(1, d)] = host.resumed.as_slice() else {
+            panic!("{:?}", host.resumed);
+        };
+        assert_eq!(destination(d).as_deref(), Some(POD));
+    }
+
     /// A parked request whose stream this VM no longer holds (every path that lets a stream go
     /// takes its ticket out of the line; this is the backstop) is taken out of the line when met
     /// at its head, and the line moves on.
@@ -935,6 +998,8 @@ mod tests {
             panic!("{:?}", host.resumed);
         };
         assert_eq!(destination(d).as_deref(), Some(POD));
+        assert_eq!(gate.stats.take_count(stats::ADMISSION_LOST), 1);
+        assert_eq!(gate.stats.take_count(stats::ADMISSION_ABANDONED), 0);
     }
 
     #[test]

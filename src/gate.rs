@@ -338,7 +338,8 @@ impl Gate {
     }
 
     /// The tick this VM wants now: short while no pod is known and the first discovery is
-    /// awaited, while the head of the line waits for its prefix's pods, while a request waits
+    /// awaited, while the head of the line waits for its prefix's pods or a pick lost its races
+    /// on shared data (`Admission::runs_again_soon`), while a request waits
     /// for another replica's note, or while an answer that does not stream is in flight (its
     /// entry grows on the tick, at its pod's pace: every 250 ms, a pool of such answers ran a
     /// tick's tokens of each past its records, and preempted 26–43 times in 20 s where round
@@ -346,7 +347,7 @@ impl Gate {
     pub(crate) fn tick_ms(&self, store: &dyn Store) -> u64 {
         let now = store.now_ms();
         if self.router.awaits_pool(&self.config, now)
-            || self.admission.head_waits_for_cache()
+            || self.admission.runs_again_soon()
             || self.seeking_until_ms.is_some_and(|until| now <= until)
             || self.unseen_answers > 0
         {

@@ -106,6 +106,12 @@ catalog! {
     ADMISSION_QUEUE_FULL = "kvgate.admission.queue_full";
     ADMISSION_TIMED_OUT = "kvgate.admission.timed_out";
     ADMISSION_ABANDONED = "kvgate.admission.abandoned";
+    /// Parked tickets whose stream their VM no longer held, taken out of the line when met at
+    /// its head (`drive::retry`): no path is known to leave one, so anything here is a bug.
+    ADMISSION_LOST = "kvgate.admission.lost";
+    /// Picks, on arrival or from the line, that lost every compare-and-swap to other workers'
+    /// writes: the request waited for the next pass rather than pass the budget.
+    ADMISSION_CONTENDED = "kvgate.admission.contended";
     ADMISSION_WAIT_MS = "kvgate.admission.wait_ms";
     ADMISSION_WAKE_LATENCY_MS = "kvgate.admission.wake_latency_ms";
     /// The histogram's sum as a counter, so a mean is readable without Prometheus.

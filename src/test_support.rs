@@ -53,8 +53,9 @@ pub struct Watched<'a> {
     pub reads: Cell<u32>,
     pub keys: RefCell<Vec<String>>,
     meanwhile: RefCell<Option<Box<dyn FnOnce() + 'a>>>,
-    /// The next write of a key starting with this fails, as a host refusing it would.
-    fails: Cell<Option<&'a str>>,
+    /// The next writes of a key starting with this, as many as the count, fail with that error:
+    /// a host refusing one, or other workers winning every race of a compare-and-swap loop.
+    fails: Cell<Option<(&'a str, StoreError, usize)>>,
 }
 
 impl<'a> Watched<'a> {
@@ -71,7 +72,19 @@ impl<'a> Watched<'a> {
     /// A worker whose next write of a key starting with `prefix` fails.
     pub fn failing_once(vm: &'a FakeVm, prefix: &'a str) -> Self {
         let w = Watched::new(vm);
-        w.fails.set(Some(prefix));
+        w.fails.set(Some((prefix, StoreError::Host(1), 1)));
+        w
+    }
+
+    /// A worker that loses every race of its next compare-and-swap loop on a key starting with
+    /// `prefix`, as if other workers wrote it between each of its reads and writes.
+    pub fn losing_races(vm: &'a FakeVm, prefix: &'a str) -> Self {
+        let w = Watched::new(vm);
+        w.fails.set(Some((
+            prefix,
+            StoreError::CasMismatch,
+            crate::store::interface::CAS_ATTEMPTS,
+        )));
         w
     }
 
@@ -95,9 +108,9 @@ impl Store for Watched<'_> {
         self.vm.get(key)
     }
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
-        if self.fails.get().is_some_and(|p| key.starts_with(p)) {
-            self.fails.set(None);
-            return Err(StoreError::Host(1));
+        if let Some((prefix, error, n)) = self.fails.get().filter(|f| key.starts_with(f.0)) {
+            self.fails.set((n > 1).then_some((prefix, error, n - 1)));
+            return Err(error);
         }
         if key.starts_with("kvgate.pod.") && cas.is_some() {
             if let Some(other) = self.meanwhile.borrow_mut().take() {

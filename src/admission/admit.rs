@@ -104,6 +104,9 @@ pub struct Admission {
     parked: BTreeMap<u64, Parked>,
     /// The head of the line is this VM's and waits for room where its prefix is cached.
     head_waits_for_cache: bool,
+    /// A request of this VM lost every compare-and-swap on shared data in its pick and waits
+    /// (`contended`): nothing may wake the line for it, so it runs again at the quick tick.
+    contended: bool,
     /// When each VM was last woken by this one, so a burst of releases sends one wake.
     woken: HashMap<u32, u64>,
     /// The earliest release time carried by the wakes being served: the start of the wake-up
@@ -172,6 +175,7 @@ impl Admission {
             wake_queue,
             parked: BTreeMap::new(),
             head_waits_for_cache: false,
+            contended: false,
             woken: HashMap::new(),
             released_at: None,
         })
@@ -264,6 +268,7 @@ impl Admission {
         // and only to those: nobody waiting on any worker for a pod is overtaken there by a
         // lower-ordered newcomer (per-pod precedence, `QueueRecord::leaders`).
         let mut patient_until_ms = None;
+        let mut contended = false;
         let free = line.free_for(&ticket);
         if free != 0 {
             let est = &Estimate {
@@ -271,9 +276,20 @@ impl Admission {
                 ..*est
             };
             let placed = if a.cache_wait_ms > 0 {
-                router.route_patient(store, cfg, (model, hashes, est))?
+                router.route_patient(store, cfg, (model, hashes, est))
             } else {
-                router.route(store, cfg, model, hashes, est)?
+                router.route(store, cfg, model, hashes, est)
+            };
+            let placed = match placed {
+                // Every compare-and-swap of its pick lost to other workers' writes, and nothing
+                // was charged: it waits in the line like a request no pod had room for, and is
+                // tried at the next pass. Sent on undecided, it would pass every budget.
+                Err(StoreError::CasMismatch) => {
+                    self.contended(stats);
+                    contended = true;
+                    Placement::NoRoom(String::new())
+                }
+                placed => placed?,
             };
             match placed {
                 Placement::Routed(r) => {
@@ -303,8 +319,9 @@ impl Admission {
                 Placement::Discovering => {}
             }
         }
-        // While the pool is being discovered nothing is saturated: a sheddable request waits too.
-        if class.priority < 0 && !router.discovering(store, cfg) {
+        // While the pool is being discovered nothing is saturated, nor when the pick only lost
+        // its races: a sheddable request waits too.
+        if class.priority < 0 && !contended && !router.discovering(store, cfg) {
             stats.count(stats::ADMISSION_SHED, 1);
             return Ok(shed(
                 "the pool is saturated and this request's priority is sheddable",
@@ -345,9 +362,9 @@ impl Admission {
     /// Retries a parked request that is at the head of the line, a backfill, or past its
     /// deadline (which is answered wherever it may reach), on the pods `within` names
     /// (`line::ANYWHERE`: all of its model's; fewer for a ticket heading the line on those
-    /// only, `next_head`). `Ok(Err)`: it stays parked, and why. `Err`: shared data failed, and
-    /// its ticket is where it was (the caller sends the request on undecided and `withdraw`s
-    /// it).
+    /// only, `next_head`). `Ok(Err)`: it stays parked, and why. `Err`: shared data failed,
+    /// nothing was charged, and its ticket is where it was (the caller keeps it parked when its
+    /// pick lost its races, and otherwise sends it on undecided and `withdraw`s it).
     #[allow(clippy::too_many_arguments)]
     pub fn retry(
         &mut self,
@@ -555,14 +572,30 @@ impl Admission {
         })
     }
 
-    /// The head of the line, this VM's, waits for room where its prompt's prefix is cached
-    /// (`drive::run_line`): the line must run again as that wait ends, even if nothing wakes it.
-    pub fn set_head_waits_for_cache(&mut self, waits: bool) {
-        self.head_waits_for_cache = waits;
+    /// The line starts a pass (`drive::run_line`): whatever must bring the next one soon is
+    /// found again in this one.
+    pub fn begin_pass(&mut self) {
+        self.head_waits_for_cache = false;
+        self.contended = false;
     }
 
-    pub fn head_waits_for_cache(&self) -> bool {
-        self.head_waits_for_cache
+    /// The head of the line, this VM's, waits for room where its prompt's prefix is cached
+    /// (`drive::run_line`): the line must run again as that wait ends, even if nothing wakes it.
+    pub fn set_head_waits_for_cache(&mut self) {
+        self.head_waits_for_cache = true;
+    }
+
+    /// A request of this VM waits because its pick lost every compare-and-swap to other
+    /// workers' writes (`kvgate.admission.contended`): it is tried again at the next pass,
+    /// which no release may bring.
+    pub fn contended(&mut self, stats: &mut Stats) {
+        stats.count(stats::ADMISSION_CONTENDED, 1);
+        self.contended = true;
+    }
+
+    /// Whether the line must run again soon, even if nothing wakes it (`Gate::tick_ms`).
+    pub fn runs_again_soon(&self) -> bool {
+        self.head_waits_for_cache || self.contended
     }
 
     /// A parked request's client went away, or this VM lost its stream.
@@ -572,7 +605,8 @@ impl Admission {
         }
     }
 
-    /// A parked request goes on without waiting any longer (its retry failed on shared data):
+    /// A parked request goes on without waiting any longer (its retry failed on shared data
+    /// otherwise than by losing its races), or its stream is gone (`drive::retry`):
     /// its ticket leaves the line. Left there, it headed the line for nobody until it was
     /// dropped as abandoned, 35 s on, with every request behind it waiting: in the `chat-short`
     /// benchmark's tiny-request regime (400 clients) one failed retry in two runs of three timed

@@ -22,7 +22,7 @@ use crate::routing::router::Routed;
 use crate::routing::stored::Stored;
 use crate::routing::stored_ask::{self, Asking};
 use crate::stats;
-use crate::store::interface::Store;
+use crate::store::interface::{Store, StoreError};
 
 mod response;
 #[cfg(test)]
@@ -899,6 +899,13 @@ impl Flow {
         let admit = match outcome {
             Ok(Ok(admit)) => admit,
             Ok(Err(stay)) => return Err(stay),
+            Err(StoreError::CasMismatch) => {
+                // Every compare-and-swap of its pick lost to other workers' writes (of a pod's
+                // record, or the line), and nothing was charged: it keeps its place and is tried
+                // at the next pass. Sent on undecided, it would pass every budget.
+                gate.admission.contended(&mut gate.stats);
+                return Err(Stay::NoRoom);
+            }
             Err(e) => {
                 log::warn!("admission retry failed, sending unrouted: {e:?}");
                 gate.stats.count(stats::ROUTE_ERRORS, 1);

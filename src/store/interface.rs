@@ -46,7 +46,7 @@ pub trait Store {
 
 /// How many times a read-modify-write retries a lost compare-and-swap before giving up. Races are
 /// between a handful of worker threads, so a lost race almost always succeeds on the next try.
-const CAS_ATTEMPTS: usize = 16;
+pub(crate) const CAS_ATTEMPTS: usize = 16;
 
 /// Creates `key` with `initial` if it has no value yet: what every module does with its keys
 /// before traffic can touch them (see [`update`]). A blind write, so callers run it where no
