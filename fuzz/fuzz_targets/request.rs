@@ -48,7 +48,8 @@ fn estimators() -> &'static [EstimatorConfig] {
     })
 }
 
-/// Learned values as calibration can produce them: scale clamped to [0.1, 10], spread in [0, 1];
+/// Learned values as calibration can produce them: scale clamped to [0.1, 10], the fixed part in
+/// [0, 65,536], spread in [0, 1];
 /// output lengths
 /// all of one token, all past 2^16, or spread over every bucket with half of them cut off.
 fn learned() -> [Option<Learned>; 4] {
@@ -61,6 +62,7 @@ fn learned() -> [Option<Learned>; 4] {
         None,
         Some(Learned {
             prompt_scale: 0.1,
+            prompt_offset: 0.0,
             part_tokens: Some(0.0),
             prompt_spread: 0.0,
             output: OutputDist::learned(&shortest, &none, 256),
@@ -68,6 +70,7 @@ fn learned() -> [Option<Learned>; 4] {
         }),
         Some(Learned {
             prompt_scale: 10.0,
+            prompt_offset: 65_536.0,
             part_tokens: Some(65_536.0),
             prompt_spread: 1.0,
             output: OutputDist::learned(&longest, &none, 1),
@@ -75,6 +78,7 @@ fn learned() -> [Option<Learned>; 4] {
         }),
         Some(Learned {
             prompt_scale: 1.0,
+            prompt_offset: 30.0,
             part_tokens: None,
             prompt_spread: 0.05,
             output: OutputDist::learned(&[1.0; BUCKETS], &[1.0; BUCKETS], 65_536),

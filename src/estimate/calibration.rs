@@ -41,11 +41,70 @@ const MAX_TOKENS_PER_PIECE: f64 = 16.0;
 /// thousand (Qwen2-VL's at 16k pixels a side, 16,384 by its default limit).
 const MAX_PART_TOKENS: f64 = 65_536.0;
 
+/// How far the fit of a prompt's tokens as a line is pulled toward one through zero, as a share
+/// of the mean squared rule estimate: a pool whose prompts are all about one size cannot tell a
+/// fixed part from a scale, and is fitted as a scale, as before the line; one whose sizes vary by
+/// a third (`chat-short`) keeps nine tenths of its fixed part.
+const OFFSET_SHRINK: f64 = 0.01;
+
+/// The text-only responses' rule estimates (x) against the tokens the engine counted for what
+/// kvgate estimated (y), as faded means: the line the prompt estimate is fitted to. A chat
+/// template adds tokens to every request whatever its size (a ChatML turn's markers, Llama 3's
+/// system header of about 25 tokens): fitted as a scale alone, by requests of every size, short
+/// prompts were under-counted and long ones over-counted (the median error on 20–80-token chat
+/// prompts was 10 %).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+struct PromptLine {
+    n: u32,
+    x: f64,
+    y: f64,
+    xx: f64,
+    xy: f64,
+}
+
+impl PromptLine {
+    /// Folds one response in, `weight` its share of the means.
+    fn add(&mut self, x: f64, y: f64, weight: f64) {
+        for (m, v) in [
+            (&mut self.x, x),
+            (&mut self.y, y),
+            (&mut self.xx, x * x),
+            (&mut self.xy, x * y),
+        ] {
+            *m += weight * (v - *m);
+        }
+        self.n = self.n.saturating_add(1);
+    }
+
+    /// The fixed part and the scale, least squares with the fixed part pulled toward zero by
+    /// `OFFSET_SHRINK`; a line through zero when the fit's fixed part would be negative (a rule
+    /// that over-counts every prompt is a scale below one, not tokens taken away).
+    fn fit(&self) -> (f64, f64) {
+        let det = (1.0 + OFFSET_SHRINK) * self.xx - self.x * self.x;
+        if self.xx <= 0.0 || det <= 0.0 {
+            return (0.0, 1.0);
+        }
+        let offset = (self.y * self.xx - self.x * self.xy) / det;
+        if offset < 0.0 {
+            return (0.0, self.xy / self.xx);
+        }
+        let scale = ((1.0 + OFFSET_SHRINK) * self.xy - self.x * self.y) / det;
+        (offset, scale)
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct ModelStats {
     model: String,
     samples: u32,
+    /// Real prompt tokens per rule token, past `prompt_offset` (`PromptLine`).
     prompt_scale: f64,
+    /// The tokens every text prompt holds besides its text's share: the chat template's fixed
+    /// part, as the model's engine renders it. Absent from records written before it was fitted.
+    #[serde(default)]
+    prompt_offset: f64,
+    #[serde(default)]
+    prompt_line: PromptLine,
     /// The mean squared relative error of the scaled prompt estimate, faded like the scale:
     /// how far one request's prompt may be off, which the forecast's headroom covers. Absent
     /// from records written before it was measured.
@@ -86,6 +145,8 @@ impl ModelStats {
             model: model.to_string(),
             samples: 0,
             prompt_scale: 1.0,
+            prompt_offset: 0.0,
+            prompt_line: PromptLine::default(),
             prompt_var: None,
             output: vec![0.0; BUCKETS],
             cut: vec![0.0; BUCKETS],
@@ -107,22 +168,27 @@ impl ModelStats {
             // the text's: a short question about an image is a few tokens of text beside
             // hundreds of the image's, and one model's text-only prompts were then estimated at
             // four times their size.)
-            let text = self.prompt_scale * sample.static_text_tokens;
+            let text = self.text_tokens(sample.static_text_tokens);
             let per_part = ((estimated - text) / sample.parts as f64).clamp(0.0, MAX_PART_TOKENS);
             let weight = w.max(1.0 / (self.part_samples as f64 + 1.0));
             let old = self.part_tokens.unwrap_or(per_part);
             self.part_tokens = Some(old + weight * (per_part - old));
             self.part_samples = self.part_samples.saturating_add(1);
         } else if sample.static_text_tokens >= 1.0 && estimated >= 1.0 {
-            let ratio = (estimated / sample.static_text_tokens).clamp(0.1, 10.0);
-            // Early samples count fully so the scale converges quickly from the rule's 1.0.
-            let weight = w.max(1.0 / (self.samples as f64 + 1.0));
-            // The error of the estimate this request was routed with, before the scale learns
+            let x = sample.static_text_tokens;
+            // A response more than ten times off the rule either way is not the rule's error.
+            let y = estimated.clamp(0.1 * x, 10.0 * x);
+            // Early samples count fully so the fit converges quickly from the rule's own count.
+            let weight = w.max(1.0 / (self.prompt_line.n as f64 + 1.0));
+            // The error of the estimate this request was routed with, before the fit learns
             // from it.
-            let error = ratio / self.prompt_scale - 1.0;
+            let error = y / self.text_tokens(x) - 1.0;
             let var = self.prompt_var.unwrap_or(cfg.prompt_spread.powi(2));
             self.prompt_var = Some(var + weight * (error * error - var));
-            self.prompt_scale += weight * (ratio - self.prompt_scale);
+            self.prompt_line.add(x, y, weight);
+            let (offset, scale) = self.prompt_line.fit();
+            self.prompt_offset = offset.min(MAX_PART_TOKENS);
+            self.prompt_scale = scale.clamp(0.1, 10.0);
         }
         if sample.pieces > 0 && sample.completion_tokens > 0 {
             let (tokens, pieces) = self.streamed.unwrap_or_default();
@@ -149,6 +215,11 @@ impl ModelStats {
         self.samples = self.samples.saturating_add(1);
     }
 
+    /// The tokens a text of `rule` tokens by the static rule takes, as fitted.
+    fn text_tokens(&self, rule: f64) -> f64 {
+        text_tokens(rule, self.prompt_scale, self.prompt_offset)
+    }
+
     /// What the record has learned, its lengths pooled with this VM's `cohort` of answers
     /// started (deaths and censorings added per bucket: `cohort`'s module says why).
     fn learned(&self, cohort: Option<&Cohort>, cfg: &EstimatorConfig) -> Option<Learned> {
@@ -163,6 +234,7 @@ impl ModelStats {
         }
         (self.samples >= cfg.min_samples).then(|| Learned {
             prompt_scale: self.prompt_scale,
+            prompt_offset: self.prompt_offset,
             part_tokens: self.part_tokens.filter(|_| self.part_samples > 0),
             prompt_spread: self
                 .prompt_var
@@ -175,6 +247,17 @@ impl ModelStats {
                     (tokens / pieces).clamp(1.0, MAX_TOKENS_PER_PIECE)
                 }),
         })
+    }
+}
+
+/// The tokens a prompt's text takes when the static rule counts `rule` for it, on a model fitted
+/// to `scale` and `offset` (`PromptLine`): a prompt with no text (token ids only) is rendered by
+/// no template, and takes no fixed part.
+pub fn text_tokens(rule: f64, scale: f64, offset: f64) -> f64 {
+    if rule >= 1.0 {
+        rule * scale + offset
+    } else {
+        rule * scale
     }
 }
 
@@ -480,6 +563,74 @@ mod tests {
         assert!((0.08..=0.14).contains(&tail), "P(> 500) = {tail}");
         assert!(learned.output.survival(150.0) < 0.2);
         assert_eq!(cal.learned(&b, "other", None, &cfg), None);
+    }
+
+    /// A chat template adds tokens to every prompt whatever its size: prompts of 20 to 800 rule
+    /// tokens that take 30 + 1.2 × that are fitted as such, and a short prompt and a long one
+    /// are both estimated within 2 %, where a scale alone was 20 % short on the short one.
+    #[test]
+    fn a_fixed_part_of_every_prompt_is_learned_beside_the_scale() {
+        let vm = FakeHost::new().vm();
+        let cfg = learning_after(5);
+        for i in 0..200u32 {
+            let rule = 20.0 * 1.2f64.powi((i % 21) as i32);
+            let real = (30.0 + 1.2 * rule).round() as u64;
+            Calibration::record(&vm, "m", &[sample(rule, real, 100)], &cfg).unwrap();
+        }
+        let learned = Calibration::default()
+            .learned(&vm, "m", None, &cfg)
+            .unwrap();
+        assert!((learned.prompt_offset - 30.0).abs() < 3.0, "{learned:?}");
+        assert!((learned.prompt_scale - 1.2).abs() < 0.02, "{learned:?}");
+        for rule in [20.0, 800.0] {
+            let est = text_tokens(rule, learned.prompt_scale, learned.prompt_offset);
+            let real = 30.0 + 1.2 * rule;
+            assert!((est / real - 1.0).abs() < 0.02, "{rule}: {est} for {real}");
+        }
+        assert!(learned.prompt_spread < 0.1, "{learned:?}");
+    }
+
+    /// Prompts all of one size cannot tell a fixed part from a scale: they are fitted as a
+    /// scale. A rule that over-counts every prompt is a scale below one, never a negative
+    /// fixed part; and a prompt of token ids alone takes no fixed part.
+    #[test]
+    fn one_size_of_prompt_or_a_rule_that_over_counts_is_fitted_as_a_scale() {
+        let (one_size, over_counted) = (FakeHost::new().vm(), FakeHost::new().vm());
+        let cfg = learning_after(5);
+        for i in 0..100u32 {
+            Calibration::record(&one_size, "m", &[sample(100.0, 130, 100)], &cfg).unwrap();
+            let rule = 50.0 + (i % 10) as f64 * 50.0;
+            let real = (0.8 * rule - 10.0).round() as u64;
+            Calibration::record(&over_counted, "m", &[sample(rule, real, 100)], &cfg).unwrap();
+        }
+        let learned = |vm| Calibration::default().learned(vm, "m", None, &cfg).unwrap();
+        let one = learned(&one_size);
+        assert!(one.prompt_offset < 0.5, "{one:?}");
+        assert!((one.prompt_scale - 1.3).abs() < 0.01, "{one:?}");
+        let over = learned(&over_counted);
+        assert_eq!(over.prompt_offset, 0.0, "{over:?}");
+        assert!((0.7..0.8).contains(&over.prompt_scale), "{over:?}");
+        assert_eq!(text_tokens(0.0, 1.3, 30.0), 0.0);
+    }
+
+    /// A record written before the fixed part was fitted (a reloaded plugin reads what its
+    /// predecessor left in Envoy's shared data) keeps its scale and goes on learning.
+    #[test]
+    fn a_record_without_the_line_is_read_and_learns_on() {
+        let mut old = ModelStats::new("m");
+        old.prompt_scale = 1.3;
+        old.samples = 50;
+        let mut json: serde_json::Value = serde_json::to_value(&old).unwrap();
+        let fields = json.as_object_mut().unwrap();
+        fields.remove("prompt_offset");
+        fields.remove("prompt_line");
+        let mut read: ModelStats = serde_json::from_value(json).unwrap();
+        assert_eq!((read.prompt_scale, read.prompt_offset), (1.3, 0.0));
+        let cfg = learning_after(5);
+        for _ in 0..20 {
+            read.add(&sample(100.0, 150, 100), &cfg);
+        }
+        assert!((read.text_tokens(100.0) - 150.0).abs() < 1.0, "{read:?}");
     }
 
     /// A request for eight answers reports their tokens together: the model learns one
