@@ -266,14 +266,14 @@ mod tests {
     }
 
     /// Sends a request on `context`; returns its decision, parking it in `host` as the shell does.
-    fn send(gate: &mut Gate, vm: &FakeVm, host: &mut Host, context: u32) -> Decision {
+    fn send(gate: &mut Gate, vm: &dyn Store, host: &mut Host, context: u32) -> Decision {
         send_sized(gate, vm, host, context, 40, 50)
     }
 
     /// `send` with a prompt of about `words` tokens and `max_tokens`.
     fn send_sized(
         gate: &mut Gate,
-        vm: &FakeVm,
+        vm: &dyn Store,
         host: &mut Host,
         context: u32,
         words: usize,
@@ -285,7 +285,7 @@ mod tests {
     /// `send_sized` for `model`.
     fn send_to(
         gate: &mut Gate,
-        vm: &FakeVm,
+        vm: &dyn Store,
         host: &mut Host,
         context: u32,
         model: &str,
@@ -297,7 +297,7 @@ mod tests {
     /// `send_to` from `tenant`, when given.
     fn send_from(
         gate: &mut Gate,
-        vm: &FakeVm,
+        vm: &dyn Store,
         host: &mut Host,
         (context, tenant): (u32, Option<&str>),
         model: &str,
@@ -947,22 +947,8 @@ mod tests {
         let (_h, vm, mut gate) = gate();
         let mut host = Host::default();
         let losing = crate::test_support::Watched::losing_races(&vm, "kvgate.pod.");
-        let body = r#"{"model":"m","prompt":"hello","max_tokens":50,"stream":true}"#;
-        let mut flow = Flow::default();
-        flow.on_request_headers(
-            &mut gate,
-            &losing,
-            &RequestHead {
-                content_length: Some(body.len() as u64),
-                ..RequestHead::json_post("/v1/completions")
-            },
-        );
-        let d = flow.on_body(&mut gate, &losing, body.as_bytes());
-        let Step::Park(ticket) = d.step else {
-            panic!("{d:?}");
-        };
-        host.parked.insert(ticket, 1);
-        host.flows.insert(1, flow);
+        let d = send(&mut gate, &losing, &mut host, 1);
+        assert!(matches!(d.step, Step::Park(_)), "{d:?}");
         assert_eq!(gate.stats.take_count(stats::ADMISSION_CONTENDED), 1);
         assert_eq!(gate.retick(&vm), Some(crate::gate::QUICK_TICK_MS));
         run_line(&mut gate, &vm, &mut host);
