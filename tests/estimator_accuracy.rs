@@ -159,6 +159,8 @@ fn learn_scale(pairs: impl Iterator<Item = (f64, usize)>) -> f64 {
     for (estimate, truth) in pairs {
         let sample = calibration::Sample {
             static_text_tokens: estimate,
+            // Plain text, counted by the tokenizer alone: no template.
+            templated: false,
             known_tokens: 0,
             parts: 0,
             prompt_tokens: truth as u64,
@@ -171,7 +173,7 @@ fn learn_scale(pairs: impl Iterator<Item = (f64, usize)>) -> f64 {
     }
     Calibration::default()
         .learned(&vm, MODEL, None, &cfg)
-        .map_or(1.0, |learned| learned.prompt_scale)
+        .map_or(1.0, |learned| learned.raw.scale)
 }
 
 /// Nearest-rank quantile of unsorted values.

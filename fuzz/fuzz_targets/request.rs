@@ -10,6 +10,7 @@
 #![no_main]
 
 use kvgate::config::{Config, EstimatorConfig};
+use kvgate::estimate::calibration::PromptFit;
 use kvgate::estimate::output_dist::{OutputDist, BUCKETS};
 use kvgate::estimate::reservation::{estimate, Learned};
 use kvgate::estimate::text::static_prompt_tokens;
@@ -61,24 +62,42 @@ fn learned() -> [Option<Learned>; 4] {
     [
         None,
         Some(Learned {
-            prompt_scale: 0.1,
-            prompt_offset: 0.0,
+            templated: PromptFit {
+                scale: 0.1,
+                offset: 0.0,
+            },
+            raw: PromptFit {
+                scale: 0.1,
+                offset: 0.0,
+            },
             part_tokens: Some(0.0),
             prompt_spread: 0.0,
             output: OutputDist::learned(&shortest, &none, 256),
             tokens_per_piece: 1.0,
         }),
         Some(Learned {
-            prompt_scale: 10.0,
-            prompt_offset: 65_536.0,
+            templated: PromptFit {
+                scale: 10.0,
+                offset: 65_536.0,
+            },
+            raw: PromptFit {
+                scale: 10.0,
+                offset: 65_536.0,
+            },
             part_tokens: Some(65_536.0),
             prompt_spread: 1.0,
             output: OutputDist::learned(&longest, &none, 1),
             tokens_per_piece: 16.0,
         }),
         Some(Learned {
-            prompt_scale: 1.0,
-            prompt_offset: 30.0,
+            templated: PromptFit {
+                scale: 1.0,
+                offset: 30.0,
+            },
+            raw: PromptFit {
+                scale: 1.0,
+                offset: 0.0,
+            },
             part_tokens: None,
             prompt_spread: 0.05,
             output: OutputDist::learned(&[1.0; BUCKETS], &[1.0; BUCKETS], 65_536),

@@ -1,5 +1,6 @@
 //! Self-calibration of the estimator, per model, shared by every worker: each response's `usage`
-//! moves a model's prompt scale (real tokens per static-rule token), its output-length
+//! moves a model's prompt fit (real tokens per static-rule token and a template's fixed part,
+//! fitted apart for templated and raw prompts: `PromptFit`), its output-length
 //! distribution (`output_dist`: answers cut off by their own `max_tokens` are kept as censored
 //! samples, not dropped) and, for streamed answers, its tokens per streamed piece of text.
 //! Records live in shared data under a bounded key schema, `kvgate.cal.<slot>`,
@@ -52,7 +53,7 @@ const OFFSET_SHRINK: f64 = 0.01;
 /// template adds tokens to every request whatever its size (a ChatML turn's markers, Llama 3's
 /// system header of about 25 tokens): fitted as a scale alone, by requests of every size, short
 /// prompts were under-counted and long ones over-counted (the median error on 20–80-token chat
-/// prompts was 10 %).
+/// prompts was 10 %). One line per kind of prompt, as the engine renders it (`PromptFit`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 struct PromptLine {
     n: u32,
@@ -91,20 +92,68 @@ impl PromptLine {
         let scale = ((1.0 + OFFSET_SHRINK) * self.xy - self.x * self.y) / det;
         (offset, scale)
     }
+
+    /// The fit, within what a tokenizer can be off by: a scale of 0.1 to 10, a fixed part no
+    /// larger than a non-text part's most.
+    fn fitted(&self) -> PromptFit {
+        let (offset, scale) = self.fit();
+        PromptFit {
+            scale: scale.clamp(0.1, 10.0),
+            offset: offset.min(MAX_PART_TOKENS),
+        }
+    }
+}
+
+/// How a model's engine counts a prompt's text: `scale` tokens per static-rule token, and
+/// `offset` more for any text at all (the fixed part of what renders it). Fitted apart for the
+/// two kinds of prompt (`Request::templated`): a chat or responses prompt goes through the
+/// model's chat template, whose fixed part is tens of tokens (Llama 3's system header alone
+/// is about 25), and a completions prompt is taken as it is, with a BOS token at most. One line
+/// for both fitted their mix: with a model served both ways, the completions prompts were
+/// over-counted by part of the template and the chat prompts under-counted by the rest.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PromptFit {
+    pub scale: f64,
+    pub offset: f64,
+}
+
+impl PromptFit {
+    /// The static rule as it is, before any response taught the model's own.
+    pub const RULE: PromptFit = PromptFit {
+        scale: 1.0,
+        offset: 0.0,
+    };
+
+    /// The tokens a text of `rule` tokens by the static rule takes: a prompt with no text
+    /// (token ids only) takes no fixed part.
+    pub fn tokens(self, rule: f64) -> f64 {
+        if rule >= 1.0 {
+            rule * self.scale + self.offset
+        } else {
+            rule * self.scale
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct ModelStats {
     model: String,
     samples: u32,
-    /// Real prompt tokens per rule token, past `prompt_offset` (`PromptLine`).
+    /// Real prompt tokens per rule token of a templated prompt, past `prompt_offset`
+    /// (`PromptLine`).
     prompt_scale: f64,
-    /// The tokens every text prompt holds besides its text's share: the chat template's fixed
-    /// part, as the model's engine renders it. Absent from records written before it was fitted.
+    /// The tokens every templated text prompt holds besides its text's share: the chat
+    /// template's fixed part, as the model's engine renders it. Absent from records written
+    /// before it was fitted.
     #[serde(default)]
     prompt_offset: f64,
     #[serde(default)]
     prompt_line: PromptLine,
+    /// The line of prompts no template renders (`PromptFit`), fitted when asked for. Absent
+    /// until such a response was seen (records written before the kinds were told apart
+    /// fitted both kinds in `prompt_line`).
+    #[serde(default)]
+    raw_line: Option<PromptLine>,
     /// The mean squared relative error of the scaled prompt estimate, faded like the scale:
     /// how far one request's prompt may be off, which the forecast's headroom covers. Absent
     /// from records written before it was measured.
@@ -147,6 +196,7 @@ impl ModelStats {
             prompt_scale: 1.0,
             prompt_offset: 0.0,
             prompt_line: PromptLine::default(),
+            raw_line: None,
             prompt_var: None,
             output: vec![0.0; BUCKETS],
             cut: vec![0.0; BUCKETS],
@@ -168,7 +218,7 @@ impl ModelStats {
             // the text's: a short question about an image is a few tokens of text beside
             // hundreds of the image's, and one model's text-only prompts were then estimated at
             // four times their size.)
-            let text = self.text_tokens(sample.static_text_tokens);
+            let text = self.fit(sample.templated).tokens(sample.static_text_tokens);
             let per_part = ((estimated - text) / sample.parts as f64).clamp(0.0, MAX_PART_TOKENS);
             let weight = w.max(1.0 / (self.part_samples as f64 + 1.0));
             let old = self.part_tokens.unwrap_or(per_part);
@@ -178,17 +228,23 @@ impl ModelStats {
             let x = sample.static_text_tokens;
             // A response more than ten times off the rule either way is not the rule's error.
             let y = estimated.clamp(0.1 * x, 10.0 * x);
-            // Early samples count fully so the fit converges quickly from the rule's own count.
-            let weight = w.max(1.0 / (self.prompt_line.n as f64 + 1.0));
             // The error of the estimate this request was routed with, before the fit learns
             // from it.
-            let error = y / self.text_tokens(x) - 1.0;
+            let error = y / self.fit(sample.templated).tokens(x) - 1.0;
+            let line = if sample.templated {
+                &mut self.prompt_line
+            } else {
+                self.raw_line.get_or_insert_with(PromptLine::default)
+            };
+            // Early samples count fully so the fit converges quickly from the rule's own count.
+            let weight = w.max(1.0 / (line.n as f64 + 1.0));
+            line.add(x, y, weight);
+            if sample.templated {
+                let fit = self.prompt_line.fitted();
+                (self.prompt_scale, self.prompt_offset) = (fit.scale, fit.offset);
+            }
             let var = self.prompt_var.unwrap_or(cfg.prompt_spread.powi(2));
             self.prompt_var = Some(var + weight * (error * error - var));
-            self.prompt_line.add(x, y, weight);
-            let (offset, scale) = self.prompt_line.fit();
-            self.prompt_offset = offset.min(MAX_PART_TOKENS);
-            self.prompt_scale = scale.clamp(0.1, 10.0);
         }
         if sample.pieces > 0 && sample.completion_tokens > 0 {
             let (tokens, pieces) = self.streamed.unwrap_or_default();
@@ -215,9 +271,21 @@ impl ModelStats {
         self.samples = self.samples.saturating_add(1);
     }
 
-    /// The tokens a text of `rule` tokens by the static rule takes, as fitted.
-    fn text_tokens(&self, rule: f64) -> f64 {
-        text_tokens(rule, self.prompt_scale, self.prompt_offset)
+    /// How the model's engine counts a templated prompt's text, or a raw one's. A kind not
+    /// seen yet borrows the other's: a raw prompt the templated scale without its fixed part
+    /// (there is no template to add it), a templated one the raw fit (short by the template's
+    /// part until its first response, which the fit then takes in full).
+    fn fit(&self, templated: bool) -> PromptFit {
+        let own = PromptFit {
+            scale: self.prompt_scale,
+            offset: self.prompt_offset,
+        };
+        match (templated, self.raw_line) {
+            (true, Some(raw)) if self.prompt_line.n == 0 => raw.fitted(),
+            (true, _) => own,
+            (false, Some(raw)) => raw.fitted(),
+            (false, None) => PromptFit { offset: 0.0, ..own },
+        }
     }
 
     /// What the record has learned, its lengths pooled with this VM's `cohort` of answers
@@ -233,8 +301,8 @@ impl ModelStats {
             }
         }
         (self.samples >= cfg.min_samples).then(|| Learned {
-            prompt_scale: self.prompt_scale,
-            prompt_offset: self.prompt_offset,
+            templated: self.fit(true),
+            raw: self.fit(false),
             part_tokens: self.part_tokens.filter(|_| self.part_samples > 0),
             prompt_spread: self
                 .prompt_var
@@ -250,22 +318,13 @@ impl ModelStats {
     }
 }
 
-/// The tokens a prompt's text takes when the static rule counts `rule` for it, on a model fitted
-/// to `scale` and `offset` (`PromptLine`): a prompt with no text (token ids only) is rendered by
-/// no template, and takes no fixed part.
-pub fn text_tokens(rule: f64, scale: f64, offset: f64) -> f64 {
-    if rule >= 1.0 {
-        rule * scale + offset
-    } else {
-        rule * scale
-    }
-}
-
 /// One finished response's ground truth.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Sample {
     /// What the static rule said for the prompt's text part (0 when the prompt was token ids).
     pub static_text_tokens: f64,
+    /// Its prompt went through the chat template (`Request::templated`).
+    pub templated: bool,
     /// Tokens kvgate knew exactly: token ids, a stored conversation's history.
     pub known_tokens: u64,
     /// Its non-text content parts (images, audio).
@@ -522,6 +581,7 @@ mod tests {
     fn sample(static_tokens: f64, real: u64, out: u64) -> Sample {
         Sample {
             static_text_tokens: static_tokens,
+            templated: true,
             known_tokens: 0,
             parts: 0,
             prompt_tokens: real,
@@ -554,7 +614,7 @@ mod tests {
             Calibration::record(&a, "m", &[sample(100.0, 130, out)], &cfg).unwrap();
         }
         let learned = cal.learned(&b, "m", None, &cfg).unwrap();
-        assert!((learned.prompt_scale - 1.3).abs() < 0.01, "{learned:?}");
+        assert!((learned.templated.scale - 1.3).abs() < 0.01, "{learned:?}");
         // 10 % of outputs are 1000 tokens, the rest 100: a mean of 190 and one answer in ten
         // still running at 500 tokens, within a bucket's width and the prior's small weight.
         let mean = learned.output.expected(0, 100_000);
@@ -580,14 +640,60 @@ mod tests {
         let learned = Calibration::default()
             .learned(&vm, "m", None, &cfg)
             .unwrap();
-        assert!((learned.prompt_offset - 30.0).abs() < 3.0, "{learned:?}");
-        assert!((learned.prompt_scale - 1.2).abs() < 0.02, "{learned:?}");
+        assert!((learned.templated.offset - 30.0).abs() < 3.0, "{learned:?}");
+        assert!((learned.templated.scale - 1.2).abs() < 0.02, "{learned:?}");
         for rule in [20.0, 800.0] {
-            let est = text_tokens(rule, learned.prompt_scale, learned.prompt_offset);
+            let est = learned.templated.tokens(rule);
             let real = 30.0 + 1.2 * rule;
             assert!((est / real - 1.0).abs() < 0.02, "{rule}: {est} for {real}");
         }
         assert!(learned.prompt_spread < 0.1, "{learned:?}");
+    }
+
+    /// A model served both through its chat template and as raw completions: each kind is
+    /// fitted on its own, so neither takes the other's share of the template. One line for
+    /// both, fitted to this mix by least squares, puts a completions prompt of 20 rule tokens
+    /// 58 % over and a chat prompt of 20 27 % under.
+    #[test]
+    fn templated_and_raw_prompts_are_fitted_apart() {
+        let vm = FakeHost::new().vm();
+        let cfg = learning_after(5);
+        let real = |templated: bool, rule: f64| {
+            (if templated { 30.0 } else { 1.0 } + 1.2 * rule).round() as u64
+        };
+        // Before any raw response, a raw prompt takes the templated scale without its fixed part.
+        for i in 0..100u32 {
+            let rule = 20.0 * 1.2f64.powi((i % 21) as i32);
+            Calibration::record(&vm, "m", &[sample(rule, real(true, rule), 100)], &cfg).unwrap();
+        }
+        let chat_only = Calibration::default()
+            .learned(&vm, "m", None, &cfg)
+            .unwrap();
+        assert_eq!(chat_only.raw.offset, 0.0, "{chat_only:?}");
+        assert_eq!(chat_only.raw.scale, chat_only.templated.scale);
+        for i in 0..200u32 {
+            let rule = 20.0 * 1.2f64.powi((i % 21) as i32);
+            let templated = i % 2 == 0;
+            let s = Sample {
+                templated,
+                ..sample(rule, real(templated, rule), 100)
+            };
+            Calibration::record(&vm, "m", &[s], &cfg).unwrap();
+        }
+        let learned = Calibration::default()
+            .learned(&vm, "m", None, &cfg)
+            .unwrap();
+        assert!((learned.templated.offset - 30.0).abs() < 3.0, "{learned:?}");
+        assert!(learned.raw.offset < 3.0, "{learned:?}");
+        for (fit, templated) in [(learned.templated, true), (learned.raw, false)] {
+            for rule in [20.0, 800.0] {
+                let (est, real) = (fit.tokens(rule), real(templated, rule) as f64);
+                assert!(
+                    (est / real - 1.0).abs() < 0.05,
+                    "{templated} {rule}: {est} for {real}"
+                );
+            }
+        }
     }
 
     /// Prompts all of one size cannot tell a fixed part from a scale: they are fitted as a
@@ -605,12 +711,16 @@ mod tests {
         }
         let learned = |vm| Calibration::default().learned(vm, "m", None, &cfg).unwrap();
         let one = learned(&one_size);
-        assert!(one.prompt_offset < 0.5, "{one:?}");
-        assert!((one.prompt_scale - 1.3).abs() < 0.01, "{one:?}");
+        assert!(one.templated.offset < 0.5, "{one:?}");
+        assert!((one.templated.scale - 1.3).abs() < 0.01, "{one:?}");
         let over = learned(&over_counted);
-        assert_eq!(over.prompt_offset, 0.0, "{over:?}");
-        assert!((0.7..0.8).contains(&over.prompt_scale), "{over:?}");
-        assert_eq!(text_tokens(0.0, 1.3, 30.0), 0.0);
+        assert_eq!(over.templated.offset, 0.0, "{over:?}");
+        assert!((0.7..0.8).contains(&over.templated.scale), "{over:?}");
+        let fit = PromptFit {
+            scale: 1.3,
+            offset: 30.0,
+        };
+        assert_eq!(fit.tokens(0.0), 0.0);
     }
 
     /// A record written before the fixed part was fitted (a reloaded plugin reads what its
@@ -630,7 +740,10 @@ mod tests {
         for _ in 0..20 {
             read.add(&sample(100.0, 150, 100), &cfg);
         }
-        assert!((read.text_tokens(100.0) - 150.0).abs() < 1.0, "{read:?}");
+        assert!(
+            (read.fit(true).tokens(100.0) - 150.0).abs() < 1.0,
+            "{read:?}"
+        );
     }
 
     /// A request for eight answers reports their tokens together: the model learns one
@@ -753,7 +866,7 @@ mod tests {
         let learned = Calibration::default()
             .learned(&vm, "m", None, &cfg)
             .unwrap();
-        assert!((learned.prompt_scale - 1.2).abs() < 0.01, "{learned:?}");
+        assert!((learned.templated.scale - 1.2).abs() < 0.01, "{learned:?}");
         assert!(
             (0.04..=0.06).contains(&learned.prompt_spread),
             "{learned:?}"
@@ -792,7 +905,7 @@ mod tests {
         let learned = Calibration::default()
             .learned(&vm, "vl", None, &cfg)
             .unwrap();
-        assert!((learned.prompt_scale - 1.2).abs() < 0.01, "{learned:?}");
+        assert!((learned.templated.scale - 1.2).abs() < 0.01, "{learned:?}");
         let part = learned.part_tokens.unwrap_or_default();
         assert!((part - 1_200.0).abs() < 2.0, "{learned:?}");
         assert!(learned.prompt_spread < 0.02, "{learned:?}");
@@ -918,7 +1031,7 @@ mod tests {
         let fresh = || Calibration::default();
         assert_eq!(fresh().learned(&vm, "lora-3", None, &cfg), None);
         let pooled = fresh().learned(&vm, "lora-3", Some(&fam), &cfg).unwrap();
-        assert!((pooled.prompt_scale - 1.3).abs() < 0.01, "{pooled:?}");
+        assert!((pooled.templated.scale - 1.3).abs() < 0.01, "{pooled:?}");
         // The base model's own record learned nothing from its adapters.
         assert_eq!(fresh().learned(&vm, "base", None, &cfg), None);
         // An adapter with samples enough of its own goes by them.
@@ -927,7 +1040,7 @@ mod tests {
         }
         cal.flush(&vm, &cfg).unwrap();
         let own = fresh().learned(&vm, "lora-3", Some(&fam), &cfg).unwrap();
-        assert!(own.prompt_scale < 1.0, "{own:?}");
+        assert!(own.templated.scale < 1.0, "{own:?}");
         assert!(
             family("base").chars().any(char::is_control),
             "no listed name is a family"

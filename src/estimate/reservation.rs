@@ -6,7 +6,7 @@
 //! uses the outlook the distribution gives instead.
 
 use crate::config::EstimatorConfig;
-use crate::estimate::calibration;
+use crate::estimate::calibration::PromptFit;
 use crate::estimate::output_dist::{Outlook, OutputDist};
 use crate::estimate::text::static_prompt_tokens;
 use crate::openai::request::Request;
@@ -14,10 +14,9 @@ use crate::openai::request::Request;
 /// What was learned for a model from responses, if enough has been seen.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Learned {
-    /// Real prompt tokens per static-rule token, past `prompt_offset`.
-    pub prompt_scale: f64,
-    /// Tokens every text prompt holds besides its text's share (the chat template's fixed part).
-    pub prompt_offset: f64,
+    /// How the engine counts a prompt's text, through the chat template and without it.
+    pub templated: PromptFit,
+    pub raw: PromptFit,
     /// Tokens one non-text content part takes, once a response of a request with parts taught
     /// it (`estimator.nonTextPartTokens` until then).
     pub part_tokens: Option<f64>,
@@ -130,9 +129,15 @@ pub fn estimate_from(
     learned: Option<Learned>,
     cfg: &EstimatorConfig,
 ) -> Estimate {
-    let (scale, offset) = learned.map_or((1.0, 0.0), |l| (l.prompt_scale, l.prompt_offset));
+    let fit = learned.map_or(PromptFit::RULE, |l| {
+        if req.templated {
+            l.templated
+        } else {
+            l.raw
+        }
+    });
     let spread = learned.map_or(cfg.prompt_spread, |l| l.prompt_spread);
-    let text_tokens = calibration::text_tokens(static_text_tokens, scale, offset).round() as u64;
+    let text_tokens = fit.tokens(static_text_tokens).round() as u64;
     let part_tokens = learned
         .and_then(|l| l.part_tokens)
         .map_or(cfg.non_text_part_tokens, |t| t.round() as u64);
@@ -203,8 +208,8 @@ mod tests {
         let mut ended = [0.0; crate::estimate::output_dist::BUCKETS];
         ended[crate::estimate::output_dist::bucket(len)] = n;
         Learned {
-            prompt_scale: 1.0,
-            prompt_offset: 0.0,
+            templated: PromptFit::RULE,
+            raw: PromptFit::RULE,
             part_tokens: None,
             prompt_spread: 0.0,
             output: OutputDist::learned(&ended, &[0.0; crate::estimate::output_dist::BUCKETS], 256),

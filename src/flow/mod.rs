@@ -120,6 +120,8 @@ struct Admitted {
     stat_model: String,
     estimate: Estimate,
     static_text_tokens: f64,
+    /// Its prompt went through the chat template (`Request::templated`).
+    templated: bool,
     /// Prompt tokens known exactly (token ids, a stored conversation's history), and the
     /// non-text parts: what calibration needs besides the text (`calibration::Sample`).
     known_tokens: u64,
@@ -674,6 +676,7 @@ impl Flow {
             requested,
             stat_model,
             static_text_tokens,
+            templated: req.templated,
             known_tokens: req.token_ids,
             parts: req.non_text_parts,
             max_output_tokens: req.max_output_tokens,

@@ -320,6 +320,7 @@ impl Flow {
         }
         let sample = Sample {
             static_text_tokens: a.static_text_tokens,
+            templated: a.templated,
             known_tokens: a.known_tokens,
             parts: a.parts,
             prompt_tokens: usage.prompt_tokens,
@@ -1063,6 +1064,7 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
         let learn = |n, tokens| {
             let s = Sample {
                 static_text_tokens: 1.0,
+                templated: true,
                 known_tokens: 0,
                 parts: 0,
                 prompt_tokens: 1,
@@ -1138,6 +1140,7 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
         let vm = host.vm();
         let s = Sample {
             static_text_tokens: 1.0,
+            templated: true,
             known_tokens: 0,
             parts: 0,
             prompt_tokens: 1,

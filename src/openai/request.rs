@@ -49,6 +49,10 @@ pub struct Request {
     pub text: String,
     /// Prompt given as token ids: counted exactly, never estimated.
     pub token_ids: u64,
+    /// The engine renders the prompt through the model's chat template (chat completions,
+    /// responses), which adds tokens of its own to every prompt; a completions or embeddings
+    /// prompt is taken as it is (`calibration::PromptFit`: each is fitted on its own).
+    pub templated: bool,
     /// Non-text content parts (images, audio, files), charged a configured cost each.
     pub non_text_parts: u64,
     /// The answers it asks for (`n`, parallel sampling), at least 1: the engine runs each as
@@ -255,6 +259,7 @@ impl Request {
         let mut out = Request {
             model,
             model_span,
+            templated: matches!(api, Api::ChatCompletions | Api::Responses),
             stream: b.stream.unwrap_or(false),
             include_usage: b
                 .stream_options
@@ -408,6 +413,25 @@ mod tests {
 
     fn chat(body: &str) -> Result<Request, BadRequest> {
         Request::parse(Api::ChatCompletions, body.as_bytes())
+    }
+
+    /// Chat and responses prompts go through the model's chat template; completions and
+    /// embeddings inputs are taken as they are.
+    #[test]
+    fn templated_prompts_are_those_of_chat_and_responses() {
+        for (api, body, templated) in [
+            (
+                Api::ChatCompletions,
+                r#"{"messages":[{"role":"user","content":"hi"}]}"#,
+                true,
+            ),
+            (Api::Responses, r#"{"input":"hi"}"#, true),
+            (Api::Completions, r#"{"prompt":"hi"}"#, false),
+            (Api::Embeddings, r#"{"input":"hi"}"#, false),
+        ] {
+            let req = Request::parse(api, body.as_bytes()).unwrap();
+            assert_eq!(req.templated, templated, "{api:?}");
+        }
     }
 
     #[test]

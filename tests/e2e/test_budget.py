@@ -477,6 +477,35 @@ def test_a_vision_models_images_and_text_are_each_estimated_by_what_they_take():
         assert max(errors["text"]) < 0.05 and max(errors["image"]) < 0.05, errors
 
 
+def test_chat_and_completions_prompts_are_each_estimated_with_their_own_template():
+    """The engine wraps a chat prompt in its chat template, whose fixed part every prompt pays
+    (the simulator's ChatML turn and generation prompt), and takes a completions prompt as it
+    is. One model served both ways: calibration fits each kind on its own. Fitted as one line
+    to the mix, a short completions prompt was over-counted by part of the template and a short
+    chat prompt under-counted by the rest."""
+    words = "the database keeps a pool of connections open for each worker thread".split()
+    with Sim(pods=1, args=["--time-scale", "50"]) as sim, \
+            kvgate_envoy(sim.endpoints, default_plugin_config(), concurrency=1) as envoy:
+        errors = {"chat": [], "completions": []}
+        for i in range(160):
+            kind = ("chat", "completions")[i % 2]
+            # 4 to 400 words, each size for both kinds in turn.
+            n = int(4 * 100 ** ((i // 2) % 9 / 8))
+            text = f"Question {i}: " + " ".join(words[(i + j) % len(words)] for j in range(n))
+            if kind == "chat":
+                path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}
+            else:
+                path, body = "/v1/completions", {"prompt": text}
+            r = request(envoy.port, "POST", path, dict(body, model=MODEL, max_tokens=4))
+            assert r.status == 200, r.body
+            truth = r.json()["usage"]["prompt_tokens"]
+            if i >= 100:
+                errors[kind].append(abs(int(r.headers["x-kvgate-prompt-tokens"]) - truth) / truth)
+            time.sleep(0.02)
+        print({k: f"median {statistics.median(v):.1%}, max {max(v):.1%}" for k, v in errors.items()})
+        assert all(statistics.median(v) < 0.05 and max(v) < 0.15 for v in errors.values()), errors
+
+
 def test_several_answers_on_one_prompt_are_forecast_and_learned_as_answers():
     """A request for `n` answers (parallel sampling) runs as `n` sequences on its prompt, each
     growing a token a step, and reports their tokens together. Learned from their usage, the
