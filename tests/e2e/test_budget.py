@@ -447,6 +447,21 @@ def test_a_burst_of_shared_prefixes_is_counted_in_full_however_the_workers_inter
         assert wait_for(lambda: all(v == 0 for v in kvgate_gauges(envoy, "reserved_tokens").values()), timeout=5)
 
 
+def prompt_errors(envoy, sent, learn, pause):
+    """Sends each (kind, path, body) in turn, a short answer each, and returns per kind the
+    relative error of kvgate's prompt estimate against the engine's `usage`, past the first
+    `learn` requests (what calibration learns from)."""
+    errors = {}
+    for i, (kind, path, body) in enumerate(sent):
+        r = request(envoy.port, "POST", path, dict(body, model=MODEL, max_tokens=4))
+        assert r.status == 200, r.body
+        truth = r.json()["usage"]["prompt_tokens"]
+        if i >= learn:
+            errors.setdefault(kind, []).append(abs(int(r.headers["x-kvgate-prompt-tokens"]) - truth) / truth)
+        time.sleep(pause)
+    return errors
+
+
 def test_a_vision_models_images_and_text_are_each_estimated_by_what_they_take():
     """An image takes what the model's processor makes of it (the simulator's here: 1,200
     tokens), not the configured `nonTextPartTokens` (512). Calibration learns a model's part cost
@@ -458,7 +473,7 @@ def test_a_vision_models_images_and_text_are_each_estimated_by_what_they_take():
     system = "You are a careful assistant who answers questions about databases. " * 6
     with Sim(pods=1, args=["--time-scale", "50", "--media-part-tokens", "1200"]) as sim, \
             kvgate_envoy(sim.endpoints, default_plugin_config(), concurrency=1) as envoy:
-        errors = {"text": [], "image": []}
+        sent = []
         for i in range(80):
             if i % 2:
                 kind, messages = "image", [{"role": "user", "content": [
@@ -466,13 +481,8 @@ def test_a_vision_models_images_and_text_are_each_estimated_by_what_they_take():
             else:
                 kind, messages = "text", [{"role": "system", "content": system},
                                           {"role": "user", "content": f"Question {i}: how large a connection pool?"}]
-            r = request(envoy.port, "POST", "/v1/chat/completions",
-                        {"model": MODEL, "messages": messages, "max_tokens": 4})
-            assert r.status == 200, r.body
-            truth = r.json()["usage"]["prompt_tokens"]
-            if i >= 60:
-                errors[kind].append(abs(int(r.headers["x-kvgate-prompt-tokens"]) - truth) / truth)
-            time.sleep(0.03)
+            sent.append((kind, "/v1/chat/completions", {"messages": messages}))
+        errors = prompt_errors(envoy, sent, learn=60, pause=0.03)
         print({k: f"max {max(v):.1%}" for k, v in errors.items()})
         assert max(errors["text"]) < 0.05 and max(errors["image"]) < 0.05, errors
 
@@ -486,22 +496,16 @@ def test_chat_and_completions_prompts_are_each_estimated_with_their_own_template
     words = "the database keeps a pool of connections open for each worker thread".split()
     with Sim(pods=1, args=["--time-scale", "50"]) as sim, \
             kvgate_envoy(sim.endpoints, default_plugin_config(), concurrency=1) as envoy:
-        errors = {"chat": [], "completions": []}
+        sent = []
         for i in range(160):
-            kind = ("chat", "completions")[i % 2]
             # 4 to 400 words, each size for both kinds in turn.
             n = int(4 * 100 ** ((i // 2) % 9 / 8))
             text = f"Question {i}: " + " ".join(words[(i + j) % len(words)] for j in range(n))
-            if kind == "chat":
-                path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}
+            if i % 2:
+                sent.append(("completions", "/v1/completions", {"prompt": text}))
             else:
-                path, body = "/v1/completions", {"prompt": text}
-            r = request(envoy.port, "POST", path, dict(body, model=MODEL, max_tokens=4))
-            assert r.status == 200, r.body
-            truth = r.json()["usage"]["prompt_tokens"]
-            if i >= 100:
-                errors[kind].append(abs(int(r.headers["x-kvgate-prompt-tokens"]) - truth) / truth)
-            time.sleep(0.02)
+                sent.append(("chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}))
+        errors = prompt_errors(envoy, sent, learn=100, pause=0.02)
         print({k: f"median {statistics.median(v):.1%}, max {max(v):.1%}" for k, v in errors.items()})
         assert all(statistics.median(v) < 0.05 and max(v) < 0.15 for v in errors.values()), errors
 
