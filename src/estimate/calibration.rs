@@ -913,6 +913,7 @@ mod tests {
         let image = crate::openai::request::Request {
             non_text_parts: 1,
             token_ids: 30,
+            templated: true,
             ..crate::openai::request::Request::default()
         };
         let e = crate::estimate::reservation::estimate_from(&image, 10.0, Some(learned), &cfg);
