@@ -104,8 +104,22 @@ pub struct AdmissionConfig {
     /// Virtual-time credit of a boosted request, in tokens (how far ahead of its band it may go).
     pub session_boost_tokens: u64,
     /// Standard deviations of headroom in a pod's KV forecast: admission keeps the expected KV
-    /// plus this many sigmas within the budget at every horizon.
+    /// plus this many sigmas within the budget at every horizon. For requests without an output
+    /// limit, which the engine's feedback may relieve (`admission::feedback`).
     pub headroom_sigmas: f64,
+    /// The same for requests with `max_tokens`: a client's bound, for which kvgate keeps the pod
+    /// from preempting (`forecast::Headroom`).
+    pub bounded_headroom_sigmas: f64,
+}
+
+impl AdmissionConfig {
+    /// The forecast's headroom, by kind of request.
+    pub fn headroom(&self) -> crate::admission::forecast::Headroom {
+        crate::admission::forecast::Headroom {
+            bounded: self.bounded_headroom_sigmas,
+            unbounded: self.headroom_sigmas,
+        }
+    }
 }
 
 impl Default for AdmissionConfig {
@@ -129,6 +143,7 @@ impl Default for AdmissionConfig {
             session_boost_ms: 60_000,
             session_boost_tokens: 65_536,
             headroom_sigmas: 2.5,
+            bounded_headroom_sigmas: 3.0,
         }
     }
 }
@@ -507,6 +522,9 @@ impl AdmissionConfig {
         }
         if !(0.0..=10.0).contains(&self.headroom_sigmas) {
             return e("headroomSigmas", "must be in [0, 10]");
+        }
+        if !(0.0..=10.0).contains(&self.bounded_headroom_sigmas) {
+            return e("boundedHeadroomSigmas", "must be in [0, 10]");
         }
         for (name, header) in [
             ("objectiveHeader", &self.objective_header),

@@ -72,7 +72,7 @@ fn pod(
         "budgetTokens": budget,
         // What admission holds within the budget: the pod's KV forecast (the reserved_tokens
         // gauge), and what its requests hold now.
-        "reservedTokens": rec.forecast(None, cfg.admission.headroom_sigmas, block_tokens),
+        "reservedTokens": rec.forecast(None, cfg.admission.headroom(), block_tokens),
         "heldTokens": rec.held_tokens(),
         // With etcd on (null off): what this replica may reserve on the pod now (the
         // grant_tokens gauge: its grant, scaled down when the budget fell, or its fallback cut

@@ -97,6 +97,7 @@ fn undiscounted(cfg: &Config, est: &Estimate) -> Load {
         sigma: est.prompt_sigma * copies,
         left: est.steps_left(est.choices, 0),
         rate: est.choices,
+        bounded: est.bounded,
         streamed: 0,
         outlook: est.outlook(est.choices, 0),
     }
@@ -105,7 +106,7 @@ fn undiscounted(cfg: &Config, est: &Estimate) -> Load {
 /// The pod's forecast with `extra`, as admission computes it.
 fn forecast(cfg: &Config, r: &Router, rec: &record::PodRecord, extra: Option<Load>) -> u64 {
     let block = u64::from(r.block_tokens(&cfg.routing));
-    rec.forecast(extra, cfg.admission.headroom_sigmas, block)
+    rec.forecast(extra, cfg.admission.headroom(), block)
 }
 
 /// The pod's token budget as admission computes it.

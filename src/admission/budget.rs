@@ -47,7 +47,7 @@ pub fn fits(
 ) -> bool {
     budget.is_none_or(|b| {
         (rec.entries.is_empty() && !cfg.etcd.enabled())
-            || rec.forecast(Some(request), cfg.admission.headroom_sigmas, block_tokens) <= b
+            || rec.forecast(Some(request), cfg.admission.headroom(), block_tokens) <= b
     })
 }
 
@@ -57,6 +57,7 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     use super::*;
+    use crate::admission::forecast::Headroom;
     use crate::estimate::output_dist::{Outlook, OutputDist, HORIZON_STEPS};
     use crate::pods::record::RequestEntry;
 
@@ -126,6 +127,7 @@ mod tests {
             sigma: 0,
             left: 1,
             rate: 1,
+            bounded: false,
             streamed: 0,
             outlook: RUNNING,
         };
@@ -162,6 +164,7 @@ mod tests {
             sigma: 0,
             left: 8192,
             rate: 1,
+            bounded: false,
             streamed: 0,
             outlook,
         };
@@ -178,8 +181,8 @@ mod tests {
             snapshot: Some(Snapshot::default()),
             ..PodRecord::default()
         };
-        let with_headroom = rec.forecast(Some(unbounded(1000)), cfg.admission.headroom_sigmas, 16);
-        let expected = rec.forecast(Some(unbounded(1000)), 0.0, 16);
+        let with_headroom = rec.forecast(Some(unbounded(1000)), cfg.admission.headroom(), 16);
+        let expected = rec.forecast(Some(unbounded(1000)), Headroom::uniform(0.0), 16);
         assert!(expected < with_headroom);
         let budget = Some((expected + with_headroom) / 2);
         assert!(!fits(&rec, unbounded(1000), budget, &cfg, 16));

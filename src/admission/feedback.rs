@@ -218,7 +218,7 @@ fn relief(
     // `rec` still carries the previous snapshot, so its forecast has the relief in force.
     let block = u64::from(next.block_size.max(1));
     let full = budget_tokens(cfg, Some(next)).is_some_and(|b| {
-        rec.forecast(None, cfg.admission.headroom_sigmas, block) as f64 >= b as f64 * FULL
+        rec.forecast(None, cfg.admission.headroom(), block) as f64 >= b as f64 * FULL
     });
     let many = rec.entries.len() >= MIN_RELIEF_REQUESTS;
     if full && many && next.kv_usage < target - RELIEF_BAND {

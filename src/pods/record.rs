@@ -6,7 +6,7 @@
 //! expiry, renewed as their response streams, so those left by a crashed or reloaded VM vanish.
 //! Keys are per pod address; a pod that leaves has its record blanked (keys cannot be deleted).
 
-use crate::admission::forecast::{peak, Lag, Load};
+use crate::admission::forecast::{peak, Headroom, Lag, Load};
 use crate::config::{Config, MetricsConfig};
 use crate::estimate::output_dist::{Outlook, HORIZON_STEPS};
 use crate::pods::index_check::HitTotals;
@@ -403,18 +403,20 @@ impl PodRecord {
     }
 
     /// The pod's KV forecast (`forecast::peak`) with `extra` added: what admission holds within
-    /// the budget, and what the `reserved_tokens` gauge shows. Its headroom is `headroom_sigmas`
-    /// less what the engine's feedback has given up on this pod (`Snapshot::relief`), in the
-    /// share of its requests that set no output limit: a client's `max_tokens` is a bound kvgate
-    /// keeps its whole headroom for (measured, with limits on the forecast's grid counted:
-    /// relieved, pods of bounded requests preempted in 2 of 4 runs; with the whole headroom, in
-    /// none). Every answer's stream is counted behind the engine by the most any of the pod's
-    /// streams was seen behind it (`forecast::Lag`).
-    pub fn forecast(&self, extra: Option<Load>, headroom_sigmas: f64, block_tokens: u64) -> u64 {
-        let relief = self.snapshot.map_or(0.0, |s| s.relief.clamp(0.0, 1.0));
-        let unbounded = self.entries.iter().filter(|e| !e.bounded).count();
-        let share = unbounded as f64 / self.entries.len().max(1) as f64;
-        let z = headroom_sigmas * (1.0 - relief * share);
+    /// the budget, and what the `reserved_tokens` gauge shows. Its headroom is each kind of
+    /// request's (`forecast::Headroom`) in the share of its requests (with `extra`) of that
+    /// kind, less what the engine's feedback has given up on this pod (`Snapshot::relief`) in
+    /// the share that set no output limit: a client's `max_tokens` is a bound kvgate keeps its
+    /// whole headroom for (measured, with limits on the forecast's grid counted: relieved, pods
+    /// of bounded requests preempted in 2 of 4 runs; with the whole headroom, in none). Every
+    /// answer's stream is counted behind the engine by the most any of the pod's streams was
+    /// seen behind it (`forecast::Lag`).
+    pub fn forecast(&self, extra: Option<Load>, headroom: Headroom, block_tokens: u64) -> u64 {
+        let relief = self.snapshot.map_or(0.0, |s| s.relief);
+        let unbounded = self.entries.iter().filter(|e| !e.bounded).count()
+            + extra.map_or(0, |l| usize::from(!l.bounded));
+        let all = self.entries.len() + usize::from(extra.is_some());
+        let z = headroom.sigmas(unbounded as f64 / all.max(1) as f64, relief);
         let lag = self.lag();
         let loads = self
             .entries
@@ -424,6 +426,7 @@ impl PodRecord {
                 sigma: u64::from(e.held_sigma),
                 left: u64::from(e.left),
                 rate: u64::from(e.choices.max(1)),
+                bounded: e.bounded,
                 // Streamed to its last block boundary (what `grow` writes at).
                 streamed: u64::from(e.output_blocks) * block_tokens,
                 outlook: e.outlook,
@@ -949,9 +952,79 @@ mod tests {
         // Half a block an answer while none is seen; once one is, the most seen and two tokens
         // (`Lag`), 5: 3 tokens less for each of the two, the one that has not streamed yet too.
         assert_eq!(
-            pod(&[0, 0]).forecast(None, 2.0, 16) - pod(&[0, 3]).forecast(None, 2.0, 16),
+            pod(&[0, 0]).forecast(None, Headroom::uniform(2.0), 16)
+                - pod(&[0, 3]).forecast(None, Headroom::uniform(2.0), 16),
             6
         );
+    }
+
+    #[test]
+    fn a_pods_headroom_is_each_kinds_in_its_share_with_the_request_asked_about() {
+        let outlook = crate::estimate::output_dist::OutputDist::prior(256).outlook(0, 1024);
+        let running = |id, bounded| RequestEntry {
+            left: 1024,
+            outlook,
+            bounded,
+            ..entry(id, 2)
+        };
+        let relieved = Snapshot {
+            relief: 1.0,
+            ..Snapshot::default()
+        };
+        let pod = |bounded: bool| PodRecord {
+            entries: (1..=3).map(|id| running(id, bounded)).collect(),
+            snapshot: Some(relieved),
+            ..PodRecord::default()
+        };
+        let asked = |bounded| Load {
+            held: 100,
+            sigma: 0,
+            left: 1024,
+            rate: 1,
+            bounded,
+            streamed: 0,
+            outlook,
+        };
+        let h = Headroom {
+            bounded: 3.0,
+            unbounded: 2.0,
+        };
+        // The forecast at `z` itself: no relief.
+        let at = |z: f64, rec: &PodRecord, extra| {
+            let unrelieved = PodRecord {
+                snapshot: None,
+                ..rec.clone()
+            };
+            unrelieved.forecast(extra, Headroom::uniform(z), 16)
+        };
+        let expected = |rec: &PodRecord, extra| at(0.0, rec, extra);
+        // Unbounded, their headroom all given up: the expectation alone.
+        assert_eq!(
+            pod(false).forecast(None, h, 16),
+            expected(&pod(false), None)
+        );
+        // Bounded: their own headroom, which no relief gives up.
+        assert_eq!(pod(true).forecast(None, h, 16), at(3.0, &pod(true), None));
+        // A bounded request asked about on a relieved pod of three unbounded: a quarter of 3 σ.
+        let mixed = Some(asked(true));
+        assert_eq!(
+            pod(false).forecast(mixed, h, 16),
+            at(0.75, &pod(false), mixed)
+        );
+        assert!(expected(&pod(false), mixed) < at(0.75, &pod(false), mixed));
+    }
+
+    #[test]
+    fn requests_with_max_tokens_keep_the_wider_headroom_and_a_mix_blends() {
+        let h = Headroom {
+            bounded: 3.0,
+            unbounded: 2.0,
+        };
+        assert_eq!(h.sigmas(0.0, 0.5), 3.0, "all bounded: no relief applies");
+        assert_eq!(h.sigmas(1.0, 0.0), 2.0);
+        assert_eq!(h.sigmas(1.0, 0.25), 1.5);
+        assert_eq!(h.sigmas(0.5, 0.5), 1.5 + 0.5);
+        assert_eq!(Headroom::uniform(2.5).sigmas(0.3, 0.0), 2.5);
     }
 
     /// The snapshot's part written by `index_check`: the engine's counters and their tally at

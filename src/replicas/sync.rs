@@ -709,7 +709,7 @@ impl Sync {
             s.remote_tokens = remote;
             s.ghost_tokens = ghosts;
         })?;
-        let z = cfg.admission.headroom_sigmas;
+        let z = cfg.admission.headroom();
         let (held, in_flight) = crate::pods::record::modify(store, &view.pod, |rec| {
             Some((
                 rec.forecast(None, z, view.block_tokens),

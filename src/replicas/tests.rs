@@ -7,6 +7,7 @@
 #[cfg(target_arch = "wasm32")]
 use wasm_bindgen_test::wasm_bindgen_test as test;
 
+use crate::admission::forecast::Headroom;
 use crate::config::Config;
 use crate::pods::scrape::Call;
 use crate::replicas::share;
@@ -369,9 +370,11 @@ fn a_request_admitted_while_etcd_answers_stays_covered_by_the_grant_given_back()
         Some(())
     })
     .unwrap();
-    let held = crate::pods::record::read(&rs[1].vm, POD)
-        .unwrap()
-        .forecast(None, 0.0, 16);
+    let held = crate::pods::record::read(&rs[1].vm, POD).unwrap().forecast(
+        None,
+        Headroom::uniform(0.0),
+        16,
+    );
     assert!(held >= 1_000, "{held}");
     // Another worker of replica 1 read the pod's record (and the share's grant) just before the
     // sync: the sync's write of the record bumps its version, so that worker's compare-and-swap

@@ -1093,6 +1093,7 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     use super::*;
+    use crate::admission::forecast::Headroom;
     use crate::pods::index_check::HitTotals;
     use crate::pods::pool::encode_pods;
     use crate::pods::record::Snapshot;
@@ -1484,7 +1485,10 @@ mod tests {
             Some(())
         })
         .unwrap();
-        cfg.admission.budget_tokens = record::read(&vm, &home).unwrap().forecast(None, 2.0, 16);
+        cfg.admission.budget_tokens =
+            record::read(&vm, &home)
+                .unwrap()
+                .forecast(None, Headroom::uniform(2.0), 16);
         assert!(cfg.admission.budget_tokens >= 300);
         let uncached = Placement::Uncached(vec![other.to_string()], home.clone());
         // In the line's cache-first order it goes only to its home, as a cached prompt goes only
@@ -1549,7 +1553,10 @@ mod tests {
         let kept = patient(&mut r, &cfg, 11).routed();
         assert_eq!(kept.pod, "a:1", "{}", kept.ranking);
         // With that pod full, it waits for room there rather than copy the prefix to b.
-        cfg.admission.budget_tokens = record::read(&vm, "a:1").unwrap().forecast(None, 2.0, 16);
+        cfg.admission.budget_tokens =
+            record::read(&vm, "a:1")
+                .unwrap()
+                .forecast(None, Headroom::uniform(2.0), 16);
         assert_eq!(
             patient(&mut r, &cfg, 12),
             Placement::Uncached(vec!["b:1".to_string()], "a:1".to_string())
@@ -1900,7 +1907,7 @@ mod tests {
         );
         let rec = record::read(&w1, "a:1").unwrap();
         assert_eq!(rec.entries.len(), 2);
-        assert!(rec.forecast(None, cfg.admission.headroom_sigmas, 16) <= 1_000);
+        assert!(rec.forecast(None, cfg.admission.headroom(), 16) <= 1_000);
     }
 
     /// One pod, admission off, and the routers of two VMs: a worker's and another's.

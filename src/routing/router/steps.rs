@@ -103,6 +103,7 @@ pub(super) fn charges(
             sigma: (est.prompt_sigma as f64 * copies as f64 * share).round() as u64,
             left: est.steps_left(est.choices, 0),
             rate: est.choices,
+            bounded: est.bounded,
             streamed: 0,
             outlook,
         }
