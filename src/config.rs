@@ -697,6 +697,8 @@ mod tests {
         let err =
             Config::parse(br#"{"routing":{"requestTtlMs":18446744073709551615}}"#).unwrap_err();
         assert_eq!(err.field, "routing.requestTtlMs");
+        let err = Config::parse(br#"{"admission":{"boundedHeadroomSigmas":-1}}"#).unwrap_err();
+        assert_eq!(err.field, "admission.boundedHeadroomSigmas");
         let again =
             Config::parse(br#"{"estimator":{"safetyFactor":1.333333333333333333332}}"#).unwrap();
         assert_eq!(
