@@ -42,7 +42,7 @@ use crate::estimate::output_dist::{Outlook, HORIZON_END, HORIZON_STEPS};
 /// preempted about once in 100,000 decode steps (6 times in 21 runs of 8 pods, 2026-12-01), and
 /// an offline model of the rule with every request's chances known about once in 200,000
 /// (`scripts/forecast_ceiling.py`, 600,000 steps); at 3 σ the model never did, for a point less of
-/// KV in use. A client's `max_tokens` is a bound kvgate keeps the pod from preempting for, so
+/// KV in use, and the engine once in 15 runs. A client's `max_tokens` is a bound kvgate keeps the pod from preempting for, so
 /// those requests keep the wider headroom; answers without one have a spread the engine's
 /// feedback may show to be narrower (`Snapshot::relief`), and a preemption now and then among
 /// them is the price of not leaving their pods' KV idle.
