@@ -189,11 +189,11 @@ impl Gate {
             .min_by(|a, b| crate::admission::line::order(a, b))
             .map_or(0, |t| t.cost);
         let block = u64::from(self.router.block_tokens(&self.config.routing));
-        let z = self.config.admission.headroom();
+        let headroom = self.config.admission.headroom();
         let mut views = Vec::with_capacity(pods.len());
         for (pod, wanted) in pods.iter().zip(wanted) {
             let rec = crate::pods::record::read(store, pod)?;
-            let in_use = rec.forecast(None, z, block);
+            let in_use = rec.forecast(None, headroom, block);
             let block_size = rec.snapshot.map_or(0, |s| s.block_size);
             views.push(PodView {
                 pod: pod.clone(),
@@ -263,10 +263,10 @@ impl Gate {
                 stats::pod_stat(pod, stats::POD_IN_FLIGHT),
                 rec.entries.len() as u64,
             );
-            let z = self.config.admission.headroom();
+            let headroom = self.config.admission.headroom();
             self.stats.gauge(
                 stats::pod_stat(pod, stats::POD_RESERVED_TOKENS),
-                rec.forecast(None, z, block),
+                rec.forecast(None, headroom, block),
             );
             self.stats.gauge(
                 stats::pod_stat(pod, stats::POD_HELD_TOKENS),

@@ -41,11 +41,11 @@ use crate::estimate::output_dist::{Outlook, HORIZON_END, HORIZON_STEPS};
 /// chance at every step. At 2.5 σ, pods of chat answers with `max_tokens` on every request
 /// preempted about once in 100,000 decode steps (6 times in 21 runs of 8 pods, 2026-12-01), and
 /// an offline model of the rule with every request's chances known about once in 200,000
-/// (`scripts/forecast_ceiling.py`, 600,000 steps); at 3 σ the model never did, for a point less of
-/// KV in use, and the engine once in 15 runs. A client's `max_tokens` is a bound kvgate keeps the pod from preempting for, so
-/// those requests keep the wider headroom; answers without one have a spread the engine's
-/// feedback may show to be narrower (`Snapshot::relief`), and a preemption now and then among
-/// them is the price of not leaving their pods' KV idle.
+/// (`scripts/forecast_ceiling.py`, 600,000 steps); at 3 σ the model never did, for a point less
+/// of KV in use, and the engine once in 15 runs. A client's `max_tokens` is a bound kvgate keeps
+/// the pod from preempting for, so those requests keep the wider headroom; answers without one
+/// have a spread the engine's feedback may show to be narrower (`Snapshot::relief`), and a
+/// preemption now and then among them is the price of not leaving their pods' KV idle.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Headroom {
     /// For requests with an output limit of their own (`admission.boundedHeadroomSigmas`).

@@ -709,10 +709,10 @@ impl Sync {
             s.remote_tokens = remote;
             s.ghost_tokens = ghosts;
         })?;
-        let z = cfg.admission.headroom();
+        let headroom = cfg.admission.headroom();
         let (held, in_flight) = crate::pods::record::modify(store, &view.pod, |rec| {
             Some((
-                rec.forecast(None, z, view.block_tokens),
+                rec.forecast(None, headroom, view.block_tokens),
                 rec.entries.len() as u64,
             ))
         })?
