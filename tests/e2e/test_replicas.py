@@ -161,6 +161,13 @@ def test_traffic_straight_to_a_pod_shrinks_what_the_replicas_admit_there_within_
         budget = max(line["budgetTokens"] for line in lines + after)
         caps = [line["grantTokens"] for line in lines]
         print(f"bypass: budget {nominal} -> {budget}, (scrapes, s) {shrunk}; what the replicas may reserve {caps}")
+        print("each replica's scrapes from the moment the pod held the bypass's KV:", readings)
+        if None in shrunk:
+            # What a replica that did not shrink shows now, and whether it scraped at all.
+            for i, e in enumerate(envoys):
+                line = status(e)[segment]
+                print(f"replica {i}: {line}; scrapes ok {kvgate_stat(e, 'scrape.ok')}, "
+                      f"failed {kvgate_stat(e, 'scrape.errors')}")
         assert None not in shrunk, "the budget did not shrink"
         # Each scrape shrinks the budget by all the KV it read there, kvgate's requests holding
         # none: the budget a scrape leaves is at most the pod's capacity less what it read (the
@@ -168,7 +175,6 @@ def test_traffic_straight_to_a_pod_shrinks_what_the_replicas_admit_there_within_
         # what each scrape read, not on how many came before the shrink: the bypass's two streams
         # end and start again together, so a scrape taken just after holds their prompts only (a
         # CI run read 0.19 of the pod then, and its budget rightly stayed above 80 %).
-        print("each replica's scrapes from the moment the pod held the bypass's KV:", readings)
         for r in itertools.chain(*readings):
             assert r["inFlight"] == 0 and r["remoteTokens"] == 0, r
             assert r["budgetTokens"] <= r["capacityTokens"] - int(r["kvUsage"] * r["capacityTokens"]), r
