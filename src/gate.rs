@@ -7,6 +7,7 @@ use crate::admission::admit::Admission;
 use crate::config::Config;
 use crate::estimate::calibration::Calibration;
 use crate::models::split::Split;
+use crate::pods::record::At;
 use crate::pods::scrape::{Call, Scraper, Target};
 use crate::replicas::sync::{PodView, Sync};
 use crate::routing::router::Router;
@@ -190,10 +191,11 @@ impl Gate {
             .map_or(0, |t| t.cost);
         let block = u64::from(self.router.block_tokens(&self.config.routing));
         let headroom = self.config.admission.headroom();
+        let at = At::of(&self.config, store.now_ms());
         let mut views = Vec::with_capacity(pods.len());
         for (pod, wanted) in pods.iter().zip(wanted) {
             let rec = crate::pods::record::read(store, pod)?;
-            let in_use = rec.forecast(None, headroom, block);
+            let in_use = rec.forecast(None, headroom, block, at);
             let block_size = rec.snapshot.map_or(0, |s| s.block_size);
             views.push(PodView {
                 pod: pod.clone(),
@@ -266,7 +268,7 @@ impl Gate {
             let headroom = self.config.admission.headroom();
             self.stats.gauge(
                 stats::pod_stat(pod, stats::POD_RESERVED_TOKENS),
-                rec.forecast(None, headroom, block),
+                rec.forecast(None, headroom, block, At::of(&self.config, now)),
             );
             self.stats.gauge(
                 stats::pod_stat(pod, stats::POD_HELD_TOKENS),

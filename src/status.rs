@@ -9,7 +9,7 @@ use crate::admission::forecast::Lag;
 use crate::config::Config;
 use crate::gate::Gate;
 use crate::openai::reply::LocalReply;
-use crate::pods::record::{self, PodRecord};
+use crate::pods::record::{self, At, PodRecord};
 use crate::replicas::share::{self, Share};
 use crate::store::interface::{Store, StoreError};
 use serde_json::{json, Value};
@@ -72,7 +72,7 @@ fn pod(
         "budgetTokens": budget,
         // What admission holds within the budget: the pod's KV forecast (the reserved_tokens
         // gauge), and what its requests hold now.
-        "reservedTokens": rec.forecast(None, cfg.admission.headroom(), block_tokens),
+        "reservedTokens": rec.forecast(None, cfg.admission.headroom(), block_tokens, At::of(cfg, now)),
         "heldTokens": rec.held_tokens(),
         // With etcd on (null off): what this replica may reserve on the pod now (the
         // grant_tokens gauge: its grant, scaled down when the budget fell, or its fallback cut

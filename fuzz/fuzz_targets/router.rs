@@ -99,14 +99,22 @@ fn undiscounted(cfg: &Config, est: &Estimate) -> Load {
         rate: est.choices,
         bounded: est.bounded,
         streamed: 0,
+        ahead: None,
         outlook: est.outlook(est.choices, 0),
     }
 }
 
-/// The pod's forecast with `extra`, as admission computes it.
-fn forecast(cfg: &Config, r: &Router, rec: &record::PodRecord, extra: Option<Load>) -> u64 {
+/// The pod's forecast with `extra`, as admission computes it at `now_ms`.
+fn forecast(
+    cfg: &Config,
+    r: &Router,
+    rec: &record::PodRecord,
+    extra: Option<Load>,
+    now_ms: u64,
+) -> u64 {
     let block = u64::from(r.block_tokens(&cfg.routing));
-    rec.forecast(extra, cfg.admission.headroom(), block)
+    let at = record::At::of(cfg, now_ms);
+    rec.forecast(extra, cfg.admission.headroom(), block, at)
 }
 
 /// The pod's token budget as admission computes it.
@@ -374,7 +382,7 @@ impl World {
         };
         for (pod, rec) in records.iter().filter(|(_, r)| tried(r)) {
             let load = undiscounted(&self.cfg, est);
-            let with = forecast(&self.cfg, &self.routers[v], rec, Some(load));
+            let with = forecast(&self.cfg, &self.routers[v], rec, Some(load), now);
             let full = budget(&self.cfg, rec.snapshot.as_ref())
                 .is_some_and(|b| !rec.entries.is_empty() && with > b);
             assert!(
@@ -518,7 +526,7 @@ impl World {
                 // The promise: admitted only within the budget, unless it runs alone.
                 if let Some(b) = budget(&self.cfg, rec.snapshot.as_ref()) {
                     let rec = live(&rec, now);
-                    let with = forecast(&self.cfg, &self.routers[v], &rec, None);
+                    let with = forecast(&self.cfg, &self.routers[v], &rec, None, now);
                     assert!(
                         with <= b || rec.entries.len() == 1,
                         "pod {} over budget {b}: forecast {with} after admitting {entry:?}",

@@ -10,7 +10,7 @@
 
 use crate::admission::forecast::Load;
 use crate::config::Config;
-use crate::pods::record::{PodRecord, Snapshot};
+use crate::pods::record::{At, PodRecord, Snapshot};
 
 pub fn budget_tokens(cfg: &Config, snapshot: Option<&Snapshot>) -> Option<u64> {
     let a = &cfg.admission;
@@ -44,10 +44,12 @@ pub fn fits(
     budget: Option<u64>,
     cfg: &Config,
     block_tokens: u64,
+    now_ms: u64,
 ) -> bool {
     budget.is_none_or(|b| {
+        let at = At::of(cfg, now_ms);
         (rec.entries.is_empty() && !cfg.etcd.enabled())
-            || rec.forecast(Some(request), cfg.admission.headroom(), block_tokens) <= b
+            || rec.forecast(Some(request), cfg.admission.headroom(), block_tokens, at) <= b
     })
 }
 
@@ -129,6 +131,7 @@ mod tests {
             rate: 1,
             bounded: false,
             streamed: 0,
+            ahead: None,
             outlook: RUNNING,
         };
         let holding = |held| PodRecord {
@@ -142,17 +145,17 @@ mod tests {
         };
         let empty = PodRecord::default();
         assert!(
-            fits(&empty, load(10), Some(5), &cfg, 0),
+            fits(&empty, load(10), Some(5), &cfg, 0, 0),
             "alone it always fits"
         );
         // Each holds what it holds, plus the one token it has left to generate.
-        assert!(fits(&holding(4), load(4), Some(10), &cfg, 0));
-        assert!(!fits(&holding(5), load(4), Some(10), &cfg, 0));
+        assert!(fits(&holding(4), load(4), Some(10), &cfg, 0, 0));
+        assert!(!fits(&holding(5), load(4), Some(10), &cfg, 0, 0));
         assert!(
-            !fits(&holding(3), load(4), Some(10), &cfg, 1),
+            !fits(&holding(3), load(4), Some(10), &cfg, 1, 0),
             "a partial block each"
         );
-        assert!(fits(&holding(u64::MAX / 4), load(5), None, &cfg, 16));
+        assert!(fits(&holding(u64::MAX / 4), load(5), None, &cfg, 16, 0));
     }
 
     #[test]
@@ -166,6 +169,7 @@ mod tests {
             rate: 1,
             bounded: false,
             streamed: 0,
+            ahead: None,
             outlook,
         };
         let mut rec = PodRecord {
@@ -181,23 +185,33 @@ mod tests {
             snapshot: Some(Snapshot::default()),
             ..PodRecord::default()
         };
-        let with_headroom = rec.forecast(Some(unbounded(1000)), cfg.admission.headroom(), 16);
-        let expected = rec.forecast(Some(unbounded(1000)), Headroom::uniform(0.0), 16);
+        let with_headroom = rec.forecast(
+            Some(unbounded(1000)),
+            cfg.admission.headroom(),
+            16,
+            At::UNTIMED,
+        );
+        let expected = rec.forecast(
+            Some(unbounded(1000)),
+            Headroom::uniform(0.0),
+            16,
+            At::UNTIMED,
+        );
         assert!(expected < with_headroom);
         let budget = Some((expected + with_headroom) / 2);
-        assert!(!fits(&rec, unbounded(1000), budget, &cfg, 16));
+        assert!(!fits(&rec, unbounded(1000), budget, &cfg, 16, 0));
         if let Some(s) = rec.snapshot.as_mut() {
             s.relief = 1.0;
         }
         assert!(
-            fits(&rec, unbounded(1000), budget, &cfg, 16),
+            fits(&rec, unbounded(1000), budget, &cfg, 16, 0),
             "all the headroom given up: the expectation alone"
         );
         for e in rec.entries.iter_mut() {
             e.bounded = true;
         }
         assert!(
-            !fits(&rec, unbounded(1000), budget, &cfg, 16),
+            !fits(&rec, unbounded(1000), budget, &cfg, 16, 0),
             "requests with max_tokens keep their whole headroom"
         );
     }

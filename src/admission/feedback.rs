@@ -40,7 +40,7 @@
 
 use crate::admission::budget::budget_tokens;
 use crate::config::Config;
-use crate::pods::record::{PodRecord, Snapshot};
+use crate::pods::record::{At, PodRecord, Snapshot};
 use crate::store::codec::{Reader, Writer};
 use crate::store::interface::{create_if_missing, update, Store, StoreError};
 
@@ -218,7 +218,8 @@ fn relief(
     // `rec` still carries the previous snapshot, so its forecast has the relief in force.
     let block = u64::from(next.block_size.max(1));
     let full = budget_tokens(cfg, Some(next)).is_some_and(|b| {
-        rec.forecast(None, cfg.admission.headroom(), block) as f64 >= b as f64 * FULL
+        let at = At::of(cfg, next.at_ms);
+        rec.forecast(None, cfg.admission.headroom(), block, at) as f64 >= b as f64 * FULL
     });
     let many = rec.entries.len() >= MIN_RELIEF_REQUESTS;
     if full && many && next.kv_usage < target - RELIEF_BAND {

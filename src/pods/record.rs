@@ -175,6 +175,50 @@ impl Tally {
     }
 }
 
+/// When a forecast is made (`PodRecord::forecast`): the clock, and the time to live every write
+/// gives an entry (`routing.requestTtlMs`), so that an entry's expiry tells when it was written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct At {
+    pub now_ms: u64,
+    pub ttl_ms: u64,
+}
+
+impl At {
+    /// A moment no entry was written before (the clock at 0): every entry's stream counted at
+    /// half a block past it, as before its pod's pace is known.
+    #[cfg(test)]
+    pub const UNTIMED: At = At {
+        now_ms: 0,
+        ttl_ms: 0,
+    };
+
+    pub fn of(cfg: &Config, now_ms: u64) -> At {
+        At {
+            now_ms,
+            ttl_ms: cfg.routing.request_ttl_ms,
+        }
+    }
+
+    /// How far the entry's stream has run past it (`Load::ahead`): an entry is written with
+    /// what its answers have made when their output crosses a block boundary (`Router::grow`),
+    /// and each of its answers makes a token a decode step since, one step each `itl_s`, up to
+    /// the block after which it is written again. `None` before its first token (its prompt
+    /// may still be waiting for its prefill) or while the pod's pace is unknown.
+    fn ahead(self, e: &RequestEntry, itl_s: f64, block_tokens: u64) -> Option<u64> {
+        let written = e.expires_ms.checked_sub(self.ttl_ms)?;
+        let age_ms = self.now_ms.checked_sub(written)?;
+        if e.output_blocks == 0 || !(itl_s.is_finite() && itl_s > 0.0) {
+            return None;
+        }
+        let steps = (age_ms as f64 / (itl_s * 1e3)).floor() as u64;
+        Some(
+            steps
+                .saturating_mul(u64::from(e.choices.max(1)))
+                .min(block_tokens.saturating_sub(1)),
+        )
+    }
+}
+
 /// One in-flight request's entry in the pod's record: what it holds there and until when.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct RequestEntry {
@@ -411,13 +455,22 @@ impl PodRecord {
     /// of bounded requests preempted in 2 of 4 runs; with the whole headroom, in none). Every
     /// answer's stream is counted behind the engine by the most any of the pod's streams was
     /// seen behind it (`forecast::Lag`).
-    pub fn forecast(&self, extra: Option<Load>, headroom: Headroom, block_tokens: u64) -> u64 {
+    /// Each entry that has streamed is carried on from its last write by its age at the pod's
+    /// pace (`Load::ahead`, [`At`]).
+    pub fn forecast(
+        &self,
+        extra: Option<Load>,
+        headroom: Headroom,
+        block_tokens: u64,
+        at: At,
+    ) -> u64 {
         let relief = self.snapshot.map_or(0.0, |s| s.relief);
         let unbounded = self.entries.iter().filter(|e| !e.bounded).count()
             + extra.map_or(0, |l| usize::from(!l.bounded));
         let all = self.entries.len() + usize::from(extra.is_some());
         let z = headroom.sigmas(unbounded as f64 / all.max(1) as f64, relief);
         let lag = self.lag();
+        let itl_s = self.pace().itl_s;
         let loads = self
             .entries
             .iter()
@@ -429,6 +482,7 @@ impl PodRecord {
                 bounded: e.bounded,
                 // Streamed to its last block boundary (what `grow` writes at).
                 streamed: u64::from(e.output_blocks) * block_tokens,
+                ahead: at.ahead(e, itl_s, block_tokens),
                 outlook: e.outlook,
             })
             .chain(extra);
@@ -952,9 +1006,70 @@ mod tests {
         // Half a block an answer while none is seen; once one is, the most seen and two tokens
         // (`Lag`), 5: 3 tokens less for each of the two, the one that has not streamed yet too.
         assert_eq!(
-            pod(&[0, 0]).forecast(None, Headroom::uniform(2.0), 16)
-                - pod(&[0, 3]).forecast(None, Headroom::uniform(2.0), 16),
+            pod(&[0, 0]).forecast(None, Headroom::uniform(2.0), 16, At::UNTIMED)
+                - pod(&[0, 3]).forecast(None, Headroom::uniform(2.0), 16, At::UNTIMED),
             6
+        );
+    }
+
+    #[test]
+    fn a_streaming_entry_is_carried_on_from_its_write_at_the_pods_pace() {
+        let cfg = Config::default();
+        let ttl = cfg.routing.request_ttl_ms;
+        // Written at 10,000 ms, two blocks of its answer streamed; the pod steps every 10 ms.
+        let entry = RequestEntry {
+            expires_ms: 10_000 + ttl,
+            output_blocks: 2,
+            ..RequestEntry::default()
+        };
+        let ahead = |e: &RequestEntry, now, itl_s| At::of(&cfg, now).ahead(e, itl_s, 16);
+        assert_eq!(ahead(&entry, 10_000, 0.01), Some(0), "as written");
+        assert_eq!(
+            ahead(&entry, 10_075, 0.01),
+            Some(7),
+            "seven whole steps since"
+        );
+        assert_eq!(
+            ahead(&entry, 10_500, 0.01),
+            Some(15),
+            "never a block past it: written again there"
+        );
+        let two = RequestEntry {
+            choices: 2,
+            ..entry
+        };
+        assert_eq!(
+            ahead(&two, 10_035, 0.01),
+            Some(6),
+            "two answers, a token each a step"
+        );
+        assert_eq!(ahead(&entry, 10_075, f64::NAN), None, "the pace unknown");
+        assert_eq!(ahead(&entry, 10_075, 0.0), None);
+        let waiting = RequestEntry {
+            output_blocks: 0,
+            ..entry
+        };
+        assert_eq!(ahead(&waiting, 10_075, 0.01), None, "no token yet");
+        assert_eq!(ahead(&entry, 9_000, 0.01), None, "a write after the clock");
+        // In the forecast: half a block (8) as before where it is not known, 15 here.
+        let pod = |itl_s: f64| PodRecord {
+            entries: vec![RequestEntry {
+                held_tokens: 100,
+                left: 1,
+                outlook: [255; HORIZON_STEPS.len()],
+                ..entry
+            }],
+            snapshot: Some(Snapshot {
+                itl_s,
+                ..Snapshot::default()
+            }),
+            ..PodRecord::default()
+        };
+        let at = At::of(&cfg, 10_500);
+        let h = Headroom::uniform(0.0);
+        assert_eq!(
+            pod(0.01).forecast(None, h, 16, at) - pod(f64::NAN).forecast(None, h, 16, at),
+            7
         );
     }
 
@@ -983,6 +1098,7 @@ mod tests {
             rate: 1,
             bounded,
             streamed: 0,
+            ahead: None,
             outlook,
         };
         let h = Headroom {
@@ -995,20 +1111,23 @@ mod tests {
                 snapshot: None,
                 ..rec.clone()
             };
-            unrelieved.forecast(extra, Headroom::uniform(z), 16)
+            unrelieved.forecast(extra, Headroom::uniform(z), 16, At::UNTIMED)
         };
         let expected = |rec: &PodRecord, extra| at(0.0, rec, extra);
         // Unbounded, their headroom all given up: the expectation alone.
         assert_eq!(
-            pod(false).forecast(None, h, 16),
+            pod(false).forecast(None, h, 16, At::UNTIMED),
             expected(&pod(false), None)
         );
         // Bounded: their own headroom, which no relief gives up.
-        assert_eq!(pod(true).forecast(None, h, 16), at(3.0, &pod(true), None));
+        assert_eq!(
+            pod(true).forecast(None, h, 16, At::UNTIMED),
+            at(3.0, &pod(true), None)
+        );
         // A bounded request asked about on a relieved pod of three unbounded: a quarter of 3 σ.
         let mixed = Some(asked(true));
         assert_eq!(
-            pod(false).forecast(mixed, h, 16),
+            pod(false).forecast(mixed, h, 16, At::UNTIMED),
             at(0.75, &pod(false), mixed)
         );
         assert!(expected(&pod(false), mixed) < at(0.75, &pod(false), mixed));

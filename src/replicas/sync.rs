@@ -23,6 +23,7 @@
 //! taking the election over carries on with the same lease.
 
 use crate::config::Config;
+use crate::pods::record::At;
 use crate::pods::scrape::{Call, Target};
 use crate::replicas::gateway::{self, Compare, Kv, Op};
 use crate::replicas::placements::{Batch, Inbox, Outbox};
@@ -712,7 +713,7 @@ impl Sync {
         let headroom = cfg.admission.headroom();
         let (held, in_flight) = crate::pods::record::modify(store, &view.pod, |rec| {
             Some((
-                rec.forecast(None, headroom, view.block_tokens),
+                rec.forecast(None, headroom, view.block_tokens, At::of(cfg, now)),
                 rec.entries.len() as u64,
             ))
         })?

@@ -374,6 +374,7 @@ fn a_request_admitted_while_etcd_answers_stays_covered_by_the_grant_given_back()
         None,
         Headroom::uniform(0.0),
         16,
+        crate::pods::record::At::UNTIMED,
     );
     assert!(held >= 1_000, "{held}");
     // Another worker of replica 1 read the pod's record (and the share's grant) just before the

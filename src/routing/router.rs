@@ -705,7 +705,7 @@ impl Router {
         let fit: Vec<Cell<Option<bool>>> = vec![Cell::new(None); indices.len()];
         let room = |k: usize| {
             fit[k].get().unwrap_or_else(|| {
-                let f = fits(&records[indices[k]], loads[k], budgets[k], cfg, bt);
+                let f = fits(&records[indices[k]], loads[k], budgets[k], cfg, bt, now);
                 fit[k].set(Some(f));
                 f
             })
@@ -840,7 +840,7 @@ impl Router {
                 };
                 let budget = budget_tokens(cfg, rec.snapshot.as_ref());
                 let budget = crate::replicas::share::cap(store, cfg, &pod, budget);
-                if need != Room::Ignored && !fits(rec, load, budget, cfg, bt) {
+                if need != Room::Ignored && !fits(rec, load, budget, cfg, bt, now) {
                     return None;
                 }
                 rec.tally.add(believed, prompt_blocks as u64);
@@ -1485,10 +1485,12 @@ mod tests {
             Some(())
         })
         .unwrap();
-        cfg.admission.budget_tokens =
-            record::read(&vm, &home)
-                .unwrap()
-                .forecast(None, Headroom::uniform(2.0), 16);
+        cfg.admission.budget_tokens = record::read(&vm, &home).unwrap().forecast(
+            None,
+            Headroom::uniform(2.0),
+            16,
+            crate::pods::record::At::UNTIMED,
+        );
         assert!(cfg.admission.budget_tokens >= 300);
         let uncached = Placement::Uncached(vec![other.to_string()], home.clone());
         // In the line's cache-first order it goes only to its home, as a cached prompt goes only
@@ -1553,10 +1555,12 @@ mod tests {
         let kept = patient(&mut r, &cfg, 11).routed();
         assert_eq!(kept.pod, "a:1", "{}", kept.ranking);
         // With that pod full, it waits for room there rather than copy the prefix to b.
-        cfg.admission.budget_tokens =
-            record::read(&vm, "a:1")
-                .unwrap()
-                .forecast(None, Headroom::uniform(2.0), 16);
+        cfg.admission.budget_tokens = record::read(&vm, "a:1").unwrap().forecast(
+            None,
+            Headroom::uniform(2.0),
+            16,
+            crate::pods::record::At::UNTIMED,
+        );
         assert_eq!(
             patient(&mut r, &cfg, 12),
             Placement::Uncached(vec!["b:1".to_string()], "a:1".to_string())
@@ -1907,7 +1911,14 @@ mod tests {
         );
         let rec = record::read(&w1, "a:1").unwrap();
         assert_eq!(rec.entries.len(), 2);
-        assert!(rec.forecast(None, cfg.admission.headroom(), 16) <= 1_000);
+        assert!(
+            rec.forecast(
+                None,
+                cfg.admission.headroom(),
+                16,
+                crate::pods::record::At::UNTIMED
+            ) <= 1_000
+        );
     }
 
     /// One pod, admission off, and the routers of two VMs: a worker's and another's.

@@ -105,6 +105,7 @@ pub(super) fn charges(
             rate: est.choices,
             bounded: est.bounded,
             streamed: 0,
+            ahead: None,
             outlook,
         }
     };
