@@ -63,6 +63,12 @@ fn pod(
     // The same judgements the pool gauges make (gate.rs), from the pod record.
     let stale = rec.is_stale(now, &cfg.metrics);
     let budget = crate::admission::budget::budget_tokens(cfg, snapshot);
+    let reserved = rec.forecast(
+        None,
+        cfg.admission.headroom(),
+        block_tokens,
+        At::of(cfg, now),
+    );
     json!({
         "pod": pod,
         "healthy": !rec.is_down(),
@@ -72,7 +78,7 @@ fn pod(
         "budgetTokens": budget,
         // What admission holds within the budget: the pod's KV forecast (the reserved_tokens
         // gauge), and what its requests hold now.
-        "reservedTokens": rec.forecast(None, cfg.admission.headroom(), block_tokens, At::of(cfg, now)),
+        "reservedTokens": reserved,
         "heldTokens": rec.held_tokens(),
         // With etcd on (null off): what this replica may reserve on the pod now (the
         // grant_tokens gauge: its grant, scaled down when the budget fell, or its fallback cut

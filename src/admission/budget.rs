@@ -34,9 +34,9 @@ pub fn budget_tokens(cfg: &Config, snapshot: Option<&Snapshot>) -> Option<u64> {
     }))
 }
 
-/// A request fits when the pod's forecast with it stays within the budget, or when the pod has
-/// nothing in flight: a request larger than any budget still runs, alone, rather than waiting
-/// forever. Not with several gateway replicas (`etcd`): this record holds only this replica's
+/// A request fits when the pod's forecast with it at `now_ms` stays within the budget, or when
+/// the pod has nothing in flight: a request larger than any budget still runs, alone, rather
+/// than waiting forever. Not with several gateway replicas (`etcd`): this record holds only this replica's
 /// requests, so "alone" says nothing of the others' on the pod.
 pub fn fits(
     rec: &PodRecord,
