@@ -75,6 +75,18 @@ pub struct Pace {
     pub at_ms: u64,
 }
 
+impl Pace {
+    /// The tokens a request of `choices` answers has made in `elapsed_s` at this pace, a token
+    /// an answer each whole step (`None` while the pace is unknown).
+    pub fn tokens_made(self, elapsed_s: f64, choices: u64) -> Option<u64> {
+        if !(self.itl_s.is_finite() && self.itl_s > 0.0) {
+            return None;
+        }
+        let steps = (elapsed_s / self.itl_s).floor() as u64;
+        Some(steps.saturating_mul(choices.max(1)))
+    }
+}
+
 /// Fills `next`'s smoothed inter-token latency from the previous snapshot's and the interval
 /// between their totals (`interval_ms`: `metrics.intervalMs`, which scales the grace). A scrape
 /// without the histogram (a pod marked down, a partial page, an engine that does not export it)

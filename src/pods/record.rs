@@ -201,21 +201,17 @@ impl At {
 
     /// How far the entry's stream has run past it (`Load::ahead`): an entry is written with
     /// what its answers have made when their output crosses a block boundary (`Router::grow`),
-    /// and each of its answers makes a token a decode step since, one step each `itl_s`, up to
+    /// and each of its answers makes a token a decode step since, at the pod's `pace`, up to
     /// the block after which it is written again. `None` before its first token (its prompt
     /// may still be waiting for its prefill) or while the pod's pace is unknown.
-    fn ahead(self, e: &RequestEntry, itl_s: f64, block_tokens: u64) -> Option<u64> {
-        let written = e.expires_ms.checked_sub(self.ttl_ms)?;
-        let age_ms = self.now_ms.checked_sub(written)?;
-        if e.output_blocks == 0 || !(itl_s.is_finite() && itl_s > 0.0) {
+    fn ahead(self, e: &RequestEntry, pace: Pace, block_tokens: u64) -> Option<u64> {
+        if e.output_blocks == 0 {
             return None;
         }
-        let steps = (age_ms as f64 / (itl_s * 1e3)).floor() as u64;
-        Some(
-            steps
-                .saturating_mul(u64::from(e.choices.max(1)))
-                .min(block_tokens.saturating_sub(1)),
-        )
+        let written = e.expires_ms.checked_sub(self.ttl_ms)?;
+        let age_ms = self.now_ms.checked_sub(written)?;
+        let made = pace.tokens_made(age_ms as f64 / 1e3, u64::from(e.choices))?;
+        Some(made.min(block_tokens.saturating_sub(1)))
     }
 }
 
@@ -470,7 +466,7 @@ impl PodRecord {
         let all = self.entries.len() + usize::from(extra.is_some());
         let z = headroom.sigmas(unbounded as f64 / all.max(1) as f64, relief);
         let lag = self.lag();
-        let itl_s = self.pace().itl_s;
+        let pace = self.pace();
         let loads = self
             .entries
             .iter()
@@ -482,7 +478,7 @@ impl PodRecord {
                 bounded: e.bounded,
                 // Streamed to its last block boundary (what `grow` writes at).
                 streamed: u64::from(e.output_blocks) * block_tokens,
-                ahead: at.ahead(e, itl_s, block_tokens),
+                ahead: at.ahead(e, pace, block_tokens),
                 outlook: e.outlook,
             })
             .chain(extra);
@@ -1022,7 +1018,10 @@ mod tests {
             output_blocks: 2,
             ..RequestEntry::default()
         };
-        let ahead = |e: &RequestEntry, now, itl_s| At::of(&cfg, now).ahead(e, itl_s, 16);
+        let ahead = |e: &RequestEntry, now, itl_s| {
+            let pace = Pace { itl_s, at_ms: 0 };
+            At::of(&cfg, now).ahead(e, pace, 16)
+        };
         assert_eq!(ahead(&entry, 10_000, 0.01), Some(0), "as written");
         assert_eq!(
             ahead(&entry, 10_075, 0.01),

@@ -1028,15 +1028,11 @@ impl Router {
         est: &Estimate,
     ) -> Result<bool, StoreError> {
         let (rec, _) = self.copies.get(store, &routed.pod, store.now_ms(), false)?;
-        let itl_s = rec.pace().itl_s;
-        if !(itl_s.is_finite() && itl_s > 0.0) {
-            return Ok(false);
-        }
         let sent_s = store.now_us().saturating_sub(routed.dispatched_us) as f64 / 1e6;
-        // Each of its choices makes a token a step.
-        let made = ((sent_s / itl_s).floor() as u64)
-            .saturating_mul(est.choices.max(1))
-            .min(est.max_output_tokens);
+        let Some(made) = rec.pace().tokens_made(sent_s, est.choices) else {
+            return Ok(false);
+        };
+        let made = made.min(est.max_output_tokens);
         self.grow(store, cfg, routed, est, made, Ended::default())
     }
 
