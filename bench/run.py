@@ -95,6 +95,9 @@ FULL = {
     "chat": {
         "num_gpu_blocks": 1024, "prompt_tokens": "200,3000", "unbounded_fraction": 0.5, "max_tokens": "128,1024",
         "clients": 200, "duration": 30, "warmup": 5,
+        # Seconds the pods first serve the same traffic directly (0: fresh pods): a gateway started
+        # in front of engines that have been answering the model, as after a restart.
+        "warm_s": 0,
         # Goodput at two TTFT objectives: interactive, and patient (a closed loop at twice the pool's
         # capacity queues every request somewhere, so which one a router wins depends on the bar).
         "ttft_slos_ms": [1000, 5000],
@@ -106,7 +109,7 @@ FULL = {
     # pool KV-bound at a request rate this machine's load generator and proxy still drive.
     "chat_short": {
         "pods": 2, "num_gpu_blocks": 256, "prompt_tokens": "50,150", "output_len_mean": 32,
-        "unbounded_fraction": 1.0, "max_tokens": "16,64", "clients": 120, "duration": 30, "warmup": 5,
+        "unbounded_fraction": 1.0, "max_tokens": "16,64", "clients": 120, "duration": 30, "warmup": 5, "warm_s": 0,
         "ttft_slos_ms": [1000, 5000],
     },
     # Many LoRA adapters of one base model, more than the pool's adapter slots (pods × maxLoras).
@@ -560,18 +563,48 @@ def active_fit(samples, lo, hi, kvgate=0, engine=1):
     return sum(a for a, _ in busy) / total, sum(abs(a - e) for a, e in busy) / total
 
 
-def run_cell(ctx, tname, wname, label, bench_args, sim_args, timeout, concurrency=None, sample_kv=False, pods=None):
+def warm_pods(sim, bench_args, out_base, seconds):
+    """The same traffic sent straight to each pod for `seconds` (a share of the clients each), then
+    the pods left idle: a gateway started in front of engines that have served the model for a
+    while. Returns the pods' counters after it, for the cell's own to be counted from."""
+    clients = int(bench_args[bench_args.index("--concurrency") + 1])
+    args = list(bench_args)
+    args[args.index("--concurrency") + 1] = max(1, clients // sim.pods)
+    args[args.index("--max-duration") + 1] = seconds
+    with contextlib.ExitStack() as stack:
+        procs = [stack.enter_context(subprocess.Popen(
+            [str(BENCH_BIN), "run", "--url", f"http://{h}:{p}", "--model", MODEL, "--out", f"{out_base}.warm{i}.jsonl",
+             "--summary", f"{out_base}.warm{i}.summary.json", *map(str, args)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)) for i, (h, p) in enumerate(sim.endpoints)]
+        for proc in procs:
+            proc.wait(timeout=seconds + 400)
+    wait_idle(sim)
+    return sim_stats(sim)
+
+
+def warm_desc(w):
+    """What a chat cell's description adds when its pods were warmed first (`warm_pods`)."""
+    return (f"; the pods first served the same traffic directly for {w['warm_s']} s (a gateway started in front "
+            "of running engines), and the cell's preemptions are those after") if w.get("warm_s") else ""
+
+
+def run_cell(ctx, tname, wname, label, bench_args, sim_args, timeout, concurrency=None, sample_kv=False, pods=None,
+             warm_s=0):
     """Fresh pods + target + workload. Returns the cell's result dict (or an error). `concurrency`:
     Envoy's workers; `sample_kv`: record the pods' KV use during the run; `pods`: the pool's size
-    when the workload sets its own."""
+    when the workload sets its own; `warm_s`: the pods first serve the workload directly for that
+    long (`warm_pods`), and the cell's counters are what came after."""
     raw = ctx["out"] / "raw" / tname
     raw.mkdir(parents=True, exist_ok=True)
     out_base = raw / label
     log(f"  {tname:14s} {label}")
     t0 = time.time()
     kv = None
+    warm = None
     try:
         with Sim(pods=pods or ctx["cfg"]["pods"], args=sim_args) as sim:
+            if warm_s:
+                warm = warm_pods(sim, bench_args, out_base, warm_s)
             with target(tname, sim.endpoints, wname, str(ctx["out"] / "logs"), ctx["cli"], concurrency) as (port, envoy):
                 is_kvgate = tname.startswith("kvgate")
                 with KvSampler(sim) if sample_kv else contextlib.nullcontext() as sampler, \
@@ -582,6 +615,9 @@ def run_cell(ctx, tname, wname, label, bench_args, sim_args, timeout, concurrenc
                 counters = kvgate_counters(envoy) if is_kvgate else None
                 accuracy = {"errors": kvgate_error_medians(envoy), "active": active.samples} if is_kvgate else None
             stats = sim_stats(sim)
+            if warm:
+                stats["warm"] = {k: warm[k] for k in ("preemptions", "finished")}
+                stats["preemptions"] -= warm["preemptions"]
     except KeyboardInterrupt:
         raise
     except Exception as e:  # noqa: BLE001
@@ -1560,7 +1596,8 @@ def main():
             w = w or cfg["chat"]
             label = name if concurrency is None else f"{name}-c{concurrency}"
             cell = run_cell(ctx, t, name, label, chat_args(w, seed, unbounded), chat_sim_args(w, sim_args),
-                            w["duration"] + 400, concurrency=concurrency, sample_kv=True, pods=w.get("pods"))
+                            w["duration"] + 400, concurrency=concurrency, sample_kv=True, pods=w.get("pods"),
+                            warm_s=w.get("warm_s", 0))
             if "error" not in cell:
                 cell["steady"] = steady(cell, out, w)
             return cell
@@ -1570,7 +1607,7 @@ def main():
             log("chat")
             data["results"]["chat"] = {t: chat_cell(t, "chat", w["unbounded_fraction"]) for t in live}
             data["workload_desc"]["chat"] = WORKLOAD_DESC["chat"].format(
-                unbounded_pct=round(100 * w["unbounded_fraction"]), **w)
+                unbounded_pct=round(100 * w["unbounded_fraction"]), **w) + warm_desc(w)
 
         if "chat-bounded" in workloads:
             w = cfg["chat"]
@@ -1587,7 +1624,7 @@ def main():
             log("chat-short")
             data["results"]["chat-short"] = {t: chat_cell(t, "chat-short", w["unbounded_fraction"], w=w)
                                              for t in live}
-            data["workload_desc"]["chat-short"] = WORKLOAD_DESC["chat-short"].format(**w)
+            data["workload_desc"]["chat-short"] = WORKLOAD_DESC["chat-short"].format(**w) + warm_desc(w)
 
         if "lora" in workloads:
             w = cfg.get("lora") or FULL["lora"]

@@ -184,7 +184,13 @@ fn phase_parse(body: &[u8]) -> Option<Request> {
 
 #[inline(never)]
 fn phase_estimate(cfg: &Config, req: &Request) -> Estimate {
-    estimate_from(req, static_prompt_tokens(&req.text), None, &cfg.estimator)
+    estimate_from(
+        req,
+        static_prompt_tokens(&req.text),
+        None,
+        cfg.estimator.default_output_tokens,
+        &cfg.estimator,
+    )
 }
 
 #[inline(never)]

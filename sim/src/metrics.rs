@@ -15,6 +15,12 @@ pub const E2E_BUCKETS: &[f64] = &[
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
     480.0, 960.0, 1920.0, 7680.0,
 ];
+/// vLLM V1 `request_generation_tokens` buckets: its `build_1_2_5_buckets` up to the model's
+/// context (the simulator's longest answer is the output cap's 2^16 at most).
+pub const GENERATION_TOKENS_BUCKETS: &[f64] = &[
+    1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10000.0, 20000.0,
+    50000.0, 100000.0,
+];
 /// vLLM V1 `inter_token_latency_seconds` buckets.
 pub const ITL_BUCKETS: &[f64] = &[
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -139,6 +145,8 @@ pub struct MetricsInput<'a> {
     pub ttft: &'a Histogram,
     pub e2e: &'a Histogram,
     pub itl: &'a Histogram,
+    /// Each finished answer's generated tokens (vLLM's `request_generation_tokens`).
+    pub generation: &'a Histogram,
     /// `--max-loras` (0 without LoRA).
     pub max_lora: usize,
     pub lora_info: &'a LoraInfo,
@@ -307,6 +315,11 @@ prefix_caching_hash_algo=\"sha256\",sliding_window=\"None\",swap_space=\"4\",eng
         "Histogram of e2e request latency in seconds.",
         m.e2e,
     );
+    o.histogram(
+        "vllm:request_generation_tokens",
+        "Number of generation tokens processed.",
+        m.generation,
+    );
     o.s
 }
 
@@ -376,10 +389,12 @@ fn render_sglang(m: &MetricsInput<'_>) -> String {
         "Number of prefill tokens processed.",
         c.finished_prompt_tokens as f64,
     );
+    // SGLang's tokenizer counts a request's generated tokens when it ends, as it does its
+    // prompt tokens: the total over its finished requests.
     o.counter(
         "sglang:generation_tokens_total",
         "Number of generation tokens processed.",
-        c.generation_tokens as f64,
+        m.generation.sum(),
     );
     o.header(
         "sglang:cached_tokens_total",
@@ -469,6 +484,7 @@ mod tests {
             ttft: &Histogram::new(TTFT_BUCKETS),
             e2e: &Histogram::new(E2E_BUCKETS),
             itl: &Histogram::new(ITL_BUCKETS),
+            generation: &Histogram::new(GENERATION_TOKENS_BUCKETS),
             max_lora: 0,
             lora_info: &LoraInfo::new(1.0),
             sglang,
@@ -481,6 +497,9 @@ mod tests {
         assert!(text.contains("# TYPE vllm:num_requests_waiting gauge"));
         assert!(text.contains("vllm:num_requests_waiting{model_name=\"m/x\",engine=\"0\"} 3.0"));
         assert!(text.contains("# TYPE vllm:prefix_cache_hits_total counter"));
+        assert!(text.contains("# TYPE vllm:request_generation_tokens histogram"));
+        assert!(text
+            .contains("vllm:request_generation_tokens_count{model_name=\"m/x\",engine=\"0\"} 0.0"));
         assert!(text.contains("block_size=\"16\""));
         assert!(text.contains("num_gpu_blocks=\"2048\""));
         assert!(text.contains(

@@ -13,7 +13,9 @@ use crate::engine::{Engine, FinishReason, NewRequest, Output};
 use crate::ideal::IdealCache;
 use crate::kv::{mix64, ReqId};
 use crate::lora::{LoraId, LoraRef};
-use crate::metrics::{Histogram, LoraInfo, E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS};
+use crate::metrics::{
+    Histogram, LoraInfo, E2E_BUCKETS, GENERATION_TOKENS_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS,
+};
 use crate::tokenizer::Tokenizer;
 
 /// Process-wide state shared by all pods.
@@ -185,6 +187,8 @@ pub struct Inner {
     pub ttft: Histogram,
     pub e2e: Histogram,
     pub itl: Histogram,
+    /// Each finished answer's generated tokens, as vLLM records a finished request's.
+    pub generation: Histogram,
     next_seq: u64,
     /// Per-process salt so response ids differ between runs (like vLLM's uuids).
     id_salt: u64,
@@ -213,9 +217,10 @@ impl Inner {
                 completion_tokens: o.completion_tokens,
                 cached_tokens: o.cached_tokens,
             });
-            if finish.is_some() {
+            if let Some(f) = &finish {
                 self.e2e
                     .observe(now.duration_since(sink.arrival).as_secs_f64());
+                self.generation.observe(f.completion_tokens as f64);
             }
             let delivered = sink
                 .tx
@@ -337,6 +342,7 @@ impl Pod {
             ttft: Histogram::new(TTFT_BUCKETS),
             e2e: Histogram::new(E2E_BUCKETS),
             itl: Histogram::new(ITL_BUCKETS),
+            generation: Histogram::new(GENERATION_TOKENS_BUCKETS),
             next_seq: 0,
             responses: crate::responses::Store::default(),
             id_salt: mix64(

@@ -1427,6 +1427,7 @@ async fn metrics_endpoint(pod: Arc<Pod>) -> Response<SimBody> {
                     ttft: &inner.ttft,
                     e2e: &inner.e2e,
                     itl: &inner.itl,
+                    generation: &inner.generation,
                     max_lora: e.cfg.lora.map_or(0, |l| l.max_loras),
                     lora_info: &inner.lora_info,
                     sglang: g.args.metrics_flavor == "sglang",

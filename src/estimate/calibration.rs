@@ -6,7 +6,8 @@
 //! Records live in shared data under a bounded key schema, `kvgate.cal.<slot>`,
 //! one slot per model hash (32 slots); a slot held by another model that is still being updated is
 //! left alone, and that model keeps the static rule. Each VM caches what it read for a second, so
-//! the request path makes at most one host call per model per second for this. The lengths read
+//! the request path makes at most two host calls per model per second for this (the slot, and
+//! the engines' answers' mean the output prior is raised to, `engine_lengths`). The lengths read
 //! are pooled with the VM's own `cohort` of answers started, running ones included, which the
 //! finished answers alone are biased against (see there).
 //!
@@ -20,6 +21,7 @@
 
 use crate::config::EstimatorConfig;
 use crate::estimate::cohort::Cohort;
+use crate::estimate::engine_lengths;
 use crate::estimate::output_dist::{bucket, OutputDist, BUCKETS};
 use crate::estimate::reservation::Learned;
 use crate::store::interface::{update, Store, StoreError};
@@ -290,7 +292,12 @@ impl ModelStats {
 
     /// What the record has learned, its lengths pooled with this VM's `cohort` of answers
     /// started (deaths and censorings added per bucket: `cohort`'s module says why).
-    fn learned(&self, cohort: Option<&Cohort>, cfg: &EstimatorConfig) -> Option<Learned> {
+    fn learned(
+        &self,
+        cohort: Option<&Cohort>,
+        prior_output_tokens: u64,
+        cfg: &EstimatorConfig,
+    ) -> Option<Learned> {
         let (mut ended, mut cut) = (self.output.clone(), self.cut.clone());
         if let Some((e, c)) = cohort.map(Cohort::counts) {
             for (into, from) in [(&mut ended, e), (&mut cut, c)] {
@@ -307,7 +314,7 @@ impl ModelStats {
             prompt_spread: self
                 .prompt_var
                 .map_or(cfg.prompt_spread, |v| v.max(0.0).sqrt().min(1.0)),
-            output: OutputDist::learned(&ended, &cut, cfg.default_output_tokens),
+            output: OutputDist::learned(&ended, &cut, prior_output_tokens),
             tokens_per_piece: self
                 .streamed
                 .filter(|&(_, pieces)| pieces > 0.0)
@@ -378,10 +385,29 @@ fn slot_key(model: &str) -> String {
     )
 }
 
+/// What an estimate for a model goes by (`Calibration::known`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Known {
+    /// What its answers taught, once it has `minSamples` of them.
+    pub learned: Option<Learned>,
+    /// The mean answer its output prior assumes: `estimator.defaultOutputTokens`, or the mean its
+    /// engines report where that is longer (`engine_lengths`).
+    pub prior_output_tokens: u64,
+}
+
+impl Known {
+    fn prior(prior_output_tokens: u64) -> Known {
+        Known {
+            learned: None,
+            prior_output_tokens,
+        }
+    }
+}
+
 /// A VM's view of the learned values: reads shared data at most once a second per model.
 #[derive(Default)]
 pub struct Calibration {
-    cache: HashMap<String, (u64, Option<Learned>)>,
+    cache: HashMap<String, (u64, Known)>,
     /// Samples gathered since the last flush: written once a tick, not once a response, so
     /// the shared records are not a point of contention on the request path.
     pending: Vec<(String, Sample)>,
@@ -413,38 +439,74 @@ impl Calibration {
         family: Option<&str>,
         cfg: &EstimatorConfig,
     ) -> Option<Learned> {
-        self.learned_as(store, model, cfg)
-            .or_else(|| family.and_then(|f| self.learned_as(store, f, cfg)))
+        self.known(store, model, family, cfg).learned
     }
 
-    fn learned_as(
+    /// What an estimate for `model` goes by: what it has learned (for an adapter still short of
+    /// samples, its `family`'s), and the output prior's mean, raised to what the engines of its
+    /// base model report (`engine_lengths`: they label an adapter's answers with their base).
+    pub fn known(
         &mut self,
         store: &dyn Store,
         model: &str,
+        family: Option<&str>,
         cfg: &EstimatorConfig,
-    ) -> Option<Learned> {
+    ) -> Known {
+        let engines = family.and_then(|f| f.strip_suffix(FAMILY)).unwrap_or(model);
+        let own = self.known_as(store, model, engines, cfg);
+        match family {
+            Some(f) if own.learned.is_none() => Known {
+                learned: self.known_as(store, f, engines, cfg).learned,
+                ..own
+            },
+            _ => own,
+        }
+    }
+
+    /// `record`'s slot, read at most once a second, with the prior of `engines`' answers.
+    fn known_as(
+        &mut self,
+        store: &dyn Store,
+        record: &str,
+        engines: &str,
+        cfg: &EstimatorConfig,
+    ) -> Known {
         if !cfg.calibrate {
-            return None;
+            return Known::prior(cfg.default_output_tokens);
         }
         let now = store.now_ms();
-        if let Some((at, learned)) = self.cache.get(model) {
+        if let Some((at, known)) = self.cache.get(record) {
             if now.saturating_sub(*at) < CACHE_MS {
-                return *learned;
+                return *known;
             }
         }
+        // No longer than the output cap: an answer is taken to stop there anyway, and an engine
+        // reporting more (garbage, or answers of another model under its name) is held to it.
+        let prior = engine_lengths::mean(store, engines, f64::from(cfg.min_samples)).map_or(
+            cfg.default_output_tokens,
+            |mean| {
+                (mean.round() as u64)
+                    .min(cfg.output_cap_tokens)
+                    .max(cfg.default_output_tokens)
+            },
+        );
         let learned = store
-            .get(&slot_key(model))
+            .get(&slot_key(record))
             .ok()
             .and_then(|v| v.value)
             .and_then(|bytes| serde_json::from_slice::<ModelStats>(&bytes).ok())
-            .filter(|s| s.model == model)
-            .and_then(|s| s.learned(self.cohorts.get(model), cfg));
+            .filter(|s| s.model == record)
+            .and_then(|s| s.learned(self.cohorts.get(record), prior, cfg));
+        let known = Known {
+            learned,
+            prior_output_tokens: prior,
+        };
         // The cache is bounded like the slots: models beyond them are not worth remembering.
         if self.cache.len() >= SLOTS as usize * 4 {
             self.cache.clear();
         }
-        self.cache.insert(model.to_string(), (now, learned));
-        learned
+        self.cache.insert(record.to_string(), (now, known));
+        known
     }
 
     /// An answer for `model` (and its adapter `family`) has started streaming.
@@ -881,6 +943,75 @@ mod tests {
         assert!(exact.prompt_spread < 0.01, "{exact:?}");
     }
 
+    /// Engines that have answered a model at 750 tokens on average, before kvgate has seen an
+    /// answer: the prior's mean is theirs, for the model and for its adapters (vLLM labels an
+    /// adapter's answers with its base model), and stays theirs under what kvgate then learns.
+    /// Engines that report shorter answers than the configured prior leave it as it is.
+    #[test]
+    fn the_engines_answers_raise_the_prior_before_the_first_answer() {
+        use crate::estimate::engine_lengths::EngineLengths;
+        use crate::pods::metrics::AnswerTotals;
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let cfg = learning_after(5);
+        let report = |model: &str, mean: f64| {
+            EngineLengths::default()
+                .note(
+                    &vm,
+                    "pod:1",
+                    AnswerTotals {
+                        model: crate::hash::fnv1a(model.as_bytes()),
+                        tokens: mean * 100.0,
+                        count: 100.0,
+                    },
+                    host.now_ms(),
+                )
+                .unwrap();
+        };
+        report("m", 750.0);
+        report("short", 100.0);
+        let mut cal = Calibration::default();
+        let known = cal.known(&vm, "m", None, &cfg);
+        assert_eq!((known.learned, known.prior_output_tokens), (None, 750));
+        let adapter = cal.known(&vm, "m-lora", Some(&family("m")), &cfg);
+        assert_eq!(adapter.prior_output_tokens, 750);
+        assert_eq!(cal.known(&vm, "short", None, &cfg).prior_output_tokens, 256);
+        assert_eq!(
+            cal.known(&vm, "unreported", None, &cfg).prior_output_tokens,
+            256
+        );
+        // Garbage: answers longer than the output cap are held to it.
+        report("absurd", 1e12);
+        assert_eq!(
+            cal.known(&vm, "absurd", None, &cfg).prior_output_tokens,
+            cfg.output_cap_tokens
+        );
+        // An unbounded request's estimate before anything is learned: the engines' mean.
+        let req = crate::openai::request::Request::default();
+        let e = crate::estimate::reservation::estimate_from(
+            &req,
+            10.0,
+            known.learned,
+            known.prior_output_tokens,
+            &cfg,
+        );
+        assert!((740..=760).contains(&e.output_tokens), "{e:?}");
+        // Learned from kvgate's own short answers, the tail past them still fades at 750.
+        for _ in 0..50 {
+            Calibration::record(&vm, "m", &[sample(100.0, 100, 50)], &cfg).unwrap();
+        }
+        host.advance_ms(CACHE_MS);
+        let learned = cal.known(&vm, "m", None, &cfg).learned.unwrap().output;
+        let fade = learned.survival(1_100.0) / learned.survival(600.0);
+        assert!((fade - (-500.0f64 / 750.0).exp()).abs() < 0.05, "{fade}");
+        // Without calibration the configured prior alone.
+        let off = EstimatorConfig {
+            calibrate: false,
+            ..cfg
+        };
+        assert_eq!(cal.known(&vm, "m", None, &off).prior_output_tokens, 256);
+    }
+
     /// A vision model's traffic: text-only chats (the rule says 100 for 120 tokens) and short
     /// questions about an image (10 by the rule, 12 real, plus the image's 1,200 after its token
     /// ids' 30). The text-only ones teach the scale; those with an image, the image's cost. The
@@ -916,7 +1047,7 @@ mod tests {
             templated: true,
             ..crate::openai::request::Request::default()
         };
-        let e = crate::estimate::reservation::estimate_from(&image, 10.0, Some(learned), &cfg);
+        let e = crate::estimate::reservation::estimate_from(&image, 10.0, Some(learned), 256, &cfg);
         assert!(e.prompt_tokens.abs_diff(1_242) <= 2, "{e:?}");
         // A model no request with parts has taught keeps the configured cost.
         for _ in 0..10 {

@@ -1,16 +1,19 @@
 //! What a request will cost in tokens, before a tokenizer or the engine has seen it: the static
 //! character rule for prompts (`text`), the reservation charged to a pod from prompt and expected
 //! output (`reservation`), the learned output-length distribution (`output_dist`), the
-//! per-model corrections learned from responses' `usage` (`calibration`) and the answers each VM
-//! has started, running ones included (`cohort`).
+//! per-model corrections learned from responses' `usage` (`calibration`), the answers each VM
+//! has started, running ones included (`cohort`), and the mean answer the model's engines
+//! report having finished (`engine_lengths`).
 //!
 //! Source of truth: a model's learned state is its shared-data slot `kvgate.cal.<n>`
 //! (`calibration`), which every worker updates by compare-and-swap; each VM's `Calibration` holds a
 //! copy cached for a second, derived and allowed to lag, and its own cohorts, which only it
-//! knows. The rule and the formula hold no state.
+//! knows. The engines' mean is `kvgate.engine_len.<n>`, which the scraper alone writes. The rule
+//! and the formula hold no state.
 
 pub mod calibration;
 pub mod cohort;
+pub mod engine_lengths;
 pub mod output_dist;
 pub mod reservation;
 pub mod text;

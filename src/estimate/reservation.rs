@@ -117,16 +117,25 @@ impl Estimate {
     }
 }
 
+/// The estimate with the configured output prior (`estimator.defaultOutputTokens`).
 pub fn estimate(req: &Request, learned: Option<Learned>, cfg: &EstimatorConfig) -> Estimate {
-    estimate_from(req, static_prompt_tokens(&req.text), learned, cfg)
+    estimate_from(
+        req,
+        static_prompt_tokens(&req.text),
+        learned,
+        cfg.default_output_tokens,
+        cfg,
+    )
 }
 
 /// `estimate` for a caller that already ran the static rule over the request's text (it is the
-/// costliest step for long prompts, and calibration needs its result too).
+/// costliest step for long prompts, and calibration needs its result too), with the output
+/// prior's mean calibration gives (`Known::prior_output_tokens`: the engines' where longer).
 pub fn estimate_from(
     req: &Request,
     static_text_tokens: f64,
     learned: Option<Learned>,
+    prior_output_tokens: u64,
     cfg: &EstimatorConfig,
 ) -> Estimate {
     let fit = learned.map_or(PromptFit::RULE, |l| {
@@ -152,10 +161,7 @@ pub fn estimate_from(
         (m / choices).min(cfg.output_cap_tokens)
     });
     let output = learned
-        .map_or_else(
-            || OutputDist::prior(cfg.default_output_tokens),
-            |l| l.output,
-        )
+        .map_or_else(|| OutputDist::prior(prior_output_tokens), |l| l.output)
         .of_request(
             req.max_output_tokens.is_some(),
             req.min_output_tokens / choices,

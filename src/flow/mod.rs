@@ -640,11 +640,17 @@ impl Flow {
     ) -> Decision {
         let cfg = &gate.config.estimator;
         let family = gate.router.base_of(&req.model).map(family);
-        let learned = gate
+        let known = gate
             .calibration
-            .learned(store, &req.model, family.as_deref(), cfg);
+            .known(store, &req.model, family.as_deref(), cfg);
         let static_text_tokens = static_prompt_tokens(&req.text);
-        let mut est = estimate_from(&req, static_text_tokens, learned, cfg);
+        let mut est = estimate_from(
+            &req,
+            static_text_tokens,
+            known.learned,
+            known.prior_output_tokens,
+            cfg,
+        );
         est.only_on = only_on;
         let r = &gate.config.routing;
         let hashes = block_hashes(
@@ -683,7 +689,7 @@ impl Flow {
             stored: req.stored,
             answered_by: None,
             streams: req.stream,
-            tokens_per_piece: learned.map_or(1.0, |l| l.tokens_per_piece),
+            tokens_per_piece: known.learned.map_or(1.0, |l| l.tokens_per_piece),
             started: None,
             model: req.model,
             family,

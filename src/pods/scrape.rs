@@ -2,10 +2,13 @@
 //! scrapes; the holder renews it every tick and another VM takes over once it lapses. The holder
 //! discovers pods from Envoy's admin `/clusters`, scrapes each pod's Prometheus metrics on its
 //! interval, writing results into the pods' shared records, and each pod's model list on a slower
-//! one (with the adapter state from its metrics, into `models::served`). This module plans the calls and reads
-//! their answers; the shell only sends them.
+//! one (with the adapter state from its metrics, into `models::served`); the answers each pod's
+//! engines report having finished are pooled per model for the output prior
+//! (`estimate::engine_lengths`). This module plans the calls and reads their answers; the shell
+//! only sends them.
 
 use crate::config::Config;
+use crate::estimate::engine_lengths::EngineLengths;
 use crate::gate::TICK_MS;
 use crate::models::served::{self, LoraState};
 use crate::pods::index_check::HitTotals;
@@ -63,6 +66,8 @@ pub struct Scraper {
     in_flight: HashMap<Target, u64>,
     /// Pod → scrapes in a row it answered without readable metrics.
     unreadable: HashMap<String, u32>,
+    /// Each pod's finished answers, pooled per model for the output prior.
+    lengths: EngineLengths,
 }
 
 impl Scraper {
@@ -213,6 +218,9 @@ impl Scraper {
                             served::write_lora(store, pod, lora)?;
                         }
                         engine_gauges(stats, pod, &m);
+                        if let Some(answers) = m.answers {
+                            self.lengths.note(store, pod, answers, now)?;
+                        }
                         let snapshot = Snapshot {
                             at_ms: now,
                             healthy: true,
@@ -305,6 +313,7 @@ impl Scraper {
     pub fn expire(&mut self, now: u64) {
         self.in_flight
             .retain(|_, deadline| deadline.saturating_add(1_000) > now);
+        self.lengths.expire(now);
     }
 }
 
@@ -654,6 +663,34 @@ mod tests {
         ));
         // The garbage page and both 503s: errors all, only one a refusal.
         assert_eq!(stats.take_count(crate::stats::SCRAPE_ERRORS), 3);
+    }
+
+    /// Two pods of one model report the answers they finished: the model's prior reads their
+    /// pooled mean (`engine_lengths`), whichever worker asks.
+    #[test]
+    fn the_engines_finished_answers_are_pooled_for_their_model() {
+        let c = cfg();
+        let host = FakeHost::new();
+        let mut s = Scraper::default();
+        let mut stats = Stats::default();
+        for (pod, tokens, count) in [("a:1", 30_000, 50), ("b:1", 10_000, 30)] {
+            let text = format!(
+                "vllm:num_requests_running{{model_name=\"m\"}} 0\n\
+                 vllm:request_generation_tokens_sum{{model_name=\"m\",engine=\"0\"}} {tokens}\n\
+                 vllm:request_generation_tokens_count{{model_name=\"m\",engine=\"0\"}} {count}\n"
+            );
+            s.on_response(
+                &host.vm(),
+                &c,
+                &mut stats,
+                &Target::Pod(pod.into()),
+                Some(200),
+                text.as_bytes(),
+            )
+            .unwrap();
+        }
+        let mean = crate::estimate::engine_lengths::mean(&host.vm(), "m", 20.0);
+        assert_eq!(mean, Some(500.0));
     }
 
     #[test]

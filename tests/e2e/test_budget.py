@@ -215,6 +215,36 @@ def test_a_gateway_started_under_load_admits_from_its_first_request(concurrency)
             assert wait_for(lambda: all(v == 0 for v in kvgate_gauges(envoy, "reserved_tokens").values()), timeout=5)
 
 
+def test_a_gateway_started_in_front_of_running_engines_expects_their_answers_length():
+    """A gateway (re)started, or a replica added, in front of engines that have been answering the
+    model: before kvgate has learned a length from answers of its own, a request without
+    max_tokens is expected to run as long as the engines' finished answers did (vLLM's
+    `request_generation_tokens`, scraped), not the configured prior's 256, which sized a first
+    wave of answers of mean 512 for half of what it would hold (BENCHMARKS.md, *The first
+    answers' lengths*). Fewer probes than `minSamples`: nothing of kvgate's own is learned."""
+    with Sim(pods=2, args=["--time-scale", "20", "--output-len-mean", "600"]) as sim:
+        cfg = envoy_config(free_port(), free_port(), sim.endpoints, default_plugin_config())
+        with Envoy(cfg, concurrency=2) as envoy:
+            probes = []
+
+            def expected():
+                r = request(envoy.port, "POST", "/v1/chat/completions", unshared_chat(len(probes), None, 20))
+                assert r.status == 200, r.body[:200]
+                probes.append(int(r.headers["x-kvgate-output-tokens"]))
+                return probes[-1]
+
+            assert 200 <= expected() <= 300, probes
+            with ThreadPoolExecutor(20) as pool:
+                direct = list(pool.map(
+                    lambda i: request(sim.ports[i % 2], "POST", "/v1/chat/completions",
+                                      unshared_chat(1000 + i, None, 20)), range(40)))
+            assert all(r.status == 200 for r in direct)
+            engines = statistics.mean(r.json()["usage"]["completion_tokens"] for r in direct)
+            assert wait_for(lambda: expected() >= 0.8 * engines, timeout=8, interval=1.0), (engines, probes)
+            assert probes[-1] <= 1.25 * engines, (engines, probes)
+            print(f"engines' mean {engines:.0f}; kvgate's expected output, probe by probe: {probes}")
+
+
 def test_without_max_tokens_preemptions_are_a_sliver_of_round_robins():
     """Long-tailed answers (the simulator's lognormal, mean 256): no bound is known, so the forecast
     keeps headroom from the learned distribution; round robin on the same pool preempts freely.

@@ -2,8 +2,9 @@
 //! (`PerEngine`), max over every series (`Peak`), settings every series must agree on (`Agreed`),
 //! and the plausibility checks each value passes first. One bad value makes its figure unknown.
 
-use super::figures::{Engine, ItlTotals, MetricsError, PodMetrics};
+use super::figures::{AnswerTotals, Engine, ItlTotals, MetricsError, PodMetrics};
 use super::series::{Labels, Metric};
+use crate::hash::fnv1a;
 
 /// More distinct engines than this in one pod is not a real deployment; the figure becomes `None`.
 pub(super) const MAX_GROUPS: usize = 64;
@@ -135,6 +136,10 @@ pub(super) struct Tally {
     preemptions: [PerEngine; 2],
     itl_sum: [PerEngine; 2],
     itl_count: [PerEngine; 2],
+    answer_tokens: PerEngine,
+    answers: PerEngine,
+    /// The model the answers' series are labelled with (its name's hash): one for all of them.
+    answers_model: Agreed,
     no_prefix_caching: bool,
 }
 
@@ -158,6 +163,9 @@ impl Tally {
             preemptions: [PerEngine::new(); 2],
             itl_sum: [PerEngine::new(); 2],
             itl_count: [PerEngine::new(); 2],
+            answer_tokens: PerEngine::new(),
+            answers: PerEngine::new(),
+            answers_model: Agreed::default(),
             no_prefix_caching: false,
         }
     }
@@ -212,6 +220,15 @@ impl Tally {
             Metric::Preemptions(i) => add_counter(&mut self.preemptions, i, key, value),
             Metric::ItlSum(i) => add_counter(&mut self.itl_sum, i, key, value),
             Metric::ItlCount(i) => add_counter(&mut self.itl_count, i, key, value),
+            Metric::AnswerTokens | Metric::Answers => {
+                let totals = match metric {
+                    Metric::AnswerTokens => &mut self.answer_tokens,
+                    _ => &mut self.answers,
+                };
+                totals.add(key, count(value));
+                self.answers_model
+                    .add(labels.model_name.map(|m| fnv1a(m.as_bytes())));
+            }
         }
     }
 
@@ -255,6 +272,16 @@ impl Tally {
             preemptions: first_present(&self.preemptions),
             no_prefix_caching: self.no_prefix_caching,
             itl: self.itl(),
+            answers: self.answers(),
+        })
+    }
+
+    /// The finished answers' totals, when every series of them names the same model.
+    fn answers(&self) -> Option<AnswerTotals> {
+        Some(AnswerTotals {
+            model: self.answers_model.get()?,
+            tokens: self.answer_tokens.total()?,
+            count: self.answers.total()?,
         })
     }
 

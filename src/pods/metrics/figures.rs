@@ -42,6 +42,8 @@ pub struct PodMetrics {
     pub no_prefix_caching: bool,
     /// The engine's inter-token latency histogram since start, summed over engines.
     pub itl: Option<ItlTotals>,
+    /// The answers the engine has finished since start, summed over engines.
+    pub answers: Option<AnswerTotals>,
 }
 
 /// A latency histogram's running totals: seconds summed and samples counted since the engine
@@ -49,6 +51,17 @@ pub struct PodMetrics {
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct ItlTotals {
     pub sum_s: f64,
+    pub count: f64,
+}
+
+/// What the engine's finished answers ran to since it started: vLLM's `request_generation_tokens`
+/// histogram (`_sum`, `_count`), SGLang's generated tokens and requests (counted as each ends).
+/// Their mean is how long the model's answers run on this fleet (`estimate::engine_lengths`).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct AnswerTotals {
+    /// The model the series are labelled with, by its name's hash (`hash::fnv1a`).
+    pub model: u64,
+    pub tokens: f64,
     pub count: f64,
 }
 

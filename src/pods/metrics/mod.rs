@@ -44,7 +44,7 @@ pub mod figures;
 mod series;
 
 pub use exposition::{lora_info, parse, parse_bytes};
-pub use figures::{Engine, ItlTotals, LoraInfo, MetricsError, PodMetrics};
+pub use figures::{AnswerTotals, Engine, ItlTotals, LoraInfo, MetricsError, PodMetrics};
 
 #[cfg(test)]
 mod tests;

@@ -27,6 +27,11 @@ pub(super) enum Metric {
     /// `inter_token_latency_seconds`, then its older `time_per_output_token_seconds`.
     ItlSum(usize),
     ItlCount(usize),
+    /// The tokens the engine's finished answers generated, and how many answers: vLLM's
+    /// `request_generation_tokens` histogram's `_sum` and `_count`; SGLang's counters, which its
+    /// tokenizer adds to as each request ends. Kept by model (`Labels::model_name`).
+    AnswerTokens,
+    Answers,
 }
 
 pub(super) fn classify(name: &str) -> Option<(Engine, Metric)> {
@@ -54,6 +59,8 @@ pub(super) fn classify(name: &str) -> Option<(Engine, Metric)> {
         "vllm:inter_token_latency_seconds_count" => (Vllm, ItlCount(0)),
         "vllm:time_per_output_token_seconds_sum" => (Vllm, ItlSum(1)),
         "vllm:time_per_output_token_seconds_count" => (Vllm, ItlCount(1)),
+        "vllm:request_generation_tokens_sum" => (Vllm, AnswerTokens),
+        "vllm:request_generation_tokens_count" => (Vllm, Answers),
         "sglang:num_running_reqs" => (Sglang, Running),
         "sglang:num_queue_reqs" => (Sglang, Waiting),
         "sglang:token_usage" => (Sglang, KvUsage),
@@ -76,6 +83,8 @@ pub(super) fn classify(name: &str) -> Option<(Engine, Metric)> {
         "sglang:inter_token_latency_seconds_count" => (Sglang, ItlCount(0)),
         "sglang:time_per_output_token_seconds_sum" => (Sglang, ItlSum(1)),
         "sglang:time_per_output_token_seconds_count" => (Sglang, ItlCount(1)),
+        "sglang:generation_tokens_total" => (Sglang, AnswerTokens),
+        "sglang:num_requests_total" => (Sglang, Answers),
         _ => return None,
     })
 }

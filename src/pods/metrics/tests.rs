@@ -59,6 +59,11 @@ fn full_vllm_v1_document() {
             preemptions: Some(0.0),
             no_prefix_caching: false,
             itl: None,
+            answers: Some(AnswerTotals {
+                model: crate::hash::fnv1a(M.as_bytes()),
+                tokens: 210_061.0,
+                count: 851.0,
+            }),
         }
     );
 }
@@ -85,6 +90,8 @@ fn full_sglang_document() {
                 sum_s: 98_091.2,
                 count: 7_545_478.0,
             }),
+            // Its generated tokens without the requests they came from.
+            answers: None,
         }
     );
 }
@@ -843,6 +850,59 @@ fn inter_token_latency_totals_prefer_the_current_name_and_sum_engines() {
     assert_eq!(itl("vllm:inter_token_latency_seconds_count 10\n"), None);
     assert_eq!(
         itl("vllm:inter_token_latency_seconds_sum -1\nvllm:inter_token_latency_seconds_count 10\n"),
+        None
+    );
+}
+
+#[test]
+fn finished_answers_are_summed_over_engines_under_their_one_model() {
+    let answers = |text: &str| ok(text).answers;
+    let model = crate::hash::fnv1a(b"m");
+    let vllm = concat!(
+        "vllm:request_generation_tokens_bucket{model_name=\"m\",engine=\"0\",le=\"500.0\"} 9\n",
+        "vllm:request_generation_tokens_sum{model_name=\"m\",engine=\"0\"} 5000\n",
+        "vllm:request_generation_tokens_count{model_name=\"m\",engine=\"0\"} 10\n",
+        "vllm:request_generation_tokens_sum{model_name=\"m\",engine=\"1\"} 1000\n",
+        "vllm:request_generation_tokens_count{model_name=\"m\",engine=\"1\"} 2\n",
+    );
+    assert_eq!(
+        answers(vllm),
+        Some(AnswerTotals {
+            model,
+            tokens: 6000.0,
+            count: 12.0
+        })
+    );
+    // SGLang's counters, which its tokenizer adds to as each request ends.
+    let sglang = "sglang:token_usage{model_name=\"m\"} 0.5\n\
+                  sglang:generation_tokens_total{model_name=\"m\"} 900\n\
+                  sglang:num_requests_total{model_name=\"m\"} 3\n";
+    assert_eq!(
+        answers(sglang),
+        Some(AnswerTotals {
+            model,
+            tokens: 900.0,
+            count: 3.0
+        })
+    );
+    // Two models' answers on one pod, a series without its model, a count without its sum, or
+    // a negative total: whose answers, or how long, is unknown.
+    let two = format!(
+        "{vllm}vllm:request_generation_tokens_sum{{model_name=\"n\",engine=\"0\"}} 1\n\
+         vllm:request_generation_tokens_count{{model_name=\"n\",engine=\"0\"}} 1\n"
+    );
+    assert_eq!(answers(&two), None);
+    let unnamed = "vllm:request_generation_tokens_sum 10\nvllm:request_generation_tokens_count 1\n";
+    assert_eq!(answers(unnamed), None);
+    assert_eq!(
+        answers("vllm:request_generation_tokens_count{model_name=\"m\"} 10\n"),
+        None
+    );
+    assert_eq!(
+        answers(
+            "vllm:request_generation_tokens_sum{model_name=\"m\"} -1\n\
+             vllm:request_generation_tokens_count{model_name=\"m\"} 10\n"
+        ),
         None
     );
 }
