@@ -1,19 +1,21 @@
 //! The status page (`statusPath`): the pool as kvgate sees it at this moment, read from shared
 //! data by whichever worker took the request — each pod's budget, reservations, active blocks,
-//! requests in flight, scraped queue, the age of its last scrape and its health, and the line in
-//! front of the pool. JSON for tools, a small HTML table for a person (`Accept: text/html`).
-//! Stats say how these numbers move over time; this page says what they are now, per pod, without
-//! a Prometheus in between.
+//! requests in flight, scraped queue, the age of its last scrape and its health, the line in
+//! front of the pool, and per base model the output prior in force. JSON for tools, a small HTML
+//! table for a person (`Accept: text/html`). Stats say how these numbers move over time; this
+//! page says what they are now, per pod, without a Prometheus in between.
 
 use crate::admission::forecast::Lag;
 use crate::config::Config;
+use crate::estimate::calibration::prior_output_tokens;
 use crate::gate::Gate;
+use crate::models::served;
 use crate::openai::reply::LocalReply;
 use crate::pods::record::{self, At, PodRecord};
 use crate::replicas::share::{self, Share};
 use crate::store::interface::{Store, StoreError};
 use serde_json::{json, Value};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// Whether `path` (its query string ignored) is the configured status path.
 pub fn is_status_path(cfg: &Config, path: &str) -> bool {
@@ -177,7 +179,35 @@ fn pool(gate: &Gate, store: &dyn Store) -> Value {
         "blockTokens": gate.router.block_tokens(&cfg.routing),
         "queue": line,
         "pods": pods,
+        "models": models(gate, store),
     })
+}
+
+/// Each base model the pods list, with the mean answer its output prior assumes until kvgate has
+/// learned its lengths (`calibration::prior_output_tokens`: the configured one, or its engines'
+/// where longer). A pod whose list cannot be read adds none.
+fn models(gate: &Gate, store: &dyn Store) -> Vec<Value> {
+    let mut names = BTreeSet::new();
+    for pod in gate.router.pods() {
+        if let Ok(listed) = served::read(store, pod) {
+            names.extend(
+                listed
+                    .models
+                    .into_iter()
+                    .filter(|m| m.parent.as_deref().is_none_or(|base| base == m.id))
+                    .map(|m| m.id),
+            );
+        }
+    }
+    names
+        .iter()
+        .map(|m| {
+            json!({
+                "model": m,
+                "outputPriorTokens": prior_output_tokens(store, m, &gate.config.estimator),
+            })
+        })
+        .collect()
 }
 
 /// Text made safe inside HTML: pod names come from discovery, errors from the host.
@@ -260,7 +290,15 @@ fn render_html(page: &Value) -> String {
         }
         html.push_str("</tr>\n");
     }
-    html.push_str("</table>\n</body></html>\n");
+    html.push_str("</table>\n");
+    for m in page["models"].as_array().into_iter().flatten() {
+        html.push_str(&format!(
+            "<p>{}: answers without max_tokens taken to run {} tokens until learned</p>\n",
+            cell(&m["model"]),
+            cell(&m["outputPriorTokens"]),
+        ));
+    }
+    html.push_str("</body></html>\n");
     html
 }
 
@@ -321,6 +359,56 @@ mod tests {
             ..RequestHead::default()
         };
         Flow::default().on_request_headers(gate, vm, &head).step
+    }
+
+    /// The pods list one base model (and an adapter of it), whose engines report answers of 700
+    /// tokens on average: the page shows the prior kvgate assumes for it, theirs.
+    #[test]
+    fn the_page_shows_each_listed_models_output_prior() {
+        use crate::estimate::engine_lengths::EngineLengths;
+        use crate::models::served::ServedModel;
+        use crate::pods::metrics::AnswerTotals;
+        let (host, vm, mut gate) = pool_with_one_request();
+        let listed = [
+            ServedModel {
+                id: "m".into(),
+                parent: None,
+            },
+            ServedModel {
+                id: "m-lora".into(),
+                parent: Some("m".into()),
+            },
+        ];
+        for pod in PODS {
+            served::write_list(&vm, pod, &listed, host.now_ms()).unwrap();
+        }
+        let page = |gate: &mut Gate| {
+            let Step::Reply(r) = get(gate, &vm, "/kvgate/status", None) else {
+                panic!("the status path is answered locally");
+            };
+            serde_json::from_slice::<Value>(&r.body).unwrap()["models"].clone()
+        };
+        assert_eq!(
+            page(&mut gate),
+            json!([{"model": "m", "outputPriorTokens": 256}])
+        );
+        let answers = AnswerTotals {
+            model: crate::hash::fnv1a(b"m"),
+            tokens: 70_000.0,
+            count: 100.0,
+        };
+        EngineLengths::default()
+            .note(&vm, PODS[0], answers, host.now_ms())
+            .unwrap();
+        assert_eq!(
+            page(&mut gate),
+            json!([{"model": "m", "outputPriorTokens": 700}])
+        );
+        let Step::Reply(r) = get(&mut gate, &vm, "/kvgate/status", Some("text/html")) else {
+            panic!("answered locally");
+        };
+        let html = String::from_utf8(r.body).unwrap();
+        assert!(html.contains("m: answers without max_tokens taken to run 700 tokens"));
     }
 
     #[test]

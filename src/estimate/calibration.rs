@@ -385,6 +385,26 @@ fn slot_key(model: &str) -> String {
     )
 }
 
+/// The mean answer the output prior assumes for a model whose engines label their answers
+/// `engines` (an adapter's are its base model's): `estimator.defaultOutputTokens`, raised to the
+/// engines' own mean once they have finished `minSamples` answers (`engine_lengths`), and no
+/// longer than the output cap (an answer is taken to stop there anyway, and an engine reporting
+/// more, garbage or another model's answers under its name, is held to it). The configured mean
+/// alone without calibration. What estimates use, and what the status page shows.
+pub fn prior_output_tokens(store: &dyn Store, engines: &str, cfg: &EstimatorConfig) -> u64 {
+    if !cfg.calibrate {
+        return cfg.default_output_tokens;
+    }
+    engine_lengths::mean(store, engines, f64::from(cfg.min_samples)).map_or(
+        cfg.default_output_tokens,
+        |mean| {
+            (mean.round() as u64)
+                .min(cfg.output_cap_tokens)
+                .max(cfg.default_output_tokens)
+        },
+    )
+}
+
 /// What an estimate for a model goes by (`Calibration::known`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Known {
@@ -480,16 +500,7 @@ impl Calibration {
                 return *known;
             }
         }
-        // No longer than the output cap: an answer is taken to stop there anyway, and an engine
-        // reporting more (garbage, or answers of another model under its name) is held to it.
-        let prior = engine_lengths::mean(store, engines, f64::from(cfg.min_samples)).map_or(
-            cfg.default_output_tokens,
-            |mean| {
-                (mean.round() as u64)
-                    .min(cfg.output_cap_tokens)
-                    .max(cfg.default_output_tokens)
-            },
-        );
+        let prior = prior_output_tokens(store, engines, cfg);
         let learned = store
             .get(&slot_key(record))
             .ok()
