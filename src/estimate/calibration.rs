@@ -28,7 +28,8 @@ use crate::store::interface::{update, Store, StoreError};
 use hashbrown::HashMap;
 use serde::{Deserialize, Serialize};
 
-const SLOTS: u64 = 32;
+/// Shared-data slots for models' records; `engine_lengths` keys its values by the same.
+pub(crate) const SLOTS: u64 = 32;
 const CACHE_MS: u64 = 1_000;
 /// A slot whose model has not been updated for this long may be taken by another model.
 const SLOT_IDLE_MS: u64 = 10 * 60 * 1_000;

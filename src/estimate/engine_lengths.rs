@@ -20,17 +20,16 @@
 //! the model runs long is right at least that far, one that says it runs short may only say
 //! that the clients' limits were short, and a prior too short is what preempts.
 
+use crate::estimate::calibration::SLOTS;
 use crate::pods::metrics::AnswerTotals;
+use crate::store::codec::{Reader, Writer};
 use crate::store::interface::{update, Store, StoreError};
 use hashbrown::HashMap;
 
-const SLOTS: u64 = 32;
 const KEY_PREFIX: &str = "kvgate.engine_len.";
 /// A pod not scraped for this long no longer counts in its model's pool: it left, or the scrape
 /// fails; its totals stay in the last value written until another pod of its model is scraped.
 const STALE_MS: u64 = 60_000;
-/// A value's size: the model's name hash, its pods' tokens and answers.
-const VALUE_BYTES: usize = 24;
 
 fn key(model_hash: u64) -> String {
     format!("{KEY_PREFIX}{}", model_hash % SLOTS)
@@ -63,11 +62,10 @@ impl EngineLengths {
         if self.written.get(&totals.model) == Some(&(tokens, answers)) {
             return Ok(());
         }
-        let mut value = Vec::with_capacity(VALUE_BYTES);
-        value.extend_from_slice(&totals.model.to_le_bytes());
-        value.extend_from_slice(&tokens.to_le_bytes());
-        value.extend_from_slice(&answers.to_le_bytes());
-        update(store, &key(totals.model), |_| Some((value.clone(), ())))?;
+        // The model's name hash, its pods' tokens and answers.
+        let mut value = Writer::new();
+        value.u64(totals.model).f64(tokens).f64(answers);
+        update(store, &key(totals.model), |_| Some((value.0.clone(), ())))?;
         self.written.insert(totals.model, (tokens, answers));
         Ok(())
     }
@@ -84,11 +82,11 @@ impl EngineLengths {
 pub fn mean(store: &dyn Store, model: &str, min_answers: f64) -> Option<f64> {
     let hash = crate::hash::fnv1a(model.as_bytes());
     let bytes = store.get(&key(hash)).ok()?.value?;
-    let word = |i: usize| -> Option<[u8; 8]> { bytes.get(i * 8..i * 8 + 8)?.try_into().ok() };
-    if u64::from_le_bytes(word(0)?) != hash {
+    let mut r = Reader(&bytes);
+    if r.u64()? != hash {
         return None;
     }
-    let (tokens, answers) = (f64::from_le_bytes(word(1)?), f64::from_le_bytes(word(2)?));
+    let (tokens, answers) = (r.f64()?, r.f64()?);
     (answers >= min_answers.max(1.0) && tokens.is_finite() && tokens >= 0.0)
         .then(|| tokens / answers)
 }
