@@ -22,6 +22,9 @@ from harness import (STATUS_PATH, Envoy, Sim, baseline_envoy, default_plugin_con
 from bodies import MODEL, grouped_chat, unshared_chat
 BLOCKS, BLOCK = 256, 16
 SMALL_KV = ["--time-scale", "10", "--num-gpu-blocks", str(BLOCKS)]
+# estimator.promptSpread's default (docs/configuration.md): the margin on every prompt until the
+# model is calibrated.
+PROMPT_SPREAD = 0.1
 # Common English words: about one token each, so the estimate is right from the first request.
 
 
@@ -125,7 +128,11 @@ def check_promise(samples, bounded, delivered_lag, ports=None):
     past the pod's blocks must come with the engine itself nearly full (90 % of its blocks) at that
     sample; kvgate predicting a full pod that its engine does not see nearly full would be a
     miscount. (Held to the pod's blocks alone, this check failed one CI run in about thirty: 278
-    blocks predicted on the 256-block pod.)
+    blocks predicted on the 256-block pod.) Until the model is calibrated kvgate holds each prompt
+    at `1 + estimator.promptSpread` (0.1) of its estimate, a deliberate margin over the engine's
+    count, so a full pod as kvgate predicts it may be an engine at 1/1.1 of that: "nearly full" is
+    90 % of that. (Against 90 % of the pod's blocks, one CI run of 2026-12-02 failed with 257
+    blocks predicted while the engine held 223, its 240 requests' first wave still uncalibrated.)
 
     The forecast is read from the requests' entries, which trail their streams: an entry is
     written at its output's block boundaries, so up to a block (less a token) behind what kvgate
@@ -167,7 +174,7 @@ def check_promise(samples, bounded, delivered_lag, ports=None):
             recent = [s[index[pod]]["kv_blocks_used"] for s, _ in samples[max(0, k - 10):k + 1]] \
                 if pod in index else []
             engine = max(recent) if recent else None
-            assert blocks <= BLOCKS or (engine is not None and engine >= 0.9 * BLOCKS), \
+            assert blocks <= BLOCKS or (engine is not None and engine >= 0.9 * BLOCKS / (1 + PROMPT_SPREAD)), \
                 f"kvgate predicts {blocks} blocks on a {BLOCKS}-block pod {pod} (its engine: {engine})"
 
 
