@@ -3,11 +3,13 @@
 //! fitted apart for templated and raw prompts: `PromptFit`), its output-length
 //! distribution (`output_dist`: answers cut off by their own `max_tokens` are kept as censored
 //! samples, not dropped) and, for streamed answers, its tokens per streamed piece of text.
-//! Records live in shared data under a bounded key schema, `kvgate.cal.<slot>`,
-//! one slot per model hash (32 slots); a slot held by another model that is still being updated is
-//! left alone, and that model keeps the static rule. Each VM caches what it read for a second, so
-//! the request path makes at most two host calls per model per second for this (the slot, and
-//! the engines' answers' mean the output prior is raised to, `engine_lengths`). The lengths read
+//! Records live in shared data under a bounded key schema, `kvgate.cal.<slot>` (32 slots), a
+//! model's found and put by its name's hash (`slots`: its own slot or one of the next few; a
+//! slot held by another model that is still being updated is left alone, and a model that finds
+//! every slot in its reach so held keeps the static rule). Each VM caches what it read for a
+//! second, so the request path reads a model's record (a key, or the few past its own it was put
+//! in) and the engines' answers' mean the output prior is raised to (`engine_lengths`) at most
+//! once per model per second. The lengths read
 //! are pooled with the VM's own `cohort` of answers started, running ones included, which the
 //! finished answers alone are biased against (see there).
 //!
@@ -24,15 +26,12 @@ use crate::estimate::cohort::Cohort;
 use crate::estimate::engine_lengths;
 use crate::estimate::output_dist::{bucket, OutputDist, BUCKETS};
 use crate::estimate::reservation::Learned;
-use crate::store::interface::{update, Store, StoreError};
+use crate::estimate::slots::{self, IDLE_MS, SLOTS};
+use crate::store::interface::{update_from, Store, StoreError, Versioned};
 use hashbrown::HashMap;
 use serde::{Deserialize, Serialize};
 
-/// Shared-data slots for models' records; `engine_lengths` keys its values by the same.
-pub(crate) const SLOTS: u64 = 32;
 const CACHE_MS: u64 = 1_000;
-/// A slot whose model has not been updated for this long may be taken by another model.
-const SLOT_IDLE_MS: u64 = 10 * 60 * 1_000;
 /// Each answer counts one in the output-length histograms, and older ones fade by this much per
 /// answer, so the histograms hold about the last 256 answers' worth: a distribution's tail needs
 /// hundreds of samples to be seen at all (the prompt scale, one number, moves faster: its weight
@@ -372,17 +371,41 @@ pub fn family(base: &str) -> String {
     format!("{base}{FAMILY}")
 }
 
-/// Family records have slots of their own (`kvgate.calf.<slot>`): with tens of adapters taking
-/// the model slots, a family sharing them would often find its slot held.
-fn slot_key(model: &str) -> String {
-    let space = if model.ends_with(FAMILY) {
-        "calf"
+/// The prefix of the keys a record is looked for in (`slots`). Family records have slots of
+/// their own (`kvgate.calf.<slot>`): with tens of adapters taking the model slots, a family
+/// sharing them would often find them held.
+fn slot_prefix(model: &str) -> &'static str {
+    if model.ends_with(FAMILY) {
+        "kvgate.calf."
     } else {
-        "cal"
-    };
-    format!(
-        "kvgate.{space}.{}",
-        crate::hash::fnv1a(model.as_bytes()) % SLOTS
+        "kvgate.cal."
+    }
+}
+
+/// `model`'s record, if it has one.
+fn read_record(store: &dyn Store, model: &str) -> Option<ModelStats> {
+    let hash = crate::hash::fnv1a(model.as_bytes());
+    slots::find(store, slot_prefix(model), hash, |bytes| {
+        serde_json::from_slice::<ModelStats>(bytes)
+            .ok()
+            .filter(|s| s.model == model)
+    })
+}
+
+/// The key `model`'s record is in, or is to be put in, as `now`, and its value as read: `None`
+/// when every slot in its reach is held by another model still learning.
+fn record_key(
+    store: &dyn Store,
+    model: &str,
+    now: u64,
+) -> Result<Option<(String, Versioned)>, StoreError> {
+    let owner = |bytes: &[u8]| serde_json::from_slice::<ModelStats>(bytes).ok();
+    slots::place(
+        store,
+        slot_prefix(model),
+        crate::hash::fnv1a(model.as_bytes()),
+        |bytes| owner(bytes).is_some_and(|s| s.model == model),
+        |bytes| owner(bytes).is_none_or(|s| now.saturating_sub(s.updated_ms) >= IDLE_MS),
     )
 }
 
@@ -502,12 +525,7 @@ impl Calibration {
             }
         }
         let prior = prior_output_tokens(store, engines, cfg);
-        let learned = store
-            .get(&slot_key(record))
-            .ok()
-            .and_then(|v| v.value)
-            .and_then(|bytes| serde_json::from_slice::<ModelStats>(&bytes).ok())
-            .filter(|s| s.model == record)
+        let learned = read_record(store, record)
             .and_then(|s| s.learned(self.cohorts.get(record), prior, cfg));
         let known = Known {
             learned,
@@ -624,11 +642,15 @@ impl Calibration {
             return Ok(());
         }
         let now = store.now_ms();
-        update(store, &slot_key(model), |current| {
+        let Some((key, seen)) = record_key(store, model, now)? else {
+            return Ok(());
+        };
+        // Checked again on the value written over: another VM may have put a model there since.
+        update_from(store, &key, Some(seen), |current| {
             let existing = current.and_then(|b| serde_json::from_slice::<ModelStats>(b).ok());
             let mut stats = match existing {
                 Some(s) if s.model == model => s,
-                Some(s) if now.saturating_sub(s.updated_ms) < SLOT_IDLE_MS => return None,
+                Some(s) if now.saturating_sub(s.updated_ms) < IDLE_MS => return None,
                 _ => ModelStats::new(model),
             };
             stats.output.resize(BUCKETS, 0.0);
@@ -1085,31 +1107,47 @@ mod tests {
         assert!(cal.learned(&vm, "m", None, &cfg).is_some());
     }
 
+    /// The key `model`'s name hash points at first.
+    fn home_key(model: &str) -> String {
+        let hash = crate::hash::fnv1a(model.as_bytes());
+        format!("{}{}", slot_prefix(model), hash % SLOTS)
+    }
+
     #[test]
-    fn busy_slot_is_not_stolen_but_idle_one_is() {
+    fn models_whose_names_share_a_slot_each_learn_and_an_idle_ones_slot_is_taken() {
         let host = FakeHost::new();
         let vm = host.vm();
         let cfg = learning_after(1);
-        // Find two models that share a slot.
         let a = "model-a".to_string();
-        let b = (0..10_000)
+        let mut sharing = (0..)
             .map(|i| format!("model-{i}"))
-            .find(|m| *m != a && slot_key(m) == slot_key(&a))
-            .unwrap();
+            .filter(|m| *m != a && home_key(m) == home_key(&a));
+        let (b, c) = (
+            sharing.next().unwrap_or_default(),
+            sharing.next().unwrap_or_default(),
+        );
         host.set_now_ms(1);
+        // Before, the second of two models in one slot kept the static rule while the first was
+        // learning.
         Calibration::record(&vm, &a, &[sample(10.0, 20, 5)], &cfg).unwrap();
-        Calibration::record(&vm, &b, &[sample(10.0, 20, 5)], &cfg).unwrap();
-        assert!(Calibration::default()
-            .learned(&vm, &a, None, &cfg)
-            .is_some());
-        host.advance_ms(SLOT_IDLE_MS);
-        Calibration::record(&vm, &b, &[sample(10.0, 20, 5)], &cfg).unwrap();
-        assert!(Calibration::default()
-            .learned(&vm, &b, None, &cfg)
-            .is_some());
-        assert!(Calibration::default()
-            .learned(&vm, &a, None, &cfg)
-            .is_none());
+        Calibration::record(&vm, &b, &[sample(10.0, 30, 7)], &cfg).unwrap();
+        let learned = |m: &str| Calibration::default().learned(&vm, m, None, &cfg);
+        let (la, lb) = (learned(&a), learned(&b));
+        assert!(la.is_some() && lb.is_some() && la != lb, "{la:?} {lb:?}");
+        // Long after, `a` has learned nothing more; `b` has, and `c` takes `a`'s slot.
+        host.advance_ms(IDLE_MS - 1);
+        Calibration::record(&vm, &b, &[sample(10.0, 30, 7)], &cfg).unwrap();
+        host.advance_ms(1);
+        Calibration::record(&vm, &c, &[sample(10.0, 20, 5)], &cfg).unwrap();
+        assert!(learned(&c).is_some() && learned(&b).is_some());
+        assert!(learned(&a).is_none(), "the idle one's slot was given");
+        assert!(
+            serde_json::from_slice::<ModelStats>(
+                &vm.get(&home_key(&a)).unwrap().value.unwrap_or_default()
+            )
+            .is_ok_and(|s| s.model == c),
+            "in its home slot, not a new one"
+        );
     }
 
     #[test]
@@ -1210,12 +1248,22 @@ mod tests {
         }
         let watched = Watched::new(&b);
         cal.flush(&watched, &cfg).unwrap();
-        assert_eq!(watched.reads_of(&slot_key("m")), 1);
-        assert_eq!(watched.reads_of(&slot_key("n")), 1);
+        // A record first put is read twice: a key never written is read again just before its
+        // (blind) write, in case another VM has written it since.
+        assert_eq!(watched.reads_of(&home_key("m")), 2);
+        assert_eq!(watched.reads_of(&home_key("n")), 2);
         for model in ["m", "n"] {
             let batched = Calibration::default().learned(&b, model, None, &cfg);
             let alone = Calibration::default().learned(&a, &format!("{model}-alone"), None, &cfg);
             assert!(batched.is_some() && batched == alone, "{model}");
         }
+        // Once there, once: the read that finds it is the one its compare-and-swap goes by.
+        for (model, s) in &answers {
+            cal.observe(model, None, *s, &cfg);
+        }
+        let watched = Watched::new(&b);
+        cal.flush(&watched, &cfg).unwrap();
+        assert_eq!(watched.reads_of(&home_key("m")), 1);
+        assert_eq!(watched.reads_of(&home_key("n")), 1);
     }
 }

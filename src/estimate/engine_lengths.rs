@@ -1,10 +1,10 @@
 //! How long a model's answers run by its engines' own count: each pod's finished answers since the
 //! engine started (`metrics::AnswerTotals`: vLLM's `request_generation_tokens` histogram, SGLang's
 //! generated tokens and requests), pooled over the pods that serve the model. Source of truth:
-//! one shared-data value per calibration slot, `kvgate.engine_len.<slot>` (the model's name hash,
-//! its pods' tokens and answers), written by the scraper alone (`pods::scrape`, the lease
-//! holder), which keeps each pod's last totals in memory ([`EngineLengths`]); `calibration`
-//! reads it with the model's own slot, a second at a time.
+//! one shared-data value per model, `kvgate.engine_len.<slot>` (the model's name hash, its pods'
+//! tokens and answers, when written; the slot found by the name's hash, `slots`), written by the
+//! scraper alone (`pods::scrape`, the lease holder), which keeps each pod's last totals in memory
+//! ([`EngineLengths`]); `calibration` reads it with the model's own record, a second at a time.
 //!
 //! What it is for: the output prior. Until kvgate has learned a model's lengths from its own
 //! answers, a request without `max_tokens` is taken to run `estimator.defaultOutputTokens` on
@@ -20,10 +20,10 @@
 //! the model runs long is right at least that far, one that says it runs short may only say
 //! that the clients' limits were short, and a prior too short is what preempts.
 
-use crate::estimate::calibration::SLOTS;
+use crate::estimate::slots::{self, IDLE_MS};
 use crate::pods::metrics::AnswerTotals;
 use crate::store::codec::{Reader, Writer};
-use crate::store::interface::{update, Store, StoreError};
+use crate::store::interface::{update_from, Store, StoreError};
 use hashbrown::HashMap;
 
 const KEY_PREFIX: &str = "kvgate.engine_len.";
@@ -31,8 +31,35 @@ const KEY_PREFIX: &str = "kvgate.engine_len.";
 /// fails; its totals stay in the last value written until another pod of its model is scraped.
 const STALE_MS: u64 = 60_000;
 
-fn key(model_hash: u64) -> String {
-    format!("{KEY_PREFIX}{}", model_hash % SLOTS)
+/// A model's value: its name's hash, its pods' pooled tokens and answers, and when that was
+/// written (a value unchanged for `slots::IDLE_MS`, its engines finishing nothing, may give its
+/// slot to another model).
+struct Pooled {
+    model: u64,
+    tokens: f64,
+    answers: f64,
+    written_ms: u64,
+}
+
+impl Pooled {
+    fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::new();
+        w.u64(self.model)
+            .f64(self.tokens)
+            .f64(self.answers)
+            .u64(self.written_ms);
+        w.0
+    }
+
+    fn decode(bytes: &[u8]) -> Option<Pooled> {
+        let mut r = Reader(bytes);
+        Some(Pooled {
+            model: r.u64()?,
+            tokens: r.f64()?,
+            answers: r.f64()?,
+            written_ms: r.u64()?,
+        })
+    }
 }
 
 /// The scraper's view: each pod's last totals, and what it last wrote per model.
@@ -62,11 +89,30 @@ impl EngineLengths {
         if self.written.get(&totals.model) == Some(&(tokens, answers)) {
             return Ok(());
         }
-        // The model's name hash, its pods' tokens and answers.
-        let mut value = Writer::new();
-        value.u64(totals.model).f64(tokens).f64(answers);
-        update(store, &key(totals.model), |_| Some((value.0.clone(), ())))?;
-        self.written.insert(totals.model, (tokens, answers));
+        let model = totals.model;
+        let mine = |bytes: &[u8]| Pooled::decode(bytes).is_some_and(|p| p.model == model);
+        let free = |bytes: &[u8]| {
+            Pooled::decode(bytes).is_none_or(|p| now.saturating_sub(p.written_ms) >= IDLE_MS)
+        };
+        let Some((key, seen)) = slots::place(store, KEY_PREFIX, model, mine, free)? else {
+            return Ok(());
+        };
+        let value = Pooled {
+            model,
+            tokens,
+            answers,
+            written_ms: now,
+        }
+        .encode();
+        // Checked again on the value written over: the slot may have been given since.
+        let wrote = update_from(store, &key, Some(seen), |current| {
+            current
+                .is_none_or(|b| mine(b) || free(b))
+                .then(|| (value.clone(), ()))
+        })?;
+        if wrote.is_some() {
+            self.written.insert(model, (tokens, answers));
+        }
         Ok(())
     }
 
@@ -78,17 +124,15 @@ impl EngineLengths {
 }
 
 /// The mean length of `model`'s answers by its engines' count, once they have finished at least
-/// `min_answers`; `None` when unknown (no engine reports it, another model holds the slot).
+/// `min_answers`; `None` when unknown (no engine reports it, or every slot in its reach is
+/// another model's).
 pub fn mean(store: &dyn Store, model: &str, min_answers: f64) -> Option<f64> {
     let hash = crate::hash::fnv1a(model.as_bytes());
-    let bytes = store.get(&key(hash)).ok()?.value?;
-    let mut r = Reader(&bytes);
-    if r.u64()? != hash {
-        return None;
-    }
-    let (tokens, answers) = (r.f64()?, r.f64()?);
-    (answers >= min_answers.max(1.0) && tokens.is_finite() && tokens >= 0.0)
-        .then(|| tokens / answers)
+    let p = slots::find(store, KEY_PREFIX, hash, |bytes| {
+        Pooled::decode(bytes).filter(|p| p.model == hash)
+    })?;
+    (p.answers >= min_answers.max(1.0) && p.tokens.is_finite() && p.tokens >= 0.0)
+        .then(|| p.tokens / p.answers)
 }
 
 #[cfg(test)]
@@ -152,25 +196,96 @@ mod tests {
         assert_eq!(mean(&vm, "m", 20.0), Some(100.0));
     }
 
+    /// A name other than `model` whose hash falls in the same slot.
+    fn sharing_a_slot_with(model: &str) -> String {
+        let slot = |m: &str| crate::hash::fnv1a(m.as_bytes()) % slots::SLOTS;
+        (0..)
+            .map(|i| format!("other-{i}"))
+            .find(|m| slot(m) == slot(model))
+            .unwrap_or_default()
+    }
+
+    #[test]
+    fn models_whose_names_share_a_slot_each_keep_their_own_mean() {
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let other = sharing_a_slot_with("m");
+        let mut lengths = EngineLengths::default();
+        // Each scrape of either model's pods used to overwrite the other's in the one slot.
+        for round in 1..=3 {
+            let n = f64::from(round) * 10.0;
+            lengths
+                .note(&vm, "a:1", totals("m", 100.0 * n, n), host.now_ms())
+                .unwrap();
+            lengths
+                .note(&vm, "b:1", totals(&other, 900.0 * n, n), host.now_ms())
+                .unwrap();
+            assert_eq!(mean(&vm, "m", 10.0), Some(100.0));
+            assert_eq!(mean(&vm, &other, 10.0), Some(900.0));
+        }
+    }
+
+    #[test]
+    fn a_slot_whose_model_finished_nothing_for_long_is_given_to_another() {
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let mut lengths = EngineLengths::default();
+        let fillers: Vec<String> = (0..)
+            .map(|i| format!("filler-{i}"))
+            .filter(|m| sharing_a_slot_with(m) == sharing_a_slot_with("m"))
+            .take(8)
+            .collect();
+        for (i, model) in fillers.iter().enumerate() {
+            lengths
+                .note(
+                    &vm,
+                    &format!("f{i}:1"),
+                    totals(model, 500.0, 50.0),
+                    host.now_ms(),
+                )
+                .unwrap();
+        }
+        // Every slot in reach is held by a model whose engines answer.
+        lengths
+            .note(&vm, "a:1", totals("m", 2_000.0, 20.0), host.now_ms())
+            .unwrap();
+        assert_eq!(mean(&vm, "m", 10.0), None);
+        // Long after, one of them has finished nothing more, and its slot is taken.
+        host.advance_ms(IDLE_MS);
+        lengths
+            .note(&vm, "a:1", totals("m", 3_000.0, 30.0), host.now_ms())
+            .unwrap();
+        assert_eq!(mean(&vm, "m", 10.0), Some(100.0));
+    }
+
     #[test]
     fn a_value_another_model_wrote_or_garbage_is_no_mean() {
         let host = FakeHost::new();
         let vm = host.vm();
         let hash = crate::hash::fnv1a(b"m");
-        // Another model whose name falls in the same slot.
-        let mut other = (hash + SLOTS).to_le_bytes().to_vec();
-        other.extend_from_slice(&1_000.0f64.to_le_bytes());
-        other.extend_from_slice(&100.0f64.to_le_bytes());
-        vm.set(&key(hash), &other, None).unwrap();
+        let key = format!("{KEY_PREFIX}{}", hash % slots::SLOTS);
+        let value = |model: u64, tokens: f64| {
+            Pooled {
+                model,
+                tokens,
+                answers: 100.0,
+                written_ms: 0,
+            }
+            .encode()
+        };
+        // Another model's, whose name falls in the same slot.
+        vm.set(&key, &value(hash + slots::SLOTS, 1_000.0), None)
+            .unwrap();
         assert_eq!(mean(&vm, "m", 1.0), None);
-        for bytes in [&b"short"[..], &[0u8; 0][..]] {
-            vm.set(&key(hash), bytes, None).unwrap();
+        // Written before it said when (three fields), cut short, empty.
+        let old = &value(hash, 1_000.0)[..24];
+        for bytes in [old, &b"short"[..], &[0u8; 0][..]] {
+            vm.set(&key, bytes, None).unwrap();
             assert_eq!(mean(&vm, "m", 1.0), None);
         }
-        let mut negative = hash.to_le_bytes().to_vec();
-        negative.extend_from_slice(&(-5.0f64).to_le_bytes());
-        negative.extend_from_slice(&100.0f64.to_le_bytes());
-        vm.set(&key(hash), &negative, None).unwrap();
+        vm.set(&key, &value(hash, -5.0), None).unwrap();
         assert_eq!(mean(&vm, "m", 1.0), None);
+        vm.set(&key, &value(hash, 1_000.0), None).unwrap();
+        assert_eq!(mean(&vm, "m", 1.0), Some(10.0));
     }
 }

@@ -4,7 +4,8 @@ gateway lists every pod's models, a request naming no model is for the pool's on
 weighted split holds its weights and the upstream sees the rewritten model, odd names and model
 lists that do not parse are answered clearly, a model whose pods have room is not held behind
 another model's waiting requests (nor a base model behind its adapter's, on the pods the adapter
-is not on), and the two-cluster example (envoy/envoy-models.yaml) sends each
+is not on), two models whose names share a shared-data slot each keep their own engines'
+answer lengths, and the two-cluster example (envoy/envoy-models.yaml) sends each
 model to its own cluster and kvgate pool."""
 
 import json
@@ -17,8 +18,8 @@ import pytest
 import yaml
 
 from bodies import unshared_chat
-from harness import (ROOT, WASM, Envoy, Sim, StubUpstream, default_plugin_config, free_port, kvgate_envoy,
-                     request, stream, wait_for)
+from harness import (ROOT, STATUS_PATH, WASM, Envoy, Sim, StubUpstream, default_plugin_config, free_port,
+                     kvgate_envoy, request, stream, wait_for)
 
 SIM_ARGS = ["--time-scale", "20"]
 MODELS_YAML = ROOT / "envoy/envoy-models.yaml"
@@ -100,6 +101,46 @@ def test_a_request_naming_no_model_is_for_the_model_the_pods_serve():
             assert r.json()["model"] == "model-a"
         stats = envoy.stats("wasmcustom.kvgate.model")
         assert stats.get("wasmcustom.kvgate.model.model_a.requests") == 3, stats
+
+
+def test_two_models_whose_names_share_a_slot_each_keep_their_engines_answer_lengths():
+    """What kvgate learns of a model, and what its engines report of its answers' lengths, live in
+    one of 32 shared-data slots found by the model name's hash (estimate/slots.rs). `chat-model`
+    and `chat-model-3` hash to the same one. Before (2026-12-02) each scrape wrote one model's
+    engines' mean over the other's, so whichever was overwritten read as the configured 256 (and
+    the second model to answer through kvgate kept the static rule for as long as the first was
+    served); the second now takes the next slot."""
+    names, means = ("chat-model", "chat-model-3"), (500, 900)
+    with Sim(pods=1, args=SIM_ARGS + ["--served-model-name", names[0], "--output-len-mean", str(means[0])]) as a, \
+            Sim(pods=1, args=SIM_ARGS + ["--served-model-name", names[1], "--output-len-mean", str(means[1])]) as b, \
+            kvgate_envoy(a.endpoints + b.endpoints, dict(default_plugin_config(), statusPath=STATUS_PATH)) as envoy:
+        engines = {}
+        for sim, name in ((a, names[0]), (b, names[1])):
+            # Answered by the engine itself, not through kvgate (more than estimator.minSamples).
+            with ThreadPoolExecutor(20) as pool:
+                direct = list(pool.map(lambda i: request(sim.ports[0], "POST", "/v1/chat/completions",
+                                                         dict(unshared_chat(i, None, 20), model=name)), range(40)))
+            assert all(r.status == 200 for r in direct), [r.status for r in direct]
+            engines[name] = sum(r.json()["usage"]["completion_tokens"] for r in direct) / len(direct)
+        assert all(m > 300 for m in engines.values()), engines
+
+        def priors():
+            return {m["model"]: m["outputPriorTokens"] for m in request(envoy.port, "GET", STATUS_PATH).json()["models"]}
+
+        def each_its_own():
+            got = priors()
+            return all(abs(got.get(n, 0) - m) <= 0.05 * m for n, m in engines.items())
+
+        assert wait_for(each_its_own, timeout=10, interval=0.5), (engines, priors())
+        # Each scrape writes only what moved: a second round of one model's answers leaves the
+        # other's in place.
+        with ThreadPoolExecutor(20) as pool:
+            list(pool.map(lambda i: request(a.ports[0], "POST", "/v1/chat/completions",
+                                            dict(unshared_chat(100 + i, None, 20), model=names[0])), range(20)))
+        time.sleep(2)
+        got = priors()
+        assert abs(got[names[1]] - engines[names[1]]) <= 0.05 * engines[names[1]], (engines, got)
+        print(f"engines' means {engines}; kvgate's priors {got}")
 
 
 def flood_and_probe(envoy, flooded, probe):
