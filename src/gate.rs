@@ -219,6 +219,17 @@ impl Gate {
 
     /// Gauges of the pool, written by the lease holder only so they are not multiplied.
     fn report_pods(&mut self, store: &dyn Store, pods: &[String]) {
+        for model in self.router.base_models(store, &self.config) {
+            let prior = crate::estimate::calibration::prior_output_tokens(
+                store,
+                &model,
+                &self.config.estimator,
+            );
+            self.stats.gauge(
+                stats::model_stat(&model, stats::MODEL_OUTPUT_PRIOR_TOKENS),
+                prior,
+            );
+        }
         if let Ok(line) = crate::admission::line::read(store) {
             // Bands named by configuration (and the default) are reported; any other priority a
             // client sent is counted under `other`, so the stat names stay bounded.

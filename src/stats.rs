@@ -235,6 +235,10 @@ catalog! {
     /// engine counted: the prompt estimate, and the expected output (`estimate::reservation`).
     MODEL_PROMPT_ERROR_PCT = "prompt_error_pct";
     MODEL_OUTPUT_ERROR_PCT = "output_error_pct";
+    /// A gauge, for each base model the pods list: the mean answer a request without an output
+    /// limit is expected to run until kvgate has learned the model's lengths
+    /// (`calibration::prior_output_tokens`).
+    MODEL_OUTPUT_PRIOR_TOKENS = "output_prior_tokens";
 }
 
 /// Stands for every model without stats of its own (neither configured nor listed by a pod),
@@ -626,6 +630,38 @@ mod tests {
             documented, catalog,
             "docs/operations.md's stats table vs src/stats.rs"
         );
+    }
+
+    /// monitoring/prometheus.yml turns every per-pod and per-model stat, and no other, into one
+    /// series with a `pod` or `model` label: its relabelling names each stat of the catalog.
+    #[test]
+    fn the_prometheus_relabelling_names_every_per_pod_and_per_model_stat() {
+        let job = include_str!("../monitoring/prometheus.yml");
+        let named = |prefix: &str| -> Vec<Vec<String>> {
+            job.lines()
+                .filter_map(|l| l.trim().strip_prefix("regex: "))
+                .filter_map(|r| r.strip_prefix(prefix))
+                .filter_map(|r| r.split_once('(').map(|(_, rest)| rest))
+                .filter_map(|r| r.split_once(')').map(|(alternatives, _)| alternatives))
+                .map(|a| {
+                    let mut names: Vec<String> = a.split('|').map(str::to_string).collect();
+                    names.sort();
+                    names
+                })
+                .collect()
+        };
+        for (prefix, table) in [
+            ("kvgate_pod_(.+)_", PER_POD),
+            ("kvgate_model_(.+)_", PER_MODEL),
+        ] {
+            let mut catalog: Vec<String> = table.iter().map(|s| s.to_string()).collect();
+            catalog.sort();
+            let rules = named(prefix);
+            assert_eq!(rules.len(), 2, "{prefix}: a label rule and a name rule");
+            for names in rules {
+                assert_eq!(names, catalog, "monitoring/prometheus.yml's {prefix} rules");
+            }
+        }
     }
 
     #[test]

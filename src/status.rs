@@ -9,13 +9,12 @@ use crate::admission::forecast::Lag;
 use crate::config::Config;
 use crate::estimate::calibration::prior_output_tokens;
 use crate::gate::Gate;
-use crate::models::served;
 use crate::openai::reply::LocalReply;
 use crate::pods::record::{self, At, PodRecord};
 use crate::replicas::share::{self, Share};
 use crate::store::interface::{Store, StoreError};
 use serde_json::{json, Value};
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 
 /// Whether `path` (its query string ignored) is the configured status path.
 pub fn is_status_path(cfg: &Config, path: &str) -> bool {
@@ -24,7 +23,7 @@ pub fn is_status_path(cfg: &Config, path: &str) -> bool {
 }
 
 /// The answer to a request on the status path: the page for GET and HEAD, 405 otherwise.
-pub fn reply(gate: &Gate, store: &dyn Store, method: &str, accept: Option<&str>) -> LocalReply {
+pub fn reply(gate: &mut Gate, store: &dyn Store, method: &str, accept: Option<&str>) -> LocalReply {
     if !(method.eq_ignore_ascii_case("GET") || method.eq_ignore_ascii_case("HEAD")) {
         return LocalReply::error(
             405,
@@ -141,7 +140,7 @@ fn with_share(
 }
 
 /// The whole page as data; a pod or the line that cannot be read says so in its place.
-fn pool(gate: &Gate, store: &dyn Store) -> Value {
+fn pool(gate: &mut Gate, store: &dyn Store) -> Value {
     let cfg = &gate.config;
     let now = store.now_ms();
     let block = u64::from(gate.router.block_tokens(&cfg.routing));
@@ -186,20 +185,9 @@ fn pool(gate: &Gate, store: &dyn Store) -> Value {
 /// Each base model the pods list, with the mean answer its output prior assumes until kvgate has
 /// learned its lengths (`calibration::prior_output_tokens`: the configured one, or its engines'
 /// where longer). A pod whose list cannot be read adds none.
-fn models(gate: &Gate, store: &dyn Store) -> Vec<Value> {
-    let mut names = BTreeSet::new();
-    for pod in gate.router.pods() {
-        if let Ok(listed) = served::read(store, pod) {
-            names.extend(
-                listed
-                    .models
-                    .into_iter()
-                    .filter(|m| m.parent.as_deref().is_none_or(|base| base == m.id))
-                    .map(|m| m.id),
-            );
-        }
-    }
-    names
+fn models(gate: &mut Gate, store: &dyn Store) -> Vec<Value> {
+    gate.router
+        .base_models(store, &gate.config)
         .iter()
         .map(|m| {
             json!({
@@ -380,8 +368,10 @@ mod tests {
             },
         ];
         for pod in PODS {
-            served::write_list(&vm, pod, &listed, host.now_ms()).unwrap();
+            crate::models::served::write_list(&vm, pod, &listed, host.now_ms()).unwrap();
         }
+        // The page shows the lists as the VM last read them, at most half a second ago.
+        host.advance_ms(1_000);
         let page = |gate: &mut Gate| {
             let Step::Reply(r) = get(gate, &vm, "/kvgate/status", None) else {
                 panic!("the status path is answered locally");

@@ -132,6 +132,11 @@ def test_two_models_whose_names_share_a_slot_each_keep_their_engines_answer_leng
             return all(abs(got.get(n, 0) - m) <= 0.05 * m for n, m in engines.items())
 
         assert wait_for(each_its_own, timeout=10, interval=0.5), (engines, priors())
+        # The same, per model, as a gauge for Prometheus.
+        gauges = {n: f"wasmcustom.kvgate.model.{n.replace('-', '_')}.output_prior_tokens" for n in names}
+        assert wait_for(lambda: all(abs(envoy.stats(g).get(g, 0) - engines[n]) <= 0.05 * engines[n]
+                                    for n, g in gauges.items()), timeout=5), \
+            {n: envoy.stats(g) for n, g in gauges.items()}
         # Each scrape writes only what moved: a second round of one model's answers leaves the
         # other's in place.
         with ThreadPoolExecutor(20) as pool:

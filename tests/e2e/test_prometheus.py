@@ -151,7 +151,7 @@ def test_the_load_exercised_every_outcome(live):
     assert {200, 429, 503} <= codes, f"the load should admit, shed and time out: {sorted(codes)}"
 
 
-def test_prometheus_shows_kvgates_series_with_pods_bands_and_outcomes_as_labels(live):
+def test_prometheus_shows_kvgates_series_with_pods_models_bands_and_outcomes_as_labels(live):
     prom, envoy = live["prom"], live["envoy"]
     stats = envoy.stats("wasmcustom.kvgate")
     # Per pod: one name, the pod as ip:port, agreeing with Envoy's per-pod stats.
@@ -166,8 +166,12 @@ def test_prometheus_shows_kvgates_series_with_pods_bands_and_outcomes_as_labels(
     assert prom.by("kvgate_pod_healthy", "pod")[live["dead"]] == 0
     assert all(prom.by("max_over_time(kvgate_pod_reserved_tokens[5m])", "pod")[p] > 0 for p in live["live"])
     assert set(prom.by("kvgate_pod_scrape_errors", "pod")) == {live["dead"]}, "only the dead pod fails"
-    assert not prom.query('{__name__=~"kvgate_pod_[0-9].*|kvgate_queue_priority_.*|kvgate_admission_shed"}'), \
-        "every per-pod, per-band and outcome name is relabelled"
+    assert not prom.query('{__name__=~"kvgate_pod_[0-9].*|kvgate_model_m_.*|kvgate_queue_priority_.*|kvgate_admission_shed"}'), \
+        "every per-pod, per-model, per-band and outcome name is relabelled"
+    # Per model: the pods' one model, "m" (answers of 96 tokens: the prior stays the configured 256).
+    assert prom.by("kvgate_model_picks", "model") == {"m": stats["wasmcustom.kvgate.model.m.picks"]}
+    assert prom.by("kvgate_model_output_prior_tokens", "model") == {"m": 256}
+    assert set(prom.by("sum by (model) (kvgate_model_output_error_pct_count)", "model")) == {"m"}
     # The line, by band: the default band, the configured batch band, and the rest.
     assert set(prom.by("kvgate_queue_band_length", "priority")) == {"0", "-1", "other"}
     assert list(prom.query("max_over_time(kvgate_queue_length[5m])").values())[0] > 0

@@ -431,12 +431,23 @@ impl Router {
         store: &dyn Store,
         cfg: &Config,
     ) -> Result<Option<String>, Vec<String>> {
-        self.refresh_lists(store, cfg);
-        match self.served.base_models(&self.pods).as_slice() {
-            [] => Ok(None),
-            [one] => Ok(Some((*one).to_string())),
-            several => Err(several.iter().map(|m| (*m).to_string()).collect()),
+        let mut listed = self.base_models(store, cfg);
+        match listed.len() {
+            0 => Ok(None),
+            1 => Ok(listed.pop()),
+            _ => Err(listed),
         }
+    }
+
+    /// The base models (not their adapters) the pods' lists name, sorted: what the status page
+    /// and the per-model gauges report on.
+    pub fn base_models(&mut self, store: &dyn Store, cfg: &Config) -> Vec<String> {
+        self.refresh_lists(store, cfg);
+        self.served
+            .base_models(&self.pods)
+            .into_iter()
+            .map(str::to_string)
+            .collect()
     }
 
     /// The pods a request for `model` may be sent to, as the line's reach (`line::pod_bits`):
