@@ -188,7 +188,7 @@ fn phase_estimate(cfg: &Config, req: &Request) -> Estimate {
         req,
         static_prompt_tokens(&req.text),
         None,
-        cfg.estimator.default_output_tokens,
+        kvgate::estimate::calibration::Prior::configured(&cfg.estimator),
         &cfg.estimator,
     )
 }

@@ -315,6 +315,11 @@ pub struct EstimatorConfig {
     /// measured the model's own (`min_samples` answers): it sizes the forecast's headroom for
     /// prompts, where a fixed multiplier on every prompt would leave that much KV idle.
     pub prompt_spread: f64,
+    /// The relative error (one standard deviation) of `default_output_tokens` as a model's mean
+    /// answer, while nothing has measured it (neither the model's own answers nor its engines'
+    /// count): one error every request forecast on the prior shares, so a pod's forecast pays
+    /// it in proportion to how many such requests it holds (`admission::forecast`).
+    pub output_prior_spread: f64,
     /// A reservation is never smaller than this.
     pub min_reservation_tokens: u64,
     /// A reservation is never larger than this.
@@ -336,6 +341,7 @@ impl Default for EstimatorConfig {
             output_cap_tokens: 8192,
             safety_factor: 1.0,
             prompt_spread: 0.1,
+            output_prior_spread: 0.5,
             min_reservation_tokens: 64,
             max_reservation_tokens: 131_072,
             calibrate: true,
@@ -604,6 +610,9 @@ impl EstimatorConfig {
         }
         if !(0.0..=1.0).contains(&self.prompt_spread) {
             return e("promptSpread", "must be in [0, 1]");
+        }
+        if !(0.0..=2.0).contains(&self.output_prior_spread) {
+            return e("outputPriorSpread", "must be in [0, 2]");
         }
         if self.output_floor_tokens > self.output_cap_tokens {
             return e("outputFloorTokens", "must not exceed outputCapTokens");

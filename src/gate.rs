@@ -220,14 +220,11 @@ impl Gate {
     /// Gauges of the pool, written by the lease holder only so they are not multiplied.
     fn report_pods(&mut self, store: &dyn Store, pods: &[String]) {
         for model in self.router.base_models(store, &self.config) {
-            let prior = crate::estimate::calibration::prior_output_tokens(
-                store,
-                &model,
-                &self.config.estimator,
-            );
+            let prior =
+                crate::estimate::calibration::output_prior(store, &model, &self.config.estimator);
             self.stats.gauge(
                 stats::model_stat(&model, stats::MODEL_OUTPUT_PRIOR_TOKENS),
-                prior,
+                prior.tokens,
             );
         }
         if let Ok(line) = crate::admission::line::read(store) {

@@ -237,7 +237,7 @@ catalog! {
     MODEL_OUTPUT_ERROR_PCT = "output_error_pct";
     /// A gauge, for each base model the pods list: the mean answer a request without an output
     /// limit is expected to run until kvgate has learned the model's lengths
-    /// (`calibration::prior_output_tokens`).
+    /// (`calibration::output_prior`).
     MODEL_OUTPUT_PRIOR_TOKENS = "output_prior_tokens";
 }
 

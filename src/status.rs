@@ -7,7 +7,7 @@
 
 use crate::admission::forecast::Lag;
 use crate::config::Config;
-use crate::estimate::calibration::prior_output_tokens;
+use crate::estimate::calibration::output_prior;
 use crate::gate::Gate;
 use crate::openai::reply::LocalReply;
 use crate::pods::record::{self, At, PodRecord};
@@ -183,7 +183,7 @@ fn pool(gate: &mut Gate, store: &dyn Store) -> Value {
 }
 
 /// Each base model the pods list, with the mean answer its output prior assumes until kvgate has
-/// learned its lengths (`calibration::prior_output_tokens`: the configured one, or its engines'
+/// learned its lengths (`calibration::output_prior`: the configured one, or its engines'
 /// where longer). A pod whose list cannot be read adds none.
 fn models(gate: &mut Gate, store: &dyn Store) -> Vec<Value> {
     gate.router
@@ -192,7 +192,7 @@ fn models(gate: &mut Gate, store: &dyn Store) -> Vec<Value> {
         .map(|m| {
             json!({
                 "model": m,
-                "outputPriorTokens": prior_output_tokens(store, m, &gate.config.estimator),
+                "outputPriorTokens": output_prior(store, m, &gate.config.estimator).tokens,
             })
         })
         .collect()

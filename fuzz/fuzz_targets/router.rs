@@ -98,6 +98,7 @@ fn undiscounted(cfg: &Config, est: &Estimate) -> Load {
         left: est.steps_left(est.choices, 0),
         rate: est.choices,
         bounded: est.bounded,
+        guessed: est.output_guessed,
         streamed: 0,
         ahead: None,
         outlook: est.outlook(est.choices, 0),
@@ -461,9 +462,12 @@ impl World {
                 let mut est = Estimate::exact(u64::from(prompt % 2_000_000), u64::from(output));
                 est.cost = u64::from(cost % (1 << 20));
                 if cost & 1 == 1 {
-                    // Length unknown: the prior's long tail up to the output cap.
+                    // Length unknown: the prior's long tail up to the output cap, a guess
+                    // (its error counted over the pod) half the time.
                     est.output = OutputDist::prior(256);
                     est.max_output_tokens = 8192;
+                    est.bounded = false;
+                    est.output_guessed = cost & 64 == 64;
                 }
                 // Parallel sampling: its choices grow it that many tokens a step.
                 est.choices = 1 + u64::from(cost >> 3) % 4;

@@ -15,6 +15,9 @@
 //! Var(s) = Σ_{left_i ≥ s} (held_i + s + slack)² · p_i (1 − p_i) + σ_i² · p_i
 //! ```
 //!
+//! with, for the requests forecast on the output prior's guess (`Load::guessed`), the guess's
+//! own error added once over all of them (`peak`: it is one error they share).
+//!
 //! A request of several answers (`n`, parallel sampling) runs a sequence for each on its prompt,
 //! which each extends by a token a step and which it holds while any of them runs; its answers
 //! end independently, each with one answer's chance (`Sums` has the terms).
@@ -85,6 +88,8 @@ pub struct Load {
     pub rate: u64,
     /// It set its own output limit (`max_tokens`): its pod keeps `Headroom::bounded` for it.
     pub bounded: bool,
+    /// Its outlook is the output prior's, a guess nothing has measured (`Estimate::output_guessed`).
+    pub guessed: bool,
     /// What of `held` its answers have made so far, over all of them (the rest is its prompt).
     pub streamed: u64,
     /// How far its stream has run past `held`: the tokens its answers made since its entry was
@@ -207,7 +212,23 @@ impl Lag {
 /// `all = H + s·N`. With the requests sorted by limit, each interval is one sweep that drops a
 /// request from the sums once `s` passes its limit: `O(n log n)` per pod, not `O(n²)`, which
 /// matters on the request path for pods running hundreds of sequences.
-pub fn peak(loads: impl Iterator<Item = Load>, z: f64, block: u64, lag: Lag) -> u64 {
+///
+/// `prior_spread` (`estimator.outputPriorSpread`) is the relative error of the output prior's
+/// mean, for the requests whose outlook is that prior's guess (`Load::guessed`): one error they
+/// all share, so it is counted once over the pod, the sum of what each request's mean would move
+/// if the prior's mean were that much longer. Independent errors add in variance and pool
+/// (`√n`); a shared one adds in full (`n`): a pod of one or two such requests keeps about the
+/// headroom it had, a pod of thirty admitted at once (a fresh pool's first wave, before any
+/// answer has ended) is held to what the guess's error could make of them. For an exponential
+/// outlook `p = e^{−s/μ}` the chance moves by `−p·ln p` per unit of `ln μ`, which the outlook's
+/// chance alone gives; a request that runs to its limit (`p` 1) moves by none.
+pub fn peak(
+    loads: impl Iterator<Item = Load>,
+    z: f64,
+    block: u64,
+    lag: Lag,
+    prior_spread: f64,
+) -> u64 {
     let mut loads: Vec<Term> = loads.map(|l| Term::of(&l, block, lag)).collect();
     loads.sort_unstable_by_key(|l| l.left);
     let mut worst: f64 = 0.0;
@@ -215,7 +236,10 @@ pub fn peak(loads: impl Iterator<Item = Load>, z: f64, block: u64, lag: Lag) -> 
         let start = u64::from(start);
         let end = u64::from(HORIZON_STEPS.get(j + 1).copied().unwrap_or(HORIZON_END));
         let first = loads.partition_point(|l| l.left < start);
-        let mut sums = Sums::default();
+        let mut sums = Sums {
+            prior_spread,
+            ..Sums::default()
+        };
         for l in &loads[first..] {
             sums.add(l, j, 1.0);
         }
@@ -265,6 +289,7 @@ struct Term {
     hpk2: f64,
     /// The spread of `held`, squared, and the slack's.
     sigma2: f64,
+    guessed: bool,
     outlook: Outlook,
 }
 
@@ -284,6 +309,7 @@ impl Term {
             rk2: r * k * k,
             hpk2: 2.0 * hp * k,
             sigma2: (l.sigma as f64).powi(2) + slack.variance,
+            guessed: l.guessed,
             outlook: l.outlook,
         }
     }
@@ -311,6 +337,11 @@ struct Sums {
     n: f64,
     v: f64,
     w: f64,
+    /// What the mean moves by per unit of the output prior's `ln μ`, over the requests on its
+    /// guess: its constant and its `s` coefficient; and that guess's relative error.
+    dc: f64,
+    dn: f64,
+    prior_spread: f64,
 }
 
 impl Sums {
@@ -333,6 +364,17 @@ impl Sums {
         self.n += sign * r;
         self.v += sign * t.sigma2 * big_p;
         self.w += sign * t.sigma2;
+        if t.guessed {
+            // `∂p/∂ln μ = −p ln p`; the prompt's chance `P` moves by `r(1 − p)^{r−1}` of it.
+            let d = -p * p.ln();
+            let dp = if r > 1.0 {
+                r * (1.0 - p).powf(r - 1.0)
+            } else {
+                1.0
+            };
+            self.dc += sign * d * (hp * dp + t.rk);
+            self.dn += sign * d * r;
+        }
     }
 
     /// `E + z·σ` at `s` steps ahead, never more than all the requests still able to run would
@@ -342,7 +384,9 @@ impl Sums {
     fn at(&self, s: u64, z: f64) -> f64 {
         let s = s as f64;
         let mean = self.a + s * self.c;
-        let var = (self.q2 + 2.0 * s * self.q1 + s * s * self.q0 + self.v).max(0.0);
+        let shared = self.prior_spread * (self.dc + s * self.dn);
+        let var =
+            (self.q2 + 2.0 * s * self.q1 + s * s * self.q0 + self.v).max(0.0) + shared * shared;
         let all = self.h + s * self.n + z * self.w.max(0.0).sqrt();
         (mean + z * var.sqrt()).min(all).max(0.0)
     }
@@ -363,6 +407,7 @@ mod tests {
             left: max.saturating_sub(streamed),
             rate: 1,
             bounded: false,
+            guessed: false,
             streamed,
             ahead: None,
             outlook: OutputDist::prior(256).outlook(streamed, max),
@@ -373,7 +418,7 @@ mod tests {
     fn requests_that_must_stop_soon_forecast_little_more_than_they_hold() {
         // Ten requests of 300 prompt tokens with max_tokens 20: gone within 32 steps.
         let loads = vec![load(300, 0, 20); 10];
-        let p = peak(loads.iter().copied(), 2.0, 16, Lag::Unseen);
+        let p = peak(loads.iter().copied(), 2.0, 16, Lag::Unseen, 0.0);
         // Each holds 300 and a block and a half more on average (`Slack`), which spreads by
         // √(2 × 16²/12) = 6.5 tokens a request, 21 for ten.
         assert!(p >= 10 * 324, "never below what they hold now: {p}");
@@ -395,13 +440,14 @@ mod tests {
             left: 1000,
             rate: 1,
             bounded: false,
+            guessed: false,
             streamed: 0,
             ahead: None,
             outlook: OutputDist::never_stops().outlook(0, 1000),
         };
         let two = || [running(300), running(300)].into_iter();
         assert_eq!(
-            peak(two(), 2.0, 16, Lag::Unseen),
+            peak(two(), 2.0, 16, Lag::Unseen, 0.0),
             2 * (300 + 1000 + 24) + 19
         );
         // Their streams seen a token behind the engine: each answer counts that token, the one
@@ -409,11 +455,11 @@ mod tests {
         // block, 8: the slack's mean is 8 + 8 + 3. Seen 20 behind (an engine that streams 20
         // tokens a chunk), 8 + 8 + 22.
         assert_eq!(
-            peak(two(), 2.0, 16, Lag::Seen(1)),
+            peak(two(), 2.0, 16, Lag::Seen(1), 0.0),
             2 * (300 + 1000 + 19) + 19
         );
         assert_eq!(
-            peak(two(), 2.0, 16, Lag::Seen(20)),
+            peak(two(), 2.0, 16, Lag::Seen(20), 0.0),
             2 * (300 + 1000 + 38) + 19
         );
         assert_eq!(Lag::most([0, 0].into_iter()), Lag::Unseen);
@@ -435,6 +481,7 @@ mod tests {
             left: 600 - streamed,
             rate: 1,
             bounded: true,
+            guessed: false,
             streamed,
             ahead: Some(ahead),
             outlook: OutputDist::never_stops().outlook(streamed, 600),
@@ -450,8 +497,8 @@ mod tests {
         };
         let lag = Lag::Seen(1);
         for rewritten in [0, 1, 5, 11, 22, 23] {
-            let alone = peak(pod(rewritten).into_iter(), 3.0, 16, lag);
-            let more = peak(pod(rewritten).into_iter().chain([new]), 3.0, 16, lag);
+            let alone = peak(pod(rewritten).into_iter(), 3.0, 16, lag, 0.0);
+            let more = peak(pod(rewritten).into_iter().chain([new]), 3.0, 16, lag, 0.0);
             assert!(alone >= 23 * 43 * 16, "{rewritten} rewritten: {alone}");
             assert!(more > 16_384, "{rewritten} rewritten, and one more: {more}");
         }
@@ -463,7 +510,7 @@ mod tests {
         };
         let at_mean = |rewritten| {
             let loads = pod(rewritten).into_iter().map(unknown).chain([new]);
-            peak(loads, 3.0, 16, lag)
+            peak(loads, 3.0, 16, lag, 0.0)
         };
         assert!(at_mean(1) <= 16_384, "{}", at_mean(1));
         assert!(at_mean(23) > 16_384, "{}", at_mean(23));
@@ -481,6 +528,7 @@ mod tests {
             left: 100,
             rate,
             bounded: false,
+            guessed: false,
             streamed: 0,
             ahead: None,
             outlook: OutputDist::never_stops().outlook(0, 100),
@@ -494,7 +542,8 @@ mod tests {
                 [running(300, 4), running(300, 1)].into_iter(),
                 2.0,
                 16,
-                Lag::Unseen
+                Lag::Unseen,
+                0.0
             ),
             (300 + 400 + 72) + (300 + 100 + 24) + 25
         );
@@ -506,12 +555,13 @@ mod tests {
             left: 8_192,
             rate,
             bounded: false,
+            guessed: false,
             streamed: 0,
             ahead: None,
             outlook: OutputDist::prior(256).outlook(0, 8_192),
         };
-        let one = peak(std::iter::once(unknown(1)), 2.0, 16, Lag::Unseen) - 324;
-        let four = peak(std::iter::once(unknown(4)), 2.0, 16, Lag::Unseen) - 372;
+        let one = peak(std::iter::once(unknown(1)), 2.0, 16, Lag::Unseen, 0.0) - 324;
+        let four = peak(std::iter::once(unknown(4)), 2.0, 16, Lag::Unseen, 0.0) - 372;
         assert!(2 * one < four && four < 4 * one, "{one} {four}");
     }
 
@@ -528,6 +578,7 @@ mod tests {
                 left: 1_000,
                 rate: u64::from(r),
                 bounded: false,
+                guessed: false,
                 streamed: 200,
                 ahead: None,
                 outlook: [chance; HORIZON_STEPS.len()],
@@ -579,25 +630,39 @@ mod tests {
             left: 300 - streamed,
             rate: 1,
             bounded: false,
+            guessed: false,
             streamed: 0,
             ahead: None,
             outlook: bounded.outlook(streamed, 300),
         };
         assert!(HORIZON_STEPS.contains(&91));
         assert_eq!(
-            peak([at(309, 209), at(100, 0)].into_iter(), 2.0, 16, Lag::Unseen),
+            peak(
+                [at(309, 209), at(100, 0)].into_iter(),
+                2.0,
+                16,
+                Lag::Unseen,
+                0.0
+            ),
             (309 + 91 + 24) + (100 + 91 + 24) + 19
         );
     }
 
     #[test]
     fn many_requests_need_less_headroom_each_than_one() {
-        let one = peak([load(300, 0, u64::MAX)].into_iter(), 2.0, 16, Lag::Unseen);
+        let one = peak(
+            [load(300, 0, u64::MAX)].into_iter(),
+            2.0,
+            16,
+            Lag::Unseen,
+            0.0,
+        );
         let many = peak(
             vec![load(300, 0, u64::MAX); 16].into_iter(),
             2.0,
             16,
             Lag::Unseen,
+            0.0,
         );
         assert!(many < 16 * one * 3 / 4, "one {one}, sixteen {many}");
         let bare = peak(
@@ -605,6 +670,7 @@ mod tests {
             0.0,
             16,
             Lag::Unseen,
+            0.0,
         );
         assert!(bare < many, "z adds headroom");
     }
@@ -624,7 +690,7 @@ mod tests {
             ..short
         };
         let held = 15 * (133 + 24);
-        let p = peak(vec![short; 15].into_iter(), 2.5, 16, Lag::Unseen);
+        let p = peak(vec![short; 15].into_iter(), 2.5, 16, Lag::Unseen, 0.0);
         assert!(p >= held, "never below what they hold: {p}");
         assert!(p <= held * 5 / 4, "{p} for {held} held");
     }
@@ -637,18 +703,19 @@ mod tests {
             left: 10,
             rate: 1,
             bounded: false,
+            guessed: false,
             streamed: 0,
             ahead: None,
             outlook: OutputDist::never_stops().outlook(0, 10),
         };
         // (Blocks of no size: no slack to blur the sum.)
-        let known = peak(vec![exact(0); 16].into_iter(), 2.0, 0, Lag::Unseen);
-        let guessed = peak(vec![exact(100); 16].into_iter(), 2.0, 0, Lag::Unseen);
+        let known = peak(vec![exact(0); 16].into_iter(), 2.0, 0, Lag::Unseen, 0.0);
+        let guessed = peak(vec![exact(100); 16].into_iter(), 2.0, 0, Lag::Unseen, 0.0);
         // Sixteen prompts each off by 100 tokens (one σ), independently: the sum is off by
         // 400 (√16 × 100), and two σ of headroom is 800, where a margin on each would be 3,200.
         assert_eq!(guessed - known, 800);
         assert_eq!(
-            peak(vec![exact(100); 16].into_iter(), 0.0, 0, Lag::Unseen),
+            peak(vec![exact(100); 16].into_iter(), 0.0, 0, Lag::Unseen, 0.0),
             known,
             "no headroom: the expectation alone"
         );
@@ -728,6 +795,7 @@ mod tests {
                         left: max - streamed.min(max),
                         rate: 1 + next(3) * next(4),
                         bounded: false,
+                        guessed: false,
                         streamed: next(3) * streamed,
                         ahead: (next(2) == 1).then(|| next(16)),
                         outlook: OutputDist::prior(1 + next(500)).outlook(streamed, max),
@@ -740,7 +808,7 @@ mod tests {
                 0 => (Lag::Unseen, 8.0),
                 l => (Lag::Seen(l * 3), (l * 3 + 2) as f64),
             };
-            let swept = peak(loads.iter().copied(), z, 16, lag) as f64;
+            let swept = peak(loads.iter().copied(), z, 16, lag, 0.0) as f64;
             let defined = peak_by_definition(&loads, z, 16, margin);
             assert!(
                 (swept - defined.ceil()).abs() <= 1.0 + defined * 1e-9,
@@ -751,19 +819,20 @@ mod tests {
 
     #[test]
     fn an_empty_pod_forecasts_nothing() {
-        assert_eq!(peak(std::iter::empty(), 2.0, 16, Lag::Unseen), 0);
+        assert_eq!(peak(std::iter::empty(), 2.0, 16, Lag::Unseen, 0.0), 0);
         let last = Load {
             held: 500,
             sigma: 0,
             left: 0,
             rate: 1,
             bounded: false,
+            guessed: false,
             streamed: 0,
             ahead: None,
             outlook: [255; HORIZON_STEPS.len()],
         };
         assert_eq!(
-            peak([last].into_iter(), 2.0, 16, Lag::Unseen),
+            peak([last].into_iter(), 2.0, 16, Lag::Unseen, 0.0),
             500 + 24 + 14,
             "a request at its limit holds its KV now (and its slack, with two σ of it), and \
              nothing after"
@@ -801,6 +870,7 @@ mod tests {
                             left: 300 - written,
                             rate: 1,
                             bounded: false,
+                            guessed: false,
                             streamed: 0,
                             ahead: None,
                             outlook: bounded.outlook(written, 300),
@@ -809,7 +879,7 @@ mod tests {
                     .collect();
                 (
                     loads.len(),
-                    peak(loads.into_iter(), 0.0, 16, Lag::Unseen) as i64,
+                    peak(loads.into_iter(), 0.0, 16, Lag::Unseen, 0.0) as i64,
                 )
             };
             let t0 = 300 + draw(300.0);
@@ -825,5 +895,74 @@ mod tests {
             assert!(w <= 16 * (n as i64 - 1), "{n} in flight: rose by {w}");
         }
         assert!(worst[3] > 0, "the rise is real: {worst:?}");
+    }
+
+    /// A fresh pool's first wave: requests of 200 prompt tokens admitted on the prior's guess
+    /// (exponential, mean 256) before any answer has ended. The guess's error is theirs
+    /// together: thirty of them are forecast for answers about twice as long as the guess at a
+    /// spread of a half, where one alone keeps most of the headroom it had; an answer that runs
+    /// to its limit has no guess to be wrong about, and a spread of 0 takes the guess as known.
+    #[test]
+    fn a_guess_shared_by_many_requests_is_counted_once_over_them() {
+        let guessed = |on| Load {
+            guessed: on,
+            ..load(200, 0, 8192)
+        };
+        let pod = |n, on, spread| {
+            peak(
+                std::iter::repeat_n(guessed(on), n),
+                2.5,
+                16,
+                Lag::Unseen,
+                spread,
+            ) as f64
+        };
+        let (thirty, one) = (pod(30, false, 0.5), pod(1, false, 0.5));
+        assert_eq!(pod(30, true, 0.0), thirty);
+        let (thirty_guessed, one_guessed) = (pod(30, true, 0.5), pod(1, true, 0.5));
+        assert!(one_guessed <= 1.1 * one, "{one} -> {one_guessed}");
+        assert!(
+            thirty_guessed >= 1.3 * thirty,
+            "{thirty} -> {thirty_guessed}"
+        );
+        // Thirty answers of 512 on average, known to be: the guess at a spread of a half holds
+        // about what they would take.
+        let known = |n| {
+            peak(
+                std::iter::repeat_n(
+                    Load {
+                        outlook: OutputDist::prior(512).outlook(0, 8192),
+                        ..load(200, 0, 8192)
+                    },
+                    n,
+                ),
+                2.5,
+                16,
+                Lag::Unseen,
+                0.0,
+            ) as f64
+        };
+        assert!(
+            thirty_guessed >= 0.9 * known(30),
+            "{thirty_guessed} against {}",
+            known(30)
+        );
+        // Runs to its limit: nothing guessed moves.
+        let bounded = Load {
+            guessed: true,
+            outlook: OutputDist::never_stops().outlook(0, 300),
+            left: 300,
+            ..load(200, 0, 300)
+        };
+        let runs = |spread| {
+            peak(
+                std::iter::repeat_n(bounded, 30),
+                2.5,
+                16,
+                Lag::Unseen,
+                spread,
+            )
+        };
+        assert_eq!(runs(0.5), runs(0.0));
     }
 }

@@ -409,22 +409,51 @@ fn record_key(
     )
 }
 
-/// The mean answer the output prior assumes for a model whose engines label their answers
-/// `engines` (an adapter's are its base model's): `estimator.defaultOutputTokens`, raised to the
-/// engines' own mean once they have finished `minSamples` answers (`engine_lengths`), and no
-/// longer than the output cap (an answer is taken to stop there anyway, and an engine reporting
-/// more, garbage or another model's answers under its name, is held to it). The configured mean
-/// alone without calibration. What estimates use, and what the status page shows.
-pub fn prior_output_tokens(store: &dyn Store, engines: &str, cfg: &EstimatorConfig) -> u64 {
+/// The output prior a model's requests without an output limit are estimated on until its
+/// lengths are learned (`output_prior`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Prior {
+    /// Its mean answer, in tokens.
+    pub tokens: u64,
+    /// Nothing has measured it: it is `estimator.defaultOutputTokens`, a guess, with calibration
+    /// on and the model's engines reporting no lengths. Every request estimated on it shares
+    /// its error (`estimator.outputPriorSpread`, counted by `admission::forecast`). Measured
+    /// when the engines have: their mean, or the configured one where theirs is shorter (then
+    /// the guess errs long). Without calibration the configured mean is the operator's word and
+    /// stands.
+    pub guessed: bool,
+}
+
+impl Prior {
+    /// The configured mean, as calibration on or off takes it.
+    pub fn configured(cfg: &EstimatorConfig) -> Prior {
+        Prior {
+            tokens: cfg.default_output_tokens,
+            guessed: cfg.calibrate,
+        }
+    }
+}
+
+/// The output prior for a model whose engines label their answers `engines` (an adapter's are
+/// its base model's): its mean `estimator.defaultOutputTokens`, raised to the engines' own mean
+/// once they have finished `minSamples` answers (`engine_lengths`), and no longer than the output
+/// cap (an answer is taken to stop there anyway, and an engine reporting more, garbage or another
+/// model's answers under its name, is held to it). The configured mean alone without
+/// calibration. What estimates use, and what the status page and the per-model gauge show.
+pub fn output_prior(store: &dyn Store, engines: &str, cfg: &EstimatorConfig) -> Prior {
     if !cfg.calibrate {
-        return cfg.default_output_tokens;
+        return Prior {
+            guessed: false,
+            ..Prior::configured(cfg)
+        };
     }
     engine_lengths::mean(store, engines, f64::from(cfg.min_samples)).map_or(
-        cfg.default_output_tokens,
-        |mean| {
-            (mean.round() as u64)
+        Prior::configured(cfg),
+        |mean| Prior {
+            tokens: (mean.round() as u64)
                 .min(cfg.output_cap_tokens)
-                .max(cfg.default_output_tokens)
+                .max(cfg.default_output_tokens),
+            guessed: false,
         },
     )
 }
@@ -434,16 +463,16 @@ pub fn prior_output_tokens(store: &dyn Store, engines: &str, cfg: &EstimatorConf
 pub struct Known {
     /// What its answers taught, once it has `minSamples` of them.
     pub learned: Option<Learned>,
-    /// The mean answer its output prior assumes: `estimator.defaultOutputTokens`, or the mean its
-    /// engines report where that is longer (`engine_lengths`).
-    pub prior_output_tokens: u64,
+    /// Its output prior: `estimator.defaultOutputTokens`, or the mean its engines report where
+    /// that is longer (`engine_lengths`).
+    pub prior: Prior,
 }
 
 impl Known {
-    fn prior(prior_output_tokens: u64) -> Known {
+    fn prior(prior: Prior) -> Known {
         Known {
             learned: None,
-            prior_output_tokens,
+            prior,
         }
     }
 }
@@ -516,7 +545,7 @@ impl Calibration {
         cfg: &EstimatorConfig,
     ) -> Known {
         if !cfg.calibrate {
-            return Known::prior(cfg.default_output_tokens);
+            return Known::prior(output_prior(store, engines, cfg));
         }
         let now = store.now_ms();
         if let Some((at, known)) = self.cache.get(record) {
@@ -524,13 +553,10 @@ impl Calibration {
                 return *known;
             }
         }
-        let prior = prior_output_tokens(store, engines, cfg);
+        let prior = output_prior(store, engines, cfg);
         let learned = read_record(store, record)
-            .and_then(|s| s.learned(self.cohorts.get(record), prior, cfg));
-        let known = Known {
-            learned,
-            prior_output_tokens: prior,
-        };
+            .and_then(|s| s.learned(self.cohorts.get(record), prior.tokens, cfg));
+        let known = Known { learned, prior };
         // The cache is bounded like the slots: models beyond them are not worth remembering.
         if self.cache.len() >= SLOTS as usize * 4 {
             self.cache.clear();
@@ -980,7 +1006,8 @@ mod tests {
     /// Engines that have answered a model at 750 tokens on average, before kvgate has seen an
     /// answer: the prior's mean is theirs, for the model and for its adapters (vLLM labels an
     /// adapter's answers with its base model), and stays theirs under what kvgate then learns.
-    /// Engines that report shorter answers than the configured prior leave it as it is.
+    /// Engines that report shorter answers than the configured prior leave it as it is. Only a
+    /// prior nothing measured is a guess (`Prior::guessed`).
     #[test]
     fn the_engines_answers_raise_the_prior_before_the_first_answer() {
         use crate::estimate::engine_lengths::EngineLengths;
@@ -1005,20 +1032,27 @@ mod tests {
         report("m", 750.0);
         report("short", 100.0);
         let mut cal = Calibration::default();
+        let measured = |tokens| Prior {
+            tokens,
+            guessed: false,
+        };
         let known = cal.known(&vm, "m", None, &cfg);
-        assert_eq!((known.learned, known.prior_output_tokens), (None, 750));
+        assert_eq!((known.learned, known.prior), (None, measured(750)));
         let adapter = cal.known(&vm, "m-lora", Some(&family("m")), &cfg);
-        assert_eq!(adapter.prior_output_tokens, 750);
-        assert_eq!(cal.known(&vm, "short", None, &cfg).prior_output_tokens, 256);
+        assert_eq!(adapter.prior, measured(750));
+        assert_eq!(cal.known(&vm, "short", None, &cfg).prior, measured(256));
         assert_eq!(
-            cal.known(&vm, "unreported", None, &cfg).prior_output_tokens,
-            256
+            cal.known(&vm, "unreported", None, &cfg).prior,
+            Prior {
+                tokens: 256,
+                guessed: true
+            }
         );
         // Garbage: answers longer than the output cap are held to it.
         report("absurd", 1e12);
         assert_eq!(
-            cal.known(&vm, "absurd", None, &cfg).prior_output_tokens,
-            cfg.output_cap_tokens
+            cal.known(&vm, "absurd", None, &cfg).prior,
+            measured(cfg.output_cap_tokens)
         );
         // An unbounded request's estimate before anything is learned: the engines' mean.
         let req = crate::openai::request::Request::default();
@@ -1026,10 +1060,11 @@ mod tests {
             &req,
             10.0,
             known.learned,
-            known.prior_output_tokens,
+            known.prior,
             &cfg,
         );
         assert!((740..=760).contains(&e.output_tokens), "{e:?}");
+        assert!(!e.output_guessed);
         // Learned from kvgate's own short answers, the tail past them still fades at 750.
         for _ in 0..50 {
             Calibration::record(&vm, "m", &[sample(100.0, 100, 50)], &cfg).unwrap();
@@ -1043,7 +1078,7 @@ mod tests {
             calibrate: false,
             ..cfg
         };
-        assert_eq!(cal.known(&vm, "m", None, &off).prior_output_tokens, 256);
+        assert_eq!(cal.known(&vm, "m", None, &off).prior, measured(256));
     }
 
     /// A vision model's traffic: text-only chats (the rule says 100 for 120 tokens) and short
@@ -1081,7 +1116,13 @@ mod tests {
             templated: true,
             ..crate::openai::request::Request::default()
         };
-        let e = crate::estimate::reservation::estimate_from(&image, 10.0, Some(learned), 256, &cfg);
+        let e = crate::estimate::reservation::estimate_from(
+            &image,
+            10.0,
+            Some(learned),
+            Prior::configured(&cfg),
+            &cfg,
+        );
         assert!(e.prompt_tokens.abs_diff(1_242) <= 2, "{e:?}");
         // A model no request with parts has taught keeps the configured cost.
         for _ in 0..10 {

@@ -6,7 +6,7 @@
 //! uses the outlook the distribution gives instead.
 
 use crate::config::EstimatorConfig;
-use crate::estimate::calibration::PromptFit;
+use crate::estimate::calibration::{Prior, PromptFit};
 use crate::estimate::output_dist::{Outlook, OutputDist};
 use crate::estimate::text::static_prompt_tokens;
 use crate::openai::request::Request;
@@ -52,6 +52,10 @@ pub struct Estimate {
     pub choices: u64,
     /// The request set its own limit (a max-tokens field).
     pub bounded: bool,
+    /// Without a limit, its outlook is the output prior's and the prior is a guess
+    /// (`calibration::Prior::guessed`): the forecast counts the guess's error, which all such
+    /// requests share, once over the pod's (`admission::forecast`).
+    pub output_guessed: bool,
     /// The answer streams, so its first token is seen when it comes (`routing::router`: until
     /// then its prompt is work its pod still has to do).
     pub streams: bool,
@@ -82,6 +86,7 @@ impl Estimate {
             max_output_tokens: output_tokens,
             choices: 1,
             bounded: true,
+            output_guessed: false,
             streams: false,
             output: OutputDist::never_stops(),
             cost: prompt_tokens + output_tokens,
@@ -123,19 +128,19 @@ pub fn estimate(req: &Request, learned: Option<Learned>, cfg: &EstimatorConfig) 
         req,
         static_prompt_tokens(&req.text),
         learned,
-        cfg.default_output_tokens,
+        Prior::configured(cfg),
         cfg,
     )
 }
 
 /// `estimate` for a caller that already ran the static rule over the request's text (it is the
 /// costliest step for long prompts, and calibration needs its result too), with the output
-/// prior's mean calibration gives (`Known::prior_output_tokens`: the engines' where longer).
+/// prior calibration gives (`Known::prior`: the engines' mean where longer).
 pub fn estimate_from(
     req: &Request,
     static_text_tokens: f64,
     learned: Option<Learned>,
-    prior_output_tokens: u64,
+    prior: Prior,
     cfg: &EstimatorConfig,
 ) -> Estimate {
     let fit = learned.map_or(PromptFit::RULE, |l| {
@@ -161,7 +166,7 @@ pub fn estimate_from(
         (m / choices).min(cfg.output_cap_tokens)
     });
     let output = learned
-        .map_or_else(|| OutputDist::prior(prior_output_tokens), |l| l.output)
+        .map_or_else(|| OutputDist::prior(prior.tokens), |l| l.output)
         .of_request(
             req.max_output_tokens.is_some(),
             req.min_output_tokens / choices,
@@ -186,6 +191,7 @@ pub fn estimate_from(
         max_output_tokens,
         choices,
         bounded: req.max_output_tokens.is_some(),
+        output_guessed: learned.is_none() && prior.guessed && req.max_output_tokens.is_none(),
         streams: req.stream,
         output,
         cost,
@@ -256,6 +262,31 @@ mod tests {
         // A client's limit past the output cap is each answer's, capped each.
         let long = estimate(&n(Some(cfg.output_cap_tokens * 2), 3), learned, &cfg);
         assert_eq!(long.max_output_tokens, 3 * cfg.output_cap_tokens);
+    }
+
+    /// Only a request without a limit, of a model nothing has measured, is on the prior's guess:
+    /// not once the model has learned, nor with a limit (it runs to it), nor on a prior its
+    /// engines measured, nor without calibration (the configured mean is then the operator's).
+    #[test]
+    fn the_output_is_guessed_only_where_nothing_measured_the_prior() {
+        let cfg = EstimatorConfig::default();
+        let on = |r: &Request, learned, prior| estimate_from(r, 10.0, learned, prior, &cfg);
+        let guess = Prior::configured(&cfg);
+        assert!(guess.guessed);
+        let free = req("x", None);
+        assert!(on(&free, None, guess).output_guessed);
+        assert!(!on(&req("x", Some(300)), None, guess).output_guessed);
+        assert!(!on(&free, Some(learned_all(300, 1000.0)), guess).output_guessed);
+        let measured = Prior {
+            tokens: 600,
+            guessed: false,
+        };
+        assert!(!on(&free, None, measured).output_guessed);
+        let off = EstimatorConfig {
+            calibrate: false,
+            ..cfg.clone()
+        };
+        assert!(!Prior::configured(&off).guessed);
     }
 
     #[test]

@@ -644,13 +644,7 @@ impl Flow {
             .calibration
             .known(store, &req.model, family.as_deref(), cfg);
         let static_text_tokens = static_prompt_tokens(&req.text);
-        let mut est = estimate_from(
-            &req,
-            static_text_tokens,
-            known.learned,
-            known.prior_output_tokens,
-            cfg,
-        );
+        let mut est = estimate_from(&req, static_text_tokens, known.learned, known.prior, cfg);
         est.only_on = only_on;
         let r = &gate.config.routing;
         let hashes = block_hashes(

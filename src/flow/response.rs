@@ -152,7 +152,18 @@ impl Flow {
             // would otherwise be forecast from the prior's tail for as long as they run.
             let cfg = &gate.config.estimator;
             if let Some(l) = gate.calibration.learned(store, model, family, cfg) {
-                a.estimate.output = a.estimate.output.relearned(l.output);
+                let est = &mut a.estimate;
+                est.output = est.output.relearned(l.output);
+                // Admitted on the prior's guess: its pod's forecast counts the guess's error for
+                // it (`admission::forecast`) for as long as what is learned says the answers run
+                // longer than the guess. The first lengths learned are the short ones (those
+                // that ended first), so a guess they already pass was short by at least that
+                // much; one they do not pass erred long, or not at all, and is dropped.
+                if est.output_guessed {
+                    let choices = est.choices.max(1);
+                    est.output_guessed = est.output.expected(0, est.max_output_tokens / choices)
+                        > est.output_tokens / choices;
+                }
             }
         }
         let brought = a.made(pieces);
@@ -957,6 +968,32 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
     /// One streamed output token, as the engine sends it.
     const PIECE: &[u8] = b"data: {\"choices\":[{\"text\":\"a\"}]}\n\n";
 
+    /// Teaches model `m`'s shared record `n` answers of `tokens` tokens each (prompts of one),
+    /// streamed as `pieces` pieces each (0: not counted).
+    fn learn(
+        vm: &crate::store::fake_host::FakeVm,
+        cfg: &crate::config::Config,
+        n: usize,
+        tokens: u64,
+        pieces: u64,
+    ) {
+        use crate::estimate::calibration::{Calibration, Sample};
+        let s = Sample {
+            static_text_tokens: 1.0,
+            templated: true,
+            known_tokens: 0,
+            parts: 0,
+            prompt_tokens: 1,
+            completion_tokens: tokens,
+            choices: 1,
+            length: Length::Ended,
+            pieces,
+        };
+        for _ in 0..n {
+            Calibration::record(vm, "m", &[s], &cfg.estimator).unwrap();
+        }
+    }
+
     /// A streaming request for model `m`, sent to the one pod and answering.
     fn streaming(gate: &mut Gate, vm: &crate::store::fake_host::FakeVm) -> Flow {
         let mut f = Flow::default();
@@ -1056,28 +1093,11 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
     /// Lengths learned after a request was admitted reach its outlook as it streams.
     #[test]
     fn an_answers_outlook_follows_the_lengths_learned_while_it_streams() {
-        use crate::estimate::calibration::{Calibration, Sample};
         let mut cfg = crate::test_support::with_pods(&["10.0.0.1:80"]);
         cfg.estimator.min_samples = 5;
         let host = FakeHost::new();
         let vm = host.vm();
-        let learn = |n, tokens| {
-            let s = Sample {
-                static_text_tokens: 1.0,
-                templated: true,
-                known_tokens: 0,
-                parts: 0,
-                prompt_tokens: 1,
-                completion_tokens: tokens,
-                choices: 1,
-                length: Length::Ended,
-                pieces: 0,
-            };
-            for _ in 0..n {
-                Calibration::record(&vm, "m", &[s], &cfg.estimator).unwrap();
-            }
-        };
-        learn(50, 10);
+        learn(&vm, &cfg, 50, 10, 0);
         let mut gate = Gate::new(cfg.clone(), &vm).unwrap();
         let mut f = streaming(&mut gate, &vm);
         let far = |f: &Flow| {
@@ -1090,12 +1110,48 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
         };
         assert!(far(&f) < 0.05, "admitted when every answer was short");
         // Every answer since has run to 3,000 tokens.
-        learn(1_000, 3_000);
+        learn(&vm, &cfg, 1_000, 3_000, 0);
         host.advance_ms(2_000);
         for _ in 0..40 {
             f.on_response_body(&mut gate, &vm, PIECE);
         }
         assert!(far(&f) > 0.5, "{}", far(&f));
+    }
+
+    /// A request admitted before anything measured its model's lengths is on the prior's guess,
+    /// and its entry says so (its pod's forecast counts the guess's error, `admission::forecast`)
+    /// while the lengths learned as it streams run longer than the guess; one admitted after
+    /// never is.
+    #[test]
+    fn an_entry_is_on_the_priors_guess_until_the_lengths_are_learned() {
+        use crate::pods::record;
+        let pod = "10.0.0.1:80";
+        let mut cfg = crate::test_support::with_pods(&[pod]);
+        cfg.estimator.min_samples = 5;
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let mut gate = Gate::new(cfg.clone(), &vm).unwrap();
+        let mut f = streaming(&mut gate, &vm);
+        let guessed = || record::read(&vm, pod).unwrap().entries[0].output_guessed;
+        assert!(guessed());
+        // Learned lengths longer than the guess (256): it was short, and its error still counts.
+        learn(&vm, &cfg, 10, 600, 0);
+        host.advance_ms(2_000);
+        for _ in 0..40 {
+            f.on_response_body(&mut gate, &vm, PIECE);
+        }
+        assert!(guessed(), "a guess the lengths learned pass");
+        // Learned no longer than the guess: it erred long, or not at all.
+        learn(&vm, &cfg, 200, 100, 0);
+        host.advance_ms(2_000);
+        for _ in 0..200 {
+            f.on_response_body(&mut gate, &vm, PIECE);
+        }
+        assert!(!guessed(), "a guess the lengths learned do not pass");
+        f.on_done(&mut gate, &vm);
+        let mut g = streaming(&mut gate, &vm);
+        assert!(!guessed());
+        g.on_done(&mut gate, &vm);
     }
 
     /// A stream that reaches the filter several tokens at once was that far behind its engine:
@@ -1131,27 +1187,13 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
     /// in its entry, and a stream lost without usage is known to have run that far too.
     #[test]
     fn a_streamed_piece_counts_the_tokens_the_model_sends_a_chunk() {
-        use crate::estimate::calibration::{Calibration, Sample};
         use crate::pods::record;
         let pod = "10.0.0.1:80";
         let mut cfg = crate::test_support::with_pods(&[pod]);
         cfg.estimator.min_samples = 5;
         let host = FakeHost::new();
         let vm = host.vm();
-        let s = Sample {
-            static_text_tokens: 1.0,
-            templated: true,
-            known_tokens: 0,
-            parts: 0,
-            prompt_tokens: 1,
-            completion_tokens: 200,
-            choices: 1,
-            length: Length::Ended,
-            pieces: 50,
-        };
-        for _ in 0..10 {
-            Calibration::record(&vm, "m", &[s], &cfg.estimator).unwrap();
-        }
+        learn(&vm, &cfg, 10, 200, 50);
         let mut gate = Gate::new(cfg, &vm).unwrap();
         let mut f = streaming(&mut gate, &vm);
         let held = || record::read(&vm, pod).unwrap().entries[0].held_tokens;

@@ -176,11 +176,13 @@ impl Tally {
 }
 
 /// When a forecast is made (`PodRecord::forecast`): the clock, and the time to live every write
-/// gives an entry (`routing.requestTtlMs`), so that an entry's expiry tells when it was written.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// gives an entry (`routing.requestTtlMs`), so that an entry's expiry tells when it was written;
+/// and the output prior's error for entries on its guess (`estimator.outputPriorSpread`).
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct At {
     pub now_ms: u64,
     pub ttl_ms: u64,
+    pub prior_spread: f64,
 }
 
 impl At {
@@ -190,12 +192,14 @@ impl At {
     pub const UNTIMED: At = At {
         now_ms: 0,
         ttl_ms: 0,
+        prior_spread: 0.0,
     };
 
     pub fn of(cfg: &Config, now_ms: u64) -> At {
         At {
             now_ms,
             ttl_ms: cfg.routing.request_ttl_ms,
+            prior_spread: cfg.estimator.output_prior_spread,
         }
     }
 
@@ -230,6 +234,10 @@ pub struct RequestEntry {
     /// The request set its own output limit (`max_tokens`): the engine's feedback gives up no
     /// headroom on its account (`forecast`).
     pub bounded: bool,
+    /// Its outlook is the output prior's, a guess (`Estimate::output_guessed`): the forecast
+    /// counts the error all such requests share (`forecast`). Kept in the byte that says
+    /// `bounded` (its second bit), which records written before held as 0 or 1: read as not.
+    pub output_guessed: bool,
     /// Decode steps until its own limit stops it, and the chance it is still running at the
     /// start of each of the forecast's intervals (`output_dist`).
     pub left: u32,
@@ -276,7 +284,7 @@ impl RequestEntry {
             .u32(self.left)
             .bytes_raw(&self.outlook)
             .u32(self.held_sigma)
-            .u8(u8::from(self.bounded))
+            .u8(u8::from(self.bounded) | u8::from(self.output_guessed) << 1)
             .u32(self.pending_blocks)
             .u64(self.leans_on)
             .u32(self.shared_blocks)
@@ -308,7 +316,9 @@ impl RequestEntry {
         }
         if layout.spread {
             e.held_sigma = r.u32()?;
-            e.bounded = r.u8()? != 0;
+            let kind = r.u8()?;
+            e.bounded = kind & 1 != 0;
+            e.output_guessed = kind & 2 != 0;
         }
         if layout.pending {
             e.pending_blocks = r.u32()?;
@@ -476,13 +486,14 @@ impl PodRecord {
                 left: u64::from(e.left),
                 rate: u64::from(e.choices.max(1)),
                 bounded: e.bounded,
+                guessed: e.output_guessed,
                 // Streamed to its last block boundary (what `grow` writes at).
                 streamed: u64::from(e.output_blocks) * block_tokens,
                 ahead: at.ahead(e, pace, block_tokens),
                 outlook: e.outlook,
             })
             .chain(extra);
-        peak(loads, z, block_tokens, lag)
+        peak(loads, z, block_tokens, lag, at.prior_spread)
     }
 
     /// Scraped within `stale_after_ms`: its figures are recent enough to route on. A pod never
@@ -1096,6 +1107,7 @@ mod tests {
             left: 1024,
             rate: 1,
             bounded,
+            guessed: false,
             streamed: 0,
             ahead: None,
             outlook,
@@ -1258,6 +1270,7 @@ mod tests {
                     outlook: std::array::from_fn(|i| 255 - i as u8),
                     held_sigma: 7,
                     bounded: true,
+                    output_guessed: true,
                     pending_blocks: 9,
                     leans_on: 1,
                     shared_blocks: 3,

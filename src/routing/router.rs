@@ -798,6 +798,7 @@ impl Router {
                 held_tokens: alone.held,
                 held_sigma: u32::try_from(alone.sigma).unwrap_or(u32::MAX),
                 bounded: est.bounded,
+                output_guessed: est.output_guessed,
                 left: u32::try_from(sharing.left).unwrap_or(u32::MAX),
                 outlook: sharing.outlook,
                 prompt_blocks: prompt_blocks as u32,
@@ -1006,6 +1007,7 @@ impl Router {
             e.left = u32::try_from(left).unwrap_or(u32::MAX);
             e.choices = u16::try_from(running).unwrap_or(u16::MAX);
             e.outlook = outlook;
+            e.output_guessed = est.output_guessed;
             e.lag = routed.lag;
         })
     }

@@ -276,6 +276,31 @@ def test_without_max_tokens_preemptions_are_a_sliver_of_round_robins():
     assert out["kvgate"]["output_per_s"] >= 0.7 * out["round_robin"]["output_per_s"], out
 
 
+def test_a_fresh_pools_first_wave_is_held_to_what_a_wrong_guess_would_take():
+    """A fresh pool (nothing learned, engines that have answered nothing) and 96 clients at once,
+    without max_tokens, whose answers run 800 tokens on average: the first wave is admitted on the
+    output prior's guess, 256, before any answer has ended. Taken as known
+    (`estimator.outputPriorSpread` 0), the wave is sized for answers a third as long and the
+    engines preempt; with the guess's error counted once over the requests admitted on it (0.5,
+    the default) and kept while the lengths learned pass the guess, they preempt far less.
+    Measured (2026-12-02, seven runs): 15–52 preemptions against 2–13, fewer in every run. Each
+    arm on fresh pods."""
+    out = {}
+    for spread in (0.0, 0.5):
+        cfg = default_plugin_config()
+        cfg["estimator"] = dict(cfg.get("estimator", {}), outputPriorSpread=spread)
+        with Sim(pods=2, args=["--time-scale", "10", "--num-gpu-blocks", "512", "--output-len-mean", "800"]) as sim, \
+                kvgate_envoy(sim.endpoints, cfg, concurrency=2) as envoy:
+            with ThreadPoolExecutor(96) as pool:
+                answers = list(pool.map(
+                    lambda i: stream(envoy.port, "/v1/chat/completions", unshared_chat(i, None, 60)), range(96)))
+            assert all(a["status"] == 200 for a in answers), [a["status"] for a in answers if a["status"] != 200]
+            out[spread] = preemptions(sim)
+    print("first wave of long answers, preemptions by the guess's spread:", out)
+    assert out[0.0] >= 10, out
+    assert out[0.5] < out[0.0], out
+
+
 def test_short_answers_fill_the_pod():
     """Prompts of about 100 tokens and answers of 32 on average (no max_tokens) on pods of the same
     size, at the simulator's own pace: each request is its prompt and little more, so a pod runs a

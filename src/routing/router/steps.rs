@@ -104,6 +104,7 @@ pub(super) fn charges(
             left: est.steps_left(est.choices, 0),
             rate: est.choices,
             bounded: est.bounded,
+            guessed: est.output_guessed,
             streamed: 0,
             ahead: None,
             outlook,
