@@ -105,6 +105,10 @@ fn pod(
         },
         "activeBlocks": rec.active_blocks(block_tokens),
         "inFlight": rec.entries.len(),
+        // Of those, the requests forecast on the output prior's guess, whose shared error the
+        // forecast counts once over them (docs/design.md, *A guess's error is shared*): a fresh
+        // pool's first wave, until the lengths learned say the guess was not short.
+        "onGuess": rec.entries.iter().filter(|e| e.output_guessed).count(),
         "waiting": snapshot.map(|s| s.waiting),
         "running": snapshot.map(|s| s.running),
         "kvUsage": snapshot.map(|s| s.kv_usage),
@@ -349,6 +353,25 @@ mod tests {
         Flow::default().on_request_headers(gate, vm, &head).step
     }
 
+    /// A request without `max_tokens` of a model nothing has measured is on the prior's guess,
+    /// and its pod shows it.
+    #[test]
+    fn the_page_counts_the_requests_on_the_priors_guess() {
+        let (_host, vm, mut gate) = pool_with_one_request();
+        let mut flow = Flow::default();
+        let head = RequestHead::json_post("/v1/completions");
+        flow.on_request_headers(&mut gate, &vm, &head);
+        let body = br#"{"model":"m","prompt":"a prompt of a few words"}"#;
+        assert_eq!(flow.on_body(&mut gate, &vm, body).step, Step::Forward);
+        let Step::Reply(r) = get(&mut gate, &vm, "/kvgate/status", None) else {
+            panic!("the status path is answered locally");
+        };
+        let page: Value = serde_json::from_slice(&r.body).unwrap();
+        let pods = page["pods"].as_array().unwrap();
+        let count = |key: &str| pods.iter().map(|p| p[key].as_u64().unwrap()).sum::<u64>();
+        assert_eq!((count("inFlight"), count("onGuess")), (2, 1), "{pods:?}");
+    }
+
     /// The pods list one base model (and an adapter of it), whose engines report answers of 700
     /// tokens on average: the page shows the prior kvgate assumes for it, theirs.
     #[test]
@@ -419,6 +442,10 @@ mod tests {
             .expect("the request is in flight on one pod");
         let reserved = busy["reservedTokens"].as_u64().unwrap();
         assert!(reserved >= 64, "at least the minimum reservation: {busy}");
+        assert_eq!(
+            busy["onGuess"], 0,
+            "a request with max_tokens runs to it: {busy}"
+        );
         assert!(busy["activeBlocks"].as_u64().unwrap() > 0, "{busy}");
         assert_eq!(busy["budgetTokens"], 10_000);
         let scraped = pods.iter().find(|p| p["pod"] == PODS[0]).unwrap();
