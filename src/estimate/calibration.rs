@@ -26,7 +26,7 @@ use crate::estimate::cohort::Cohort;
 use crate::estimate::engine_lengths;
 use crate::estimate::output_dist::{bucket, OutputDist, BUCKETS};
 use crate::estimate::reservation::Learned;
-use crate::estimate::slots::{self, IDLE_MS, SLOTS};
+use crate::estimate::slots::{self, Held, IDLE_MS, SLOTS};
 use crate::store::interface::{update_from, Store, StoreError, Versioned};
 use hashbrown::HashMap;
 use serde::{Deserialize, Serialize};
@@ -399,14 +399,14 @@ fn record_key(
     model: &str,
     now: u64,
 ) -> Result<Option<(String, Versioned)>, StoreError> {
-    let owner = |bytes: &[u8]| serde_json::from_slice::<ModelStats>(bytes).ok();
-    slots::place(
-        store,
-        slot_prefix(model),
-        crate::hash::fnv1a(model.as_bytes()),
-        |bytes| owner(bytes).is_some_and(|s| s.model == model),
-        |bytes| owner(bytes).is_none_or(|s| now.saturating_sub(s.updated_ms) >= IDLE_MS),
-    )
+    let hash = crate::hash::fnv1a(model.as_bytes());
+    slots::place(store, slot_prefix(model), hash, |bytes| {
+        match serde_json::from_slice::<ModelStats>(bytes).ok() {
+            Some(s) if s.model == model => Held::Mine,
+            Some(s) if now.saturating_sub(s.updated_ms) < IDLE_MS => Held::Other,
+            _ => Held::Free,
+        }
+    })
 }
 
 /// The output prior a model's requests without an output limit are estimated on until its
@@ -442,10 +442,7 @@ impl Prior {
 /// calibration. What estimates use, and what the status page and the per-model gauge show.
 pub fn output_prior(store: &dyn Store, engines: &str, cfg: &EstimatorConfig) -> Prior {
     if !cfg.calibrate {
-        return Prior {
-            guessed: false,
-            ..Prior::configured(cfg)
-        };
+        return Prior::configured(cfg);
     }
     engine_lengths::mean(store, engines, f64::from(cfg.min_samples)).map_or(
         Prior::configured(cfg),

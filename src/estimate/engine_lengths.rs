@@ -20,7 +20,7 @@
 //! the model runs long is right at least that far, one that says it runs short may only say
 //! that the clients' limits were short, and a prior too short is what preempts.
 
-use crate::estimate::slots::{self, IDLE_MS};
+use crate::estimate::slots::{self, Held, IDLE_MS};
 use crate::pods::metrics::AnswerTotals;
 use crate::store::codec::{Reader, Writer};
 use crate::store::interface::{update_from, Store, StoreError};
@@ -90,11 +90,12 @@ impl EngineLengths {
             return Ok(());
         }
         let model = totals.model;
-        let mine = |bytes: &[u8]| Pooled::decode(bytes).is_some_and(|p| p.model == model);
-        let free = |bytes: &[u8]| {
-            Pooled::decode(bytes).is_none_or(|p| now.saturating_sub(p.written_ms) >= IDLE_MS)
+        let held = |bytes: &[u8]| match Pooled::decode(bytes) {
+            Some(p) if p.model == model => Held::Mine,
+            Some(p) if now.saturating_sub(p.written_ms) < IDLE_MS => Held::Other,
+            _ => Held::Free,
         };
-        let Some((key, seen)) = slots::place(store, KEY_PREFIX, model, mine, free)? else {
+        let Some((key, seen)) = slots::place(store, KEY_PREFIX, model, held)? else {
             return Ok(());
         };
         let value = Pooled {
@@ -107,7 +108,7 @@ impl EngineLengths {
         // Checked again on the value written over: the slot may have been given since.
         let wrote = update_from(store, &key, Some(seen), |current| {
             current
-                .is_none_or(|b| mine(b) || free(b))
+                .is_none_or(|b| held(b) != Held::Other)
                 .then(|| (value.clone(), ()))
         })?;
         if wrote.is_some() {

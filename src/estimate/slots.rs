@@ -47,16 +47,26 @@ pub fn find<T>(
     None
 }
 
-/// The key the record of name hash `hash` is in (`mine` accepts its value), or else the one to
-/// put it in: the first never written, or whose value is `free` (another model's, left idle, or
-/// unreadable); with the key as read, for the write's compare-and-swap (`update_from`). `None`
-/// when every one of its keys holds another model's record in use.
+/// What a slot's value is to the model looking for its own (`place`, and the write's check).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Held {
+    /// Its own record.
+    Mine,
+    /// Another model's record, in use.
+    Other,
+    /// Another model's left idle, or unreadable: free to take.
+    Free,
+}
+
+/// The key the record of name hash `hash` is in (`held` says `Mine` of its value), or else the
+/// one to put it in: the first never written, or `Free`; with the key as read, for the write's
+/// compare-and-swap (`update_from`). `None` when every one of its keys holds another model's
+/// record in use.
 pub fn place(
     store: &dyn Store,
     prefix: &str,
     hash: u64,
-    mine: impl Fn(&[u8]) -> bool,
-    free: impl Fn(&[u8]) -> bool,
+    held: impl Fn(&[u8]) -> Held,
 ) -> Result<Option<(String, Versioned)>, StoreError> {
     let mut first_free = None;
     for key in keys(prefix, hash) {
@@ -64,11 +74,10 @@ pub fn place(
         let Some(bytes) = &read.value else {
             return Ok(first_free.or(Some((key, read))));
         };
-        if mine(bytes) {
-            return Ok(Some((key, read)));
-        }
-        if first_free.is_none() && free(bytes) {
-            first_free = Some((key, read));
+        match held(bytes) {
+            Held::Mine => return Ok(Some((key, read))),
+            Held::Free if first_free.is_none() => first_free = Some((key, read)),
+            _ => {}
         }
     }
     Ok(first_free)
@@ -92,13 +101,15 @@ mod tests {
         Some(u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?))
     }
     fn put(store: &dyn Store, hash: u64, busy: bool) -> Option<String> {
-        let key = place(
-            store,
-            "t.",
-            hash,
-            |b| owner(b) == Some(hash),
-            |b| b.get(8) != Some(&1),
-        )
+        let key = place(store, "t.", hash, |b| {
+            if owner(b) == Some(hash) {
+                Held::Mine
+            } else if b.get(8) == Some(&1) {
+                Held::Other
+            } else {
+                Held::Free
+            }
+        })
         .ok()??
         .0;
         store.set(&key, &value(hash, busy), None).ok()?;
