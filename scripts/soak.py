@@ -34,9 +34,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests/e2e"))
 
+from bodies import MODEL  # noqa: E402
 from harness import Sim, default_plugin_config, kvgate_envoy, request  # noqa: E402
-from robustness import (MODEL, abort_after, abort_stream, assert_vm_alive, bad_log_lines, drained,  # noqa: E402
-                            pool, rss_kib, vm_stats, wasm_memories)
+from robustness import (abort_after, abort_stream, assert_vm_alive, bad_log_lines, drained,  # noqa: E402
+                        pool, rss_kib, vm_stats, wasm_memories)
 
 MIX = [  # (kind, weight)
     ("session_stream", 22), ("group_chat", 18), ("unique_stream", 14), ("unique_completion", 12),
