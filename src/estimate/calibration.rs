@@ -26,7 +26,7 @@ use crate::estimate::cohort::Cohort;
 use crate::estimate::engine_lengths;
 use crate::estimate::output_dist::{bucket, OutputDist, BUCKETS};
 use crate::estimate::reservation::Learned;
-use crate::estimate::slots::{self, Held, IDLE_MS, SLOTS};
+use crate::estimate::slots::{self, Held, SLOTS};
 use crate::store::interface::{update_from, Store, StoreError, Versioned};
 use hashbrown::HashMap;
 use serde::{Deserialize, Serialize};
@@ -401,11 +401,8 @@ fn record_key(
 ) -> Result<Option<(String, Versioned)>, StoreError> {
     let hash = crate::hash::fnv1a(model.as_bytes());
     slots::place(store, slot_prefix(model), hash, |bytes| {
-        match serde_json::from_slice::<ModelStats>(bytes).ok() {
-            Some(s) if s.model == model => Held::Mine,
-            Some(s) if now.saturating_sub(s.updated_ms) < IDLE_MS => Held::Other,
-            _ => Held::Free,
-        }
+        let stats = serde_json::from_slice::<ModelStats>(bytes).ok();
+        Held::of(stats.map(|s| (s.model == model, s.updated_ms)), now)
     })
 }
 
@@ -671,9 +668,13 @@ impl Calibration {
         // Checked again on the value written over: another VM may have put a model there since.
         update_from(store, &key, Some(seen), |current| {
             let existing = current.and_then(|b| serde_json::from_slice::<ModelStats>(b).ok());
-            let mut stats = match existing {
-                Some(s) if s.model == model => s,
-                Some(s) if now.saturating_sub(s.updated_ms) < IDLE_MS => return None,
+            let held = Held::of(
+                existing.as_ref().map(|s| (s.model == model, s.updated_ms)),
+                now,
+            );
+            let mut stats = match (held, existing) {
+                (Held::Mine, Some(s)) => s,
+                (Held::Other, _) => return None,
                 _ => ModelStats::new(model),
             };
             stats.output.resize(BUCKETS, 0.0);
@@ -1173,7 +1174,7 @@ mod tests {
         let (la, lb) = (learned(&a), learned(&b));
         assert!(la.is_some() && lb.is_some() && la != lb, "{la:?} {lb:?}");
         // Long after, `a` has learned nothing more; `b` has, and `c` takes `a`'s slot.
-        host.advance_ms(IDLE_MS - 1);
+        host.advance_ms(slots::IDLE_MS - 1);
         Calibration::record(&vm, &b, &[sample(10.0, 30, 7)], &cfg).unwrap();
         host.advance_ms(1);
         Calibration::record(&vm, &c, &[sample(10.0, 20, 5)], &cfg).unwrap();

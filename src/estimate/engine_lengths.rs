@@ -20,7 +20,7 @@
 //! the model runs long is right at least that far, one that says it runs short may only say
 //! that the clients' limits were short, and a prior too short is what preempts.
 
-use crate::estimate::slots::{self, Held, IDLE_MS};
+use crate::estimate::slots::{self, Held};
 use crate::pods::metrics::AnswerTotals;
 use crate::store::codec::{Reader, Writer};
 use crate::store::interface::{update_from, Store, StoreError};
@@ -90,10 +90,11 @@ impl EngineLengths {
             return Ok(());
         }
         let model = totals.model;
-        let held = |bytes: &[u8]| match Pooled::decode(bytes) {
-            Some(p) if p.model == model => Held::Mine,
-            Some(p) if now.saturating_sub(p.written_ms) < IDLE_MS => Held::Other,
-            _ => Held::Free,
+        let held = |bytes: &[u8]| {
+            Held::of(
+                Pooled::decode(bytes).map(|p| (p.model == model, p.written_ms)),
+                now,
+            )
         };
         let Some((key, seen)) = slots::place(store, KEY_PREFIX, model, held)? else {
             return Ok(());
@@ -252,7 +253,7 @@ mod tests {
             .unwrap();
         assert_eq!(mean(&vm, "m", 10.0), None);
         // Long after, one of them has finished nothing more, and its slot is taken.
-        host.advance_ms(IDLE_MS);
+        host.advance_ms(slots::IDLE_MS);
         lengths
             .note(&vm, "a:1", totals("m", 3_000.0, 30.0), host.now_ms())
             .unwrap();

@@ -58,6 +58,19 @@ pub enum Held {
     Free,
 }
 
+impl Held {
+    /// A value's standing to the model looking, from what its owner's decoding says of it:
+    /// `None` when it does not decode; else whether it is the looker's own, and when its model
+    /// last wrote it (another model's left `IDLE_MS` ago is free).
+    pub fn of(read: Option<(bool, u64)>, now: u64) -> Held {
+        match read {
+            Some((true, _)) => Held::Mine,
+            Some((false, written_ms)) if now.saturating_sub(written_ms) < IDLE_MS => Held::Other,
+            _ => Held::Free,
+        }
+    }
+}
+
 /// The key the record of name hash `hash` is in (`held` says `Mine` of its value), or else the
 /// one to put it in: the first never written, or `Free`; with the key as read, for the write's
 /// compare-and-swap (`update_from`). `None` when every one of its keys holds another model's
