@@ -20,10 +20,11 @@ const LEASE_MS: u64 = 1_500;
 /// The root context's tick: lease renewal, scrapes and discovery fall due on it.
 pub const TICK_MS: u64 = 250;
 /// The tick while requests wait for the first discovery (`Router::discovering`), so that the
-/// pool is known a few milliseconds after the gateway starts, not a whole tick later; and while
-/// the head of the line waits for room where its prefix is cached, so that it goes elsewhere as
-/// its `admission.cacheWaitMs` ends even when no release wakes the line. Only the first case
-/// runs the periodic work at this pace (`Gate::on_tick`).
+/// pool is known a few milliseconds after the gateway starts, not a whole tick later, or for a
+/// pod's first model list (`Router::awaits_lists`); and while the head of the line waits for
+/// room where its prefix is cached, so that it goes elsewhere as its `admission.cacheWaitMs` ends
+/// even when no release wakes the line. Only the first two run the periodic work at this pace
+/// (`Gate::on_tick`).
 pub const QUICK_TICK_MS: u64 = 20;
 
 /// Per-VM state: the parsed config, the router's replicas, caches of shared data, the scraper
@@ -92,6 +93,7 @@ impl Gate {
         // its pace, on the tick nearest to it.
         let half_period = self.asked_tick_ms.unwrap_or(TICK_MS) / 2;
         if !self.router.awaits_pool(&self.config, now)
+            && !self.router.awaits_lists(now)
             && self
                 .upkept_ms
                 .is_some_and(|t| now + half_period < t + TICK_MS)
@@ -348,15 +350,16 @@ impl Gate {
     }
 
     /// The tick this VM wants now: short while no pod is known and the first discovery is
-    /// awaited, while the head of the line waits for its prefix's pods or a pick lost its races
-    /// on shared data (`Admission::runs_again_soon`), while a request waits
-    /// for another replica's note, or while an answer that does not stream is in flight (its
+    /// awaited, or a pod's first model list, while the head of the line waits for its prefix's
+    /// pods or a pick lost its races on shared data (`Admission::runs_again_soon`), while a
+    /// request waits for another replica's note, or while an answer that does not stream is in flight (its
     /// entry grows on the tick, at its pod's pace: every 250 ms, a pool of such answers ran a
     /// tick's tokens of each past its records, and preempted 26–43 times in 20 s where round
     /// robin did 1,029, 2 at the quick tick); otherwise `TICK_MS`.
     pub(crate) fn tick_ms(&self, store: &dyn Store) -> u64 {
         let now = store.now_ms();
         if self.router.awaits_pool(&self.config, now)
+            || self.router.awaits_lists(now)
             || self.admission.runs_again_soon()
             || self.seeking_until_ms.is_some_and(|until| now <= until)
             || self.unseen_answers > 0

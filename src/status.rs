@@ -331,6 +331,7 @@ mod tests {
             ..Snapshot::default()
         };
         record::write_snapshot(&vm, PODS[0], snapshot, 0, &Config::default()).unwrap();
+        crate::test_support::lists_failed(&vm, &PODS);
         host.set_now_ms(11_500);
         let mut flow = Flow::default();
         let head = RequestHead::json_post("/v1/completions");

@@ -16,6 +16,16 @@ pub fn with_pods(pods: &[&str]) -> Config {
     }
 }
 
+/// Records that each of `pods`' model lists failed to fetch, for a test that scrapes
+/// (`metrics.cluster` set) but is not about lists: each pod serves every model, and no request
+/// waits for its first list (`models::served`).
+pub fn lists_failed(store: &dyn Store, pods: &[&str]) {
+    for pod in pods {
+        let written = crate::models::served::write_failure(store, pod, 0);
+        assert!(written.is_ok(), "{written:?}");
+    }
+}
+
 /// The block hashes of a prompt of `n` blocks in prefix group `group`: prompts of one group
 /// share their leading blocks, of different groups none.
 pub fn prompt_blocks(group: u64, n: u64) -> Vec<u64> {

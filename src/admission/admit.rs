@@ -269,6 +269,7 @@ impl Admission {
         // lower-ordered newcomer (per-pod precedence, `QueueRecord::leaders`).
         let mut patient_until_ms = None;
         let mut contended = false;
+        let mut learning = false;
         let free = line.free_for(&ticket);
         if free != 0 {
             let est = &Estimate {
@@ -316,12 +317,12 @@ impl Admission {
                 }
                 // It waits for room anywhere; first where it would go.
                 Placement::NoRoom(belongs) => ticket.wants = wanted(cfg, &belongs),
-                Placement::Discovering => {}
+                Placement::Discovering => learning = true,
             }
         }
-        // While the pool is being discovered nothing is saturated, nor when the pick only lost
-        // its races: a sheddable request waits too.
-        if class.priority < 0 && !contended && !router.discovering(store, cfg) {
+        // While the pool or its model lists are being learned nothing is saturated, nor when the
+        // pick only lost its races: a sheddable request waits too.
+        if class.priority < 0 && !contended && !learning && !router.discovering(store, cfg) {
             stats.count(stats::ADMISSION_SHED, 1);
             return Ok(shed(
                 "the pool is saturated and this request's priority is sheddable",

@@ -767,6 +767,7 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
         let vm = host.vm();
         let mut cfg = crate::test_support::with_pods(&pods);
         cfg.metrics.cluster = "kvgate_metrics".into();
+        crate::test_support::lists_failed(&vm, &pods);
         let mut gate = Gate::new(cfg, &vm).unwrap();
         let follow_up = |gate: &mut Gate, previous: &str| streamed_follow_up(gate, &vm, previous);
         let asked = |f: &mut Flow| -> Vec<String> {

@@ -7,6 +7,14 @@
 //! at human speed and the adapter state is scraped once a second, so reading them per request
 //! would only add host calls. A pod never listed serves everything (as before model scraping); a
 //! list that fails to fetch or parse leaves the last one in place.
+//!
+//! A pod's first list is awaited, not guessed at: from the moment a VM first sees a pod until its
+//! list is answered (or fails, or `scrape::first_list_ms` passes), a request for a model no list
+//! names waits (`ServedView::awaits_list`), and the view is read again at the quick pace, not
+//! `VIEW_CACHE_MS` later. Taken to serve everything in that window, a gateway started under load
+//! with two models' pods sent one model's requests to the other's engines, which answered 404
+//! (an e2e run of 2026-12-02: 180 of 192 requests in the half second a view read before the lists
+//! landed was kept).
 
 use crate::hash::fnv1a;
 use crate::store::codec::{Reader, Writer};
@@ -16,6 +24,9 @@ use serde::Deserialize;
 
 const VERSION: u8 = 1;
 const VIEW_CACHE_MS: u64 = 500;
+/// How long a view is kept while a pod's first list is still unanswered: waiting requests go once
+/// it lands, within the quick tick that retries them (`gate::QUICK_TICK_MS`).
+const AWAITING_CACHE_MS: u64 = crate::gate::QUICK_TICK_MS;
 /// Entries of one pod's model list kept at most: a pod serving more is misconfigured or hostile,
 /// and the record must stay small enough to read on every refresh.
 pub const MAX_MODELS: usize = 1024;
@@ -51,6 +62,9 @@ pub struct LoraState {
 pub struct Served {
     /// When the list was last fetched; `None` before the first success.
     pub listed_ms: Option<u64>,
+    /// When fetching the list last failed; `None` if it never did. A pod never listed whose list
+    /// failed is not waited for (`ServedView::awaits_list`).
+    pub failed_ms: Option<u64>,
     pub models: Vec<ServedModel>,
     pub lora: Option<LoraState>,
 }
@@ -62,6 +76,11 @@ pub fn adapter_id(name: &str) -> u64 {
 }
 
 impl Served {
+    /// Whether its list has neither arrived nor failed yet: it may still come.
+    fn unanswered(&self) -> bool {
+        self.listed_ms.is_none() && self.failed_ms.is_none()
+    }
+
     pub fn serves(&self, model: &str) -> bool {
         self.models.iter().any(|m| m.id == model)
     }
@@ -104,10 +123,12 @@ impl Served {
                 w.u8(0);
             }
         }
+        w.u64(self.failed_ms.map_or(0, |t| t.max(1)));
         w.0
     }
 
-    /// A corrupt or foreign record reads as a pod never listed.
+    /// A corrupt or foreign record reads as a pod never listed; one written before `failed_ms`
+    /// was kept (a module loaded over an older one, in the same shared data) as never failed.
     pub fn decode(bytes: &[u8]) -> Option<Served> {
         let mut r = Reader(bytes);
         if r.u8()? != VERSION {
@@ -136,8 +157,10 @@ impl Served {
                 })
             }
         };
+        let failed = r.u64().unwrap_or(0);
         Some(Served {
             listed_ms: (listed > 0).then_some(listed),
+            failed_ms: (failed > 0).then_some(failed),
             models,
             lora,
         })
@@ -166,17 +189,27 @@ fn modify(
     )
 }
 
-/// Records a freshly fetched model list.
+/// Records a freshly fetched model list; returns whether it is the pod's first (requests may be
+/// waiting for it).
 pub fn write_list(
     store: &dyn Store,
     pod: &str,
     models: &[ServedModel],
     now: u64,
-) -> Result<(), StoreError> {
+) -> Result<bool, StoreError> {
+    let mut first = false;
     modify(store, pod, |s| {
+        first = s.listed_ms.is_none();
         s.listed_ms = Some(now);
         s.models = models.to_vec();
-    })
+    })?;
+    Ok(first)
+}
+
+/// Records that fetching the pod's list failed (an error status, no answer, a body that is no
+/// list): a pod never listed is then taken to serve everything instead of being waited for.
+pub fn write_failure(store: &dyn Store, pod: &str, now: u64) -> Result<(), StoreError> {
+    modify(store, pod, |s| s.failed_ms = Some(now))
 }
 
 /// Records the adapter state of a metrics scrape.
@@ -250,6 +283,11 @@ pub fn adapter_ids(label: &str) -> Vec<u64> {
 #[derive(Default)]
 pub struct ServedView {
     pods: HashMap<String, Served>,
+    /// When this view first had each pod: its first list is awaited for `wait_ms` from then.
+    since: HashMap<String, u64>,
+    /// How long a pod's first list is awaited (`scrape::first_list_ms`; 0 while lists are not
+    /// fetched).
+    wait_ms: u64,
     read_ms: Option<u64>,
     memo: Memo,
 }
@@ -280,23 +318,73 @@ struct Standing {
 }
 
 impl ServedView {
-    /// Re-reads the records of `pods` when the copy is older than `VIEW_CACHE_MS`. A record that
-    /// cannot be read keeps its cached copy.
+    /// Sets how long a pod's first list is awaited (`scrape::first_list_ms`).
+    pub fn set_wait(&mut self, wait_ms: u64) {
+        self.wait_ms = wait_ms;
+    }
+
+    /// Re-reads the records of `pods` when the copy is older than `VIEW_CACHE_MS`, or than
+    /// `AWAITING_CACHE_MS` while a pod's first list may still come. A record that cannot be read
+    /// keeps its cached copy.
     pub fn refresh(&mut self, store: &dyn Store, pods: &[String], now: u64) {
-        if self
-            .read_ms
-            .is_some_and(|t| now.saturating_sub(t) < VIEW_CACHE_MS)
-        {
+        let keep = if self.wait_ms > 0 && pods.iter().any(|p| self.unanswered(p)) {
+            AWAITING_CACHE_MS
+        } else {
+            VIEW_CACHE_MS
+        };
+        if self.read_ms.is_some_and(|t| now.saturating_sub(t) < keep) {
             return;
         }
         self.read_ms = Some(now);
         self.memo.models.clear();
         self.pods.retain(|p, _| pods.contains(p));
+        self.since.retain(|p, _| pods.contains(p));
         for pod in pods {
+            self.since.entry_ref(pod.as_str()).or_insert(now);
             if let Ok(s) = read(store, pod) {
                 self.pods.insert(pod.clone(), s);
             }
         }
+    }
+
+    /// Whether `pod`'s list has neither arrived nor failed, as last read (a record never read
+    /// counts as such).
+    fn unanswered(&self, pod: &str) -> bool {
+        self.pods.get(pod).is_none_or(Served::unanswered)
+    }
+
+    /// Whether a pod's first list is awaited: unanswered, and within `wait_ms` of this view
+    /// first having the pod.
+    fn awaited(&self, pod: &str, now: u64) -> bool {
+        self.wait_ms > 0
+            && self.unanswered(pod)
+            && self
+                .since
+                .get(pod)
+                .is_some_and(|&t| now < t.saturating_add(self.wait_ms))
+    }
+
+    /// Whether any of `pods`' first lists is awaited (the gate ticks at the quick pace, so that
+    /// requests waiting for it go as it lands).
+    pub fn awaits_any(&self, pods: &[String], now: u64) -> bool {
+        pods.iter().any(|p| self.awaited(p, now))
+    }
+
+    /// Whether a request for `model` must wait for a list: none names it, and one that might
+    /// (an `up` pod's first list) is awaited. Sent now, it would go to any pod without a list,
+    /// perhaps one serving another model.
+    pub fn awaits_list(
+        &mut self,
+        pods: &[String],
+        model: &str,
+        now: u64,
+        up: impl Fn(usize) -> bool,
+    ) -> bool {
+        !self.lists(pods, model)
+            && pods
+                .iter()
+                .enumerate()
+                .any(|(i, p)| self.awaited(p, now) && up(i))
     }
 
     pub fn get(&self, pod: &str) -> Option<&Served> {
@@ -426,6 +514,7 @@ mod tests {
         assert_eq!(models.len(), 2, "unusable names are skipped");
         let s = Served {
             listed_ms: Some(5),
+            failed_ms: Some(6),
             models,
             lora: Some(LoraState {
                 at_ms: 7,
@@ -436,7 +525,11 @@ mod tests {
         };
         assert!(s.serves("sql-lora") && s.is_adapter("sql-lora") && !s.is_adapter("llama"));
         assert_eq!(s.base_of("sql-lora"), Some("llama"));
-        assert_eq!(Served::decode(&s.encode()), Some(s));
+        assert_eq!(Served::decode(&s.encode()), Some(s.clone()));
+        // A record an older module wrote, before the failure's time was kept: never failed.
+        let older = s.encode();
+        let older = Served::decode(&older[..older.len() - 8]);
+        assert_eq!(older.map(|o| o.failed_ms), Some(None));
     }
 
     #[test]

@@ -53,6 +53,18 @@ pub fn first_discovery_ms(cfg: &Config) -> u64 {
     2 * TICK_MS + cfg.discovery.timeout_ms
 }
 
+/// How long after a VM first sees a pod a request for a model no list names waits for the pod's
+/// first list (`models::served`): the lease holder's next tick, the list call's timeout, and a
+/// tick to spare; 0 while lists are not fetched (no `models.path` or `metrics.cluster`), when
+/// nothing is awaited.
+pub fn first_list_ms(cfg: &Config) -> u64 {
+    if cfg.models.path.is_empty() || cfg.metrics.cluster.is_empty() {
+        0
+    } else {
+        2 * TICK_MS + cfg.models.timeout_ms
+    }
+}
+
 /// Scrapes in a row that a pod answered without metrics kvgate can read (an error status, a page
 /// of no known series, garbage) before it is admitted to without its capacity
 /// (`Scraper::unreadable`).
@@ -145,7 +157,7 @@ impl Scraper {
 
     /// A call could not be sent at all. A pod's scrape that cannot be sent (no such cluster in
     /// Envoy: `metrics.cluster` names none) reads nothing, as an unreadable page does; returns
-    /// whether that opened the pod (`unreadable`).
+    /// whether that opened the pod (`unreadable`). A model list that cannot be sent failed.
     pub fn abandon(
         &mut self,
         store: &dyn Store,
@@ -155,13 +167,16 @@ impl Scraper {
         self.in_flight.remove(target);
         match target {
             Target::Pod(pod) => self.unreadable(store, cfg, pod, None, store.now_ms()),
+            Target::Models(pod) => {
+                served::write_failure(store, pod, store.now_ms()).map(|()| false)
+            }
             _ => Ok(false),
         }
     }
 
     /// Reads an answer (`status` None when Envoy had no response: reset, timeout, no host);
-    /// returns whether it opened pods to more requests (discovered ones, or a pod's first healthy
-    /// scrape), for which waiting requests need not wait for the next tick.
+    /// returns whether it opened pods to more requests (discovered ones, a pod's first healthy
+    /// scrape or first model list), for which waiting requests need not wait for the next tick.
     pub fn on_response(
         &mut self,
         store: &dyn Store,
@@ -190,15 +205,16 @@ impl Scraper {
                     other => Err(format!("status {other:?}")),
                 };
                 match parsed {
+                    // A pod's first list opens it to the requests waiting for it.
                     Ok(models) => {
                         stats.count(stats::MODELS_LIST_OK, 1);
-                        served::write_list(store, pod, &models, now).map(|()| false)
+                        served::write_list(store, pod, &models, now)
                     }
                     Err(e) => {
                         // The pod keeps its last known models: a failed list is not an empty one.
                         log::debug!("model list of {pod}: {e}");
                         stats.count(stats::MODELS_LIST_ERRORS, 1);
-                        Ok(false)
+                        served::write_failure(store, pod, now).map(|()| false)
                     }
                 }
             }
@@ -510,7 +526,8 @@ mod tests {
     }
 
     #[test]
-    fn a_pods_first_healthy_scrape_and_pods_discovered_open_the_line_and_nothing_else_does() {
+    fn a_pods_first_healthy_scrape_or_list_and_pods_discovered_open_the_line_and_nothing_else_does()
+    {
         let c = cfg();
         let vm = FakeHost::new().vm();
         let mut s = Scraper::default();
@@ -530,11 +547,17 @@ mod tests {
         assert!(!answer(Target::Discovery, Some(200), &one), "no change");
         assert!(answer(Target::Discovery, Some(200), &two), "b joined");
         assert!(!answer(Target::Discovery, Some(200), &one), "b left");
-        assert!(!answer(
-            Target::Models("a:1".into()),
-            Some(200),
-            br#"{"data":[]}"#
-        ));
+        // A pod's first model list opens it to requests waiting to learn who serves their model;
+        // a failed one records the failure (nobody waits for that pod's list), and is no list.
+        let models = || Target::Models("a:1".into());
+        let list = br#"{"data":[{"id":"m"}]}"#;
+        assert!(!answer(models(), Some(200), br#"{"data":[]}"#));
+        assert!(served::read(&vm, "a:1").unwrap().failed_ms.is_some());
+        assert!(answer(models(), Some(200), list), "its first list");
+        assert!(!answer(models(), Some(200), list), "a later one");
+        assert!(s.abandon(&vm, &c, &Target::Models("b:1".into())).is_ok());
+        let never_sent = served::read(&vm, "b:1").unwrap();
+        assert!(never_sent.failed_ms.is_some() && never_sent.listed_ms.is_none());
     }
 
     #[test]

@@ -10,7 +10,7 @@ use crate::estimate::reservation::{Ended, Estimate};
 use crate::models::served::{adapter_id, ServedView};
 use crate::pods::pool::{decode_pods, PODS_KEY};
 use crate::pods::record::{self, PodRecord, RequestEntry};
-use crate::pods::scrape::first_discovery_ms;
+use crate::pods::scrape::{first_discovery_ms, first_list_ms};
 use crate::routing::active_blocks::ActiveBlocks;
 use crate::routing::adapters::{Adapters, Fit};
 use crate::routing::demand::Demand;
@@ -53,7 +53,9 @@ pub enum Placement {
     /// No pods known: Envoy's own balancing decides.
     NoPods,
     /// No pods known yet, and discovery has yet to answer for the first time
-    /// (`Router::discovering`): the request waits for the pool rather than pass its budgets.
+    /// (`Router::discovering`): the request waits for the pool rather than pass its budgets. Or
+    /// no model list names the request's model while a pod's first list is awaited
+    /// (`ServedView::awaits_list`): it waits to learn which pods serve it.
     Discovering,
     /// Every eligible pod's budget is full: the request must wait; the pod it would take first.
     NoRoom(String),
@@ -321,6 +323,12 @@ impl Router {
         self.pods.is_empty() && self.waits_for_discovery(cfg, now)
     }
 
+    /// Whether a pod's first model list is awaited, as this VM last read the lists
+    /// (`ServedView::awaits_any`): requests for a model no list names wait for it.
+    pub fn awaits_lists(&self, now: u64) -> bool {
+        self.served.awaits_any(&self.pods, now)
+    }
+
     fn waits_for_discovery(&self, cfg: &Config, now: u64) -> bool {
         !cfg.discovery.admin_cluster.is_empty()
             && !self.discovered
@@ -328,6 +336,7 @@ impl Router {
     }
 
     fn refresh_pods(&mut self, store: &dyn Store, cfg: &Config, now: u64) {
+        self.served.set_wait(first_list_ms(cfg));
         if self
             .pods_read_ms
             .is_some_and(|t| now.saturating_sub(t) < PODS_CACHE_MS)
@@ -618,6 +627,12 @@ impl Router {
         }
         self.learn(cfg, &records, now);
         self.served.refresh(store, &self.pods, now);
+        if self
+            .served
+            .awaits_list(&self.pods, model, now, |i| !records[i].is_down())
+        {
+            return Ok((Placement::Discovering, from_copies));
+        }
         let mut indices = self.eligible(cfg, model, &records, now);
         if let Some(only) = est.only_on {
             // Only that pod can answer; gone from the pool, its engine's answer is a clear 404
@@ -2091,6 +2106,7 @@ mod tests {
         let mut cfg = config(&["a:1"]);
         cfg.metrics.cluster = "kvgate_metrics".into();
         let vm = host.vm();
+        crate::test_support::lists_failed(&vm, &["a:1"]);
         let mut r = Router::start(&vm, &cfg).unwrap();
         let scraped = |capacity_tokens| {
             let snapshot = Snapshot {
@@ -2443,6 +2459,89 @@ mod tests {
             !r.serves(&vm, &cfg, "zz"),
             "every pod listed, none lists it"
         );
+    }
+
+    #[test]
+    fn a_request_no_list_names_waits_for_the_pods_first_lists_then_goes_where_its_model_is() {
+        use crate::models::served::{write_failure, write_list, ServedModel};
+        use crate::pods::scrape::first_list_ms;
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let pods = ["a:1", "b:1"];
+        let mut cfg = config(&pods);
+        cfg.metrics.cluster = "kvgate_metrics".into();
+        let mut r = Router::start(&vm, &cfg).unwrap();
+        let lists = |pod: &str, model: &str| {
+            let list = [ServedModel {
+                id: model.into(),
+                parent: None,
+            }];
+            write_list(&vm, pod, &list, host.now_ms()).unwrap()
+        };
+        let send = |r: &mut Router, cfg: &Config, model: &str, g: u64| {
+            r.route(&vm, cfg, model, &hashes(g, 4), &est(64, 8))
+        };
+        // The gateway has just started under load: no list has landed. Sent now, model-a's
+        // requests went to either pod, and b:1's engine serves only model-b (404).
+        assert_eq!(
+            send(&mut r, &cfg, "model-a", 1).unwrap(),
+            Placement::Discovering
+        );
+        host.advance_ms(30);
+        assert!(lists("b:1", "model-b"), "b:1's first list");
+        assert_eq!(
+            send(&mut r, &cfg, "model-a", 2).unwrap(),
+            Placement::Discovering,
+            "a:1's list may still name it"
+        );
+        assert_eq!(
+            send(&mut r, &cfg, "model-b", 3).unwrap().routed().pod,
+            "b:1"
+        );
+        host.advance_ms(10);
+        assert!(lists("a:1", "model-a"));
+        // Within the quick tick, not a whole view's cache later (a view read before the lists
+        // landed was kept 500 ms, and every request in it went anywhere).
+        host.advance_ms(crate::gate::QUICK_TICK_MS);
+        for g in 4..24 {
+            let routed = send(&mut r, &cfg, "model-a", g).unwrap().routed();
+            assert_eq!(routed.pod, "a:1");
+            r.finish(&vm, &routed).unwrap();
+        }
+        assert!(!r.awaits_lists(host.now_ms()));
+        // A pod that joins later and never answers: requests for a model no list names wait for
+        // it no longer than `first_list_ms`, then it is taken to serve everything.
+        let mut cfg = config(&["a:1", "b:1", "c:1"]);
+        cfg.metrics.cluster = "kvgate_metrics".into();
+        let mut r = Router::start(&vm, &cfg).unwrap();
+        let started = host.now_ms();
+        assert_eq!(
+            send(&mut r, &cfg, "model-c", 30).unwrap(),
+            Placement::Discovering
+        );
+        assert_eq!(
+            send(&mut r, &cfg, "model-a", 31).unwrap().routed().pod,
+            "a:1",
+            "listed: no wait"
+        );
+        host.set_now_ms(started + first_list_ms(&cfg) - 1);
+        assert_eq!(
+            send(&mut r, &cfg, "model-c", 32).unwrap(),
+            Placement::Discovering
+        );
+        host.advance_ms(1);
+        assert_eq!(
+            send(&mut r, &cfg, "model-c", 33).unwrap().routed().pod,
+            "c:1"
+        );
+        // One whose list failed is not waited for at all.
+        let mut cfg = config(&["a:1", "d:1"]);
+        cfg.metrics.cluster = "kvgate_metrics".into();
+        let mut r = Router::start(&vm, &cfg).unwrap();
+        write_failure(&vm, "d:1", host.now_ms()).unwrap();
+        let routed = r.route(&vm, &cfg, "model-d", &hashes(40, 4), &est(64, 8));
+        assert_eq!(routed.unwrap().routed().pod, "d:1");
+        assert!(!r.awaits_lists(host.now_ms()));
     }
 
     #[test]
