@@ -372,7 +372,8 @@ impl ServedView {
 
     /// Whether a request for `model` must wait for a list: none names it, and one that might
     /// (an `up` pod's first list) is awaited. Sent now, it would go to any pod without a list,
-    /// perhaps one serving another model.
+    /// perhaps one serving another model. A request naming no model (`model` empty) does not
+    /// wait: any engine serves it its own model, and once lists name several it is refused.
     pub fn awaits_list(
         &mut self,
         pods: &[String],
@@ -380,7 +381,8 @@ impl ServedView {
         now: u64,
         up: impl Fn(usize) -> bool,
     ) -> bool {
-        !self.lists(pods, model)
+        !model.is_empty()
+            && !self.lists(pods, model)
             && pods
                 .iter()
                 .enumerate()

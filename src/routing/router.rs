@@ -2487,6 +2487,9 @@ mod tests {
             send(&mut r, &cfg, "model-a", 1).unwrap(),
             Placement::Discovering
         );
+        // One naming no model is any engine's own: it goes, within its pod's budget.
+        let own = send(&mut r, &cfg, "", 0).unwrap().routed();
+        r.finish(&vm, &own).unwrap();
         host.advance_ms(30);
         assert!(lists("b:1", "model-b"), "b:1's first list");
         assert_eq!(
