@@ -324,15 +324,17 @@ impl ServedView {
     }
 
     /// Re-reads the records of `pods` when the copy is older than `VIEW_CACHE_MS`, or than
-    /// `AWAITING_CACHE_MS` while a pod's first list may still come. A record that cannot be read
-    /// keeps its cached copy.
+    /// `AWAITING_CACHE_MS` while a pod's first list may still come, or lacks one of `pods` (the
+    /// pool grew: a pod the view has not had is neither listed nor awaited, and was taken to
+    /// serve everything until the next read). A record that cannot be read keeps its cached copy.
     pub fn refresh(&mut self, store: &dyn Store, pods: &[String], now: u64) {
         let keep = if self.wait_ms > 0 && pods.iter().any(|p| self.unanswered(p)) {
             AWAITING_CACHE_MS
         } else {
             VIEW_CACHE_MS
         };
-        if self.read_ms.is_some_and(|t| now.saturating_sub(t) < keep) {
+        let has_all = pods.iter().all(|p| self.since.contains_key(p.as_str()));
+        if has_all && self.read_ms.is_some_and(|t| now.saturating_sub(t) < keep) {
             return;
         }
         self.read_ms = Some(now);
@@ -603,6 +605,46 @@ mod tests {
         assert_eq!(view.serving(&pods, "m", up), [true, true, false]);
         view.refresh(&vm, &pods, 1_000);
         assert_eq!(view.serving(&pods, "m", up), [true, true, true]);
+    }
+
+    #[test]
+    fn a_pod_new_to_the_view_is_read_at_once_and_its_first_list_awaited() {
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let mut view = ServedView::default();
+        view.set_wait(1_500);
+        // Read while the pool was not yet discovered; then both pods are known, one listed.
+        view.refresh(&vm, &[], 0);
+        let pods: Vec<String> = ["a:1", "b:1"].map(String::from).to_vec();
+        write_list(&vm, "b:1", &[base("n")], 1).unwrap();
+        view.refresh(&vm, &pods, 5);
+        let up = |_| true;
+        assert_eq!(view.serving(&pods, "n", up), [false, true], "read at once");
+        assert!(
+            view.awaits_list(&pods, "m", 5, up),
+            "a:1's list may name it"
+        );
+        assert!(!view.awaits_list(&pods, "n", 5, up), "b:1 lists it");
+        assert!(
+            !view.awaits_list(&pods, "", 5, up),
+            "no model: any engine's own"
+        );
+        assert!(!view.awaits_list(&pods, "m", 5, |i| i != 0), "a:1 is down");
+        write_list(&vm, "a:1", &[base("m")], 10).unwrap();
+        view.refresh(&vm, &pods, 10);
+        assert!(
+            view.awaits_list(&pods, "m", 10, up),
+            "the copy is kept a quick tick"
+        );
+        view.refresh(&vm, &pods, 25);
+        assert!(!view.awaits_list(&pods, "m", 25, up) && !view.awaits_any(&pods, 25));
+        assert_eq!(view.serving(&pods, "m", up), [true, false]);
+        // The wait is bounded from when the view first had the pod.
+        let three: Vec<String> = ["a:1", "b:1", "c:1"].map(String::from).to_vec();
+        view.refresh(&vm, &three, 100);
+        assert!(view.awaits_list(&three, "x", 1_599, up));
+        assert!(!view.awaits_list(&three, "x", 1_600, up));
+        assert_eq!(view.serving(&three, "x", up), [false, false, true]);
     }
 
     #[test]
