@@ -352,10 +352,10 @@ impl Gate {
     /// The tick this VM wants now: short while no pod is known and the first discovery is
     /// awaited, or a pod's first model list, while the head of the line waits for its prefix's
     /// pods or a pick lost its races on shared data (`Admission::runs_again_soon`), while a
-    /// request waits for another replica's note, or while an answer that does not stream is in flight (its
-    /// entry grows on the tick, at its pod's pace: every 250 ms, a pool of such answers ran a
-    /// tick's tokens of each past its records, and preempted 26–43 times in 20 s where round
-    /// robin did 1,029, 2 at the quick tick); otherwise `TICK_MS`.
+    /// request waits for another replica's note, or while an answer that does not stream is in
+    /// flight (its entry grows on the tick, at its pod's pace: every 250 ms, a pool of such
+    /// answers ran a tick's tokens of each past its records, and preempted 26–43 times in 20 s
+    /// where round robin did 1,029, 2 at the quick tick); otherwise `TICK_MS`.
     pub(crate) fn tick_ms(&self, store: &dyn Store) -> u64 {
         let now = store.now_ms();
         if self.router.awaits_pool(&self.config, now)
