@@ -288,6 +288,9 @@ pub struct ServedView {
     /// How long a pod's first list is awaited (`scrape::first_list_ms`; 0 while lists are not
     /// fetched).
     wait_ms: u64,
+    /// Whether, at the last read, a pod's list had neither arrived nor failed (`wait_ms` > 0):
+    /// once every list is answered, nothing is awaited and no pod need be asked.
+    unanswered: bool,
     read_ms: Option<u64>,
     memo: Memo,
 }
@@ -323,18 +326,23 @@ impl ServedView {
         self.wait_ms = wait_ms;
     }
 
+    /// The pool changed: the next `refresh` reads every record. A pod the copy has not had is
+    /// neither listed nor awaited, so until the next read it was taken to serve every model
+    /// (a copy read before discovery answered sent requests to the other model's pods).
+    pub fn pool_changed(&mut self) {
+        self.read_ms = None;
+    }
+
     /// Re-reads the records of `pods` when the copy is older than `VIEW_CACHE_MS`, or than
-    /// `AWAITING_CACHE_MS` while a pod's first list may still come, or lacks one of `pods` (the
-    /// pool grew: a pod the view has not had is neither listed nor awaited, and was taken to
-    /// serve everything until the next read). A record that cannot be read keeps its cached copy.
+    /// `AWAITING_CACHE_MS` while a pod's first list may still come (`pods` is the pool the copy
+    /// was read for, until `pool_changed`). A record that cannot be read keeps its cached copy.
     pub fn refresh(&mut self, store: &dyn Store, pods: &[String], now: u64) {
-        let keep = if self.wait_ms > 0 && pods.iter().any(|p| self.unanswered(p)) {
+        let keep = if self.unanswered {
             AWAITING_CACHE_MS
         } else {
             VIEW_CACHE_MS
         };
-        let has_all = pods.iter().all(|p| self.since.contains_key(p.as_str()));
-        if has_all && self.read_ms.is_some_and(|t| now.saturating_sub(t) < keep) {
+        if self.read_ms.is_some_and(|t| now.saturating_sub(t) < keep) {
             return;
         }
         self.read_ms = Some(now);
@@ -347,6 +355,7 @@ impl ServedView {
                 self.pods.insert(pod.clone(), s);
             }
         }
+        self.unanswered = self.wait_ms > 0 && pods.iter().any(|p| self.unanswered(p));
     }
 
     /// Whether `pod`'s list has neither arrived nor failed, as last read (a record never read
@@ -369,7 +378,7 @@ impl ServedView {
     /// Whether any of `pods`' first lists is awaited (the gate ticks at the quick pace, so that
     /// requests waiting for it go as it lands).
     pub fn awaits_any(&self, pods: &[String], now: u64) -> bool {
-        pods.iter().any(|p| self.awaited(p, now))
+        self.unanswered && pods.iter().any(|p| self.awaited(p, now))
     }
 
     /// Whether a request for `model` must wait for a list: none names it, and one that might
@@ -383,7 +392,8 @@ impl ServedView {
         now: u64,
         up: impl Fn(usize) -> bool,
     ) -> bool {
-        !model.is_empty()
+        self.unanswered
+            && !model.is_empty()
             && !self.lists(pods, model)
             && pods
                 .iter()
@@ -617,6 +627,7 @@ mod tests {
         view.refresh(&vm, &[], 0);
         let pods: Vec<String> = ["a:1", "b:1"].map(String::from).to_vec();
         write_list(&vm, "b:1", &[base("n")], 1).unwrap();
+        view.pool_changed();
         view.refresh(&vm, &pods, 5);
         let up = |_| true;
         assert_eq!(view.serving(&pods, "n", up), [false, true], "read at once");
@@ -641,6 +652,7 @@ mod tests {
         assert_eq!(view.serving(&pods, "m", up), [true, false]);
         // The wait is bounded from when the view first had the pod.
         let three: Vec<String> = ["a:1", "b:1", "c:1"].map(String::from).to_vec();
+        view.pool_changed();
         view.refresh(&vm, &three, 100);
         assert!(view.awaits_list(&three, "x", 1_599, up));
         assert!(!view.awaits_list(&three, "x", 1_600, up));

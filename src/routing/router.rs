@@ -368,6 +368,7 @@ impl Router {
             self.copies.retain_pods(|p| pods.iter().any(|q| q == p));
             self.phases.retain_pods(|p| pods.iter().any(|q| q == p));
             self.demand.pods_changed(|p| pods.iter().any(|q| q == p));
+            self.served.pool_changed();
             self.pod_bits = crate::admission::line::pod_bits(&pods);
             self.pods = pods;
         }
@@ -2545,6 +2546,37 @@ mod tests {
         let routed = r.route(&vm, &cfg, "model-d", &hashes(40, 4), &est(64, 8));
         assert_eq!(routed.unwrap().routed().pod, "d:1");
         assert!(!r.awaits_lists(host.now_ms()));
+
+        // The pool discovered after a request read the lists (none known then): the new pods'
+        // records are read at once and their lists awaited. A copy read before discovery answered
+        // was kept, and had the new pods in no state at all: taken to serve every model.
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let mut cfg = config(&[]);
+        cfg.discovery.admin_cluster = "kvgate_admin".into();
+        cfg.metrics.cluster = "kvgate_metrics".into();
+        let mut r = Router::start(&vm, &cfg).unwrap();
+        let mut send = |model: &str, g: u64| {
+            r.serves(&vm, &cfg, model);
+            r.route(&vm, &cfg, model, &hashes(g, 4), &est(64, 8))
+                .unwrap()
+        };
+        assert_eq!(send("model-e", 50), Placement::Discovering, "no pool yet");
+        host.advance_ms(5);
+        vm.set(PODS_KEY, &encode_pods(&["e:1".into(), "f:1".into()]), None)
+            .unwrap();
+        let only_f = [ServedModel {
+            id: "model-f".into(),
+            parent: None,
+        }];
+        write_list(&vm, "f:1", &only_f, host.now_ms()).unwrap();
+        host.advance_ms(5);
+        assert_eq!(
+            send("model-e", 51),
+            Placement::Discovering,
+            "e:1's list awaited"
+        );
+        assert_eq!(send("model-f", 52).routed().pod, "f:1");
     }
 
     #[test]
