@@ -290,7 +290,7 @@ pub struct ServedView {
     wait_ms: u64,
     /// Whether, at the last read, a pod's list had neither arrived nor failed (`wait_ms` > 0):
     /// once every list is answered, nothing is awaited and no pod need be asked.
-    unanswered: bool,
+    any_unanswered: bool,
     read_ms: Option<u64>,
     memo: Memo,
 }
@@ -337,7 +337,7 @@ impl ServedView {
     /// `AWAITING_CACHE_MS` while a pod's first list may still come (`pods` is the pool the copy
     /// was read for, until `pool_changed`). A record that cannot be read keeps its cached copy.
     pub fn refresh(&mut self, store: &dyn Store, pods: &[String], now: u64) {
-        let keep = if self.unanswered {
+        let keep = if self.any_unanswered {
             AWAITING_CACHE_MS
         } else {
             VIEW_CACHE_MS
@@ -355,7 +355,7 @@ impl ServedView {
                 self.pods.insert(pod.clone(), s);
             }
         }
-        self.unanswered = self.wait_ms > 0 && pods.iter().any(|p| self.unanswered(p));
+        self.any_unanswered = self.wait_ms > 0 && pods.iter().any(|p| self.unanswered(p));
     }
 
     /// Whether `pod`'s list has neither arrived nor failed, as last read (a record never read
@@ -365,10 +365,9 @@ impl ServedView {
     }
 
     /// Whether a pod's first list is awaited: unanswered, and within `wait_ms` of this view
-    /// first having the pod.
+    /// first having the pod (never, with `wait_ms` 0).
     fn awaited(&self, pod: &str, now: u64) -> bool {
-        self.wait_ms > 0
-            && self.unanswered(pod)
+        self.unanswered(pod)
             && self
                 .since
                 .get(pod)
@@ -378,7 +377,7 @@ impl ServedView {
     /// Whether any of `pods`' first lists is awaited (the gate ticks at the quick pace, so that
     /// requests waiting for it go as it lands).
     pub fn awaits_any(&self, pods: &[String], now: u64) -> bool {
-        self.unanswered && pods.iter().any(|p| self.awaited(p, now))
+        self.any_unanswered && pods.iter().any(|p| self.awaited(p, now))
     }
 
     /// Whether a request for `model` must wait for a list: none names it, and one that might
@@ -392,7 +391,7 @@ impl ServedView {
         now: u64,
         up: impl Fn(usize) -> bool,
     ) -> bool {
-        self.unanswered
+        self.any_unanswered
             && !model.is_empty()
             && !self.lists(pods, model)
             && pods
