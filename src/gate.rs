@@ -170,7 +170,7 @@ impl Gate {
         let mut wanted = vec![0u64; pods.len()];
         for t in &line.tickets {
             if let Some(i) = keys.iter().position(|&k| k == t.wants) {
-                wanted[i] += t.cost;
+                wanted[i] += t.asks();
                 continue;
             }
             // Every pod, when none of this pool's is in its reach.
@@ -179,25 +179,47 @@ impl Gate {
             } else {
                 crate::admission::line::ANYWHERE
             };
-            let part = t.cost / bits.iter().filter(|&&b| b & reach != 0).count().max(1) as u64;
+            let part = t.asks() / bits.iter().filter(|&&b| b & reach != 0).count().max(1) as u64;
             for (w, &b) in wanted.iter_mut().zip(bits) {
                 if b & reach != 0 {
                     *w += part;
                 }
             }
         }
-        let head = line
+        let first = line
             .tickets
             .iter()
-            .min_by(|a, b| crate::admission::line::order(a, b))
-            .map_or(0, |t| t.cost);
+            .min_by(|a, b| crate::admission::line::order(a, b));
+        let head = first.map_or(0, |t| t.asks());
+        // Once the head has waited past its patience for the pod it names (`cacheWaitMs`), any
+        // pod with room will do: it asks for its first request on each pod of its reach where
+        // this replica holds nothing, so that the split can give it one there when the others
+        // leave it none (`split::fair_split`, a replica starved). Asking only where it waits, a
+        // replica holding one 1,400-token request on a pod had its second wait there 10.7 s,
+        // the other pod kept full by two replicas of short requests (docs/design.md, *The
+        // split*).
+        let now = store.now_ms();
+        let anywhere = first
+            .filter(|t| now.saturating_sub(t.enqueued_ms) >= self.config.cache_wait_ms())
+            .map_or(0, |t| {
+                if bits.iter().any(|&b| b & t.reach != 0) {
+                    t.reach
+                } else {
+                    crate::admission::line::ANYWHERE
+                }
+            });
         let block = u64::from(self.router.block_tokens(&self.config.routing));
         let headroom = self.config.admission.headroom();
-        let at = At::of(&self.config, store.now_ms());
+        let at = At::of(&self.config, now);
         let mut views = Vec::with_capacity(pods.len());
-        for (pod, wanted) in pods.iter().zip(wanted) {
+        for ((pod, wanted), &bit) in pods.iter().zip(wanted).zip(bits) {
             let rec = crate::pods::record::read(store, pod)?;
             let in_use = rec.forecast(None, headroom, block, at);
+            let wanted = if in_use == 0 && bit & anywhere != 0 {
+                wanted.max(head)
+            } else {
+                wanted
+            };
             let block_size = rec.snapshot.map_or(0, |s| s.block_size);
             views.push(PodView {
                 pod: pod.clone(),
@@ -620,6 +642,7 @@ mod tests {
             cost,
             wants,
             reach: crate::admission::line::ANYWHERE,
+            need: 0,
         }
     }
 
@@ -676,7 +699,11 @@ mod tests {
         let second = gate.router.pod_bits()[1];
         assert_ne!(second, gate.router.pod_bits()[0]);
         for t in [
-            waiting(&gate, 1, 300, pod_key("10.0.0.1:8000")),
+            // It costs 250, and needs 300 of a pod (what admission checks: its `max_tokens`).
+            crate::admission::line::Ticket {
+                need: 300,
+                ..waiting(&gate, 1, 250, pod_key("10.0.0.1:8000"))
+            },
             waiting(&gate, 2, 100, 0),
             waiting(&gate, 3, 60, pod_key("10.0.0.9:8000")),
             crate::admission::line::Ticket {
@@ -686,12 +713,10 @@ mod tests {
         ] {
             enqueue(&vm, t, t.id, 0.0, 10).unwrap().unwrap();
         }
-        let demand: Vec<(String, u64)> = gate
-            .pod_views(&vm)
-            .unwrap()
-            .into_iter()
-            .map(|v| (v.pod, v.demand))
-            .collect();
+        let views = gate.pod_views(&vm).unwrap();
+        // Credit is asked in steps of the head's need.
+        assert!(views.iter().all(|v| v.unit == 300));
+        let demand: Vec<(String, u64)> = views.into_iter().map(|v| (v.pod, v.demand)).collect();
         assert_eq!(
             demand,
             vec![
@@ -699,6 +724,18 @@ mod tests {
                 ("10.0.0.2:8000".to_string(), 80 + 40)
             ]
         );
+        // Its patience for its pod over (twice `cacheWaitMs` with etcd on), the head asks for
+        // its first request on every pod of its reach where this replica holds nothing.
+        host.set_now_ms(1_000_000 + gate.config.cache_wait_ms() - 1);
+        assert_eq!(gate.pod_views(&vm).unwrap()[1].demand, 80 + 40);
+        host.set_now_ms(1_000_000 + gate.config.cache_wait_ms());
+        let demand: Vec<u64> = gate
+            .pod_views(&vm)
+            .unwrap()
+            .into_iter()
+            .map(|v| v.demand)
+            .collect();
+        assert_eq!(demand, vec![300 + 80, 300]);
     }
 
     #[test]

@@ -483,6 +483,7 @@ mod tests {
                 cost: 10,
                 wants: 0,
                 reach,
+                need: 0,
             };
             crate::admission::line::enqueue(&vm, t, id, 0.0, 10)
                 .unwrap()

@@ -91,18 +91,11 @@ fn route(
 /// may be older).
 fn undiscounted(cfg: &Config, est: &Estimate) -> Load {
     let copies = est.choices;
-    Load {
-        held: (est.prompt_tokens as f64 * cfg.estimator.safety_factor * copies as f64).round()
-            as u64,
-        sigma: est.prompt_sigma * copies,
-        left: est.steps_left(est.choices, 0),
-        rate: est.choices,
-        bounded: est.bounded,
-        guessed: est.output_guessed,
-        streamed: 0,
-        ahead: None,
-        outlook: est.outlook(est.choices, 0),
-    }
+    Load::fresh(
+        est,
+        (est.prompt_tokens as f64 * cfg.estimator.safety_factor * copies as f64).round() as u64,
+        est.prompt_sigma * copies,
+    )
 }
 
 /// The pod's forecast with `extra`, as admission computes it at `now_ms`.
@@ -742,6 +735,8 @@ impl World {
                         0 => line::ANYWHERE,
                         bits => u64::from(bits),
                     },
+                    // What it needs of an empty pod: its expected size and a margin.
+                    need: u64::from(cost % (1 << 20)) + u64::from(wait_ms % 1_024),
                 };
                 let out = line::enqueue(&self.vms[v], ticket, u64::from(tenant % 8), 8_192.0, 16)
                     .expect("fake host");

@@ -263,6 +263,7 @@ impl Admission {
             cost: est.cost,
             wants: 0,
             reach,
+            need: 0,
         };
         // Only a request that would head the line on some of its pods may go straight to a pod,
         // and only to those: nobody waiting on any worker for a pod is overtaken there by a
@@ -332,6 +333,14 @@ impl Admission {
         if line.tickets.is_empty() {
             ticket.reach = router.reach(store, model);
         }
+        // Worked out only for a request that waits (a forecast): what it asks of the replicas'
+        // split while it heads the line.
+        ticket.need = crate::admission::budget::need(
+            est,
+            cfg,
+            u64::from(router.block_tokens(&cfg.routing)),
+            now,
+        );
         match line::enqueue(
             store,
             ticket,

@@ -10,6 +10,7 @@
 
 use crate::admission::forecast::Load;
 use crate::config::Config;
+use crate::estimate::reservation::Estimate;
 use crate::pods::record::{At, PodRecord, Snapshot};
 
 pub fn budget_tokens(cfg: &Config, snapshot: Option<&Snapshot>) -> Option<u64> {
@@ -51,6 +52,23 @@ pub fn fits(
         (rec.entries.is_empty() && !cfg.etcd.enabled())
             || rec.forecast(Some(request), cfg.admission.headroom(), block_tokens, at) <= b
     })
+}
+
+/// What the request takes of a pod holding nothing else, as admission forecasts it (`fits`): its
+/// prompt with the estimate's margin (`routing::router` charges no less where nothing of it is
+/// cached), and its answers as far ahead as the forecast looks. With several gateway replicas,
+/// the credit a replica asks for in one step for the request heading its line (`replicas::split`:
+/// asked for at its cost, what it is expected to take when done, a request with a `max_tokens`
+/// of 800 was handed 1,150 tokens of a pod where admission needed about 1,400, and never fitted).
+pub fn need(est: &Estimate, cfg: &Config, block_tokens: u64, now_ms: u64) -> u64 {
+    let held = est.prompt_tokens as f64 * cfg.estimator.safety_factor * est.prompt_margin;
+    let alone = Load::fresh(est, held.round() as u64, est.prompt_sigma);
+    PodRecord::default().forecast(
+        Some(alone),
+        cfg.admission.headroom(),
+        block_tokens,
+        At::of(cfg, now_ms),
+    )
 }
 
 #[cfg(test)]
@@ -119,6 +137,32 @@ mod tests {
             Some(300),
             "a fixed budget too"
         );
+    }
+
+    #[test]
+    fn a_request_needs_what_fits_checks_on_an_empty_pod_not_its_expected_cost() {
+        // 552 prompt tokens, answers of 400 expected and `max_tokens` 800.
+        let est = Estimate {
+            output_tokens: 400,
+            max_output_tokens: 800,
+            output: OutputDist::prior(400),
+            cost: 952,
+            ..Estimate::exact(552, 800)
+        };
+        let mut cfg = Config::default();
+        cfg.etcd.cluster = "etcd".into();
+        let need = need(&est, &cfg, 16, 0);
+        // Its bound is kept for: far more than it is expected to take, at most all of it with
+        // the partial blocks and the stream's lag the forecast allows for (`forecast::slack`).
+        assert!(need > est.cost + 200, "{need}");
+        let prompt = (552.0 * cfg.estimator.safety_factor).round() as u64;
+        assert!(need <= prompt + 800 + 3 * 16, "{need}");
+        // Exactly what admission asks of a pod holding nothing else (with etcd on, a request
+        // alone is checked too).
+        let load = Load::fresh(&est, prompt, est.prompt_sigma);
+        let empty = PodRecord::default();
+        assert!(fits(&empty, load, Some(need), &cfg, 16, 0));
+        assert!(!fits(&empty, load, Some(need - 1), &cfg, 16, 0));
     }
 
     #[test]

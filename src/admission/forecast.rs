@@ -35,6 +35,7 @@
 //! arrivals are left out: each is checked against the forecast when it comes.
 
 use crate::estimate::output_dist::{Outlook, HORIZON_END, HORIZON_STEPS};
+use crate::estimate::reservation::Estimate;
 
 /// How many standard deviations of headroom the forecast keeps (`z`), by kind of request.
 ///
@@ -98,6 +99,24 @@ pub struct Load {
     /// at least ([`Slack`]).
     pub ahead: Option<u64>,
     pub outlook: Outlook,
+}
+
+impl Load {
+    /// A request not yet sent, holding `held` of its pod's KV (its prompt, or what of it the pod
+    /// does not hold already) with spread `sigma`: nothing streamed, its whole outlook ahead.
+    pub fn fresh(est: &Estimate, held: u64, sigma: u64) -> Load {
+        Load {
+            held,
+            sigma,
+            left: est.steps_left(est.choices, 0),
+            rate: est.choices,
+            bounded: est.bounded,
+            guessed: est.output_guessed,
+            streamed: 0,
+            ahead: None,
+            outlook: est.outlook(est.choices, 0),
+        }
+    }
 }
 
 /// The most a request of `sequences` answers may hold beyond its entry's `held`, in tokens, with

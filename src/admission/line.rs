@@ -60,6 +60,21 @@ pub struct Ticket {
     /// The pods it may be sent to (its model's), each as its bit (`pod_bits`); `ANYWHERE` when not
     /// known. Tickets whose reaches share no bit never wait for each other.
     pub reach: u64,
+    /// What it takes of a pod holding nothing else (`budget::need`): with several gateway
+    /// replicas, the step of credit this replica asks for while it heads the line
+    /// (`Gate::pod_views`). 0 in a record an older module wrote (its cost stands in).
+    pub need: u64,
+}
+
+impl Ticket {
+    /// The credit it asks of a pod (`need`; its cost in a record an older module wrote).
+    pub fn asks(&self) -> u64 {
+        if self.need > 0 {
+            self.need
+        } else {
+            self.cost
+        }
+    }
 }
 
 /// A ticket's reach when the pods it may go to are not known: it waits behind every ticket.
@@ -178,6 +193,11 @@ impl QueueRecord {
         for (id, n) in &self.passes {
             w.u64(*id).u32(*n);
         }
+        // And the needs after those.
+        w.u32(self.tickets.len() as u32);
+        for t in &self.tickets {
+            w.u64(t.need);
+        }
         w.0
     }
 
@@ -197,6 +217,7 @@ impl QueueRecord {
                 cost: r.u64()?,
                 wants: 0,
                 reach: ANYWHERE,
+                need: 0,
             })
         })?;
         let mut passes = if r.is_empty() {
@@ -220,6 +241,14 @@ impl QueueRecord {
                 }
             }
             passes = r.list(12, |r| Some((r.u64()?, r.u32()?)))?;
+        }
+        if !r.is_empty() {
+            let needs = r.list(8, Reader::u64)?;
+            if needs.len() == tickets.len() {
+                for (t, need) in tickets.iter_mut().zip(needs) {
+                    t.need = need;
+                }
+            }
         }
         passes.retain(|&(id, n)| n > 0 && tickets.iter().any(|t| t.id == id));
         Some(QueueRecord {
@@ -531,6 +560,7 @@ mod tests {
             cost,
             wants: 0,
             reach: ANYWHERE,
+            need: 0,
         }
     }
 
@@ -701,21 +731,26 @@ mod tests {
         q.tickets[0].boosted = true;
         q.tickets[0].wants = pod_key("10.0.0.1:8000");
         q.tickets[0].reach = 1 << 5;
+        q.tickets[0].need = 1_234;
         assert_eq!(QueueRecord::decode(&q.encode()), Some(q.clone()));
         assert_eq!(QueueRecord::decode(b"xx"), None);
-        // A record from before reaches (nothing after the wants) reads with every ticket
+        // A record from before needs (nothing after the passes of every head) reads with no
+        // needs; one from before reaches (nothing after the wants) with every ticket
         // reaching everywhere and the first ticket's passes; one from before the pods tickets
         // wait for (nothing after the passes) with no wants either; one from before backfills
         // (nothing after the tickets) with no passes.
         let bytes = q.encode();
-        let before_reach = QueueRecord::decode(&bytes[..bytes.len() - 28]).unwrap();
+        let before_need = QueueRecord::decode(&bytes[..bytes.len() - 12]).unwrap();
+        assert_eq!(before_need.tickets[0].need, 0);
+        assert_eq!(before_need.tickets[0].reach, q.tickets[0].reach);
+        let before_reach = QueueRecord::decode(&bytes[..bytes.len() - 40]).unwrap();
         assert_eq!(before_reach.passes, vec![(9, 2)]);
         assert_eq!(before_reach.tickets[0].wants, q.tickets[0].wants);
         assert_eq!(before_reach.tickets[0].reach, ANYWHERE);
-        let before_wants = QueueRecord::decode(&bytes[..bytes.len() - 40]).unwrap();
+        let before_wants = QueueRecord::decode(&bytes[..bytes.len() - 52]).unwrap();
         assert_eq!(before_wants.passes, vec![(9, 2)]);
         assert_eq!(before_wants.tickets[0].wants, 0);
-        let older = QueueRecord::decode(&bytes[..bytes.len() - 52]).unwrap();
+        let older = QueueRecord::decode(&bytes[..bytes.len() - 64]).unwrap();
         assert_eq!(older.passes, vec![]);
         assert_eq!(older.tickets, before_wants.tickets);
     }

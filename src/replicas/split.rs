@@ -31,20 +31,63 @@ const MAX_STEPS: usize = 100_000;
 
 /// The max-min fair split of `budget` between holders, in whole requests: each keeps what its
 /// requests hold, then the credit left goes one request (`unit`) at a time to whoever has the
-/// least so far and still asks for more, while that request fits (ties to the first listed; every
-/// replica lists them in etcd's key order, so all compute the same split). Credit nobody can use
-/// is split evenly on top, so a replica has room for its next small request before it can ask.
+/// least so far and still asks for more, while that request fits (ties: `fill`). Credit nobody
+/// can use is split evenly on top, so a replica has room for its next small request before it
+/// can ask.
 ///
 /// Why whole requests: an even split of a small pod leaves every replica a fraction of a request
 /// it cannot use. Two pods of 4 096 tokens split three ways give each replica ~1 300 tokens of
 /// a pod, one 700-token request and 600 idle: three requests per pod where one Envoy runs five.
 /// Handing out whole requests gives the same five, spread as evenly as whole requests allow.
+///
+/// Why what each holds is kept: a replica whose request ended admits the next from its line
+/// at once, within the grant it holds, where credit given to another waits two syncs (the holder
+/// shrinks at its sync, the other grows at its own); split from nothing every sync, the credit
+/// moved back and forth and the 2× overload through three replicas took 0.56–0.59 s at
+/// the median against 0.39–0.40 s (`tests/e2e/replicas_bench.py`).
+///
+/// Except for a replica starved there: one asking for the pod while it holds nothing on it,
+/// whose first request the others leave no room for. Each of their requests that ended was
+/// followed by the next from their lines, so it waited for ever (CI, 2026-12-03: two replicas of
+/// 750-token requests kept a 4 096-token pod between them, and a third replica's 1 350-token
+/// request waited past 10 s). Then the split starts from nothing: the starved replica's first
+/// request comes before anyone's second, and a replica whose share falls below what it holds
+/// admits nothing more there until its requests end below it (`Next::cap`), its credit going to
+/// the starved one.
 pub fn fair_split(budget: u64, holders: &[Holder]) -> Vec<u64> {
+    let kept = fill(budget, holders, true);
+    let starved: Vec<usize> = (0..holders.len())
+        .filter(|&i| {
+            let h = &holders[i];
+            h.in_use == 0 && h.unit > 0 && h.demand > 0 && kept[i] < h.unit
+        })
+        .collect();
+    if starved.is_empty() {
+        return kept;
+    }
+    // Only if that lets one in: a request larger than the pod's whole budget moves no credit.
+    let fresh = fill(budget, holders, false);
+    if starved.iter().any(|&i| fresh[i] >= holders[i].unit) {
+        fresh
+    } else {
+        kept
+    }
+}
+
+/// The water-filling of `fair_split`, from what each holds (`keep`) or from nothing. Ties,
+/// between holders given as much so far: a first request goes to whoever holds least now, so
+/// that where not every replica's next request fits, one holding nothing goes first; a further
+/// one to whoever holds most now, so the credit need not move (then the first listed: every
+/// replica lists them in etcd's key order).
+fn fill(budget: u64, holders: &[Holder], keep: bool) -> Vec<u64> {
     let n = holders.len() as u64;
     if n == 0 {
         return Vec::new();
     }
-    let mut share: Vec<u64> = holders.iter().map(|h| h.in_use).collect();
+    let mut share: Vec<u64> = holders
+        .iter()
+        .map(|h| if keep { h.in_use } else { 0 })
+        .collect();
     let mut left = budget.saturating_sub(share.iter().sum());
     // A holder that names no request size asks in small steps, so such holders still share
     // evenly (to a 1/1024 of the budget).
@@ -57,7 +100,10 @@ pub fn fair_split(budget: u64, holders: &[Holder]) -> Vec<u64> {
         };
         let next = (0..holders.len())
             .filter(|&i| step(i) > 0 && step(i) <= left)
-            .min_by_key(|&i| share[i]);
+            .min_by_key(|&i| {
+                let held = holders[i].in_use;
+                (share[i], if share[i] == 0 { held } else { u64::MAX - held })
+            });
         let Some(i) = next else {
             break;
         };
@@ -69,13 +115,23 @@ pub fn fair_split(budget: u64, holders: &[Holder]) -> Vec<u64> {
     share.iter().map(|s| s + spare).collect()
 }
 
-/// This replica's next grant on a pod: towards its fair target, shrinking freely (never below
-/// `in_use`, what it has reserved now), growing only by the credit no one holds. `me` indexes
-/// `holders` (its own line carries its fresh `in_use`); lapsed holders keep their grants and take
-/// no part in the split.
-pub fn next_grant(budget: u64, holders: &[Holder], me: usize) -> u64 {
+/// This replica's next step on a pod (`next`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Next {
+    /// The grant to hold in etcd: towards the fair target, shrinking freely but never below
+    /// `in_use` (what it has reserved), growing only by the credit no one holds.
+    pub grant: u64,
+    /// What it may reserve there until the next sync: the grant, or its fair share where that
+    /// fell below what it holds, so that what its requests free goes back to the split instead
+    /// of to its own line.
+    pub cap: u64,
+}
+
+/// This replica's next grant and cap on a pod (`Next`). `me` indexes `holders` (its own line
+/// carries its fresh `in_use`); lapsed holders keep their grants and take no part in the split.
+pub fn next(budget: u64, holders: &[Holder], me: usize) -> Next {
     let Some(mine) = holders.get(me) else {
-        return 0;
+        return Next { grant: 0, cap: 0 };
     };
     let held_by_lapsed: u64 = holders.iter().filter(|h| h.lapsed).map(|h| h.grant).sum();
     let live: Vec<usize> = (0..holders.len())
@@ -91,11 +147,15 @@ pub fn next_grant(budget: u64, holders: &[Holder], me: usize) -> u64 {
         .and_then(|k| split.get(k).copied())
         .unwrap_or(0);
     if target <= mine.grant {
-        return target.max(mine.in_use.min(mine.grant));
+        return Next {
+            grant: target.max(mine.in_use.min(mine.grant)),
+            cap: target,
+        };
     }
     let granted: u64 = holders.iter().map(|h| h.grant).sum();
     let free = budget.saturating_sub(granted);
-    mine.grant + (target - mine.grant).min(free)
+    let grant = mine.grant + (target - mine.grant).min(free);
+    Next { grant, cap: grant }
 }
 
 /// What this replica admits against on a pod between syncs, given the pod's budget as it was
@@ -177,9 +237,57 @@ mod tests {
         // give two of them a second one, and the 391 left over evenly on top.
         let busy = [live(0, 700, 5_000, 700); 3];
         assert_eq!(fair_split(3_891, &busy), [1_530, 1_530, 830]);
-        // What each holds is kept even past its fair share.
+        // What each holds is kept even past its fair share, while the others' next requests fit.
         let held = [live(0, 2_000, 2_000, 700), live(0, 0, 5_000, 700)];
         assert_eq!(fair_split(3_000, &held), [2_000 + 150, 700 + 150]);
+    }
+
+    #[test]
+    fn a_replica_holding_past_its_share_admits_nothing_more_so_a_larger_request_elsewhere_fits() {
+        // Two replicas hold two 750-token requests each on a pod of 4 096 tokens, their lines
+        // asking for more; a third waits with a request of 1 352, and 1 096 is free.
+        let mut holders = [
+            live(1_500, 1_500, 5_000, 750),
+            live(1_500, 1_500, 5_000, 750),
+            live(1_096, 0, 1_352, 1_352),
+        ];
+        // The third is starved: each gets a request before any gets a second, and the second
+        // replica's share (914) falls below what it holds, so it admits nothing more there.
+        assert_eq!(fair_split(4_096, &holders), [1_664, 914, 1_516]);
+        assert_eq!(
+            next(4_096, &holders, 1),
+            Next {
+                grant: 1_500,
+                cap: 914
+            }
+        );
+        assert_eq!(
+            next(4_096, &holders, 2),
+            Next {
+                grant: 1_096,
+                cap: 1_096
+            },
+            "none free yet"
+        );
+        // One of its requests ends: its grant falls to its share, and the third grows into it
+        // (the split from what each holds gives it its request now).
+        holders[1].in_use = 750;
+        holders[1].grant = next(4_096, &holders, 1).grant;
+        assert_eq!(holders[1].grant, 914);
+        assert_eq!(
+            next(4_096, &holders, 2),
+            Next {
+                grant: 1_516,
+                cap: 1_516
+            }
+        );
+        // A request larger than the whole budget starves no one: what each holds is kept.
+        let huge = [live(3_000, 3_000, 5_000, 700), live(0, 0, 9_000, 9_000)];
+        assert_eq!(fair_split(4_096, &huge), [3_000 + 700 + 198, 198]);
+        // Ties: a first request to whoever holds least now, a second to whoever holds most.
+        let even = [live(0, 750, 5_000, 750), live(0, 0, 5_000, 750)];
+        assert_eq!(fair_split(1_000, &even), [125, 750 + 125]);
+        assert_eq!(fair_split(2_250, &even), [1_500, 750]);
     }
 
     #[test]
@@ -187,15 +295,21 @@ mod tests {
         // Replica 0 holds everything and uses 700 of it; replica 1 asks for 800.
         let holders = [live(1_000, 700, 700, 0), live(0, 0, 800, 0)];
         // The split keeps 0's 700 and gives 1 the 300 left: 0 gives back the rest.
-        assert_eq!(next_grant(1_000, &holders, 0), 700);
-        assert_eq!(next_grant(1_000, &holders, 1), 0, "no free credit yet");
+        assert_eq!(
+            next(1_000, &holders, 0),
+            Next {
+                grant: 700,
+                cap: 700
+            }
+        );
+        assert_eq!(next(1_000, &holders, 1).grant, 0, "no free credit yet");
         let after = [live(700, 700, 700, 0), live(0, 0, 800, 0)];
-        assert_eq!(next_grant(1_000, &after, 1), 300, "the freed credit");
+        assert_eq!(next(1_000, &after, 1).grant, 300, "the freed credit");
         // Requests end on 0: its grant falls to what it holds, and 1 grows into the rest.
         let later = [live(700, 200, 200, 0), live(300, 300, 800, 0)];
-        assert_eq!(next_grant(1_000, &later, 0), 200);
+        assert_eq!(next(1_000, &later, 0).grant, 200);
         let freed = [live(200, 200, 200, 0), live(300, 300, 800, 0)];
-        assert_eq!(next_grant(1_000, &freed, 1), 800);
+        assert_eq!(next(1_000, &freed, 1).grant, 800);
     }
 
     #[test]
@@ -212,11 +326,11 @@ mod tests {
         ];
         // 1 000 less the lapsed 500 is split between the two live replicas, 250 each: 2 gives
         // back 50, which 0 cannot take before it is free.
-        assert_eq!(next_grant(1_000, &holders, 2), 250);
-        assert_eq!(next_grant(1_000, &holders, 0), 200);
+        assert_eq!(next(1_000, &holders, 2).grant, 250);
+        assert_eq!(next(1_000, &holders, 0).grant, 200);
         // Once it is gone (reclaimed), its credit is free.
         let reclaimed = [live(250, 0, 1_000, 0), live(250, 0, 1_000, 0)];
-        assert_eq!(next_grant(1_000, &reclaimed, 0), 500);
+        assert_eq!(next(1_000, &reclaimed, 0).grant, 500);
     }
 
     #[test]

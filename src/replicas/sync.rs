@@ -28,7 +28,7 @@ use crate::pods::scrape::{Call, Target};
 use crate::replicas::gateway::{self, Compare, Kv, Op};
 use crate::replicas::placements::{Batch, Inbox, Outbox};
 use crate::replicas::share;
-use crate::replicas::split::{next_grant, Holder};
+use crate::replicas::split::{self, Holder};
 use crate::stats::{self, Stats};
 use crate::store::codec::{Reader, Writer};
 use crate::store::interface::{Store, StoreError};
@@ -53,9 +53,11 @@ pub struct PodView {
     pub in_use: u64,
     /// The block size admission forecasts the pod's reservations in (`in_use`'s).
     pub block_tokens: u64,
-    /// What it asks for: `in_use` and its share of the requests waiting in its line.
+    /// What it asks for: `in_use` and its share of the requests waiting in its line, each at
+    /// what it needs of a pod (`line::Ticket::asks`).
     pub demand: u64,
-    /// The size of the next request it would admit (the head of its line), 0 when none waits.
+    /// What the next request it would admit needs of a pod (the head of its line), 0 when none
+    /// waits.
     pub unit: u64,
     /// The KV its requests hold there (`admission::feedback::explained`), for the other
     /// replicas' unexplained-KV feedback.
@@ -92,6 +94,8 @@ enum Step {
 struct Planned {
     pod: String,
     grant: u64,
+    /// What it may reserve there (`split::Next::cap`): at most `grant`.
+    cap: u64,
     granted: u64,
 }
 
@@ -456,8 +460,8 @@ impl Sync {
         }
         for p in &self.planned {
             share::modify(store, &p.pod, |s| {
-                self.grew |= p.grant > s.grant;
-                s.grant = p.grant;
+                self.grew |= p.cap > s.grant;
+                s.grant = p.cap;
                 s.published = p.grant;
                 s.granted = p.granted;
             })?;
@@ -692,7 +696,7 @@ impl Sync {
         holders[me_at].unit = view.unit;
         let before = holders[me_at].grant;
         let ghosts = self.ghosts_on(view);
-        let target = next_grant(budget.saturating_sub(ghosts), &holders, me_at);
+        let next = split::next(budget.saturating_sub(ghosts), &holders, me_at);
         let granted_before: u64 = holders.iter().map(|h| h.grant).sum();
         // Admission reads the share's grant inside its compare-and-swap of the pod's record, so
         // the share is lowered first and the record then written (unchanged, its version bumped)
@@ -703,7 +707,7 @@ impl Sync {
         // requests admitted while etcd answered were missed, and the replicas' reservations
         // summed past a budget in the e2e runs.)
         share::modify(store, &view.pod, |s| {
-            s.grant = s.grant.min(target).min(before);
+            s.grant = s.grant.min(next.cap).min(before);
             s.published = before;
             s.granted = granted_before;
             s.contact_ms = now;
@@ -723,7 +727,7 @@ impl Sync {
         // test): the grant kept covers that too, or a grant shrunk to the forecast of the moment
         // was passed a moment later (the e2e check, at the busy pace's many shrinks).
         let kept = held.saturating_add(in_flight.saturating_mul(view.block_tokens));
-        let grant = target.max(kept.min(before));
+        let grant = next.grant.max(kept.min(before));
         let granted = granted_before - before + grant;
         if grant > before {
             let guard = guard_key(prefix, &view.pod);
@@ -762,6 +766,7 @@ impl Sync {
         self.planned.push(Planned {
             pod: view.pod.clone(),
             grant,
+            cap: next.cap.min(grant),
             granted,
         });
         Ok(())

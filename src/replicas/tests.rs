@@ -171,6 +171,8 @@ struct Replica {
     stats: Stats,
     in_use: u64,
     demand: u64,
+    /// The size of the request at the head of its line (0: none, or credit asked in small steps).
+    unit: u64,
     /// Its scrapes read the engine's KV at every tick (the default); off, the last reading stays.
     scraping: bool,
     kv_read_ms: Option<u64>,
@@ -200,6 +202,7 @@ impl Replica {
             stats: Stats::default(),
             in_use: 0,
             demand: 0,
+            unit: 0,
             scraping: true,
             kv_read_ms: None,
             budget: BUDGET,
@@ -234,7 +237,7 @@ impl Replica {
             in_use: self.in_use,
             block_tokens: 16,
             demand: self.demand,
-            unit: 0,
+            unit: self.unit,
             explained: self.in_use,
             kv_read_ms: self.kv_read_ms,
         }];
@@ -391,11 +394,59 @@ fn a_request_admitted_while_etcd_answers_stays_covered_by_the_grant_given_back()
     );
     assert!(g["r1"] < 1_500, "and the rest went back: {g:?}");
     assert_eq!(g.values().sum::<u64>(), BUDGET, "{g:?}");
-    assert!(rs[1].cap() >= held);
     let mine = share::read(&rs[1].vm, POD).unwrap().unwrap();
     assert_eq!(mine.published, g["r1"], "the share knows what etcd holds");
+    // It asks for nothing, so its share is a sliver: it admits nothing more until the request
+    // ends, and etcd holds the request's credit for it meanwhile.
+    assert!(rs[1].cap() < held, "{}", rs[1].cap());
     let (_, now) = crate::pods::record::read_versioned(&rs[1].vm, POD).unwrap();
     assert_ne!(seen.cas, now.cas, "the sync fenced the record");
+}
+
+#[test]
+fn a_replica_whose_next_request_is_larger_gets_credit_from_replicas_that_refill_theirs() {
+    // Replicas 0 and 1 run 600-token requests, one ending on each every second, and admit the
+    // next from their lines whenever their cap has room (between syncs, as admission does);
+    // replica 2's next request takes 1 000 tokens, and it holds nothing there. Before a
+    // starved replica had the split start from nothing, 0 and 1 kept what they held (the whole
+    // pod) and 2 waited for ever.
+    let mut etcd = FakeEtcd::default();
+    let mut rs: Vec<Replica> = (0..3).map(|i| Replica::new(&format!("r{i}"), 0)).collect();
+    for r in &mut rs[..2] {
+        (r.demand, r.unit) = (5_000, 600);
+    }
+    let admit = |r: &mut Replica| {
+        while r.in_use + r.unit <= r.cap() && r.unit > 0 {
+            r.in_use += r.unit;
+        }
+    };
+    let mut admitted_at = None;
+    for now in (0..20_000).step_by(250) {
+        if now == 3_000 {
+            assert_eq!(rs[0].in_use + rs[1].in_use, BUDGET, "0 and 1 fill the pod");
+            (rs[2].demand, rs[2].unit) = (1_000, 1_000);
+        }
+        for (k, r) in rs.iter_mut().enumerate() {
+            if k < 2 && now % 1_000 == 0 && r.in_use > 0 {
+                r.in_use -= 600;
+            }
+            if k < 2 || admitted_at.is_none() {
+                admit(r);
+            }
+        }
+        if admitted_at.is_none() && rs[2].in_use > 0 {
+            admitted_at = Some(now);
+        }
+        for r in rs.iter_mut() {
+            r.tick(&mut etcd, now);
+        }
+    }
+    let waited = admitted_at.map(|t| t - 3_000);
+    // 2 needs the credit of two of the others' requests, which end one a second on each, and
+    // their credit goes to 2 at the next syncs.
+    assert!(waited.is_some_and(|w| w <= 2_500), "waited {waited:?} ms");
+    // 0 and 1 kept admitting meanwhile, within what 2 left.
+    assert!(rs[0].in_use + rs[1].in_use >= BUDGET - 1_000 - 600);
 }
 
 /// Two replicas whose lines both wait (each holds 1 500 and asks for 2 000), then replica 1's

@@ -5,11 +5,13 @@ flowing within the fallback and the grants come back; a client sending straight 
 what the replicas admit there within a scrape; prefix groups meet on one pod through any replica,
 and a prompt sent through one replica is known cached by the others, with etcd's history
 compacted by one replica; a replica killed has its grants reclaimed after its lease and the grace, and one cut off
-from etcd while its requests stream has them counted by the others after the reclaim. The independent-replicas
+from etcd while its requests stream has them counted by the others after the reclaim; a replica
+whose requests are larger than the busy ones' is not starved of credit. The independent-replicas
 comparison and the latency numbers are in replicas_bench.py (BENCHMARKS.md)."""
 
 import base64
 import itertools
+import statistics
 import threading
 import time
 from collections import Counter
@@ -204,6 +206,15 @@ def test_a_killed_replicas_grants_are_reclaimed_after_its_lease_and_the_grace(po
     assert wait_for(lambda: all(kvgate_stat(e, "replicas.live") == 2 for e in envoys[:2]), timeout=5)
 
 
+def keep_busy(envoys, first, halt, answers):
+    """Sends completions of max_tokens 200 through replicas 0 and 1 in turn until `halt` is set,
+    appending each answer (`stream`'s) to `answers`."""
+    for i in itertools.count(first):
+        if halt.is_set():
+            return
+        answers.append(stream(envoys[i % 2].port, "/v1/completions", unshared_completion(i, max_tokens=200)))
+
+
 def test_a_replica_cut_off_from_etcd_has_its_requests_counted_after_its_grant_is_reclaimed():
     """Replica 2 is cut off from etcd while two long answers stream through it; its lease lapses
     and the others reclaim its grants, while their lines wait for credit. They must not hand its
@@ -223,11 +234,7 @@ def test_a_replica_cut_off_from_etcd_has_its_requests_counted_after_its_grant_is
 
         def load(k):
             # The live replicas' lines wait: they ask for credit, and would take the reclaimed.
-            for i in itertools.count(1000 + k * 1000):
-                if halt.is_set():
-                    return
-                r = stream(envoys[i % 2].port, "/v1/completions", unshared_completion(i, max_tokens=200))
-                answers.append(r["status"])
+            keep_busy(envoys, 1000 + k * 1000, halt, answers)
 
         def long(i):
             return stream(envoys[2].port, "/v1/completions", unshared_completion(i, max_tokens=800))
@@ -255,7 +262,7 @@ def test_a_replica_cut_off_from_etcd_has_its_requests_counted_after_its_grant_is
             for f in loads + [sampler]:
                 f.result()
         assert all(a["status"] == 200 and a["chunks"] == 800 for a in long_answers), long_answers
-        assert answers and all(s == 200 for s in answers), Counter(answers)
+        assert answers and all(a["status"] == 200 for a in answers), Counter(a["status"] for a in answers)
         nominal = {pod: max(page[pod]["budgetTokens"] for _, _, pages in samples for page in pages)
                    for pod in samples[0][2][2]}
         last_grant, checked, reclaimed_at, shown = {}, 0, {}, set()
@@ -284,6 +291,46 @@ def test_a_replica_cut_off_from_etcd_has_its_requests_counted_after_its_grant_is
         cut.mend()
         assert wait_for(lambda: all("replica-2" in g for g in grants_by_replica(etcd).values())
                         and kvgate_stat(envoys[2], "replicas.in_contact") == 1, timeout=10), grants_by_replica(etcd)
+
+
+def test_a_replica_whose_requests_are_larger_is_not_starved_by_busy_ones(etcd):
+    """Replicas 0 and 1 keep both pods full of short answers (max_tokens 200, twelve clients);
+    replica 2 then sends two of 800. Each of the busy replicas' ended requests is followed by the
+    next from its line within the grant it holds, so credit for a larger request reaches replica 2
+    only because the split gives a replica holding nothing its first request before the others
+    their next, and its second request asks for credit on the pod where it holds nothing
+    (docs/design.md, *The split*). Before, the later of the two began 7.6-13 s after it was sent
+    (a short answer streams for 2.5 s), or not before its wait ran out (CI, 2026-12-03: the
+    cut-off test above failed so); now within 0.1-5.5 s (BENCHMARKS.md, *A replica starved of
+    credit*)."""
+    with Sim(pods=2, args=["--time-scale", "0.5", "--num-gpu-blocks", "256"]) as sim, \
+            fleet(sim, etcd.port, etcd={"keyPrefix": "/kvgate-starve"}) as envoys:
+        halt, answers = threading.Event(), []
+
+        def load(k):
+            keep_busy(envoys, 5000 + k * 1000, halt, answers)
+
+        with ThreadPoolExecutor(14) as pool:
+            try:
+                loads = [pool.submit(load, k) for k in range(12)]
+                assert wait_for(lambda: len(answers) >= 12, timeout=20), len(answers)
+                longs = [pool.submit(stream, envoys[2].port, "/v1/completions",
+                                     unshared_completion(100 + i, max_tokens=800)) for i in range(2)]
+                long_answers = [f.result() for f in longs]
+            finally:
+                halt.set()
+            for f in loads:
+                f.result()
+        assert all(a["status"] == 200 and a["chunks"] == 800 for a in long_answers), \
+            [(a["status"], a.get("body")) for a in long_answers]
+        waits = [round(a["ttft"], 2) for a in long_answers]
+        short = statistics.median(a["total"] - a["ttft"] for a in answers if a["status"] == 200)
+        print(f"replica 2's larger requests began after {waits} s; a short answer streams for {short:.2f} s")
+        # Credit comes as the others' requests end below their shares: a short answer's time
+        # for each of the two, with a margin.
+        assert max(waits) < 3 * short, (waits, short)
+        assert answers and all(a["status"] == 200 for a in answers), Counter(a["status"] for a in answers)
+        assert preemptions(sim) == 0
 
 
 def group_placement(envoys, first_group, groups=48, questions=6):

@@ -87,7 +87,8 @@ pub(super) fn charges(
     } else {
         (est.prompt_tokens as f64 / ask.hashes.len() as f64).min(bt)
     };
-    let outlook = est.outlook(est.choices, 0);
+    // Computed once: its outlook is the same on every pod.
+    let fresh = Load::fresh(est, 0, 0);
     let load = |b: usize, copies: u64| {
         let whole = est.prompt_tokens as f64 * safety * copies as f64;
         // The engine shares whole blocks of tokens: the block in which the held prefix ends
@@ -98,17 +99,12 @@ pub(super) fn charges(
         let held = (whole - shared * safety).max(0.0);
         // The estimate's spread, in proportion to the part of the prompt it holds.
         let share = if whole > 0.0 { held / whole } else { 0.0 };
-        Load {
-            held: held.round() as u64,
-            sigma: (est.prompt_sigma as f64 * copies as f64 * share).round() as u64,
-            left: est.steps_left(est.choices, 0),
-            rate: est.choices,
-            bounded: est.bounded,
-            guessed: est.output_guessed,
-            streamed: 0,
-            ahead: None,
-            outlook,
-        }
+        // (Set field by field: `Load { held, sigma, ..fresh }` captures `fresh` field by field,
+        // which rustc 1.95 fails to compile here, an internal compiler error on the outlook's array.)
+        let mut load = fresh;
+        load.held = held.round() as u64;
+        load.sigma = (est.prompt_sigma as f64 * copies as f64 * share).round() as u64;
+        load
     };
     let copies = |i: usize| {
         if ask.records.get(i).is_some_and(|r| caches_nothing(r)) {
