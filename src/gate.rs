@@ -194,10 +194,10 @@ impl Gate {
         // Once the head has waited past its patience for the pod it names (`cacheWaitMs`), any
         // pod with room will do: it asks for its first request on each pod of its reach where
         // this replica holds nothing, so that the split can give it one there when the others
-        // leave it none (`split::fair_split`, a replica starved). Asking only where it waits, a
-        // replica holding one 1,400-token request on a pod had its second wait there 10.7 s,
-        // the other pod kept full by two replicas of short requests (docs/design.md, *The
-        // split*).
+        // leave it none (`split::fair_split`, a replica owed a request). Asking only where it
+        // waits, a replica holding one 1,400-token request on a pod had its second wait there
+        // 10.7 s, the other pod kept full by two replicas of short requests (docs/design.md,
+        // *The split*).
         let now = store.now_ms();
         let anywhere = first
             .filter(|t| now.saturating_sub(t.enqueued_ms) >= self.config.cache_wait_ms())

@@ -15,7 +15,8 @@ pub struct Share {
     /// Tokens of the pod's budget this replica may reserve. Lowered as soon as a sync plans a
     /// smaller grant, raised only once etcd took a larger one, so it can sit below what the
     /// replica holds while a shrink is on its way to etcd; and below `published` while the
-    /// replica's fair share is below what it holds, another starved there (`split::Next::cap`).
+    /// replica's fair share is below what it holds, another owed a request there
+    /// (`split::Next::cap`).
     pub grant: u64,
     /// The grant etcd holds for this replica, as far as it knows: the one read by the sync
     /// under way, or the one its last txn wrote. What the replica's requests hold on the pod

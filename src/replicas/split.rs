@@ -23,6 +23,9 @@ pub struct Holder {
     /// Its lease lapsed: it keeps its grant (it may still be admitting, cut off from etcd) until
     /// the grace ends, and asks for nothing more.
     pub lapsed: bool,
+    /// Its place, among holders given as much so far, for a further request: drawn per pod and
+    /// per period by the sync (`sync::rank`), the same in every replica's split.
+    pub rank: u64,
 }
 
 /// How many steps of water-filling one split takes at most; each hands out at least a token, and
@@ -46,28 +49,30 @@ const MAX_STEPS: usize = 100_000;
 /// moved back and forth and the 2× overload through three replicas took 0.56–0.59 s at
 /// the median against 0.39–0.40 s (`tests/e2e/replicas_bench.py`).
 ///
-/// Except for a replica starved there: one asking for the pod while it holds nothing on it,
-/// whose first request the others leave no room for. Each of their requests that ended was
-/// followed by the next from their lines, so it waited for ever (CI, 2026-12-03: two replicas of
-/// 750-token requests kept a 4 096-token pod between them, and a third replica's 1 350-token
-/// request waited past 10 s). Then the split starts from nothing: the starved replica's first
-/// request comes before anyone's second, and a replica whose share falls below what it holds
-/// admits nothing more there until its requests end below it (`Next::cap`), its credit going to
-/// the starved one.
+/// Except for a replica owed a request there: one asking for more of the pod, whose next request
+/// the split from what each holds leaves no room for, while the split from nothing gives it that
+/// request. Each of the others' requests that ended was followed by the next from their lines, so
+/// what each held stayed as it was for as long as the lines waited: a replica holding nothing
+/// waited for ever for its first request (CI, 2026-12-03: two replicas of 750-token requests kept
+/// a 4 096-token pod between them, and a third replica's 1 350-token request waited past 10 s),
+/// and one a request behind on a pod stayed there. Then the split starts from nothing: the owed
+/// replica's next request comes before anyone's further one, and a replica whose share falls
+/// below what it holds admits nothing more there until its requests end below it (`Next::cap`),
+/// its credit going to the owed one. Which of the replicas given as much so far a further request
+/// goes to is their `rank`, drawn per pod and per period, so one behind on a pod is behind there
+/// for a period, not on every pod for good (`sync::rank`).
 pub fn fair_split(budget: u64, holders: &[Holder]) -> Vec<u64> {
     let kept = fill(budget, holders, true);
-    let starved: Vec<usize> = (0..holders.len())
-        .filter(|&i| {
-            let h = &holders[i];
-            h.in_use == 0 && h.unit > 0 && h.demand > 0 && kept[i] < h.unit
-        })
-        .collect();
-    if starved.is_empty() {
-        return kept;
-    }
     // Only if that lets one in: a request larger than the pod's whole budget moves no credit.
     let fresh = fill(budget, holders, false);
-    if starved.iter().any(|&i| fresh[i] >= holders[i].unit) {
+    let owed = holders
+        .iter()
+        .zip(kept.iter().zip(&fresh))
+        .any(|(h, (&k, &f))| {
+            let next = h.in_use.saturating_add(h.unit);
+            h.unit > 0 && h.demand > h.in_use && k < next && f >= next
+        });
+    if owed {
         fresh
     } else {
         kept
@@ -77,8 +82,7 @@ pub fn fair_split(budget: u64, holders: &[Holder]) -> Vec<u64> {
 /// The water-filling of `fair_split`, from what each holds (`keep`) or from nothing. Ties,
 /// between holders given as much so far: a first request goes to whoever holds least now, so
 /// that where not every replica's next request fits, one holding nothing goes first; a further
-/// one to whoever holds most now, so the credit need not move (then the first listed: every
-/// replica lists them in etcd's key order).
+/// one by `rank` (then the first listed: every replica lists them in etcd's key order).
 fn fill(budget: u64, holders: &[Holder], keep: bool) -> Vec<u64> {
     let n = holders.len() as u64;
     if n == 0 {
@@ -101,8 +105,8 @@ fn fill(budget: u64, holders: &[Holder], keep: bool) -> Vec<u64> {
         let next = (0..holders.len())
             .filter(|&i| step(i) > 0 && step(i) <= left)
             .min_by_key(|&i| {
-                let held = holders[i].in_use;
-                (share[i], if share[i] == 0 { held } else { u64::MAX - held })
+                let h = &holders[i];
+                (share[i], if share[i] == 0 { h.in_use } else { h.rank })
             });
         let Some(i) = next else {
             break;
@@ -201,6 +205,7 @@ mod tests {
             demand,
             unit,
             lapsed: false,
+            rank: 0,
         }
     }
 
@@ -284,10 +289,35 @@ mod tests {
         // A request larger than the whole budget starves no one: what each holds is kept.
         let huge = [live(3_000, 3_000, 5_000, 700), live(0, 0, 9_000, 9_000)];
         assert_eq!(fair_split(4_096, &huge), [3_000 + 700 + 198, 198]);
-        // Ties: a first request to whoever holds least now, a second to whoever holds most.
+        // Ties: a first request to whoever holds least now, a second by rank (both 0 here: the
+        // first listed).
         let even = [live(0, 750, 5_000, 750), live(0, 0, 5_000, 750)];
         assert_eq!(fair_split(1_000, &even), [125, 750 + 125]);
         assert_eq!(fair_split(2_250, &even), [1_500, 750]);
+    }
+
+    #[test]
+    fn a_replica_two_requests_behind_another_is_owed_one_and_one_behind_is_not() {
+        // Three replicas' lines all wait, 650-token requests, a pod of 4 600 tokens: seven fit.
+        // Holding three, two and two, no split gives anyone more than a request apart: kept.
+        let near = [
+            live(1_950, 1_950, 9_000, 650),
+            live(1_300, 1_300, 9_000, 650),
+            live(1_300, 1_300, 9_000, 650),
+        ];
+        assert_eq!(fair_split(4_600, &near), [1_966, 1_316, 1_316]);
+        // Holding four, two and one: the third is owed the first's fourth, which admits nothing
+        // more there until one of its requests ends.
+        let far = [
+            live(2_600, 2_600, 9_000, 650),
+            live(1_300, 1_300, 9_000, 650),
+            live(650, 650, 9_000, 650),
+        ];
+        assert_eq!(fair_split(4_600, &far), [1_966, 1_316, 1_316]);
+        assert_eq!(next(4_600, &far, 0).cap, 1_966);
+        // A line that is empty is owed nothing: the second is owed the first's fourth instead.
+        let content = [far[0], far[1], live(650, 650, 650, 650)];
+        assert_eq!(fair_split(4_600, &content), [1_966, 1_966, 666]);
     }
 
     #[test]

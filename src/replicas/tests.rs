@@ -449,6 +449,53 @@ fn a_replica_whose_next_request_is_larger_gets_credit_from_replicas_that_refill_
     assert!(rs[0].in_use + rs[1].in_use >= BUDGET - 1_000 - 600);
 }
 
+#[test]
+fn a_replica_that_came_late_to_a_busy_pod_is_brought_to_an_even_share() {
+    // Replica 0 runs 500-token requests and has filled the pod (six of them) before replica 1's
+    // line starts; 1 gets one request's credit as 0's first request ends. Then both lines wait,
+    // one request ends on each replica every second, and each admits the next from its line
+    // whenever its cap has room (between syncs, as admission does). Before a replica owed a
+    // request had the split start from nothing, each refilled what ended on it: 0 kept five
+    // requests to 1's one for as long as both lines waited.
+    let mut etcd = FakeEtcd::default();
+    let mut rs: Vec<Replica> = (0..2).map(|i| Replica::new(&format!("r{i}"), 0)).collect();
+    (rs[0].demand, rs[0].unit) = (9_000, 500);
+    let admit = |r: &mut Replica| {
+        while r.unit > 0 && r.in_use + r.unit <= r.cap() {
+            r.in_use += r.unit;
+        }
+    };
+    let mut held = Vec::new();
+    for now in (0..20_000).step_by(250) {
+        if now == 2_000 {
+            assert_eq!(rs[0].in_use, BUDGET, "0 fills the pod");
+            (rs[1].demand, rs[1].unit) = (9_000, 500);
+        }
+        for r in rs.iter_mut() {
+            if now % 1_000 == 0 && r.in_use > 0 && now >= 2_000 {
+                r.in_use -= 500;
+            }
+            admit(r);
+        }
+        for r in rs.iter_mut() {
+            r.tick(&mut etcd, now);
+        }
+        assert!(etcd.grants().values().sum::<u64>() <= BUDGET);
+        held.push((now, rs[0].in_use, rs[1].in_use));
+    }
+    // Within a few of 0's requests' ends, the two hold three requests each, and keep it.
+    let even = held
+        .iter()
+        .find(|&&(_, a, b)| a == 1_500 && b == 1_500)
+        .map(|&(t, _, _)| t);
+    assert!(even.is_some_and(|t| t <= 6_000), "{held:?}");
+    let last = &held[held.len() - 20..];
+    assert!(
+        last.iter().all(|&(_, a, b)| a.abs_diff(b) <= 500),
+        "{last:?}"
+    );
+}
+
 /// Two replicas whose lines both wait (each holds 1 500 and asks for 2 000), then replica 1's
 /// requests end (it holds 500 and nothing waits there): how long until replica 0, still waiting,
 /// has more credit, with ticks every 20 ms and `busySyncIntervalMs` `busy_ms`.
@@ -808,4 +855,37 @@ fn a_stored_response_reaches_a_replica_holding_a_request_for_it_at_the_busy_pace
     // unless a request there is held for it.
     assert!((400..=520).contains(&unsought), "{unsought} ms");
     assert!(sought <= 60, "{sought} ms");
+}
+
+#[test]
+fn the_replica_a_pods_split_leaves_a_request_behind_differs_between_pods_and_periods() {
+    use crate::replicas::split::{fair_split, Holder};
+    // Three replicas' lines wait on each of eight pods that fit five 600-token requests: two get
+    // two and one gets one. Which one is their rank's, drawn per pod and per period.
+    let behind = |pod: usize, now: u64| {
+        let holders: Vec<Holder> = (0..3)
+            .map(|i| Holder {
+                demand: 9_000,
+                unit: 600,
+                rank: crate::replicas::sync::rank(
+                    &format!("10.0.0.{pod}:8000"),
+                    &format!("replica-{i}"),
+                    now,
+                ),
+                ..Holder::default()
+            })
+            .collect();
+        let split = fair_split(3_000, &holders);
+        (0..3).filter(|&i| split[i] < 1_200).collect::<Vec<_>>()
+    };
+    let mut seen = std::collections::BTreeSet::new();
+    for pod in 0..8 {
+        let one = behind(pod, 0);
+        assert_eq!(one.len(), 1, "pod {pod}: {one:?}");
+        assert_eq!(behind(pod, 4_999), one, "the same for the period");
+        seen.insert(one[0]);
+    }
+    assert_eq!(seen.len(), 3, "every replica is behind on some pod");
+    let periods: std::collections::BTreeSet<_> = (0..8).map(|p| behind(0, p * 5_000)[0]).collect();
+    assert!(periods.len() > 1, "and on one pod, not in every period");
 }
