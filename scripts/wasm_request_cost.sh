@@ -12,6 +12,16 @@
 #                                                Node's sampling profiler over REQUESTS requests
 #                                                (default 20000); each wasm function's share of
 #                                                the samples, self and with what it calls
+#   scripts/wasm_request_cost.sh --callgrind [PODS] [SHORT LONG]
+#                                                x86 instructions per request that V8 runs (the
+#                                                compiled wasm and the runtime under it), counted by
+#                                                callgrind: Node run over SHORT and over LONG requests
+#                                                (default 200 and 2200) at PODS pods (default 2), the
+#                                                difference divided by LONG − SHORT, so start-up and
+#                                                compilation cancel. Unlike timings, the count does not
+#                                                move with what else runs on the machine (two runs
+#                                                agree within 0.5 %), so it compares builds in V8
+#                                                where a shared machine's timings swing by half
 #
 # Any other arguments go to the example (`--open N`, `--stream N`, `--calls`).
 set -euo pipefail
@@ -23,6 +33,26 @@ WASM=$TARGET_DIR/wasm32-wasip1/release/examples/request_cost.wasm
 RUNNER=scripts/wasm_request_cost.mjs
 command -v node >/dev/null || { echo "needs Node.js 20 or later (apt-get install nodejs)" >&2; exit 1; }
 
+if [ "${1:-}" = --callgrind ]; then
+    command -v valgrind >/dev/null || { echo "needs valgrind (apt-get install valgrind)" >&2; exit 1; }
+    PODS=${2:-2}
+    SHORT=${3:-200}
+    LONG=${4:-2200}
+    OUT=$(mktemp -d)
+    trap 'rm -rf "$OUT"' EXIT
+    # One thread (no concurrent compilation or GC helpers, whose share would vary) and no
+    # Liftoff, as Envoy runs V8; --smc-check=all, since V8 writes the code it then runs.
+    count() {
+        valgrind --tool=callgrind --smc-check=all --callgrind-out-file="$OUT/$1.out" \
+            node --no-liftoff --single-threaded "$RUNNER" "$WASM" --iters "$1" --pods "$PODS" \
+            >/dev/null 2>&1
+        awk '/^totals:/ { print $2 }' "$OUT/$1.out"
+    }
+    short=$(count "$SHORT")
+    long=$(count "$LONG")
+    echo "pods $PODS: $(((long - short) / (LONG - SHORT))) instructions per request in V8"
+    exit 0
+fi
 if [ "${1:-}" != --profile ]; then
     exec node "$RUNNER" "$WASM" "$@"
 fi

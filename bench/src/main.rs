@@ -302,6 +302,7 @@ async fn run_job(ctx: Arc<Ctx>, job: Job) {
             job: job.id,
             turn: t,
             sent,
+            max_tokens: turn.max_tokens,
             outcome: client::Outcome { itl, ..o },
             tags: tags.clone(),
         };

@@ -13,6 +13,10 @@ pub struct Record {
     pub turn: usize,
     /// Seconds from the start of the run to sending the request.
     pub sent: f64,
+    /// The request's `max_tokens` (none: the server decided when to stop), so that what an
+    /// answer's length could have been known from is in the record beside it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_tokens: Option<u32>,
     #[serde(flatten)]
     pub outcome: Outcome,
     pub tags: BTreeMap<String, String>,

@@ -72,7 +72,7 @@ fn learned() -> [Option<Learned>; 4] {
             },
             part_tokens: Some(0.0),
             prompt_spread: 0.0,
-            output: OutputDist::learned(&shortest, &none, 256),
+            output: OutputDist::learned(&shortest, &none, 256, 0),
             tokens_per_piece: 1.0,
         }),
         Some(Learned {
@@ -86,7 +86,7 @@ fn learned() -> [Option<Learned>; 4] {
             },
             part_tokens: Some(65_536.0),
             prompt_spread: 1.0,
-            output: OutputDist::learned(&longest, &none, 1),
+            output: OutputDist::learned(&longest, &none, 1, 0),
             tokens_per_piece: 16.0,
         }),
         Some(Learned {
@@ -100,7 +100,7 @@ fn learned() -> [Option<Learned>; 4] {
             },
             part_tokens: None,
             prompt_spread: 0.05,
-            output: OutputDist::learned(&[1.0; BUCKETS], &[1.0; BUCKETS], 65_536),
+            output: OutputDist::learned(&[1.0; BUCKETS], &[1.0; BUCKETS], 65_536, 65_536),
             tokens_per_piece: 4.0,
         }),
     ]

@@ -295,7 +295,7 @@ impl ModelStats {
     fn learned(
         &self,
         cohort: Option<&Cohort>,
-        prior_output_tokens: u64,
+        prior: Prior,
         cfg: &EstimatorConfig,
     ) -> Option<Learned> {
         let (mut ended, mut cut) = (self.output.clone(), self.cut.clone());
@@ -314,7 +314,7 @@ impl ModelStats {
             prompt_spread: self
                 .prompt_var
                 .map_or(cfg.prompt_spread, |v| v.max(0.0).sqrt().min(1.0)),
-            output: OutputDist::learned(&ended, &cut, prior_output_tokens),
+            output: OutputDist::learned(&ended, &cut, prior.tokens, prior.engines_mean(cfg)),
             tokens_per_piece: self
                 .streamed
                 .filter(|&(_, pieces)| pieces > 0.0)
@@ -422,6 +422,16 @@ pub struct Prior {
 }
 
 impl Prior {
+    /// The mean the engines measured, where it is what the prior is (longer than the configured
+    /// one); else 0. Lengths kvgate learns do not lower the prior below it (`OutputDist::learned`).
+    fn engines_mean(self, cfg: &EstimatorConfig) -> u64 {
+        if self.guessed || self.tokens <= cfg.default_output_tokens {
+            0
+        } else {
+            self.tokens
+        }
+    }
+
     /// The configured mean, as calibration on or off takes it.
     pub fn configured(cfg: &EstimatorConfig) -> Prior {
         Prior {
@@ -549,7 +559,7 @@ impl Calibration {
         }
         let prior = output_prior(store, engines, cfg);
         let learned = read_record(store, record)
-            .and_then(|s| s.learned(self.cohorts.get(record), prior.tokens, cfg));
+            .and_then(|s| s.learned(self.cohorts.get(record), prior, cfg));
         let known = Known { learned, prior };
         // The cache is bounded like the slots: models beyond them are not worth remembering.
         if self.cache.len() >= SLOTS as usize * 4 {

@@ -157,8 +157,8 @@ mod tests {
             }
         }
         let (ended, censored) = c.counts();
-        let finished_only = OutputDist::learned(&ended, &[0.0; BUCKETS], 256);
-        let with_running = OutputDist::learned(&ended, &censored, 256);
+        let finished_only = OutputDist::learned(&ended, &[0.0; BUCKETS], 256, 0);
+        let with_running = OutputDist::learned(&ended, &censored, 256, 0);
         assert!(finished_only.survival(300.0) < 0.05);
         assert!(with_running.survival(300.0) > 0.45);
         assert!(with_running.expected(0, 8192) > 2 * finished_only.expected(0, 8192));

@@ -22,6 +22,13 @@ pub const BUCKETS: usize = 64;
 const BUCKETS_PER_DOUBLING: f64 = 4.0;
 /// The prior's weight, in samples, once samples exist.
 const PRIOR_SAMPLES: f64 = 8.0;
+/// Once a model's answers have been seen to end, the prior's mean is at most this many times
+/// theirs (`OutputDist::learned`).
+const PRIOR_SPAN: f64 = 2.0;
+/// The learned survival at the longest answer seen below which the answers' own mean (their
+/// survival's area) is known, not only a lower bound: fewer than one answer in twenty went on
+/// past every length seen.
+const TAIL_SEEN: f64 = 0.05;
 
 /// The forecast's intervals of decode steps ahead: interval j runs from `HORIZON_STEPS[j]` to
 /// `HORIZON_STEPS[j + 1]` (the last to the output cap's default). A geometric grid, √2 a step:
@@ -111,12 +118,23 @@ impl OutputDist {
     /// within a few hundred more: on pods of answers a reasoning model's length (1,500 on
     /// average), the pods took more than they could hold while the first answers ran, and
     /// preempted.
-    pub fn learned(ended: &[f64], cut: &[f64], prior_mean: u64) -> OutputDist {
+    ///
+    /// The prior's mean is lowered to `PRIOR_SPAN` times the answers' own where they have been
+    /// seen to end (`TAIL_SEEN`). The record fades to about 256 answers' worth, so the prior's
+    /// eight samples never wash out; at the configured 256 tokens they kept a model of short
+    /// answers a fifth longer than it answered (answers of mean 32, σ 0.8: 39 tokens expected from
+    /// 256 samples), and its tail, the forecast's variance far ahead, on every request. Where the
+    /// answers still run past the longest seen, their area is only a lower bound of their mean
+    /// (the first to end are the short ones), and the prior stays as configured. Nor is it
+    /// lowered below `measured`, the mean the model's engines report over all their answers
+    /// (0: none), which kvgate's own first answers do not overrule.
+    pub fn learned(ended: &[f64], cut: &[f64], prior_mean: u64, measured: u64) -> OutputDist {
         let n: f64 = ended.iter().chain(cut).sum();
         let mut at_risk = n;
         let mut km = 1.0;
         let mut knots = [1f32; BUCKETS + 1];
         let mut last = None;
+        let mut prior = prior_mean.max(1) as f64;
         for b in 0..BUCKETS {
             let d = ended.get(b).copied().unwrap_or(0.0);
             let c = cut.get(b).copied().unwrap_or(0.0);
@@ -137,7 +155,10 @@ impl OutputDist {
                     f64::from(knots[b] + knots[b + 1]) * 0.5 * (bucket_edge(b) - lo)
                 })
                 .sum();
-            let fade = area.max(prior_mean.max(1) as f64);
+            if from <= TAIL_SEEN {
+                prior = prior.min((PRIOR_SPAN * area).max(measured as f64)).max(1.0);
+            }
+            let fade = area.max(prior);
             for b in last + 1..BUCKETS {
                 let past = bucket_edge(b) - bucket_edge(last);
                 knots[b + 1] = (from * (-past / fade).exp()) as f32;
@@ -146,7 +167,7 @@ impl OutputDist {
         OutputDist {
             knots,
             samples: n as f32,
-            ..OutputDist::prior(prior_mean)
+            ..OutputDist::prior(prior.round() as u64)
         }
     }
 
@@ -281,7 +302,7 @@ mod tests {
     fn learned_lengths_replace_the_prior_but_the_tail_never_vanishes() {
         // 90 answers of 100 tokens, 10 of 1000.
         let ended = hist(&[(100, 90.0), (1000, 10.0)]);
-        let d = OutputDist::learned(&ended, &[0.0; BUCKETS], 256);
+        let d = OutputDist::learned(&ended, &[0.0; BUCKETS], 256, 0);
         let e = d.expected(0, 100_000) as f64;
         assert!((180.0..=230.0).contains(&e), "mean about 190: {e}");
         assert!(d.survival(200.0) < 0.15 && d.survival(200.0) > 0.08);
@@ -297,8 +318,8 @@ mod tests {
         // Half the answers stopped at 50 tokens, half were cut at 200 by their max_tokens.
         let ended = hist(&[(50, 50.0)]);
         let cut = hist(&[(200, 50.0)]);
-        let censored = OutputDist::learned(&ended, &cut, 256);
-        let dropped = OutputDist::learned(&ended, &[0.0; BUCKETS], 256);
+        let censored = OutputDist::learned(&ended, &cut, 256, 0);
+        let dropped = OutputDist::learned(&ended, &[0.0; BUCKETS], 256, 0);
         assert!(
             censored.survival(150.0) > 0.45,
             "the cut half is still running at 150"
@@ -312,7 +333,7 @@ mod tests {
     #[test]
     fn past_the_longest_sample_the_survival_fades_like_the_prior() {
         // Every answer seen is still running (censored) at 300 tokens.
-        let d = OutputDist::learned(&[0.0; BUCKETS], &hist(&[(300, 100.0)]), 256);
+        let d = OutputDist::learned(&[0.0; BUCKETS], &hist(&[(300, 100.0)]), 256, 0);
         assert!(d.survival(250.0) > 0.95);
         let at = |t: f64| d.survival(t);
         // From there on, an exponential with the samples' mean of about 300, not 1 up to the
@@ -320,16 +341,54 @@ mod tests {
         assert!(at(3_000.0) < 0.01, "{d:?}");
         let e = d.expected(0, 100_000);
         assert!((500..=700).contains(&e), "about 300 and 300 more: {e}");
-        // Answers of a short model: past its longest, the prior's mean, longer than its own.
-        let short = OutputDist::learned(&hist(&[(20, 90.0), (60, 10.0)]), &[0.0; BUCKETS], 256);
+        // Answers of a short model, seen to end: past its longest they fade at twice their own
+        // mean (about 24 tokens), not at the configured 256, which they were seen not to reach.
+        let ended = hist(&[(20, 90.0), (60, 10.0)]);
+        let short = OutputDist::learned(&ended, &[0.0; BUCKETS], 256, 0);
         let tail = |d: &OutputDist, t: f64| d.survival(t + 100.0) / d.survival(t);
-        let prior_tail = (-100.0f64 / 256.0).exp();
-        assert!((tail(&short, 200.0) - prior_tail).abs() < 0.05);
+        let own = (-100.0f64 / (2.0 * 24.5)).exp();
+        assert!(
+            (tail(&short, 200.0) - own).abs() < 0.05,
+            "{}",
+            tail(&short, 200.0)
+        );
+        // Unless their engines report a longer mean over all their answers: that one stands.
+        let reported = OutputDist::learned(&ended, &[0.0; BUCKETS], 750, 750);
+        let at_750 = (-100.0f64 / 750.0).exp();
+        assert!((tail(&reported, 200.0) - at_750).abs() < 0.05);
         // Answers all still running at a thousand tokens: expected to go on about as long again,
         // not to end within the prior's 256.
-        let running = OutputDist::learned(&[0.0; BUCKETS], &hist(&[(1_000, 50.0)]), 256);
+        let running = OutputDist::learned(&[0.0; BUCKETS], &hist(&[(1_000, 50.0)]), 256, 0);
         let more = running.expected(1_000, 100_000) - 1_000;
         assert!((800..=1_300).contains(&more), "{more}");
+    }
+
+    #[test]
+    fn the_prior_does_not_lengthen_a_short_models_answers() {
+        // 256 answers (what the faded record holds) of a lognormal of mean 32, σ 0.8: the
+        // configured prior's eight samples of mean 256 had them expected at 39 tokens.
+        let mut ended = [0.0; BUCKETS];
+        let mut sum = 0.0;
+        for i in 0..256 {
+            // Spread over the distribution by its quantiles (a normal's, by a logistic fit).
+            let p = (f64::from(i) + 0.5) / 256.0;
+            let z = (p / (1.0 - p)).ln() / 1.702;
+            let len = ((32f64.ln() - 0.32) + 0.8 * z).exp().round().max(1.0);
+            sum += len;
+            ended[bucket(len as u64)] += 1.0;
+        }
+        let mean = sum / 256.0;
+        let e = OutputDist::learned(&ended, &[0.0; BUCKETS], 256, 0).expected(0, 100_000) as f64;
+        assert!((e - mean).abs() <= 0.08 * mean, "{e} against {mean}");
+        // As before, with the prior held at 256 (here: engines reporting that mean).
+        let held = OutputDist::learned(&ended, &[0.0; BUCKETS], 256, 256).expected(0, 100_000);
+        assert!(held as f64 >= 1.15 * mean, "{held} against {mean}");
+        // Answers still running past every length seen: their mean is unknown, the prior stays.
+        let cut = hist(&[(200, 100.0)]);
+        let running = OutputDist::learned(&ended, &cut, 256, 0);
+        let as_before = OutputDist::learned(&ended, &cut, 256, 256);
+        assert_eq!(running, as_before);
+        assert!(running.expected(200, 100_000) >= 200 + 150);
     }
 
     #[test]
@@ -337,7 +396,7 @@ mod tests {
         let prior = OutputDist::prior(256);
         assert_eq!(prior.of_request(true, 0).expected(0, 1000), 1000);
         let ended = hist(&[(50, 100.0)]);
-        let learned = OutputDist::learned(&ended, &[0.0; BUCKETS], 256).of_request(true, 0);
+        let learned = OutputDist::learned(&ended, &[0.0; BUCKETS], 256, 0).of_request(true, 0);
         let e = learned.expected(0, 1000);
         // 100 answers of 50 tokens, and eight samples' worth of running to the limit.
         assert!((100..=160).contains(&e), "{e}");
@@ -348,7 +407,7 @@ mod tests {
     /// its limit.
     #[test]
     fn a_floor_holds_the_answer_on_until_it() {
-        let d = OutputDist::learned(&hist(&[(50, 90.0), (400, 10.0)]), &[0.0; BUCKETS], 256);
+        let d = OutputDist::learned(&hist(&[(50, 90.0), (400, 10.0)]), &[0.0; BUCKETS], 256, 0);
         let held = d.of_request(false, 200);
         assert_eq!(held.survival(199.0), 1.0);
         assert_eq!(held.survival(300.0), d.survival(300.0));

@@ -224,7 +224,12 @@ mod tests {
             raw: PromptFit::RULE,
             part_tokens: None,
             prompt_spread: 0.0,
-            output: OutputDist::learned(&ended, &[0.0; crate::estimate::output_dist::BUCKETS], 256),
+            output: OutputDist::learned(
+                &ended,
+                &[0.0; crate::estimate::output_dist::BUCKETS],
+                256,
+                0,
+            ),
             tokens_per_piece: 1.0,
         }
     }
