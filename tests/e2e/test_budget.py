@@ -268,7 +268,11 @@ def test_without_max_tokens_preemptions_are_a_sliver_of_round_robins():
     out = against_round_robin(SMALL_KV, 48, 240, concurrency=4, on_kvgate=held)
     print("without max_tokens:", out)
     assert out["round_robin"]["preemptions"] >= 50
-    assert out["kvgate"]["preemptions"] <= 0.02 * out["round_robin"]["preemptions"]
+    # A preemption or two is this run's noise (240 requests; round robin's 117-137): kvgate made
+    # 0-2 in each of 20 runs on one machine (2026-12-04), and 3 once in CI against round robin's
+    # 126, past 2 % of it. Three or 2 %, whichever is more, still fails a forecast that preempts
+    # like round robin.
+    assert out["kvgate"]["preemptions"] <= max(3, 0.02 * out["round_robin"]["preemptions"]), out
     # Bounds below what is measured (KV 0.69-0.73, 1.02-1.05x), so that a loaded CI machine does not
     # fail them, and far above the 42 % and 0.50x that the issue started from. A machine too slow
     # to fill the pods at all (round robin's own KV 0.47 in one CI run) is held to round robin's.
