@@ -63,16 +63,19 @@ const MAX_STEPS: usize = 100_000;
 /// for a period, not on every pod for good (`sync::rank`).
 pub fn fair_split(budget: u64, holders: &[Holder]) -> Vec<u64> {
     let kept = fill(budget, holders, true);
+    let next = |h: &Holder| h.in_use.saturating_add(h.unit);
+    let short: Vec<usize> = (0..holders.len())
+        .filter(|&i| {
+            let h = &holders[i];
+            h.unit > 0 && h.demand > h.in_use && kept[i] < next(h)
+        })
+        .collect();
+    if short.is_empty() {
+        return kept;
+    }
     // Only if that lets one in: a request larger than the pod's whole budget moves no credit.
     let fresh = fill(budget, holders, false);
-    let owed = holders
-        .iter()
-        .zip(kept.iter().zip(&fresh))
-        .any(|(h, (&k, &f))| {
-            let next = h.in_use.saturating_add(h.unit);
-            h.unit > 0 && h.demand > h.in_use && k < next && f >= next
-        });
-    if owed {
+    if short.iter().any(|&i| fresh[i] >= next(&holders[i])) {
         fresh
     } else {
         kept
