@@ -63,19 +63,18 @@ const MAX_STEPS: usize = 100_000;
 /// for a period, not on every pod for good (`sync::rank`).
 pub fn fair_split(budget: u64, holders: &[Holder]) -> Vec<u64> {
     let kept = fill(budget, holders, true);
-    let next = |h: &Holder| h.in_use.saturating_add(h.unit);
-    let short: Vec<usize> = (0..holders.len())
-        .filter(|&i| {
-            let h = &holders[i];
-            h.unit > 0 && h.demand > h.in_use && kept[i] < next(h)
+    // A replica short of its next request there: wanting more than it holds, not given it.
+    let short_of = |given: &[u64], i: usize| {
+        holders.get(i).zip(given.get(i)).is_some_and(|(h, &g)| {
+            h.unit > 0 && h.demand > h.in_use && g < h.in_use.saturating_add(h.unit)
         })
-        .collect();
-    if short.is_empty() {
+    };
+    if !(0..holders.len()).any(|i| short_of(&kept, i)) {
         return kept;
     }
     // Only if that lets one in: a request larger than the pod's whole budget moves no credit.
     let fresh = fill(budget, holders, false);
-    if short.iter().any(|&i| fresh[i] >= next(&holders[i])) {
+    if (0..holders.len()).any(|i| short_of(&kept, i) && !short_of(&fresh, i)) {
         fresh
     } else {
         kept
