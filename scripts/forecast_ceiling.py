@@ -18,9 +18,21 @@ not the engine's; one `z` holds for every request (kvgate's own is each kind's i
 and its overruns: the times it went past (where the engine would preempt). With `--skew` the
 quantile is moved by the sum's skewness (Cornish-Fisher), which kvgate does not do.
 
+Two other rules bound what any rule could do on the same traffic (`--rule`):
+- `exact`: the same per-step chances, but the tail of the pod's KV worked out exactly (each
+  request running or not, independently, summed in blocks) instead of by E + z*sigma: admitted
+  while, at every step ahead, the chance that the pod holds more than the budget is at most
+  `--eps`. It tells whether the normal approximation is what costs KV on pods of few requests
+  (needs numpy).
+- `oracle`: every request's true length known at admission; admitted while the pod's true KV
+  stays within the budget at every step ahead. No rule that does not know each answer's length
+  can do better; the gap between it and the others is what the answers' spread costs.
+With `--window N` any of the line's first N requests that fits is admitted, in order (a request
+that fits where the head does not, as kvgate's bounded backfill admits one): what packing adds.
+
     scripts/forecast_ceiling.py [--steps N] [--seed S] [--z Z ...] [--utilization U ...]
         [--capacity T] [--prompt-tokens LO,HI] [--output-mean M] [--bounded F] [--no-eos]
-        [--skew none|positive|both]
+        [--skew none|positive|both] [--rule normal|exact|oracle] [--eps E ...] [--window N]
 
 Measured (40,000 steps, seed 2, utilization 1.0; mean KV, overruns), BENCHMARKS.md 2026-12-01:
 
@@ -112,21 +124,74 @@ def forecast(requests, z, skew):
     return worst
 
 
-def run(z, utilization, steps, seed, capacity, traffic, skew):
+def exact_fits(requests, budget, eps):
+    """Whether, at every step ahead, the chance that the requests hold more than `budget` is at
+    most `eps`: each request running or not with its chance, independently, its KV in whole blocks
+    (the terms of `forecast`, without the slack's spread), the sum's distribution convolved."""
+    import numpy as np
+    points = set(GRID)
+    points.update(r.limit - r.out - 1 for r in requests)
+    top = int(budget // BLOCK)
+    for s in sorted(p for p in points if 0 <= p <= OUTPUT_CAP):
+        grid_step = max(g for g in GRID if g <= s)
+        # dist[k]: the chance of holding k blocks; dist[top + 1]: of holding more than the budget.
+        dist = np.zeros(top + 2)
+        dist[0] = 1.0
+        for r in requests:
+            p = r.running(grid_step) if r.limit - r.out >= s else 0.0
+            if p <= 0.0:
+                continue
+            k = math.ceil((r.prompt + r.out + s + BLOCK + 2) / BLOCK)
+            moved = np.zeros(top + 2)
+            if k <= top:
+                moved[k:top + 1] = dist[:top + 1 - k]
+                moved[top + 1] = dist[top + 1 - k:].sum()
+            else:
+                moved[top + 1] = 1.0
+            dist = dist * (1.0 - p) + moved * p
+        if dist[top + 1] > eps:
+            return False
+    return True
+
+
+def oracle_fits(requests, budget):
+    """Whether the requests' true KV stays within `budget` at every step ahead, as `run` measures
+    it after each step: each holds its prompt, what it has made and half a block, growing a token
+    a step up to the step that makes its last token, so the most is at one of those steps (or at
+    the next step)."""
+    ends = {1} | {r.length - r.out for r in requests}
+    return all(sum(r.prompt + r.out + s + BLOCK // 2 for r in requests if r.out + s <= r.length) <= budget
+               for s in ends if s >= 1)
+
+
+def run(z, utilization, steps, seed, capacity, traffic, skew, rule="normal", eps=0.0, window=1):
     rng = random.Random(seed)
     budget = utilization * capacity
-    running, waiting = [], None
+    running, waiting = [], []
     kv_sum = over = overruns = 0
     over_before = False
+
+    def fits(pod):
+        if rule == "exact":
+            return exact_fits(pod, budget, eps)
+        if rule == "oracle":
+            return oracle_fits(pod, budget)
+        return forecast(pod, z, skew) <= budget
+
     for _ in range(steps):
-        while True:
-            if waiting is None:
-                waiting = Request(rng, traffic)
-            if not running or forecast(running + [waiting], z, skew) <= budget:
-                running.append(waiting)
-                waiting = None
-            else:
-                break
+        # The line's first `window` requests, in order: each that fits is admitted (the head
+        # alone with a window of 1, as kvgate's line admits until its backfill).
+        while len(waiting) < window:
+            waiting.append(Request(rng, traffic))
+        admitted = True
+        while admitted:
+            admitted = False
+            for i, w in enumerate(waiting):
+                if not running or fits(running + [w]):
+                    running.append(waiting.pop(i))
+                    waiting.append(Request(rng, traffic))
+                    admitted = True
+                    break
         for r in running:
             r.out += 1
         # The engine's blocks: each request's last one partly filled, half on average.
@@ -152,13 +217,25 @@ def main():
     ap.add_argument("--no-eos", action="store_true", help="bounded requests run to max_tokens")
     ap.add_argument("--skew", choices=["none", "positive", "both"], default="none",
                     help="move the quantile by the sum's skewness (Cornish-Fisher): not kvgate's rule")
+    ap.add_argument("--rule", choices=["normal", "exact", "oracle"], default="normal",
+                    help="kvgate's E + z*sigma; the exact tail at --eps; every length known")
+    ap.add_argument("--eps", type=float, nargs="+", default=[0.01, 0.003],
+                    help="with --rule exact: the chance of passing the budget allowed at each step")
+    ap.add_argument("--window", type=int, default=1,
+                    help="how many of the line's first requests may be admitted, in order (1: the head alone)")
     a = ap.parse_args()
     traffic = Traffic(a)
-    print(f"{'z':>5} {'utilization':>12} {'mean KV':>8} {'steps over':>11} {'overruns':>9}")
+    # One row per setting of the rule: its z, its eps, or none for the oracle.
+    settings = {"normal": [("z", z) for z in a.z], "exact": [("eps", e) for e in a.eps],
+                "oracle": [("oracle", None)]}[a.rule]
+    print(f"{'rule':>12} {'utilization':>12} {'mean KV':>8} {'steps over':>11} {'overruns':>9}")
     for u in a.utilization:
-        for z in a.z:
-            used, over, overruns = run(z, u, a.steps, a.seed, a.capacity, traffic, a.skew)
-            print(f"{z:>5.2f} {u:>12.2f} {used:>8.1%} {over:>11d} {overruns:>9d}")
+        for name, value in settings:
+            z, eps = (value, 0.0) if name == "z" else (0.0, value or 0.0)
+            used, over, overruns = run(z, u, a.steps, a.seed, a.capacity, traffic, a.skew, a.rule, eps,
+                                       a.window)
+            label = name if value is None else f"{name} {value:g}"
+            print(f"{label:>12} {u:>12.2f} {used:>8.1%} {over:>11d} {overruns:>9d}")
 
 
 if __name__ == "__main__":
