@@ -101,6 +101,10 @@ FULL = {
         # Goodput at two TTFT objectives: interactive, and patient (a closed loop at twice the pool's
         # capacity queues every request somewhere, so which one a router wins depends on the bar).
         "ttft_slos_ms": [1000, 5000],
+        # Applications behind the model (0: none): each its system prompt and its answers' lengths,
+        # lognormal with medians `app_spread` apart (σ of their logs) and `app_answer_spread`
+        # within one; the load generator draws each answer's length and tells the simulator.
+        "apps": 0, "app_spread": 1.0, "app_answer_spread": 0.5,
     },
     # The chat workload with max_tokens on every request, kvgate at each Envoy worker count.
     "chat_bounded": {"envoy_concurrency": [1, 2, 4]},
@@ -110,7 +114,7 @@ FULL = {
     "chat_short": {
         "pods": 2, "num_gpu_blocks": 256, "prompt_tokens": "50,150", "output_len_mean": 32,
         "unbounded_fraction": 1.0, "max_tokens": "16,64", "clients": 120, "duration": 30, "warmup": 5, "warm_s": 0,
-        "ttft_slos_ms": [1000, 5000],
+        "ttft_slos_ms": [1000, 5000], "apps": 0, "app_spread": 1.0, "app_answer_spread": 0.5,
     },
     # Many LoRA adapters of one base model, more than the pool's adapter slots (pods × maxLoras).
     "lora": {
@@ -606,9 +610,15 @@ def warm_pods(sim, bench_args, out_base, seconds):
 
 
 def warm_desc(w):
-    """What a chat cell's description adds when its pods were warmed first (`warm_pods`)."""
-    return (f"; the pods first served the same traffic directly for {w['warm_s']} s (a gateway started in front "
+    """What a chat cell's description adds when its pods were warmed first (`warm_pods`), or its
+    requests are several applications' (`apps`)."""
+    warm = (f"; the pods first served the same traffic directly for {w['warm_s']} s (a gateway started in front "
             "of running engines), and the cell's preemptions are those after") if w.get("warm_s") else ""
+    apps = (f"; each request one of {w['apps']} applications' (its system prompt in front), its answer's length "
+            f"drawn from that application's (lognormal, medians σ {w['app_spread']} apart, σ "
+            f"{w['app_answer_spread']} within one, mean {w.get('output_len_mean', 256)}) and sent as "
+            "x-sim-output-tokens") if w.get("apps") else ""
+    return warm + apps
 
 
 def run_cell(ctx, tname, wname, label, bench_args, sim_args, timeout, concurrency=None, sample_kv=False, pods=None,
@@ -716,11 +726,16 @@ def chat_sim_args(w, sim_args):
 
 def chat_args(w, seed, unbounded_fraction):
     """Closed loop: `clients` workers each send their next request when the previous one ended,
-    for `duration` s (the jobs repeat if they run out)."""
+    for `duration` s (the jobs repeat if they run out). With `apps` (a cell's setting), the
+    requests are that many applications' (their system prompts, and their answers' lengths drawn
+    per application: `app_spread` between them, `app_answer_spread` within one, mean
+    `output_len_mean` or 256)."""
+    apps = ["--apps", w["apps"], "--app-answer-mean", w.get("output_len_mean", 256),
+            "--app-spread", w["app_spread"], "--app-answer-spread", w["app_answer_spread"]] if w["apps"] else []
     return ["--workload", "chat", "--seed", seed, "--arrival", "closed", "--concurrency", w["clients"],
             "--repeat", "--requests", 20000, "--prompt-tokens", w["prompt_tokens"],
             "--unbounded-fraction", unbounded_fraction, "--max-tokens", w["max_tokens"],
-            "--max-duration", w["duration"], "--timeout", 300, "--ttft-slo-ms", w["ttft_slos_ms"][0]]
+            "--max-duration", w["duration"], "--timeout", 300, "--ttft-slo-ms", w["ttft_slos_ms"][0], *apps]
 
 
 def steady(cell, out, w):
@@ -1645,7 +1660,7 @@ def main():
             if "envoy-rr" in live:
                 cells["envoy-rr"] = chat_cell("envoy-rr", "chat-bounded", 0.0)
             data["results"]["chat-bounded"] = cells
-            data["workload_desc"]["chat-bounded"] = WORKLOAD_DESC["chat-bounded"].format(**w)
+            data["workload_desc"]["chat-bounded"] = WORKLOAD_DESC["chat-bounded"].format(**w) + warm_desc(w)
 
         if "chat-short" in workloads:
             w = cfg["chat_short"]

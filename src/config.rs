@@ -326,6 +326,8 @@ pub struct EstimatorConfig {
     pub max_reservation_tokens: u64,
     /// Learn characters-per-token and output lengths per model from responses' `usage`.
     pub calibrate: bool,
+    /// Learn each prompt template's answer lengths beside its model's (`estimate::templates`).
+    pub template_lengths: bool,
     /// Weight of each new sample in the learned averages (exponential moving average).
     pub calibration_weight: f64,
     /// Samples needed before learned values replace the static rule.
@@ -345,6 +347,7 @@ impl Default for EstimatorConfig {
             min_reservation_tokens: 64,
             max_reservation_tokens: 131_072,
             calibrate: true,
+            template_lengths: true,
             calibration_weight: 0.05,
             min_samples: 20,
         }

@@ -126,6 +126,19 @@ struct WorkloadArgs {
     /// Range of max_tokens on the other chat requests (uniform).
     #[arg(long, default_value = "128,1024")]
     max_tokens: String,
+    /// Applications sharing the chat model, each its own system prompt and answer lengths (0:
+    /// the simulator draws every answer's length).
+    #[arg(long, default_value_t = 0)]
+    apps: usize,
+    /// The applications' answers' mean, tokens.
+    #[arg(long, default_value_t = 256.0)]
+    app_answer_mean: f64,
+    /// σ of the applications' log-medians.
+    #[arg(long, default_value_t = 1.0)]
+    app_spread: f64,
+    /// σ of one application's answers' log-lengths.
+    #[arg(long, default_value_t = 0.5)]
+    app_answer_spread: f64,
     /// Approximate JSON body size of the fixed workload.
     #[arg(long, default_value_t = 4096)]
     body_bytes: usize,
@@ -233,6 +246,12 @@ fn build_jobs(w: &WorkloadArgs) -> Result<Vec<Job>, String> {
                 prompt: pair(&w.prompt_tokens)?,
                 unbounded_fraction: w.unbounded_fraction,
                 max_tokens: pair(&w.max_tokens)?,
+                apps: (w.apps > 0).then_some(workload::Apps {
+                    count: w.apps,
+                    mean: w.app_answer_mean,
+                    between: w.app_spread,
+                    within: w.app_answer_spread,
+                }),
             },
             arrival,
         ),

@@ -51,6 +51,12 @@ impl Rng {
         -u.ln() * mean
     }
 
+    /// Standard normal (Box–Muller).
+    pub fn normal(&mut self) -> f64 {
+        let u = 1.0 - self.f64(); // (0, 1]
+        (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * self.f64()).cos()
+    }
+
     /// Index drawn according to weights (which need not sum to 1).
     pub fn weighted(&mut self, weights: &[f64]) -> usize {
         let total: f64 = weights.iter().sum();

@@ -271,11 +271,42 @@ pub struct Chat {
     pub unbounded_fraction: f64,
     /// Range of the `max_tokens` the others carry (uniform).
     pub max_tokens: (u64, u64),
+    /// Applications sharing the model (0: none, the simulator draws every answer's length).
+    pub apps: Option<Apps>,
+}
+
+/// Several applications behind one model, each with its own system prompt and its own answer
+/// lengths: lognormal within an application, with medians spread lognormally between them.
+#[derive(Debug, Clone, Copy)]
+pub struct Apps {
+    pub count: usize,
+    /// The answers' mean over all applications, tokens.
+    pub mean: f64,
+    /// σ of the applications' log-medians.
+    pub between: f64,
+    /// σ of one application's log-lengths.
+    pub within: f64,
+}
+
+impl Apps {
+    /// Application `k`'s system prompt, its first words naming it (so that its prompts share a
+    /// first block no other application's do), and the log-median of its answers.
+    fn app(&self, seed: u64, k: usize) -> (String, f64) {
+        let mut r = Rng::derive(seed, &[42, k as u64]);
+        let spread = self.between * self.between + self.within * self.within;
+        let median = self.mean.ln() - spread / 2.0 + self.between * r.normal();
+        (
+            format!("Application {k} instructions:{}", words(&mut r, 120)),
+            median,
+        )
+    }
 }
 
 /// Chat traffic in a KV-bound pool: unique prompts (no shared prefix) of log-uniform length,
 /// some requests bounded by `max_tokens` and the rest left to stop on their own, tagged
-/// `bound` = `max_tokens` or `none`.
+/// `bound` = `max_tokens` or `none`. With `apps`, each request is one application's (its system
+/// prompt in front, tagged `app`), and its answer's length is drawn from that application's and
+/// sent to the simulator (`x-sim-output-tokens`: it ends there, or at `max_tokens` first).
 pub fn chat(seed: u64, w: &Chat, arrival: Arrival) -> Vec<Job> {
     let starts = arrivals(&mut Rng::derive(seed, &[40]), w.requests, arrival);
     let (lo, hi) = (w.prompt.0.max(4) as f64, w.prompt.1.max(4) as f64);
@@ -292,18 +323,28 @@ pub fn chat(seed: u64, w: &Chat, arrival: Arrival) -> Vec<Job> {
             } else {
                 "none"
             };
+            let mut tags = vec![("bound".into(), bound.into())];
+            let (mut system, mut headers) = (None, vec![]);
+            if let Some(apps) = w.apps.filter(|a| a.count > 0) {
+                let k = r.range(0, apps.count as u64 - 1) as usize;
+                let (prompt, median) = apps.app(seed, k);
+                let length = (median + apps.within * r.normal()).exp().round().max(1.0);
+                system = Some(prompt);
+                headers.push(("x-sim-output-tokens".into(), format!("{length}")));
+                tags.push(("app".into(), k.to_string()));
+            }
             Job {
                 id: i,
                 start,
-                system: None,
+                system,
                 turns: vec![Turn {
                     user: format!("Chat {i}:{}", words(&mut r, prompt.saturating_sub(3))),
                     max_tokens,
                     think: 0.0,
                 }],
-                headers: vec![],
+                headers,
                 model: None,
-                tags: vec![("bound".into(), bound.into())],
+                tags,
             }
         })
         .collect()
@@ -545,6 +586,7 @@ mod tests {
             prompt: (200, 3000),
             unbounded_fraction: 0.5,
             max_tokens: (128, 1024),
+            apps: None,
         };
         let jobs = chat(3, &w, Arrival::Closed);
         assert_eq!(chat(3, &w, Arrival::Closed), jobs);
@@ -584,6 +626,60 @@ mod tests {
             .map(|j| j.turns[0].user.chars().take(48).collect())
             .collect();
         assert_eq!(firsts.len(), jobs.len());
+    }
+
+    #[test]
+    fn chat_of_several_applications_tells_each_answer_its_applications_length() {
+        let apps = Apps {
+            count: 4,
+            mean: 256.0,
+            between: 1.0,
+            within: 0.5,
+        };
+        let w = Chat {
+            requests: 8000,
+            prompt: (200, 300),
+            unbounded_fraction: 1.0,
+            max_tokens: (128, 1024),
+            apps: Some(apps),
+        };
+        let jobs = chat(5, &w, Arrival::Closed);
+        let mut by_app: std::collections::HashMap<String, (String, Vec<f64>)> = Default::default();
+        for j in &jobs {
+            let app = j
+                .tags
+                .iter()
+                .find(|(k, _)| k == "app")
+                .map(|(_, v)| v.clone());
+            let length = j.headers.iter().find(|(k, _)| k == "x-sim-output-tokens");
+            let (Some(app), Some((_, length)), Some(system)) = (app, length, &j.system) else {
+                panic!("{j:?}");
+            };
+            let e = by_app
+                .entry(app)
+                .or_insert_with(|| (system.clone(), vec![]));
+            assert_eq!(&e.0, system, "one system prompt an application");
+            e.1.push(length.parse::<f64>().unwrap().ln());
+        }
+        assert_eq!(by_app.len(), 4);
+        let firsts: std::collections::HashSet<String> = by_app
+            .values()
+            .map(|(s, _)| s.chars().take(16).collect())
+            .collect();
+        assert_eq!(firsts.len(), 4, "each application's prompts start apart");
+        for (_, logs) in by_app.values() {
+            let mean = logs.iter().sum::<f64>() / logs.len() as f64;
+            let sd =
+                (logs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / logs.len() as f64).sqrt();
+            assert!((sd - 0.5).abs() < 0.05, "within one application: {sd}");
+        }
+        // Over all of them the answers' mean is about the cell's.
+        let all: Vec<f64> = by_app
+            .values()
+            .flat_map(|(_, l)| l.iter().map(|x| x.exp()))
+            .collect();
+        let mean = all.iter().sum::<f64>() / all.len() as f64;
+        assert!((100.0..600.0).contains(&mean), "{mean}");
     }
 
     #[test]

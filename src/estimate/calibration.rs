@@ -11,7 +11,9 @@
 //! in) and the engines' answers' mean the output prior is raised to (`engine_lengths`) at most
 //! once per model per second. The lengths read
 //! are pooled with the VM's own `cohort` of answers started, running ones included, which the
-//! finished answers alone are biased against (see there).
+//! finished answers alone are biased against (see there). Beside the model's lengths, each VM
+//! learns how its prompt templates' answers run (`templates`), which a request's estimate blends
+//! in (`Calibration::own`).
 //!
 //! LoRA adapters are learned twice: each under its own name, and all of one base model's together
 //! in a family record ([`family`], slots `kvgate.calf.<slot>`), which an adapter falls back to
@@ -24,9 +26,10 @@
 use crate::config::EstimatorConfig;
 use crate::estimate::cohort::Cohort;
 use crate::estimate::engine_lengths;
-use crate::estimate::output_dist::{bucket, OutputDist, BUCKETS};
+use crate::estimate::output_dist::{bucket, OutputDist, Own, BUCKETS};
 use crate::estimate::reservation::Learned;
 use crate::estimate::slots::{self, Held, SLOTS};
+use crate::estimate::templates::{model_key, Templates};
 use crate::store::interface::{update_from, Store, StoreError, Versioned};
 use hashbrown::HashMap;
 use serde::{Deserialize, Serialize};
@@ -492,6 +495,8 @@ pub struct Calibration {
     cohorts: HashMap<String, Cohort>,
     /// Numbers the answers in the cohorts.
     started: u32,
+    /// How each prompt template's answers run, as this VM saw them end (`templates`).
+    templates: Templates,
 }
 
 /// An answer's place in its model's cohorts (`Calibration::started`).
@@ -625,6 +630,20 @@ impl Calibration {
             }
         }
         true
+    }
+
+    /// What the answers to `model`'s prompts of `template` (their first block's hash) say of
+    /// the next one's length beyond the model's (`templates`).
+    pub fn own(&self, model: &str, template: u64, cfg: &EstimatorConfig) -> Own {
+        if !(cfg.calibrate && cfg.template_lengths) {
+            return Own::NONE;
+        }
+        self.templates.own(model_key(model), template)
+    }
+
+    /// An answer of `tokens` to `model`'s prompt of `template` ended by itself.
+    pub fn ended(&mut self, model: &str, template: u64, tokens: u64) {
+        self.templates.ended(model_key(model), template, tokens);
     }
 
     /// Notes one response's ground truth, for `model` and its adapter `family` if it has one;

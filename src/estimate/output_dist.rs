@@ -65,6 +65,53 @@ pub struct OutputDist {
     /// The request's answer runs at least this long, whatever the model would say: vLLM and
     /// SGLang hold its end of sequence back until `min_tokens`, or for good under `ignore_eos`.
     floor: u64,
+    /// What is known of this request's answers beyond its model's (its prompt's template's,
+    /// `estimate::templates`), blended in by its weight.
+    own: Own,
+}
+
+/// One template's answer lengths: lognormal, `log2(tokens + 1)` of mean `mean` and standard
+/// deviation `spread`, weighing `weight` (0 to 1) against the model's.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Own {
+    pub mean: f32,
+    pub spread: f32,
+    pub weight: f32,
+}
+
+impl Own {
+    /// Nothing known beyond the model's.
+    pub const NONE: Own = Own {
+        mean: 0.0,
+        spread: 0.0,
+        weight: 0.0,
+    };
+
+    fn survival(self, t: f64) -> f64 {
+        let z = ((t + 1.0).log2() - f64::from(self.mean)) / f64::from(self.spread);
+        0.5 * erfc(z / std::f64::consts::SQRT_2)
+    }
+}
+
+/// The complementary error function, to a relative error under 1.2e-7 (Numerical Recipes'
+/// `erfcc`, a Chebyshev fit).
+fn erfc(x: f64) -> f64 {
+    let z = x.abs();
+    let t = 1.0 / (1.0 + 0.5 * z);
+    let poly = -1.265_512_23
+        + t * (1.000_023_68
+            + t * (0.374_091_96
+                + t * (0.096_784_18
+                    + t * (-0.186_288_06
+                        + t * (0.278_868_07
+                            + t * (-1.135_203_98
+                                + t * (1.488_515_87 + t * (-0.822_152_23 + t * 0.170_872_77))))))));
+    let r = t * (-z * z + poly).exp();
+    if x >= 0.0 {
+        r
+    } else {
+        2.0 - r
+    }
 }
 
 /// A request's outlook: for the start of each interval of [`HORIZON_STEPS`], the chance (in
@@ -83,6 +130,27 @@ impl OutputDist {
             prior_mean: mean.max(1) as f32,
             runs_to_limit: false,
             floor: 0,
+            own: Own::NONE,
+        }
+    }
+
+    /// The same lengths with what is known of this request's own (`own`, its template's) blended
+    /// in; an `own` that is no number, or of no spread, leaves them the model's.
+    pub fn with_own(self, own: Own) -> OutputDist {
+        let sound = [own.mean, own.spread, own.weight]
+            .iter()
+            .all(|v| v.is_finite())
+            && own.spread > 0.0;
+        OutputDist {
+            own: if sound {
+                Own {
+                    weight: own.weight.clamp(0.0, 1.0),
+                    ..own
+                }
+            } else {
+                Own::NONE
+            },
+            ..self
         }
     }
 
@@ -194,10 +262,12 @@ impl OutputDist {
         s_lo + (s_hi - s_lo) * (t - lo) / (hi - lo)
     }
 
-    /// The lengths of `learned` for the request these were made for: its limit's prior and its
-    /// floor kept (`of_request`), for lengths learned while it runs.
+    /// The lengths of `learned` for the request these were made for: its limit's prior, its
+    /// floor (`of_request`) and its own lengths kept, for lengths learned while it runs.
     pub fn relearned(self, learned: OutputDist) -> OutputDist {
-        learned.of_request(self.runs_to_limit, self.floor)
+        learned
+            .of_request(self.runs_to_limit, self.floor)
+            .with_own(self.own)
     }
 
     /// Whether the engine holds the answer's end back (a floor): its length is not the model's.
@@ -213,10 +283,16 @@ impl OutputDist {
         }
         let n = f64::from(self.samples);
         let prior = self.prior_survival(t);
-        if n <= 0.0 {
-            return prior;
+        let model = if n <= 0.0 {
+            prior
+        } else {
+            (n * self.learned_survival(t) + PRIOR_SAMPLES * prior) / (n + PRIOR_SAMPLES)
+        };
+        let w = f64::from(self.own.weight);
+        if w <= 0.0 {
+            return model;
         }
-        (n * self.learned_survival(t) + PRIOR_SAMPLES * prior) / (n + PRIOR_SAMPLES)
+        w * self.own.survival(t) + (1.0 - w) * model
     }
 
     /// P(output > t | output > k), with the exponential prior's memoryless tail when the learned
@@ -444,5 +520,48 @@ mod tests {
         let unbounded = d.outlook(0, u64::MAX);
         assert!(unbounded.windows(2).all(|w| w[0] >= w[1]), "{unbounded:?}");
         assert!(unbounded[at(4096)] < 5);
+    }
+
+    #[test]
+    fn a_requests_own_lengths_are_blended_in_by_their_weight() {
+        let ended = hist(&[(100, 90.0), (1000, 10.0)]);
+        let d = OutputDist::learned(&ended, &[0.0; BUCKETS], 256, 0);
+        // Its own: a median of 399 tokens (log2 400), half a doubling of spread, all its weight.
+        let own = Own {
+            mean: 400f32.log2(),
+            spread: 0.5,
+            weight: 1.0,
+        };
+        let o = d.with_own(own);
+        assert!((o.survival(399.0) - 0.5).abs() < 1e-6);
+        // One standard deviation up: 15.9 % run on.
+        assert!((o.survival(400.0 * 2f64.sqrt() - 1.0) - 0.158_655).abs() < 1e-5);
+        let e = o.expected(0, 100_000) as f64;
+        assert!((400.0..=480.0).contains(&e), "{e}");
+        // Half its weight: half way between.
+        let half = d.with_own(Own { weight: 0.5, ..own });
+        for t in [50.0, 399.0, 2000.0] {
+            let mid = 0.5 * (o.survival(t) + d.survival(t));
+            assert!((half.survival(t) - mid).abs() < 1e-9, "{t}");
+        }
+        // Below the request's floor it certainly runs on.
+        assert_eq!(o.of_request(false, 500).survival(450.0), 1.0);
+        // Lengths learned later keep the request's own, its limit and its floor.
+        let request = d.of_request(true, 7).with_own(own);
+        assert_eq!(request.relearned(d), request);
+        for broken in [
+            Own {
+                mean: f32::NAN,
+                ..own
+            },
+            Own { spread: 0.0, ..own },
+            Own {
+                weight: f32::INFINITY,
+                ..own
+            },
+        ] {
+            assert_eq!(d.with_own(broken), d, "{broken:?}");
+        }
+        assert!((erfc(0.0) - 1.0).abs() < 1e-7 && (erfc(-3.0) - 1.999_977_91).abs() < 1e-7);
     }
 }

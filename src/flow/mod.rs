@@ -142,6 +142,8 @@ struct Admitted {
     routed: Option<Routed>,
     /// Its answer's place in the VM's cohorts of answers started, once it streams.
     started: Option<Started>,
+    /// Its prompt's first block, which names its template (`estimate::templates`).
+    template: Option<u64>,
     /// While parked: the ticket and what a retry needs.
     waiting: Option<(Ticket, Vec<u64>)>,
     waited_ms: Option<u64>,
@@ -644,8 +646,6 @@ impl Flow {
             .calibration
             .known(store, &req.model, family.as_deref(), cfg);
         let static_text_tokens = static_prompt_tokens(&req.text);
-        let mut est = estimate_from(&req, static_text_tokens, known.learned, known.prior, cfg);
-        est.only_on = only_on;
         let r = &gate.config.routing;
         let hashes = block_hashes(
             &req.model,
@@ -654,6 +654,15 @@ impl Flow {
             r.block_chars(gate.router.block_tokens(r)),
             r.max_prompt_blocks as usize,
         );
+        // The prompt's first block names its template (its application's system prompt), whose
+        // answers may run apart from the model's (`estimate::templates`).
+        let template = hashes.first().copied();
+        let mut learned = known.learned;
+        if let (Some(l), Some(t)) = (&mut learned, template) {
+            l.output = l.output.with_own(gate.calibration.own(&req.model, t, cfg));
+        }
+        let mut est = estimate_from(&req, static_text_tokens, learned, known.prior, cfg);
+        est.only_on = only_on;
         let placed = gate.admission.place(
             store,
             &gate.config,
@@ -685,6 +694,7 @@ impl Flow {
             streams: req.stream,
             tokens_per_piece: known.learned.map_or(1.0, |l| l.tokens_per_piece),
             started: None,
+            template,
             model: req.model,
             family,
             estimate: est,

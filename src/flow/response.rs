@@ -274,11 +274,14 @@ impl Flow {
         });
         // Without usage the stream was lost: the answer is known to have run this far.
         let tokens = usage.map_or(a.made(meter.pieces), |u| u.completion_tokens);
+        let ended = length == Some(Length::Ended);
+        let answer = tokens / a.estimate.choices.max(1);
         if let Some(at) = &mut a.started {
-            let ended = length == Some(Length::Ended);
-            let answer = tokens / a.estimate.choices.max(1);
             gate.calibration
                 .streamed(&a.model, a.family.as_deref(), at, answer, Some(ended));
+        }
+        if let (true, Some(template)) = (ended, a.template) {
+            gate.calibration.ended(&a.model, template, answer);
         }
         if let (Some(id), Some(pod)) = (&meter.response_id, &a.answered_by) {
             // Its conversation so far as the engine counted it; a response answered in the
@@ -995,6 +998,25 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
         }
     }
 
+    /// The one pod's configuration (lengths learned after five answers), and a host whose model
+    /// `m` has learned `n` answers of `tokens` tokens each, streamed as `pieces` pieces each.
+    fn learned_pod(
+        n: usize,
+        tokens: u64,
+        pieces: u64,
+    ) -> (
+        crate::config::Config,
+        FakeHost,
+        crate::store::fake_host::FakeVm,
+    ) {
+        let mut cfg = crate::test_support::with_pods(&["10.0.0.1:80"]);
+        cfg.estimator.min_samples = 5;
+        let host = FakeHost::new();
+        let vm = host.vm();
+        learn(&vm, &cfg, n, tokens, pieces);
+        (cfg, host, vm)
+    }
+
     /// A streaming request for model `m`, sent to the one pod and answering.
     fn streaming(gate: &mut Gate, vm: &crate::store::fake_host::FakeVm) -> Flow {
         let mut f = Flow::default();
@@ -1091,14 +1113,57 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
         );
     }
 
+    /// One model behind two applications, a classifier and a summarizer, each its own prompt
+    /// template: once each has answered, a new request of each is expected at its own length,
+    /// not at the mixture's (`estimate::templates`); with `templateLengths` off, at the model's.
+    #[test]
+    fn each_templates_answers_are_expected_apart_from_the_models_mixture() {
+        let pod = "10.0.0.1:80";
+        let (cfg, _host, vm) = learned_pod(50, 200, 0);
+        let expected = |on: bool| {
+            let mut cfg = cfg.clone();
+            cfg.estimator.template_lengths = on;
+            let mut gate = Gate::new(cfg, &vm).unwrap();
+            let mut ask = |app: &str, i: u64, answer: Option<u64>| {
+                let prompt = format!(
+                    "{app} {} question {i}",
+                    "the application's own words ".repeat(4)
+                );
+                let body = serde_json::json!({"model": "m", "prompt": prompt, "stream": true});
+                let mut f = Flow::default();
+                f.on_request_headers(&mut gate, &vm, &RequestHead::json_post("/v1/completions"));
+                f.on_body(&mut gate, &vm, body.to_string().as_bytes());
+                let expected = f.admitted.as_ref().map(|a| a.estimate.output_tokens);
+                if let Some(n) = answer {
+                    f.on_response_headers(&mut gate, &vm, Some("text/event-stream"), Some(pod));
+                    for _ in 0..n {
+                        f.on_response_body(&mut gate, &vm, PIECE);
+                    }
+                    let end = format!(
+                        "data: {{\"choices\":[],\"usage\":{{\"prompt_tokens\":9,\"completion_tokens\":{n}}}}}\n\n"
+                    );
+                    f.on_response_body(&mut gate, &vm, end.as_bytes());
+                }
+                f.on_done(&mut gate, &vm);
+                expected
+            };
+            for i in 0..30 {
+                ask("classify:", i, Some(4 + i % 3));
+                ask("summarize:", i, Some(380 + i % 40));
+            }
+            (ask("classify:", 99, None), ask("summarize:", 99, None))
+        };
+        let (short, long) = expected(true);
+        let (short, long) = (short.unwrap(), long.unwrap());
+        assert!(short < 30 && (300..=500).contains(&long), "{short} {long}");
+        let (short, long) = expected(false);
+        assert_eq!(short, long, "off: both the model's");
+    }
+
     /// Lengths learned after a request was admitted reach its outlook as it streams.
     #[test]
     fn an_answers_outlook_follows_the_lengths_learned_while_it_streams() {
-        let mut cfg = crate::test_support::with_pods(&["10.0.0.1:80"]);
-        cfg.estimator.min_samples = 5;
-        let host = FakeHost::new();
-        let vm = host.vm();
-        learn(&vm, &cfg, 50, 10, 0);
+        let (cfg, host, vm) = learned_pod(50, 10, 0);
         let mut gate = Gate::new(cfg.clone(), &vm).unwrap();
         let mut f = streaming(&mut gate, &vm);
         let far = |f: &Flow| {
@@ -1190,11 +1255,7 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
     fn a_streamed_piece_counts_the_tokens_the_model_sends_a_chunk() {
         use crate::pods::record;
         let pod = "10.0.0.1:80";
-        let mut cfg = crate::test_support::with_pods(&[pod]);
-        cfg.estimator.min_samples = 5;
-        let host = FakeHost::new();
-        let vm = host.vm();
-        learn(&vm, &cfg, 10, 200, 50);
+        let (cfg, _host, vm) = learned_pod(10, 200, 50);
         let mut gate = Gate::new(cfg, &vm).unwrap();
         let mut f = streaming(&mut gate, &vm);
         let held = || record::read(&vm, pod).unwrap().entries[0].held_tokens;

@@ -19,7 +19,7 @@ import pytest
 from harness import (STATUS_PATH, Envoy, Sim, baseline_envoy, default_plugin_config, envoy_config, free_port,
                      kvgate_envoy, kvgate_gauges, request, stream, wait_for)
 
-from bodies import MODEL, grouped_chat, unshared_chat
+from bodies import MODEL, WORDS, grouped_chat, unshared_chat
 BLOCKS, BLOCK = 256, 16
 SMALL_KV = ["--time-scale", "10", "--num-gpu-blocks", str(BLOCKS)]
 # estimator.promptSpread's default (docs/configuration.md): the margin on every prompt until the
@@ -578,6 +578,41 @@ def test_chat_and_completions_prompts_are_each_estimated_with_their_own_template
         errors = prompt_errors(envoy, sent, learn=100, pause=0.02)
         print({k: f"median {statistics.median(v):.1%}, max {max(v):.1%}" for k, v in errors.items()})
         assert all(statistics.median(v) < 0.05 and max(v) < 0.15 for v in errors.values()), errors
+
+
+def test_each_applications_answers_are_expected_at_their_own_length():
+    """One model behind two applications, each its system prompt: a classifier answering in about
+    8 tokens and a writer in about 400 (the simulator told each length, as the benchmark's
+    `apps` cells do). The model's lengths are their mixture; once each application has answered a
+    few dozen times, a request of each is expected near its own answers' length
+    (`estimator.templateLengths`, `estimate::templates`), and with it off at the mixture's."""
+    def app(name, i):
+        return {"model": MODEL, "messages": [
+            {"role": "system", "content": f"{name}: " + " ".join(WORDS[(j * 11) % len(WORDS)] for j in range(40))},
+            {"role": "user", "content": f"question {i}: " + " ".join(WORDS[(i + j * 7) % len(WORDS)] for j in range(30))}]}
+
+    def run(on):
+        cfg = default_plugin_config()
+        cfg["estimator"] = dict(cfg.get("estimator", {}), templateLengths=on)
+        with Sim(pods=1, args=["--time-scale", "10"]) as sim, \
+                kvgate_envoy(sim.endpoints, cfg, concurrency=1) as envoy:
+            with ThreadPoolExecutor(8) as pool:
+                answers = list(pool.map(
+                    lambda i: stream(envoy.port, "/v1/chat/completions",
+                                     app("classifier" if i % 2 else "writer", i),
+                                     headers={"x-sim-output-tokens": str(6 + i % 5 if i % 2 else 380 + i % 41)}),
+                    range(120)))
+            assert all(a["status"] == 200 for a in answers), answers[0]
+            time.sleep(1.5)
+            expected = {name: int(request(envoy.port, "POST", "/v1/chat/completions", app(name, 999))
+                                  .headers["x-kvgate-output-tokens"]) for name in ("classifier", "writer")}
+            print(f"templateLengths {on}: expected {expected}")
+            return expected
+
+    on, off = run(True), run(False)
+    assert on["classifier"] <= 30 and 300 <= on["writer"] <= 550, on
+    assert off["classifier"] == off["writer"], "off: both at the model's mixture"
+    assert off["classifier"] > 100, off
 
 
 def test_several_answers_on_one_prompt_are_forecast_and_learned_as_answers():
