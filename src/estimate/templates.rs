@@ -20,9 +20,9 @@
 //! error from the template's answers), so that templates whose answers are drawn alike (a model
 //! behind many system prompts that do not change its answers) stay with the model's lengths,
 //! which pool all their answers, instead of each taking its own sampling noise; and never above
-//! `1 − RESIDUAL`, so the model's long tail is never quite given up. Kept
-//! in a fixed table, one entry a key by its hash, newest first: at most `SLOTS` templates and
-//! models a VM, 24 bytes each.
+//! `1 − RESIDUAL`, so the model's long tail is never quite given up. Kept in a fixed table, one
+//! entry a key by its hash, which a key that shares it takes only from a holder no longer
+//! answering: at most `SLOTS` templates and models a VM, 24 bytes each.
 
 use crate::estimate::output_dist::Own;
 
@@ -88,7 +88,15 @@ impl Templates {
             return;
         };
         if e.key != key {
-            // Newest first: a template seen again after another took its place starts over.
+            if e.weight >= 1.0 {
+                // A key that shares the entry pushes its holder out only as the holder stops
+                // answering: each such answer takes one answer and an eighth of the holder's
+                // weight, and is itself lost. A stream of prompts that each come once (no
+                // template: every prompt its own first block) so does not evict the templates
+                // that keep answering, and a template gone quiet leaves within a few dozen.
+                e.weight -= 1.0 + e.weight / 8.0;
+                return;
+            }
             *e = Entry {
                 key,
                 ..Entry::default()
@@ -284,9 +292,18 @@ mod tests {
         // A template no model was seen for, and the model's own key, are the model's.
         assert_eq!(t.own(99, SHORT), Own::NONE);
         assert_eq!(t.own(MODEL, MODEL), Own::NONE);
-        // A template whose key shares SHORT's entry takes its place: SHORT starts over.
+        // One-off prompts whose keys share SHORT's entry, one for every four of its answers,
+        // leave it there.
+        for i in 1..=100 {
+            t.ended(MODEL, SHORT + i * SLOTS as u64, 5_000);
+            for _ in 0..4 {
+                t.ended(MODEL, SHORT, 5);
+            }
+        }
+        assert!((f64::from(t.own(MODEL, SHORT).mean) - 6f64.log2()).abs() < 1e-5);
+        // A template whose key shares SHORT's entry takes its place once SHORT stops answering.
         let other = SHORT + SLOTS as u64;
-        for _ in 0..8 {
+        for _ in 0..30 {
             t.ended(MODEL, other, 5_000);
         }
         assert_eq!(t.own(MODEL, SHORT), Own::NONE);
