@@ -96,21 +96,25 @@ class Request:
         return self.traffic.survival(t) / max(self.traffic.survival(self.out), 1e-12)
 
 
-def forecast(requests, z, skew):
-    worst = 0.0
+def steps_ahead(requests):
+    """The steps ahead the forecast looks at (the grid's, and just before each request's limit),
+    each with the requests that may still run there: what each would hold (its slack at its mean:
+    its partly filled last block and its entry a boundary behind its stream, half a block each,
+    and the lag, two tokens: none seen) and its chance of running, at the grid's step."""
     points = set(GRID)
     points.update(r.limit - r.out - 1 for r in requests)
     for s in sorted(p for p in points if 0 <= p <= OUTPUT_CAP):
         grid_step = max(g for g in GRID if g <= s)
+        yield s, [(r.prompt + r.out + s + BLOCK + 2, r.running(grid_step))
+                  for r in requests if r.limit - r.out >= s]
+
+
+def forecast(requests, z, skew):
+    worst = 0.0
+    for _, terms in steps_ahead(requests):
         mean = var = everything = third = 0.0
-        for r in requests:
-            if r.limit - r.out < s:
-                continue
-            p = r.running(grid_step)
-            # Each request's slack at its mean (`forecast::Slack`): its partly filled last block
-            # and its entry a boundary behind its stream, half a block each, and the lag (two
-            # tokens: none seen); each uniform over a block.
-            w = r.prompt + r.out + s + BLOCK + 2
+        for w, p in terms:
+            # The slack's two halves each uniform over a block (`forecast::Slack`).
             mean += w * p
             var += w * w * p * (1 - p) + p * 2 * BLOCK * BLOCK / 12
             third += w ** 3 * p * (1 - p) * (1 - 2 * p)
@@ -129,19 +133,15 @@ def exact_fits(requests, budget, eps):
     most `eps`: each request running or not with its chance, independently, its KV in whole blocks
     (the terms of `forecast`, without the slack's spread), the sum's distribution convolved."""
     import numpy as np
-    points = set(GRID)
-    points.update(r.limit - r.out - 1 for r in requests)
     top = int(budget // BLOCK)
-    for s in sorted(p for p in points if 0 <= p <= OUTPUT_CAP):
-        grid_step = max(g for g in GRID if g <= s)
+    for _, terms in steps_ahead(requests):
         # dist[k]: the chance of holding k blocks; dist[top + 1]: of holding more than the budget.
         dist = np.zeros(top + 2)
         dist[0] = 1.0
-        for r in requests:
-            p = r.running(grid_step) if r.limit - r.out >= s else 0.0
+        for w, p in terms:
             if p <= 0.0:
                 continue
-            k = math.ceil((r.prompt + r.out + s + BLOCK + 2) / BLOCK)
+            k = math.ceil(w / BLOCK)
             moved = np.zeros(top + 2)
             if k <= top:
                 moved[k:top + 1] = dist[:top + 1 - k]
