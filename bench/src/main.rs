@@ -139,6 +139,12 @@ struct WorkloadArgs {
     /// σ of one application's answers' log-lengths.
     #[arg(long, default_value_t = 0.5)]
     app_answer_spread: f64,
+    /// Words every application's system prompt opens with, alike in all of them.
+    #[arg(long, default_value_t = 0)]
+    app_opening_words: usize,
+    /// Each application's own system-prompt words, after the opening.
+    #[arg(long, default_value_t = 120)]
+    app_prompt_words: usize,
     /// Approximate JSON body size of the fixed workload.
     #[arg(long, default_value_t = 4096)]
     body_bytes: usize,
@@ -251,6 +257,8 @@ fn build_jobs(w: &WorkloadArgs) -> Result<Vec<Job>, String> {
                     mean: w.app_answer_mean,
                     between: w.app_spread,
                     within: w.app_answer_spread,
+                    opening: w.app_opening_words,
+                    words: w.app_prompt_words,
                 }),
             },
             arrival,

@@ -286,17 +286,28 @@ pub struct Apps {
     pub between: f64,
     /// σ of one application's log-lengths.
     pub within: f64,
+    /// Words every application's system prompt opens with (one organisation's house rules, as
+    /// a fleet of applications behind one gateway often shares), before its own.
+    pub opening: usize,
+    /// Each application's own words after the opening (a one-line system prompt to a page).
+    pub words: usize,
 }
 
 impl Apps {
-    /// Application `k`'s system prompt, its first words naming it (so that its prompts share a
-    /// first block no other application's do), and the log-median of its answers.
+    /// Application `k`'s system prompt (the shared opening, then its own words, naming it first)
+    /// and the log-median of its answers.
     fn app(&self, seed: u64, k: usize) -> (String, f64) {
+        let opening = words(&mut Rng::derive(seed, &[43]), self.opening);
+        let opening = match opening.trim_start() {
+            "" => String::new(),
+            words => format!("{words}. "),
+        };
         let mut r = Rng::derive(seed, &[42, k as u64]);
         let spread = self.between * self.between + self.within * self.within;
         let median = self.mean.ln() - spread / 2.0 + self.between * r.normal();
+        let own = words(&mut r, self.words);
         (
-            format!("Application {k} instructions:{}", words(&mut r, 120)),
+            format!("{opening}Application {k} instructions:{own}"),
             median,
         )
     }
@@ -635,6 +646,8 @@ mod tests {
             mean: 256.0,
             between: 1.0,
             within: 0.5,
+            opening: 0,
+            words: 120,
         };
         let w = Chat {
             requests: 8000,
@@ -680,6 +693,30 @@ mod tests {
             .collect();
         let mean = all.iter().sum::<f64>() / all.len() as f64;
         assert!((100.0..600.0).contains(&mean), "{mean}");
+        // With a shared opening, every application's prompt starts with the same words, then
+        // its own; a one-line prompt is its name and a few words.
+        let w = Chat {
+            apps: Some(Apps {
+                opening: 40,
+                words: 4,
+                ..apps
+            }),
+            ..w
+        };
+        let prompts: std::collections::HashSet<String> = chat(5, &w, Arrival::Closed)
+            .into_iter()
+            .filter_map(|j| j.system)
+            .collect();
+        assert_eq!(prompts.len(), 4);
+        let openings: std::collections::HashSet<&str> = prompts
+            .iter()
+            .filter_map(|p| p.split_once(". Application ").map(|(o, _)| o))
+            .collect();
+        assert_eq!(openings.len(), 1, "{prompts:?}");
+        assert!(
+            prompts.iter().all(|p| n_words(p) == 40 + 3 + 4),
+            "{prompts:?}"
+        );
     }
 
     #[test]

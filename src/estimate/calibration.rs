@@ -632,8 +632,8 @@ impl Calibration {
         true
     }
 
-    /// What the answers to `model`'s prompts of `template` (their first block's hash) say of
-    /// the next one's length beyond the model's (`templates`).
+    /// What the answers to `model`'s prompts of `template` (the hash that names it,
+    /// `flow::admit`) say of the next one's length beyond the model's (`templates`).
     pub fn own(&self, model: &str, template: u64, cfg: &EstimatorConfig) -> Own {
         if !(cfg.calibrate && cfg.template_lengths) {
             return Own::NONE;

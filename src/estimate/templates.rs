@@ -7,9 +7,10 @@
 //! turns). The model's distribution (`calibration`) is their mixture: every request is expected
 //! at the mixture's mean, with the mixture's spread, so a pod's forecast reserves long answers
 //! for short applications and short ones for long applications, and its headroom pays for the
-//! spread between applications on every request. An application's requests start alike (its
-//! system prompt, its instructions), so the prompt's first block (its hash, `routing::prefix`,
-//! which covers the model and the cache salt) names its template.
+//! spread between applications on every request. An application's requests start alike: a chat
+//! prompt's opening (its tools and system turns, `Request::opening`, hashed by
+//! `routing::prefix::opening_hash`, which covers the model and the cache salt) names its
+//! template, and a completions prompt's by its first block (`flow::admit`).
 //!
 //! What is learned: for each template, and for each model over all its templates, the faded
 //! mean and variance of `log2(answer + 1)` over the answers that ended by themselves (those cut
@@ -92,7 +93,7 @@ impl Templates {
                 // A key that shares the entry pushes its holder out only as the holder stops
                 // answering: each such answer takes one answer and an eighth of the holder's
                 // weight, and is itself lost. A stream of prompts that each come once (no
-                // template: every prompt its own first block) so does not evict the templates
+                // template: every prompt its own) so does not evict the templates
                 // that keep answering, and a template gone quiet leaves within a few dozen.
                 e.weight -= 1.0 + e.weight / 8.0;
                 return;

@@ -17,7 +17,7 @@ use crate::openai::reply::LocalReply;
 use crate::openai::request::{Api, Request};
 use crate::openai::response::ResponseMeter;
 use crate::pods::scrape::Call;
-use crate::routing::prefix::block_hashes;
+use crate::routing::prefix::{block_hashes, opening_hash};
 use crate::routing::router::Routed;
 use crate::routing::stored::Stored;
 use crate::routing::stored_ask::{self, Asking};
@@ -142,7 +142,7 @@ struct Admitted {
     routed: Option<Routed>,
     /// Its answer's place in the VM's cohorts of answers started, once it streams.
     started: Option<Started>,
-    /// Its prompt's first block, which names its template (`estimate::templates`).
+    /// Its prompt's template (`estimate::templates`): its opening's hash, or its first block's.
     template: Option<u64>,
     /// While parked: the ticket and what a retry needs.
     waiting: Option<(Ticket, Vec<u64>)>,
@@ -647,16 +647,27 @@ impl Flow {
             .known(store, &req.model, family.as_deref(), cfg);
         let static_text_tokens = static_prompt_tokens(&req.text);
         let r = &gate.config.routing;
+        let block_chars = r.block_chars(gate.router.block_tokens(r));
         let hashes = block_hashes(
             &req.model,
             req.cache_salt.as_deref(),
             &req.text,
-            r.block_chars(gate.router.block_tokens(r)),
+            block_chars,
             r.max_prompt_blocks as usize,
         );
-        // The prompt's first block names its template (its application's system prompt), whose
-        // answers may run apart from the model's (`estimate::templates`).
-        let template = hashes.first().copied();
+        // The prompt's template (its application's), whose answers may run apart from the
+        // model's (`estimate::templates`): its opening, the tools and instructions it starts with,
+        // whatever their length; without one (or a completions prompt, which has no turns), its
+        // first block.
+        let template = opening_hash(
+            &req.model,
+            req.cache_salt.as_deref(),
+            &req.text,
+            req.opening,
+            block_chars,
+            &hashes,
+        )
+        .or_else(|| hashes.first().copied());
         let mut learned = known.learned;
         if let (Some(l), Some(t)) = (&mut learned, template) {
             l.output = l.output.with_own(gate.calibration.own(&req.model, t, cfg));

@@ -1120,19 +1120,35 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
     fn each_templates_answers_are_expected_apart_from_the_models_mixture() {
         let pod = "10.0.0.1:80";
         let (cfg, _host, vm) = learned_pod(50, 200, 0);
-        let expected = |on: bool| {
+        // Each application's request, as its kind of client sends it: a completions prompt
+        // opening with the application's words; a chat whose system prompt is one line (shorter
+        // than a block: every first block holds the user's words too); a chat whose system prompt
+        // opens with house rules all the applications share (their first blocks alike).
+        let body = |kind: &str, app: &str, i: u64| {
+            let user = format!("question {i}: {}", "the user's own words ".repeat(4));
+            match kind {
+                "completions" => serde_json::json!({"model": "m", "stream": true,
+                    "prompt": format!("{app} {} {user}", "the application's own words ".repeat(4))}),
+                "one line" => serde_json::json!({"model": "m", "stream": true, "messages": [
+                    {"role": "system", "content": app}, {"role": "user", "content": user}]}),
+                _ => serde_json::json!({"model": "m", "stream": true, "messages": [
+                    {"role": "system", "content": format!("{} {app}", "Our house rules. ".repeat(8))},
+                    {"role": "user", "content": user}]}),
+            }
+        };
+        let expected = |kind: &str, on: bool| {
             let mut cfg = cfg.clone();
             cfg.estimator.template_lengths = on;
             let mut gate = Gate::new(cfg, &vm).unwrap();
             let mut ask = |app: &str, i: u64, answer: Option<u64>| {
-                let prompt = format!(
-                    "{app} {} question {i}",
-                    "the application's own words ".repeat(4)
-                );
-                let body = serde_json::json!({"model": "m", "prompt": prompt, "stream": true});
+                let path = if kind == "completions" {
+                    "/v1/completions"
+                } else {
+                    "/v1/chat/completions"
+                };
                 let mut f = Flow::default();
-                f.on_request_headers(&mut gate, &vm, &RequestHead::json_post("/v1/completions"));
-                f.on_body(&mut gate, &vm, body.to_string().as_bytes());
+                f.on_request_headers(&mut gate, &vm, &RequestHead::json_post(path));
+                f.on_body(&mut gate, &vm, body(kind, app, i).to_string().as_bytes());
                 let expected = f.admitted.as_ref().map(|a| a.estimate.output_tokens);
                 if let Some(n) = answer {
                     f.on_response_headers(&mut gate, &vm, Some("text/event-stream"), Some(pod));
@@ -1148,16 +1164,21 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
                 expected
             };
             for i in 0..30 {
-                ask("classify:", i, Some(4 + i % 3));
-                ask("summarize:", i, Some(380 + i % 40));
+                ask("Classify.", i, Some(4 + i % 3));
+                ask("Summarize.", i, Some(380 + i % 40));
             }
-            (ask("classify:", 99, None), ask("summarize:", 99, None))
+            (ask("Classify.", 99, None), ask("Summarize.", 99, None))
         };
-        let (short, long) = expected(true);
-        let (short, long) = (short.unwrap(), long.unwrap());
-        assert!(short < 30 && (300..=500).contains(&long), "{short} {long}");
-        let (short, long) = expected(false);
-        assert_eq!(short, long, "off: both the model's");
+        for kind in ["completions", "one line", "house rules"] {
+            let (short, long) = expected(kind, true);
+            let (short, long) = (short.unwrap(), long.unwrap());
+            assert!(
+                short < 30 && (300..=500).contains(&long),
+                "{kind}: {short} {long}"
+            );
+            let (short, long) = expected(kind, false);
+            assert_eq!(short, long, "{kind}, off: both the model's");
+        }
     }
 
     /// Lengths learned after a request was admitted reach its outlook as it streams.

@@ -47,6 +47,11 @@ pub struct Request {
     pub model_span: (usize, usize),
     /// Canonical text of everything the engine will prefill, in order.
     pub text: String,
+    /// How much of `text` (bytes, from its start) is the application's rather than the
+    /// conversation's: the tools and the system or developer turns (a Responses request's
+    /// `instructions`) before any other turn. 0 when there are none, and for a completions or
+    /// embeddings prompt, which has no turns to tell apart.
+    pub opening: usize,
     /// Prompt given as token ids: counted exactly, never estimated.
     pub token_ids: u64,
     /// The engine renders the prompt through the model's chat template (chat completions,
@@ -351,15 +356,32 @@ impl Request {
     }
 
     fn push_turn(&mut self, role: &str, content: &str) {
+        let opens = self.opens(role);
         self.open_turn(role, None);
         self.text.push_str(content);
         self.text.push('\n');
+        self.opened(opens);
     }
 
     fn push_json(&mut self, role: &str, value: &serde_json::Value) {
+        let opens = self.opens(role);
         self.open_turn(role, None);
         self.push_value(value);
         self.text.push('\n');
+        self.opened(opens);
+    }
+
+    /// Whether a turn of `role` about to be pushed is part of the opening (`Request::opening`):
+    /// the application's kind of turn, with nothing but the opening before it.
+    fn opens(&self, role: &str) -> bool {
+        self.text.len() == self.opening && matches!(role, "system" | "developer" | "tools")
+    }
+
+    /// The turn just pushed extends the opening if it `opens`.
+    fn opened(&mut self, opens: bool) {
+        if opens {
+            self.opening = self.text.len();
+        }
     }
 
     /// Renders `value` as compact JSON straight into the text.
@@ -374,6 +396,7 @@ impl Request {
             .as_ref()
             .or(m.kind.as_ref())
             .map_or("user", Text::as_str);
+        let opens = self.opens(role);
         self.open_turn(role, m.name.as_ref().map(Text::as_str));
         match &m.content {
             Some(Content::Text(t)) => self.text.push_str(t.as_str()),
@@ -401,6 +424,7 @@ impl Request {
             self.push_value(calls);
         }
         self.text.push('\n');
+        self.opened(opens);
     }
 }
 
@@ -469,6 +493,52 @@ mod tests {
         assert_eq!(r.max_output_tokens, Some(50));
         assert!(r.stream && r.include_usage);
         assert_eq!(r.user.as_deref(), Some("u1"));
+    }
+
+    /// The opening is what the application sends every time: tools, then system and developer
+    /// turns until the first other one; never a user's words, never a turn after them.
+    #[test]
+    fn the_opening_is_the_tools_and_instructions_before_the_conversation() {
+        let opening = |api, body: &str| {
+            let r = Request::parse(api, body.as_bytes()).unwrap();
+            r.text[..r.opening].to_string()
+        };
+        let chat = |body| opening(Api::ChatCompletions, body);
+        assert_eq!(
+            chat(
+                r#"{"messages":[{"role":"system","content":"Be brief."},{"role":"developer","content":"JSON."},{"role":"user","content":"q"},{"role":"system","content":"later"}]}"#
+            ),
+            "<system>\nBe brief.\n<developer>\nJSON.\n"
+        );
+        assert_eq!(
+            chat(r#"{"tools":[{"type":"function"}],"messages":[{"role":"user","content":"q"}]}"#),
+            "<tools>\n[{\"type\":\"function\"}]\n"
+        );
+        assert_eq!(
+            chat(r#"{"messages":[{"role":"user","content":"q"},{"role":"system","content":"s"}]}"#),
+            ""
+        );
+        assert_eq!(
+            opening(
+                Api::Responses,
+                r#"{"instructions":"Be kind.","input":"hi"}"#
+            ),
+            "<system>\nBe kind.\n"
+        );
+        assert_eq!(
+            opening(
+                Api::Responses,
+                r#"{"input":[{"role":"developer","content":"d"},{"role":"user","content":"u"}]}"#
+            ),
+            "<developer>\nd\n"
+        );
+        assert_eq!(
+            opening(
+                Api::Completions,
+                r#"{"prompt":"Instructions: classify. Text: x"}"#
+            ),
+            ""
+        );
     }
 
     #[test]

@@ -14,10 +14,7 @@ pub fn block_hashes(
     block_chars: usize,
     max_blocks: usize,
 ) -> Vec<u64> {
-    let mut h = chain(0, model.as_bytes());
-    if let Some(salt) = cache_salt {
-        h = chain(h, salt.as_bytes());
-    }
+    let mut h = seed(model, cache_salt);
     let block_chars = block_chars.max(1);
     let bytes = text.as_bytes();
     let mut out = Vec::with_capacity((bytes.len() / block_chars).min(max_blocks));
@@ -31,6 +28,48 @@ pub fn block_hashes(
         start = end;
     }
     out
+}
+
+/// What every chain starts from: the model and the cache salt, whose caches are apart.
+fn seed(model: &str, cache_salt: Option<&str>) -> u64 {
+    let h = chain(0, model.as_bytes());
+    cache_salt.map_or(h, |salt| chain(h, salt.as_bytes()))
+}
+
+/// The hash of the text's first `opening` bytes, on the same chain as its blocks (`hashes`,
+/// `block_hashes` of the same text): the last full block inside the opening, continued over the
+/// opening's bytes after it. So an opening shorter than a block still has a hash of its own, and
+/// openings that start alike but end apart hash apart. `None` for an empty opening. An opening
+/// longer than the hashed blocks is named by them (its first `max_blocks`). `opening` must lie
+/// on a character boundary (it is where a chat turn ends).
+pub fn opening_hash(
+    model: &str,
+    cache_salt: Option<&str>,
+    text: &str,
+    opening: usize,
+    block_chars: usize,
+    hashes: &[u64],
+) -> Option<u64> {
+    let bytes = text.as_bytes().get(..opening).filter(|o| !o.is_empty())?;
+    // Every full block of the opening is one of the text's, hashed unless past `max_blocks`.
+    let (mut start, mut full) = (0, 0);
+    while full <= hashes.len() {
+        let Some(end) = after_chars(bytes, start, block_chars.max(1)) else {
+            break;
+        };
+        (start, full) = (end, full + 1);
+    }
+    if full > hashes.len() {
+        return hashes.last().copied();
+    }
+    let h = match full.checked_sub(1) {
+        Some(last) => hashes.get(last).copied()?,
+        None => seed(model, cache_salt),
+    };
+    match bytes.get(start..) {
+        Some(rest) if !rest.is_empty() => Some(chain(h, rest)),
+        _ => Some(h),
+    }
 }
 
 /// Where the `n` characters of UTF-8 `text` that start at byte `from` end, if there are that many.
@@ -105,6 +144,49 @@ mod tests {
         assert_eq!(block_hashes("m", None, cjk, 4, 100).len(), 2);
         assert_eq!(block_hashes("m", None, &"x".repeat(1000), 4, 10).len(), 10);
         assert!(block_hashes("m", None, "abc", 4, 10).is_empty());
+    }
+
+    #[test]
+    fn an_opening_is_hashed_on_its_blocks_chain_whatever_its_length() {
+        let of = |text: &str, opening: usize| {
+            let hashes = block_hashes("m", None, text, 4, 100);
+            opening_hash("m", None, text, opening, 4, &hashes)
+        };
+        // Shorter than a block: its own hash, whatever follows it.
+        let short = of("<s>\nA\n<u>\nquestion one", 6);
+        assert!(short.is_some());
+        assert_eq!(short, of("<s>\nA\n<u>\nanother question", 6));
+        assert_ne!(short, of("<s>\nB\n<u>\nquestion one", 6));
+        // Openings that share their first blocks and end apart hash apart.
+        let a = "house rules. App A: terse\n<u>\nq";
+        let b = "house rules. App B: verbose\n<u>\nq";
+        assert_eq!(
+            block_hashes("m", None, a, 4, 100)[..3],
+            block_hashes("m", None, b, 4, 100)[..3]
+        );
+        assert_ne!(of(a, 25), of(b, 27));
+        assert_eq!(
+            of(a, 25),
+            of("house rules. App A: terse\n<u>\nsomething else", 25)
+        );
+        // Ending on a block boundary, it is that block's hash; a model or salt changes it.
+        let text = "abcdefgh and the rest";
+        assert_eq!(of(text, 8), Some(block_hashes("m", None, text, 4, 100)[1]));
+        let salted = block_hashes("m", Some("s"), "ab and more", 4, 100);
+        assert_ne!(
+            of("ab and more", 2),
+            opening_hash("m", Some("s"), "ab and more", 2, 4, &salted)
+        );
+        // Past the hashed blocks, the opening is named by them; empty, it has none.
+        let long = "x".repeat(100);
+        let capped = block_hashes("m", None, &long, 4, 3);
+        assert_eq!(
+            opening_hash("m", None, &long, 90, 4, &capped),
+            capped.last().copied()
+        );
+        assert_eq!(of(text, 0), None);
+        // A text with fewer blocks than its opening has after it: the tail still counts.
+        assert_ne!(of("abcdXY", 6), of("abcdXZ", 6));
     }
 
     #[test]

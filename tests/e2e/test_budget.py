@@ -583,12 +583,16 @@ def test_chat_and_completions_prompts_are_each_estimated_with_their_own_template
 def test_each_applications_answers_are_expected_at_their_own_length():
     """One model behind two applications, each its system prompt: a classifier answering in about
     8 tokens and a writer in about 400 (the simulator told each length, as the benchmark's
-    `apps` cells do). The model's lengths are their mixture; once each application has answered a
-    few dozen times, a request of each is expected near its own answers' length
-    (`estimator.templateLengths`, `estimate::templates`), and with it off at the mixture's."""
+    `apps` cells do). Their system prompts open with the same house rules, longer than a prefix
+    block, and end apart, as one organisation's applications do. The model's lengths are their
+    mixture; once each application has answered a few dozen times, a request of each is expected
+    near its own answers' length (`estimator.templateLengths`, `estimate::templates`: a template
+    is the whole system prompt, not its first block), and with it off at the mixture's."""
+    house = " ".join(WORDS[(j * 11) % len(WORDS)] for j in range(40))
+
     def app(name, i):
         return {"model": MODEL, "messages": [
-            {"role": "system", "content": f"{name}: " + " ".join(WORDS[(j * 11) % len(WORDS)] for j in range(40))},
+            {"role": "system", "content": f"{house}. You are the {name}."},
             {"role": "user", "content": f"question {i}: " + " ".join(WORDS[(i + j * 7) % len(WORDS)] for j in range(30))}]}
 
     def run(on):
