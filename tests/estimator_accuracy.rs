@@ -168,6 +168,7 @@ fn learn_scale(pairs: impl Iterator<Item = (f64, usize)>) -> f64 {
             choices: 1,
             length: calibration::Length::Ended,
             pieces: 0,
+            template: None,
         };
         Calibration::record(&vm, MODEL, &[sample], &cfg).expect("the in-memory host never fails");
     }

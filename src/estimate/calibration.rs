@@ -11,9 +11,9 @@
 //! in) and the engines' answers' mean the output prior is raised to (`engine_lengths`) at most
 //! once per model per second. The lengths read
 //! are pooled with the VM's own `cohort` of answers started, running ones included, which the
-//! finished answers alone are biased against (see there). Beside the model's lengths, each VM
-//! learns how its prompt templates' answers run (`templates`), which a request's estimate blends
-//! in (`Calibration::own`).
+//! finished answers alone are biased against (see there). Beside the model's lengths, a model's
+//! record learns how its prompt templates' answers run (`templates`), which a request's estimate
+//! blends in (`Calibration::own`, from the record as this VM last read it).
 //!
 //! LoRA adapters are learned twice: each under its own name, and all of one base model's together
 //! in a family record ([`family`], slots `kvgate.calf.<slot>`), which an adapter falls back to
@@ -29,7 +29,7 @@ use crate::estimate::engine_lengths;
 use crate::estimate::output_dist::{bucket, OutputDist, Own, BUCKETS};
 use crate::estimate::reservation::Learned;
 use crate::estimate::slots::{self, Held, SLOTS};
-use crate::estimate::templates::{model_key, Templates};
+use crate::estimate::templates::Templates;
 use crate::store::interface::{update_from, Store, StoreError, Versioned};
 use hashbrown::HashMap;
 use serde::{Deserialize, Serialize};
@@ -190,6 +190,10 @@ struct ModelStats {
     part_tokens: Option<f64>,
     #[serde(default)]
     part_samples: u32,
+    /// Each prompt template's answers and the model's over them (`templates`). Absent until an
+    /// answer of a known template ended by itself.
+    #[serde(default, skip_serializing_if = "Templates::is_empty")]
+    templates: Templates,
     updated_ms: u64,
 }
 
@@ -208,6 +212,7 @@ impl ModelStats {
             streamed: None,
             part_tokens: None,
             part_samples: 0,
+            templates: Templates::default(),
             updated_ms: 0,
         }
     }
@@ -271,6 +276,9 @@ impl ModelStats {
             let one = sample.completion_tokens / sample.choices.max(1);
             if let Some(x) = into.get_mut(bucket(one)) {
                 *x += 1.0;
+            }
+            if let (Length::Ended, Some(template)) = (sample.length, sample.template) {
+                self.templates.ended(template, one);
             }
         }
         self.samples = self.samples.saturating_add(1);
@@ -350,6 +358,8 @@ pub struct Sample {
     /// Pieces of text its stream carried (`ResponseMeter::pieces`); 0 for an answer that did
     /// not stream.
     pub pieces: u64,
+    /// The prompt's template (`templates`), when its lengths are learned.
+    pub template: Option<u64>,
 }
 
 /// What an answer's length says of the model's.
@@ -487,7 +497,8 @@ impl Known {
 /// A VM's view of the learned values: reads shared data at most once a second per model.
 #[derive(Default)]
 pub struct Calibration {
-    cache: HashMap<String, (u64, Known)>,
+    /// Per record read: when, what it says, and its templates' answers.
+    cache: HashMap<String, (u64, Known, Templates)>,
     /// Samples gathered since the last flush: written once a tick, not once a response, so
     /// the shared records are not a point of contention on the request path.
     pending: Vec<(String, Sample)>,
@@ -495,8 +506,6 @@ pub struct Calibration {
     cohorts: HashMap<String, Cohort>,
     /// Numbers the answers in the cohorts.
     started: u32,
-    /// How each prompt template's answers run, as this VM saw them end (`templates`).
-    templates: Templates,
 }
 
 /// An answer's place in its model's cohorts (`Calibration::started`).
@@ -557,20 +566,24 @@ impl Calibration {
             return Known::prior(output_prior(store, engines, cfg));
         }
         let now = store.now_ms();
-        if let Some((at, known)) = self.cache.get(record) {
+        if let Some((at, known, _)) = self.cache.get(record) {
             if now.saturating_sub(*at) < CACHE_MS {
                 return *known;
             }
         }
         let prior = output_prior(store, engines, cfg);
-        let learned = read_record(store, record)
+        let stats = read_record(store, record);
+        let learned = stats
+            .as_ref()
             .and_then(|s| s.learned(self.cohorts.get(record), prior, cfg));
         let known = Known { learned, prior };
+        let templates = stats.map(|s| s.templates).unwrap_or_default();
         // The cache is bounded like the slots: models beyond them are not worth remembering.
         if self.cache.len() >= SLOTS as usize * 4 {
             self.cache.clear();
         }
-        self.cache.insert(record.to_string(), (now, known));
+        self.cache
+            .insert(record.to_string(), (now, known, templates));
         known
     }
 
@@ -633,17 +646,15 @@ impl Calibration {
     }
 
     /// What the answers to `model`'s prompts of `template` (the hash that names it,
-    /// `flow::admit`) say of the next one's length beyond the model's (`templates`).
+    /// `flow::admit`) say of the next one's length beyond the model's (`templates`), as its
+    /// record read last (`known`) holds them.
     pub fn own(&self, model: &str, template: u64, cfg: &EstimatorConfig) -> Own {
         if !(cfg.calibrate && cfg.template_lengths) {
             return Own::NONE;
         }
-        self.templates.own(model_key(model), template)
-    }
-
-    /// An answer of `tokens` to `model`'s prompt of `template` ended by itself.
-    pub fn ended(&mut self, model: &str, template: u64, tokens: u64) {
-        self.templates.ended(model_key(model), template, tokens);
+        self.cache
+            .get(model)
+            .map_or(Own::NONE, |(_, _, t)| t.own(template))
     }
 
     /// Notes one response's ground truth, for `model` and its adapter `family` if it has one;
@@ -655,7 +666,17 @@ impl Calibration {
         sample: Sample,
         cfg: &EstimatorConfig,
     ) {
-        for name in std::iter::once(model).chain(family) {
+        // Templates are learned in the model's own record only: a request's `own` reads there.
+        let family = family.map(|f| {
+            (
+                f,
+                Sample {
+                    template: None,
+                    ..sample
+                },
+            )
+        });
+        for (name, sample) in std::iter::once((model, sample)).chain(family) {
             if cfg.calibrate && self.pending.len() < MAX_PENDING {
                 self.pending.push((name.to_string(), sample));
             }
@@ -738,6 +759,7 @@ mod tests {
             choices: 1,
             length: Length::Ended,
             pieces: 0,
+            template: None,
         }
     }
 
@@ -772,6 +794,50 @@ mod tests {
         assert!((0.08..=0.14).contains(&tail), "P(> 500) = {tail}");
         assert!(learned.output.survival(150.0) < 0.2);
         assert_eq!(cal.learned(&b, "other", None, &cfg), None);
+    }
+
+    /// Every worker's answers teach each template's lengths: one VM's flushes reach another's
+    /// estimate with the model's record; an adapter's family record learns none, and a template
+    /// whose lengths are off (or calibration) is the model's.
+    #[test]
+    fn each_templates_lengths_are_learned_in_the_models_record_by_every_vm() {
+        let (a, b) = two_vms();
+        let cfg = learning_after(5);
+        let (mut on_a, mut on_b) = (Calibration::default(), Calibration::default());
+        for i in 0..40 {
+            for (template, out) in [(1, 6 + i % 3), (2, 400 + i % 20)] {
+                let s = Sample {
+                    template: Some(template),
+                    ..sample(100.0, 130, out)
+                };
+                on_a.observe("m", Some(&family("base")), s, &cfg);
+            }
+        }
+        on_a.flush(&a, &cfg).unwrap();
+        on_b.known(&b, "m", None, &cfg);
+        let (short, long) = (on_b.own("m", 1, &cfg), on_b.own("m", 2, &cfg));
+        assert!(
+            (f64::from(short.mean) - 7f64.log2()).abs() < 0.2,
+            "{short:?}"
+        );
+        assert!(
+            (f64::from(long.mean) - 410f64.log2()).abs() < 0.1,
+            "{long:?}"
+        );
+        assert!(short.weight > 0.9 && long.weight > 0.9);
+        assert_eq!(on_b.own("m", 3, &cfg), Own::NONE, "a template never seen");
+        let family = read_record(&b, &family("base")).unwrap();
+        assert!(family.templates.is_empty() && family.samples == 80);
+        let off = EstimatorConfig {
+            template_lengths: false,
+            ..cfg.clone()
+        };
+        assert_eq!(on_b.own("m", 1, &off), Own::NONE);
+        let uncalibrated = EstimatorConfig {
+            calibrate: false,
+            ..cfg
+        };
+        assert_eq!(on_b.own("m", 1, &uncalibrated), Own::NONE);
     }
 
     /// A chat template adds tokens to every prompt whatever its size: prompts of 20 to 800 rule

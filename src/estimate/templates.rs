@@ -1,6 +1,10 @@
-//! How long the answers to each prompt template run, as this VM has seen them end: what a
-//! request's answer is likely to be beyond its model's lengths (`output_dist::Own`). Source of
-//! truth: this VM alone, from the answers it streamed; nothing is shared.
+//! How long the answers to each of a model's prompt templates run, as every worker has seen
+//! them end: what a request's answer is likely to be beyond its model's lengths
+//! (`output_dist::Own`). Source of truth: the model's shared calibration record
+//! (`calibration`'s `kvgate.cal.<slot>`), which carries a `Templates` beside the model's length
+//! histograms; every worker's answers are folded into it at its flush, and every worker reads it
+//! with the rest of the record (at most once a second), so a template is learned from all the
+//! gateway's answers, not from the share of them one worker streamed.
 //!
 //! Why: one model serves many applications, and their answers' lengths differ far more between
 //! them than within one (a classifier's few tokens, a summary's hundreds, an assistant's long
@@ -12,7 +16,7 @@
 //! `routing::prefix::opening_hash`, which covers the model and the cache salt) names its
 //! template, and a completions prompt's by its first block (`flow::admit`).
 //!
-//! What is learned: for each template, and for each model over all its templates, the faded
+//! What is learned: for each template, and for the model over all its templates, the faded
 //! mean and variance of `log2(answer + 1)` over the answers that ended by themselves (those cut
 //! off by their own `max_tokens` say only that the answer would have gone on, and are left out):
 //! a lognormal, the shape answer lengths take within one application. A template's lognormal is
@@ -21,14 +25,17 @@
 //! error from the template's answers), so that templates whose answers are drawn alike (a model
 //! behind many system prompts that do not change its answers) stay with the model's lengths,
 //! which pool all their answers, instead of each taking its own sampling noise; and never above
-//! `1 − RESIDUAL`, so the model's long tail is never quite given up. Kept in a fixed table, one
-//! entry a key by its hash, which a key that shares it takes only from a holder no longer
-//! answering: at most `SLOTS` templates and models a VM, 24 bytes each.
+//! `1 − RESIDUAL`, so the model's long tail is never quite given up. At most `MAX_TEMPLATES` a
+//! model, 24 bytes each in memory and about 50 in the record; a template not kept takes the
+//! weakest one's place only as that one stops answering.
 
 use crate::estimate::output_dist::Own;
+use serde::{Deserialize, Serialize};
 
-/// Entries of the table: templates a VM keeps at once.
-const SLOTS: usize = 1024;
+/// Templates a model's record keeps at once: applications behind one model, with room for the
+/// one-off prompts (a chat without a system prompt is named by its first block) that pass
+/// through without pushing them out.
+const MAX_TEMPLATES: usize = 32;
 /// Each answer counts one; older ones fade by this much per answer of the same template, so an
 /// entry holds about the last 256 answers' worth (as the model's own histograms do,
 /// `calibration`).
@@ -47,12 +54,31 @@ const JS: f64 = 4.0;
 const MIN_SPREAD: f64 = 0.32;
 
 /// One key's answers, faded: their weight, and the mean of `log2(tokens + 1)` and of its square.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+/// Written in the record as `[key, weight, mean, square]`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[serde(from = "(u64, f32, f32, f32)", into = "(u64, f32, f32, f32)")]
 struct Entry {
     key: u64,
     weight: f32,
     mean: f32,
     square: f32,
+}
+
+impl From<(u64, f32, f32, f32)> for Entry {
+    fn from((key, weight, mean, square): (u64, f32, f32, f32)) -> Self {
+        Entry {
+            key,
+            weight,
+            mean,
+            square,
+        }
+    }
+}
+
+impl From<Entry> for (u64, f32, f32, f32) {
+    fn from(e: Entry) -> Self {
+        (e.key, e.weight, e.mean, e.square)
+    }
 }
 
 impl Entry {
@@ -61,72 +87,83 @@ impl Entry {
             .max(0.0)
             .sqrt()
     }
-}
 
-/// Each template's and each model's answers, as this VM saw them end.
-#[derive(Debug, Clone)]
-pub struct Templates {
-    entries: Vec<Entry>,
-}
-
-impl Default for Templates {
-    fn default() -> Self {
-        Templates {
-            entries: vec![Entry::default(); SLOTS],
-        }
+    /// Folds in one answer's `x = log2(tokens + 1)`, older ones faded. (A weight that answers
+    /// of other templates took below zero, `Templates::ended`, counts as none.)
+    fn add(&mut self, x: f64) {
+        let keep = f64::from(self.weight).max(0.0) * (1.0 - FADE);
+        let weight = keep + 1.0;
+        let blend = |old: f32, new: f64| ((f64::from(old) * keep + new) / weight) as f32;
+        self.mean = blend(self.mean, x);
+        self.square = blend(self.square, x * x);
+        self.weight = weight as f32;
     }
+}
+
+/// One model's answers over all its templates, and each template's (at most `MAX_TEMPLATES`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Templates {
+    model: Entry,
+    templates: Vec<Entry>,
 }
 
 impl Templates {
-    fn find(&self, key: u64) -> Option<&Entry> {
-        self.entries
-            .get(key as usize % SLOTS)
-            .filter(|e| e.key == key && e.weight > 0.0)
+    pub fn is_empty(&self) -> bool {
+        self.model.weight <= 0.0
     }
 
-    fn add(&mut self, key: u64, x: f64) {
-        let Some(e) = self.entries.get_mut(key as usize % SLOTS) else {
-            return;
-        };
-        if e.key != key {
-            if e.weight >= 1.0 {
-                // A key that shares the entry pushes its holder out only as the holder stops
-                // answering: each such answer takes one answer and an eighth of the holder's
-                // weight, and is itself lost. A stream of prompts that each come once (no
-                // template: every prompt its own) so does not evict the templates
-                // that keep answering, and a template gone quiet leaves within a few dozen.
-                e.weight -= 1.0 + e.weight / 8.0;
-                return;
-            }
-            *e = Entry {
-                key,
+    fn find(&self, key: u64) -> Option<&Entry> {
+        self.templates
+            .iter()
+            .find(|e| e.key == key && e.weight > 0.0)
+    }
+
+    /// An answer of `tokens` to a prompt of `template`, that ended by itself.
+    pub fn ended(&mut self, template: u64, tokens: u64) {
+        let x = (tokens as f64 + 1.0).log2();
+        self.model.add(x);
+        if let Some(e) = self.templates.iter_mut().find(|e| e.key == template) {
+            return e.add(x);
+        }
+        if self.templates.len() < MAX_TEMPLATES {
+            let mut e = Entry {
+                key: template,
                 ..Entry::default()
             };
+            e.add(x);
+            return self.templates.push(e);
         }
-        let keep = f64::from(e.weight) * (1.0 - FADE);
-        let weight = keep + 1.0;
-        let blend = |old: f32, new: f64| ((f64::from(old) * keep + new) / weight) as f32;
-        e.mean = blend(e.mean, x);
-        e.square = blend(e.square, x * x);
-        e.weight = weight as f32;
+        let weakest = self
+            .templates
+            .iter_mut()
+            .min_by(|a, b| a.weight.total_cmp(&b.weight));
+        let Some(e) = weakest else {
+            return;
+        };
+        if e.weight >= 1.0 {
+            // A template not kept pushes the weakest out only as the weakest stops answering:
+            // each such answer takes one answer and an eighth of its weight, and is itself lost.
+            // A stream of prompts that each come once (no template: every prompt its own) so
+            // does not evict the templates that keep answering, and one gone quiet leaves within
+            // a few dozen.
+            e.weight -= 1.0 + e.weight / 8.0;
+            return;
+        }
+        *e = Entry {
+            key: template,
+            ..Entry::default()
+        };
+        e.add(x);
     }
 
-    /// An answer of `tokens` to a request of `model` (its key, [`model_key`]) whose prompt is of
-    /// `template`, that ended by itself.
-    pub fn ended(&mut self, model: u64, template: u64, tokens: u64) {
-        let x = (tokens as f64 + 1.0).log2();
-        self.add(model, x);
-        self.add(template, x);
-    }
-
-    /// What `template`'s answers say of the next one's length beyond `model`'s (`Own::NONE`
+    /// What `template`'s answers say of the next one's length beyond the model's (`Own::NONE`
     /// until it has `MIN_ANSWERS`, or while its mean is not surely apart from the model's).
-    pub fn own(&self, model: u64, template: u64) -> Own {
-        let (Some(m), Some(t)) = (self.find(model), self.find(template)) else {
+    pub fn own(&self, template: u64) -> Own {
+        let (m, Some(t)) = (&self.model, self.find(template)) else {
             return Own::NONE;
         };
         let n = f64::from(t.weight);
-        if n < MIN_ANSWERS || model == template {
+        if n < MIN_ANSWERS {
             return Own::NONE;
         }
         // The spread of a few answers runs short of the lengths': Bessel's correction.
@@ -147,12 +184,6 @@ impl Templates {
             weight: weight as f32,
         }
     }
-}
-
-/// A model's key in the table: its name's hash, apart from every prompt's (which are seeded by
-/// the model's name too, `routing::prefix`).
-pub fn model_key(model: &str) -> u64 {
-    crate::hash::fnv1a(model.as_bytes()).rotate_left(1)
 }
 
 #[cfg(test)]
@@ -183,7 +214,6 @@ mod tests {
         }
     }
 
-    const MODEL: u64 = 1;
     const SHORT: u64 = 2;
     const LONG: u64 = 3;
 
@@ -209,12 +239,12 @@ mod tests {
             };
             let l = rng.length(median, 0.5);
             all.push(l);
-            t.ended(MODEL, template, l);
+            t.ended(template, l);
         }
         let model = learned(&all);
         let mixture = model.expected(0, 100_000) as f64;
-        let short = model.with_own(t.own(MODEL, SHORT));
-        let long = model.with_own(t.own(MODEL, LONG));
+        let short = model.with_own(t.own(SHORT));
+        let long = model.with_own(t.own(LONG));
         let (es, el) = (
             short.expected(0, 100_000) as f64,
             long.expected(0, 100_000) as f64,
@@ -242,12 +272,12 @@ mod tests {
         for i in 0..2_000u64 {
             let l = rng.length(186.0, 0.8);
             all.push(l);
-            t.ended(MODEL, 100 + i % 8, l);
+            t.ended(100 + i % 8, l);
         }
         let model = learned(&all);
         let e = model.expected(0, 100_000) as f64;
         for template in 100..108 {
-            let d = model.with_own(t.own(MODEL, template));
+            let d = model.with_own(t.own(template));
             let et = d.expected(0, 100_000) as f64;
             assert!(
                 (et / e - 1.0).abs() < 0.1,
@@ -266,20 +296,16 @@ mod tests {
     #[test]
     fn a_template_is_its_models_until_it_has_answers_apart_from_them() {
         let mut t = Templates::default();
-        assert_eq!(t.own(MODEL, SHORT), Own::NONE, "nothing seen");
+        assert_eq!(t.own(SHORT), Own::NONE, "nothing seen");
         for _ in 0..100 {
-            t.ended(MODEL, LONG, 500);
+            t.ended(LONG, 500);
         }
         for _ in 0..7 {
-            t.ended(MODEL, SHORT, 5);
+            t.ended(SHORT, 5);
         }
-        assert_eq!(
-            t.own(MODEL, SHORT),
-            Own::NONE,
-            "seven answers are not enough"
-        );
-        t.ended(MODEL, SHORT, 5);
-        let own = t.own(MODEL, SHORT);
+        assert_eq!(t.own(SHORT), Own::NONE, "seven answers are not enough");
+        t.ended(SHORT, 5);
+        let own = t.own(SHORT);
         assert!((f64::from(own.mean) - 6f64.log2()).abs() < 1e-5, "{own:?}");
         // Its mean lies 2.4 doublings from the model's, some twenty standard errors.
         assert!(
@@ -290,25 +316,42 @@ mod tests {
             (f64::from(own.spread) - MIN_SPREAD).abs() < 1e-6,
             "one length: the least spread"
         );
-        // A template no model was seen for, and the model's own key, are the model's.
-        assert_eq!(t.own(99, SHORT), Own::NONE);
-        assert_eq!(t.own(MODEL, MODEL), Own::NONE);
-        // One-off prompts whose keys share SHORT's entry, one for every four of its answers,
-        // leave it there.
-        for i in 1..=100 {
-            t.ended(MODEL, SHORT + i * SLOTS as u64, 5_000);
-            for _ in 0..4 {
-                t.ended(MODEL, SHORT, 5);
+        assert_eq!(t.own(99), Own::NONE, "a template never seen");
+        // The list full of templates that keep answering, twenty answers each.
+        for other in 10..40 {
+            for _ in 0..20 {
+                t.ended(other, 300);
             }
         }
-        assert!((f64::from(t.own(MODEL, SHORT).mean) - 6f64.log2()).abs() < 1e-5);
-        // A template whose key shares SHORT's entry takes its place once SHORT stops answering.
-        let other = SHORT + SLOTS as u64;
-        for _ in 0..30 {
-            t.ended(MODEL, other, 5_000);
+        assert_eq!(t.templates.len(), MAX_TEMPLATES);
+        // One-off prompts, one for every four answers of each template, leave them all there.
+        for i in 1..=100 {
+            t.ended(1_000 + i, 5_000);
+            for k in [SHORT, LONG].into_iter().chain(10..40) {
+                for _ in 0..4 {
+                    t.ended(k, if k == SHORT { 5 } else { 300 });
+                }
+            }
         }
-        assert_eq!(t.own(MODEL, SHORT), Own::NONE);
-        assert!(t.own(MODEL, other).mean > 12.0);
+        assert!((f64::from(t.own(SHORT).mean) - 6f64.log2()).abs() < 1e-5);
+        assert!((10..40).all(|k| t.find(k).is_some()));
+        assert!((1_001..=1_100).all(|k| t.find(k).is_none()));
+        // A new template that keeps answering takes the weakest's place.
+        let weakest = t
+            .templates
+            .iter()
+            .min_by(|a, b| a.weight.total_cmp(&b.weight));
+        let weakest = weakest.map(|e| e.key).unwrap();
+        for _ in 0..60 {
+            t.ended(99, 5_000);
+        }
+        assert!(t.own(99).mean > 12.0);
+        assert!(t.find(weakest).is_none());
+        assert_eq!(t.templates.len(), MAX_TEMPLATES);
+        // Written and read back as the record carries it.
+        let json = serde_json::to_string(&t).unwrap();
+        assert_eq!(serde_json::from_str::<Templates>(&json).unwrap(), t);
+        assert!(json.len() < 60 * (MAX_TEMPLATES + 1), "{}", json.len());
         // A template a little apart from its model, by a few standard errors, weighs a little.
         let mut rng = Rng(5);
         for i in 0..4_000 {
@@ -317,10 +360,9 @@ mod tests {
             } else {
                 (LONG, 110.0)
             };
-            t.ended(MODEL, template, rng.length(median, 0.8));
+            t.ended(template, rng.length(median, 0.8));
         }
-        let w = t.own(MODEL, LONG).weight;
+        let w = t.own(LONG).weight;
         assert!(w < 0.9, "{w}");
-        assert_ne!(model_key("m"), crate::hash::fnv1a(b"m"));
     }
 }

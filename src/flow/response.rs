@@ -280,9 +280,6 @@ impl Flow {
             gate.calibration
                 .streamed(&a.model, a.family.as_deref(), at, answer, Some(ended));
         }
-        if let (true, Some(template)) = (ended, a.template) {
-            gate.calibration.ended(&a.model, template, answer);
-        }
         if let (Some(id), Some(pod)) = (&meter.response_id, &a.answered_by) {
             // Its conversation so far as the engine counted it; a response answered in the
             // background (`background: true`, polled by `GET`) has no usage yet: as estimated.
@@ -342,6 +339,9 @@ impl Flow {
             choices: a.estimate.choices,
             length,
             pieces: meter.pieces,
+            template: a
+                .template
+                .filter(|_| gate.config.estimator.template_lengths),
         };
         gate.calibration.observe(
             &a.model,
@@ -992,6 +992,7 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
             choices: 1,
             length: Length::Ended,
             pieces,
+            template: None,
         };
         for _ in 0..n {
             Calibration::record(vm, "m", &[s], &cfg.estimator).unwrap();
@@ -1119,7 +1120,7 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
     #[test]
     fn each_templates_answers_are_expected_apart_from_the_models_mixture() {
         let pod = "10.0.0.1:80";
-        let (cfg, _host, vm) = learned_pod(50, 200, 0);
+        let (cfg, host, vm) = learned_pod(50, 200, 0);
         // Each application's request, as its kind of client sends it: a completions prompt
         // opening with the application's words; a chat whose system prompt is one line (shorter
         // than a block: every first block holds the user's words too); a chat whose system prompt
@@ -1140,34 +1141,40 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
             let mut cfg = cfg.clone();
             cfg.estimator.template_lengths = on;
             let mut gate = Gate::new(cfg, &vm).unwrap();
-            let mut ask = |app: &str, i: u64, answer: Option<u64>| {
+            let ask = |gate: &mut Gate, app: &str, i: u64, answer: Option<u64>| {
                 let path = if kind == "completions" {
                     "/v1/completions"
                 } else {
                     "/v1/chat/completions"
                 };
                 let mut f = Flow::default();
-                f.on_request_headers(&mut gate, &vm, &RequestHead::json_post(path));
-                f.on_body(&mut gate, &vm, body(kind, app, i).to_string().as_bytes());
+                f.on_request_headers(gate, &vm, &RequestHead::json_post(path));
+                f.on_body(gate, &vm, body(kind, app, i).to_string().as_bytes());
                 let expected = f.admitted.as_ref().map(|a| a.estimate.output_tokens);
                 if let Some(n) = answer {
-                    f.on_response_headers(&mut gate, &vm, Some("text/event-stream"), Some(pod));
+                    f.on_response_headers(gate, &vm, Some("text/event-stream"), Some(pod));
                     for _ in 0..n {
-                        f.on_response_body(&mut gate, &vm, PIECE);
+                        f.on_response_body(gate, &vm, PIECE);
                     }
                     let end = format!(
                         "data: {{\"choices\":[],\"usage\":{{\"prompt_tokens\":9,\"completion_tokens\":{n}}}}}\n\n"
                     );
-                    f.on_response_body(&mut gate, &vm, end.as_bytes());
+                    f.on_response_body(gate, &vm, end.as_bytes());
                 }
-                f.on_done(&mut gate, &vm);
+                f.on_done(gate, &vm);
                 expected
             };
             for i in 0..30 {
-                ask("Classify.", i, Some(4 + i % 3));
-                ask("Summarize.", i, Some(380 + i % 40));
+                ask(&mut gate, "Classify.", i, Some(4 + i % 3));
+                ask(&mut gate, "Summarize.", i, Some(380 + i % 40));
             }
-            (ask("Classify.", 99, None), ask("Summarize.", 99, None))
+            // Into the model's record at the tick's flush, read again a second later.
+            gate.calibration.flush(&vm, &gate.config.estimator).unwrap();
+            host.advance_ms(1_000);
+            (
+                ask(&mut gate, "Classify.", 99, None),
+                ask(&mut gate, "Summarize.", 99, None),
+            )
         };
         for kind in ["completions", "one line", "house rules"] {
             let (short, long) = expected(kind, true);

@@ -585,9 +585,12 @@ def test_each_applications_answers_are_expected_at_their_own_length():
     8 tokens and a writer in about 400 (the simulator told each length, as the benchmark's
     `apps` cells do). Their system prompts open with the same house rules, longer than a prefix
     block, and end apart, as one organisation's applications do. The model's lengths are their
-    mixture; once each application has answered a few dozen times, a request of each is expected
+    mixture; once each application has answered sixteen times, a request of each is expected
     near its own answers' length (`estimator.templateLengths`, `estimate::templates`: a template
-    is the whole system prompt, not its first block), and with it off at the mixture's."""
+    is the whole system prompt, not its first block), and with it off at the mixture's. On four
+    Envoy workers: each streamed about four of each application's answers, fewer than the eight
+    a template needs, so this holds only as the workers learn together (the model's shared
+    record)."""
     house = " ".join(WORDS[(j * 11) % len(WORDS)] for j in range(40))
 
     def app(name, i):
@@ -599,13 +602,13 @@ def test_each_applications_answers_are_expected_at_their_own_length():
         cfg = default_plugin_config()
         cfg["estimator"] = dict(cfg.get("estimator", {}), templateLengths=on)
         with Sim(pods=1, args=["--time-scale", "10"]) as sim, \
-                kvgate_envoy(sim.endpoints, cfg, concurrency=1) as envoy:
+                kvgate_envoy(sim.endpoints, cfg, concurrency=4) as envoy:
             with ThreadPoolExecutor(8) as pool:
                 answers = list(pool.map(
                     lambda i: stream(envoy.port, "/v1/chat/completions",
                                      app("classifier" if i % 2 else "writer", i),
                                      headers={"x-sim-output-tokens": str(6 + i % 5 if i % 2 else 380 + i % 41)}),
-                    range(120)))
+                    range(32)))
             assert all(a["status"] == 200 for a in answers), answers[0]
             time.sleep(1.5)
             expected = {name: int(request(envoy.port, "POST", "/v1/chat/completions", app(name, 999))
@@ -615,8 +618,10 @@ def test_each_applications_answers_are_expected_at_their_own_length():
 
     on, off = run(True), run(False)
     assert on["classifier"] <= 30 and 300 <= on["writer"] <= 550, on
-    assert off["classifier"] == off["writer"], "off: both at the model's mixture"
-    assert off["classifier"] > 100, off
+    # Off: both at the model's mixture (as each worker's read of it and its own answers in
+    # flight have it, a few percent apart).
+    assert abs(off["classifier"] - off["writer"]) <= 0.15 * max(off.values()), off
+    assert min(off.values()) > 100, off
 
 
 def test_several_answers_on_one_prompt_are_forecast_and_learned_as_answers():
