@@ -104,8 +104,10 @@ FULL = {
         # Applications behind the model (0: none): each its system prompt and its answers' lengths,
         # lognormal with medians `app_spread` apart (σ of their logs) and `app_answer_spread`
         # within one; the load generator draws each answer's length and tells the simulator. Each
-        # system prompt is `app_opening_words` all of them share, then `app_prompt_words` of its own.
+        # system prompt is `app_opening_words` all of them share, then `app_prompt_words` of its own,
+        # then `app_context_words` of the request's own (a user's profile, retrieved passages).
         "apps": 0, "app_spread": 1.0, "app_answer_spread": 0.5, "app_opening_words": 0, "app_prompt_words": 120,
+        "app_context_words": 0,
     },
     # The chat workload with max_tokens on every request, kvgate at each Envoy worker count.
     "chat_bounded": {"envoy_concurrency": [1, 2, 4]},
@@ -116,7 +118,7 @@ FULL = {
         "pods": 2, "num_gpu_blocks": 256, "prompt_tokens": "50,150", "output_len_mean": 32,
         "unbounded_fraction": 1.0, "max_tokens": "16,64", "clients": 120, "duration": 30, "warmup": 5, "warm_s": 0,
         "ttft_slos_ms": [1000, 5000], "apps": 0, "app_spread": 1.0, "app_answer_spread": 0.5,
-        "app_opening_words": 0, "app_prompt_words": 120,
+        "app_opening_words": 0, "app_prompt_words": 120, "app_context_words": 0,
     },
     # Many LoRA adapters of one base model, more than the pool's adapter slots (pods × maxLoras).
     "lora": {
@@ -618,6 +620,8 @@ def warm_desc(w):
             "of running engines), and the cell's preemptions are those after") if w.get("warm_s") else ""
     opening = (f"{w['app_opening_words']} words all share, then {w['app_prompt_words']} of its own"
                if w.get("app_opening_words") else f"{w.get('app_prompt_words', 120)} words")
+    if w.get("app_context_words"):
+        opening += f", then {w['app_context_words']} of the request's own"
     apps = (f"; each request one of {w['apps']} applications' (its system prompt in front: {opening}), its answer's length "
             f"drawn from that application's (lognormal, medians σ {w['app_spread']} apart, σ "
             f"{w['app_answer_spread']} within one, mean {w.get('output_len_mean', 256)}) and sent as "
@@ -736,7 +740,8 @@ def chat_args(w, seed, unbounded_fraction):
     `output_len_mean` or 256)."""
     apps = ["--apps", w["apps"], "--app-answer-mean", w.get("output_len_mean", 256),
             "--app-spread", w["app_spread"], "--app-answer-spread", w["app_answer_spread"],
-            "--app-opening-words", w["app_opening_words"], "--app-prompt-words", w["app_prompt_words"]] if w["apps"] else []
+            "--app-opening-words", w["app_opening_words"], "--app-prompt-words", w["app_prompt_words"],
+            "--app-context-words", w["app_context_words"]] if w["apps"] else []
     return ["--workload", "chat", "--seed", seed, "--arrival", "closed", "--concurrency", w["clients"],
             "--repeat", "--requests", 20000, "--prompt-tokens", w["prompt_tokens"],
             "--unbounded-fraction", unbounded_fraction, "--max-tokens", w["max_tokens"],

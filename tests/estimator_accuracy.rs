@@ -23,6 +23,7 @@ use std::path::{Path, PathBuf};
 
 use kvgate::config::EstimatorConfig;
 use kvgate::estimate::calibration::{self, Calibration};
+use kvgate::estimate::templates::Keys;
 use kvgate::estimate::text::static_prompt_tokens;
 use kvgate::store::fake_host::FakeHost;
 use tiktoken_rs::CoreBPE;
@@ -168,7 +169,7 @@ fn learn_scale(pairs: impl Iterator<Item = (f64, usize)>) -> f64 {
             choices: 1,
             length: calibration::Length::Ended,
             pieces: 0,
-            template: None,
+            template: Keys::default(),
         };
         Calibration::record(&vm, MODEL, &[sample], &cfg).expect("the in-memory host never fails");
     }

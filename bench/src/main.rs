@@ -145,6 +145,10 @@ struct WorkloadArgs {
     /// Each application's own system-prompt words, after the opening.
     #[arg(long, default_value_t = 120)]
     app_prompt_words: usize,
+    /// Words of each request's own that close its application's system prompt (a user's
+    /// profile, retrieved passages, a date and time): the opening no longer repeats whole.
+    #[arg(long, default_value_t = 0)]
+    app_context_words: usize,
     /// Approximate JSON body size of the fixed workload.
     #[arg(long, default_value_t = 4096)]
     body_bytes: usize,
@@ -259,6 +263,7 @@ fn build_jobs(w: &WorkloadArgs) -> Result<Vec<Job>, String> {
                     within: w.app_answer_spread,
                     opening: w.app_opening_words,
                     words: w.app_prompt_words,
+                    context: w.app_context_words,
                 }),
             },
             arrival,

@@ -291,6 +291,9 @@ pub struct Apps {
     pub opening: usize,
     /// Each application's own words after the opening (a one-line system prompt to a page).
     pub words: usize,
+    /// Words of each request's own at the end of its system prompt (a user's profile,
+    /// retrieved passages, the time): its opening is its application's only up to them.
+    pub context: usize,
 }
 
 impl Apps {
@@ -340,7 +343,10 @@ pub fn chat(seed: u64, w: &Chat, arrival: Arrival) -> Vec<Job> {
                 let k = r.range(0, apps.count as u64 - 1) as usize;
                 let (prompt, median) = apps.app(seed, k);
                 let length = (median + apps.within * r.normal()).exp().round().max(1.0);
-                system = Some(prompt);
+                system = Some(match apps.context {
+                    0 => prompt,
+                    n => format!("{prompt} Context for request {i}:{}", words(&mut r, n)),
+                });
                 headers.push(("x-sim-output-tokens".into(), format!("{length}")));
                 tags.push(("app".into(), k.to_string()));
             }
@@ -648,6 +654,7 @@ mod tests {
             within: 0.5,
             opening: 0,
             words: 120,
+            context: 0,
         };
         let w = Chat {
             requests: 8000,
@@ -716,6 +723,28 @@ mod tests {
         assert!(
             prompts.iter().all(|p| n_words(p) == 40 + 3 + 4),
             "{prompts:?}"
+        );
+        // With a context, each request's system prompt is its application's, then words of its
+        // own: no two alike.
+        let w = Chat {
+            apps: Some(Apps {
+                context: 20,
+                ..apps
+            }),
+            ..w
+        };
+        let jobs = chat(5, &w, Arrival::Closed);
+        let prompts: std::collections::HashSet<&str> =
+            jobs.iter().filter_map(|j| j.system.as_deref()).collect();
+        assert_eq!(prompts.len(), jobs.len());
+        let heads: std::collections::HashSet<&str> = prompts
+            .iter()
+            .filter_map(|p| p.split_once(" Context for request ").map(|(h, _)| h))
+            .collect();
+        assert_eq!(
+            heads.len(),
+            4,
+            "each application's own words, then the context"
         );
     }
 

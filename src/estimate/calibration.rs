@@ -29,7 +29,7 @@ use crate::estimate::engine_lengths;
 use crate::estimate::output_dist::{bucket, OutputDist, Own, BUCKETS};
 use crate::estimate::reservation::Learned;
 use crate::estimate::slots::{self, Held, SLOTS};
-use crate::estimate::templates::Templates;
+use crate::estimate::templates::{Keys, Templates};
 use crate::store::interface::{update_from, Store, StoreError, Versioned};
 use hashbrown::HashMap;
 use serde::{Deserialize, Serialize};
@@ -277,8 +277,8 @@ impl ModelStats {
             if let Some(x) = into.get_mut(bucket(one)) {
                 *x += 1.0;
             }
-            if let (Length::Ended, Some(template)) = (sample.length, sample.template) {
-                self.templates.ended(template, one);
+            if sample.length == Length::Ended && !sample.template.is_empty() {
+                self.templates.ended(&sample.template, one);
             }
         }
         self.samples = self.samples.saturating_add(1);
@@ -358,8 +358,8 @@ pub struct Sample {
     /// Pieces of text its stream carried (`ResponseMeter::pieces`); 0 for an answer that did
     /// not stream.
     pub pieces: u64,
-    /// The prompt's template (`templates`), when its lengths are learned.
-    pub template: Option<u64>,
+    /// The keys of the prompt's template (`templates`); none when its lengths are not learned.
+    pub template: Keys,
 }
 
 /// What an answer's length says of the model's.
@@ -645,10 +645,10 @@ impl Calibration {
         true
     }
 
-    /// What the answers to `model`'s prompts of `template` (the hash that names it,
+    /// What the answers to `model`'s prompts of `template` (the keys it goes by,
     /// `flow::admit`) say of the next one's length beyond the model's (`templates`), as its
     /// record read last (`known`) holds them.
-    pub fn own(&self, model: &str, template: u64, cfg: &EstimatorConfig) -> Own {
+    pub fn own(&self, model: &str, template: &Keys, cfg: &EstimatorConfig) -> Own {
         if !(cfg.calibrate && cfg.template_lengths) {
             return Own::NONE;
         }
@@ -671,7 +671,7 @@ impl Calibration {
             (
                 f,
                 Sample {
-                    template: None,
+                    template: Keys::default(),
                     ..sample
                 },
             )
@@ -759,7 +759,7 @@ mod tests {
             choices: 1,
             length: Length::Ended,
             pieces: 0,
-            template: None,
+            template: Keys::default(),
         }
     }
 
@@ -807,7 +807,7 @@ mod tests {
         for i in 0..40 {
             for (template, out) in [(1, 6 + i % 3), (2, 400 + i % 20)] {
                 let s = Sample {
-                    template: Some(template),
+                    template: Keys::one(template),
                     ..sample(100.0, 130, out)
                 };
                 on_a.observe("m", Some(&family("base")), s, &cfg);
@@ -815,7 +815,10 @@ mod tests {
         }
         on_a.flush(&a, &cfg).unwrap();
         on_b.known(&b, "m", None, &cfg);
-        let (short, long) = (on_b.own("m", 1, &cfg), on_b.own("m", 2, &cfg));
+        let (short, long) = (
+            on_b.own("m", &Keys::one(1), &cfg),
+            on_b.own("m", &Keys::one(2), &cfg),
+        );
         assert!(
             (f64::from(short.mean) - 7f64.log2()).abs() < 0.2,
             "{short:?}"
@@ -825,19 +828,23 @@ mod tests {
             "{long:?}"
         );
         assert!(short.weight > 0.9 && long.weight > 0.9);
-        assert_eq!(on_b.own("m", 3, &cfg), Own::NONE, "a template never seen");
+        assert_eq!(
+            on_b.own("m", &Keys::one(3), &cfg),
+            Own::NONE,
+            "a template never seen"
+        );
         let family = read_record(&b, &family("base")).unwrap();
         assert!(family.templates.is_empty() && family.samples == 80);
         let off = EstimatorConfig {
             template_lengths: false,
             ..cfg.clone()
         };
-        assert_eq!(on_b.own("m", 1, &off), Own::NONE);
+        assert_eq!(on_b.own("m", &Keys::one(1), &off), Own::NONE);
         let uncalibrated = EstimatorConfig {
             calibrate: false,
             ..cfg
         };
-        assert_eq!(on_b.own("m", 1, &uncalibrated), Own::NONE);
+        assert_eq!(on_b.own("m", &Keys::one(1), &uncalibrated), Own::NONE);
     }
 
     /// A chat template adds tokens to every prompt whatever its size: prompts of 20 to 800 rule

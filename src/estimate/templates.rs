@@ -12,9 +12,17 @@
 //! at the mixture's mean, with the mixture's spread, so a pod's forecast reserves long answers
 //! for short applications and short ones for long applications, and its headroom pays for the
 //! spread between applications on every request. An application's requests start alike: a chat
-//! prompt's opening (its tools and system turns, `Request::opening`, hashed by
-//! `routing::prefix::opening_hash`, which covers the model and the cache salt) names its
-//! template, and a completions prompt's by its first block (`flow::admit`).
+//! prompt's opening (its tools and system turns, `Request::opening`) names its template, and a
+//! completions prompt's by its first block (`flow::admit`).
+//!
+//! An opening is often its application's only up to a point: a user's profile, retrieved
+//! passages or the time close many system prompts, so that no two requests' openings are alike.
+//! So a request goes by a few keys (`Keys`, from `routing::prefix::template_keys`, which cover
+//! the model and the cache salt): the whole opening, then heads of it, each shorter. Every
+//! answer is learned under each of its request's keys, and a request is expected by its most
+//! specific key that has answers enough: the whole opening where it repeats, else the longest
+//! head its application's requests share (heads shared by several applications, the house rules
+//! they all open with, learn their mixture, and weigh only where nothing longer has answers).
 //!
 //! What is learned: for each template, and for the model over all its templates, the faded
 //! mean and variance of `log2(answer + 1)` over the answers that ended by themselves (those cut
@@ -25,17 +33,21 @@
 //! error from the template's answers), so that templates whose answers are drawn alike (a model
 //! behind many system prompts that do not change its answers) stay with the model's lengths,
 //! which pool all their answers, instead of each taking its own sampling noise; and never above
-//! `1 − RESIDUAL`, so the model's long tail is never quite given up. At most `MAX_TEMPLATES` a
-//! model, 24 bytes each in memory and about 50 in the record; a template not kept takes the
-//! weakest one's place only as that one stops answering.
+//! `1 − RESIDUAL`, so the model's long tail is never quite given up. At most `MAX_TEMPLATES` keys a
+//! model, 24 bytes each in memory and about 50 in the record; a key not kept takes the weakest
+//! one's place only as that one stops answering.
 
 use crate::estimate::output_dist::Own;
 use serde::{Deserialize, Serialize};
 
-/// Templates a model's record keeps at once: applications behind one model, with room for the
-/// one-off prompts (a chat without a system prompt is named by its first block) that pass
+/// Keys a model's record keeps at once: applications behind one model, each under its opening and
+/// the heads of it its requests share (up to `MAX_KEYS`), with room for
+/// the one-off prompts (a chat without a system prompt is named by its first block) that pass
 /// through without pushing them out.
-const MAX_TEMPLATES: usize = 32;
+const MAX_TEMPLATES: usize = 64;
+/// Keys a request goes by: its whole opening, the opening to its last full block, and its heads
+/// of 64, 32, 16, 8, 4, 2 and 1 blocks (`routing::prefix::template_keys`).
+const MAX_KEYS: usize = 9;
 /// Each answer counts one; older ones fade by this much per answer of the same template, so an
 /// entry holds about the last 256 answers' worth (as the model's own histograms do,
 /// `calibration`).
@@ -100,7 +112,42 @@ impl Entry {
     }
 }
 
-/// One model's answers over all its templates, and each template's (at most `MAX_TEMPLATES`).
+/// The keys a request's template goes by, most specific first (`routing::prefix::template_keys`).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Keys {
+    keys: [u64; MAX_KEYS],
+    len: u8,
+}
+
+impl Keys {
+    /// A template known by one key (a completions prompt's first block).
+    pub fn one(key: u64) -> Self {
+        let mut k = Keys::default();
+        k.push(key);
+        k
+    }
+
+    /// Adds a less specific key; one already there, or past `MAX_KEYS`, is left out.
+    pub fn push(&mut self, key: u64) {
+        let len = usize::from(self.len);
+        if len < MAX_KEYS && !self.iter().any(|k| k == key) {
+            if let Some(slot) = self.keys.get_mut(len) {
+                *slot = key;
+                self.len += 1;
+            }
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = u64> + '_ {
+        self.keys.iter().take(usize::from(self.len)).copied()
+    }
+}
+
+/// One model's answers over all its templates, and each key's (at most `MAX_TEMPLATES`).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Templates {
     model: Entry,
@@ -118,10 +165,17 @@ impl Templates {
             .find(|e| e.key == key && e.weight > 0.0)
     }
 
-    /// An answer of `tokens` to a prompt of `template`, that ended by itself.
-    pub fn ended(&mut self, template: u64, tokens: u64) {
+    /// An answer of `tokens` to a prompt going by `keys`, that ended by itself.
+    pub fn ended(&mut self, keys: &Keys, tokens: u64) {
         let x = (tokens as f64 + 1.0).log2();
         self.model.add(x);
+        for key in keys.iter() {
+            self.learn(key, x);
+        }
+    }
+
+    /// One key's answer.
+    fn learn(&mut self, template: u64, x: f64) {
         if let Some(e) = self.templates.iter_mut().find(|e| e.key == template) {
             return e.add(x);
         }
@@ -156,16 +210,20 @@ impl Templates {
         e.add(x);
     }
 
-    /// What `template`'s answers say of the next one's length beyond the model's (`Own::NONE`
-    /// until it has `MIN_ANSWERS`, or while its mean is not surely apart from the model's).
-    pub fn own(&self, template: u64) -> Own {
-        let (m, Some(t)) = (&self.model, self.find(template)) else {
+    /// What the answers of the most specific of `keys` that has `MIN_ANSWERS` say of the next
+    /// one's length beyond the model's (`Own::NONE` when none has, or while that key's mean is
+    /// not surely apart from the model's: a longer head drawn like its model says more of its
+    /// requests than a shorter one apart from it, which other applications share).
+    pub fn own(&self, keys: &Keys) -> Own {
+        let m = &self.model;
+        let Some(t) = keys
+            .iter()
+            .filter_map(|k| self.find(k))
+            .find(|t| f64::from(t.weight) >= MIN_ANSWERS)
+        else {
             return Own::NONE;
         };
         let n = f64::from(t.weight);
-        if n < MIN_ANSWERS {
-            return Own::NONE;
-        }
         // The spread of a few answers runs short of the lengths': Bessel's correction.
         let spread = (t.spread() * (n / (n - 1.0)).sqrt()).max(MIN_SPREAD);
         let apart = (f64::from(t.mean) - f64::from(m.mean)).powi(2);
@@ -239,12 +297,12 @@ mod tests {
             };
             let l = rng.length(median, 0.5);
             all.push(l);
-            t.ended(template, l);
+            t.ended(&Keys::one(template), l);
         }
         let model = learned(&all);
         let mixture = model.expected(0, 100_000) as f64;
-        let short = model.with_own(t.own(SHORT));
-        let long = model.with_own(t.own(LONG));
+        let short = model.with_own(t.own(&Keys::one(SHORT)));
+        let long = model.with_own(t.own(&Keys::one(LONG)));
         let (es, el) = (
             short.expected(0, 100_000) as f64,
             long.expected(0, 100_000) as f64,
@@ -265,6 +323,64 @@ mod tests {
         assert!(model.survival(150.0) < 0.6, "the mixture itself is not");
     }
 
+    /// Two applications open with the same house rules, then their own words, then each
+    /// request's own (a user's profile): no two openings alike. Each request is expected by the
+    /// longest head its application's requests share, not by the rules (their mixture), nor by
+    /// its own opening, never seen before.
+    #[test]
+    fn openings_that_end_apart_are_expected_by_the_head_their_application_shares() {
+        const RULES: u64 = 7;
+        let keys = |app: u64, request: u64| {
+            let mut k = Keys::default();
+            // The whole opening and its last full block, the request's own; a head of its
+            // application's; the rules' heads, every application's.
+            [
+                1_000_000 + request,
+                2_000_000 + request,
+                100 + app,
+                RULES,
+                RULES + 1,
+            ]
+            .into_iter()
+            .for_each(|key| k.push(key));
+            k
+        };
+        let (mut t, mut rng, mut all) = (Templates::default(), Rng(3), vec![]);
+        for i in 0..400 {
+            let (app, median) = if i % 2 == 0 { (0, 12.0) } else { (1, 400.0) };
+            let l = rng.length(median, 0.5);
+            all.push(l);
+            t.ended(&keys(app, i), l);
+        }
+        let model = learned(&all);
+        let expect = |own| model.with_own(own).expected(0, 100_000) as f64;
+        let (short, long) = (
+            expect(t.own(&keys(0, 9_999))),
+            expect(t.own(&keys(1, 9_998))),
+        );
+        assert!((10.0..=25.0).contains(&short), "{short}");
+        assert!((380.0..=520.0).contains(&long), "{long}");
+        // The rules alone say only what the model does.
+        let mut rules = Keys::one(RULES);
+        rules.push(RULES + 1);
+        assert_eq!(t.own(&rules), Own::NONE);
+        // The requests' own keys came once each, and went: the applications' stayed.
+        assert!(t.templates.len() <= MAX_TEMPLATES);
+        assert!(t.find(100).is_some() && t.find(101).is_some() && t.find(RULES).is_some());
+        // A request whose whole opening has answers enough goes by it, before any head.
+        for _ in 0..8 {
+            t.ended(&keys(1, 5), 3);
+        }
+        assert!(f64::from(t.own(&keys(1, 5)).mean) < 3.0);
+        // A key list holds each key once, and at most `MAX_KEYS`.
+        let mut k = Keys::one(0);
+        (0..20).for_each(|key| k.push(key));
+        assert_eq!(
+            k.iter().collect::<Vec<_>>(),
+            (0..MAX_KEYS as u64).collect::<Vec<_>>()
+        );
+    }
+
     #[test]
     fn a_template_of_the_models_own_lengths_leaves_them_about_as_they_are() {
         // Eight templates drawing from one distribution (chat answers, mean 256, σ 0.8).
@@ -272,12 +388,12 @@ mod tests {
         for i in 0..2_000u64 {
             let l = rng.length(186.0, 0.8);
             all.push(l);
-            t.ended(100 + i % 8, l);
+            t.ended(&Keys::one(100 + i % 8), l);
         }
         let model = learned(&all);
         let e = model.expected(0, 100_000) as f64;
         for template in 100..108 {
-            let d = model.with_own(t.own(template));
+            let d = model.with_own(t.own(&Keys::one(template)));
             let et = d.expected(0, 100_000) as f64;
             assert!(
                 (et / e - 1.0).abs() < 0.1,
@@ -296,16 +412,20 @@ mod tests {
     #[test]
     fn a_template_is_its_models_until_it_has_answers_apart_from_them() {
         let mut t = Templates::default();
-        assert_eq!(t.own(SHORT), Own::NONE, "nothing seen");
+        assert_eq!(t.own(&Keys::one(SHORT)), Own::NONE, "nothing seen");
         for _ in 0..100 {
-            t.ended(LONG, 500);
+            t.ended(&Keys::one(LONG), 500);
         }
         for _ in 0..7 {
-            t.ended(SHORT, 5);
+            t.ended(&Keys::one(SHORT), 5);
         }
-        assert_eq!(t.own(SHORT), Own::NONE, "seven answers are not enough");
-        t.ended(SHORT, 5);
-        let own = t.own(SHORT);
+        assert_eq!(
+            t.own(&Keys::one(SHORT)),
+            Own::NONE,
+            "seven answers are not enough"
+        );
+        t.ended(&Keys::one(SHORT), 5);
+        let own = t.own(&Keys::one(SHORT));
         assert!((f64::from(own.mean) - 6f64.log2()).abs() < 1e-5, "{own:?}");
         // Its mean lies 2.4 doublings from the model's, some twenty standard errors.
         assert!(
@@ -316,25 +436,26 @@ mod tests {
             (f64::from(own.spread) - MIN_SPREAD).abs() < 1e-6,
             "one length: the least spread"
         );
-        assert_eq!(t.own(99), Own::NONE, "a template never seen");
+        assert_eq!(t.own(&Keys::one(99)), Own::NONE, "a template never seen");
         // The list full of templates that keep answering, twenty answers each.
-        for other in 10..40 {
+        let others = 10..(10 + MAX_TEMPLATES as u64 - 2);
+        for other in others.clone() {
             for _ in 0..20 {
-                t.ended(other, 300);
+                t.ended(&Keys::one(other), 300);
             }
         }
         assert_eq!(t.templates.len(), MAX_TEMPLATES);
         // One-off prompts, one for every four answers of each template, leave them all there.
         for i in 1..=100 {
-            t.ended(1_000 + i, 5_000);
-            for k in [SHORT, LONG].into_iter().chain(10..40) {
+            t.ended(&Keys::one(1_000 + i), 5_000);
+            for k in [SHORT, LONG].into_iter().chain(others.clone()) {
                 for _ in 0..4 {
-                    t.ended(k, if k == SHORT { 5 } else { 300 });
+                    t.ended(&Keys::one(k), if k == SHORT { 5 } else { 300 });
                 }
             }
         }
-        assert!((f64::from(t.own(SHORT).mean) - 6f64.log2()).abs() < 1e-5);
-        assert!((10..40).all(|k| t.find(k).is_some()));
+        assert!((f64::from(t.own(&Keys::one(SHORT)).mean) - 6f64.log2()).abs() < 1e-5);
+        assert!(others.clone().all(|k| t.find(k).is_some()));
         assert!((1_001..=1_100).all(|k| t.find(k).is_none()));
         // A new template that keeps answering takes the weakest's place.
         let weakest = t
@@ -343,9 +464,9 @@ mod tests {
             .min_by(|a, b| a.weight.total_cmp(&b.weight));
         let weakest = weakest.map(|e| e.key).unwrap();
         for _ in 0..60 {
-            t.ended(99, 5_000);
+            t.ended(&Keys::one(99), 5_000);
         }
-        assert!(t.own(99).mean > 12.0);
+        assert!(t.own(&Keys::one(99)).mean > 12.0);
         assert!(t.find(weakest).is_none());
         assert_eq!(t.templates.len(), MAX_TEMPLATES);
         // Written and read back as the record carries it.
@@ -360,9 +481,9 @@ mod tests {
             } else {
                 (LONG, 110.0)
             };
-            t.ended(template, rng.length(median, 0.8));
+            t.ended(&Keys::one(template), rng.length(median, 0.8));
         }
-        let w = t.own(LONG).weight;
+        let w = t.own(&Keys::one(LONG)).weight;
         assert!(w < 0.9, "{w}");
     }
 }

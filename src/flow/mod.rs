@@ -9,6 +9,7 @@ use crate::admission::line::Ticket;
 use crate::config::Config;
 use crate::estimate::calibration::{family, Started};
 use crate::estimate::reservation::{estimate_from, Estimate};
+use crate::estimate::templates::Keys;
 use crate::estimate::text::static_prompt_tokens;
 pub use crate::gate::Gate;
 use crate::models::listing;
@@ -17,7 +18,7 @@ use crate::openai::reply::LocalReply;
 use crate::openai::request::{Api, Request};
 use crate::openai::response::ResponseMeter;
 use crate::pods::scrape::Call;
-use crate::routing::prefix::{block_hashes, opening_hash};
+use crate::routing::prefix::{block_hashes, template_keys};
 use crate::routing::router::Routed;
 use crate::routing::stored::Stored;
 use crate::routing::stored_ask::{self, Asking};
@@ -142,8 +143,9 @@ struct Admitted {
     routed: Option<Routed>,
     /// Its answer's place in the VM's cohorts of answers started, once it streams.
     started: Option<Started>,
-    /// Its prompt's template (`estimate::templates`): its opening's hash, or its first block's.
-    template: Option<u64>,
+    /// The keys of its prompt's template (`estimate::templates`): its opening's and its heads',
+    /// or its first block's.
+    template: Keys,
     /// While parked: the ticket and what a retry needs.
     waiting: Option<(Ticket, Vec<u64>)>,
     waited_ms: Option<u64>,
@@ -657,20 +659,27 @@ impl Flow {
         );
         // The prompt's template (its application's), whose answers may run apart from the
         // model's (`estimate::templates`): its opening, the tools and instructions it starts with,
-        // whatever their length; without one (or a completions prompt, which has no turns), its
-        // first block.
-        let template = opening_hash(
-            &req.model,
-            req.cache_salt.as_deref(),
-            &req.text,
-            req.opening,
-            block_chars,
-            &hashes,
-        )
-        .or_else(|| hashes.first().copied());
+        // whatever their length, and the heads of it; without one (or a completions prompt, which
+        // has no turns), its first block. Not worked out when no template is learned.
+        let mut template = Keys::default();
+        if cfg.calibrate && cfg.template_lengths {
+            template = template_keys(
+                &req.model,
+                req.cache_salt.as_deref(),
+                &req.text,
+                req.opening,
+                block_chars,
+                &hashes,
+            );
+            if let (true, Some(&first)) = (template.is_empty(), hashes.first()) {
+                template = Keys::one(first);
+            }
+        }
         let mut learned = known.learned;
-        if let (Some(l), Some(t)) = (&mut learned, template) {
-            l.output = l.output.with_own(gate.calibration.own(&req.model, t, cfg));
+        if let (Some(l), false) = (&mut learned, template.is_empty()) {
+            l.output = l
+                .output
+                .with_own(gate.calibration.own(&req.model, &template, cfg));
         }
         let mut est = estimate_from(&req, static_text_tokens, learned, known.prior, cfg);
         est.only_on = only_on;

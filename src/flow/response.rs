@@ -339,9 +339,7 @@ impl Flow {
             choices: a.estimate.choices,
             length,
             pieces: meter.pieces,
-            template: a
-                .template
-                .filter(|_| gate.config.estimator.template_lengths),
+            template: a.template,
         };
         gate.calibration.observe(
             &a.model,
@@ -992,7 +990,7 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
             choices: 1,
             length: Length::Ended,
             pieces,
-            template: None,
+            template: crate::estimate::templates::Keys::default(),
         };
         for _ in 0..n {
             Calibration::record(vm, "m", &[s], &cfg.estimator).unwrap();
@@ -1124,7 +1122,8 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
         // Each application's request, as its kind of client sends it: a completions prompt
         // opening with the application's words; a chat whose system prompt is one line (shorter
         // than a block: every first block holds the user's words too); a chat whose system prompt
-        // opens with house rules all the applications share (their first blocks alike).
+        // opens with house rules all the applications share (their first blocks alike); and one
+        // whose system prompt then ends with the user's profile, every request's its own.
         let body = |kind: &str, app: &str, i: u64| {
             let user = format!("question {i}: {}", "the user's own words ".repeat(4));
             match kind {
@@ -1132,8 +1131,13 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
                     "prompt": format!("{app} {} {user}", "the application's own words ".repeat(4))}),
                 "one line" => serde_json::json!({"model": "m", "stream": true, "messages": [
                     {"role": "system", "content": app}, {"role": "user", "content": user}]}),
-                _ => serde_json::json!({"model": "m", "stream": true, "messages": [
+                "house rules" => serde_json::json!({"model": "m", "stream": true, "messages": [
                     {"role": "system", "content": format!("{} {app}", "Our house rules. ".repeat(8))},
+                    {"role": "user", "content": user}]}),
+                _ => serde_json::json!({"model": "m", "stream": true, "messages": [
+                    {"role": "system", "content": format!("{} {app} {} The user: {i}, of plan {}.",
+                        "Our house rules. ".repeat(8), "the application's own words ".repeat(6),
+                        i * 7 % 5)},
                     {"role": "user", "content": user}]}),
             }
         };
@@ -1176,7 +1180,7 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
                 ask(&mut gate, "Summarize.", 99, None),
             )
         };
-        for kind in ["completions", "one line", "house rules"] {
+        for kind in ["completions", "one line", "house rules", "with a profile"] {
             let (short, long) = expected(kind, true);
             let (short, long) = (short.unwrap(), long.unwrap());
             assert!(

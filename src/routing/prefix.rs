@@ -3,6 +3,7 @@
 //! (chained), seeded by model and cache salt. Two prompts share a block hash exactly when they
 //! share all text up to the end of that block, as an engine's prefix cache requires.
 
+use crate::estimate::templates::Keys;
 use crate::hash::chain;
 
 /// Hashes of the full blocks of `text`, `block_chars` characters each; a trailing partial block
@@ -36,21 +37,36 @@ fn seed(model: &str, cache_salt: Option<&str>) -> u64 {
     cache_salt.map_or(h, |salt| chain(h, salt.as_bytes()))
 }
 
-/// The hash of the text's first `opening` bytes, on the same chain as its blocks (`hashes`,
-/// `block_hashes` of the same text): the last full block inside the opening, continued over the
-/// opening's bytes after it. So an opening shorter than a block still has a hash of its own, and
-/// openings that start alike but end apart hash apart. `None` for an empty opening. An opening
-/// longer than the hashed blocks is named by them (its first `max_blocks`). `opening` must lie
-/// on a character boundary (it is where a chat turn ends).
-pub fn opening_hash(
+/// The heads of an opening, in blocks, that a template also goes by (`estimate::templates`),
+/// longest first: doubling, so that the longest head an application's requests share is never
+/// less than half of what they share (a user's profile or retrieved passages closing each
+/// system prompt, after its application's own words and any house rules several share).
+const TEMPLATE_HEADS: [usize; 7] = [64, 32, 16, 8, 4, 2, 1];
+
+/// The keys of the template of a prompt whose opening (its tools and system turns) is the text's
+/// first `opening` bytes, on the same chain as its blocks (`hashes`, `block_hashes` of the same
+/// text), most specific first:
+/// - the whole opening: the last full block inside it, continued over the bytes after it, so an
+///   opening shorter than a block still has a hash of its own, and openings that start alike
+///   but end apart hash apart (an opening longer than the hashed blocks is named by them, its
+///   first `max_blocks`);
+/// - the opening to its last full block, and its heads of `TEMPLATE_HEADS` blocks shorter than
+///   that: what its application's requests share when their openings end apart.
+///
+/// None for an empty opening. `opening` must lie on a character boundary (it is where a chat
+/// turn ends).
+pub fn template_keys(
     model: &str,
     cache_salt: Option<&str>,
     text: &str,
     opening: usize,
     block_chars: usize,
     hashes: &[u64],
-) -> Option<u64> {
-    let bytes = text.as_bytes().get(..opening).filter(|o| !o.is_empty())?;
+) -> Keys {
+    let mut keys = Keys::default();
+    let Some(bytes) = text.as_bytes().get(..opening).filter(|o| !o.is_empty()) else {
+        return keys;
+    };
     // Every full block of the opening is one of the text's, hashed unless past `max_blocks`.
     let (mut start, mut full) = (0, 0);
     while full <= hashes.len() {
@@ -59,17 +75,26 @@ pub fn opening_hash(
         };
         (start, full) = (end, full + 1);
     }
-    if full > hashes.len() {
-        return hashes.last().copied();
-    }
-    let h = match full.checked_sub(1) {
-        Some(last) => hashes.get(last).copied()?,
-        None => seed(model, cache_salt),
+    let full = if full > hashes.len() {
+        hashes.len()
+    } else {
+        let head = match full.checked_sub(1) {
+            Some(last) => hashes.get(last).copied(),
+            None => Some(seed(model, cache_salt)),
+        };
+        match (head, bytes.get(start..)) {
+            (Some(h), Some(rest)) if !rest.is_empty() => keys.push(chain(h, rest)),
+            _ => {}
+        }
+        full
     };
-    match bytes.get(start..) {
-        Some(rest) if !rest.is_empty() => Some(chain(h, rest)),
-        _ => Some(h),
+    let heads = TEMPLATE_HEADS.iter().filter(|&&k| k < full);
+    for k in std::iter::once(full).chain(heads.copied()) {
+        if let Some(&h) = k.checked_sub(1).and_then(|i| hashes.get(i)) {
+            keys.push(h);
+        }
     }
+    keys
 }
 
 /// Where the `n` characters of UTF-8 `text` that start at byte `from` end, if there are that many.
@@ -159,7 +184,9 @@ mod tests {
     fn an_opening_is_hashed_on_its_blocks_chain_whatever_its_length() {
         let of = |text: &str, opening: usize| {
             let hashes = block_hashes("m", None, text, 4, 100);
-            opening_hash("m", None, text, opening, 4, &hashes)
+            template_keys("m", None, text, opening, 4, &hashes)
+                .iter()
+                .next()
         };
         // Shorter than a block: its own hash, whatever follows it.
         let short = of("<s>\nA\n<u>\nquestion one", 6);
@@ -184,18 +211,62 @@ mod tests {
         let salted = block_hashes("m", Some("s"), "ab and more", 4, 100);
         assert_ne!(
             of("ab and more", 2),
-            opening_hash("m", Some("s"), "ab and more", 2, 4, &salted)
+            template_keys("m", Some("s"), "ab and more", 2, 4, &salted)
+                .iter()
+                .next()
         );
         // Past the hashed blocks, the opening is named by them; empty, it has none.
         let long = "x".repeat(100);
         let capped = block_hashes("m", None, &long, 4, 3);
         assert_eq!(
-            opening_hash("m", None, &long, 90, 4, &capped),
+            template_keys("m", None, &long, 90, 4, &capped)
+                .iter()
+                .next(),
             capped.last().copied()
         );
         assert_eq!(of(text, 0), None);
         // A text with fewer blocks than its opening has after it: the tail still counts.
         assert_ne!(of("abcdXY", 6), of("abcdXZ", 6));
+    }
+
+    #[test]
+    fn an_opening_also_goes_by_its_heads_so_openings_that_end_apart_share_their_applications() {
+        let keys = |text: &str, opening: usize| {
+            let hashes = block_hashes("m", None, text, 4, 100);
+            let keys: Vec<u64> = template_keys("m", None, text, opening, 4, &hashes)
+                .iter()
+                .collect();
+            (keys, hashes)
+        };
+        // 42 characters: 10 full blocks and a tail; the whole opening, then the opening to its
+        // tenth block, and its heads of 8, 4, 2 and 1 blocks.
+        let system = "You are Acme's agent. User: Ann, plan gold";
+        let text = format!("{system}\n<u>\nhi");
+        let (k, hashes) = keys(&text, system.len());
+        assert_eq!(k.len(), 6, "{k:?}");
+        assert_eq!(
+            k[1..],
+            [hashes[9], hashes[7], hashes[3], hashes[1], hashes[0]]
+        );
+        // Another user's request shares every head before her name, and only those.
+        let other = "You are Acme's agent. User: Bob, plan free";
+        let (o, _) = keys(&format!("{other}\n<u>\nhello"), other.len());
+        let shared: Vec<u64> = o.iter().filter(|h| k.contains(h)).copied().collect();
+        assert_eq!(shared, [hashes[3], hashes[1], hashes[0]]);
+        // An opening that ends on a block boundary is its last block once; a one-line opening
+        // shorter than a block has its whole only; past the hashed blocks, the heads are theirs.
+        let (k, hashes) = keys("abcdefgh and more", 8);
+        assert_eq!(k, [hashes[1], hashes[0]]);
+        assert_eq!(keys("abc and more", 3).0.len(), 1);
+        let long = "x".repeat(300);
+        let capped = block_hashes("m", None, &long, 4, 40);
+        let k: Vec<u64> = template_keys("m", None, &long, 290, 4, &capped)
+            .iter()
+            .collect();
+        assert_eq!(
+            k,
+            [capped[39], capped[31], capped[15], capped[7], capped[3], capped[1], capped[0]]
+        );
     }
 
     #[test]
