@@ -18,11 +18,14 @@
 //! An opening is often its application's only up to a point: a user's profile, retrieved
 //! passages or the time close many system prompts, so that no two requests' openings are alike.
 //! So a request goes by a few keys (`Keys`, from `routing::prefix::template_keys`, which cover
-//! the model and the cache salt): the whole opening, then heads of it, each shorter. Every
-//! answer is learned under each of its request's keys, and a request is expected by its most
-//! specific key that has answers enough: the whole opening where it repeats, else the longest
-//! head its application's requests share (heads shared by several applications, the house rules
-//! they all open with, learn their mixture, and weigh only where nothing longer has answers).
+//! the model and the cache salt): the whole opening, then heads of it, each shorter. An answer is
+//! learned under its whole opening, and, while that has not answered enough, under the heads of
+//! it that its application's requests share (`Templates::ended` says how they are found); a
+//! request is expected by its whole opening where that has answered enough, else by the longest
+//! of its heads that has (heads shared by several applications, the house rules they all open
+//! with, learn their mixture, and weigh only where nothing longer has answers). Whole openings
+//! and heads are kept apart: applications whose openings repeat whole keep their templates as
+//! if no head were learned.
 //!
 //! What is learned: for each template, and for the model over all its templates, the faded
 //! mean and variance of `log2(answer + 1)` over the answers that ended by themselves (those cut
@@ -33,18 +36,21 @@
 //! error from the template's answers), so that templates whose answers are drawn alike (a model
 //! behind many system prompts that do not change its answers) stay with the model's lengths,
 //! which pool all their answers, instead of each taking its own sampling noise; and never above
-//! `1 − RESIDUAL`, so the model's long tail is never quite given up. At most `MAX_TEMPLATES` keys a
-//! model, 24 bytes each in memory and about 50 in the record; a key not kept takes the weakest
-//! one's place only as that one stops answering.
+//! `1 − RESIDUAL`, so the model's long tail is never quite given up. At most `MAX_TEMPLATES` whole
+//! openings and `MAX_HEADS` heads a model, 24 bytes each in memory and about 50 in the record; a
+//! key not kept takes the weakest one's place only as that one stops answering.
 
 use crate::estimate::output_dist::Own;
 use serde::{Deserialize, Serialize};
 
-/// Keys a model's record keeps at once: applications behind one model, each under its opening and
-/// the heads of it its requests share (up to `MAX_KEYS`), with room for
+/// Whole openings a model's record keeps at once: applications behind one model, with room for
 /// the one-off prompts (a chat without a system prompt is named by its first block) that pass
 /// through without pushing them out.
-const MAX_TEMPLATES: usize = 64;
+const MAX_TEMPLATES: usize = 32;
+/// Heads of openings a model's record keeps at once: a few for each application whose openings
+/// end apart (those its requests share), with room for the one each request's answer brings of
+/// its own.
+const MAX_HEADS: usize = 64;
 /// Keys a request goes by: its whole opening, the opening to its last full block, and its heads
 /// of 64, 32, 16, 8, 4, 2 and 1 blocks (`routing::prefix::template_keys`).
 const MAX_KEYS: usize = 9;
@@ -101,7 +107,7 @@ impl Entry {
     }
 
     /// Folds in one answer's `x = log2(tokens + 1)`, older ones faded. (A weight that answers
-    /// of other templates took below zero, `Templates::ended`, counts as none.)
+    /// of other keys took below zero, `take_in`, counts as none.)
     fn add(&mut self, x: f64) {
         let keep = f64::from(self.weight).max(0.0) * (1.0 - FADE);
         let weight = keep + 1.0;
@@ -142,16 +148,57 @@ impl Keys {
         self.len == 0
     }
 
-    pub fn iter(&self) -> impl Iterator<Item = u64> + '_ {
+    pub fn iter(&self) -> impl DoubleEndedIterator<Item = u64> + ExactSizeIterator + '_ {
         self.keys.iter().take(usize::from(self.len)).copied()
     }
 }
 
-/// One model's answers over all its templates, and each key's (at most `MAX_TEMPLATES`).
+/// One model's answers over all its templates, each whole opening's (at most `MAX_TEMPLATES`),
+/// and the heads' of openings that do not repeat whole (at most `MAX_HEADS`).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Templates {
     model: Entry,
     templates: Vec<Entry>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    heads: Vec<Entry>,
+}
+
+/// A list's entry for `key`, if it has answers.
+fn find(list: &[Entry], key: u64) -> Option<&Entry> {
+    list.iter().find(|e| e.key == key && e.weight > 0.0)
+}
+
+/// Folds an answer into `key`'s entry in `list`, if it has one; whether it had.
+fn add(list: &mut [Entry], key: u64, x: f64) -> bool {
+    list.iter_mut()
+        .find(|e| e.key == key)
+        .map(|e| e.add(x))
+        .is_some()
+}
+
+/// Takes `key` into a list of at most `max`, with its first answer: in a free place, else in the
+/// weakest entry's, only as that one stops answering.
+fn take_in(list: &mut Vec<Entry>, max: usize, key: u64, x: f64) {
+    let mut fresh = Entry {
+        key,
+        ..Entry::default()
+    };
+    fresh.add(x);
+    if list.len() < max {
+        return list.push(fresh);
+    }
+    let Some(e) = list.iter_mut().min_by(|a, b| a.weight.total_cmp(&b.weight)) else {
+        return;
+    };
+    if e.weight >= 1.0 {
+        // A key not kept pushes the weakest out only as the weakest stops answering: each such
+        // answer takes one answer and an eighth of its weight, and is itself lost. A stream of
+        // prompts that each come once (no template: every prompt its own) so does not evict the
+        // templates that keep answering, and one gone quiet leaves within a few dozen.
+        e.weight -= 1.0 + e.weight / 8.0;
+        return;
+    }
+    *e = fresh;
 }
 
 impl Templates {
@@ -159,55 +206,31 @@ impl Templates {
         self.model.weight <= 0.0
     }
 
-    fn find(&self, key: u64) -> Option<&Entry> {
-        self.templates
-            .iter()
-            .find(|e| e.key == key && e.weight > 0.0)
-    }
-
-    /// An answer of `tokens` to a prompt going by `keys`, that ended by itself.
+    /// An answer of `tokens` to a prompt going by `keys`, that ended by itself. Its whole
+    /// opening learns it; so do its heads, while the whole has not answered enough (an opening
+    /// that repeats whole needs none), from the shortest: every head already kept, and the
+    /// shortest not kept yet. So an application's heads are taken in one longer each answer for
+    /// as long as its requests share them, and its requests' own (past where their openings
+    /// part) take one place in turn, not one each.
     pub fn ended(&mut self, keys: &Keys, tokens: u64) {
         let x = (tokens as f64 + 1.0).log2();
         self.model.add(x);
-        for key in keys.iter() {
-            self.learn(key, x);
-        }
-    }
-
-    /// One key's answer.
-    fn learn(&mut self, template: u64, x: f64) {
-        if let Some(e) = self.templates.iter_mut().find(|e| e.key == template) {
-            return e.add(x);
-        }
-        if self.templates.len() < MAX_TEMPLATES {
-            let mut e = Entry {
-                key: template,
-                ..Entry::default()
-            };
-            e.add(x);
-            return self.templates.push(e);
-        }
-        let weakest = self
-            .templates
-            .iter_mut()
-            .min_by(|a, b| a.weight.total_cmp(&b.weight));
-        let Some(e) = weakest else {
+        let Some(whole) = keys.iter().next() else {
             return;
         };
-        if e.weight >= 1.0 {
-            // A template not kept pushes the weakest out only as the weakest stops answering:
-            // each such answer takes one answer and an eighth of its weight, and is itself lost.
-            // A stream of prompts that each come once (no template: every prompt its own) so
-            // does not evict the templates that keep answering, and one gone quiet leaves within
-            // a few dozen.
-            e.weight -= 1.0 + e.weight / 8.0;
+        if !add(&mut self.templates, whole, x) {
+            take_in(&mut self.templates, MAX_TEMPLATES, whole, x);
+        }
+        if find(&self.templates, whole).is_some_and(|e| f64::from(e.weight) >= MIN_ANSWERS) {
             return;
         }
-        *e = Entry {
-            key: template,
-            ..Entry::default()
-        };
-        e.add(x);
+        let mut took = false;
+        for head in keys.iter().skip(1).rev() {
+            if !add(&mut self.heads, head, x) && !took {
+                take_in(&mut self.heads, MAX_HEADS, head, x);
+                took = true;
+            }
+        }
     }
 
     /// What the answers of the most specific of `keys` that has `MIN_ANSWERS` say of the next
@@ -216,10 +239,12 @@ impl Templates {
     /// requests than a shorter one apart from it, which other applications share).
     pub fn own(&self, keys: &Keys) -> Own {
         let m = &self.model;
-        let Some(t) = keys
-            .iter()
-            .filter_map(|k| self.find(k))
-            .find(|t| f64::from(t.weight) >= MIN_ANSWERS)
+        let answered = |e: &&Entry| f64::from(e.weight) >= MIN_ANSWERS;
+        let mut keys = keys.iter();
+        let whole = keys.next().and_then(|k| find(&self.templates, k));
+        let Some(t) = whole
+            .filter(answered)
+            .or_else(|| keys.filter_map(|k| find(&self.heads, k)).find(answered))
         else {
             return Own::NONE;
         };
@@ -365,8 +390,10 @@ mod tests {
         rules.push(RULES + 1);
         assert_eq!(t.own(&rules), Own::NONE);
         // The requests' own keys came once each, and went: the applications' stayed.
-        assert!(t.templates.len() <= MAX_TEMPLATES);
-        assert!(t.find(100).is_some() && t.find(101).is_some() && t.find(RULES).is_some());
+        assert!(t.templates.len() <= MAX_TEMPLATES && t.heads.len() <= MAX_HEADS);
+        assert!([100, 101, RULES, RULES + 1]
+            .iter()
+            .all(|&k| find(&t.heads, k).is_some()));
         // A request whose whole opening has answers enough goes by it, before any head.
         for _ in 0..8 {
             t.ended(&keys(1, 5), 3);
@@ -379,6 +406,30 @@ mod tests {
             k.iter().collect::<Vec<_>>(),
             (0..MAX_KEYS as u64).collect::<Vec<_>>()
         );
+    }
+
+    /// Thirty applications whose long openings repeat whole: each is learned under its opening as
+    /// if no head were (each request brings eight heads besides, which would crowd the list).
+    #[test]
+    fn applications_whose_openings_repeat_whole_keep_their_templates() {
+        let keys = |app: u64| {
+            let mut k = Keys::one(1_000 + app);
+            (0..8).for_each(|level| k.push(app * 100 + level));
+            k
+        };
+        let mut t = Templates::default();
+        for round in 0..30 {
+            for app in 0..30 {
+                t.ended(&keys(app), if app % 2 == 0 { 5 } else { 500 } + round % 3);
+            }
+        }
+        for app in 0..30 {
+            // Answers of 5–7 tokens, or 500–502: log2(answer + 1) about 2.8, or 9.0.
+            let own = t.own(&keys(app));
+            let at = if app % 2 == 0 { 2.8 } else { 9.0 };
+            assert!((f64::from(own.mean) - at).abs() < 0.1, "{app}: {own:?}");
+        }
+        assert!(t.heads.len() <= MAX_HEADS);
     }
 
     #[test]
@@ -455,8 +506,8 @@ mod tests {
             }
         }
         assert!((f64::from(t.own(&Keys::one(SHORT)).mean) - 6f64.log2()).abs() < 1e-5);
-        assert!(others.clone().all(|k| t.find(k).is_some()));
-        assert!((1_001..=1_100).all(|k| t.find(k).is_none()));
+        assert!(others.clone().all(|k| find(&t.templates, k).is_some()));
+        assert!((1_001..=1_100).all(|k| find(&t.templates, k).is_none()));
         // A new template that keeps answering takes the weakest's place.
         let weakest = t
             .templates
@@ -467,7 +518,7 @@ mod tests {
             t.ended(&Keys::one(99), 5_000);
         }
         assert!(t.own(&Keys::one(99)).mean > 12.0);
-        assert!(t.find(weakest).is_none());
+        assert!(find(&t.templates, weakest).is_none());
         assert_eq!(t.templates.len(), MAX_TEMPLATES);
         // Written and read back as the record carries it.
         let json = serde_json::to_string(&t).unwrap();

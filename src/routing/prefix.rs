@@ -38,9 +38,10 @@ fn seed(model: &str, cache_salt: Option<&str>) -> u64 {
 }
 
 /// The heads of an opening, in blocks, that a template also goes by (`estimate::templates`),
-/// longest first: doubling, so that the longest head an application's requests share is never
-/// less than half of what they share (a user's profile or retrieved passages closing each
-/// system prompt, after its application's own words and any house rules several share).
+/// longest first: doubling, so that the longest head an application's requests share is at
+/// least half of what they share (up to 128 blocks: a user's profile or retrieved passages
+/// closing each system prompt, after its application's own words and any house rules several
+/// applications share).
 const TEMPLATE_HEADS: [usize; 7] = [64, 32, 16, 8, 4, 2, 1];
 
 /// The keys of the template of a prompt whose opening (its tools and system turns) is the text's

@@ -584,18 +584,21 @@ def test_each_applications_answers_are_expected_at_their_own_length():
     """One model behind two applications, each its system prompt: a classifier answering in about
     8 tokens and a writer in about 400 (the simulator told each length, as the benchmark's
     `apps` cells do). Their system prompts open with the same house rules, longer than a prefix
-    block, and end apart, as one organisation's applications do. The model's lengths are their
-    mixture; once each application has answered sixteen times, a request of each is expected
-    near its own answers' length (`estimator.templateLengths`, `estimate::templates`: a template
-    is the whole system prompt, not its first block), and with it off at the mixture's. On four
-    Envoy workers: each streamed about four of each application's answers, fewer than the eight
-    a template needs, so this holds only as the workers learn together (the model's shared
-    record)."""
+    block, then each application's own instructions, and end with the user's profile, as one
+    organisation's applications do: no two requests' system prompts are alike. The model's
+    lengths are their mixture; once each application has answered sixteen times, a request of
+    each is expected near its own answers' length (`estimator.templateLengths`,
+    `estimate::templates`: a template is the system prompt, or where system prompts end apart
+    the longest head of it an application's requests share, not their first block nor the house
+    rules), and with it off at the mixture's. On four Envoy workers: each streamed about four of
+    each application's answers, fewer than the eight a template needs, so this holds only as the
+    workers learn together (the model's shared record)."""
     house = " ".join(WORDS[(j * 11) % len(WORDS)] for j in range(40))
 
     def app(name, i):
         return {"model": MODEL, "messages": [
-            {"role": "system", "content": f"{house}. You are the {name}."},
+            {"role": "system", "content": f"{house}. " + f"You are the {name}. " * 16
+             + f"The user: customer {i}, plan {i % 3}."},
             {"role": "user", "content": f"question {i}: " + " ".join(WORDS[(i + j * 7) % len(WORDS)] for j in range(30))}]}
 
     def run(on):
