@@ -168,12 +168,11 @@ fn find(list: &[Entry], key: u64) -> Option<&Entry> {
     list.iter().find(|e| e.key == key && e.weight > 0.0)
 }
 
-/// Folds an answer into `key`'s entry in `list`, if it has one; whether it had.
-fn add(list: &mut [Entry], key: u64, x: f64) -> bool {
-    list.iter_mut()
-        .find(|e| e.key == key)
-        .map(|e| e.add(x))
-        .is_some()
+/// Folds an answer into `key`'s entry in `list`, if it has one: its weight then.
+fn add(list: &mut [Entry], key: u64, x: f64) -> Option<f64> {
+    let e = list.iter_mut().find(|e| e.key == key)?;
+    e.add(x);
+    Some(f64::from(e.weight))
 }
 
 /// Takes `key` into a list of at most `max`, with its first answer: in a free place, else in the
@@ -218,15 +217,14 @@ impl Templates {
         let Some(whole) = keys.iter().next() else {
             return;
         };
-        if !add(&mut self.templates, whole, x) {
-            take_in(&mut self.templates, MAX_TEMPLATES, whole, x);
-        }
-        if find(&self.templates, whole).is_some_and(|e| f64::from(e.weight) >= MIN_ANSWERS) {
-            return;
+        match add(&mut self.templates, whole, x) {
+            Some(weight) if weight >= MIN_ANSWERS => return,
+            Some(_) => {}
+            None => take_in(&mut self.templates, MAX_TEMPLATES, whole, x),
         }
         let mut took = false;
         for head in keys.iter().skip(1).rev() {
-            if !add(&mut self.heads, head, x) && !took {
+            if add(&mut self.heads, head, x).is_none() && !took {
                 take_in(&mut self.heads, MAX_HEADS, head, x);
                 took = true;
             }

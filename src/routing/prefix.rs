@@ -76,19 +76,15 @@ pub fn template_keys(
         };
         (start, full) = (end, full + 1);
     }
-    let full = if full > hashes.len() {
-        hashes.len()
-    } else {
-        let head = match full.checked_sub(1) {
-            Some(last) => hashes.get(last).copied(),
-            None => Some(seed(model, cache_salt)),
-        };
-        match (head, bytes.get(start..)) {
-            (Some(h), Some(rest)) if !rest.is_empty() => keys.push(chain(h, rest)),
-            _ => {}
+    // The bytes after the last full block, when the opening's blocks were all hashed.
+    match bytes.get(start..) {
+        Some(rest) if !rest.is_empty() && full <= hashes.len() => {
+            let last = full.checked_sub(1).and_then(|i| hashes.get(i).copied());
+            keys.push(chain(last.unwrap_or_else(|| seed(model, cache_salt)), rest));
         }
-        full
-    };
+        _ => {}
+    }
+    let full = full.min(hashes.len());
     let heads = TEMPLATE_HEADS.iter().filter(|&&k| k < full);
     for k in std::iter::once(full).chain(heads.copied()) {
         if let Some(&h) = k.checked_sub(1).and_then(|i| hashes.get(i)) {
