@@ -108,6 +108,10 @@ FULL = {
         # then `app_context_words` of the request's own (a user's profile, retrieved passages).
         "apps": 0, "app_spread": 1.0, "app_answer_spread": 0.5, "app_opening_words": 0, "app_prompt_words": 120,
         "app_context_words": 0,
+        # "completions": every request sent to /v1/completions, its conversation rendered through
+        # the model's chat template by the client (as applications that template prompts
+        # themselves do); "chat": to /v1/chat/completions.
+        "api": "chat",
     },
     # The chat workload with max_tokens on every request, kvgate at each Envoy worker count.
     "chat_bounded": {"envoy_concurrency": [1, 2, 4]},
@@ -118,7 +122,7 @@ FULL = {
         "pods": 2, "num_gpu_blocks": 256, "prompt_tokens": "50,150", "output_len_mean": 32,
         "unbounded_fraction": 1.0, "max_tokens": "16,64", "clients": 120, "duration": 30, "warmup": 5, "warm_s": 0,
         "ttft_slos_ms": [1000, 5000], "apps": 0, "app_spread": 1.0, "app_answer_spread": 0.5,
-        "app_opening_words": 0, "app_prompt_words": 120, "app_context_words": 0,
+        "app_opening_words": 0, "app_prompt_words": 120, "app_context_words": 0, "api": "chat",
     },
     # Many LoRA adapters of one base model, more than the pool's adapter slots (pods × maxLoras).
     "lora": {
@@ -742,7 +746,10 @@ def chat_args(w, seed, unbounded_fraction):
             "--app-spread", w["app_spread"], "--app-answer-spread", w["app_answer_spread"],
             "--app-opening-words", w["app_opening_words"], "--app-prompt-words", w["app_prompt_words"],
             "--app-context-words", w["app_context_words"]] if w["apps"] else []
-    return ["--workload", "chat", "--seed", seed, "--arrival", "closed", "--concurrency", w["clients"],
+    if w["api"] not in ("chat", "completions"):
+        raise SystemExit(f"chat cell api: {w['api']!r} is neither 'chat' nor 'completions'")
+    path = "/v1/completions" if w["api"] == "completions" else "/v1/chat/completions"
+    return ["--workload", "chat", "--path", path, "--seed", seed, "--arrival", "closed", "--concurrency", w["clients"],
             "--repeat", "--requests", 20000, "--prompt-tokens", w["prompt_tokens"],
             "--unbounded-fraction", unbounded_fraction, "--max-tokens", w["max_tokens"],
             "--max-duration", w["duration"], "--timeout", 300, "--ttft-slo-ms", w["ttft_slos_ms"][0], *apps]

@@ -362,7 +362,7 @@ mod tests {
         let mut flow = Flow::default();
         let head = RequestHead::json_post("/v1/completions");
         flow.on_request_headers(&mut gate, &vm, &head);
-        let body = br#"{"model":"m","prompt":"a prompt of a few words"}"#;
+        let body = br#"{"model":"m","prompt":"a prompt of a few words","max_tokens":null}"#;
         assert_eq!(flow.on_body(&mut gate, &vm, body).step, Step::Forward);
         let Step::Reply(r) = get(&mut gate, &vm, "/kvgate/status", None) else {
             panic!("the status path is answered locally");

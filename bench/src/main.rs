@@ -293,6 +293,20 @@ struct Ctx {
     records: Mutex<Vec<Record>>,
 }
 
+/// A conversation rendered through Llama 3's chat template, as an application that sends it to
+/// `/v1/completions` renders it itself (`--path /v1/completions`).
+fn llama3_prompt(messages: &[Value]) -> String {
+    let mut prompt = String::from("<|begin_of_text|>");
+    for m in messages {
+        let role = m["role"].as_str().unwrap_or("user");
+        let content = m["content"].as_str().unwrap_or_default();
+        prompt.push_str(&format!(
+            "<|start_header_id|>{role}<|end_header_id|>\n\n{content}<|eot_id|>"
+        ));
+    }
+    prompt + "<|start_header_id|>assistant<|end_header_id|>\n\n"
+}
+
 /// Sends a job's turns one after another, carrying the conversation.
 async fn run_job(ctx: Arc<Ctx>, job: Job) {
     let mut messages: Vec<Value> = Vec::new();
@@ -305,11 +319,12 @@ async fn run_job(ctx: Arc<Ctx>, job: Job) {
             break;
         }
         messages.push(json!({"role": "user", "content": turn.user}));
-        let mut body = json!({
-            "model": job.model.as_deref().unwrap_or(&ctx.model),
-            "messages": messages,
-            "temperature": 0.0,
-        });
+        let model = job.model.as_deref().unwrap_or(&ctx.model);
+        let mut body = if ctx.path.ends_with("/v1/completions") {
+            json!({"model": model, "prompt": llama3_prompt(&messages), "temperature": 0.0})
+        } else {
+            json!({"model": model, "messages": messages, "temperature": 0.0})
+        };
         if let Some(m) = turn.max_tokens {
             body["max_tokens"] = json!(m);
         }

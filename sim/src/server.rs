@@ -737,8 +737,12 @@ fn plan_output(
         .unwrap_or(false);
     let min_tokens = as_usize(body.get("min_tokens"), "min_tokens")?.unwrap_or(0);
     let room = max_len - prompt_len;
+    // vLLM's completions stop at 16 tokens when the body has no `max_tokens` at all (one given
+    // as null: at the model's room), whatever length the model would have run to.
+    let default_cap = (kind == Kind::Completion && body.get("max_tokens").is_none())
+        .then_some(COMPLETIONS_DEFAULT_MAX_TOKENS);
     let (out, reason) = if let Some(n) = header {
-        match explicit {
+        match explicit.or(default_cap) {
             Some(mt) if n >= mt => (mt, FinishReason::Length),
             _ if n >= room => (room, FinishReason::Length),
             _ => (n, FinishReason::Stop),
@@ -746,8 +750,7 @@ fn plan_output(
     } else {
         let cap = match (explicit, kind) {
             (Some(mt), _) => mt,
-            (None, Kind::Completion) => COMPLETIONS_DEFAULT_MAX_TOKENS.min(room),
-            (None, Kind::Chat | Kind::Responses) => room,
+            (None, _) => default_cap.unwrap_or(room).min(room),
         };
         // Without --eos-before-max-tokens an explicit max_tokens is generated in full
         // (benchmark-style, EOS ignored); otherwise EOS (the drawn length) may come first.
@@ -1563,6 +1566,35 @@ mod tests {
                 },
             )
             .collect()
+    }
+
+    /// vLLM's completions stop at 16 tokens without `max_tokens`, whatever the model would say
+    /// (the test header included); an explicit null is no limit; a chat has none either way.
+    #[test]
+    fn completions_without_max_tokens_stop_at_sixteen() {
+        let pod = pod_with(&[]);
+        let mut long = HeaderMap::new();
+        long.insert("x-sim-output-tokens", "300".parse().unwrap());
+        let plan = |kind, body: Value| match plan_output(&pod, kind, &long, &body, 100) {
+            Ok(p) => p,
+            Err(e) => panic!("{}", e.message),
+        };
+        let length = FinishReason::Length;
+        assert_eq!(plan(Kind::Completion, json!({})), (16, length));
+        assert_eq!(
+            plan(Kind::Completion, json!({"max_tokens": null})),
+            (300, FinishReason::Stop)
+        );
+        assert_eq!(
+            plan(Kind::Completion, json!({"max_tokens": 40})),
+            (40, length)
+        );
+        assert_eq!(plan(Kind::Chat, json!({})), (300, FinishReason::Stop));
+        let drawn = (0..200)
+            .map(|_| plan_output(&pod, Kind::Completion, &HeaderMap::new(), &json!({}), 100));
+        assert!(drawn
+            .into_iter()
+            .all(|p| p.is_ok_and(|(n, _)| (1..=16).contains(&n))));
     }
 
     #[test]

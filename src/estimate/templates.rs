@@ -12,8 +12,7 @@
 //! at the mixture's mean, with the mixture's spread, so a pod's forecast reserves long answers
 //! for short applications and short ones for long applications, and its headroom pays for the
 //! spread between applications on every request. An application's requests start alike: a chat
-//! prompt's opening (its tools and system turns, `Request::opening`) names its template, and a
-//! completions prompt's by its first block (`flow::admit`).
+//! prompt's opening (its tools and system turns, `Request::opening`) names its template.
 //!
 //! An opening is often its application's only up to a point: a user's profile, retrieved
 //! passages or the time close many system prompts, so that no two requests' openings are alike.
@@ -25,7 +24,10 @@
 //! of its heads that has (heads shared by several applications, the house rules they all open
 //! with, learn their mixture, and weigh only where nothing longer has answers). Whole openings
 //! and heads are kept apart: applications whose openings repeat whole keep their templates as
-//! if no head were learned.
+//! if no head were learned. A prompt without an opening (a completions prompt, often one the
+//! application rendered through the model's chat template itself; a chat whose instructions
+//! come in its first user turn) goes by heads of its text alone: its application's words still
+//! come first, after the template's markers, which every application's prompts share.
 //!
 //! What is learned: for each template, and for the model over all its templates, the faded
 //! mean and variance of `log2(answer + 1)` over the answers that ended by themselves (those cut
@@ -118,19 +120,41 @@ impl Entry {
     }
 }
 
-/// The keys a request's template goes by, most specific first (`routing::prefix::template_keys`).
+/// The keys a request's template goes by, most specific first (`routing::prefix::template_keys`):
+/// its whole opening, then heads; or heads alone, for a prompt without an opening.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Keys {
     keys: [u64; MAX_KEYS],
     len: u8,
+    /// The first key is not a whole opening but a head (`Keys::headless`).
+    headless: bool,
 }
 
 impl Keys {
-    /// A template known by one key (a completions prompt's first block).
+    /// A template known by one key, its whole opening.
     pub fn one(key: u64) -> Self {
         let mut k = Keys::default();
         k.push(key);
         k
+    }
+
+    /// The keys of a prompt that has no opening (a completions prompt, a chat without system
+    /// turns): every key pushed is a head of the prompt.
+    pub fn headless() -> Self {
+        Keys {
+            headless: true,
+            ..Keys::default()
+        }
+    }
+
+    /// The whole opening's key, if the keys have one.
+    fn whole(&self) -> Option<u64> {
+        self.iter().next().filter(|_| !self.headless)
+    }
+
+    /// The heads, longest first.
+    fn heads(&self) -> impl DoubleEndedIterator<Item = u64> + '_ {
+        self.iter().skip(usize::from(!self.headless))
     }
 
     /// Adds a less specific key; one already there, or past `MAX_KEYS`, is left out.
@@ -207,23 +231,23 @@ impl Templates {
 
     /// An answer of `tokens` to a prompt going by `keys`, that ended by itself. Its whole
     /// opening learns it; so do its heads, while the whole has not answered enough (an opening
-    /// that repeats whole needs none), from the shortest: every head already kept, and the
+    /// that repeats whole needs none; a prompt without an opening has heads only), from the
+    /// shortest: every head already kept, and the
     /// shortest not kept yet. So an application's heads are taken in one longer each answer for
     /// as long as its requests share them, and its requests' own (past where their openings
     /// part) take one place in turn, not one each.
     pub fn ended(&mut self, keys: &Keys, tokens: u64) {
         let x = (tokens as f64 + 1.0).log2();
         self.model.add(x);
-        let Some(whole) = keys.iter().next() else {
-            return;
-        };
-        match add(&mut self.templates, whole, x) {
-            Some(weight) if weight >= MIN_ANSWERS => return,
-            Some(_) => {}
-            None => take_in(&mut self.templates, MAX_TEMPLATES, whole, x),
+        if let Some(whole) = keys.whole() {
+            match add(&mut self.templates, whole, x) {
+                Some(weight) if weight >= MIN_ANSWERS => return,
+                Some(_) => {}
+                None => take_in(&mut self.templates, MAX_TEMPLATES, whole, x),
+            }
         }
         let mut took = false;
-        for head in keys.iter().skip(1).rev() {
+        for head in keys.heads().rev() {
             if add(&mut self.heads, head, x).is_none() && !took {
                 take_in(&mut self.heads, MAX_HEADS, head, x);
                 took = true;
@@ -238,12 +262,12 @@ impl Templates {
     pub fn own(&self, keys: &Keys) -> Own {
         let m = &self.model;
         let answered = |e: &&Entry| f64::from(e.weight) >= MIN_ANSWERS;
-        let mut keys = keys.iter();
-        let whole = keys.next().and_then(|k| find(&self.templates, k));
-        let Some(t) = whole
-            .filter(answered)
-            .or_else(|| keys.filter_map(|k| find(&self.heads, k)).find(answered))
-        else {
+        let whole = keys.whole().and_then(|k| find(&self.templates, k));
+        let Some(t) = whole.filter(answered).or_else(|| {
+            keys.heads()
+                .filter_map(|k| find(&self.heads, k))
+                .find(answered)
+        }) else {
             return Own::NONE;
         };
         let n = f64::from(t.weight);
@@ -350,6 +374,28 @@ mod tests {
     /// request's own (a user's profile): no two openings alike. Each request is expected by the
     /// longest head its application's requests share, not by the rules (their mixture), nor by
     /// its own opening, never seen before.
+    /// A classifier (median 12) and an assistant (median 400) answering in turn, each request
+    /// going by `keys(application, request)`: a new request of each is expected near its own
+    /// application's answers.
+    fn two_applications(keys: &dyn Fn(u64, u64) -> Keys, seed: u64) -> Templates {
+        let (mut t, mut rng, mut all) = (Templates::default(), Rng(seed), vec![]);
+        for i in 0..400 {
+            let (app, median) = if i % 2 == 0 { (0, 12.0) } else { (1, 400.0) };
+            let l = rng.length(median, 0.5);
+            all.push(l);
+            t.ended(&keys(app, i), l);
+        }
+        let model = learned(&all);
+        let expect = |own| model.with_own(own).expected(0, 100_000) as f64;
+        let (short, long) = (
+            expect(t.own(&keys(0, 9_999))),
+            expect(t.own(&keys(1, 9_998))),
+        );
+        assert!((10.0..=25.0).contains(&short), "{short}");
+        assert!((380.0..=520.0).contains(&long), "{long}");
+        t
+    }
+
     #[test]
     fn openings_that_end_apart_are_expected_by_the_head_their_application_shares() {
         const RULES: u64 = 7;
@@ -368,21 +414,7 @@ mod tests {
             .for_each(|key| k.push(key));
             k
         };
-        let (mut t, mut rng, mut all) = (Templates::default(), Rng(3), vec![]);
-        for i in 0..400 {
-            let (app, median) = if i % 2 == 0 { (0, 12.0) } else { (1, 400.0) };
-            let l = rng.length(median, 0.5);
-            all.push(l);
-            t.ended(&keys(app, i), l);
-        }
-        let model = learned(&all);
-        let expect = |own| model.with_own(own).expected(0, 100_000) as f64;
-        let (short, long) = (
-            expect(t.own(&keys(0, 9_999))),
-            expect(t.own(&keys(1, 9_998))),
-        );
-        assert!((10.0..=25.0).contains(&short), "{short}");
-        assert!((380.0..=520.0).contains(&long), "{long}");
+        let mut t = two_applications(&keys, 3);
         // The rules alone say only what the model does.
         let mut rules = Keys::one(RULES);
         rules.push(RULES + 1);
@@ -404,6 +436,35 @@ mod tests {
             k.iter().collect::<Vec<_>>(),
             (0..MAX_KEYS as u64).collect::<Vec<_>>()
         );
+    }
+
+    /// Completions prompts that two applications rendered through the chat template
+    /// themselves: heads alone, the template's markers (every application's), the application's
+    /// words, each request's own. Each is expected by its application's head, and the
+    /// requests' own heads take one place in turn.
+    #[test]
+    fn prompts_without_an_opening_are_expected_by_their_applications_heads() {
+        const MARKERS: u64 = 7;
+        let keys = |app: u64, request: u64| {
+            let mut k = Keys::headless();
+            [1_000_000 + request, 100 + app, MARKERS]
+                .into_iter()
+                .for_each(|key| k.push(key));
+            k
+        };
+        let mut t = two_applications(&keys, 5);
+        // No whole was learned, and the markers alone say what the model does.
+        assert!(t.templates.is_empty());
+        let mut markers = Keys::headless();
+        markers.push(MARKERS);
+        assert_eq!(t.own(&markers), Own::NONE);
+        assert!(t.heads.len() <= MAX_HEADS);
+        // A request's own head that comes again answers as a head, never as a whole.
+        for _ in 0..8 {
+            t.ended(&keys(1, 5), 3);
+        }
+        assert!(f64::from(t.own(&keys(1, 5)).mean) < 3.0);
+        assert!(t.templates.is_empty());
     }
 
     /// Thirty applications whose long openings repeat whole: each is learned under its opening as

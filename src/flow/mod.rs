@@ -659,8 +659,8 @@ impl Flow {
         );
         // The prompt's template (its application's), whose answers may run apart from the
         // model's (`estimate::templates`): its opening, the tools and instructions it starts with,
-        // whatever their length, and the heads of it; without one (or a completions prompt, which
-        // has no turns), its first block. Not worked out when no template is learned.
+        // whatever their length, and the heads of it; without one (a completions prompt, which
+        // has no turns), the heads of its text. Not worked out when no template is learned.
         let mut template = Keys::default();
         if cfg.calibrate && cfg.template_lengths {
             template = template_keys(
@@ -671,9 +671,6 @@ impl Flow {
                 block_chars,
                 &hashes,
             );
-            if let (true, Some(&first)) = (template.is_empty(), hashes.first()) {
-                template = Keys::one(first);
-            }
         }
         let mut learned = known.learned;
         if let (Some(l), false) = (&mut learned, template.is_empty()) {

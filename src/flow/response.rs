@@ -1016,11 +1016,16 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
         (cfg, host, vm)
     }
 
-    /// A streaming request for model `m`, sent to the one pod and answering.
+    /// A streaming request for model `m` with no limit on its answer, sent to the one pod and
+    /// answering.
     fn streaming(gate: &mut Gate, vm: &crate::store::fake_host::FakeVm) -> Flow {
         let mut f = Flow::default();
         f.on_request_headers(gate, vm, &RequestHead::json_post("/v1/completions"));
-        f.on_body(gate, vm, br#"{"model":"m","prompt":"hi","stream":true}"#);
+        f.on_body(
+            gate,
+            vm,
+            br#"{"model":"m","prompt":"hi","stream":true,"max_tokens":null}"#,
+        );
         f.on_response_headers(gate, vm, Some("text/event-stream"), Some("10.0.0.1:80"));
         f
     }
@@ -1127,8 +1132,10 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
         let body = |kind: &str, app: &str, i: u64| {
             let user = format!("question {i}: {}", "the user's own words ".repeat(4));
             match kind {
-                "completions" => serde_json::json!({"model": "m", "stream": true,
-                    "prompt": format!("{app} {} {user}", "the application's own words ".repeat(4))}),
+                "completions" => {
+                    serde_json::json!({"model": "m", "stream": true, "max_tokens": null,
+                    "prompt": format!("{app} {} {user}", "the application's own words ".repeat(4))})
+                }
                 "one line" => serde_json::json!({"model": "m", "stream": true, "messages": [
                     {"role": "system", "content": app}, {"role": "user", "content": user}]}),
                 "house rules" => serde_json::json!({"model": "m", "stream": true, "messages": [

@@ -119,7 +119,10 @@ struct Body<'a> {
     #[serde(borrow)]
     instructions: Option<Text<'a>>,
     tools: Option<serde_json::Value>,
-    max_tokens: Option<u64>,
+    /// Absent (`None`), null (`Some(None)`) or a number: a completions request that has none at
+    /// all stops at `COMPLETIONS_DEFAULT_MAX_TOKENS`.
+    #[serde(deserialize_with = "present")]
+    max_tokens: Option<Option<u64>>,
     max_completion_tokens: Option<u64>,
     max_output_tokens: Option<u64>,
     n: Option<u64>,
@@ -139,6 +142,16 @@ const MAX_MODEL_CHARS: usize = 256;
 /// The most answers a request is read to ask for: vLLM's default limit
 /// (`VLLM_MAX_N_SEQUENCES`), past which the engine refuses it.
 const MAX_CHOICES: u64 = 16_384;
+/// Where a completions request without `max_tokens` stops: the OpenAI API's default, which vLLM
+/// (`CompletionRequest.max_tokens = 16`) and SGLang keep. Only when the field is absent: vLLM
+/// takes an explicit null as no limit but the model's length.
+const COMPLETIONS_DEFAULT_MAX_TOKENS: u64 = 16;
+
+/// A field that is there, null or not: `Some(None)` for null, where serde's default reads
+/// absent and null alike.
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Option<u64>>, D::Error> {
+    Option::<u64>::deserialize(d).map(Some)
+}
 
 /// A flag as the engines' lax parsing reads it: `true`, or a string saying so.
 fn is_true(flag: &serde_json::Value) -> bool {
@@ -278,8 +291,8 @@ impl Request {
             ..Request::default()
         };
         let max = match api {
-            Api::Completions => b.max_tokens,
-            Api::ChatCompletions => b.max_completion_tokens.or(b.max_tokens),
+            Api::Completions => b.max_tokens.unwrap_or(Some(COMPLETIONS_DEFAULT_MAX_TOKENS)),
+            Api::ChatCompletions => b.max_completion_tokens.or(b.max_tokens.flatten()),
             Api::Responses => b.max_output_tokens,
             Api::Embeddings => Some(0),
         };
@@ -628,8 +641,25 @@ mod tests {
         assert_eq!(p(r#"{"model":"m","prompt":[[1,2],[3]]}"#).token_ids, 3);
         let r = p(r#"{"model":"m","prompt":"x","max_tokens":7,"n":3}"#);
         assert_eq!((r.max_output_tokens, r.choices), (Some(21), 3));
+        // Without `max_tokens`, the engine stops at 16 tokens an answer; with it null, at the
+        // model's length (vLLM).
         let one = p(r#"{"model":"m","prompt":"x"}"#);
-        assert_eq!((one.max_output_tokens, one.choices), (None, 1));
+        assert_eq!((one.max_output_tokens, one.choices), (Some(16), 1));
+        let three = p(r#"{"model":"m","prompt":"x","n":3}"#);
+        assert_eq!(three.max_output_tokens, Some(48));
+        let null = p(r#"{"model":"m","prompt":"x","max_tokens":null}"#);
+        assert_eq!(null.max_output_tokens, None);
+        // A chat's absent or null `max_tokens` is no limit alike.
+        let chat = |s: &str| Request::parse(Api::ChatCompletions, s.as_bytes()).unwrap();
+        let msgs = r#""messages":[{"role":"user","content":"x"}]"#;
+        assert_eq!(
+            chat(&format!(r#"{{"model":"m",{msgs}}}"#)).max_output_tokens,
+            None
+        );
+        let null = chat(&format!(r#"{{"model":"m",{msgs},"max_tokens":null}}"#));
+        assert_eq!(null.max_output_tokens, None);
+        let set = chat(&format!(r#"{{"model":"m",{msgs},"max_tokens":5}}"#));
+        assert_eq!(set.max_output_tokens, Some(5));
         assert_eq!(p(r#"{"model":"m","prompt":"x","n":0}"#).choices, 1);
         let many = p(r#"{"model":"m","prompt":"x","max_tokens":2,"n":18446744073709551615}"#);
         assert_eq!(

@@ -54,8 +54,13 @@ const TEMPLATE_HEADS: [usize; 7] = [64, 32, 16, 8, 4, 2, 1];
 /// - the opening to its last full block, and its heads of `TEMPLATE_HEADS` blocks shorter than
 ///   that: what its application's requests share when their openings end apart.
 ///
-/// None for an empty opening. `opening` must lie on a character boundary (it is where a chat
-/// turn ends).
+/// A prompt without an opening (`opening` 0: a completions prompt, a chat without system turns)
+/// goes by its heads of `TEMPLATE_HEADS` blocks alone (`Keys::headless`), as many as its hashed
+/// blocks hold: its application's words come first in it however it is sent, and a completions
+/// prompt the application rendered through the chat template has the template's markers
+/// (Llama 3's run to 61 characters) before them, so its first block alone is the same for every
+/// application of a model. `opening` must lie on a character boundary (it is where a chat turn
+/// ends).
 pub fn template_keys(
     model: &str,
     cache_salt: Option<&str>,
@@ -64,10 +69,15 @@ pub fn template_keys(
     block_chars: usize,
     hashes: &[u64],
 ) -> Keys {
-    let mut keys = Keys::default();
     let Some(bytes) = text.as_bytes().get(..opening).filter(|o| !o.is_empty()) else {
+        let mut keys = Keys::headless();
+        let heads = TEMPLATE_HEADS
+            .iter()
+            .filter_map(|&k| k.checked_sub(1).and_then(|i| hashes.get(i)));
+        heads.for_each(|&h| keys.push(h));
         return keys;
     };
+    let mut keys = Keys::default();
     // Every full block of the opening is one of the text's, hashed unless past `max_blocks`.
     let (mut start, mut full) = (0, 0);
     while full <= hashes.len() {
@@ -221,7 +231,6 @@ mod tests {
                 .next(),
             capped.last().copied()
         );
-        assert_eq!(of(text, 0), None);
         // A text with fewer blocks than its opening has after it: the tail still counts.
         assert_ne!(of("abcdXY", 6), of("abcdXZ", 6));
     }
@@ -264,6 +273,44 @@ mod tests {
             k,
             [capped[39], capped[31], capped[15], capped[7], capped[3], capped[1], capped[0]]
         );
+    }
+
+    /// A completions prompt rendered through Llama 3's chat template: the markers fill its first
+    /// block, so that block is every application's; its longer heads are its application's.
+    #[test]
+    fn a_prompt_without_an_opening_goes_by_its_heads_alone() {
+        let prompt = |app: &str, question: &str| {
+            format!(
+                "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nApplication \
+                 {app}: answer in one word, as the examples below.<|eot_id|><|start_header_id|>\
+                 user<|end_header_id|>\n\n{question}<|eot_id|><|start_header_id|>assistant\
+                 <|end_header_id|>\n\n"
+            )
+        };
+        let keys = |text: &str| {
+            let hashes = block_hashes("m", None, text, 64, 100);
+            let keys = template_keys("m", None, text, 0, 64, &hashes);
+            (keys.iter().collect::<Vec<u64>>(), hashes, keys)
+        };
+        let (a, hashes, k) = keys(&prompt("A", "Is the sky blue today, and why is that so?"));
+        // Four full blocks (and a tail): heads of 4, 2 and 1, and no whole.
+        assert_eq!(a, [hashes[3], hashes[1], hashes[0]]);
+        assert_eq!(k, {
+            let mut h = Keys::headless();
+            a.iter().for_each(|&x| h.push(x));
+            h
+        });
+        let (other_question, _, _) =
+            keys(&prompt("A", "And the grass, is it green in every season?"));
+        let (other_app, _, _) = keys(&prompt("B", "Is the sky blue today, and why is that so?"));
+        // The same application's requests share their first two blocks; another's only the
+        // first, the template's markers.
+        assert_eq!(other_question[1..], a[1..]);
+        assert_ne!(other_question[0], a[0]);
+        assert_eq!(other_app[2], a[2]);
+        assert_ne!(other_app[1], a[1]);
+        // Shorter than a block, it has none.
+        assert!(keys("hi").0.is_empty());
     }
 
     #[test]

@@ -580,7 +580,8 @@ def test_chat_and_completions_prompts_are_each_estimated_with_their_own_template
         assert all(statistics.median(v) < 0.05 and max(v) < 0.15 for v in errors.values()), errors
 
 
-def test_each_applications_answers_are_expected_at_their_own_length():
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_each_applications_answers_are_expected_at_their_own_length(api):
     """One model behind two applications, each its system prompt: a classifier answering in about
     8 tokens and a writer in about 400 (the simulator told each length, as the benchmark's
     `apps` cells do). Their system prompts open with the same house rules, longer than a prefix
@@ -592,14 +593,28 @@ def test_each_applications_answers_are_expected_at_their_own_length():
     the longest head of it an application's requests share, not their first block nor the house
     rules), and with it off at the mixture's. On four Envoy workers: each streamed about four of
     each application's answers, fewer than the eight a template needs, so this holds only as the
-    workers learn together (the model's shared record)."""
+    workers learn together (the model's shared record).
+
+    `completions`: the same conversations sent to /v1/completions, rendered through Llama 3's
+    chat template by the client, as applications that template their prompts themselves do.
+    The prompt has no turns to tell the application's part from the user's, and its first block
+    is the template's markers, alike in every application's: it goes by heads of its text. One
+    without `max_tokens` is expected at the API's default of 16 tokens, where the engine stops it."""
     house = " ".join(WORDS[(j * 11) % len(WORDS)] for j in range(40))
 
     def app(name, i):
-        return {"model": MODEL, "messages": [
-            {"role": "system", "content": f"{house}. " + f"You are the {name}. " * 16
-             + f"The user: customer {i}, plan {i % 3}."},
-            {"role": "user", "content": f"question {i}: " + " ".join(WORDS[(i + j * 7) % len(WORDS)] for j in range(30))}]}
+        system = f"{house}. " + f"You are the {name}. " * 16 + f"The user: customer {i}, plan {i % 3}."
+        user = f"question {i}: " + " ".join(WORDS[(i + j * 7) % len(WORDS)] for j in range(30))
+        if api == "completions":
+            turn = "<|start_header_id|>{}<|end_header_id|>\n\n{}<|eot_id|>"
+            # With a limit, as such clients set one: without, the engine stops at 16 tokens.
+            return {"model": MODEL, "max_tokens": 600,
+                    "prompt": "<|begin_of_text|>" + turn.format("system", system)
+                    + turn.format("user", user) + "<|start_header_id|>assistant<|end_header_id|>\n\n"}
+        return {"model": MODEL, "messages": [{"role": "system", "content": system},
+                                             {"role": "user", "content": user}]}
+
+    path = "/v1/completions" if api == "completions" else "/v1/chat/completions"
 
     def run(on):
         cfg = default_plugin_config()
@@ -608,21 +623,27 @@ def test_each_applications_answers_are_expected_at_their_own_length():
                 kvgate_envoy(sim.endpoints, cfg, concurrency=4) as envoy:
             with ThreadPoolExecutor(8) as pool:
                 answers = list(pool.map(
-                    lambda i: stream(envoy.port, "/v1/chat/completions",
-                                     app("classifier" if i % 2 else "writer", i),
+                    lambda i: stream(envoy.port, path, app("classifier" if i % 2 else "writer", i),
                                      headers={"x-sim-output-tokens": str(6 + i % 5 if i % 2 else 380 + i % 41)}),
                     range(32)))
             assert all(a["status"] == 200 for a in answers), answers[0]
             # Each worker's answers reach the model's record at its next tick (250 ms), and a
             # worker reads the record again a second after its last read: a margin over both.
             time.sleep(2.5)
-            expected = {name: int(request(envoy.port, "POST", "/v1/chat/completions", app(name, 999))
+            expected = {name: int(request(envoy.port, "POST", path, app(name, 999))
                                   .headers["x-kvgate-output-tokens"]) for name in ("classifier", "writer")}
-            print(f"templateLengths {on}: expected {expected}")
+            if api == "completions":
+                # Without `max_tokens` the engine stops at 16, the API's default, whatever the
+                # writer's answers run to.
+                unbounded = {k: v for k, v in app("writer", 998).items() if k != "max_tokens"}
+                expected["default"] = int(request(envoy.port, "POST", path, unbounded)
+                                          .headers["x-kvgate-output-tokens"])
+            print(f"{api}, templateLengths {on}: expected {expected}")
             return expected
 
     on, off = run(True), run(False)
     assert on["classifier"] <= 30 and 300 <= on["writer"] <= 550, on
+    assert on.get("default", 0) <= 16 and off.get("default", 0) <= 16, (on, off)
     # Off: each at the model's mixture, far from its own application's length. (The two
     # requests may go to two workers, whose reads of the record and answers in flight differ:
     # 186 and 223 in one run, so not equal.)

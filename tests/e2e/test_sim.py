@@ -270,7 +270,8 @@ def test_kv_pressure_queues_and_preempts():
         prompts = [f"Request {i}: " + words(180, rng) for i in range(n)]
 
         def one(i):
-            body = {"model": MODEL, "prompt": prompts[i]}
+            # No limit (null): a completions request without `max_tokens` stops at 16, as vLLM's.
+            body = {"model": MODEL, "prompt": prompts[i], "max_tokens": None}
             results[i] = stream(port, "/v1/completions", body, {"x-sim-output-tokens": str(out_tokens)})
 
         threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
@@ -316,7 +317,7 @@ def test_context_limits_and_disconnect_abort():
         # A client that goes away mid-generation is aborted in the engine: its blocks are freed.
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
         conn.request("POST", "/v1/completions",
-                     json.dumps({"model": MODEL, "prompt": words(500, rng), "stream": True}),
+                     json.dumps({"model": MODEL, "prompt": words(500, rng), "stream": True, "max_tokens": None}),
                      {"content-type": "application/json", "x-sim-output-tokens": "1000"})
         resp = conn.getresponse()
         assert resp.status == 200
@@ -488,7 +489,7 @@ def test_lora_requests_info_shows_running_and_waiting_adapters():
         results = {}
 
         def run(model, tokens):
-            results[model] = stream(port, "/v1/completions", {"model": model, "prompt": "hi"},
+            results[model] = stream(port, "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": None},
                                     {"x-sim-output-tokens": str(tokens)})
 
         first = threading.Thread(target=run, args=("x", 150))
@@ -553,7 +554,7 @@ def _run_rate(port, rate_virtual, scale, n, prompt_words, out_tokens, seed):
 
     def one(i):
         starts[i] = time.perf_counter()
-        results[i] = stream(port, "/v1/completions", {"model": MODEL, "prompt": prompts[i]},
+        results[i] = stream(port, "/v1/completions", {"model": MODEL, "prompt": prompts[i], "max_tokens": None},
                             {"x-sim-output-tokens": str(out_tokens)})
         results[i]["end"] = time.perf_counter()
 
