@@ -64,7 +64,7 @@ FULL = {
     "pods": 8,
     "shared_prefix": {
         "groups": 29, "system_tokens": 2048, "question_tokens": 256, "output_tokens": 64,
-        "rates": [30, 60, 90], "main_rate": 60, "duration": 20, "ttft_slo_ms": 200,
+        "rates": [30, 60, 90], "main_rate": 60, "duration": 20, "ttft_slo_ms": 200, "api": "chat",
     },
     "multi_turn": {
         "sessions": 200, "turns": 5, "system_tokens": 300, "first_tokens": 1500,
@@ -86,7 +86,7 @@ FULL = {
     # computes it again and evicts another group's.
     "cache_pressure": {
         "num_gpu_blocks": 1024, "groups": 96, "system_tokens": 2048, "question_tokens": 256,
-        "output_tokens": 64, "rate": 60, "duration": 30, "ttft_slo_ms": 500,
+        "output_tokens": 64, "rate": 60, "duration": 30, "ttft_slo_ms": 500, "api": "chat",
     },
     "burst": {
         "groups": 10, "questions": 100, "system_tokens": 2048, "question_tokens": 256,
@@ -108,9 +108,7 @@ FULL = {
         # then `app_context_words` of the request's own (a user's profile, retrieved passages).
         "apps": 0, "app_spread": 1.0, "app_answer_spread": 0.5, "app_opening_words": 0, "app_prompt_words": 120,
         "app_context_words": 0,
-        # "completions": every request sent to /v1/completions, its conversation rendered through
-        # the model's chat template by the client (as applications that template prompts
-        # themselves do); "chat": to /v1/chat/completions.
+        # How requests are sent (`API_ARGS`).
         "api": "chat",
     },
     # The chat workload with max_tokens on every request, kvgate at each Envoy worker count.
@@ -617,6 +615,13 @@ def warm_pods(sim, bench_args, out_base, seconds):
     return sim_stats(sim)
 
 
+def api_desc(w):
+    """What a cell's description adds when its requests are not sent as chat (`API_ARGS`)."""
+    return {"chat": "", "completions": "; sent to /v1/completions, rendered through Llama 3's chat template by "
+            "the client", "ids": "; sent to /v1/completions as token ids (one a word of the prompt rendered "
+            "through Llama 3's chat template)"}.get(w.get("api", "chat"), "")
+
+
 def warm_desc(w):
     """What a chat cell's description adds when its pods were warmed first (`warm_pods`), or its
     requests are several applications' (`apps`)."""
@@ -630,7 +635,7 @@ def warm_desc(w):
             f"drawn from that application's (lognormal, medians σ {w['app_spread']} apart, σ "
             f"{w['app_answer_spread']} within one, mean {w.get('output_len_mean', 256)}) and sent as "
             "x-sim-output-tokens") if w.get("apps") else ""
-    return warm + apps
+    return warm + apps + api_desc(w)
 
 
 def run_cell(ctx, tname, wname, label, bench_args, sim_args, timeout, concurrency=None, sample_kv=False, pods=None,
@@ -673,10 +678,24 @@ def run_cell(ctx, tname, wname, label, bench_args, sim_args, timeout, concurrenc
             "wall_s": time.time() - t0, "kv_samples": kv, "accuracy": accuracy}
 
 
+# A cell's `api`: "chat", to /v1/chat/completions; "completions", to /v1/completions, each
+# conversation rendered through the model's chat template by the client (as applications that
+# template their prompts themselves do); "ids", the same prompts sent as token ids (a client that
+# tokenizes itself).
+API_ARGS = {"chat": ["--path", "/v1/chat/completions"], "completions": ["--path", "/v1/completions"],
+            "ids": ["--path", "/v1/completions", "--prompt-ids"]}
+
+
+def api_args(w, cell):
+    if w["api"] not in API_ARGS:
+        raise SystemExit(f"{cell} cell api: {w['api']!r} is not one of {', '.join(API_ARGS)}")
+    return API_ARGS[w["api"]]
+
+
 def sp_args(w, rate, seed):
     n = int(math.ceil(rate * w["duration"]))
     questions = int(math.ceil(n / w["groups"]))
-    return ["--workload", "shared-prefix", "--seed", seed, "--arrival", "poisson", "--rate", rate,
+    return ["--workload", "shared-prefix", *api_args(w, "shared_prefix"), "--seed", seed, "--arrival", "poisson", "--rate", rate,
             "--groups", w["groups"], "--questions", questions, "--system-tokens", w["system_tokens"],
             "--question-tokens", w["question_tokens"], "--output-tokens", w["output_tokens"],
             "--max-duration", w["duration"], "--timeout", 120, "--ttft-slo-ms", w["ttft_slo_ms"]]
@@ -746,10 +765,7 @@ def chat_args(w, seed, unbounded_fraction):
             "--app-spread", w["app_spread"], "--app-answer-spread", w["app_answer_spread"],
             "--app-opening-words", w["app_opening_words"], "--app-prompt-words", w["app_prompt_words"],
             "--app-context-words", w["app_context_words"]] if w["apps"] else []
-    if w["api"] not in ("chat", "completions"):
-        raise SystemExit(f"chat cell api: {w['api']!r} is neither 'chat' nor 'completions'")
-    path = "/v1/completions" if w["api"] == "completions" else "/v1/chat/completions"
-    return ["--workload", "chat", "--path", path, "--seed", seed, "--arrival", "closed", "--concurrency", w["clients"],
+    return ["--workload", "chat", *api_args(w, "chat"), "--seed", seed, "--arrival", "closed", "--concurrency", w["clients"],
             "--repeat", "--requests", 20000, "--prompt-tokens", w["prompt_tokens"],
             "--unbounded-fraction", unbounded_fraction, "--max-tokens", w["max_tokens"],
             "--max-duration", w["duration"], "--timeout", 300, "--ttft-slo-ms", w["ttft_slos_ms"][0], *apps]
@@ -1600,7 +1616,7 @@ def main():
                         data["rates"].setdefault(t, {})[str(rate)] = row_metrics(cell)
                     if rate == w["main_rate"]:
                         data["results"]["shared-prefix"][t] = cell
-            data["workload_desc"]["shared-prefix"] = WORKLOAD_DESC["shared-prefix"].format(**w)
+            data["workload_desc"]["shared-prefix"] = WORKLOAD_DESC["shared-prefix"].format(**w) + api_desc(w)
 
         def every_target(name, args, timeout, **desc):
             """One cell per live target on the workload `name`, and its description."""
@@ -1646,7 +1662,8 @@ def main():
                             [*sim_args, "--num-gpu-blocks", str(w["num_gpu_blocks"])], w["duration"] + 200)
                 for t in live}
             data["workload_desc"]["cache-pressure"] = WORKLOAD_DESC["cache-pressure"].format(
-                pool_x=w["groups"] * w["system_tokens"] / (cfg["pods"] * w["num_gpu_blocks"] * BLOCK_TOKENS), **w)
+                pool_x=w["groups"] * w["system_tokens"] / (cfg["pods"] * w["num_gpu_blocks"] * BLOCK_TOKENS), **w) \
+                + api_desc(w)
 
         if "burst" in workloads:
             w = cfg["burst"]

@@ -170,6 +170,10 @@ struct RunArgs {
     url: String,
     #[arg(long, default_value = "/v1/chat/completions")]
     path: String,
+    /// With a completions `--path`, each prompt sent as token ids (a client that tokenizes
+    /// itself): one id a word of the rendered prompt.
+    #[arg(long)]
+    prompt_ids: bool,
     #[arg(long, default_value = "meta-llama/Llama-3.1-8B-Instruct")]
     model: String,
     /// Closed-loop workers (with --arrival closed).
@@ -286,6 +290,7 @@ fn build_jobs(w: &WorkloadArgs) -> Result<Vec<Job>, String> {
 struct Ctx {
     client: Client,
     path: String,
+    prompt_ids: bool,
     model: String,
     stream: bool,
     t0: Instant,
@@ -307,6 +312,20 @@ fn llama3_prompt(messages: &[Value]) -> String {
     prompt + "<|start_header_id|>assistant<|end_header_id|>\n\n"
 }
 
+/// A prompt as token ids, one a word: the same words give the same ids, so prompts that share
+/// their first words share their first ids (ids from 1,000, within a 200k vocabulary).
+fn word_ids(prompt: &str) -> Vec<u32> {
+    let fnv = |w: &str| {
+        w.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        })
+    };
+    prompt
+        .split_whitespace()
+        .map(|w| 1_000 + (fnv(w) % 150_000) as u32)
+        .collect()
+}
+
 /// Sends a job's turns one after another, carrying the conversation.
 async fn run_job(ctx: Arc<Ctx>, job: Job) {
     let mut messages: Vec<Value> = Vec::new();
@@ -321,7 +340,13 @@ async fn run_job(ctx: Arc<Ctx>, job: Job) {
         messages.push(json!({"role": "user", "content": turn.user}));
         let model = job.model.as_deref().unwrap_or(&ctx.model);
         let mut body = if ctx.path.ends_with("/v1/completions") {
-            json!({"model": model, "prompt": llama3_prompt(&messages), "temperature": 0.0})
+            let prompt = llama3_prompt(&messages);
+            let prompt = if ctx.prompt_ids {
+                json!(word_ids(&prompt))
+            } else {
+                json!(prompt)
+            };
+            json!({"model": model, "prompt": prompt, "temperature": 0.0})
         } else {
             json!({"model": model, "messages": messages, "temperature": 0.0})
         };
@@ -373,6 +398,7 @@ async fn run(a: RunArgs) -> Result<(), String> {
     let ctx = Arc::new(Ctx {
         client: Client::new(addr, Duration::from_secs_f64(a.timeout)),
         path: a.path.clone(),
+        prompt_ids: a.prompt_ids,
         model: a.model.clone(),
         stream: !a.no_stream,
         t0,

@@ -18,7 +18,7 @@ use crate::openai::reply::LocalReply;
 use crate::openai::request::{Api, Request};
 use crate::openai::response::ResponseMeter;
 use crate::pods::scrape::Call;
-use crate::routing::prefix::{block_hashes, template_keys};
+use crate::routing::prefix::{block_hashes, id_block_hashes, template_keys};
 use crate::routing::router::Routed;
 use crate::routing::stored::Stored;
 use crate::routing::stored_ask::{self, Asking};
@@ -649,14 +649,20 @@ impl Flow {
             .known(store, &req.model, family.as_deref(), cfg);
         let static_text_tokens = static_prompt_tokens(&req.text);
         let r = &gate.config.routing;
-        let block_chars = r.block_chars(gate.router.block_tokens(r));
-        let hashes = block_hashes(
+        let block_tokens = gate.router.block_tokens(r);
+        let block_chars = r.block_chars(block_tokens);
+        let (model, salt, max_blocks) = (
             &req.model,
             req.cache_salt.as_deref(),
-            &req.text,
-            block_chars,
             r.max_prompt_blocks as usize,
         );
+        // A prompt of token ids is hashed in the engine's own blocks; a text in blocks of as
+        // many tokens by the characters they take.
+        let hashes = if req.ids.is_empty() {
+            block_hashes(model, salt, &req.text, block_chars, max_blocks)
+        } else {
+            id_block_hashes(model, salt, &req.ids, block_tokens as usize, max_blocks)
+        };
         // The prompt's template (its application's), whose answers may run apart from the
         // model's (`estimate::templates`): its opening, the tools and instructions it starts with,
         // whatever their length, and the heads of it; without one (a completions prompt, which

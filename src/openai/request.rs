@@ -54,6 +54,10 @@ pub struct Request {
     pub opening: usize,
     /// Prompt given as token ids: counted exactly, never estimated.
     pub token_ids: u64,
+    /// A prompt that is one list of token ids, and nothing before it: its first ids, four
+    /// little-endian bytes each, whose blocks are the engine's own (`routing::prefix::
+    /// id_block_hashes`). Empty for a text prompt (hashed on `text`) and for a batch of lists.
+    pub ids: Vec<u8>,
     /// The engine renders the prompt through the model's chat template (chat completions,
     /// responses), which adds tokens of its own to every prompt; a completions or embeddings
     /// prompt is taken as it is (`calibration::PromptFit`: each is fitted on its own).
@@ -352,6 +356,12 @@ impl Request {
             Input::Text(t) => self.text.push_str(t.as_str()),
             Input::Texts(ts) => ts.iter().for_each(|t| self.text.push_str(t.as_str())),
             Input::Tokens(n) => self.token_ids += n,
+            Input::Ids(ids) => {
+                self.token_ids += ids.count;
+                if self.text.is_empty() {
+                    self.ids = ids.bytes;
+                }
+            }
             Input::Items(items) => items.iter().for_each(|m| self.push_message(m)),
         }
     }
@@ -637,8 +647,13 @@ mod tests {
         let p = |s: &str| Request::parse(Api::Completions, s.as_bytes()).unwrap();
         assert_eq!(p(r#"{"model":"m","prompt":"abc"}"#).text, "abc");
         assert_eq!(p(r#"{"model":"m","prompt":["ab","cd"]}"#).text, "abcd");
-        assert_eq!(p(r#"{"model":"m","prompt":[1,2,3]}"#).token_ids, 3);
-        assert_eq!(p(r#"{"model":"m","prompt":[[1,2],[3]]}"#).token_ids, 3);
+        let ids = p(r#"{"model":"m","prompt":[1,2,3]}"#);
+        assert_eq!(
+            (ids.token_ids, ids.ids.len(), ids.text.as_str()),
+            (3, 12, "")
+        );
+        let batch = p(r#"{"model":"m","prompt":[[1,2],[3]]}"#);
+        assert_eq!((batch.token_ids, batch.ids.len()), (3, 0));
         let r = p(r#"{"model":"m","prompt":"x","max_tokens":7,"n":3}"#);
         assert_eq!((r.max_output_tokens, r.choices), (Some(21), 3));
         // Without `max_tokens`, the engine stops at 16 tokens an answer; with it null, at the

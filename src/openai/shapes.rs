@@ -78,9 +78,32 @@ pub(super) struct Message<'a> {
 pub(super) enum Input<'a> {
     Text(Text<'a>),
     Texts(Vec<Text<'a>>),
-    /// Token ids, however nested (a list of ids or a batch of lists): only their number counts.
+    /// Token ids in a batch of lists: only their number counts.
     Tokens(u64),
+    /// One list of token ids: one prompt, whose ids are the engine's own.
+    Ids(Ids),
     Items(Vec<Message<'a>>),
+}
+
+/// The most ids of one list kept (`Ids::bytes`): 4,096 blocks of 16 tokens, as many as a prompt's
+/// blocks are ever hashed (`routing.maxPromptBlocks`); the rest are only counted.
+const MAX_KEPT_IDS: u64 = 65_536;
+
+/// A list of token ids: how many, and the first `MAX_KEPT_IDS` of them, four little-endian bytes
+/// each (`routing::prefix::id_block_hashes` hashes them in the engine's blocks).
+#[derive(Default)]
+pub(super) struct Ids {
+    pub count: u64,
+    pub bytes: Vec<u8>,
+}
+
+impl Ids {
+    fn push(&mut self, id: u32) {
+        self.count += 1;
+        if self.count <= MAX_KEPT_IDS {
+            self.bytes.extend_from_slice(&id.to_le_bytes());
+        }
+    }
 }
 
 /// A completions `prompt`: an input that cannot hold items.
@@ -155,7 +178,7 @@ impl<'de> Deserialize<'de> for TokenCount {
 /// The first element of a list, which says what the others must be.
 enum First<'a> {
     Text(Text<'a>),
-    Token,
+    Token(u32),
     Tokens(u64),
     Item(Message<'a>),
 }
@@ -216,7 +239,7 @@ impl<'de: 'a, 'a> Visitor<'de> for FirstSeed<'a> {
 
     fn visit_u64<E: de::Error>(self, id: u64) -> Result<Self::Value, E> {
         u32::try_from(id)
-            .map(|_| First::Token)
+            .map(First::Token)
             .map_err(|_| E::invalid_value(de::Unexpected::Unsigned(id), &"a token id"))
     }
 
@@ -256,12 +279,13 @@ impl<'de: 'a, 'a> Visitor<'de> for InputVisitor<'a> {
                 }
                 Input::Texts(texts)
             }
-            Some(First::Token) => {
-                let mut n = 1;
-                while seq.next_element::<u32>()?.is_some() {
-                    n += 1;
+            Some(First::Token(first)) => {
+                let mut ids = Ids::default();
+                ids.push(first);
+                while let Some(id) = seq.next_element::<u32>()? {
+                    ids.push(id);
                 }
-                Input::Tokens(n)
+                Input::Ids(ids)
             }
             Some(First::Tokens(mut n)) => {
                 while let Some(more) = seq.next_element::<TokenCount>()? {
@@ -313,7 +337,8 @@ mod tests {
         assert!(matches!(input(r#""a""#), Ok(Input::Text(t)) if t.as_str() == "a"));
         assert!(matches!(input(r#"["a","b"]"#), Ok(Input::Texts(t)) if t.len() == 2));
         assert!(matches!(input("[]"), Ok(Input::Texts(t)) if t.is_empty()));
-        assert!(matches!(input("[1,2,3]"), Ok(Input::Tokens(3))));
+        assert!(matches!(input("[1,2,3]"), Ok(Input::Ids(ids))
+            if ids.count == 3 && ids.bytes == [1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0]));
         assert!(matches!(input("[[1,2],[],[3]]"), Ok(Input::Tokens(3))));
         assert!(matches!(input(r#"[{"role":"user"},{}]"#), Ok(Input::Items(m)) if m.len() == 2));
         assert!(matches!(

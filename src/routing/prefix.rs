@@ -31,6 +31,27 @@ pub fn block_hashes(
     out
 }
 
+/// Hashes of the full blocks of a prompt given as token ids (`Request::ids`, four bytes an id),
+/// `block_tokens` ids each: the engine's own blocks, where a text's are its estimate of them. At
+/// most `max_blocks` are returned.
+pub fn id_block_hashes(
+    model: &str,
+    cache_salt: Option<&str>,
+    ids: &[u8],
+    block_tokens: usize,
+    max_blocks: usize,
+) -> Vec<u64> {
+    let mut h = seed(model, cache_salt);
+    let blocks = ids.chunks_exact(block_tokens.max(1).saturating_mul(4));
+    blocks
+        .take(max_blocks)
+        .map(|block| {
+            h = chain(h, block);
+            h
+        })
+        .collect()
+}
+
 /// What every chain starts from: the model and the cache salt, whose caches are apart.
 fn seed(model: &str, cache_salt: Option<&str>) -> u64 {
     let h = chain(0, model.as_bytes());
@@ -177,6 +198,28 @@ mod tests {
         assert_ne!(base, block_hashes("other", None, t, 4, 100));
         assert_ne!(base, block_hashes("m", Some("tenant-a"), t, 4, 100));
         assert_eq!(base, block_hashes("m", None, t, 4, 100));
+    }
+
+    #[test]
+    fn token_ids_are_hashed_in_the_engines_blocks() {
+        let ids = |n: u32, first: u32| -> Vec<u8> {
+            (0..n)
+                .flat_map(|i| if i == 0 { first } else { i }.to_le_bytes())
+                .collect()
+        };
+        let a = id_block_hashes("m", None, &ids(40, 0), 16, 100);
+        // Two full blocks of 16; the last 8 ids are not a block.
+        assert_eq!(a.len(), 2);
+        // A prompt of the same ids after them shares both; one that starts apart, neither; a
+        // salt, a model or the block size change every hash; at most `max_blocks`.
+        assert_eq!(id_block_hashes("m", None, &ids(70, 0), 16, 100)[..2], a[..]);
+        let apart = id_block_hashes("m", None, &ids(40, 9), 16, 100);
+        assert!(apart.iter().all(|h| !a.contains(h)));
+        assert_ne!(id_block_hashes("m", Some("s"), &ids(40, 0), 16, 100), a);
+        assert_ne!(id_block_hashes("n", None, &ids(40, 0), 16, 100), a);
+        assert_eq!(id_block_hashes("m", None, &ids(40, 0), 8, 100).len(), 5);
+        assert_eq!(id_block_hashes("m", None, &ids(40, 0), 8, 3).len(), 3);
+        assert!(id_block_hashes("m", None, &ids(10, 0), 16, 100).is_empty());
     }
 
     #[test]

@@ -169,6 +169,41 @@ def test_prompts_are_cut_in_the_engines_block_size():
         assert blocks[1].split("/")[1] == "10", blocks
 
 
+def test_prompts_of_token_ids_keep_their_prefix_pod_in_the_engines_blocks():
+    """Completions prompts sent as token ids (a client that tokenizes itself: RL rollouts,
+    pre-tokenized batches) are cut in the engine's own blocks, 16 ids each, and routed by
+    prefix like text: each group's shared 600 ids stay on one pod. Before, kvgate counted the ids
+    and hashed nothing, so every such request was routed by load alone."""
+    rng = random.Random(7)
+    shared = {g: [rng.randrange(1000, 90000) for _ in range(600)] for g in range(6)}
+
+    def body(g, q):
+        return {"model": MODEL, "max_tokens": 4, "prompt": shared[g] + [rng.randrange(1000, 90000) for _ in range(40)]}
+
+    with Sim(pods=4, args=SIM_ARGS) as sim, kvgate_envoy(sim.endpoints, default_plugin_config()) as envoy:
+        jobs = [(g, q) for q in range(12) for g in range(6)]
+
+        def one(job):
+            r = request(envoy.port, "POST", "/v1/completions", body(*job))
+            return job[0], r.status, r.headers.get("x-sim-pod"), r.headers.get("x-kvgate-prefix-blocks")
+
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(one, jobs))
+        assert all(status == 200 for _, status, _, _ in results), results[0]
+        # 640 ids: 40 blocks of the engine's 16 (a text of 640 tokens would be cut by its
+        # characters).
+        assert all(blocks.split("/")[1] == "40" for _, _, _, blocks in results), results[0]
+        majority = {}
+        on_majority = 0
+        for g in range(6):
+            pods = [p for gg, _, p, _ in results if gg == g]
+            majority[g] = max(set(pods), key=pods.count)
+            on_majority += pods.count(majority[g])
+        share = on_majority / len(results)
+        print(f"requests on their group's pod: {share:.1%}; group -> pod: {majority}")
+        assert share >= 0.8 and len(set(majority.values())) >= 3, (share, majority)
+
+
 def test_a_pod_without_prefix_caching_gets_no_prefix_credit():
     # A vLLM pod started with --no-enable-prefix-caching says so in cache_config_info. kvgate
     # gives it no prefix credit however often it served a prompt, and among equal costs it comes
