@@ -232,10 +232,9 @@ impl Templates {
     /// An answer of `tokens` to a prompt going by `keys`, that ended by itself. Its whole
     /// opening learns it; so do its heads, while the whole has not answered enough (an opening
     /// that repeats whole needs none; a prompt without an opening has heads only), from the
-    /// shortest: every head already kept, and the
-    /// shortest not kept yet. So an application's heads are taken in one longer each answer for
-    /// as long as its requests share them, and its requests' own (past where their openings
-    /// part) take one place in turn, not one each.
+    /// shortest: every head already kept, and the shortest not kept yet. So an application's
+    /// heads are taken in one longer each answer for as long as its requests share them, and its
+    /// requests' own (past where their openings part) take one place in turn, not one each.
     pub fn ended(&mut self, keys: &Keys, tokens: u64) {
         let x = (tokens as f64 + 1.0).log2();
         self.model.add(x);
@@ -370,10 +369,6 @@ mod tests {
         assert!(model.survival(150.0) < 0.6, "the mixture itself is not");
     }
 
-    /// Two applications open with the same house rules, then their own words, then each
-    /// request's own (a user's profile): no two openings alike. Each request is expected by the
-    /// longest head its application's requests share, not by the rules (their mixture), nor by
-    /// its own opening, never seen before.
     /// A classifier (median 12) and an assistant (median 400) answering in turn, each request
     /// going by `keys(application, request)`: a new request of each is expected near its own
     /// application's answers.
@@ -396,6 +391,10 @@ mod tests {
         t
     }
 
+    /// Two applications open with the same house rules, then their own words, then each
+    /// request's own (a user's profile): no two openings alike. Each request is expected by the
+    /// longest head its application's requests share, not by the rules (their mixture), nor by
+    /// its own opening, never seen before.
     #[test]
     fn openings_that_end_apart_are_expected_by_the_head_their_application_shares() {
         const RULES: u64 = 7;

@@ -85,8 +85,9 @@ pub(super) enum Input<'a> {
     Items(Vec<Message<'a>>),
 }
 
-/// The most ids of one list kept (`Ids::bytes`): 4,096 blocks of 16 tokens, as many as a prompt's
-/// blocks are ever hashed (`routing.maxPromptBlocks`); the rest are only counted.
+/// The most ids of one list kept (`Ids::bytes`, 256 KB): the most blocks a prompt is hashed in
+/// (`routing.maxPromptBlocks` at most 4,096) of 16 tokens; of larger blocks, as many as they
+/// fill. The rest are only counted.
 const MAX_KEPT_IDS: u64 = 65_536;
 
 /// A list of token ids: how many, and the first `MAX_KEPT_IDS` of them, four little-endian bytes
