@@ -9,6 +9,7 @@ mod config;
 mod engine;
 mod ideal;
 mod kv;
+mod lax;
 mod lora;
 mod metrics;
 mod pod;

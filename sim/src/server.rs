@@ -17,6 +17,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use crate::engine::FinishReason;
+use crate::lax::{count, flag};
 use crate::lora::LoraRef;
 use crate::metrics::{render, MetricsInput};
 use crate::pod::{
@@ -428,6 +429,13 @@ struct ApiError {
     message: String,
 }
 
+/// A field that is not what vLLM reads it as (`lax`): its 400.
+impl From<String> for ApiError {
+    fn from(message: String) -> Self {
+        ApiError::bad(message)
+    }
+}
+
 impl ApiError {
     fn bad(message: impl Into<String>) -> Self {
         ApiError {
@@ -495,19 +503,6 @@ async fn read_json(req: Request<Incoming>) -> Result<(HeaderMap, Value, usize), 
         return Err(ApiError::bad("request body must be a JSON object"));
     }
     Ok((parts.headers, v, bytes.len()))
-}
-
-fn as_usize(v: Option<&Value>, name: &str) -> Result<Option<usize>, ApiError> {
-    match v {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::Number(n)) => match n.as_u64() {
-            Some(x) => Ok(Some(x as usize)),
-            None => Err(ApiError::bad(format!(
-                "{name} must be a non-negative integer"
-            ))),
-        },
-        Some(_) => Err(ApiError::bad(format!("{name} must be an integer"))),
-    }
 }
 
 /// The request's model: a served base model name, or a registered LoRA
@@ -595,10 +590,7 @@ fn chat_segments(g: &Shared, body: &Value) -> Result<Vec<Segment>, ApiError> {
     if msgs.is_empty() {
         return Err(ApiError::bad("messages cannot be empty"));
     }
-    let add_gen = body
-        .get("add_generation_prompt")
-        .and_then(Value::as_bool)
-        .unwrap_or(true);
+    let add_gen = flag(body.get("add_generation_prompt"), "add_generation_prompt")?.unwrap_or(true);
     render_chat(msgs, body.get("tools"), add_gen, g.args.media_part_tokens).map_err(ApiError::bad)
 }
 
@@ -642,14 +634,15 @@ async fn tokenize(
 }
 
 fn requested_max_tokens(kind: Kind, body: &Value) -> Result<Option<usize>, ApiError> {
-    match kind {
-        Kind::Chat => match as_usize(body.get("max_completion_tokens"), "max_completion_tokens")? {
-            Some(v) => Ok(Some(v)),
-            None => as_usize(body.get("max_tokens"), "max_tokens"),
+    let field = |name| count(body.get(name), name);
+    Ok(match kind {
+        Kind::Chat => match field("max_completion_tokens")? {
+            Some(v) => Some(v),
+            None => field("max_tokens")?,
         },
-        Kind::Completion => as_usize(body.get("max_tokens"), "max_tokens"),
-        Kind::Responses => as_usize(body.get("max_output_tokens"), "max_output_tokens"),
-    }
+        Kind::Completion => field("max_tokens")?,
+        Kind::Responses => field("max_output_tokens")?,
+    })
 }
 
 /// vLLM's default most choices a request may ask for (`VLLM_MAX_N_SEQUENCES`).
@@ -663,7 +656,7 @@ fn requested_n(kind: Kind, body: &Value) -> Result<usize, ApiError> {
     if kind == Kind::Responses {
         return Ok(1);
     }
-    let n = match as_usize(body.get("n"), "n")? {
+    let n = match count(body.get("n"), "n")? {
         None => 1,
         Some(0) => return Err(ApiError::bad("n must be at least 1, got 0.")),
         Some(n) if n > MAX_N => {
@@ -731,11 +724,8 @@ fn plan_output(
         ),
         None => None,
     };
-    let ignore_eos = body
-        .get("ignore_eos")
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
-    let min_tokens = as_usize(body.get("min_tokens"), "min_tokens")?.unwrap_or(0);
+    let ignore_eos = flag(body.get("ignore_eos"), "ignore_eos")?.unwrap_or(false);
+    let min_tokens = count(body.get("min_tokens"), "min_tokens")?.unwrap_or(0);
     let room = max_len - prompt_len;
     // vLLM's completions stop at 16 tokens when the body has no `max_tokens` at all (one given
     // as null: at the model's room), whatever length the model would have run to.
@@ -843,19 +833,14 @@ async fn generate_inner(
     let plans = (0..n)
         .map(|_| plan_output(&pod, kind, headers, &body, prompt.len()))
         .collect::<Result<Vec<_>, _>>()?;
-    let stores =
-        kind == Kind::Responses && body.get("store").and_then(Value::as_bool) != Some(false);
-    let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let stores = kind == Kind::Responses && flag(body.get("store"), "store")? != Some(false);
+    let stream = flag(body.get("stream"), "stream")?.unwrap_or(false);
     let opts = body.get("stream_options");
-    let include_usage = opts
-        .and_then(|o| o.get("include_usage"))
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
-    let continuous_usage = include_usage
-        && opts
-            .and_then(|o| o.get("continuous_usage_stats"))
-            .and_then(Value::as_bool)
-            .unwrap_or(false);
+    let include_usage =
+        flag(opts.and_then(|o| o.get("include_usage")), "include_usage")?.unwrap_or(false);
+    let continuous = opts.and_then(|o| o.get("continuous_usage_stats"));
+    let continuous_usage =
+        include_usage && flag(continuous, "continuous_usage_stats")?.unwrap_or(false);
     let cache_salt = body
         .get("cache_salt")
         .and_then(Value::as_str)
@@ -1058,7 +1043,7 @@ async fn render_endpoint(
         "features": null,
         "sampling_params": {"n": n, "max_tokens": max_tokens},
         "model": model,
-        "stream": body.get("stream").and_then(Value::as_bool).unwrap_or(false),
+        "stream": flag(body.get("stream"), "stream")?.unwrap_or(false),
         "cache_salt": body.get("cache_salt").cloned().unwrap_or(Value::Null),
         "priority": 0,
     });
@@ -1081,11 +1066,7 @@ async fn tokenize_endpoint(
         Kind::Completion
     };
     let (ids, _text, body) = tokenize(&g, kind, body, size).await?;
-    let strs = if body
-        .get("return_token_strs")
-        .and_then(Value::as_bool)
-        .unwrap_or(false)
-    {
+    let strs = if flag(body.get("return_token_strs"), "return_token_strs")?.unwrap_or(false) {
         json!(ids.iter().map(|&i| g.tok.piece(i)).collect::<Vec<_>>())
     } else {
         Value::Null
@@ -1191,10 +1172,7 @@ async fn load_lora_endpoint(
             "Both 'lora_name' and 'lora_path' must be provided.".into(),
         ));
     };
-    let inplace = body
-        .get("load_inplace")
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
+    let inplace = flag(body.get("load_inplace"), "load_inplace")?.unwrap_or(false);
     match pod.load_adapter(name, path, inplace) {
         Ok(()) => Ok(lora_success(format!(
             "Success: LoRA adapter '{name}' added successfully."
@@ -1375,10 +1353,10 @@ async fn set_fault(pod: Arc<Pod>, req: Request<Incoming>) -> Result<Response<Sim
             f.metrics_delay_ms = 0;
         }
     }
-    if let Some(d) = as_usize(body.get("metricsDelayMs"), "metricsDelayMs")? {
+    if let Some(d) = count(body.get("metricsDelayMs"), "metricsDelayMs")? {
         f.metrics_delay_ms = d as u64;
     }
-    if let Some(d) = as_usize(body.get("retrieveDelayMs"), "retrieveDelayMs")? {
+    if let Some(d) = count(body.get("retrieveDelayMs"), "retrieveDelayMs")? {
         f.retrieve_delay_ms = d as u64;
     }
     pod.set_fault(f);
@@ -1808,7 +1786,8 @@ mod tests {
     }
 
     /// `n` is vLLM's `SamplingParams.n`: 1 when absent or null, at least 1 and at most
-    /// `VLLM_MAX_N_SEQUENCES`, an integer, 1 for greedy sampling; the Responses API has none.
+    /// `VLLM_MAX_N_SEQUENCES`, a count as pydantic reads one, 1 for greedy sampling; the
+    /// Responses API has none.
     #[test]
     fn n_is_checked_as_vllm_checks_it() {
         let n = |body: Value| requested_n(Kind::Chat, &body).map_err(|e| e.message);
@@ -1821,7 +1800,10 @@ mod tests {
             n(json!({"n": 0})),
             Err("n must be at least 1, got 0.".into())
         );
-        for bad in [json!(-1), json!(1.5), json!("2"), json!(MAX_N + 1)] {
+        // pydantic's lax reading (`lax`): a whole float or a string of digits is a count.
+        assert_eq!(n(json!({"n": "2"})), Ok(2));
+        assert_eq!(n(json!({"n": 2.0})), Ok(2));
+        for bad in [json!(-1), json!(1.5), json!("2.5"), json!(MAX_N + 1)] {
             assert!(n(json!({ "n": bad })).is_err(), "{bad}");
         }
         assert_eq!(

@@ -1,5 +1,6 @@
 //! The OpenAI-compatible wire format, in both directions: what a request body says
-//! (`request`; the shapes its prompt takes, read in one pass, in `shapes`), what the model server's response reports as it streams past (`response`; each
+//! (`request`; the shapes its prompt takes, read in one pass, in `shapes`; its numbers and
+//! flags read as the engines read them, in `lax`), what the model server's response reports as it streams past (`response`; each
 //! streamed chunk's pieces of text counted by `sse_chunk`), the answers kvgate gives itself
 //! instead of forwarding (`reply`), and a request's headers as the host serializes them
 //! (`header_map`).
@@ -8,6 +9,7 @@
 //! and die with it; nothing here touches shared data.
 
 pub mod header_map;
+mod lax;
 pub mod reply;
 pub mod request;
 pub mod response;

@@ -3,6 +3,7 @@
 //! canonical text rendering in which earlier chat turns are a true prefix of later ones, so the
 //! same text serves token estimation and prefix hashing.
 
+use super::lax::{Count, Flag};
 use super::shapes::{Content, Input, Message, Prompt, Text};
 use serde::Deserialize;
 use std::fmt::{self, Write as _};
@@ -81,7 +82,6 @@ pub struct Request {
     /// The engine stores the answer (the Responses API's `store`, on unless turned off).
     pub stored: bool,
     pub stream: bool,
-    pub include_usage: bool,
     pub user: Option<String>,
     pub cache_salt: Option<String>,
 }
@@ -98,12 +98,6 @@ impl fmt::Display for BadRequest {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.message)
     }
-}
-
-#[derive(Deserialize, Default)]
-#[serde(default)]
-struct StreamOptions {
-    include_usage: Option<bool>,
 }
 
 #[derive(Deserialize, Default)]
@@ -125,19 +119,20 @@ struct Body<'a> {
     tools: Option<serde_json::Value>,
     /// Absent (`None`), null (`Some(None)`) or a number: a completions request that has none at
     /// all stops at `COMPLETIONS_DEFAULT_MAX_TOKENS`.
+    /// The counts and flags kvgate decides on are read as the engines read them (`lax`), and
+    /// refused only where the engine would refuse them.
     #[serde(deserialize_with = "present")]
-    max_tokens: Option<Option<u64>>,
-    max_completion_tokens: Option<u64>,
-    max_output_tokens: Option<u64>,
-    n: Option<u64>,
-    /// The engine's parameters, read as values: one of another type is the engine's to refuse
-    /// or coerce (vLLM's pydantic takes `"true"`), not a reason for kvgate to refuse the body.
+    max_tokens: Option<Option<Count>>,
+    max_completion_tokens: Option<Count>,
+    max_output_tokens: Option<Count>,
+    n: Option<Count>,
+    /// The engine's parameters, read as values: one that is not a flag or a count is the
+    /// engine's to refuse, not a reason for kvgate to refuse the body.
     ignore_eos: Option<serde_json::Value>,
     min_tokens: Option<serde_json::Value>,
     previous_response_id: Option<serde_json::Value>,
     store: Option<serde_json::Value>,
-    stream: Option<bool>,
-    stream_options: Option<StreamOptions>,
+    stream: Option<Flag>,
     user: Option<String>,
     cache_salt: Option<String>,
 }
@@ -153,20 +148,8 @@ const COMPLETIONS_DEFAULT_MAX_TOKENS: u64 = 16;
 
 /// A field that is there, null or not: `Some(None)` for null, where serde's default reads
 /// absent and null alike.
-fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Option<u64>>, D::Error> {
-    Option::<u64>::deserialize(d).map(Some)
-}
-
-/// A flag as the engines' lax parsing reads it: `true`, or a string saying so.
-fn is_true(flag: &serde_json::Value) -> bool {
-    match flag {
-        serde_json::Value::Bool(b) => *b,
-        serde_json::Value::String(s) => ["true", "1", "yes", "on"]
-            .iter()
-            .any(|t| s.trim().eq_ignore_ascii_case(t)),
-        serde_json::Value::Number(n) => n.as_u64() == Some(1),
-        _ => false,
-    }
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Option<Count>>, D::Error> {
+    Option::<Count>::deserialize(d).map(Some)
 }
 
 fn bad(message: impl Into<String>, param: Option<&str>) -> BadRequest {
@@ -282,11 +265,7 @@ impl Request {
             model,
             model_span,
             templated: matches!(api, Api::ChatCompletions | Api::Responses),
-            stream: b.stream.unwrap_or(false),
-            include_usage: b
-                .stream_options
-                .and_then(|o| o.include_usage)
-                .unwrap_or(false),
+            stream: b.stream.is_some_and(|f| f.0),
             user: b.user,
             cache_salt: b.cache_salt,
             // The text is about as long as the body that carries it: grown by doublings instead,
@@ -294,10 +273,14 @@ impl Request {
             text: String::with_capacity(body_len),
             ..Request::default()
         };
+        let count = |c: Option<Count>| c.map(|c| c.0);
         let max = match api {
-            Api::Completions => b.max_tokens.unwrap_or(Some(COMPLETIONS_DEFAULT_MAX_TOKENS)),
-            Api::ChatCompletions => b.max_completion_tokens.or(b.max_tokens.flatten()),
-            Api::Responses => b.max_output_tokens,
+            Api::Completions => match b.max_tokens {
+                None => Some(COMPLETIONS_DEFAULT_MAX_TOKENS),
+                Some(set) => count(set),
+            },
+            Api::ChatCompletions => count(b.max_completion_tokens.or(b.max_tokens.flatten())),
+            Api::Responses => count(b.max_output_tokens),
             Api::Embeddings => Some(0),
         };
         // `n` choices each generate up to the limit; the prompt is prefilled once.
@@ -307,17 +290,21 @@ impl Request {
                 .as_ref()
                 .and_then(serde_json::Value::as_str)
                 .map(str::to_string);
-            out.stored = b.store.as_ref().is_none_or(is_true);
+            out.stored = b.store.as_ref().is_none_or(Flag::on);
         }
         // The Responses API has no `n`: one answer, whatever the body says.
-        let n = if api == Api::Responses { None } else { b.n };
+        let n = if api == Api::Responses {
+            None
+        } else {
+            count(b.n)
+        };
         let choices = n.unwrap_or(1).clamp(1, MAX_CHOICES);
         out.choices = choices;
         out.max_output_tokens = max.map(|m| m.saturating_mul(choices));
-        out.min_output_tokens = if b.ignore_eos.as_ref().is_some_and(is_true) {
+        out.min_output_tokens = if b.ignore_eos.as_ref().is_some_and(Flag::on) {
             u64::MAX
         } else {
-            let min = b.min_tokens.as_ref().and_then(serde_json::Value::as_u64);
+            let min = b.min_tokens.as_ref().and_then(Count::of);
             min.unwrap_or(0).saturating_mul(choices)
         };
         if let Some(tools) = &b.tools {
@@ -514,8 +501,48 @@ mod tests {
         assert_eq!(r.text, "<system>\nBe brief.\n<user>\nWhat is this?\n");
         assert_eq!(r.non_text_parts, 1);
         assert_eq!(r.max_output_tokens, Some(50));
-        assert!(r.stream && r.include_usage);
+        assert!(r.stream);
         assert_eq!(r.user.as_deref(), Some("u1"));
+    }
+
+    /// A body the engine serves is served: its counts and flags as vLLM's pydantic models read
+    /// them (a float with no fraction, a string of digits, a flag's word), and refused, naming
+    /// the field, only where the engine refuses them too.
+    #[test]
+    fn counts_and_flags_are_read_as_the_engines_read_them() {
+        let msgs = r#""messages":[{"role":"user","content":"x"}]"#;
+        let chat = |extra: &str| chat(&format!(r#"{{"model":"m",{msgs},{extra}}}"#));
+        let r = chat(r#""max_tokens":100.0,"n":"2","stream":"true""#).unwrap();
+        assert_eq!(
+            (r.max_output_tokens, r.choices, r.stream),
+            (Some(200), 2, true)
+        );
+        let r = chat(r#""max_completion_tokens":" 1_000 ","stream":0"#).unwrap();
+        assert_eq!((r.max_output_tokens, r.stream), (Some(1000), false));
+        let r = chat(r#""stream_options":{"include_usage":"yes"},"min_tokens":"20""#).unwrap();
+        assert_eq!(r.min_output_tokens, 20);
+        let r = Request::parse(
+            Api::Completions,
+            br#"{"model":"m","prompt":"x","max_tokens":"64","n":1.0}"#,
+        )
+        .unwrap();
+        assert_eq!((r.max_output_tokens, r.choices), (Some(64), 1));
+        let r = Request::parse(
+            Api::Responses,
+            br#"{"model":"m","input":"x","max_output_tokens":"9","store":"off"}"#,
+        )
+        .unwrap();
+        assert_eq!((r.max_output_tokens, r.stored), (Some(9), false));
+        for (extra, param) in [
+            (r#""max_tokens":100.5"#, "max_tokens"),
+            (r#""max_tokens":"lots""#, "max_tokens"),
+            (r#""max_completion_tokens":-5"#, "max_completion_tokens"),
+            (r#""n":"2.5""#, "n"),
+            (r#""stream":"maybe""#, "stream"),
+        ] {
+            let e = chat(extra).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(param), "{extra}: {}", e.message);
+        }
     }
 
     /// The opening is what the application sends every time: tools, then system and developer

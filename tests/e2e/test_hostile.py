@@ -205,7 +205,9 @@ def test_malformed_bodies_get_400_and_never_reach_a_pod(stubs):
         "model not a string": chat_bytes(model=7),
         "empty messages": chat_bytes(messages=[]),
         "messages not a list": chat_bytes(messages="hi"),
-        "stream not a bool": chat_bytes(stream="yes"),
+        "stream not a bool": chat_bytes(stream="maybe"),
+        "max_tokens fractional": chat_bytes(max_tokens=100.5),
+        "n not a count": chat_bytes(n="two"),
     }
     before = received(envoy)
     for name, body in cases.items():
@@ -229,6 +231,27 @@ def test_malformed_bodies_get_400_and_never_reach_a_pod(stubs):
         assert st == 200 and h.get("x-kvgate-pod"), (name, st, b[:200])
         assert dt < 2
     still_routes(envoy)
+    assert_drained(envoy)
+
+
+def test_counts_and_flags_are_read_as_the_engines_read_them(stubs):
+    """vLLM's request models read `max_tokens: 40.0`, `n: "2"` or `stream: "true"` (pydantic's lax
+    mode), so kvgate serves them, reserving what they say, and forwards the body as sent."""
+    envoy = stubs
+    for body, path, out in [
+        (chat_bytes(max_tokens=40.0, n="2", stream="true"), "/v1/chat/completions", 80),
+        (chat_bytes(max_tokens=None, max_completion_tokens=" 1_000 ", stream_options={"include_usage": "yes"}),
+         "/v1/chat/completions", 1000),
+        (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": "64", "n": 1.0}).encode(), "/v1/completions", 64),
+        (json.dumps({"model": MODEL, "input": "x", "max_output_tokens": "9", "store": "off"}).encode(),
+         "/v1/responses", 9),
+    ]:
+        before = received(envoy)
+        st, h, b, _ = send(envoy, body, path=path)
+        assert st == 200, (body, st, b[:300])
+        assert int(h["x-kvgate-output-tokens"]) == out, (body, h)
+        assert received(envoy) == before + 1
+        assert any(r[3] == body for u in envoy.ups for r in u.received[-1:]), "forwarded as sent"
     assert_drained(envoy)
 
 
