@@ -46,7 +46,7 @@ use crate::estimate::output_dist::Own;
 use serde::{Deserialize, Serialize};
 
 /// Whole openings a model's record keeps at once: applications behind one model, with room for
-/// the one-off prompts (a chat without a system prompt is named by its first block) that pass
+/// the one-off openings (each request's own context closing its system prompt) that pass
 /// through without pushing them out.
 const MAX_TEMPLATES: usize = 32;
 /// Heads of openings a model's record keeps at once: a few for each application whose openings

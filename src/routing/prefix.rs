@@ -92,10 +92,7 @@ pub fn template_keys(
 ) -> Keys {
     let Some(bytes) = text.as_bytes().get(..opening).filter(|o| !o.is_empty()) else {
         let mut keys = Keys::headless();
-        let heads = TEMPLATE_HEADS
-            .iter()
-            .filter_map(|&k| k.checked_sub(1).and_then(|i| hashes.get(i)));
-        heads.for_each(|&h| keys.push(h));
+        push_heads(&mut keys, hashes, usize::MAX);
         return keys;
     };
     let mut keys = Keys::default();
@@ -116,13 +113,21 @@ pub fn template_keys(
         _ => {}
     }
     let full = full.min(hashes.len());
-    let heads = TEMPLATE_HEADS.iter().filter(|&&k| k < full);
-    for k in std::iter::once(full).chain(heads.copied()) {
+    if let Some(&h) = full.checked_sub(1).and_then(|i| hashes.get(i)) {
+        keys.push(h);
+    }
+    push_heads(&mut keys, hashes, full);
+    keys
+}
+
+/// The prompt's heads of `TEMPLATE_HEADS` blocks, those shorter than `below` blocks that its
+/// hashes hold, longest first.
+fn push_heads(keys: &mut Keys, hashes: &[u64], below: usize) {
+    for &k in TEMPLATE_HEADS.iter().filter(|&&k| k < below) {
         if let Some(&h) = k.checked_sub(1).and_then(|i| hashes.get(i)) {
             keys.push(h);
         }
     }
-    keys
 }
 
 /// Where the `n` characters of UTF-8 `text` that start at byte `from` end, if there are that many.
