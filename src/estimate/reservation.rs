@@ -47,9 +47,12 @@ pub struct Estimate {
     /// The hard limit: the request's max-tokens field, or `estimator.outputCapTokens`, over all
     /// its choices.
     pub max_output_tokens: u64,
-    /// Its answers (`n`): each a sequence of its own on the shared prompt, so its output grows
-    /// this many tokens a decode step, and `output` is one answer's length.
+    /// Its answers (`n` for each of its prompts): each a sequence of its own on its prompt, so
+    /// its output grows this many tokens a decode step, and `output` is one answer's length.
     pub choices: u64,
+    /// Its prompts (a completions batch, `Request::prompts`): `choices ÷ prompts` answers share
+    /// each one.
+    pub prompts: u64,
     /// The request set its own limit (a max-tokens field).
     pub bounded: bool,
     /// Without a limit, its outlook is the output prior's and the prior is a guess
@@ -85,6 +88,7 @@ impl Estimate {
             output_tokens,
             max_output_tokens: output_tokens,
             choices: 1,
+            prompts: 1,
             bounded: true,
             output_guessed: false,
             streams: false,
@@ -105,6 +109,12 @@ pub struct Ended {
 }
 
 impl Estimate {
+    /// The answers that share each of its prompts (`n`): each reads that prompt every step, and
+    /// holds a copy of it on a pod that caches no prefix.
+    pub fn answers_per_prompt(&self) -> u64 {
+        (self.choices / self.prompts.max(1)).max(1)
+    }
+
     /// Its outlook (`output_dist`) with `running` of its answers still running, having made
     /// `made` tokens between them: each one's, from where they stand on average.
     pub fn outlook(&self, running: u64, made: u64) -> Outlook {
@@ -190,6 +200,7 @@ pub fn estimate_from(
         output_tokens,
         max_output_tokens,
         choices,
+        prompts: req.prompts.clamp(1, choices),
         bounded: req.max_output_tokens.is_some(),
         output_guessed: learned.is_none() && prior.guessed && req.max_output_tokens.is_none(),
         streams: req.stream,
@@ -232,6 +243,33 @@ mod tests {
             ),
             tokens_per_piece: 1.0,
         }
+    }
+
+    /// A batch of prompts with `n` answers each: every answer its own limit and length, like `n`
+    /// answers on one prompt, and `n` of them on each prompt.
+    #[test]
+    fn a_batch_of_prompts_answers_each() {
+        let cfg = EstimatorConfig::default();
+        let learned = Some(learned_all(100, 1_000.0));
+        let batch = Request {
+            choices: 6,
+            prompts: 3,
+            max_output_tokens: Some(6 * 50),
+            ..req("x", None)
+        };
+        let one = Request {
+            max_output_tokens: Some(50),
+            ..req("x", None)
+        };
+        let (batch, one) = (
+            estimate(&batch, learned, &cfg),
+            estimate(&one, learned, &cfg),
+        );
+        assert_eq!((batch.choices, batch.answers_per_prompt()), (6, 2));
+        assert_eq!(batch.output_tokens, 6 * one.output_tokens);
+        assert_eq!(batch.max_output_tokens, 300);
+        assert_eq!(batch.steps_left(6, 0), 50);
+        assert_eq!(one.answers_per_prompt(), 1);
     }
 
     /// `n` answers on one prompt: each its own limit and length, so `n` times one answer's

@@ -65,10 +65,14 @@ pub struct Request {
     pub templated: bool,
     /// Non-text content parts (images, audio, files), charged a configured cost each.
     pub non_text_parts: u64,
-    /// The answers it asks for (`n`, parallel sampling), at least 1: the engine runs each as
-    /// its own sequence on one shared prompt (vLLM V1's `ParentRequest`), so its output grows
-    /// this many tokens a step.
+    /// The answers it asks for, at least 1: `n` (parallel sampling) for each of its `prompts`.
+    /// The engine runs each as its own sequence, a prompt's `n` on that shared prompt (vLLM V1's
+    /// `ParentRequest`), so its output grows this many tokens a step.
     pub choices: u64,
+    /// The prompts it carries, at least 1: a completions `prompt` that is a list of strings or
+    /// of lists of ids is a batch, each prompt prefilled and answered as a request of its own
+    /// (vLLM's and SGLang's completions; its answers' `index` is prompt × `n` + choice).
+    pub prompts: u64,
     /// The request's own output limit, from whichever max-tokens field it used, over all its
     /// choices (each may run to the field's value).
     pub max_output_tokens: Option<u64>,
@@ -264,6 +268,7 @@ impl Request {
         let mut out = Request {
             model,
             model_span,
+            prompts: 1,
             templated: matches!(api, Api::ChatCompletions | Api::Responses),
             stream: b.stream.is_some_and(|f| f.0),
             user: b.user,
@@ -283,7 +288,6 @@ impl Request {
             Api::Responses => count(b.max_output_tokens),
             Api::Embeddings => Some(0),
         };
-        // `n` choices each generate up to the limit; the prompt is prefilled once.
         if api == Api::Responses {
             out.previous_response = b
                 .previous_response_id
@@ -292,28 +296,13 @@ impl Request {
                 .map(str::to_string);
             out.stored = b.store.as_ref().is_none_or(Flag::on);
         }
-        // The Responses API has no `n`: one answer, whatever the body says.
-        let n = if api == Api::Responses {
-            None
-        } else {
-            count(b.n)
-        };
-        let choices = n.unwrap_or(1).clamp(1, MAX_CHOICES);
-        out.choices = choices;
-        out.max_output_tokens = max.map(|m| m.saturating_mul(choices));
-        out.min_output_tokens = if b.ignore_eos.as_ref().is_some_and(Flag::on) {
-            u64::MAX
-        } else {
-            let min = b.min_tokens.as_ref().and_then(Count::of);
-            min.unwrap_or(0).saturating_mul(choices)
-        };
         if let Some(tools) = &b.tools {
             out.push_json("tools", tools);
         }
         match api {
             Api::Completions => {
                 let prompt = b.prompt.ok_or_else(|| missing("prompt"))?;
-                out.push_input(prompt.0);
+                out.prompts = out.push_input(prompt.0).max(1);
                 if let Some(suffix) = &b.suffix {
                     out.text.push_str(suffix.as_str());
                 }
@@ -333,16 +322,45 @@ impl Request {
                 }
                 out.push_input(b.input.ok_or_else(|| missing("input"))?);
             }
-            Api::Embeddings => out.push_input(b.input.ok_or_else(|| missing("input"))?),
+            Api::Embeddings => {
+                out.push_input(b.input.ok_or_else(|| missing("input"))?);
+            }
         }
+        // Each prompt's `n` choices each generate up to the limit; each prompt is prefilled once.
+        // The Responses API has no `n`: one answer, whatever the body says.
+        let n = if api == Api::Responses {
+            None
+        } else {
+            count(b.n)
+        };
+        let choices = n
+            .unwrap_or(1)
+            .clamp(1, MAX_CHOICES)
+            .saturating_mul(out.prompts);
+        out.choices = choices;
+        out.max_output_tokens = max.map(|m| m.saturating_mul(choices));
+        out.min_output_tokens = if b.ignore_eos.as_ref().is_some_and(Flag::on) {
+            u64::MAX
+        } else {
+            let min = b.min_tokens.as_ref().and_then(Count::of);
+            min.unwrap_or(0).saturating_mul(choices)
+        };
         Ok(out)
     }
 
-    fn push_input(&mut self, input: Input) {
+    /// Adds an input's text or ids; returns how many prompts it is (a completions batch: a
+    /// list of strings, or of lists of ids).
+    fn push_input(&mut self, input: Input) -> u64 {
         match input {
             Input::Text(t) => self.text.push_str(t.as_str()),
-            Input::Texts(ts) => ts.iter().for_each(|t| self.text.push_str(t.as_str())),
-            Input::Tokens(n) => self.token_ids += n,
+            Input::Texts(ts) => {
+                ts.iter().for_each(|t| self.text.push_str(t.as_str()));
+                return ts.len() as u64;
+            }
+            Input::Tokens { ids, lists } => {
+                self.token_ids += ids;
+                return lists;
+            }
             Input::Ids(ids) => {
                 self.token_ids += ids.count;
                 if self.text.is_empty() {
@@ -351,6 +369,7 @@ impl Request {
             }
             Input::Items(items) => items.iter().for_each(|m| self.push_message(m)),
         }
+        1
     }
 
     /// Chat turns render as `<role>\n<content>\n` (`<role name>` for a named participant), one
@@ -702,6 +721,25 @@ mod tests {
         assert_eq!(null.max_output_tokens, None);
         let set = chat(&format!(r#"{{"model":"m",{msgs},"max_tokens":5}}"#));
         assert_eq!(set.max_output_tokens, Some(5));
+        // A batch of prompts: each prefilled and answered on its own, `n` answers each.
+        let batch = p(r#"{"model":"m","prompt":["ab","cd","ef"],"max_tokens":10,"n":2}"#);
+        assert_eq!(
+            (batch.prompts, batch.choices, batch.max_output_tokens),
+            (3, 6, Some(60))
+        );
+        let ids = p(r#"{"model":"m","prompt":[[1,2],[3]],"max_tokens":5,"min_tokens":2}"#);
+        assert_eq!(
+            (
+                ids.prompts,
+                ids.choices,
+                ids.max_output_tokens,
+                ids.min_output_tokens
+            ),
+            (2, 2, Some(10), 4)
+        );
+        let one = p(r#"{"model":"m","prompt":["ab"],"max_tokens":10}"#);
+        assert_eq!((one.prompts, one.max_output_tokens), (1, Some(10)));
+        assert_eq!(p(r#"{"model":"m","prompt":[1,2]}"#).prompts, 1);
         assert_eq!(p(r#"{"model":"m","prompt":"x","n":0}"#).choices, 1);
         let many = p(r#"{"model":"m","prompt":"x","max_tokens":2,"n":18446744073709551615}"#);
         assert_eq!(

@@ -78,8 +78,11 @@ pub(super) struct Message<'a> {
 pub(super) enum Input<'a> {
     Text(Text<'a>),
     Texts(Vec<Text<'a>>),
-    /// Token ids in a batch of lists: only their number counts.
-    Tokens(u64),
+    /// A batch of lists of token ids, each a prompt: only how many ids and lists.
+    Tokens {
+        ids: u64,
+        lists: u64,
+    },
     /// One list of token ids: one prompt, whose ids are the engine's own.
     Ids(Ids),
     Items(Vec<Message<'a>>),
@@ -288,11 +291,12 @@ impl<'de: 'a, 'a> Visitor<'de> for InputVisitor<'a> {
                 }
                 Input::Ids(ids)
             }
-            Some(First::Tokens(mut n)) => {
+            Some(First::Tokens(mut ids)) => {
+                let mut lists = 1;
                 while let Some(more) = seq.next_element::<TokenCount>()? {
-                    n += more.0;
+                    (ids, lists) = (ids + more.0, lists + 1);
                 }
-                Input::Tokens(n)
+                Input::Tokens { ids, lists }
             }
             Some(First::Item(m)) => {
                 let mut items = vec![m];
@@ -340,11 +344,14 @@ mod tests {
         assert!(matches!(input("[]"), Ok(Input::Texts(t)) if t.is_empty()));
         assert!(matches!(input("[1,2,3]"), Ok(Input::Ids(ids))
             if ids.count == 3 && ids.bytes == [1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0]));
-        assert!(matches!(input("[[1,2],[],[3]]"), Ok(Input::Tokens(3))));
+        assert!(matches!(
+            input("[[1,2],[],[3]]"),
+            Ok(Input::Tokens { ids: 3, lists: 3 })
+        ));
         assert!(matches!(input(r#"[{"role":"user"},{}]"#), Ok(Input::Items(m)) if m.len() == 2));
         assert!(matches!(
             prompt("[[4294967295]]"),
-            Ok(Prompt(Input::Tokens(1)))
+            Ok(Prompt(Input::Tokens { ids: 1, lists: 1 }))
         ));
     }
 

@@ -690,8 +690,8 @@ impl Router {
             &ask,
         );
         let mut rng = Rng::new(request ^ now.rotate_left(17));
-        // Each of its choices reads the prompt a step.
-        let own_blocks = prompt_blocks as u64 * est.choices.max(1) + output_blocks;
+        // Each of its choices reads its prompt a step.
+        let own_blocks = prompt_blocks as u64 * est.answers_per_prompt() + output_blocks;
         let mut ranked = rank(&candidates, prompt_blocks, own_blocks, r, &mut rng);
         // The engine steps' phase orders pods for a prompt the best mostly caches, and the ranking
         // header shows it: worked out only then.
@@ -2247,6 +2247,14 @@ mod tests {
         };
         let z = r.route_m(&vm, &cfg, &hashes(2, 10), &three);
         assert_eq!(record::read(&vm, "a:1").unwrap().held_tokens(), 3 * 176);
+        r.finish(&vm, &z).unwrap();
+        // A batch of three prompts, one answer each: each prompt is its own, held once.
+        let batch = Estimate {
+            prompts: 3,
+            ..three
+        };
+        let z = r.route_m(&vm, &cfg, &hashes(3, 10), &batch);
+        assert_eq!(record::read(&vm, "a:1").unwrap().held_tokens(), 176);
         r.finish(&vm, &z).unwrap();
     }
 

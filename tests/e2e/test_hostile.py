@@ -255,6 +255,26 @@ def test_counts_and_flags_are_read_as_the_engines_read_them(stubs):
     assert_drained(envoy)
 
 
+def test_a_batch_of_prompts_reserves_every_answer(stubs):
+    """A completions `prompt` that is a list of prompts is a batch: vLLM and SGLang prefill and
+    answer each one, `n` answers each, so kvgate expects every answer's output, each as one
+    prompt's answer (before: one prompt's answers in all)."""
+    envoy = stubs
+
+    def output(prompt, n):
+        body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 40, "n": n}).encode()
+        st, h, b, _ = send(envoy, body, path="/v1/completions")
+        assert st == 200, (prompt, st, b[:300])
+        return int(h["x-kvgate-output-tokens"])
+
+    for prompt, n, answers in [(["a b", "c d", "e f"], 1, 3), (["a b", "c d"], 3, 6),
+                               ([[1, 2, 3], [4, 5], [6]], 1, 3), (["a b"], 2, 2)]:
+        one = output("a b", 1)
+        assert 0 < one <= 40
+        assert output(prompt, n) == answers * one, (prompt, n, one)
+    assert_drained(envoy)
+
+
 def test_enormous_max_tokens_and_prompts_reserve_a_clamped_cost(stubs):
     envoy = stubs
     cap, out_cap = 131072, 8192  # estimator.maxReservationTokens, outputCapTokens (defaults)

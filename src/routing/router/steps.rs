@@ -108,7 +108,7 @@ pub(super) fn charges(
     };
     let copies = |i: usize| {
         if ask.records.get(i).is_some_and(|r| caches_nothing(r)) {
-            est.choices.max(1)
+            est.answers_per_prompt()
         } else {
             1
         }
