@@ -24,7 +24,7 @@ use crate::pod::{
     draw_output_len, AbortGuard, Event, Fault, Finish, LoadError, MetricsFault, Pod, Shared, Submit,
 };
 use crate::responses;
-use crate::tokenizer::{render_chat, segments_text, Segment};
+use crate::tokenizer::{render_chat, Segment};
 
 const MAX_BODY: usize = 64 << 20;
 /// Bodies larger than this are tokenized on the blocking pool.
@@ -87,8 +87,7 @@ struct StreamState {
     model: String,
     include_usage: bool,
     continuous_usage: bool,
-    prompt_tokens: usize,
-    /// The answer's choices (the request's `n`), as they are made.
+    /// The answer's choices (the request's `n`, for each of a batch's prompts), as they are made.
     choices: Vec<Choice>,
     /// Choices not finished yet: the usage chunk and `[DONE]` follow the last one's end.
     unfinished: usize,
@@ -119,6 +118,10 @@ struct Unsent {
 /// engine request of its own (`ParentRequest`), with its own length, text and end.
 #[derive(Default)]
 struct Choice {
+    /// Its prompt's tokens (the engine's count once it ends), and whether it is the first of
+    /// its prompt's `n` choices: the one whose prompt and prefix-cache hits the usage counts.
+    prompt_tokens: usize,
+    first_of_prompt: bool,
     /// Tokens made so far.
     tokens: usize,
     /// The choice's first tokens that are reasoning (`--reasoning-share`).
@@ -133,12 +136,14 @@ struct Choice {
 impl Choice {
     /// A choice that is to make `max_output` tokens, of which a chat answer's first share is
     /// reasoning: what a reasoning parser would split off.
-    fn new(g: &Shared, kind: Kind, max_output: usize) -> Self {
+    fn new(g: &Shared, kind: Kind, max_output: usize, prompt_tokens: usize, first: bool) -> Self {
         let reasoning_tokens = match kind {
             Kind::Chat => (g.args.reasoning_share * max_output as f64).round() as usize,
             Kind::Completion | Kind::Responses => 0,
         };
         Choice {
+            prompt_tokens,
+            first_of_prompt: first,
             reasoning_tokens,
             ..Choice::default()
         }
@@ -156,6 +161,7 @@ impl Choice {
         self.unsent_tokens += 1;
         if let Some(f) = finish {
             self.tokens = f.completion_tokens;
+            self.prompt_tokens = f.prompt_tokens;
             self.finish = Some(f);
         }
     }
@@ -169,6 +175,17 @@ impl Choice {
         self.unsent_tokens = 0;
         Some(std::mem::take(&mut self.unsent))
     }
+}
+
+/// The prompt tokens and prefix-cache hits a usage reports: each prompt's once however many
+/// choices it has (its first choice's), summed over a batch's prompts, as vLLM's completions sum
+/// them.
+fn prompt_usage(choices: &[Choice]) -> (usize, usize) {
+    let firsts = choices.iter().filter(|c| c.first_of_prompt);
+    firsts.fold((0, 0), |(prompt, cached), c| {
+        let hits = c.finish.map_or(0, |f| f.cached_tokens);
+        (prompt + c.prompt_tokens, cached + hits)
+    })
 }
 
 /// vLLM's `UsageInfo`: the prompt counted once however many choices, their tokens summed, and
@@ -207,8 +224,11 @@ impl StreamState {
             "choices": [choice],
         });
         if self.continuous_usage {
-            let tokens = self.choices.get(i).map_or(0, |c| c.tokens);
-            v["usage"] = usage(self.prompt_tokens, tokens, None);
+            let (prompt, tokens) = self
+                .choices
+                .get(i)
+                .map_or((0, 0), |c| (c.prompt_tokens, c.tokens));
+            v["usage"] = usage(prompt, tokens, None);
         }
         v
     }
@@ -226,8 +246,7 @@ impl StreamState {
             return;
         };
         c.add(&piece, ev.finish);
-        if let Some(f) = ev.finish {
-            self.prompt_tokens = f.prompt_tokens;
+        if ev.finish.is_some() {
             self.unfinished = self.unfinished.saturating_sub(1);
         }
         if self.response.is_some() {
@@ -358,19 +377,14 @@ impl StreamState {
                 Kind::Chat | Kind::Responses => "chat.completion.chunk",
             };
             let completion_tokens = self.choices.iter().map(|c| c.tokens).sum();
-            // vLLM reports one request's prefix-cache hits: the first choice's.
-            let cached = self.choices.first().and_then(|c| c.finish);
+            let (prompt_tokens, cached) = prompt_usage(&self.choices);
             let v = json!({
                 "id": self.id,
                 "object": object,
                 "created": self.created,
                 "model": self.model,
                 "choices": [],
-                "usage": usage(
-                    self.prompt_tokens,
-                    completion_tokens,
-                    Some(cached.map_or(0, |f| f.cached_tokens)),
-                ),
+                "usage": usage(prompt_tokens, completion_tokens, Some(cached)),
             });
             Self::push(buf, &v);
         }
@@ -540,44 +554,37 @@ fn token_ids(v: &[Value]) -> Option<Vec<u32>> {
         .collect()
 }
 
-/// Completions `prompt`: a string, a list with one string, a token id list, or
-/// a list with one token id list. Batches of several prompts are rejected.
-fn completion_prompt(g: &Shared, body: &Value) -> Result<(Vec<u32>, String), ApiError> {
-    let batch_err = || {
-        ApiError::bad("kvgate-sim serves one prompt per request; batched prompts are not supported")
+/// Completions `prompt`: a string, a list of token ids, or a batch (a list of strings, or of
+/// lists of token ids), each of whose prompts vLLM answers as a request of its own.
+fn completion_prompts(g: &Shared, body: &Value) -> Result<Vec<Vec<u32>>, ApiError> {
+    let ids = |a: &[Value]| {
+        token_ids(a).ok_or_else(|| ApiError::bad("prompt token ids must be integers"))
     };
+    let kinds = "prompt must be a string, a list of strings or token ids";
     match body.get("prompt") {
-        Some(Value::String(s)) => Ok((g.tok.encode(s), s.clone())),
+        Some(Value::String(s)) => Ok(vec![g.tok.encode(s)]),
         Some(Value::Array(a)) if a.is_empty() => Err(ApiError::bad("prompt cannot be empty")),
         Some(Value::Array(a)) => match &a[0] {
-            Value::String(s) => {
-                if a.len() > 1 {
-                    return Err(batch_err());
-                }
-                Ok((g.tok.encode(s), s.clone()))
-            }
-            Value::Number(_) => {
-                let ids = token_ids(a)
-                    .ok_or_else(|| ApiError::bad("prompt token ids must be integers"))?;
-                let text = g.tok.decode(&ids);
-                Ok((ids, text))
-            }
-            Value::Array(inner) => {
-                if a.len() > 1 {
-                    return Err(batch_err());
-                }
-                let ids = token_ids(inner)
-                    .ok_or_else(|| ApiError::bad("prompt token ids must be integers"))?;
-                let text = g.tok.decode(&ids);
-                Ok((ids, text))
-            }
-            _ => Err(ApiError::bad(
-                "prompt must be a string, a list of strings or token ids",
-            )),
+            Value::Number(_) => Ok(vec![ids(a)?]),
+            Value::String(_) => a
+                .iter()
+                .map(|p| {
+                    p.as_str()
+                        .map(|s| g.tok.encode(s))
+                        .ok_or_else(|| ApiError::bad(kinds))
+                })
+                .collect(),
+            Value::Array(_) => a
+                .iter()
+                .map(|p| {
+                    p.as_array()
+                        .ok_or_else(|| ApiError::bad(kinds))
+                        .and_then(|p| ids(p))
+                })
+                .collect(),
+            _ => Err(ApiError::bad(kinds)),
         },
-        Some(_) => Err(ApiError::bad(
-            "prompt must be a string, a list of strings or token ids",
-        )),
+        Some(_) => Err(ApiError::bad(kinds)),
         None => Err(ApiError::bad("prompt is required")),
     }
 }
@@ -595,18 +602,16 @@ fn chat_segments(g: &Shared, body: &Value) -> Result<Vec<Segment>, ApiError> {
 }
 
 /// Tokenize the request's prompt (blocking; big bodies go to the blocking pool).
-fn tokenize_sync(g: &Shared, kind: Kind, body: &Value) -> Result<(Vec<u32>, String), ApiError> {
+/// Its prompts' token ids: one, or a completions batch's each.
+fn tokenize_sync(g: &Shared, kind: Kind, body: &Value) -> Result<Vec<Vec<u32>>, ApiError> {
     match kind {
-        Kind::Completion => completion_prompt(g, body),
-        Kind::Chat => {
-            let segs = chat_segments(g, body)?;
-            Ok((g.tok.encode_segments(&segs), segments_text(&segs)))
-        }
+        Kind::Completion => completion_prompts(g, body),
+        Kind::Chat => Ok(vec![g.tok.encode_segments(&chat_segments(g, body)?)]),
         Kind::Responses => {
             let msgs = responses::messages(body).map_err(ApiError::bad)?;
             let segs = render_chat(&msgs, body.get("tools"), true, g.args.media_part_tokens)
                 .map_err(ApiError::bad)?;
-            Ok((g.tok.encode_segments(&segs), segments_text(&segs)))
+            Ok(vec![g.tok.encode_segments(&segs)])
         }
     }
 }
@@ -616,21 +621,18 @@ async fn tokenize(
     kind: Kind,
     body: Value,
     size: usize,
-) -> Result<(Vec<u32>, String, Value), ApiError> {
+) -> Result<(Vec<Vec<u32>>, Value), ApiError> {
     if size < BLOCKING_TOKENIZE_BYTES {
-        let (ids, text) = tokenize_sync(g, kind, &body)?;
-        return Ok((ids, text, body));
+        return Ok((tokenize_sync(g, kind, &body)?, body));
     }
     let g2 = g.clone();
-    tokio::task::spawn_blocking(move || {
-        tokenize_sync(&g2, kind, &body).map(|(ids, text)| (ids, text, body))
-    })
-    .await
-    .map_err(|e| ApiError {
-        status: StatusCode::INTERNAL_SERVER_ERROR,
-        kind: "InternalServerError",
-        message: format!("tokenizer task failed: {e}"),
-    })?
+    tokio::task::spawn_blocking(move || tokenize_sync(&g2, kind, &body).map(|ids| (ids, body)))
+        .await
+        .map_err(|e| ApiError {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            kind: "InternalServerError",
+            message: format!("tokenizer task failed: {e}"),
+        })?
 }
 
 fn requested_max_tokens(kind: Kind, body: &Value) -> Result<Option<usize>, ApiError> {
@@ -822,16 +824,22 @@ async fn generate_inner(
         }
         _ => None,
     };
-    let (mut prompt, _text, body) = tokenize(&g, kind, body, size).await?;
+    let (mut prompts, body) = tokenize(&g, kind, body, size).await?;
     let previous = previous.map(|(id, mut history)| {
-        history.append(&mut prompt);
-        prompt = history;
+        if let Some(prompt) = prompts.first_mut() {
+            history.append(prompt);
+            *prompt = history;
+        }
         id
     });
-    // Each choice plans its own output, as each of vLLM's child requests meets EOS on its own.
+    // Each choice plans its own output, as each of vLLM's child requests meets EOS on its own:
+    // `n` of them for each prompt, a batch's prompts in order (an answer's `index` is prompt ×
+    // `n` + choice).
     let n = requested_n(kind, &body)?;
-    let plans = (0..n)
-        .map(|_| plan_output(&pod, kind, headers, &body, prompt.len()))
+    let plans = prompts
+        .iter()
+        .flat_map(|p| std::iter::repeat_n(p, n))
+        .map(|p| plan_output(&pod, kind, headers, &body, p.len()))
         .collect::<Result<Vec<_>, _>>()?;
     let stores = kind == Kind::Responses && flag(body.get("store"), "store")? != Some(false);
     let stream = flag(body.get("stream"), "stream")?.unwrap_or(false);
@@ -845,7 +853,6 @@ async fn generate_inner(
         .get("cache_salt")
         .and_then(Value::as_str)
         .map(str::to_string);
-    let prompt_len = prompt.len();
     let id = {
         let mut inner = pod.lock();
         let suffix = inner.next_response_id();
@@ -858,18 +865,22 @@ async fn generate_inner(
     let created = unix_now();
     let mut choices: Vec<Choice> = plans
         .iter()
-        .map(|&(max_output, _)| Choice::new(&g, kind, max_output))
+        .enumerate()
+        .map(|(i, &(max_output, _))| {
+            let prompt = prompts.get(i / n).map_or(0, Vec::len);
+            Choice::new(&g, kind, max_output, prompt, i % n == 0)
+        })
         .collect();
-    let conversation = stores.then(|| prompt.clone());
-    // vLLM V1's `ParentRequest`: a child request per choice, in order, each with the prompt
-    // (shared only through the prefix cache) and its own output.
+    let conversation = stores.then(|| prompts.first().cloned().unwrap_or_default());
+    // vLLM V1's `ParentRequest`: a child request per choice, in order, each with its prompt
+    // (shared among a prompt's choices only through the prefix cache) and its own output.
     let (tx, mut rx) = unbounded_channel();
     let ids = plans
         .into_iter()
         .enumerate()
         .map(|(choice, (max_output, finish_reason))| {
             let s = Submit {
-                prompt: prompt.clone(),
+                prompt: prompts.get(choice / n).cloned().unwrap_or_default(),
                 max_output,
                 finish_reason,
                 cache_salt: cache_salt.clone(),
@@ -892,7 +903,6 @@ async fn generate_inner(
             model,
             include_usage,
             continuous_usage,
-            prompt_tokens: prompt_len,
             unfinished: choices.len(),
             choices,
             roles_sent: false,
@@ -937,16 +947,14 @@ async fn generate_inner(
         }
     }
     guard.disarm();
+    // Each prompt once, every choice's tokens, and each prompt's first choice's prefix-cache hits
+    // (vLLM's usage of a request with `n` choices, summed over a batch's prompts).
+    let (prompt_tokens, cached) = prompt_usage(&choices);
     let ended = choices
         .into_iter()
         .map(|c| c.finish.map(|f| (c.unsent, f)))
         .collect::<Option<Vec<_>>>()
         .ok_or_else(aborted)?;
-    // The prompt once, every choice's tokens, and the first choice's prefix-cache hits (vLLM's
-    // usage of a request with `n` choices).
-    let (prompt_tokens, cached) = ended
-        .first()
-        .map_or((prompt_len, 0), |(_, f)| (f.prompt_tokens, f.cached_tokens));
     let completion_tokens = ended.iter().map(|(_, f)| f.completion_tokens).sum();
     let v = match kind {
         Kind::Completion => json!({
@@ -1016,8 +1024,8 @@ fn retrieve_response(pod: &Pod, id: &str) -> Response<SimBody> {
 }
 
 /// vLLM's /v1/completions/render and /v1/chat/completions/render: the rendered
-/// prompt's token ids in GenerateRequest form (a list for completions, one
-/// object for chat).
+/// prompt's token ids in GenerateRequest form (a list for completions, one per
+/// prompt of a batch, `-<i>` after each one's id; one object for chat).
 async fn render_endpoint(
     pod: Arc<Pod>,
     req: Request<Incoming>,
@@ -1026,7 +1034,7 @@ async fn render_endpoint(
     let (_headers, body, size) = read_json(req).await?;
     let g = pod.g.clone();
     let (model, _) = check_model(&pod, &body)?;
-    let (ids, _text, body) = tokenize(&g, kind, body, size).await?;
+    let (prompts, body) = tokenize(&g, kind, body, size).await?;
     let max_tokens = requested_max_tokens(kind, &body)?;
     let n = requested_n(kind, &body)?;
     let suffix = pod.lock().next_response_id();
@@ -1037,19 +1045,23 @@ async fn render_endpoint(
         ),
         Kind::Chat | Kind::Responses => (format!("chatcmpl-{suffix}"), max_tokens),
     };
-    let gen = json!({
-        "request_id": rid,
-        "token_ids": ids,
-        "features": null,
-        "sampling_params": {"n": n, "max_tokens": max_tokens},
-        "model": model,
-        "stream": flag(body.get("stream"), "stream")?.unwrap_or(false),
-        "cache_salt": body.get("cache_salt").cloned().unwrap_or(Value::Null),
-        "priority": 0,
+    let stream = flag(body.get("stream"), "stream")?.unwrap_or(false);
+    let batch = prompts.len() > 1;
+    let mut gens = prompts.into_iter().enumerate().map(|(i, ids)| {
+        json!({
+            "request_id": if batch { format!("{rid}-{i}") } else { rid.clone() },
+            "token_ids": ids,
+            "features": null,
+            "sampling_params": {"n": n, "max_tokens": max_tokens},
+            "model": model,
+            "stream": stream,
+            "cache_salt": body.get("cache_salt").cloned().unwrap_or(Value::Null),
+            "priority": 0,
+        })
     });
     Ok(ok_json(&match kind {
-        Kind::Completion => json!([gen]),
-        Kind::Chat | Kind::Responses => gen,
+        Kind::Completion => json!(gens.collect::<Vec<_>>()),
+        Kind::Chat | Kind::Responses => gens.next().unwrap_or_default(),
     }))
 }
 
@@ -1065,7 +1077,10 @@ async fn tokenize_endpoint(
     } else {
         Kind::Completion
     };
-    let (ids, _text, body) = tokenize(&g, kind, body, size).await?;
+    let (prompts, body) = tokenize(&g, kind, body, size).await?;
+    // vLLM's /tokenize takes one prompt.
+    let [ids] = <[Vec<u32>; 1]>::try_from(prompts)
+        .map_err(|_| ApiError::bad("/tokenize takes one prompt"))?;
     let strs = if flag(body.get("return_token_strs"), "return_token_strs")?.unwrap_or(false) {
         json!(ids.iter().map(|&i| g.tok.piece(i)).collect::<Vec<_>>())
     } else {
@@ -1620,8 +1635,11 @@ mod tests {
             model: "m".into(),
             include_usage: true,
             continuous_usage: false,
-            prompt_tokens: 5,
-            choices: vec![Choice::default()],
+            choices: vec![Choice {
+                prompt_tokens: 5,
+                first_of_prompt: true,
+                ..Choice::default()
+            }],
             unfinished: 1,
             roles_sent: false,
             response: None,
@@ -1933,6 +1951,60 @@ mod tests {
                 assert!(roles.is_empty());
             }
         }
+    }
+
+    /// A completions batch (a list of strings, or of lists of ids): each prompt answered `n`
+    /// times, as engine requests of their own, an answer's `index` prompt × `n` + choice; usage
+    /// sums every prompt (once each) and every answer, streamed or not.
+    #[tokio::test]
+    async fn a_batch_of_prompts_answers_each_n_times() {
+        let pod = running_pod(&["--time-scale", "1000"]);
+        let kind = Kind::Completion;
+        let one = |p: &str| json!({"prompt": p, "max_tokens": 4});
+        let (a, b) = (
+            prompt_tokens(&pod, kind, &one("Tell me a story")).await,
+            prompt_tokens(&pod, kind, &one("Hello there, how are you today")).await,
+        );
+        let ids = json!([[1, 2, 3], [4, 5], [6]]);
+        for (prompt, prompts, n) in [
+            (
+                json!(["Tell me a story", "Hello there, how are you today"]),
+                a + b,
+                2,
+            ),
+            (ids.clone(), 6, 1),
+        ] {
+            let admitted = pod.lock().engine.counters.admitted_requests;
+            let lists = prompt.as_array().unwrap().len();
+            let body = json!({"prompt": prompt, "max_tokens": 4, "n": n});
+            let (status, text) =
+                read(post(&pod, kind, &HeaderMap::new(), body.clone()).await).await;
+            assert_eq!(status, StatusCode::OK, "{text}");
+            let v: Value = serde_json::from_str(&text).unwrap();
+            let indices: Vec<u64> = v["choices"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|c| c["index"].as_u64().unwrap())
+                .collect();
+            assert_eq!(indices, (0..(lists * n) as u64).collect::<Vec<_>>());
+            assert_eq!(v["usage"]["prompt_tokens"], prompts, "{text}");
+            assert_eq!(v["usage"]["completion_tokens"], 4 * lists * n);
+            assert_eq!(
+                pod.lock().engine.counters.admitted_requests,
+                admitted + (lists * n) as u64
+            );
+            let mut streamed = body;
+            streamed["stream"] = json!(true);
+            streamed["stream_options"] = json!({"include_usage": true});
+            let (_, text) = read(post(&pod, kind, &HeaderMap::new(), streamed).await).await;
+            let usage = chunks(&text).pop().unwrap();
+            assert_eq!(usage["usage"]["prompt_tokens"], prompts, "{text}");
+            assert_eq!(usage["usage"]["completion_tokens"], 4 * lists * n);
+        }
+        let (status, _) =
+            read(post(&pod, kind, &HeaderMap::new(), json!({"prompt": ["a", 1]})).await).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
     }
 
     /// Without max_tokens each choice draws its own length (seeded); usage sums them, and a

@@ -239,18 +239,6 @@ pub fn render_chat(
     Ok(segs)
 }
 
-/// Rendered prompt as display text (non-text parts shown as `<media>`).
-pub fn segments_text(segs: &[Segment]) -> String {
-    let mut s = String::new();
-    for seg in segs {
-        match seg {
-            Segment::Text(t) => s.push_str(t),
-            Segment::Media { .. } => s.push_str("<media>"),
-        }
-    }
-    s
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

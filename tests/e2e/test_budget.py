@@ -703,3 +703,41 @@ def test_several_answers_on_one_prompt_are_forecast_and_learned_as_answers():
               f"most in flight {max(sum(g['in_flight'].values()) for _, g in samples)}")
         assert preemptions(sim) == 0
         check_promise(samples, bounded=True, delivered_lag=delivery_lag(mixed))
+
+
+def test_a_batch_of_prompts_is_forecast_as_every_answer():
+    """A completions `prompt` that is a list of prompts is a batch: the engine answers each one as
+    a request of its own and sums their usage. Reserved as one prompt's answers, batches of four
+    with `max_tokens` beside single prompts were admitted past the pod, which preempted."""
+    cfg = dict(default_plugin_config(), statusPath=STATUS_PATH)
+    prompt = lambda j, k, words: unshared_chat(4 * j + k, None, words)["messages"][0]["content"]
+    # Batches of four prompts of about 80 tokens and single prompts of about 330, answers of 100
+    # each, more than the pod holds at once: at their 100th step a batch holds 720 tokens, a single
+    # prompt 430 (as `n` = 4 answers do in the test above).
+    bodies = [{"model": MODEL, "max_tokens": 100,
+               "prompt": [prompt(j, k, 80) for k in range(4)] if j % 2 else prompt(j, 0, 330)}
+              for j in range(72)]
+    with Sim(pods=1, args=SMALL_KV) as sim, kvgate_envoy(sim.endpoints, cfg, concurrency=2) as envoy:
+        samples, stop = [], threading.Event()
+
+        def sampler():
+            while not stop.is_set():
+                samples.append((None, {k: kvgate_gauges(envoy, k)
+                                       for k in ("reserved_tokens", "budget_tokens", "active_blocks", "in_flight")}))
+                time.sleep(0.05)
+
+        thread = threading.Thread(target=sampler)
+        thread.start()
+        try:
+            with ThreadPoolExecutor(24) as pool:
+                answers = list(pool.map(lambda b: stream(envoy.port, "/v1/completions", b), bodies))
+        finally:
+            stop.set()
+            thread.join()
+        assert all(a["status"] == 200 for a in answers), [a for a in answers if a["status"] != 200][:1]
+        assert [a["usage"]["completion_tokens"] for a in answers] == [400 if j % 2 else 100 for j in range(72)]
+        print(f"batches: preemptions {preemptions(sim)}, peak {sim.stats(0)['peak_kv_blocks_used']} blocks, "
+              f"most in flight {max(sum(g['in_flight'].values()) for _, g in samples)}")
+        assert preemptions(sim) == 0
+        check_promise(samples, bounded=True, delivered_lag=delivery_lag(answers))
+        assert wait_for(lambda: sum(kvgate_gauges(envoy, "reserved_tokens").values()) == 0, timeout=10)
