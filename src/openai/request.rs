@@ -121,10 +121,12 @@ struct Body<'a> {
     #[serde(borrow)]
     instructions: Option<Text<'a>>,
     tools: Option<serde_json::Value>,
-    /// Absent (`None`), null (`Some(None)`) or a number: a completions request that has none at
+    /// Absent (`None`), null (`Some(None)`) or a count: a completions request that has none at
     /// all stops at `COMPLETIONS_DEFAULT_MAX_TOKENS`.
-    /// The counts and flags kvgate decides on are read as the engines read them (`lax`), and
-    /// refused only where the engine would refuse them.
+    ///
+    /// This and the other counts and flags kvgate decides on (the max-tokens fields, `n`,
+    /// `stream`) are read as the engines read them (`lax`), and refused only where the engine
+    /// would refuse them.
     #[serde(deserialize_with = "present")]
     max_tokens: Option<Option<Count>>,
     max_completion_tokens: Option<Count>,
