@@ -659,7 +659,7 @@ impl Flow {
         // A prompt of token ids is hashed in the engine's own blocks; a text in blocks of as
         // many tokens by the characters they take.
         let hashes = if req.ids.is_empty() {
-            block_hashes(model, salt, &req.text, block_chars, max_blocks)
+            block_hashes(model, salt, req.prefix_text(), block_chars, max_blocks)
         } else {
             id_block_hashes(model, salt, &req.ids, block_tokens as usize, max_blocks)
         };

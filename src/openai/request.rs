@@ -59,6 +59,9 @@ pub struct Request {
     /// little-endian bytes each, whose blocks are the engine's own (`routing::prefix::
     /// id_block_hashes`). Empty for a text prompt (hashed on `text`) and for a batch of lists.
     pub ids: Vec<u8>,
+    /// Of a batch of text prompts, how much of `text` (bytes, from its start) is the first
+    /// prompt (`prefix_text`).
+    pub first_prompt: Option<usize>,
     /// The engine renders the prompt through the model's chat template (chat completions,
     /// responses), which adds tokens of its own to every prompt; a completions or embeddings
     /// prompt is taken as it is (`calibration::PromptFit`: each is fitted on its own).
@@ -241,6 +244,15 @@ impl Request {
         Self::from_body(api, parsed, model, model_span, body.len())
     }
 
+    /// The text its prefix is hashed on: all of it, but a batch's first prompt, whose blocks are
+    /// the engine's (each prompt of a batch is prefilled on its own, so blocks read across two
+    /// of them are in no cache).
+    pub fn prefix_text(&self) -> &str {
+        self.first_prompt
+            .and_then(|end| self.text.get(..end))
+            .unwrap_or(&self.text)
+    }
+
     /// The body with its `model` set to `model`, every other byte as the client sent it (so
     /// numbers, key order and spacing are untouched; only the length changes).
     pub fn with_model(&self, body: &[u8], model: &str) -> Vec<u8> {
@@ -356,11 +368,19 @@ impl Request {
         match input {
             Input::Text(t) => self.text.push_str(t.as_str()),
             Input::Texts(ts) => {
-                ts.iter().for_each(|t| self.text.push_str(t.as_str()));
+                for (i, t) in ts.iter().enumerate() {
+                    if i == 1 {
+                        self.first_prompt = Some(self.text.len());
+                    }
+                    self.text.push_str(t.as_str());
+                }
                 return ts.len() as u64;
             }
-            Input::Tokens { ids, lists } => {
+            Input::Tokens { ids, lists, first } => {
                 self.token_ids += ids;
+                if self.text.is_empty() {
+                    self.ids = first.bytes;
+                }
                 return lists;
             }
             Input::Ids(ids) => {
@@ -700,8 +720,9 @@ mod tests {
             (ids.token_ids, ids.ids.len(), ids.text.as_str()),
             (3, 12, "")
         );
+        // A batch of lists keeps its first list, whose prefix it is routed by.
         let batch = p(r#"{"model":"m","prompt":[[1,2],[3]]}"#);
-        assert_eq!((batch.token_ids, batch.ids.len()), (3, 0));
+        assert_eq!((batch.token_ids, batch.ids.len()), (3, 8));
         let r = p(r#"{"model":"m","prompt":"x","max_tokens":7,"n":3}"#);
         assert_eq!((r.max_output_tokens, r.choices), (Some(21), 3));
         // Without `max_tokens`, the engine stops at 16 tokens an answer; with it null, at the
@@ -724,11 +745,13 @@ mod tests {
         let set = chat(&format!(r#"{{"model":"m",{msgs},"max_tokens":5}}"#));
         assert_eq!(set.max_output_tokens, Some(5));
         // A batch of prompts: each prefilled and answered on its own, `n` answers each.
+        // Its prefix is its first prompt's, which the engine prefills as it is.
         let batch = p(r#"{"model":"m","prompt":["ab","cd","ef"],"max_tokens":10,"n":2}"#);
         assert_eq!(
             (batch.prompts, batch.choices, batch.max_output_tokens),
             (3, 6, Some(60))
         );
+        assert_eq!((batch.text.as_str(), batch.prefix_text()), ("abcdef", "ab"));
         let ids = p(r#"{"model":"m","prompt":[[1,2],[3]],"max_tokens":5,"min_tokens":2}"#);
         assert_eq!(
             (
@@ -739,8 +762,10 @@ mod tests {
             ),
             (2, 2, Some(10), 4)
         );
+        assert_eq!(ids.ids, [1, 0, 0, 0, 2, 0, 0, 0]);
         let one = p(r#"{"model":"m","prompt":["ab"],"max_tokens":10}"#);
         assert_eq!((one.prompts, one.max_output_tokens), (1, Some(10)));
+        assert_eq!(one.prefix_text(), "ab");
         assert_eq!(p(r#"{"model":"m","prompt":[1,2]}"#).prompts, 1);
         assert_eq!(p(r#"{"model":"m","prompt":"x","n":0}"#).choices, 1);
         let many = p(r#"{"model":"m","prompt":"x","max_tokens":2,"n":18446744073709551615}"#);

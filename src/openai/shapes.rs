@@ -78,10 +78,12 @@ pub(super) struct Message<'a> {
 pub(super) enum Input<'a> {
     Text(Text<'a>),
     Texts(Vec<Text<'a>>),
-    /// A batch of lists of token ids, each a prompt: only how many ids and lists.
+    /// A batch of lists of token ids, each a prompt: how many ids and lists, and the first list
+    /// (whose prefix the batch is routed by).
     Tokens {
         ids: u64,
         lists: u64,
+        first: Ids,
     },
     /// One list of token ids: one prompt, whose ids are the engine's own.
     Ids(Ids),
@@ -183,7 +185,7 @@ impl<'de> Deserialize<'de> for TokenCount {
 enum First<'a> {
     Text(Text<'a>),
     Token(u32),
-    Tokens(u64),
+    List(Ids),
     Item(Message<'a>),
 }
 
@@ -247,9 +249,12 @@ impl<'de: 'a, 'a> Visitor<'de> for FirstSeed<'a> {
             .map_err(|_| E::invalid_value(de::Unexpected::Unsigned(id), &"a token id"))
     }
 
-    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Self::Value, A::Error> {
-        TokenCount::deserialize(de::value::SeqAccessDeserializer::new(seq))
-            .map(|n| First::Tokens(n.0))
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut ids = Ids::default();
+        while let Some(id) = seq.next_element::<u32>()? {
+            ids.push(id);
+        }
+        Ok(First::List(ids))
     }
 
     fn visit_map<A: de::MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
@@ -291,12 +296,12 @@ impl<'de: 'a, 'a> Visitor<'de> for InputVisitor<'a> {
                 }
                 Input::Ids(ids)
             }
-            Some(First::Tokens(mut ids)) => {
-                let mut lists = 1;
+            Some(First::List(first)) => {
+                let (mut ids, mut lists) = (first.count, 1);
                 while let Some(more) = seq.next_element::<TokenCount>()? {
                     (ids, lists) = (ids + more.0, lists + 1);
                 }
-                Input::Tokens { ids, lists }
+                Input::Tokens { ids, lists, first }
             }
             Some(First::Item(m)) => {
                 let mut items = vec![m];
@@ -346,12 +351,16 @@ mod tests {
             if ids.count == 3 && ids.bytes == [1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0]));
         assert!(matches!(
             input("[[1,2],[],[3]]"),
-            Ok(Input::Tokens { ids: 3, lists: 3 })
+            Ok(Input::Tokens { ids: 3, lists: 3, first }) if first.bytes == [1, 0, 0, 0, 2, 0, 0, 0]
         ));
         assert!(matches!(input(r#"[{"role":"user"},{}]"#), Ok(Input::Items(m)) if m.len() == 2));
         assert!(matches!(
             prompt("[[4294967295]]"),
-            Ok(Prompt(Input::Tokens { ids: 1, lists: 1 }))
+            Ok(Prompt(Input::Tokens {
+                ids: 1,
+                lists: 1,
+                ..
+            }))
         ));
     }
 

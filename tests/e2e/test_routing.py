@@ -14,6 +14,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from harness import (ROOT, STATUS_PATH, Envoy, Sim, baseline_envoy, default_plugin_config, envoy_config,
                      free_port, kvgate_envoy, kvgate_gauges, request, responses_call, stat, stream, wait_for)
 from robustness import pick_of
@@ -169,16 +171,19 @@ def test_prompts_are_cut_in_the_engines_block_size():
         assert blocks[1].split("/")[1] == "10", blocks
 
 
-def test_prompts_of_token_ids_keep_their_prefix_pod_in_the_engines_blocks():
+@pytest.mark.parametrize("lists", [1, 2])
+def test_prompts_of_token_ids_keep_their_prefix_pod_in_the_engines_blocks(lists):
     """Completions prompts sent as token ids (a client that tokenizes itself: RL rollouts,
     pre-tokenized batches) are cut in the engine's own blocks, 16 ids each, and routed by
     prefix like text: each group's shared 600 ids stay on one pod. Before, kvgate counted the ids
-    and hashed nothing, so every such request was routed by load alone."""
+    and hashed nothing, so every such request was routed by load alone; a batch of lists
+    (`lists` 2), by its first list's prefix, since this stop's batches (before: by load alone)."""
     rng = random.Random(7)
     shared = {g: [rng.randrange(1000, 90000) for _ in range(600)] for g in range(6)}
 
     def body(g, q):
-        return {"model": MODEL, "max_tokens": 4, "prompt": shared[g] + [rng.randrange(1000, 90000) for _ in range(40)]}
+        prompts = [shared[g] + [rng.randrange(1000, 90000) for _ in range(40)] for _ in range(lists)]
+        return {"model": MODEL, "max_tokens": 4, "prompt": prompts[0] if lists == 1 else prompts}
 
     with Sim(pods=4, args=SIM_ARGS) as sim, kvgate_envoy(sim.endpoints, default_plugin_config()) as envoy:
         jobs = [(g, q) for q in range(12) for g in range(6)]
@@ -190,9 +195,9 @@ def test_prompts_of_token_ids_keep_their_prefix_pod_in_the_engines_blocks():
         with ThreadPoolExecutor(8) as pool:
             results = list(pool.map(one, jobs))
         assert all(status == 200 for _, status, _, _ in results), results[0]
-        # 640 ids: 40 blocks of the engine's 16 (a text of 640 tokens would be cut by its
-        # characters).
-        assert all(blocks.split("/")[1] == "40" for _, _, _, blocks in results), results[0]
+        # 640 ids a prompt: 40 blocks of the engine's 16 (a text of 640 tokens would be cut by
+        # its characters).
+        assert all(blocks.split("/")[1] == str(40 * lists) for _, _, _, blocks in results), results[0]
         majority = {}
         on_majority = 0
         for g in range(6):
@@ -201,7 +206,11 @@ def test_prompts_of_token_ids_keep_their_prefix_pod_in_the_engines_blocks():
             on_majority += pods.count(majority[g])
         share = on_majority / len(results)
         print(f"requests on their group's pod: {share:.1%}; group -> pod: {majority}")
-        assert share >= 0.8 and len(set(majority.values())) >= 3, (share, majority)
+        # A batch is routed by its first list's prefix, which is half its blocks (the second
+        # list's shared ids are cached as well, but not counted), so load moves it more often:
+        # 70.8-94.4 % of requests on their group's pod in 11 runs, against 37.5-44.4 % in 4 runs
+        # routed by load alone.
+        assert share >= (0.8 if lists == 1 else 0.6) and len(set(majority.values())) >= 3, (share, majority)
 
 
 def test_a_pod_without_prefix_caching_gets_no_prefix_credit():
