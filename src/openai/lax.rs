@@ -136,10 +136,10 @@ impl<'de> Deserialize<'de> for Flag {
             }
 
             fn visit_str<E: de::Error>(self, v: &str) -> Result<Flag, E> {
-                let word = v.to_ascii_lowercase();
-                if TRUE_WORDS.contains(&word.as_str()) {
+                let said = |words: [&str; 6]| words.iter().any(|w| w.eq_ignore_ascii_case(v));
+                if said(TRUE_WORDS) {
                     Ok(Flag(true))
-                } else if FALSE_WORDS.contains(&word.as_str()) {
+                } else if said(FALSE_WORDS) {
                     Ok(Flag(false))
                 } else {
                     Err(E::invalid_value(de::Unexpected::Str(v), &self))

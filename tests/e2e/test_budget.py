@@ -650,6 +650,28 @@ def test_each_applications_answers_are_expected_at_their_own_length(api):
     assert off["classifier"] > 100 and off["writer"] < 300, off
 
 
+def streamed_with_gauges(envoy, path, bodies, clients=24):
+    """Streams `bodies` to `path` from `clients` closed-loop clients while sampling kvgate's gauges
+    every 50 ms; returns the answers and the samples (in `check_promise`'s form)."""
+    samples, stop = [], threading.Event()
+
+    def sampler():
+        while not stop.is_set():
+            samples.append((None, {k: kvgate_gauges(envoy, k)
+                                   for k in ("reserved_tokens", "budget_tokens", "active_blocks", "in_flight")}))
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=sampler)
+    thread.start()
+    try:
+        with ThreadPoolExecutor(clients) as pool:
+            answers = list(pool.map(lambda b: stream(envoy.port, path, b), bodies))
+    finally:
+        stop.set()
+        thread.join()
+    return answers, samples
+
+
 def test_several_answers_on_one_prompt_are_forecast_and_learned_as_answers():
     """A request for `n` answers (parallel sampling) runs as `n` sequences on its prompt, each
     growing a token a step, and reports their tokens together. Learned from their usage, the
@@ -681,22 +703,7 @@ def test_several_answers_on_one_prompt_are_forecast_and_learned_as_answers():
     # pod holds at once: at their 100th step the first hold 730 tokens each, the second 430.
     with Sim(pods=1, args=SMALL_KV) as sim, kvgate_envoy(sim.endpoints, cfg, concurrency=2) as envoy:
         bodies = [dict(unshared_chat(2000 + j, 100), n=4 if j % 2 else 1) for j in range(72)]
-        samples, stop = [], threading.Event()
-
-        def sampler():
-            while not stop.is_set():
-                samples.append((None, {k: kvgate_gauges(envoy, k)
-                                       for k in ("reserved_tokens", "budget_tokens", "active_blocks", "in_flight")}))
-                time.sleep(0.05)
-
-        thread = threading.Thread(target=sampler)
-        thread.start()
-        try:
-            with ThreadPoolExecutor(24) as pool:
-                mixed = list(pool.map(lambda b: stream(envoy.port, "/v1/chat/completions", b), bodies))
-        finally:
-            stop.set()
-            thread.join()
+        mixed, samples = streamed_with_gauges(envoy, "/v1/chat/completions", bodies)
         assert all(a["status"] == 200 for a in mixed), [a for a in mixed if a["status"] != 200][:1]
         assert [a["usage"]["completion_tokens"] for a in mixed] == [400 if j % 2 else 100 for j in range(72)]
         print(f"mixed: preemptions {preemptions(sim)}, peak {sim.stats(0)['peak_kv_blocks_used']} blocks, "
@@ -718,22 +725,7 @@ def test_a_batch_of_prompts_is_forecast_as_every_answer():
                "prompt": [prompt(j, k, 80) for k in range(4)] if j % 2 else prompt(j, 0, 330)}
               for j in range(72)]
     with Sim(pods=1, args=SMALL_KV) as sim, kvgate_envoy(sim.endpoints, cfg, concurrency=2) as envoy:
-        samples, stop = [], threading.Event()
-
-        def sampler():
-            while not stop.is_set():
-                samples.append((None, {k: kvgate_gauges(envoy, k)
-                                       for k in ("reserved_tokens", "budget_tokens", "active_blocks", "in_flight")}))
-                time.sleep(0.05)
-
-        thread = threading.Thread(target=sampler)
-        thread.start()
-        try:
-            with ThreadPoolExecutor(24) as pool:
-                answers = list(pool.map(lambda b: stream(envoy.port, "/v1/completions", b), bodies))
-        finally:
-            stop.set()
-            thread.join()
+        answers, samples = streamed_with_gauges(envoy, "/v1/completions", bodies)
         assert all(a["status"] == 200 for a in answers), [a for a in answers if a["status"] != 200][:1]
         assert [a["usage"]["completion_tokens"] for a in answers] == [400 if j % 2 else 100 for j in range(72)]
         print(f"batches: preemptions {preemptions(sim)}, peak {sim.stats(0)['peak_kv_blocks_used']} blocks, "
