@@ -236,14 +236,17 @@ def test_malformed_bodies_get_400_and_never_reach_a_pod(stubs):
 
 def test_counts_and_flags_are_read_as_the_engines_read_them(stubs):
     """vLLM's request models read `max_tokens: 40.0`, `n: "2"` or `stream: "true"` (pydantic's lax
-    mode), so kvgate serves them, reserving what they say, and forwards the body as sent."""
+    mode), so kvgate serves them, reserving what they say, and forwards the body as sent. The
+    model is one no other test sends, so that its answers are forecast at their limits: the
+    stubs answer one token each, and a calibrated model's forecast falls to `outputFloorTokens`."""
     envoy = stubs
+    model = MODEL + "-lax"
     for body, path, out in [
-        (chat_bytes(max_tokens=40.0, n="2", stream="true"), "/v1/chat/completions", 80),
-        (chat_bytes(max_tokens=None, max_completion_tokens=" 1_000 ", stream_options={"include_usage": "yes"}),
-         "/v1/chat/completions", 1000),
-        (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": "64", "n": 1.0}).encode(), "/v1/completions", 64),
-        (json.dumps({"model": MODEL, "input": "x", "max_output_tokens": "9", "store": "off"}).encode(),
+        (chat_bytes(model=model, max_tokens=40.0, n="2", stream="true"), "/v1/chat/completions", 80),
+        (chat_bytes(model=model, max_tokens=None, max_completion_tokens=" 1_000 ",
+                    stream_options={"include_usage": "yes"}), "/v1/chat/completions", 1000),
+        (json.dumps({"model": model, "prompt": "x", "max_tokens": "64", "n": 1.0}).encode(), "/v1/completions", 64),
+        (json.dumps({"model": model, "input": "x", "max_output_tokens": "9", "store": "off"}).encode(),
          "/v1/responses", 9),
     ]:
         before = received(envoy)
@@ -258,11 +261,14 @@ def test_counts_and_flags_are_read_as_the_engines_read_them(stubs):
 def test_a_batch_of_prompts_reserves_every_answer(stubs):
     """A completions `prompt` that is a list of prompts is a batch: vLLM and SGLang prefill and
     answer each one, `n` answers each, so kvgate expects every answer's output, each as one
-    prompt's answer (before: one prompt's answers in all)."""
+    prompt's answer (before: one prompt's answers in all). The model is one no other test sends:
+    its few answers never calibrate it, so each answer is forecast at its limit whenever it is
+    asked (the stubs answer one token each: on the module's model, once calibrated, the forecast
+    fell to `outputFloorTokens` between two of these requests)."""
     envoy = stubs
 
     def output(prompt, n):
-        body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 40, "n": n}).encode()
+        body = json.dumps({"model": MODEL + "-batch", "prompt": prompt, "max_tokens": 40, "n": n}).encode()
         st, h, b, _ = send(envoy, body, path="/v1/completions")
         assert st == 200, (prompt, st, b[:300])
         return int(h["x-kvgate-output-tokens"])
@@ -270,7 +276,7 @@ def test_a_batch_of_prompts_reserves_every_answer(stubs):
     for prompt, n, answers in [(["a b", "c d", "e f"], 1, 3), (["a b", "c d"], 3, 6),
                                ([[1, 2, 3], [4, 5], [6]], 1, 3), (["a b"], 2, 2)]:
         one = output("a b", 1)
-        assert 0 < one <= 40
+        assert one == 40
         assert output(prompt, n) == answers * one, (prompt, n, one)
     assert_drained(envoy)
 
