@@ -246,7 +246,8 @@ pub struct RequestEntry {
     pub prompt_blocks: u32,
     pub output_blocks: u32,
     /// The request's whole prompt in blocks, a prefix shared with others included: what each
-    /// of its decode steps reads, where `prompt_blocks` is what it adds to the pod's memory.
+    /// of its decode steps reads, where `prompt_blocks` is what it adds to the pod's memory (a
+    /// batch's: each prompt's share, since each answer reads its own prompt).
     pub context_blocks: u32,
     /// Prompt blocks the pod has still to compute before the request's first token (its prompt
     /// less the prefix the pod was believed to cache), until that token streams; 0 for an answer

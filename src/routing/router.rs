@@ -819,7 +819,11 @@ impl Router {
                 outlook: sharing.outlook,
                 prompt_blocks: prompt_blocks as u32,
                 output_blocks: 0,
-                context_blocks: prompt_blocks as u32,
+                // Each answer reads its own prompt: a batch's prompts (`Request::prompts`) are
+                // sequences apart, each about its share of the blocks, whole blocks as the engine
+                // holds them (all of them counted for each answer, a batch of eight read eight
+                // times what its answers do).
+                context_blocks: (prompt_blocks as u64).div_ceil(est.prompts.max(1)) as u32,
                 pending_blocks: if est.streams {
                     prompt_blocks.saturating_sub(held[s.index]) as u32
                 } else {
@@ -2254,7 +2258,11 @@ mod tests {
             ..three
         };
         let z = r.route_m(&vm, &cfg, &hashes(3, 10), &batch);
-        assert_eq!(record::read(&vm, "a:1").unwrap().held_tokens(), 176);
+        let rec = record::read(&vm, "a:1").unwrap();
+        assert_eq!(rec.held_tokens(), 176);
+        // Each answer reads its own prompt at each step, a third of the 10 blocks in whole
+        // blocks: not all 10 (before: 3 × 10).
+        assert_eq!(rec.read_blocks(), 3 * 4);
         r.finish(&vm, &z).unwrap();
     }
 

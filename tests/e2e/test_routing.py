@@ -206,11 +206,12 @@ def test_prompts_of_token_ids_keep_their_prefix_pod_in_the_engines_blocks(lists)
             on_majority += pods.count(majority[g])
         share = on_majority / len(results)
         print(f"requests on their group's pod: {share:.1%}; group -> pod: {majority}")
-        # A batch is routed by its first list's prefix, which is half its blocks (the second
-        # list's shared ids are cached as well, but not counted), so load moves it more often:
-        # 70.8-94.4 % of requests on their group's pod in 11 runs, against 37.5-44.4 % in 4 runs
-        # routed by load alone.
-        assert share >= (0.8 if lists == 1 else 0.6) and len(set(majority.values())) >= 3, (share, majority)
+        # A batch is routed by its first list's prefix. Its answers each read their own list at
+        # every step: counted as reading both lists each, a batch in flight made its pod look
+        # twice as busy decoding as it was, and load moved the group's next batches off it
+        # (80.6-95.8 % of requests on their group's pod in 8 runs; 94.4-100 % since; 37.5-44.4 %
+        # routed by load alone).
+        assert share >= 0.8 and len(set(majority.values())) >= 3, (share, majority)
 
 
 def test_a_pod_without_prefix_caching_gets_no_prefix_credit():
