@@ -822,8 +822,11 @@ impl Router {
                 // Each answer reads its own prompt: a batch's prompts (`Request::prompts`) are
                 // sequences apart, each about its share of the blocks, whole blocks as the engine
                 // holds them (all of them counted for each answer, a batch of eight read eight
-                // times what its answers do).
-                context_blocks: (prompt_blocks as u64).div_ceil(est.prompts.max(1)) as u32,
+                // times what its answers do). Never fewer than its hashed first prompt: the
+                // extent of the prefix others lean on, which its heir takes on (`record::remove`).
+                context_blocks: (prompt_blocks as u64)
+                    .div_ceil(est.prompts.max(1))
+                    .max(hashes.len() as u64) as u32,
                 pending_blocks: if est.streams {
                     prompt_blocks.saturating_sub(held[s.index]) as u32
                 } else {
@@ -1771,6 +1774,36 @@ mod tests {
     }
 
     #[test]
+    fn a_batch_whose_first_prompt_is_long_leaves_its_whole_shared_prefix_to_its_heir() {
+        // A request on 3 blocks; a batch of two prompts, 192 tokens in all (12 blocks, 6 a
+        // prompt), whose first is 8 blocks leading with those 3; a request on the same 8 blocks.
+        // The batch leans on the first for 3 blocks and the last on the batch for 8: when the
+        // batch ends, its heir must count the 5 blocks after the first's, not its share's 3.
+        let held = |vm: &FakeVm| record::read(vm, "a:1").unwrap().held_tokens();
+        let (vm, cfg, mut r) = router(&["a:1"]);
+        let first = r.route_m(&vm, &cfg, &hashes(1, 3), &est(48, 0));
+        let last = r.route_m(&vm, &cfg, &hashes(1, 8), &est(128, 0));
+        let without_batch = held(&vm);
+        r.finish(&vm, &last).unwrap();
+        let batch = Estimate {
+            prompts: 2,
+            choices: 2,
+            ..est(192, 0)
+        };
+        let x = r.route_m(&vm, &cfg, &hashes(1, 8), &batch);
+        let last = r.route_m(&vm, &cfg, &hashes(1, 8), &est(128, 0));
+        r.finish(&vm, &x).unwrap();
+        assert_eq!(
+            held(&vm),
+            without_batch,
+            "the heir counts all it shared with the batch"
+        );
+        r.finish(&vm, &last).unwrap();
+        r.finish(&vm, &first).unwrap();
+        assert_eq!(held(&vm), 0);
+    }
+
+    #[test]
     fn shared_prefix_blocks_count_once_and_return_to_zero() {
         let cfg = config(&["a:1"]);
         let (_host, [(w1, mut r1), (w2, mut r2)]) = two_workers(&cfg);
@@ -2252,12 +2285,13 @@ mod tests {
         let z = r.route_m(&vm, &cfg, &hashes(2, 10), &three);
         assert_eq!(record::read(&vm, "a:1").unwrap().held_tokens(), 3 * 176);
         r.finish(&vm, &z).unwrap();
-        // A batch of three prompts, one answer each: each prompt is its own, held once.
+        // A batch of three prompts, one answer each: each prompt is its own, held once. Its
+        // hashes are its first prompt's, a third of the 10 blocks.
         let batch = Estimate {
             prompts: 3,
             ..three
         };
-        let z = r.route_m(&vm, &cfg, &hashes(3, 10), &batch);
+        let z = r.route_m(&vm, &cfg, &hashes(3, 4), &batch);
         let rec = record::read(&vm, "a:1").unwrap();
         assert_eq!(rec.held_tokens(), 176);
         // Each answer reads its own prompt at each step, a third of the 10 blocks in whole
