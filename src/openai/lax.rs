@@ -136,10 +136,10 @@ impl<'de> Deserialize<'de> for Flag {
             }
 
             fn visit_str<E: de::Error>(self, v: &str) -> Result<Flag, E> {
-                let said = |words: [&str; 6]| words.iter().any(|w| w.eq_ignore_ascii_case(v));
-                if said(TRUE_WORDS) {
+                let said = |words: &[&str]| words.iter().any(|w| w.eq_ignore_ascii_case(v));
+                if said(&TRUE_WORDS) {
                     Ok(Flag(true))
-                } else if said(FALSE_WORDS) {
+                } else if said(&FALSE_WORDS) {
                     Ok(Flag(false))
                 } else {
                     Err(E::invalid_value(de::Unexpected::Str(v), &self))
