@@ -110,6 +110,9 @@ pub struct AdmissionConfig {
     /// The same for requests with `max_tokens`: a client's bound, for which kvgate keeps the pod
     /// from preempting (`forecast::Headroom`).
     pub bounded_headroom_sigmas: f64,
+    /// The most of a pod's budget its engine's preemptions take back (`admission::feedback`'s
+    /// backoff); 0 leaves the budget where it is, for traffic whose preemptions cost little.
+    pub preemption_backoff: f64,
 }
 
 impl AdmissionConfig {
@@ -144,6 +147,7 @@ impl Default for AdmissionConfig {
             session_boost_tokens: 65_536,
             headroom_sigmas: 2.5,
             bounded_headroom_sigmas: 3.0,
+            preemption_backoff: 0.3,
         }
     }
 }
@@ -534,6 +538,9 @@ impl AdmissionConfig {
         }
         if !(0.0..=10.0).contains(&self.bounded_headroom_sigmas) {
             return e("boundedHeadroomSigmas", "must be in [0, 10]");
+        }
+        if !(0.0..=0.9).contains(&self.preemption_backoff) {
+            return e("preemptionBackoff", "must be in [0, 0.9]");
         }
         for (name, header) in [
             ("objectiveHeader", &self.objective_header),

@@ -8,7 +8,8 @@
 //!   one measures again, so the correction follows the cause and never accumulates.
 //! - **Preemptions**: a rise of `vllm:num_preemptions_total` means the forecast let the pod run out
 //!   of KV. The budget backs off multiplicatively (× `BACKOFF_FACTOR`, down to
-//!   `MAX_BACKOFF` of it taken back) and recovers additively (`RECOVERY` per clean scrape).
+//!   `admission.preemptionBackoff` of it taken back) and recovers additively (`RECOVERY` per
+//!   clean scrape).
 //!   This is AIMD, the rule TCP congestion control uses (Chiu and Jain, 1989): with a signal that
 //!   arrives within one scrape and a recovery slow enough that the budget needs many scrapes to
 //!   climb back to where the signal fired, the admitted load settles just under the point where
@@ -46,8 +47,6 @@ use crate::store::interface::{create_if_missing, update, Store, StoreError};
 
 /// Each scrape that saw preemptions keeps this fraction of what the budget had left.
 const BACKOFF_FACTOR: f64 = 0.9;
-/// At most this fraction of the budget is taken back.
-const MAX_BACKOFF: f64 = 0.3;
 /// Each scrape without preemptions gives back this fraction of the budget.
 const RECOVERY: f64 = 0.05;
 /// Each full, under-used, clean scrape gives up this fraction of the forecast's headroom.
@@ -165,7 +164,7 @@ pub fn follow(
     // A counter that went backwards is a restarted engine: a new baseline, not a signal.
     let preempted = next.preemptions > before;
     next.backoff = if preempted {
-        (1.0 - (1.0 - was) * BACKOFF_FACTOR).min(MAX_BACKOFF)
+        (1.0 - (1.0 - was) * BACKOFF_FACTOR).min(cfg.admission.preemption_backoff)
     } else {
         (was - RECOVERY).max(0.0)
     };
@@ -272,9 +271,15 @@ mod tests {
             worst = after(Some(worst), scraped(10.0 + f64::from(i), 0.0), &rec);
         }
         assert_eq!(
-            worst.backoff, MAX_BACKOFF,
-            "never more than 30 % is taken back"
+            worst.backoff, 0.3,
+            "never more than `preemptionBackoff` (30 %) is taken back"
         );
+        // An operator who lets the engine preempt (cheap preemptions) keeps the whole budget.
+        let mut cfg = Config::default();
+        cfg.admission.preemption_backoff = 0.0;
+        let mut kept = scraped(40.0, 0.0);
+        follow(Some(&worst), &mut kept, &rec, &cfg, 0, 0.0);
+        assert_eq!(kept.backoff, 0.0, "{}", kept.backoff);
         let restarted = after(Some(scraped(100.0, 0.0)), scraped(0.0, 0.0), &rec);
         assert_eq!(
             restarted.backoff, 0.0,
