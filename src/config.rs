@@ -718,6 +718,8 @@ mod tests {
         assert_eq!(err.field, "routing.requestTtlMs");
         let err = Config::parse(br#"{"admission":{"boundedHeadroomSigmas":-1}}"#).unwrap_err();
         assert_eq!(err.field, "admission.boundedHeadroomSigmas");
+        let err = Config::parse(br#"{"admission":{"preemptionBackoff":1}}"#).unwrap_err();
+        assert_eq!(err.field, "admission.preemptionBackoff");
         let again =
             Config::parse(br#"{"estimator":{"safetyFactor":1.333333333333333333332}}"#).unwrap();
         assert_eq!(
