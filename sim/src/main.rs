@@ -5,6 +5,7 @@
 //! caching, step-time model) running on its own thread against a wall clock
 //! scaled by `--time-scale`. See docs/simulator.md.
 
+mod anthropic;
 mod config;
 mod engine;
 mod ideal;

@@ -16,6 +16,7 @@ use hyper::{Method, Request, Response, StatusCode};
 use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
+use crate::anthropic;
 use crate::engine::FinishReason;
 use crate::lax::{count, flag};
 use crate::lora::LoraRef;
@@ -77,6 +78,8 @@ enum Kind {
     Chat,
     /// The Responses API (`responses`).
     Responses,
+    /// The Anthropic Messages API (`anthropic`): a chat request in its own shapes.
+    Messages,
 }
 
 struct StreamState {
@@ -95,6 +98,8 @@ struct StreamState {
     roles_sent: bool,
     /// A Responses API answer's own state.
     response: Option<ResponseStream>,
+    /// A Messages API answer's events.
+    messages: Option<anthropic::Events>,
 }
 
 /// What a streamed Responses API answer keeps until it ends: its events' numbering, its text,
@@ -138,7 +143,9 @@ impl Choice {
     /// reasoning: what a reasoning parser would split off.
     fn new(g: &Shared, kind: Kind, max_output: usize, prompt_tokens: usize, first: bool) -> Self {
         let reasoning_tokens = match kind {
-            Kind::Chat => (g.args.reasoning_share * max_output as f64).round() as usize,
+            Kind::Chat | Kind::Messages => {
+                (g.args.reasoning_share * max_output as f64).round() as usize
+            }
             Kind::Completion | Kind::Responses => 0,
         };
         Choice {
@@ -214,7 +221,7 @@ impl StreamState {
     fn chunk(&self, i: usize, choice: Value) -> Value {
         let object = match self.kind {
             Kind::Completion => "text_completion",
-            Kind::Chat | Kind::Responses => "chat.completion.chunk",
+            Kind::Chat | Kind::Responses | Kind::Messages => "chat.completion.chunk",
         };
         let mut v = json!({
             "id": self.id,
@@ -252,6 +259,9 @@ impl StreamState {
         if self.response.is_some() {
             return self.on_response_event(ev, buf);
         }
+        if self.messages.is_some() {
+            return self.on_messages_event(ev, buf);
+        }
         if !self.roles_sent && self.kind == Kind::Chat {
             // vLLM sends every choice's role with the answer's first output, however many
             // tokens a chunk carries.
@@ -274,7 +284,7 @@ impl StreamState {
         };
         let finish = ev.finish.map(|f| f.reason.as_str());
         match self.kind {
-            Kind::Completion | Kind::Responses => {
+            Kind::Completion | Kind::Responses | Kind::Messages => {
                 let c = self.chunk(
                     i,
                     json!({
@@ -364,17 +374,41 @@ impl StreamState {
         }
     }
 
+    /// A Messages API answer's token: `message_start` with the first (vLLM makes it of the chat
+    /// stream's first chunk, whose usage counts the prompt), the chunk's reasoning and text as
+    /// block deltas when it is due (`--stream-interval`), and at the end what the usage chunk
+    /// and `[DONE]` become.
+    fn on_messages_event(&mut self, ev: &Event, buf: &mut Vec<u8>) {
+        let prompt = self.choices.get(ev.choice).map_or(0, |c| c.prompt_tokens);
+        let unsent = self.due(ev.choice);
+        let Some(m) = self.messages.as_mut() else {
+            return;
+        };
+        if ev.first {
+            m.start(buf, &self.model, prompt);
+        }
+        let Some(Unsent { reasoning, content }) = unsent else {
+            return;
+        };
+        m.thinking(buf, &reasoning);
+        m.text(buf, &content);
+        if let Some(f) = ev.finish {
+            m.stop(buf, f.reason, f.prompt_tokens, f.completion_tokens);
+        }
+    }
+
     /// The stream's end: after every choice's end (`complete`) the usage chunk, if asked for,
     /// then `[DONE]`.
     fn finish(&mut self, buf: &mut Vec<u8>, complete: bool) {
-        if self.response.is_some() {
-            // A Responses API stream ends with its last event, and one cut short just ends.
+        if self.response.is_some() || self.messages.is_some() {
+            // A Responses or Messages API stream ends with its last event, and one cut short
+            // just ends.
             return;
         }
         if self.include_usage && complete {
             let object = match self.kind {
                 Kind::Completion => "text_completion",
-                Kind::Chat | Kind::Responses => "chat.completion.chunk",
+                Kind::Chat | Kind::Responses | Kind::Messages => "chat.completion.chunk",
             };
             let completion_tokens = self.choices.iter().map(|c| c.tokens).sum();
             let (prompt_tokens, cached) = prompt_usage(&self.choices);
@@ -458,6 +492,17 @@ impl ApiError {
             message: message.into(),
         }
     }
+    /// The error as a request of this kind gets it: the Messages API's in its own shape
+    /// (vLLM's `translate_error_response`), the status kept.
+    fn response_for(&self, kind: Kind) -> Response<SimBody> {
+        match kind {
+            Kind::Messages => {
+                json_response(self.status, &anthropic::error(self.kind, &self.message))
+            }
+            Kind::Completion | Kind::Chat | Kind::Responses => self.response(),
+        }
+    }
+
     fn response(&self) -> Response<SimBody> {
         // vLLM's ErrorResponse (OpenAI-compatible `{"error": {...}}` form).
         json_response(
@@ -494,7 +539,7 @@ fn ok_json(v: &Value) -> Response<SimBody> {
     json_response(StatusCode::OK, v)
 }
 
-fn unix_now() -> u64 {
+pub(crate) fn unix_now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
@@ -606,7 +651,8 @@ fn chat_segments(g: &Shared, body: &Value) -> Result<Vec<Segment>, ApiError> {
 fn tokenize_sync(g: &Shared, kind: Kind, body: &Value) -> Result<Vec<Vec<u32>>, ApiError> {
     match kind {
         Kind::Completion => completion_prompts(g, body),
-        Kind::Chat => Ok(vec![g.tok.encode_segments(&chat_segments(g, body)?)]),
+        // A Messages request's body is the chat request it became (`anthropic::chat_request`).
+        Kind::Chat | Kind::Messages => Ok(vec![g.tok.encode_segments(&chat_segments(g, body)?)]),
         Kind::Responses => {
             let msgs = responses::messages(body).map_err(ApiError::bad)?;
             let segs = render_chat(&msgs, body.get("tools"), true, g.args.media_part_tokens)
@@ -638,7 +684,7 @@ async fn tokenize(
 fn requested_max_tokens(kind: Kind, body: &Value) -> Result<Option<usize>, ApiError> {
     let field = |name| count(body.get(name), name);
     Ok(match kind {
-        Kind::Chat => match field("max_completion_tokens")? {
+        Kind::Chat | Kind::Messages => match field("max_completion_tokens")? {
             Some(v) => Some(v),
             None => field("max_tokens")?,
         },
@@ -653,9 +699,9 @@ const MAX_N: usize = 16384;
 const SAMPLING_EPS: f64 = 1e-5;
 
 /// The request's `n`: how many choices to make, as vLLM's `SamplingParams` checks it. The
-/// Responses API has no `n`.
+/// Responses and Messages APIs have no `n`.
 fn requested_n(kind: Kind, body: &Value) -> Result<usize, ApiError> {
-    if kind == Kind::Responses {
+    if matches!(kind, Kind::Responses | Kind::Messages) {
         return Ok(1);
     }
     let n = match count(body.get("n"), "n")? {
@@ -789,7 +835,7 @@ async fn generate(pod: Arc<Pod>, req: Request<Incoming>, kind: Kind) -> Response
         Ok((headers, body, size)) => generate_inner(pod, kind, &headers, body, size).await,
         Err(e) => Err(e),
     };
-    flatten(answer)
+    answer.unwrap_or_else(|e| e.response_for(kind))
 }
 
 /// What a request whose answer is cut short gets.
@@ -809,6 +855,11 @@ async fn generate_inner(
     size: usize,
 ) -> Result<Response<SimBody>, ApiError> {
     let g = pod.g.clone();
+    // vLLM runs a Messages request as the chat request it converts it to.
+    let body = match kind {
+        Kind::Messages => anthropic::chat_request(&body)?,
+        Kind::Completion | Kind::Chat | Kind::Responses => body,
+    };
     let (model, lora) = check_model(&pod, &body)?;
     // A Responses API follow-up's prompt starts with its conversation so far, from this pod's
     // store: a response another pod stored is not found here, as in vLLM.
@@ -858,7 +909,8 @@ async fn generate_inner(
         let suffix = inner.next_response_id();
         match kind {
             Kind::Completion => format!("cmpl-{suffix}"),
-            Kind::Chat => format!("chatcmpl-{suffix}"),
+            // vLLM's Messages answer keeps its chat request's id.
+            Kind::Chat | Kind::Messages => format!("chatcmpl-{suffix}"),
             Kind::Responses => format!("resp_{suffix}"),
         }
     };
@@ -895,6 +947,7 @@ async fn generate_inner(
     let mut guard = AbortGuard::new(pod.clone(), ids);
 
     if stream {
+        let messages = (kind == Kind::Messages).then(|| anthropic::Events::new(&id));
         let st = StreamState {
             g,
             kind,
@@ -913,6 +966,7 @@ async fn generate_inner(
                 previous: previous.clone(),
                 store: stores.then(|| pod.clone()),
             }),
+            messages,
         };
         let mut r = Response::new(SimBody::Sse(Box::new(SseBody {
             rx,
@@ -1006,6 +1060,19 @@ async fn generate_inner(
             }
             v
         }
+        Kind::Messages => {
+            // No `n`: its one choice is the answer.
+            let (text, f) = ended.first().ok_or_else(aborted)?;
+            anthropic::message(
+                &id,
+                &model,
+                &text.reasoning,
+                &text.content,
+                f.reason,
+                prompt_tokens,
+                completion_tokens,
+            )
+        }
     };
     Ok(ok_json(&v))
 }
@@ -1043,7 +1110,7 @@ async fn render_endpoint(
             format!("cmpl-{suffix}"),
             Some(max_tokens.unwrap_or(COMPLETIONS_DEFAULT_MAX_TOKENS)),
         ),
-        Kind::Chat | Kind::Responses => (format!("chatcmpl-{suffix}"), max_tokens),
+        Kind::Chat | Kind::Responses | Kind::Messages => (format!("chatcmpl-{suffix}"), max_tokens),
     };
     let stream = flag(body.get("stream"), "stream")?.unwrap_or(false);
     let batch = prompts.len() > 1;
@@ -1061,8 +1128,23 @@ async fn render_endpoint(
     });
     Ok(ok_json(&match kind {
         Kind::Completion => json!(gens.collect::<Vec<_>>()),
-        Kind::Chat | Kind::Responses => gens.next().unwrap_or_default(),
+        Kind::Chat | Kind::Responses | Kind::Messages => gens.next().unwrap_or_default(),
     }))
+}
+
+/// `POST /v1/messages/count_tokens`: the prompt tokens of the conversation, as vLLM renders
+/// the chat request a Messages request of it would become.
+async fn count_tokens_endpoint(
+    pod: Arc<Pod>,
+    req: Request<Incoming>,
+) -> Result<Response<SimBody>, ApiError> {
+    let (_headers, body, size) = read_json(req).await?;
+    let body = anthropic::chat_body(&body)?;
+    check_model(&pod, &body)?;
+    let (prompts, _) = tokenize(&pod.g, Kind::Chat, body, size).await?;
+    Ok(ok_json(&anthropic::token_count(
+        prompts.iter().map(Vec::len).sum(),
+    )))
 }
 
 async fn tokenize_endpoint(
@@ -1470,6 +1552,10 @@ async fn route(pod: Arc<Pod>, req: Request<Incoming>) -> Response<SimBody> {
         "/v1/completions" if post => generate(pod, req, Kind::Completion).await,
         "/v1/chat/completions" if post => generate(pod, req, Kind::Chat).await,
         "/v1/responses" if post => generate(pod, req, Kind::Responses).await,
+        "/v1/messages" if post => generate(pod, req, Kind::Messages).await,
+        "/v1/messages/count_tokens" if post => count_tokens_endpoint(pod, req)
+            .await
+            .unwrap_or_else(|e| e.response_for(Kind::Messages)),
         p if get && p.starts_with("/v1/responses/") => {
             let delay = pod.fault().retrieve_delay_ms;
             if delay > 0 {
@@ -1510,6 +1596,8 @@ async fn route(pod: Arc<Pod>, req: Request<Incoming>) -> Response<SimBody> {
         | "/v1/completions"
         | "/v1/chat/completions"
         | "/v1/responses"
+        | "/v1/messages"
+        | "/v1/messages/count_tokens"
         | "/v1/completions/render"
         | "/v1/chat/completions/render"
         | "/tokenize"
@@ -1643,6 +1731,7 @@ mod tests {
             unfinished: 1,
             roles_sent: false,
             response: None,
+            messages: None,
         }
     }
 
@@ -1775,7 +1864,8 @@ mod tests {
         headers: &HeaderMap,
         body: Value,
     ) -> Response<SimBody> {
-        flatten(generate_inner(pod.clone(), kind, headers, body, 0).await)
+        let answer = generate_inner(pod.clone(), kind, headers, body, 0).await;
+        answer.unwrap_or_else(|e| e.response_for(kind))
     }
 
     /// An answer's status and body.
@@ -2075,5 +2165,244 @@ mod tests {
         assert_eq!((e.num_running(), e.num_waiting()), (0, 0));
         assert_eq!(e.counters.finished_abort, 3);
         assert_eq!(e.kv.pool.num_used(), 0);
+    }
+
+    /// A conversation with a hoisted system text (less the billing header), an image, a tool
+    /// call and its result, as /v1/messages takes it...
+    fn anthropic_conversation() -> Value {
+        json!({
+            "model": "m",
+            "max_tokens": 6,
+            "system": [{"type": "text", "text": "x-anthropic-billing-header: cch=42;"},
+                       {"type": "text", "text": "You are terse."}],
+            "messages": [
+                {"role": "user", "content": [
+                    {"type": "image", "source": {"type": "url", "url": "https://x/cat.png"}},
+                    {"type": "text", "text": "What is it?"}]},
+                {"role": "assistant", "content": [
+                    {"type": "tool_use", "id": "t1", "name": "look", "input": {"at": "cat"}}]},
+                {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": "t1", "content": "a cat"}]},
+            ],
+            "tools": [{"name": "look", "description": "Looks.",
+                       "input_schema": {"type": "object"}}],
+        })
+    }
+
+    /// ...and as /v1/chat/completions takes it.
+    fn chat_conversation() -> Value {
+        json!({
+            "max_tokens": 6,
+            "messages": [
+                {"role": "system", "content": "You are terse."},
+                {"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": "https://x/cat.png"}},
+                    {"type": "text", "text": "What is it?"}]},
+                {"role": "assistant", "tool_calls": [{"id": "t1", "type": "function",
+                    "function": {"name": "look", "arguments": "{\"at\":\"cat\"}"}}]},
+                {"role": "tool", "tool_call_id": "t1", "content": "a cat"},
+            ],
+            "tools": [{"type": "function", "function": {"name": "look", "description": "Looks.",
+                       "parameters": {"type": "object"}}}],
+        })
+    }
+
+    /// A Messages API stream's events, parsed, each's `event:` line its JSON's type.
+    fn anthropic_events(text: &str) -> Vec<Value> {
+        assert!(!text.contains("[DONE]"), "{text}");
+        text.split("\n\n")
+            .filter(|s| !s.is_empty())
+            .map(|e| {
+                let (kind, data) = e.split_once("\ndata: ").unwrap();
+                let v: Value = serde_json::from_str(data).unwrap();
+                assert_eq!(kind.strip_prefix("event: "), v["type"].as_str(), "{text}");
+                v
+            })
+            .collect()
+    }
+
+    /// The same conversation counts the same prompt tokens through /v1/messages as through
+    /// /v1/chat/completions (its image a media part), and its answer is vLLM's message object:
+    /// the chat id, its text, `max_tokens` at the limit and `end_turn` before it, no `None`s.
+    #[tokio::test]
+    async fn a_messages_answer_is_its_chat_answer_in_anthropic_shape() {
+        let pod = running_pod(&[
+            "--time-scale",
+            "1000",
+            "--media-part-tokens",
+            "100",
+            "--served-model-name",
+            "m",
+        ]);
+        let chat = prompt_tokens(&pod, Kind::Chat, &chat_conversation()).await;
+        let none = HeaderMap::new();
+        let (status, text) =
+            read(post(&pod, Kind::Messages, &none, anthropic_conversation()).await).await;
+        assert_eq!(status, StatusCode::OK, "{text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(
+            v["usage"],
+            json!({"input_tokens": chat, "output_tokens": 6})
+        );
+        assert!(chat > 100, "the image counts: {chat}");
+        assert!(v["id"].as_str().unwrap().starts_with("chatcmpl-"));
+        assert_eq!(
+            (&v["type"], &v["role"]),
+            (&json!("message"), &json!("assistant"))
+        );
+        assert_eq!(v["model"], "m");
+        assert_eq!(v["stop_reason"], "max_tokens");
+        assert!(v.get("stop_sequence").is_none(), "{text}");
+        let content = v["content"].as_array().unwrap();
+        assert_eq!(content.len(), 1);
+        assert_eq!(content[0]["type"], "text");
+        assert!(!content[0]["text"].as_str().unwrap().is_empty());
+        let mut short = HeaderMap::new();
+        short.insert("x-sim-output-tokens", "2".parse().unwrap());
+        let (_, text) =
+            read(post(&pod, Kind::Messages, &short, anthropic_conversation()).await).await;
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["stop_reason"], "end_turn");
+        assert_eq!(v["usage"]["output_tokens"], 2);
+    }
+
+    /// Streamed: `message_start` with the prompt's tokens, a text block with a delta per chat
+    /// chunk (`--stream-interval 2`: 7 tokens in 4), then its stop, `message_delta` with the
+    /// tokens made and `message_stop`, no `[DONE]`. A reasoning share streams a thinking block
+    /// first, closed with its signature.
+    #[tokio::test]
+    async fn a_messages_stream_is_its_chat_stream_as_events() {
+        let pod = running_pod(&[
+            "--time-scale",
+            "1000",
+            "--stream-interval",
+            "2",
+            "--served-model-name",
+            "m",
+        ]);
+        let mut body = anthropic_conversation();
+        body["max_tokens"] = json!(7);
+        let mut chat = chat_conversation();
+        chat["max_tokens"] = json!(7);
+        let prompt = prompt_tokens(&pod, Kind::Chat, &chat).await;
+        body["stream"] = json!(true);
+        let r = post(&pod, Kind::Messages, &HeaderMap::new(), body.clone()).await;
+        assert_eq!(
+            r.headers().get(CONTENT_TYPE).unwrap(),
+            "text/event-stream; charset=utf-8"
+        );
+        let (_, text) = read(r).await;
+        let events = anthropic_events(&text);
+        let kinds: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
+        assert_eq!(
+            kinds[..2],
+            ["message_start", "content_block_start"],
+            "{text}"
+        );
+        assert_eq!(
+            kinds[kinds.len() - 3..],
+            ["content_block_stop", "message_delta", "message_stop"]
+        );
+        let start = &events[0]["message"];
+        assert_eq!(
+            start["usage"],
+            json!({"input_tokens": prompt, "output_tokens": 0})
+        );
+        assert!(start["id"].as_str().unwrap().starts_with("chatcmpl-"));
+        assert_eq!(
+            events[1]["content_block"],
+            json!({"type": "text", "text": ""})
+        );
+        let deltas: Vec<&Value> = events
+            .iter()
+            .filter(|e| e["type"] == "content_block_delta")
+            .collect();
+        assert_eq!(deltas.len(), 4, "{text}");
+        assert!(deltas
+            .iter()
+            .all(|d| d["delta"]["type"] == "text_delta" && d["index"] == 0));
+        assert_eq!(
+            events[events.len() - 2],
+            json!({"type": "message_delta", "delta": {"stop_reason": "max_tokens"},
+                   "usage": {"input_tokens": prompt, "output_tokens": 7}})
+        );
+
+        let pod = running_pod(&[
+            "--time-scale",
+            "1000",
+            "--reasoning-share",
+            "0.5",
+            "--served-model-name",
+            "m",
+        ]);
+        body["max_tokens"] = json!(4);
+        let (_, text) = read(post(&pod, Kind::Messages, &HeaderMap::new(), body).await).await;
+        let events = anthropic_events(&text);
+        let blocks: Vec<(&Value, &Value)> = events
+            .iter()
+            .filter(|e| e["type"] == "content_block_delta")
+            .map(|e| (&e["index"], &e["delta"]["type"]))
+            .collect();
+        let (thinking, text_delta, signature) = (
+            json!("thinking_delta"),
+            json!("text_delta"),
+            json!("signature_delta"),
+        );
+        let (zero, one) = (json!(0), json!(1));
+        assert_eq!(
+            blocks,
+            [
+                (&zero, &thinking),
+                (&zero, &thinking),
+                (&zero, &signature),
+                (&one, &text_delta),
+                (&one, &text_delta)
+            ],
+            "{text}"
+        );
+    }
+
+    /// A Messages request's errors come in its API's shape with the chat path's status: a
+    /// missing or non-positive `max_tokens` (nothing reaches the engine), an unknown model.
+    #[tokio::test]
+    async fn messages_errors_are_anthropic_shaped() {
+        let pod = pod_with(&["--served-model-name", "m"]);
+        let none = HeaderMap::new();
+        let mut missing = anthropic_conversation();
+        missing.as_object_mut().unwrap().remove("max_tokens");
+        let mut zero = anthropic_conversation();
+        zero["max_tokens"] = json!(0);
+        let mut unknown = anthropic_conversation();
+        unknown["model"] = json!("nope");
+        let cases = [
+            (
+                missing,
+                StatusCode::BAD_REQUEST,
+                "BadRequestError",
+                "max_tokens: Field required",
+            ),
+            (
+                zero,
+                StatusCode::BAD_REQUEST,
+                "BadRequestError",
+                "max_tokens must be positive",
+            ),
+            (
+                unknown,
+                StatusCode::NOT_FOUND,
+                "NotFoundError",
+                "The model `nope` does not exist.",
+            ),
+        ];
+        for (body, status, kind, message) in cases {
+            let (got, text) = read(post(&pod, Kind::Messages, &none, body).await).await;
+            assert_eq!(got, status, "{text}");
+            let v: Value = serde_json::from_str(&text).unwrap();
+            assert_eq!(
+                v,
+                json!({"type": "error", "error": {"type": kind, "message": message}})
+            );
+        }
+        assert_eq!(pod.lock().engine.num_waiting(), 0);
     }
 }

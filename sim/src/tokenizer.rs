@@ -131,7 +131,8 @@ fn push_text(segs: &mut Vec<Segment>, t: &str) {
     }
 }
 
-fn hash_str(s: &str) -> u64 {
+/// A string's hash: a media part's pseudo tokens, an Anthropic thinking block's signature.
+pub(crate) fn hash_str(s: &str) -> u64 {
     let mut h = 0x6d65_6469_6100_0000u64;
     for b in s.bytes() {
         h = mix64(h ^ u64::from(b));
