@@ -462,6 +462,19 @@ impl Flow {
         Decision::step(Step::WaitForBody)
     }
 
+    /// The decision as the request's API answers: a local error to an Anthropic Messages
+    /// request in that API's shape (`LocalReply::anthropic`). Every decision the shell carries
+    /// out passes here, whichever callback or tick made it.
+    pub fn shaped(&self, mut d: Decision) -> Decision {
+        if self.api == Some(Api::Messages) {
+            d.step = match d.step {
+                Step::Reply(reply) => Step::Reply(reply.anthropic()),
+                step => step,
+            };
+        }
+        d
+    }
+
     /// Whether the request has been classified as one kvgate reads the body of.
     pub fn wants_body(&self) -> bool {
         self.api.is_some() && self.admitted.is_none() && self.seeking.is_none()
@@ -1127,6 +1140,62 @@ mod tests {
             (0, 0),
             "released once"
         );
+    }
+
+    /// An Anthropic Messages request is routed and admitted as a chat is: its reservation held
+    /// while it streams, its usage read in its own names, released once; its errors come in its
+    /// API's shape (every other API's stay OpenAI's).
+    #[test]
+    fn an_anthropic_messages_request_is_routed_admitted_and_answered_in_its_shape() {
+        let pod = "10.0.0.1:80";
+        let (_, vm, mut gate) = gate(crate::test_support::with_pods(&[pod]));
+        let mut f = Flow::default();
+        f.on_request_headers(&mut gate, &vm, &head("/v1/messages"));
+        let d = f.on_body(
+            &mut gate,
+            &vm,
+            br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#,
+        );
+        let d = f.shaped(d);
+        let Step::Reply(r) = &d.step else {
+            panic!("{d:?}")
+        };
+        let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+        assert_eq!((r.status, &v["type"]), (400, &serde_json::json!("error")));
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+
+        let mut f = Flow::default();
+        f.on_request_headers(&mut gate, &vm, &head("/v1/messages"));
+        let body = br#"{"model":"m","max_tokens":20,"stream":true,"system":"Be brief.","messages":[{"role":"user","content":"hello there"}]}"#;
+        let d = f.on_body(&mut gate, &vm, body);
+        let d = f.shaped(d);
+        assert_eq!(d.step, Step::Forward);
+        assert!(d
+            .set
+            .contains(&(DESTINATION_HEADER.to_string(), pod.to_string())));
+        let held = || {
+            let rec = crate::pods::record::read(&vm, pod).unwrap();
+            (rec.entries.len(), rec.held_tokens())
+        };
+        assert!(matches!(held(), (1, h) if h > 0), "{:?}", held());
+        f.on_response_headers(&mut gate, &vm, Some("text/event-stream"), Some(pod));
+        f.on_response_body(&mut gate, &vm, concat!(
+            "event: content_block_delta\n",
+            "data: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"Hi\"}}\n\n",
+            "event: message_delta\n",
+            "data: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"input_tokens\":9,\"output_tokens\":1}}\n\n",
+        ).as_bytes());
+        f.on_done(&mut gate, &vm);
+        f.on_done(&mut gate, &vm);
+        assert_eq!(held(), (0, 0), "released once");
+        // Its usage read in its own names: 9 tokens in, 1 out.
+        assert_eq!(gate.stats.take_count(stats::USAGE_TOTAL_TOKENS), 10);
+        // A chat's errors stay OpenAI's.
+        let mut f = Flow::default();
+        f.on_request_headers(&mut gate, &vm, &head("/v1/chat/completions"));
+        let d = f.on_body(&mut gate, &vm, b"{oops");
+        let d = f.shaped(d);
+        assert!(matches!(&d.step, Step::Reply(r) if r.body.starts_with(b"{\"error\"")));
     }
 
     fn served(vm: &crate::store::fake_host::FakeVm, pod: &str, models: &[&str]) {

@@ -1,10 +1,11 @@
-//! OpenAI-compatible request bodies: which API a path is, and the fields kvgate decides on
-//! (model, prompt content, output limits, streaming, user, cache salt). Content is kept as a
+//! OpenAI-compatible request bodies, and the Anthropic Messages API vLLM and SGLang also serve:
+//! which API a path is, and the fields kvgate decides on (model, prompt content, output limits,
+//! streaming, user, cache salt). Content is kept as a
 //! canonical text rendering in which earlier chat turns are a true prefix of later ones, so the
 //! same text serves token estimation and prefix hashing.
 
 use super::lax::{Count, Flag};
-use super::shapes::{Content, Input, Message, Prompt, Text};
+use super::shapes::{Content, Input, Message, Part, Prompt, Text};
 use serde::Deserialize;
 use std::fmt::{self, Write as _};
 
@@ -14,6 +15,9 @@ pub enum Api {
     ChatCompletions,
     Responses,
     Embeddings,
+    /// Anthropic's Messages API (`/v1/messages`), which vLLM (its `vllm/entrypoints/anthropic`)
+    /// and SGLang serve as a chat completion of the same conversation.
+    Messages,
 }
 
 impl Api {
@@ -27,6 +31,7 @@ impl Api {
             ("/v1/completions", Api::Completions),
             ("/v1/responses", Api::Responses),
             ("/v1/embeddings", Api::Embeddings),
+            ("/v1/messages", Api::Messages),
         ]
         .into_iter()
         .find(|(suffix, _)| path.ends_with(suffix))
@@ -123,6 +128,9 @@ struct Body<'a> {
     input: Option<Input<'a>>,
     #[serde(borrow)]
     instructions: Option<Text<'a>>,
+    /// An Anthropic Messages request's system prompt: a string or text blocks.
+    #[serde(borrow)]
+    system: Option<Content<'a>>,
     tools: Option<serde_json::Value>,
     /// Absent (`None`), null (`Some(None)`) or a count: a completions request that has none at
     /// all stops at `COMPLETIONS_DEFAULT_MAX_TOKENS`.
@@ -147,6 +155,9 @@ struct Body<'a> {
 }
 
 const MAX_MODEL_CHARS: usize = 256;
+/// How Claude Code's per-request attribution block opens (dropped from a Messages request's
+/// system prompt, `Request::push_system`).
+const BILLING_HEADER: &str = "x-anthropic-billing-header";
 /// The most answers a request is read to ask for: vLLM's default limit
 /// (`VLLM_MAX_N_SEQUENCES`), past which the engine refuses it.
 const MAX_CHOICES: u64 = 16_384;
@@ -283,7 +294,7 @@ impl Request {
             model,
             model_span,
             prompts: 1,
-            templated: matches!(api, Api::ChatCompletions | Api::Responses),
+            templated: matches!(api, Api::ChatCompletions | Api::Responses | Api::Messages),
             stream: b.stream.is_some_and(|f| f.0),
             user: b.user,
             cache_salt: b.cache_salt,
@@ -301,6 +312,11 @@ impl Request {
             Api::ChatCompletions => count(b.max_completion_tokens.or(b.max_tokens.flatten())),
             Api::Responses => count(b.max_output_tokens),
             Api::Embeddings => Some(0),
+            // Required, as Anthropic's API and the engines' models of it require it.
+            Api::Messages => match b.max_tokens {
+                Some(Some(set)) => Some(set.0),
+                _ => return Err(missing("max_tokens")),
+            },
         };
         if api == Api::Responses {
             out.previous_response = b
@@ -339,10 +355,25 @@ impl Request {
             Api::Embeddings => {
                 out.push_input(b.input.ok_or_else(|| missing("input"))?);
             }
+            Api::Messages => {
+                let messages = b.messages.ok_or_else(|| missing("messages"))?;
+                if messages.is_empty() {
+                    return Err(bad("`messages` must not be empty", Some("messages")));
+                }
+                let system = |m: &&Message| m.role.as_ref().is_some_and(|r| r.as_str() == "system");
+                let turns = messages
+                    .iter()
+                    .filter(system)
+                    .filter_map(|m| m.content.as_ref());
+                out.push_system(b.system.iter().chain(turns));
+                for m in messages.iter().filter(|m| !system(m)) {
+                    out.push_message(m);
+                }
+            }
         }
         // Each prompt's `n` choices each generate up to the limit; each prompt is prefilled once.
-        // The Responses API has no `n`: one answer, whatever the body says.
-        let n = if api == Api::Responses {
+        // The Responses and Messages APIs have no `n`: one answer, whatever the body says.
+        let n = if matches!(api, Api::Responses | Api::Messages) {
             None
         } else {
             count(b.n)
@@ -441,6 +472,70 @@ impl Request {
         let _ = write!(self.text, "{value}");
     }
 
+    /// A content part's text; one that carries none and names a kind (an image, audio, a file)
+    /// counts as a non-text part.
+    fn push_part(&mut self, p: &Part) {
+        // Anthropic blocks the engine drops from the prompt (vLLM's `_convert_block`).
+        if matches!(p.kind.as_str(), "redacted_thinking" | "tool_reference") {
+            return;
+        }
+        let before = self.text.len();
+        if let Some(t) = p.text.as_ref().or(p.refusal.as_ref()) {
+            self.text.push_str(t.as_str());
+        }
+        for t in [&p.thinking, &p.name].into_iter().flatten() {
+            self.text.push_str(t.as_str());
+        }
+        if let Some(input) = &p.input {
+            self.push_value(input);
+        }
+        let nested = match &p.content {
+            Some(Content::Text(t)) => {
+                self.text.push_str(t.as_str());
+                true
+            }
+            Some(Content::Parts(parts)) => {
+                parts.iter().for_each(|q| self.push_part(q));
+                true
+            }
+            None => false,
+        };
+        if self.text.len() == before && !nested && !p.kind.as_str().is_empty() {
+            self.non_text_parts += 1;
+        }
+    }
+
+    /// A Messages request's one system turn, as the engine renders it (vLLM's
+    /// `_convert_system_message`): the top-level `system`, then every system message's text,
+    /// joined, at the start of the conversation. A text block that opens with Claude Code's
+    /// `x-anthropic-billing-header` is dropped, as the engine drops it: it carries a hash that
+    /// differs on every request and would end every prompt's shared prefix at its first block.
+    fn push_system<'c>(&mut self, contents: impl Iterator<Item = &'c Content<'c>>) {
+        let opens = self.opens("system");
+        let start = self.text.len();
+        self.open_turn("system", None);
+        let header = self.text.len();
+        for c in contents {
+            match c {
+                Content::Text(t) => self.text.push_str(t.as_str()),
+                Content::Parts(parts) => {
+                    let texts = parts.iter().filter(|p| p.kind.as_str() == "text");
+                    let texts = texts.filter_map(|p| p.text.as_ref().map(Text::as_str));
+                    for t in texts.filter(|t| !t.starts_with(BILLING_HEADER)) {
+                        self.text.push_str(t);
+                    }
+                }
+            }
+        }
+        if self.text.len() == header {
+            // No system text: no system turn.
+            self.text.truncate(start);
+            return;
+        }
+        self.text.push('\n');
+        self.opened(opens);
+    }
+
     fn push_message(&mut self, m: &Message) {
         let role = m
             .role
@@ -451,15 +546,7 @@ impl Request {
         self.open_turn(role, m.name.as_ref().map(Text::as_str));
         match &m.content {
             Some(Content::Text(t)) => self.text.push_str(t.as_str()),
-            Some(Content::Parts(parts)) => {
-                for p in parts {
-                    match p.text.as_ref().or(p.refusal.as_ref()) {
-                        Some(t) => self.text.push_str(t.as_str()),
-                        None if p.kind.as_str().is_empty() => {}
-                        None => self.non_text_parts += 1,
-                    }
-                }
-            }
+            Some(Content::Parts(parts)) => parts.iter().for_each(|p| self.push_part(p)),
             None => {}
         }
         if let Some(args) = &m.arguments {
@@ -708,6 +795,98 @@ mod tests {
         )
         .unwrap();
         assert!(two.text.starts_with(&one.text));
+    }
+
+    fn messages(body: &str) -> Result<Request, BadRequest> {
+        Request::parse(Api::Messages, body.as_bytes())
+    }
+
+    /// An Anthropic Messages request reads as the engine renders it (vLLM's
+    /// `anthropic/serving.py`): one system turn first (the top-level `system`, then the system
+    /// messages', Claude Code's attribution block dropped), each block's text where the engine
+    /// finds it, a tool result's own blocks, and the dropped blocks neither text nor media.
+    #[test]
+    fn an_anthropic_messages_request_reads_as_the_engine_renders_it() {
+        let r = messages(
+            r#"{"model":"m","max_tokens":100,"stream":true,
+              "system":[{"type":"text","text":"x-anthropic-billing-header: cc_version=2.1; cch=9f3e;"},
+                        {"type":"text","text":"You are terse.","cache_control":{"type":"ephemeral"}}],
+              "tools":[{"name":"f","input_schema":{"type":"object"}}],
+              "messages":[
+                {"role":"user","content":"hi"},
+                {"role":"system","content":" Also kind."},
+                {"role":"assistant","content":[
+                  {"type":"thinking","thinking":"hmm","signature":"s"},
+                  {"type":"redacted_thinking","data":"opaque"},
+                  {"type":"text","text":"Let me look."},
+                  {"type":"tool_use","id":"toolu_1","name":"f","input":{"q":1}}]},
+                {"role":"user","content":[
+                  {"type":"tool_result","tool_use_id":"toolu_1",
+                   "content":[{"type":"text","text":"42"},{"type":"image","source":{"type":"url","url":"u"}}]},
+                  {"type":"text","text":"thanks"}]}]}"#,
+        )
+        .unwrap();
+        let tools = r#"<tools>
+[{"input_schema":{"type":"object"},"name":"f"}]
+"#;
+        let opening = format!("{tools}<system>\nYou are terse. Also kind.\n");
+        assert_eq!(
+            r.text,
+            format!(
+                "{opening}<user>\nhi\n<assistant>\nhmmLet me look.f{{\"q\":1}}\n<user>\n42thanks\n"
+            )
+        );
+        assert_eq!(r.opening, opening.len());
+        assert_eq!(r.non_text_parts, 1);
+        assert_eq!(r.max_output_tokens, Some(100));
+        assert_eq!((r.choices, r.prompts), (1, 1));
+        assert!(r.templated && r.stream);
+        // The next turn extends this one's text, whatever its attribution block says.
+        let next = messages(
+            r#"{"model":"m","max_tokens":100,"system":"You are terse.",
+              "messages":[{"role":"user","content":"hi"},{"role":"assistant","content":"hello"},
+                          {"role":"user","content":"more"}]}"#,
+        )
+        .unwrap();
+        let first = messages(
+            r#"{"model":"m","max_tokens":5,"n":3,"system":[
+                {"type":"text","text":"x-anthropic-billing-header: cch=0000;"},
+                {"type":"text","text":"You are terse."}],
+              "messages":[{"role":"user","content":"hi"}]}"#,
+        )
+        .unwrap();
+        assert!(next.text.starts_with(&first.text), "{first:?}");
+        // No `n` in this API: one answer.
+        assert_eq!(first.max_output_tokens, Some(5));
+        assert_eq!(first.choices, 1);
+    }
+
+    /// `max_tokens` is required, as the engines' models of the API require it; so are the
+    /// messages.
+    #[test]
+    fn an_anthropic_messages_request_needs_its_max_tokens_and_messages() {
+        for (body, param) in [
+            (
+                r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#,
+                "max_tokens",
+            ),
+            (
+                r#"{"model":"m","max_tokens":null,"messages":[{"role":"user","content":"hi"}]}"#,
+                "max_tokens",
+            ),
+            (r#"{"model":"m","max_tokens":9}"#, "messages"),
+            (r#"{"model":"m","max_tokens":9,"messages":[]}"#, "messages"),
+        ] {
+            let e = messages(body).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(param), "{body}");
+        }
+        assert_eq!(Api::from_path("/v1/messages"), Some(Api::Messages));
+        assert_eq!(
+            Api::from_path("/anthropic/v1/messages?beta=true"),
+            Some(Api::Messages)
+        );
+        // Counting tokens generates nothing: it passes through.
+        assert_eq!(Api::from_path("/v1/messages/count_tokens"), None);
     }
 
     #[test]

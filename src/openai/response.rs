@@ -103,7 +103,9 @@ impl Choice {
 #[serde(default)]
 struct Chunk {
     choices: Vec<Choice>,
-    usage: Option<Usage>,
+    /// In either API's names: an Anthropic Messages stream's `message_delta` carries its usage
+    /// as `input_tokens` and `output_tokens`.
+    usage: Option<UsageFields>,
     /// The Responses API streams events (`sse_chunk::TEXT_EVENTS`) and ends with
     /// `response.completed`, whose response carries usage in its own names.
     #[serde(rename = "type")]
@@ -491,7 +493,7 @@ impl ResponseMeter {
         };
         self.pieces += chunk.pieces();
         if let Some(u) = chunk.usage {
-            self.usage = Some(u);
+            self.usage = Some(u.usage());
         }
         let Some(response) = chunk.response else {
             return;
@@ -618,6 +620,44 @@ mod tests {
         m.feed(b"data: {\"type\":\"response.completed\",\"response\":{\"usage\":{\"input_tokens\":4,\"output_tokens\":1}}}\n");
         assert_eq!(m.pieces, 1);
         assert_eq!(m.finish().map(|u| u.prompt_tokens), Some(4));
+    }
+
+    /// An Anthropic Messages answer as vLLM streams it (`event:` lines, a piece a
+    /// `content_block_delta`, usage in its own names on `message_delta`) and as it answers
+    /// whole.
+    #[test]
+    fn an_anthropic_messages_answer_is_metered() {
+        let stream = concat!(
+            "event: message_start\n",
+            "data: {\"type\":\"message_start\",\"message\":{\"id\":\"chatcmpl-1\",\"type\":\"message\",",
+            "\"role\":\"assistant\",\"content\":[],\"model\":\"m\",\"stop_reason\":null,",
+            "\"stop_sequence\":null,\"usage\":{\"input_tokens\":12,\"output_tokens\":0}}}\n\n",
+            "event: content_block_start\n",
+            "data: {\"type\":\"content_block_start\",\"index\":0,\"content_block\":{\"type\":\"text\",\"text\":\"\"}}\n\n",
+            "event: content_block_delta\n",
+            "data: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"Hel\"}}\n\n",
+            "event: content_block_delta\n",
+            "data: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"lo\"}}\n\n",
+            "event: content_block_stop\n",
+            "data: {\"type\":\"content_block_stop\",\"index\":0}\n\n",
+            "event: message_delta\n",
+            "data: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"max_tokens\"},",
+            "\"usage\":{\"input_tokens\":12,\"output_tokens\":2}}\n\n",
+            "event: message_stop\n",
+            "data: {\"type\":\"message_stop\"}\n\n",
+        );
+        let mut m = ResponseMeter::new(Some("text/event-stream; charset=utf-8"));
+        let pieces: u64 = stream.as_bytes().chunks(7).map(|c| m.feed(c)).sum();
+        assert_eq!(pieces, 2);
+        let usage = Usage {
+            prompt_tokens: 12,
+            completion_tokens: 2,
+            cached_tokens: None,
+        };
+        assert_eq!(m.finish(), Some(usage));
+        let mut m = ResponseMeter::new(Some("application/json"));
+        m.feed(br#"{"id":"chatcmpl-1","type":"message","role":"assistant","content":[{"type":"text","text":"Hello"}],"model":"m","stop_reason":"end_turn","usage":{"input_tokens":12,"output_tokens":2}}"#);
+        assert_eq!(m.finish(), Some(usage));
     }
 
     #[test]
@@ -912,7 +952,7 @@ mod tests {
                     a.push(b']');
                     a
                 }
-                b"type" => match next(6) {
+                b"type" => match next(3 + TEXT_EVENTS.len()) {
                     0 => br#""response.output_text.delt\u0061""#.to_vec(),
                     1 => values[next(values.len())].to_vec(),
                     2 => br#""response.output_text.done""#.to_vec(),
@@ -957,6 +997,8 @@ mod tests {
             (br#"{"id":"c","choices":[{"index":0,"delta":{},"finish_reason":"length"}]}"#, 0),
             (br#"{"type":"response.output_text.delta","sequence_number":4,"item_id":"msg_1","output_index":0,"content_index":0,"delta":"x","logprobs":[]}"#, 1),
             (br#"{"type":"response.content_part.added","part":{"type":"output_text","text":""}}"#, 0),
+            (br#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"x"}}"#, 1),
+            (br#"{"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}"#, 0),
             // vLLM's reasoning (its name since vLLM PR 27752), and at the end of it a step whose
             // text is both reasoning and answer: one piece.
             (br#"{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"reasoning":" step"},"logprobs":null,"finish_reason":null}]}"#, 1),

@@ -1,5 +1,5 @@
 //! The shapes a request's prompt takes in the body: a message's `content` (a string or a list of
-//! parts), a completions `prompt` and a responses or embeddings `input` (a string, a list of
+//! parts, OpenAI's or an Anthropic Messages request's blocks), a completions `prompt` and a responses or embeddings `input` (a string, a list of
 //! strings, token ids, lists of token ids, or — for `input` — items). `request` renders them into
 //! the canonical text.
 //!
@@ -53,6 +53,16 @@ pub(super) struct Part<'a> {
     /// Responses API refusals and outputs carry their text here.
     #[serde(borrow)]
     pub refusal: Option<Text<'a>>,
+    /// Anthropic Messages blocks carry their text in fields of their own: a `thinking` block's
+    /// reasoning, a `tool_use` block's tool `name` and `input` (JSON, which the engine renders
+    /// as the call's arguments), a `tool_result` block's `content` (a string or blocks).
+    #[serde(borrow)]
+    pub thinking: Option<Text<'a>>,
+    #[serde(borrow)]
+    pub name: Option<Text<'a>>,
+    pub input: Option<serde_json::Value>,
+    #[serde(borrow)]
+    pub content: Option<Content<'a>>,
 }
 
 #[derive(Deserialize, Default)]

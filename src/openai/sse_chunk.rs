@@ -8,7 +8,7 @@
 //! (`response::Chunk`) counts: each of `choices` that carries any text — its `text`, or its
 //! delta's `content`, `reasoning` (vLLM's name since its PR 27752), `reasoning_content`
 //! (SGLang's, and vLLM's before) or a tool call's function `name` or `arguments` —, and each
-//! Responses API event of [`TEXT_EVENTS`]. It declines (`None`) rather than differ: wherever a
+//! event of [`TEXT_EVENTS`] (the Responses and Anthropic Messages APIs'). It declines (`None`) rather than differ: wherever a
 //! chunk's shape or bytes leave any doubt that serde_json would read it alike (a `usage` or `response` that is not null, a field
 //! of interest of another type or given twice, an escaped key or event type, a `\u` escape of a
 //! surrogate, bytes that are not UTF-8, nesting past `MAX_DEPTH`, any syntax error), and the
@@ -16,12 +16,15 @@
 //! through serde. The test `pieces_are_counted_as_the_serde_reading_counts_them` holds the two to
 //! each other.
 
-/// The Responses API's streamed events that each carry a piece of the answer: its text, its
-/// reasoning (vLLM's `response.reasoning_text.delta`) and a function call's arguments.
-pub const TEXT_EVENTS: [&str; 3] = [
+/// The streamed events that each carry a piece of the answer: the Responses API's text, reasoning
+/// (vLLM's `response.reasoning_text.delta`) and a function call's arguments, and the Anthropic
+/// Messages API's `content_block_delta` (text, thinking or a tool call's JSON; vLLM also closes
+/// each thinking block with one carrying its signature, counted as a piece too: one a block).
+pub const TEXT_EVENTS: [&str; 4] = [
     "response.output_text.delta",
     "response.reasoning_text.delta",
     "response.function_call_arguments.delta",
+    "content_block_delta",
 ];
 
 /// Deeper than this is declined (serde_json's own limit is 128).

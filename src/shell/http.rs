@@ -60,12 +60,19 @@ pub fn release_held(
     if let Step::Park(ticket) = decision.step {
         parked.borrow_mut().insert(ticket, (context, flow.clone()));
     }
-    apply(decision, true);
+    apply(flow, decision, true);
 }
 
-/// Carries out a decision on the current (effective) stream. Returns the action for a callback;
-/// `resume` is for a request parked earlier, which must be resumed explicitly.
-pub fn apply(d: Decision, resume: bool) -> Action {
+/// Carries out a decision on the request's `flow`, the current (effective) stream's, in the shape
+/// its API answers in (`Flow::shaped`). Returns the action for a callback; `resume` is for a
+/// request parked earlier, which must be resumed explicitly.
+pub fn apply(flow: &RefCell<Flow>, d: Decision, resume: bool) -> Action {
+    // Never borrowed at this point (each caller's borrow ended with the decision); were it, the
+    // decision goes unshaped rather than the VM panicking.
+    let d = match flow.try_borrow() {
+        Ok(flow) => flow.shaped(d),
+        Err(_) => d,
+    };
     for name in &d.remove {
         host::remove_request_header(name);
     }
@@ -141,7 +148,7 @@ impl Http {
             self.send_asks();
             host::retick(&mut self.gate.borrow_mut());
         }
-        apply(d, false)
+        apply(&self.flow, d, false)
     }
 
     /// Sends the calls asking the pods for the stored response the request is held for; their

@@ -91,8 +91,8 @@ impl Waiting for Parked {
         f(&mut flow.borrow_mut())
     }
 
-    fn resume(&mut self, _: &Self::Stream, decision: Decision) {
-        apply(decision, true);
+    fn resume(&mut self, (_, flow): &Self::Stream, decision: Decision) {
+        apply(flow, decision, true);
     }
 }
 
