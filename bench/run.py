@@ -619,7 +619,8 @@ def api_desc(w):
     """What a cell's description adds when its requests are not sent as chat (`API_ARGS`)."""
     return {"chat": "", "completions": "; sent to /v1/completions, rendered through Llama 3's chat template by "
             "the client", "ids": "; sent to /v1/completions as token ids (one a word of the prompt rendered "
-            "through Llama 3's chat template)"}.get(w.get("api", "chat"), "")
+            "through Llama 3's chat template)", "messages": "; sent to Anthropic's /v1/messages (a request "
+            "without a limit of its own with max_tokens 8192)"}.get(w.get("api", "chat"), "")
 
 
 def warm_desc(w):
@@ -681,9 +682,10 @@ def run_cell(ctx, tname, wname, label, bench_args, sim_args, timeout, concurrenc
 # A cell's `api`: "chat", to /v1/chat/completions; "completions", to /v1/completions, each
 # conversation rendered through the model's chat template by the client (as applications that
 # template their prompts themselves do); "ids", the same prompts sent as token ids (a client that
-# tokenizes itself).
+# tokenizes itself); "messages", to Anthropic's /v1/messages (as agent clients send it: a request
+# without a limit of its own carries a large one, as that API requires one).
 API_ARGS = {"chat": ["--path", "/v1/chat/completions"], "completions": ["--path", "/v1/completions"],
-            "ids": ["--path", "/v1/completions", "--prompt-ids"]}
+            "ids": ["--path", "/v1/completions", "--prompt-ids"], "messages": ["--path", "/v1/messages"]}
 
 
 def api_args(w, cell):

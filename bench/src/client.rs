@@ -203,6 +203,10 @@ impl Client {
                         out.content = c.to_string();
                     } else if let Some(c) = v.pointer("/choices/0/text").and_then(Value::as_str) {
                         out.content = c.to_string();
+                    } else if let Some(blocks) = v.get("content").and_then(Value::as_array) {
+                        // An Anthropic Messages answer: its text blocks.
+                        let texts = blocks.iter().filter_map(|b| b.get("text")?.as_str());
+                        out.content = texts.collect();
                     }
                 }
                 Err(e) => out.error = Some(format!("bad json: {e}")),
@@ -232,17 +236,22 @@ impl Client {
     }
 }
 
+/// A usage object in the OpenAI APIs' names, or in Anthropic's (`input_tokens`, `output_tokens`).
 fn read_usage(v: &Value, out: &mut Outcome) {
     if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
-        out.prompt_tokens = u.get("prompt_tokens").and_then(Value::as_u64);
-        out.completion_tokens = u.get("completion_tokens").and_then(Value::as_u64);
+        let either = |openai: &str, anthropic: &str| {
+            (u.get(openai).or_else(|| u.get(anthropic))).and_then(Value::as_u64)
+        };
+        out.prompt_tokens = either("prompt_tokens", "input_tokens");
+        out.completion_tokens = either("completion_tokens", "output_tokens");
         out.cached_tokens = u
             .pointer("/prompt_tokens_details/cached_tokens")
             .and_then(Value::as_u64);
     }
 }
 
-/// Incremental SSE parser: `data: {...}` lines, `data: [DONE]`.
+/// Incremental SSE parser: `data: {...}` lines, `data: [DONE]` (an Anthropic Messages stream's
+/// events, `message_stop`).
 pub struct Sse {
     t0: Instant,
     buf: Vec<u8>,
@@ -283,13 +292,24 @@ impl Sse {
                 self.out.error = Some(e.to_string());
             }
             read_usage(&v, &mut self.out);
-            if let Some(choices) = v.get("choices").and_then(Value::as_array) {
+            let kind = v.get("type").and_then(Value::as_str);
+            done |= kind == Some("message_stop");
+            // An Anthropic event's delta is read as a choice's.
+            let event = (kind == Some("content_block_delta")).then_some(std::slice::from_ref(&v));
+            let choices = v.get("choices").and_then(Value::as_array);
+            if let Some(choices) = choices.map(Vec::as_slice).or(event) {
                 for c in choices {
                     let text = |at: &str| c.pointer(at).and_then(Value::as_str).unwrap_or("");
-                    let piece = [text("/text"), text("/delta/content")].concat();
+                    let piece =
+                        [text("/text"), text("/delta/content"), text("/delta/text")].concat();
                     // A reasoning model's reasoning (vLLM's `reasoning`, SGLang's
-                    // `reasoning_content`) is its first tokens, not its answer.
-                    let reasoning = [text("/delta/reasoning"), text("/delta/reasoning_content")];
+                    // `reasoning_content`, Anthropic's `thinking`) is its first tokens, not its
+                    // answer.
+                    let reasoning = [
+                        text("/delta/reasoning"),
+                        text("/delta/reasoning_content"),
+                        text("/delta/thinking"),
+                    ];
                     if piece.is_empty() && reasoning.iter().all(|r| r.is_empty()) {
                         continue;
                     }
@@ -400,6 +420,30 @@ mod tests {
         let mut p = Sse::new(t0);
         p.feed(b"data: {\"choices\":[{\"text\":\" a\"}]}\n\ndata: {\"choices\":[{\"text\":\" b\"}]}\n\n", t0);
         assert_eq!(p.finish(Outcome::default()).chunks, 2);
+    }
+
+    /// An Anthropic Messages stream: a piece each thinking or text delta (the signature's is
+    /// none), usage in its own names, done at `message_stop`.
+    #[test]
+    fn anthropic_messages_events_are_read() {
+        let t0 = Instant::now();
+        let mut p = Sse::new(t0);
+        let done = p.feed(
+            concat!(
+                "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":9,\"output_tokens\":0}}}\n\n",
+                "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"thinking_delta\",\"thinking\":\"Hm\"}}\n\n",
+                "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"signature_delta\",\"signature\":\"ab\"}}\n\n",
+                "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":1,\"delta\":{\"type\":\"text_delta\",\"text\":\"A\"}}\n\n",
+                "event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"input_tokens\":9,\"output_tokens\":2}}\n\n",
+                "event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n",
+            )
+            .as_bytes(),
+            t0,
+        );
+        assert!(done);
+        let o = p.finish(Outcome::default());
+        assert_eq!((o.chunks, o.content.as_str()), (2, "A"));
+        assert_eq!((o.prompt_tokens, o.completion_tokens), (Some(9), Some(2)));
     }
 
     #[test]

@@ -168,6 +168,10 @@ struct RunArgs {
     /// Base URL of the target, e.g. http://127.0.0.1:10000
     #[arg(long)]
     url: String,
+    /// Where requests go: a chat completions path, a completions path (the conversation rendered
+    /// through Llama 3's template by the client), or an Anthropic Messages path (`/v1/messages`:
+    /// the system prompt in `system`, and a request without its own limit sent with
+    /// `ANTHROPIC_MAX_TOKENS`, as that API requires one).
     #[arg(long, default_value = "/v1/chat/completions")]
     path: String,
     /// With a completions `--path`, each prompt sent as token ids (a client that tokenizes
@@ -326,6 +330,11 @@ fn word_ids(prompt: &str) -> Vec<u32> {
         .collect()
 }
 
+/// The `max_tokens` an Anthropic Messages request without a limit of its own is sent with: large,
+/// as agent clients send it, and within the simulator's pods (a 3,000-token prompt and this fit
+/// 1,024 blocks of 16).
+const ANTHROPIC_MAX_TOKENS: u32 = 8192;
+
 /// Sends a job's turns one after another, carrying the conversation.
 async fn run_job(ctx: Arc<Ctx>, job: Job) {
     let mut messages: Vec<Value> = Vec::new();
@@ -339,7 +348,18 @@ async fn run_job(ctx: Arc<Ctx>, job: Job) {
         }
         messages.push(json!({"role": "user", "content": turn.user}));
         let model = job.model.as_deref().unwrap_or(&ctx.model);
-        let mut body = if ctx.path.ends_with("/v1/completions") {
+        let mut body = if ctx.path.ends_with("/v1/messages") {
+            // The API requires a limit: a client that sets none of its own sends a large one, as
+            // agent clients do, and the answer ends where the model stops.
+            let max_tokens = turn.max_tokens.unwrap_or(ANTHROPIC_MAX_TOKENS);
+            let mut body = json!({"model": model, "max_tokens": max_tokens, "temperature": 0.0});
+            let system = job.system.is_some();
+            body["messages"] = json!(messages[usize::from(system)..]);
+            if let Some(s) = &job.system {
+                body["system"] = json!(s);
+            }
+            body
+        } else if ctx.path.ends_with("/v1/completions") {
             let prompt = llama3_prompt(&messages);
             let prompt = if ctx.prompt_ids {
                 json!(word_ids(&prompt))
@@ -355,7 +375,10 @@ async fn run_job(ctx: Arc<Ctx>, job: Job) {
         }
         if ctx.stream {
             body["stream"] = json!(true);
-            body["stream_options"] = json!({"include_usage": true});
+            // An Anthropic Messages stream always ends with its usage.
+            if !ctx.path.ends_with("/v1/messages") {
+                body["stream_options"] = json!({"include_usage": true});
+            }
         }
         let bytes = Bytes::from(body.to_string());
         let sent = ctx.t0.elapsed().as_secs_f64();
