@@ -168,6 +168,7 @@ fn learn_scale(pairs: impl Iterator<Item = (f64, usize)>) -> f64 {
             completion_tokens: 0,
             choices: 1,
             length: calibration::Length::Ended,
+            bounded: false,
             pieces: 0,
             template: Keys::default(),
         };

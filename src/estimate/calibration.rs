@@ -170,6 +170,12 @@ struct ModelStats {
     /// gone on). Absent from records written before censoring was kept.
     #[serde(default)]
     cut: Vec<f64>,
+    /// Answers of requests with a limit of their own that ended by themselves before it, faded
+    /// like the length histograms: each shows the model's engine ending such answers where the
+    /// model stops, not at their limit (`OutputDist::with_limits_ended`). Absent from records
+    /// written before it was counted.
+    #[serde(default)]
+    ended_within_limit: f64,
     /// Streamed answers' output tokens and the pieces of text they came in, summed and faded
     /// like the length histograms: their ratio is the tokens a piece carries, 1 from an engine
     /// that sends a token a chunk, more from one that sends several (SGLang's
@@ -209,6 +215,7 @@ impl ModelStats {
             prompt_var: None,
             output: vec![0.0; BUCKETS],
             cut: vec![0.0; BUCKETS],
+            ended_within_limit: 0.0,
             streamed: None,
             part_tokens: None,
             part_samples: 0,
@@ -268,6 +275,10 @@ impl ModelStats {
             for x in self.output.iter_mut().chain(self.cut.iter_mut()) {
                 *x *= 1.0 - OUTPUT_FADE;
             }
+            self.ended_within_limit *= 1.0 - OUTPUT_FADE;
+            if sample.length == Length::Ended && sample.bounded {
+                self.ended_within_limit += 1.0;
+            }
             let into = if sample.length == Length::Cut {
                 &mut self.cut
             } else {
@@ -325,7 +336,8 @@ impl ModelStats {
             prompt_spread: self
                 .prompt_var
                 .map_or(cfg.prompt_spread, |v| v.max(0.0).sqrt().min(1.0)),
-            output: OutputDist::learned(&ended, &cut, prior.tokens, prior.engines_mean(cfg)),
+            output: OutputDist::learned(&ended, &cut, prior.tokens, prior.engines_mean(cfg))
+                .with_limits_ended(self.ended_within_limit),
             tokens_per_piece: self
                 .streamed
                 .filter(|&(_, pieces)| pieces > 0.0)
@@ -355,6 +367,8 @@ pub struct Sample {
     /// eight times its length).
     pub choices: u64,
     pub length: Length,
+    /// The request set its own output limit (a max-tokens field).
+    pub bounded: bool,
     /// Pieces of text its stream carried (`ResponseMeter::pieces`); 0 for an answer that did
     /// not stream.
     pub pieces: u64,
@@ -758,6 +772,7 @@ mod tests {
             completion_tokens: out,
             choices: 1,
             length: Length::Ended,
+            bounded: false,
             pieces: 0,
             template: Keys::default(),
         }
@@ -1331,6 +1346,39 @@ mod tests {
             learned("short").output.survival(60.0) < 0.1,
             "all stopped by 60"
         );
+    }
+
+    /// Answers of requests with a limit that end before it teach that this engine ends them
+    /// where the model stops: a far limit is then not held for. Answers run to their limit (a
+    /// benchmark's engine) teach nothing of the kind, and the prior holds.
+    #[test]
+    fn answers_ended_within_their_limit_say_the_engine_does_not_run_to_it() {
+        let vm = FakeHost::new().vm();
+        let cfg = learning_after(1);
+        for _ in 0..100 {
+            let within = Sample {
+                bounded: true,
+                ..sample(10.0, 10, 50)
+            };
+            let to_limit = Sample {
+                bounded: true,
+                length: Length::Cut,
+                ..sample(10.0, 10, 50)
+            };
+            Calibration::record(&vm, "honours", &[within], &cfg).unwrap();
+            // Unbounded answers say nothing of limits: only the cut ones are about them.
+            Calibration::record(&vm, "runs", &[sample(10.0, 10, 50), to_limit], &cfg).unwrap();
+        }
+        let far = |model| {
+            let learned = Calibration::default().learned(&vm, model, None, &cfg);
+            learned
+                .unwrap()
+                .output
+                .of_request(true, 0)
+                .expected(0, 8192)
+        };
+        assert!(far("honours") < 60, "{}", far("honours"));
+        assert!(far("runs") > 200, "{}", far("runs"));
     }
 
     #[test]

@@ -13,7 +13,8 @@
 //! eight samples, so the tail beyond anything seen yet never drops to zero. The prior depends on
 //! the request: one with a max-tokens field is taken to run to its limit (its exact bound, so
 //! nothing about it can overfill a pod before lengths are known; the first answers to finish are
-//! the shortest, and learning from them alone would admit too much); one without follows an
+//! the shortest, and learning from them alone would admit too much) until the model's engine is
+//! seen ending such answers before their limit (`with_limits_ended`); one without follows an
 //! exponential with the configured mean (`estimator.defaultOutputTokens`): long-tailed and
 //! memoryless, so a request that outlives every sample is expected to go on, not to stop at once.
 
@@ -62,6 +63,10 @@ pub struct OutputDist {
     prior_mean: f32,
     /// The prior is "runs to its limit" (a request with a max-tokens field), not exponential.
     runs_to_limit: bool,
+    /// How much of that prior still runs to the limit, from 1 (nothing says otherwise) down as
+    /// the model's engine is seen ending such answers by themselves (`with_limits_ended`); the
+    /// rest is the exponential prior.
+    limit_share: f32,
     /// The request's answer runs at least this long, whatever the model would say: vLLM and
     /// SGLang hold its end of sequence back until `min_tokens`, or for good under `ignore_eos`.
     floor: u64,
@@ -129,8 +134,28 @@ impl OutputDist {
             samples: 0.0,
             prior_mean: mean.max(1) as f32,
             runs_to_limit: false,
+            limit_share: 1.0,
             floor: 0,
             own: Own::NONE,
+        }
+    }
+
+    /// The same lengths for a model whose engine has ended `ended` answers (faded) of requests
+    /// with a limit of their own before their limit. Each one shows the prior "runs to its
+    /// limit" wrong for this engine (an engine that runs them to their limit — a benchmark's
+    /// `ignore_eos` kvgate cannot see, a simulator in benchmark mode — ends none), so its share
+    /// of the prior falls by e every `PRIOR_SAMPLES` of them, and the prior becomes the
+    /// exponential one a request without a limit has: such a request is then one without,
+    /// cut at its limit. Held at 1, it weighed as eight samples beside the ~256 faded ones
+    /// forever: a chance of about 3 % that any such request ran to its limit, whatever the
+    /// engine had shown, and a limit far past the answers (an agent's `max_tokens` of
+    /// thousands) was held for as if one in thirty would reach it: its pods ran at two thirds
+    /// of round robin's output (BENCHMARKS.md, *Large limits*).
+    pub fn with_limits_ended(self, ended: f64) -> OutputDist {
+        let share = (-ended.max(0.0) / PRIOR_SAMPLES).exp();
+        OutputDist {
+            limit_share: share as f32,
+            ..self
         }
     }
 
@@ -240,10 +265,12 @@ impl OutputDist {
     }
 
     fn prior_survival(&self, t: f64) -> f64 {
+        let exponential = (-t / f64::from(self.prior_mean)).exp();
         if self.runs_to_limit {
-            1.0
+            let share = f64::from(self.limit_share);
+            share + (1.0 - share) * exponential
         } else {
-            (-t / f64::from(self.prior_mean)).exp()
+            exponential
         }
     }
 
@@ -476,6 +503,35 @@ mod tests {
         let e = learned.expected(0, 1000);
         // 100 answers of 50 tokens, and eight samples' worth of running to the limit.
         assert!((100..=160).contains(&e), "{e}");
+    }
+
+    /// Once the model's engine has ended answers of requests with a limit before it, a limit
+    /// far past the answers is not held for as if one in thirty ran to it: the request is one
+    /// without a limit, cut at it. An engine that runs them to their limit ends none, and the
+    /// prior stays.
+    #[test]
+    fn a_limit_the_engine_is_seen_not_to_run_to_is_not_held_for() {
+        let ended = hist(&[(50, 180.0), (400, 20.0)]);
+        let learned = OutputDist::learned(&ended, &[0.0; BUCKETS], 256, 0);
+        let far = 8192;
+        let held = learned.of_request(true, 0);
+        let none = learned.of_request(false, 0);
+        // Eight samples of running to 8,192 beside 200 answers of mean 85: a request expected
+        // at over 350 tokens, and still running at 4,000 one time in 27.
+        assert!(held.expected(0, far) > 350, "{}", held.expected(0, far));
+        assert!(held.survival(4_000.0) > 0.03);
+        for (seen, share) in [(8.0, 0.37), (64.0, 0.0)] {
+            let d = learned.with_limits_ended(seen).of_request(true, 0);
+            assert!((f64::from(d.limit_share) - share).abs() < 0.01, "{seen}");
+            assert!(d.expected(0, far) < held.expected(0, far));
+        }
+        let seen = learned.with_limits_ended(64.0).of_request(true, 0);
+        assert!(seen.expected(0, far).abs_diff(none.expected(0, far)) <= 1);
+        assert!(seen.survival(4_000.0) < 1e-4);
+        // The bound still ends the outlook, and lengths relearned keep what the engine showed.
+        assert_eq!(seen.expected(0, 30), none.expected(0, 30));
+        assert_eq!(held.relearned(seen), seen);
+        assert_eq!(learned.with_limits_ended(0.0), learned);
     }
 
     /// An answer the engine will not end before `floor` tokens runs there surely, and past it as

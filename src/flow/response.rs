@@ -338,6 +338,7 @@ impl Flow {
             completion_tokens: usage.completion_tokens,
             choices: a.estimate.choices,
             length,
+            bounded: a.max_output_tokens.is_some(),
             pieces: meter.pieces,
             template: a.template,
         };
@@ -989,6 +990,7 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
             completion_tokens: tokens,
             choices: 1,
             length: Length::Ended,
+            bounded: false,
             pieces,
             template: crate::estimate::templates::Keys::default(),
         };
