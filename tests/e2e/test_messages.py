@@ -1,13 +1,15 @@
 """Anthropic's Messages API (`/v1/messages`), which vLLM and SGLang serve beside the OpenAI ones
 and agent clients (Claude Code on a local model) send nothing else through, in a real Envoy in
 front of kvgate-sim pods: its requests are admitted within the pods' budgets (with max_tokens the
-engine never preempts, where round robin on the same pool does), its conversations keep their
+engine never preempts, where round robin on the same pool does, and a limit far past the answers
+is not held for), its conversations keep their
 prefix's pod even with Claude Code's per-request attribution block in their system prompt, its
 usage is read in its own names, and kvgate's own errors reach its clients in that API's shape."""
 
 import http.client
 import json
 import random
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from harness import Sim, baseline_envoy, default_plugin_config, kvgate_envoy, kvgate_gauges, request, wait_for
@@ -90,6 +92,37 @@ def test_anthropic_messages_are_admitted_within_the_budget():
     print(f"preemptions: {out}")
     assert out["round_robin"] >= 20, out
     assert out["kvgate"] == 0, out
+
+
+def test_a_limit_far_past_the_answers_leaves_no_kv_idle():
+    """The API requires `max_tokens`, and agent clients send one far past their answers. On pods
+    whose engine ends answers where the model stops (answers of mean 256 drawn by the simulator,
+    limits of 3,000), kvgate learns that such a limit is not run to and admits as for answers
+    without one, at a bound's wider headroom. Measured over these 480 requests: 0.60x round
+    robin's output with 3 preemptions to its 290 (the first wave, held to its limits until
+    answers are seen, is most of the gap on pods this small; 0.95-0.97x on the benchmark's chat
+    pool); held as if one answer in thirty ran to its limit, as kvgate did before, 0.31x."""
+    def text(i):
+        return f"question {i}: " + " ".join(WORDS[(i * 7 + j * 13) % len(WORDS)] for j in range(300))
+
+    out = {}
+    for name in ("round_robin", "kvgate"):
+        with Sim(pods=2, args=[*SMALL_KV, "--eos-before-max-tokens"]) as sim:
+            ctx = baseline_envoy(sim.endpoints) if name == "round_robin" else \
+                kvgate_envoy(sim.endpoints, default_plugin_config(), concurrency=2)
+            with ctx as envoy, ThreadPoolExecutor(48) as pool:
+                started = time.monotonic()
+                answers = list(pool.map(lambda i: messages_stream(envoy.port, messages_body(text(i), 3000)),
+                                        range(480)))
+                elapsed = time.monotonic() - started
+                assert all(a["status"] == 200 for a in answers), [a.get("body") for a in answers if a["status"] != 200]
+                out[name] = {"output_per_s": round(sum(a["usage"]["output_tokens"] for a in answers) / elapsed),
+                             "preemptions": preemptions(sim)}
+    print(f"limits of 3,000: {out}")
+    assert out["kvgate"]["output_per_s"] >= 0.45 * out["round_robin"]["output_per_s"], out
+    # Measured 3, 4 and 3 (the first wave learning its lengths on pods of six requests); a limit
+    # held for, as before, none.
+    assert out["kvgate"]["preemptions"] <= max(8, 0.03 * out["round_robin"]["preemptions"]), out
 
 
 def test_anthropic_conversations_keep_their_prefix_pod():
