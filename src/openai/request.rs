@@ -1,8 +1,8 @@
 //! OpenAI-compatible request bodies, and the Anthropic Messages API vLLM and SGLang also serve:
 //! which API a path is, and the fields kvgate decides on (model, prompt content, output limits,
-//! streaming, user, cache salt). Content is kept as a
-//! canonical text rendering in which earlier chat turns are a true prefix of later ones, so the
-//! same text serves token estimation and prefix hashing.
+//! streaming, cache salt). Content is kept as a canonical text rendering in which earlier chat
+//! turns are a true prefix of later ones, so the same text serves token estimation and prefix
+//! hashing.
 
 use super::lax::{Count, Flag};
 use super::shapes::{Content, Input, Message, Part, Prompt, Text};
@@ -94,7 +94,6 @@ pub struct Request {
     /// The engine stores the answer (the Responses API's `store`, on unless turned off).
     pub stored: bool,
     pub stream: bool,
-    pub user: Option<String>,
     pub cache_salt: Option<String>,
 }
 
@@ -150,7 +149,6 @@ struct Body<'a> {
     previous_response_id: Option<serde_json::Value>,
     store: Option<serde_json::Value>,
     stream: Option<Flag>,
-    user: Option<String>,
     cache_salt: Option<String>,
 }
 
@@ -296,7 +294,6 @@ impl Request {
             prompts: 1,
             templated: matches!(api, Api::ChatCompletions | Api::Responses | Api::Messages),
             stream: b.stream.is_some_and(|f| f.0),
-            user: b.user,
             cache_salt: b.cache_salt,
             // The text is about as long as the body that carries it: grown by doublings instead,
             // a long prompt was copied several times over (and once more for its last newline).
@@ -630,7 +627,6 @@ mod tests {
         assert_eq!(r.non_text_parts, 1);
         assert_eq!(r.max_output_tokens, Some(50));
         assert!(r.stream);
-        assert_eq!(r.user.as_deref(), Some("u1"));
     }
 
     /// A body the engine serves is served: its counts and flags as vLLM's pydantic models read
