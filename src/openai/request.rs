@@ -469,36 +469,32 @@ impl Request {
         let _ = write!(self.text, "{value}");
     }
 
-    /// A content part's text; one that carries none and names a kind (an image, audio, a file)
-    /// counts as a non-text part.
+    /// A content part's text; one that carries no text field at all and names a kind (an image,
+    /// audio, a file) counts as a non-text part. (A text field that is empty is text: none.)
     fn push_part(&mut self, p: &Part) {
         // Anthropic blocks the engine drops from the prompt (vLLM's `_convert_block`).
         if matches!(p.kind.as_str(), "redacted_thinking" | "tool_reference") {
             return;
         }
-        let before = self.text.len();
-        if let Some(t) = p.text.as_ref().or(p.refusal.as_ref()) {
+        let texts = [
+            p.text.as_ref().or(p.refusal.as_ref()),
+            p.thinking.as_ref(),
+            p.name.as_ref(),
+        ];
+        let mut carried = false;
+        for t in texts.into_iter().flatten() {
             self.text.push_str(t.as_str());
-        }
-        for t in [&p.thinking, &p.name].into_iter().flatten() {
-            self.text.push_str(t.as_str());
+            carried = true;
         }
         if let Some(input) = &p.input {
             self.push_value(input);
+            carried = true;
         }
-        let nested = match &p.content {
-            Some(Content::Text(t)) => {
-                self.text.push_str(t.as_str());
-                true
-            }
-            Some(Content::Parts(parts)) => {
-                parts.iter().for_each(|q| self.push_part(q));
-                true
-            }
-            None => false,
-        };
-        if self.text.len() == before && !nested && !p.kind.as_str().is_empty() {
-            self.non_text_parts += 1;
+        match &p.content {
+            Some(Content::Text(t)) => self.text.push_str(t.as_str()),
+            Some(Content::Parts(parts)) => parts.iter().for_each(|q| self.push_part(q)),
+            None if !carried && !p.kind.as_str().is_empty() => self.non_text_parts += 1,
+            None => {}
         }
     }
 
@@ -609,6 +605,15 @@ mod tests {
         assert_eq!(Api::from_path("/v1/models"), None);
         assert_eq!(Api::from_path("/v1/completions/render"), None);
         assert_eq!(Api::from_path("/"), None);
+    }
+
+    /// A part whose text field is there but empty is text (none), not a media part: as before
+    /// the Messages API's blocks were read.
+    #[test]
+    fn an_empty_text_part_is_no_media() {
+        let r = chat(r#"{"messages":[{"role":"user","content":[{"type":"text","text":""},{"type":"text","text":"hi"}]}]}"#)
+            .unwrap();
+        assert_eq!((r.non_text_parts, r.text.as_str()), (0, "<user>\nhi\n"));
     }
 
     #[test]
