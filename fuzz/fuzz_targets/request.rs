@@ -19,11 +19,14 @@ use kvgate::routing::prefix::block_hashes;
 use libfuzzer_sys::fuzz_target;
 use std::sync::OnceLock;
 
-const APIS: [Api; 4] = [
+const APIS: [Api; 7] = [
     Api::Completions,
     Api::ChatCompletions,
     Api::Responses,
     Api::Embeddings,
+    Api::Messages,
+    Api::Generate,
+    Api::Tokens,
 ];
 
 /// Estimator configurations, each accepted by `Config::parse` (so each is one an operator can

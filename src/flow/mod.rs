@@ -1198,6 +1198,57 @@ mod tests {
         assert!(matches!(&d.step, Step::Reply(r) if r.body.starts_with(b"{\"error\"")));
     }
 
+    /// The engines' own generate APIs are routed and admitted as completions are: SGLang's
+    /// `/generate` stream metered by its `meta_info` counts, vLLM's `/inference/v1/generate`
+    /// answer by its usage; each released once. A path that only ends alike passes unread.
+    #[test]
+    fn the_engines_generate_apis_are_routed_admitted_and_metered() {
+        let pod = "10.0.0.1:80";
+        let (_, vm, mut gate) = gate(crate::test_support::with_pods(&[pod]));
+        let held = || {
+            let rec = crate::pods::record::read(&vm, pod).unwrap();
+            (rec.entries.len(), rec.held_tokens())
+        };
+        let mut f = Flow::default();
+        f.on_request_headers(&mut gate, &vm, &head("/generate"));
+        let body = br#"{"text":"hello there","sampling_params":{"max_new_tokens":20},"stream":true}"#;
+        let d = f.on_body(&mut gate, &vm, body);
+        assert_eq!(d.step, Step::Forward);
+        assert!(d
+            .set
+            .contains(&(DESTINATION_HEADER.to_string(), pod.to_string())));
+        assert!(matches!(held(), (1, h) if h > 0), "{:?}", held());
+        f.on_response_headers(&mut gate, &vm, Some("text/event-stream"), Some(pod));
+        f.on_response_body(&mut gate, &vm, concat!(
+            "data: {\"text\":\"Hi\",\"output_ids\":[5],\"meta_info\":{\"id\":\"r\",\"finish_reason\":null,\"prompt_tokens\":9,\"completion_tokens\":1,\"cached_tokens\":0}}\n\n",
+            "data: {\"text\":\"Hi!\",\"output_ids\":[5,6],\"meta_info\":{\"id\":\"r\",\"finish_reason\":{\"type\":\"stop\",\"matched\":2},\"prompt_tokens\":9,\"completion_tokens\":2,\"cached_tokens\":0}}\n\n",
+            "data: [DONE]\n\n",
+        ).as_bytes());
+        f.on_done(&mut gate, &vm);
+        f.on_done(&mut gate, &vm);
+        assert_eq!(held(), (0, 0), "released once");
+        assert_eq!(gate.stats.take_count(stats::USAGE_TOTAL_TOKENS), 11);
+
+        let mut f = Flow::default();
+        f.on_request_headers(&mut gate, &vm, &head("/inference/v1/generate"));
+        let body = br#"{"token_ids":[1,2,3,4],"sampling_params":{"max_tokens":8}}"#;
+        assert_eq!(f.on_body(&mut gate, &vm, body).step, Step::Forward);
+        assert!(matches!(held(), (1, h) if h > 0), "{:?}", held());
+        f.on_response_headers(&mut gate, &vm, Some("application/json"), Some(pod));
+        f.on_response_body(
+            &mut gate,
+            &vm,
+            br#"{"request_id":"generate-tokens-1","choices":[{"index":0,"finish_reason":"length","token_ids":[9,9,9,9,9,9,9,9]}],"usage":{"prompt_tokens":4,"completion_tokens":8,"total_tokens":12}}"#,
+        );
+        f.on_done(&mut gate, &vm);
+        assert_eq!(held(), (0, 0), "released once");
+        assert_eq!(gate.stats.take_count(stats::USAGE_TOTAL_TOKENS), 12);
+
+        let mut f = Flow::default();
+        let d = f.on_request_headers(&mut gate, &vm, &head("/api/generate"));
+        assert!(!f.wants_body(), "{d:?}");
+    }
+
     fn served(vm: &crate::store::fake_host::FakeVm, pod: &str, models: &[&str]) {
         let list: Vec<_> = models
             .iter()

@@ -1,5 +1,6 @@
-//! OpenAI-compatible request bodies, and the Anthropic Messages API vLLM and SGLang also serve:
-//! which API a path is, and the fields kvgate decides on (model, prompt content, output limits,
+//! OpenAI-compatible request bodies, the Anthropic Messages API vLLM and SGLang also serve, and
+//! the engines' own generate APIs (SGLang's `/generate`, vLLM's `/inference/v1/generate`): which
+//! API a path is, and the fields kvgate decides on (model, prompt content, output limits,
 //! streaming, cache salt). Content is kept as a canonical text rendering in which earlier chat
 //! turns are a true prefix of later ones, so the same text serves token estimation and prefix
 //! hashing.
@@ -18,20 +19,32 @@ pub enum Api {
     /// Anthropic's Messages API (`/v1/messages`), which vLLM (its `vllm/entrypoints/anthropic`)
     /// and SGLang serve as a chat completion of the same conversation.
     Messages,
+    /// SGLang's native `/generate` (its `GenerateReqInput`): a raw `text` or `input_ids`
+    /// prompt, no chat template, limits in `sampling_params`; what RL rollouts and SGLang's own
+    /// router send.
+    Generate,
+    /// vLLM's tokens-in, tokens-out `/inference/v1/generate` (its `serve/disagg`
+    /// `GenerateRequest`): `token_ids` and `sampling_params`, answered as JSON.
+    Tokens,
 }
 
 impl Api {
     /// Matches by suffix, so a route prefix such as `/openai/v1/chat/completions` still works; the
-    /// query string is ignored.
+    /// query string is ignored. SGLang's `/generate` only as the whole path: other servers end
+    /// paths of their own so (Ollama's `/api/generate`), whose bodies are not SGLang's.
     pub fn from_path(path: &str) -> Option<Api> {
         let path = path.split(['?', '#']).next().unwrap_or("");
         let path = path.trim_end_matches('/');
+        if path == "/generate" {
+            return Some(Api::Generate);
+        }
         [
             ("/v1/chat/completions", Api::ChatCompletions),
             ("/v1/completions", Api::Completions),
             ("/v1/responses", Api::Responses),
             ("/v1/embeddings", Api::Embeddings),
             ("/v1/messages", Api::Messages),
+            ("/inference/v1/generate", Api::Tokens),
         ]
         .into_iter()
         .find(|(suffix, _)| path.ends_with(suffix))
@@ -152,6 +165,111 @@ struct Body<'a> {
     cache_salt: Option<String>,
 }
 
+/// A body of the engines' native generate APIs (`Api::Generate`, `Api::Tokens`), read apart
+/// from `Body`: their `text` is a prompt where the Responses API's is an output setting.
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct NativeBody<'a> {
+    /// vLLM's only: SGLang's `/generate` has no model (its `lora_path` names an adapter as a
+    /// path or a name, not a model the pods list).
+    #[serde(borrow)]
+    model: Option<&'a serde_json::value::RawValue>,
+    /// SGLang's prompt: a string, or a batch of them.
+    #[serde(borrow)]
+    text: Option<Prompt<'a>>,
+    /// SGLang's prompt as ids: a list, or a batch of lists.
+    #[serde(borrow)]
+    input_ids: Option<Prompt<'a>>,
+    /// vLLM's prompt: one list of ids.
+    #[serde(borrow)]
+    token_ids: Option<Prompt<'a>>,
+    sampling_params: Option<SamplingSet>,
+    stream: Option<Flag>,
+    cache_salt: Option<String>,
+}
+
+/// SGLang takes one `sampling_params` for every prompt of a batch, or a list of one a prompt.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum SamplingSet {
+    All(Sampling),
+    Each(Vec<Sampling>),
+}
+
+/// The sampling parameters kvgate decides on, under either engine's names: SGLang's
+/// `max_new_tokens` and `min_new_tokens`, vLLM's `SamplingParams` `max_tokens` and `min_tokens`.
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct Sampling {
+    /// Absent (the engine's default), null (no limit but the context) or a count.
+    #[serde(deserialize_with = "present")]
+    max_new_tokens: Option<Option<Count>>,
+    #[serde(deserialize_with = "present")]
+    max_tokens: Option<Option<Count>>,
+    min_new_tokens: Option<serde_json::Value>,
+    min_tokens: Option<serde_json::Value>,
+    ignore_eos: Option<serde_json::Value>,
+    n: Option<Count>,
+}
+
+/// Where SGLang's `/generate` stops without `max_new_tokens` (its `SamplingParams`).
+const SGLANG_DEFAULT_MAX_NEW_TOKENS: u64 = 128;
+/// Where vLLM's `SamplingParams` stops without `max_tokens`, as `/inference/v1/generate` takes
+/// them (the OpenAI APIs set their own).
+const VLLM_DEFAULT_MAX_TOKENS: u64 = 16;
+
+/// The answers of one prompt under its sampling parameters, or of several summed: how many
+/// (each prompt's `n` choices, each run as a sequence of its own on the prompt prefilled once),
+/// the most tokens they may run to together (`None`: no limit), and the least.
+#[derive(Clone, Copy)]
+struct Answers {
+    choices: u64,
+    max: Option<u64>,
+    /// `u64::MAX` under `ignore_eos`: the whole limit, whatever it is.
+    min: u64,
+}
+
+impl Answers {
+    /// One prompt's: `n` choices, each up to `max` and at least `min_tokens`, or its whole
+    /// limit under `ignore_eos` (values the engine reads, left to it to refuse).
+    fn of(
+        n: Option<u64>,
+        max: Option<u64>,
+        ignore_eos: Option<&serde_json::Value>,
+        min_tokens: Option<&serde_json::Value>,
+    ) -> Answers {
+        let choices = n.unwrap_or(1).clamp(1, MAX_CHOICES);
+        let min = if ignore_eos.is_some_and(Flag::on) {
+            u64::MAX
+        } else {
+            min_tokens.and_then(Count::of).unwrap_or(0)
+        };
+        Answers {
+            choices,
+            max: max.map(|m| m.saturating_mul(choices)),
+            min: min.saturating_mul(choices),
+        }
+    }
+
+    /// The same for each of `prompts` prompts.
+    fn times(self, prompts: u64) -> Answers {
+        Answers {
+            choices: self.choices.saturating_mul(prompts),
+            max: self.max.map(|m| m.saturating_mul(prompts)),
+            min: self.min.saturating_mul(prompts),
+        }
+    }
+
+    /// Two prompts' answers together.
+    fn and(self, other: Answers) -> Answers {
+        Answers {
+            choices: self.choices.saturating_add(other.choices),
+            max: self.max.zip(other.max).map(|(a, b)| a.saturating_add(b)),
+            min: self.min.saturating_add(other.min),
+        }
+    }
+}
+
 const MAX_MODEL_CHARS: usize = 256;
 /// How Claude Code's per-request attribution block opens (dropped from a Messages request's
 /// system prompt, `Request::push_system`).
@@ -183,17 +301,17 @@ fn missing(field: &str) -> BadRequest {
 
 impl Request {
     /// The body, from a whole-text deserializer (trailing text is an error).
-    fn deserialize(body: &str) -> Result<Body<'_>, serde_json::Error> {
+    fn deserialize<'b, T: Deserialize<'b>>(body: &'b str) -> Result<T, serde_json::Error> {
         let de = &mut serde_json::Deserializer::from_str(body);
-        let parsed = Body::deserialize(&mut *de)?;
+        let parsed = T::deserialize(&mut *de)?;
         de.end()?;
         Ok(parsed)
     }
 
     /// Why a body did not parse, naming the field when it was a field's fault.
-    fn explain_error(body: &str) -> BadRequest {
+    fn explain_error<'b, T: Deserialize<'b>>(body: &'b str) -> BadRequest {
         let de = &mut serde_json::Deserializer::from_str(body);
-        let tracked: Result<Body, _> = serde_path_to_error::deserialize(&mut *de);
+        let tracked: Result<T, _> = serde_path_to_error::deserialize(&mut *de);
         let e = match tracked {
             Err(e) => e,
             // Only trailing text is left to be wrong.
@@ -219,6 +337,13 @@ impl Request {
         }
     }
 
+    /// The body as `T`. From the validated text, so strings are neither checked again nor
+    /// copied when they have no escapes. The path of a bad field is tracked only to explain an
+    /// error: a body that parses pays nothing for it (the tracking allocates at every field).
+    fn read<'b, T: Deserialize<'b>>(body: &'b str) -> Result<T, BadRequest> {
+        Self::deserialize(body).map_err(|_| Self::explain_error::<T>(body))
+    }
+
     /// Parses a body for `api`. Fields kvgate does not use are ignored (clients send many).
     pub fn parse(api: Api, body: &[u8]) -> Result<Request, BadRequest> {
         let Ok(body) = std::str::from_utf8(body) else {
@@ -228,29 +353,42 @@ impl Request {
         if body.bytes().find(|b| !b.is_ascii_whitespace()) != Some(b'{') {
             return Err(bad("request body must be a JSON object", None));
         }
-        // From the validated text, so strings are neither checked again nor copied when they
-        // have no escapes. The path of a bad field is tracked only to explain an error: a body
-        // that parses pays nothing for it (the tracking allocates at every field).
-        let parsed: Body = match Self::deserialize(body) {
-            Ok(parsed) => parsed,
-            Err(_) => return Err(Self::explain_error(body)),
-        };
-        // No model (absent, null or empty) is the engine's own: vLLM and SGLang then serve the
-        // model they were started with (`Request::model` empty; the gateway works out which).
-        let (model, model_span) = match parsed.model.filter(|m| m.get() != "null") {
-            Some(raw) => {
-                let start = raw.get().as_ptr() as usize - body.as_ptr() as usize;
-                let model: String = serde_json::from_str(raw.get()).map_err(|_| {
-                    bad(
-                        "request body has an invalid field: `model` must be a string",
-                        Some("model"),
-                    )
-                })?;
-                (model, (start, start + raw.get().len()))
-            }
-            None => (String::new(), (0, 0)),
-        };
+        if matches!(api, Api::Generate | Api::Tokens) {
+            let parsed: NativeBody = Self::read(body)?;
+            let model = parsed.model.filter(|_| api == Api::Tokens);
+            let (model, model_span) = Self::model_of(model, body)?;
+            return Self::from_native(api, parsed, model, model_span, body.len());
+        }
+        let parsed: Body = Self::read(body)?;
+        let (model, model_span) = Self::model_of(parsed.model, body)?;
         Self::from_body(api, parsed, model, model_span, body.len())
+    }
+
+    /// The `model` a body names, and where its value lies in the body. No model (absent, null
+    /// or empty) is the engine's own: vLLM and SGLang then serve the model they were started
+    /// with (`Request::model` empty; the gateway works out which).
+    fn model_of(
+        raw: Option<&serde_json::value::RawValue>,
+        body: &str,
+    ) -> Result<(String, (usize, usize)), BadRequest> {
+        let Some(raw) = raw.filter(|m| m.get() != "null") else {
+            return Ok((String::new(), (0, 0)));
+        };
+        let start = raw.get().as_ptr() as usize - body.as_ptr() as usize;
+        let model: String = serde_json::from_str(raw.get()).map_err(|_| {
+            bad(
+                "request body has an invalid field: `model` must be a string",
+                Some("model"),
+            )
+        })?;
+        // Model names key per-VM caches and may appear in a debug header: bound them.
+        if model.chars().count() > MAX_MODEL_CHARS {
+            return Err(bad(
+                format!("`model` is longer than {MAX_MODEL_CHARS} characters"),
+                Some("model"),
+            ));
+        }
+        Ok((model, (start, start + raw.get().len())))
     }
 
     /// The text its prefix is hashed on: all of it, but a batch's first prompt, whose blocks are
@@ -281,13 +419,6 @@ impl Request {
         model_span: (usize, usize),
         body_len: usize,
     ) -> Result<Request, BadRequest> {
-        // Model names key per-VM caches and may appear in a debug header: bound them.
-        if model.chars().count() > MAX_MODEL_CHARS {
-            return Err(bad(
-                format!("`model` is longer than {MAX_MODEL_CHARS} characters"),
-                Some("model"),
-            ));
-        }
         let mut out = Request {
             model,
             model_span,
@@ -314,6 +445,8 @@ impl Request {
                 Some(Some(set)) => Some(set.0),
                 _ => return Err(missing("max_tokens")),
             },
+            // Their bodies are `from_native`'s.
+            Api::Generate | Api::Tokens => None,
         };
         if api == Api::Responses {
             out.previous_response = b
@@ -367,27 +500,84 @@ impl Request {
                     out.push_message(m);
                 }
             }
+            Api::Generate | Api::Tokens => {}
         }
-        // Each prompt's `n` choices each generate up to the limit; each prompt is prefilled once.
         // The Responses and Messages APIs have no `n`: one answer, whatever the body says.
         let n = if matches!(api, Api::Responses | Api::Messages) {
             None
         } else {
             count(b.n)
         };
-        let choices = n
-            .unwrap_or(1)
-            .clamp(1, MAX_CHOICES)
-            .saturating_mul(out.prompts);
-        out.choices = choices;
-        out.max_output_tokens = max.map(|m| m.saturating_mul(choices));
-        out.min_output_tokens = if b.ignore_eos.as_ref().is_some_and(Flag::on) {
-            u64::MAX
-        } else {
-            let min = b.min_tokens.as_ref().and_then(Count::of);
-            min.unwrap_or(0).saturating_mul(choices)
-        };
+        let answers = Answers::of(n, max, b.ignore_eos.as_ref(), b.min_tokens.as_ref());
+        out.set_answers(answers.times(out.prompts));
         Ok(out)
+    }
+
+    /// A body of the engines' native generate APIs: its prompt as the engine takes it (raw
+    /// text or ids, no chat template), its answers under their sampling parameters.
+    fn from_native(
+        api: Api,
+        b: NativeBody,
+        model: String,
+        model_span: (usize, usize),
+        body_len: usize,
+    ) -> Result<Request, BadRequest> {
+        let mut out = Request {
+            model,
+            model_span,
+            // vLLM answers `/inference/v1/generate` as JSON whatever `stream` says.
+            stream: api == Api::Generate && b.stream.is_some_and(|f| f.0),
+            cache_salt: b.cache_salt,
+            text: String::with_capacity(body_len),
+            ..Request::default()
+        };
+        let (prompt, default_max) = match api {
+            Api::Tokens => (
+                b.token_ids.ok_or_else(|| missing("token_ids"))?,
+                VLLM_DEFAULT_MAX_TOKENS,
+            ),
+            // The engine prefills the ids when it is given both.
+            _ => (
+                b.input_ids
+                    .or(b.text)
+                    .ok_or_else(|| bad("either `text` or `input_ids` is required", Some("text")))?,
+                SGLANG_DEFAULT_MAX_NEW_TOKENS,
+            ),
+        };
+        out.prompts = out.push_input(prompt.0).max(1);
+        let params = match b.sampling_params {
+            Some(set) => set,
+            None if api == Api::Tokens => return Err(missing("sampling_params")),
+            None => SamplingSet::All(Sampling::default()),
+        };
+        let answers = |s: &Sampling| {
+            let max = match s.max_new_tokens.or(s.max_tokens) {
+                None => Some(default_max),
+                Some(set) => set.map(|c| c.0),
+            };
+            let min = s.min_new_tokens.as_ref().or(s.min_tokens.as_ref());
+            Answers::of(s.n.map(|n| n.0), max, s.ignore_eos.as_ref(), min)
+        };
+        let all = match &params {
+            SamplingSet::All(s) => answers(s).times(out.prompts),
+            // One a prompt (the engine refuses a list of another length).
+            SamplingSet::Each(each) => each.iter().map(answers).fold(
+                Answers {
+                    choices: 0,
+                    max: Some(0),
+                    min: 0,
+                },
+                Answers::and,
+            ),
+        };
+        out.set_answers(all);
+        Ok(out)
+    }
+
+    fn set_answers(&mut self, a: Answers) {
+        self.choices = a.choices.max(1);
+        self.max_output_tokens = a.max;
+        self.min_output_tokens = a.min;
     }
 
     /// Adds an input's text or ids; returns how many prompts it is (a completions batch: a
@@ -860,6 +1050,90 @@ mod tests {
         // No `n` in this API: one answer.
         assert_eq!(first.max_output_tokens, Some(5));
         assert_eq!(first.choices, 1);
+    }
+
+    /// SGLang's `/generate` (only as the whole path) and vLLM's `/inference/v1/generate` (by
+    /// suffix, as the OpenAI paths).
+    #[test]
+    fn the_engines_generate_paths_are_known() {
+        assert_eq!(Api::from_path("/generate"), Some(Api::Generate));
+        assert_eq!(Api::from_path("/generate/?x=1"), Some(Api::Generate));
+        assert_eq!(Api::from_path("/api/generate"), None);
+        assert_eq!(Api::from_path("/inference/v1/generate"), Some(Api::Tokens));
+        assert_eq!(
+            Api::from_path("/pool-a/inference/v1/generate"),
+            Some(Api::Tokens)
+        );
+    }
+
+    /// SGLang's `/generate`: a raw prompt of text or ids (no template, no model), its limits
+    /// and answers in `sampling_params` (one for all prompts of a batch, or one each), 128
+    /// tokens when it names none and the context when it names null.
+    #[test]
+    fn an_sglang_generate_request_is_read_as_sglang_reads_it() {
+        let p = |s: &str| Request::parse(Api::Generate, s.as_bytes());
+        let r = p(r#"{"model":"m","text":"Hello world","sampling_params":{"max_new_tokens":64,"n":2,"temperature":0.7},"stream":true,"rid":"r1"}"#).unwrap();
+        assert_eq!(
+            (r.model.as_str(), r.text.as_str(), r.templated, r.stream),
+            ("", "Hello world", false, true)
+        );
+        assert_eq!((r.choices, r.max_output_tokens), (2, Some(128)));
+        assert_eq!(p(r#"{"text":"x"}"#).unwrap().max_output_tokens, Some(128));
+        let unbounded = p(r#"{"text":"x","sampling_params":{"max_new_tokens":null}}"#).unwrap();
+        assert_eq!(unbounded.max_output_tokens, None);
+        let batch =
+            p(r#"{"text":["ab","c","d"],"sampling_params":{"max_new_tokens":10}}"#).unwrap();
+        assert_eq!(
+            (batch.prompts, batch.choices, batch.max_output_tokens),
+            (3, 3, Some(30))
+        );
+        assert_eq!(batch.prefix_text(), "ab");
+        let each = p(r#"{"input_ids":[[1,2],[3,4,5]],"sampling_params":[{"max_new_tokens":5},{"max_new_tokens":7,"n":2,"min_new_tokens":3}]}"#).unwrap();
+        assert_eq!((each.token_ids, each.prompts, each.choices), (5, 2, 3));
+        assert_eq!(
+            (each.max_output_tokens, each.min_output_tokens),
+            (Some(19), 6)
+        );
+        let ids = p(r#"{"input_ids":[7,8,9],"sampling_params":{"ignore_eos":true}}"#).unwrap();
+        assert_eq!((ids.token_ids, ids.ids.len()), (3, 12));
+        assert_eq!(ids.min_output_tokens, u64::MAX);
+        let e = p(r#"{"sampling_params":{}}"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("text"));
+        let e = p(r#"{"text":"x","sampling_params":{"max_new_tokens":"lots"}}"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("sampling_params"), "{}", e.message);
+    }
+
+    /// vLLM's `/inference/v1/generate`: `token_ids` and `sampling_params` required, 16 tokens
+    /// when no `max_tokens` is given (vLLM's `SamplingParams`), answered as JSON whatever
+    /// `stream` says.
+    #[test]
+    fn a_vllm_tokens_request_is_read_as_vllm_reads_it() {
+        let p = |s: &str| Request::parse(Api::Tokens, s.as_bytes());
+        let r = p(r#"{"model":"m","token_ids":[1,2,3],"sampling_params":{"max_tokens":8,"min_tokens":2,"n":3},"stream":true,"cache_salt":"s"}"#).unwrap();
+        assert_eq!(
+            (r.model.as_str(), r.token_ids, r.ids.len(), r.stream),
+            ("m", 3, 12, false)
+        );
+        assert_eq!(
+            (r.choices, r.max_output_tokens, r.min_output_tokens),
+            (3, Some(24), 6)
+        );
+        assert_eq!(r.cache_salt.as_deref(), Some("s"));
+        let out = r.with_model(br#"{"model":"m","token_ids":[1]}"#, "t");
+        assert_eq!(out, br#"{"model":"t","token_ids":[1]}"#);
+        let default = p(r#"{"token_ids":[1],"sampling_params":{}}"#).unwrap();
+        assert_eq!(
+            (default.model.as_str(), default.max_output_tokens),
+            ("", Some(16))
+        );
+        let null = p(r#"{"token_ids":[1],"sampling_params":{"max_tokens":null}}"#).unwrap();
+        assert_eq!(null.max_output_tokens, None);
+        for (body, param) in [
+            (r#"{"sampling_params":{}}"#, "token_ids"),
+            (r#"{"token_ids":[1]}"#, "sampling_params"),
+        ] {
+            assert_eq!(p(body).unwrap_err().param.as_deref(), Some(param), "{body}");
+        }
     }
 
     /// `max_tokens` is required, as the engines' models of the API require it; so are the

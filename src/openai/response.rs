@@ -1,5 +1,6 @@
 //! Reading model-server responses as they pass: counting streamed output tokens from SSE chunks
-//! and finding the final `usage` (the include_usage chunk of a stream, or a JSON body's field).
+//! and finding the final `usage` (the include_usage chunk of a stream, or a JSON body's field;
+//! SGLang's native `/generate` gives its counts in each answer's `meta_info` instead).
 //! The meter only looks; the response itself goes to the client untouched and unbuffered.
 
 use serde::Deserialize;
@@ -111,6 +112,54 @@ struct Chunk {
     #[serde(rename = "type")]
     kind: Option<String>,
     response: Option<ResponsesBody>,
+    /// SGLang's native `/generate` streams its answer whole so far, with its counts so far.
+    meta_info: Option<MetaInfo>,
+}
+
+/// An SGLang `/generate` answer's counts (its `meta_info`), so far or in full: which answer
+/// (`id`, one of a batch's or of `n`'s), its prompt, the tokens made, and the prompt's tokens
+/// found in the prefix cache.
+#[derive(Debug, Clone, Deserialize, Default, PartialEq, Eq)]
+#[serde(default)]
+struct MetaInfo {
+    id: Option<String>,
+    prompt_tokens: u64,
+    completion_tokens: u64,
+    cached_tokens: Option<u64>,
+}
+
+/// An SGLang `/generate` answer as JSON: an object, or a list of one an answer.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum NativeAnswers {
+    One(NativeAnswer),
+    Each(Vec<NativeAnswer>),
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct NativeAnswer {
+    meta_info: Option<MetaInfo>,
+}
+
+/// A JSON body with no `usage`: SGLang's `/generate` answers, their counts summed.
+fn native_usage(bytes: &[u8]) -> Option<Usage> {
+    let answers = match serde_json::from_slice::<NativeAnswers>(bytes).ok()? {
+        NativeAnswers::One(a) => vec![a],
+        NativeAnswers::Each(each) => each,
+    };
+    let counts: Vec<MetaInfo> = answers.into_iter().filter_map(|a| a.meta_info).collect();
+    (!counts.is_empty()).then(|| summed(&counts))
+}
+
+/// Answers' counts as one usage.
+fn summed(counts: &[MetaInfo]) -> Usage {
+    let cached = counts.iter().map(|m| m.cached_tokens);
+    Usage {
+        prompt_tokens: counts.iter().map(|m| m.prompt_tokens).sum(),
+        completion_tokens: counts.iter().map(|m| m.completion_tokens).sum(),
+        cached_tokens: cached.sum(),
+    }
 }
 
 impl Chunk {
@@ -325,6 +374,9 @@ pub struct ResponseMeter {
     pub response_id: Option<String>,
     /// A stream of several answers (`answering`): each answer's pieces, and which have ended.
     answers: Option<Answers>,
+    /// An SGLang `/generate` stream's answers, each by its last counts (at most
+    /// [`MAX_ANSWERS`]; a later one is taken as the last's).
+    native: Vec<MetaInfo>,
 }
 
 /// The answers of a request for several (`n`): their chunks say which each piece is for and when
@@ -445,7 +497,7 @@ impl ResponseMeter {
     /// The body has ended: reads a non-streaming body's usage.
     pub fn finish(&mut self) -> Option<Usage> {
         if !self.sse && !self.overflowed && self.usage.is_none() {
-            self.usage = body_usage(&self.kept);
+            self.usage = body_usage(&self.kept).or_else(|| native_usage(&self.kept));
             if self.wants_id {
                 self.response_id = serde_json::from_slice::<Id>(&self.kept)
                     .ok()
@@ -486,6 +538,25 @@ impl ResponseMeter {
         }
     }
 
+    /// An SGLang `/generate` chunk's counts so far, for its answer: the tokens it made since
+    /// its last chunk are the stream's pieces (one a token, as the engine counted them), and
+    /// the answers' counts together are the usage so far.
+    fn native(&mut self, m: MetaInfo) {
+        let before: u64 = self.native.iter().map(|a| a.completion_tokens).sum();
+        match self.native.iter_mut().position(|a| a.id == m.id) {
+            Some(i) => self.native[i] = m,
+            None if self.native.len() < MAX_ANSWERS as usize => self.native.push(m),
+            None => {
+                if let Some(last) = self.native.last_mut() {
+                    *last = m;
+                }
+            }
+        }
+        let usage = summed(&self.native);
+        self.pieces += usage.completion_tokens.saturating_sub(before);
+        self.usage = Some(usage);
+    }
+
     /// An SSE chunk through serde: what `sse_chunk` declines (usage among it).
     fn read_chunk(&mut self, data: &[u8]) {
         let Ok(chunk) = serde_json::from_slice::<Chunk>(data) else {
@@ -494,6 +565,9 @@ impl ResponseMeter {
         self.pieces += chunk.pieces();
         if let Some(u) = chunk.usage {
             self.usage = Some(u.usage());
+        }
+        if let Some(m) = chunk.meta_info {
+            self.native(m);
         }
         let Some(response) = chunk.response else {
             return;
@@ -660,6 +734,57 @@ mod tests {
         assert_eq!(m.finish(), Some(usage));
     }
 
+    /// SGLang's `/generate` streams each answer whole so far with its counts so far: the tokens
+    /// each chunk adds are pieces, a batch's answers told apart by their ids, and the last
+    /// counts summed are the usage; a JSON answer (one, or a list) gives its counts alike.
+    #[test]
+    fn an_sglang_generate_answer_is_metered() {
+        let chunk = |id: &str, text: &str, made: u64, end: &str| {
+            format!(
+                "data: {{\"text\":\"{text}\",\"output_ids\":[5,6],\"meta_info\":{{\"id\":\"{id}\",\"finish_reason\":{end},\"prompt_tokens\":10,\"completion_tokens\":{made},\"cached_tokens\":4}}}}\n\n"
+            )
+        };
+        let stream = [
+            chunk("a", "He", 1, "null"),
+            chunk("b", "Yo", 2, "null"),
+            chunk("a", "Hello", 3, "null"),
+            chunk("b", "Yo!", 3, r#"{"type":"length","length":3}"#),
+            chunk("a", "Hello w", 4, r#"{"type":"stop","matched":2}"#),
+            "data: [DONE]\n\n".to_string(),
+        ]
+        .concat();
+        let mut m = ResponseMeter::new(Some("text/event-stream"));
+        let fed: Vec<u64> = stream
+            .as_bytes()
+            .chunks(stream.len() / 6 + 1)
+            .map(|c| m.feed(c))
+            .collect();
+        assert_eq!(fed.iter().sum::<u64>(), 7, "{fed:?}");
+        let usage = Usage {
+            prompt_tokens: 20,
+            completion_tokens: 7,
+            cached_tokens: Some(8),
+        };
+        assert_eq!(m.finish(), Some(usage));
+        let one = r#"{"text":"Hello","output_ids":[1,2],"meta_info":{"id":"a","prompt_tokens":10,"completion_tokens":2,"cached_tokens":0,"e2e_latency":0.1}}"#;
+        let mut m = ResponseMeter::new(Some("application/json"));
+        m.feed(one.as_bytes());
+        let usage = Usage {
+            prompt_tokens: 10,
+            completion_tokens: 2,
+            cached_tokens: Some(0),
+        };
+        assert_eq!(m.finish(), Some(usage));
+        let mut m = ResponseMeter::new(Some("application/json"));
+        m.feed(format!("[{one},{}]", one.replace(r#""a""#, r#""b""#)).as_bytes());
+        let both = Usage {
+            prompt_tokens: 20,
+            completion_tokens: 4,
+            cached_tokens: Some(0),
+        };
+        assert_eq!(m.finish(), Some(both));
+    }
+
     #[test]
     fn usual_usage_objects_are_read_directly() {
         for (body, usage) in [
@@ -812,7 +937,10 @@ mod tests {
     /// serde read it at all and found no usage in it.
     fn serde_reading(data: &[u8]) -> (u64, bool) {
         match serde_json::from_slice::<Chunk>(data) {
-            Ok(c) => (c.pieces(), c.usage.is_none() && c.response.is_none()),
+            Ok(c) => (
+                c.pieces(),
+                c.usage.is_none() && c.response.is_none() && c.meta_info.is_none(),
+            ),
             Err(_) => (0, false),
         }
     }
@@ -890,7 +1018,7 @@ mod tests {
             b"finish_reason",
             b"te\\u0078t",
         ];
-        let top_keys: [&[u8]; 9] = [
+        let top_keys: [&[u8]; 10] = [
             b"id",
             b"object",
             b"created",
@@ -899,6 +1027,7 @@ mod tests {
             b"type",
             b"usage",
             b"response",
+            b"meta_info",
             b"ch\\u006fices",
         ];
         let (mut answered, mut counted) = (0, 0);

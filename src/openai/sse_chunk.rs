@@ -9,7 +9,7 @@
 //! delta's `content`, `reasoning` (vLLM's name since its PR 27752), `reasoning_content`
 //! (SGLang's, and vLLM's before) or a tool call's function `name` or `arguments` —, and each
 //! event of [`TEXT_EVENTS`] (the Responses and Anthropic Messages APIs'). It declines (`None`) rather than differ: wherever a
-//! chunk's shape or bytes leave any doubt that serde_json would read it alike (a `usage` or `response` that is not null, a field
+//! chunk's shape or bytes leave any doubt that serde_json would read it alike (a `usage`, `response` or SGLang `/generate` `meta_info` that is not null, a field
 //! of interest of another type or given twice, an escaped key or event type, a `\u` escape of a
 //! surrogate, bytes that are not UTF-8, nesting past `MAX_DEPTH`, any syntax error), and the
 //! meter then reads the chunk through serde as before. Usage, once a stream, is always read
@@ -52,7 +52,7 @@ pub fn pieces(data: &[u8]) -> Option<u64> {
     let mut count = 0;
     c.fields(
         0,
-        [b"choices", b"type", b"usage", b"response"],
+        [b"choices", b"type", b"usage", b"response", b"meta_info"],
         |c, field| {
             match field {
                 0 => count += c.choices()?,
