@@ -620,7 +620,9 @@ def api_desc(w):
     return {"chat": "", "completions": "; sent to /v1/completions, rendered through Llama 3's chat template by "
             "the client", "ids": "; sent to /v1/completions as token ids (one a word of the prompt rendered "
             "through Llama 3's chat template)", "messages": "; sent to Anthropic's /v1/messages (a request "
-            "without a limit of its own with max_tokens 8192)"}.get(w.get("api", "chat"), "")
+            "without a limit of its own with max_tokens 8192)", "generate": "; sent to SGLang's native /generate, "
+            "rendered through Llama 3's chat template by the client (a request without a limit of its own with "
+            "max_new_tokens null)"}.get(w.get("api", "chat"), "")
 
 
 def warm_desc(w):
@@ -683,9 +685,11 @@ def run_cell(ctx, tname, wname, label, bench_args, sim_args, timeout, concurrenc
 # conversation rendered through the model's chat template by the client (as applications that
 # template their prompts themselves do); "ids", the same prompts sent as token ids (a client that
 # tokenizes itself); "messages", to Anthropic's /v1/messages (as agent clients send it: a request
-# without a limit of its own carries a large one, as that API requires one).
+# without a limit of its own carries a large one, as that API requires one); "generate", to SGLang's
+# native /generate, rendered as for "completions" (as RL rollouts and SGLang's own clients send it).
 API_ARGS = {"chat": ["--path", "/v1/chat/completions"], "completions": ["--path", "/v1/completions"],
-            "ids": ["--path", "/v1/completions", "--prompt-ids"], "messages": ["--path", "/v1/messages"]}
+            "ids": ["--path", "/v1/completions", "--prompt-ids"], "messages": ["--path", "/v1/messages"],
+            "generate": ["--path", "/generate"]}
 
 
 def api_args(w, cell):

@@ -203,6 +203,9 @@ impl Client {
                         out.content = c.to_string();
                     } else if let Some(c) = v.pointer("/choices/0/text").and_then(Value::as_str) {
                         out.content = c.to_string();
+                    } else if let Some(c) = v.get("text").and_then(Value::as_str) {
+                        // An SGLang `/generate` answer.
+                        out.content = c.to_string();
                     } else if let Some(blocks) = v.get("content").and_then(Value::as_array) {
                         // An Anthropic Messages answer: its text blocks.
                         let texts = blocks.iter().filter_map(|b| b.get("text")?.as_str());
@@ -236,8 +239,16 @@ impl Client {
     }
 }
 
-/// A usage object in the OpenAI APIs' names, or in Anthropic's (`input_tokens`, `output_tokens`).
+/// A usage object in the OpenAI APIs' names, or in Anthropic's (`input_tokens`, `output_tokens`),
+/// or an SGLang `/generate` answer's counts (`meta_info`, so far in a stream).
 fn read_usage(v: &Value, out: &mut Outcome) {
+    if let Some(m) = v.get("meta_info").filter(|m| m.is_object()) {
+        let count = |k: &str| m.get(k).and_then(Value::as_u64);
+        out.prompt_tokens = count("prompt_tokens");
+        out.completion_tokens = count("completion_tokens");
+        out.cached_tokens = count("cached_tokens");
+        return;
+    }
     if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
         let either = |openai: &str, anthropic: &str| {
             (u.get(openai).or_else(|| u.get(anthropic))).and_then(Value::as_u64)
@@ -296,6 +307,14 @@ impl Sse {
             done |= kind == Some("message_stop");
             // An Anthropic event's delta is read as a choice's.
             let event = (kind == Some("content_block_delta")).then_some(std::slice::from_ref(&v));
+            if v.get("meta_info").is_some() {
+                // An SGLang `/generate` chunk: the answer whole so far.
+                let text = v.get("text").and_then(Value::as_str).unwrap_or("");
+                if let Some(piece) = text.get(self.out.content.len()..).filter(|p| !p.is_empty()) {
+                    self.piece(now, piece);
+                }
+                continue;
+            }
             let choices = v.get("choices").and_then(Value::as_array);
             if let Some(choices) = choices.map(Vec::as_slice).or(event) {
                 for c in choices {
@@ -313,20 +332,25 @@ impl Sse {
                     if piece.is_empty() && reasoning.iter().all(|r| r.is_empty()) {
                         continue;
                     }
-                    match self.last {
-                        None => self.out.ttft = Some(now.duration_since(self.t0).as_secs_f64()),
-                        Some(l) => self
-                            .out
-                            .itl
-                            .push(now.duration_since(l).as_secs_f64() * 1000.0),
-                    }
-                    self.last = Some(now);
-                    self.out.chunks += 1;
-                    self.out.content.push_str(&piece);
+                    self.piece(now, &piece);
                 }
             }
         }
         done
+    }
+
+    /// A piece of the answer (or of its reasoning: `piece` empty) received at `now`.
+    fn piece(&mut self, now: Instant, piece: &str) {
+        match self.last {
+            None => self.out.ttft = Some(now.duration_since(self.t0).as_secs_f64()),
+            Some(l) => self
+                .out
+                .itl
+                .push(now.duration_since(l).as_secs_f64() * 1000.0),
+        }
+        self.last = Some(now);
+        self.out.chunks += 1;
+        self.out.content.push_str(piece);
     }
 
     /// Moves what was parsed into `out` (status and pod stay).
@@ -444,6 +468,26 @@ mod tests {
         let o = p.finish(Outcome::default());
         assert_eq!((o.chunks, o.content.as_str()), (2, "A"));
         assert_eq!((o.prompt_tokens, o.completion_tokens), (Some(9), Some(2)));
+    }
+
+    /// An SGLang `/generate` stream: each chunk the answer whole so far, a piece each time it
+    /// grows, the counts so far in `meta_info`.
+    #[test]
+    fn sglang_generate_chunks_are_read() {
+        let t0 = Instant::now();
+        let mut p = Sse::new(t0);
+        let chunk = |text: &str, made: u64| {
+            format!("data: {{\"text\":\"{text}\",\"meta_info\":{{\"prompt_tokens\":9,\"completion_tokens\":{made},\"cached_tokens\":4}}}}\n\n")
+        };
+        let stream =
+            [chunk("He", 1), chunk("He", 1), chunk("Hello", 2)].concat() + "data: [DONE]\n\n";
+        assert!(p.feed(stream.as_bytes(), t0));
+        let o = p.finish(Outcome::default());
+        assert_eq!((o.chunks, o.content.as_str()), (2, "Hello"));
+        assert_eq!(
+            (o.prompt_tokens, o.completion_tokens, o.cached_tokens),
+            (Some(9), Some(2), Some(4))
+        );
     }
 
     #[test]

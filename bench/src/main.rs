@@ -169,9 +169,11 @@ struct RunArgs {
     #[arg(long)]
     url: String,
     /// Where requests go: a chat completions path, a completions path (the conversation rendered
-    /// through Llama 3's template by the client), or an Anthropic Messages path (`/v1/messages`:
+    /// through Llama 3's template by the client), an Anthropic Messages path (`/v1/messages`:
     /// the system prompt in `system`, and a request without its own limit sent with
-    /// `ANTHROPIC_MAX_TOKENS`, as that API requires one).
+    /// `ANTHROPIC_MAX_TOKENS`, as that API requires one), or SGLang's native `/generate` (the
+    /// conversation rendered through Llama 3's template as `text`, the limit in
+    /// `sampling_params.max_new_tokens`, null for a request without one).
     #[arg(long, default_value = "/v1/chat/completions")]
     path: String,
     /// With a completions `--path`, each prompt sent as token ids (a client that tokenizes
@@ -348,7 +350,13 @@ async fn run_job(ctx: Arc<Ctx>, job: Job) {
         }
         messages.push(json!({"role": "user", "content": turn.user}));
         let model = job.model.as_deref().unwrap_or(&ctx.model);
-        let mut body = if ctx.path.ends_with("/v1/messages") {
+        let native = ctx.path == "/generate";
+        let mut body = if native {
+            // No limit of its own is sent as null, the engine's "until the model stops" (absent,
+            // SGLang stops at 128).
+            let params = json!({"max_new_tokens": turn.max_tokens, "temperature": 0.0});
+            json!({"text": llama3_prompt(&messages), "sampling_params": params})
+        } else if ctx.path.ends_with("/v1/messages") {
             // The API requires a limit: a client that sets none of its own sends a large one, as
             // agent clients do, and the answer ends where the model stops.
             let max_tokens = turn.max_tokens.unwrap_or(ANTHROPIC_MAX_TOKENS);
@@ -370,13 +378,14 @@ async fn run_job(ctx: Arc<Ctx>, job: Job) {
         } else {
             json!({"model": model, "messages": messages, "temperature": 0.0})
         };
-        if let Some(m) = turn.max_tokens {
+        if let Some(m) = turn.max_tokens.filter(|_| !native) {
             body["max_tokens"] = json!(m);
         }
         if ctx.stream {
             body["stream"] = json!(true);
-            // An Anthropic Messages stream always ends with its usage.
-            if !ctx.path.ends_with("/v1/messages") {
+            // An Anthropic Messages stream always ends with its usage, an SGLang one carries its
+            // counts in every chunk.
+            if !native && !ctx.path.ends_with("/v1/messages") {
                 body["stream_options"] = json!({"include_usage": true});
             }
         }
