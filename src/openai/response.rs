@@ -117,8 +117,8 @@ struct Chunk {
 }
 
 /// An SGLang `/generate` answer's counts (its `meta_info`), so far or in full: which answer
-/// (`id`, one of a batch's or of `n`'s), its prompt, the tokens made, and the prompt's tokens
-/// found in the prefix cache.
+/// (`id`, one of a batch's or of `n`'s), its prompt, the tokens made, the prompt's tokens found
+/// in the prefix cache, and whether it has ended (a `finish_reason` that is not null).
 #[derive(Debug, Clone, Deserialize, Default, PartialEq, Eq)]
 #[serde(default)]
 struct MetaInfo {
@@ -126,6 +126,7 @@ struct MetaInfo {
     prompt_tokens: u64,
     completion_tokens: u64,
     cached_tokens: Option<u64>,
+    finish_reason: Option<serde_json::Value>,
 }
 
 /// An SGLang `/generate` answer as JSON: an object, or a list of one an answer.
@@ -543,14 +544,23 @@ impl ResponseMeter {
     /// the answers' counts together are the usage so far.
     fn native(&mut self, m: MetaInfo) {
         let before: u64 = self.native.iter().map(|a| a.completion_tokens).sum();
-        match self.native.iter_mut().position(|a| a.id == m.id) {
-            Some(i) => self.native[i] = m,
-            None if self.native.len() < MAX_ANSWERS as usize => self.native.push(m),
-            None => {
-                if let Some(last) = self.native.last_mut() {
-                    *last = m;
-                }
+        let i = match self.native.iter().position(|a| a.id == m.id) {
+            Some(i) => i,
+            None if self.native.len() < MAX_ANSWERS as usize => {
+                self.native.push(MetaInfo::default());
+                self.native.len() - 1
             }
+            None => self.native.len().saturating_sub(1),
+        };
+        // A request of several (`answering`): an answer that ends frees its tokens while the
+        // others run on, as the answers of the OpenAI paths' streams do.
+        let ended = m.finish_reason.as_ref().is_some_and(|r| !r.is_null());
+        if let Some(a) = self.answers.as_mut().and_then(|a| a.0.get_mut(i)) {
+            a.pieces = m.completion_tokens;
+            a.ended |= ended;
+        }
+        if let Some(slot) = self.native.get_mut(i) {
+            *slot = m;
         }
         let usage = summed(&self.native);
         self.pieces += usage.completion_tokens.saturating_sub(before);
@@ -753,13 +763,19 @@ mod tests {
             "data: [DONE]\n\n".to_string(),
         ]
         .concat();
-        let mut m = ResponseMeter::new(Some("text/event-stream"));
+        let mut m = ResponseMeter::new(Some("text/event-stream")).answering(2);
         let fed: Vec<u64> = stream
             .as_bytes()
             .chunks(stream.len() / 6 + 1)
             .map(|c| m.feed(c))
             .collect();
         assert_eq!(fed.iter().sum::<u64>(), 7, "{fed:?}");
+        // Each answer's end, as its last chunk says.
+        let ended = EndedAnswers {
+            answers: 2,
+            pieces: 7,
+        };
+        assert_eq!(m.ended(), ended);
         let usage = Usage {
             prompt_tokens: 20,
             completion_tokens: 7,
