@@ -1211,7 +1211,8 @@ mod tests {
         };
         let mut f = Flow::default();
         f.on_request_headers(&mut gate, &vm, &head("/generate"));
-        let body = br#"{"text":"hello there","sampling_params":{"max_new_tokens":20},"stream":true}"#;
+        let body =
+            br#"{"text":"hello there","sampling_params":{"max_new_tokens":20},"stream":true}"#;
         let d = f.on_body(&mut gate, &vm, body);
         assert_eq!(d.step, Step::Forward);
         assert!(d
