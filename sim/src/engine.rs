@@ -205,6 +205,8 @@ pub struct Output {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub cached_tokens: usize,
+    /// Times the request was preempted so far (SGLang reports its retractions).
+    pub preemptions: u32,
 }
 
 /// Counters, cumulative since start.
@@ -651,6 +653,7 @@ impl Engine {
                 prompt_tokens: req.prompt_len,
                 completion_tokens: req.num_output(),
                 cached_tokens: req.num_cached_tokens.unwrap_or(0),
+                preemptions: req.num_preemptions,
             });
             if let Some(r) = reason {
                 finished.push((s.id, r));

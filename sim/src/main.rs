@@ -16,7 +16,9 @@ mod metrics;
 mod pod;
 mod responses;
 mod server;
+mod sglang;
 mod tokenizer;
+mod tokens;
 
 use std::io::Write;
 use std::process::ExitCode;

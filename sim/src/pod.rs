@@ -71,6 +71,10 @@ pub struct Event {
     pub token: u32,
     pub first: bool,
     pub finish: Option<Finish>,
+    /// The request's prefix-cache hit tokens (known from its first token on) and its
+    /// preemptions so far: what SGLang's every streamed chunk reports.
+    pub cached_tokens: usize,
+    pub preemptions: u32,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -229,6 +233,8 @@ impl Inner {
                     token: o.token,
                     first: o.first,
                     finish,
+                    cached_tokens: o.cached_tokens,
+                    preemptions: o.preemptions,
                 })
                 .is_ok();
             if finish.is_some() {

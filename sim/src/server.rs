@@ -1,12 +1,12 @@
-//! HTTP front end: OpenAI-compatible endpoints with vLLM's shapes, the
-//! endpoints peer routers poll (vLLM, SGLang), and the simulator's own
-//! /sim/* endpoints.
+//! HTTP front end: OpenAI-compatible endpoints with vLLM's shapes, the engines' native generate
+//! endpoints (SGLang's `/generate`, vLLM's `/inference/v1/generate`), the endpoints peer routers
+//! poll (vLLM, SGLang), and the simulator's own /sim/* endpoints.
 
 use std::convert::Infallible;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Limited};
@@ -26,6 +26,7 @@ use crate::pod::{
 };
 use crate::responses;
 use crate::tokenizer::{render_chat, Segment};
+use crate::{sglang, tokens};
 
 const MAX_BODY: usize = 64 << 20;
 /// Bodies larger than this are tokenized on the blocking pool.
@@ -80,6 +81,11 @@ enum Kind {
     Responses,
     /// The Anthropic Messages API (`anthropic`): a chat request in its own shapes.
     Messages,
+    /// SGLang's native `/generate` (`sglang`): a completions request in SGLang's shapes.
+    Generate,
+    /// vLLM's tokens-in, tokens-out `/inference/v1/generate` (`tokens`): a completions request of
+    /// token ids in its own shapes.
+    Tokens,
 }
 
 struct StreamState {
@@ -100,6 +106,20 @@ struct StreamState {
     response: Option<ResponseStream>,
     /// A Messages API answer's events.
     messages: Option<anthropic::Events>,
+    /// An SGLang `/generate` answer's own state.
+    generate: Option<GenerateStream>,
+}
+
+/// What a streamed SGLang answer keeps: when the request came (its answers' `e2e_latency`),
+/// whether it is one answer (its chunks carry no `index`), each answer's rid and whole text so
+/// far (SGLang streams the text so far, not a delta), and which answers have sent a chunk (the
+/// first carries `response_sent_to_client_ts`).
+struct GenerateStream {
+    started: Instant,
+    single: bool,
+    rids: Vec<String>,
+    texts: Vec<String>,
+    sent: Vec<bool>,
 }
 
 /// What a streamed Responses API answer keeps until it ends: its events' numbering, its text,
@@ -136,6 +156,19 @@ struct Choice {
     unsent: Unsent,
     unsent_tokens: usize,
     finish: Option<Finish>,
+    /// For the endpoints that answer token ids: the EOS a natural end emits (the engines count
+    /// it and return it among the ids, and leave it out of the text), the ids so far, and how
+    /// many of them a stream has sent.
+    eos: Option<u32>,
+    ids: Vec<u32>,
+    sent_ids: usize,
+    /// An SGLang `max_new_tokens` of 0 (a prefill only, as a cache warm-up sends): the engine
+    /// runs it to one token, which the answer does not show.
+    prefill_only: bool,
+    /// Its request's prefix-cache hit tokens and preemptions so far, and when it ended.
+    cached_tokens: usize,
+    preemptions: u32,
+    ended: Option<Instant>,
 }
 
 impl Choice {
@@ -146,30 +179,49 @@ impl Choice {
             Kind::Chat | Kind::Messages => {
                 (g.args.reasoning_share * max_output as f64).round() as usize
             }
-            Kind::Completion | Kind::Responses => 0,
+            Kind::Completion | Kind::Responses | Kind::Generate | Kind::Tokens => 0,
         };
         Choice {
             prompt_tokens,
             first_of_prompt: first,
             reasoning_tokens,
+            eos: matches!(kind, Kind::Generate | Kind::Tokens).then_some(g.tok.eos),
+            prefill_only: max_output == 0,
             ..Choice::default()
         }
     }
 
-    /// Adds a token's text (as reasoning or answer) and, with the last token, the choice's end.
-    fn add(&mut self, piece: &str, finish: Option<Finish>) {
-        self.tokens += 1;
-        let part = if self.tokens <= self.reasoning_tokens {
-            &mut self.unsent.reasoning
-        } else {
-            &mut self.unsent.content
-        };
-        part.push_str(piece);
+    /// Adds a token's text (as reasoning or answer) and id and, with the last token, the
+    /// choice's end. A natural end's last token is the EOS where ids are answered.
+    fn add(&mut self, ev: &Event, piece: &str) {
+        self.cached_tokens = ev.cached_tokens;
+        self.preemptions = ev.preemptions;
         self.unsent_tokens += 1;
-        if let Some(f) = finish {
-            self.tokens = f.completion_tokens;
+        if !self.prefill_only {
+            self.tokens += 1;
+            let stop = ev.finish.is_some_and(|f| f.reason == FinishReason::Stop);
+            match self.eos {
+                Some(eos) if stop => self.ids.push(eos),
+                eos => {
+                    if eos.is_some() {
+                        self.ids.push(ev.token);
+                    }
+                    let part = if self.tokens <= self.reasoning_tokens {
+                        &mut self.unsent.reasoning
+                    } else {
+                        &mut self.unsent.content
+                    };
+                    part.push_str(piece);
+                }
+            }
+        }
+        if let Some(f) = ev.finish {
+            if !self.prefill_only {
+                self.tokens = f.completion_tokens;
+            }
             self.prompt_tokens = f.prompt_tokens;
             self.finish = Some(f);
+            self.ended = Some(Instant::now());
         }
     }
 
@@ -220,7 +272,7 @@ impl StreamState {
     /// as vLLM's does.
     fn chunk(&self, i: usize, choice: Value) -> Value {
         let object = match self.kind {
-            Kind::Completion => "text_completion",
+            Kind::Completion | Kind::Generate | Kind::Tokens => "text_completion",
             Kind::Chat | Kind::Responses | Kind::Messages => "chat.completion.chunk",
         };
         let mut v = json!({
@@ -252,7 +304,7 @@ impl StreamState {
         let Some(c) = self.choices.get_mut(i) else {
             return;
         };
-        c.add(&piece, ev.finish);
+        c.add(ev, &piece);
         if ev.finish.is_some() {
             self.unfinished = self.unfinished.saturating_sub(1);
         }
@@ -261,6 +313,9 @@ impl StreamState {
         }
         if self.messages.is_some() {
             return self.on_messages_event(ev, buf);
+        }
+        if self.generate.is_some() {
+            return self.on_generate_event(ev, buf);
         }
         if !self.roles_sent && self.kind == Kind::Chat {
             // vLLM sends every choice's role with the answer's first output, however many
@@ -284,7 +339,20 @@ impl StreamState {
         };
         let finish = ev.finish.map(|f| f.reason.as_str());
         match self.kind {
-            Kind::Completion | Kind::Responses | Kind::Messages => {
+            Kind::Tokens => {
+                // vLLM's chunk carries the choice's new token ids, not text.
+                let Some(c) = self.choices.get_mut(i) else {
+                    return;
+                };
+                let delta = c.ids.get(c.sent_ids..).unwrap_or_default();
+                let choice = tokens::choice(i, finish, delta);
+                c.sent_ids = c.ids.len();
+                let usage = self
+                    .continuous_usage
+                    .then(|| usage(c.prompt_tokens, c.tokens, None));
+                Self::push(buf, &tokens::chunk(&self.id, choice, usage));
+            }
+            Kind::Completion | Kind::Responses | Kind::Messages | Kind::Generate => {
                 let c = self.chunk(
                     i,
                     json!({
@@ -397,6 +465,43 @@ impl StreamState {
         }
     }
 
+    /// An SGLang answer's token: when its chunk is due (`--stream-interval`), the answer so far
+    /// (its whole text and ids, its `meta_info`), and after every answer's end `[DONE]`.
+    fn on_generate_event(&mut self, ev: &Event, buf: &mut Vec<u8>) {
+        let i = ev.choice;
+        let Some(Unsent { reasoning, content }) = self.due(i) else {
+            return;
+        };
+        let eos = self.g.tok.eos;
+        let (Some(s), Some(c)) = (self.generate.as_mut(), self.choices.get(i)) else {
+            return;
+        };
+        let (Some(text), Some(rid), Some(sent)) =
+            (s.texts.get_mut(i), s.rids.get(i), s.sent.get_mut(i))
+        else {
+            return;
+        };
+        text.push_str(&reasoning);
+        text.push_str(&content);
+        let first = !std::mem::replace(sent, true);
+        let answer = sglang::Answer {
+            rid,
+            text,
+            ids: &c.ids,
+            finish: c.finish.map(|f| f.reason),
+            prompt_tokens: c.prompt_tokens,
+            completion_tokens: c.tokens,
+            cached_tokens: c.cached_tokens,
+            retractions: c.preemptions,
+            e2e_latency: c.ended.map(|e| e.duration_since(s.started).as_secs_f64()),
+            sent_ts: first.then(unix_now_f64),
+        };
+        buf.extend(sglang::chunk(&answer, eos, (!s.single).then_some(i)));
+        if ev.finish.is_some() && self.unfinished == 0 {
+            self.finish(buf, true);
+        }
+    }
+
     /// The stream's end: after every choice's end (`complete`) the usage chunk, if asked for,
     /// then `[DONE]`.
     fn finish(&mut self, buf: &mut Vec<u8>, complete: bool) {
@@ -406,19 +511,25 @@ impl StreamState {
             return;
         }
         if self.include_usage && complete {
-            let object = match self.kind {
-                Kind::Completion => "text_completion",
-                Kind::Chat | Kind::Responses | Kind::Messages => "chat.completion.chunk",
-            };
             let completion_tokens = self.choices.iter().map(|c| c.tokens).sum();
             let (prompt_tokens, cached) = prompt_usage(&self.choices);
+            let usage = usage(prompt_tokens, completion_tokens, Some(cached));
+            if self.kind == Kind::Tokens {
+                Self::push(buf, &tokens::usage_chunk(&self.id, usage));
+                buf.extend_from_slice(b"data: [DONE]\n\n");
+                return;
+            }
+            let object = match self.kind {
+                Kind::Completion | Kind::Generate | Kind::Tokens => "text_completion",
+                Kind::Chat | Kind::Responses | Kind::Messages => "chat.completion.chunk",
+            };
             let v = json!({
                 "id": self.id,
                 "object": object,
                 "created": self.created,
                 "model": self.model,
                 "choices": [],
-                "usage": usage(prompt_tokens, completion_tokens, Some(cached)),
+                "usage": usage,
             });
             Self::push(buf, &v);
         }
@@ -484,6 +595,22 @@ impl From<String> for ApiError {
     }
 }
 
+/// The `kind` of an SGLang request FastAPI's validation refused (rather than SGLang's handler).
+const SGLANG_INVALID: &str = "Bad Request";
+
+impl From<sglang::Refusal> for ApiError {
+    fn from(r: sglang::Refusal) -> Self {
+        match r {
+            sglang::Refusal::Invalid(message) => ApiError {
+                status: StatusCode::BAD_REQUEST,
+                kind: SGLANG_INVALID,
+                message,
+            },
+            sglang::Refusal::Value(message) => ApiError::bad(message),
+        }
+    }
+}
+
 impl ApiError {
     fn bad(message: impl Into<String>) -> Self {
         ApiError {
@@ -493,13 +620,17 @@ impl ApiError {
         }
     }
     /// The error as a request of this kind gets it: the Messages API's in its own shape
-    /// (vLLM's `translate_error_response`), the status kept.
+    /// (vLLM's `translate_error_response`), the status kept; SGLang's in one of its two.
     fn response_for(&self, kind: Kind) -> Response<SimBody> {
         match kind {
             Kind::Messages => {
                 json_response(self.status, &anthropic::error(self.kind, &self.message))
             }
-            Kind::Completion | Kind::Chat | Kind::Responses => self.response(),
+            Kind::Generate if self.kind == SGLANG_INVALID => {
+                json_response(self.status, &sglang::invalid(&self.message))
+            }
+            Kind::Generate => json_response(self.status, &sglang::error(&self.message)),
+            Kind::Completion | Kind::Chat | Kind::Responses | Kind::Tokens => self.response(),
         }
     }
 
@@ -543,6 +674,12 @@ pub(crate) fn unix_now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
+}
+
+fn unix_now_f64() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 async fn read_json(req: Request<Incoming>) -> Result<(HeaderMap, Value, usize), ApiError> {
@@ -650,7 +787,15 @@ fn chat_segments(g: &Shared, body: &Value) -> Result<Vec<Segment>, ApiError> {
 /// Its prompts' token ids: one, or a completions batch's each.
 fn tokenize_sync(g: &Shared, kind: Kind, body: &Value) -> Result<Vec<Vec<u32>>, ApiError> {
     match kind {
-        Kind::Completion => completion_prompts(g, body),
+        // SGLang's body is the completions body it became (`sglang::request`).
+        Kind::Completion | Kind::Generate => completion_prompts(g, body),
+        Kind::Tokens => {
+            let ids = body.get("token_ids").and_then(Value::as_array);
+            let ids = ids.and_then(|a| token_ids(a));
+            Ok(vec![ids.ok_or_else(|| {
+                ApiError::bad("token_ids must be token ids")
+            })?])
+        }
         // A Messages request's body is the chat request it became (`anthropic::chat_request`).
         Kind::Chat | Kind::Messages => Ok(vec![g.tok.encode_segments(&chat_segments(g, body)?)]),
         Kind::Responses => {
@@ -681,6 +826,7 @@ async fn tokenize(
         })?
 }
 
+/// A request's output limit, read from its sampling fields (`sampling`).
 fn requested_max_tokens(kind: Kind, body: &Value) -> Result<Option<usize>, ApiError> {
     let field = |name| count(body.get(name), name);
     Ok(match kind {
@@ -688,9 +834,24 @@ fn requested_max_tokens(kind: Kind, body: &Value) -> Result<Option<usize>, ApiEr
             Some(v) => Some(v),
             None => field("max_tokens")?,
         },
-        Kind::Completion => field("max_tokens")?,
+        Kind::Completion | Kind::Tokens => field("max_tokens")?,
         Kind::Responses => field("max_output_tokens")?,
+        Kind::Generate => field("max_new_tokens")?,
     })
+}
+
+/// Where a prompt's sampling fields are: the native endpoints' `sampling_params` (SGLang's, one
+/// per prompt), the body itself for the OpenAI ones.
+fn sampling(kind: Kind, body: &Value, prompt: usize) -> &Value {
+    static NONE: Value = Value::Null;
+    match kind {
+        Kind::Generate => body
+            .get("sampling_params")
+            .and_then(|s| s.get(prompt))
+            .unwrap_or(&NONE),
+        Kind::Tokens => body.get("sampling_params").unwrap_or(&NONE),
+        Kind::Completion | Kind::Chat | Kind::Responses | Kind::Messages => body,
+    }
 }
 
 /// vLLM's default most choices a request may ask for (`VLLM_MAX_N_SEQUENCES`).
@@ -699,11 +860,15 @@ const MAX_N: usize = 16384;
 const SAMPLING_EPS: f64 = 1e-5;
 
 /// The request's `n`: how many choices to make, as vLLM's `SamplingParams` checks it. The
-/// Responses and Messages APIs have no `n`.
+/// Responses and Messages APIs have no `n`; SGLang checks only that a batch's agree
+/// (`sglang::request`).
 fn requested_n(kind: Kind, body: &Value) -> Result<usize, ApiError> {
-    if matches!(kind, Kind::Responses | Kind::Messages) {
-        return Ok(1);
-    }
+    let body = match kind {
+        Kind::Responses | Kind::Messages => return Ok(1),
+        Kind::Generate => return Ok(count(body.get("n"), "n")?.unwrap_or(1).max(1)),
+        Kind::Tokens => sampling(kind, body, 0),
+        Kind::Completion | Kind::Chat => body,
+    };
     let n = match count(body.get("n"), "n")? {
         None => 1,
         Some(0) => return Err(ApiError::bad("n must be at least 1, got 0.")),
@@ -728,7 +893,8 @@ fn requested_n(kind: Kind, body: &Value) -> Result<usize, ApiError> {
     Ok(n)
 }
 
-/// Decide how many tokens one choice generates and the finish reason reported.
+/// Decide how many tokens one choice generates and the finish reason reported, from the
+/// request's sampling fields (`body`: `sampling`). An SGLang prefill only plans 0.
 fn plan_output(
     pod: &Pod,
     kind: Kind,
@@ -739,29 +905,58 @@ fn plan_output(
     let a = &pod.g.args;
     let max_len = a.max_model_len;
     let capacity = a.num_gpu_blocks * a.block_size;
-    if prompt_len == 0 {
-        return Err(ApiError::bad("The decoder prompt cannot be empty"));
-    }
-    if prompt_len >= max_len {
-        return Err(ApiError::bad(format!(
-            "This model's maximum context length is {max_len} tokens. However, your request has \
-             {prompt_len} input tokens. Please reduce the length of the input messages."
-        )));
-    }
     let explicit = requested_max_tokens(kind, body)?;
-    if let Some(mt) = explicit {
-        if mt == 0 {
-            return Err(ApiError::bad("max_tokens must be at least 1, got 0."));
-        }
-        if prompt_len + mt > max_len {
+    if kind == Kind::Generate {
+        // SGLang's `_validate_one_request` (its prompts are never empty: `sglang::request`).
+        if prompt_len >= max_len {
             return Err(ApiError::bad(format!(
-                "This model's maximum context length is {max_len} tokens. However, you requested \
-                 {} tokens ({prompt_len} in the messages, {mt} in the completion). Please reduce \
-                 the length of the messages or completion.",
+                "The input ({prompt_len} tokens) is longer than the model's context length \
+                 ({max_len} tokens)."
+            )));
+        }
+        if let Some(mt) = explicit.filter(|mt| prompt_len + mt > max_len) {
+            return Err(ApiError::bad(format!(
+                "Requested token count exceeds the model's maximum context length of {max_len} \
+                 tokens. You requested a total of {} tokens: {prompt_len} tokens from the input \
+                 messages and {mt} tokens for the completion. Please reduce the number of tokens \
+                 in the input messages or the completion to fit within the limit.",
                 prompt_len + mt
             )));
         }
+        if explicit == Some(0) {
+            return Ok((0, FinishReason::Length));
+        }
+    } else {
+        if prompt_len == 0 {
+            return Err(ApiError::bad("The decoder prompt cannot be empty"));
+        }
+        if prompt_len >= max_len {
+            return Err(ApiError::bad(format!(
+                "This model's maximum context length is {max_len} tokens. However, your request \
+                 has {prompt_len} input tokens. Please reduce the length of the input messages."
+            )));
+        }
+        if let Some(mt) = explicit {
+            if mt == 0 {
+                return Err(ApiError::bad("max_tokens must be at least 1, got 0."));
+            }
+            if prompt_len + mt > max_len {
+                return Err(ApiError::bad(format!(
+                    "This model's maximum context length is {max_len} tokens. However, you \
+                     requested {} tokens ({prompt_len} in the messages, {mt} in the completion). \
+                     Please reduce the length of the messages or completion.",
+                    prompt_len + mt
+                )));
+            }
+        }
     }
+    // SGLang's scheduler caps every answer at `max_req_len - prompt - 1`, its `max_req_len`
+    // the context less one: two short of the room vLLM leaves.
+    let room = match kind {
+        Kind::Generate => (max_len - prompt_len).saturating_sub(2).max(1),
+        _ => max_len - prompt_len,
+    };
+    let explicit = explicit.map(|mt| mt.min(room));
     let header = match headers.get("x-sim-output-tokens") {
         Some(h) => Some(
             h.to_str()
@@ -773,12 +968,26 @@ fn plan_output(
         None => None,
     };
     let ignore_eos = flag(body.get("ignore_eos"), "ignore_eos")?.unwrap_or(false);
-    let min_tokens = count(body.get("min_tokens"), "min_tokens")?.unwrap_or(0);
-    let room = max_len - prompt_len;
-    // vLLM's completions stop at 16 tokens when the body has no `max_tokens` at all (one given
-    // as null: at the model's room), whatever length the model would have run to.
-    let default_cap = (kind == Kind::Completion && body.get("max_tokens").is_none())
-        .then_some(COMPLETIONS_DEFAULT_MAX_TOKENS);
+    let min_field = match kind {
+        Kind::Generate => "min_new_tokens",
+        _ => "min_tokens",
+    };
+    let min_tokens = count(body.get(min_field), min_field)?.unwrap_or(0);
+    // vLLM's completions stop at 16 tokens when the body has no `max_tokens` at all, SGLang at
+    // 128 when a prompt's sampling has no `max_new_tokens` (one given as null: at the model's
+    // room), whatever length the model would have run to. vLLM's tokens endpoint fills in the
+    // room itself (`get_max_tokens`): no cap but the context.
+    let default_cap = match kind {
+        Kind::Completion => body
+            .get("max_tokens")
+            .is_none()
+            .then_some(COMPLETIONS_DEFAULT_MAX_TOKENS),
+        Kind::Generate => body
+            .get("max_new_tokens")
+            .is_none()
+            .then_some(sglang::DEFAULT_MAX_NEW_TOKENS),
+        Kind::Chat | Kind::Responses | Kind::Messages | Kind::Tokens => None,
+    };
     let (out, reason) = if let Some(n) = header {
         match explicit.or(default_cap) {
             Some(mt) if n >= mt => (mt, FinishReason::Length),
@@ -831,11 +1040,58 @@ fn plan_output(
 // ---------------------------------------------------------------- handlers
 
 async fn generate(pod: Arc<Pod>, req: Request<Incoming>, kind: Kind) -> Response<SimBody> {
-    let answer = match read_json(req).await {
-        Ok((headers, body, size)) => generate_inner(pod, kind, &headers, body, size).await,
-        Err(e) => Err(e),
-    };
-    answer.unwrap_or_else(|e| e.response_for(kind))
+    match read_json(req).await {
+        Ok((headers, body, size)) => respond(pod, kind, &headers, body, size).await,
+        // A body SGLang cannot read fails FastAPI's validation.
+        Err(e) if kind == Kind::Generate => ApiError {
+            kind: SGLANG_INVALID,
+            ..e
+        }
+        .response_for(kind),
+        Err(e) => e.response_for(kind),
+    }
+}
+
+/// A generation request's answer, or its refusal in its API's shape. SGLang has answered a
+/// stream 200 before its handler can refuse it (`stream_results`): the refusal is an event.
+async fn respond(
+    pod: Arc<Pod>,
+    kind: Kind,
+    headers: &HeaderMap,
+    body: Value,
+    size: usize,
+) -> Response<SimBody> {
+    let streamed = kind == Kind::Generate && sglang::streams(&body);
+    match generate_inner(pod, kind, headers, body, size).await {
+        Ok(r) => r,
+        Err(e) if streamed && e.kind != SGLANG_INVALID => full(
+            StatusCode::OK,
+            Some("text/event-stream; charset=utf-8"),
+            Bytes::from(sglang::error_stream(&e.message)),
+        ),
+        Err(e) => e.response_for(kind),
+    }
+}
+
+/// The adapter of each prompt of an SGLang request (its `lora_path`, one per prompt: null or
+/// empty is the base model), refused as SGLang's `_validate_and_resolve_lora` refuses it.
+fn sglang_adapters(pod: &Pod, body: &Value) -> Result<Vec<Option<LoraRef>>, ApiError> {
+    let paths = body.get("lora_path").and_then(Value::as_array);
+    let names = paths.map_or(&[][..], Vec::as_slice);
+    names
+        .iter()
+        .map(|p| match p.as_str().filter(|n| !n.is_empty()) {
+            None => Ok(None),
+            Some(name) if !pod.g.args.enable_lora => {
+                Err(ApiError::bad(sglang::lora_disabled(name)))
+            }
+            Some(name) => pod.adapter(name).map(Some).ok_or_else(|| {
+                let loaded: Vec<String> =
+                    pod.lock().adapters.iter().map(|a| a.name.clone()).collect();
+                ApiError::bad(sglang::lora_unknown(name, &loaded))
+            }),
+        })
+        .collect()
 }
 
 /// What a request whose answer is cut short gets.
@@ -855,12 +1111,26 @@ async fn generate_inner(
     size: usize,
 ) -> Result<Response<SimBody>, ApiError> {
     let g = pod.g.clone();
-    // vLLM runs a Messages request as the chat request it converts it to.
+    let started = Instant::now();
+    // vLLM runs a Messages request as the chat request it converts it to; SGLang's request is
+    // a completions request, read as SGLang normalizes it.
     let body = match kind {
         Kind::Messages => anthropic::chat_request(&body)?,
+        Kind::Generate => sglang::request(&body)?,
+        Kind::Tokens => {
+            tokens::check(&body)?;
+            body
+        }
         Kind::Completion | Kind::Chat | Kind::Responses => body,
     };
-    let (model, lora) = check_model(&pod, &body)?;
+    // The adapter each prompt runs with: SGLang names one per prompt, the others one a request.
+    let (model, loras) = match kind {
+        Kind::Generate => (g.served[0].clone(), sglang_adapters(&pod, &body)?),
+        _ => {
+            let (model, lora) = check_model(&pod, &body)?;
+            (model, vec![lora])
+        }
+    };
     // A Responses API follow-up's prompt starts with its conversation so far, from this pod's
     // store: a response another pod stored is not found here, as in vLLM.
     let previous = match body.get("previous_response_id") {
@@ -887,10 +1157,18 @@ async fn generate_inner(
     // `n` of them for each prompt, a batch's prompts in order (an answer's `index` is prompt ×
     // `n` + choice).
     let n = requested_n(kind, &body)?;
+    let max_num_seqs = g.args.max_num_seqs;
+    if kind == Kind::Tokens && n > max_num_seqs {
+        return Err(ApiError::bad(format!(
+            "sampling_params.n must be at most the server's max_num_seqs ({max_num_seqs}), got \
+             {n}."
+        )));
+    }
     let plans = prompts
         .iter()
-        .flat_map(|p| std::iter::repeat_n(p, n))
-        .map(|p| plan_output(&pod, kind, headers, &body, p.len()))
+        .enumerate()
+        .flat_map(|(i, p)| std::iter::repeat_n((i, p.len()), n))
+        .map(|(i, len)| plan_output(&pod, kind, headers, sampling(kind, &body, i), len))
         .collect::<Result<Vec<_>, _>>()?;
     let stores = kind == Kind::Responses && flag(body.get("store"), "store")? != Some(false);
     let stream = flag(body.get("stream"), "stream")?.unwrap_or(false);
@@ -900,10 +1178,21 @@ async fn generate_inner(
     let continuous = opts.and_then(|o| o.get("continuous_usage_stats"));
     let continuous_usage =
         include_usage && flag(continuous, "continuous_usage_stats")?.unwrap_or(false);
-    let cache_salt = body
-        .get("cache_salt")
-        .and_then(Value::as_str)
-        .map(str::to_string);
+    // A prompt's salt: SGLang names one per prompt, the others one a request.
+    let cache_salt = |prompt: usize| {
+        let salt = match kind {
+            Kind::Generate => body.get("cache_salt").and_then(|s| s.get(prompt)),
+            _ => body.get("cache_salt"),
+        };
+        salt.and_then(Value::as_str).map(str::to_string)
+    };
+    let lora = |prompt: usize| {
+        let named = match kind {
+            Kind::Generate => loras.get(prompt),
+            _ => loras.first(),
+        };
+        named.cloned().flatten()
+    };
     let id = {
         let mut inner = pod.lock();
         let suffix = inner.next_response_id();
@@ -912,8 +1201,31 @@ async fn generate_inner(
             // vLLM's Messages answer keeps its chat request's id.
             Kind::Chat | Kind::Messages => format!("chatcmpl-{suffix}"),
             Kind::Responses => format!("resp_{suffix}"),
+            Kind::Tokens => {
+                let header = headers.get("x-request-id").and_then(|h| h.to_str().ok());
+                tokens::request_id(header, &body, suffix)
+            }
+            // Each SGLang answer has its own rid (`rids`).
+            Kind::Generate => suffix,
         }
     };
+    // SGLang's answers' rids: the request's, else fresh uuids, as `normalize_batch_and_arguments`
+    // and `regenerate_rid` draw them.
+    let rids: Vec<String> = match kind {
+        Kind::Generate => {
+            let given = body.get("rid").and_then(Value::as_array);
+            (0..plans.len())
+                .map(
+                    |i| match given.and_then(|r| r.get(i)).and_then(Value::as_str) {
+                        Some(r) => r.to_string(),
+                        None => pod.lock().next_response_id(),
+                    },
+                )
+                .collect()
+        }
+        _ => Vec::new(),
+    };
+    let single = body.get("single").and_then(Value::as_bool).unwrap_or(true);
     let created = unix_now();
     let mut choices: Vec<Choice> = plans
         .iter()
@@ -935,8 +1247,8 @@ async fn generate_inner(
                 prompt: prompts.get(choice / n).cloned().unwrap_or_default(),
                 max_output,
                 finish_reason,
-                cache_salt: cache_salt.clone(),
-                lora: lora.clone(),
+                cache_salt: cache_salt(choice / n),
+                lora: lora(choice / n),
                 choice,
             };
             pod.submit(s, &tx)
@@ -967,6 +1279,13 @@ async fn generate_inner(
                 store: stores.then(|| pod.clone()),
             }),
             messages,
+            generate: (kind == Kind::Generate).then(|| GenerateStream {
+                started,
+                single,
+                texts: vec![String::new(); rids.len()],
+                sent: vec![false; rids.len()],
+                rids,
+            }),
         };
         let mut r = Response::new(SimBody::Sse(Box::new(SseBody {
             rx,
@@ -994,7 +1313,7 @@ async fn generate_inner(
             c.push(ev.token);
         }
         if let Some(c) = choices.get_mut(ev.choice) {
-            c.add(&g.tok.piece(ev.token), ev.finish);
+            c.add(&ev, &g.tok.piece(ev.token));
         }
         if ev.finish.is_some() {
             unfinished -= 1;
@@ -1005,8 +1324,8 @@ async fn generate_inner(
     // (vLLM's usage of a request with `n` choices, summed over a batch's prompts).
     let (prompt_tokens, cached) = prompt_usage(&choices);
     let ended = choices
-        .into_iter()
-        .map(|c| c.finish.map(|f| (c.unsent, f)))
+        .iter()
+        .map(|c| c.finish.map(|f| (&c.unsent, f)))
         .collect::<Option<Vec<_>>>()
         .ok_or_else(aborted)?;
     let completion_tokens = ended.iter().map(|(_, f)| f.completion_tokens).sum();
@@ -1036,7 +1355,7 @@ async fn generate_inner(
                 "message": {"role": "assistant", "content": text.content, "refusal": null,
                             "annotations": null, "audio": null, "function_call": null,
                             "tool_calls": [],
-                            "reasoning": (!text.reasoning.is_empty()).then_some(text.reasoning)},
+                            "reasoning": (!text.reasoning.is_empty()).then_some(&text.reasoning)},
                 "logprobs": null,
                 "finish_reason": f.reason.as_str(),
                 "stop_reason": null,
@@ -1073,6 +1392,43 @@ async fn generate_inner(
                 completion_tokens,
             )
         }
+        Kind::Generate => {
+            let eos = g.tok.eos;
+            let now = unix_now_f64();
+            let mut objects = choices.iter().zip(&rids).map(|(c, rid)| {
+                let text = format!("{}{}", c.unsent.reasoning, c.unsent.content);
+                let answer = sglang::Answer {
+                    rid,
+                    text: &text,
+                    ids: &c.ids,
+                    finish: c.finish.map(|f| f.reason),
+                    prompt_tokens: c.prompt_tokens,
+                    completion_tokens: c.tokens,
+                    cached_tokens: c.cached_tokens,
+                    retractions: c.preemptions,
+                    e2e_latency: c.ended.map(|e| e.duration_since(started).as_secs_f64()),
+                    sent_ts: Some(now),
+                };
+                sglang::object(&answer, eos)
+            });
+            // One prompt sampled once answers an object; anything else a list, prompt by
+            // prompt and each prompt's samples together (`_handle_batch_request`).
+            match single {
+                true => objects.next().unwrap_or_default(),
+                false => Value::Array(objects.collect()),
+            }
+        }
+        Kind::Tokens => {
+            // The answer counts each choice's tokens as it returns them (a prefill only is
+            // SGLang's alone).
+            let completion_tokens = choices.iter().map(|c| c.tokens).sum();
+            let answers = ended
+                .iter()
+                .enumerate()
+                .map(|(i, (_, f))| tokens::choice(i, Some(f.reason.as_str()), &choices[i].ids));
+            let usage = usage(prompt_tokens, completion_tokens, Some(cached));
+            tokens::response(&id, &model, created, answers.collect(), usage)
+        }
     };
     Ok(ok_json(&v))
 }
@@ -1106,7 +1462,7 @@ async fn render_endpoint(
     let n = requested_n(kind, &body)?;
     let suffix = pod.lock().next_response_id();
     let (rid, max_tokens) = match kind {
-        Kind::Completion => (
+        Kind::Completion | Kind::Generate | Kind::Tokens => (
             format!("cmpl-{suffix}"),
             Some(max_tokens.unwrap_or(COMPLETIONS_DEFAULT_MAX_TOKENS)),
         ),
@@ -1127,7 +1483,7 @@ async fn render_endpoint(
         })
     });
     Ok(ok_json(&match kind {
-        Kind::Completion => json!(gens.collect::<Vec<_>>()),
+        Kind::Completion | Kind::Generate | Kind::Tokens => json!(gens.collect::<Vec<_>>()),
         Kind::Chat | Kind::Responses | Kind::Messages => gens.next().unwrap_or_default(),
     }))
 }
@@ -1553,6 +1909,9 @@ async fn route(pod: Arc<Pod>, req: Request<Incoming>) -> Response<SimBody> {
         "/v1/chat/completions" if post => generate(pod, req, Kind::Chat).await,
         "/v1/responses" if post => generate(pod, req, Kind::Responses).await,
         "/v1/messages" if post => generate(pod, req, Kind::Messages).await,
+        // SGLang routes its `/generate` for PUT as well.
+        "/generate" if post || m == Method::PUT => generate(pod, req, Kind::Generate).await,
+        "/inference/v1/generate" if post => generate(pod, req, Kind::Tokens).await,
         "/v1/messages/count_tokens" if post => count_tokens_endpoint(pod, req)
             .await
             .unwrap_or_else(|e| e.response_for(Kind::Messages)),
@@ -1598,6 +1957,8 @@ async fn route(pod: Arc<Pod>, req: Request<Incoming>) -> Response<SimBody> {
         | "/v1/responses"
         | "/v1/messages"
         | "/v1/messages/count_tokens"
+        | "/generate"
+        | "/inference/v1/generate"
         | "/v1/completions/render"
         | "/v1/chat/completions/render"
         | "/tokenize"
@@ -1629,6 +1990,7 @@ pub async fn handle(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::HashSet;
 
     fn pod_with(flags: &[&str]) -> Arc<Pod> {
         let argv = std::iter::once("kvgate-sim").chain(flags.iter().copied());
@@ -1732,6 +2094,7 @@ mod tests {
             roles_sent: false,
             response: None,
             messages: None,
+            generate: None,
         }
     }
 
@@ -1746,6 +2109,8 @@ mod tests {
                 token: t0,
                 first: true,
                 finish: None,
+                cached_tokens: 0,
+                preemptions: 0,
             },
             &mut buf,
         );
@@ -1760,6 +2125,8 @@ mod tests {
                     completion_tokens: 2,
                     cached_tokens: 0,
                 }),
+                cached_tokens: 0,
+                preemptions: 0,
             },
             &mut buf,
         );
@@ -1793,6 +2160,8 @@ mod tests {
                     token: t0,
                     first: i == 0,
                     finish,
+                    cached_tokens: 0,
+                    preemptions: 0,
                 },
                 &mut buf,
             );
@@ -1864,8 +2233,7 @@ mod tests {
         headers: &HeaderMap,
         body: Value,
     ) -> Response<SimBody> {
-        let answer = generate_inner(pod.clone(), kind, headers, body, 0).await;
-        answer.unwrap_or_else(|e| e.response_for(kind))
+        respond(pod.clone(), kind, headers, body, 0).await
     }
 
     /// An answer's status and body.
@@ -2401,6 +2769,515 @@ mod tests {
             assert_eq!(
                 v,
                 json!({"type": "error", "error": {"type": kind, "message": message}})
+            );
+        }
+        assert_eq!(pod.lock().engine.num_waiting(), 0);
+    }
+
+    /// A native request's JSON answer, with these headers.
+    async fn answer(pod: &Arc<Pod>, kind: Kind, headers: &HeaderMap, body: Value) -> Value {
+        let (status, text) = read(post(pod, kind, headers, body).await).await;
+        assert_eq!(status, StatusCode::OK, "{text}");
+        serde_json::from_str(&text).unwrap()
+    }
+
+    /// A header map that fixes the length the model would run to.
+    fn runs_to(n: usize) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert("x-sim-output-tokens", n.to_string().parse().unwrap());
+        h
+    }
+
+    /// SGLang's `/generate` answers one object for one prompt: its text, its ids and its
+    /// `meta_info`; a limit ends it with its length, a natural end with the EOS matched (counted
+    /// and among the ids, not in the text); a prompt counts as the completions prompt of its
+    /// text.
+    #[tokio::test]
+    async fn sglang_generate_answers_as_sglang_does() {
+        let pod = running_pod(&["--time-scale", "1000"]);
+        let eos = pod.g.tok.eos;
+        let none = HeaderMap::new();
+        let prompt = "Tell me a story about caches";
+        let completions = json!({"prompt": prompt, "max_tokens": 5});
+        let p = prompt_tokens(&pod, Kind::Completion, &completions).await;
+        let body = json!({"text": prompt, "sampling_params": {"max_new_tokens": 5}, "rid": "r1"});
+        let v = answer(&pod, Kind::Generate, &none, body.clone()).await;
+        let ids = v["output_ids"].as_array().unwrap();
+        assert_eq!(ids.len(), 5, "{v}");
+        let m = &v["meta_info"];
+        assert_eq!(m["id"], "r1");
+        assert_eq!(m["finish_reason"], json!({"type": "length", "length": 5}));
+        assert_eq!(
+            (m["prompt_tokens"].as_u64(), &m["completion_tokens"]),
+            (Some(p), &json!(5))
+        );
+        assert_eq!(
+            (&m["weight_version"], &m["num_retractions"]),
+            (&json!("default"), &json!(0))
+        );
+        assert!(
+            m["cached_tokens"].is_u64() && m["e2e_latency"].as_f64().unwrap() > 0.0,
+            "{v}"
+        );
+        let words: Vec<u32> = ids.iter().map(|i| i.as_u64().unwrap() as u32).collect();
+        assert_eq!(v["text"], pod.g.tok.decode(&words));
+
+        let v = answer(&pod, Kind::Generate, &runs_to(3), body).await;
+        let ids: Vec<u32> = v["output_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| i.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!((ids.len(), ids[2]), (3, eos), "{v}");
+        assert_eq!(v["text"], pod.g.tok.decode(&ids[..2]));
+        assert_eq!(v["meta_info"]["completion_tokens"], 3);
+        assert_eq!(
+            v["meta_info"]["finish_reason"],
+            json!({"type": "stop", "matched": eos})
+        );
+    }
+
+    /// Without `max_new_tokens` SGLang stops at 128, whatever the model would run to; a null
+    /// one is no limit but the context (less SGLang's two); 0 is a prefill only.
+    #[tokio::test]
+    async fn sglang_limits_default_to_128_and_null_to_the_context() {
+        let pod = running_pod(&["--time-scale", "1000", "--max-model-len", "1000"]);
+        let limit = |sp: Value| json!({"input_ids": [1, 2, 3, 4], "sampling_params": sp});
+        let v = answer(&pod, Kind::Generate, &runs_to(300), limit(json!({}))).await;
+        assert_eq!(
+            v["meta_info"]["finish_reason"],
+            json!({"type": "length", "length": 128})
+        );
+        let no_params = json!({"input_ids": [1, 2, 3, 4]});
+        let v = answer(&pod, Kind::Generate, &runs_to(300), no_params).await;
+        assert_eq!(v["meta_info"]["completion_tokens"], 128);
+        let v = answer(
+            &pod,
+            Kind::Generate,
+            &runs_to(300),
+            limit(json!({"max_new_tokens": null})),
+        )
+        .await;
+        assert_eq!(v["meta_info"]["completion_tokens"], 300);
+        let to_context = answer(
+            &pod,
+            Kind::Generate,
+            &runs_to(5000),
+            limit(json!({"max_new_tokens": null})),
+        )
+        .await;
+        assert_eq!(
+            to_context["meta_info"]["finish_reason"],
+            json!({"type": "length", "length": 994})
+        );
+        let v = answer(
+            &pod,
+            Kind::Generate,
+            &none(),
+            limit(json!({"max_new_tokens": 0})),
+        )
+        .await;
+        assert_eq!(
+            (
+                &v["text"],
+                &v["output_ids"],
+                &v["meta_info"]["completion_tokens"]
+            ),
+            (&json!(""), &json!([]), &json!(0))
+        );
+        assert_eq!(
+            v["meta_info"]["finish_reason"],
+            json!({"type": "length", "length": 0})
+        );
+    }
+
+    fn none() -> HeaderMap {
+        HeaderMap::new()
+    }
+
+    /// A batch, or `n` samples, answers a list: prompt by prompt, each prompt's samples
+    /// together, each an engine request of its own with its own rid (a uuid for samples, the
+    /// request's `<rid>_<i>` for a batch's prompts), its own sampling object.
+    #[tokio::test]
+    async fn sglang_batches_and_samples_answer_lists() {
+        let pod = running_pod(&["--time-scale", "1000"]);
+        let admitted = pod.lock().engine.counters.admitted_requests;
+        let body = json!({"text": ["Tell me a story", "Hello there, how are you today"],
+                          "sampling_params": {"max_new_tokens": 3, "n": 2}, "rid": "x"});
+        let v = answer(&pod, Kind::Generate, &none(), body).await;
+        let list = v.as_array().unwrap();
+        assert_eq!(list.len(), 4, "{v}");
+        assert_eq!(pod.lock().engine.counters.admitted_requests, admitted + 4);
+        let prompts: Vec<u64> = list
+            .iter()
+            .map(|o| o["meta_info"]["prompt_tokens"].as_u64().unwrap())
+            .collect();
+        assert_eq!(prompts[0], prompts[1]);
+        assert_eq!(prompts[2], prompts[3]);
+        assert_ne!(prompts[0], prompts[2]);
+        let rids: HashSet<&str> = list
+            .iter()
+            .map(|o| o["meta_info"]["id"].as_str().unwrap())
+            .collect();
+        assert_eq!(rids.len(), 4);
+        assert!(rids.iter().all(|r| r.len() == 32), "{rids:?}");
+        assert!(list.iter().all(|o| o.get("index").is_none()));
+
+        let body = json!({"input_ids": [[1, 2, 3], [4, 5]], "rid": "x",
+                          "sampling_params": [{"max_new_tokens": 2}, {"max_new_tokens": 4}]});
+        let v = answer(&pod, Kind::Generate, &none(), body).await;
+        let got: Vec<(&Value, &Value, &Value)> = v
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|o| {
+                let m = &o["meta_info"];
+                (&m["id"], &m["prompt_tokens"], &m["completion_tokens"])
+            })
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (&json!("x_0"), &json!(3), &json!(2)),
+                (&json!("x_1"), &json!(2), &json!(4))
+            ]
+        );
+        let one = json!({"text": "Hi", "sampling_params": {"max_new_tokens": 2, "n": 3}});
+        let v = answer(&pod, Kind::Generate, &none(), one).await;
+        assert_eq!(
+            v.as_array().map(Vec::len),
+            Some(3),
+            "n > 1 answers a list: {v}"
+        );
+    }
+
+    /// SGLang streams the answer so far: its whole text and ids, its tokens so far, a null
+    /// finish until the last chunk (`--stream-interval` tokens a chunk); a batch's or `n`'s
+    /// chunks carry their answer's `index`; then `[DONE]`.
+    #[tokio::test]
+    async fn sglang_streams_the_answer_so_far() {
+        let pod = running_pod(&["--time-scale", "1000", "--stream-interval", "2"]);
+        let body = json!({"text": "Tell me a story", "stream": true,
+                          "sampling_params": {"max_new_tokens": 5}});
+        let r = post(&pod, Kind::Generate, &none(), body).await;
+        assert_eq!(
+            r.headers().get(CONTENT_TYPE).unwrap(),
+            "text/event-stream; charset=utf-8"
+        );
+        let (_, text) = read(r).await;
+        let sent = chunks(&text);
+        let counts: Vec<(u64, usize)> = sent
+            .iter()
+            .map(|c| {
+                let ids = c["output_ids"].as_array().unwrap().len();
+                (c["meta_info"]["completion_tokens"].as_u64().unwrap(), ids)
+            })
+            .collect();
+        assert_eq!(counts, [(2, 2), (4, 4), (5, 5)], "{text}");
+        for pair in sent.windows(2) {
+            let (a, b) = (
+                pair[0]["text"].as_str().unwrap(),
+                pair[1]["text"].as_str().unwrap(),
+            );
+            assert!(b.starts_with(a) && b.len() > a.len(), "{text}");
+        }
+        let (last, rest) = sent.split_last().unwrap();
+        assert!(rest
+            .iter()
+            .all(|c| c["meta_info"]["finish_reason"].is_null()));
+        assert!(rest
+            .iter()
+            .all(|c| c["meta_info"].get("e2e_latency").is_none()));
+        assert_eq!(
+            last["meta_info"]["finish_reason"],
+            json!({"type": "length", "length": 5})
+        );
+        assert!(last["meta_info"]["e2e_latency"].is_f64());
+        assert!(sent[0]["meta_info"]["response_sent_to_client_ts"].is_f64());
+        assert!(sent.iter().all(|c| c.get("index").is_none()));
+
+        let body = json!({"text": ["a b c", "d e f"], "stream": true,
+                          "sampling_params": {"max_new_tokens": 2}});
+        let (_, text) = read(post(&pod, Kind::Generate, &none(), body).await).await;
+        let mut indices: Vec<u64> = chunks(&text)
+            .iter()
+            .map(|c| c["index"].as_u64().unwrap())
+            .collect();
+        indices.sort_unstable();
+        assert_eq!(indices, [0, 1], "{text}");
+    }
+
+    /// A prompt sent again hits the prefix cache: SGLang's `cached_tokens` and vLLM's
+    /// `prompt_tokens_details` report the hit (whole blocks, the last token recomputed).
+    #[tokio::test]
+    async fn native_answers_report_prefix_cache_hits() {
+        let pod = running_pod(&["--time-scale", "1000"]);
+        let ids: Vec<u32> = (1..=100).collect();
+        let body = json!({"input_ids": ids, "sampling_params": {"max_new_tokens": 2}});
+        let first = answer(&pod, Kind::Generate, &none(), body.clone()).await;
+        assert_eq!(first["meta_info"]["cached_tokens"], 0);
+        let again = answer(&pod, Kind::Generate, &none(), body).await;
+        assert_eq!(again["meta_info"]["cached_tokens"], 96, "{again}");
+
+        let ids: Vec<u32> = (200..300).collect();
+        let body = json!({"token_ids": ids, "sampling_params": {"max_tokens": 2}});
+        let first = answer(&pod, Kind::Tokens, &none(), body.clone()).await;
+        assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+        let again = answer(&pod, Kind::Tokens, &none(), body).await;
+        assert_eq!(
+            again["usage"]["prompt_tokens_details"]["cached_tokens"], 96,
+            "{again}"
+        );
+    }
+
+    /// SGLang's refusals: its handler's `ValueError`s as `{"error": {"message"}}` 400s (in a
+    /// stream, once it has answered 200, as an event before `[DONE]`), FastAPI's validation as
+    /// its `ErrorResponse`; a `lora_path` as SGLang resolves it. Nothing reaches the engine.
+    #[tokio::test]
+    async fn sglang_errors_are_sglangs() {
+        let pod = pod_with(&["--max-model-len", "64"]);
+        let long = "cache ".repeat(80);
+        let cases = [
+            (
+                json!({"sampling_params": {}}),
+                "Either text, input_ids or input_embeds should be provided.".to_string(),
+            ),
+            (
+                json!({"text": long.clone()}),
+                format!(
+                    "The input ({} tokens) is longer than the model's context length (64 \
+                     tokens).",
+                    pod.g.tok.encode(&long).len()
+                ),
+            ),
+            (
+                json!({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 62}}),
+                "Requested token count exceeds the model's maximum context length of 64 \
+                 tokens. You requested a total of 65 tokens: 3 tokens from the input messages \
+                 and 62 tokens for the completion. Please reduce the number of tokens in the \
+                 input messages or the completion to fit within the limit."
+                    .to_string(),
+            ),
+            (
+                json!({"text": "a", "lora_path": "sql"}),
+                sglang::lora_disabled("sql"),
+            ),
+        ];
+        for (body, message) in cases {
+            let (status, text) =
+                read(post(&pod, Kind::Generate, &none(), body.clone()).await).await;
+            assert_eq!(status, StatusCode::BAD_REQUEST, "{text}");
+            let v: Value = serde_json::from_str(&text).unwrap();
+            assert_eq!(v, json!({"error": {"message": message}}));
+            let mut streamed = body;
+            streamed["stream"] = json!(true);
+            let (status, text) = read(post(&pod, Kind::Generate, &none(), streamed).await).await;
+            assert_eq!(status, StatusCode::OK);
+            assert_eq!(chunks(&text), [json!({"error": {"message": message}})]);
+        }
+        for body in [json!({"text": 5}), json!({"text": 5, "stream": true})] {
+            let (status, text) = read(post(&pod, Kind::Generate, &none(), body).await).await;
+            assert_eq!(status, StatusCode::BAD_REQUEST, "{text}");
+            let v: Value = serde_json::from_str(&text).unwrap();
+            assert_eq!(
+                (&v["object"], &v["code"]),
+                (&json!("error"), &json!(400)),
+                "{v}"
+            );
+        }
+        assert_eq!(pod.lock().engine.num_waiting(), 0);
+
+        let pod = running_pod(&[
+            "--time-scale",
+            "1000",
+            "--enable-lora",
+            "--lora-modules",
+            "sql=/a",
+        ]);
+        let (status, text) = read(
+            post(
+                &pod,
+                Kind::Generate,
+                &none(),
+                json!({"text": "a", "lora_path": "nope"}),
+            )
+            .await,
+        )
+        .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(
+            v["error"]["message"],
+            sglang::lora_unknown("nope", &["sql".into()])
+        );
+        // A prompt cached under the adapter is a miss for the base model, a hit for the adapter.
+        let ids: Vec<u32> = (1..=100).collect();
+        let mut cached = Vec::new();
+        for lora in [json!("sql"), Value::Null, json!("sql")] {
+            let body = json!({"input_ids": [ids], "lora_path": [lora],
+                              "sampling_params": {"max_new_tokens": 2}});
+            let v = answer(&pod, Kind::Generate, &none(), body).await;
+            cached.push(v[0]["meta_info"]["cached_tokens"].as_u64().unwrap());
+        }
+        assert_eq!(cached, [0, 0, 96]);
+    }
+
+    /// vLLM's `/inference/v1/generate`: token ids in, each choice's token ids out (a stop's last
+    /// the EOS), usage with the prompt once; the id `generate-tokens-` and the `X-Request-Id`
+    /// header's, else the body's `request_id`; a loaded adapter named as the model.
+    #[tokio::test]
+    async fn vllm_tokens_generate_answers_as_vllm_does() {
+        let pod = running_pod(&[
+            "--time-scale",
+            "1000",
+            "--served-model-name",
+            "m",
+            "--enable-lora",
+            "--lora-modules",
+            "sql=/a",
+        ]);
+        let eos = pod.g.tok.eos;
+        let body = json!({"token_ids": [1, 2, 3, 4, 5, 6, 7], "request_id": "abc",
+                          "sampling_params": {"max_tokens": 5, "n": 2}});
+        let v = answer(&pod, Kind::Tokens, &none(), body.clone()).await;
+        assert_eq!(v["request_id"], "generate-tokens-abc");
+        assert_eq!(v["model"], "m");
+        assert!(v["created"].is_u64());
+        assert_eq!(
+            (&v["prompt_logprobs"], &v["kv_transfer_params"]),
+            (&Value::Null, &Value::Null)
+        );
+        assert_eq!(
+            v["usage"],
+            json!({"prompt_tokens": 7, "completion_tokens": 10, "total_tokens": 17,
+                   "prompt_tokens_details": {"cached_tokens": v["usage"]["prompt_tokens_details"]["cached_tokens"]}})
+        );
+        let choices = v["choices"].as_array().unwrap();
+        assert_eq!(choices.len(), 2);
+        for (i, c) in choices.iter().enumerate() {
+            assert_eq!(
+                (&c["index"], &c["logprobs"], &c["finish_reason"]),
+                (&json!(i), &Value::Null, &json!("length"))
+            );
+            assert_eq!(c["token_ids"].as_array().unwrap().len(), 5);
+        }
+        let mut header = runs_to(3);
+        header.insert("x-request-id", "h1".parse().unwrap());
+        let mut adapter = body;
+        adapter["model"] = json!("sql");
+        adapter["sampling_params"] = json!({"max_tokens": 5});
+        let v = answer(&pod, Kind::Tokens, &header, adapter).await;
+        assert_eq!(
+            (&v["request_id"], &v["model"]),
+            (&json!("generate-tokens-h1"), &json!("sql"))
+        );
+        assert_eq!(v["choices"][0]["finish_reason"], "stop");
+        assert_eq!(v["choices"][0]["token_ids"][2], eos);
+        assert_eq!(v["usage"]["completion_tokens"], 3);
+    }
+
+    /// Without `max_tokens` vLLM's tokens endpoint fills in the context's room (not
+    /// `SamplingParams`' 16), as a null one is: the drawn length runs out.
+    #[tokio::test]
+    async fn vllm_tokens_limits_default_to_the_context() {
+        let pod = running_pod(&[
+            "--time-scale",
+            "1000",
+            "--output-len-dist",
+            "fixed",
+            "--output-len-mean",
+            "40",
+        ]);
+        for sp in [json!({}), json!({"max_tokens": null})] {
+            let body = json!({"token_ids": [1, 2, 3], "sampling_params": sp});
+            let v = answer(&pod, Kind::Tokens, &none(), body).await;
+            assert_eq!(v["usage"]["completion_tokens"], 40, "{v}");
+            assert_eq!(v["choices"][0]["finish_reason"], "stop");
+        }
+        let body = json!({"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 16}});
+        let v = answer(&pod, Kind::Tokens, &none(), body).await;
+        assert_eq!(v["choices"][0]["finish_reason"], "length");
+    }
+
+    /// Streamed: each chunk one choice's new token ids (`--stream-interval` of them) and a null
+    /// usage, or its usage so far with `continuous_usage_stats`; the usage chunk after the last
+    /// choice's end; then `[DONE]`.
+    #[tokio::test]
+    async fn vllm_tokens_streams_token_deltas() {
+        let pod = running_pod(&["--time-scale", "1000", "--stream-interval", "2"]);
+        let body = json!({"token_ids": [1, 2, 3], "stream": true, "request_id": "s",
+                          "stream_options": {"include_usage": true},
+                          "sampling_params": {"max_tokens": 5}});
+        let (_, text) = read(post(&pod, Kind::Tokens, &none(), body).await).await;
+        let sent = chunks(&text);
+        let (usage, data) = sent.split_last().unwrap();
+        assert_eq!(
+            *usage,
+            json!({"request_id": "generate-tokens-s", "choices": [],
+                   "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8,
+                             "prompt_tokens_details": {"cached_tokens": 0}}})
+        );
+        let sizes: Vec<usize> = data
+            .iter()
+            .map(|c| c["choices"][0]["token_ids"].as_array().unwrap().len())
+            .collect();
+        assert_eq!(sizes, [2, 2, 1], "{text}");
+        assert!(data.iter().all(|c| c["usage"].is_null()));
+        assert_eq!(data[2]["choices"][0]["finish_reason"], "length");
+        assert!(data[0]["choices"][0]["finish_reason"].is_null());
+
+        let body = json!({"token_ids": [1, 2, 3], "stream": true,
+                          "stream_options": {"include_usage": true, "continuous_usage_stats": true},
+                          "sampling_params": {"max_tokens": 4}});
+        let (_, text) = read(post(&pod, Kind::Tokens, &none(), body).await).await;
+        let counts: Vec<u64> = chunks(&text)
+            .iter()
+            .filter(|c| !c["choices"].as_array().unwrap().is_empty())
+            .map(|c| c["usage"]["completion_tokens"].as_u64().unwrap())
+            .collect();
+        assert_eq!(counts, [2, 4]);
+    }
+
+    /// vLLM's refusals in its OpenAI error shape: a body its model refuses, an unknown model,
+    /// a limit of 0, more choices than it runs at once.
+    #[tokio::test]
+    async fn vllm_tokens_errors_are_vllms() {
+        let pod = pod_with(&["--served-model-name", "m", "--max-num-seqs", "4"]);
+        let cases = [
+            (
+                json!({"token_ids": [1]}),
+                StatusCode::BAD_REQUEST,
+                "BadRequestError",
+                "sampling_params: Field required",
+            ),
+            (
+                json!({"token_ids": [1], "sampling_params": {}, "model": "nope"}),
+                StatusCode::NOT_FOUND,
+                "NotFoundError",
+                "The model `nope` does not exist.",
+            ),
+            (
+                json!({"token_ids": [1], "sampling_params": {"max_tokens": 0}}),
+                StatusCode::BAD_REQUEST,
+                "BadRequestError",
+                "max_tokens must be at least 1, got 0.",
+            ),
+            (
+                json!({"token_ids": [1], "sampling_params": {"n": 5}}),
+                StatusCode::BAD_REQUEST,
+                "BadRequestError",
+                "sampling_params.n must be at most the server's max_num_seqs (4), got 5.",
+            ),
+        ];
+        for (body, status, kind, message) in cases {
+            let (got, text) = read(post(&pod, Kind::Tokens, &none(), body).await).await;
+            assert_eq!(got, status, "{text}");
+            let v: Value = serde_json::from_str(&text).unwrap();
+            assert_eq!(
+                v,
+                json!({"error": {"message": message, "type": kind, "param": null,
+                                 "code": status.as_u16()}})
             );
         }
         assert_eq!(pod.lock().engine.num_waiting(), 0);

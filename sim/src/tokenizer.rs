@@ -32,15 +32,20 @@ pub enum Segment {
 pub struct Tokenizer {
     bpe: &'static CoreBPE,
     pub name: &'static str,
+    /// The encoding's `<|endoftext|>`: the EOS a natural end ("stop") emits, which the engines'
+    /// token outputs (SGLang's `output_ids`, vLLM's `token_ids`) include and their text leaves out.
+    pub eos: u32,
     filler: Vec<u32>,
     pieces: HashMap<u32, String>,
 }
 
 impl Tokenizer {
     pub fn new(name: &str) -> Result<Self, String> {
-        let (bpe, name): (&'static CoreBPE, &'static str) = match name {
-            "o200k_base" | "o200k" => (tiktoken_rs::o200k_base_singleton(), "o200k_base"),
-            "cl100k_base" | "cl100k" => (tiktoken_rs::cl100k_base_singleton(), "cl100k_base"),
+        let (bpe, name, eos): (&'static CoreBPE, &'static str, u32) = match name {
+            "o200k_base" | "o200k" => (tiktoken_rs::o200k_base_singleton(), "o200k_base", 199_999),
+            "cl100k_base" | "cl100k" => {
+                (tiktoken_rs::cl100k_base_singleton(), "cl100k_base", 100_257)
+            }
             other => {
                 return Err(format!(
                     "unknown tokenizer {other:?} (expected o200k_base or cl100k_base)"
@@ -64,6 +69,7 @@ impl Tokenizer {
         Ok(Tokenizer {
             bpe,
             name,
+            eos,
             filler,
             pieces,
         })
@@ -256,6 +262,19 @@ mod tests {
                 t.encode(&text),
                 ids,
                 "{enc}: generated text re-tokenizes identically"
+            );
+        }
+    }
+
+    /// The EOS a stop ends with is each encoding's `<|endoftext|>`.
+    #[test]
+    fn eos_is_the_encodings_end_of_text() {
+        for enc in ["o200k_base", "cl100k_base"] {
+            let t = Tokenizer::new(enc).unwrap();
+            assert_eq!(
+                t.bpe.encode_with_special_tokens("<|endoftext|>"),
+                [t.eos],
+                "{enc}"
             );
         }
     }
