@@ -1,0 +1,163 @@
+"""The engines' own generate APIs, which RL rollouts and clients that template their prompts
+themselves send: SGLang's `/generate` (a raw `text` or `input_ids`, limits in `sampling_params`,
+counts in each answer's `meta_info`) and vLLM's tokens-in, tokens-out `/inference/v1/generate`.
+In a real Envoy in front of kvgate-sim pods: their requests are admitted within the pods' budgets
+(with a limit on every request the engine never preempts, where round robin on the same pool
+does, and as kvgate did while it passed these paths through unread), their prompts keep their
+prefix's pod, their usage is read from the engine's answers, and what is not theirs (a path that
+only ends alike) passes through untouched."""
+
+import http.client
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+from harness import Sim, baseline_envoy, default_plugin_config, kvgate_envoy, kvgate_gauges, request, wait_for
+
+from bodies import WORDS
+
+BLOCKS = 256
+SMALL_KV = ["--time-scale", "10", "--num-gpu-blocks", str(BLOCKS)]
+
+
+def text(i):
+    return f"question {i}: " + " ".join(WORDS[(i * 7 + j * 13) % len(WORDS)] for j in range(300))
+
+
+def ids(group, i, shared=1000, own=40):
+    """A prompt of token ids: `shared` ids its group's prompts all open with, then `own` of its own."""
+    return [1000 + (group * 7919 + j * 31) % 100_000 for j in range(shared)] + \
+        [2000 + (i * 104_729 + j * 13) % 100_000 for j in range(own)]
+
+
+def generate_stream(port, body, timeout=120.0):
+    """POSTs a streamed SGLang `/generate`; returns its status, how often the answer grew, and the
+    last chunk's `meta_info`."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", "/generate", body=json.dumps(dict(body, stream=True)).encode(),
+                     headers={"content-type": "application/json"})
+        r = conn.getresponse()
+        out = {"status": r.status, "grew": 0, "meta": None, "done": False}
+        if r.status != 200:
+            out["body"] = r.read()
+            return out
+        seen = ""
+        for raw in r:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            if line[5:].strip() == b"[DONE]":
+                out["done"] = True
+                continue
+            chunk = json.loads(line[5:])
+            if len(chunk["text"]) > len(seen):
+                out["grew"] += 1
+            seen = chunk["text"]
+            out["meta"] = chunk["meta_info"]
+        return out
+    finally:
+        conn.close()
+
+
+def preemptions(sim):
+    return sum(sim.stats(i)["preemptions"] for i in range(sim.pods))
+
+
+def test_sglang_generate_is_admitted_within_the_budget():
+    """48 streamed `/generate` requests of about 330 prompt tokens with max_new_tokens 300 at a
+    time, on two pods that hold six each: passed through unread (round robin, as kvgate did before
+    it read this API), the engines preempt; admitted, never, every answer's counts read from its
+    `meta_info`, and every reservation is back to zero."""
+    out = {}
+    for name in ("round_robin", "kvgate"):
+        with Sim(pods=2, args=SMALL_KV) as sim:
+            ctx = baseline_envoy(sim.endpoints) if name == "round_robin" else \
+                kvgate_envoy(sim.endpoints, default_plugin_config(), concurrency=2)
+            with ctx as envoy, ThreadPoolExecutor(48) as pool:
+                body = lambda i: {"text": text(i), "sampling_params": {"max_new_tokens": 300, "temperature": 0.7}}
+                answers = list(pool.map(lambda i: generate_stream(envoy.port, body(i)), range(144)))
+                assert all(a["status"] == 200 and a["done"] for a in answers), \
+                    [a.get("body") for a in answers if a["status"] != 200][:3]
+                assert all(a["meta"]["completion_tokens"] == 300 for a in answers)
+                out[name] = preemptions(sim)
+                if name == "kvgate":
+                    assert wait_for(lambda: all(v == 0 for v in kvgate_gauges(envoy, "reserved_tokens").values()),
+                                    timeout=5), kvgate_gauges(envoy, "reserved_tokens")
+                    used = sum(a["meta"]["prompt_tokens"] + a["meta"]["completion_tokens"] for a in answers)
+                    name_ = "wasmcustom.kvgate.usage.total_tokens"
+                    assert wait_for(lambda: envoy.stats(name_).get(name_, 0) == used, timeout=5), \
+                        (envoy.stats(name_), used)
+    print(f"preemptions: {out}")
+    assert out["round_robin"] >= 20, out
+    assert out["kvgate"] == 0, out
+
+
+def test_vllm_token_requests_keep_their_prefix_pod_and_the_budget():
+    """vLLM's `/inference/v1/generate`: six groups' prompts of token ids, each group's opening
+    with the same 1,000 ids, go to their group's pod (without affinity a quarter of them would);
+    each answer's usage is read; then 48 at a time with max_tokens 300 on two small pods, which
+    round robin makes preempt, run without a preemption."""
+    with Sim(pods=4, args=["--time-scale", "20"]) as sim, \
+            kvgate_envoy(sim.endpoints, default_plugin_config()) as envoy:
+        jobs = [(g, q) for q in range(12) for g in range(6)]
+
+        def one(job):
+            g, q = job
+            body = {"token_ids": ids(g, q), "sampling_params": {"max_tokens": 8}}
+            r = request(envoy.port, "POST", "/inference/v1/generate", body)
+            return g, r.status, r.headers.get("x-sim-pod"), r.json()
+
+        with ThreadPoolExecutor(12) as pool:
+            results = list(pool.map(one, jobs))
+        assert all(status == 200 for _, status, _, _ in results), [b for _, s, _, b in results if s != 200][:3]
+        assert all(len(b["choices"][0]["token_ids"]) == 8 for _, _, _, b in results)
+        on_majority = 0
+        for g in range(6):
+            pods = [p for gg, _, p, _ in results if gg == g]
+            on_majority += max(pods.count(p) for p in set(pods))
+        share = on_majority / len(results)
+        print(f"requests on their group's pod: {share:.1%}")
+        assert share >= 0.8, share
+        used = sum(b["usage"]["total_tokens"] for _, _, _, b in results)
+        name = "wasmcustom.kvgate.usage.total_tokens"
+        assert wait_for(lambda: envoy.stats(name).get(name, 0) == used, timeout=5), (envoy.stats(name), used)
+
+    out = {}
+    for name in ("round_robin", "kvgate"):
+        with Sim(pods=2, args=SMALL_KV) as sim:
+            ctx = baseline_envoy(sim.endpoints) if name == "round_robin" else \
+                kvgate_envoy(sim.endpoints, default_plugin_config(), concurrency=2)
+            with ctx as envoy, ThreadPoolExecutor(48) as pool:
+                body = lambda i: {"token_ids": ids(i, i, shared=0, own=330), "sampling_params": {"max_tokens": 300}}
+                answers = list(pool.map(lambda i: request(envoy.port, "POST", "/inference/v1/generate", body(i),
+                                                          timeout=120), range(144)))
+                assert all(a.status == 200 for a in answers), [a.body for a in answers if a.status != 200][:3]
+                assert all(a.json()["usage"]["completion_tokens"] == 300 for a in answers)
+                out[name] = preemptions(sim)
+                if name == "kvgate":
+                    assert wait_for(lambda: all(v == 0 for v in kvgate_gauges(envoy, "reserved_tokens").values()),
+                                    timeout=5), kvgate_gauges(envoy, "reserved_tokens")
+    print(f"preemptions: {out}")
+    assert out["round_robin"] >= 20, out
+    assert out["kvgate"] == 0, out
+
+
+def test_native_requests_kvgate_refuses_and_paths_that_are_not_theirs():
+    """A body the engine would refuse gets kvgate's 400 naming the field; a path that merely ends
+    in `/generate` (Ollama's `/api/generate`) is not SGLang's and reaches the upstream unread."""
+    with Sim(pods=1, args=["--time-scale", "20"]) as sim, \
+            kvgate_envoy(sim.endpoints, default_plugin_config()) as envoy:
+        for path, body, param in [
+            ("/generate", {"sampling_params": {"max_new_tokens": 8}}, "text"),
+            ("/inference/v1/generate", {"sampling_params": {"max_tokens": 8}}, "token_ids"),
+            ("/inference/v1/generate", {"token_ids": [1, 2, 3]}, "sampling_params"),
+        ]:
+            r = request(envoy.port, "POST", path, body)
+            assert r.status == 400, (path, r.body)
+            assert r.json()["error"]["param"] == param, r.body
+            assert r.headers.get("x-kvgate-reason") == "invalid_request_error"
+        r = request(envoy.port, "POST", "/api/generate", {"model": "m", "prompt": "hi"})
+        assert "x-kvgate-reason" not in r.headers, r.headers
+        # A request the engine serves, answered in its shape.
+        r = request(envoy.port, "POST", "/generate", {"text": "hello there", "sampling_params": {"max_new_tokens": 4}})
+        assert r.status == 200 and r.json()["meta_info"]["completion_tokens"] == 4, r.body
