@@ -24,7 +24,7 @@ pub enum Api {
     /// router send.
     Generate,
     /// vLLM's tokens-in, tokens-out `/inference/v1/generate` (its `serve/disagg`
-    /// `GenerateRequest`): `token_ids` and `sampling_params`, answered as JSON.
+    /// `GenerateRequest`): `token_ids` and `sampling_params`.
     Tokens,
 }
 
@@ -214,9 +214,6 @@ struct Sampling {
 
 /// Where SGLang's `/generate` stops without `max_new_tokens` (its `SamplingParams`).
 const SGLANG_DEFAULT_MAX_NEW_TOKENS: u64 = 128;
-/// Where vLLM's `SamplingParams` stops without `max_tokens`, as `/inference/v1/generate` takes
-/// them (the OpenAI APIs set their own).
-const VLLM_DEFAULT_MAX_TOKENS: u64 = 16;
 
 /// The answers of one prompt under its sampling parameters, or of several summed: how many
 /// (each prompt's `n` choices, each run as a sequence of its own on the prompt prefilled once),
@@ -525,23 +522,21 @@ impl Request {
         let mut out = Request {
             model,
             model_span,
-            // vLLM answers `/inference/v1/generate` as JSON whatever `stream` says.
-            stream: api == Api::Generate && b.stream.is_some_and(|f| f.0),
+            stream: b.stream.is_some_and(|f| f.0),
             cache_salt: b.cache_salt,
             text: String::with_capacity(body_len),
             ..Request::default()
         };
+        // vLLM's releases stopped at its `SamplingParams` default of 16 without `max_tokens`,
+        // its main runs to the context as on its OpenAI paths: read as no limit, the safe side.
         let (prompt, default_max) = match api {
-            Api::Tokens => (
-                b.token_ids.ok_or_else(|| missing("token_ids"))?,
-                VLLM_DEFAULT_MAX_TOKENS,
-            ),
+            Api::Tokens => (b.token_ids.ok_or_else(|| missing("token_ids"))?, None),
             // The engine prefills the ids when it is given both.
             _ => (
                 b.input_ids
                     .or(b.text)
                     .ok_or_else(|| bad("either `text` or `input_ids` is required", Some("text")))?,
-                SGLANG_DEFAULT_MAX_NEW_TOKENS,
+                Some(SGLANG_DEFAULT_MAX_NEW_TOKENS),
             ),
         };
         out.prompts = out.push_input(prompt.0).max(1);
@@ -552,7 +547,7 @@ impl Request {
         };
         let answers = |s: &Sampling| {
             let max = match s.max_new_tokens.or(s.max_tokens) {
-                None => Some(default_max),
+                None => default_max,
                 Some(set) => set.map(|c| c.0),
             };
             let min = s.min_new_tokens.as_ref().or(s.min_tokens.as_ref());
@@ -1103,16 +1098,15 @@ mod tests {
         assert_eq!(e.param.as_deref(), Some("sampling_params"), "{}", e.message);
     }
 
-    /// vLLM's `/inference/v1/generate`: `token_ids` and `sampling_params` required, 16 tokens
-    /// when no `max_tokens` is given (vLLM's `SamplingParams`), answered as JSON whatever
-    /// `stream` says.
+    /// vLLM's `/inference/v1/generate`: `token_ids` and `sampling_params` required, no limit
+    /// but the context when no `max_tokens` is given (vLLM's main; its releases stopped at 16).
     #[test]
     fn a_vllm_tokens_request_is_read_as_vllm_reads_it() {
         let p = |s: &str| Request::parse(Api::Tokens, s.as_bytes());
         let r = p(r#"{"model":"m","token_ids":[1,2,3],"sampling_params":{"max_tokens":8,"min_tokens":2,"n":3},"stream":true,"cache_salt":"s"}"#).unwrap();
         assert_eq!(
             (r.model.as_str(), r.token_ids, r.ids.len(), r.stream),
-            ("m", 3, 12, false)
+            ("m", 3, 12, true)
         );
         assert_eq!(
             (r.choices, r.max_output_tokens, r.min_output_tokens),
@@ -1124,7 +1118,7 @@ mod tests {
         let default = p(r#"{"token_ids":[1],"sampling_params":{}}"#).unwrap();
         assert_eq!(
             (default.model.as_str(), default.max_output_tokens),
-            ("", Some(16))
+            ("", None)
         );
         let null = p(r#"{"token_ids":[1],"sampling_params":{"max_tokens":null}}"#).unwrap();
         assert_eq!(null.max_output_tokens, None);

@@ -61,6 +61,8 @@ fn some(text: &Option<String>) -> bool {
 struct Choice {
     text: Option<String>,
     delta: Option<Delta>,
+    /// A vLLM `/inference/v1/generate` stream's piece: its new ids.
+    token_ids: Option<Vec<serde::de::IgnoredAny>>,
 }
 
 /// A chunk of a stream of several answers, read again for which answer each of its choices is
@@ -84,9 +86,10 @@ struct AnswerPiece {
 
 impl Choice {
     /// Whether it carries any text: its `text`, or its delta's answer, reasoning under either
-    /// name, or a tool call's name or arguments.
+    /// name, or a tool call's name or arguments, or token ids.
     fn has_text(&self) -> bool {
         some(&self.text)
+            || self.token_ids.as_ref().is_some_and(|ids| !ids.is_empty())
             || self.delta.as_ref().is_some_and(|d| {
                 some(&d.content)
                     || some(&d.reasoning)
@@ -1026,12 +1029,13 @@ mod tests {
         ];
         let call_keys: [&[u8]; 4] = [b"index", b"id", b"type", b"function"];
         let function_keys: [&[u8]; 3] = [b"name", b"arguments", b"n\\u0061me"];
-        let choice_keys: [&[u8]; 6] = [
+        let choice_keys: [&[u8]; 7] = [
             b"index",
             b"text",
             b"delta",
             b"logprobs",
             b"finish_reason",
+            b"token_ids",
             b"te\\u0078t",
         ];
         let top_keys: [&[u8]; 10] = [
@@ -1155,6 +1159,9 @@ mod tests {
             (br#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":""}}]}}]}"#, 0),
             (br#"{"type":"response.reasoning_text.delta","content_index":0,"delta":" is","item_id":"r","output_index":0,"sequence_number":95}"#, 1),
             (br#"{"type":"response.function_call_arguments.delta","delta":"{\"","item_id":"fc","output_index":1,"sequence_number":7}"#, 1),
+            // vLLM's `/inference/v1/generate` streams a choice's new ids.
+            (br#"{"request_id":"generate-tokens-1","choices":[{"index":0,"logprobs":null,"finish_reason":null,"token_ids":[665,860]}],"usage":null}"#, 1),
+            (br#"{"request_id":"generate-tokens-1","choices":[{"index":0,"finish_reason":"stop","token_ids":[]}],"usage":null}"#, 0),
         ] {
             assert_eq!(crate::openai::sse_chunk::pieces(chunk), Some(n), "{}", String::from_utf8_lossy(chunk));
             assert_eq!(serde_reading(chunk).0, n);

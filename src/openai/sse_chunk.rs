@@ -7,7 +7,8 @@
 //! [`pieces`] walks the chunk's JSON once, allocating nothing, and counts what the serde reading
 //! (`response::Chunk`) counts: each of `choices` that carries any text — its `text`, or its
 //! delta's `content`, `reasoning` (vLLM's name since its PR 27752), `reasoning_content`
-//! (SGLang's, and vLLM's before) or a tool call's function `name` or `arguments` —, and each
+//! (SGLang's, and vLLM's before) or a tool call's function `name` or `arguments`, or the ids of a
+//! vLLM `/inference/v1/generate` stream's `token_ids` —, and each
 //! event of [`TEXT_EVENTS`] (the Responses and Anthropic Messages APIs'). It declines (`None`) rather than differ: wherever a
 //! chunk's shape or bytes leave any doubt that serde_json would read it alike (a `usage`, `response` or SGLang `/generate` `meta_info` that is not null, a field
 //! of interest of another type or given twice, an escaped key or event type, a `\u` escape of a
@@ -247,11 +248,19 @@ impl<'a> Cursor<'a> {
         let mut count = 0;
         self.array(1, |c| {
             let mut text = false;
-            c.fields(2, [b"text", b"delta"], |c, field| {
+            c.fields(2, [b"text", b"delta", b"token_ids"], |c, field| {
                 text |= match field {
                     0 => c.some_text()?,
                     _ if c.null() => false,
-                    _ => c.delta()?,
+                    1 => c.delta()?,
+                    _ => {
+                        let mut ids = 0;
+                        c.array(3, |c| {
+                            ids += 1;
+                            c.value(4)
+                        })?;
+                        ids > 0
+                    }
                 };
                 Some(())
             })?;
