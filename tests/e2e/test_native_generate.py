@@ -63,31 +63,43 @@ def preemptions(sim):
     return sum(sim.stats(i)["preemptions"] for i in range(sim.pods))
 
 
-def test_sglang_generate_is_admitted_within_the_budget():
-    """48 streamed `/generate` requests of about 330 prompt tokens with max_new_tokens 300 at a
-    time, on two pods that hold six each: passed through unread (round robin, as kvgate did before
-    it read this API), the engines preempt; admitted, never, every answer's counts read from its
-    `meta_info`, and every reservation is back to zero."""
+def on_both_fronts(send, check=lambda envoy, answers: None):
+    """144 requests, 48 at a time, each sent and its answer checked by `send(port, i)`, on two
+    pods that hold six each: through round robin (as kvgate passed these paths through before it
+    read them), then through kvgate at `--concurrency` 2, after which every reservation is back
+    to zero and `check(envoy, answers)` holds. Each front's preemptions."""
     out = {}
     for name in ("round_robin", "kvgate"):
         with Sim(pods=2, args=SMALL_KV) as sim:
             ctx = baseline_envoy(sim.endpoints) if name == "round_robin" else \
                 kvgate_envoy(sim.endpoints, default_plugin_config(), concurrency=2)
             with ctx as envoy, ThreadPoolExecutor(48) as pool:
-                body = lambda i: {"text": text(i), "sampling_params": {"max_new_tokens": 300, "temperature": 0.7}}
-                answers = list(pool.map(lambda i: generate_stream(envoy.port, body(i)), range(144)))
-                assert all(a["status"] == 200 and a["done"] for a in answers), \
-                    [a.get("body") for a in answers if a["status"] != 200][:3]
-                assert all(a["meta"]["completion_tokens"] == 300 for a in answers)
+                answers = list(pool.map(lambda i: send(envoy.port, i), range(144)))
                 out[name] = preemptions(sim)
                 if name == "kvgate":
                     assert wait_for(lambda: all(v == 0 for v in kvgate_gauges(envoy, "reserved_tokens").values()),
                                     timeout=5), kvgate_gauges(envoy, "reserved_tokens")
-                    used = sum(a["meta"]["prompt_tokens"] + a["meta"]["completion_tokens"] for a in answers)
-                    name_ = "wasmcustom.kvgate.usage.total_tokens"
-                    assert wait_for(lambda: envoy.stats(name_).get(name_, 0) == used, timeout=5), \
-                        (envoy.stats(name_), used)
+                    check(envoy, answers)
     print(f"preemptions: {out}")
+    return out
+
+
+def test_sglang_generate_is_admitted_within_the_budget():
+    """48 streamed `/generate` requests of about 330 prompt tokens with max_new_tokens 300 at a
+    time: passed through unread the engines preempt; admitted, never, and every answer's counts
+    are read from its `meta_info`."""
+    def send(port, i):
+        a = generate_stream(port, {"text": text(i), "sampling_params": {"max_new_tokens": 300, "temperature": 0.7}})
+        assert a["status"] == 200 and a["done"], a.get("body")
+        assert a["meta"]["completion_tokens"] == 300, a["meta"]
+        return a
+
+    def usage_read(envoy, answers):
+        used = sum(a["meta"]["prompt_tokens"] + a["meta"]["completion_tokens"] for a in answers)
+        name = "wasmcustom.kvgate.usage.total_tokens"
+        assert wait_for(lambda: envoy.stats(name).get(name, 0) == used, timeout=5), (envoy.stats(name), used)
+
+    out = on_both_fronts(send, usage_read)
     assert out["round_robin"] >= 20, out
     assert out["kvgate"] == 0, out
 
@@ -122,22 +134,13 @@ def test_vllm_token_requests_keep_their_prefix_pod_and_the_budget():
         name = "wasmcustom.kvgate.usage.total_tokens"
         assert wait_for(lambda: envoy.stats(name).get(name, 0) == used, timeout=5), (envoy.stats(name), used)
 
-    out = {}
-    for name in ("round_robin", "kvgate"):
-        with Sim(pods=2, args=SMALL_KV) as sim:
-            ctx = baseline_envoy(sim.endpoints) if name == "round_robin" else \
-                kvgate_envoy(sim.endpoints, default_plugin_config(), concurrency=2)
-            with ctx as envoy, ThreadPoolExecutor(48) as pool:
-                body = lambda i: {"token_ids": ids(i, i, shared=0, own=330), "sampling_params": {"max_tokens": 300}}
-                answers = list(pool.map(lambda i: request(envoy.port, "POST", "/inference/v1/generate", body(i),
-                                                          timeout=120), range(144)))
-                assert all(a.status == 200 for a in answers), [a.body for a in answers if a.status != 200][:3]
-                assert all(a.json()["usage"]["completion_tokens"] == 300 for a in answers)
-                out[name] = preemptions(sim)
-                if name == "kvgate":
-                    assert wait_for(lambda: all(v == 0 for v in kvgate_gauges(envoy, "reserved_tokens").values()),
-                                    timeout=5), kvgate_gauges(envoy, "reserved_tokens")
-    print(f"preemptions: {out}")
+    def send(port, i):
+        body = {"token_ids": ids(i, i, shared=0, own=330), "sampling_params": {"max_tokens": 300}}
+        r = request(port, "POST", "/inference/v1/generate", body, timeout=120)
+        assert r.status == 200 and r.json()["usage"]["completion_tokens"] == 300, r.body
+        return r
+
+    out = on_both_fronts(send)
     assert out["round_robin"] >= 20, out
     assert out["kvgate"] == 0, out
 
