@@ -63,14 +63,14 @@ def preemptions(sim):
     return sum(sim.stats(i)["preemptions"] for i in range(sim.pods))
 
 
-def on_both_fronts(send, check=lambda envoy, answers: None):
+def on_both_fronts(send, check=lambda envoy, answers: None, pod_args=()):
     """144 requests, 48 at a time, each sent and its answer checked by `send(port, i)`, on two
-    pods that hold six each: through round robin (as kvgate passed these paths through before it
+    pods (started with `pod_args` too) that hold six each: through round robin (as kvgate passed these paths through before it
     read them), then through kvgate at `--concurrency` 2, after which every reservation is back
     to zero and `check(envoy, answers)` holds. Each front's preemptions."""
     out = {}
     for name in ("round_robin", "kvgate"):
-        with Sim(pods=2, args=SMALL_KV) as sim:
+        with Sim(pods=2, args=[*SMALL_KV, *pod_args]) as sim:
             ctx = baseline_envoy(sim.endpoints) if name == "round_robin" else \
                 kvgate_envoy(sim.endpoints, default_plugin_config(), concurrency=2)
             with ctx as envoy, ThreadPoolExecutor(48) as pool:
@@ -86,7 +86,8 @@ def on_both_fronts(send, check=lambda envoy, answers: None):
 
 def test_sglang_generate_is_admitted_within_the_budget():
     """48 streamed `/generate` requests of about 330 prompt tokens with max_new_tokens 300 at a
-    time: passed through unread the engines preempt; admitted, never, and every answer's counts
+    time, on pods that export SGLang's metrics (`sglang:*`, as SGLang pods serving `/generate`
+    do): passed through unread the engines preempt; admitted, never, and every answer's counts
     are read from its `meta_info`."""
     def send(port, i):
         a = generate_stream(port, {"text": text(i), "sampling_params": {"max_new_tokens": 300, "temperature": 0.7}})
@@ -99,7 +100,7 @@ def test_sglang_generate_is_admitted_within_the_budget():
         name = "wasmcustom.kvgate.usage.total_tokens"
         assert wait_for(lambda: envoy.stats(name).get(name, 0) == used, timeout=5), (envoy.stats(name), used)
 
-    out = on_both_fronts(send, usage_read)
+    out = on_both_fronts(send, usage_read, pod_args=["--metrics-flavor", "sglang"])
     assert out["round_robin"] >= 20, out
     assert out["kvgate"] == 0, out
 
