@@ -266,6 +266,9 @@ pub struct RoutingConfig {
     pub set_original_dst_header: bool,
     /// An in-flight entry lives this long without news of its stream.
     pub request_ttl_ms: u64,
+    /// The request header whose value the engines take as the prompt's cache salt over the
+    /// body's `cache_salt` (vLLM's `X-Cache-Salt`); empty: none is read.
+    pub cache_salt_header: String,
     /// How long a request naming a stored response no note here names is held while the pods
     /// that may store it are asked (`routing::stored_ask`, through `metrics.cluster`); 0: never
     /// asked, such a request is routed by cost.
@@ -294,6 +297,7 @@ impl Default for RoutingConfig {
             fallback_pods: 2,
             set_original_dst_header: false,
             request_ttl_ms: 660_000,
+            cache_salt_header: "x-cache-salt".into(),
             stored_lookup_ms: 500,
         }
     }
@@ -548,13 +552,21 @@ impl AdmissionConfig {
             ("tenantHeader", &self.tenant_header),
             ("sessionHeader", &self.session_header),
         ] {
-            if header.bytes().any(|b| b.is_ascii_uppercase() || b == b' ') {
-                return e(name, "header names must be lower case without spaces");
+            if !header_name(header) {
+                return e(name, HEADER_NAME);
             }
         }
         Ok(())
     }
 }
+
+/// Whether `name` is a header name as Envoy's header map holds it (HTTP/2 and Envoy lower-case
+/// every name, so a name with capitals would never match); empty reads none.
+fn header_name(name: &str) -> bool {
+    !name.bytes().any(|b| b.is_ascii_uppercase() || b == b' ')
+}
+
+const HEADER_NAME: &str = "header names must be lower case without spaces";
 
 /// The largest block size kvgate hashes by, configured or reported by a pod.
 pub const MAX_BLOCK_TOKENS: u32 = 1024;
@@ -586,6 +598,9 @@ impl RoutingConfig {
         }
         if self.stored_lookup_ms > 10_000 {
             return e("storedLookupMs", "must be at most 10000");
+        }
+        if !header_name(&self.cache_salt_header) {
+            return e("cacheSaltHeader", HEADER_NAME);
         }
         if self.max_prompt_blocks == 0 || self.pod_capacity_blocks == 0 {
             return e("maxPromptBlocks", "block limits must be > 0");

@@ -88,6 +88,9 @@ pub struct RequestHead<'a> {
     pub priority: Option<&'a str>,
     pub tenant: Option<&'a str>,
     pub session: Option<&'a str>,
+    /// The cache salt header's value (`routing.cacheSaltHeader`): the salt the engine keys the
+    /// prompt's cached blocks by, over the body's `cache_salt`.
+    pub cache_salt: Option<&'a str>,
     /// The request is known to carry neither header that chooses the upstream
     /// (`DESTINATION_HEADER`, `ORIGINAL_DST_HEADER`): the shell read every header and found
     /// neither, so there is nothing to strip (two host calls saved). False, the default, strips
@@ -212,6 +215,8 @@ pub struct Flow {
     finished: bool,
     /// The client's headers set a priority: a model's default band does not replace it.
     priority_given: bool,
+    /// The cache salt its header gave (`RequestHead::cache_salt`), for the body to be hashed by.
+    salt_header: Option<String>,
 }
 
 /// What the model step decided for a request.
@@ -398,6 +403,12 @@ impl Flow {
         );
         self.priority_given =
             Class::priority_given(&cfg.admission, head.objective, head.priority).is_some();
+        // vLLM takes the header's salt over the body's (its `X-Cache-Salt`; an empty one it
+        // refuses, so it names no salt here either).
+        self.salt_header = head
+            .cache_salt
+            .filter(|s| !s.is_empty())
+            .map(str::to_string);
         let mut decision = if crate::status::is_status_path(cfg, head.path) {
             Decision::step(Step::Reply(crate::status::reply(
                 gate,
@@ -505,6 +516,9 @@ impl Flow {
                 )))
             }
         };
+        if let Some(salt) = self.salt_header.take() {
+            req.cache_salt = Some(salt);
+        }
         let mut sent_as = match self.choose_model(gate, store, &mut req, body) {
             Ok(m) => m,
             Err(reply) => return Decision::step(Step::Reply(reply)),
@@ -765,6 +779,17 @@ impl Flow {
         body: &[u8],
     ) -> Result<SentAs, LocalReply> {
         if req.model.is_empty() {
+            // An SGLang `/generate` names its adapter instead (`lora_path`): counted and routed
+            // as that adapter where a pod serves it, as on the paths that name it as the model.
+            // A name no pod lists (a path, or one not loaded) is the engine's to resolve.
+            if let Some(adapter) = req
+                .adapter
+                .take()
+                .filter(|a| gate.router.serves(store, &gate.config, a))
+            {
+                req.model = adapter;
+                return self.model_found(gate, store, req, SentAs::default());
+            }
             match gate.router.default_model(store, &gate.config) {
                 // The engine serves its own model: the body is sent as it came, and `routes`
                 // (keyed by the names clients send) do not apply.
@@ -1248,6 +1273,77 @@ mod tests {
         let mut f = Flow::default();
         let d = f.on_request_headers(&mut gate, &vm, &head("/api/generate"));
         assert!(!f.wants_body(), "{d:?}");
+    }
+
+    /// A prompt's cached blocks are the engine's under the salt it keys them by, which vLLM
+    /// takes from the `X-Cache-Salt` header over the body's `cache_salt`: a request of another
+    /// salt holds its whole prompt beside one in flight with the same text, and one of the same
+    /// salt only what it adds.
+    #[test]
+    fn the_cache_salt_header_keys_a_prompts_blocks_over_the_body() {
+        let pod = "10.0.0.1:80";
+        let (_, vm, mut gate) = gate(crate::test_support::with_pods(&[pod]));
+        let system = "You answer questions about the fleet's schedules. ".repeat(60);
+        let body = |salt: &str| {
+            format!(
+                r#"{{"model":"m","max_tokens":10,"cache_salt":"{salt}","messages":[{{"role":"system","content":"{system}"}},{{"role":"user","content":"When?"}}]}}"#
+            )
+        };
+        let mut open = Vec::new();
+        let mut send = |header: Option<&str>, body: String| {
+            let mut f = Flow::default();
+            let mut h = head("/v1/chat/completions");
+            h.cache_salt = header;
+            f.on_request_headers(&mut gate, &vm, &h);
+            let held = || crate::pods::record::read(&vm, pod).map_or(0, |r| r.held_tokens());
+            let before = held();
+            assert_eq!(
+                f.on_body(&mut gate, &vm, body.as_bytes()).step,
+                Step::Forward
+            );
+            open.push(f);
+            held() - before
+        };
+        let first = send(Some("tenant-a"), body("x"));
+        // The body's salt is the same, the header's another: nothing shared.
+        let other = send(Some("tenant-b"), body("x"));
+        assert!(other + 16 >= first, "{other} vs {first}");
+        // The same header's salt, whatever the body says: the prompt's blocks are shared.
+        let same = send(Some("tenant-a"), body("y"));
+        assert!(same * 4 < first, "{same} vs {first}");
+        // No header, or an empty one: the body's salt (the same text, the same namespace).
+        let unsalted = send(Some(""), body("z"));
+        assert!(unsalted + 16 >= first, "{unsalted} vs {first}");
+        let bodys = send(None, body("tenant-a"));
+        assert!(bodys * 4 < first, "{bodys} vs {first}");
+    }
+
+    /// An SGLang `/generate` names its adapter by `lora_path`: counted as that adapter where the
+    /// pods serve it, as the engine's own model where none does.
+    #[test]
+    fn an_sglang_generates_adapter_is_its_model_where_the_pods_serve_it() {
+        let pod = "10.0.0.1:80";
+        let (_, vm, mut gate) = gate(crate::test_support::with_pods(&[pod]));
+        let list = [("base", None), ("sql", Some("base".to_string()))].map(|(id, parent)| {
+            crate::models::served::ServedModel {
+                id: id.to_string(),
+                parent,
+            }
+        });
+        crate::models::served::write_list(&vm, pod, &list, 1).unwrap();
+        let model = |gate: &mut Gate, lora: &str| {
+            let mut f = Flow::default();
+            f.on_request_headers(gate, &vm, &head("/generate"));
+            let body = format!(r#"{{"text":"hi","lora_path":"{lora}"}}"#);
+            let d = f.on_body(gate, &vm, body.as_bytes());
+            assert_eq!(d.step, Step::Forward, "{d:?}");
+            let model = f.admitted.as_ref().map(|a| a.model.clone());
+            f.on_done(gate, &vm);
+            model
+        };
+        assert_eq!(model(&mut gate, "sql").as_deref(), Some("sql"));
+        // A path, or a name no pod lists: the engine resolves it, kvgate counts the base.
+        assert_eq!(model(&mut gate, "/adapters/sql").as_deref(), Some("base"));
     }
 
     fn served(vm: &crate::store::fake_host::FakeVm, pod: &str, models: &[&str]) {

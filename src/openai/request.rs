@@ -61,6 +61,9 @@ impl Api {
 pub struct Request {
     /// Empty when the body names none: the engine's own model (`flow`'s `choose_model`).
     pub model: String,
+    /// The LoRA adapter an SGLang `/generate` body names by its `lora_path` (the first prompt's),
+    /// which names no model: the model it runs as when the pods serve an adapter of that name.
+    pub adapter: Option<String>,
     /// Where the `model` value (a JSON string, quotes included) lies in the body, for a rewrite
     /// (never of a body that names no model).
     pub model_span: (usize, usize),
@@ -170,10 +173,12 @@ struct Body<'a> {
 #[derive(Deserialize, Default)]
 #[serde(default)]
 struct NativeBody<'a> {
-    /// vLLM's only: SGLang's `/generate` has no model (its `lora_path` names an adapter as a
-    /// path or a name, not a model the pods list).
+    /// vLLM's only: SGLang's `/generate` names no model.
     #[serde(borrow)]
     model: Option<&'a serde_json::value::RawValue>,
+    /// SGLang's adapter, by the name it was loaded under (`--lora-paths name=path`), for the
+    /// whole request or one a prompt.
+    lora_path: Option<PerPrompt>,
     /// SGLang's prompt: a string, or a batch of them.
     #[serde(borrow)]
     text: Option<Prompt<'a>>,
@@ -185,7 +190,31 @@ struct NativeBody<'a> {
     token_ids: Option<Prompt<'a>>,
     sampling_params: Option<SamplingSet>,
     stream: Option<Flag>,
-    cache_salt: Option<String>,
+    /// vLLM's a string; SGLang's a string, or one a prompt of a batch.
+    cache_salt: Option<PerPrompt>,
+    /// SGLang's further key of the prompt's cached blocks, of the same shapes: its radix cache
+    /// shares blocks only between requests of one `extra_key` (and salt, and adapter).
+    extra_key: Option<PerPrompt>,
+}
+
+/// A value SGLang's `/generate` takes for the whole request or one a prompt (null where a prompt
+/// has none).
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum PerPrompt {
+    All(String),
+    Each(Vec<Option<String>>),
+}
+
+impl PerPrompt {
+    /// The first prompt's, which a batch is routed by; empty is none, as SGLang reads it.
+    fn first(self) -> Option<String> {
+        match self {
+            PerPrompt::All(s) => Some(s),
+            PerPrompt::Each(each) => each.into_iter().next().flatten(),
+        }
+        .filter(|s| !s.is_empty())
+    }
 }
 
 /// SGLang takes one `sampling_params` for every prompt of a batch, or a list of one a prompt.
@@ -210,6 +239,15 @@ struct Sampling {
     min_tokens: Option<serde_json::Value>,
     ignore_eos: Option<serde_json::Value>,
     n: Option<Count>,
+}
+
+/// The salt a prompt's blocks are hashed by: its cache salt, and an SGLang `extra_key` after
+/// it, apart (an `extra_key` alone is not the same namespace as a salt of the same text).
+fn namespace(salt: Option<String>, extra_key: Option<String>) -> Option<String> {
+    match extra_key {
+        None => salt,
+        Some(key) => Some(format!("{}\u{1f}{key}", salt.unwrap_or_default())),
+    }
 }
 
 /// Where SGLang's `/generate` stops without `max_new_tokens` (its `SamplingParams`).
@@ -523,7 +561,11 @@ impl Request {
             model,
             model_span,
             stream: b.stream.is_some_and(|f| f.0),
-            cache_salt: b.cache_salt,
+            cache_salt: namespace(
+                b.cache_salt.and_then(PerPrompt::first),
+                b.extra_key.and_then(PerPrompt::first),
+            ),
+            adapter: b.lora_path.and_then(PerPrompt::first),
             text: String::with_capacity(body_len),
             ..Request::default()
         };
@@ -1096,6 +1138,39 @@ mod tests {
         assert_eq!(e.param.as_deref(), Some("text"));
         let e = p(r#"{"text":"x","sampling_params":{"max_new_tokens":"lots"}}"#).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("sampling_params"), "{}", e.message);
+    }
+
+    /// SGLang's cache namespace and adapter, as its `/generate` takes them: `cache_salt`,
+    /// `extra_key` and `lora_path` each a string or one a prompt of a batch (the first prompt's
+    /// read, which the batch is routed by), an empty one none.
+    #[test]
+    fn an_sglang_generate_requests_cache_namespace_and_adapter_are_read() {
+        let p = |s: &str| Request::parse(Api::Generate, s.as_bytes()).unwrap();
+        let salted = p(r#"{"text":"x","cache_salt":"t1"}"#);
+        assert_eq!(salted.cache_salt.as_deref(), Some("t1"));
+        // A batch's salts and keys, one a prompt (refused before as not a string).
+        let batch = p(
+            r#"{"text":["a","b"],"cache_salt":["t1","t2"],"extra_key":["k",null],"lora_path":["sql",null]}"#,
+        );
+        let keyed = batch.cache_salt.as_deref();
+        assert!(
+            keyed.is_some_and(|k| k != "t1" && k.starts_with("t1")),
+            "{keyed:?}"
+        );
+        assert_eq!(batch.adapter.as_deref(), Some("sql"));
+        // A key alone, a salt alone and both are three namespaces.
+        let key = p(r#"{"text":"x","extra_key":"t1"}"#).cache_salt;
+        let both = p(r#"{"text":"x","cache_salt":"t1","extra_key":"t1"}"#).cache_salt;
+        assert!(
+            key.is_some() && key != salted.cache_salt && both != key && both != salted.cache_salt
+        );
+        let none = p(r#"{"text":"x","cache_salt":"","extra_key":"","lora_path":""}"#);
+        assert_eq!((none.cache_salt, none.adapter), (None, None));
+        for field in ["cache_salt", "extra_key", "lora_path"] {
+            let body = format!(r#"{{"text":"x","{field}":7}}"#);
+            let e = Request::parse(Api::Generate, body.as_bytes()).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(field), "{}", e.message);
+        }
     }
 
     /// vLLM's `/inference/v1/generate`: `token_ids` and `sampling_params` required, no limit

@@ -247,6 +247,7 @@ impl Http {
             .and_then(|v| v.trim().parse().ok());
         let (objective, priority) = (read(&a.objective_header), read(&a.priority_header));
         let (tenant, session) = (read(&a.tenant_header), read(&a.session_header));
+        let cache_salt = read(&gate.config.routing.cache_salt_header);
         let accept = headers.get("accept");
         let no_upstream_headers = headers.lacks(&[DESTINATION_HEADER, ORIGINAL_DST_HEADER]);
         let head = RequestHead {
@@ -260,6 +261,7 @@ impl Http {
             priority,
             tenant,
             session,
+            cache_salt,
             no_upstream_headers,
         };
         drop(gate);
