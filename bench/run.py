@@ -65,6 +65,9 @@ FULL = {
     "shared_prefix": {
         "groups": 29, "system_tokens": 2048, "question_tokens": 256, "output_tokens": 64,
         "rates": [30, 60, 90], "main_rate": 60, "duration": 20, "ttft_slo_ms": 200, "api": "chat",
+        # The groups are tenants of one application: one system prompt, each group's cache kept
+        # apart by the engine under its `x-cache-salt` header (vLLM's), as a gateway sets it.
+        "salted": False,
     },
     "multi_turn": {
         "sessions": 200, "turns": 5, "system_tokens": 300, "first_tokens": 1500,
@@ -86,7 +89,7 @@ FULL = {
     # computes it again and evicts another group's.
     "cache_pressure": {
         "num_gpu_blocks": 1024, "groups": 96, "system_tokens": 2048, "question_tokens": 256,
-        "output_tokens": 64, "rate": 60, "duration": 30, "ttft_slo_ms": 500, "api": "chat",
+        "output_tokens": 64, "rate": 60, "duration": 30, "ttft_slo_ms": 500, "api": "chat", "salted": False,
     },
     "burst": {
         "groups": 10, "questions": 100, "system_tokens": 2048, "question_tokens": 256,
@@ -622,7 +625,13 @@ def api_desc(w):
             "through Llama 3's chat template)", "messages": "; sent to Anthropic's /v1/messages (a request "
             "without a limit of its own with max_tokens 8192)", "generate": "; sent to SGLang's native /generate, "
             "rendered through Llama 3's chat template by the client (a request without a limit of its own with "
-            "max_new_tokens null)"}.get(w.get("api", "chat"), "")
+            "max_new_tokens null)"}.get(w.get("api", "chat"), "") + salted_desc(w)
+
+
+def salted_desc(w):
+    """What a shared-prefix cell's description adds when its groups are tenants (`salted`)."""
+    return ("; the groups are tenants of one application: every group the same system prompt, each its cache "
+            "kept apart by the engine under an x-cache-salt header of its own") if w.get("salted") else ""
 
 
 def warm_desc(w):
@@ -704,7 +713,8 @@ def sp_args(w, rate, seed):
     return ["--workload", "shared-prefix", *api_args(w, "shared_prefix"), "--seed", seed, "--arrival", "poisson", "--rate", rate,
             "--groups", w["groups"], "--questions", questions, "--system-tokens", w["system_tokens"],
             "--question-tokens", w["question_tokens"], "--output-tokens", w["output_tokens"],
-            "--max-duration", w["duration"], "--timeout", 120, "--ttft-slo-ms", w["ttft_slo_ms"]]
+            "--max-duration", w["duration"], "--timeout", 120, "--ttft-slo-ms", w["ttft_slo_ms"],
+            *(["--salted"] if w.get("salted") else [])]
 
 
 def mt_args(w, seed):

@@ -92,6 +92,10 @@ struct WorkloadArgs {
     question_tokens: usize,
     #[arg(long, default_value_t = 64)]
     output_tokens: u32,
+    /// Groups are tenants of one application: one system prompt for all, each group's cache
+    /// kept apart by the engine under its `x-cache-salt` header.
+    #[arg(long)]
+    salted: bool,
     // multi-turn
     #[arg(long, default_value_t = 40)]
     sessions: usize,
@@ -231,6 +235,7 @@ fn build_jobs(w: &WorkloadArgs) -> Result<Vec<Job>, String> {
                 system_tokens: w.system_tokens,
                 question_tokens: w.question_tokens,
                 output_tokens: w.output_tokens,
+                salted: w.salted,
             },
             arrival,
         ),

@@ -88,13 +88,22 @@ pub struct SharedPrefix {
     pub system_tokens: usize,
     pub question_tokens: usize,
     pub output_tokens: u32,
+    /// The groups are tenants of one application: the same system prompt, each group's cache
+    /// kept apart by the engine under its own salt (vLLM's `X-Cache-Salt` header, which a gateway
+    /// sets from the tenant's identity).
+    pub salted: bool,
 }
+
+/// The header vLLM keys a prompt's cached blocks by, over the body's `cache_salt`.
+const CACHE_SALT_HEADER: &str = "x-cache-salt";
 
 /// G groups × Q questions: every question of a group starts with the group's system prompt.
 /// Requests are sent in a seeded random order.
 pub fn shared_prefix(seed: u64, w: &SharedPrefix, arrival: Arrival) -> Vec<Job> {
     let systems: Vec<String> = (0..w.groups)
         .map(|g| {
+            // Salted, every tenant's prompt is group 0's text.
+            let g = if w.salted { 0 } else { g };
             let mut r = Rng::derive(seed, &[1, g as u64]);
             format!(
                 "Group {g} handbook.{}",
@@ -126,7 +135,11 @@ pub fn shared_prefix(seed: u64, w: &SharedPrefix, arrival: Arrival) -> Vec<Job> 
                     max_tokens: Some(w.output_tokens),
                     think: 0.0,
                 }],
-                headers: vec![],
+                headers: if w.salted {
+                    vec![(CACHE_SALT_HEADER.into(), format!("tenant-{g}"))]
+                } else {
+                    vec![]
+                },
                 model: None,
                 tags: vec![("group".into(), g.to_string())],
             }
@@ -447,6 +460,7 @@ mod tests {
             system_tokens: 200,
             question_tokens: 30,
             output_tokens: 16,
+            salted: false,
         }
     }
 
@@ -515,6 +529,24 @@ mod tests {
         let qs: std::collections::HashSet<&str> =
             jobs.iter().map(|j| j.turns[0].user.as_str()).collect();
         assert_eq!(qs.len(), 20);
+        assert!(jobs.iter().all(|j| j.headers.is_empty()));
+    }
+
+    #[test]
+    fn salted_groups_are_tenants_of_one_system_prompt() {
+        let jobs = shared_prefix(
+            9,
+            &SharedPrefix {
+                salted: true,
+                ..sp()
+            },
+            Arrival::Burst,
+        );
+        assert!(jobs.iter().all(|j| j.system == jobs[0].system));
+        for j in &jobs {
+            let tenant = format!("tenant-{}", j.tags[0].1);
+            assert_eq!(j.headers, vec![(CACHE_SALT_HEADER.to_string(), tenant)]);
+        }
         assert!(jobs.iter().all(|j| j.start == 0.0));
     }
 
