@@ -770,6 +770,9 @@ impl World {
                     priority: None,
                     tenant: Some(&tenant),
                     session: (*session % 5 != 0).then_some(session_id.as_str()),
+                    // Tenants' caches kept apart by the engine now and then (an empty salt is
+                    // none): the budget holds whether or not prompts share blocks.
+                    cache_salt: [None, Some(""), Some(tenant.as_str())][usize::from(*session) % 3],
                     // As if the client sent them: then they are stripped, whatever else happens.
                     no_upstream_headers: false,
                 };
