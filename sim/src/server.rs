@@ -1103,6 +1103,36 @@ fn aborted() -> ApiError {
     }
 }
 
+/// The header vLLM's main reads a request's cache salt from, over the body's `cache_salt`: a
+/// gateway sets it from the tenant's identity, so that tenants' prompts share no cached block.
+const CACHE_SALT_HEADER: &str = "x-cache-salt";
+
+/// The most characters vLLM takes in a header's salt.
+const CACHE_SALT_MAX_CHARS: usize = 128;
+
+/// The `X-Cache-Salt` header's salt, if the request has one. vLLM refuses one that is empty,
+/// longer than 128 characters, or has a character other than letters, digits, `-`, `_` and `.`
+/// (its contract tests refuse `""`, `with/slash`, `with@at` and 129 characters; the character set
+/// is this simulator's reading of them), naming `cache_salt`.
+fn salt_header(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    let Some(value) = headers.get(CACHE_SALT_HEADER) else {
+        return Ok(None);
+    };
+    let salt = value.to_str().unwrap_or_default();
+    let valid = !salt.is_empty()
+        && salt.chars().count() <= CACHE_SALT_MAX_CHARS
+        && salt
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+    if !valid {
+        return Err(ApiError::bad(format!(
+            "Invalid cache_salt in the {CACHE_SALT_HEADER} header: it must be 1 to \
+             {CACHE_SALT_MAX_CHARS} letters, digits, '-', '_' or '.'."
+        )));
+    }
+    Ok(Some(salt.to_string()))
+}
+
 async fn generate_inner(
     pod: Arc<Pod>,
     kind: Kind,
@@ -1178,8 +1208,16 @@ async fn generate_inner(
     let continuous = opts.and_then(|o| o.get("continuous_usage_stats"));
     let continuous_usage =
         include_usage && flag(continuous, "continuous_usage_stats")?.unwrap_or(false);
-    // A prompt's salt: SGLang names one per prompt, the others one a request.
+    // A prompt's salt: SGLang names one per prompt, the others one a request, which vLLM's
+    // main takes from the `X-Cache-Salt` header over the body.
+    let header_salt = match kind {
+        Kind::Generate => None,
+        _ => salt_header(headers)?,
+    };
     let cache_salt = |prompt: usize| {
+        if let Some(salt) = &header_salt {
+            return Some(salt.clone());
+        }
         let salt = match kind {
             Kind::Generate => body.get("cache_salt").and_then(|s| s.get(prompt)),
             _ => body.get("cache_salt"),
@@ -3029,6 +3067,43 @@ mod tests {
             again["usage"]["prompt_tokens_details"]["cached_tokens"], 96,
             "{again}"
         );
+    }
+
+    /// vLLM's main keys a prompt's cached blocks by the `X-Cache-Salt` header over the body's
+    /// `cache_salt`: another header's salt misses, the same one hits whatever the body says, a
+    /// body's salt of the same text is the same namespace, and an invalid header is refused.
+    #[tokio::test]
+    async fn the_cache_salt_header_keys_the_prefix_cache_over_the_body() {
+        let pod = running_pod(&["--time-scale", "1000"]);
+        let cached = |salt: Option<&str>, body_salt: Option<&str>| {
+            let mut h = HeaderMap::new();
+            if let Some(s) = salt {
+                h.insert(CACHE_SALT_HEADER, s.parse().unwrap());
+            }
+            let ids: Vec<u32> = (1..=100).collect();
+            let mut body = json!({"token_ids": ids, "sampling_params": {"max_tokens": 2}});
+            if let Some(s) = body_salt {
+                body["cache_salt"] = json!(s);
+            }
+            let pod = pod.clone();
+            async move {
+                let v = answer(&pod, Kind::Tokens, &h, body).await;
+                v["usage"]["prompt_tokens_details"]["cached_tokens"].clone()
+            }
+        };
+        assert_eq!(cached(Some("tenant-a"), None).await, 0);
+        assert_eq!(cached(Some("tenant-b"), Some("tenant-a")).await, 0);
+        assert_eq!(cached(Some("tenant-a"), Some("tenant-b")).await, 96);
+        assert_eq!(cached(None, Some("tenant-a")).await, 96);
+        assert_eq!(cached(None, None).await, 0);
+        for bad in ["", "with/slash", "with@at", &"x".repeat(129)] {
+            let mut h = HeaderMap::new();
+            h.insert(CACHE_SALT_HEADER, bad.parse().unwrap());
+            let body = json!({"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}});
+            let (status, text) = read(post(&pod, Kind::Tokens, &h, body).await).await;
+            assert_eq!(status, StatusCode::BAD_REQUEST, "{bad}: {text}");
+            assert!(text.contains("cache_salt"), "{text}");
+        }
     }
 
     /// SGLang's refusals: its handler's `ValueError`s as `{"error": {"message"}}` 400s (in a
