@@ -46,6 +46,23 @@ pub fn root_hash(cache_salt: Option<&str>) -> u64 {
     }
 }
 
+/// The salt an SGLang prompt's blocks are keyed by, from its namespace as SGLang's radix cache
+/// keys it: `RadixKey` carries a prompt's `cache_salt` and its `extra_key` as fields of their
+/// own (`python/sglang/srt/mem_cache/radix_cache.py`; `Req` gets both from the request, and
+/// `Req.__init__` concatenates the adapter's `lora_id` to the `extra_key`, which the engine
+/// here keys by `lora_root`), so two prompts share blocks only when both are equal, and a salt
+/// is never the same namespace as an `extra_key` of the same text. Without an `extra_key` the
+/// salt is keyed as a vLLM salt is; with one, both are spelled out with their presence and the
+/// salt's length, so no two namespaces of an `extra_key` meet (one only of a salt could, were
+/// the salt itself to begin with this spelling's NUL-led tag).
+pub fn sglang_namespace(cache_salt: Option<&str>, extra_key: Option<&str>) -> Option<String> {
+    let Some(key) = extra_key else {
+        return cache_salt.map(str::to_string);
+    };
+    let salt = cache_salt.map_or_else(|| "-".to_string(), |s| format!("{}:{s}", s.len()));
+    Some(format!("\0extra_key\0{salt}\0{key}"))
+}
+
 /// Root hash of a request run with a LoRA adapter: vLLM puts the adapter's
 /// name in every block's extra keys (`_gen_lora_extra_hash_keys` in
 /// `vllm/v1/core/kv_cache_utils.py`), so a prompt under another adapter, or
@@ -438,6 +455,31 @@ mod tests {
         m.allocate_slots(&req, tokens.len() - hit_tokens, &hit)
             .expect("room");
         hit_tokens
+    }
+
+    /// SGLang's namespace: a salt alone keys as vLLM's salt does; an `extra_key` is a namespace
+    /// of its own, apart from a salt of the same text, and every (salt, key) pair is distinct.
+    #[test]
+    fn sglang_namespaces_are_distinct_pairs() {
+        assert_eq!(sglang_namespace(None, None), None);
+        assert_eq!(sglang_namespace(Some("t"), None).as_deref(), Some("t"));
+        let pairs = [
+            (None, Some("t")),
+            (Some("t"), Some("t")),
+            (Some(""), Some("t")),
+            (Some("a"), Some("bt")),
+            (Some("ab"), Some("t")),
+            (Some("a\0b"), Some("t")),
+            (Some("a"), Some("b\0t")),
+            (Some("t"), Some("")),
+        ];
+        let mut seen: Vec<Option<String>> = vec![sglang_namespace(Some("t"), None)];
+        for (salt, key) in pairs {
+            let ns = sglang_namespace(salt, key);
+            assert!(ns.is_some());
+            assert!(!seen.contains(&ns), "{salt:?} {key:?}");
+            seen.push(ns);
+        }
     }
 
     #[test]

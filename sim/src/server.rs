@@ -26,7 +26,7 @@ use crate::pod::{
 };
 use crate::responses;
 use crate::tokenizer::{render_chat, Segment};
-use crate::{sglang, tokens};
+use crate::{kv, sglang, tokens};
 
 const MAX_BODY: usize = 64 << 20;
 /// Bodies larger than this are tokenized on the blocking pool.
@@ -586,6 +586,9 @@ struct ApiError {
     status: StatusCode,
     kind: &'static str,
     message: String,
+    /// The request field vLLM's `ErrorResponse` names (a `VLLMValidationError`'s `parameter`);
+    /// none for the refusals the simulator does not name one for.
+    param: Option<&'static str>,
 }
 
 /// A field that is not what vLLM reads it as (`lax`): its 400.
@@ -605,6 +608,7 @@ impl From<sglang::Refusal> for ApiError {
                 status: StatusCode::BAD_REQUEST,
                 kind: SGLANG_INVALID,
                 message,
+                param: None,
             },
             sglang::Refusal::Value(message) => ApiError::bad(message),
         }
@@ -617,6 +621,7 @@ impl ApiError {
             status: StatusCode::BAD_REQUEST,
             kind: "BadRequestError",
             message: message.into(),
+            param: None,
         }
     }
     /// The error as a request of this kind gets it: the Messages API's in its own shape
@@ -641,7 +646,7 @@ impl ApiError {
             &json!({"error": {
                 "message": self.message,
                 "type": self.kind,
-                "param": null,
+                "param": self.param,
                 "code": self.status.as_u16(),
             }}),
         )
@@ -724,6 +729,7 @@ fn check_model(pod: &Pod, body: &Value) -> Result<(String, Option<LoraRef>), Api
                 status: StatusCode::NOT_FOUND,
                 kind: "NotFoundError",
                 message: format!("The model `{m}` does not exist."),
+                param: None,
             })
         }
         Some(_) => Err(ApiError::bad("model must be a string")),
@@ -823,6 +829,7 @@ async fn tokenize(
             status: StatusCode::INTERNAL_SERVER_ERROR,
             kind: "InternalServerError",
             message: format!("tokenizer task failed: {e}"),
+            param: None,
         })?
 }
 
@@ -1100,6 +1107,7 @@ fn aborted() -> ApiError {
         status: StatusCode::INTERNAL_SERVER_ERROR,
         kind: "InternalServerError",
         message: "request was aborted".into(),
+        param: None,
     }
 }
 
@@ -1107,30 +1115,52 @@ fn aborted() -> ApiError {
 /// gateway sets it from the tenant's identity, so that tenants' prompts share no cached block.
 const CACHE_SALT_HEADER: &str = "x-cache-salt";
 
-/// The most characters vLLM takes in a header's salt.
+/// The most characters vLLM takes in a salt (`_MAX_CACHE_SALT_LENGTH`).
 const CACHE_SALT_MAX_CHARS: usize = 128;
 
-/// The `X-Cache-Salt` header's salt, if the request has one. vLLM refuses one that is empty,
-/// longer than 128 characters, or has a character other than letters, digits, `-`, `_` and `.`
-/// (its contract tests refuse `""`, `with/slash`, `with@at` and 129 characters; the character set
-/// is this simulator's reading of them), naming `cache_salt`.
+/// The characters vLLM refuses in a salt (`_CACHE_SALT_FORBIDDEN_CHARS`): `@`, `/`, `\`, NUL.
+const CACHE_SALT_FORBIDDEN: [char; 4] = ['@', '/', '\\', '\0'];
+
+/// The `X-Cache-Salt` header's salt, if the request has one, checked as vLLM checks it.
+///
+/// vLLM's main (`resolve_cache_salt_header` in `vllm/entrypoints/serve/engine/serving.py`,
+/// vllm-project/vllm#57609) sets the request's `cache_salt` from the header, over the body's,
+/// before the prompt is rendered; without the header the body's salt stands. Confirmed from
+/// vLLM's sources: its contract tests (`test_cache_salt_header.py`: the header sets the salt and
+/// overrides the body's; `""`, `with/slash`, `with@at` and 129 characters are refused with a
+/// `VLLMValidationError` matching `cache_salt`), the PR's description (a header salt that is
+/// empty, longer than 128 characters or has `@`, `/`, `\` or NUL is refused, a 400, through the
+/// body's existing validator), and that validator, `validate_cache_salt` in
+/// `vllm/entrypoints/generate/base/protocol.py`, with its two messages and
+/// `parameter="cache_salt"`, which `create_error_response` answers as a 400 `BadRequestError`
+/// with `param` `cache_salt` and `str(exc)` as the message (`VLLMValidationError.__str__`
+/// appends ` (parameter=cache_salt)`). Not read: the resolver's own body (no copy of it was
+/// found), so that it calls `validate_cache_salt` rather than a copy of its rule is the PR's
+/// word; nor whether `sanitize_message` changes these messages (the simulator leaves them as
+/// they are). Starlette reads a header's bytes as Latin-1, so each byte is one character.
 fn salt_header(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
     let Some(value) = headers.get(CACHE_SALT_HEADER) else {
         return Ok(None);
     };
-    let salt = value.to_str().unwrap_or_default();
-    let valid = !salt.is_empty()
-        && salt.chars().count() <= CACHE_SALT_MAX_CHARS
-        && salt
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
-    if !valid {
-        return Err(ApiError::bad(format!(
-            "Invalid cache_salt in the {CACHE_SALT_HEADER} header: it must be 1 to \
-             {CACHE_SALT_MAX_CHARS} letters, digits, '-', '_' or '.'."
-        )));
+    let salt: String = value.as_bytes().iter().map(|&b| char::from(b)).collect();
+    let refuse = |message: &str| ApiError {
+        status: StatusCode::BAD_REQUEST,
+        kind: "BadRequestError",
+        message: format!("{message} (parameter=cache_salt)"),
+        param: Some("cache_salt"),
+    };
+    if salt.is_empty() {
+        return Err(refuse(
+            "Parameter 'cache_salt' must be a non-empty string if provided.",
+        ));
     }
-    Ok(Some(salt.to_string()))
+    if salt.chars().count() > CACHE_SALT_MAX_CHARS || salt.contains(CACHE_SALT_FORBIDDEN) {
+        return Err(refuse(
+            "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', \
+             '/', '\\\\', or NUL.",
+        ));
+    }
+    Ok(Some(salt))
 }
 
 async fn generate_inner(
@@ -1161,6 +1191,12 @@ async fn generate_inner(
             (model, vec![lora])
         }
     };
+    // vLLM's main takes a request's salt from the `X-Cache-Salt` header over the body's, before
+    // it renders the prompt; SGLang reads no such header.
+    let header_salt = match kind {
+        Kind::Generate => None,
+        _ => salt_header(headers)?,
+    };
     // A Responses API follow-up's prompt starts with its conversation so far, from this pod's
     // store: a response another pod stored is not found here, as in vLLM.
     let previous = match body.get("previous_response_id") {
@@ -1170,6 +1206,7 @@ async fn generate_inner(
                 status: StatusCode::NOT_FOUND,
                 kind: "invalid_request_error",
                 message: responses::not_found_message(id),
+                param: None,
             })?;
             Some((id.clone(), history))
         }
@@ -1208,21 +1245,23 @@ async fn generate_inner(
     let continuous = opts.and_then(|o| o.get("continuous_usage_stats"));
     let continuous_usage =
         include_usage && flag(continuous, "continuous_usage_stats")?.unwrap_or(false);
-    // A prompt's salt: SGLang names one per prompt, the others one a request, which vLLM's
-    // main takes from the `X-Cache-Salt` header over the body.
-    let header_salt = match kind {
-        Kind::Generate => None,
-        _ => salt_header(headers)?,
-    };
-    let cache_salt = |prompt: usize| {
-        if let Some(salt) = &header_salt {
-            return Some(salt.clone());
+    // A prompt's cache namespace. vLLM's is a request's salt, the `X-Cache-Salt` header's over
+    // the body's. SGLang's is a prompt's: its radix cache keys a prompt's blocks by its
+    // `cache_salt` and its `extra_key` (with the adapter, below), each normalized one a prompt.
+    let cache_salt = |prompt: usize| match kind {
+        Kind::Generate => {
+            let per_prompt = |field: &str| {
+                body.get(field)
+                    .and_then(|v| v.get(prompt))
+                    .and_then(Value::as_str)
+            };
+            kv::sglang_namespace(per_prompt("cache_salt"), per_prompt("extra_key"))
         }
-        let salt = match kind {
-            Kind::Generate => body.get("cache_salt").and_then(|s| s.get(prompt)),
-            _ => body.get("cache_salt"),
-        };
-        salt.and_then(Value::as_str).map(str::to_string)
+        _ => header_salt.clone().or_else(|| {
+            body.get("cache_salt")
+                .and_then(Value::as_str)
+                .map(str::to_string)
+        }),
     };
     let lora = |prompt: usize| {
         let named = match kind {
@@ -1479,6 +1518,7 @@ fn retrieve_response(pod: &Pod, id: &str) -> Response<SimBody> {
             status: StatusCode::NOT_FOUND,
             kind: "invalid_request_error",
             message: responses::not_found_message(id),
+            param: None,
         }
         .response(),
     }
@@ -1635,6 +1675,7 @@ fn invalid_input(message: String) -> ApiError {
         status: StatusCode::BAD_REQUEST,
         kind: "InvalidUserInput",
         message,
+        param: None,
     }
 }
 
@@ -1692,6 +1733,7 @@ async fn unload_lora_endpoint(
             status: StatusCode::NOT_FOUND,
             kind: "NotFoundError",
             message: format!("The lora adapter '{name}' cannot be found."),
+            param: None,
         });
     }
     Ok(lora_success(format!(
@@ -3106,6 +3148,212 @@ mod tests {
         }
     }
 
+    /// A chat's prompt is keyed by its `X-Cache-Salt` header as vLLM's main keys it: another
+    /// header's salt misses, the same one hits, the header wins over the body's `cache_salt`,
+    /// the body's salt stands without a header (the same text, the same namespace), and an
+    /// invalid header is refused as `validate_cache_salt` refuses it, before the engine.
+    #[tokio::test]
+    async fn chat_prefix_cache_is_keyed_by_the_cache_salt_header() {
+        let pod = running_pod(&["--time-scale", "1000"]);
+        let content = "the quick brown fox jumps over the lazy dog ".repeat(20);
+        let chat = |header: Option<&str>, body_salt: Option<&str>| {
+            let mut h = runs_to(2);
+            if let Some(s) = header {
+                h.insert(CACHE_SALT_HEADER, s.parse().unwrap());
+            }
+            let mut body = json!({"messages": [{"role": "user", "content": content}],
+                                  "max_tokens": 2});
+            if let Some(s) = body_salt {
+                body["cache_salt"] = json!(s);
+            }
+            let pod = pod.clone();
+            async move {
+                let v = answer(&pod, Kind::Chat, &h, body).await;
+                v["usage"]["prompt_tokens_details"]["cached_tokens"]
+                    .as_u64()
+                    .unwrap()
+            }
+        };
+        assert_eq!(chat(Some("b"), None).await, 0);
+        assert_eq!(
+            chat(Some("a"), None).await,
+            0,
+            "another header's salt misses"
+        );
+        let hit = chat(Some("a"), None).await;
+        assert!(hit > 0, "the same header's salt hits");
+        assert_eq!(chat(Some("a"), Some("c")).await, hit, "the header wins");
+        assert_eq!(
+            chat(None, Some("c")).await,
+            0,
+            "the body's own salt was never used"
+        );
+        assert_eq!(
+            chat(None, Some("b")).await,
+            hit,
+            "the body's salt is the header's"
+        );
+        // Starlette reads a header as Latin-1: a byte past ASCII is one character of the salt.
+        let mut latin = HeaderMap::new();
+        latin.insert(
+            CACHE_SALT_HEADER,
+            HeaderValue::from_bytes(b"caf\xe9").unwrap(),
+        );
+        let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+        answer(&pod, Kind::Chat, &latin, body).await;
+
+        let long = "x".repeat(129);
+        let bad = [
+            (
+                "",
+                "Parameter 'cache_salt' must be a non-empty string if provided.",
+            ),
+            ("with/slash", TOO_LONG_OR_FORBIDDEN),
+            ("with@at", TOO_LONG_OR_FORBIDDEN),
+            ("with\\backslash", TOO_LONG_OR_FORBIDDEN),
+            (long.as_str(), TOO_LONG_OR_FORBIDDEN),
+        ];
+        let admitted = pod.lock().engine.counters.admitted_requests;
+        for (salt, message) in bad {
+            let mut h = HeaderMap::new();
+            h.insert(CACHE_SALT_HEADER, salt.parse().unwrap());
+            let body = json!({"messages": [{"role": "user", "content": "hi"}],
+                              "cache_salt": "fine"});
+            let (status, text) = read(post(&pod, Kind::Chat, &h, body).await).await;
+            assert_eq!(status, StatusCode::BAD_REQUEST, "{salt}: {text}");
+            let v: Value = serde_json::from_str(&text).unwrap();
+            assert_eq!(
+                v,
+                json!({"error": {"message": format!("{message} (parameter=cache_salt)"),
+                                 "type": "BadRequestError", "param": "cache_salt",
+                                 "code": 400}}),
+                "{salt}"
+            );
+        }
+        assert_eq!(pod.lock().engine.counters.admitted_requests, admitted);
+        // 128 characters are taken; SGLang's `/generate` reads no such header.
+        let mut h = runs_to(2);
+        h.insert(CACHE_SALT_HEADER, "x".repeat(128).parse().unwrap());
+        let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+        answer(&pod, Kind::Chat, &h, body).await;
+        h.insert(CACHE_SALT_HEADER, "with@at".parse().unwrap());
+        let body = json!({"text": "hi", "sampling_params": {"max_new_tokens": 2}});
+        answer(&pod, Kind::Generate, &h, body).await;
+    }
+
+    /// vLLM's message for a salt too long or with a character it refuses.
+    const TOO_LONG_OR_FORBIDDEN: &str = "Parameter 'cache_salt' must be at most 128 characters \
+                                         and must not contain '@', '/', '\\\\', or NUL.";
+
+    /// SGLang's `/generate` keys a prompt's blocks by its namespace: `extra_key`, `cache_salt`
+    /// and adapter. Another `extra_key` misses, the same one hits, an `extra_key` is not a salt
+    /// of the same text, `""` is none, a batch's list names one a prompt, and a list for one
+    /// prompt is refused with SGLang's message.
+    #[tokio::test]
+    async fn sglang_extra_key_keys_the_radix_cache() {
+        let pod = sql_pod();
+        let ids: Vec<u32> = (1..=100).collect();
+        let one = |fields: Value| {
+            let mut body = json!({"input_ids": ids, "sampling_params": {"max_new_tokens": 2}});
+            for (k, v) in fields.as_object().unwrap() {
+                body[k] = v.clone();
+            }
+            let pod = pod.clone();
+            async move {
+                let v = answer(&pod, Kind::Generate, &none(), body).await;
+                v["meta_info"]["cached_tokens"].as_u64().unwrap()
+            }
+        };
+        assert_eq!(one(json!({"extra_key": "k1"})).await, 0);
+        assert_eq!(
+            one(json!({"extra_key": "k2"})).await,
+            0,
+            "another extra_key misses"
+        );
+        assert_eq!(
+            one(json!({"extra_key": "k1"})).await,
+            96,
+            "the same extra_key hits"
+        );
+        assert_eq!(
+            one(json!({"cache_salt": "k1"})).await,
+            0,
+            "a salt is not a key"
+        );
+        assert_eq!(one(json!({"cache_salt": "k1", "extra_key": "k1"})).await, 0);
+        assert_eq!(
+            one(json!({"cache_salt": "k1", "extra_key": "k1"})).await,
+            96,
+            "salt and key both equal"
+        );
+        assert_eq!(one(json!({"extra_key": "k1", "lora_path": "sql"})).await, 0);
+        assert_eq!(
+            one(json!({"extra_key": "k1", "lora_path": "sql"})).await,
+            96
+        );
+        assert_eq!(one(json!({})).await, 0);
+        assert_eq!(
+            one(json!({"extra_key": ""})).await,
+            96,
+            "an empty key is none"
+        );
+
+        // A batch's list: one key a prompt (the same ids, under k1 cached and k3 not).
+        let body = json!({"input_ids": [ids, ids], "extra_key": ["k1", "k3"],
+                          "sampling_params": {"max_new_tokens": 2}});
+        let v = answer(&pod, Kind::Generate, &none(), body).await;
+        let cached: Vec<u64> = v
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a["meta_info"]["cached_tokens"].as_u64().unwrap())
+            .collect();
+        assert_eq!(cached, [96, 0]);
+        assert_eq!(one(json!({"extra_key": "k3"})).await, 96);
+
+        let admitted = pod.lock().engine.counters.admitted_requests;
+        let refusals = [
+            (
+                json!({"text": "a", "extra_key": ["k1"]}),
+                json!({"error": {"message": "extra_key should be a string for a single request."}}),
+            ),
+            (
+                json!({"text": ["a", "b"], "extra_key": ["k1"]}),
+                json!({"error": {"message": "The length of extra_key should be equal to the batch size."}}),
+            ),
+        ];
+        for (body, want) in refusals {
+            let (status, text) = read(post(&pod, Kind::Generate, &none(), body).await).await;
+            assert_eq!(status, StatusCode::BAD_REQUEST, "{text}");
+            assert_eq!(serde_json::from_str::<Value>(&text).unwrap(), want);
+        }
+        invalid_generate(&pod, json!({"text": ["a", "b"], "extra_key": ["k1", null]})).await;
+        assert_eq!(pod.lock().engine.counters.admitted_requests, admitted);
+    }
+
+    /// A running pod, quick, that serves the adapter `sql`.
+    fn sql_pod() -> Arc<Pod> {
+        running_pod(&[
+            "--time-scale",
+            "1000",
+            "--enable-lora",
+            "--lora-modules",
+            "sql=/a",
+        ])
+    }
+
+    /// A `/generate` body FastAPI's validation refuses: a 400 in SGLang's `ErrorResponse`.
+    async fn invalid_generate(pod: &Arc<Pod>, body: Value) {
+        let (status, text) = read(post(pod, Kind::Generate, &none(), body).await).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(
+            (&v["object"], &v["code"]),
+            (&json!("error"), &json!(400)),
+            "{v}"
+        );
+    }
+
     /// SGLang's refusals: its handler's `ValueError`s as `{"error": {"message"}}` 400s (in a
     /// stream, once it has answered 200, as an event before `[DONE]`), FastAPI's validation as
     /// its `ErrorResponse`; a `lora_path` as SGLang resolves it. Nothing reaches the engine.
@@ -3152,24 +3400,11 @@ mod tests {
             assert_eq!(chunks(&text), [json!({"error": {"message": message}})]);
         }
         for body in [json!({"text": 5}), json!({"text": 5, "stream": true})] {
-            let (status, text) = read(post(&pod, Kind::Generate, &none(), body).await).await;
-            assert_eq!(status, StatusCode::BAD_REQUEST, "{text}");
-            let v: Value = serde_json::from_str(&text).unwrap();
-            assert_eq!(
-                (&v["object"], &v["code"]),
-                (&json!("error"), &json!(400)),
-                "{v}"
-            );
+            invalid_generate(&pod, body).await;
         }
         assert_eq!(pod.lock().engine.num_waiting(), 0);
 
-        let pod = running_pod(&[
-            "--time-scale",
-            "1000",
-            "--enable-lora",
-            "--lora-modules",
-            "sql=/a",
-        ]);
+        let pod = sql_pod();
         let (status, text) = read(
             post(
                 &pod,

@@ -153,6 +153,52 @@ fn per_prompt(body: &Value, field: &str, batch: usize) -> Result<Vec<Value>, Ref
     }
 }
 
+/// The fields `GenerateReqInput` types `Optional[Union[List[str], str]]` that key a prompt's
+/// cached blocks: `extra_key` ("Extra cache key for caller-defined request classification")
+/// and `cache_salt`, in the order SGLang normalizes them.
+const NAMESPACE_FIELDS: [&str; 2] = ["extra_key", "cache_salt"];
+
+/// Such a field as pydantic types it: absent, null, a string or a list of strings (no nulls).
+fn typed_key(body: &Value, field: &str) -> Result<(), Refusal> {
+    match body.get(field) {
+        None | Some(Value::Null | Value::String(_)) => Ok(()),
+        Some(Value::Array(a)) if a.iter().all(Value::is_string) => Ok(()),
+        Some(_) => Err(Refusal::Invalid(format!(
+            "{field}: Input should be a valid string or a list of strings"
+        ))),
+    }
+}
+
+/// Such a field normalized one a prompt, as `_normalize_single_inputs` does it for one prompt
+/// (a string, else "`<field>` should be a string for a single request.") and
+/// `_normalize_extra_key` / `_normalize_cache_salt` for a batch (a string for every prompt, or
+/// a list of one a prompt); `""` is none.
+fn per_prompt_key(
+    body: &Value,
+    field: &str,
+    batch_form: bool,
+    batch: usize,
+) -> Result<Vec<Value>, Refusal> {
+    let none_if_empty = |v: &Value| match v.as_str() {
+        Some("") => Value::Null,
+        _ => v.clone(),
+    };
+    match body.get(field) {
+        None | Some(Value::Null) => Ok(vec![Value::Null; batch]),
+        Some(s @ Value::String(_)) => Ok(vec![none_if_empty(s); batch]),
+        Some(Value::Array(_)) if !batch_form => Err(Refusal::Value(format!(
+            "{field} should be a string for a single request."
+        ))),
+        Some(Value::Array(a)) if a.len() == batch && a.iter().all(Value::is_string) => {
+            Ok(a.iter().map(none_if_empty).collect())
+        }
+        Some(Value::Array(a)) if a.len() != batch => Err(Refusal::Value(format!(
+            "The length of {field} should be equal to the batch size."
+        ))),
+        Some(_) => Err(Refusal::Value(format!("Every {field} should be a string."))),
+    }
+}
+
 /// A number of a sampling object as Python prints it in `SamplingParams.verify`'s messages.
 fn shown(v: &Value) -> String {
     v.to_string()
@@ -217,12 +263,16 @@ fn verify(sp: &Value) -> Result<(), Refusal> {
 /// The request as `normalize_batch_and_arguments` leaves it, in the completions body the
 /// simulator's path reads: `prompt` (a string or ids, or a batch of them), `sampling_params`
 /// (one object per prompt), `n`, `stream`, and per answer or prompt what SGLang sets per request
-/// (`rid`: one per answer, null where SGLang draws a uuid; `lora_path` and `cache_salt`: one per
-/// prompt). `single` says whether the answer is one object (one prompt, one sample) or a list.
+/// (`rid`: one per answer, null where SGLang draws a uuid; `lora_path`, and the `cache_salt` and
+/// `extra_key` its radix cache keys a prompt's blocks by: one per prompt, null for none).
+/// `single` says whether the answer is one object (one prompt, one sample) or a list.
 pub fn request(body: &Value) -> Result<Value, Refusal> {
     let stream = flag(body.get("stream"), "stream")
         .map_err(Refusal::Invalid)?
         .unwrap_or(false);
+    for field in NAMESPACE_FIELDS {
+        typed_key(body, field)?;
+    }
     let (prompt, batched) = prompt(body)?.ok_or_else(|| {
         Refusal::Value("Either text, input_ids or input_embeds should be provided.".into())
     })?;
@@ -263,16 +313,12 @@ pub fn request(body: &Value) -> Result<Value, Refusal> {
     }
     // SGLang runs an `n` below 1 as one sample.
     let n = n.max(1);
-    let rids = rids(body.get("rid"), batched || n > 1, batch, n)?;
+    // `n` above 1 makes even one prompt a batch (`_handle_parallel_sampling`).
+    let batch_form = batched || n > 1;
+    let rids = rids(body.get("rid"), batch_form, batch, n)?;
     let lora = per_prompt(body, "lora_path", batch)?;
-    let salts = match body.get("cache_salt") {
-        Some(v) if !(batched || v.is_string() || v.is_null()) => {
-            return Err(Refusal::Value(
-                "cache_salt should be a string for a single request.".into(),
-            ))
-        }
-        _ => per_prompt(body, "cache_salt", batch)?,
-    };
+    let keys = per_prompt_key(body, "extra_key", batch_form, batch)?;
+    let salts = per_prompt_key(body, "cache_salt", batch_form, batch)?;
     for sp in &sampling {
         verify(sp)?;
     }
@@ -285,6 +331,7 @@ pub fn request(body: &Value) -> Result<Value, Refusal> {
     out.insert("rid".into(), Value::Array(rids));
     out.insert("lora_path".into(), Value::Array(lora));
     out.insert("cache_salt".into(), Value::Array(salts));
+    out.insert("extra_key".into(), Value::Array(keys));
     Ok(Value::Object(out))
 }
 
@@ -431,6 +478,32 @@ mod tests {
         assert_eq!(v["rid"], json!([null, null, null]));
     }
 
+    /// `extra_key` and `cache_salt`, one a prompt: a string for every prompt, a batch's list one
+    /// a prompt, `""` none; one prompt sampled `n` times is a batch of one, so takes a list.
+    #[test]
+    fn cache_keys_normalize_one_a_prompt() {
+        let v = request(&json!({"text": "a", "extra_key": "k", "cache_salt": ""})).unwrap();
+        assert_eq!(
+            (&v["extra_key"], &v["cache_salt"]),
+            (&json!(["k"]), &json!([null]))
+        );
+        let v = request(
+            &json!({"text": ["a", "b", "c"], "extra_key": ["k", "", "j"],
+                                "cache_salt": "s"}),
+        )
+        .unwrap();
+        assert_eq!(v["extra_key"], json!(["k", null, "j"]));
+        assert_eq!(v["cache_salt"], json!(["s", "s", "s"]));
+        let v = request(&json!({"text": "a", "extra_key": ["k"], "sampling_params": {"n": 2}}))
+            .unwrap();
+        assert_eq!(v["extra_key"], json!(["k"]));
+        let v = request(&json!({"input_ids": [[1], [2]]})).unwrap();
+        assert_eq!(
+            (&v["extra_key"], &v["cache_salt"]),
+            (&json!([null, null]), &json!([null, null]))
+        );
+    }
+
     #[test]
     fn refusals_are_sglangs() {
         let value = |m: &str| Refusal::Value(m.into());
@@ -470,6 +543,36 @@ mod tests {
             refused(json!({"text": "a", "sampling_params": {"top_p": 0}})),
             value("top_p must be in (0, 1], got 0.")
         );
+        // A list for one prompt: the key is named before the salt, as SGLang checks them.
+        assert_eq!(
+            refused(json!({"text": "a", "extra_key": ["k"]})),
+            value("extra_key should be a string for a single request.")
+        );
+        assert_eq!(
+            refused(json!({"text": "a", "extra_key": [], "cache_salt": ["s"]})),
+            value("extra_key should be a string for a single request.")
+        );
+        assert_eq!(
+            refused(json!({"text": "a", "cache_salt": ["s"]})),
+            value("cache_salt should be a string for a single request.")
+        );
+        assert_eq!(
+            refused(json!({"text": ["a", "b"], "extra_key": ["k"]})),
+            value("The length of extra_key should be equal to the batch size.")
+        );
+        assert_eq!(
+            refused(json!({"text": ["a", "b"], "cache_salt": ["s", "t", "u"]})),
+            value("The length of cache_salt should be equal to the batch size.")
+        );
+        // Pydantic's `Optional[Union[List[str], str]]`: no nulls in the list, nothing else.
+        for body in [
+            json!({"text": ["a", "b"], "extra_key": ["k", null]}),
+            json!({"text": ["a", "b"], "cache_salt": [null, "s"]}),
+            json!({"text": "a", "extra_key": 5}),
+            json!({"text": "a", "cache_salt": {"s": 1}}),
+        ] {
+            assert!(matches!(refused(body), Refusal::Invalid(_)));
+        }
         assert!(matches!(refused(json!({"text": 5})), Refusal::Invalid(_)));
         assert!(matches!(
             refused(json!({"input_ids": [1, "2"]})),
