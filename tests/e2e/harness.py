@@ -363,18 +363,58 @@ def kvgate_envoy(upstreams, plugin_config=None, concurrency=4, **kw):
         yield envoy
 
 
+def preemptions(sim):
+    """The preemptions of every pod of `sim` so far."""
+    return sum(sim.stats(i)["preemptions"] for i in range(sim.pods))
+
+
+def on_their_pod(placed):
+    """Of `(group, pod)` pairs, the share placed on their group's most used pod."""
+    groups = {}
+    for group, pod in placed:
+        groups.setdefault(group, []).append(pod)
+    placed = sum(map(len, groups.values()))
+    return sum(max(map(pods.count, set(pods))) for pods in groups.values()) / placed
+
+
+@contextlib.contextmanager
+def posted(port, path, body, headers=None, timeout=120.0):
+    """POSTs `body` as JSON and yields the response, to be read as it comes; the connection is
+    closed after."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        hdrs = {"content-type": "application/json"}
+        hdrs.update(headers or {})
+        conn.request("POST", path, body=json.dumps(body).encode(), headers=hdrs)
+        yield conn.getresponse()
+    finally:
+        conn.close()
+
+
+DONE = object()
+
+
+def sse_data(r):
+    """The `data:` events of a server-sent stream, each parsed, up to `data: [DONE]` (yielded as
+    `DONE`)."""
+    for raw in r:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            yield DONE
+            return
+        yield json.loads(data)
+
+
 def stream(port, path, body, headers=None, timeout=120.0):
     """POSTs a streaming request; returns status, headers, time to first token, total time,
     number of chunks with text (answer or reasoning), the longest gap between two of them
     (`stall`) and the usage chunk."""
     body = dict(body, stream=True, stream_options={"include_usage": True})
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     t0 = time.perf_counter()
-    try:
-        hdrs = {"content-type": "application/json"}
-        hdrs.update(headers or {})
-        conn.request("POST", path, body=json.dumps(body).encode(), headers=hdrs)
-        r = conn.getresponse()
+    with posted(port, path, body, headers, timeout) as r:
         result = {"status": r.status, "headers": {k.lower(): v for k, v in r.getheaders()},
                   "ttft": None, "chunks": 0, "stall": 0.0, "usage": None}
         last = 0.0  # when the last chunk with text came (set by the first, which sets the TTFT)
@@ -382,14 +422,9 @@ def stream(port, path, body, headers=None, timeout=120.0):
             result["body"] = r.read()
             result["total"] = time.perf_counter() - t0
             return result
-        for raw in r:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
+        for chunk in sse_data(r):
+            if chunk is DONE:
                 break
-            chunk = json.loads(data)
             if chunk.get("usage"):
                 result["usage"] = chunk["usage"]
             for c in chunk.get("choices", []):
@@ -405,8 +440,6 @@ def stream(port, path, body, headers=None, timeout=120.0):
                     result["chunks"] += 1
         result["total"] = time.perf_counter() - t0
         return result
-    finally:
-        conn.close()
 
 
 def stat(envoy, name) -> int:

@@ -287,10 +287,6 @@ def overload(sim, envoys, requests=72, clients=24, during=None, after=0, etcd=No
     return [answers[i] for i in sorted(answers)], samples
 
 
-def preemptions(sim):
-    return sum(sim.stats(i)["preemptions"] for i in range(sim.pods))
-
-
 def budgets(samples):
     """Each pod's budget: the highest any replica's page showed (as test_budget.py reads it)."""
     nominal = {}

@@ -19,8 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from bodies import tagged_completion  # noqa: E402
-from harness import Sim, kvgate_stat, request  # noqa: E402
-from replicas import SMALL_KV, Etcd, fleet, overload, peak_sum_reserved, preemptions, worst_excess  # noqa: E402
+from harness import Sim, kvgate_stat, preemptions, request  # noqa: E402
+from replicas import SMALL_KV, Etcd, fleet, overload, peak_sum_reserved, worst_excess  # noqa: E402
 
 
 def overload_run(etcd, n, shared, prefix):

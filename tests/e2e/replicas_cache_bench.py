@@ -77,8 +77,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import harness  # noqa: E402
 import replicas  # noqa: E402
-from harness import Sim  # noqa: E402
-from replicas import Etcd, preemptions  # noqa: E402
+from harness import Sim, preemptions  # noqa: E402
+from replicas import Etcd  # noqa: E402
 
 # bench/run.py defines the cell; loaded as a module (its main() is not run).
 _spec = importlib.util.spec_from_file_location("bench_run", harness.ROOT / "bench/run.py")

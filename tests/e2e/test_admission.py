@@ -10,7 +10,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from harness import (Sim, baseline_envoy, default_plugin_config, kvgate_envoy, kvgate_gauges, request,
+from harness import (Sim, baseline_envoy, default_plugin_config, kvgate_envoy, kvgate_gauges, preemptions, request,
                      stream, wait_for)
 
 from bodies import MODEL, unshared_completion
@@ -27,10 +27,6 @@ def config(**admission):
 def reserved_zero(envoy):
     return wait_for(lambda: (g := kvgate_gauges(envoy, "reserved_tokens")) and all(v == 0 for v in g.values())
                     and all(v == 0 for v in kvgate_gauges(envoy, "in_flight").values()), timeout=5)
-
-
-def preemptions(sim):
-    return sum(sim.stats(i)["preemptions"] for i in range(sim.pods))
 
 
 def test_twice_capacity_preempts_without_kvgate_and_never_with_it():

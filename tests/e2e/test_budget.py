@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from harness import (STATUS_PATH, Envoy, Sim, baseline_envoy, default_plugin_config, envoy_config, free_port,
-                     kvgate_envoy, kvgate_gauges, request, stream, wait_for)
+                     kvgate_envoy, kvgate_gauges, preemptions, request, stream, wait_for)
 
 from bodies import MODEL, WORDS, grouped_chat, unshared_chat
 BLOCKS, BLOCK = 256, 16
@@ -94,10 +94,6 @@ def against_round_robin(sim_args, clients, requests, concurrency=2, on_kvgate=No
                 if check:
                     out.update(check(envoy, sim, answers, samples) or {})
     return out
-
-
-def preemptions(sim):
-    return sum(sim.stats(i)["preemptions"] for i in range(sim.pods))
 
 
 def mean_kv_used(samples):

@@ -10,7 +10,7 @@ reservation short by the whole prompt.)"""
 
 from concurrent.futures import ThreadPoolExecutor
 
-from harness import Sim, default_plugin_config, kvgate_envoy, kvgate_gauges, request, wait_for
+from harness import Sim, default_plugin_config, kvgate_envoy, kvgate_gauges, preemptions, request, wait_for
 
 from bodies import MODEL, WORDS
 
@@ -60,7 +60,7 @@ def test_tenants_that_share_a_system_prompt_are_admitted_within_the_budget():
             ThreadPoolExecutor(32) as pool:
         answers = list(pool.map(lambda i: ask(envoy.port, i % 8, i, 150, ignore_eos=True), range(96)))
         assert all(status == 200 for status, _ in answers), answers
-        preempted = sum(sim.stats(i)["preemptions"] for i in range(sim.pods))
+        preempted = preemptions(sim)
         print(f"preemptions: {preempted}")
         assert preempted == 0
         assert wait_for(lambda: all(v == 0 for v in kvgate_gauges(envoy, "reserved_tokens").values()),

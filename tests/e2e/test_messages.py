@@ -6,13 +6,12 @@ is not held for), its conversations keep their
 prefix's pod even with Claude Code's per-request attribution block in their system prompt, its
 usage is read in its own names, and kvgate's own errors reach its clients in that API's shape."""
 
-import http.client
-import json
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from harness import Sim, baseline_envoy, default_plugin_config, kvgate_envoy, kvgate_gauges, request, wait_for
+from harness import (Sim, baseline_envoy, default_plugin_config, kvgate_envoy, kvgate_gauges, on_their_pod, posted,
+                     preemptions, request, sse_data, wait_for)
 
 from bodies import MODEL, WORDS, group_system_prompt
 
@@ -39,32 +38,18 @@ def claude_code_system(group):
 def messages_stream(port, body, timeout=120.0):
     """POSTs a streamed Messages request; returns its status, the answer's text deltas and the
     usage of its `message_delta`, and the events' types in order."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        conn.request("POST", "/v1/messages", body=json.dumps(dict(body, stream=True)).encode(),
-                     headers={"content-type": "application/json"})
-        r = conn.getresponse()
+    with posted(port, "/v1/messages", dict(body, stream=True), timeout=timeout) as r:
         out = {"status": r.status, "deltas": 0, "usage": None, "events": []}
         if r.status != 200:
             out["body"] = r.read()
             return out
-        for raw in r:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            event = json.loads(line[5:])
+        for event in sse_data(r):
             out["events"].append(event["type"])
             if event["type"] == "content_block_delta" and event["delta"].get("type") == "text_delta":
                 out["deltas"] += 1
             if event["type"] == "message_delta":
                 out["usage"] = event["usage"]
         return out
-    finally:
-        conn.close()
-
-
-def preemptions(sim):
-    return sum(sim.stats(i)["preemptions"] for i in range(sim.pods))
 
 
 def test_anthropic_messages_are_admitted_within_the_budget():
@@ -143,11 +128,7 @@ def test_anthropic_conversations_keep_their_prefix_pod():
             results = list(pool.map(one, jobs))
         assert all(status == 200 for _, status, _, _ in results), [b for _, s, _, b in results if s != 200]
         assert all(b["type"] == "message" and b["content"][0]["type"] == "text" for _, _, _, b in results)
-        on_majority = 0
-        for g in range(6):
-            pods = [p for gg, _, p, _ in results if gg == g]
-            on_majority += max(pods.count(p) for p in set(pods))
-        share = on_majority / len(results)
+        share = on_their_pod((g, p) for g, _, p, _ in results)
         print(f"requests on their group's pod: {share:.1%}")
         assert share >= 0.8, share
         used = sum(b["usage"]["input_tokens"] + b["usage"]["output_tokens"] for _, _, _, b in results)

@@ -7,11 +7,10 @@ does, and as kvgate did while it passed these paths through unread), their promp
 prefix's pod, their usage is read from the engine's answers, and what is not theirs (a path that
 only ends alike) passes through untouched."""
 
-import http.client
-import json
 from concurrent.futures import ThreadPoolExecutor
 
-from harness import Sim, baseline_envoy, default_plugin_config, kvgate_envoy, kvgate_gauges, request, wait_for
+from harness import (DONE, Sim, baseline_envoy, default_plugin_config, kvgate_envoy, kvgate_gauges, on_their_pod, posted,
+                     preemptions, request, sse_data, wait_for)
 
 from bodies import WORDS
 
@@ -32,35 +31,21 @@ def ids(group, i, shared=1000, own=40):
 def generate_stream(port, body, timeout=120.0):
     """POSTs a streamed SGLang `/generate`; returns its status, how often the answer grew, and the
     last chunk's `meta_info`."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        conn.request("POST", "/generate", body=json.dumps(dict(body, stream=True)).encode(),
-                     headers={"content-type": "application/json"})
-        r = conn.getresponse()
+    with posted(port, "/generate", dict(body, stream=True), timeout=timeout) as r:
         out = {"status": r.status, "grew": 0, "meta": None, "done": False}
         if r.status != 200:
             out["body"] = r.read()
             return out
         seen = ""
-        for raw in r:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            if line[5:].strip() == b"[DONE]":
+        for chunk in sse_data(r):
+            if chunk is DONE:
                 out["done"] = True
                 continue
-            chunk = json.loads(line[5:])
             if len(chunk["text"]) > len(seen):
                 out["grew"] += 1
             seen = chunk["text"]
             out["meta"] = chunk["meta_info"]
         return out
-    finally:
-        conn.close()
-
-
-def preemptions(sim):
-    return sum(sim.stats(i)["preemptions"] for i in range(sim.pods))
 
 
 def on_both_fronts(send, check=lambda envoy, answers: None, pod_args=()):
@@ -124,11 +109,7 @@ def test_vllm_token_requests_keep_their_prefix_pod_and_the_budget():
             results = list(pool.map(one, jobs))
         assert all(status == 200 for _, status, _, _ in results), [b for _, s, _, b in results if s != 200][:3]
         assert all(len(b["choices"][0]["token_ids"]) == 8 for _, _, _, b in results)
-        on_majority = 0
-        for g in range(6):
-            pods = [p for gg, _, p, _ in results if gg == g]
-            on_majority += max(pods.count(p) for p in set(pods))
-        share = on_majority / len(results)
+        share = on_their_pod((g, p) for g, _, p, _ in results)
         print(f"requests on their group's pod: {share:.1%}")
         assert share >= 0.8, share
         used = sum(b["usage"]["total_tokens"] for _, _, _, b in results)

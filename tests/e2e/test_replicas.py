@@ -20,9 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from bodies import MODEL, group_chat, unshared_completion
-from harness import Sim, kvgate_stat, request, responses_call, stream, wait_for
+from harness import Sim, kvgate_stat, preemptions, request, responses_call, stream, wait_for
 from replicas import (SMALL_KV, Cut, Etcd, budgets, check_promise, fleet, grants, grants_by_replica, overload,
-                      preemptions, status)
+                      status)
 
 LEASE_S, GRACE_S, SCRAPE_S = 2, 1, 1.0
 
