@@ -6,7 +6,10 @@ bounded rate for the given time, sampled every ~10 s; prints a table and a verdi
     .venv/bin/python scripts/soak.py --minutes 30
 
 Traffic (weights in MIX): streaming and non-streaming chat and completions, multi-turn sessions
-(x-session-id), shared system prompts (prefix affinity), unique prompts, priorities through GIE
+(x-session-id), shared system prompts (prefix affinity), the same system prompts under each
+tenant's cache salt (`x-cache-salt`), Responses API conversations chained by
+`previous_response_id` (the stored responses' table), Anthropic Messages, SGLang's `/generate` and
+vLLM's `/inference/v1/generate` (their own meters), unique prompts, priorities through GIE
 objectives (critical / standard / sheddable batch), tenants, client aborts mid-stream and while
 queued, oversize bodies (413) and malformed JSON (400). Every 60 s a burst of long requests fills
 the pool so the line and the wake-up path are exercised too.
@@ -35,13 +38,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests/e2e"))
 
 from bodies import MODEL  # noqa: E402
-from harness import Sim, default_plugin_config, kvgate_envoy, request  # noqa: E402
+from harness import Sim, default_plugin_config, kvgate_envoy, request, responses_call  # noqa: E402
 from robustness import (abort_after, abort_stream, assert_vm_alive, bad_log_lines, drained,  # noqa: E402
                         pool, rss_kib, vm_stats, wasm_memories)
 
 MIX = [  # (kind, weight)
     ("session_stream", 22), ("group_chat", 18), ("unique_stream", 14), ("unique_completion", 12),
     ("abort_streaming", 8), ("abort_early", 4), ("oversize", 3), ("malformed", 3), ("get_models", 2),
+    ("salted_chat", 6), ("responses_turn", 6), ("messages", 4), ("sglang_generate", 4), ("tokens_generate", 3),
 ]
 OBJECTIVES = [("critical", 10), ("standard", 55), ("batch", 15), (None, 20)]
 CLIENT_TIMEOUT = 30.0
@@ -71,6 +75,7 @@ class Traffic:
         self.total = collections.Counter()
         self.slowest = 0.0
         self.sessions = {}                    # session id -> history text
+        self.responses = {}                   # conversation -> its last stored response's id
         self.n = 0
 
     def record(self, outcome, elapsed):
@@ -124,6 +129,51 @@ class Traffic:
                     "messages": [{"role": "system", "content": f"[group {g}] " + "policy clause " * 300},
                                  {"role": "user", "content": f"q{i}"}]}
             return request(p, "POST", "/v1/chat/completions", body, h, timeout=CLIENT_TIMEOUT).status
+        if kind == "salted_chat":
+            # One application's prompt under each tenant's salt: as many cache namespaces as tenants.
+            g = rng.randrange(4)
+            body = {"model": MODEL, "max_tokens": rng.choice([8, 32]),
+                    "messages": [{"role": "system", "content": f"[app {g}] " + "house rule " * 250},
+                                 {"role": "user", "content": f"q{i}"}]}
+            salted = dict(h, **{"x-cache-salt": f"tenant-{rng.randrange(24)}"})
+            if rng.random() < 0.5:
+                return stream_status(p, "/v1/chat/completions", body, salted)
+            return request(p, "POST", "/v1/chat/completions", body, salted, timeout=CLIENT_TIMEOUT).status
+        if kind == "responses_turn":
+            # Conversations restart after a few turns; a follow-up names its stored predecessor.
+            conv = rng.randrange(30)
+            with self.lock:
+                previous = self.responses.pop(conv, None)
+            body = {"model": MODEL, "input": f"conversation {conv} turn {i}: " + "context " * 80,
+                    "max_output_tokens": rng.choice([16, 48]), "stream": rng.random() < 0.5}
+            if previous:
+                body["previous_response_id"] = previous
+            status, _, rid, _ = responses_call(p, body, h, timeout=CLIENT_TIMEOUT)
+            if status == 200 and rid and rng.random() < 0.75:
+                with self.lock:
+                    self.responses[conv] = rid
+            return status
+        if kind == "messages":
+            body = {"model": MODEL, "max_tokens": rng.choice([16, 64]),
+                    "system": f"[assistant {rng.randrange(6)}] " + "be precise " * 150,
+                    "messages": [{"role": "user", "content": f"m{i} " + "detail " * rng.randrange(5, 60)}]}
+            if rng.random() < 0.5:
+                return stream_status(p, "/v1/messages", body, h, end=b"message_stop", usage=False)
+            return request(p, "POST", "/v1/messages", body, h, timeout=CLIENT_TIMEOUT).status
+        if kind == "sglang_generate":
+            body = {"text": f"<|user|> g{i} " + "token budget " * rng.randrange(20, 200),
+                    "sampling_params": {"max_new_tokens": rng.choice([16, 64, 160])}}
+            if rng.random() < 0.5:
+                return stream_status(p, "/generate", body, h, usage=False)
+            return request(p, "POST", "/generate", body, h, timeout=CLIENT_TIMEOUT).status
+        if kind == "tokens_generate":
+            group = rng.randrange(5)
+            ids = [1000 + (group * 7919 + j * 31) % 50_000 for j in range(300)] + \
+                [2000 + (i * 104_729 + j * 13) % 50_000 for j in range(rng.randrange(10, 200))]
+            body = {"model": MODEL, "token_ids": ids, "sampling_params": {"max_tokens": rng.choice([16, 64])}}
+            if rng.random() < 0.5:
+                return stream_status(p, "/inference/v1/generate", body, h)
+            return request(p, "POST", "/inference/v1/generate", body, h, timeout=CLIENT_TIMEOUT).status
         if kind == "unique_stream":
             body = {"model": MODEL, "prompt": f"unique {i} " + "lorem ipsum " * rng.randrange(20, 400),
                     "max_tokens": rng.choice([32, 128, 400])}
@@ -166,17 +216,19 @@ class Traffic:
         self.record(outcome, time.perf_counter() - t0)
 
 
-def stream_status(port, path, body, headers):
-    """A streaming request read to the end; returns the status (or 'truncated')."""
+def stream_status(port, path, body, headers, end=b"[DONE]", usage=True):
+    """A streaming request read to the end; returns the status (or 'truncated': a 200 whose
+    stream lacks `end`, its last event). `usage`: ask for the OpenAI usage chunk (APIs of other
+    shapes take no `stream_options`)."""
     import http.client
-    body = dict(body, stream=True, stream_options={"include_usage": True})
+    body = dict(body, stream=True, **({"stream_options": {"include_usage": True}} if usage else {}))
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=CLIENT_TIMEOUT)
     try:
         conn.request("POST", path, body=json.dumps(body).encode(),
                      headers={"content-type": "application/json", **headers})
         r = conn.getresponse()
         data = r.read()
-        if r.status == 200 and b"[DONE]" not in data:
+        if r.status == 200 and end not in data:
             return "truncated"
         return r.status
     finally:

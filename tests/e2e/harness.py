@@ -128,13 +128,13 @@ def request(port, method, path, body=None, headers=None, timeout=60.0) -> Respon
         conn.close()
 
 
-def responses_call(port, body):
+def responses_call(port, body, headers=None, timeout=60):
     """POSTs a Responses API request (streamed when `body` says so); returns the status, the pod
     that answered, the response's id and its usage (from `response.completed` when streamed)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
         conn.request("POST", "/v1/responses", body=json.dumps(body).encode(),
-                     headers={"content-type": "application/json"})
+                     headers={"content-type": "application/json", **(headers or {})})
         r = conn.getresponse()
         pod, raw = r.getheader("x-sim-pod"), r.read()
         if r.status != 200:
