@@ -299,6 +299,11 @@ pub fn chat_request(body: &Value) -> Result<Value, String> {
         return Err(POSITIVE.into());
     }
     chat["max_tokens"] = json!(max_tokens);
+    // vLLM passes a Messages request's `cache_salt` on to its chat request, whose validator
+    // checks it and whose prompt it keys (vllm-project/vllm#49498).
+    if let Some(salt) = body.get("cache_salt") {
+        chat["cache_salt"] = salt.clone();
+    }
     if flag(body.get("stream"), "stream")?.unwrap_or(false) {
         chat["stream"] = json!(true);
         chat["stream_options"] = json!({"include_usage": true, "continuous_usage_stats": true});

@@ -1143,24 +1143,42 @@ fn salt_header(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
         return Ok(None);
     };
     let salt: String = value.as_bytes().iter().map(|&b| char::from(b)).collect();
+    check_salt(Some(&salt))?;
+    Ok(Some(salt))
+}
+
+/// A body's `cache_salt`, checked by the same validator before anything else of the request
+/// (`validate_cache_salt`, which the request models' `check_cache_salt_support` calls): absent
+/// or null is none; anything else must be a salt `check_salt` takes. The Messages API's passes
+/// through to the chat request it becomes (vllm-project/vllm#49498), and is checked there.
+fn body_salt(body: &Value) -> Result<(), ApiError> {
+    match body.get("cache_salt") {
+        None | Some(Value::Null) => Ok(()),
+        Some(v) => check_salt(v.as_str()),
+    }
+}
+
+/// `validate_cache_salt`: a salt is a non-empty string of at most `CACHE_SALT_MAX_CHARS`
+/// characters, none of them `CACHE_SALT_FORBIDDEN`; a 400 with `param` `cache_salt` otherwise.
+fn check_salt(salt: Option<&str>) -> Result<(), ApiError> {
     let refuse = |message: &str| ApiError {
         status: StatusCode::BAD_REQUEST,
         kind: "BadRequestError",
         message: format!("{message} (parameter=cache_salt)"),
         param: Some("cache_salt"),
     };
-    if salt.is_empty() {
-        return Err(refuse(
+    match salt {
+        None | Some("") => Err(refuse(
             "Parameter 'cache_salt' must be a non-empty string if provided.",
-        ));
+        )),
+        Some(s) if s.chars().count() > CACHE_SALT_MAX_CHARS || s.contains(CACHE_SALT_FORBIDDEN) => {
+            Err(refuse(
+                "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', \
+                 '/', '\\\\', or NUL.",
+            ))
+        }
+        Some(_) => Ok(()),
     }
-    if salt.chars().count() > CACHE_SALT_MAX_CHARS || salt.contains(CACHE_SALT_FORBIDDEN) {
-        return Err(refuse(
-            "Parameter 'cache_salt' must be at most 128 characters and must not contain '@', \
-             '/', '\\\\', or NUL.",
-        ));
-    }
-    Ok(Some(salt))
 }
 
 async fn generate_inner(
@@ -1183,6 +1201,10 @@ async fn generate_inner(
         }
         Kind::Completion | Kind::Chat | Kind::Responses => body,
     };
+    // A body's salt is part of the request's validation, before its model is looked up.
+    if kind != Kind::Generate {
+        body_salt(&body)?;
+    }
     // The adapter each prompt runs with: SGLang names one per prompt, the others one a request.
     let (model, loras) = match kind {
         Kind::Generate => (g.served[0].clone(), sglang_adapters(&pod, &body)?),
@@ -1192,7 +1214,8 @@ async fn generate_inner(
         }
     };
     // vLLM's main takes a request's salt from the `X-Cache-Salt` header over the body's, before
-    // it renders the prompt; SGLang reads no such header.
+    // it renders the prompt, each checked alike; SGLang reads no such header, and keys its own
+    // fields (`sglang::request`).
     let header_salt = match kind {
         Kind::Generate => None,
         _ => salt_header(headers)?,
@@ -3242,6 +3265,59 @@ mod tests {
     }
 
     /// vLLM's message for a salt too long or with a character it refuses.
+    /// A body's `cache_salt` is checked as the header's is, on every vLLM path, and a Messages
+    /// request's keys its prompt as its chat request's does (vllm-project/vllm#49498): the same
+    /// salt hits, another misses.
+    #[tokio::test]
+    async fn a_body_salt_is_checked_and_keys_a_messages_prompt() {
+        let pod = running_pod(&["--time-scale", "1000", "--served-model-name", "m"]);
+        let none = HeaderMap::new();
+        for (kind, body) in [
+            (
+                Kind::Chat,
+                json!({"messages": [{"role": "user", "content": "hi"}]}),
+            ),
+            (Kind::Completion, json!({"prompt": "hi"})),
+            (
+                Kind::Messages,
+                json!({"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}),
+            ),
+        ] {
+            for salt in [
+                json!(""),
+                json!(7),
+                json!("with/slash"),
+                json!("x".repeat(129)),
+            ] {
+                let mut body = body.clone();
+                body["cache_salt"] = salt.clone();
+                let (status, text) = read(post(&pod, kind, &none, body).await).await;
+                assert_eq!(status, StatusCode::BAD_REQUEST, "{salt}: {text}");
+                assert!(text.contains("cache_salt"), "{text}");
+            }
+            let mut body = body.clone();
+            body["cache_salt"] = Value::Null;
+            answer(&pod, kind, &runs_to(2), body).await;
+        }
+        let content = "the quick brown fox jumps over the lazy dog ".repeat(20);
+        let hits = |salt: Option<&str>| {
+            let mut body = json!({"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": content}]});
+            if let Some(s) = salt {
+                body["cache_salt"] = json!(s);
+            }
+            let pod = pod.clone();
+            async move {
+                let before = pod.lock().engine.counters.admitted_hit_tokens;
+                answer(&pod, Kind::Messages, &runs_to(2), body).await;
+                pod.lock().engine.counters.admitted_hit_tokens - before
+            }
+        };
+        assert_eq!(hits(Some("a")).await, 0);
+        assert!(hits(Some("a")).await > 0, "the same salt hits");
+        assert_eq!(hits(Some("b")).await, 0, "another salt misses");
+        assert_eq!(hits(None).await, 0, "no salt is a namespace of its own");
+    }
+
     const TOO_LONG_OR_FORBIDDEN: &str = "Parameter 'cache_salt' must be at most 128 characters \
                                          and must not contain '@', '/', '\\\\', or NUL.";
 
