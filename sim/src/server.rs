@@ -1213,9 +1213,9 @@ async fn generate_inner(
             (model, vec![lora])
         }
     };
-    // vLLM's main takes a request's salt from the `X-Cache-Salt` header over the body's, before
-    // it renders the prompt, each checked alike; SGLang reads no such header, and keys its own
-    // fields (`sglang::request`).
+    // vLLM's main takes a request's salt from the `X-Cache-Salt` header over the body's (each
+    // checked by the same validator), before it renders the prompt; SGLang reads no such
+    // header, and keys a prompt by its own fields (below).
     let header_salt = match kind {
         Kind::Generate => None,
         _ => salt_header(headers)?,
@@ -3264,7 +3264,6 @@ mod tests {
         answer(&pod, Kind::Generate, &h, body).await;
     }
 
-    /// vLLM's message for a salt too long or with a character it refuses.
     /// A body's `cache_salt` is checked as the header's is, on every vLLM path, and a Messages
     /// request's keys its prompt as its chat request's does (vllm-project/vllm#49498): the same
     /// salt hits, another misses.
@@ -3318,6 +3317,7 @@ mod tests {
         assert_eq!(hits(None).await, 0, "no salt is a namespace of its own");
     }
 
+    /// vLLM's message for a salt too long or with a character it refuses.
     const TOO_LONG_OR_FORBIDDEN: &str = "Parameter 'cache_salt' must be at most 128 characters \
                                          and must not contain '@', '/', '\\\\', or NUL.";
 
