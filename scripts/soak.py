@@ -37,8 +37,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests/e2e"))
 
-from bodies import MODEL  # noqa: E402
-from harness import Sim, default_plugin_config, kvgate_envoy, request, responses_call  # noqa: E402
+from bodies import MODEL, group_ids  # noqa: E402
+from harness import Sim, default_plugin_config, kvgate_envoy, posted, request, responses_call  # noqa: E402
 from robustness import (abort_after, abort_stream, assert_vm_alive, bad_log_lines, drained,  # noqa: E402
                         pool, rss_kib, vm_stats, wasm_memories)
 
@@ -167,9 +167,7 @@ class Traffic:
                 return stream_status(p, "/generate", body, h, usage=False)
             return request(p, "POST", "/generate", body, h, timeout=CLIENT_TIMEOUT).status
         if kind == "tokens_generate":
-            group = rng.randrange(5)
-            ids = [1000 + (group * 7919 + j * 31) % 50_000 for j in range(300)] + \
-                [2000 + (i * 104_729 + j * 13) % 50_000 for j in range(rng.randrange(10, 200))]
+            ids = group_ids(rng.randrange(5), i, shared=300, own=rng.randrange(10, 200))
             body = {"model": MODEL, "token_ids": ids, "sampling_params": {"max_tokens": rng.choice([16, 64])}}
             if rng.random() < 0.5:
                 return stream_status(p, "/inference/v1/generate", body, h)
@@ -220,19 +218,10 @@ def stream_status(port, path, body, headers, end=b"[DONE]", usage=True):
     """A streaming request read to the end; returns the status (or 'truncated': a 200 whose
     stream lacks `end`, its last event). `usage`: ask for the OpenAI usage chunk (APIs of other
     shapes take no `stream_options`)."""
-    import http.client
     body = dict(body, stream=True, **({"stream_options": {"include_usage": True}} if usage else {}))
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=CLIENT_TIMEOUT)
-    try:
-        conn.request("POST", path, body=json.dumps(body).encode(),
-                     headers={"content-type": "application/json", **headers})
-        r = conn.getresponse()
+    with posted(port, path, body, headers, timeout=CLIENT_TIMEOUT) as r:
         data = r.read()
-        if r.status == 200 and end not in data:
-            return "truncated"
-        return r.status
-    finally:
-        conn.close()
+        return "truncated" if r.status == 200 and end not in data else r.status
 
 
 def sample(envoy, t0, counts):

@@ -61,3 +61,9 @@ def grouped_chat(group, i, max_tokens, system_words=1500, question_words=150):
 
 def chat_bytes(**kw):
     return json.dumps(dict({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}, **kw)).encode()
+
+
+def group_ids(group, i, shared=1000, own=40):
+    """A prompt of token ids: `shared` ids its group's prompts all open with, then `own` of its own."""
+    return [1000 + (group * 7919 + j * 31) % 100_000 for j in range(shared)] + \
+        [2000 + (i * 104_729 + j * 13) % 100_000 for j in range(own)]

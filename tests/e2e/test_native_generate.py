@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from harness import (DONE, Sim, baseline_envoy, default_plugin_config, kvgate_envoy, kvgate_gauges, on_their_pod, posted,
                      preemptions, request, sse_data, wait_for)
 
-from bodies import WORDS
+from bodies import WORDS, group_ids
 
 BLOCKS = 256
 SMALL_KV = ["--time-scale", "10", "--num-gpu-blocks", str(BLOCKS)]
@@ -20,12 +20,6 @@ SMALL_KV = ["--time-scale", "10", "--num-gpu-blocks", str(BLOCKS)]
 
 def text(i):
     return f"question {i}: " + " ".join(WORDS[(i * 7 + j * 13) % len(WORDS)] for j in range(300))
-
-
-def ids(group, i, shared=1000, own=40):
-    """A prompt of token ids: `shared` ids its group's prompts all open with, then `own` of its own."""
-    return [1000 + (group * 7919 + j * 31) % 100_000 for j in range(shared)] + \
-        [2000 + (i * 104_729 + j * 13) % 100_000 for j in range(own)]
 
 
 def generate_stream(port, body, timeout=120.0):
@@ -101,7 +95,7 @@ def test_vllm_token_requests_keep_their_prefix_pod_and_the_budget():
 
         def one(job):
             g, q = job
-            body = {"token_ids": ids(g, q), "sampling_params": {"max_tokens": 8}}
+            body = {"token_ids": group_ids(g, q), "sampling_params": {"max_tokens": 8}}
             r = request(envoy.port, "POST", "/inference/v1/generate", body)
             return g, r.status, r.headers.get("x-sim-pod"), r.json()
 
@@ -117,7 +111,7 @@ def test_vllm_token_requests_keep_their_prefix_pod_and_the_budget():
         assert wait_for(lambda: envoy.stats(name).get(name, 0) == used, timeout=5), (envoy.stats(name), used)
 
     def send(port, i):
-        body = {"token_ids": ids(i, i, shared=0, own=330), "sampling_params": {"max_tokens": 300}}
+        body = {"token_ids": group_ids(i, i, shared=0, own=330), "sampling_params": {"max_tokens": 300}}
         r = request(port, "POST", "/inference/v1/generate", body, timeout=120)
         assert r.status == 200 and r.json()["usage"]["completion_tokens"] == 300, r.body
         return r
