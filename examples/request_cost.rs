@@ -30,6 +30,7 @@
 //! cargo run --release --example request_cost -- --calls             # host calls per phase
 //! cargo run --release --example request_cost -- --open 200          # with 200 others in flight
 //! cargo run --release --example request_cost -- --stream 256        # answers of 256 streamed tokens
+//! cargo run --release --example request_cost -- --kb 256            # request bodies of 256 KB
 //! ```
 
 // The in-memory host is a feature: a native build's dev-dependency turns it on; a wasm32 build
@@ -110,17 +111,20 @@ mod measure {
         }
     }
 
-    /// A 4 KB chat body (about the overhead benchmark's).
-    fn body(i: usize) -> Vec<u8> {
-        led_body("", i)
+    /// A chat body of about `kb` KB (the overhead benchmark's are 4 and 256).
+    fn body(i: usize, kb: usize) -> Vec<u8> {
+        led_body("", i, kb)
     }
 
-    /// `body(i)` with its user message led by `lead` (a distinct one: a prompt of its own).
-    fn led_body(lead: &str, i: usize) -> Vec<u8> {
+    /// `body(i, kb)` with its user message led by `lead` (a distinct one: a prompt of its own).
+    fn led_body(lead: &str, i: usize, kb: usize) -> Vec<u8> {
         let words = [
             "the", "cache", "prefix", "model", "token", "server", "route", "block",
         ];
-        let text: Vec<&str> = (0..640).map(|k| words[(k * 7 + i) % words.len()]).collect();
+        // 160 of these words (and their spaces) are about a KB.
+        let text: Vec<&str> = (0..160 * kb.max(1))
+            .map(|k| words[(k * 7 + i) % words.len()])
+            .collect();
         format!(
             r#"{{"model":"m","messages":[{{"role":"system","content":"You are helpful."}},{{"role":"user","content":"{lead}{}"}}],"max_tokens":64}}"#,
             text.join(" ")
@@ -198,13 +202,13 @@ mod measure {
             gate: other_gate,
         };
         let mut flow = Flow::default();
-        let b = body(0);
+        let b = body(0, 4);
         let _ = flow.on_request_headers(&mut other.gate, &other.vm, &head(&b));
         let _ = flow.on_body(&mut other.gate, &other.vm, &b);
         flow.on_done(&mut other.gate, &other.vm);
         for i in 0..open {
             // Prompts of their own, as a loaded pool's mostly are.
-            let b = led_body(&format!("held {i}: "), i);
+            let b = led_body(&format!("held {i}: "), i, 4);
             let mut held = Flow::default();
             let _ = held.on_request_headers(&mut gate, &vm, &head(&b));
             let _ = held.on_body(&mut gate, &vm, &b);
@@ -388,7 +392,8 @@ mod measure {
                 .and_then(|i| args.get(i + 1))
                 .and_then(|n| n.parse::<usize>().ok())
         };
-        let bodies: Vec<Vec<u8>> = (0..16).map(body).collect();
+        let kb = arg("--kb").unwrap_or(4);
+        let bodies: Vec<Vec<u8>> = (0..16).map(|i| body(i, kb)).collect();
         let open = arg("--open").unwrap_or(0);
         let answer = answer(arg("--stream").unwrap_or(0));
         if let Some(n) = arg("--iters") {

@@ -23,7 +23,9 @@
 #                                                agree within 0.5 %), so it compares builds in V8
 #                                                where a shared machine's timings swing by half
 #
-# Any other arguments go to the example (`--open N`, `--stream N`, `--calls`).
+# Any other arguments go to the example (`--open N`, `--stream N`, `--kb N`, `--calls`).
+#   KB=N scripts/wasm_request_cost.sh --profile|--callgrind ...   request bodies of about N KB
+#                                                                  (default 4)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TARGET_DIR=target/wasm-request-cost
@@ -44,7 +46,7 @@ if [ "${1:-}" = --callgrind ]; then
     # Liftoff, as Envoy runs V8; --smc-check=all, since V8 writes the code it then runs.
     count() {
         valgrind --tool=callgrind --smc-check=all --callgrind-out-file="$OUT/$1.out" \
-            node --no-liftoff --single-threaded "$RUNNER" "$WASM" --iters "$1" --pods "$PODS" \
+            node --no-liftoff --single-threaded "$RUNNER" "$WASM" --iters "$1" --pods "$PODS" --kb "${KB:-4}" \
             >/dev/null 2>&1
         awk '/^totals:/ { print $2 }' "$OUT/$1.out"
     }
@@ -61,7 +63,7 @@ REQUESTS=${3:-20000}
 OUT=$(mktemp -d)
 trap 'rm -rf "$OUT"' EXIT
 node --cpu-prof --cpu-prof-dir="$OUT" --cpu-prof-interval 50 "$RUNNER" "$WASM" \
-    --iters "$REQUESTS" --pods "$PODS"
+    --iters "$REQUESTS" --pods "$PODS" --kb "${KB:-4}"
 python3 - "$OUT"/*.cpuprofile <<'PY'
 import json, re, sys
 from collections import defaultdict

@@ -1,7 +1,8 @@
 """Faults around kvgate in a real Envoy (--concurrency 4) with kvgate-sim pods: a pod killed
 mid-stream and restarted on its port, a metrics endpoint that is slow, returns garbage or 500,
 discovery down (dead admin port, or an admin that answers 500 / garbage / resets), clients that
-disconnect while queued and while streaming, and a new plugin configuration pushed through LDS
+disconnect while queued and while streaming (HTTP/1.1 connections closed, HTTP/2 streams reset
+on a connection that carries on), and a new plugin configuration pushed through LDS
 while traffic flows (and a broken one, rejected).
 
 In every case: no request outlives its client timeout (each is measured), the VM survives (no
@@ -20,6 +21,7 @@ import pytest
 from harness import (Envoy, Sim, default_plugin_config, envoy_config, free_port, kvgate_envoy, kvgate_gauges,
                      request, stat, wait_for)
 from bodies import tagged_chat, tagged_completion
+from h2c import H2Connection
 from robustness import (FakePod, LdsEnvoy, Pod, assert_drained, assert_vm_alive, bad_log_lines,
                             pick_of, pool, raw_post, sim_fault, stream_outcome, timed, vm_stats)
 
@@ -388,6 +390,76 @@ def test_client_disconnects_while_queued_and_while_streaming():
         assert r.status == 200 and r.headers.get("x-kvgate-pod"), r.body
         assert int(r.headers.get("x-kvgate-queue-ms", "0")) < 1000 and dt < 3
         assert sim.stats(0)["aborted"] >= 1, "the pod saw the holder go"
+        assert_drained(envoy)
+        assert_vm_alive(envoy, vm0)
+
+
+def test_http2_streams_reset_while_queued_and_while_streaming_on_one_connection():
+    """The same over HTTP/2, where a client cancels a request by resetting its stream and the
+    connection carries on: a holder and six queued requests multiplexed on one connection (so on
+    one worker); the six are reset and leave the line at once while the holder keeps streaming
+    on that connection; the holder is reset mid-answer and its reservation is released; then
+    streamed and whole answers share the connection, and a request queued on a connection that
+    is dropped whole is abandoned too."""
+    cfg = default_plugin_config()
+    cfg["admission"] = {"budgetTokens": 1000, "maxWaitMs": 20000}
+    holder_body = json.dumps(dict(tagged_completion("holder", words=200, max_tokens=3000), stream=True)).encode()
+    queued_body = lambda tag: json.dumps(tagged_completion(tag, words=200, max_tokens=600)).encode()
+    with Sim(pods=1, args=["--time-scale", "2"]) as sim, kvgate_envoy(sim.endpoints, cfg) as envoy, \
+            H2Connection(envoy.port) as c:
+        vm0 = vm_stats(envoy)
+        abandoned = lambda: stat(envoy, "wasmcustom.kvgate.admission.abandoned")
+        holder = c.post("/v1/completions", holder_body)
+        assert c.pump(lambda: c.streams[holder].status is not None), "the holder got no answer"
+        assert c.streams[holder].status == 200, c.streams[holder].headers
+        assert c.streams[holder].headers.get("x-kvgate-pod"), "the holder was not routed by kvgate"
+        assert wait_for(lambda: c.pump(timeout=0.05) or pool(envoy)["reserved_tokens"] > 0, timeout=2)
+        abandoned0 = abandoned()
+        waiting = [c.post("/v1/completions", queued_body(f"q{i}")) for i in range(6)]
+        assert wait_for(lambda: c.pump(timeout=0.05) or pool(envoy)["queue_length"] == 6, timeout=3), pool(envoy)
+        streamed = len(c.streams[holder].body)
+        t0 = time.perf_counter()
+        for sid in waiting:
+            c.reset(sid)
+        left = wait_for(lambda: c.pump(timeout=0.05) or (abandoned() - abandoned0 == 6
+                                                          and pool(envoy)["queue_length"] == 0), timeout=3)
+        t_left = time.perf_counter() - t0
+        assert left, (pool(envoy), abandoned() - abandoned0)
+        assert pool(envoy)["in_flight"] == 1, "the reset requests never reached the pod"
+        assert c.pump(lambda: len(c.streams[holder].body) > streamed + 200), \
+            "the holder's stream stopped with its neighbours'"
+        assert not c.streams[holder].done and not c.terminated
+        print(f"six streams reset in the line left it within {t_left * 1000:.0f} ms; the holder streamed on")
+
+        t0 = time.perf_counter()
+        c.reset(holder)
+        assert wait_for(lambda: c.pump(timeout=0.05) or pool(envoy)["reserved_tokens"] == 0, timeout=3), pool(envoy)
+        print(f"the holder's reservation was released {1000 * (time.perf_counter() - t0):.0f} ms after its reset")
+        assert wait_for(lambda: sim.stats(0)["aborted"] >= 1, timeout=3), "the pod saw the holder go"
+
+        # The connection serves on: answers streamed and whole, side by side.
+        after = [c.post("/v1/chat/completions", json.dumps(dict(tagged_chat(f"s{i}"), stream=True)).encode())
+                 for i in range(2)] + \
+                [c.post("/v1/completions", json.dumps(tagged_completion(f"w{i}", max_tokens=8)).encode())
+                 for i in range(2)]
+        assert c.pump(lambda: all(c.streams[sid].done for sid in after), timeout=15), \
+            [(c.streams[sid].status, len(c.streams[sid].body)) for sid in after]
+        for sid in after:
+            s = c.streams[sid]
+            assert s.ended and s.status == 200 and s.headers.get("x-kvgate-pod"), (s.status, s.headers, bytes(s.body[:300]))
+        assert all(c.streams[sid].body.rstrip().endswith(b"data: [DONE]") for sid in after[:2])
+        assert all(json.loads(bytes(c.streams[sid].body))["usage"]["completion_tokens"] > 0 for sid in after[2:])
+
+        # A request queued on a connection dropped whole leaves the line too.
+        holder = c.post("/v1/completions", holder_body)
+        assert c.pump(lambda: c.streams[holder].status == 200), c.streams[holder].status
+        abandoned0 = abandoned()
+        with H2Connection(envoy.port) as dropped:
+            dropped.post("/v1/completions", queued_body("dropped"))
+            assert wait_for(lambda: c.pump(timeout=0.05) or pool(envoy)["queue_length"] == 1, timeout=3), pool(envoy)
+        assert wait_for(lambda: c.pump(timeout=0.05) or (abandoned() - abandoned0 == 1
+                                                          and pool(envoy)["queue_length"] == 0), timeout=3), pool(envoy)
+        c.reset(holder)
         assert_drained(envoy)
         assert_vm_alive(envoy, vm0)
 
