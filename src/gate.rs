@@ -52,6 +52,8 @@ pub struct Gate {
     /// This VM's admitted answers that do not stream, not done yet: their entries grow on the
     /// tick (`Flow::on_tick`), which is quick while there are any.
     pub(crate) unseen_answers: usize,
+    /// Whether this VM has logged that responses reach it encoded (`Flow::on_response_encoded`).
+    pub(crate) told_encoded: bool,
     /// This VM's requests held while the pods are asked for a stored response
     /// (`routing::stored_ask`), at most `stored_ask::MAX_ASKING`.
     pub(crate) asking: usize,
@@ -74,6 +76,7 @@ impl Gate {
             sync: Sync::default(),
             seeking_until_ms: None,
             unseen_answers: 0,
+            told_encoded: false,
             asking: 0,
             stats: Stats::default(),
         })

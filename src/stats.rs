@@ -164,6 +164,9 @@ catalog! {
     REPLICAS_LIVE = "kvgate.replicas.live";
     /// 1 while this replica reaches etcd, 0 while it admits within its fallback.
     REPLICAS_IN_CONTACT = "kvgate.replicas.in_contact";
+    /// Answers whose body came encoded (`content-encoding`), so not metered and not read for
+    /// usage: their entries grew at the pod's pace (`Flow::on_response_encoded`).
+    RESPONSE_ENCODED = "kvgate.response.encoded";
     // What a request costs the proxy (`shell::http`).
     /// Host calls a request's own callbacks made (headers to done), one sample per request.
     REQUEST_HOST_CALLS = "kvgate.request.host_calls";

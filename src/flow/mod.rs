@@ -136,8 +136,9 @@ struct Admitted {
     /// (`routing::stored`).
     stored: bool,
     answered_by: Option<String>,
-    /// The client asked for a stream (`stream`): an answer that does not stream is metered on
-    /// the tick instead (`Flow::on_tick`).
+    /// Its answer is metered as it streams: the client asked for a stream (`stream`), and its
+    /// body can be read (not encoded, `Flow::on_response_encoded`). Any other answer's entry
+    /// grows on the tick instead (`Flow::on_tick`).
     streams: bool,
     /// What one streamed piece of its answer counts, in tokens: the model's learned tokens per
     /// piece when it was admitted (`calibration`; 1 until learned), kept for the whole answer

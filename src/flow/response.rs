@@ -107,6 +107,38 @@ impl Flow {
         headers
     }
 
+    /// The response's body comes encoded (its `content-encoding` names a coding other than
+    /// `identity`): a compressor filter placed after kvgate in the chain (clients such as
+    /// OpenAI's SDKs ask for gzip), or an upstream that compresses. Neither its tokens nor its
+    /// usage can be read, so it is not metered: its entry grows at its pod's pace on the tick
+    /// to the end, as an answer that does not stream does until its body comes (the reservation
+    /// keeps following the engine's KV), and it teaches calibration nothing. Counted
+    /// (`kvgate.response.encoded`) and told once per VM, with the fix. Returns whether the
+    /// request must now be grown on the tick (`answers_unseen`), when it was not already.
+    pub fn on_response_encoded(&mut self, gate: &mut Gate, coding: &str) -> bool {
+        let coding = coding.trim();
+        if coding.is_empty() || coding.eq_ignore_ascii_case("identity") || self.meter.is_none() {
+            return false;
+        }
+        self.meter = None;
+        gate.stats.count(stats::RESPONSE_ENCODED, 1);
+        if !std::mem::replace(&mut gate.told_encoded, true) {
+            log::warn!(
+                "responses reach kvgate encoded (content-encoding: {}): their tokens and usage \
+                 cannot be read, so their reservations grow at the pod's pace and calibration \
+                 learns nothing from them; put the compressor filter before kvgate in \
+                 http_filters (kvgate.response.encoded counts them)",
+                header_safe(coding)
+            );
+        }
+        let Some(a) = self.admitted.as_mut().filter(|a| a.streams) else {
+            return false;
+        };
+        a.streams = false;
+        gate.unseen_answers += 1;
+        true
+    }
+
     /// Whether the response body is worth reading (only for requests kvgate decided on).
     pub fn reads_response(&self) -> bool {
         self.meter.is_some()
@@ -192,15 +224,16 @@ impl Flow {
         }
     }
 
-    /// Whether the answer will not stream, so that the VM's tick grows its entry (`on_tick`):
-    /// known once the body is read, for as long as the request is open.
+    /// Whether the answer will not be metered as it streams, so that the VM's tick grows its
+    /// entry (`on_tick`): known once the body is read (or, for an answer that comes encoded,
+    /// once its response begins), for as long as the request is open.
     pub fn answers_unseen(&self) -> bool {
         self.admitted.as_ref().is_some_and(|a| !a.streams)
     }
 
-    /// The VM's tick, for an answer that does not stream and has not begun: its entry grows at
-    /// the pod's pace (`Router::grow_unseen`). Once its response begins its body follows at
-    /// once, metered as it comes.
+    /// The VM's tick, for an answer that does not stream and has not begun, or that comes
+    /// encoded: its entry grows at the pod's pace (`Router::grow_unseen`). Once a readable
+    /// response begins its body follows at once, metered as it comes.
     pub fn on_tick(&mut self, gate: &mut Gate, store: &dyn Store) {
         if self.finished || self.meter.is_some() {
             return;
@@ -371,7 +404,7 @@ mod tests {
 
     /// An answer that does not stream: its entry grows on the tick at the pod's pace, up to its
     /// limit, until its response begins; a streamed one, and any on a pod of unknown pace, only
-    /// as its tokens come.
+    /// as its tokens come; one whose body comes encoded, at the pace to its end.
     #[test]
     fn an_answer_that_does_not_stream_grows_at_its_pods_pace() {
         use crate::pods::record::{self, Snapshot};
@@ -448,10 +481,25 @@ mod tests {
         host.advance_ms(500);
         begun.on_tick(&mut gate, &vm);
         assert_eq!(entries()[2], (prompt, 100));
+        // A streamed answer that comes encoded (a compressor after kvgate) cannot be read: from
+        // its response headers on it grows at the pace to its end, as an unseen one, counted.
+        let mut encoded = send(&mut gate, true);
+        encoded.on_response_headers(&mut gate, &vm, Some("text/event-stream"), Some(pod));
+        assert!(!encoded.on_response_encoded(&mut gate, " Identity "));
+        assert!(encoded.reads_response() && !encoded.answers_unseen());
+        assert!(encoded.on_response_encoded(&mut gate, "gzip"));
+        assert!(!encoded.reads_response() && encoded.answers_unseen());
+        assert_eq!(gate.stats.take_count(stats::RESPONSE_ENCODED), 1);
+        host.advance_ms(305);
+        encoded.on_tick(&mut gate, &vm);
+        assert_eq!(entries()[3], (prompt + 30, 70), "30 steps of 10 ms");
+        host.advance_ms(2_000);
+        encoded.on_tick(&mut gate, &vm);
+        assert_eq!(entries()[3], (prompt + 100, 0), "up to its max_tokens");
         // The VM ticks quickly while any of them is in flight, so their entries keep up.
         use crate::gate::{QUICK_TICK_MS, TICK_MS};
         assert_eq!(gate.tick_ms(&vm), QUICK_TICK_MS);
-        for mut f in [unseen, begun, streamed] {
+        for mut f in [unseen, begun, streamed, encoded] {
             f.on_done(&mut gate, &vm);
             f.on_done(&mut gate, &vm);
         }

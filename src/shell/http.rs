@@ -36,7 +36,8 @@ pub type Held = Rc<RefCell<HashMap<u32, Rc<RefCell<Flow>>>>>;
 pub type Unseen = Rc<RefCell<HashMap<u32, Rc<RefCell<Flow>>>>>;
 
 /// Puts the request in `unseen` if it was admitted with an answer that does not stream: from its
-/// body callback, or from the tick that let it go on after it was held (`Root::run_held`).
+/// body callback, or from the tick that let it go on after it was held (`Root::run_held`); or,
+/// for an answer that comes encoded, from its response headers (`Flow::on_response_encoded`).
 /// Returns whether it did.
 pub fn watch_unseen(unseen: &Unseen, context: u32, flow: &Rc<RefCell<Flow>>) -> bool {
     let watched = flow.borrow().answers_unseen();
@@ -325,6 +326,16 @@ impl Http {
         );
         for (name, value) in &add {
             host::set_response_header(name, value);
+        }
+        // Absent on nearly every answer, and a header not found costs the call no copy.
+        if let Some(coding) = host::response_header("content-encoding") {
+            let now_unseen = self
+                .flow
+                .borrow_mut()
+                .on_response_encoded(&mut self.gate.borrow_mut(), &coding);
+            if now_unseen && watch_unseen(&self.unseen, self.id, &self.flow) {
+                host::retick(&mut self.gate.borrow_mut());
+            }
         }
         Action::Continue
     }

@@ -2,7 +2,7 @@
 mid-stream and restarted on its port, a metrics endpoint that is slow, returns garbage or 500,
 discovery down (dead admin port, or an admin that answers 500 / garbage / resets), clients that
 disconnect while queued and while streaming (HTTP/1.1 connections closed, HTTP/2 streams reset
-on a connection that carries on), and a new plugin configuration pushed through LDS
+on a connection that carries on), answers compressed by a filter after kvgate, and a new plugin configuration pushed through LDS
 while traffic flows (and a broken one, rejected).
 
 In every case: no request outlives its client timeout (each is measured), the VM survives (no
@@ -10,6 +10,7 @@ panic or critical line, no VM reload, the VM count unchanged), requests keep bei
 (x-kvgate-pod present), and reserved tokens, in-flight entries, active blocks and the line
 return to exactly zero once traffic stops."""
 
+import gzip
 import json
 import threading
 import time
@@ -462,6 +463,64 @@ def test_http2_streams_reset_while_queued_and_while_streaming_on_one_connection(
         c.reset(holder)
         assert_drained(envoy)
         assert_vm_alive(envoy, vm0)
+
+
+def test_answers_encoded_by_a_compressor_after_kvgate_grow_at_the_pods_pace():
+    """Envoy's gzip compressor placed after kvgate in the chain (responses pass the filters in
+    reverse order, so kvgate sees them compressed) and clients asking for gzip, as OpenAI's SDKs
+    do: kvgate cannot read the answers' tokens or usage. Each is counted
+    (`kvgate.response.encoded`) and told in the log once per VM; a streamed answer's reservation
+    still grows as the engine fills its KV, at the pod's pace, instead of staying at its prompt;
+    the clients get their answers whole; everything is released at the end."""
+    with Sim(pods=1) as sim:
+        cfg = envoy_config(free_port(), free_port(), sim.endpoints)
+        hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        kv = next(i for i, f in enumerate(hcm["http_filters"]) if f["name"] == "kvgate")
+        hcm["http_filters"].insert(kv + 1, {
+            "name": "envoy.filters.http.compressor",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.compressor.v3.Compressor",
+                "response_direction_config": {"common_config": {
+                    "min_content_length": 10, "content_type": ["application/json", "text/event-stream"]}},
+                "compressor_library": {"name": "gzip", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.compression.gzip.compressor.v3.Gzip"}}}})
+        with Envoy(cfg, concurrency=2) as envoy:
+            vm0 = vm_stats(envoy)
+            # Plain answers first, so that the pod's pace is scraped.
+            for i in range(6):
+                r = request(envoy.port, "POST", "/v1/chat/completions", tagged_chat(f"warm{i}", max_tokens=32))
+                assert r.status == 200 and r.headers.get("x-kvgate-pod"), r.body
+            assert stat(envoy, "wasmcustom.kvgate.response.encoded") == 0
+            time.sleep(1.5)
+            gz = {"accept-encoding": "gzip"}
+            body = dict(tagged_chat("long", max_tokens=600), stream=True, ignore_eos=True)
+            samples, out = [], {}
+
+            def streamed():
+                out["r"] = request(envoy.port, "POST", "/v1/chat/completions", body, headers=gz, timeout=60)
+
+            t = threading.Thread(target=streamed)
+            t.start()
+            while t.is_alive():
+                samples.append(pool(envoy)["active_blocks"])
+                time.sleep(0.1)
+            t.join()
+            r = out["r"]
+            assert r.status == 200 and r.headers.get("content-encoding") == "gzip", (r.status, r.headers)
+            text = gzip.decompress(r.body)
+            assert text.rstrip().endswith(b"data: [DONE]"), text[-200:]
+            held = [b for b in samples if b > 0]
+            print(f"the encoded stream's active blocks, sampled every 0.1 s: {held}")
+            assert held and max(held) - held[0] >= 15, \
+                f"the encoded answer's 600 tokens (37 blocks) did not grow its entry: {held}"
+            r = request(envoy.port, "POST", "/v1/completions", tagged_completion("whole", max_tokens=16), headers=gz)
+            assert r.status == 200 and r.headers.get("content-encoding") == "gzip", r.headers
+            assert json.loads(gzip.decompress(r.body))["usage"]["completion_tokens"] == 16
+            assert wait_for(lambda: stat(envoy, "wasmcustom.kvgate.response.encoded") == 2, timeout=3)
+            told = envoy.logs().count("responses reach kvgate encoded")
+            assert 1 <= told <= 2, f"told {told} times by 2 workers"
+            assert_drained(envoy)
+            assert_vm_alive(envoy, vm0)
 
 
 def test_plugin_config_pushed_while_traffic_flows():
