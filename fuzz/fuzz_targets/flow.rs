@@ -593,7 +593,7 @@ fn check_decision(d: &Decision, known_pods: &[String]) {
             );
         } else {
             assert!(
-                [400, 404, 413, 429, 503].contains(&r.status),
+                [400, 404, 413, 415, 429, 503].contains(&r.status),
                 "unexpected local reply {}",
                 r.status
             );
@@ -773,6 +773,9 @@ impl World {
                     // Tenants' caches kept apart by the engine now and then (an empty salt is
                     // none): the budget holds whether or not prompts share blocks.
                     cache_salt: [None, Some(""), Some(tenant.as_str())][usize::from(*session) % 3],
+                    // Now and then a body the client compressed (refused before it is read).
+                    content_encoding: [None, None, None, Some("identity"), Some("gzip")]
+                        [usize::from(*objective / 4) % 5],
                     // As if the client sent them: then they are stripped, whatever else happens.
                     no_upstream_headers: false,
                 };

@@ -26,7 +26,6 @@ use crate::stats;
 use crate::store::interface::{Store, StoreError};
 
 mod response;
-#[cfg(test)]
 use response::header_safe;
 
 /// Clients never choose the upstream: this header is kvgate's to set, and Envoy's override-host
@@ -91,6 +90,8 @@ pub struct RequestHead<'a> {
     /// The cache salt header's value (`routing.cacheSaltHeader`): the salt the engine keys the
     /// prompt's cached blocks by, over the body's `cache_salt`.
     pub cache_salt: Option<&'a str>,
+    /// `content-encoding`: a body encoded (gzip …) cannot be read (`encoded_body`).
+    pub content_encoding: Option<&'a str>,
     /// The request is known to carry neither header that chooses the upstream
     /// (`DESTINATION_HEADER`, `ORIGINAL_DST_HEADER`): the shell read every header and found
     /// neither, so there is nothing to strip (two host calls saved). False, the default, strips
@@ -249,6 +250,28 @@ fn too_large(limit: u64) -> LocalReply {
         413,
         "request_too_large",
         &format!("request body exceeds kvgate's limit of {limit} bytes (maxBodyBytes)"),
+        None,
+    )
+}
+
+/// Whether a `content-encoding` value names a coding (anything but none or `identity`).
+pub(crate) fn encoded(coding: &str) -> bool {
+    let coding = coding.trim();
+    !coding.is_empty() && !coding.eq_ignore_ascii_case("identity")
+}
+
+/// A request body kvgate cannot read, encoded on its way (a client compressing its body): 415,
+/// as the engines would fail to parse it too, rather than let it reach a pod unestimated and
+/// past the budget. A decompressor listed before kvgate in the chain makes it readable.
+fn encoded_body(coding: &str) -> LocalReply {
+    LocalReply::error(
+        415,
+        "invalid_request_error",
+        &format!(
+            "request body is encoded (content-encoding: {}); kvgate reads only unencoded bodies: \
+             decompress it before kvgate (envoy.filters.http.decompressor listed before it)",
+            header_safe(coding)
+        ),
         None,
     )
 }
@@ -460,6 +483,9 @@ impl Flow {
             };
         };
         self.api = Some(api);
+        if let Some(coding) = head.content_encoding.filter(|c| encoded(c)) {
+            return Decision::step(Step::Reply(encoded_body(coding)));
+        }
         if head.content_length.is_some_and(|n| n > cfg.max_body_bytes) {
             return Decision::step(Step::Reply(too_large(cfg.max_body_bytes)));
         }
@@ -1106,6 +1132,38 @@ mod tests {
         assert!(
             matches!(Flow::default().on_request_headers(&mut gate, &vm, &empty).step, Step::Reply(r) if r.status == 400)
         );
+        // A body encoded on its way (a client compressing it) cannot be read: 415, naming the
+        // coding and the fix, before any of it is buffered; `identity` is no coding, and a path
+        // kvgate does not read goes on as it is.
+        let encoded = |coding, path| RequestHead {
+            content_encoding: Some(coding),
+            ..head(path)
+        };
+        let d =
+            Flow::default().on_request_headers(&mut gate, &vm, &encoded("gzip", "/v1/completions"));
+        let Step::Reply(r) = d.step else {
+            panic!("an encoded body is answered")
+        };
+        let message = String::from_utf8_lossy(&r.body).into_owned();
+        assert!(
+            r.status == 415
+                && message.contains("content-encoding: gzip")
+                && message.contains("decompressor"),
+            "{message}"
+        );
+        for (coding, path) in [
+            (" Identity", "/v1/completions"),
+            ("", "/v1/completions"),
+            ("gzip", "/other"),
+        ] {
+            let step = Flow::default()
+                .on_request_headers(&mut gate, &vm, &encoded(coding, path))
+                .step;
+            assert!(
+                matches!(step, Step::WaitForBody | Step::Forward),
+                "{coding:?} {path}: {step:?}"
+            );
+        }
     }
 
     #[test]

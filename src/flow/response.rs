@@ -116,10 +116,10 @@ impl Flow {
     /// (`kvgate.response.encoded`) and told once per VM, with the fix. Returns whether the
     /// request must now be grown on the tick (`answers_unseen`), when it was not already.
     pub fn on_response_encoded(&mut self, gate: &mut Gate, coding: &str) -> bool {
-        let coding = coding.trim();
-        if coding.is_empty() || coding.eq_ignore_ascii_case("identity") || self.meter.is_none() {
+        if !super::encoded(coding) || self.meter.is_none() {
             return false;
         }
+        let coding = coding.trim();
         self.meter = None;
         gate.stats.count(stats::RESPONSE_ENCODED, 1);
         if !std::mem::replace(&mut gate.told_encoded, true) {

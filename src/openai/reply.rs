@@ -41,13 +41,15 @@ impl LocalReply {
             return self;
         };
         let kind = match self.status {
-            400 => "invalid_request_error",
             401 => "authentication_error",
             403 => "permission_error",
             404 => "not_found_error",
             413 => "request_too_large",
             429 => "rate_limit_error",
             503 | 529 => "overloaded_error",
+            // 400, and Anthropic's type for "other 4XX status codes not listed" (415: an
+            // encoded body).
+            400..=499 => "invalid_request_error",
             _ => "api_error",
         };
         let body = json!({"type": "error", "error": {"type": kind, "message": message}});
@@ -86,6 +88,7 @@ mod tests {
             (400, "invalid_request_error", "invalid_request_error"),
             (404, "model_not_found", "not_found_error"),
             (413, "request_too_large", "request_too_large"),
+            (415, "invalid_request_error", "invalid_request_error"),
             (429, "queue_full", "rate_limit_error"),
             (503, "service_unavailable", "overloaded_error"),
             (502, "upstream", "api_error"),

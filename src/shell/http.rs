@@ -249,6 +249,7 @@ impl Http {
         let (objective, priority) = (read(&a.objective_header), read(&a.priority_header));
         let (tenant, session) = (read(&a.tenant_header), read(&a.session_header));
         let cache_salt = read(&gate.config.routing.cache_salt_header);
+        let content_encoding = headers.get("content-encoding");
         let accept = headers.get("accept");
         let no_upstream_headers = headers.lacks(&[DESTINATION_HEADER, ORIGINAL_DST_HEADER]);
         let head = RequestHead {
@@ -263,6 +264,7 @@ impl Http {
             tenant,
             session,
             cache_salt,
+            content_encoding,
             no_upstream_headers,
         };
         drop(gate);

@@ -7,6 +7,7 @@ foreign content types, chunked bodies, client data echoed into response headers.
 Each input gets the answer listed in docs/reliability.md; none may crash or reload the VM, and
 after each group a normal request still routes and kvgate's accounting is back to zero."""
 
+import gzip
 import json
 import threading
 import time
@@ -440,7 +441,13 @@ def test_paths_methods_content_types_and_chunked_bodies(stubs):
     st, h, b = read_response(s, 5)
     s.close()
     assert st == 413 and h.get("x-kvgate-reason"), (st, h)
-    assert received(envoy) - before == 1 + 6 + 4 + 1 + 1, "exactly the requests answered by an upstream reached one"
+    # A body the client compressed cannot be read (nor parsed by the engine): 415 from the
+    # headers, naming the coding and the fix; `identity` is no coding.
+    st, h, b, _ = send(envoy, gzip.compress(chat_bytes()), headers={"content-encoding": "gzip"})
+    assert st == 415 and "content-encoding: gzip" in openai_error(b)["message"], (st, b)
+    st, h, _, _ = send(envoy, chat_bytes(), headers={"content-encoding": "identity"})
+    assert st == 200 and h.get("x-kvgate-pod"), st
+    assert received(envoy) - before == 1 + 6 + 4 + 1 + 1 + 1, "exactly the requests answered by an upstream reached one"
     assert_drained(envoy)
 
 
