@@ -12,7 +12,8 @@ median of the rounds.
 Prints, per kind, the CPU per request with and without the calls and the cost of one call (µs),
 with each round's figure. The kinds are bench/floor's: `get-missing` (a shared-data read that
 returns nothing), `get-data` (one that returns a 256-byte value: the host first calls into the VM
-for memory to copy it to), `set`, `header`, `clock`, `histogram`. BENCHMARKS.md, 2026-11-26."""
+for memory to copy it to), `set`, `header` (a request header set), `header-missing` (a read of a
+header the request does not carry), `clock`, `histogram`. BENCHMARKS.md, 2026-11-26."""
 
 import argparse
 import statistics
@@ -26,7 +27,7 @@ sys.path.insert(0, str(ROOT / "tests/e2e"))
 import run as bench  # noqa: E402
 from harness import Envoy, free_port  # noqa: E402
 
-KINDS = ["get-missing", "get-data", "set", "header", "clock", "histogram"]
+KINDS = ["get-missing", "get-data", "set", "header", "header-missing", "clock", "histogram"]
 BODY = 4096
 CLIENTS = 16
 SECONDS = 3

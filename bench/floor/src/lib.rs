@@ -36,6 +36,9 @@ mod filter {
         Set,
         /// `header`: a request header set (a distinct name each time).
         Header,
+        /// `header-missing`: a read of a request header the request does not carry (the host
+        /// finds none and copies nothing), as kvgate's `content-encoding` read on an answer.
+        HeaderMissing,
         /// `clock`: the host's clock.
         Clock,
         /// `histogram`: one sample recorded into a histogram metric.
@@ -52,6 +55,7 @@ mod filter {
                 "get-data" => Kind::GetData,
                 "set" => Kind::Set,
                 "header" => Kind::Header,
+                "header-missing" => Kind::HeaderMissing,
                 "clock" => Kind::Clock,
                 "histogram" => Kind::Histogram,
                 "response-body" => Kind::ResponseBody,
@@ -131,6 +135,9 @@ mod filter {
                     }
                     Kind::Header => {
                         self.set_http_request_header(&format!("x-floor-{i}"), Some("1"));
+                    }
+                    Kind::HeaderMissing => {
+                        let _ = self.get_http_request_header("x-floor-absent");
                     }
                     Kind::Clock => {
                         let _ = hostcalls::get_current_time();
