@@ -84,7 +84,7 @@ fn header(map: MapType, name: &str) -> Option<String> {
     )
 }
 
-/// All the request's headers, in one host call (a request reads up to nine).
+/// All the request's headers, in one host call (a request reads up to ten).
 pub fn request_headers() -> HeaderMap {
     raw::get_header_map_pairs(MapType::HttpRequestHeaders)
         .map(|bytes| HeaderMap::decode(&bytes))
