@@ -3,8 +3,9 @@ groups stick to one pod each and spread across pods, a group's request waits for
 before computing its prefix elsewhere, a loaded pod is avoided, clients cannot
 steer, a dead pod is routed around, the scrape runs once per interval per pod whatever the
 worker count, predicted active blocks return to zero, pods of two speeds learn their pace, a
-request goes where the engine step under way ends first, and a stored response's follow-ups go
-back to the pod that stored it."""
+request goes where the engine step under way ends first, a stored response's follow-ups go
+back to the pod that stored it, and pods reached over HTTP/2 (through mesh sidecars) are routed and
+metered as over HTTP/1.1."""
 
 import http.client
 import json
@@ -20,7 +21,7 @@ from harness import (ROOT, STATUS_PATH, Envoy, Sim, baseline_envoy, default_plug
                      free_port, kvgate_envoy, kvgate_gauges, request, responses_call, stat, stream, wait_for)
 from robustness import pick_of
 
-from bodies import MODEL, group_chat, grouped_chat, unshared_chat
+from bodies import MODEL, group_chat, grouped_chat, tagged_chat, unshared_chat
 SIM_ARGS = ["--time-scale", "20"]
 # Where engine time, not proxy overhead, dominates TTFT (prefill of a 3k-token prompt ≈ 45 ms).
 REALISTIC_SIM_ARGS = ["--time-scale", "2"]
@@ -687,3 +688,79 @@ def test_a_request_gone_while_the_pods_are_asked_leaves_nothing_behind():
             envoy.port, {"model": MODEL, "input": "and?", "max_output_tokens": 4, "previous_response_id": rid})
         assert (status, on) == (200, pod)
         assert stat(envoy, "wasmcustom.kvgate.stored.followed") == 1
+
+
+def sidecars(upstreams, admin_port):
+    """One Envoy standing for the pods' mesh sidecars: a listener per pod that takes HTTP/1.1 or
+    cleartext HTTP/2 (as an Istio sidecar takes its mesh's traffic) and hands it to its pod over
+    HTTP/1.1, as the sidecar hands vLLM's. Returns (config, the listeners' ports)."""
+    ports = [free_port() for _ in upstreams]
+    listeners, clusters = [], []
+    for i, ((host, port), listen) in enumerate(zip(upstreams, ports)):
+        listeners.append({
+            "name": f"pod{i}", "address": {"socket_address": {"address": "127.0.0.1", "port_value": listen}},
+            "filter_chains": [{"filters": [{
+                "name": "envoy.filters.network.http_connection_manager",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
+                             ".HttpConnectionManager",
+                    "stat_prefix": f"pod{i}", "codec_type": "AUTO",
+                    "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [
+                        {"match": {"prefix": "/"}, "route": {"cluster": f"pod{i}", "timeout": "0s"}}]}]},
+                    "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]}}]}]})
+        clusters.append({
+            "name": f"pod{i}", "type": "STATIC", "connect_timeout": "1s",
+            "load_assignment": {"cluster_name": f"pod{i}", "endpoints": [{"lb_endpoints": [
+                {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}]}]}})
+    cfg = {"admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
+           "static_resources": {"listeners": listeners, "clusters": clusters}}
+    return cfg, ports
+
+
+def test_pods_reached_over_http2_as_through_a_mesh_sidecar():
+    """The gateway reaching its pods over HTTP/2, as an Istio gateway does through the pods'
+    sidecars with `h2UpgradePolicy: UPGRADE` (or a port declared `http2`): kvgate's pick is
+    honoured, its streams are metered as they come and its answers' usage read, and everything is
+    released. The sidecars' own counters show the hop was HTTP/2."""
+    with Sim(pods=2) as sim:
+        side_cfg, side_ports = sidecars(sim.endpoints, free_port())
+        with Envoy(side_cfg, concurrency=1) as side:
+            cfg = envoy_config(free_port(), free_port(), [("127.0.0.1", p) for p in side_ports])
+            models = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "models")
+            models["typed_extension_protocol_options"] = {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}}}}
+            with Envoy(cfg, concurrency=2) as envoy:
+                wait_for(lambda: len(kvgate_gauges(envoy, "healthy")) >= 2, timeout=10)
+                pods = {f"127.0.0.1:{p}" for p in side_ports}
+                usage0 = stat(envoy, "wasmcustom.kvgate.usage.completion_tokens")
+                picked = []
+                for i in range(6):
+                    r = request(envoy.port, "POST", "/v1/chat/completions", tagged_chat(f"h2-{i}", max_tokens=16))
+                    assert r.status == 200, r.body
+                    picked.append(r.headers.get("x-kvgate-pod"))
+                    assert r.headers.get("x-kvgate-pod") and r.headers.get("x-sim-pod") is not None
+                assert set(picked) <= pods, picked
+                # A group's second request goes where its first did: the pick holds over HTTP/2.
+                again = request(envoy.port, "POST", "/v1/chat/completions", tagged_chat("h2-0", max_tokens=16))
+                assert again.headers.get("x-kvgate-pod") == picked[0]
+                samples, out = [], {}
+                t = threading.Thread(target=lambda: out.update(r=stream(
+                    envoy.port, "/v1/chat/completions", dict(tagged_chat("h2-long", max_tokens=400), ignore_eos=True))))
+                t.start()
+                while t.is_alive():
+                    samples.append(kvgate_gauges(envoy, "active_blocks"))
+                    time.sleep(0.1)
+                t.join()
+                s = out["r"]
+                assert s["status"] == 200 and s["usage"]["completion_tokens"] == 400, s
+                held = [sum(g.values()) for g in samples if sum(g.values()) > 0]
+                print(f"the stream's active blocks over HTTP/2, every 0.1 s: {held}")
+                assert held and max(held) - held[0] >= 12, f"400 streamed tokens (25 blocks) did not grow the entry: {held}"
+                assert wait_for(lambda: stat(envoy, "wasmcustom.kvgate.usage.completion_tokens") - usage0
+                                == 6 * 16 + 16 + 400, timeout=3), "every answer's usage was read"
+                h2 = sum(v for k, v in side.stats("http.pod").items() if k.endswith(".downstream_cx_http2_total"))
+                assert h2 >= 1, side.stats("http.pod")
+                assert wait_for(lambda: all(v == 0 for v in kvgate_gauges(envoy, "reserved_tokens").values())
+                                and all(v == 0 for v in kvgate_gauges(envoy, "active_blocks").values()), timeout=6)
