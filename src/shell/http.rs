@@ -105,6 +105,8 @@ pub struct Http {
     asks: HashMap<u32, String>,
     /// Host calls this request's callbacks have made so far (`raw::calls`).
     host_calls: u64,
+    /// The body buffered so far, in bytes, for a request that ends in trailers.
+    buffered: usize,
 }
 
 impl Http {
@@ -125,6 +127,7 @@ impl Http {
             flow: Rc::new(RefCell::new(Flow::default())),
             asks: HashMap::new(),
             host_calls: 0,
+            buffered: 0,
         }
     }
 
@@ -293,8 +296,28 @@ impl Http {
             return self.act(d);
         }
         if !end_of_stream {
+            self.buffered = body_size;
             return Action::Pause;
         }
+        self.whole_body(body_size)
+    }
+
+    /// The request ends in trailers (an HTTP/2 client's, or those Envoy's decompressor filter
+    /// adds after the body it inflated): its body callbacks all said more was to come, so the
+    /// body is read and decided here, where it ends. Continuing from here undecided would send
+    /// it on unrouted and past every budget.
+    fn request_trailers(&mut self) -> Action {
+        if self.held.borrow().contains_key(&self.id) {
+            return Action::Pause;
+        }
+        if !self.flow.borrow().wants_body() {
+            return Action::Continue;
+        }
+        self.whole_body(self.buffered)
+    }
+
+    /// The whole body is buffered (`body_size` bytes): parse, estimate, decide.
+    fn whole_body(&mut self, body_size: usize) -> Action {
         let body = host::request_body(body_size);
         let mut decision = {
             let mut gate = self.gate.borrow_mut();
@@ -307,7 +330,8 @@ impl Http {
             // Its entry grows on the tick, quick from now (`Gate::tick_ms`), not from the next.
             host::retick(&mut self.gate.borrow_mut());
         }
-        // Only here, in the body callback itself, is the buffered body the stream's to replace.
+        // Only here, in the callback that ends the body, is the buffered body the stream's to
+        // replace.
         if let Some(new_body) = decision.body.take() {
             host::replace_request_body(body_size, &new_body);
         }
@@ -366,6 +390,10 @@ impl HttpContext for Http {
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         self.counted(|s| s.request_body(body_size, end_of_stream))
+    }
+
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        self.counted(|s| s.request_trailers())
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {

@@ -1,6 +1,7 @@
 """An HTTP/2 client over cleartext (prior knowledge, as `curl --http2-prior-knowledge` and gRPC
 speak it to Envoy): several requests multiplexed on one connection, each read as its frames come,
-and any one reset on its own (RST_STREAM) while the connection and its other streams go on.
+and any one reset on its own (RST_STREAM) while the connection and its other streams go on; a
+request may end in trailers.
 
 Clients reach an Istio gateway or an Envoy front over HTTP/2 more often than not (TLS with ALPN
 `h2`); a stream reset is how such a client cancels one request, and it closes no connection,
@@ -50,15 +51,17 @@ class H2Connection:
         if out:
             self.sock.sendall(out)
 
-    def post(self, path, body: bytes, headers=None):
+    def post(self, path, body: bytes, headers=None, trailers=None):
         """Opens a stream with a POST of `body` (sent whole: the tests' bodies fit the peer's
-        initial window); returns its id."""
+        initial window), ended by `trailers` when given; returns its id."""
         sid = self.conn.get_next_available_stream_id()
         head = [(":method", "POST"), (":path", path), (":scheme", "http"), (":authority", "kvgate"),
                 ("content-type", "application/json"), ("content-length", str(len(body))),
                 *(headers or {}).items()]
         self.conn.send_headers(sid, head)
-        self.conn.send_data(sid, body, end_stream=True)
+        self.conn.send_data(sid, body, end_stream=not trailers)
+        if trailers:
+            self.conn.send_headers(sid, list(trailers.items()), end_stream=True)
         self.streams[sid] = Stream()
         self._flush()
         return sid

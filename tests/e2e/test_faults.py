@@ -465,6 +465,56 @@ def test_http2_streams_reset_while_queued_and_while_streaming_on_one_connection(
         assert_vm_alive(envoy, vm0)
 
 
+def test_requests_that_end_in_trailers_are_read_routed_and_admitted():
+    """A request whose body callbacks all say more is to come ends in trailers: an HTTP/2
+    client's, or those Envoy's decompressor filter adds after the body it inflated (the way to
+    take compressed request bodies: the decompressor listed before kvgate). Before, kvgate let
+    such a request go on undecided at its trailers, unrouted and past every budget; now its body
+    is read and decided there: routed and admitted, and made to wait in the line while the only
+    pod's budget is held."""
+    cfg = default_plugin_config()
+    cfg["admission"] = {"budgetTokens": 1000, "maxWaitMs": 20000}
+    with Sim(pods=1, args=["--time-scale", "2"]) as sim:
+        ecfg = envoy_config(free_port(), free_port(), sim.endpoints, cfg)
+        hcm = ecfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        hcm["http_filters"].insert(0, {"name": "envoy.filters.http.decompressor", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.decompressor.v3.Decompressor",
+            "decompressor_library": {"name": "gzip", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.compression.gzip.decompressor.v3.Gzip"}}}})
+        with Envoy(ecfg, concurrency=2) as envoy, H2Connection(envoy.port) as c:
+            vm0 = vm_stats(envoy)
+            admitted = lambda: stat(envoy, "wasmcustom.kvgate.admission.admitted")
+            small = json.dumps(tagged_completion("trailed", max_tokens=8)).encode()
+            a0 = admitted()
+            sid = c.post("/v1/completions", small, trailers={"x-checksum": "1"})
+            assert c.pump(lambda: c.streams[sid].done, timeout=10)
+            s = c.streams[sid]
+            assert s.status == 200 and s.headers.get("x-kvgate-pod"), (s.status, s.headers)
+            assert json.loads(bytes(s.body))["usage"]["completion_tokens"] == 8
+            plain = request(envoy.port, "POST", "/v1/completions", small)
+            inflated = request(envoy.port, "POST", "/v1/completions", gzip.compress(small),
+                               headers={"content-encoding": "gzip"})
+            for r in (plain, inflated):
+                assert r.status == 200 and r.headers.get("x-kvgate-pod"), (r.status, r.headers, r.body[:200])
+            assert inflated.headers["x-kvgate-prompt-tokens"] == plain.headers["x-kvgate-prompt-tokens"]
+            assert admitted() - a0 == 3, "each was admitted"
+
+            holder = c.post("/v1/completions", json.dumps(
+                dict(tagged_completion("holder", words=200, max_tokens=3000), stream=True)).encode())
+            assert c.pump(lambda: c.streams[holder].status == 200), c.streams[holder].status
+            assert wait_for(lambda: c.pump(timeout=0.05) or pool(envoy)["reserved_tokens"] > 0, timeout=2)
+            late = c.post("/v1/completions", json.dumps(tagged_completion("late", words=200, max_tokens=600)).encode(),
+                          trailers={"x-checksum": "2"})
+            assert wait_for(lambda: c.pump(timeout=0.05) or pool(envoy)["queue_length"] == 1, timeout=3), pool(envoy)
+            assert pool(envoy)["in_flight"] == 1, "the trailed request waits while the pod's budget is held"
+            c.reset(holder)
+            assert c.pump(lambda: c.streams[late].done, timeout=20)
+            s = c.streams[late]
+            assert s.status == 200 and int(s.headers.get("x-kvgate-queue-ms", "0")) > 0, (s.status, s.headers)
+            assert_drained(envoy)
+            assert_vm_alive(envoy, vm0)
+
+
 def test_answers_encoded_by_a_compressor_after_kvgate_grow_at_the_pods_pace():
     """Envoy's gzip compressor placed after kvgate in the chain (responses pass the filters in
     reverse order, so kvgate sees them compressed) and clients asking for gzip, as OpenAI's SDKs
