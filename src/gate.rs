@@ -135,7 +135,10 @@ impl Gate {
         if self.config.has_pool() {
             self.report_pods(store, &pods);
         }
-        let mut calls = self.scraper.due(&self.config, &pods, now);
+        let asked = (!self.config.discovery.admin_cluster.is_empty())
+            .then(|| crate::pods::pool::discovery_asked(store))
+            .flatten();
+        let mut calls = self.scraper.due(&self.config, &pods, now, asked);
         calls.extend(self.sync_due(store));
         calls
     }

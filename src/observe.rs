@@ -68,6 +68,13 @@ pub fn served(gate: &mut Gate, store: &dyn Store, routed: &mut Routed, served_by
             return;
         }
         gate.stats.count(stats::ROUTE_REROUTED, 1);
+        // The pick may have left Envoy's cluster: every pick of it goes elsewhere, past that
+        // pod's budget, until discovery drops it, so it is asked now, not an interval later.
+        if !gate.config.discovery.admin_cluster.is_empty() {
+            if let Err(e) = crate::pods::pool::ask_discovery(store, store.now_ms()) {
+                log::debug!("asking for discovery failed: {e:?}");
+            }
+        }
         Moved::PickFailed
     } else {
         let same = served_by == routed.pod;
@@ -184,6 +191,36 @@ mod tests {
         assert_eq!(header(&headers, "x-kvgate-observed"), None);
         assert_eq!(gate.stats.take_count(stats::OBSERVE_ROUTING_SAME), 1);
         f.on_done(&mut gate, &vm);
+    }
+
+    #[test]
+    fn a_pick_envoy_could_not_use_is_marked_down_and_discovery_asked_for() {
+        let (host, vm, mut gate) = observing(0);
+        gate.config.routing.mode = Mode::Enforce;
+        gate.config.admission.mode = Mode::Enforce;
+        gate.config.discovery.admin_cluster = "kvgate_admin".into();
+        host.set_now_ms(70);
+        let (mut f, d) = send(&mut gate, &vm, 40);
+        let picked = d
+            .set
+            .iter()
+            .find(|(k, _)| k == DESTINATION_HEADER)
+            .and_then(|(_, h)| h.split(',').next())
+            .unwrap()
+            .to_string();
+        let other = if picked == A { B } else { A };
+        assert_eq!(crate::pods::pool::discovery_asked(&vm), None);
+        f.on_response_headers(&mut gate, &vm, None, Some(other));
+        assert_eq!(gate.stats.take_count(stats::ROUTE_REROUTED), 1);
+        assert!(record::read(&vm, &picked).unwrap().is_down());
+        assert_eq!(
+            crate::pods::pool::discovery_asked(&vm),
+            Some(70),
+            "the pick may have left Envoy's cluster"
+        );
+        assert_eq!((entries(&vm, &picked), entries(&vm, other)), (0, 1));
+        f.on_done(&mut gate, &vm);
+        assert_eq!(entries(&vm, A) + entries(&vm, B), 0, "released once");
     }
 
     #[test]

@@ -23,7 +23,7 @@ use kvgate::config::{Config, StalePolicy};
 use kvgate::estimate::output_dist::OutputDist;
 use kvgate::estimate::reservation::{Ended, Estimate};
 use kvgate::pods::index_check::{self, HitTotals};
-use kvgate::pods::pool::{decode_pods, encode_pods, PODS_KEY};
+use kvgate::pods::scrape;
 use kvgate::pods::record::{self, Snapshot};
 use kvgate::routing::router::{Moved, Routed, Router};
 use kvgate::store::fake_host::{FakeHost, FakeVm};
@@ -396,25 +396,9 @@ impl World {
     }
 
     fn publish_pods(&self, pods: &[String]) {
-        // As `scrape::publish_pods` does: create new records, publish, blank departed ones.
+        // As discovery does: new records created, the pool published, departed pods marked down.
         let s = self.store();
-        let old = s
-            .get(PODS_KEY)
-            .ok()
-            .and_then(|v| v.value)
-            .and_then(|b| decode_pods(&b))
-            .unwrap_or_default();
-        if old == pods {
-            return;
-        }
-        for p in pods.iter().filter(|p| !old.contains(p)) {
-            record::ensure(s, p).expect("fake host");
-        }
-        s.set(PODS_KEY, &encode_pods(pods), None)
-            .expect("fake host");
-        for p in old.iter().filter(|p| !pods.contains(p)) {
-            record::blank(s, p).expect("fake host");
-        }
+        scrape::publish_pods(s, pods, s.now_ms()).expect("fake host");
     }
 
     fn live(&self, sel: u8) -> Option<usize> {

@@ -4,7 +4,7 @@
 //! (`forecast`) and the KV blocks it occupies. Every change is a compare-and-swap, so all workers share one truth, and a request's
 //! entry is removed exactly once (removing an absent entry changes nothing). Entries carry an
 //! expiry, renewed as their response streams, so those left by a crashed or reloaded VM vanish.
-//! Keys are per pod address; a pod that leaves has its record blanked (keys cannot be deleted).
+//! Keys are per pod address; a pod that leaves has its record marked down (keys cannot be deleted).
 
 use crate::admission::forecast::{peak, Headroom, Lag, Load};
 use crate::config::{Config, MetricsConfig};
@@ -787,12 +787,25 @@ pub fn ensure(store: &dyn Store, pod: &str) -> Result<(), StoreError> {
     create_if_missing(store, &key(pod), &PodRecord::default().encode())
 }
 
-/// Forgets what was scraped of a pod that left the pool. Its in-flight requests stay until
-/// their streams end (or expire): a blind write here would erase them, and a pod that flaps out
-/// of the cluster and back would then be filled on top of requests it is still serving.
-pub fn blank(store: &dyn Store, pod: &str) -> Result<(), StoreError> {
+/// A pod left the pool: what was scraped of it is forgotten and it reads as down, until a scrape
+/// after it comes back. Down, not unknown: a VM reads the pool at most once a second, and until
+/// then ranks the pod on this record alone; a pod with nothing known takes one request at a time,
+/// which Envoy, no longer holding the host, sends to its fallback instead, past that pod's budget
+/// (5–16 times a departure, `tests/e2e/test_budget.py`). Its in-flight
+/// requests stay until their streams end (or expire): a blind write here would erase them, and a
+/// pod that flaps out of the cluster and back would then be filled on top of requests it is still
+/// serving.
+pub fn depart(store: &dyn Store, pod: &str, now_ms: u64) -> Result<(), StoreError> {
     modify(store, pod, |rec| {
-        rec.snapshot = None;
+        // No counter is known either: the first scrape after it comes back sets the baseline
+        // of its preemptions rather than reading the engine's total as new ones (`feedback`).
+        rec.snapshot = Some(Snapshot {
+            at_ms: now_ms,
+            healthy: false,
+            kv_usage: f64::NAN,
+            preemptions: f64::NAN,
+            ..Snapshot::default()
+        });
         rec.finished_since_scrape = 0;
         Some(())
     })
@@ -1599,9 +1612,15 @@ mod tests {
     fn a_pod_that_leaves_keeps_its_in_flight_entries_until_they_end() {
         let (_host, vm) = pod_with(&[entry(1, 10)]);
         write_snapshot(&vm, "p", Snapshot::default(), 0, &Config::default()).unwrap();
-        blank(&vm, "p").unwrap();
+        depart(&vm, "p", 5).unwrap();
         let rec = read(&vm, "p").unwrap();
-        assert_eq!(rec.snapshot, None, "what was scraped is forgotten");
+        let left = rec.snapshot.unwrap();
+        assert_eq!(
+            (left.healthy, left.capacity_tokens, left.at_ms),
+            (false, 0, 5),
+            "what was scraped is forgotten, and the pod is down"
+        );
+        assert!(rec.is_down());
         assert_eq!(
             rec.held_tokens(),
             100,

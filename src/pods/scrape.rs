@@ -17,7 +17,7 @@ use crate::pods::pool::{decode_pods, encode_pods, PODS_KEY};
 use crate::pods::record::{self, Snapshot, Tally};
 use crate::stats::{self, Stats};
 use crate::store::interface::{Store, StoreError};
-use hashbrown::HashMap;
+use hashbrown::{HashMap, HashSet};
 use serde::Deserialize;
 
 /// A call for the shell to send with `dispatch_http_call`.
@@ -75,6 +75,11 @@ pub struct Scraper {
     next_scrape: HashMap<String, u64>,
     next_models: HashMap<String, u64>,
     next_discovery: u64,
+    /// When discovery was last sent: an ask (`pool::ask_discovery`) since then sends it again.
+    discovery_sent: u64,
+    /// Pods the last discovery found gone, until one finds them again: not scraped meanwhile (a
+    /// scrape would mark them up again in the records of VMs whose pool is a second old).
+    departed: HashSet<String>,
     in_flight: HashMap<Target, u64>,
     /// Pod → scrapes in a row it answered without readable metrics.
     unreadable: HashMap<String, u32>,
@@ -83,14 +88,31 @@ pub struct Scraper {
 }
 
 impl Scraper {
-    /// The calls due now. A target with a call still outstanding is skipped.
-    pub fn due(&mut self, cfg: &Config, pods: &[String], now: u64) -> Vec<Call> {
+    /// The calls due now; `asked`: when a worker last asked for discovery (`pool::discovery_asked`).
+    /// A target with a call still outstanding is skipped.
+    pub fn due(
+        &mut self,
+        cfg: &Config,
+        pods: &[String],
+        now: u64,
+        asked: Option<u64>,
+    ) -> Vec<Call> {
+        // Kept while this VM's pool still lists the pod or a call to it is out: rollouts leave
+        // a new address behind each time, and only those can mark a departed pod up again.
+        let in_flight = &self.in_flight;
+        self.departed.retain(|p| {
+            pods.contains(p)
+                || in_flight.contains_key(&Target::Pod(p.clone()))
+                || in_flight.contains_key(&Target::Models(p.clone()))
+        });
         let mut calls = Vec::new();
         let d = &cfg.discovery;
+        let asked = asked.is_some_and(|at| at >= self.discovery_sent);
         if !d.admin_cluster.is_empty()
-            && now >= self.next_discovery
+            && (now >= self.next_discovery || asked)
             && !self.in_flight.contains_key(&Target::Discovery)
         {
+            self.discovery_sent = now;
             // While no pod is known (the gateway starting, its cluster not yet populated or
             // empty), discovery is asked again at every tick, not an interval later.
             let every = if pods.is_empty() { 0 } else { d.interval_ms };
@@ -114,7 +136,7 @@ impl Scraper {
         self.next_models.retain(|p, _| pods.contains(p));
         self.unreadable.retain(|p, _| pods.contains(p));
         let md = &cfg.models;
-        for pod in pods {
+        for pod in pods.iter().filter(|p| !self.departed.contains(*p)) {
             let metrics = (
                 Target::Pod(pod.clone()),
                 &m.path,
@@ -197,8 +219,12 @@ impl Scraper {
                     stats.count(stats::DISCOVERY_ERRORS, 1);
                     return Ok(false);
                 };
-                publish_pods(store, &pods)
+                self.departed.retain(|p| !pods.contains(p));
+                let (opened, departed) = publish_pods(store, &pods, now)?;
+                self.departed.extend(departed);
+                Ok(opened)
             }
+            Target::Models(pod) | Target::Pod(pod) if self.departed.contains(pod) => Ok(false),
             Target::Models(pod) => {
                 let parsed = match status {
                     Some(200) => served::parse_list(body).map_err(|e| e.0),
@@ -444,26 +470,33 @@ pub fn parse_clusters(body: &[u8], cluster: &str) -> Option<Vec<String>> {
 }
 
 /// Writes the discovered pod set: new pods' records are created first (so no request can race
-/// their creation), departed pods' records are blanked. An empty set is never the first one
+/// their creation), departed pods' records are marked down (`record::depart`). Returns whether
+/// pods joined (they open the line) and the pods that left. An empty set is never the first one
 /// written: a cluster not populated yet (EDS at start) is not a pool, and the gateway's first
 /// requests wait for the first that has pods (`Router::discovering`, bounded).
-fn publish_pods(store: &dyn Store, pods: &[String]) -> Result<bool, StoreError> {
+pub fn publish_pods(
+    store: &dyn Store,
+    pods: &[String],
+    now: u64,
+) -> Result<(bool, Vec<String>), StoreError> {
     let old = store
         .get(PODS_KEY)?
         .value
         .and_then(|b| decode_pods(&b))
         .unwrap_or_default();
     if old == pods {
-        return Ok(false);
+        return Ok((false, Vec::new()));
     }
     for p in pods.iter().filter(|p| !old.contains(p)) {
         record::ensure(store, p)?;
     }
     store.set(PODS_KEY, &encode_pods(pods), None)?;
-    for p in old.iter().filter(|p| !pods.contains(p)) {
-        record::blank(store, p)?;
+    let joined = pods.iter().any(|p| !old.contains(p));
+    let departed: Vec<String> = old.into_iter().filter(|p| !pods.contains(p)).collect();
+    for p in &departed {
+        record::depart(store, p, now)?;
     }
-    Ok(pods.iter().any(|p| !old.contains(p)))
+    Ok((joined, departed))
 }
 
 #[cfg(test)]
@@ -487,7 +520,7 @@ mod tests {
     fn scrapes_each_pod_once_per_interval() {
         let c = cfg();
         let mut s = Scraper::default();
-        let first = s.due(&c, &c.pods, 0);
+        let first = s.due(&c, &c.pods, 0, None);
         assert_eq!(
             first.len(),
             5,
@@ -500,7 +533,7 @@ mod tests {
         assert!(pod_call
             .headers
             .contains(&("x-envoy-original-dst-host".into(), "a:1".into())));
-        assert!(s.due(&c, &c.pods, 10).is_empty(), "in flight");
+        assert!(s.due(&c, &c.pods, 10, None).is_empty(), "in flight");
         let host = FakeHost::new();
         let vm = host.vm();
         let mut stats = Stats::default();
@@ -508,14 +541,14 @@ mod tests {
             s.on_response(&vm, &c, &mut stats, &call.target, Some(500), b"")
                 .unwrap();
         }
-        assert!(s.due(&c, &c.pods, 999).is_empty(), "not due yet");
+        assert!(s.due(&c, &c.pods, 999, None).is_empty(), "not due yet");
         assert_eq!(
-            s.due(&c, &c.pods, 1_000).len(),
+            s.due(&c, &c.pods, 1_000, None).len(),
             2,
             "metrics again, not the lists"
         );
         let later: Vec<Target> = s
-            .due(&c, &c.pods, 10_000)
+            .due(&c, &c.pods, 10_000, None)
             .into_iter()
             .map(|c| c.target)
             .collect();
@@ -827,10 +860,10 @@ mod tests {
         let mut s = Scraper::default();
         let mut stats = Stats::default();
         let discovery = |calls: Vec<Call>| calls.iter().any(|c| c.target == Target::Discovery);
-        assert!(discovery(s.due(&c, &[], 0)));
+        assert!(discovery(s.due(&c, &[], 0, None)));
         s.on_response(&vm, &c, &mut stats, &Target::Discovery, None, b"")
             .unwrap();
-        assert!(discovery(s.due(&c, &[], 20)), "failed: asked again");
+        assert!(discovery(s.due(&c, &[], 20, None)), "failed: asked again");
         let none = clusters_json(&[]);
         s.on_response(&vm, &c, &mut stats, &Target::Discovery, Some(200), &none)
             .unwrap();
@@ -839,22 +872,106 @@ mod tests {
             None,
             "a cluster not populated yet is no pool"
         );
-        assert!(discovery(s.due(&c, &[], 40)), "empty: asked again");
+        assert!(discovery(s.due(&c, &[], 40, None)), "empty: asked again");
         let one = clusters_json(&["a:1"]);
         s.on_response(&vm, &c, &mut stats, &Target::Discovery, Some(200), &one)
             .unwrap();
         let pods = vec!["a:1".to_string()];
         // Once pods are known, every interval, failed or not.
-        assert!(discovery(s.due(&c, &pods, 60)), "planned while none was");
+        assert!(
+            discovery(s.due(&c, &pods, 60, None)),
+            "planned while none was"
+        );
         s.on_response(&vm, &c, &mut stats, &Target::Discovery, Some(200), &one)
             .unwrap();
-        assert!(!discovery(s.due(&c, &pods, 80)));
+        assert!(!discovery(s.due(&c, &pods, 80, None)));
         let next = 60 + c.discovery.interval_ms;
-        assert!(discovery(s.due(&c, &pods, next)));
+        assert!(discovery(s.due(&c, &pods, next, None)));
         s.on_response(&vm, &c, &mut stats, &Target::Discovery, None, b"")
             .unwrap();
-        assert!(!discovery(s.due(&c, &pods, next + 20)));
+        assert!(!discovery(s.due(&c, &pods, next + 20, None)));
         assert_eq!(stats.take_count(stats::DISCOVERY_ERRORS), 2);
+    }
+
+    #[test]
+    fn a_pod_that_leaves_is_down_at_once_and_not_scraped_until_it_comes_back() {
+        let mut c = cfg();
+        c.pods.clear();
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let mut s = Scraper::default();
+        let mut stats = Stats::default();
+        let page = b"vllm:num_requests_running{model_name=\"m\"} 1\nvllm:kv_cache_usage_perc{model_name=\"m\"} 0.5\n";
+        let (two, one) = (clusters_json(&["a:1", "b:1"]), clusters_json(&["b:1"]));
+        let mut answer = |s: &mut Scraper, target: Target, body: &[u8]| {
+            s.on_response(&vm, &c, &mut stats, &target, Some(200), body)
+                .unwrap()
+        };
+        answer(&mut s, Target::Discovery, &two);
+        answer(&mut s, Target::Pod("a:1".into()), page);
+        assert!(!record::read(&vm, "a:1").unwrap().is_down());
+        host.set_now_ms(100);
+        answer(&mut s, Target::Discovery, &one);
+        let gone = record::read(&vm, "a:1").unwrap();
+        assert!(
+            gone.is_down(),
+            "a VM whose pool is older ranks a:1 on its record alone"
+        );
+        // A scrape sent before it left, answered after, and the VMs' pool still naming it: it
+        // stays down and is not scraped.
+        answer(&mut s, Target::Pod("a:1".into()), page);
+        assert!(record::read(&vm, "a:1").unwrap().is_down());
+        let pods = ["a:1".to_string(), "b:1".to_string()];
+        let scraped: Vec<Target> = s
+            .due(&c, &pods, 200, None)
+            .into_iter()
+            .map(|c| c.target)
+            .collect();
+        assert!(
+            !scraped.contains(&Target::Pod("a:1".into()))
+                && scraped.contains(&Target::Pod("b:1".into())),
+            "{scraped:?}"
+        );
+        // Back at the same address: scraped again, and up at its first scrape.
+        answer(&mut s, Target::Discovery, &two);
+        assert!(s
+            .due(&c, &pods, 300, None)
+            .iter()
+            .any(|c| c.target == Target::Pod("a:1".into())));
+        assert!(record::read(&vm, "a:1").unwrap().is_down(), "until scraped");
+        assert!(
+            answer(&mut s, Target::Pod("a:1".into()), page),
+            "its first scrape opens it to the line"
+        );
+        assert!(!record::read(&vm, "a:1").unwrap().is_down());
+    }
+
+    #[test]
+    fn a_worker_asking_for_discovery_has_it_at_the_next_tick_once() {
+        let c = cfg();
+        let vm = FakeHost::new().vm();
+        let mut s = Scraper::default();
+        let mut stats = Stats::default();
+        let discovery = |calls: Vec<Call>| calls.iter().any(|c| c.target == Target::Discovery);
+        assert!(discovery(s.due(&c, &c.pods, 100, None)));
+        s.on_response(&vm, &c, &mut stats, &Target::Discovery, None, b"")
+            .unwrap();
+        assert!(!discovery(s.due(&c, &c.pods, 350, None)), "its interval");
+        assert!(
+            !discovery(s.due(&c, &c.pods, 500, Some(50))),
+            "an ask the last discovery already answered"
+        );
+        crate::pods::pool::ask_discovery(&vm, 600).unwrap();
+        let asked = crate::pods::pool::discovery_asked(&vm);
+        assert_eq!(asked, Some(600));
+        assert!(discovery(s.due(&c, &c.pods, 750, asked)));
+        s.on_response(&vm, &c, &mut stats, &Target::Discovery, None, b"")
+            .unwrap();
+        assert!(!discovery(s.due(&c, &c.pods, 1_000, asked)), "once");
+        assert!(
+            discovery(s.due(&c, &c.pods, 750 + c.discovery.interval_ms, asked)),
+            "and its interval from then"
+        );
     }
 
     #[test]
