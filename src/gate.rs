@@ -135,10 +135,13 @@ impl Gate {
         if self.config.has_pool() {
             self.report_pods(store, &pods);
         }
-        let asked = (!self.config.discovery.admin_cluster.is_empty())
+        let discovers = !self.config.discovery.admin_cluster.is_empty();
+        let asked = discovers
             .then(|| crate::pods::pool::discovery_asked(store))
             .flatten();
-        let mut calls = self.scraper.due(&self.config, &pods, now, asked);
+        let waiting = discovers
+            && crate::admission::line::read(store).is_ok_and(|line| !line.tickets.is_empty());
+        let mut calls = self.scraper.due(&self.config, &pods, now, asked, waiting);
         calls.extend(self.sync_due(store));
         calls
     }

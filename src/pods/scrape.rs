@@ -65,6 +65,9 @@ pub fn first_list_ms(cfg: &Config) -> u64 {
     }
 }
 
+/// The most discovery waits while requests wait in the line (`Scraper::due`).
+pub const WAITING_DISCOVERY_MS: u64 = 1_000;
+
 /// Scrapes in a row that a pod answered without metrics kvgate can read (an error status, a page
 /// of no known series, garbage) before it is admitted to without its capacity
 /// (`Scraper::unreadable`).
@@ -88,14 +91,16 @@ pub struct Scraper {
 }
 
 impl Scraper {
-    /// The calls due now; `asked`: when a worker last asked for discovery (`pool::discovery_asked`).
-    /// A target with a call still outstanding is skipped.
+    /// The calls due now; `asked`: when a worker last asked for discovery (`pool::discovery_asked`);
+    /// `waiting`: whether requests wait in the line. A target with a call still outstanding is
+    /// skipped.
     pub fn due(
         &mut self,
         cfg: &Config,
         pods: &[String],
         now: u64,
         asked: Option<u64>,
+        waiting: bool,
     ) -> Vec<Call> {
         // Kept while this VM's pool still lists the pod or a call to it is out: rollouts leave
         // a new address behind each time, and only those can mark a departed pod up again.
@@ -108,8 +113,16 @@ impl Scraper {
         let mut calls = Vec::new();
         let d = &cfg.discovery;
         let asked = asked.is_some_and(|at| at >= self.discovery_sent);
+        // While requests wait, at least every `WAITING_DISCOVERY_MS`, whatever was planned: a
+        // pool is scaled out when it is full, and each second a new pod goes unseen its room
+        // goes unused.
+        let waited = waiting
+            && now
+                >= self
+                    .discovery_sent
+                    .saturating_add(d.interval_ms.min(WAITING_DISCOVERY_MS));
         if !d.admin_cluster.is_empty()
-            && (now >= self.next_discovery || asked)
+            && (now >= self.next_discovery || asked || waited)
             && !self.in_flight.contains_key(&Target::Discovery)
         {
             self.discovery_sent = now;
@@ -520,7 +533,7 @@ mod tests {
     fn scrapes_each_pod_once_per_interval() {
         let c = cfg();
         let mut s = Scraper::default();
-        let first = s.due(&c, &c.pods, 0, None);
+        let first = s.due(&c, &c.pods, 0, None, false);
         assert_eq!(
             first.len(),
             5,
@@ -533,7 +546,7 @@ mod tests {
         assert!(pod_call
             .headers
             .contains(&("x-envoy-original-dst-host".into(), "a:1".into())));
-        assert!(s.due(&c, &c.pods, 10, None).is_empty(), "in flight");
+        assert!(s.due(&c, &c.pods, 10, None, false).is_empty(), "in flight");
         let host = FakeHost::new();
         let vm = host.vm();
         let mut stats = Stats::default();
@@ -541,14 +554,17 @@ mod tests {
             s.on_response(&vm, &c, &mut stats, &call.target, Some(500), b"")
                 .unwrap();
         }
-        assert!(s.due(&c, &c.pods, 999, None).is_empty(), "not due yet");
+        assert!(
+            s.due(&c, &c.pods, 999, None, false).is_empty(),
+            "not due yet"
+        );
         assert_eq!(
-            s.due(&c, &c.pods, 1_000, None).len(),
+            s.due(&c, &c.pods, 1_000, None, false).len(),
             2,
             "metrics again, not the lists"
         );
         let later: Vec<Target> = s
-            .due(&c, &c.pods, 10_000, None)
+            .due(&c, &c.pods, 10_000, None, false)
             .into_iter()
             .map(|c| c.target)
             .collect();
@@ -860,10 +876,13 @@ mod tests {
         let mut s = Scraper::default();
         let mut stats = Stats::default();
         let discovery = |calls: Vec<Call>| calls.iter().any(|c| c.target == Target::Discovery);
-        assert!(discovery(s.due(&c, &[], 0, None)));
+        assert!(discovery(s.due(&c, &[], 0, None, false)));
         s.on_response(&vm, &c, &mut stats, &Target::Discovery, None, b"")
             .unwrap();
-        assert!(discovery(s.due(&c, &[], 20, None)), "failed: asked again");
+        assert!(
+            discovery(s.due(&c, &[], 20, None, false)),
+            "failed: asked again"
+        );
         let none = clusters_json(&[]);
         s.on_response(&vm, &c, &mut stats, &Target::Discovery, Some(200), &none)
             .unwrap();
@@ -872,24 +891,27 @@ mod tests {
             None,
             "a cluster not populated yet is no pool"
         );
-        assert!(discovery(s.due(&c, &[], 40, None)), "empty: asked again");
+        assert!(
+            discovery(s.due(&c, &[], 40, None, false)),
+            "empty: asked again"
+        );
         let one = clusters_json(&["a:1"]);
         s.on_response(&vm, &c, &mut stats, &Target::Discovery, Some(200), &one)
             .unwrap();
         let pods = vec!["a:1".to_string()];
         // Once pods are known, every interval, failed or not.
         assert!(
-            discovery(s.due(&c, &pods, 60, None)),
+            discovery(s.due(&c, &pods, 60, None, false)),
             "planned while none was"
         );
         s.on_response(&vm, &c, &mut stats, &Target::Discovery, Some(200), &one)
             .unwrap();
-        assert!(!discovery(s.due(&c, &pods, 80, None)));
+        assert!(!discovery(s.due(&c, &pods, 80, None, false)));
         let next = 60 + c.discovery.interval_ms;
-        assert!(discovery(s.due(&c, &pods, next, None)));
+        assert!(discovery(s.due(&c, &pods, next, None, false)));
         s.on_response(&vm, &c, &mut stats, &Target::Discovery, None, b"")
             .unwrap();
-        assert!(!discovery(s.due(&c, &pods, next + 20, None)));
+        assert!(!discovery(s.due(&c, &pods, next + 20, None, false)));
         assert_eq!(stats.take_count(stats::DISCOVERY_ERRORS), 2);
     }
 
@@ -923,7 +945,7 @@ mod tests {
         assert!(record::read(&vm, "a:1").unwrap().is_down());
         let pods = ["a:1".to_string(), "b:1".to_string()];
         let scraped: Vec<Target> = s
-            .due(&c, &pods, 200, None)
+            .due(&c, &pods, 200, None, false)
             .into_iter()
             .map(|c| c.target)
             .collect();
@@ -935,7 +957,7 @@ mod tests {
         // Back at the same address: scraped again, and up at its first scrape.
         answer(&mut s, Target::Discovery, &two);
         assert!(s
-            .due(&c, &pods, 300, None)
+            .due(&c, &pods, 300, None, false)
             .iter()
             .any(|c| c.target == Target::Pod("a:1".into())));
         assert!(record::read(&vm, "a:1").unwrap().is_down(), "until scraped");
@@ -947,29 +969,66 @@ mod tests {
     }
 
     #[test]
+    fn while_requests_wait_discovery_is_asked_every_second_at_most() {
+        let c = cfg();
+        assert!(c.discovery.interval_ms > WAITING_DISCOVERY_MS);
+        let vm = FakeHost::new().vm();
+        let mut s = Scraper::default();
+        let mut stats = Stats::default();
+        let mut discovers = |s: &mut Scraper, now, waiting| {
+            let sent = s
+                .due(&c, &c.pods, now, None, waiting)
+                .iter()
+                .any(|c| c.target == Target::Discovery);
+            s.on_response(&vm, &c, &mut stats, &Target::Discovery, None, b"")
+                .unwrap();
+            sent
+        };
+        assert!(discovers(&mut s, 0, false));
+        assert!(!discovers(&mut s, WAITING_DISCOVERY_MS - 1, true));
+        assert!(
+            discovers(&mut s, WAITING_DISCOVERY_MS, true),
+            "a second after the last, though planned for the interval"
+        );
+        assert!(discovers(&mut s, 2 * WAITING_DISCOVERY_MS, true));
+        assert!(
+            !discovers(&mut s, 3 * WAITING_DISCOVERY_MS, false),
+            "the line empty: its interval again"
+        );
+        assert!(discovers(
+            &mut s,
+            2 * WAITING_DISCOVERY_MS + c.discovery.interval_ms,
+            false
+        ));
+    }
+
+    #[test]
     fn a_worker_asking_for_discovery_has_it_at_the_next_tick_once() {
         let c = cfg();
         let vm = FakeHost::new().vm();
         let mut s = Scraper::default();
         let mut stats = Stats::default();
         let discovery = |calls: Vec<Call>| calls.iter().any(|c| c.target == Target::Discovery);
-        assert!(discovery(s.due(&c, &c.pods, 100, None)));
+        assert!(discovery(s.due(&c, &c.pods, 100, None, false)));
         s.on_response(&vm, &c, &mut stats, &Target::Discovery, None, b"")
             .unwrap();
-        assert!(!discovery(s.due(&c, &c.pods, 350, None)), "its interval");
         assert!(
-            !discovery(s.due(&c, &c.pods, 500, Some(50))),
+            !discovery(s.due(&c, &c.pods, 350, None, false)),
+            "its interval"
+        );
+        assert!(
+            !discovery(s.due(&c, &c.pods, 500, Some(50), false)),
             "an ask the last discovery already answered"
         );
         crate::pods::pool::ask_discovery(&vm, 600).unwrap();
         let asked = crate::pods::pool::discovery_asked(&vm);
         assert_eq!(asked, Some(600));
-        assert!(discovery(s.due(&c, &c.pods, 750, asked)));
+        assert!(discovery(s.due(&c, &c.pods, 750, asked, false)));
         s.on_response(&vm, &c, &mut stats, &Target::Discovery, None, b"")
             .unwrap();
-        assert!(!discovery(s.due(&c, &c.pods, 1_000, asked)), "once");
+        assert!(!discovery(s.due(&c, &c.pods, 1_000, asked, false)), "once");
         assert!(
-            discovery(s.due(&c, &c.pods, 750 + c.discovery.interval_ms, asked)),
+            discovery(s.due(&c, &c.pods, 750 + c.discovery.interval_ms, asked, false)),
             "and its interval from then"
         );
     }
