@@ -14,6 +14,7 @@ use crate::routing::router::Router;
 use crate::stats::{self, Stats};
 use crate::store::interface::{Store, StoreError};
 use crate::store::lease;
+use std::cell::OnceCell;
 
 /// How long the scraper's lease lasts without renewal; renewed every tick.
 const LEASE_MS: u64 = 1_500;
@@ -102,7 +103,7 @@ impl Gate {
                 .is_some_and(|t| now + half_period < t + TICK_MS)
         {
             return if self.leads {
-                self.sync_due(store)
+                self.sync_due(store, || crate::admission::line::waits(store))
             } else {
                 Vec::new()
             };
@@ -139,20 +140,22 @@ impl Gate {
         let asked = discovers
             .then(|| crate::pods::pool::discovery_asked(store))
             .flatten();
-        let waiting = discovers
-            && crate::admission::line::read(store).is_ok_and(|line| !line.tickets.is_empty());
-        let mut calls = self.scraper.due(&self.config, &pods, now, asked, waiting);
-        calls.extend(self.sync_due(store));
+        // Read once a tick, by discovery and the replicas' sync alike, and only if one asks.
+        let line = OnceCell::new();
+        let waiting = || *line.get_or_init(|| crate::admission::line::waits(store));
+        let mut calls = self
+            .scraper
+            .due(&self.config, &pods, now, asked, discovers && waiting());
+        calls.extend(self.sync_due(store, waiting));
         calls
     }
 
-    /// The replicas' sync, when it is due (the lease holder's ticks only).
-    fn sync_due(&mut self, store: &dyn Store) -> Vec<Call> {
+    /// The replicas' sync, when it is due (the lease holder's ticks only); `busy_here`: whether
+    /// requests wait in this replica's line.
+    fn sync_due(&mut self, store: &dyn Store, busy_here: impl Fn() -> bool) -> Vec<Call> {
         if !self.config.etcd.enabled() {
             return Vec::new();
         }
-        let busy_here =
-            || crate::admission::line::read(store).is_ok_and(|line| !line.tickets.is_empty());
         self.sync
             .due(store, &self.config, busy_here)
             .unwrap_or_else(|e| {

@@ -396,6 +396,11 @@ impl QueueRecord {
     }
 }
 
+/// Whether any request waits in the line (an unreadable line: none).
+pub fn waits(store: &dyn Store) -> bool {
+    read(store).is_ok_and(|line| !line.tickets.is_empty())
+}
+
 /// Reads the line; tickets abandoned by a dead VM are left out (dropped on the next write).
 pub fn read(store: &dyn Store) -> Result<QueueRecord, StoreError> {
     let now = store.now_ms();
