@@ -164,9 +164,13 @@ catalog! {
     REPLICAS_LIVE = "kvgate.replicas.live";
     /// 1 while this replica reaches etcd, 0 while it admits within its fallback.
     REPLICAS_IN_CONTACT = "kvgate.replicas.in_contact";
-    /// Answers whose body came encoded (`content-encoding`), so not metered and not read for
-    /// usage: their entries grew at the pod's pace (`Flow::on_response_encoded`).
+    /// Answers whose body came encoded (`content-encoding`) in a way kvgate does not decode, so
+    /// not metered and not read for usage: their entries grew at the pod's pace
+    /// (`Flow::unmetered`).
     RESPONSE_ENCODED = "kvgate.response.encoded";
+    /// Answers that came gzipped and were decoded as they streamed, metered as plain ones
+    /// (`flow::gunzip`).
+    RESPONSE_DECODED = "kvgate.response.decoded";
     // What a request costs the proxy (`shell::http`).
     /// Host calls a request's own callbacks made (headers to done), one sample per request.
     REQUEST_HOST_CALLS = "kvgate.request.host_calls";

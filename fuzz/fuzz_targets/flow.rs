@@ -847,10 +847,13 @@ impl World {
                     let e = &gate.config.estimator;
                     assert!((e.min_reservation_tokens..=e.max_reservation_tokens).contains(&cost));
                 }
-                // An answer now and then comes compressed (a compressor after kvgate): grown on
-                // the tick from here, its body no longer read.
+                // An answer now and then comes compressed (a compressor after kvgate): in a
+                // coding not decoded, grown on the tick from here, its body no longer read; as
+                // gzip, decoded, so its plain chunks break it and it is grown on the tick from
+                // its first.
                 if *served_by >= 224 {
-                    self.streams[s].flow.on_response_encoded(gate, "gzip");
+                    let coding = if *served_by >= 240 { "br" } else { "gzip" };
+                    self.streams[s].flow.on_response_encoded(gate, coding);
                 }
                 self.streams[s].state = State::Responding { routed };
             }

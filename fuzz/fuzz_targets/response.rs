@@ -15,7 +15,7 @@
 #![no_main]
 
 use kvgate::openai::response::{EndedAnswers, ResponseMeter, Usage};
-use kvgate_fuzz::pieces;
+use kvgate_fuzz::{cut_input, pieces};
 use libfuzzer_sys::fuzz_target;
 
 const CONTENT_TYPES: [Option<&str>; 4] = [
@@ -50,21 +50,11 @@ fn run(content_type: Option<&str>, answers: u64, body: &[u8], cuts: &[(usize, us
 }
 
 fuzz_target!(|data: &[u8]| {
-    if data.len() < 2 {
+    let Some((mode, count, cuts, body)) = cut_input(data) else {
         return;
-    }
-    let mode = data[0];
-    let k = usize::from(data[1] % 16);
-    let answers = 1 + u64::from(data[1] >> 4);
-    let rest = &data[2..];
-    if rest.len() < 2 * k {
-        return;
-    }
-    let cuts: Vec<u16> = rest[..2 * k]
-        .chunks_exact(2)
-        .map(|c| u16::from_le_bytes([c[0], c[1]]))
-        .collect();
-    let mut body = rest[2 * k..].to_vec();
+    };
+    let answers = 1 + u64::from(count >> 4);
+    let mut body = body.to_vec();
     if mode & 0x7c == 0x7c {
         // Text just under or at the buffer limit, placed at the first cut point.
         let at = cuts

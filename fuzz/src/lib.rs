@@ -171,6 +171,21 @@ pub fn checked_queue(store: &dyn Store) -> QueueRecord {
     q
 }
 
+/// The byte targets' common layout: a mode byte, a cut count k (its low four bits), k
+/// little-endian u16 cut points, then the body. Returns (mode, the count byte, the cut points,
+/// the body); `None` when the input is too short for its own count.
+pub fn cut_input(data: &[u8]) -> Option<(u8, u8, Vec<u16>, &[u8])> {
+    let (&mode, rest) = data.split_first()?;
+    let (&count, rest) = rest.split_first()?;
+    let k = usize::from(count % 16);
+    let points = rest.get(..2 * k)?;
+    let cuts = points
+        .chunks_exact(2)
+        .map(|c| u16::from_le_bytes([c[0], c[1]]))
+        .collect();
+    Some((mode, count, cuts, &rest[2 * k..]))
+}
+
 /// Cuts `len` bytes at the given points (taken modulo `len + 1`, sorted, duplicates kept so that
 /// empty pieces are fed too).
 pub fn pieces(len: usize, cuts: &[u16]) -> Vec<(usize, usize)> {

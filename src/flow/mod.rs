@@ -25,6 +25,7 @@ use crate::routing::stored_ask::{self, Asking};
 use crate::stats;
 use crate::store::interface::{Store, StoreError};
 
+pub mod gunzip;
 mod response;
 use response::header_safe;
 
@@ -214,6 +215,8 @@ pub struct Flow {
     asks: Vec<Call>,
     admitted: Option<Admitted>,
     meter: Option<ResponseMeter>,
+    /// The answer's gzip decoder, when it comes gzipped (`Flow::on_response_encoded`).
+    gunzip: Option<gunzip::Gunzip>,
     finished: bool,
     /// The client's headers set a priority: a model's default band does not replace it.
     priority_given: bool,

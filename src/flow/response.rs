@@ -3,6 +3,7 @@
 //! the release, exactly once, and what the engine's `usage` says of the estimate (stats and
 //! calibration). The request side is `flow`'s `mod.rs`.
 
+use super::gunzip::{self, Gunzip};
 use super::{Flow, Gate};
 use crate::estimate::calibration::{Length, Sample};
 use crate::estimate::reservation::Ended;
@@ -109,25 +110,40 @@ impl Flow {
 
     /// The response's body comes encoded (its `content-encoding` names a coding other than
     /// `identity`): a compressor filter placed after kvgate in the chain (clients such as
-    /// OpenAI's SDKs ask for gzip), or an upstream that compresses. Neither its tokens nor its
-    /// usage can be read, so it is not metered: its entry grows at its pod's pace on the tick
-    /// to the end, as an answer that does not stream does until its body comes (the reservation
-    /// keeps following the engine's KV), and it teaches calibration nothing. Counted
-    /// (`kvgate.response.encoded`) and told once per VM, with the fix. Returns whether the
-    /// request must now be grown on the tick (`answers_unseen`), when it was not already.
+    /// OpenAI's SDKs ask for gzip), or an upstream that compresses. gzip, the coding those
+    /// clients ask for first, is decoded as it streams (`gunzip`) and the answer metered as a
+    /// plain one (`kvgate.response.decoded`), while this VM decodes fewer than
+    /// `gunzip::MAX_OPEN` answers. Any other is `unmetered`. Returns whether the request must
+    /// now be grown on the tick (`answers_unseen`), when it was not already.
     pub fn on_response_encoded(&mut self, gate: &mut Gate, coding: &str) -> bool {
         if !super::encoded(coding) || self.meter.is_none() {
             return false;
         }
+        if gunzip::decodes(coding) && gate.gunzips < gunzip::MAX_OPEN {
+            gate.gunzips += 1;
+            self.gunzip = Some(Gunzip::default());
+            gate.stats.count(stats::RESPONSE_DECODED, 1);
+            return false;
+        }
+        self.unmetered(gate, coding)
+    }
+
+    /// An answer whose body kvgate cannot read (a coding it does not decode, too many decoded
+    /// at once, a gzip body that is not): neither its tokens nor its usage can be read, so it is
+    /// not metered: its entry grows at its pod's pace on the tick to the end, as an answer that
+    /// does not stream does until its body comes (the reservation keeps following the engine's
+    /// KV), and it teaches calibration nothing. Counted (`kvgate.response.encoded`) and told once
+    /// per VM, with the fix. Returns whether the request must now be grown on the tick.
+    fn unmetered(&mut self, gate: &mut Gate, coding: &str) -> bool {
         let coding = coding.trim();
         self.meter = None;
         gate.stats.count(stats::RESPONSE_ENCODED, 1);
         if !std::mem::replace(&mut gate.told_encoded, true) {
             log::warn!(
-                "responses reach kvgate encoded (content-encoding: {}): their tokens and usage \
-                 cannot be read, so their reservations grow at the pod's pace and calibration \
-                 learns nothing from them; put the compressor filter before kvgate in \
-                 http_filters (kvgate.response.encoded counts them)",
+                "an answer reached kvgate encoded (content-encoding: {}) that it cannot decode: \
+                 its tokens and usage cannot be read, so its reservation grows at the pod's pace \
+                 and calibration learns nothing from it; put the compressor filter before kvgate \
+                 in http_filters (kvgate.response.encoded counts such answers)",
                 header_safe(coding)
             );
         }
@@ -144,7 +160,30 @@ impl Flow {
         self.meter.is_some()
     }
 
-    pub fn on_response_body(&mut self, gate: &mut Gate, store: &dyn Store, bytes: &[u8]) {
+    /// The next piece of the response body, decoded first when it comes gzipped. Returns
+    /// whether the request must now be grown on the tick: its gzip turned out broken.
+    pub fn on_response_body(&mut self, gate: &mut Gate, store: &dyn Store, bytes: &[u8]) -> bool {
+        let Some(mut g) = self.gunzip.take() else {
+            self.meter_body(gate, store, bytes);
+            return false;
+        };
+        let fed = g.feed(bytes, &mut |text| self.meter_body(gate, store, text));
+        self.gunzip = Some(g);
+        if fed.is_ok() {
+            return false;
+        }
+        self.close_gunzip(gate);
+        self.unmetered(gate, "gzip")
+    }
+
+    /// Frees this answer's decoder, if it has one.
+    fn close_gunzip(&mut self, gate: &mut Gate) {
+        if self.gunzip.take().is_some() {
+            gate.gunzips = gate.gunzips.saturating_sub(1);
+        }
+    }
+
+    fn meter_body(&mut self, gate: &mut Gate, store: &dyn Store, bytes: &[u8]) {
         let (Some(m), Some(a)) = (&mut self.meter, &mut self.admitted) else {
             return;
         };
@@ -256,6 +295,7 @@ impl Flow {
         if std::mem::replace(&mut self.finished, true) {
             return;
         }
+        self.close_gunzip(gate);
         if self.answers_unseen() {
             gate.unseen_answers = gate.unseen_answers.saturating_sub(1);
         }
@@ -481,13 +521,14 @@ mod tests {
         host.advance_ms(500);
         begun.on_tick(&mut gate, &vm);
         assert_eq!(entries()[2], (prompt, 100));
-        // A streamed answer that comes encoded (a compressor after kvgate) cannot be read: from
-        // its response headers on it grows at the pace to its end, as an unseen one, counted.
+        // A streamed answer that comes encoded in a coding kvgate does not decode (a brotli
+        // compressor after kvgate) cannot be read: from its response headers on it grows at the
+        // pace to its end, as an unseen one, counted.
         let mut encoded = send(&mut gate, true);
         encoded.on_response_headers(&mut gate, &vm, Some("text/event-stream"), Some(pod));
         assert!(!encoded.on_response_encoded(&mut gate, " Identity "));
         assert!(encoded.reads_response() && !encoded.answers_unseen());
-        assert!(encoded.on_response_encoded(&mut gate, "gzip"));
+        assert!(encoded.on_response_encoded(&mut gate, "br"));
         assert!(!encoded.reads_response() && encoded.answers_unseen());
         assert_eq!(gate.stats.take_count(stats::RESPONSE_ENCODED), 1);
         host.advance_ms(305);
@@ -1078,6 +1119,83 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
         );
         f.on_response_headers(gate, vm, Some("text/event-stream"), Some("10.0.0.1:80"));
         f
+    }
+
+    /// A gzip member's header and a compressor that flushes each chunk, as Envoy's does.
+    fn gzip_stream() -> (Vec<u8>, impl FnMut(&[u8]) -> Vec<u8>) {
+        use miniz_oxide::deflate::core::{
+            compress, create_comp_flags_from_zip_params, CompressorOxide, TDEFLFlush,
+        };
+        let mut c = CompressorOxide::new(create_comp_flags_from_zip_params(6, -15, 0));
+        let header = vec![0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0, 3];
+        (header, move |text: &[u8]| {
+            let mut out = vec![0u8; text.len() + 64];
+            let (_, _, n) = compress(&mut c, text, &mut out, TDEFLFlush::Sync);
+            out.truncate(n);
+            out
+        })
+    }
+
+    /// An answer gzipped after kvgate (Envoy's compressor listed after it) is decoded as it
+    /// streams: its entry grows with its tokens and its usage is read, as a plain answer's. A
+    /// body that is not the gzip it says grows at the pace from there; more answers at once
+    /// than a VM decodes too. The decoders are freed as the answers end.
+    #[test]
+    fn an_answer_gzipped_after_kvgate_is_metered_as_it_streams() {
+        use crate::gate::QUICK_TICK_MS;
+        use crate::pods::record;
+        let pod = "10.0.0.1:80";
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let mut gate = Gate::new(crate::test_support::with_pods(&[pod]), &vm).unwrap();
+        let mut f = streaming(&mut gate, &vm);
+        let held = |vm: &crate::store::fake_host::FakeVm| {
+            record::read(vm, pod).unwrap().entries[0].held_tokens
+        };
+        let prompt = held(&vm);
+        assert!(!f.on_response_encoded(&mut gate, "gzip"));
+        assert!(f.reads_response() && !f.answers_unseen());
+        assert_eq!(gate.stats.take_count(stats::RESPONSE_DECODED), 1);
+        assert_eq!(gate.gunzips, 1);
+        let (header, mut deflate) = gzip_stream();
+        assert!(!f.on_response_body(&mut gate, &vm, &header));
+        let piece = b"data: {\"choices\":[{\"index\":0,\"text\":\"a\"}]}\n\n";
+        for _ in 0..40 {
+            assert!(!f.on_response_body(&mut gate, &vm, &deflate(piece)));
+        }
+        assert_eq!(held(&vm), prompt + 33, "written as it crossed its blocks");
+        let usage = b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":40,\"total_tokens\":43}}\n\ndata: [DONE]\n\n";
+        f.on_response_body(&mut gate, &vm, &deflate(usage));
+        f.on_done(&mut gate, &vm);
+        assert_eq!(gate.stats.take_count(stats::USAGE_COMPLETION_TOKENS), 40);
+        assert_eq!(gate.gunzips, 0, "freed at its end");
+        assert_eq!(gate.stats.take_count(stats::RESPONSE_ENCODED), 0);
+
+        // Not gzip after all: from there at the pod's pace, counted as unread.
+        let mut broken = streaming(&mut gate, &vm);
+        broken.on_response_encoded(&mut gate, "x-gzip");
+        assert!(broken.on_response_body(&mut gate, &vm, b"data: {}\n\n"));
+        assert!(!broken.reads_response() && broken.answers_unseen());
+        assert_eq!(gate.gunzips, 0);
+        assert_eq!(gate.stats.take_count(stats::RESPONSE_ENCODED), 1);
+        assert_eq!(gate.tick_ms(&vm), QUICK_TICK_MS);
+        broken.on_done(&mut gate, &vm);
+
+        // A VM decodes at most `MAX_OPEN` answers at once.
+        let mut open: Vec<Flow> = (0..=gunzip::MAX_OPEN)
+            .map(|_| streaming(&mut gate, &vm))
+            .collect();
+        let unseen: Vec<bool> = open
+            .iter_mut()
+            .map(|f| f.on_response_encoded(&mut gate, "gzip"))
+            .collect();
+        assert_eq!(unseen.iter().filter(|u| **u).count(), 1, "the last one");
+        assert_eq!(gate.gunzips, gunzip::MAX_OPEN);
+        for mut f in open {
+            f.on_done(&mut gate, &vm);
+        }
+        assert_eq!(gate.gunzips, 0);
+        assert!(record::read(&vm, pod).unwrap().entries.is_empty());
     }
 
     /// A request for two answers streams both, interleaved; the first ends (vLLM's last chunk

@@ -917,8 +917,16 @@ mod tests {
 
     #[test]
     fn a_pod_that_leaves_is_down_at_once_and_not_scraped_until_it_comes_back() {
-        let mut c = cfg();
-        c.pods.clear();
+        // Discovered, and configured in `pods` too: a configured pod is in every VM's pool
+        // whatever discovery finds, so only its record and the scraper keep it out.
+        let mut discovered_only = cfg();
+        discovered_only.pods.clear();
+        for c in [discovered_only, cfg()] {
+            leaves_and_comes_back(&c);
+        }
+    }
+
+    fn leaves_and_comes_back(c: &Config) {
         let host = FakeHost::new();
         let vm = host.vm();
         let mut s = Scraper::default();
@@ -926,7 +934,7 @@ mod tests {
         let page = b"vllm:num_requests_running{model_name=\"m\"} 1\nvllm:kv_cache_usage_perc{model_name=\"m\"} 0.5\n";
         let (two, one) = (clusters_json(&["a:1", "b:1"]), clusters_json(&["b:1"]));
         let mut answer = |s: &mut Scraper, target: Target, body: &[u8]| {
-            s.on_response(&vm, &c, &mut stats, &target, Some(200), body)
+            s.on_response(&vm, c, &mut stats, &target, Some(200), body)
                 .unwrap()
         };
         answer(&mut s, Target::Discovery, &two);
@@ -945,7 +953,7 @@ mod tests {
         assert!(record::read(&vm, "a:1").unwrap().is_down());
         let pods = ["a:1".to_string(), "b:1".to_string()];
         let scraped: Vec<Target> = s
-            .due(&c, &pods, 200, None, false)
+            .due(c, &pods, 200, None, false)
             .into_iter()
             .map(|c| c.target)
             .collect();
@@ -957,7 +965,7 @@ mod tests {
         // Back at the same address: scraped again, and up at its first scrape.
         answer(&mut s, Target::Discovery, &two);
         assert!(s
-            .due(&c, &pods, 300, None, false)
+            .due(c, &pods, 300, None, false)
             .iter()
             .any(|c| c.target == Target::Pod("a:1".into())));
         assert!(record::read(&vm, "a:1").unwrap().is_down(), "until scraped");

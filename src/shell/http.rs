@@ -374,11 +374,14 @@ impl Http {
         }
         // Envoy hands each chunk as the buffer's whole content when the filter does not pause.
         let bytes = host::response_body(body_size);
-        self.flow.borrow_mut().on_response_body(
+        let now_unseen = self.flow.borrow_mut().on_response_body(
             &mut self.gate.borrow_mut(),
             &HostStore::default(),
             &bytes,
         );
+        if now_unseen && watch_unseen(&self.unseen, self.id, &self.flow) {
+            host::retick(&mut self.gate.borrow_mut());
+        }
         Action::Continue
     }
 }

@@ -4,6 +4,7 @@ pool gauges that must drain to zero, raw-socket clients that misbehave on purpos
 that can be restarted on the same port, and an Envoy whose listener (with kvgate's config) comes
 from a watched file (LDS), so a new plugin configuration can be pushed while traffic flows."""
 
+import gzip
 import json
 import os
 import re
@@ -428,17 +429,29 @@ class EchoUpstream(_Served):
 class FakePod(_Served):
     """An OpenAI-ish pod (answers completions at once) whose /metrics can misbehave:
     "ok" a small vLLM page; "truncate" headers promising 100 kB, a line, then the connection
-    drops (a pod dying mid-scrape); "huge" a page of `huge_bytes` (a comment line)."""
+    drops (a pod dying mid-scrape); "huge" a page of `huge_bytes` (a comment line). Its answers
+    are plain JSON, or (`answer`) labelled `content-encoding: gzip`: "gzip" the answer
+    gzipped, "not-gzip" the plain answer under that label, "bomb" 100 MB of spaces gzipped
+    (about 100 kB) after the answer."""
 
     PAGE = ('vllm:num_requests_running{model_name="m",engine="0"} 0\n'
             'vllm:num_requests_waiting{model_name="m",engine="0"} 0\n'
             'vllm:kv_cache_usage_perc{model_name="m",engine="0"} 0.1\n'
             'vllm:cache_config_info{block_size="16",num_gpu_blocks="1000",engine="0"} 1.0\n')
 
-    def __init__(self, metrics="ok", huge_bytes=40 << 20):
+    ANSWER = json.dumps({"object": "text_completion", "choices": [{"text": "ok"}],
+                         "usage": {"prompt_tokens": 10, "completion_tokens": 1}}).encode()
+
+    def __init__(self, metrics="ok", huge_bytes=40 << 20, answer="plain"):
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
         pod = self
         self.metrics = metrics
+        body = {"plain": self.ANSWER, "not-gzip": self.ANSWER}.get(answer)
+        if answer == "gzip":
+            body = gzip.compress(self.ANSWER)
+        elif answer == "bomb":
+            body = gzip.compress(self.ANSWER + b" " * (100 << 20), 9)
+        self.answer, self.answer_body = answer, body
         self.huge = None
         self.huge_bytes = huge_bytes
 
@@ -471,10 +484,11 @@ class FakePod(_Served):
 
             def do_POST(self):
                 self.rfile.read(int(self.headers.get("content-length") or 0))
-                body = json.dumps({"object": "text_completion", "choices": [{"text": "ok"}],
-                                   "usage": {"prompt_tokens": 10, "completion_tokens": 1}}).encode()
+                body = pod.answer_body
                 self.send_response(200)
                 self.send_header("content-type", "application/json")
+                if pod.answer != "plain":
+                    self.send_header("content-encoding", "gzip")
                 self.send_header("content-length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)

@@ -225,6 +225,34 @@ def test_a_pod_failing_mid_scrape_does_not_take_the_vm_down(metrics):
             assert_vm_alive(envoy, vm0)
 
 
+@pytest.mark.parametrize("answer", ["gzip", "not-gzip", "bomb"])
+def test_an_upstream_answer_labelled_gzip_is_decoded_or_given_up_on_never_altered(answer):
+    """A pod whose answers come with `content-encoding: gzip`: gzipped, not gzip at all, or a
+    decompression bomb (100 MB of spaces in about 100 kB). kvgate decodes what it can to read
+    the usage, gives up on what it cannot (a broken body at once, the bomb past 64 MiB
+    decoded), and hands the client every byte as the pod sent it; no VM panics or stalls, and
+    every reservation is released."""
+    cfg = default_plugin_config()
+    with FakePod(answer=answer) as pod:
+        with kvgate_envoy([("127.0.0.1", pod.port)], cfg, concurrency=2) as envoy:
+            vm0 = vm_stats(envoy)
+            answers = [timed(request, envoy.port, "POST", "/v1/completions", tagged_completion(f"z{i}"), timeout=20)
+                       for i in range(4)]
+            for r, dt in answers:
+                assert r.status == 200 and r.headers.get("x-kvgate-pod"), r.status
+                assert r.body == pod.answer_body, (len(r.body), len(pod.answer_body))
+                assert dt < 5, f"an answer took {dt:.1f} s through kvgate"
+            print(f"{answer}: answers in {[round(dt, 3) for _, dt in answers]} s")
+            assert wait_for(lambda: stat(envoy, "wasmcustom.kvgate.response.decoded") == 4, timeout=3)
+            read = answer == "gzip"
+            assert stat(envoy, "wasmcustom.kvgate.response.encoded") == (0 if read else 4)
+            assert stat(envoy, "wasmcustom.kvgate.usage.completion_tokens") == (4 if read else 0)
+            panics = [l for l in bad_log_lines(envoy) if "panicked" in l or "failed:" in l]
+            assert not panics, panics[:4]
+            assert_drained(envoy)
+            assert_vm_alive(envoy, vm0)
+
+
 class AdminProxy:
     """Stands between kvgate's discovery call and Envoy's admin: forwards (mode "ok"), answers
     500, answers unparsable text, answers JSON without the model cluster, or resets."""
@@ -515,13 +543,22 @@ def test_requests_that_end_in_trailers_are_read_routed_and_admitted():
             assert_vm_alive(envoy, vm0)
 
 
-def test_answers_encoded_by_a_compressor_after_kvgate_grow_at_the_pods_pace():
-    """Envoy's gzip compressor placed after kvgate in the chain (responses pass the filters in
-    reverse order, so kvgate sees them compressed) and clients asking for gzip, as OpenAI's SDKs
-    do: kvgate cannot read the answers' tokens or usage. Each is counted
-    (`kvgate.response.encoded`) and told in the log once per VM; a streamed answer's reservation
-    still grows as the engine fills its KV, at the pod's pace, instead of staying at its prompt;
-    the clients get their answers whole; everything is released at the end."""
+COMPRESSORS = {
+    "gzip": "type.googleapis.com/envoy.extensions.compression.gzip.compressor.v3.Gzip",
+    "br": "type.googleapis.com/envoy.extensions.compression.brotli.compressor.v3.Brotli",
+}
+
+
+@pytest.mark.parametrize("coding", ["gzip", "br"])
+def test_answers_encoded_by_a_compressor_after_kvgate_are_decoded_or_grow_at_the_pods_pace(coding):
+    """Envoy's compressor placed after kvgate in the chain (responses pass the filters in
+    reverse order, so kvgate sees them compressed) and clients asking for the coding, as
+    OpenAI's SDKs ask for gzip. gzip is decoded as the answers stream: metered as plain answers,
+    their usage read (`kvgate.response.decoded`). brotli is not: kvgate cannot read the answers'
+    tokens or usage; each is counted (`kvgate.response.encoded`) and told in the log once per
+    VM, and a streamed answer's reservation still grows as the engine fills its KV, at the pod's
+    pace, instead of staying at its prompt. Either way the clients get their answers whole and
+    everything is released at the end."""
     with Sim(pods=1) as sim:
         cfg = envoy_config(free_port(), free_port(), sim.endpoints)
         hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
@@ -532,8 +569,9 @@ def test_answers_encoded_by_a_compressor_after_kvgate_grow_at_the_pods_pace():
                 "@type": "type.googleapis.com/envoy.extensions.filters.http.compressor.v3.Compressor",
                 "response_direction_config": {"common_config": {
                     "min_content_length": 10, "content_type": ["application/json", "text/event-stream"]}},
-                "compressor_library": {"name": "gzip", "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.compression.gzip.compressor.v3.Gzip"}}}})
+                "compressor_library": {"name": coding, "typed_config": {"@type": COMPRESSORS[coding]}}}})
+        decoded = coding == "gzip"
+        unpack = gzip.decompress if decoded else None
         with Envoy(cfg, concurrency=2) as envoy:
             vm0 = vm_stats(envoy)
             # Plain answers first, so that the pod's pace is scraped.
@@ -541,13 +579,15 @@ def test_answers_encoded_by_a_compressor_after_kvgate_grow_at_the_pods_pace():
                 r = request(envoy.port, "POST", "/v1/chat/completions", tagged_chat(f"warm{i}", max_tokens=32))
                 assert r.status == 200 and r.headers.get("x-kvgate-pod"), r.body
             assert stat(envoy, "wasmcustom.kvgate.response.encoded") == 0
+            assert wait_for(lambda: stat(envoy, "wasmcustom.kvgate.usage.completion_tokens") == 6 * 32, timeout=3)
             time.sleep(1.5)
-            gz = {"accept-encoding": "gzip"}
-            body = dict(tagged_chat("long", max_tokens=600), stream=True, ignore_eos=True)
+            accept = {"accept-encoding": coding}
+            body = dict(tagged_chat("long", max_tokens=600), stream=True, ignore_eos=True,
+                        stream_options={"include_usage": True})
             samples, out = [], {}
 
             def streamed():
-                out["r"] = request(envoy.port, "POST", "/v1/chat/completions", body, headers=gz, timeout=60)
+                out["r"] = request(envoy.port, "POST", "/v1/chat/completions", body, headers=accept, timeout=60)
 
             t = threading.Thread(target=streamed)
             t.start()
@@ -556,19 +596,33 @@ def test_answers_encoded_by_a_compressor_after_kvgate_grow_at_the_pods_pace():
                 time.sleep(0.1)
             t.join()
             r = out["r"]
-            assert r.status == 200 and r.headers.get("content-encoding") == "gzip", (r.status, r.headers)
-            text = gzip.decompress(r.body)
-            assert text.rstrip().endswith(b"data: [DONE]"), text[-200:]
+            assert r.status == 200 and r.headers.get("content-encoding") == coding, (r.status, r.headers)
+            if unpack:
+                text = unpack(r.body)
+                assert text.rstrip().endswith(b"data: [DONE]"), text[-200:]
             held = [b for b in samples if b > 0]
-            print(f"the encoded stream's active blocks, sampled every 0.1 s: {held}")
+            print(f"the {coding} stream's active blocks, sampled every 0.1 s: {held}")
             assert held and max(held) - held[0] >= 15, \
                 f"the encoded answer's 600 tokens (37 blocks) did not grow its entry: {held}"
-            r = request(envoy.port, "POST", "/v1/completions", tagged_completion("whole", max_tokens=16), headers=gz)
-            assert r.status == 200 and r.headers.get("content-encoding") == "gzip", r.headers
-            assert json.loads(gzip.decompress(r.body))["usage"]["completion_tokens"] == 16
-            assert wait_for(lambda: stat(envoy, "wasmcustom.kvgate.response.encoded") == 2, timeout=3)
-            told = envoy.logs().count("responses reach kvgate encoded")
-            assert 1 <= told <= 2, f"told {told} times by 2 workers"
+            if decoded:
+                # Metered as it streamed: past its prompt by the first samples, not after the
+                # pace's first ticks; flat only where it filled a block.
+                grew = next(i for i, b in enumerate(held) if b > held[0])
+                assert grew <= 5, f"the decoded stream's entry grew only at sample {grew}: {held}"
+            r = request(envoy.port, "POST", "/v1/completions", tagged_completion("whole", max_tokens=16), headers=accept)
+            assert r.status == 200 and r.headers.get("content-encoding") == coding, r.headers
+            if unpack:
+                assert json.loads(unpack(r.body))["usage"]["completion_tokens"] == 16
+            counted = "decoded" if decoded else "encoded"
+            assert wait_for(lambda: stat(envoy, f"wasmcustom.kvgate.response.{counted}") == 2, timeout=3)
+            other = "encoded" if decoded else "decoded"
+            assert stat(envoy, f"wasmcustom.kvgate.response.{other}") == 0
+            # Their usage was read (the stream's and the completion's), or not at all.
+            learned = 6 * 32 + (600 + 16 if decoded else 0)
+            assert wait_for(lambda: stat(envoy, "wasmcustom.kvgate.usage.completion_tokens") == learned, timeout=3), \
+                stat(envoy, "wasmcustom.kvgate.usage.completion_tokens")
+            told = envoy.logs().count("reached kvgate encoded")
+            assert (1 <= told <= 2) if not decoded else told == 0, f"told {told} times by 2 workers"
             assert_drained(envoy)
             assert_vm_alive(envoy, vm0)
 

@@ -1,0 +1,277 @@
+//! An answer's gzip coding undone as it streams, so that an answer that reaches kvgate
+//! compressed is metered as a plain one: its tokens as they come, its `usage`, a Responses API
+//! answer's id. That happens when Envoy's compressor filter is listed after kvgate (responses
+//! run the filters in reverse order; OpenAI's SDKs ask for gzip), which an Istio EnvoyFilter
+//! inserting a compressor "before the router" does as readily as not. Envoy's compressor
+//! flushes each data frame it encodes (`Compressor::State::Flush`), so each chunk decodes to the
+//! text it carried, with no wait for the next.
+//!
+//! The bytes Envoy hands the filter are the source of truth; this keeps only the decoder's state
+//! (the deflate window, about 43 KB) while the answer runs. Other codings (`br`, `zstd`,
+//! `deflate`) are not decoded: `Flow::on_response_encoded` grows those at the pod's pace.
+
+use miniz_oxide::inflate::stream::{inflate, InflateState};
+use miniz_oxide::{DataFormat, MZError, MZFlush, MZStatus};
+
+/// The most one answer may decode to before kvgate stops reading it: an answer's text is
+/// megabytes at most, and a stream that decodes to far more is not one (a decompression bomb
+/// would otherwise hold the worker while it inflates).
+const MAX_DECODED: usize = 64 << 20;
+/// The most answers one VM decodes at once: each decoder holds about 43 KB while its answer
+/// runs, so 64 add at most 2.8 MB to a VM (Envoy's compressor holds as much per stream on its
+/// side). Beyond it an answer is grown at its pod's pace, as one in a coding not decoded.
+pub const MAX_OPEN: usize = 64;
+/// Decoded a piece at a time, each handed to the meter before the next.
+const PIECE: usize = 16 << 10;
+/// A gzip member's header is ten bytes, then its optional fields: an extra field of at most
+/// 65,535 bytes, a name and a comment. A header longer than this is refused.
+const MAX_HEADER: usize = 1 << 17;
+
+/// Whether `coding` (a `content-encoding` value) is one this decodes.
+pub fn decodes(coding: &str) -> bool {
+    let c = coding.trim();
+    c.eq_ignore_ascii_case("gzip") || c.eq_ignore_ascii_case("x-gzip")
+}
+
+/// The body is not the gzip it said it was, or decodes past `MAX_DECODED`.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Broken;
+
+pub struct Gunzip {
+    /// The member's header as far as it came, until it is whole.
+    header: Option<Vec<u8>>,
+    state: Box<InflateState>,
+    decoded: usize,
+    /// `MAX_DECODED`, or less in tests.
+    limit: usize,
+    /// The deflate stream ended: what follows (the trailer's checksum and length) is not text.
+    ended: bool,
+}
+
+impl Default for Gunzip {
+    fn default() -> Self {
+        Gunzip {
+            header: Some(Vec::new()),
+            state: InflateState::new_boxed(DataFormat::Raw),
+            decoded: 0,
+            limit: MAX_DECODED,
+            ended: false,
+        }
+    }
+}
+
+impl Gunzip {
+    /// Decodes the next piece of the body, handing the text to `each` as it comes, a `PIECE`
+    /// at a time at most.
+    pub fn feed(&mut self, bytes: &[u8], each: &mut dyn FnMut(&[u8])) -> Result<(), Broken> {
+        let mut input = bytes;
+        if let Some(head) = &mut self.header {
+            let before = head.len();
+            head.extend_from_slice(bytes);
+            let Some(n) = header_len(head)? else {
+                return if head.len() > MAX_HEADER {
+                    Err(Broken)
+                } else {
+                    Ok(())
+                };
+            };
+            input = bytes.get(n.saturating_sub(before)..).unwrap_or_default();
+            self.header = None;
+        }
+        // Sized to what the chunk likely holds (a streamed token's chunk decodes to a few
+        // hundred bytes), so each chunk does not clear a whole piece.
+        let mut out = vec![0u8; input.len().saturating_mul(8).clamp(1024, PIECE)];
+        while !self.ended {
+            let r = inflate(&mut self.state, input, &mut out, MZFlush::None);
+            input = input.get(r.bytes_consumed..).unwrap_or_default();
+            self.decoded = self.decoded.saturating_add(r.bytes_written);
+            if self.decoded > self.limit {
+                return Err(Broken);
+            }
+            if let Some(piece) = out.get(..r.bytes_written).filter(|p| !p.is_empty()) {
+                each(piece);
+            }
+            // Never return with input left unread while the decoder can take it: a call that
+            // only hands out text decoded before (its window's backlog) reads no input.
+            match r.status {
+                Ok(MZStatus::StreamEnd) => self.ended = true,
+                Ok(_) if input.is_empty() && r.bytes_written < out.len() => return Ok(()),
+                Ok(_) if r.bytes_consumed == 0 && r.bytes_written == 0 => return Err(Broken),
+                Ok(_) => {}
+                // No progress without more input: the rest comes in the next chunk.
+                Err(MZError::Buf) if input.is_empty() => return Ok(()),
+                Err(_) => return Err(Broken),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The length of the gzip member header at the start of `b` (RFC 1952, 2.3), `None` while it
+/// has not all come.
+fn header_len(b: &[u8]) -> Result<Option<usize>, Broken> {
+    const MAGIC: [u8; 3] = [0x1f, 0x8b, 8];
+    const FHCRC: u8 = 2;
+    const FEXTRA: u8 = 4;
+    const FNAME: u8 = 8;
+    const FCOMMENT: u8 = 16;
+    if !b.iter().zip(MAGIC).all(|(x, y)| *x == y) {
+        return Err(Broken);
+    }
+    let Some(&flags) = b.get(3) else {
+        return Ok(None);
+    };
+    if flags & 0xe0 != 0 {
+        return Err(Broken);
+    }
+    let mut at = 10;
+    if flags & FEXTRA != 0 {
+        let (Some(&lo), Some(&hi)) = (b.get(at), b.get(at + 1)) else {
+            return Ok(None);
+        };
+        at += 2 + usize::from(u16::from_le_bytes([lo, hi]));
+    }
+    for flag in [FNAME, FCOMMENT] {
+        if flags & flag != 0 {
+            let Some(zero) = b.get(at..).and_then(|s| memchr::memchr(0, s)) else {
+                return Ok(None);
+            };
+            at += zero + 1;
+        }
+    }
+    if flags & FHCRC != 0 {
+        at += 2;
+    }
+    Ok((b.len() >= at).then_some(at))
+}
+
+#[cfg(test)]
+mod tests {
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    use super::*;
+    use miniz_oxide::deflate::compress_to_vec;
+
+    /// A gzip member of `text` as Envoy's compressor sends it, with `flags`' optional fields.
+    fn gzip(text: &[u8], flags: u8) -> Vec<u8> {
+        let mut out = vec![0x1f, 0x8b, 8, flags, 0, 0, 0, 0, 0, 3];
+        if flags & 4 != 0 {
+            out.extend_from_slice(&[3, 0, b'a', b'b', b'c']);
+        }
+        if flags & 8 != 0 {
+            out.extend_from_slice(b"name\0");
+        }
+        if flags & 16 != 0 {
+            out.extend_from_slice(b"comment\0");
+        }
+        if flags & 2 != 0 {
+            out.extend_from_slice(&[0, 0]);
+        }
+        out.extend(compress_to_vec(text, 6));
+        out.extend_from_slice(&[0; 8]);
+        out
+    }
+
+    fn decode_in(chunks: &[&[u8]]) -> Result<Vec<u8>, Broken> {
+        decode_within(chunks, MAX_DECODED)
+    }
+
+    fn decode_within(chunks: &[&[u8]], limit: usize) -> Result<Vec<u8>, Broken> {
+        let mut g = Gunzip {
+            limit,
+            ..Gunzip::default()
+        };
+        let mut text = Vec::new();
+        for c in chunks {
+            g.feed(c, &mut |p| text.extend_from_slice(p))?;
+        }
+        Ok(text)
+    }
+
+    /// Whole, a byte at a time, or in chunks of any size, with any of the header's fields; and
+    /// where a few bytes decode to many pieces (a long run), so that the decoder has text left
+    /// to hand out when a chunk's input is all read.
+    #[test]
+    fn a_body_decodes_in_chunks_of_any_size_with_any_header() {
+        let mut text: Vec<u8> = (0..3000)
+            .flat_map(|i| format!("data: {{\"i\":{i},\"text\":\"tok\"}}\n\n").into_bytes())
+            .collect();
+        text.extend(std::iter::repeat_n(b' ', 20 * PIECE + 7));
+        text.extend_from_slice(b"data: [DONE]\n\n");
+        for flags in [0, 2, 4, 8, 16, 30] {
+            let body = gzip(&text, flags);
+            for size in [1, 3, 100, 4096, PIECE, body.len()] {
+                let chunks: Vec<&[u8]> = body.chunks(size).collect();
+                let got = decode_in(&chunks).unwrap();
+                assert!(
+                    got == text,
+                    "flags {flags}, chunks of {size}: {}",
+                    got.len()
+                );
+            }
+            let (head, rest) = body.split_at(4);
+            assert_eq!(decode_in(&[head, rest]).unwrap(), text);
+        }
+    }
+
+    /// Each chunk of a stream compressed with a flush after it (as Envoy's compressor does)
+    /// decodes to its own text as it comes.
+    #[test]
+    fn each_flushed_chunk_decodes_when_it_comes() {
+        use miniz_oxide::deflate::core::{
+            compress, create_comp_flags_from_zip_params, CompressorOxide, TDEFLFlush,
+        };
+        let mut c = CompressorOxide::new(create_comp_flags_from_zip_params(6, -15, 0));
+        let mut g = Gunzip::default();
+        let mut got = Vec::new();
+        g.feed(&[0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0, 3], &mut |p| {
+            got.extend_from_slice(p)
+        })
+        .unwrap();
+        for i in 0..50 {
+            let line =
+                format!("data: {{\"choices\":[{{\"delta\":{{\"content\":\"w{i}\"}}}}]}}\n\n");
+            let mut out = vec![0u8; 1024];
+            let (_, _, n) = compress(&mut c, line.as_bytes(), &mut out, TDEFLFlush::Sync);
+            got.clear();
+            g.feed(&out[..n], &mut |p| got.extend_from_slice(p))
+                .unwrap();
+            assert_eq!(got, line.as_bytes(), "chunk {i}");
+        }
+    }
+
+    #[test]
+    fn what_is_not_gzip_or_decodes_too_far_is_broken() {
+        assert_eq!(decode_in(&[b"data: {}\n\n"]), Err(Broken));
+        assert_eq!(decode_in(&[&[0x1f, 0x8b, 7]]), Err(Broken), "not deflate");
+        assert_eq!(
+            decode_in(&[&[0x1f, 0x8b, 8, 0x20]]),
+            Err(Broken),
+            "reserved flag"
+        );
+        let mut body = gzip(b"x", 0);
+        body[12] ^= 0xff;
+        body[13] ^= 0xff;
+        assert!(decode_in(&[&body]).map_or(true, |t| t != b"x"));
+        // Not a header yet: waits.
+        assert_eq!(decode_in(&[&[0x1f, 0x8b]]), Ok(Vec::new()));
+        let mut unnamed = vec![0x1f, 0x8b, 8, 8, 0, 0, 0, 0, 0, 3];
+        unnamed.resize(MAX_HEADER + 1, b'n');
+        assert_eq!(decode_in(&[&unnamed]), Err(Broken), "a name without end");
+        let limit = 1 << 20;
+        let bomb = gzip(&vec![b' '; limit + 1], 0);
+        assert_eq!(decode_within(&[&bomb], limit), Err(Broken));
+        assert!(bomb.len() < limit / 500);
+        assert_eq!(
+            decode_within(&[&bomb], limit + 1).map(|t| t.len()),
+            Ok(limit + 1)
+        );
+    }
+
+    #[test]
+    fn only_gzip_is_decoded() {
+        assert!(decodes(" GZip ") && decodes("x-gzip"));
+        assert!(!decodes("br") && !decodes("zstd") && !decodes("deflate") && !decodes("gzip, br"));
+    }
+}
