@@ -1195,6 +1195,21 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
             f.on_done(&mut gate, &vm);
         }
         assert_eq!(gate.gunzips, 0);
+
+        // A Responses API answer that comes gzipped is noted on its pod by its id, as a plain
+        // one is: its follow-ups go back there.
+        let mut answer = Flow::default();
+        answer.on_request_headers(&mut gate, &vm, &RequestHead::json_post("/v1/responses"));
+        answer.on_body(&mut gate, &vm, br#"{"model":"m","input":"hello"}"#);
+        answer.on_response_headers(&mut gate, &vm, Some("application/json"), Some(pod));
+        answer.on_response_encoded(&mut gate, "gzip");
+        let (header, mut deflate) = gzip_stream();
+        answer.on_response_body(&mut gate, &vm, &header);
+        let body = br#"{"id":"resp_gz","usage":{"input_tokens":7,"output_tokens":3}}"#;
+        answer.on_response_body(&mut gate, &vm, &deflate(body));
+        answer.on_done(&mut gate, &vm);
+        let on = stored::find(&vm, "resp_gz").unwrap().unwrap();
+        assert_eq!((on.pod.as_str(), on.tokens), (pod, 10));
         assert!(record::read(&vm, pod).unwrap().entries.is_empty());
     }
 
