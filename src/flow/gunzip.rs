@@ -146,7 +146,7 @@ fn header_len(b: &[u8]) -> Result<Option<usize>, Broken> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
@@ -215,27 +215,35 @@ mod tests {
         }
     }
 
-    /// Each chunk of a stream compressed with a flush after it (as Envoy's compressor does)
-    /// decodes to its own text as it comes.
-    #[test]
-    fn each_flushed_chunk_decodes_when_it_comes() {
+    /// A gzip member's header, and a compressor that flushes after each piece it is given, as
+    /// Envoy's does after each data frame.
+    pub(crate) fn flushing() -> (Vec<u8>, impl FnMut(&[u8]) -> Vec<u8>) {
         use miniz_oxide::deflate::core::{
             compress, create_comp_flags_from_zip_params, CompressorOxide, TDEFLFlush,
         };
         let mut c = CompressorOxide::new(create_comp_flags_from_zip_params(6, -15, 0));
+        let header = vec![0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0, 3];
+        (header, move |text: &[u8]| {
+            let mut out = vec![0u8; text.len() + 64];
+            let (_, _, n) = compress(&mut c, text, &mut out, TDEFLFlush::Sync);
+            out.truncate(n);
+            out
+        })
+    }
+
+    /// Each chunk of a stream compressed with a flush after it (as Envoy's compressor does)
+    /// decodes to its own text as it comes.
+    #[test]
+    fn each_flushed_chunk_decodes_when_it_comes() {
+        let (header, mut deflate) = flushing();
         let mut g = Gunzip::default();
         let mut got = Vec::new();
-        g.feed(&[0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0, 3], &mut |p| {
-            got.extend_from_slice(p)
-        })
-        .unwrap();
+        g.feed(&header, &mut |p| got.extend_from_slice(p)).unwrap();
         for i in 0..50 {
             let line =
                 format!("data: {{\"choices\":[{{\"delta\":{{\"content\":\"w{i}\"}}}}]}}\n\n");
-            let mut out = vec![0u8; 1024];
-            let (_, _, n) = compress(&mut c, line.as_bytes(), &mut out, TDEFLFlush::Sync);
             got.clear();
-            g.feed(&out[..n], &mut |p| got.extend_from_slice(p))
+            g.feed(&deflate(line.as_bytes()), &mut |p| got.extend_from_slice(p))
                 .unwrap();
             assert_eq!(got, line.as_bytes(), "chunk {i}");
         }

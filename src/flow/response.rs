@@ -1121,21 +1121,6 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
         f
     }
 
-    /// A gzip member's header and a compressor that flushes each chunk, as Envoy's does.
-    fn gzip_stream() -> (Vec<u8>, impl FnMut(&[u8]) -> Vec<u8>) {
-        use miniz_oxide::deflate::core::{
-            compress, create_comp_flags_from_zip_params, CompressorOxide, TDEFLFlush,
-        };
-        let mut c = CompressorOxide::new(create_comp_flags_from_zip_params(6, -15, 0));
-        let header = vec![0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0, 3];
-        (header, move |text: &[u8]| {
-            let mut out = vec![0u8; text.len() + 64];
-            let (_, _, n) = compress(&mut c, text, &mut out, TDEFLFlush::Sync);
-            out.truncate(n);
-            out
-        })
-    }
-
     /// An answer gzipped after kvgate (Envoy's compressor listed after it) is decoded as it
     /// streams: its entry grows with its tokens and its usage is read, as a plain answer's. A
     /// body that is not the gzip it says grows at the pace from there; more answers at once
@@ -1157,7 +1142,7 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
         assert!(f.reads_response() && !f.answers_unseen());
         assert_eq!(gate.stats.take_count(stats::RESPONSE_DECODED), 1);
         assert_eq!(gate.gunzips, 1);
-        let (header, mut deflate) = gzip_stream();
+        let (header, mut deflate) = crate::flow::gunzip::tests::flushing();
         assert!(!f.on_response_body(&mut gate, &vm, &header));
         let piece = b"data: {\"choices\":[{\"index\":0,\"text\":\"a\"}]}\n\n";
         for _ in 0..40 {
@@ -1203,7 +1188,7 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
         answer.on_body(&mut gate, &vm, br#"{"model":"m","input":"hello"}"#);
         answer.on_response_headers(&mut gate, &vm, Some("application/json"), Some(pod));
         answer.on_response_encoded(&mut gate, "gzip");
-        let (header, mut deflate) = gzip_stream();
+        let (header, mut deflate) = crate::flow::gunzip::tests::flushing();
         answer.on_response_body(&mut gate, &vm, &header);
         let body = br#"{"id":"resp_gz","usage":{"input_tokens":7,"output_tokens":3}}"#;
         answer.on_response_body(&mut gate, &vm, &deflate(body));
