@@ -724,14 +724,23 @@ impl World {
                 };
                 let out = line::enqueue(&self.vms[v], ticket, u64::from(tenant % 8), 8_192.0, 16)
                     .expect("fake host");
-                if let Ok(t) = out {
-                    assert_eq!(t.id, ticket.id);
-                    let q = checked_queue(self.store());
-                    assert!(
-                        q.tickets.iter().any(|x| x.id == t.id),
-                        "enqueued but absent"
-                    );
-                    self.queued.push(t.id);
+                match out {
+                    Ok(t) => {
+                        assert_eq!(t.id, ticket.id);
+                        let q = checked_queue(self.store());
+                        assert!(
+                            q.tickets.iter().any(|x| x.id == t.id),
+                            "enqueued but absent"
+                        );
+                        self.queued.push(t.id);
+                    }
+                    // Told to come back no sooner than now, and no later than it would have
+                    // been answered 503 in the line.
+                    Err(line::Refused::Full(at)) => assert!(
+                        at.is_none_or(|at| (now..=ticket.deadline_ms).contains(&at)),
+                        "refused at {now} with a deadline of {}, told to come back at {at:?}",
+                        ticket.deadline_ms
+                    ),
                 }
             }
             Op::Remove { ticket, admitted } => {

@@ -93,8 +93,32 @@ fn wanted(cfg: &Config, belongs: &str) -> u64 {
     }
 }
 
-fn shed(message: &str) -> Admit {
-    Admit::Refuse(LocalReply::error(429, "rate_limit_exceeded", message, None))
+fn shed(message: &str, retry_after_ms: u64) -> Admit {
+    Admit::Refuse(
+        LocalReply::error(429, "rate_limit_exceeded", message, None).retry_after(retry_after_ms),
+    )
+}
+
+/// A refused request is told to come back no sooner than a second (the header's own unit, and
+/// about what a client told nothing waits before its second retry)...
+const RETRY_AFTER_MIN_MS: u64 = 1_000;
+/// ...and no later than 60 s, nor than `admission.maxWaitMs`: no request waits longer in the
+/// line, and OpenAI's and Anthropic's SDKs ignore a longer `Retry-After` (they back off 0.5 s,
+/// then 1 s, and give up after their two retries).
+const RETRY_AFTER_MAX_MS: u64 = 60_000;
+
+/// When a request shed, or answered 503, should come back (`Retry-After`): within the second
+/// half of the time the tickets waiting for its pods take to leave the line (`drain`,
+/// `QueueRecord::drain_ms`), where `spread` (in [0, 1)) puts it, so that those refused together
+/// do not come back together. Back sooner, it finds the line as full as it left it and spends
+/// one of its client's few retries.
+fn retry_after_ms(drain: Option<u64>, max_wait_ms: u64, spread: f64) -> u64 {
+    let latest = max_wait_ms.clamp(RETRY_AFTER_MIN_MS, RETRY_AFTER_MAX_MS);
+    drain
+        .map_or(RETRY_AFTER_MIN_MS, |drain| {
+            (drain as f64 * (0.5 + 0.5 * spread)) as u64
+        })
+        .clamp(RETRY_AFTER_MIN_MS, latest)
 }
 
 pub struct Admission {
@@ -112,6 +136,9 @@ pub struct Admission {
     /// The earliest release time carried by the wakes being served: the start of the wake-up
     /// latency the next admission measures.
     released_at: Option<u64>,
+    /// Requests this VM has refused: with the VM and the time, what spreads their
+    /// `Retry-After`s (`retry_after_ms`).
+    refused: u64,
 }
 
 /// One of this VM's parked tickets, as its retries need it.
@@ -178,6 +205,7 @@ impl Admission {
             contended: false,
             woken: HashMap::new(),
             released_at: None,
+            refused: 0,
         })
     }
 
@@ -325,8 +353,11 @@ impl Admission {
         // pick only lost its races: a sheddable request waits too.
         if class.priority < 0 && !contended && !learning && !router.discovering(store, cfg) {
             stats.count(stats::ADMISSION_SHED, 1);
+            let spread = self.spread(now);
+            let retry = retry_after_ms(line.drain_ms(ticket.reach, now), a.max_wait_ms, spread);
             return Ok(shed(
                 "the pool is saturated and this request's priority is sheddable",
+                retry,
             ));
         }
         ticket.id = router.next_request_id();
@@ -362,9 +393,13 @@ impl Admission {
                 }
                 Ok(Admit::Wait(t))
             }
-            Err(Refused::Full) => {
+            Err(Refused::Full(back_at)) => {
                 stats.count(stats::ADMISSION_QUEUE_FULL, 1);
-                Ok(shed("kvgate's queue is full (admission.maxQueue)"))
+                let retry = back_at.map_or(RETRY_AFTER_MIN_MS, |at| {
+                    at.saturating_sub(now)
+                        .clamp(RETRY_AFTER_MIN_MS, RETRY_AFTER_MAX_MS)
+                });
+                Ok(shed("kvgate's queue is full (admission.maxQueue)", retry))
             }
         }
     }
@@ -395,14 +430,21 @@ impl Admission {
         if now >= ticket.deadline_ms {
             self.leave(store, ticket.id, Leave::NotAdmitted);
             stats.count(stats::ADMISSION_TIMED_OUT, 1);
-            let waited_s = now.saturating_sub(ticket.enqueued_ms).div_ceil(1000).max(1);
+            // Unread, the line is taken as empty: the shortest `Retry-After`.
+            let line = line::read(store).unwrap_or_default();
+            let spread = self.spread(now);
+            let retry = retry_after_ms(
+                line.drain_ms(ticket.reach, now),
+                cfg.admission.max_wait_ms,
+                spread,
+            );
             let reply = LocalReply::error(
                 503,
                 "service_unavailable",
                 "no model server had room before admission.maxWaitMs ran out",
                 None,
             )
-            .with_header("retry-after", waited_s.to_string());
+            .retry_after(retry);
             return Ok(Ok(Admit::Refuse(reply)));
         }
         let placed = match reach {
@@ -640,6 +682,19 @@ impl Admission {
         if let Err(e) = self.wake_head(store) {
             log::debug!("waking the queue failed: {e:?}");
         }
+    }
+
+    /// Where in its span the `Retry-After` of the request this VM refuses now falls, in [0, 1):
+    /// a hash of the VM, its count of refusals and the time, so that the requests refused
+    /// together are spread apart.
+    fn spread(&mut self, now: u64) -> f64 {
+        self.refused = self.refused.wrapping_add(1);
+        let mut seed = [0u8; 20];
+        seed[..4].copy_from_slice(&self.vm.to_le_bytes());
+        seed[4..12].copy_from_slice(&self.refused.to_le_bytes());
+        seed[12..].copy_from_slice(&now.to_le_bytes());
+        // FNV's top bits are its best mixed.
+        (fnv1a(&seed) >> 54) as f64 / 1_024.0
     }
 
     /// Budget was released: every ticket heading the line on some pods gets a chance.
@@ -938,6 +993,56 @@ mod tests {
             panic!()
         };
         assert_eq!(r.status, 429);
+    }
+
+    /// A refused request is told when the line will have room for it, in seconds and in
+    /// milliseconds: refused for a full line, after the line and one admission's gap after the
+    /// one refused before it (`QueueRecord::appoint`); shed, within the second half of the time
+    /// the tickets ahead take to leave (`QueueRecord::drain_ms`), spread between refusals;
+    /// never past `maxWaitMs`.
+    #[test]
+    fn a_refusal_says_when_the_line_will_have_room() {
+        let host = FakeHost::new();
+        let mut cfg = config(100);
+        cfg.admission.max_wait_ms = 30_000;
+        let mut w = worker(&host, &cfg);
+        let _ = routed(w.place(&cfg, class(&cfg, None, "t"), 100));
+        for _ in 0..3 {
+            let _ = waiting(w.place(&cfg, class(&cfg, None, "t"), 10));
+        }
+        // Nothing has left the line in 4 s: its three tickets take at least 12 s.
+        host.advance_ms(4_000);
+        let told = |w: &mut Worker, cfg: &Config, objective| {
+            let Admit::Refuse(r) = w.place(cfg, class(cfg, objective, "t"), 10) else {
+                panic!()
+            };
+            assert_eq!(r.status, 429);
+            let header = |name: &str| {
+                r.headers
+                    .iter()
+                    .find(|(k, _)| k == name)
+                    .and_then(|(_, v)| v.parse::<u64>().ok())
+                    .unwrap()
+            };
+            let ms = header("retry-after-ms");
+            assert_eq!(header("retry-after"), ms.div_ceil(1_000));
+            ms
+        };
+        // Refused for a full line: after the line, a quarter early (`APPOINTMENT_GAPS`).
+        let full: Vec<u64> = (0..8).map(|_| told(&mut w, &cfg, None)).collect();
+        assert_eq!(
+            full,
+            [12_000, 15_000, 18_000, 21_000, 24_000, 27_000, 30_000, 30_000]
+        );
+        let shed: Vec<u64> = (0..8).map(|_| told(&mut w, &cfg, Some("batch"))).collect();
+        assert!(
+            shed.iter().all(|ms| (6_000..=12_000).contains(ms)),
+            "{shed:?}"
+        );
+        assert!(shed.windows(2).any(|p| p[0] != p[1]), "spread: {shed:?}");
+        // Never past `maxWaitMs`: nobody waits longer.
+        cfg.admission.max_wait_ms = 5_000;
+        assert_eq!(told(&mut w, &cfg, None), 5_000);
     }
 
     #[test]

@@ -61,6 +61,13 @@ impl LocalReply {
         self.headers.push((name.to_string(), value));
         self
     }
+
+    /// When to try again: `retry-after` in whole seconds (RFC 9110's delay-seconds), and
+    /// `retry-after-ms` to the millisecond, which OpenAI's and Anthropic's SDKs read first.
+    pub fn retry_after(self, ms: u64) -> Self {
+        self.with_header("retry-after", ms.div_ceil(1_000).to_string())
+            .with_header("retry-after-ms", ms.to_string())
+    }
 }
 
 #[cfg(test)]

@@ -5,6 +5,7 @@ loopback. Everything started here is stopped by the context managers, even when 
 import contextlib
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -126,6 +127,31 @@ def request(port, method, path, body=None, headers=None, timeout=60.0) -> Respon
         return Response(r.status, r.getheaders(), r.read())
     finally:
         conn.close()
+
+
+def sdk_call(port, path, body, max_retries=2):
+    """One call made as OpenAI's Python SDK makes it (openai-python `_base_client.py`, and
+    Anthropic's SDK alike): on 408, 409, 429 or 5xx it tries again at most `max_retries` times (2
+    by default), after the answer's `retry-after-ms`, else its `retry-after`, when that is within
+    (0, 60] s, else after 0.5 s × 2^n (at most 8 s) less up to a quarter. Returns the last status,
+    the attempts made and the waits it was told."""
+    told = []
+    for attempt in range(max_retries + 1):
+        r = request(port, "POST", path, body, timeout=120)
+        if not (r.status in (408, 409, 429) or r.status >= 500) or attempt == max_retries:
+            return r.status, attempt + 1, told
+        after = None
+        for name, scale in (("retry-after-ms", 0.001), ("retry-after", 1.0)):
+            try:
+                after = float(r.headers[name]) * scale
+                break
+            except (KeyError, ValueError):
+                pass
+        if after is not None and 0 < after <= 60:
+            told.append(after)
+        else:
+            after = min(0.5 * 2 ** attempt, 8.0) * (1 - 0.25 * random.random())
+        time.sleep(after)
 
 
 def responses_call(port, body, headers=None, timeout=60):

@@ -11,7 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from harness import (Sim, baseline_envoy, default_plugin_config, kvgate_envoy, kvgate_gauges, preemptions, request,
-                     stream, wait_for)
+                     sdk_call, stream, wait_for)
 
 from bodies import MODEL, unshared_completion
 # Two pods of 256 blocks × 16 tokens = 4096 tokens of KV each.
@@ -201,6 +201,35 @@ def test_timeout_503_full_queue_429_and_disconnects_leave_nothing_reserved():
         assert reserved_zero(envoy), kvgate_gauges(envoy, "reserved_tokens")
         queue_len = envoy.stats("wasmcustom.kvgate.queue.length").get("wasmcustom.kvgate.queue.length")
         assert queue_len == 0
+
+
+def test_a_burst_past_a_full_line_is_served_to_clients_that_retry_as_the_sdks_do():
+    """Five times what the pool and its line hold, at once, from clients that retry as OpenAI's
+    SDK does: refused for a full line, each is told when a place will be free for it
+    (`Retry-After`, one admission apart after the line has drained), so its two retries are
+    not spent on a line as full as it left it."""
+    cfg = config(maxQueue=8, maxWaitMs=30_000)
+    burst = 60
+    with Sim(pods=2, args=SMALL_KV) as sim, kvgate_envoy(sim.endpoints, cfg) as envoy:
+        t0 = time.time()
+        with ThreadPoolExecutor(burst) as pool:
+            calls = [pool.submit(sdk_call, envoy.port, "/v1/completions", unshared_completion(500 + i, max_tokens=1000))
+                     for i in range(burst)]
+            done = [f.result() for f in calls]
+        took = time.time() - t0
+        statuses = [s for s, _, _ in done]
+        served = statuses.count(200)
+        attempts = sum(a for _, a, _ in done)
+        told = sorted(x for _, _, t in done for x in t)
+        print(f"burst of {burst}: {served} served in {took:.1f} s, {attempts} attempts, "
+              f"statuses {sorted(set(statuses))}, told to wait {len(told)} times, "
+              f"median {statistics.median(told) if told else 0:.2f} s, longest {max(told, default=0):.2f} s")
+        # Without a Retry-After (2026-12-06, the build before): 20 of 60 served, the other 40
+        # gave up after retrying at 0.5 and 1 s into a line as full as they left it.
+        assert served >= 0.9 * burst, (served, sorted(set(statuses)))
+        assert all(1.0 <= x <= 30.0 for x in told), told
+        assert reserved_zero(envoy)
+        assert preemptions(sim) == 0
 
 
 def test_wake_up_latency_when_budget_frees():
