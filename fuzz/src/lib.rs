@@ -124,6 +124,16 @@ pub fn checked_queue(store: &dyn Store) -> QueueRecord {
             "ticket with a non-finite tag: {t:?}"
         );
     }
+    // One drain a set of pods, and only while it measures something: a ticket waiting for its
+    // pods since its first admission, or an appointment still to come.
+    let mut reaches = HashSet::new();
+    for d in &q.drains {
+        assert!(reaches.insert(d.reach), "two drains of one set: {q:?}");
+        assert!(
+            d.from_ms > 0 || (d.drained == 0 && d.appointed_ms > 0),
+            "a drain kept for nothing: {d:?}"
+        );
+    }
     for w in q.tickets.windows(2) {
         assert!(
             line::order(&w[0], &w[1]) != std::cmp::Ordering::Greater,

@@ -157,18 +157,44 @@ pub struct QueueRecord {
     /// from before reaches reads it (after the tickets: a record without it, older still, reads
     /// as no passes).
     pub passes: Vec<(u64, u32)>,
-    /// How fast the line drains, which a refused request's `Retry-After` is worked out from
-    /// (`QueueRecord::drain_ms`): `drained` more tickets admitted from it since the admission
-    /// at `drain_from_ms` (0: none since it last emptied). Counted from a first admission, not
-    /// from when the line filled: the wait for the first release is as long as a request runs,
-    /// and no gap between admissions. The span is halved whenever the count reaches
-    /// `2 × DRAIN_WINDOW`, so it covers the last `DRAIN_WINDOW` to twice that many admissions.
-    pub drain_from_ms: u64,
+    /// How fast the tickets for each set of pods leave the line, which a refused request's
+    /// `Retry-After` is worked out from (`QueueRecord::drain_ms`): one [`Drain`] per reach
+    /// admitted from or refused, at most `MAX_DRAINS`. Per set of pods because each model's
+    /// pods serve at their own pace: a model of long answers drains its line ten times slower
+    /// than one of short answers beside it, and one pace for both told the first's refused
+    /// clients to come back too soon, spending their retries.
+    pub drains: Vec<Drain>,
+}
+
+/// How fast the tickets for one set of pods (`reach`) leave the line: `drained` more of them
+/// admitted since the admission at `from_ms` (0: none since a ticket last waited for any of those
+/// pods). Counted from a first admission, not from when the line filled: the wait for the first
+/// release is as long as a request runs, and no gap between admissions. The span is halved
+/// whenever the count reaches `2 × DRAIN_WINDOW`, so it covers the last `DRAIN_WINDOW` to twice
+/// that many admissions.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Drain {
+    pub reach: u64,
+    pub from_ms: u64,
     pub drained: u64,
-    /// The latest time a request refused for a full line was told to come back
+    /// The latest time a request for these pods refused for a full line was told to come back
     /// ([`QueueRecord::appoint`]).
     pub appointed_ms: u64,
 }
+
+impl Drain {
+    /// Admissions a millisecond over its span, which ends now; none before its first admission.
+    fn rate(&self, now: u64) -> f64 {
+        if self.from_ms == 0 {
+            return 0.0;
+        }
+        self.drained.max(1) as f64 / now.saturating_sub(self.from_ms).max(1) as f64
+    }
+}
+
+/// Sets of pods whose drains a line keeps (`QueueRecord::drains`): more than the models that
+/// wait at once behind one gateway; past it the quietest set's is forgotten and measured again.
+const MAX_DRAINS: usize = 32;
 
 /// Admissions the drain's span covers at least (`QueueRecord::drained`): enough that releases
 /// coming in bunches (requests started together end together) read as their mean.
@@ -222,10 +248,16 @@ impl QueueRecord {
         for t in &self.tickets {
             w.u64(t.need);
         }
-        // And how fast it drains after those.
-        w.u64(self.drain_from_ms)
-            .u64(self.drained)
-            .u64(self.appointed_ms);
+        // Where a module from before drains per set of pods read its one drain for the whole
+        // line: written empty, so it measures its own. And each set's after that.
+        w.u64(0).u64(0).u64(0);
+        w.u32(self.drains.len() as u32);
+        for d in &self.drains {
+            w.u64(d.reach)
+                .u64(d.from_ms)
+                .u64(d.drained)
+                .u64(d.appointed_ms);
+        }
         w.0
     }
 
@@ -278,10 +310,24 @@ impl QueueRecord {
                 }
             }
         }
-        let (drain_from_ms, drained, appointed_ms) = if r.is_empty() {
-            (0, 0, 0)
+        // The whole line's drain a module from before wrote is not a set's: read as not yet
+        // measured.
+        if !r.is_empty() {
+            for _ in 0..3 {
+                r.u64()?;
+            }
+        }
+        let drains = if r.is_empty() {
+            Vec::new()
         } else {
-            (r.u64()?, r.u64()?, r.u64()?)
+            r.list(32, |r| {
+                Some(Drain {
+                    reach: r.u64()?,
+                    from_ms: r.u64()?,
+                    drained: r.u64()?,
+                    appointed_ms: r.u64()?,
+                })
+            })?
         };
         passes.retain(|&(id, n)| n > 0 && tickets.iter().any(|t| t.id == id));
         Some(QueueRecord {
@@ -289,9 +335,7 @@ impl QueueRecord {
             tenants,
             tickets,
             passes,
-            drain_from_ms,
-            drained,
-            appointed_ms,
+            drains,
         })
     }
 
@@ -304,11 +348,12 @@ impl QueueRecord {
             .map(|(n, gap)| (n as f64 * gap) as u64)
     }
 
-    /// How many tickets wait for a pod of `reach`, and the gap between admissions from the line
-    /// now: the mean over the drain's span, the time since the last admission included, so a
-    /// line that stops draining reads slower at once; before a second admission, the time since
-    /// the first (or, before any, since the oldest ticket arrived): nothing left in that time.
-    /// `None` when none waits.
+    /// How many tickets wait for a pod of `reach`, and the gap between admissions of tickets
+    /// for those pods now: from the drains of the sets of pods that share one with `reach`, each
+    /// its mean over its span, the time since its last admission included, so a line that stops
+    /// draining reads slower at once; their rates add up, since each admission is a place
+    /// freed. Before any such admission, the time since the oldest of those tickets arrived:
+    /// nothing left in that time. `None` when none waits.
     fn pace(&self, reach: u64, now: u64) -> Option<(u64, f64)> {
         let (n, oldest) = self
             .tickets
@@ -320,46 +365,89 @@ impl QueueRecord {
         if n == 0 {
             return None;
         }
-        let from = if self.drain_from_ms > 0 {
-            self.drain_from_ms
+        let rate: f64 = self
+            .drains
+            .iter()
+            .filter(|d| d.reach & reach != 0)
+            .map(|d| d.rate(now))
+            .sum();
+        let gap = if rate > 0.0 {
+            1.0 / rate
         } else {
-            oldest
+            now.saturating_sub(oldest) as f64
         };
-        let gap = now.saturating_sub(from) as f64 / self.drained.max(1) as f64;
         Some((n, gap))
+    }
+
+    /// The drain of exactly the pods `reach`, made if there is none (the quietest set's place
+    /// taken when `MAX_DRAINS` are kept).
+    fn drain_of(&mut self, reach: u64) -> &mut Drain {
+        let at = match self.drains.iter().position(|d| d.reach == reach) {
+            Some(at) => at,
+            None => {
+                if self.drains.len() >= MAX_DRAINS {
+                    if let Some(quietest) = (0..self.drains.len())
+                        .min_by_key(|&i| (self.drains[i].drained, self.drains[i].appointed_ms))
+                    {
+                        self.drains.swap_remove(quietest);
+                    }
+                }
+                self.drains.push(Drain {
+                    reach,
+                    ..Drain::default()
+                });
+                self.drains.len() - 1
+            }
+        };
+        &mut self.drains[at]
     }
 
     /// When a request refused for a full line (`ticket`, which would have joined it) should
     /// come back: when a place will be free for it, after the tickets waiting for its pods have
-    /// left (`drain_ms`) and one admission's gap more for each request refused before it that
-    /// is still to come back — so that those refused together come back one at a time, each to
-    /// the room an admission made — but never past the ticket's deadline (it would have been
-    /// answered 503 by then). Both aimed a little early (`APPOINTMENT_GAPS`). A line that stops
-    /// refusing forgets its appointments as their times pass. `None` when none waits.
+    /// left (`drain_ms`) and one admission's gap more for each request for the same pods refused
+    /// before it that is still to come back — so that those refused together come back one at a
+    /// time, each to the room an admission made — but never past the ticket's deadline (it would
+    /// have been answered 503 by then). Both aimed a little early (`APPOINTMENT_GAPS`). A line
+    /// that stops refusing forgets its appointments as their times pass. `None` when none waits.
     pub fn appoint(&mut self, ticket: &Ticket, now: u64) -> Option<u64> {
         let (n, gap) = self.pace(ticket.reach, now)?;
         let gap = gap * APPOINTMENT_GAPS;
         let after_line = now.saturating_add((n as f64 * gap) as u64);
-        let at = self
+        let drain = self.drain_of(ticket.reach);
+        let at = drain
             .appointed_ms
             .max(after_line)
             .saturating_add(gap as u64)
             .min(ticket.deadline_ms.max(now));
-        self.appointed_ms = at;
+        drain.appointed_ms = at;
         Some(at)
     }
 
-    /// A ticket was admitted from the line at `now`.
-    fn note_admission(&mut self, now: u64) {
-        if self.drain_from_ms == 0 {
-            self.drain_from_ms = now.max(1);
+    /// A ticket for the pods `reach` was admitted from the line at `now`.
+    fn note_admission(&mut self, reach: u64, now: u64) {
+        let d = self.drain_of(reach);
+        if d.from_ms == 0 {
+            d.from_ms = now.max(1);
             return;
         }
-        self.drained += 1;
-        if self.drained >= 2 * DRAIN_WINDOW {
-            self.drained /= 2;
-            self.drain_from_ms = now - now.saturating_sub(self.drain_from_ms) / 2;
+        d.drained += 1;
+        if d.drained >= 2 * DRAIN_WINDOW {
+            d.drained /= 2;
+            d.from_ms = now - now.saturating_sub(d.from_ms) / 2;
         }
+    }
+
+    /// Gaps are measured only while tickets wait: the time before a ticket waits for those pods
+    /// again is not how fast they drain. A set's drain is forgotten once no ticket waits for its
+    /// pods and its appointments have passed.
+    fn forget_idle_drains(&mut self, now: u64) {
+        let waiting = self.tickets.iter().fold(0, |all, t| all | t.reach);
+        self.drains.retain_mut(|d| {
+            if d.reach & waiting == 0 {
+                (d.from_ms, d.drained) = (0, 0);
+            }
+            d.from_ms > 0 || d.appointed_ms > now
+        });
     }
 
     /// Tickets admitted past the ticket `id` while it headed a line of its own.
@@ -614,13 +702,9 @@ pub fn remove(store: &dyn Store, id: u64, leave: Leave) -> Result<bool, StoreErr
                 q.pass(h);
             }
             q.virtual_time = q.virtual_time.max(tag);
-            q.note_admission(now);
+            q.note_admission(t.reach, now);
         }
-        // Gaps are measured only while tickets wait: the time before the line fills again is not
-        // how fast it drains.
-        if q.tickets.is_empty() {
-            (q.drain_from_ms, q.drained) = (0, 0);
-        }
+        q.forget_idle_drains(now);
         let tickets = &q.tickets;
         q.passes.retain(|&(h, _)| tickets.iter().any(|t| t.id == h));
         Some(())
@@ -680,6 +764,16 @@ mod tests {
             wants: 0,
             reach: ANYWHERE,
             need: 0,
+        }
+    }
+
+    /// A ticket for the pods `reach` arriving now, to wait up to ten minutes.
+    fn arriving(host: &FakeHost, id: u64, reach: u64) -> Ticket {
+        Ticket {
+            reach,
+            enqueued_ms: host.now_ms(),
+            deadline_ms: host.now_ms() + 600_000,
+            ..ticket(id, 0, 10)
         }
     }
 
@@ -846,9 +940,20 @@ mod tests {
             tenants: vec![(1, 4.0)],
             tickets: vec![ticket(9, -2, 5)],
             passes: vec![(9, 2)],
-            drain_from_ms: 77,
-            drained: 5,
-            appointed_ms: 4_321,
+            drains: vec![
+                Drain {
+                    reach: 1 << 5,
+                    from_ms: 77,
+                    drained: 5,
+                    appointed_ms: 4_321,
+                },
+                Drain {
+                    reach: 3,
+                    from_ms: 0,
+                    drained: 0,
+                    appointed_ms: 99,
+                },
+            ],
         };
         q.tickets[0].boosted = true;
         q.tickets[0].wants = pod_key("10.0.0.1:8000");
@@ -856,23 +961,23 @@ mod tests {
         q.tickets[0].need = 1_234;
         assert_eq!(QueueRecord::decode(&q.encode()), Some(q.clone()));
         assert_eq!(QueueRecord::decode(b"xx"), None);
-        // A record from before the drain (nothing after the needs) reads as a line not yet
-        // measured; one from before needs (nothing after the passes of every head) with no
-        // needs; one from before reaches (nothing after the wants) with every ticket
-        // reaching everywhere and the first ticket's passes; one from before the pods tickets
-        // wait for (nothing after the passes) with no wants either; one from before backfills
-        // (nothing after the tickets) with no passes.
+        // A record from before drains per set of pods (one drain for the whole line after the
+        // needs, nothing after it) reads as a line not yet measured, as does one from before
+        // the drain (nothing after the needs); one from before needs (nothing after the passes
+        // of every head) with no needs; one from before reaches (nothing after the wants) with
+        // every ticket reaching everywhere and the first ticket's passes; one from before the
+        // pods tickets wait for (nothing after the passes) with no wants either; one from before
+        // backfills (nothing after the tickets) with no passes.
         let full = q.encode();
-        let bytes = &full[..full.len() - 24];
+        let whole_line = &full[..full.len() - 4 - 2 * 32];
+        let mut legacy = whole_line.to_vec();
+        legacy[whole_line.len() - 24..].copy_from_slice(&[7; 24]);
+        let before_sets = QueueRecord::decode(&legacy).unwrap();
+        assert_eq!(before_sets.drains, vec![]);
+        assert_eq!(before_sets.tickets, q.tickets);
+        let bytes = &whole_line[..whole_line.len() - 24];
         let before_drain = QueueRecord::decode(bytes).unwrap();
-        assert_eq!(
-            (
-                before_drain.drain_from_ms,
-                before_drain.drained,
-                before_drain.appointed_ms
-            ),
-            (0, 0, 0)
-        );
+        assert_eq!(before_drain.drains, vec![]);
         assert_eq!(before_drain.tickets, q.tickets);
         let before_need = QueueRecord::decode(&bytes[..bytes.len() - 12]).unwrap();
         assert_eq!(before_need.tickets[0].need, 0);
@@ -898,12 +1003,7 @@ mod tests {
         let vm = host.vm();
         ensure(&vm).unwrap();
         let (a, b) = (1 << 0, 1 << 1);
-        let on = |id, reach| Ticket {
-            reach,
-            enqueued_ms: host.now_ms(),
-            deadline_ms: host.now_ms() + 600_000,
-            ..ticket(id, 0, 10)
-        };
+        let on = |id, reach| arriving(&host, id, reach);
         host.advance_ms(1_000);
         for id in 1..=6 {
             enqueue(&vm, on(id, a), 1, 0.0, 1_000).unwrap().unwrap();
@@ -939,16 +1039,20 @@ mod tests {
             assert!(remove(&vm, id, Leave::Admitted(a)).unwrap());
         }
         let q = read(&vm).unwrap();
-        assert!((32..64).contains(&q.drained), "{}", q.drained);
-        let gap = q.drain_ms(b, host.now_ms()).unwrap();
+        assert!((32..64).contains(&q.drains[0].drained), "{:?}", q.drains);
+        let gap = q.drain_ms(a, host.now_ms()).unwrap() / 3;
         assert!((10..=20).contains(&gap), "{gap} ms");
-        // Once the line empties, the idle time that follows is no gap.
-        for id in [5, 6, 7] {
+        // Another model's pods drain at their own pace: nothing of theirs admitted yet.
+        let since = host.now_ms() - 1_000;
+        assert_eq!(read(&vm).unwrap().drain_ms(b, host.now_ms()), Some(since));
+        // Once nobody waits for those pods, the idle time that follows is no gap.
+        for id in [5, 6] {
             assert!(remove(&vm, id, Leave::Admitted(a)).unwrap());
         }
         let q = read(&vm).unwrap();
-        assert_eq!((q.drain_from_ms, q.drained), (0, 0));
+        assert_eq!(q.drains, vec![], "forgotten");
         assert_eq!(q.drain_ms(a, host.now_ms()), None, "nobody waits");
+        assert!(remove(&vm, 7, Leave::Admitted(b)).unwrap());
         host.advance_ms(60_000);
         enqueue(&vm, on(8, a), 1, 0.0, 1_000).unwrap().unwrap();
         enqueue(&vm, on(9, a), 1, 0.0, 1_000).unwrap().unwrap();
@@ -956,6 +1060,71 @@ mod tests {
         assert!(remove(&vm, 8, Leave::Admitted(a)).unwrap());
         host.advance_ms(30);
         assert_eq!(read(&vm).unwrap().drain_ms(a, host.now_ms()), Some(30));
+    }
+
+    /// Two models on pods of their own, one answering ten times longer: each line is told its
+    /// own pace, a request that may take either pods both, and refusals are spaced per set.
+    /// Before (one drain for the whole line), the slow model's refusals were told the mixed
+    /// pace, about a tenth of its own.
+    #[test]
+    fn each_set_of_pods_drains_at_its_own_pace() {
+        let host = FakeHost::new();
+        let vm = host.vm();
+        ensure(&vm).unwrap();
+        let (slow, quick) = (1 << 0, 1 << 1);
+        let on = |id, reach| arriving(&host, id, reach);
+        host.advance_ms(1_000);
+        for id in 1..=4 {
+            enqueue(&vm, on(id, slow), 1, 0.0, 4).unwrap().unwrap();
+            enqueue(&vm, on(100 + id, quick), 1, 0.0, 4)
+                .unwrap()
+                .unwrap();
+        }
+        // One second: 1 slow admission a second, 10 quick ones, each replaced as it leaves.
+        let mut next = 200;
+        for tick in 0..=10 {
+            if tick > 0 {
+                host.advance_ms(100);
+            }
+            let head = read(&vm)
+                .unwrap()
+                .tickets
+                .iter()
+                .find(|t| t.reach == quick)
+                .map(|t| t.id)
+                .unwrap();
+            assert!(remove(&vm, head, Leave::Admitted(quick)).unwrap());
+            enqueue(&vm, on(next, quick), 1, 0.0, 4).unwrap().unwrap();
+            next += 1;
+            if tick % 10 == 0 {
+                assert!(remove(&vm, tick / 10 + 1, Leave::Admitted(slow)).unwrap());
+                enqueue(&vm, on(next, slow), 1, 0.0, 4).unwrap().unwrap();
+                next += 1;
+            }
+        }
+        let (q, now) = (read(&vm).unwrap(), host.now_ms());
+        assert_eq!(q.drain_ms(slow, now), Some(4 * 1_000));
+        assert_eq!(q.drain_ms(quick, now), Some(4 * 100));
+        // Waiting for either set: eight tickets, each admission of either a place freed.
+        assert_eq!(q.drain_ms(slow | quick, now), Some(8 * 1_000 / 11));
+        // Refused together, each set's requests come back one of its own gaps apart.
+        let back = |reach| match enqueue(&vm, on(next, reach), 1, 0.0, 4).unwrap() {
+            Err(Refused::Full(Some(at))) => at - now,
+            joined => panic!("{joined:?}"),
+        };
+        assert_eq!([back(slow), back(slow)], [3_750, 4_500]);
+        assert_eq!([back(quick), back(quick)], [375, 450]);
+        assert_eq!(back(slow), 5_250, "its own turn, not after the quick ones");
+        // Refusals for many more sets than are kept: the quietest sets' places are taken, the
+        // ones still measuring keep theirs.
+        for k in 2..64 {
+            back(slow | 1 << k);
+        }
+        let q = read(&vm).unwrap();
+        assert_eq!(q.drains.len(), MAX_DRAINS);
+        for reach in [slow, quick] {
+            assert!(q.drains.iter().any(|d| d.reach == reach && d.drained > 0));
+        }
     }
 
     /// Requests refused for a full line are told to come back one admission apart, after the

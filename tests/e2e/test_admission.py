@@ -8,6 +8,7 @@ import socket
 import statistics
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 from harness import (Sim, baseline_envoy, default_plugin_config, kvgate_envoy, kvgate_gauges, preemptions, request,
@@ -230,6 +231,33 @@ def test_a_burst_past_a_full_line_is_served_to_clients_that_retry_as_the_sdks_do
         assert all(1.0 <= x <= 30.0 for x in told), told
         assert reserved_zero(envoy)
         assert preemptions(sim) == 0
+
+
+def test_two_models_bursting_at_once_are_each_told_their_own_lines_pace():
+    """Two models, each on two pods of its own, burst past their full lines at once from clients
+    that retry as the SDKs do: model-a of answers ten times longer than model-b's, so its line
+    drains ten times slower. Each refusal is told its own line's pace. Before (2026-12-06, one
+    pace for the whole line): model-a's clients were told model-b's, came back too early, and
+    21 of 60 gave up; model-b's last answer came 2 s later."""
+    cfg = config(maxQueue=8, maxWaitMs=30_000)
+    burst = {"model-a": (60, 1000), "model-b": (200, 100)}
+    with Sim(pods=2, args=SMALL_KV + ["--served-model-name", "model-a"]) as a, \
+            Sim(pods=2, args=SMALL_KV + ["--served-model-name", "model-b"]) as b, \
+            kvgate_envoy(a.endpoints + b.endpoints, cfg) as envoy:
+        listed = "wasmcustom.kvgate.models.list_ok"
+        assert wait_for(lambda: envoy.stats(listed).get(listed, 0) >= 4, timeout=15)
+        jobs = [(m, dict(unshared_completion(1_000 * k + i, max_tokens=n), model=m))
+                for k, (m, (clients, n)) in enumerate(burst.items()) for i in range(clients)]
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            done = list(pool.map(lambda j: (j[0], sdk_call(envoy.port, "/v1/completions", j[1])), jobs))
+        served = Counter(m for m, (status, _, _) in done if status == 200)
+        told = {m: [x for k, (_, _, t) in done if k == m for x in t] for m in burst}
+        print(f"served {dict(served)}; told to wait, longest s: { {m: max(t) for m, t in told.items()} }")
+        for m, (clients, _) in burst.items():
+            assert served[m] >= 0.9 * clients, (m, served[m])
+            assert all(1.0 <= x <= 30.0 for x in told[m]), told[m]
+        assert reserved_zero(envoy)
+        assert preemptions(a) + preemptions(b) == 0
 
 
 def test_wake_up_latency_when_budget_frees():
