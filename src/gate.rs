@@ -60,6 +60,9 @@ pub struct Gate {
     /// This VM's requests held while the pods are asked for a stored response
     /// (`routing::stored_ask`), at most `stored_ask::MAX_ASKING`.
     pub(crate) asking: usize,
+    /// The turn of this VM's requests on other paths among the pods serving their model
+    /// (`flow::other_path`).
+    pub(crate) other_turn: u64,
     pub stats: Stats,
 }
 
@@ -82,6 +85,7 @@ impl Gate {
             told_encoded: false,
             gunzips: 0,
             asking: 0,
+            other_turn: 0,
             stats: Stats::default(),
         })
     }

@@ -135,6 +135,9 @@ catalog! {
     MODELS_NOT_FOUND = "kvgate.models.not_found";
     /// Requests whose model was rewritten to a target (`models.routes`).
     MODELS_REWRITTEN = "kvgate.models.rewritten";
+    /// Requests on paths kvgate does not read whose model it read, to name it in the model
+    /// header and send them to a pod listing it (`flow::other_path`).
+    OTHER_PATHS_ROUTED = "kvgate.models.other_paths_routed";
     /// Model lists (`/v1/models`) read, and fetches or bodies that failed (the pod keeps its last).
     MODELS_LIST_OK = "kvgate.models.list_ok";
     MODELS_LIST_ERRORS = "kvgate.models.list_errors";

@@ -751,6 +751,7 @@ impl World {
                     "/v1/completions/",
                     "/v1/responses/resp_1",
                     "/v1/responses/resp_2/cancel",
+                    "/tokenize",
                 ];
                 let tenant = format!("tenant-{}", tenant % 3);
                 let session_id = format!("s{}", session % 4);

@@ -2,7 +2,8 @@
 //! decisions the shell carries out: which headers to strip or set, whether to wait for the body,
 //! forward, or answer locally. All shared state is reached through the `Store` given to each step.
 //! This file is the request side (headers, body, the decision, a parked request's retry);
-//! `response.rs` the response side (headers, streamed body, the end).
+//! `response.rs` the response side (headers, streamed body, the end); `other_path.rs` the
+//! requests on paths kvgate does not read, sent by the model they name.
 
 use crate::admission::admit::{Admit, Asks, Class, Reach, Stay};
 use crate::admission::line::Ticket;
@@ -26,6 +27,7 @@ use crate::stats;
 use crate::store::interface::{Store, StoreError};
 
 pub mod gunzip;
+mod other_path;
 mod response;
 use response::header_safe;
 
@@ -222,6 +224,8 @@ pub struct Flow {
     priority_given: bool,
     /// The cache salt its header gave (`RequestHead::cache_salt`), for the body to be hashed by.
     salt_header: Option<String>,
+    /// Its body is read for its model alone (`other_path`).
+    model_only: bool,
 }
 
 /// What the model step decided for a request.
@@ -395,9 +399,11 @@ fn unread(cfg: &Config) -> Decision {
     })
 }
 
-/// A stored response's retrieval goes to the pod storing it, through Envoy's override host (and
-/// the original-destination header, when configured), while that pod is in the pool; one gone
-/// (or another replica's pod this one does not know) is no constraint, as for a follow-up.
+/// A request kvgate does not admit sent to `pod`, through Envoy's override host (and the
+/// original-destination header, when configured), while that pod is in the pool: a stored
+/// response's retrieval to the pod storing it (one gone, or another replica's pod this one does
+/// not know, is no constraint, as for a follow-up), a request on another path to a pod serving
+/// its model (`other_path`).
 fn retrieval(gate: &Gate, pod: &str) -> Decision {
     let cfg = &gate.config;
     if !gate.pods().iter().any(|p| p == pod) {
@@ -482,7 +488,7 @@ impl Flow {
                     }
                     None => unread(&gate.config),
                 },
-                _ => unread(cfg),
+                _ => self.other_path(gate, store, head, json),
             };
         };
         self.api = Some(api);
@@ -518,7 +524,7 @@ impl Flow {
 
     /// Whether the request has been classified as one kvgate reads the body of.
     pub fn wants_body(&self) -> bool {
-        self.api.is_some() && self.admitted.is_none() && self.seeking.is_none()
+        (self.api.is_some() || self.model_only) && self.admitted.is_none() && self.seeking.is_none()
     }
 
     /// More of the body has arrived (`size` bytes buffered so far).
@@ -529,6 +535,9 @@ impl Flow {
 
     /// The whole body is here: parse, estimate, decide.
     pub fn on_body(&mut self, gate: &mut Gate, store: &dyn Store, body: &[u8]) -> Decision {
+        if self.model_only {
+            return self.on_other_path_body(gate, store, body);
+        }
         let Some(api) = self.api else {
             return Decision::step(Step::Forward);
         };

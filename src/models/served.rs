@@ -482,6 +482,25 @@ impl ServedView {
         out
     }
 
+    /// Whether two of `pods`' lists, as last read, name different models (a pod not listed yet
+    /// is taken to serve every model, and differs from none).
+    pub fn differ(&self, pods: &[String]) -> bool {
+        let mut lists = pods
+            .iter()
+            .filter_map(|p| self.pods.get(p))
+            .filter(|s| s.listed_ms.is_some())
+            .map(|s| {
+                let mut ids: Vec<&str> = s.models.iter().map(|m| m.id.as_str()).collect();
+                ids.sort_unstable();
+                ids.dedup();
+                ids
+            });
+        let Some(first) = lists.next() else {
+            return false;
+        };
+        lists.any(|ids| ids != first)
+    }
+
     /// Whether any of `pods`' lists, as last read, names `model`.
     pub fn lists(&mut self, pods: &[String], model: &str) -> bool {
         self.memo(pods, model).lists.contains(&true)

@@ -399,6 +399,30 @@ impl Request {
         Self::from_body(api, parsed, model, model_span, body.len())
     }
 
+    /// The `model` of a JSON object on a path kvgate does not read (vLLM's `/tokenize`,
+    /// `/pooling`, `/v1/score`, `/rerank` …), for its pod alone: that and where it lies in the
+    /// body (`with_model`), the rest left default. `None` when the body is not a JSON object
+    /// naming a model as a string: the request then goes on as it came.
+    pub fn model_only(body: &[u8]) -> Option<Request> {
+        #[derive(Deserialize, Default)]
+        #[serde(default)]
+        struct Named<'a> {
+            #[serde(borrow)]
+            model: Option<&'a serde_json::value::RawValue>,
+        }
+        let body = std::str::from_utf8(body).ok()?;
+        if body.bytes().find(|b| !b.is_ascii_whitespace()) != Some(b'{') {
+            return None;
+        }
+        let named: Named = Self::deserialize(body).ok()?;
+        let (model, model_span) = Self::model_of(named.model, body).ok()?;
+        (!model.is_empty()).then(|| Request {
+            model,
+            model_span,
+            ..Request::default()
+        })
+    }
+
     /// The `model` a body names, and where its value lies in the body. No model (absent, null
     /// or empty) is the engine's own: vLLM and SGLang then serve the model they were started
     /// with (`Request::model` empty; the gateway works out which).

@@ -83,6 +83,31 @@ def test_each_model_reaches_only_pods_serving_it_and_an_unknown_model_is_404():
         assert r.status == 404 and r.json()["error"]["type"] == "model_not_found", r.body
 
 
+def test_requests_on_other_paths_go_to_a_pod_serving_their_model():
+    """vLLM's `/tokenize` and `/detokenize` and Anthropic's `/v1/messages/count_tokens`, paths
+    kvgate does not read, with two models on pods of their own: each goes to a pod serving the
+    model its body names (`flow::other_path`). Before (2026-12-06), left to Envoy's balancer,
+    about half reached the other model's engines, which answered 404."""
+    with Sim(pods=2, args=SIM_ARGS + ["--served-model-name", "model-a"]) as a, \
+            Sim(pods=2, args=SIM_ARGS + ["--served-model-name", "model-b"]) as b, \
+            kvgate_envoy(a.endpoints + b.endpoints, default_plugin_config()) as envoy:
+        assert lists_read(envoy, 4)
+        jobs = [(path, dict(body, model=m)) for i in range(20) for m in ("model-a", "model-b")
+                for path, body in (("/tokenize", {"prompt": f"hello {i}"}),
+                                   ("/detokenize", {"tokens": [1, 2, i]}),
+                                   ("/v1/messages/count_tokens",
+                                    {"messages": [{"role": "user", "content": f"hi {i}"}]}))]
+        with ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(lambda j: request(envoy.port, "POST", j[0], j[1]), jobs))
+        wrong = [(path, body["model"], r.status, r.body[:120]) for (path, body), r in zip(jobs, results)
+                 if r.status != 200]
+        assert not wrong, f"{len(wrong)} of {len(results)}: {wrong[:4]}"
+        counted = envoy.stats("wasmcustom.kvgate.models.other_paths_routed")
+        assert counted.get("wasmcustom.kvgate.models.other_paths_routed") == len(jobs), counted
+        # A model no pod serves is the engine's to answer, as before.
+        assert request(envoy.port, "POST", "/tokenize", {"model": "model-c", "prompt": "x"}).status == 404
+
+
 @pytest.mark.parametrize("concurrency", [1, 4])
 def test_a_gateway_started_under_load_sends_each_model_only_to_its_pods(concurrency):
     """A restart behind a load balancer, in front of two models' pods: 48 clients send the moment
@@ -376,3 +401,8 @@ def test_the_two_cluster_example_sends_each_model_to_its_cluster_and_pool():
         assert stats.get("wasmcustom.kvgate.pods.total") == 2, stats
         r = request(envoy.port, "POST", "/v1/chat/completions", chat("mistral", 0))
         assert r.status == 404, (r.status, r.body)
+        # A path kvgate does not read reaches its model's cluster too: the front instance names
+        # the model for the routes (before, no route matched it).
+        for model in ("llama-3.1-8b", "qwen-2.5-7b", "llama"):
+            r = request(envoy.port, "POST", "/tokenize", {"model": model, "prompt": "hello"})
+            assert r.status == 200 and r.json()["count"] > 0, (model, r.status, r.body)

@@ -478,6 +478,37 @@ impl Router {
             .collect()
     }
 
+    /// Whether the pods' model lists, as last read, differ: where a request goes then decides
+    /// whether its model is served (`flow::other_path`).
+    pub fn models_differ(&mut self, store: &dyn Store, cfg: &Config) -> bool {
+        self.refresh_lists(store, cfg);
+        self.served.differ(&self.pods)
+    }
+
+    /// The pods whose model lists, as last read, name `model`, those not marked down (all of
+    /// them when every one is); none when no list names it: where a request kvgate reads for its
+    /// model alone may go (`flow::other_path`).
+    pub fn listing_pods(&mut self, store: &dyn Store, cfg: &Config, model: &str) -> Vec<String> {
+        let now = self.refresh_lists(store, cfg);
+        if !self.served.lists(&self.pods, model) {
+            return Vec::new();
+        }
+        let serving = self.served.serving(&self.pods, model, |_| true);
+        let listing: Vec<usize> = (0..self.pods.len()).filter(|&i| serving[i]).collect();
+        let (pods, copies) = (&self.pods, &mut self.copies);
+        let up: Vec<usize> = listing
+            .iter()
+            .copied()
+            .filter(|&i| {
+                copies
+                    .get(store, &pods[i], now, false)
+                    .map_or(true, |(r, _)| !r.is_down())
+            })
+            .collect();
+        let chosen = if up.is_empty() { listing } else { up };
+        chosen.into_iter().map(|i| pods[i].clone()).collect()
+    }
+
     /// The pod set and their model lists brought up to date, for a question asked outside a
     /// pick; the time they were read at.
     fn refresh_lists(&mut self, store: &dyn Store, cfg: &Config) -> u64 {
