@@ -6,7 +6,8 @@
 //! `estimate.cost` lies in [minReservationTokens, maxReservationTokens]; output never exceeds
 //! outputCapTokens; the static rule is finite and >= 0; `block_hashes` returns exactly
 //! min(full blocks, max) hashes, is deterministic, and a longer text keeps the shorter one's
-//! hashes as a prefix.
+//! hashes as a prefix. A body read for its model alone (`Request::model_only`, paths kvgate does
+//! not read) names a non-empty model at its span, and its rename is read back as the new name.
 #![no_main]
 
 use kvgate::config::{Config, EstimatorConfig};
@@ -213,5 +214,17 @@ fuzz_target!(|data: &[u8]| {
         }
         check_estimates(&req);
         check_blocks(&req);
+    }
+    if let Some(req) = Request::model_only(data) {
+        let (start, end) = req.model_span;
+        let named: String =
+            serde_json::from_slice(&data[start..end]).expect("the span is the model's string");
+        assert!(!req.model.is_empty() && named == req.model, "{req:?}");
+        let renamed = Request::model_only(&req.with_model(data, "target\"\u{1}"));
+        assert_eq!(
+            renamed.map(|r| r.model).as_deref(),
+            Some("target\"\u{1}"),
+            "a rename is read back"
+        );
     }
 });
