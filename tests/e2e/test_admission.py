@@ -238,7 +238,7 @@ def test_two_models_bursting_at_once_are_each_told_their_own_lines_pace():
     that retry as the SDKs do: model-a of answers ten times longer than model-b's, so its line
     drains ten times slower. Each refusal is told its own line's pace. Before (2026-12-06, one
     pace for the whole line): model-a's clients were told model-b's, came back too early, and
-    21 of 60 gave up; model-b's last answer came 2 s later."""
+    21–24 of 60 gave up in four runs; model-b's last answer came 2 s later."""
     cfg = config(maxQueue=8, maxWaitMs=30_000)
     burst = {"model-a": (60, 1000), "model-b": (200, 100)}
     with Sim(pods=2, args=SMALL_KV + ["--served-model-name", "model-a"]) as a, \
