@@ -5,6 +5,7 @@ spread over them while every replica's status page, etcd's grants and the pods a
 
 import base64
 import contextlib
+import http.client
 import json
 import itertools
 import shutil
@@ -240,7 +241,8 @@ def overload(sim, envoys, requests=72, clients=24, during=None, after=0, etcd=No
                 samples.append({"pods": [sim.stats(i) for i in range(sim.pods)],
                                 "replicas": [status(e) for e in envoys],
                                 "grants": reachable(etcd)})
-            except OSError:
+            except (OSError, http.client.HTTPException):
+                # A server killed mid-answer (the faults the tests inject) cuts a read short.
                 pass
             time.sleep(0.05)
 
@@ -248,7 +250,7 @@ def overload(sim, envoys, requests=72, clients=24, during=None, after=0, etcd=No
         # etcd may be down (a fault the test injects): the replicas' pages are still sampled.
         try:
             return grants(etcd) if etcd is not None else None
-        except (OSError, ValueError):
+        except (OSError, ValueError, http.client.HTTPException):
             return None
 
     def more(i):
