@@ -18,6 +18,7 @@ use crate::routing::adapters::Fit;
 use crate::routing::demand::{pool_key, Reading};
 use crate::routing::pick::{copy_weight, prefer, rendezvous_score, Candidate, Scored};
 use crate::routing::prefix_index::PrefixIndex;
+use crate::routing::record_copies::RecordCopies;
 use crate::store::interface::Store;
 use std::rc::Rc;
 
@@ -379,6 +380,14 @@ impl Router {
     }
 }
 
+/// Whether `pod` is not marked down, as this VM's copy of its record says (the pick reads the
+/// same copies); a record that cannot be read is no reason to think it down.
+fn up(copies: &mut RecordCopies, store: &dyn Store, pod: &str, now: u64) -> bool {
+    copies
+        .get(store, pod, now, false)
+        .map_or(true, |(r, _)| !r.is_down())
+}
+
 /// The model step of a pick: which pods serve the request's model (`models::served`), and where
 /// its LoRA adapter stands on each (`routing::adapters`).
 impl Router {
@@ -392,12 +401,8 @@ impl Router {
         // Health is read only for pods without a list, and only when no list names the model;
         // from this VM's copies of the records, as the pick reads them.
         let (pods, copies) = (&self.pods, &mut self.copies);
-        let up = |i: usize| {
-            copies
-                .get(store, &pods[i], now, false)
-                .map_or(true, |(r, _)| !r.is_down())
-        };
-        self.served.serving_any(pods, model, up)
+        self.served
+            .serving_any(pods, model, |i| up(copies, store, &pods[i], now))
     }
 
     /// Every model the pods' lists, as last read, name (in pod order; a name once per pod), for
@@ -496,16 +501,16 @@ impl Router {
         let serving = self.served.serving(&self.pods, model, |_| true);
         let listing: Vec<usize> = (0..self.pods.len()).filter(|&i| serving[i]).collect();
         let (pods, copies) = (&self.pods, &mut self.copies);
-        let up: Vec<usize> = listing
+        let not_down: Vec<usize> = listing
             .iter()
             .copied()
-            .filter(|&i| {
-                copies
-                    .get(store, &pods[i], now, false)
-                    .map_or(true, |(r, _)| !r.is_down())
-            })
+            .filter(|&i| up(copies, store, &pods[i], now))
             .collect();
-        let chosen = if up.is_empty() { listing } else { up };
+        let chosen = if not_down.is_empty() {
+            listing
+        } else {
+            not_down
+        };
         chosen.into_iter().map(|i| pods[i].clone()).collect()
     }
 
