@@ -165,6 +165,10 @@ pub struct Args {
     /// Tokens counted for each non-text content part (image, audio, ...).
     #[arg(long, default_value_t = 576)]
     pub media_part_tokens: usize,
+    /// Length of the vector `/v1/embeddings` answers for a prompt: the model's hidden size
+    /// (4096 for an 8B model such as Llama-3.1-8B); a request's `dimensions` may ask for fewer.
+    #[arg(long, default_value_t = 4096)]
+    pub embedding_size: usize,
     /// Shape of GET /get_load: "list" (current SGLang: per-DP-rank objects with
     /// num_tokens) or "legacy" ({"load": N}, older SGLang / sglang-router).
     #[arg(long, default_value = "list")]
@@ -189,6 +193,9 @@ impl Args {
         }
         if usize::from(self.base_port) + self.pods > 65536 {
             return Err("--base-port + --pods exceeds the port range".into());
+        }
+        if self.embedding_size == 0 {
+            return Err("--embedding-size must be at least 1".into());
         }
         if self.block_size == 0 || self.num_gpu_blocks == 0 {
             return Err("--block-size and --num-gpu-blocks must be positive".into());
@@ -351,6 +358,10 @@ mod tests {
         assert_eq!((e.max_num_batched_tokens, e.max_model_len), (8192, 32768));
         assert!(e.enable_prefix_caching);
         assert_eq!(e.lora, None, "LoRA is off unless --enable-lora");
+        assert_eq!(a.embedding_size, 4096);
+        assert!(Args::parse_from(["kvgate-sim", "--embedding-size", "0"])
+            .validate()
+            .is_err());
         assert_eq!(
             a.served_names(),
             vec!["meta-llama/Llama-3.1-8B-Instruct".to_string()]

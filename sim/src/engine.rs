@@ -124,6 +124,9 @@ pub struct NewRequest {
     pub output_seed: u64,
     /// LoRA adapter the request runs with (None: the base model).
     pub lora: Option<LoraRef>,
+    /// A pooling request (vLLM's embeddings): its prefill is all it runs; it samples nothing and
+    /// finishes (stopped) when the prefill completes. `max_output` is not read.
+    pub pooling: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -150,6 +153,8 @@ pub struct Request {
     /// Filler ids generated tokens are drawn from.
     filler: std::sync::Arc<[u32]>,
     pub lora: Option<LoraId>,
+    /// A pooling request (`NewRequest::pooling`).
+    pub pooling: bool,
 }
 
 impl Request {
@@ -297,7 +302,7 @@ impl Engine {
         let mut req = Request {
             tokens: r.prompt,
             prompt_len,
-            max_output: r.max_output.max(1),
+            max_output: if r.pooling { 0 } else { r.max_output.max(1) },
             finish_reason: r.finish_reason,
             num_computed: 0,
             block_hashes: Vec::new(),
@@ -312,6 +317,7 @@ impl Engine {
             output_seed: r.output_seed,
             filler: self.filler.clone(),
             lora: r.lora.map(|l| l.id),
+            pooling: r.pooling,
         };
         req.update_hashes(self.cfg.block_size);
         self.reqs.insert(id, req);
@@ -629,6 +635,25 @@ impl Engine {
             if req.num_computed < req.num_tokens() {
                 continue; // partial prefill chunk: the sampled token is discarded
             }
+            if req.pooling {
+                // vLLM V1's pooling request: the prefill's hidden states are pooled and nothing
+                // is sampled; the request ends `FINISHED_STOPPED` with no output token (its
+                // prompt counted, no generation token).
+                req.first_token_time = Some(self.now);
+                self.counters.prompt_tokens += req.prompt_len as u64;
+                outs.push(Output {
+                    id: s.id,
+                    token: 0,
+                    first: true,
+                    finished: Some(FinishReason::Stop),
+                    prompt_tokens: req.prompt_len,
+                    completion_tokens: 0,
+                    cached_tokens: req.num_cached_tokens.unwrap_or(0),
+                    preemptions: req.num_preemptions,
+                });
+                finished.push((s.id, FinishReason::Stop));
+                continue;
+            }
             let tok = req.next_output_token();
             req.tokens.push(tok);
             req.update_hashes(bs);
@@ -756,6 +781,7 @@ mod tests {
             cache_salt: None,
             output_seed: 7,
             lora: None,
+            pooling: false,
         }
     }
 
@@ -846,6 +872,53 @@ mod tests {
         assert_eq!(e.counters.generation_tokens, 10);
         assert_eq!(e.counters.finished_length, 1);
         assert_eq!(e.kv.pool.num_used(), 0);
+    }
+
+    /// A pooling request (an embedding) is its prefill alone: it ends, stopped, in the step that
+    /// completes its prompt (a chunked one's last chunk), samples no token, counts its prompt
+    /// and no generation token, frees its blocks, and leaves them cached for the next request.
+    #[test]
+    fn a_pooling_request_is_a_prefill_with_no_output() {
+        let mut e = Engine::new(
+            EngineConfig {
+                max_num_batched_tokens: 512,
+                ..cfg()
+            },
+            &filler(),
+        );
+        let pooling = |prompt| NewRequest {
+            pooling: true,
+            ..req(prompt, 0)
+        };
+        let p = unique_prompt(9, 1000);
+        let id = e.add_request(pooling(p.clone()));
+        let mut outs = Vec::new();
+        let mut steps = 0;
+        while e.has_work() {
+            let plan = e.schedule();
+            assert!(e.kv.pool.num_used() > 0, "the prefill holds its blocks");
+            steps += 1;
+            outs.extend(e.complete_step(&plan));
+        }
+        assert_eq!(steps, 2, "two chunks of at most 512");
+        assert_eq!(outs.len(), 1);
+        let o = &outs[0];
+        assert_eq!(
+            (o.id, o.first, o.finished),
+            (id, true, Some(FinishReason::Stop))
+        );
+        assert_eq!((o.prompt_tokens, o.completion_tokens), (1000, 0));
+        let c = &e.counters;
+        assert_eq!((c.prompt_tokens, c.generation_tokens), (1000, 0));
+        assert_eq!((c.finished_stop, c.finished_length), (1, 0));
+        assert_eq!(e.kv.pool.num_used(), 0);
+        assert!(e.reqs.is_empty() && e.running.is_empty());
+
+        e.add_request(pooling(p));
+        let plan = e.schedule();
+        let outs = e.complete_step(&plan);
+        assert_eq!(outs[0].cached_tokens, 992, "all but the last block cached");
+        assert_eq!(e.counters.prefix_hits, 992);
     }
 
     #[test]

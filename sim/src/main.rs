@@ -7,6 +7,7 @@
 
 mod anthropic;
 mod config;
+mod embeddings;
 mod engine;
 mod ideal;
 mod kv;

@@ -332,6 +332,8 @@ pub struct Submit {
     pub lora: Option<LoraRef>,
     /// The choice's index, which its events carry.
     pub choice: usize,
+    /// A pooling request (an embedding): a prefill with no output (`NewRequest::pooling`).
+    pub pooling: bool,
 }
 
 impl Pod {
@@ -446,6 +448,7 @@ impl Pod {
             cache_salt: s.cache_salt,
             output_seed: seed,
             lora: s.lora,
+            pooling: s.pooling,
         });
         if let Some((prompt_len, hashes)) = inner.engine.prompt_blocks(id) {
             let hit = self

@@ -1,6 +1,6 @@
-//! HTTP front end: OpenAI-compatible endpoints with vLLM's shapes, the engines' native generate
-//! endpoints (SGLang's `/generate`, vLLM's `/inference/v1/generate`), the endpoints peer routers
-//! poll (vLLM, SGLang), and the simulator's own /sim/* endpoints.
+//! HTTP front end: OpenAI-compatible endpoints with vLLM's shapes (embeddings included), the
+//! engines' native generate endpoints (SGLang's `/generate`, vLLM's `/inference/v1/generate`),
+//! the endpoints peer routers poll (vLLM, SGLang), and the simulator's own /sim/* endpoints.
 
 use std::convert::Infallible;
 use std::pin::Pin;
@@ -17,6 +17,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use crate::anthropic;
+use crate::embeddings;
 use crate::engine::FinishReason;
 use crate::lax::{count, flag};
 use crate::lora::LoraRef;
@@ -25,12 +26,14 @@ use crate::pod::{
     draw_output_len, AbortGuard, Event, Fault, Finish, LoadError, MetricsFault, Pod, Shared, Submit,
 };
 use crate::responses;
-use crate::tokenizer::{render_chat, Segment};
+use crate::tokenizer::{render_chat, Segment, MESSAGE_END};
 use crate::{kv, sglang, tokens};
 
 const MAX_BODY: usize = 64 << 20;
 /// Bodies larger than this are tokenized on the blocking pool.
 const BLOCKING_TOKENIZE_BYTES: usize = 16 << 10;
+/// Embeddings answers with more floats than this are made on the blocking pool.
+const BLOCKING_EMBED_FLOATS: usize = 64 << 10;
 /// vLLM's default `max_tokens` for /v1/completions.
 const COMPLETIONS_DEFAULT_MAX_TOKENS: usize = 16;
 
@@ -86,6 +89,9 @@ enum Kind {
     /// vLLM's tokens-in, tokens-out `/inference/v1/generate` (`tokens`): a completions request of
     /// token ids in its own shapes.
     Tokens,
+    /// vLLM's `/v1/embeddings` (`embeddings`): each prompt a pooling request, a prefill with no
+    /// output, answered with its vector; never streamed.
+    Embeddings,
 }
 
 struct StreamState {
@@ -179,7 +185,11 @@ impl Choice {
             Kind::Chat | Kind::Messages => {
                 (g.args.reasoning_share * max_output as f64).round() as usize
             }
-            Kind::Completion | Kind::Responses | Kind::Generate | Kind::Tokens => 0,
+            Kind::Completion
+            | Kind::Responses
+            | Kind::Generate
+            | Kind::Tokens
+            | Kind::Embeddings => 0,
         };
         Choice {
             prompt_tokens,
@@ -272,7 +282,9 @@ impl StreamState {
     /// as vLLM's does.
     fn chunk(&self, i: usize, choice: Value) -> Value {
         let object = match self.kind {
-            Kind::Completion | Kind::Generate | Kind::Tokens => "text_completion",
+            Kind::Completion | Kind::Generate | Kind::Tokens | Kind::Embeddings => {
+                "text_completion"
+            }
             Kind::Chat | Kind::Responses | Kind::Messages => "chat.completion.chunk",
         };
         let mut v = json!({
@@ -352,7 +364,12 @@ impl StreamState {
                     .then(|| usage(c.prompt_tokens, c.tokens, None));
                 Self::push(buf, &tokens::chunk(&self.id, choice, usage));
             }
-            Kind::Completion | Kind::Responses | Kind::Messages | Kind::Generate => {
+            // An embeddings answer is never streamed.
+            Kind::Completion
+            | Kind::Responses
+            | Kind::Messages
+            | Kind::Generate
+            | Kind::Embeddings => {
                 let c = self.chunk(
                     i,
                     json!({
@@ -520,7 +537,9 @@ impl StreamState {
                 return;
             }
             let object = match self.kind {
-                Kind::Completion | Kind::Generate | Kind::Tokens => "text_completion",
+                Kind::Completion | Kind::Generate | Kind::Tokens | Kind::Embeddings => {
+                    "text_completion"
+                }
                 Kind::Chat | Kind::Responses | Kind::Messages => "chat.completion.chunk",
             };
             let v = json!({
@@ -635,7 +654,9 @@ impl ApiError {
                 json_response(self.status, &sglang::invalid(&self.message))
             }
             Kind::Generate => json_response(self.status, &sglang::error(&self.message)),
-            Kind::Completion | Kind::Chat | Kind::Responses | Kind::Tokens => self.response(),
+            Kind::Completion | Kind::Chat | Kind::Responses | Kind::Tokens | Kind::Embeddings => {
+                self.response()
+            }
         }
     }
 
@@ -745,36 +766,96 @@ fn token_ids(v: &[Value]) -> Option<Vec<u32>> {
 /// Completions `prompt`: a string, a list of token ids, or a batch (a list of strings, or of
 /// lists of token ids), each of whose prompts vLLM answers as a request of its own.
 fn completion_prompts(g: &Shared, body: &Value) -> Result<Vec<Vec<u32>>, ApiError> {
+    prompt_list(g, body.get("prompt"), "prompt")
+}
+
+/// A completions `prompt` or an embeddings `input` (`field`): its prompts, tokenized.
+fn prompt_list(g: &Shared, v: Option<&Value>, field: &str) -> Result<Vec<Vec<u32>>, ApiError> {
     let ids = |a: &[Value]| {
-        token_ids(a).ok_or_else(|| ApiError::bad("prompt token ids must be integers"))
+        token_ids(a).ok_or_else(|| ApiError::bad(format!("{field} token ids must be integers")))
     };
-    let kinds = "prompt must be a string, a list of strings or token ids";
-    match body.get("prompt") {
+    let kinds = || {
+        ApiError::bad(format!(
+            "{field} must be a string, a list of strings or token ids"
+        ))
+    };
+    match v {
         Some(Value::String(s)) => Ok(vec![g.tok.encode(s)]),
-        Some(Value::Array(a)) if a.is_empty() => Err(ApiError::bad("prompt cannot be empty")),
+        Some(Value::Array(a)) if a.is_empty() => {
+            Err(ApiError::bad(format!("{field} cannot be empty")))
+        }
         Some(Value::Array(a)) => match &a[0] {
             Value::Number(_) => Ok(vec![ids(a)?]),
             Value::String(_) => a
                 .iter()
-                .map(|p| {
-                    p.as_str()
-                        .map(|s| g.tok.encode(s))
-                        .ok_or_else(|| ApiError::bad(kinds))
-                })
+                .map(|p| p.as_str().map(|s| g.tok.encode(s)).ok_or_else(kinds))
                 .collect(),
             Value::Array(_) => a
                 .iter()
-                .map(|p| {
-                    p.as_array()
-                        .ok_or_else(|| ApiError::bad(kinds))
-                        .and_then(|p| ids(p))
-                })
+                .map(|p| p.as_array().ok_or_else(kinds).and_then(|p| ids(p)))
                 .collect(),
-            _ => Err(ApiError::bad(kinds)),
+            _ => Err(kinds()),
         },
-        Some(_) => Err(ApiError::bad(kinds)),
-        None => Err(ApiError::bad("prompt is required")),
+        Some(_) => Err(kinds()),
+        None => Err(ApiError::bad(format!("{field} is required"))),
     }
+}
+
+/// An embeddings request's prompts: its `input`'s each (the forms of a completions prompt), or
+/// its `messages` rendered by the chat template — `add_generation_prompt` off unless asked for,
+/// and with `continue_final_message` the last message left open (its end not rendered) — then,
+/// with `truncate_prompt_tokens`, each prompt's last tokens (its first with `truncation_side:
+/// "right"`). A prompt longer than the model's
+/// length is refused as vLLM's renderer refuses it (a pooling prompt may fill the context: it
+/// asks for no output).
+fn embedding_prompts(g: &Shared, body: &Value) -> Result<Vec<Vec<u32>>, ApiError> {
+    let max_len = g.args.max_model_len;
+    let truncation = embeddings::truncation(body, max_len)?;
+    let prompts = match embeddings::form(body)? {
+        embeddings::Form::Completion => prompt_list(g, body.get("input"), "input")?,
+        embeddings::Form::Chat => {
+            let msgs = body
+                .get("messages")
+                .and_then(Value::as_array)
+                .ok_or_else(|| ApiError::bad("messages must be a list"))?;
+            if msgs.is_empty() {
+                return Err(ApiError::bad("messages cannot be empty"));
+            }
+            let add_gen =
+                flag(body.get("add_generation_prompt"), "add_generation_prompt")?.unwrap_or(false);
+            let mut segs = render_chat(msgs, None, add_gen, g.args.media_part_tokens)
+                .map_err(ApiError::bad)?;
+            let open = flag(body.get("continue_final_message"), "continue_final_message")?
+                .unwrap_or(false);
+            if open {
+                embeddings::continue_final(&mut segs, MESSAGE_END);
+            }
+            vec![g.tok.encode_segments(&segs)]
+        }
+    };
+    prompts
+        .into_iter()
+        .map(|mut p| {
+            if let Some(t) = truncation {
+                t.apply(&mut p);
+            }
+            if p.len() > max_len {
+                let n = p.len();
+                return Err(ApiError {
+                    status: StatusCode::BAD_REQUEST,
+                    kind: "BadRequestError",
+                    message: format!(
+                        "You passed {n} input tokens and requested 0 output tokens. However, \
+                         the model's context length is only {max_len} tokens, resulting in a \
+                         maximum input length of {max_len} tokens. Please reduce the length of \
+                         the input prompt. (parameter=input_tokens, value={n})"
+                    ),
+                    param: Some("input_tokens"),
+                });
+            }
+            Ok(p)
+        })
+        .collect()
 }
 
 fn chat_segments(g: &Shared, body: &Value) -> Result<Vec<Segment>, ApiError> {
@@ -804,6 +885,7 @@ fn tokenize_sync(g: &Shared, kind: Kind, body: &Value) -> Result<Vec<Vec<u32>>, 
         }
         // A Messages request's body is the chat request it became (`anthropic::chat_request`).
         Kind::Chat | Kind::Messages => Ok(vec![g.tok.encode_segments(&chat_segments(g, body)?)]),
+        Kind::Embeddings => embedding_prompts(g, body),
         Kind::Responses => {
             let msgs = responses::messages(body).map_err(ApiError::bad)?;
             let segs = render_chat(&msgs, body.get("tools"), true, g.args.media_part_tokens)
@@ -844,6 +926,7 @@ fn requested_max_tokens(kind: Kind, body: &Value) -> Result<Option<usize>, ApiEr
         Kind::Completion | Kind::Tokens => field("max_tokens")?,
         Kind::Responses => field("max_output_tokens")?,
         Kind::Generate => field("max_new_tokens")?,
+        Kind::Embeddings => None,
     })
 }
 
@@ -857,7 +940,7 @@ fn sampling(kind: Kind, body: &Value, prompt: usize) -> &Value {
             .and_then(|s| s.get(prompt))
             .unwrap_or(&NONE),
         Kind::Tokens => body.get("sampling_params").unwrap_or(&NONE),
-        Kind::Completion | Kind::Chat | Kind::Responses | Kind::Messages => body,
+        Kind::Completion | Kind::Chat | Kind::Responses | Kind::Messages | Kind::Embeddings => body,
     }
 }
 
@@ -871,7 +954,7 @@ const SAMPLING_EPS: f64 = 1e-5;
 /// (`sglang::request`).
 fn requested_n(kind: Kind, body: &Value) -> Result<usize, ApiError> {
     let body = match kind {
-        Kind::Responses | Kind::Messages => return Ok(1),
+        Kind::Responses | Kind::Messages | Kind::Embeddings => return Ok(1),
         Kind::Generate => return Ok(count(body.get("n"), "n")?.unwrap_or(1).max(1)),
         Kind::Tokens => sampling(kind, body, 0),
         Kind::Completion | Kind::Chat => body,
@@ -901,7 +984,8 @@ fn requested_n(kind: Kind, body: &Value) -> Result<usize, ApiError> {
 }
 
 /// Decide how many tokens one choice generates and the finish reason reported, from the
-/// request's sampling fields (`body`: `sampling`). An SGLang prefill only plans 0.
+/// request's sampling fields (`body`: `sampling`). An SGLang prefill only plans 0, and so does
+/// an embedding, a pooling request.
 fn plan_output(
     pod: &Pod,
     kind: Kind,
@@ -912,6 +996,22 @@ fn plan_output(
     let a = &pod.g.args;
     let max_len = a.max_model_len;
     let capacity = a.num_gpu_blocks * a.block_size;
+    if kind == Kind::Embeddings {
+        // A pooling request is its prefill alone: its prompt may fill the context (its length
+        // was checked as it was rendered, `embedding_prompts`), and nothing is sampled.
+        if prompt_len == 0 {
+            return Err(ApiError::bad("The decoder prompt cannot be empty"));
+        }
+        let blocks = prompt_len.div_ceil(a.block_size);
+        if blocks > a.num_gpu_blocks {
+            return Err(ApiError::bad(format!(
+                "kvgate-sim: this request needs {blocks} KV cache blocks ({prompt_len} prompt \
+                 tokens, block size {}) but the pod only has {} blocks ({capacity} tokens).",
+                a.block_size, a.num_gpu_blocks
+            )));
+        }
+        return Ok((0, FinishReason::Stop));
+    }
     let explicit = requested_max_tokens(kind, body)?;
     if kind == Kind::Generate {
         // SGLang's `_validate_one_request` (its prompts are never empty: `sglang::request`).
@@ -993,7 +1093,7 @@ fn plan_output(
             .get("max_new_tokens")
             .is_none()
             .then_some(sglang::DEFAULT_MAX_NEW_TOKENS),
-        Kind::Chat | Kind::Responses | Kind::Messages | Kind::Tokens => None,
+        Kind::Chat | Kind::Responses | Kind::Messages | Kind::Tokens | Kind::Embeddings => None,
     };
     let (out, reason) = if let Some(n) = header {
         match explicit.or(default_cap) {
@@ -1190,6 +1290,11 @@ async fn generate_inner(
 ) -> Result<Response<SimBody>, ApiError> {
     let g = pod.g.clone();
     let started = Instant::now();
+    // An embeddings request's options, checked as its model validates them.
+    let embedding = match kind {
+        Kind::Embeddings => Some(embeddings::options(&body)?),
+        _ => None,
+    };
     // vLLM runs a Messages request as the chat request it converts it to; SGLang's request is
     // a completions request, read as SGLang normalizes it.
     let body = match kind {
@@ -1199,7 +1304,7 @@ async fn generate_inner(
             tokens::check(&body)?;
             body
         }
-        Kind::Completion | Kind::Chat | Kind::Responses => body,
+        Kind::Completion | Kind::Chat | Kind::Responses | Kind::Embeddings => body,
     };
     // A body's salt is part of the request's validation, before its model is looked up.
     if kind != Kind::Generate {
@@ -1260,14 +1365,26 @@ async fn generate_inner(
         .flat_map(|(i, p)| std::iter::repeat_n((i, p.len()), n))
         .map(|(i, len)| plan_output(&pod, kind, headers, sampling(kind, &body, i), len))
         .collect::<Result<Vec<_>, _>>()?;
+    // The embeddings' `dimensions`, checked as the engine's `PoolingParams.verify` checks it.
+    let dimensions = match &embedding {
+        Some(o) => embeddings::check_dimensions(o.dimensions, g.args.embedding_size)?,
+        None => None,
+    };
     let stores = kind == Kind::Responses && flag(body.get("store"), "store")? != Some(false);
-    let stream = flag(body.get("stream"), "stream")?.unwrap_or(false);
-    let opts = body.get("stream_options");
-    let include_usage =
-        flag(opts.and_then(|o| o.get("include_usage")), "include_usage")?.unwrap_or(false);
-    let continuous = opts.and_then(|o| o.get("continuous_usage_stats"));
-    let continuous_usage =
-        include_usage && flag(continuous, "continuous_usage_stats")?.unwrap_or(false);
+    // The Embeddings API has no `stream` (an unknown field, ignored): its answer is one object.
+    let (stream, include_usage, continuous_usage) = match kind {
+        Kind::Embeddings => (false, false, false),
+        _ => {
+            let stream = flag(body.get("stream"), "stream")?.unwrap_or(false);
+            let opts = body.get("stream_options");
+            let include_usage =
+                flag(opts.and_then(|o| o.get("include_usage")), "include_usage")?.unwrap_or(false);
+            let continuous = opts.and_then(|o| o.get("continuous_usage_stats"));
+            let continuous_usage =
+                include_usage && flag(continuous, "continuous_usage_stats")?.unwrap_or(false);
+            (stream, include_usage, continuous_usage)
+        }
+    };
     // A prompt's cache namespace. vLLM's is a request's salt, the `X-Cache-Salt` header's over
     // the body's. SGLang's is a prompt's: its radix cache keys a prompt's blocks by its
     // `cache_salt` and its `extra_key` (with the adapter, below), each normalized one a prompt.
@@ -1307,6 +1424,11 @@ async fn generate_inner(
             }
             // Each SGLang answer has its own rid (`rids`).
             Kind::Generate => suffix,
+            // vLLM's pooling serving: `embd-` and the `X-Request-Id` header's value, else a uuid.
+            Kind::Embeddings => {
+                let header = headers.get("x-request-id").and_then(|h| h.to_str().ok());
+                format!("embd-{}", header.map_or(suffix, str::to_string))
+            }
         }
     };
     // SGLang's answers' rids: the request's, else fresh uuids, as `normalize_batch_and_arguments`
@@ -1350,6 +1472,7 @@ async fn generate_inner(
                 cache_salt: cache_salt(choice / n),
                 lora: lora(choice / n),
                 choice,
+                pooling: kind == Kind::Embeddings,
             };
             pod.submit(s, &tx)
         })
@@ -1529,6 +1652,39 @@ async fn generate_inner(
             let usage = usage(prompt_tokens, completion_tokens, Some(cached));
             tokens::response(&id, &model, created, answers.collect(), usage)
         }
+        Kind::Embeddings => {
+            // Each prompt's vector, in the prompts' order; the usage sums the prompts' tokens as
+            // the engine prefilled them (after any truncation). A big batch's vectors are made
+            // and written on the blocking pool, as big prompts are tokenized.
+            let size = g.args.embedding_size;
+            let encoding = embedding.map_or(embeddings::Encoding::Float, |o| o.encoding);
+            let floats = prompts.len().saturating_mul(size);
+            let write = move || {
+                let vectors: Vec<Vec<f32>> = prompts
+                    .iter()
+                    .map(|p| embeddings::embed(p, size, dimensions))
+                    .collect();
+                embeddings::response(&id, created, &model, &vectors, encoding, prompt_tokens)
+            };
+            let written = if floats < BLOCKING_EMBED_FLOATS {
+                write()
+            } else {
+                tokio::task::spawn_blocking(write)
+                    .await
+                    .unwrap_or_else(|e| Err(e.to_string()))
+            };
+            let text = written.map_err(|e| ApiError {
+                status: StatusCode::INTERNAL_SERVER_ERROR,
+                kind: "InternalServerError",
+                message: format!("could not write the answer: {e}"),
+                param: None,
+            })?;
+            return Ok(full(
+                StatusCode::OK,
+                Some("application/json"),
+                Bytes::from(text),
+            ));
+        }
     };
     Ok(ok_json(&v))
 }
@@ -1563,7 +1719,7 @@ async fn render_endpoint(
     let n = requested_n(kind, &body)?;
     let suffix = pod.lock().next_response_id();
     let (rid, max_tokens) = match kind {
-        Kind::Completion | Kind::Generate | Kind::Tokens => (
+        Kind::Completion | Kind::Generate | Kind::Tokens | Kind::Embeddings => (
             format!("cmpl-{suffix}"),
             Some(max_tokens.unwrap_or(COMPLETIONS_DEFAULT_MAX_TOKENS)),
         ),
@@ -1584,7 +1740,9 @@ async fn render_endpoint(
         })
     });
     Ok(ok_json(&match kind {
-        Kind::Completion | Kind::Generate | Kind::Tokens => json!(gens.collect::<Vec<_>>()),
+        Kind::Completion | Kind::Generate | Kind::Tokens | Kind::Embeddings => {
+            json!(gens.collect::<Vec<_>>())
+        }
         Kind::Chat | Kind::Responses | Kind::Messages => gens.next().unwrap_or_default(),
     }))
 }
@@ -2015,6 +2173,7 @@ async fn route(pod: Arc<Pod>, req: Request<Incoming>) -> Response<SimBody> {
         // SGLang routes its `/generate` for PUT as well.
         "/generate" if post || m == Method::PUT => generate(pod, req, Kind::Generate).await,
         "/inference/v1/generate" if post => generate(pod, req, Kind::Tokens).await,
+        "/v1/embeddings" if post => generate(pod, req, Kind::Embeddings).await,
         "/v1/messages/count_tokens" if post => count_tokens_endpoint(pod, req)
             .await
             .unwrap_or_else(|e| e.response_for(Kind::Messages)),
@@ -2062,6 +2221,7 @@ async fn route(pod: Arc<Pod>, req: Request<Incoming>) -> Response<SimBody> {
         | "/v1/messages/count_tokens"
         | "/generate"
         | "/inference/v1/generate"
+        | "/v1/embeddings"
         | "/v1/completions/render"
         | "/v1/chat/completions/render"
         | "/tokenize"
@@ -3667,5 +3827,481 @@ mod tests {
             );
         }
         assert_eq!(pod.lock().engine.num_waiting(), 0);
+    }
+
+    // ------------------------------------------------------------ /v1/embeddings
+
+    /// An embeddings answer's raw text and parsed JSON (a 200).
+    async fn embed_answer(pod: &Arc<Pod>, headers: &HeaderMap, body: Value) -> (String, Value) {
+        let (status, text) = read(post(pod, Kind::Embeddings, headers, body).await).await;
+        assert_eq!(status, StatusCode::OK, "{text}");
+        let v = serde_json::from_str(&text).unwrap();
+        (text, v)
+    }
+
+    /// An answer's vectors, as the float32s they are (serde_json's parser may miss a double by
+    /// a unit in the last place, never a float32).
+    fn vectors(v: &Value) -> Vec<Vec<f32>> {
+        v["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| {
+                d["embedding"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.as_f64().unwrap() as f32)
+                    .collect()
+            })
+            .collect()
+    }
+
+    fn l2(v: &[f32]) -> f64 {
+        v.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt()
+    }
+
+    /// The value of a sample of `/metrics` whose line starts `name{` and has `label` in it.
+    async fn metric(pod: &Arc<Pod>, name: &str, label: &str) -> f64 {
+        let (_, text) = read(metrics_endpoint(pod.clone()).await).await;
+        text.lines()
+            .find(|l| l.starts_with(&format!("{name}{{")) && l.contains(label))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no {name} {label} in {text}"))
+    }
+
+    /// One string: vLLM's `EmbeddingResponse`, its keys in vLLM's order, the model as named
+    /// (an adapter's name too), a unit vector of `--embedding-size` floats that is the prompt's
+    /// alone, usage counting the prompt's tokens and nothing else; the id is `embd-` and the
+    /// `X-Request-Id` header's value, else a fresh hex one.
+    #[tokio::test]
+    async fn embeddings_answer_as_vllm_does() {
+        let pod = running_pod(&[
+            "--time-scale",
+            "1000",
+            "--served-model-name",
+            "m",
+            "--enable-lora",
+            "--lora-modules",
+            "sql=/a",
+        ]);
+        let text = "The quick brown fox jumps over the lazy dog";
+        let n = pod.g.tok.encode(text).len();
+        let body = json!({"model": "m", "input": text});
+        let (raw, v) = embed_answer(&pod, &none(), body.clone()).await;
+        assert!(raw.starts_with(r#"{"id":"embd-"#), "{}", &raw[..80]);
+        let keys = [
+            "\"object\":\"list\",\"created\":",
+            "\"model\":\"m\",\"data\":[{\"index\":0,\"object\":\"embedding\",\"embedding\":[",
+            "\"usage\":{\"prompt_tokens\":",
+        ];
+        let at: Vec<usize> = keys.iter().map(|k| raw.find(k).unwrap()).collect();
+        assert!(at.windows(2).all(|w| w[0] < w[1]), "{at:?}");
+        let id = v["id"].as_str().unwrap();
+        assert!(
+            id.len() == 5 + 32 && id[5..].bytes().all(|b| b.is_ascii_hexdigit()),
+            "{id}"
+        );
+        assert!(v["created"].as_u64().unwrap() > 1_600_000_000);
+        assert_eq!(
+            v["usage"],
+            json!({"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0,
+                   "prompt_tokens_details": null})
+        );
+        let vs = vectors(&v);
+        assert_eq!((vs.len(), vs[0].len()), (1, 4096));
+        assert!((l2(&vs[0]) - 1.0).abs() < 1e-6);
+        // Each float is a float32's value, written as the double it widens to (as Python
+        // prints a float32 tensor's `tolist()`).
+        let start = raw.find("\"embedding\":[").unwrap() + "\"embedding\":[".len();
+        let end = start + raw[start..].find(']').unwrap();
+        let written: Vec<f64> = raw[start..end]
+            .split(',')
+            .map(|x| x.parse().unwrap())
+            .collect();
+        assert_eq!(written.len(), 4096);
+        assert!(written.iter().all(|&x| f64::from(x as f32) == x));
+
+        let mut h = HeaderMap::new();
+        h.insert("x-request-id", "r-1".parse().unwrap());
+        let mut adapter = body;
+        adapter["model"] = json!("sql");
+        let (_, again) = embed_answer(&pod, &h, adapter).await;
+        assert_eq!(
+            (&again["id"], &again["model"]),
+            (&json!("embd-r-1"), &json!("sql"))
+        );
+        assert_eq!(vectors(&again), vs, "the same prompt, the same vector");
+        let (_, other) = embed_answer(&pod, &none(), json!({"input": "Another text"})).await;
+        assert_eq!(other["model"], "m", "no model: the served one");
+        assert_ne!(vectors(&other), vs);
+    }
+
+    /// A batch: each prompt an engine request of its own, answered in order with its own
+    /// `index` and the vector it has alone; the usage sums the prompts. A list of ids is one
+    /// prompt, a list of lists of ids a batch; a string and its ids embed alike.
+    #[tokio::test]
+    async fn embeddings_batches_answer_each_prompt() {
+        let pod = running_pod(&["--time-scale", "1000", "--embedding-size", "32"]);
+        let texts = [
+            "Hello there",
+            "How are caches shared between pods?",
+            "Hello there",
+        ];
+        let counts: Vec<usize> = texts.iter().map(|t| pod.g.tok.encode(t).len()).collect();
+        let admitted = pod.lock().engine.counters.admitted_requests;
+        let (_, v) = embed_answer(&pod, &none(), json!({"input": texts})).await;
+        assert_eq!(pod.lock().engine.counters.admitted_requests, admitted + 3);
+        let data = v["data"].as_array().unwrap();
+        let indices: Vec<&Value> = data.iter().map(|d| &d["index"]).collect();
+        assert_eq!(indices, [&json!(0), &json!(1), &json!(2)]);
+        assert!(data.iter().all(|d| d["object"] == "embedding"));
+        let sum: usize = counts.iter().sum();
+        assert_eq!(
+            (&v["usage"]["prompt_tokens"], &v["usage"]["total_tokens"]),
+            (&json!(sum), &json!(sum))
+        );
+        let vs = vectors(&v);
+        assert_eq!(vs[0], vs[2]);
+        assert_ne!(vs[0], vs[1]);
+        for (i, t) in texts.iter().enumerate() {
+            let (_, one) = embed_answer(&pod, &none(), json!({"input": t})).await;
+            assert_eq!(vectors(&one)[0], vs[i]);
+            let ids = pod.g.tok.encode(t);
+            let (_, by_ids) = embed_answer(&pod, &none(), json!({"input": ids})).await;
+            assert_eq!(vectors(&by_ids), [vs[i].clone()]);
+        }
+        let ids: Vec<Vec<u32>> = texts[..2].iter().map(|t| pod.g.tok.encode(t)).collect();
+        let (_, v) = embed_answer(&pod, &none(), json!({"input": ids})).await;
+        assert_eq!(vectors(&v), vs[..2]);
+        assert_eq!(v["usage"]["prompt_tokens"], counts[0] + counts[1]);
+    }
+
+    /// The chat form: `messages` rendered by the chat template with no generation prompt
+    /// unless asked for (the prompt a chat completion of the same messages counts, less its
+    /// assistant opener), `continue_final_message` leaving the last message open; its vector is
+    /// its rendered ids'.
+    #[tokio::test]
+    async fn embeddings_chat_form_renders_without_a_generation_prompt() {
+        let pod = running_pod(&["--time-scale", "1000", "--embedding-size", "16"]);
+        let messages = json!([{"role": "system", "content": "Be brief."},
+                              {"role": "user", "content": "What is a KV cache?"}]);
+        let rendered = |add_gen| {
+            let segs = render_chat(messages.as_array().unwrap(), None, add_gen, 0).unwrap();
+            pod.g.tok.encode_segments(&segs)
+        };
+        let (plain, with_gen) = (rendered(false), rendered(true));
+        let (_, v) = embed_answer(&pod, &none(), json!({"messages": messages})).await;
+        assert_eq!(v["usage"]["prompt_tokens"], plain.len());
+        let (_, by_ids) = embed_answer(&pod, &none(), json!({"input": plain})).await;
+        assert_eq!(vectors(&v), vectors(&by_ids));
+        let chat = json!({"messages": messages, "max_tokens": 1});
+        assert_eq!(
+            prompt_tokens(&pod, Kind::Chat, &chat).await,
+            with_gen.len() as u64
+        );
+        let body = json!({"messages": messages, "add_generation_prompt": true});
+        let (_, v) = embed_answer(&pod, &none(), body).await;
+        assert_eq!(v["usage"]["prompt_tokens"], with_gen.len());
+        let body = json!({"messages": messages, "continue_final_message": true,
+                          "chat_template_kwargs": {"enable_thinking": false}});
+        let (_, v) = embed_answer(&pod, &none(), body).await;
+        let text: String = render_chat(messages.as_array().unwrap(), None, false, 0)
+            .unwrap()
+            .iter()
+            .map(|s| match s {
+                Segment::Text(t) => t.clone(),
+                Segment::Media { .. } => unreachable!(),
+            })
+            .collect();
+        let open = pod.g.tok.encode(text.strip_suffix(MESSAGE_END).unwrap());
+        assert!(open.len() < plain.len());
+        assert_eq!(v["usage"]["prompt_tokens"], open.len());
+        let (_, by_ids) = embed_answer(&pod, &none(), json!({"input": open})).await;
+        assert_eq!(vectors(&v), vectors(&by_ids));
+    }
+
+    /// `encoding_format: "base64"`: each vector's float32 bytes (little-endian, vLLM's native
+    /// on its hosts; big with `endianness: "big"`) in base64, the same floats as "float" gives.
+    #[tokio::test]
+    async fn embeddings_base64_decodes_to_the_same_floats() {
+        let pod = running_pod(&["--time-scale", "1000"]);
+        let body = json!({"input": ["one prompt", "and another"]});
+        let (_, floats) = embed_answer(&pod, &none(), body.clone()).await;
+        for (endianness, big) in [("little", false), ("big", true), ("native", false)] {
+            let mut b64 = body.clone();
+            b64["encoding_format"] = json!("base64");
+            b64["endianness"] = json!(endianness);
+            let (_, v) = embed_answer(&pod, &none(), b64).await;
+            assert_eq!(v["usage"], floats["usage"]);
+            for (i, want) in vectors(&floats).iter().enumerate() {
+                let text = v["data"][i]["embedding"].as_str().unwrap();
+                let bytes = crate::embeddings::tests::unbase64(text);
+                assert_eq!(bytes.len(), 4 * 4096);
+                let got: Vec<f32> = bytes
+                    .chunks(4)
+                    .map(|c| {
+                        let c = <[u8; 4]>::try_from(c).unwrap();
+                        if big {
+                            f32::from_be_bytes(c)
+                        } else {
+                            f32::from_le_bytes(c)
+                        }
+                    })
+                    .collect();
+                assert_eq!(&got, want, "{endianness}");
+            }
+        }
+    }
+
+    /// `dimensions`: the vector's first components, normalized again (a Matryoshka model's
+    /// truncation); below 1 or above the model's size a 400 before the engine sees anything.
+    #[tokio::test]
+    async fn embeddings_dimensions_truncate_and_are_checked() {
+        let pod = running_pod(&["--time-scale", "1000", "--embedding-size", "64"]);
+        let (_, full) = embed_answer(&pod, &none(), json!({"input": "a prompt"})).await;
+        let full = vectors(&full).remove(0);
+        let body = json!({"input": "a prompt", "dimensions": 8});
+        let (_, v) = embed_answer(&pod, &none(), body).await;
+        let cut = vectors(&v).remove(0);
+        assert_eq!(cut.len(), 8);
+        assert!((l2(&cut) - 1.0).abs() < 1e-6);
+        let scale = l2(&full[..8]);
+        for (&x, &y) in cut.iter().zip(&full[..8]) {
+            assert!(
+                (f64::from(x) * scale - f64::from(y)).abs() < 1e-6,
+                "{x} {y}"
+            );
+        }
+        let (_, all) = embed_answer(
+            &pod,
+            &none(),
+            json!({"input": "a prompt", "dimensions": 64}),
+        )
+        .await;
+        assert_eq!(vectors(&all)[0].len(), 64);
+        let admitted = pod.lock().engine.counters.admitted_requests;
+        for (d, message) in [
+            (json!(0), "Dimensions must be greater than 0".to_string()),
+            (json!(-4), "Dimensions must be greater than 0".to_string()),
+            (
+                json!(65),
+                "kvgate-sim: dimensions (65) is greater than the model's embedding size (64)."
+                    .to_string(),
+            ),
+        ] {
+            let body = json!({"input": "a prompt", "dimensions": d});
+            let (status, text) = read(post(&pod, Kind::Embeddings, &none(), body).await).await;
+            assert_eq!(status, StatusCode::BAD_REQUEST, "{text}");
+            let v: Value = serde_json::from_str(&text).unwrap();
+            assert_eq!(v["error"]["message"], message);
+        }
+        assert_eq!(pod.lock().engine.counters.admitted_requests, admitted);
+    }
+
+    /// `truncate_prompt_tokens`: each prompt's last k tokens are what runs, counts and embeds;
+    /// -1 is the model's length; more than that is vLLM's 400. A prompt longer than the model's
+    /// length without it is refused; one of the whole length runs (no room for output needed).
+    #[tokio::test]
+    async fn embeddings_truncate_prompt_tokens_keeps_the_last_tokens() {
+        let pod = running_pod(&[
+            "--time-scale",
+            "1000",
+            "--max-model-len",
+            "64",
+            "--embedding-size",
+            "8",
+        ]);
+        let ids: Vec<u32> = (1..=100).collect();
+        let body = json!({"input": [ids, [5, 6, 7]], "truncate_prompt_tokens": 10});
+        let (_, v) = embed_answer(&pod, &none(), body).await;
+        assert_eq!(v["usage"]["prompt_tokens"], 13);
+        let (_, last) = embed_answer(&pod, &none(), json!({"input": ids[90..]})).await;
+        assert_eq!(vectors(&v)[0], vectors(&last)[0]);
+        let body = json!({"input": ids, "truncate_prompt_tokens": 3, "truncation_side": "right"});
+        let (_, first) = embed_answer(&pod, &none(), body).await;
+        let (_, by_ids) = embed_answer(&pod, &none(), json!({"input": [1, 2, 3]})).await;
+        assert_eq!(vectors(&first), vectors(&by_ids));
+        let body = json!({"input": ids, "truncate_prompt_tokens": -1});
+        let (_, v) = embed_answer(&pod, &none(), body).await;
+        assert_eq!(v["usage"]["prompt_tokens"], 64);
+        let (_, v) = embed_answer(&pod, &none(), json!({"input": ids[..64]})).await;
+        assert_eq!(v["usage"]["prompt_tokens"], 64, "the whole context");
+
+        let cases = [
+            (
+                json!({"input": ids, "truncate_prompt_tokens": 65}),
+                "truncate_prompt_tokens value is greater than max_model_len. Please, select a \
+                 smaller truncation size.",
+                Value::Null,
+            ),
+            (
+                json!({"input": ids[..65]}),
+                "You passed 65 input tokens and requested 0 output tokens. However, the \
+                 model's context length is only 64 tokens, resulting in a maximum input length \
+                 of 64 tokens. Please reduce the length of the input prompt. \
+                 (parameter=input_tokens, value=65)",
+                json!("input_tokens"),
+            ),
+            (
+                json!({"input": ids, "truncate_prompt_tokens": -2}),
+                "truncate_prompt_tokens: Input should be greater than or equal to -1",
+                Value::Null,
+            ),
+            (
+                json!({"input": ids, "truncate_prompt_tokens": 0}),
+                "The decoder prompt cannot be empty",
+                Value::Null,
+            ),
+        ];
+        for (body, message, param) in cases {
+            let (status, text) = read(post(&pod, Kind::Embeddings, &none(), body).await).await;
+            assert_eq!(status, StatusCode::BAD_REQUEST, "{text}");
+            let v: Value = serde_json::from_str(&text).unwrap();
+            assert_eq!(
+                v,
+                json!({"error": {"message": message, "type": "BadRequestError",
+                                 "param": param, "code": 400}})
+            );
+        }
+    }
+
+    /// Refusals in vLLM's OpenAI error shape: neither form, an empty batch, an unknown model
+    /// (404), an encoding vLLM does not know, a salt its validator refuses; none reaches the
+    /// engine. `stream` is no field of this API: a body with it is answered as any other.
+    #[tokio::test]
+    async fn embeddings_refusals_are_vllms() {
+        let pod = running_pod(&["--time-scale", "1000", "--served-model-name", "m"]);
+        let admitted = pod.lock().engine.counters.admitted_requests;
+        let cases = [
+            (
+                json!({"model": "m"}),
+                StatusCode::BAD_REQUEST,
+                "BadRequestError",
+            ),
+            (
+                json!({"input": null, "messages": null}),
+                StatusCode::BAD_REQUEST,
+                "BadRequestError",
+            ),
+            (
+                json!({"input": []}),
+                StatusCode::BAD_REQUEST,
+                "BadRequestError",
+            ),
+            (
+                json!({"messages": []}),
+                StatusCode::BAD_REQUEST,
+                "BadRequestError",
+            ),
+            (
+                json!({"input": [1.5]}),
+                StatusCode::BAD_REQUEST,
+                "BadRequestError",
+            ),
+            (
+                json!({"input": "a", "model": "nope"}),
+                StatusCode::NOT_FOUND,
+                "NotFoundError",
+            ),
+            (
+                json!({"input": "a", "encoding_format": "hex"}),
+                StatusCode::BAD_REQUEST,
+                "BadRequestError",
+            ),
+            (
+                json!({"input": "a", "cache_salt": ""}),
+                StatusCode::BAD_REQUEST,
+                "BadRequestError",
+            ),
+            (
+                json!({"messages": [{"role": "user", "content": "a"}],
+                       "add_generation_prompt": true, "continue_final_message": true}),
+                StatusCode::BAD_REQUEST,
+                "BadRequestError",
+            ),
+        ];
+        for (body, status, kind) in cases {
+            let (got, text) = read(post(&pod, Kind::Embeddings, &none(), body.clone()).await).await;
+            assert_eq!(got, status, "{body}: {text}");
+            let v: Value = serde_json::from_str(&text).unwrap();
+            assert_eq!(
+                (&v["error"]["type"], &v["error"]["code"]),
+                (&json!(kind), &json!(status.as_u16())),
+                "{v}"
+            );
+        }
+        assert_eq!(pod.lock().engine.counters.admitted_requests, admitted);
+        let (_, v) =
+            embed_answer(&pod, &none(), json!({"input": "a", "stream": true, "n": 3})).await;
+        assert_eq!(v["data"].as_array().unwrap().len(), 1);
+    }
+
+    /// Each prompt runs in the engine as vLLM runs a pooling request: a prefill holding its KV
+    /// while it runs, no output token; the metrics count its prompt tokens, a `stop`, no
+    /// generation token, and a repeat of it hits the prefix cache; afterwards no block is held.
+    #[tokio::test]
+    async fn embeddings_run_as_prefills_in_the_engine() {
+        let pod = running_pod(&["--time-scale", "1000"]);
+        let ids: Vec<u32> = (1..=200).collect();
+        let (_, v) = embed_answer(&pod, &none(), json!({"input": [ids, ids[..50]]})).await;
+        assert_eq!(v["usage"]["prompt_tokens"], 250);
+        let labels = "model_name=";
+        assert_eq!(
+            metric(&pod, "vllm:prompt_tokens_total", labels).await,
+            250.0
+        );
+        assert_eq!(
+            metric(&pod, "vllm:generation_tokens_total", labels).await,
+            0.0
+        );
+        let stop = "finished_reason=\"stop\"";
+        assert_eq!(metric(&pod, "vllm:request_success_total", stop).await, 2.0);
+        assert_eq!(metric(&pod, "vllm:kv_cache_usage_perc", labels).await, 0.0);
+        assert_eq!(metric(&pod, "vllm:num_requests_running", labels).await, 0.0);
+        assert_eq!(
+            metric(&pod, "vllm:time_to_first_token_seconds_count", labels).await,
+            2.0
+        );
+        let none_made = metric(&pod, "vllm:request_generation_tokens_bucket", "le=\"1.0\"").await;
+        assert_eq!(none_made, 2.0, "each answer generated no token");
+        let hits = metric(&pod, "vllm:prefix_cache_hits_total", labels).await;
+        let (_, _) = embed_answer(&pod, &none(), json!({"input": ids})).await;
+        let hits = metric(&pod, "vllm:prefix_cache_hits_total", labels).await - hits;
+        assert_eq!(hits, 192.0, "all but the last block cached");
+        let inner = pod.lock();
+        assert_eq!(inner.engine.kv.pool.num_used(), 0);
+        assert!(inner.engine.counters.peak_used_blocks >= 13);
+    }
+
+    /// A client that goes away while its prompts are prefilled aborts them all, as for the
+    /// other endpoints: their blocks are freed at once.
+    #[tokio::test]
+    async fn an_embeddings_client_that_goes_away_aborts_its_prefills() {
+        let pod = running_pod(&["--embedding-size", "8"]);
+        let long: Vec<u32> = (1..=8000).collect();
+        let body = json!({"input": [long, long.iter().map(|t| t + 10_000).collect::<Vec<_>>()]});
+        let p = pod.clone();
+        let handler = tokio::spawn(async move {
+            let _ = post(&p, Kind::Embeddings, &none(), body).await;
+        });
+        for _ in 0..500 {
+            if pod.lock().engine.kv.pool.num_used() > 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(
+            pod.lock().engine.kv.pool.num_used() > 0,
+            "a prefill holds blocks"
+        );
+        handler.abort();
+        assert!(handler.await.unwrap_err().is_cancelled());
+        let inner = pod.lock();
+        let e = &inner.engine;
+        assert_eq!((e.num_running(), e.num_waiting()), (0, 0));
+        assert_eq!(e.counters.finished_abort, 2);
+        assert_eq!(e.kv.pool.num_used(), 0);
     }
 }

@@ -194,6 +194,9 @@ fn render_content(
     }
 }
 
+/// What closes each message the chat template renders.
+pub const MESSAGE_END: &str = "<|im_end|>\n";
+
 /// The simulator's fixed chat template (ChatML):
 ///
 /// ```text
@@ -238,7 +241,7 @@ pub fn render_chat(
                 push_text(&mut segs, &tc.to_string());
             }
         }
-        push_text(&mut segs, "<|im_end|>\n");
+        push_text(&mut segs, MESSAGE_END);
     }
     if add_generation_prompt {
         push_text(&mut segs, "<|im_start|>assistant\n");

@@ -1,0 +1,530 @@
+//! vLLM's Embeddings API, `POST /v1/embeddings`, as vLLM serves it (its
+//! `vllm/entrypoints/pooling/embed/openai_protocol.py` `EmbeddingCompletionRequest` /
+//! `EmbeddingChatRequest` / `EmbeddingResponse`, the request fields of
+//! `pooling/base/protocol.py`, and `embed/serving.py` `ServingEmbedding`). Each prompt runs as a
+//! pooling request of the engine, a prefill with no output, through the generation path
+//! (`Kind::Embeddings`), so this module owns only the shapes around that path: the request's form
+//! and options as its pydantic models read them, the vector a prompt embeds to, and the answer in
+//! vLLM's key order (a struct's, where the simulator's other answers come out sorted).
+
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::kv::mix64;
+use crate::lax::{count, flag};
+use crate::pod::Rng;
+use crate::tokenizer::Segment;
+
+/// Which of vLLM's two request models a body is (`EmbeddingRequest` is their union).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Form {
+    /// `EmbeddingCompletionRequest`: `input`, each string or id list a prompt.
+    Completion,
+    /// `EmbeddingChatRequest`: `messages`, one prompt rendered by the chat template.
+    Chat,
+}
+
+/// A body with `input` is the completion form, one with `messages` and no `input` the chat
+/// form; one with neither validates as neither model.
+pub fn form(body: &Value) -> Result<Form, String> {
+    let given = |k: &str| body.get(k).is_some_and(|v| !v.is_null());
+    if given("input") {
+        Ok(Form::Completion)
+    } else if given("messages") {
+        Ok(Form::Chat)
+    } else {
+        Err(
+            "input: Field required (EmbeddingCompletionRequest); messages: Field required \
+             (EmbeddingChatRequest)"
+                .into(),
+        )
+    }
+}
+
+/// How the answer's vectors are written: JSON floats, or each vector's float32 bytes in base64.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Encoding {
+    Float,
+    Base64 { big_endian: bool },
+}
+
+/// What the answer is made with, read as the request's pydantic model reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Options {
+    pub form: Form,
+    pub encoding: Encoding,
+    /// The `dimensions` asked for (checked against the model's size by `check_dimensions`).
+    pub dimensions: Option<i64>,
+}
+
+/// The request's options, checked as its model validates them before the request goes on:
+/// its form, `encoding_format` (`float`, `base64`; vLLM's binary `bytes` and `bytes_only` are not
+/// simulated), `embed_dtype` (`float32` only here) and `endianness`, `dimensions` an integer,
+/// `truncate_prompt_tokens` at least -1, the flags, and a chat's `continue_final_message` and
+/// `add_generation_prompt` not both set.
+pub fn options(body: &Value) -> Result<Options, String> {
+    let form = form(body)?;
+    let encoding = match body.get("encoding_format") {
+        None | Some(Value::Null) => "float",
+        Some(Value::String(s)) => s.as_str(),
+        Some(_) => "",
+    };
+    let big_endian = match body.get("endianness") {
+        None | Some(Value::Null) => false,
+        Some(v) => match v.as_str() {
+            // vLLM's default, `native`, is the host's: little-endian on the x86 and Arm hosts
+            // it runs on.
+            Some("native" | "little") => false,
+            Some("big") => true,
+            _ => return Err("endianness: Input should be 'native', 'big' or 'little'".to_string()),
+        },
+    };
+    let encoding = match encoding {
+        "float" => Encoding::Float,
+        "base64" => Encoding::Base64 { big_endian },
+        "bytes" | "bytes_only" => {
+            return Err(format!(
+                "kvgate-sim: encoding_format {encoding} (a binary response) is not simulated; \
+                 use float or base64"
+            ))
+        }
+        _ => {
+            return Err(
+                "encoding_format: Input should be 'float', 'base64', 'bytes' or \
+                        'bytes_only'"
+                    .into(),
+            )
+        }
+    };
+    match body.get("embed_dtype") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(s)) if s == "float32" => {}
+        Some(v) => {
+            return Err(format!(
+                "kvgate-sim: embed_dtype {v} is not simulated; float32 (the default) only"
+            ))
+        }
+    }
+    let dimensions = integer(body.get("dimensions"), "dimensions")?;
+    truncate_prompt_tokens(body)?;
+    keeps_first(body)?;
+    for name in [
+        "add_special_tokens",
+        "add_generation_prompt",
+        "continue_final_message",
+    ] {
+        flag(body.get(name), name)?;
+    }
+    if form == Form::Chat {
+        let on = |name| flag(body.get(name), name).map(|f| f.unwrap_or(false));
+        if on("continue_final_message")? && on("add_generation_prompt")? {
+            return Err(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` \
+                        to True."
+                    .into(),
+            );
+        }
+        match body.get("chat_template_kwargs") {
+            None | Some(Value::Null | Value::Object(_)) => {}
+            Some(_) => {
+                return Err("chat_template_kwargs: Input should be a valid dictionary".into())
+            }
+        }
+    }
+    Ok(Options {
+        form,
+        encoding,
+        dimensions,
+    })
+}
+
+/// An integer field as pydantic's lax mode reads one (`lax::count`), negative ones included.
+fn integer(v: Option<&Value>, name: &str) -> Result<Option<i64>, String> {
+    let negative = match v {
+        Some(Value::Number(n)) => n
+            .as_i64()
+            .or_else(|| n.as_f64().filter(|f| f.fract() == 0.0).map(|f| f as i64))
+            .filter(|&i| i < 0),
+        Some(Value::String(s)) => s.trim().parse::<i64>().ok().filter(|&i| i < 0),
+        _ => None,
+    };
+    if negative.is_some() {
+        return Ok(negative);
+    }
+    Ok(count(v, name)?.map(|c| i64::try_from(c).unwrap_or(i64::MAX)))
+}
+
+/// `truncate_prompt_tokens`: an integer of at least -1, or none.
+pub fn truncate_prompt_tokens(body: &Value) -> Result<Option<i64>, String> {
+    match integer(body.get("truncate_prompt_tokens"), "truncate_prompt_tokens")? {
+        Some(t) if t < -1 => {
+            Err("truncate_prompt_tokens: Input should be greater than or equal to -1".into())
+        }
+        t => Ok(t),
+    }
+}
+
+/// `truncation_side`: `right` keeps a prompt's first tokens; `left`, or none (vLLM loads its
+/// tokenizers with `truncation_side="left"`), its last.
+fn keeps_first(body: &Value) -> Result<bool, String> {
+    match body.get("truncation_side") {
+        None | Some(Value::Null) => Ok(false),
+        Some(v) => match v.as_str() {
+            Some("left") => Ok(false),
+            Some("right") => Ok(true),
+            _ => Err("truncation_side: Input should be 'left' or 'right'".into()),
+        },
+    }
+}
+
+/// How a prompt is cut to `truncate_prompt_tokens`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Truncation {
+    /// Tokens kept.
+    pub keep: usize,
+    /// Whether they are the prompt's first (`truncation_side: "right"`) rather than its last.
+    pub first: bool,
+}
+
+impl Truncation {
+    pub fn apply(self, prompt: &mut Vec<u32>) {
+        if self.first {
+            prompt.truncate(self.keep);
+        } else {
+            prompt.drain(..prompt.len().saturating_sub(self.keep));
+        }
+    }
+}
+
+/// How the request's prompts are cut, from `truncate_prompt_tokens` (and `truncation_side`):
+/// -1 is the model's length; more than the model's length is refused as vLLM's pooling serving
+/// refuses it (`_validate_request`).
+pub fn truncation(body: &Value, max_model_len: usize) -> Result<Option<Truncation>, String> {
+    let keep = match truncate_prompt_tokens(body)? {
+        None => return Ok(None),
+        Some(-1) => max_model_len,
+        Some(t) => match usize::try_from(t) {
+            Ok(t) if t <= max_model_len => t,
+            _ => {
+                return Err(
+                    "truncate_prompt_tokens value is greater than max_model_len. \
+                            Please, select a smaller truncation size."
+                        .into(),
+                )
+            }
+        },
+    };
+    Ok(Some(Truncation {
+        keep,
+        first: keeps_first(body)?,
+    }))
+}
+
+/// A chat's prompt as the embeddings request renders it: the chat template with
+/// `add_generation_prompt` off unless asked for, and with `continue_final_message` the last
+/// message left open (its end marker not rendered).
+pub fn continue_final(segs: &mut [Segment], end: &str) {
+    if let Some(Segment::Text(t)) = segs.last_mut() {
+        if let Some(open) = t.strip_suffix(end) {
+            let open = open.to_string();
+            *t = open;
+        }
+    }
+}
+
+/// `dimensions` as vLLM's `PoolingParams.verify` checks it for a Matryoshka model: at least 1,
+/// and here at most the model's size (`--embedding-size`).
+pub fn check_dimensions(dimensions: Option<i64>, size: usize) -> Result<Option<usize>, String> {
+    match dimensions {
+        None => Ok(None),
+        Some(d) if d < 1 => Err("Dimensions must be greater than 0".into()),
+        Some(d) => match usize::try_from(d) {
+            Ok(d) if d <= size => Ok(Some(d)),
+            _ => Err(format!(
+                "kvgate-sim: dimensions ({d}) is greater than the model's embedding size \
+                 ({size})."
+            )),
+        },
+    }
+}
+
+/// The vector a prompt embeds to: deterministic in its token ids (their hash seeds its
+/// components), `size` long and of unit length (the pooler's normalized output); with
+/// `dimensions`, that vector's first `dimensions` components normalized again, as vLLM's pooler
+/// truncates a Matryoshka model's embedding. Float32, as the model answers it.
+pub fn embed(ids: &[u32], size: usize, dimensions: Option<usize>) -> Vec<f32> {
+    let seed = ids
+        .iter()
+        .fold(0x656d_6265_6464_696e_u64 ^ ids.len() as u64, |h, &t| {
+            mix64(h ^ u64::from(t))
+        });
+    let mut rng = Rng::new(seed);
+    let full = unit((0..size).map(|_| rng.normal()).collect());
+    let kept = dimensions.map_or(full.len(), |d| d.min(full.len()));
+    let mut v = full;
+    v.truncate(kept);
+    unit(v).into_iter().map(|x| x as f32).collect()
+}
+
+/// `v` scaled to unit L2 norm (a zero vector left as it is).
+fn unit(mut v: Vec<f64>) -> Vec<f64> {
+    let norm = v.iter().map(|x| x * x).sum::<f64>().sqrt();
+    if norm > 0.0 {
+        v.iter_mut().for_each(|x| *x /= norm);
+    }
+    v
+}
+
+const BASE64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+
+/// Standard base64 with padding (Python's `base64.b64encode`).
+fn base64(bytes: &[u8]) -> String {
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let b = [
+            chunk.first().copied().unwrap_or(0),
+            chunk.get(1).copied().unwrap_or(0),
+            chunk.get(2).copied().unwrap_or(0),
+        ];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        for i in 0..4 {
+            if i <= chunk.len() {
+                let sextet = (n >> (18 - 6 * i)) & 63;
+                out.push(char::from(BASE64[sextet as usize]));
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+/// One vector as the answer writes it: floats (each float32 widened to a double, as Python's
+/// `tolist()` of a float32 tensor gives them), or its float32 bytes in base64.
+fn encode(v: &[f32], encoding: Encoding) -> Embedding {
+    match encoding {
+        Encoding::Float => Embedding::Float(v.iter().map(|&x| f64::from(x)).collect()),
+        Encoding::Base64 { big_endian } => {
+            let bytes: Vec<u8> = v
+                .iter()
+                .flat_map(|x| {
+                    if big_endian {
+                        x.to_be_bytes()
+                    } else {
+                        x.to_le_bytes()
+                    }
+                })
+                .collect();
+            Embedding::Base64(base64(&bytes))
+        }
+    }
+}
+
+#[derive(Serialize)]
+#[serde(untagged)]
+enum Embedding {
+    Float(Vec<f64>),
+    Base64(String),
+}
+
+/// `EmbeddingResponseData`.
+#[derive(Serialize)]
+struct Data {
+    index: usize,
+    object: &'static str,
+    embedding: Embedding,
+}
+
+/// `UsageInfo` as an embeddings answer fills it: prompt tokens only.
+#[derive(Serialize)]
+struct Usage {
+    prompt_tokens: usize,
+    total_tokens: usize,
+    completion_tokens: usize,
+    prompt_tokens_details: Option<()>,
+}
+
+/// `EmbeddingResponse`, its fields in vLLM's order.
+#[derive(Serialize)]
+struct Answer<'a> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    data: Vec<Data>,
+    usage: Usage,
+}
+
+/// The answer's JSON: a vector a prompt, in the prompts' order, and the prompts' tokens summed.
+pub fn response(
+    id: &str,
+    created: u64,
+    model: &str,
+    vectors: &[Vec<f32>],
+    encoding: Encoding,
+    prompt_tokens: usize,
+) -> Result<String, String> {
+    let answer = Answer {
+        id,
+        object: "list",
+        created,
+        model,
+        data: vectors
+            .iter()
+            .enumerate()
+            .map(|(index, v)| Data {
+                index,
+                object: "embedding",
+                embedding: encode(v, encoding),
+            })
+            .collect(),
+        usage: Usage {
+            prompt_tokens,
+            total_tokens: prompt_tokens,
+            completion_tokens: 0,
+            prompt_tokens_details: None,
+        },
+    };
+    serde_json::to_string(&answer).map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// Python's `base64.b64decode`, for the tests.
+    pub fn unbase64(s: &str) -> Vec<u8> {
+        let val = |c: u8| BASE64.iter().position(|&b| b == c).unwrap() as u32;
+        let mut out = Vec::new();
+        for chunk in s.as_bytes().chunks(4) {
+            let data: Vec<u8> = chunk.iter().copied().filter(|&c| c != b'=').collect();
+            let n = data
+                .iter()
+                .enumerate()
+                .fold(0u32, |n, (i, &c)| n | (val(c) << (18 - 6 * i)));
+            for i in 0..data.len().saturating_sub(1) {
+                out.push((n >> (16 - 8 * i)) as u8);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn base64_is_pythons() {
+        for (bytes, want) in [
+            (&b""[..], ""),
+            (b"f", "Zg=="),
+            (b"fo", "Zm8="),
+            (b"foo", "Zm9v"),
+            (b"foobar", "Zm9vYmFy"),
+            (&[0xff, 0xfe, 0x00, 0x80], "//4AgA=="),
+        ] {
+            assert_eq!(base64(bytes), want);
+            assert_eq!(unbase64(want), bytes);
+        }
+    }
+
+    /// A prompt's vector is its ids' alone, unit length, of the model's size; `dimensions`
+    /// keeps the full vector's first components, normalized again.
+    #[test]
+    fn vectors_are_deterministic_unit_and_truncate_as_matryoshka() {
+        let a = embed(&[1, 2, 3], 64, None);
+        assert_eq!(a, embed(&[1, 2, 3], 64, None));
+        assert_ne!(a, embed(&[1, 2, 4], 64, None));
+        assert_ne!(embed(&[1, 2], 64, None), embed(&[2, 1], 64, None));
+        assert_eq!(a.len(), 64);
+        let norm = |v: &[f32]| v.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt();
+        assert!((norm(&a) - 1.0).abs() < 1e-6);
+        let d = embed(&[1, 2, 3], 64, Some(8));
+        assert_eq!(d.len(), 8);
+        assert!((norm(&d) - 1.0).abs() < 1e-6);
+        let scale = norm(&a[..8]);
+        for (x, y) in d.iter().zip(&a[..8]) {
+            assert!((f64::from(*x) * scale - f64::from(*y)).abs() < 1e-6);
+        }
+    }
+
+    #[test]
+    fn forms_and_options_are_read_as_vllms_models_read_them() {
+        assert_eq!(
+            form(&json!({"input": "a", "messages": []})),
+            Ok(Form::Completion)
+        );
+        assert_eq!(form(&json!({"messages": []})), Ok(Form::Chat));
+        assert!(form(&json!({"input": null})).is_err());
+        let o = |body: Value| options(&body);
+        assert_eq!(o(json!({"input": "a"})).unwrap().encoding, Encoding::Float);
+        assert_eq!(
+            o(json!({"input": "a", "encoding_format": "base64", "endianness": "big"}))
+                .unwrap()
+                .encoding,
+            Encoding::Base64 { big_endian: true }
+        );
+        assert_eq!(
+            o(json!({"input": "a", "dimensions": "-3"}))
+                .unwrap()
+                .dimensions,
+            Some(-3)
+        );
+        for bad in [
+            json!({"input": "a", "encoding_format": "hex"}),
+            json!({"input": "a", "encoding_format": "bytes"}),
+            json!({"input": "a", "embed_dtype": "float16"}),
+            json!({"input": "a", "dimensions": 1.5}),
+            json!({"input": "a", "truncate_prompt_tokens": -2}),
+            json!({"input": "a", "add_special_tokens": "maybe"}),
+            json!({"messages": [], "add_generation_prompt": true,
+                   "continue_final_message": true}),
+            json!({"messages": [], "chat_template_kwargs": [1]}),
+        ] {
+            assert!(o(bad.clone()).is_err(), "{bad}");
+        }
+        let cut = |body: Value| truncation(&body, 100).map(|t| t.map(|t| (t.keep, t.first)));
+        assert_eq!(
+            cut(json!({"truncate_prompt_tokens": -1})),
+            Ok(Some((100, false)))
+        );
+        assert_eq!(
+            cut(json!({"truncate_prompt_tokens": 7})),
+            Ok(Some((7, false)))
+        );
+        assert_eq!(
+            cut(json!({"truncate_prompt_tokens": 7, "truncation_side": "right"})),
+            Ok(Some((7, true)))
+        );
+        assert_eq!(cut(json!({"truncation_side": "right"})), Ok(None));
+        assert!(cut(json!({"truncate_prompt_tokens": 101})).is_err());
+        assert!(o(json!({"input": "a", "truncation_side": "middle"})).is_err());
+        let mut p = vec![1, 2, 3, 4];
+        Truncation {
+            keep: 2,
+            first: false,
+        }
+        .apply(&mut p);
+        assert_eq!(p, [3, 4]);
+        let mut p = vec![1, 2, 3, 4];
+        Truncation {
+            keep: 2,
+            first: true,
+        }
+        .apply(&mut p);
+        assert_eq!(p, [1, 2]);
+        assert_eq!(
+            check_dimensions(Some(0), 8),
+            Err("Dimensions must be greater than 0".into())
+        );
+        assert!(check_dimensions(Some(9), 8).is_err());
+        assert_eq!(check_dimensions(Some(8), 8), Ok(Some(8)));
+    }
+
+    /// The answer's keys in vLLM's order, and its usage.
+    #[test]
+    fn the_answer_keeps_vllms_key_order() {
+        let text = response("embd-x", 7, "m", &[vec![0.5, -0.25]], Encoding::Float, 3).unwrap();
+        assert_eq!(
+            text,
+            r#"{"id":"embd-x","object":"list","created":7,"model":"m","data":[{"index":0,"object":"embedding","embedding":[0.5,-0.25]}],"usage":{"prompt_tokens":3,"total_tokens":3,"completion_tokens":0,"prompt_tokens_details":null}}"#
+        );
+    }
+}
