@@ -11,7 +11,8 @@
 //! decreases; one piece, the given pieces and (for short bodies) byte-by-byte feeding end with
 //! the same `pieces`, the same `finish()` usage and the same answers ended; following answers
 //! changes neither the pieces nor the usage, and the answers ended are at most those followed,
-//! with at most the stream's pieces.
+//! with at most the stream's pieces. A JSON object's usage reads the same behind a megabyte of
+//! spaces, walked past the limit the meter keeps (`long_body`).
 #![no_main]
 
 use kvgate::openai::response::{EndedAnswers, ResponseMeter, Usage};
@@ -80,5 +81,15 @@ fuzz_target!(|data: &[u8]| {
     if answers > 1 {
         let one = run(content_type, 1, &body, &[(0, body.len())]);
         assert_eq!((one.0, one.1), (whole.0, whole.1), "following answers");
+    }
+    // A JSON object past the limit the meter keeps is walked for its usage instead (its value
+    // copied up to 4 KB): it reads what the same object kept whole reads.
+    let sse = content_type.is_some_and(|c| c.contains("event-stream"));
+    let object = serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(&body);
+    if !sse && body.len() < 4096 && object.is_ok() {
+        let mut long = vec![b' '; MAX_KEPT];
+        long.extend_from_slice(&body);
+        let walked = run(content_type, answers, &long, &pieces(long.len(), &cuts));
+        assert_eq!(walked.1, whole.1, "walked past the limit vs kept");
     }
 });

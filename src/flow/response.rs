@@ -1481,6 +1481,39 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
         );
     }
 
+    /// vLLM's chat embeddings (`messages` in place of `input`) are reserved and routed as their
+    /// prompt, and a batch's answer, past the megabyte the meter keeps, is still read for its
+    /// usage (before: refused as missing `input`; a long answer's usage lost).
+    #[test]
+    fn a_chat_embedding_is_reserved_and_its_long_answers_usage_read() {
+        use crate::pods::record;
+        let pod = "10.0.0.1:80";
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let mut gate = Gate::new(crate::test_support::with_pods(&[pod]), &vm).unwrap();
+        let mut f = Flow::default();
+        f.on_request_headers(&mut gate, &vm, &RequestHead::json_post("/v1/embeddings"));
+        let body = br#"{"model":"m","messages":[{"role":"user","content":"embed this please"}]}"#;
+        f.on_body(&mut gate, &vm, body);
+        let entry = record::read(&vm, pod).unwrap().entries[0];
+        assert!(entry.held_tokens > 0, "its prompt, held");
+        f.on_response_headers(&mut gate, &vm, Some("application/json"), Some(pod));
+        // vLLM's answer for 24 prompts of 4,096 dimensions: about 2 MB, usage last.
+        let vector = vec!["0.015625"; 4096].join(",");
+        let item = format!(r#"{{"index":0,"object":"embedding","embedding":[{vector}]}}"#);
+        let answer = format!(
+            r#"{{"id":"embd-1","object":"list","created":1,"model":"m","data":[{}],"usage":{{"prompt_tokens":240,"total_tokens":240,"completion_tokens":0,"prompt_tokens_details":null}}}}"#,
+            vec![item; 24].join(",")
+        );
+        for piece in answer.as_bytes().chunks(16 * 1024) {
+            f.on_response_body(&mut gate, &vm, piece);
+        }
+        f.on_done(&mut gate, &vm);
+        assert_eq!(gate.stats.take_count(stats::USAGE_PROMPT_TOKENS), 240);
+        assert_eq!(gate.stats.take_count(stats::USAGE_COMPLETION_TOKENS), 0);
+        assert!(record::read(&vm, pod).unwrap().entries.is_empty());
+    }
+
     #[test]
     fn each_answer_reports_the_estimates_error_and_the_pods_prefix_blocks() {
         let cfg = crate::test_support::with_pods(&["10.0.0.1:80"]);

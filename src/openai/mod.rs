@@ -10,6 +10,7 @@
 
 pub mod header_map;
 mod lax;
+mod long_body;
 pub mod reply;
 pub mod request;
 pub mod response;

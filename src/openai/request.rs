@@ -50,10 +50,6 @@ impl Api {
         .find(|(suffix, _)| path.ends_with(suffix))
         .map(|(_, api)| api)
     }
-
-    pub fn generates(self) -> bool {
-        !matches!(self, Api::Embeddings)
-    }
 }
 
 /// What kvgate needs from a request body.
@@ -541,9 +537,19 @@ impl Request {
                 }
                 out.push_input(b.input.ok_or_else(|| missing("input"))?);
             }
-            Api::Embeddings => {
-                out.push_input(b.input.ok_or_else(|| missing("input"))?);
-            }
+            // vLLM's chat embeddings (`EmbeddingChatRequest`): `messages` in place of `input`,
+            // rendered through the model's chat template.
+            Api::Embeddings => match (b.input, b.messages) {
+                (Some(input), _) => _ = out.push_input(input),
+                (None, Some(messages)) => {
+                    if messages.is_empty() {
+                        return Err(bad("`messages` must not be empty", Some("messages")));
+                    }
+                    out.templated = true;
+                    messages.iter().for_each(|m| out.push_message(m));
+                }
+                (None, None) => return Err(missing("input")),
+            },
             Api::Messages => {
                 let messages = b.messages.ok_or_else(|| missing("messages"))?;
                 if messages.is_empty() {
@@ -834,6 +840,11 @@ mod tests {
             (Api::Responses, r#"{"input":"hi"}"#, true),
             (Api::Completions, r#"{"prompt":"hi"}"#, false),
             (Api::Embeddings, r#"{"input":"hi"}"#, false),
+            (
+                Api::Embeddings,
+                r#"{"messages":[{"role":"user","content":"hi"}]}"#,
+                true,
+            ),
         ] {
             let req = Request::parse(api, body.as_bytes()).unwrap();
             assert_eq!(req.templated, templated, "{api:?}");
@@ -1344,6 +1355,28 @@ mod tests {
         let r = Request::parse(Api::Embeddings, br#"{"model":"e","input":["a","b"]}"#).unwrap();
         assert_eq!(r.text, "ab");
         assert_eq!(r.max_output_tokens, Some(0));
+        // vLLM's chat embeddings: the conversation as a chat request's, nothing to answer.
+        let body = br#"{"model":"e","messages":[{"role":"system","content":"s"},{"role":"user","content":[{"type":"text","text":"q"}]}],"encoding_format":"base64"}"#;
+        let r = Request::parse(Api::Embeddings, body).unwrap();
+        let c = chat(r#"{"messages":[{"role":"system","content":"s"},{"role":"user","content":[{"type":"text","text":"q"}]}]}"#).unwrap();
+        assert_eq!(
+            (r.text.as_str(), r.max_output_tokens),
+            (c.text.as_str(), Some(0))
+        );
+        // `input` is the completion form's, whatever else the body carries (vLLM tries it first).
+        let r = Request::parse(
+            Api::Embeddings,
+            br#"{"input":"i","messages":[{"role":"user","content":"m"}]}"#,
+        )
+        .unwrap();
+        assert_eq!((r.text.as_str(), r.templated), ("i", false));
+        for (body, param) in [
+            (&br#"{"messages":[]}"#[..], "messages"),
+            (br#"{"model":"e"}"#, "input"),
+        ] {
+            let e = Request::parse(Api::Embeddings, body).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(param));
+        }
     }
 
     #[test]

@@ -5,9 +5,11 @@
 
 use serde::Deserialize;
 
+use super::long_body::LongBody;
 use super::sse_chunk::TEXT_EVENTS;
 
-/// The most of a non-streaming body, or of one SSE line, kvgate keeps to read `usage` from.
+/// The most of a non-streaming body, or of one SSE line, kvgate keeps to read `usage` from (a
+/// longer body is walked for it instead, `long_body`).
 const MAX_KEPT: usize = 1024 * 1024;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
@@ -368,6 +370,8 @@ pub struct ResponseMeter {
     sse: bool,
     kept: Vec<u8>,
     overflowed: bool,
+    /// A JSON answer past `MAX_KEPT`, walked for its usage and id instead of kept.
+    long: Option<Box<LongBody>>,
     /// Pieces of text streamed so far: a token each from an engine that sends a token a chunk,
     /// several from one that sends more (the flow counts them at the model's learned tokens per
     /// piece, `calibration`).
@@ -500,7 +504,15 @@ impl ResponseMeter {
 
     /// The body has ended: reads a non-streaming body's usage.
     pub fn finish(&mut self) -> Option<Usage> {
-        if !self.sse && !self.overflowed && self.usage.is_none() {
+        if let Some(long) = self.long.as_deref().filter(|_| self.usage.is_none()) {
+            self.usage = long.usage().and_then(|value| {
+                let body = [&b"{\"usage\":"[..], value, b"}"].concat();
+                body_usage(&body)
+            });
+            if self.wants_id {
+                self.response_id = long.id();
+            }
+        } else if !self.sse && !self.overflowed && self.usage.is_none() {
             self.usage = body_usage(&self.kept).or_else(|| native_usage(&self.kept));
             if self.wants_id {
                 self.response_id = serde_json::from_slice::<Id>(&self.kept)
@@ -516,8 +528,21 @@ impl ResponseMeter {
     }
 
     fn keep(&mut self, bytes: &[u8]) {
+        if let Some(long) = &mut self.long {
+            long.feed(bytes);
+            return;
+        }
         if self.kept.len() + bytes.len() > MAX_KEPT {
             self.overflowed = true;
+            if !self.sse {
+                // A JSON answer too long to keep: walked for its usage and id from here on.
+                let mut long = LongBody::default();
+                long.feed(&self.kept);
+                long.feed(bytes);
+                self.long = Some(Box::new(long));
+                self.kept = Vec::new();
+                return;
+            }
             self.kept.clear();
         } else if !self.overflowed {
             self.kept.extend_from_slice(bytes);
@@ -1190,8 +1215,40 @@ mod tests {
         long.chunks(4096).for_each(|p| _ = pieces.feed(p));
         assert_eq!((whole.pieces, pieces.pieces), (1, 1));
         let mut m = ResponseMeter::new(None);
-        m.feed(&vec![b' '; MAX_KEPT + 1]);
+        m.feed(&vec![b'x'; MAX_KEPT + 1]);
         m.feed(br#"{"usage":{"prompt_tokens":1}}"#);
         assert_eq!(m.finish(), None);
+    }
+
+    /// A JSON answer longer than the meter keeps (a batch of embeddings, log probabilities) is
+    /// read for its usage and id as it passes, in whatever pieces it comes.
+    #[test]
+    fn a_json_answer_too_long_to_keep_is_read_for_its_usage_and_id() {
+        let floats = vec!["-0.0123456789"; 4096].join(",");
+        let item = format!(r#"{{"index":0,"object":"embedding","embedding":[{floats}]}}"#);
+        let data = vec![item; 40].join(",");
+        let body = format!(
+            r#"{{"id":"embd-7","object":"list","created":1,"model":"m","data":[{data}],"usage":{{"prompt_tokens":3000,"total_tokens":3000,"completion_tokens":0,"prompt_tokens_details":{{"cached_tokens":64}}}}}}"#
+        );
+        assert!(body.len() > 2 * MAX_KEPT);
+        for piece in [16 * 1024, 1 << 20, body.len()] {
+            let mut m = ResponseMeter::new(Some("application/json")).keeping_id();
+            body.as_bytes().chunks(piece).for_each(|p| _ = m.feed(p));
+            let usage = Usage {
+                prompt_tokens: 3000,
+                completion_tokens: 0,
+                cached_tokens: Some(64),
+            };
+            assert_eq!(m.finish(), Some(usage), "pieces of {piece}");
+            assert_eq!(m.response_id.as_deref(), Some("embd-7"));
+        }
+        // The Responses API's names, past the limit too.
+        let mut m = ResponseMeter::new(None);
+        m.feed(&vec![b' '; MAX_KEPT + 1]);
+        m.feed(br#"{"usage":{"input_tokens":5,"output_tokens":2}}"#);
+        assert_eq!(
+            m.finish().map(|u| (u.prompt_tokens, u.completion_tokens)),
+            Some((5, 2))
+        );
     }
 }
