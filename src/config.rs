@@ -22,6 +22,9 @@ pub struct Config {
     pub max_body_bytes: u64,
     /// Adds `x-kvgate-*` response headers that explain each decision.
     pub debug_headers: bool,
+    /// Keeps the same report, as one `key=value` line, in Envoy's filter state for access logs
+    /// (`wasm.kvgate`), where clients do not see it.
+    pub access_log: bool,
     /// Model-server pods as `ip:port`, in addition to any discovered ones.
     pub pods: Vec<String>,
     /// A path kvgate answers itself with the pool's state (src/status.rs); empty turns it off.
@@ -41,6 +44,7 @@ impl Default for Config {
             passthrough_unknown: true,
             max_body_bytes: 1024 * 1024,
             debug_headers: false,
+            access_log: true,
             pods: Vec::new(),
             status_path: String::new(),
             discovery: DiscoveryConfig::default(),

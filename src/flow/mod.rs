@@ -226,6 +226,8 @@ pub struct Flow {
     salt_header: Option<String>,
     /// Its body is read for its model alone (`other_path`).
     model_only: bool,
+    /// Its report for Envoy's access log, for the shell to set (`take_access_log`).
+    access_log: Option<String>,
 }
 
 /// What the model step decided for a request.
@@ -1223,6 +1225,14 @@ mod tests {
             get("x-kvgate-ranking").as_deref(),
             Some("10.0.0.1:80 3=2+1+0+0+0+0")
         );
+        // The same report for the access log, once.
+        assert_eq!(
+            f.take_access_log().as_deref(),
+            Some(
+                r#"model=m prompt_tokens=5 output_tokens=20 cost=64 pod=10.0.0.1:80 prefix_blocks=0/1 ranking="10.0.0.1:80 3=2+1+0+0+0+0""#
+            )
+        );
+        assert_eq!(f.take_access_log(), None);
         f.on_response_body(
             &mut gate,
             &vm,

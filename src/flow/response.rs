@@ -23,6 +23,29 @@ pub(super) fn header_safe(value: &str) -> String {
         .collect()
 }
 
+/// The decision headers as one line for an access log: `key=value` pairs (logfmt), each key its
+/// header's name without `x-kvgate-`, `-` as `_`; a value with a space, `"` or `=` in quotes, and
+/// an empty one (the ranking, built only for the headers) left out.
+fn access_log_line(headers: &[(&str, String)]) -> String {
+    let mut line = String::with_capacity(160);
+    for (name, value) in headers.iter().filter(|(_, v)| !v.is_empty()) {
+        if !line.is_empty() {
+            line.push(' ');
+        }
+        let key = name.strip_prefix("x-kvgate-").unwrap_or(name);
+        line.extend(key.chars().map(|c| if c == '-' { '_' } else { c }));
+        line.push('=');
+        if value.contains([' ', '"', '=']) {
+            line.push('"');
+            line.push_str(&value.replace('\\', "\\\\").replace('"', "\\\""));
+            line.push('"');
+        } else {
+            line.push_str(value);
+        }
+    }
+    line
+}
+
 /// How far an estimate was from what the engine counted, in whole percent of the count (any
 /// estimate of something the engine counted none of is 100 % off).
 fn error_percent(estimated: u64, counted: u64) -> u64 {
@@ -50,9 +73,10 @@ impl Flow {
         let Some(a) = &mut self.admitted else {
             return Vec::new();
         };
+        let (debug, logged) = (gate.config.debug_headers, gate.config.access_log);
         let mut observed = None;
         if let Some(routed) = &mut a.routed {
-            let picked = gate.config.debug_headers.then(|| routed.pod.clone());
+            let picked = (debug || logged).then(|| routed.pod.clone());
             if let Some(host) = served_by {
                 observe::served(gate, store, routed, host);
             }
@@ -68,7 +92,7 @@ impl Flow {
             meter
         });
         let a = &*a;
-        if !gate.config.debug_headers {
+        if !debug && !logged {
             return Vec::new();
         }
         // Room for every header at once.
@@ -105,7 +129,19 @@ impl Flow {
         if let Some(observed) = observed {
             headers.push(("x-kvgate-observed", observed));
         }
+        if logged {
+            self.access_log = Some(access_log_line(&headers));
+        }
+        if !debug {
+            headers.clear();
+        }
         headers
+    }
+
+    /// The request's report for Envoy's access log, once its response has started
+    /// (`accessLog`); taken once.
+    pub fn take_access_log(&mut self) -> Option<String> {
+        self.access_log.take()
     }
 
     /// The response's body comes encoded (its `content-encoding` names a coding other than
@@ -433,6 +469,50 @@ mod tests {
     use crate::flow::RequestHead;
     use crate::stats::Stat;
     use crate::store::fake_host::FakeHost;
+
+    /// Without debug headers the client sees none, and the access log still gets the report,
+    /// but the ranking (built for the headers only); with `accessLog` off, nothing.
+    #[test]
+    fn the_access_log_gets_the_report_the_headers_would_carry() {
+        let pod = "10.0.0.1:80";
+        for logged in [true, false] {
+            let host = FakeHost::new();
+            let vm = host.vm();
+            let mut cfg = crate::test_support::with_pods(&[pod]);
+            cfg.access_log = logged;
+            let mut gate = Gate::new(cfg, &vm).unwrap();
+            let mut f = Flow::default();
+            f.on_request_headers(&mut gate, &vm, &RequestHead::json_post("/v1/completions"));
+            let body = br#"{"model":"a \"quoted\" name","prompt":"hello there","max_tokens":20}"#;
+            f.on_body(&mut gate, &vm, body);
+            let headers = f.on_response_headers(&mut gate, &vm, None, Some(pod));
+            assert!(headers.is_empty());
+            let line = f.take_access_log();
+            if !logged {
+                assert_eq!(line, None);
+                continue;
+            }
+            let line = line.unwrap();
+            assert!(
+                line.starts_with(r#"model="a \"quoted\" name" prompt_tokens="#),
+                "{line}"
+            );
+            assert!(
+                line.ends_with(" pod=10.0.0.1:80 prefix_blocks=0/1"),
+                "{line}"
+            );
+        }
+        let line = access_log_line(&[
+            ("x-kvgate-queue-ms", "12".into()),
+            ("x-kvgate-ranking", String::new()),
+            ("x-kvgate-observed", "pick=b, would-wait".into()),
+            ("x-kvgate-model", r"a\b=c".into()),
+        ]);
+        assert_eq!(
+            line,
+            r#"queue_ms=12 observed="pick=b, would-wait" model="a\\b=c""#
+        );
+    }
 
     #[test]
     fn errors_are_whole_percent_of_what_the_engine_counted() {

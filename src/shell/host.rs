@@ -132,6 +132,14 @@ pub fn set_response_header(name: &str, value: &str) {
     let _ = raw::replace_header_map_value(MapType::HttpResponseHeaders, name, value);
 }
 
+/// The request's report for access logs (`accessLog`): Envoy keeps it as the stream's filter
+/// state `wasm.kvgate`, which a log format reads as `%FILTER_STATE(wasm.kvgate:PLAIN)%`.
+pub fn set_access_log(line: &str) {
+    if let Err(status) = raw::set_property(&["kvgate"], line.as_bytes()) {
+        log::debug!("access log property not set: status {status}");
+    }
+}
+
 /// Up to `max_size` bytes of a buffer from its start; empty when there is none or on any error.
 fn buffer(kind: BufferType, max_size: usize) -> Vec<u8> {
     raw::get_buffer_bytes(kind, 0, max_size)

@@ -353,6 +353,9 @@ impl Http {
         for (name, value) in &add {
             host::set_response_header(name, value);
         }
+        if let Some(line) = self.flow.borrow_mut().take_access_log() {
+            host::set_access_log(&line);
+        }
         // Absent on nearly every answer, and a header not found costs the call no copy.
         if let Some(coding) = host::response_header("content-encoding") {
             let now_unseen = self

@@ -82,6 +82,12 @@ extern "C" {
         return_value_data: *mut *mut u8,
         return_value_size: *mut usize,
     ) -> u32;
+    fn proxy_set_property(
+        path_data: *const u8,
+        path_size: usize,
+        value_data: *const u8,
+        value_size: usize,
+    ) -> u32;
     fn proxy_get_shared_data(
         key_data: *const u8,
         key_size: usize,
@@ -238,6 +244,14 @@ pub fn get_property(path: &[&str]) -> Result<Option<Vec<u8>>, u32> {
     let path = path.join("\0");
     // SAFETY: the path is a live string and the out-parameters come from `read`.
     read(|data, size| unsafe { proxy_get_property(path.as_ptr(), path.len(), data, size) })
+}
+
+/// Sets a property of the stream: Envoy keeps a path of one part, `name`, as the stream's filter
+/// state `wasm.<name>` (its `Context::setProperty`), which access logs read.
+pub fn set_property(path: &[&str], value: &[u8]) -> Result<(), u32> {
+    let path = path.join("\0");
+    // SAFETY: path and value are live slices for the call.
+    status(unsafe { proxy_set_property(path.as_ptr(), path.len(), value.as_ptr(), value.len()) })
 }
 
 /// The value (none when empty) and its version; the ABI's version 0 means none.

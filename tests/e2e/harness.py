@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import random
+import shlex
 import shutil
 import socket
 import subprocess
@@ -178,8 +179,10 @@ def responses_call(port, body, headers=None, timeout=60):
 
 
 def envoy_config(listen_port, admin_port, upstreams, plugin_config=None, wasm=WASM, with_kvgate=True,
-                 lb_policy=None, yaml_path=ENVOY_YAML):
-    """envoy/envoy.yaml (or a variant) with its ports, pods, plugin config and wasm path replaced."""
+                 lb_policy=None, yaml_path=ENVOY_YAML, access_log=None):
+    """envoy/envoy.yaml (or a variant) with its ports, pods, plugin config and wasm path replaced;
+    `access_log`: a file Envoy logs each request to, a line of its `(status, kvgate's report, kvgate's
+    reason)` as `access_log_lines` reads them."""
     cfg = yaml.safe_load(Path(yaml_path).read_text())
     cfg["admin"]["address"]["socket_address"]["port_value"] = admin_port
     listener = cfg["static_resources"]["listeners"][0]
@@ -187,6 +190,11 @@ def envoy_config(listen_port, admin_port, upstreams, plugin_config=None, wasm=WA
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
     filters = hcm["http_filters"]
     kv = next(f for f in filters if f["name"] == "kvgate")
+    if access_log is not None:
+        hcm["access_log"] = [{"name": "envoy.access_loggers.file", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+            "path": str(access_log),
+            "log_format": {"text_format_source": {"inline_string": ACCESS_LOG_FORMAT}}}}]
     if with_kvgate:
         wasm_cfg = kv["typed_config"]["config"]
         wasm_cfg["vm_config"]["code"]["local"]["filename"] = str(wasm)
@@ -206,6 +214,27 @@ def envoy_config(listen_port, admin_port, upstreams, plugin_config=None, wasm=WA
             c["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"][
                 "port_value"] = admin_port
     return cfg
+
+
+# The operators docs/operations.md (*Access logs*) shows, tab-separated.
+ACCESS_LOG_FORMAT = "%RESPONSE_CODE%\t%FILTER_STATE(wasm.kvgate:PLAIN)%\t%RESP(x-kvgate-reason)%\n"
+
+
+def access_log_lines(path):
+    """Each logged request's (status, kvgate's report as a dict, or None, kvgate's reason or None)."""
+    out = []
+    for line in Path(path).read_text().splitlines():
+        status, report, reason = line.split("\t")
+        fields = None if report == "-" else dict(shlex_pairs(report))
+        out.append((int(status), fields, None if reason == "-" else reason))
+    return out
+
+
+def shlex_pairs(line):
+    """`key=value` pairs of a logfmt line, a value in double quotes with `\\` escapes."""
+    for token in shlex.split(line, posix=True):
+        key, _, value = token.partition("=")
+        yield key, value
 
 
 def default_plugin_config(yaml_path=ENVOY_YAML):
@@ -245,7 +274,9 @@ class Envoy:
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             [str(ENVOY_BIN), "-c", str(path), "--concurrency", str(self.concurrency),
-             "--disable-hot-restart", "-l", self.log_level, "--log-format", "[%l] %v"],
+             "--disable-hot-restart", "-l", self.log_level, "--log-format", "[%l] %v",
+             # An access log a test reads is written out within 0.2 s, not Envoy's 10.
+             "--file-flush-interval-msec", "200"],
             cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         try:
             wait_port(self.admin_port, 60, self.proc)

@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from harness import StubUpstream, kvgate_envoy, request
+from harness import Sim, StubUpstream, access_log_lines, default_plugin_config, kvgate_envoy, request, wait_for
+
+from bodies import MODEL
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hello there, how are you today?"}],
         "max_tokens": 32}
@@ -67,3 +69,37 @@ def test_broken_config_is_refused_with_the_field_named():
             with kvgate_envoy([("127.0.0.1", up.port)], {"estimator": {"safetyFactr": 2}}):
                 pass
         assert "field `estimator.safetyFactr`: unknown field" in str(failed.value)
+
+
+def test_the_access_log_gets_kvgates_report_that_clients_do_not_see(tmp_path):
+    """`accessLog` (on by default): each request kvgate routed leaves its report in Envoy's
+    filter state, which the access log reads as `%FILTER_STATE(wasm.kvgate:PLAIN)%`: the pod that
+    served it, its estimate, its prefix blocks; the client sees no `x-kvgate-*` header. A request
+    kvgate refused logs its reason, one it did not read nothing of kvgate's."""
+    log = tmp_path / "access.log"
+    with Sim(pods=2, args=["--time-scale", "10"]) as sim, \
+            kvgate_envoy(sim.endpoints, dict(default_plugin_config(), debugHeaders=False), concurrency=2,
+                         access_log=log) as envoy:
+        served = []
+        for i in range(6):
+            body = {"model": MODEL, "messages": [{"role": "user", "content": f"question {i}: " + "why " * 40}],
+                    "max_tokens": 8}
+            r = request(envoy.port, "POST", "/v1/chat/completions", body)
+            assert r.status == 200, r.body
+            assert not [h for h in r.headers if h.startswith("x-kvgate-")], r.headers
+            served.append(f"127.0.0.1:{sim.ports[int(r.headers['x-sim-pod'])]}")
+        assert request(envoy.port, "POST", "/v1/chat/completions", b"{oops").status == 400
+        assert request(envoy.port, "GET", "/health").status == 200
+        assert wait_for(lambda: log.exists() and len(access_log_lines(log)) >= 8, timeout=5), \
+            (log.exists() and log.read_text())
+        lines = access_log_lines(log)
+        assert len(lines) == 8, log.read_text()
+    routed = [fields for status, fields, _ in lines[:6]]
+    assert [f["pod"] for f in routed] == served
+    for f in routed:
+        assert f["model"] == MODEL and int(f["prompt_tokens"]) > 40 and f["output_tokens"] == "8", f
+        cached, blocks = map(int, f["prefix_blocks"].split("/"))
+        assert 0 <= cached <= blocks and int(f["cost"]) >= int(f["prompt_tokens"]), f
+        assert "ranking" not in f, "built for the headers only"
+    assert lines[6] == (400, None, "invalid_request_error"), lines[6]
+    assert lines[7] == (200, None, None), lines[7]
