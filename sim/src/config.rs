@@ -169,6 +169,11 @@ pub struct Args {
     /// (4096 for an 8B model such as Llama-3.1-8B); a request's `dimensions` may ask for fewer.
     #[arg(long, default_value_t = 4096)]
     pub embedding_size: usize,
+    /// Number of classes `/classify` (and `/pooling`'s classify tasks) answers probabilities
+    /// for, labelled `LABEL_0` .. `LABEL_<n-1>` as a Hugging Face config without names labels
+    /// them; 1 is a one-label model (a sigmoid's score).
+    #[arg(long, default_value_t = 2)]
+    pub num_classes: usize,
     /// Shape of GET /get_load: "list" (current SGLang: per-DP-rank objects with
     /// num_tokens) or "legacy" ({"load": N}, older SGLang / sglang-router).
     #[arg(long, default_value = "list")]
@@ -196,6 +201,9 @@ impl Args {
         }
         if self.embedding_size == 0 {
             return Err("--embedding-size must be at least 1".into());
+        }
+        if self.num_classes == 0 {
+            return Err("--num-classes must be at least 1".into());
         }
         if self.block_size == 0 || self.num_gpu_blocks == 0 {
             return Err("--block-size and --num-gpu-blocks must be positive".into());
@@ -359,9 +367,12 @@ mod tests {
         assert!(e.enable_prefix_caching);
         assert_eq!(e.lora, None, "LoRA is off unless --enable-lora");
         assert_eq!(a.embedding_size, 4096);
-        assert!(Args::parse_from(["kvgate-sim", "--embedding-size", "0"])
-            .validate()
-            .is_err());
+        for zero in ["--embedding-size", "--num-classes"] {
+            assert!(Args::parse_from(["kvgate-sim", zero, "0"])
+                .validate()
+                .is_err());
+        }
+        assert_eq!(a.num_classes, 2);
         assert_eq!(
             a.served_names(),
             vec!["meta-llama/Llama-3.1-8B-Instruct".to_string()]

@@ -3,9 +3,11 @@
 //! `EmbeddingChatRequest` / `EmbeddingResponse`, the request fields of
 //! `pooling/base/protocol.py`, and `embed/serving.py` `ServingEmbedding`). Each prompt runs as a
 //! pooling request of the engine, a prefill with no output, through the generation path
-//! (`Kind::Embeddings`), so this module owns only the shapes around that path: the request's form
+//! (`Kind::Pool`), so this module owns only the shapes around that path: the request's form
 //! and options as its pydantic models read them, the vector a prompt embeds to, and the answer in
-//! vLLM's key order (a struct's, where the simulator's other answers come out sorted).
+//! vLLM's key order (a struct's, where the simulator's other answers come out sorted). vLLM's
+//! other pooling endpoints that take these inputs, `/pooling` and `/classify` (`pooling`), are
+//! read and answered by the same functions, given the endpoint.
 
 use serde::Serialize;
 use serde_json::Value;
@@ -13,9 +15,11 @@ use serde_json::Value;
 use crate::kv::mix64;
 use crate::lax::{count, flag};
 use crate::pod::Rng;
+use crate::pooling::{self, Endpoint, Pooled, Task};
 use crate::tokenizer::Segment;
 
-/// Which of vLLM's two request models a body is (`EmbeddingRequest` is their union).
+/// Which of vLLM's two request models a body is (`EmbeddingRequest` is their union, and so
+/// are `PoolingRequest` and `ClassificationRequest`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Form {
     /// `EmbeddingCompletionRequest`: `input`, each string or id list a prompt.
@@ -25,19 +29,18 @@ pub enum Form {
 }
 
 /// A body with `input` is the completion form, one with `messages` and no `input` the chat
-/// form; one with neither validates as neither model.
-pub fn form(body: &Value) -> Result<Form, String> {
+/// form; one with neither validates as neither of the endpoint's models.
+pub fn form(body: &Value, endpoint: Endpoint) -> Result<Form, String> {
     let given = |k: &str| body.get(k).is_some_and(|v| !v.is_null());
     if given("input") {
         Ok(Form::Completion)
     } else if given("messages") {
         Ok(Form::Chat)
     } else {
-        Err(
-            "input: Field required (EmbeddingCompletionRequest); messages: Field required \
-             (EmbeddingChatRequest)"
-                .into(),
-        )
+        let (completion, chat) = endpoint.models();
+        Err(format!(
+            "input: Field required ({completion}); messages: Field required ({chat})"
+        ))
     }
 }
 
@@ -51,19 +54,76 @@ pub enum Encoding {
 /// What the answer is made with, read as the request's pydantic model reads it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Options {
+    pub endpoint: Endpoint,
     pub form: Form,
     pub encoding: Encoding,
     /// The `dimensions` asked for (checked against the model's size by `check_dimensions`).
     pub dimensions: Option<i64>,
+    /// The task the prompts are pooled for (`/pooling`'s `task`; the endpoint's own elsewhere),
+    /// or the name of one the model does not serve (refused once the model is known).
+    pub task: Result<Task, &'static str>,
+    /// `use_activation` (on unless turned off).
+    pub activation: bool,
 }
 
 /// The request's options, checked as its model validates them before the request goes on:
 /// its form, `encoding_format` (`float`, `base64`; vLLM's binary `bytes` and `bytes_only` are not
 /// simulated), `embed_dtype` (`float32` only here) and `endianness`, `dimensions` an integer,
-/// `truncate_prompt_tokens` at least -1, the flags, and a chat's `continue_final_message` and
-/// `add_generation_prompt` not both set.
-pub fn options(body: &Value) -> Result<Options, String> {
-    let form = form(body)?;
+/// `/pooling`'s `task`, `truncate_prompt_tokens` at least -1, the flags, and a chat's
+/// `continue_final_message` and `add_generation_prompt` not both set. `/classify`'s models have
+/// no encoding fields and no `dimensions` (unknown fields, ignored).
+pub fn options(body: &Value, endpoint: Endpoint) -> Result<Options, String> {
+    let form = form(body, endpoint)?;
+    let (encoding, dimensions) = match endpoint {
+        Endpoint::Classify => (Encoding::Float, None),
+        Endpoint::Embeddings | Endpoint::Pooling => (
+            encoding(body)?,
+            integer(body.get("dimensions"), "dimensions")?,
+        ),
+    };
+    let task = match endpoint {
+        Endpoint::Embeddings => Ok(Task::Embed),
+        Endpoint::Classify => Ok(Task::Classify),
+        Endpoint::Pooling => pooling::task(body)?,
+    };
+    truncate_prompt_tokens(body)?;
+    keeps_first(body)?;
+    for name in [
+        "add_special_tokens",
+        "add_generation_prompt",
+        "continue_final_message",
+    ] {
+        flag(body.get(name), name)?;
+    }
+    let activation = flag(body.get("use_activation"), "use_activation")?.unwrap_or(true);
+    if form == Form::Chat {
+        let on = |name| flag(body.get(name), name).map(|f| f.unwrap_or(false));
+        if on("continue_final_message")? && on("add_generation_prompt")? {
+            return Err(
+                "Cannot set both `continue_final_message` and `add_generation_prompt` \
+                        to True."
+                    .into(),
+            );
+        }
+        match body.get("chat_template_kwargs") {
+            None | Some(Value::Null | Value::Object(_)) => {}
+            Some(_) => {
+                return Err("chat_template_kwargs: Input should be a valid dictionary".into())
+            }
+        }
+    }
+    Ok(Options {
+        endpoint,
+        form,
+        encoding,
+        dimensions,
+        task,
+        activation,
+    })
+}
+
+/// `encoding_format`, `endianness` and `embed_dtype`: how the answer writes its floats.
+fn encoding(body: &Value) -> Result<Encoding, String> {
     let encoding = match body.get("encoding_format") {
         None | Some(Value::Null) => "float",
         Some(Value::String(s)) => s.as_str(),
@@ -97,45 +157,12 @@ pub fn options(body: &Value) -> Result<Options, String> {
         }
     };
     match body.get("embed_dtype") {
-        None | Some(Value::Null) => {}
-        Some(Value::String(s)) if s == "float32" => {}
-        Some(v) => {
-            return Err(format!(
-                "kvgate-sim: embed_dtype {v} is not simulated; float32 (the default) only"
-            ))
-        }
+        None | Some(Value::Null) => Ok(encoding),
+        Some(Value::String(s)) if s == "float32" => Ok(encoding),
+        Some(v) => Err(format!(
+            "kvgate-sim: embed_dtype {v} is not simulated; float32 (the default) only"
+        )),
     }
-    let dimensions = integer(body.get("dimensions"), "dimensions")?;
-    truncate_prompt_tokens(body)?;
-    keeps_first(body)?;
-    for name in [
-        "add_special_tokens",
-        "add_generation_prompt",
-        "continue_final_message",
-    ] {
-        flag(body.get(name), name)?;
-    }
-    if form == Form::Chat {
-        let on = |name| flag(body.get(name), name).map(|f| f.unwrap_or(false));
-        if on("continue_final_message")? && on("add_generation_prompt")? {
-            return Err(
-                "Cannot set both `continue_final_message` and `add_generation_prompt` \
-                        to True."
-                    .into(),
-            );
-        }
-        match body.get("chat_template_kwargs") {
-            None | Some(Value::Null | Value::Object(_)) => {}
-            Some(_) => {
-                return Err("chat_template_kwargs: Input should be a valid dictionary".into())
-            }
-        }
-    }
-    Ok(Options {
-        form,
-        encoding,
-        dimensions,
-    })
 }
 
 /// An integer field as pydantic's lax mode reads one (`lax::count`), negative ones included.
@@ -253,11 +280,18 @@ pub fn check_dimensions(dimensions: Option<i64>, size: usize) -> Result<Option<u
 /// `dimensions`, that vector's first `dimensions` components normalized again, as vLLM's pooler
 /// truncates a Matryoshka model's embedding. Float32, as the model answers it.
 pub fn embed(ids: &[u32], size: usize, dimensions: Option<usize>) -> Vec<f32> {
-    let seed = ids
-        .iter()
-        .fold(0x656d_6265_6464_696e_u64 ^ ids.len() as u64, |h, &t| {
-            mix64(h ^ u64::from(t))
-        });
+    vector(seed(ids, 0x656d_6265_6464_696e), size, dimensions)
+}
+
+/// A hash of a prompt's token ids (and `salt`): what seeds its outputs.
+pub fn seed(ids: &[u32], salt: u64) -> u64 {
+    ids.iter()
+        .fold(salt ^ ids.len() as u64, |h, &t| mix64(h ^ u64::from(t)))
+}
+
+/// `embed`'s vector for a seed: `size` normal components scaled to unit length, and with
+/// `dimensions` its first ones normalized again.
+pub fn vector(seed: u64, size: usize, dimensions: Option<usize>) -> Vec<f32> {
     let mut rng = Rng::new(seed);
     let full = unit((0..size).map(|_| rng.normal()).collect());
     let kept = dimensions.map_or(full.len(), |d| d.min(full.len()));
@@ -299,14 +333,19 @@ fn base64(bytes: &[u8]) -> String {
     out
 }
 
-/// One vector as the answer writes it: floats (each float32 widened to a double, as Python's
-/// `tolist()` of a float32 tensor gives them), or its float32 bytes in base64.
-fn encode(v: &[f32], encoding: Encoding) -> Embedding {
-    match encoding {
-        Encoding::Float => Embedding::Float(v.iter().map(|&x| f64::from(x)).collect()),
-        Encoding::Base64 { big_endian } => {
-            let bytes: Vec<u8> = v
-                .iter()
+/// One prompt's output as the answer writes it: floats (each float32 widened to a double, as
+/// Python's `tolist()` of a float32 tensor gives them; a list a token for the per-token tasks),
+/// or its float32 bytes in base64 (a per-token output's flattened).
+fn encode(p: &Pooled, encoding: Encoding) -> Encoded {
+    let floats = |v: &[f32]| v.iter().map(|&x| f64::from(x)).collect();
+    match (encoding, p) {
+        (Encoding::Float, Pooled::One(v)) => Encoded::Float(floats(v)),
+        (Encoding::Float, Pooled::PerToken(rows)) => {
+            Encoded::PerToken(rows.iter().map(|v| floats(v)).collect())
+        }
+        (Encoding::Base64 { big_endian }, _) => {
+            let bytes: Vec<u8> = p
+                .flat()
                 .flat_map(|x| {
                     if big_endian {
                         x.to_be_bytes()
@@ -315,27 +354,69 @@ fn encode(v: &[f32], encoding: Encoding) -> Embedding {
                     }
                 })
                 .collect();
-            Embedding::Base64(base64(&bytes))
+            Encoded::Base64(base64(&bytes))
         }
     }
 }
 
 #[derive(Serialize)]
 #[serde(untagged)]
-enum Embedding {
+enum Encoded {
     Float(Vec<f64>),
+    PerToken(Vec<Vec<f64>>),
     Base64(String),
 }
 
-/// `EmbeddingResponseData`.
+/// An answer's item: `EmbeddingResponseData`, `PoolingResponseData` or `ClassificationData`.
 #[derive(Serialize)]
-struct Data {
-    index: usize,
-    object: &'static str,
-    embedding: Embedding,
+#[serde(untagged)]
+enum Data {
+    Embedding {
+        index: usize,
+        object: &'static str,
+        embedding: Encoded,
+    },
+    Pooling {
+        index: usize,
+        object: &'static str,
+        data: Encoded,
+    },
+    Classification {
+        index: usize,
+        label: String,
+        probs: Encoded,
+        num_classes: usize,
+    },
 }
 
-/// `UsageInfo` as an embeddings answer fills it: prompt tokens only.
+impl Data {
+    /// The `index`-th prompt's item as `endpoint` answers it.
+    fn new(endpoint: Endpoint, index: usize, p: &Pooled, encoding: Encoding) -> Self {
+        match endpoint {
+            Endpoint::Embeddings => Data::Embedding {
+                index,
+                object: "embedding",
+                embedding: encode(p, encoding),
+            },
+            Endpoint::Pooling => Data::Pooling {
+                index,
+                object: "pooling",
+                data: encode(p, encoding),
+            },
+            Endpoint::Classify => {
+                let probs: Vec<f32> = p.flat().collect();
+                Data::Classification {
+                    index,
+                    label: pooling::label(&probs),
+                    num_classes: probs.len(),
+                    probs: encode(p, Encoding::Float),
+                }
+            }
+        }
+    }
+}
+
+/// `UsageInfo` as a pooling answer fills it: prompt tokens only.
 #[derive(Serialize)]
 struct Usage {
     prompt_tokens: usize,
@@ -344,7 +425,8 @@ struct Usage {
     prompt_tokens_details: Option<()>,
 }
 
-/// `EmbeddingResponse`, its fields in vLLM's order.
+/// `EmbeddingResponse`, `PoolingResponse` or `ClassificationResponse` (the same fields), in
+/// vLLM's order.
 #[derive(Serialize)]
 struct Answer<'a> {
     id: &'a str,
@@ -355,12 +437,14 @@ struct Answer<'a> {
     usage: Usage,
 }
 
-/// The answer's JSON: a vector a prompt, in the prompts' order, and the prompts' tokens summed.
+/// The answer's JSON as `endpoint` gives it: an item a prompt's output, in the prompts' order,
+/// and the prompts' tokens summed.
 pub fn response(
     id: &str,
     created: u64,
     model: &str,
-    vectors: &[Vec<f32>],
+    endpoint: Endpoint,
+    outputs: &[Pooled],
     encoding: Encoding,
     prompt_tokens: usize,
 ) -> Result<String, String> {
@@ -369,14 +453,10 @@ pub fn response(
         object: "list",
         created,
         model,
-        data: vectors
+        data: outputs
             .iter()
             .enumerate()
-            .map(|(index, v)| Data {
-                index,
-                object: "embedding",
-                embedding: encode(v, encoding),
-            })
+            .map(|(index, p)| Data::new(endpoint, index, p, encoding))
             .collect(),
         usage: Usage {
             prompt_tokens,
@@ -447,13 +527,21 @@ pub(crate) mod tests {
 
     #[test]
     fn forms_and_options_are_read_as_vllms_models_read_them() {
+        let e = Endpoint::Embeddings;
         assert_eq!(
-            form(&json!({"input": "a", "messages": []})),
+            form(&json!({"input": "a", "messages": []}), e),
             Ok(Form::Completion)
         );
-        assert_eq!(form(&json!({"messages": []})), Ok(Form::Chat));
-        assert!(form(&json!({"input": null})).is_err());
-        let o = |body: Value| options(&body);
+        assert_eq!(form(&json!({"messages": []}), e), Ok(Form::Chat));
+        assert!(form(&json!({"input": null}), e)
+            .unwrap_err()
+            .ends_with("(EmbeddingChatRequest)"));
+        let missing = form(&json!({}), Endpoint::Classify).unwrap_err();
+        assert!(
+            missing.contains("(ClassificationCompletionRequest)"),
+            "{missing}"
+        );
+        let o = |body: Value| options(&body, e);
         assert_eq!(o(json!({"input": "a"})).unwrap().encoding, Encoding::Float);
         assert_eq!(
             o(json!({"input": "a", "encoding_format": "base64", "endianness": "big"}))
@@ -474,6 +562,7 @@ pub(crate) mod tests {
             json!({"input": "a", "dimensions": 1.5}),
             json!({"input": "a", "truncate_prompt_tokens": -2}),
             json!({"input": "a", "add_special_tokens": "maybe"}),
+            json!({"input": "a", "use_activation": "maybe"}),
             json!({"messages": [], "add_generation_prompt": true,
                    "continue_final_message": true}),
             json!({"messages": [], "chat_template_kwargs": [1]}),
@@ -518,13 +607,49 @@ pub(crate) mod tests {
         assert_eq!(check_dimensions(Some(8), 8), Ok(Some(8)));
     }
 
-    /// The answer's keys in vLLM's order, and its usage.
+    /// The answer's keys in vLLM's order, and its usage, as each endpoint writes its items.
     #[test]
     fn the_answer_keeps_vllms_key_order() {
-        let text = response("embd-x", 7, "m", &[vec![0.5, -0.25]], Encoding::Float, 3).unwrap();
+        let one = [Pooled::One(vec![0.5, -0.25])];
+        let answer = |endpoint, outputs: &[Pooled], encoding| {
+            response("x", 7, "m", endpoint, outputs, encoding, 3).unwrap()
+        };
+        let text = answer(Endpoint::Embeddings, &one, Encoding::Float);
+        let usage = r#""usage":{"prompt_tokens":3,"total_tokens":3,"completion_tokens":0,"prompt_tokens_details":null}}"#;
+        let head = r#"{"id":"x","object":"list","created":7,"model":"m","data":"#;
         assert_eq!(
             text,
-            r#"{"id":"embd-x","object":"list","created":7,"model":"m","data":[{"index":0,"object":"embedding","embedding":[0.5,-0.25]}],"usage":{"prompt_tokens":3,"total_tokens":3,"completion_tokens":0,"prompt_tokens_details":null}}"#
+            format!(
+                r#"{head}[{{"index":0,"object":"embedding","embedding":[0.5,-0.25]}}],{usage}"#
+            )
+        );
+        let text = answer(Endpoint::Pooling, &one, Encoding::Float);
+        assert_eq!(
+            text,
+            format!(r#"{head}[{{"index":0,"object":"pooling","data":[0.5,-0.25]}}],{usage}"#)
+        );
+        let rows = [Pooled::PerToken(vec![vec![0.5], vec![-0.25]])];
+        let text = answer(Endpoint::Pooling, &rows, Encoding::Float);
+        assert_eq!(
+            text,
+            format!(r#"{head}[{{"index":0,"object":"pooling","data":[[0.5],[-0.25]]}}],{usage}"#)
+        );
+        let b64 = Encoding::Base64 { big_endian: false };
+        let (flat, nested) = (
+            answer(Endpoint::Pooling, &one, b64),
+            answer(Endpoint::Pooling, &rows, b64),
+        );
+        assert_eq!(
+            flat, nested,
+            "a per-token output's base64 is its flattened floats'"
+        );
+        let probs = [Pooled::One(vec![0.25, 0.75])];
+        let text = answer(Endpoint::Classify, &probs, b64);
+        assert_eq!(
+            text,
+            format!(
+                r#"{head}[{{"index":0,"label":"LABEL_1","probs":[0.25,0.75],"num_classes":2}}],{usage}"#
+            )
         );
     }
 }

@@ -15,6 +15,7 @@ mod lax;
 mod lora;
 mod metrics;
 mod pod;
+mod pooling;
 mod responses;
 mod server;
 mod sglang;

@@ -1,4 +1,5 @@
-//! HTTP front end: OpenAI-compatible endpoints with vLLM's shapes (embeddings included), the
+//! HTTP front end: OpenAI-compatible endpoints with vLLM's shapes (embeddings, and vLLM's
+//! `/pooling` and `/classify`, included), the
 //! engines' native generate endpoints (SGLang's `/generate`, vLLM's `/inference/v1/generate`),
 //! the endpoints peer routers poll (vLLM, SGLang), and the simulator's own /sim/* endpoints.
 
@@ -25,6 +26,7 @@ use crate::metrics::{render, MetricsInput};
 use crate::pod::{
     draw_output_len, AbortGuard, Event, Fault, Finish, LoadError, MetricsFault, Pod, Shared, Submit,
 };
+use crate::pooling::{Endpoint, Pooler};
 use crate::responses;
 use crate::tokenizer::{render_chat, Segment, MESSAGE_END};
 use crate::{kv, sglang, tokens};
@@ -32,7 +34,8 @@ use crate::{kv, sglang, tokens};
 const MAX_BODY: usize = 64 << 20;
 /// Bodies larger than this are tokenized on the blocking pool.
 const BLOCKING_TOKENIZE_BYTES: usize = 16 << 10;
-/// Embeddings answers with more floats than this are made on the blocking pool.
+/// Pooling answers (embeddings, `/pooling`, `/classify`) with more floats than this are made
+/// on the blocking pool.
 const BLOCKING_EMBED_FLOATS: usize = 64 << 10;
 /// vLLM's default `max_tokens` for /v1/completions.
 const COMPLETIONS_DEFAULT_MAX_TOKENS: usize = 16;
@@ -89,9 +92,10 @@ enum Kind {
     /// vLLM's tokens-in, tokens-out `/inference/v1/generate` (`tokens`): a completions request of
     /// token ids in its own shapes.
     Tokens,
-    /// vLLM's `/v1/embeddings` (`embeddings`): each prompt a pooling request, a prefill with no
-    /// output, answered with its vector; never streamed.
-    Embeddings,
+    /// vLLM's pooling endpoints that take the embeddings' inputs, `/v1/embeddings`
+    /// (`embeddings`), `/pooling` and `/classify` (`pooling`): each prompt a pooling request, a
+    /// prefill with no output, answered with what it pools to; never streamed.
+    Pool(Endpoint),
 }
 
 struct StreamState {
@@ -185,11 +189,7 @@ impl Choice {
             Kind::Chat | Kind::Messages => {
                 (g.args.reasoning_share * max_output as f64).round() as usize
             }
-            Kind::Completion
-            | Kind::Responses
-            | Kind::Generate
-            | Kind::Tokens
-            | Kind::Embeddings => 0,
+            Kind::Completion | Kind::Responses | Kind::Generate | Kind::Tokens | Kind::Pool(_) => 0,
         };
         Choice {
             prompt_tokens,
@@ -282,9 +282,7 @@ impl StreamState {
     /// as vLLM's does.
     fn chunk(&self, i: usize, choice: Value) -> Value {
         let object = match self.kind {
-            Kind::Completion | Kind::Generate | Kind::Tokens | Kind::Embeddings => {
-                "text_completion"
-            }
+            Kind::Completion | Kind::Generate | Kind::Tokens | Kind::Pool(_) => "text_completion",
             Kind::Chat | Kind::Responses | Kind::Messages => "chat.completion.chunk",
         };
         let mut v = json!({
@@ -364,12 +362,12 @@ impl StreamState {
                     .then(|| usage(c.prompt_tokens, c.tokens, None));
                 Self::push(buf, &tokens::chunk(&self.id, choice, usage));
             }
-            // An embeddings answer is never streamed.
+            // A pooling answer is never streamed.
             Kind::Completion
             | Kind::Responses
             | Kind::Messages
             | Kind::Generate
-            | Kind::Embeddings => {
+            | Kind::Pool(_) => {
                 let c = self.chunk(
                     i,
                     json!({
@@ -537,7 +535,7 @@ impl StreamState {
                 return;
             }
             let object = match self.kind {
-                Kind::Completion | Kind::Generate | Kind::Tokens | Kind::Embeddings => {
+                Kind::Completion | Kind::Generate | Kind::Tokens | Kind::Pool(_) => {
                     "text_completion"
                 }
                 Kind::Chat | Kind::Responses | Kind::Messages => "chat.completion.chunk",
@@ -654,7 +652,7 @@ impl ApiError {
                 json_response(self.status, &sglang::invalid(&self.message))
             }
             Kind::Generate => json_response(self.status, &sglang::error(&self.message)),
-            Kind::Completion | Kind::Chat | Kind::Responses | Kind::Tokens | Kind::Embeddings => {
+            Kind::Completion | Kind::Chat | Kind::Responses | Kind::Tokens | Kind::Pool(_) => {
                 self.response()
             }
         }
@@ -769,7 +767,7 @@ fn completion_prompts(g: &Shared, body: &Value) -> Result<Vec<Vec<u32>>, ApiErro
     prompt_list(g, body.get("prompt"), "prompt")
 }
 
-/// A completions `prompt` or an embeddings `input` (`field`): its prompts, tokenized.
+/// A completions `prompt` or a pooling request's `input` (`field`): its prompts, tokenized.
 fn prompt_list(g: &Shared, v: Option<&Value>, field: &str) -> Result<Vec<Vec<u32>>, ApiError> {
     let ids = |a: &[Value]| {
         token_ids(a).ok_or_else(|| ApiError::bad(format!("{field} token ids must be integers")))
@@ -801,30 +799,25 @@ fn prompt_list(g: &Shared, v: Option<&Value>, field: &str) -> Result<Vec<Vec<u32
     }
 }
 
-/// An embeddings request's prompts: its `input`'s each (the forms of a completions prompt), or
+/// A pooling request's prompts (`/v1/embeddings`, `/pooling`, `/classify` alike): its
+/// `input`'s each (the forms of a completions prompt), or
 /// its `messages` rendered by the chat template — `add_generation_prompt` off unless asked for,
 /// and with `continue_final_message` the last message left open (its end not rendered) — then,
 /// with `truncate_prompt_tokens`, each prompt's last tokens (its first with `truncation_side:
 /// "right"`). A prompt longer than the model's
 /// length is refused as vLLM's renderer refuses it (a pooling prompt may fill the context: it
 /// asks for no output).
-fn embedding_prompts(g: &Shared, body: &Value) -> Result<Vec<Vec<u32>>, ApiError> {
+fn pooling_prompts(
+    g: &Shared,
+    body: &Value,
+    endpoint: Endpoint,
+) -> Result<Vec<Vec<u32>>, ApiError> {
     let max_len = g.args.max_model_len;
     let truncation = embeddings::truncation(body, max_len)?;
-    let prompts = match embeddings::form(body)? {
+    let prompts = match embeddings::form(body, endpoint)? {
         embeddings::Form::Completion => prompt_list(g, body.get("input"), "input")?,
         embeddings::Form::Chat => {
-            let msgs = body
-                .get("messages")
-                .and_then(Value::as_array)
-                .ok_or_else(|| ApiError::bad("messages must be a list"))?;
-            if msgs.is_empty() {
-                return Err(ApiError::bad("messages cannot be empty"));
-            }
-            let add_gen =
-                flag(body.get("add_generation_prompt"), "add_generation_prompt")?.unwrap_or(false);
-            let mut segs = render_chat(msgs, None, add_gen, g.args.media_part_tokens)
-                .map_err(ApiError::bad)?;
+            let mut segs = rendered_chat(g, body, None, false)?;
             let open = flag(body.get("continue_final_message"), "continue_final_message")?
                 .unwrap_or(false);
             if open {
@@ -859,6 +852,18 @@ fn embedding_prompts(g: &Shared, body: &Value) -> Result<Vec<Vec<u32>>, ApiError
 }
 
 fn chat_segments(g: &Shared, body: &Value) -> Result<Vec<Segment>, ApiError> {
+    rendered_chat(g, body, body.get("tools"), true)
+}
+
+/// A body's `messages` through the chat template, with `tools`, and the generation prompt when
+/// `add_generation_prompt` says so (`add_gen` when it says nothing: on for a chat, off for the
+/// pooling endpoints' chat form).
+fn rendered_chat(
+    g: &Shared,
+    body: &Value,
+    tools: Option<&Value>,
+    add_gen: bool,
+) -> Result<Vec<Segment>, ApiError> {
     let msgs = body
         .get("messages")
         .and_then(Value::as_array)
@@ -866,8 +871,9 @@ fn chat_segments(g: &Shared, body: &Value) -> Result<Vec<Segment>, ApiError> {
     if msgs.is_empty() {
         return Err(ApiError::bad("messages cannot be empty"));
     }
-    let add_gen = flag(body.get("add_generation_prompt"), "add_generation_prompt")?.unwrap_or(true);
-    render_chat(msgs, body.get("tools"), add_gen, g.args.media_part_tokens).map_err(ApiError::bad)
+    let add_gen =
+        flag(body.get("add_generation_prompt"), "add_generation_prompt")?.unwrap_or(add_gen);
+    render_chat(msgs, tools, add_gen, g.args.media_part_tokens).map_err(ApiError::bad)
 }
 
 /// Tokenize the request's prompt (blocking; big bodies go to the blocking pool).
@@ -885,7 +891,7 @@ fn tokenize_sync(g: &Shared, kind: Kind, body: &Value) -> Result<Vec<Vec<u32>>, 
         }
         // A Messages request's body is the chat request it became (`anthropic::chat_request`).
         Kind::Chat | Kind::Messages => Ok(vec![g.tok.encode_segments(&chat_segments(g, body)?)]),
-        Kind::Embeddings => embedding_prompts(g, body),
+        Kind::Pool(endpoint) => pooling_prompts(g, body, endpoint),
         Kind::Responses => {
             let msgs = responses::messages(body).map_err(ApiError::bad)?;
             let segs = render_chat(&msgs, body.get("tools"), true, g.args.media_part_tokens)
@@ -926,7 +932,7 @@ fn requested_max_tokens(kind: Kind, body: &Value) -> Result<Option<usize>, ApiEr
         Kind::Completion | Kind::Tokens => field("max_tokens")?,
         Kind::Responses => field("max_output_tokens")?,
         Kind::Generate => field("max_new_tokens")?,
-        Kind::Embeddings => None,
+        Kind::Pool(_) => None,
     })
 }
 
@@ -940,7 +946,7 @@ fn sampling(kind: Kind, body: &Value, prompt: usize) -> &Value {
             .and_then(|s| s.get(prompt))
             .unwrap_or(&NONE),
         Kind::Tokens => body.get("sampling_params").unwrap_or(&NONE),
-        Kind::Completion | Kind::Chat | Kind::Responses | Kind::Messages | Kind::Embeddings => body,
+        Kind::Completion | Kind::Chat | Kind::Responses | Kind::Messages | Kind::Pool(_) => body,
     }
 }
 
@@ -954,7 +960,7 @@ const SAMPLING_EPS: f64 = 1e-5;
 /// (`sglang::request`).
 fn requested_n(kind: Kind, body: &Value) -> Result<usize, ApiError> {
     let body = match kind {
-        Kind::Responses | Kind::Messages | Kind::Embeddings => return Ok(1),
+        Kind::Responses | Kind::Messages | Kind::Pool(_) => return Ok(1),
         Kind::Generate => return Ok(count(body.get("n"), "n")?.unwrap_or(1).max(1)),
         Kind::Tokens => sampling(kind, body, 0),
         Kind::Completion | Kind::Chat => body,
@@ -985,7 +991,7 @@ fn requested_n(kind: Kind, body: &Value) -> Result<usize, ApiError> {
 
 /// Decide how many tokens one choice generates and the finish reason reported, from the
 /// request's sampling fields (`body`: `sampling`). An SGLang prefill only plans 0, and so does
-/// an embedding, a pooling request.
+/// a pooling request (an embedding, `/pooling`, `/classify`).
 fn plan_output(
     pod: &Pod,
     kind: Kind,
@@ -996,9 +1002,9 @@ fn plan_output(
     let a = &pod.g.args;
     let max_len = a.max_model_len;
     let capacity = a.num_gpu_blocks * a.block_size;
-    if kind == Kind::Embeddings {
+    if let Kind::Pool(_) = kind {
         // A pooling request is its prefill alone: its prompt may fill the context (its length
-        // was checked as it was rendered, `embedding_prompts`), and nothing is sampled.
+        // was checked as it was rendered, `pooling_prompts`), and nothing is sampled.
         if prompt_len == 0 {
             return Err(ApiError::bad("The decoder prompt cannot be empty"));
         }
@@ -1093,7 +1099,7 @@ fn plan_output(
             .get("max_new_tokens")
             .is_none()
             .then_some(sglang::DEFAULT_MAX_NEW_TOKENS),
-        Kind::Chat | Kind::Responses | Kind::Messages | Kind::Tokens | Kind::Embeddings => None,
+        Kind::Chat | Kind::Responses | Kind::Messages | Kind::Tokens | Kind::Pool(_) => None,
     };
     let (out, reason) = if let Some(n) = header {
         match explicit.or(default_cap) {
@@ -1290,9 +1296,9 @@ async fn generate_inner(
 ) -> Result<Response<SimBody>, ApiError> {
     let g = pod.g.clone();
     let started = Instant::now();
-    // An embeddings request's options, checked as its model validates them.
-    let embedding = match kind {
-        Kind::Embeddings => Some(embeddings::options(&body)?),
+    // A pooling request's options, checked as its model validates them.
+    let pooling = match kind {
+        Kind::Pool(endpoint) => Some(embeddings::options(&body, endpoint)?),
         _ => None,
     };
     // vLLM runs a Messages request as the chat request it converts it to; SGLang's request is
@@ -1304,7 +1310,7 @@ async fn generate_inner(
             tokens::check(&body)?;
             body
         }
-        Kind::Completion | Kind::Chat | Kind::Responses | Kind::Embeddings => body,
+        Kind::Completion | Kind::Chat | Kind::Responses | Kind::Pool(_) => body,
     };
     // A body's salt is part of the request's validation, before its model is looked up.
     if kind != Kind::Generate {
@@ -1365,15 +1371,16 @@ async fn generate_inner(
         .flat_map(|(i, p)| std::iter::repeat_n((i, p.len()), n))
         .map(|(i, len)| plan_output(&pod, kind, headers, sampling(kind, &body, i), len))
         .collect::<Result<Vec<_>, _>>()?;
-    // The embeddings' `dimensions`, checked as the engine's `PoolingParams.verify` checks it.
-    let dimensions = match &embedding {
-        Some(o) => embeddings::check_dimensions(o.dimensions, g.args.embedding_size)?,
+    // A pooling request's task and `dimensions`, checked as vLLM's pooling serving and the
+    // engine's `PoolingParams.verify` check them.
+    let pooler = match &pooling {
+        Some(o) => Some(Pooler::new(o, g.args.embedding_size, g.args.num_classes)?),
         None => None,
     };
     let stores = kind == Kind::Responses && flag(body.get("store"), "store")? != Some(false);
-    // The Embeddings API has no `stream` (an unknown field, ignored): its answer is one object.
+    // The pooling APIs have no `stream` (an unknown field, ignored): an answer is one object.
     let (stream, include_usage, continuous_usage) = match kind {
-        Kind::Embeddings => (false, false, false),
+        Kind::Pool(_) => (false, false, false),
         _ => {
             let stream = flag(body.get("stream"), "stream")?.unwrap_or(false);
             let opts = body.get("stream_options");
@@ -1424,10 +1431,12 @@ async fn generate_inner(
             }
             // Each SGLang answer has its own rid (`rids`).
             Kind::Generate => suffix,
-            // vLLM's pooling serving: `embd-` and the `X-Request-Id` header's value, else a uuid.
-            Kind::Embeddings => {
+            // vLLM's pooling serving: `embd-` (`pool-`, `classify-`) and the `X-Request-Id`
+            // header's value, else a uuid.
+            Kind::Pool(endpoint) => {
                 let header = headers.get("x-request-id").and_then(|h| h.to_str().ok());
-                format!("embd-{}", header.map_or(suffix, str::to_string))
+                let prefix = endpoint.id_prefix();
+                format!("{prefix}-{}", header.map_or(suffix, str::to_string))
             }
         }
     };
@@ -1472,7 +1481,7 @@ async fn generate_inner(
                 cache_salt: cache_salt(choice / n),
                 lora: lora(choice / n),
                 choice,
-                pooling: kind == Kind::Embeddings,
+                pooling: matches!(kind, Kind::Pool(_)),
             };
             pod.submit(s, &tx)
         })
@@ -1652,19 +1661,29 @@ async fn generate_inner(
             let usage = usage(prompt_tokens, completion_tokens, Some(cached));
             tokens::response(&id, &model, created, answers.collect(), usage)
         }
-        Kind::Embeddings => {
-            // Each prompt's vector, in the prompts' order; the usage sums the prompts' tokens as
-            // the engine prefilled them (after any truncation). A big batch's vectors are made
+        Kind::Pool(_) => {
+            // Each prompt's output, in the prompts' order; the usage sums the prompts' tokens as
+            // the engine prefilled them (after any truncation). A big batch's outputs are made
             // and written on the blocking pool, as big prompts are tokenized.
-            let size = g.args.embedding_size;
-            let encoding = embedding.map_or(embeddings::Encoding::Float, |o| o.encoding);
-            let floats = prompts.len().saturating_mul(size);
+            // (Always there for a pooling request: made with its options above.)
+            let Some(p) = pooler else {
+                return Err(aborted());
+            };
+            let floats = prompts
+                .iter()
+                .fold(0usize, |n, ids| n.saturating_add(p.floats(ids.len())));
             let write = move || {
-                let vectors: Vec<Vec<f32>> = prompts
-                    .iter()
-                    .map(|p| embeddings::embed(p, size, dimensions))
-                    .collect();
-                embeddings::response(&id, created, &model, &vectors, encoding, prompt_tokens)
+                let outputs: Vec<_> = prompts.iter().map(|ids| p.pool(ids)).collect();
+                let (endpoint, encoding) = (p.endpoint, p.encoding);
+                embeddings::response(
+                    &id,
+                    created,
+                    &model,
+                    endpoint,
+                    &outputs,
+                    encoding,
+                    prompt_tokens,
+                )
             };
             let written = if floats < BLOCKING_EMBED_FLOATS {
                 write()
@@ -1719,7 +1738,7 @@ async fn render_endpoint(
     let n = requested_n(kind, &body)?;
     let suffix = pod.lock().next_response_id();
     let (rid, max_tokens) = match kind {
-        Kind::Completion | Kind::Generate | Kind::Tokens | Kind::Embeddings => (
+        Kind::Completion | Kind::Generate | Kind::Tokens | Kind::Pool(_) => (
             format!("cmpl-{suffix}"),
             Some(max_tokens.unwrap_or(COMPLETIONS_DEFAULT_MAX_TOKENS)),
         ),
@@ -1740,7 +1759,7 @@ async fn render_endpoint(
         })
     });
     Ok(ok_json(&match kind {
-        Kind::Completion | Kind::Generate | Kind::Tokens | Kind::Embeddings => {
+        Kind::Completion | Kind::Generate | Kind::Tokens | Kind::Pool(_) => {
             json!(gens.collect::<Vec<_>>())
         }
         Kind::Chat | Kind::Responses | Kind::Messages => gens.next().unwrap_or_default(),
@@ -2173,7 +2192,9 @@ async fn route(pod: Arc<Pod>, req: Request<Incoming>) -> Response<SimBody> {
         // SGLang routes its `/generate` for PUT as well.
         "/generate" if post || m == Method::PUT => generate(pod, req, Kind::Generate).await,
         "/inference/v1/generate" if post => generate(pod, req, Kind::Tokens).await,
-        "/v1/embeddings" if post => generate(pod, req, Kind::Embeddings).await,
+        "/v1/embeddings" if post => generate(pod, req, Kind::Pool(Endpoint::Embeddings)).await,
+        "/pooling" if post => generate(pod, req, Kind::Pool(Endpoint::Pooling)).await,
+        "/classify" if post => generate(pod, req, Kind::Pool(Endpoint::Classify)).await,
         "/v1/messages/count_tokens" if post => count_tokens_endpoint(pod, req)
             .await
             .unwrap_or_else(|e| e.response_for(Kind::Messages)),
@@ -2222,6 +2243,8 @@ async fn route(pod: Arc<Pod>, req: Request<Incoming>) -> Response<SimBody> {
         | "/generate"
         | "/inference/v1/generate"
         | "/v1/embeddings"
+        | "/pooling"
+        | "/classify"
         | "/v1/completions/render"
         | "/v1/chat/completions/render"
         | "/tokenize"
@@ -3567,6 +3590,19 @@ mod tests {
         assert_eq!(pod.lock().engine.counters.admitted_requests, admitted);
     }
 
+    /// `sql_pod`, its model served as `m`.
+    fn m_sql_pod() -> Arc<Pod> {
+        running_pod(&[
+            "--time-scale",
+            "1000",
+            "--served-model-name",
+            "m",
+            "--enable-lora",
+            "--lora-modules",
+            "sql=/a",
+        ])
+    }
+
     /// A running pod, quick, that serves the adapter `sql`.
     fn sql_pod() -> Arc<Pod> {
         running_pod(&[
@@ -3674,15 +3710,7 @@ mod tests {
     /// header's, else the body's `request_id`; a loaded adapter named as the model.
     #[tokio::test]
     async fn vllm_tokens_generate_answers_as_vllm_does() {
-        let pod = running_pod(&[
-            "--time-scale",
-            "1000",
-            "--served-model-name",
-            "m",
-            "--enable-lora",
-            "--lora-modules",
-            "sql=/a",
-        ]);
+        let pod = m_sql_pod();
         let eos = pod.g.tok.eos;
         let body = json!({"token_ids": [1, 2, 3, 4, 5, 6, 7], "request_id": "abc",
                           "sampling_params": {"max_tokens": 5, "n": 2}});
@@ -3831,12 +3859,22 @@ mod tests {
 
     // ------------------------------------------------------------ /v1/embeddings
 
-    /// An embeddings answer's raw text and parsed JSON (a 200).
-    async fn embed_answer(pod: &Arc<Pod>, headers: &HeaderMap, body: Value) -> (String, Value) {
-        let (status, text) = read(post(pod, Kind::Embeddings, headers, body).await).await;
+    /// A pooling endpoint's answer: its raw text and parsed JSON (a 200).
+    async fn pool_answer(
+        pod: &Arc<Pod>,
+        endpoint: Endpoint,
+        headers: &HeaderMap,
+        body: Value,
+    ) -> (String, Value) {
+        let (status, text) = read(post(pod, Kind::Pool(endpoint), headers, body).await).await;
         assert_eq!(status, StatusCode::OK, "{text}");
         let v = serde_json::from_str(&text).unwrap();
         (text, v)
+    }
+
+    /// An embeddings answer's raw text and parsed JSON (a 200).
+    async fn embed_answer(pod: &Arc<Pod>, headers: &HeaderMap, body: Value) -> (String, Value) {
+        pool_answer(pod, Endpoint::Embeddings, headers, body).await
     }
 
     /// An answer's vectors, as the float32s they are (serde_json's parser may miss a double by
@@ -3877,15 +3915,7 @@ mod tests {
     /// `X-Request-Id` header's value, else a fresh hex one.
     #[tokio::test]
     async fn embeddings_answer_as_vllm_does() {
-        let pod = running_pod(&[
-            "--time-scale",
-            "1000",
-            "--served-model-name",
-            "m",
-            "--enable-lora",
-            "--lora-modules",
-            "sql=/a",
-        ]);
+        let pod = m_sql_pod();
         let text = "The quick brown fox jumps over the lazy dog";
         let n = pod.g.tok.encode(text).len();
         let body = json!({"model": "m", "input": text});
@@ -3938,17 +3968,20 @@ mod tests {
         assert_ne!(vectors(&other), vs);
     }
 
+    /// A batch of three prompts, the first and last alike.
+    const BATCH: [&str; 3] = [
+        "Hello there",
+        "How are caches shared between pods?",
+        "Hello there",
+    ];
+
     /// A batch: each prompt an engine request of its own, answered in order with its own
     /// `index` and the vector it has alone; the usage sums the prompts. A list of ids is one
     /// prompt, a list of lists of ids a batch; a string and its ids embed alike.
     #[tokio::test]
     async fn embeddings_batches_answer_each_prompt() {
         let pod = running_pod(&["--time-scale", "1000", "--embedding-size", "32"]);
-        let texts = [
-            "Hello there",
-            "How are caches shared between pods?",
-            "Hello there",
-        ];
+        let texts = BATCH;
         let counts: Vec<usize> = texts.iter().map(|t| pod.g.tok.encode(t).len()).collect();
         let admitted = pod.lock().engine.counters.admitted_requests;
         let (_, v) = embed_answer(&pod, &none(), json!({"input": texts})).await;
@@ -4092,7 +4125,8 @@ mod tests {
             ),
         ] {
             let body = json!({"input": "a prompt", "dimensions": d});
-            let (status, text) = read(post(&pod, Kind::Embeddings, &none(), body).await).await;
+            let (status, text) =
+                read(post(&pod, Kind::Pool(Endpoint::Embeddings), &none(), body).await).await;
             assert_eq!(status, StatusCode::BAD_REQUEST, "{text}");
             let v: Value = serde_json::from_str(&text).unwrap();
             assert_eq!(v["error"]["message"], message);
@@ -4156,7 +4190,8 @@ mod tests {
             ),
         ];
         for (body, message, param) in cases {
-            let (status, text) = read(post(&pod, Kind::Embeddings, &none(), body).await).await;
+            let (status, text) =
+                read(post(&pod, Kind::Pool(Endpoint::Embeddings), &none(), body).await).await;
             assert_eq!(status, StatusCode::BAD_REQUEST, "{text}");
             let v: Value = serde_json::from_str(&text).unwrap();
             assert_eq!(
@@ -4223,7 +4258,16 @@ mod tests {
             ),
         ];
         for (body, status, kind) in cases {
-            let (got, text) = read(post(&pod, Kind::Embeddings, &none(), body.clone()).await).await;
+            let (got, text) = read(
+                post(
+                    &pod,
+                    Kind::Pool(Endpoint::Embeddings),
+                    &none(),
+                    body.clone(),
+                )
+                .await,
+            )
+            .await;
             assert_eq!(got, status, "{body}: {text}");
             let v: Value = serde_json::from_str(&text).unwrap();
             assert_eq!(
@@ -4238,6 +4282,28 @@ mod tests {
         assert_eq!(v["data"].as_array().unwrap().len(), 1);
     }
 
+    /// What the metrics say after `requests` pooling requests of `prompt_tokens` in all ran as
+    /// prefills alone: their prompt tokens, a `stop` and a first token each, no generation
+    /// token, and nothing running or holding KV afterwards.
+    async fn ran_as_prefills(pod: &Arc<Pod>, prompt_tokens: f64, requests: f64) {
+        let labels = "model_name=";
+        let count = |name| metric(pod, name, labels);
+        assert_eq!(count("vllm:prompt_tokens_total").await, prompt_tokens);
+        assert_eq!(count("vllm:generation_tokens_total").await, 0.0);
+        let stop = "finished_reason=\"stop\"";
+        assert_eq!(
+            metric(pod, "vllm:request_success_total", stop).await,
+            requests
+        );
+        assert_eq!(count("vllm:kv_cache_usage_perc").await, 0.0);
+        assert_eq!(count("vllm:num_requests_running").await, 0.0);
+        let firsts = count("vllm:time_to_first_token_seconds_count").await;
+        assert_eq!(firsts, requests);
+        let none_made = metric(pod, "vllm:request_generation_tokens_bucket", "le=\"1.0\"").await;
+        assert_eq!(none_made, requests, "each answer generated no token");
+        assert_eq!(pod.lock().engine.kv.pool.num_used(), 0);
+    }
+
     /// Each prompt runs in the engine as vLLM runs a pooling request: a prefill holding its KV
     /// while it runs, no output token; the metrics count its prompt tokens, a `stop`, no
     /// generation token, and a repeat of it hits the prefix cache; afterwards no block is held.
@@ -4247,25 +4313,8 @@ mod tests {
         let ids: Vec<u32> = (1..=200).collect();
         let (_, v) = embed_answer(&pod, &none(), json!({"input": [ids, ids[..50]]})).await;
         assert_eq!(v["usage"]["prompt_tokens"], 250);
+        ran_as_prefills(&pod, 250.0, 2.0).await;
         let labels = "model_name=";
-        assert_eq!(
-            metric(&pod, "vllm:prompt_tokens_total", labels).await,
-            250.0
-        );
-        assert_eq!(
-            metric(&pod, "vllm:generation_tokens_total", labels).await,
-            0.0
-        );
-        let stop = "finished_reason=\"stop\"";
-        assert_eq!(metric(&pod, "vllm:request_success_total", stop).await, 2.0);
-        assert_eq!(metric(&pod, "vllm:kv_cache_usage_perc", labels).await, 0.0);
-        assert_eq!(metric(&pod, "vllm:num_requests_running", labels).await, 0.0);
-        assert_eq!(
-            metric(&pod, "vllm:time_to_first_token_seconds_count", labels).await,
-            2.0
-        );
-        let none_made = metric(&pod, "vllm:request_generation_tokens_bucket", "le=\"1.0\"").await;
-        assert_eq!(none_made, 2.0, "each answer generated no token");
         let hits = metric(&pod, "vllm:prefix_cache_hits_total", labels).await;
         let (_, _) = embed_answer(&pod, &none(), json!({"input": ids})).await;
         let hits = metric(&pod, "vllm:prefix_cache_hits_total", labels).await - hits;
@@ -4284,7 +4333,7 @@ mod tests {
         let body = json!({"input": [long, long.iter().map(|t| t + 10_000).collect::<Vec<_>>()]});
         let p = pod.clone();
         let handler = tokio::spawn(async move {
-            let _ = post(&p, Kind::Embeddings, &none(), body).await;
+            let _ = post(&p, Kind::Pool(Endpoint::Embeddings), &none(), body).await;
         });
         for _ in 0..500 {
             if pod.lock().engine.kv.pool.num_used() > 0 {
@@ -4303,5 +4352,337 @@ mod tests {
         assert_eq!((e.num_running(), e.num_waiting()), (0, 0));
         assert_eq!(e.counters.finished_abort, 2);
         assert_eq!(e.kv.pool.num_used(), 0);
+    }
+
+    // ------------------------------------------------------------ /pooling, /classify
+
+    /// The items' outputs of a pooling answer under `key` (`data`, `embedding`, `probs`).
+    fn items<'a>(v: &'a Value, key: &str) -> Vec<&'a Value> {
+        v["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| &d[key])
+            .collect()
+    }
+
+    /// A base64 output's float32s (little-endian).
+    fn unbase64_f32(v: &Value) -> Vec<f32> {
+        crate::embeddings::tests::unbase64(v.as_str().unwrap())
+            .chunks(4)
+            .map(|c| f32::from_le_bytes(<[u8; 4]>::try_from(c).unwrap()))
+            .collect()
+    }
+
+    fn floats(v: &Value) -> Vec<f32> {
+        let a = v.as_array().unwrap();
+        a.iter().map(|x| x.as_f64().unwrap() as f32).collect()
+    }
+
+    /// One string: vLLM's `PoolingResponse` and `ClassificationResponse`, their keys in vLLM's
+    /// order, ids `pool-` / `classify-` and the `X-Request-Id` header's value (else a fresh hex
+    /// one), the model as named, usage counting the prompt alone; `/classify`'s item the
+    /// `--num-classes` probabilities of the prompt, its label their argmax.
+    #[tokio::test]
+    async fn pooling_and_classify_answer_as_vllm_does() {
+        let pod = running_pod(&[
+            "--time-scale",
+            "1000",
+            "--served-model-name",
+            "m",
+            "--embedding-size",
+            "16",
+            "--num-classes",
+            "3",
+        ]);
+        let text = "The quick brown fox jumps over the lazy dog";
+        let n = pod.g.tok.encode(text).len();
+        let body = json!({"model": "m", "input": text});
+        let usage = json!({"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0,
+                           "prompt_tokens_details": null});
+        let in_order = |raw: &str, keys: &[&str]| {
+            let at: Vec<usize> = keys.iter().map(|k| raw.find(k).expect(k)).collect();
+            assert!(at.windows(2).all(|w| w[0] < w[1]), "{at:?} {raw}");
+        };
+        let (raw, v) = pool_answer(&pod, Endpoint::Pooling, &none(), body.clone()).await;
+        assert!(raw.starts_with(r#"{"id":"pool-"#), "{raw}");
+        in_order(
+            &raw,
+            &[
+                "\"object\":\"list\",\"created\":",
+                "\"model\":\"m\",\"data\":[{\"index\":0,\"object\":\"pooling\",\"data\":[",
+                "\"usage\":{\"prompt_tokens\":",
+            ],
+        );
+        let id = v["id"].as_str().unwrap();
+        assert!(id.len() == 5 + 32 && id[5..].bytes().all(|b| b.is_ascii_hexdigit()));
+        assert!(v["created"].as_u64().unwrap() > 1_600_000_000);
+        assert_eq!(v["usage"], usage);
+        let vector = floats(items(&v, "data")[0]);
+        assert_eq!(vector.len(), 16);
+        assert!((l2(&vector) - 1.0).abs() < 1e-6);
+
+        let mut h = HeaderMap::new();
+        h.insert("x-request-id", "r-2".parse().unwrap());
+        let (raw, v) = pool_answer(&pod, Endpoint::Classify, &h, body.clone()).await;
+        in_order(
+            &raw,
+            &[
+                r#"{"id":"classify-r-2","object":"list","created":"#,
+                r#""model":"m","data":[{"index":0,"label":"LABEL_"#,
+                r#"","probs":["#,
+                r#"],"num_classes":3}],"usage":{"prompt_tokens":"#,
+            ],
+        );
+        assert_eq!(v["usage"], usage);
+        let probs = floats(items(&v, "probs")[0]);
+        assert_eq!(probs.len(), 3);
+        let sum: f64 = probs.iter().map(|&p| f64::from(p)).sum();
+        assert!((sum - 1.0).abs() < 1e-6, "{probs:?}");
+        let best = (0..3).fold(0, |b, i| if probs[i] > probs[b] { i } else { b });
+        assert_eq!(v["data"][0]["label"], format!("LABEL_{best}"));
+        let (_, again) = pool_answer(&pod, Endpoint::Classify, &none(), body).await;
+        assert_eq!(
+            items(&again, "probs"),
+            items(&v, "probs"),
+            "the same prompt, alike"
+        );
+        let other = json!({"input": "Another text"});
+        let (_, other) = pool_answer(&pod, Endpoint::Classify, &none(), other).await;
+        assert_eq!(other["model"], "m", "no model: the served one");
+        assert_ne!(items(&other, "probs"), items(&v, "probs"));
+    }
+
+    /// Batches (strings, lists of ids), the chat form and `truncate_prompt_tokens`, read as the
+    /// embeddings read them: each prompt an engine request, answered in order with its own
+    /// `index` and the output it has alone; the usage sums the prompts as they were prefilled.
+    #[tokio::test]
+    async fn pooling_and_classify_take_the_embeddings_inputs() {
+        let pod = running_pod(&["--time-scale", "1000", "--embedding-size", "8"]);
+        let texts = BATCH;
+        let counts: Vec<usize> = texts.iter().map(|t| pod.g.tok.encode(t).len()).collect();
+        let messages = json!([{"role": "system", "content": "Be brief."},
+                              {"role": "user", "content": "What is a KV cache?"}]);
+        let segs = render_chat(messages.as_array().unwrap(), None, false, 0).unwrap();
+        let rendered = pod.g.tok.encode_segments(&segs);
+        let long: Vec<u32> = (1..=100).collect();
+        for (endpoint, key) in [(Endpoint::Pooling, "data"), (Endpoint::Classify, "probs")] {
+            let h = none();
+            let answer = |body| pool_answer(&pod, endpoint, &h, body);
+            let admitted = pod.lock().engine.counters.admitted_requests;
+            let (_, v) = answer(json!({"input": texts})).await;
+            assert_eq!(pod.lock().engine.counters.admitted_requests, admitted + 3);
+            let indices: Vec<&Value> = v["data"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|d| &d["index"])
+                .collect();
+            assert_eq!(indices, [&json!(0), &json!(1), &json!(2)]);
+            let sum: usize = counts.iter().sum();
+            assert_eq!(v["usage"]["prompt_tokens"], sum);
+            assert_eq!(v["usage"]["total_tokens"], sum);
+            let out = items(&v, key);
+            assert_eq!(out[0], out[2]);
+            assert_ne!(out[0], out[1]);
+            let ids: Vec<Vec<u32>> = texts.iter().map(|t| pod.g.tok.encode(t)).collect();
+            let (_, by_ids) = answer(json!({"input": ids[..2]})).await;
+            assert_eq!(items(&by_ids, key), out[..2]);
+            let (_, one) = answer(json!({"input": texts[1]})).await;
+            assert_eq!(items(&one, key), [out[1]]);
+
+            let (_, chat) = answer(json!({"messages": messages})).await;
+            assert_eq!(chat["usage"]["prompt_tokens"], rendered.len());
+            let (_, by_ids) = answer(json!({"input": rendered})).await;
+            assert_eq!(items(&chat, key), items(&by_ids, key));
+
+            let body = json!({"input": long, "truncate_prompt_tokens": 10});
+            let (_, cut) = answer(body).await;
+            assert_eq!(cut["usage"]["prompt_tokens"], 10);
+            let (_, last) = answer(json!({"input": long[90..]})).await;
+            assert_eq!(items(&cut, key), items(&last, key));
+        }
+    }
+
+    /// `/pooling`'s tasks: none or `embed` is `/v1/embeddings`' vector, `classify` `/classify`'s
+    /// probabilities, in floats or base64 (float32, little-endian); `token_embed` and
+    /// `token_classify` an output a prompt token (`token_embed`'s 8 long).
+    #[tokio::test]
+    async fn pooling_tasks_answer_what_the_other_endpoints_do() {
+        let pod = running_pod(&[
+            "--time-scale",
+            "1000",
+            "--embedding-size",
+            "32",
+            "--num-classes",
+            "4",
+        ]);
+        let body = json!({"input": ["one prompt", "and another"]});
+        let with = |extra: Value| {
+            let mut b = body.clone();
+            b.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            b
+        };
+        let h = none();
+        let pooling = |b| pool_answer(&pod, Endpoint::Pooling, &h, b);
+        let (_, embedded) = embed_answer(&pod, &none(), body.clone()).await;
+        let (_, classified) = pool_answer(&pod, Endpoint::Classify, &none(), body.clone()).await;
+        let (_, default) = pooling(body.clone()).await;
+        let (_, embed) = pooling(with(json!({"task": "embed"}))).await;
+        let (_, classify) = pooling(with(json!({"task": "classify"}))).await;
+        assert_eq!(items(&default, "data"), items(&embedded, "embedding"));
+        assert_eq!(items(&embed, "data"), items(&embedded, "embedding"));
+        assert_eq!(items(&classify, "data"), items(&classified, "probs"));
+        assert_eq!(classify["usage"], classified["usage"]);
+
+        let b64 = json!({"encoding_format": "base64"});
+        let (_, v) = pooling(with(b64.clone())).await;
+        for (got, want) in items(&v, "data").into_iter().zip(vectors(&embedded)) {
+            assert_eq!(unbase64_f32(got), want);
+        }
+        let (_, v) = pooling(with(
+            json!({"task": "classify", "encoding_format": "base64"}),
+        ))
+        .await;
+        for (got, want) in items(&v, "data")
+            .into_iter()
+            .zip(items(&classified, "probs"))
+        {
+            assert_eq!(unbase64_f32(got), floats(want));
+        }
+
+        let n = pod.g.tok.encode("one prompt").len();
+        let one = |task| json!({"input": "one prompt", "task": task});
+        let (_, v) = pooling(one("token_embed")).await;
+        let rows = v["data"][0]["data"].as_array().unwrap();
+        assert_eq!(rows.len(), n);
+        assert!(rows
+            .iter()
+            .all(|r| (l2(&floats(r)) - 1.0).abs() < 1e-6 && floats(r).len() == 8));
+        assert_eq!(v["usage"]["prompt_tokens"], n);
+        let (_, v) = pooling(one("token_classify")).await;
+        let rows = v["data"][0]["data"].as_array().unwrap();
+        assert_eq!(rows.len(), n);
+        for r in rows {
+            let p = floats(r);
+            let sum: f64 = p.iter().map(|&x| f64::from(x)).sum();
+            assert!(p.len() == 4 && (sum - 1.0).abs() < 1e-6, "{p:?}");
+        }
+        let mut b = one("token_classify");
+        b["encoding_format"] = json!("base64");
+        let (_, v) = pooling(b).await;
+        assert_eq!(
+            unbase64_f32(&v["data"][0]["data"]).len(),
+            4 * n,
+            "flattened"
+        );
+    }
+
+    /// Refusals in vLLM's OpenAI error shape, none reaching the engine: a task the model does
+    /// not serve (`score`: vLLM's `Unsupported task`), one that is no `PoolingTask`,
+    /// `dimensions` with a classify task, neither form (naming the endpoint's models), an
+    /// unknown model (404), a `truncate_prompt_tokens` past the model's length. `/classify`
+    /// has no `dimensions` or `encoding_format`: a body with them is answered as any other.
+    #[tokio::test]
+    async fn pooling_and_classify_refusals_are_vllms() {
+        let pod = running_pod(&[
+            "--time-scale",
+            "1000",
+            "--served-model-name",
+            "m",
+            "--max-model-len",
+            "64",
+        ]);
+        let admitted = pod.lock().engine.counters.admitted_requests;
+        let bad = StatusCode::BAD_REQUEST;
+        let cases = [
+            (
+                Endpoint::Pooling,
+                json!({"input": "a", "task": "score"}),
+                bad,
+                "Unsupported task: 'score' Supported tasks: ('embed', 'classify', \
+                 'token_embed', 'token_classify')",
+            ),
+            (
+                Endpoint::Pooling,
+                json!({"input": "a", "task": "generate"}),
+                bad,
+                "task: Input should be 'embed', 'classify', 'score', 'token_embed', \
+                 'token_classify' or 'plugin'",
+            ),
+            (
+                Endpoint::Pooling,
+                json!({"input": "a", "task": "classify", "dimensions": 2}),
+                bad,
+                "Task classify only supports ['use_activation'] parameters, does not \
+                 support ['dimensions'] parameters",
+            ),
+            (
+                Endpoint::Pooling,
+                json!({"model": "m"}),
+                bad,
+                "input: Field required (PoolingCompletionRequest); messages: Field required \
+                 (PoolingChatRequest)",
+            ),
+            (
+                Endpoint::Classify,
+                json!({"model": "m"}),
+                bad,
+                "input: Field required (ClassificationCompletionRequest); messages: Field \
+                 required (ClassificationChatRequest)",
+            ),
+            (
+                Endpoint::Pooling,
+                json!({"input": "a", "model": "nope"}),
+                StatusCode::NOT_FOUND,
+                "The model `nope` does not exist.",
+            ),
+            (
+                Endpoint::Classify,
+                json!({"input": "a", "model": "nope"}),
+                StatusCode::NOT_FOUND,
+                "The model `nope` does not exist.",
+            ),
+            (
+                Endpoint::Classify,
+                json!({"input": "a", "truncate_prompt_tokens": 65}),
+                bad,
+                "truncate_prompt_tokens value is greater than max_model_len. Please, select a \
+                 smaller truncation size.",
+            ),
+        ];
+        for (endpoint, body, status, message) in cases {
+            let (got, text) =
+                read(post(&pod, Kind::Pool(endpoint), &none(), body.clone()).await).await;
+            assert_eq!(got, status, "{body}: {text}");
+            let v: Value = serde_json::from_str(&text).unwrap();
+            assert_eq!(v["error"]["message"], message, "{body}");
+            assert_eq!(v["error"]["code"], status.as_u16());
+        }
+        assert_eq!(pod.lock().engine.counters.admitted_requests, admitted);
+        let body =
+            json!({"input": "a", "dimensions": 2, "encoding_format": "base64", "stream": true});
+        let (_, v) = pool_answer(&pod, Endpoint::Classify, &none(), body).await;
+        assert_eq!(v["data"][0]["num_classes"], 2, "--num-classes' default");
+        assert!(v["data"][0]["probs"].is_array());
+    }
+
+    /// Each prompt runs in the engine as an embedding's does: a prefill holding its KV while it
+    /// runs, no output token; the metrics count the prompt tokens and a `stop` each, and no
+    /// block is held afterwards.
+    #[tokio::test]
+    async fn pooling_and_classify_run_as_prefills_in_the_engine() {
+        let pod = running_pod(&["--time-scale", "1000", "--embedding-size", "8"]);
+        let ids: Vec<u32> = (1..=200).collect();
+        let body = json!({"input": [ids, ids[..50]], "task": "token_classify"});
+        let (_, v) = pool_answer(&pod, Endpoint::Pooling, &none(), body).await;
+        assert_eq!(v["usage"]["prompt_tokens"], 250);
+        let body = json!({"input": ids[100..]});
+        let (_, v) = pool_answer(&pod, Endpoint::Classify, &none(), body).await;
+        assert_eq!(v["usage"]["prompt_tokens"], 100);
+        ran_as_prefills(&pod, 350.0, 3.0).await;
+        assert!(pod.lock().engine.counters.peak_used_blocks >= 13);
     }
 }
