@@ -752,6 +752,8 @@ impl World {
                     "/v1/responses/resp_1",
                     "/v1/responses/resp_2/cancel",
                     "/tokenize",
+                    "/pooling",
+                    "/classify",
                 ];
                 let tenant = format!("tenant-{}", tenant % 3);
                 let session_id = format!("s{}", session % 4);

@@ -20,11 +20,12 @@ use kvgate::routing::prefix::block_hashes;
 use libfuzzer_sys::fuzz_target;
 use std::sync::OnceLock;
 
-const APIS: [Api; 7] = [
+const APIS: [Api; 8] = [
     Api::Completions,
     Api::ChatCompletions,
     Api::Responses,
     Api::Embeddings,
+    Api::Pooling,
     Api::Messages,
     Api::Generate,
     Api::Tokens,
@@ -209,7 +210,7 @@ fuzz_target!(|data: &[u8]| {
         } else {
             assert!(req.model.is_empty(), "no span, no model");
         }
-        if api == Api::Embeddings {
+        if matches!(api, Api::Embeddings | Api::Pooling) {
             assert_eq!(req.max_output_tokens, Some(0));
         }
         check_estimates(&req);

@@ -548,6 +548,11 @@ impl Flow {
         }
         let mut req = match Request::parse(api, body) {
             Ok(r) => r,
+            // An IO processor plugin's request: routed by its model alone, as on other paths.
+            Err(e) if api == Api::Pooling && e.names_no_prompt() => {
+                self.api = None;
+                return self.on_other_path_body(gate, store, body);
+            }
             Err(e) => {
                 return Decision::step(Step::Reply(LocalReply::error(
                     400,

@@ -1,5 +1,6 @@
 //! Requests on paths kvgate does not read that name a model (vLLM's `/tokenize`, `/detokenize`,
-//! `/pooling`, `/classify`, `/score`, `/rerank`, Anthropic's `/v1/messages/count_tokens` …): sent
+//! `/score`, `/rerank`, an IO processor plugin's `/pooling` request, Anthropic's
+//! `/v1/messages/count_tokens` …): sent
 //! to a pod whose model list names it when the pods serve different models, and named in the
 //! model header (`models.header`) for Envoy's routes, as the Gateway API Inference Extension's
 //! body-based routing routes any request by its `model`. Left unread, such a request reached a pod
@@ -180,6 +181,30 @@ mod tests {
             Some(PODS[0])
         );
         assert_eq!(gate.stats.take_count(stats::OTHER_PATHS_ROUTED), 5);
+    }
+
+    /// vLLM's `/pooling` is read as the embeddings are, reserved on the pod it is routed to; an
+    /// IO processor plugin's request there (its `data`, no prompt) is routed by its model alone,
+    /// as on other paths, not refused.
+    #[test]
+    fn a_pooling_request_is_admitted_and_a_plugins_routed_by_its_model() {
+        let (vm, mut gate) = pool(with_pods(), [&["a"], &["r"], &["r"]]);
+        let pooling = |body: &str| RequestHead {
+            content_length: Some(body.len() as u64),
+            ..RequestHead::json_post("/pooling")
+        };
+        let body = r#"{"model":"r","input":"a prompt and its answer","task":"classify"}"#;
+        let d = send(&mut gate, &vm, &pooling(body), body);
+        // The pick first, its fallbacks after.
+        let pod = sent_to(&d).unwrap().split(',').next().unwrap().to_string();
+        assert!(pod == PODS[1] || pod == PODS[2], "{pod}");
+        let held = crate::pods::record::read(&vm, &pod).unwrap().entries;
+        assert_eq!(held.len(), 1, "reserved there");
+        let body = r#"{"model":"r","data":{"data":"s3://tile.tif","data_format":"url"}}"#;
+        let d = send(&mut gate, &vm, &pooling(body), body);
+        assert_eq!(d.step, Step::Forward);
+        assert!(sent_to(&d).is_some_and(|p| p == PODS[1] || p == PODS[2]));
+        assert_eq!(gate.stats.take_count(stats::OTHER_PATHS_ROUTED), 1);
     }
 
     /// A public name of `models.routes` is sent as its target, as on the APIs kvgate reads.

@@ -111,7 +111,7 @@ impl LongBody {
         self.usage.read().filter(|_| whole)
     }
 
-    /// The top-level `id`, when it is a string without escapes.
+    /// The top-level `id`, when it is a string.
     pub fn id(&self) -> Option<String> {
         let whole = self.at != Place::Broken && self.copying != Some(Field::Id);
         let raw = self.id.read().filter(|_| whole)?;

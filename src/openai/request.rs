@@ -15,7 +15,12 @@ pub enum Api {
     Completions,
     ChatCompletions,
     Responses,
+    /// vLLM's pooling APIs that take a prompt and generate nothing: `/v1/embeddings` and
+    /// `/classify` (its `input`, or `messages` through the chat template).
     Embeddings,
+    /// vLLM's `/pooling`: read as the embeddings are, but it also serves an IO processor plugin's
+    /// requests (`data`, no prompt), which kvgate leaves unread (`BadRequest::names_no_prompt`).
+    Pooling,
     /// Anthropic's Messages API (`/v1/messages`), which vLLM (its `vllm/entrypoints/anthropic`)
     /// and SGLang serve as a chat completion of the same conversation.
     Messages,
@@ -30,13 +35,17 @@ pub enum Api {
 
 impl Api {
     /// Matches by suffix, so a route prefix such as `/openai/v1/chat/completions` still works; the
-    /// query string is ignored. SGLang's `/generate` only as the whole path: other servers end
-    /// paths of their own so (Ollama's `/api/generate`), whose bodies are not SGLang's.
+    /// query string is ignored. SGLang's `/generate` and vLLM's `/pooling` and `/classify` only
+    /// as the whole path: other servers end paths of their own so (Ollama's `/api/generate`),
+    /// whose bodies are not the engines'.
     pub fn from_path(path: &str) -> Option<Api> {
         let path = path.split(['?', '#']).next().unwrap_or("");
         let path = path.trim_end_matches('/');
-        if path == "/generate" {
-            return Some(Api::Generate);
+        match path {
+            "/generate" => return Some(Api::Generate),
+            "/classify" => return Some(Api::Embeddings),
+            "/pooling" => return Some(Api::Pooling),
+            _ => {}
         }
         [
             ("/v1/chat/completions", Api::ChatCompletions),
@@ -330,6 +339,15 @@ fn missing(field: &str) -> BadRequest {
     bad(format!("missing required field `{field}`"), Some(field))
 }
 
+impl BadRequest {
+    /// A pooling body that names no prompt at all (neither `input` nor `messages`): on
+    /// `/pooling`, a request for the engine's IO processor plugin (its `data`), which the engine
+    /// takes and kvgate does not read.
+    pub fn names_no_prompt(&self) -> bool {
+        *self == missing("input")
+    }
+}
+
 impl Request {
     /// The body, from a whole-text deserializer (trailing text is an error).
     fn deserialize<'b, T: Deserialize<'b>>(body: &'b str) -> Result<T, serde_json::Error> {
@@ -494,7 +512,7 @@ impl Request {
             },
             Api::ChatCompletions => count(b.max_completion_tokens.or(b.max_tokens.flatten())),
             Api::Responses => count(b.max_output_tokens),
-            Api::Embeddings => Some(0),
+            Api::Embeddings | Api::Pooling => Some(0),
             // Required, as Anthropic's API and the engines' models of it require it.
             Api::Messages => match b.max_tokens {
                 Some(Some(set)) => Some(set.0),
@@ -539,7 +557,7 @@ impl Request {
             }
             // vLLM's chat embeddings (`EmbeddingChatRequest`): `messages` in place of `input`,
             // rendered through the model's chat template.
-            Api::Embeddings => match (b.input, b.messages) {
+            Api::Embeddings | Api::Pooling => match (b.input, b.messages) {
                 (Some(input), _) => _ = out.push_input(input),
                 (None, Some(messages)) => {
                     if messages.is_empty() {
@@ -849,6 +867,30 @@ mod tests {
             let req = Request::parse(api, body.as_bytes()).unwrap();
             assert_eq!(req.templated, templated, "{api:?}");
         }
+    }
+
+    /// vLLM's other pooling endpoints, at the root as it serves them: read as the embeddings
+    /// are; other servers' paths that end alike are not theirs.
+    #[test]
+    fn pooling_paths_match_whole() {
+        assert_eq!(Api::from_path("/classify"), Some(Api::Embeddings));
+        assert_eq!(Api::from_path("/pooling/?x=1"), Some(Api::Pooling));
+        for other in ["/api/classify", "/v1/pooling", "/classify/x"] {
+            assert_eq!(Api::from_path(other), None, "{other}");
+        }
+        // An IO processor plugin's body names no prompt; one that names a bad one is refused.
+        let e = Request::parse(Api::Pooling, br#"{"model":"p","data":{"url":"x"}}"#).unwrap_err();
+        assert!(e.names_no_prompt());
+        let e = Request::parse(Api::Pooling, br#"{"model":"p","input":3}"#).unwrap_err();
+        assert!(!e.names_no_prompt());
+        let r = Request::parse(
+            Api::Pooling,
+            br#"{"model":"p","input":[[1,2,3]],"task":"token_classify"}"#,
+        );
+        assert_eq!(
+            r.map(|r| (r.token_ids, r.max_output_tokens)),
+            Ok((3, Some(0)))
+        );
     }
 
     #[test]

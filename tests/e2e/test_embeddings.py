@@ -1,13 +1,16 @@
-"""vLLM's Embeddings API (`/v1/embeddings`) through kvgate, in a real Envoy in front of
-kvgate-sim pods: both of its request forms (`input`, and the chat form's `messages`, which
+"""vLLM's pooling APIs through kvgate, in a real Envoy in front of kvgate-sim pods: embeddings
+(`/v1/embeddings`) in both of their request forms (`input`, and the chat form's `messages`, which
 multimodal and instruction-tuned embedding models are called with) reach the engine, each
 reserved as its prompt and released, and the engine's usage is read from every answer, a
-batch's too, whose vectors make it megabytes long."""
+batch's too, whose vectors make it megabytes long; `/pooling` and `/classify` (a reward model
+scoring answers) are routed to the pod caching their prompt."""
 
 import base64
 import struct
+from concurrent.futures import ThreadPoolExecutor
 
-from harness import Sim, default_plugin_config, kvgate_envoy, kvgate_gauges, kvgate_stat, request, wait_for
+from harness import (Sim, baseline_envoy, default_plugin_config, kvgate_envoy, kvgate_gauges, kvgate_stat, request,
+                     wait_for)
 
 from bodies import MODEL, WORDS
 
@@ -59,3 +62,50 @@ def test_both_forms_of_embeddings_are_admitted_and_their_usage_read_whole():
         for body, param in [({"model": model}, "input"), ({"model": model, "messages": []}, "messages")]:
             status, answer = embed(envoy.port, body)
             assert status == 400 and param.encode() in answer, (status, answer)
+
+
+def hit_rate(sim):
+    """The engines' prefix-cache hits, as a share of the prompt tokens they were asked to prefill."""
+    stats = [sim.stats(i) for i in range(sim.pods)]
+    return sum(s["prefix_cache_hit_tokens"] for s in stats) / sum(s["prefix_cache_query_tokens"] for s in stats)
+
+
+def test_a_reward_models_scores_of_one_prompts_answers_go_where_the_prompt_is_cached():
+    """A reward model scoring an RL rollout: each prompt's answers scored together, as vLLM's
+    `/pooling` (chat form) and `/classify` take them. kvgate reads these as it reads embeddings:
+    each is reserved and routed by its prefix, so a prompt's answers after the first find it
+    cached; round robin spreads them over the pods, which compute it again. Their usage is read
+    and every reservation released."""
+    prompts = [passage(100 + p, words=500) for p in range(12)]
+
+    def score(port, i):
+        prompt, answer = prompts[i // 4], passage(200 + i, words=30)
+        # A prompt's answers all in one form (the two forms render the prompt differently).
+        if i // 4 % 2:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": prompt},
+                                                 {"role": "assistant", "content": answer}], "task": "classify"}
+            path = "/pooling"
+        else:
+            body, path = {"model": MODEL, "input": prompt + " " + answer}, "/classify"
+        r = request(port, "POST", path, body, timeout=60)
+        assert r.status == 200, (path, r.body)
+        return r.json()["usage"]["prompt_tokens"]
+
+    rates = {}
+    for name in ("round_robin", "kvgate"):
+        with Sim(pods=4, args=["--time-scale", "10"]) as sim:
+            ctx = baseline_envoy(sim.endpoints) if name == "round_robin" else \
+                kvgate_envoy(sim.endpoints, default_plugin_config(), concurrency=2)
+            with ctx as envoy, ThreadPoolExecutor(4) as pool:
+                # A prompt's four answers at once, prompt after prompt.
+                tokens = sum(sum(pool.map(lambda i: score(envoy.port, i), range(p * 4, p * 4 + 4)))
+                             for p in range(len(prompts)))
+                rates[name] = hit_rate(sim)
+                if name == "kvgate":
+                    assert wait_for(lambda: kvgate_stat(envoy, "usage.prompt_tokens") == tokens, timeout=5), \
+                        (kvgate_stat(envoy, "usage.prompt_tokens"), tokens)
+                    assert wait_for(lambda: all(v == 0 for v in kvgate_gauges(envoy, "reserved_tokens").values()),
+                                    timeout=5), kvgate_gauges(envoy, "reserved_tokens")
+    print(f"prefix-cache hit rate: round robin {rates['round_robin']:.1%}, kvgate {rates['kvgate']:.1%}")
+    # Three of each prompt's four scorings can find it cached: about 70 % of the prompt tokens.
+    assert rates["kvgate"] >= 0.55 and rates["kvgate"] >= rates["round_robin"] + 0.25, rates
