@@ -27,21 +27,37 @@ pub(super) fn header_safe(value: &str) -> String {
 /// header's name without `x-kvgate-`, `-` as `_`; a value with a space, `"` or `=` in quotes, and
 /// an empty one (the ranking, built only for the headers) left out.
 fn access_log_line(headers: &[(&str, String)]) -> String {
-    let mut line = String::with_capacity(160);
+    let len: usize = headers.iter().map(|(k, v)| k.len() + v.len() + 4).sum();
+    let mut line = String::with_capacity(len);
     for (name, value) in headers.iter().filter(|(_, v)| !v.is_empty()) {
         if !line.is_empty() {
             line.push(' ');
         }
         let key = name.strip_prefix("x-kvgate-").unwrap_or(name);
-        line.extend(key.chars().map(|c| if c == '-' { '_' } else { c }));
-        line.push('=');
-        if value.contains([' ', '"', '=']) {
-            line.push('"');
-            line.push_str(&value.replace('\\', "\\\\").replace('"', "\\\""));
-            line.push('"');
-        } else {
-            line.push_str(value);
+        for (i, part) in key.split('-').enumerate() {
+            if i > 0 {
+                line.push('_');
+            }
+            line.push_str(part);
         }
+        line.push('=');
+        if !value.bytes().any(|b| matches!(b, b' ' | b'"' | b'=')) {
+            line.push_str(value);
+            continue;
+        }
+        line.push('"');
+        let mut rest = value.as_str();
+        while let Some(at) = rest.find(['"', '\\']) {
+            // `at` is where a one-byte character starts: both splits fall on boundaries.
+            let (before, after) = rest.split_at(at);
+            let (found, after) = after.split_at(1);
+            line.push_str(before);
+            line.push('\\');
+            line.push_str(found);
+            rest = after;
+        }
+        line.push_str(rest);
+        line.push('"');
     }
     line
 }
