@@ -1,7 +1,8 @@
-//! The response side of a request's way through kvgate: the debug headers, where the response
-//! really came from (`observe`), metering what streams (the entry grows with it), and the end —
-//! the release, exactly once, and what the engine's `usage` says of the estimate (stats and
-//! calibration). The request side is `flow`'s `mod.rs`.
+//! The response side of a request's way through kvgate: the debug headers and the access log's
+//! line (one report, `accessLog`), where the response really came from (`observe`), metering
+//! what streams (the entry grows with it), and the end — the release, exactly once, and what the
+//! engine's `usage` says of the estimate (stats and calibration). The request side is `flow`'s
+//! `mod.rs`.
 
 use super::gunzip::{self, Gunzip};
 use super::{Flow, Gate};

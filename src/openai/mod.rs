@@ -1,7 +1,8 @@
 //! The OpenAI-compatible wire format, in both directions: what a request body says
 //! (`request`; the shapes its prompt takes, read in one pass, in `shapes`; its numbers and
 //! flags read as the engines read them, in `lax`), what the model server's response reports as it streams past (`response`; each
-//! streamed chunk's pieces of text counted by `sse_chunk`), the answers kvgate gives itself
+//! streamed chunk's pieces of text counted by `sse_chunk`; a JSON answer too long to keep walked
+//! for its usage by `long_body`), the answers kvgate gives itself
 //! instead of forwarding (`reply`), and a request's headers as the host serializes them
 //! (`header_map`).
 //!
