@@ -9,6 +9,7 @@
 //! other pooling endpoints that take these inputs, `/pooling` and `/classify` (`pooling`), are
 //! read and answered by the same functions, given the endpoint.
 
+use base64::Engine as _;
 use serde::Serialize;
 use serde_json::Value;
 
@@ -309,28 +310,9 @@ fn unit(mut v: Vec<f64>) -> Vec<f64> {
     v
 }
 
-const BASE64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-
 /// Standard base64 with padding (Python's `base64.b64encode`).
 fn base64(bytes: &[u8]) -> String {
-    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
-    for chunk in bytes.chunks(3) {
-        let b = [
-            chunk.first().copied().unwrap_or(0),
-            chunk.get(1).copied().unwrap_or(0),
-            chunk.get(2).copied().unwrap_or(0),
-        ];
-        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
-        for i in 0..4 {
-            if i <= chunk.len() {
-                let sextet = (n >> (18 - 6 * i)) & 63;
-                out.push(char::from(BASE64[sextet as usize]));
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
+    base64::engine::general_purpose::STANDARD.encode(bytes)
 }
 
 /// One prompt's output as the answer writes it: floats (each float32 widened to a double, as
@@ -475,19 +457,7 @@ pub(crate) mod tests {
 
     /// Python's `base64.b64decode`, for the tests.
     pub fn unbase64(s: &str) -> Vec<u8> {
-        let val = |c: u8| BASE64.iter().position(|&b| b == c).unwrap() as u32;
-        let mut out = Vec::new();
-        for chunk in s.as_bytes().chunks(4) {
-            let data: Vec<u8> = chunk.iter().copied().filter(|&c| c != b'=').collect();
-            let n = data
-                .iter()
-                .enumerate()
-                .fold(0u32, |n, (i, &c)| n | (val(c) << (18 - 6 * i)));
-            for i in 0..data.len().saturating_sub(1) {
-                out.push((n >> (16 - 8 * i)) as u8);
-            }
-        }
-        out
+        base64::engine::general_purpose::STANDARD.decode(s).unwrap()
     }
 
     #[test]
