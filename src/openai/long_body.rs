@@ -50,24 +50,26 @@ enum Field {
     Id,
 }
 
-/// A copied value: its bytes, or none once it ran past [`MAX_VALUE`].
+/// A copied value: its bytes, or none once it ran past [`MAX_VALUE`] or its key came twice
+/// (the meter's reading of a body it keeps refuses a repeated field, and so does this one).
 #[derive(Debug, Default)]
 struct Value {
     bytes: Vec<u8>,
-    too_long: bool,
+    seen: bool,
+    unreadable: bool,
 }
 
 impl Value {
     fn push(&mut self, b: u8) {
         if self.bytes.len() >= MAX_VALUE {
-            self.too_long = true;
-        } else if !self.too_long {
+            self.unreadable = true;
+        } else if !self.unreadable {
             self.bytes.push(b);
         }
     }
 
     fn read(&self) -> Option<&[u8]> {
-        (!self.too_long && !self.bytes.is_empty()).then_some(self.bytes.as_slice())
+        (!self.unreadable && !self.bytes.is_empty()).then_some(self.bytes.as_slice())
     }
 }
 
@@ -192,12 +194,13 @@ impl LongBody {
                     Some(b"id") => Some(Field::Id),
                     _ => None,
                 };
-                // A key seen twice: its last value is the one a JSON reader keeps.
-                match self.copying {
-                    Some(Field::Usage) => self.usage = Value::default(),
-                    Some(Field::Id) => self.id = Value::default(),
-                    None => {}
-                }
+                let value = match self.copying {
+                    Some(Field::Usage) => &mut self.usage,
+                    Some(Field::Id) => &mut self.id,
+                    None => return,
+                };
+                value.unreadable |= value.seen;
+                value.seen = true;
             }
             b',' if self.depth == 1 && self.at == Place::InValue => self.at = Place::BeforeKey,
             _ => {}
@@ -250,13 +253,16 @@ mod tests {
         }
         let long = format!(r#"{{"usage":{{"x":"{}"}}}}"#, "y".repeat(MAX_VALUE));
         assert_eq!(walked(long.as_bytes(), 100).usage(), None);
-        // Spacing around the value is the value's; a repeated key's last value counts.
-        let l = walked(
-            br#" { "id" : "r\"1" , "usage" : 5 , "usage" : {"prompt_tokens":2} } "#,
-            2,
-        );
+        // Spacing around the value is the value's; a repeated key is read as none, as the
+        // kept body's reader refuses it.
+        let l = walked(br#" { "id" : "r\"1" , "usage" : {"prompt_tokens":2} } "#, 2);
         assert_eq!(l.usage(), Some(&br#" {"prompt_tokens":2} "#[..]));
         assert_eq!(l.id().as_deref(), Some("r\"1"));
+        let l = walked(
+            br#"{"usage":"m","usage":{"prompt_tokens":2},"id":"a","id":"b"}"#,
+            3,
+        );
+        assert_eq!((l.usage(), l.id()), (None, None));
         // A key longer than any asked for is not mistaken for one that starts alike; an
         // escaped one is read as a JSON reader reads it.
         let l = walked(br#"{"usage_extra":{"prompt_tokens":3},"identity":"x"}"#, 5);
