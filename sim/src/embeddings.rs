@@ -7,7 +7,8 @@
 //! and options as its pydantic models read them, the vector a prompt embeds to, and the answer in
 //! vLLM's key order (a struct's, where the simulator's other answers come out sorted). vLLM's
 //! other pooling endpoints that take these inputs, `/pooling` and `/classify` (`pooling`), are
-//! read and answered by the same functions, given the endpoint.
+//! read and answered by the same functions, given the endpoint; so are the score APIs' pooling
+//! options and `/score`'s answer (`score` reads their pairs and answers `/rerank`).
 
 use base64::Engine as _;
 use serde::Serialize;
@@ -17,6 +18,7 @@ use crate::kv::mix64;
 use crate::lax::{count, flag};
 use crate::pod::Rng;
 use crate::pooling::{self, Endpoint, Pooled, Task};
+use crate::score;
 use crate::tokenizer::Segment;
 
 /// Which of vLLM's two request models a body is (`EmbeddingRequest` is their union, and so
@@ -30,19 +32,12 @@ pub enum Form {
 }
 
 /// A body with `input` is the completion form, one with `messages` and no `input` the chat
-/// form; one with neither validates as neither of the endpoint's models.
+/// form; one with neither validates as neither of the endpoint's models (`Endpoint::model`).
 pub fn form(body: &Value, endpoint: Endpoint) -> Result<Form, String> {
-    let given = |k: &str| body.get(k).is_some_and(|v| !v.is_null());
-    if given("input") {
-        Ok(Form::Completion)
-    } else if given("messages") {
-        Ok(Form::Chat)
-    } else {
-        let (completion, chat) = endpoint.models();
-        Err(format!(
-            "input: Field required ({completion}); messages: Field required ({chat})"
-        ))
-    }
+    Ok(match endpoint.model(body)? {
+        (0, _) => Form::Completion,
+        _ => Form::Chat,
+    })
 }
 
 /// How the answer's vectors are written: JSON floats, or each vector's float32 bytes in base64.
@@ -56,7 +51,6 @@ pub enum Encoding {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Options {
     pub endpoint: Endpoint,
-    pub form: Form,
     pub encoding: Encoding,
     /// The `dimensions` asked for (checked against the model's size by `check_dimensions`).
     pub dimensions: Option<i64>,
@@ -72,11 +66,28 @@ pub struct Options {
 /// simulated), `embed_dtype` (`float32` only here) and `endianness`, `dimensions` an integer,
 /// `/pooling`'s `task`, `truncate_prompt_tokens` at least -1, the flags, and a chat's
 /// `continue_final_message` and `add_generation_prompt` not both set. `/classify`'s models have
-/// no encoding fields and no `dimensions` (unknown fields, ignored).
+/// no encoding fields and no `dimensions` (unknown fields, ignored); the score APIs' models
+/// (`score::check`) have neither, nor the inputs' flags.
 pub fn options(body: &Value, endpoint: Endpoint) -> Result<Options, String> {
-    let form = form(body, endpoint)?;
+    let chat = match endpoint {
+        Endpoint::Score | Endpoint::Rerank => {
+            score::check(body, endpoint)?;
+            false
+        }
+        Endpoint::Embeddings | Endpoint::Pooling | Endpoint::Classify => {
+            let chat = form(body, endpoint)? == Form::Chat;
+            for name in [
+                "add_special_tokens",
+                "add_generation_prompt",
+                "continue_final_message",
+            ] {
+                flag(body.get(name), name)?;
+            }
+            chat
+        }
+    };
     let (encoding, dimensions) = match endpoint {
-        Endpoint::Classify => (Encoding::Float, None),
+        Endpoint::Classify | Endpoint::Score | Endpoint::Rerank => (Encoding::Float, None),
         Endpoint::Embeddings | Endpoint::Pooling => (
             encoding(body)?,
             integer(body.get("dimensions"), "dimensions")?,
@@ -84,20 +95,14 @@ pub fn options(body: &Value, endpoint: Endpoint) -> Result<Options, String> {
     };
     let task = match endpoint {
         Endpoint::Embeddings => Ok(Task::Embed),
-        Endpoint::Classify => Ok(Task::Classify),
+        // The score APIs' pairs are classified by a one-label model (`Pooler::new`).
+        Endpoint::Classify | Endpoint::Score | Endpoint::Rerank => Ok(Task::Classify),
         Endpoint::Pooling => pooling::task(body)?,
     };
     truncate_prompt_tokens(body)?;
     keeps_first(body)?;
-    for name in [
-        "add_special_tokens",
-        "add_generation_prompt",
-        "continue_final_message",
-    ] {
-        flag(body.get(name), name)?;
-    }
     let activation = flag(body.get("use_activation"), "use_activation")?.unwrap_or(true);
-    if form == Form::Chat {
+    if chat {
         let on = |name| flag(body.get(name), name).map(|f| f.unwrap_or(false));
         if on("continue_final_message")? && on("add_generation_prompt")? {
             return Err(
@@ -115,7 +120,6 @@ pub fn options(body: &Value, endpoint: Endpoint) -> Result<Options, String> {
     }
     Ok(Options {
         endpoint,
-        form,
         encoding,
         dimensions,
         task,
@@ -167,7 +171,7 @@ fn encoding(body: &Value) -> Result<Encoding, String> {
 }
 
 /// An integer field as pydantic's lax mode reads one (`lax::count`), negative ones included.
-fn integer(v: Option<&Value>, name: &str) -> Result<Option<i64>, String> {
+pub fn integer(v: Option<&Value>, name: &str) -> Result<Option<i64>, String> {
     let negative = match v {
         Some(Value::Number(n)) => n
             .as_i64()
@@ -349,7 +353,8 @@ enum Encoded {
     Base64(String),
 }
 
-/// An answer's item: `EmbeddingResponseData`, `PoolingResponseData` or `ClassificationData`.
+/// An answer's item: `EmbeddingResponseData`, `PoolingResponseData`, `ClassificationData` or
+/// `ScoreResponseData`.
 #[derive(Serialize)]
 #[serde(untagged)]
 enum Data {
@@ -368,6 +373,11 @@ enum Data {
         label: String,
         probs: Encoded,
         num_classes: usize,
+    },
+    Score {
+        index: usize,
+        object: &'static str,
+        score: f64,
     },
 }
 
@@ -394,6 +404,13 @@ impl Data {
                     probs: encode(p, Encoding::Float),
                 }
             }
+            // A pair's score; `/rerank` answers the same scores in its own shape
+            // (`score::rerank`).
+            Endpoint::Score | Endpoint::Rerank => Data::Score {
+                index,
+                object: "score",
+                score: p.score(),
+            },
         }
     }
 }
@@ -407,8 +424,8 @@ struct Usage {
     prompt_tokens_details: Option<()>,
 }
 
-/// `EmbeddingResponse`, `PoolingResponse` or `ClassificationResponse` (the same fields), in
-/// vLLM's order.
+/// `EmbeddingResponse`, `PoolingResponse`, `ClassificationResponse` or `ScoreResponse` (the
+/// same fields), in vLLM's order.
 #[derive(Serialize)]
 struct Answer<'a> {
     id: &'a str,

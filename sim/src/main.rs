@@ -17,6 +17,7 @@ mod metrics;
 mod pod;
 mod pooling;
 mod responses;
+mod score;
 mod server;
 mod sglang;
 mod tokenizer;

@@ -1,11 +1,13 @@
-//! vLLM's two other pooling endpoints that take the Embeddings API's inputs: `POST /pooling`
-//! (`vllm/entrypoints/pooling/pooling/`: `PoolingCompletionRequest` / `PoolingChatRequest` /
-//! `PoolingResponse`, with its `task`) and `POST /classify` (`pooling/classify/`:
-//! `ClassificationCompletionRequest` / `ClassificationChatRequest` / `ClassificationResponse`).
-//! Their requests are read, run and answered by the embeddings path (`embeddings`, and
-//! `Kind::Pool` in the server: the same forms, truncation, prefill-only engine requests, errors
-//! and usage); this module owns what differs between the three: which endpoint a request came
-//! to, the task its prompts are pooled for, and what a prompt pools to.
+//! What differs between vLLM's pooling endpoints (`vllm/entrypoints/pooling/`), whose requests
+//! are read, run and answered by one path (`Kind::Pool` in the server: prefill-only engine
+//! requests, truncation, errors and usage alike): the two others that take the Embeddings API's
+//! inputs (`embeddings`), `POST /pooling` (`pooling/pooling/`: `PoolingCompletionRequest` /
+//! `PoolingChatRequest` / `PoolingResponse`, with its `task`) and `POST /classify`
+//! (`pooling/classify/`: `ClassificationCompletionRequest` / `ClassificationChatRequest` /
+//! `ClassificationResponse`), and the score APIs, `/score` and `/rerank` (`score`, whose pairs
+//! are pooled as a one-label classifier pools a prompt). This module owns which endpoint a
+//! request came to and the request models it validates as, the task its prompts are pooled for,
+//! and what a prompt pools to.
 
 use serde_json::Value;
 
@@ -22,29 +24,76 @@ pub enum Endpoint {
     Pooling,
     /// `/classify`: the class probabilities a prompt, with their label.
     Classify,
+    /// `/score` (`/v1/score`): a score a pair of texts.
+    Score,
+    /// `/rerank` (`/v1/rerank`, `/v2/rerank`): a query's documents, by their scores.
+    Rerank,
 }
 
+/// A request model: its name, as pydantic names it in a complaint, and the fields it requires.
+type Model = (&'static str, &'static [&'static str]);
+
 impl Endpoint {
-    /// The prefix of the answer's id (vLLM's `embd-`, `pool-`, `classify-`).
+    /// The prefix of the answer's id (vLLM's `embd-`, `pool-`, `classify-`, `score-`,
+    /// `rerank-`).
     pub fn id_prefix(self) -> &'static str {
         match self {
             Endpoint::Embeddings => "embd",
             Endpoint::Pooling => "pool",
             Endpoint::Classify => "classify",
+            Endpoint::Score => "score",
+            Endpoint::Rerank => "rerank",
         }
     }
 
-    /// The request models of its completion and chat forms, as pydantic names them when a body
-    /// validates as neither.
-    pub fn models(self) -> (&'static str, &'static str) {
+    /// The request models a body may validate as (the endpoint's request is their union), in
+    /// the order they are tried: the embeddings' inputs' completion form, then their chat form;
+    /// the score request's four forms, each of two sides (`score`).
+    pub fn models(self) -> &'static [Model] {
         match self {
-            Endpoint::Embeddings => ("EmbeddingCompletionRequest", "EmbeddingChatRequest"),
-            Endpoint::Pooling => ("PoolingCompletionRequest", "PoolingChatRequest"),
-            Endpoint::Classify => (
-                "ClassificationCompletionRequest",
-                "ClassificationChatRequest",
-            ),
+            Endpoint::Embeddings => &[
+                ("EmbeddingCompletionRequest", &["input"]),
+                ("EmbeddingChatRequest", &["messages"]),
+            ],
+            Endpoint::Pooling => &[
+                ("PoolingCompletionRequest", &["input"]),
+                ("PoolingChatRequest", &["messages"]),
+            ],
+            Endpoint::Classify => &[
+                ("ClassificationCompletionRequest", &["input"]),
+                ("ClassificationChatRequest", &["messages"]),
+            ],
+            Endpoint::Score => &[
+                ("ScoreQueriesDocumentsRequest", &["queries", "documents"]),
+                ("ScoreQueriesItemsRequest", &["queries", "items"]),
+                ("ScoreDataRequest", &["data_1", "data_2"]),
+                ("ScoreTextRequest", &["text_1", "text_2"]),
+            ],
+            Endpoint::Rerank => &[("RerankRequest", &["query", "documents"])],
         }
+    }
+
+    /// The first of its `models` whose required fields a body all gives (null is not given):
+    /// its index and those fields; with none, every model's missing fields, as pydantic lists
+    /// them.
+    pub fn model(self, body: &Value) -> Result<(usize, &'static [&'static str]), String> {
+        let given = |k: &&str| body.get(k).is_some_and(|v| !v.is_null());
+        let models = self.models();
+        let found = models
+            .iter()
+            .enumerate()
+            .find(|(_, (_, f))| f.iter().all(given));
+        if let Some((index, &(_, fields))) = found {
+            return Ok((index, fields));
+        }
+        let missing: Vec<String> = models
+            .iter()
+            .flat_map(|(name, fields)| {
+                let absent = fields.iter().filter(|f| !given(f));
+                absent.map(move |f| format!("{f}: Field required ({name})"))
+            })
+            .collect();
+        Err(missing.join("; "))
     }
 }
 
@@ -109,6 +158,12 @@ impl Pooled {
         };
         rows.iter().flatten().copied()
     }
+
+    /// A one-label classifier's output as the score APIs answer it: its one float, widened to
+    /// a double as Python's `.item()` of a float32 tensor gives it.
+    pub fn score(&self) -> f64 {
+        self.flat().next().map_or(0.0, f64::from)
+    }
 }
 
 /// How a request's prompts are pooled and answered, once its options passed every check.
@@ -120,7 +175,7 @@ pub struct Pooler {
     /// `use_activation` for the classify tasks: off, the raw logits instead of probabilities.
     pub activation: bool,
     pub dimensions: Option<usize>,
-    /// The model's sizes: `--embedding-size`, `--num-classes`.
+    /// The model's sizes: `--embedding-size`, `--num-classes` (one for the score APIs').
     pub embedding_size: usize,
     pub num_classes: usize,
 }
@@ -153,6 +208,13 @@ impl Pooler {
                     ));
                 }
             },
+        };
+        // The score APIs' model is a reranker: a sequence classifier of one label (vLLM's
+        // cross-encoders, and a decoder "LLM as reranker" such as Qwen3-Reranker), whose
+        // score is that label's probability, the sigmoid of its logit.
+        let num_classes = match o.endpoint {
+            Endpoint::Score | Endpoint::Rerank => 1,
+            Endpoint::Embeddings | Endpoint::Pooling | Endpoint::Classify => num_classes,
         };
         Ok(Pooler {
             endpoint: o.endpoint,

@@ -1,5 +1,5 @@
 //! HTTP front end: OpenAI-compatible endpoints with vLLM's shapes (embeddings, and vLLM's
-//! `/pooling` and `/classify`, included), the
+//! `/pooling`, `/classify`, `/score` and `/rerank`, included), the
 //! engines' native generate endpoints (SGLang's `/generate`, vLLM's `/inference/v1/generate`),
 //! the endpoints peer routers poll (vLLM, SGLang), and the simulator's own /sim/* endpoints.
 
@@ -28,14 +28,15 @@ use crate::pod::{
 };
 use crate::pooling::{Endpoint, Pooler};
 use crate::responses;
+use crate::score;
 use crate::tokenizer::{render_chat, Segment, MESSAGE_END};
 use crate::{kv, sglang, tokens};
 
 const MAX_BODY: usize = 64 << 20;
 /// Bodies larger than this are tokenized on the blocking pool.
 const BLOCKING_TOKENIZE_BYTES: usize = 16 << 10;
-/// Pooling answers (embeddings, `/pooling`, `/classify`) with more floats than this are made
-/// on the blocking pool.
+/// Pooling answers (embeddings, `/pooling`, `/classify`; a score is one float) with more floats
+/// than this are made on the blocking pool.
 const BLOCKING_EMBED_FLOATS: usize = 64 << 10;
 /// vLLM's default `max_tokens` for /v1/completions.
 const COMPLETIONS_DEFAULT_MAX_TOKENS: usize = 16;
@@ -92,9 +93,10 @@ enum Kind {
     /// vLLM's tokens-in, tokens-out `/inference/v1/generate` (`tokens`): a completions request of
     /// token ids in its own shapes.
     Tokens,
-    /// vLLM's pooling endpoints that take the embeddings' inputs, `/v1/embeddings`
-    /// (`embeddings`), `/pooling` and `/classify` (`pooling`): each prompt a pooling request, a
-    /// prefill with no output, answered with what it pools to; never streamed.
+    /// vLLM's pooling endpoints: those that take the embeddings' inputs, `/v1/embeddings`
+    /// (`embeddings`), `/pooling` and `/classify` (`pooling`), and the score APIs, `/score` and
+    /// `/rerank` (`score`): each prompt (a score API's pair) a pooling request, a prefill with
+    /// no output, answered with what it pools to; never streamed.
     Pool(Endpoint),
 }
 
@@ -802,7 +804,8 @@ fn prompt_list(g: &Shared, v: Option<&Value>, field: &str) -> Result<Vec<Vec<u32
 /// A pooling request's prompts (`/v1/embeddings`, `/pooling`, `/classify` alike): its
 /// `input`'s each (the forms of a completions prompt), or
 /// its `messages` rendered by the chat template — `add_generation_prompt` off unless asked for,
-/// and with `continue_final_message` the last message left open (its end not rendered) — then,
+/// and with `continue_final_message` the last message left open (its end not rendered); a
+/// score API's, the prompt of each of its pairs (`score::prompts`) — then,
 /// with `truncate_prompt_tokens`, each prompt's last tokens (its first with `truncation_side:
 /// "right"`). A prompt longer than the model's
 /// length is refused as vLLM's renderer refuses it (a pooling prompt may fill the context: it
@@ -814,16 +817,23 @@ fn pooling_prompts(
 ) -> Result<Vec<Vec<u32>>, ApiError> {
     let max_len = g.args.max_model_len;
     let truncation = embeddings::truncation(body, max_len)?;
-    let prompts = match embeddings::form(body, endpoint)? {
-        embeddings::Form::Completion => prompt_list(g, body.get("input"), "input")?,
-        embeddings::Form::Chat => {
-            let mut segs = rendered_chat(g, body, None, false)?;
-            let open = flag(body.get("continue_final_message"), "continue_final_message")?
-                .unwrap_or(false);
-            if open {
-                embeddings::continue_final(&mut segs, MESSAGE_END);
+    let prompts = match endpoint {
+        Endpoint::Score | Endpoint::Rerank => {
+            score::prompts(body, endpoint, ARCHITECTURE, |text| g.tok.encode(text))?
+        }
+        Endpoint::Embeddings | Endpoint::Pooling | Endpoint::Classify => {
+            match embeddings::form(body, endpoint)? {
+                embeddings::Form::Completion => prompt_list(g, body.get("input"), "input")?,
+                embeddings::Form::Chat => {
+                    let mut segs = rendered_chat(g, body, None, false)?;
+                    let open = flag(body.get("continue_final_message"), "continue_final_message")?
+                        .unwrap_or(false);
+                    if open {
+                        embeddings::continue_final(&mut segs, MESSAGE_END);
+                    }
+                    vec![g.tok.encode_segments(&segs)]
+                }
             }
-            vec![g.tok.encode_segments(&segs)]
         }
     };
     prompts
@@ -991,7 +1001,7 @@ fn requested_n(kind: Kind, body: &Value) -> Result<usize, ApiError> {
 
 /// Decide how many tokens one choice generates and the finish reason reported, from the
 /// request's sampling fields (`body`: `sampling`). An SGLang prefill only plans 0, and so does
-/// a pooling request (an embedding, `/pooling`, `/classify`).
+/// a pooling request (an embedding, `/pooling`, `/classify`, a score API's pair).
 fn plan_output(
     pod: &Pod,
     kind: Kind,
@@ -1431,8 +1441,8 @@ async fn generate_inner(
             }
             // Each SGLang answer has its own rid (`rids`).
             Kind::Generate => suffix,
-            // vLLM's pooling serving: `embd-` (`pool-`, `classify-`) and the `X-Request-Id`
-            // header's value, else a uuid.
+            // vLLM's pooling serving: `embd-` (`pool-`, `classify-`, `score-`, `rerank-`) and
+            // the `X-Request-Id` header's value, else a uuid.
             Kind::Pool(endpoint) => {
                 let header = headers.get("x-request-id").and_then(|h| h.to_str().ok());
                 let prefix = endpoint.id_prefix();
@@ -1672,18 +1682,26 @@ async fn generate_inner(
             let floats = prompts
                 .iter()
                 .fold(0usize, |n, ids| n.saturating_add(p.floats(ids.len())));
+            // vLLM's score serving answers the served model's name (`models.model_name()`),
+            // whatever name the request gave.
+            let model = match p.endpoint {
+                Endpoint::Score | Endpoint::Rerank => g.served[0].clone(),
+                Endpoint::Embeddings | Endpoint::Pooling | Endpoint::Classify => model,
+            };
             let write = move || {
                 let outputs: Vec<_> = prompts.iter().map(|ids| p.pool(ids)).collect();
-                let (endpoint, encoding) = (p.endpoint, p.encoding);
-                embeddings::response(
-                    &id,
-                    created,
-                    &model,
-                    endpoint,
-                    &outputs,
-                    encoding,
-                    prompt_tokens,
-                )
+                match p.endpoint {
+                    Endpoint::Rerank => score::rerank(&id, &model, &body, &outputs, prompt_tokens),
+                    endpoint => embeddings::response(
+                        &id,
+                        created,
+                        &model,
+                        endpoint,
+                        &outputs,
+                        p.encoding,
+                        prompt_tokens,
+                    ),
+                }
             };
             let written = if floats < BLOCKING_EMBED_FLOATS {
                 write()
@@ -1969,6 +1987,10 @@ fn get_load(pod: &Pod) -> Response<SimBody> {
     }]))
 }
 
+/// The simulated model's architecture, as its Hugging Face config names it (a text-only model:
+/// the score APIs refuse multimodal inputs with its name).
+const ARCHITECTURE: &str = "LlamaForCausalLM";
+
 fn model_info(g: &Shared) -> Response<SimBody> {
     ok_json(&json!({
         "model_path": g.args.model,
@@ -1979,7 +2001,7 @@ fn model_info(g: &Shared) -> Response<SimBody> {
         "has_image_understanding": false,
         "has_audio_understanding": false,
         "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+        "architectures": [ARCHITECTURE],
     }))
 }
 
@@ -2195,6 +2217,10 @@ async fn route(pod: Arc<Pod>, req: Request<Incoming>) -> Response<SimBody> {
         "/v1/embeddings" if post => generate(pod, req, Kind::Pool(Endpoint::Embeddings)).await,
         "/pooling" if post => generate(pod, req, Kind::Pool(Endpoint::Pooling)).await,
         "/classify" if post => generate(pod, req, Kind::Pool(Endpoint::Classify)).await,
+        "/score" | "/v1/score" if post => generate(pod, req, Kind::Pool(Endpoint::Score)).await,
+        "/rerank" | "/v1/rerank" | "/v2/rerank" if post => {
+            generate(pod, req, Kind::Pool(Endpoint::Rerank)).await
+        }
         "/v1/messages/count_tokens" if post => count_tokens_endpoint(pod, req)
             .await
             .unwrap_or_else(|e| e.response_for(Kind::Messages)),
@@ -2245,6 +2271,11 @@ async fn route(pod: Arc<Pod>, req: Request<Incoming>) -> Response<SimBody> {
         | "/v1/embeddings"
         | "/pooling"
         | "/classify"
+        | "/score"
+        | "/v1/score"
+        | "/rerank"
+        | "/v1/rerank"
+        | "/v2/rerank"
         | "/v1/completions/render"
         | "/v1/chat/completions/render"
         | "/tokenize"
@@ -4684,5 +4715,324 @@ mod tests {
         assert_eq!(v["usage"]["prompt_tokens"], 100);
         ran_as_prefills(&pod, 350.0, 3.0).await;
         assert!(pod.lock().engine.counters.peak_used_blocks >= 13);
+    }
+
+    // ------------------------------------------------------------ /score, /rerank
+
+    /// A running pod with a one-label `/classify` (as the score APIs' reranker is), the
+    /// served names `m` and `n`, and a short context.
+    fn scoring_pod() -> Arc<Pod> {
+        running_pod(&[
+            "--time-scale",
+            "1000",
+            "--served-model-name",
+            "m",
+            "n",
+            "--num-classes",
+            "1",
+            "--max-model-len",
+            "64",
+        ])
+    }
+
+    /// What `/classify` answers these token ids: the one label's probability.
+    async fn classified(pod: &Arc<Pod>, ids: &[u32]) -> f64 {
+        let body = json!({"input": ids});
+        let (_, v) = pool_answer(pod, Endpoint::Classify, &none(), body).await;
+        v["data"][0]["probs"][0].as_f64().unwrap()
+    }
+
+    /// The tokens of a pair's prompt: its query's, then its document's.
+    fn pair(pod: &Pod, query: &str, document: &str) -> Vec<u32> {
+        let mut ids = pod.g.tok.encode(query);
+        ids.extend(pod.g.tok.encode(document));
+        ids
+    }
+
+    /// `/score`: vLLM's `ScoreResponse`, its keys in vLLM's order, id `score-` and the
+    /// `X-Request-Id` header's value (else a fresh hex one), the first served name whatever the
+    /// request named, an item a pair in order; a pair's score is what `/classify` answers its
+    /// prompt (the query's tokens then the document's) on a one-label model, the same each
+    /// time; the usage sums the pairs' prompts. `use_activation: false` gives the logits.
+    #[tokio::test]
+    async fn score_answers_as_vllm_does() {
+        let pod = scoring_pod();
+        let (query, documents) = ("What is a KV cache?", ["Blocks of keys.", "A fruit."]);
+        let mut h = HeaderMap::new();
+        h.insert("x-request-id", "r-1".parse().unwrap());
+        let body = json!({"model": "n", "queries": query, "documents": documents});
+        let (raw, v) = pool_answer(&pod, Endpoint::Score, &h, body.clone()).await;
+        let prompts: Vec<Vec<u32>> = documents.iter().map(|d| pair(&pod, query, d)).collect();
+        let n = prompts[0].len() + prompts[1].len();
+        assert!(
+            raw.starts_with(r#"{"id":"score-r-1","object":"list","created":"#),
+            "{raw}"
+        );
+        assert!(
+            raw.contains(r#","model":"m","data":[{"index":0,"object":"score","score":"#),
+            "{raw}"
+        );
+        assert!(
+            raw.ends_with(&format!(
+                r#"}}],"usage":{{"prompt_tokens":{n},"total_tokens":{n},"completion_tokens":0,"prompt_tokens_details":null}}}}"#
+            )),
+            "{raw}"
+        );
+        assert!(v["created"].as_u64().unwrap() > 1_600_000_000);
+        let scores: Vec<f64> = v["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .enumerate()
+            .map(|(i, d)| {
+                assert_eq!((&d["index"], &d["object"]), (&json!(i), &json!("score")));
+                d["score"].as_f64().unwrap()
+            })
+            .collect();
+        assert_eq!(scores.len(), 2);
+        assert!(scores.iter().all(|s| (0.0..=1.0).contains(s)), "{scores:?}");
+        assert_ne!(scores[0], scores[1]);
+        for (prompt, score) in prompts.iter().zip(&scores) {
+            assert_eq!(classified(&pod, prompt).await, *score);
+        }
+        let (_, again) = pool_answer(&pod, Endpoint::Score, &none(), body.clone()).await;
+        assert_eq!(again["data"], v["data"], "the same pairs, alike");
+        let id = again["id"].as_str().unwrap();
+        assert!(id.len() == 6 + 32 && id[6..].bytes().all(|b| b.is_ascii_hexdigit()));
+        let mut raw_logits = body;
+        raw_logits["use_activation"] = json!(false);
+        let (_, logits) = pool_answer(&pod, Endpoint::Score, &none(), raw_logits).await;
+        let logit = logits["data"][0]["score"].as_f64().unwrap();
+        assert!((1.0 / (1.0 + (-logit).exp()) - scores[0]).abs() < 1e-6);
+    }
+
+    /// `/rerank`: vLLM's `RerankResponse` (no `object` or `created`), id `rerank-`, each
+    /// document with its index, its text and its pair's `/score` score, best first; `top_n`
+    /// keeps the best ones; the usage counts every pair, kept or not.
+    #[tokio::test]
+    async fn rerank_answers_the_best_documents_first() {
+        let pod = scoring_pod();
+        let query = "Which fruit is red?";
+        let documents = ["An apple.", "A banana.", "A cherry.", "A lime.", "A plum."];
+        let body = json!({"queries": query, "documents": documents});
+        let (_, scored) = pool_answer(&pod, Endpoint::Score, &none(), body).await;
+        let score = |i: usize| scored["data"][i]["score"].as_f64().unwrap();
+        let mut best: Vec<usize> = (0..documents.len()).collect();
+        best.sort_by(|&a, &b| score(b).total_cmp(&score(a)));
+        let body = json!({"model": "n", "query": query, "documents": documents, "top_n": 2});
+        let (raw, v) = pool_answer(&pod, Endpoint::Rerank, &none(), body).await;
+        let n = scored["usage"]["prompt_tokens"].as_u64().unwrap();
+        assert!(raw.starts_with(r#"{"id":"rerank-"#), "{raw}");
+        assert!(
+            raw.contains(&format!(
+                r#","model":"m","usage":{{"prompt_tokens":{n},"total_tokens":{n}}},"results":[{{"index":{},"document":{{"text":"#,
+                best[0]
+            )),
+            "{raw}"
+        );
+        let results = v["results"].as_array().unwrap();
+        assert_eq!(results.len(), 2);
+        for (r, &i) in results.iter().zip(&best) {
+            assert_eq!(r["index"], i);
+            assert_eq!(
+                r["document"],
+                json!({"text": documents[i], "multi_modal": null})
+            );
+            assert_eq!(r["relevance_score"].as_f64().unwrap(), score(i));
+        }
+        let body = json!({"query": query, "documents": documents});
+        let (_, all) = pool_answer(&pod, Endpoint::Rerank, &none(), body).await;
+        let order: Vec<u64> = all["results"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["index"].as_u64().unwrap())
+            .collect();
+        assert_eq!(order, best.iter().map(|&i| i as u64).collect::<Vec<_>>());
+    }
+
+    /// The pairs run as prefills alone, one engine request each, and a query's pairs share
+    /// its full blocks in the prefix cache: the second pair hits them.
+    #[tokio::test]
+    async fn a_querys_pairs_share_its_blocks_in_the_prefix_cache() {
+        let pod = running_pod(&["--time-scale", "1000"]);
+        let query = "Rank these passages about paged attention, prefix caching and the block \
+                     tables of a serving engine by how well each one of them answers the \
+                     question of why a router that sends a prompt to the pod already holding \
+                     its prefix saves prefill time.";
+        let q = pod.g.tok.encode(query).len();
+        assert!(q >= 32, "{q}");
+        let documents = [
+            "Paged attention stores keys in blocks.",
+            "Bananas are yellow.",
+        ];
+        let labels = "model_name=";
+        let hits = metric(&pod, "vllm:prefix_cache_hits_total", labels).await;
+        let body = json!({"text_1": [query], "text_2": documents});
+        let (_, v) = pool_answer(&pod, Endpoint::Score, &none(), body).await;
+        let hits = metric(&pod, "vllm:prefix_cache_hits_total", labels).await - hits;
+        assert_eq!(hits, (q / 16 * 16) as f64, "the query's full blocks, once");
+        let n: usize = documents.iter().map(|d| pair(&pod, query, d).len()).sum();
+        assert_eq!(v["usage"]["prompt_tokens"], n);
+        ran_as_prefills(&pod, n as f64, 2.0).await;
+    }
+
+    /// `truncate_prompt_tokens` cuts each pair's prompt (its last tokens kept, unless
+    /// `truncation_side: "right"`), and the model's length bounds each pair, not their sum.
+    #[tokio::test]
+    async fn truncation_and_the_context_apply_to_each_pair() {
+        let pod = scoring_pod();
+        let query = "How does a router pick the pod that already holds a prompt's prefix?";
+        let documents = ["By hashing blocks.", "By asking each pod."];
+        let prompts: Vec<Vec<u32>> = documents.iter().map(|d| pair(&pod, query, d)).collect();
+        let with = |body: Value, extra: Value| {
+            let mut body = body;
+            for (k, v) in extra.as_object().unwrap() {
+                body[k] = v.clone();
+            }
+            body
+        };
+        let body = json!({"data_1": query, "data_2": documents});
+        let (_, v) = pool_answer(
+            &pod,
+            Endpoint::Score,
+            &none(),
+            with(body.clone(), json!({"truncate_prompt_tokens": 5})),
+        )
+        .await;
+        assert_eq!(v["usage"]["prompt_tokens"], 10);
+        for (i, p) in prompts.iter().enumerate() {
+            let score = v["data"][i]["score"].as_f64().unwrap();
+            assert_eq!(score, classified(&pod, &p[p.len() - 5..]).await);
+        }
+        let first = json!({"truncate_prompt_tokens": 3, "truncation_side": "right"});
+        let (_, v) = pool_answer(&pod, Endpoint::Score, &none(), with(body.clone(), first)).await;
+        assert_eq!(v["usage"]["prompt_tokens"], 6);
+        let shared = v["data"][0]["score"].as_f64().unwrap();
+        assert_eq!(
+            shared,
+            v["data"][1]["score"].as_f64().unwrap(),
+            "the query's"
+        );
+        assert_eq!(shared, classified(&pod, &prompts[0][..3]).await);
+
+        // Each pair fits the 64-token context; both together would not.
+        let long = "word ".repeat(40);
+        let q = pod.g.tok.encode(&long).len();
+        let body = json!({"text_1": long, "text_2": ["a", "b"]});
+        let (_, v) = pool_answer(&pod, Endpoint::Score, &none(), body).await;
+        assert_eq!(v["usage"]["prompt_tokens"], 2 * (q + 1));
+        let longer = "word ".repeat(70);
+        let n = pod.g.tok.encode(&longer).len() + 1;
+        let body = json!({"text_1": longer, "text_2": ["a", "b"]});
+        let (status, text) =
+            read(post(&pod, Kind::Pool(Endpoint::Score), &none(), body.clone()).await).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["error"]["param"], "input_tokens");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .starts_with(&format!("You passed {n} input tokens")),
+            "{text}"
+        );
+        let (_, v) = pool_answer(
+            &pod,
+            Endpoint::Score,
+            &none(),
+            with(body, json!({"truncate_prompt_tokens": -1})),
+        )
+        .await;
+        assert_eq!(v["usage"]["prompt_tokens"], 128);
+    }
+
+    /// Refusals in vLLM's OpenAI error shape, none reaching the engine: a body of no form, a
+    /// side of the wrong type, an unknown model (404, before the inputs are looked at),
+    /// multimodal inputs, lengths that do not pair, a salt its validator refuses.
+    #[tokio::test]
+    async fn score_and_rerank_refusals_are_vllms() {
+        let pod = scoring_pod();
+        let admitted = pod.lock().engine.counters.admitted_requests;
+        let bad = StatusCode::BAD_REQUEST;
+        let image = json!({"content": [{"type": "image_url", "image_url": {"url": "x"}}]});
+        let cases = [
+            (
+                Endpoint::Rerank,
+                json!({"query": "q"}),
+                bad,
+                "documents: Field required (RerankRequest)",
+            ),
+            (
+                Endpoint::Rerank,
+                json!({"query": "q", "documents": [1]}),
+                bad,
+                "documents: Input should be a string, an object with a list `content`, or a \
+                 list of them",
+            ),
+            (
+                Endpoint::Score,
+                json!({"text_1": image, "text_2": "a", "model": "nope"}),
+                StatusCode::NOT_FOUND,
+                "The model `nope` does not exist.",
+            ),
+            (
+                Endpoint::Score,
+                json!({"text_1": "q", "text_2": [image]}),
+                bad,
+                "MultiModalParam is not supported for LlamaForCausalLM",
+            ),
+            (
+                Endpoint::Rerank,
+                json!({"query": image, "documents": "a"}),
+                bad,
+                "MultiModalParam is not supported for LlamaForCausalLM",
+            ),
+            (
+                Endpoint::Score,
+                json!({"queries": ["a", "b", "c"], "items": ["d", "e"]}),
+                bad,
+                "Input lengths must be either 1:1, 1:N or N:N",
+            ),
+            (
+                Endpoint::Score,
+                json!({"queries": [], "items": ["d"]}),
+                bad,
+                "At least one text element must be given",
+            ),
+            (
+                Endpoint::Rerank,
+                json!({"query": "q", "documents": []}),
+                bad,
+                "At least one text_pair element must be given",
+            ),
+            (
+                Endpoint::Score,
+                json!({"text_1": "q", "text_2": "a", "truncate_prompt_tokens": -2}),
+                bad,
+                "truncate_prompt_tokens: Input should be greater than or equal to -1",
+            ),
+            (
+                Endpoint::Score,
+                json!({"text_1": "q", "text_2": "a", "cache_salt": ""}),
+                bad,
+                "Parameter 'cache_salt' must be a non-empty string if provided. \
+                 (parameter=cache_salt)",
+            ),
+        ];
+        for (endpoint, body, status, message) in cases {
+            let (got, text) =
+                read(post(&pod, Kind::Pool(endpoint), &none(), body.clone()).await).await;
+            assert_eq!(got, status, "{body}: {text}");
+            let v: Value = serde_json::from_str(&text).unwrap();
+            let kind = match status {
+                StatusCode::NOT_FOUND => "NotFoundError",
+                _ => "BadRequestError",
+            };
+            assert_eq!(v["error"]["message"], message, "{body}");
+            assert_eq!(v["error"]["type"], kind, "{body}");
+            assert_eq!(v["error"]["code"], status.as_u16());
+        }
+        assert_eq!(pod.lock().engine.counters.admitted_requests, admitted);
     }
 }
