@@ -45,8 +45,8 @@ if [ "${1:-}" = --request ]; then
     [ ${#PODS[@]} -gt 0 ] || PODS=(2 16)
     build request_cost
     BIN=$TARGET_DIR/release/examples/request_cost
-    printf '%-5s %10s %10s %10s %10s %10s %10s %10s %10s\n' \
-        pods headers body resp_hdrs resp_body done replay stats total
+    printf '%-5s %10s %10s %10s %10s %10s %10s %10s %10s %10s\n' \
+        pods headers body resp_hdrs resp_body log done replay stats total
     for pods in "${PODS[@]}"; do
         valgrind --tool=callgrind --callgrind-out-file="$OUT/request-$pods.out" "$BIN" \
             --iters "$REQUESTS" --pods "$pods" --open "${OPEN:-0}" --stream "${STREAM:-0}" 2>/dev/null
@@ -59,9 +59,9 @@ if [ "${1:-}" = --request ]; then
                     count[substr($0, RSTART + 29, RLENGTH - 29)] = ir / n
                 }
                 END {
-                    split("request_headers body response_headers response_body done replay stats", p)
+                    split("request_headers body response_headers response_body log done replay stats", p)
                     printf "%-5s", pods
-                    for (i = 1; i <= 7; i++) { printf " %10d", count[p[i]]; total += count[p[i]] }
+                    for (i = 1; i <= 8; i++) { printf " %10d", count[p[i]]; total += count[p[i]] }
                     printf " %10d\n", total
                 }'
     done

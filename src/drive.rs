@@ -868,6 +868,40 @@ mod tests {
         assert_eq!(reserved(&vm), 0);
     }
 
+    /// The access log's line of a request that waited: a client that left while it waited is
+    /// logged as `client_left` with how long it had waited; one answered 503 past its wait with
+    /// the reason and its wait.
+    #[test]
+    fn a_request_that_left_the_line_or_timed_out_in_it_is_logged_with_its_wait() {
+        let (h, vm, mut gate) = gate();
+        let mut host = Host::default();
+        for context in 1..=3 {
+            send(&mut gate, &vm, &mut host, context);
+        }
+        h.advance_ms(300);
+        let flow = host.flows.get_mut(&2).unwrap();
+        let line = flow.take_access_log(|| vm.now_ms()).unwrap();
+        assert!(
+            line.starts_with("reason=client_left model=m prompt_tokens="),
+            "{line}"
+        );
+        assert!(line.ends_with(" queue_ms=300"), "{line}");
+        host.flows.get_mut(&2).unwrap().on_done(&mut gate, &vm);
+        h.advance_ms(5_000);
+        run_line(&mut gate, &vm, &mut host);
+        let [(3, d)] = host.resumed.as_slice() else {
+            panic!("{:?}", host.resumed);
+        };
+        let flow = host.flows.get_mut(&3).unwrap();
+        flow.shaped(d.clone());
+        let line = flow.take_access_log(|| vm.now_ms()).unwrap();
+        assert!(
+            line.starts_with("reason=service_unavailable model=m "),
+            "{line}"
+        );
+        assert!(line.ends_with(" queue_ms=5300"), "{line}");
+    }
+
     #[test]
     fn a_request_past_its_wait_is_answered_even_while_nothing_frees() {
         let (h, vm, mut gate) = gate();

@@ -108,6 +108,12 @@ enum Body {
         model: u8,
         input: Vec<String>,
     },
+    /// A rerank: one query paired with each document (none is a 400).
+    Rerank {
+        model: u8,
+        query: String,
+        documents: Vec<String>,
+    },
     Raw(Vec<u8>),
 }
 
@@ -378,6 +384,16 @@ fn body_bytes(b: &Body) -> (&'static str, Vec<u8>) {
         Body::Embeddings { model: m, input } => (
             "/v1/embeddings",
             json!({"model": model(*m), "input": input})
+                .to_string()
+                .into_bytes(),
+        ),
+        Body::Rerank {
+            model: m,
+            query,
+            documents,
+        } => (
+            "/rerank",
+            json!({"model": model(*m), "query": query, "documents": documents})
                 .to_string()
                 .into_bytes(),
         ),
@@ -754,6 +770,7 @@ impl World {
                     "/tokenize",
                     "/pooling",
                     "/classify",
+                    "/v1/score",
                 ];
                 let tenant = format!("tenant-{}", tenant % 3);
                 let session_id = format!("s{}", session % 4);

@@ -20,7 +20,7 @@ use kvgate::routing::prefix::block_hashes;
 use libfuzzer_sys::fuzz_target;
 use std::sync::OnceLock;
 
-const APIS: [Api; 8] = [
+const APIS: [Api; 9] = [
     Api::Completions,
     Api::ChatCompletions,
     Api::Responses,
@@ -29,6 +29,7 @@ const APIS: [Api; 8] = [
     Api::Messages,
     Api::Generate,
     Api::Tokens,
+    Api::Score,
 ];
 
 /// Estimator configurations, each accepted by `Config::parse` (so each is one an operator can
@@ -210,8 +211,11 @@ fuzz_target!(|data: &[u8]| {
         } else {
             assert!(req.model.is_empty(), "no span, no model");
         }
-        if matches!(api, Api::Embeddings | Api::Pooling) {
+        if matches!(api, Api::Embeddings | Api::Pooling | Api::Score) {
             assert_eq!(req.max_output_tokens, Some(0));
+        }
+        if let Some((len, _)) = req.repeated {
+            assert!(req.text.is_char_boundary(len) && req.prefix_text().len() >= len);
         }
         check_estimates(&req);
         check_blocks(&req);

@@ -132,11 +132,25 @@ impl Estimate {
     }
 }
 
+/// The static rule's tokens for everything the engine will prefill (`static_prompt_tokens`):
+/// the request's text, and a score request's query as many more times as it is paired again
+/// (`Request::repeated`).
+pub fn static_request_tokens(req: &Request) -> f64 {
+    let all = static_prompt_tokens(&req.text);
+    match req.repeated {
+        Some((len, times)) => {
+            let query = req.text.get(..len).unwrap_or_default();
+            all + times as f64 * static_prompt_tokens(query)
+        }
+        None => all,
+    }
+}
+
 /// The estimate with the configured output prior (`estimator.defaultOutputTokens`).
 pub fn estimate(req: &Request, learned: Option<Learned>, cfg: &EstimatorConfig) -> Estimate {
     estimate_from(
         req,
-        static_prompt_tokens(&req.text),
+        static_request_tokens(req),
         learned,
         Prior::configured(cfg),
         cfg,
@@ -243,6 +257,34 @@ mod tests {
             ),
             tokens_per_piece: 1.0,
         }
+    }
+
+    /// A rerank's query is prefilled with each document: counted as often as it is paired.
+    #[test]
+    fn a_score_requests_query_is_counted_for_each_pair() {
+        let query = "what does the reranker weigh most heavily in a long query like this one? ";
+        let documents = [
+            "first document text. ",
+            "second one, longer than the first. ",
+            "3",
+        ];
+        let text: String = std::iter::once(query).chain(documents).collect();
+        let paired = Request {
+            repeated: Some((query.len(), 2)),
+            ..req(&text, Some(0))
+        };
+        let each: f64 = documents
+            .iter()
+            .map(|d| static_prompt_tokens(&format!("{query}{d}")))
+            .sum();
+        let counted = static_request_tokens(&paired);
+        assert!((counted - each).abs() <= 3.0, "{counted} vs {each}");
+        assert_eq!(
+            static_request_tokens(&req(&text, Some(0))),
+            static_prompt_tokens(&text)
+        );
+        let est = estimate(&paired, None, &EstimatorConfig::default());
+        assert_eq!(est.prompt_tokens, counted.round() as u64);
     }
 
     /// A batch of prompts with `n` answers each: every answer its own limit and length, like `n`

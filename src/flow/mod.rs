@@ -9,9 +9,8 @@ use crate::admission::admit::{Admit, Asks, Class, Reach, Stay};
 use crate::admission::line::Ticket;
 use crate::config::Config;
 use crate::estimate::calibration::{family, Started};
-use crate::estimate::reservation::{estimate_from, Estimate};
+use crate::estimate::reservation::{estimate_from, static_request_tokens, Estimate};
 use crate::estimate::templates::Keys;
-use crate::estimate::text::static_prompt_tokens;
 pub use crate::gate::Gate;
 use crate::models::listing;
 use crate::observe;
@@ -228,6 +227,9 @@ pub struct Flow {
     model_only: bool,
     /// Its report for Envoy's access log, for the shell to set (`take_access_log`).
     access_log: Option<String>,
+    /// `accessLog`, as at its headers: a refusal's line is made where no configuration is at
+    /// hand (`shaped`).
+    logs: bool,
 }
 
 /// What the model step decided for a request.
@@ -438,6 +440,7 @@ impl Flow {
         );
         self.priority_given =
             Class::priority_given(&cfg.admission, head.objective, head.priority).is_some();
+        self.logs = cfg.access_log;
         // vLLM takes the header's salt over the body's (its `X-Cache-Salt`; an empty one it
         // refuses, so it names no salt here either).
         self.salt_header = head
@@ -513,13 +516,17 @@ impl Flow {
 
     /// The decision as the request's API answers: a local error to an Anthropic Messages
     /// request in that API's shape (`LocalReply::anthropic`). Every decision the shell carries
-    /// out passes here, whichever callback or tick made it.
-    pub fn shaped(&self, mut d: Decision) -> Decision {
+    /// out passes here, whichever callback or tick made it, so a refusal's access log line is
+    /// made here too (`refused`).
+    pub fn shaped(&mut self, mut d: Decision) -> Decision {
         if self.api == Some(Api::Messages) {
             d.step = match d.step {
                 Step::Reply(reply) => Step::Reply(reply.anthropic()),
                 step => step,
             };
+        }
+        if let (Step::Reply(reply), true) = (&d.step, self.logs) {
+            self.refused(reply);
         }
         d
     }
@@ -548,8 +555,9 @@ impl Flow {
         }
         let mut req = match Request::parse(api, body) {
             Ok(r) => r,
-            // An IO processor plugin's request: routed by its model alone, as on other paths.
-            Err(e) if api == Api::Pooling && e.names_no_prompt() => {
+            // An IO processor plugin's request, or another server's on a score path: routed by
+            // its model alone, as on other paths.
+            Err(e) if e.names_no_prompt() => {
                 self.api = None;
                 return self.on_other_path_body(gate, store, body);
             }
@@ -720,7 +728,7 @@ impl Flow {
         let known = gate
             .calibration
             .known(store, &req.model, family.as_deref(), cfg);
-        let static_text_tokens = static_prompt_tokens(&req.text);
+        let static_text_tokens = static_request_tokens(&req);
         let r = &gate.config.routing;
         let block_tokens = gate.router.block_tokens(r);
         let block_chars = r.block_chars(block_tokens);
@@ -1232,12 +1240,12 @@ mod tests {
         );
         // The same report for the access log, once.
         assert_eq!(
-            f.take_access_log().as_deref(),
+            f.take_access_log(|| 0).as_deref(),
             Some(
                 r#"model=m prompt_tokens=5 output_tokens=20 cost=64 pod=10.0.0.1:80 prefix_blocks=0/1 ranking="10.0.0.1:80 3=2+1+0+0+0+0""#
             )
         );
-        assert_eq!(f.take_access_log(), None);
+        assert_eq!(f.take_access_log(|| 0), None);
         f.on_response_body(
             &mut gate,
             &vm,

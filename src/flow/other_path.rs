@@ -1,5 +1,5 @@
 //! Requests on paths kvgate does not read that name a model (vLLM's `/tokenize`, `/detokenize`,
-//! `/score`, `/rerank`, an IO processor plugin's `/pooling` request, Anthropic's
+//! an IO processor plugin's `/pooling` request, another server's `/rerank` body, Anthropic's
 //! `/v1/messages/count_tokens` …): sent
 //! to a pod whose model list names it when the pods serve different models, and named in the
 //! model header (`models.header`) for Envoy's routes, as the Gateway API Inference Extension's
@@ -202,6 +202,37 @@ mod tests {
         assert_eq!(held.len(), 1, "reserved there");
         let body = r#"{"model":"r","data":{"data":"s3://tile.tif","data_format":"url"}}"#;
         let d = send(&mut gate, &vm, &pooling(body), body);
+        assert_eq!(d.step, Step::Forward);
+        assert!(sent_to(&d).is_some_and(|p| p == PODS[1] || p == PODS[2]));
+        assert_eq!(gate.stats.take_count(stats::OTHER_PATHS_ROUTED), 1);
+    }
+
+    /// vLLM's `/rerank` is read for its pairs: reserved for each document with the query
+    /// before it, on one pod. Hugging Face TEI's `/rerank` body (`texts`, not a pair vLLM
+    /// takes) is routed by its model alone, as on other paths, not refused.
+    #[test]
+    fn a_rerank_is_reserved_for_its_pairs_and_another_servers_routed_by_its_model() {
+        let (vm, mut gate) = pool(with_pods(), [&["a"], &["r"], &["r"]]);
+        let rerank = |body: &str| RequestHead {
+            content_length: Some(body.len() as u64),
+            ..RequestHead::json_post("/v1/rerank")
+        };
+        let query = "which of these passages answers the question about the reranker? ".repeat(8);
+        let mut held = |documents: usize| {
+            let docs = vec!["a short passage"; documents];
+            let body = serde_json::json!({"model": "r", "query": query, "documents": docs});
+            let body = body.to_string();
+            let d = send(&mut gate, &vm, &rerank(&body), &body);
+            let pod = sent_to(&d).unwrap().split(',').next().unwrap().to_string();
+            assert!(pod == PODS[1] || pod == PODS[2], "{pod}");
+            let entries = crate::pods::record::read(&vm, &pod).unwrap().entries;
+            entries.iter().map(|e| e.held_tokens).max().unwrap()
+        };
+        let (one, eight) = (held(1), held(8));
+        // The query (about 100 tokens) held with each of the eight documents, on one pod.
+        assert!(eight > one * 6, "{one} {eight}");
+        let body = r#"{"model":"r","query":"q","texts":["a","b"]}"#;
+        let d = send(&mut gate, &vm, &rerank(body), body);
         assert_eq!(d.step, Step::Forward);
         assert!(sent_to(&d).is_some_and(|p| p == PODS[1] || p == PODS[2]));
         assert_eq!(gate.stats.take_count(stats::OTHER_PATHS_ROUTED), 1);

@@ -5,10 +5,11 @@
 //! `mod.rs`.
 
 use super::gunzip::{self, Gunzip};
-use super::{Flow, Gate};
+use super::{Admitted, Flow, Gate};
 use crate::estimate::calibration::{Length, Sample};
 use crate::estimate::reservation::Ended;
 use crate::observe;
+use crate::openai::reply::{LocalReply, REASON_HEADER};
 use crate::openai::response::ResponseMeter;
 use crate::routing::stored;
 use crate::stats;
@@ -72,6 +73,37 @@ fn error_percent(estimated: u64, counted: u64) -> u64 {
     (100.0 * estimated.abs_diff(counted) as f64 / counted as f64).round() as u64
 }
 
+impl Admitted {
+    /// What the debug headers and the access log say of any request kvgate estimated: the
+    /// model it was asked for, the estimate, the wait, the model it was sent as.
+    fn report(&self) -> Vec<(&'static str, String)> {
+        // Room for every header at once.
+        let mut headers = Vec::with_capacity(10);
+        headers.extend([
+            (
+                "x-kvgate-model",
+                header_safe(self.requested.as_ref().unwrap_or(&self.model)),
+            ),
+            (
+                "x-kvgate-prompt-tokens",
+                self.estimate.prompt_tokens.to_string(),
+            ),
+            (
+                "x-kvgate-output-tokens",
+                self.estimate.output_tokens.to_string(),
+            ),
+            ("x-kvgate-cost", self.estimate.cost.to_string()),
+        ]);
+        if let Some(ms) = self.waited_ms {
+            headers.push(("x-kvgate-queue-ms", ms.to_string()));
+        }
+        if self.requested.is_some() {
+            headers.push(("x-kvgate-target-model", header_safe(&self.model)));
+        }
+        headers
+    }
+}
+
 impl Flow {
     /// Whether the response headers are worth reading (only for requests kvgate decided on):
     /// otherwise `on_response_headers` does nothing.
@@ -112,29 +144,7 @@ impl Flow {
         if !debug && !logged {
             return Vec::new();
         }
-        // Room for every header at once.
-        let mut headers = Vec::with_capacity(10);
-        headers.extend([
-            (
-                "x-kvgate-model",
-                header_safe(a.requested.as_ref().unwrap_or(&a.model)),
-            ),
-            (
-                "x-kvgate-prompt-tokens",
-                a.estimate.prompt_tokens.to_string(),
-            ),
-            (
-                "x-kvgate-output-tokens",
-                a.estimate.output_tokens.to_string(),
-            ),
-            ("x-kvgate-cost", a.estimate.cost.to_string()),
-        ]);
-        if let Some(ms) = a.waited_ms {
-            headers.push(("x-kvgate-queue-ms", ms.to_string()));
-        }
-        if a.requested.is_some() {
-            headers.push(("x-kvgate-target-model", header_safe(&a.model)));
-        }
+        let mut headers = a.report();
         if let Some(r) = &a.routed {
             headers.push(("x-kvgate-pod", r.pod.clone()));
             headers.push((
@@ -146,7 +156,9 @@ impl Flow {
         if let Some(observed) = observed {
             headers.push(("x-kvgate-observed", observed));
         }
-        if logged {
+        // kvgate's own reply passes here too (Envoy sends a local reply through the filter that
+        // sent it): its line says why (`refused`), and stays.
+        if logged && self.access_log.is_none() {
             self.access_log = Some(access_log_line(&headers));
         }
         if !debug {
@@ -155,10 +167,57 @@ impl Flow {
         headers
     }
 
-    /// The request's report for Envoy's access log, once its response has started
-    /// (`accessLog`); taken once.
-    pub fn take_access_log(&mut self) -> Option<String> {
-        self.access_log.take()
+    /// The request's line for Envoy's access log (`accessLog`), when Envoy logs the request
+    /// (proxy-wasm's `on_log`, which Envoy 1.40 calls before the access loggers it is
+    /// configured with, and before `on_done`), at `now_ms`; taken once. The report made when
+    /// its response started, with what the engine's `usage` counted beside the estimate (each
+    /// request's error, where the stats sum them); a refusal's (`refused`); or, for a client
+    /// that left while its request waited in the line, `reason=client_left` with what was
+    /// known of it and how long it had waited (`now_ms`, read only then).
+    pub fn take_access_log(&mut self, now_ms: impl FnOnce() -> u64) -> Option<String> {
+        if !self.logs {
+            return None;
+        }
+        if let Some((ticket, _)) = self.admitted.as_ref().and_then(|a| a.waiting.as_ref()) {
+            let waited = now_ms().saturating_sub(ticket.enqueued_ms);
+            let mut fields = vec![("x-kvgate-reason", "client_left".to_string())];
+            fields.extend(
+                self.admitted
+                    .as_ref()
+                    .map(Admitted::report)
+                    .unwrap_or_default(),
+            );
+            fields.push(("x-kvgate-queue-ms", waited.to_string()));
+            return Some(access_log_line(&fields));
+        }
+        let mut line = self.access_log.take()?;
+        // The body is over when Envoy logs: its usage is what `on_done` reads (`finish` again
+        // gives the same).
+        if let Some(usage) = self.meter.as_mut().and_then(ResponseMeter::finish) {
+            let used = [
+                ("used-prompt-tokens", usage.prompt_tokens.to_string()),
+                ("used-output-tokens", usage.completion_tokens.to_string()),
+            ];
+            line.push(' ');
+            line.push_str(&access_log_line(&used));
+        }
+        Some(line)
+    }
+
+    /// kvgate answers the request itself (`Flow::shaped`): its access log line says why (the
+    /// reply's `x-kvgate-reason`), and what kvgate knew of the request by then, its model and
+    /// estimate and how long it waited in the line, so an operator reading a 429 or 503 sees
+    /// which model's line was full and what the request would have cost. A reply that is no
+    /// refusal (the status page, the model list) is not kvgate's report.
+    pub(super) fn refused(&mut self, reply: &LocalReply) {
+        let Some((_, reason)) = reply.headers.iter().find(|(k, _)| k == REASON_HEADER) else {
+            return;
+        };
+        let mut fields = vec![("x-kvgate-reason", reason.clone())];
+        if let Some(a) = &self.admitted {
+            fields.extend(a.report());
+        }
+        self.access_log = Some(access_log_line(&fields));
     }
 
     /// The response's body comes encoded (its `content-encoding` names a coding other than
@@ -483,7 +542,7 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     use super::*;
-    use crate::flow::RequestHead;
+    use crate::flow::{Decision, RequestHead, Step};
     use crate::stats::Stat;
     use crate::store::fake_host::FakeHost;
 
@@ -502,9 +561,12 @@ mod tests {
             f.on_request_headers(&mut gate, &vm, &RequestHead::json_post("/v1/completions"));
             let body = br#"{"model":"a \"quoted\" name","prompt":"hello there","max_tokens":20}"#;
             f.on_body(&mut gate, &vm, body);
-            let headers = f.on_response_headers(&mut gate, &vm, None, Some(pod));
+            let json = Some("application/json");
+            let headers = f.on_response_headers(&mut gate, &vm, json, Some(pod));
             assert!(headers.is_empty());
-            let line = f.take_access_log();
+            let answer = br#"{"choices":[],"usage":{"prompt_tokens":4,"completion_tokens":7}}"#;
+            f.on_response_body(&mut gate, &vm, answer);
+            let line = f.take_access_log(|| 0);
             if !logged {
                 assert_eq!(line, None);
                 continue;
@@ -514,8 +576,11 @@ mod tests {
                 line.starts_with(r#"model="a \"quoted\" name" prompt_tokens="#),
                 "{line}"
             );
+            // What the engine counted, beside the estimate.
             assert!(
-                line.ends_with(" pod=10.0.0.1:80 prefix_blocks=0/1"),
+                line.ends_with(
+                    " pod=10.0.0.1:80 prefix_blocks=0/1 used_prompt_tokens=4 used_output_tokens=7"
+                ),
                 "{line}"
             );
         }
@@ -529,6 +594,48 @@ mod tests {
             line,
             r#"queue_ms=12 observed="pick=b, would-wait" model="a\\b=c""#
         );
+    }
+
+    /// A request kvgate answers itself leaves a line too: why, and what kvgate knew of it by
+    /// then (none of it for a body it could not read); a reply that is no refusal, none.
+    #[test]
+    fn a_refusal_logs_its_reason_and_what_was_known_of_the_request() {
+        let pod = "10.0.0.1:80";
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let mut gate = Gate::new(crate::test_support::with_pods(&[pod]), &vm).unwrap();
+        let head = RequestHead::json_post("/v1/completions");
+        let mut f = Flow::default();
+        f.on_request_headers(&mut gate, &vm, &head);
+        let d = f.on_body(&mut gate, &vm, b"{oops");
+        let d = f.shaped(d);
+        assert!(matches!(d.step, Step::Reply(ref r) if r.status == 400));
+        assert_eq!(
+            f.take_access_log(|| 0).as_deref(),
+            Some("reason=invalid_request_error")
+        );
+        let mut f = Flow::default();
+        f.on_request_headers(&mut gate, &vm, &head);
+        f.on_body(
+            &mut gate,
+            &vm,
+            br#"{"model":"m","prompt":"hello","max_tokens":9}"#,
+        );
+        let late = LocalReply::error(503, "service_unavailable", "no room", None);
+        f.shaped(Decision::step(Step::Reply(late)));
+        let line = f.take_access_log(|| 0).unwrap();
+        assert!(
+            line.starts_with("reason=service_unavailable model=m prompt_tokens="),
+            "{line}"
+        );
+        assert!(line.contains(" output_tokens=9 cost="), "{line}");
+        let status = LocalReply {
+            status: 200,
+            headers: Vec::new(),
+            body: Vec::new(),
+        };
+        f.shaped(Decision::step(Step::Reply(status)));
+        assert_eq!(f.take_access_log(|| 0), None);
     }
 
     #[test]

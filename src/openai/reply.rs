@@ -4,6 +4,10 @@
 
 use serde_json::json;
 
+/// The header that names why kvgate answered itself (the error's `type`), which clients and the
+/// access log read.
+pub const REASON_HEADER: &str = "x-kvgate-reason";
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LocalReply {
     pub status: u32,
@@ -21,7 +25,7 @@ impl LocalReply {
             status,
             headers: vec![
                 ("content-type".into(), "application/json".into()),
-                ("x-kvgate-reason".into(), kind.into()),
+                (REASON_HEADER.into(), kind.into()),
             ],
             body: body.to_string().into_bytes(),
         }

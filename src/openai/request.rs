@@ -6,7 +6,7 @@
 //! hashing.
 
 use super::lax::{Count, Flag};
-use super::shapes::{Content, Input, Message, Part, Prompt, Text};
+use super::shapes::{Content, Input, Message, Part, Prompt, ScoreInputs, Text};
 use serde::Deserialize;
 use std::fmt::{self, Write as _};
 
@@ -31,12 +31,17 @@ pub enum Api {
     /// vLLM's tokens-in, tokens-out `/inference/v1/generate` (its `serve/disagg`
     /// `GenerateRequest`): `token_ids` and `sampling_params`.
     Tokens,
+    /// vLLM's score APIs (its `pooling/score`): `/score` and `/v1/score` (`queries` and
+    /// `documents`, or `items`; `data_1` and `data_2`; `text_1` and `text_2`), `/rerank`,
+    /// `/v1/rerank` and `/v2/rerank` (Jina's and Cohere's shape: `query` and `documents`). Each
+    /// pair is a prompt the engine prefills and generates nothing for.
+    Score,
 }
 
 impl Api {
     /// Matches by suffix, so a route prefix such as `/openai/v1/chat/completions` still works; the
-    /// query string is ignored. SGLang's `/generate` and vLLM's `/pooling` and `/classify` only
-    /// as the whole path: other servers end paths of their own so (Ollama's `/api/generate`),
+    /// query string is ignored. SGLang's `/generate` and vLLM's `/pooling`, `/classify`,
+    /// `/score` and `/rerank` only as the whole path: other servers end paths of their own so (Ollama's `/api/generate`),
     /// whose bodies are not the engines'.
     pub fn from_path(path: &str) -> Option<Api> {
         let path = path.split(['?', '#']).next().unwrap_or("");
@@ -45,6 +50,7 @@ impl Api {
             "/generate" => return Some(Api::Generate),
             "/classify" => return Some(Api::Embeddings),
             "/pooling" => return Some(Api::Pooling),
+            "/score" | "/rerank" => return Some(Api::Score),
             _ => {}
         }
         [
@@ -54,6 +60,9 @@ impl Api {
             ("/v1/embeddings", Api::Embeddings),
             ("/v1/messages", Api::Messages),
             ("/inference/v1/generate", Api::Tokens),
+            ("/v1/score", Api::Score),
+            ("/v1/rerank", Api::Score),
+            ("/v2/rerank", Api::Score),
         ]
         .into_iter()
         .find(|(suffix, _)| path.ends_with(suffix))
@@ -88,6 +97,11 @@ pub struct Request {
     /// Of a batch of text prompts, how much of `text` (bytes, from its start) is the first
     /// prompt (`prefix_text`).
     pub first_prompt: Option<usize>,
+    /// A score request's one query, paired with each of its documents: how much of `text` it
+    /// is (from its start), and how many pairs after the first prefill it again. `text` holds it
+    /// once (a long query and many documents would otherwise copy it many times over);
+    /// `static_tokens` counts it each time.
+    pub repeated: Option<(usize, u64)>,
     /// The engine renders the prompt through the model's chat template (chat completions,
     /// responses), which adds tokens of its own to every prompt; a completions or embeddings
     /// prompt is taken as it is (`calibration::PromptFit`: each is fitted on its own).
@@ -124,6 +138,9 @@ pub struct BadRequest {
     pub message: String,
     /// The offending parameter, as OpenAI's error object names it.
     pub param: Option<String>,
+    /// The body names no prompt of the kind its path takes, where the path also serves requests
+    /// kvgate does not read (`names_no_prompt`).
+    no_prompt: bool,
 }
 
 impl fmt::Display for BadRequest {
@@ -200,6 +217,32 @@ struct NativeBody<'a> {
     /// SGLang's further key of the prompt's cached blocks, of the same shapes: its radix cache
     /// shares blocks only between requests of one `extra_key` (and salt, and adapter).
     extra_key: Option<PerPrompt>,
+}
+
+/// A body of vLLM's score APIs (`Api::Score`), in any of its forms: a pair's first side is
+/// `query` (`/rerank`), `queries`, `data_1` or `text_1`, its second `documents`, `items`,
+/// `data_2` or `text_2` (vLLM's `ScoreRequest` union and `RerankRequest`).
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct ScoreBody<'a> {
+    #[serde(borrow)]
+    model: Option<&'a serde_json::value::RawValue>,
+    #[serde(borrow)]
+    query: Option<ScoreInputs<'a>>,
+    #[serde(borrow)]
+    queries: Option<ScoreInputs<'a>>,
+    #[serde(borrow)]
+    data_1: Option<ScoreInputs<'a>>,
+    #[serde(borrow)]
+    text_1: Option<ScoreInputs<'a>>,
+    #[serde(borrow)]
+    documents: Option<ScoreInputs<'a>>,
+    #[serde(borrow)]
+    items: Option<ScoreInputs<'a>>,
+    #[serde(borrow)]
+    data_2: Option<ScoreInputs<'a>>,
+    #[serde(borrow)]
+    text_2: Option<ScoreInputs<'a>>,
 }
 
 /// A value SGLang's `/generate` takes for the whole request or one a prompt (null where a prompt
@@ -332,6 +375,7 @@ fn bad(message: impl Into<String>, param: Option<&str>) -> BadRequest {
     BadRequest {
         message: message.into(),
         param: param.map(str::to_string),
+        no_prompt: false,
     }
 }
 
@@ -340,11 +384,19 @@ fn missing(field: &str) -> BadRequest {
 }
 
 impl BadRequest {
-    /// A pooling body that names no prompt at all (neither `input` nor `messages`): on
-    /// `/pooling`, a request for the engine's IO processor plugin (its `data`), which the engine
-    /// takes and kvgate does not read.
+    /// A body that names no prompt at all: on `/pooling` neither `input` nor `messages`, a
+    /// request for the engine's IO processor plugin (its `data`); on a score path not both of a
+    /// pair's sides in any of vLLM's forms, perhaps another server's (Hugging Face TEI's
+    /// `/rerank` takes `texts`). The engine takes it, and kvgate does not read it.
     pub fn names_no_prompt(&self) -> bool {
-        *self == missing("input")
+        self.no_prompt
+    }
+
+    fn of_no_prompt(self) -> BadRequest {
+        BadRequest {
+            no_prompt: true,
+            ..self
+        }
     }
 }
 
@@ -408,13 +460,18 @@ impl Request {
             let (model, model_span) = Self::model_of(model, body)?;
             return Self::from_native(api, parsed, model, model_span, body.len());
         }
+        if api == Api::Score {
+            let parsed: ScoreBody = Self::read(body)?;
+            let (model, model_span) = Self::model_of(parsed.model, body)?;
+            return Self::from_score(parsed, model, model_span, body.len());
+        }
         let parsed: Body = Self::read(body)?;
         let (model, model_span) = Self::model_of(parsed.model, body)?;
         Self::from_body(api, parsed, model, model_span, body.len())
     }
 
     /// The `model` of a JSON object on a path kvgate does not read (vLLM's `/tokenize`,
-    /// `/pooling`, `/v1/score`, `/rerank` …), for its pod alone: that and where it lies in the
+    /// a plugin's `/pooling` …), for its pod alone: that and where it lies in the
     /// body (`with_model`), the rest left default. `None` when the body is not a JSON object
     /// naming a model as a string: the request then goes on as it came.
     pub fn model_only(body: &[u8]) -> Option<Request> {
@@ -518,8 +575,8 @@ impl Request {
                 Some(Some(set)) => Some(set.0),
                 _ => return Err(missing("max_tokens")),
             },
-            // Their bodies are `from_native`'s.
-            Api::Generate | Api::Tokens => None,
+            // Their bodies are `from_native`'s and `from_score`'s.
+            Api::Generate | Api::Tokens | Api::Score => None,
         };
         if api == Api::Responses {
             out.previous_response = b
@@ -566,6 +623,7 @@ impl Request {
                     out.templated = true;
                     messages.iter().for_each(|m| out.push_message(m));
                 }
+                (None, None) if api == Api::Pooling => return Err(missing("input").of_no_prompt()),
                 (None, None) => return Err(missing("input")),
             },
             Api::Messages => {
@@ -583,7 +641,7 @@ impl Request {
                     out.push_message(m);
                 }
             }
-            Api::Generate | Api::Tokens => {}
+            Api::Generate | Api::Tokens | Api::Score => {}
         }
         // The Responses and Messages APIs have no `n`: one answer, whatever the body says.
         let n = if matches!(api, Api::Responses | Api::Messages) {
@@ -656,6 +714,63 @@ impl Request {
             ),
         };
         out.set_answers(all);
+        Ok(out)
+    }
+
+    /// A score body: each pair a prompt (one query paired with every document, or each query
+    /// with its document), refused as the engine refuses pairs of lists of other lengths.
+    fn from_score(
+        b: ScoreBody,
+        model: String,
+        model_span: (usize, usize),
+        body_len: usize,
+    ) -> Result<Request, BadRequest> {
+        let first = b.query.or(b.queries).or(b.data_1).or(b.text_1);
+        let second = b.documents.or(b.items).or(b.data_2).or(b.text_2);
+        let (Some(ScoreInputs(ones)), Some(ScoreInputs(twos))) = (first, second) else {
+            return Err(missing("documents").of_no_prompt());
+        };
+        // vLLM's `_validate_score_input_lens`, word for word.
+        if ones.is_empty() {
+            return Err(bad("At least one text element must be given", None));
+        }
+        if twos.is_empty() {
+            return Err(bad("At least one text_pair element must be given", None));
+        }
+        if ones.len() > 1 && ones.len() != twos.len() {
+            return Err(bad("Input lengths must be either 1:1, 1:N or N:N", None));
+        }
+        let mut out = Request {
+            model,
+            model_span,
+            text: String::with_capacity(body_len),
+            ..Request::default()
+        };
+        let pairs = twos.len() as u64;
+        if let [query] = ones.as_slice() {
+            out.push_content(query);
+            let (query_len, query_parts) = (out.text.len(), out.non_text_parts);
+            for (i, document) in twos.iter().enumerate() {
+                if i == 1 {
+                    out.first_prompt = Some(out.text.len());
+                }
+                out.push_content(document);
+            }
+            if pairs > 1 {
+                out.repeated = Some((query_len, pairs - 1));
+                out.non_text_parts += query_parts * (pairs - 1);
+            }
+        } else {
+            for (i, (query, document)) in ones.iter().zip(&twos).enumerate() {
+                if i == 1 {
+                    out.first_prompt = Some(out.text.len());
+                }
+                out.push_content(query);
+                out.push_content(document);
+            }
+        }
+        out.prompts = pairs;
+        out.set_answers(Answers::of(None, Some(0), None, None).times(pairs));
         Ok(out)
     }
 
@@ -804,6 +919,14 @@ impl Request {
         self.opened(opens);
     }
 
+    /// A string's text, or each part's (`push_part`).
+    fn push_content(&mut self, c: &Content) {
+        match c {
+            Content::Text(t) => self.text.push_str(t.as_str()),
+            Content::Parts(parts) => parts.iter().for_each(|p| self.push_part(p)),
+        }
+    }
+
     fn push_message(&mut self, m: &Message) {
         let role = m
             .role
@@ -812,10 +935,8 @@ impl Request {
             .map_or("user", Text::as_str);
         let opens = self.opens(role);
         self.open_turn(role, m.name.as_ref().map(Text::as_str));
-        match &m.content {
-            Some(Content::Text(t)) => self.text.push_str(t.as_str()),
-            Some(Content::Parts(parts)) => parts.iter().for_each(|p| self.push_part(p)),
-            None => {}
+        if let Some(content) = &m.content {
+            self.push_content(content);
         }
         if let Some(args) = &m.arguments {
             self.text.push_str(args.as_str());
@@ -871,6 +992,83 @@ mod tests {
 
     /// vLLM's other pooling endpoints, at the root as it serves them: read as the embeddings
     /// are; other servers' paths that end alike are not theirs.
+    #[test]
+    fn score_paths_read_every_form_of_vllms_pairs() {
+        for path in [
+            "/score",
+            "/v1/score",
+            "/rerank/",
+            "/v1/rerank",
+            "/v2/rerank",
+            "/jina/v1/rerank",
+        ] {
+            assert_eq!(Api::from_path(path), Some(Api::Score), "{path}");
+        }
+        for other in ["/api/score", "/score/x", "/x/rerank"] {
+            assert_eq!(Api::from_path(other), None, "{other}");
+        }
+        let parse = |body: &str| Request::parse(Api::Score, body.as_bytes());
+        // A rerank: the query once in the text, paired again with each document after the first.
+        let r =
+            parse(r#"{"model":"r","query":"qq","documents":["d1","d2","d3"],"top_n":1}"#).unwrap();
+        assert_eq!(r.text, "qqd1d2d3");
+        assert_eq!((r.prompts, r.choices, r.max_output_tokens), (3, 3, Some(0)));
+        assert_eq!((r.prefix_text(), r.repeated), ("qqd1", Some((2, 2))));
+        // Each of vLLM's score forms, 1:1 and N:N.
+        for body in [
+            r#"{"queries":["q1","q2"],"documents":["d1","d2"]}"#,
+            r#"{"queries":["q1","q2"],"items":["d1","d2"]}"#,
+            r#"{"data_1":["q1","q2"],"data_2":["d1","d2"]}"#,
+            r#"{"text_1":["q1","q2"],"text_2":["d1","d2"]}"#,
+        ] {
+            let r = parse(body).unwrap();
+            assert_eq!(
+                (r.text.as_str(), r.prefix_text(), r.prompts),
+                ("q1d1q2d2", "q1d1", 2)
+            );
+            assert_eq!(r.repeated, None, "{body}");
+        }
+        let r = parse(r#"{"text_1":"q","text_2":"d"}"#).unwrap();
+        assert_eq!((r.text.as_str(), r.prompts, r.repeated), ("qd", 1, None));
+        // Images counted as parts, the query's once for each pair.
+        let r = parse(
+            r#"{"query":{"content":[{"type":"image_url","image_url":{"url":"u"}}]},
+            "documents":["a",{"content":[{"type":"text","text":"b"}]}]}"#,
+        )
+        .unwrap();
+        assert_eq!((r.text.as_str(), r.non_text_parts, r.prompts), ("ab", 2, 2));
+        // Refused as the engine refuses them.
+        for (body, message) in [
+            (
+                r#"{"queries":["a","b"],"documents":["c","d","e"]}"#,
+                "1:1, 1:N or N:N",
+            ),
+            (
+                r#"{"queries":[],"documents":["c"]}"#,
+                "At least one text element",
+            ),
+            (
+                r#"{"query":"a","documents":[]}"#,
+                "At least one text_pair element",
+            ),
+            (r#"{"query":"a","documents":[5]}"#, "documents"),
+        ] {
+            let e = parse(body).unwrap_err();
+            assert!(
+                e.message.contains(message) && !e.names_no_prompt(),
+                "{body}: {e}"
+            );
+        }
+        // Without both sides it is not a score body of vLLM's (Hugging Face TEI's `/rerank`
+        // takes `texts`): left unread.
+        for body in [
+            r#"{"model":"r","query":"a","texts":["b"]}"#,
+            r#"{"documents":["b"]}"#,
+        ] {
+            assert!(parse(body).unwrap_err().names_no_prompt(), "{body}");
+        }
+    }
+
     #[test]
     fn pooling_paths_match_whole() {
         assert_eq!(Api::from_path("/classify"), Some(Api::Embeddings));

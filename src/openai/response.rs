@@ -236,7 +236,16 @@ fn by_value(bytes: &[u8]) -> Option<Usage> {
             cached_tokens: None,
         });
     }
-    serde_json::from_value(value).ok()
+    // A count of the whole only (`UsageFields::total_tokens`): the prompt's, less any output.
+    let total = value
+        .get("total_tokens")
+        .and_then(serde_json::Value::as_u64);
+    let total = total.filter(|_| value.get("prompt_tokens").is_none());
+    let mut usage: Usage = serde_json::from_value(value).ok()?;
+    if let Some(total) = total {
+        usage.prompt_tokens = total.saturating_sub(usage.completion_tokens);
+    }
+    Some(usage)
 }
 
 /// The fields of a usage object either API writes, each as read (`None` when absent).
@@ -244,6 +253,10 @@ fn by_value(bytes: &[u8]) -> Option<Usage> {
 struct UsageFields {
     prompt_tokens: Option<u64>,
     completion_tokens: Option<u64>,
+    /// Read for the prompt's count where `prompt_tokens` is absent: vLLM's rerank answers
+    /// carried only `total_tokens` in earlier releases (its `RerankUsage`), as Jina's do, all of
+    /// it prompt.
+    total_tokens: Option<u64>,
     /// From `prompt_tokens_details`.
     cached_tokens: Option<u64>,
     input_tokens: Option<u64>,
@@ -260,9 +273,13 @@ impl UsageFields {
                 cached_tokens: None,
             };
         }
+        let completion_tokens = self.completion_tokens.unwrap_or(0);
+        let total_less_output = self
+            .total_tokens
+            .map(|t| t.saturating_sub(completion_tokens));
         Usage {
-            prompt_tokens: self.prompt_tokens.unwrap_or(0),
-            completion_tokens: self.completion_tokens.unwrap_or(0),
+            prompt_tokens: self.prompt_tokens.or(total_less_output).unwrap_or(0),
+            completion_tokens,
             cached_tokens: self.cached_tokens,
         }
     }
@@ -273,6 +290,7 @@ impl UsageFields {
 enum UsageField {
     PromptTokens,
     CompletionTokens,
+    TotalTokens,
     PromptTokensDetails,
     InputTokens,
     OutputTokens,
@@ -316,6 +334,7 @@ impl<'de> Deserialize<'de> for UsageFields {
                         UsageField::CompletionTokens => {
                             u.completion_tokens = Some(map.next_value()?)
                         }
+                        UsageField::TotalTokens => u.total_tokens = Some(map.next_value()?),
                         UsageField::InputTokens => u.input_tokens = Some(map.next_value()?),
                         UsageField::OutputTokens => u.output_tokens = Some(map.next_value()?),
                         UsageField::PromptTokensDetails => {
@@ -847,6 +866,16 @@ mod tests {
                 br#"{"output":[],"usage":{"input_tokens":7,"input_tokens_details":{"cached_tokens":1},
                 "output_tokens":3,"output_tokens_details":{"reasoning_tokens":0},"total_tokens":10}}"#,
                 (7, 3, None),
+            ),
+            // vLLM's rerank answers: the prompt's count, or (earlier releases, Jina's) only the
+            // total, which is all prompt.
+            (
+                br#"{"id":"rerank-1","results":[],"usage":{"prompt_tokens":40,"total_tokens":40}}"#,
+                (40, 0, None),
+            ),
+            (
+                br#"{"id":"rerank-1","usage":{"total_tokens":40},"results":[{"index":0}]}"#,
+                (40, 0, None),
             ),
         ] {
             assert!(serde_json::from_slice::<Body<UsageFields>>(body).is_ok());

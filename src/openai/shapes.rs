@@ -337,6 +337,72 @@ impl<'de: 'a, 'a> Deserialize<'de> for Prompt<'a> {
     }
 }
 
+/// One side of a score or rerank request (vLLM's `ScoreInputs`): a string, a list of strings and
+/// `{"content": [parts]}` objects (each one input), or one such object, each of whose parts is an
+/// input of its own (vLLM's `validate_score_input`). Each input is a string or parts.
+pub(super) struct ScoreInputs<'a>(pub Vec<Content<'a>>);
+
+/// A multimodal score input, `{"content": [parts]}` (vLLM's `ScoreMultiModalParam`).
+#[derive(Deserialize)]
+struct ScoreParts<'a> {
+    #[serde(borrow)]
+    content: Vec<Part<'a>>,
+}
+
+/// One element of a list of score inputs: a string or a `ScoreParts`.
+struct ScoreInput<'a>(Content<'a>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for ScoreInput<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V<'a>(PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> Visitor<'de> for V<'a> {
+            type Value = ScoreInput<'a>;
+
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a string or an object with `content` parts")
+            }
+
+            text_visits!(|t| ScoreInput(Content::Text(t)));
+
+            fn visit_map<A: de::MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+                let parts = ScoreParts::deserialize(MapAccessDeserializer::new(map))?;
+                Ok(ScoreInput(Content::Parts(parts.content)))
+            }
+        }
+        d.deserialize_any(V(PhantomData))
+    }
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for ScoreInputs<'a> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V<'a>(PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> Visitor<'de> for V<'a> {
+            type Value = ScoreInputs<'a>;
+
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a string, an object with `content` parts, or an array of them")
+            }
+
+            text_visits!(|t| ScoreInputs(vec![Content::Text(t)]));
+
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                let mut inputs = Vec::new();
+                while let Some(ScoreInput(c)) = seq.next_element()? {
+                    inputs.push(c);
+                }
+                Ok(ScoreInputs(inputs))
+            }
+
+            fn visit_map<A: de::MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+                let parts = ScoreParts::deserialize(MapAccessDeserializer::new(map))?;
+                let each = parts.content.into_iter();
+                Ok(ScoreInputs(each.map(|p| Content::Parts(vec![p])).collect()))
+            }
+        }
+        d.deserialize_any(V(PhantomData))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #[cfg(target_arch = "wasm32")]
@@ -406,6 +472,36 @@ mod tests {
         // A prompt holds no items.
         assert!(prompt(r#"[{"role":"user"}]"#).is_err());
         assert!(prompt(r#"["a"]"#).is_ok());
+    }
+
+    #[test]
+    fn score_inputs_are_strings_or_content_parts_each_part_of_a_lone_object_its_own() {
+        let side = |json| serde_json::from_str::<ScoreInputs>(json).map(|s| s.0);
+        let kinds = |json| -> Vec<usize> {
+            side(json)
+                .unwrap_or_default()
+                .iter()
+                .map(|c| match c {
+                    Content::Text(_) => 0,
+                    Content::Parts(p) => p.len(),
+                })
+                .collect()
+        };
+        assert_eq!(kinds(r#""q""#), [0]);
+        assert_eq!(kinds(r#"["a","b"]"#), [0, 0]);
+        assert_eq!(
+            kinds(r#"["a",{"content":[{"type":"image_url"},{"type":"text","text":"t"}]}]"#),
+            [0, 2]
+        );
+        // A lone object: each of its parts is an input of its own.
+        assert_eq!(
+            kinds(r#"{"content":[{"type":"image_url"},{"type":"text","text":"t"}]}"#),
+            [1, 1]
+        );
+        assert_eq!(kinds("[]"), Vec::<usize>::new());
+        for bad in ["5", "[5]", "[[\"a\"]]", "{}", r#"[{"text":"a"}]"#, "null"] {
+            assert!(side(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

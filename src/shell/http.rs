@@ -70,8 +70,8 @@ pub fn release_held(
 pub fn apply(flow: &RefCell<Flow>, d: Decision, resume: bool) -> Action {
     // Never borrowed at this point (each caller's borrow ended with the decision); were it, the
     // decision goes unshaped rather than the VM panicking.
-    let d = match flow.try_borrow() {
-        Ok(flow) => flow.shaped(d),
+    let d = match flow.try_borrow_mut() {
+        Ok(mut flow) => flow.shaped(d),
         Err(_) => d,
     };
     for name in &d.remove {
@@ -353,9 +353,6 @@ impl Http {
         for (name, value) in &add {
             host::set_response_header(name, value);
         }
-        if let Some(line) = self.flow.borrow_mut().take_access_log() {
-            host::set_access_log(&line);
-        }
         // Absent on nearly every answer, and a header not found costs the call no copy.
         if let Some(coding) = host::response_header("content-encoding") {
             let now_unseen = self
@@ -390,6 +387,16 @@ impl Http {
 }
 
 impl HttpContext for Http {
+    /// Envoy logs the request: kvgate's line goes into the filter state its access log reads.
+    fn on_log(&mut self) {
+        self.counted(|s| {
+            let now = || HostStore::default().now_ms();
+            if let Some(line) = s.flow.borrow_mut().take_access_log(now) {
+                host::set_access_log(&line);
+            }
+        });
+    }
+
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         self.counted(|s| s.request_headers(end_of_stream))
     }

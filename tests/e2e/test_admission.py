@@ -11,8 +11,8 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
-from harness import (Sim, baseline_envoy, default_plugin_config, kvgate_envoy, kvgate_gauges, preemptions, request,
-                     sdk_call, stream, wait_for)
+from harness import (Sim, access_log_lines, baseline_envoy, default_plugin_config, kvgate_envoy, kvgate_gauges,
+                     preemptions, request, sdk_call, stream, wait_for)
 
 from bodies import MODEL, unshared_completion
 # Two pods of 256 blocks × 16 tokens = 4096 tokens of KV each.
@@ -156,9 +156,13 @@ def test_session_boost_shortens_follow_up_waits():
     assert waits[60000] < 0.7 * waits[0]
 
 
-def test_timeout_503_full_queue_429_and_disconnects_leave_nothing_reserved():
+def test_timeout_503_full_queue_429_and_disconnects_leave_nothing_reserved(tmp_path):
+    """Past `maxQueue` 429, past `maxWaitMs` 503, a client that leaves the line or a stream
+    leaves nothing reserved; the access log says why of each (`reason=`), with the request's
+    model and estimate and how long it waited."""
     cfg = config(maxWaitMs=800, maxQueue=4, budgetTokens=1000)
-    with Sim(pods=2, args=SMALL_KV) as sim, kvgate_envoy(sim.endpoints, cfg) as envoy:
+    log = tmp_path / "access.log"
+    with Sim(pods=2, args=SMALL_KV) as sim, kvgate_envoy(sim.endpoints, cfg, access_log=log) as envoy:
         # Occupy the pool: one long stream per pod, each reserving (nearly) a whole budget.
         holders = [threading.Thread(target=stream, args=(envoy.port, "/v1/completions", unshared_completion(i, max_tokens=3000)),
                                     daemon=True) for i in range(2)]
@@ -202,6 +206,21 @@ def test_timeout_503_full_queue_429_and_disconnects_leave_nothing_reserved():
         assert reserved_zero(envoy), kvgate_gauges(envoy, "reserved_tokens")
         queue_len = envoy.stats("wasmcustom.kvgate.queue.length").get("wasmcustom.kvgate.queue.length")
         assert queue_len == 0
+        assert wait_for(lambda: len(access_log_lines(log)) >= 10, timeout=5), log.read_text()
+    lines = access_log_lines(log)
+    reasons = [(status, f.get("reason")) for status, f, _ in lines if f]
+    assert reasons.count((429, "rate_limit_exceeded")) == statuses[429], lines
+    assert reasons.count((503, "service_unavailable")) == statuses[503], lines
+    # The one that left the line (and the streaming one, when the holders still held the pool).
+    assert reasons.count((0, "client_left")) in (1, 2), lines
+    for status, f, _ in lines:
+        if f and f.get("reason") in ("service_unavailable", "client_left"):
+            assert f["model"] and int(f["cost"]) > 0 and int(f["queue_ms"]) >= 0, f
+        if f and f.get("reason") == "service_unavailable":
+            assert int(f["queue_ms"]) >= 800, f
+    # The holders' lines: what the engine counted beside the estimate.
+    served = [f for status, f, _ in lines if status == 200 and f and "used_output_tokens" in f]
+    assert len(served) >= 2 and all(int(f["used_prompt_tokens"]) > 0 for f in served), lines
 
 
 def test_a_burst_past_a_full_line_is_served_to_clients_that_retry_as_the_sdks_do():

@@ -3,7 +3,8 @@
 multimodal and instruction-tuned embedding models are called with) reach the engine, each
 reserved as its prompt and released, and the engine's usage is read from every answer, a
 batch's too, whose vectors make it megabytes long; `/pooling` and `/classify` (a reward model
-scoring answers) are routed to the pod caching their prompt."""
+scoring answers) are routed to the pod caching their prompt; `/score` and `/rerank` (a reranker
+scoring documents for a query) are reserved for each of their pairs, and routed by the query."""
 
 import base64
 import struct
@@ -109,3 +110,51 @@ def test_a_reward_models_scores_of_one_prompts_answers_go_where_the_prompt_is_ca
     print(f"prefix-cache hit rate: round robin {rates['round_robin']:.1%}, kvgate {rates['kvgate']:.1%}")
     # Three of each prompt's four scorings can find it cached: about 70 % of the prompt tokens.
     assert rates["kvgate"] >= 0.55 and rates["kvgate"] >= rates["round_robin"] + 0.25, rates
+
+
+def test_a_rerank_is_reserved_for_each_pair_and_a_querys_next_page_goes_where_it_is_cached():
+    """vLLM's score APIs in each of their forms: every pair (the query, then a document) is a
+    prompt the engine prefills, so kvgate reserves the query once for each document (its
+    estimate within a quarter of the engine's count), reads the answer's usage, and releases the
+    reservation. A query's next page of documents goes to the pod that holds the query; a
+    `/rerank` body vLLM would not take (Hugging Face TEI's `texts`) reaches the engine unread."""
+    query = "Instruct: find the passages that answer the question. Query: " + passage(500, words=200)
+    pages = [[passage(600 + page * 8 + d, words=40) for d in range(8)] for page in range(3)]
+    with Sim(pods=4, args=["--time-scale", "10"]) as sim, \
+            kvgate_envoy(sim.endpoints, default_plugin_config(), concurrency=2) as envoy:
+        prompt_tokens, pods = 0, []
+        for i, documents in enumerate(pages):
+            body = {"model": MODEL, "query": query, "documents": documents, "top_n": 3}
+            r = request(envoy.port, "POST", ["/rerank", "/v1/rerank", "/v2/rerank"][i], body, timeout=60)
+            assert r.status == 200, r.body
+            answer = r.json()
+            assert len(answer["results"]) == 3
+            used = answer["usage"]["prompt_tokens"]
+            estimated = int(r.headers["x-kvgate-prompt-tokens"])
+            assert abs(estimated - used) <= used / 4, (estimated, used)
+            cached, blocks = map(int, r.headers["x-kvgate-prefix-blocks"].split("/"))
+            # A later page finds the query's blocks (about 16 of its 8 pairs' 130) cached.
+            assert (cached == 0) if i == 0 else (blocks > 100 and cached >= 10), \
+                r.headers["x-kvgate-prefix-blocks"]
+            prompt_tokens += used
+            pods.append(r.headers["x-sim-pod"])
+        assert len(set(pods)) == 1, pods
+        for path, body in [
+            ("/score", {"model": MODEL, "queries": ["a question", "another"], "documents": ["one", "two"]}),
+            ("/v1/score", {"model": MODEL, "text_1": "a question", "text_2": ["one", "two", "three"]}),
+            ("/score", {"model": MODEL, "data_1": ["a question"], "data_2": ["one"]}),
+        ]:
+            r = request(envoy.port, "POST", path, body, timeout=60)
+            assert r.status == 200 and "x-kvgate-cost" in r.headers, (path, r.body)
+            assert [d["index"] for d in r.json()["data"]] == list(range(len(body.get("documents", body.get("text_2",
+                                                                                           body.get("data_2"))))))
+            prompt_tokens += r.json()["usage"]["prompt_tokens"]
+        assert wait_for(lambda: kvgate_stat(envoy, "usage.prompt_tokens") == prompt_tokens, timeout=5), \
+            (kvgate_stat(envoy, "usage.prompt_tokens"), prompt_tokens)
+        assert wait_for(lambda: all(v == 0 for v in kvgate_gauges(envoy, "reserved_tokens").values()),
+                        timeout=5), kvgate_gauges(envoy, "reserved_tokens")
+        # What kvgate refuses, the engine would too; what vLLM would not take, the engine answers.
+        r = request(envoy.port, "POST", "/score", {"model": MODEL, "queries": ["a", "b"], "documents": ["c"] * 3})
+        assert r.status == 400 and b"1:1, 1:N or N:N" in r.body and "x-kvgate-reason" in r.headers, r.body
+        r = request(envoy.port, "POST", "/rerank", {"model": MODEL, "query": "a", "texts": ["b"]})
+        assert r.status == 400 and "x-kvgate-reason" not in r.headers, (r.headers, r.body)

@@ -75,7 +75,8 @@ def test_the_access_log_gets_kvgates_report_that_clients_do_not_see(tmp_path):
     """`accessLog` (on by default): each request kvgate routed leaves its report in Envoy's
     filter state, which the access log reads as `%FILTER_STATE(wasm.kvgate:PLAIN)%`: the pod that
     served it, its estimate, its prefix blocks; the client sees no `x-kvgate-*` header. A request
-    kvgate refused logs its reason, one it did not read nothing of kvgate's."""
+    kvgate refused logs its reason (and what it knew of the request), one it did not read nothing
+    of kvgate's."""
     log = tmp_path / "access.log"
     with Sim(pods=2, args=["--time-scale", "10"]) as sim, \
             kvgate_envoy(sim.endpoints, dict(default_plugin_config(), debugHeaders=False), concurrency=2,
@@ -90,10 +91,12 @@ def test_the_access_log_gets_kvgates_report_that_clients_do_not_see(tmp_path):
             served.append(f"127.0.0.1:{sim.ports[int(r.headers['x-sim-pod'])]}")
         assert request(envoy.port, "POST", "/v1/chat/completions", b"{oops").status == 400
         assert request(envoy.port, "GET", "/health").status == 200
-        assert wait_for(lambda: log.exists() and len(access_log_lines(log)) >= 8, timeout=5), \
+        unknown = {"model": "no-such-model", "prompt": "hi", "max_tokens": 4}
+        assert request(envoy.port, "POST", "/v1/completions", unknown).status == 404
+        assert wait_for(lambda: log.exists() and len(access_log_lines(log)) >= 9, timeout=5), \
             (log.exists() and log.read_text())
         lines = access_log_lines(log)
-        assert len(lines) == 8, log.read_text()
+        assert len(lines) == 9, log.read_text()
     routed = [fields for status, fields, _ in lines[:6]]
     assert [f["pod"] for f in routed] == served
     for f in routed:
@@ -101,5 +104,8 @@ def test_the_access_log_gets_kvgates_report_that_clients_do_not_see(tmp_path):
         cached, blocks = map(int, f["prefix_blocks"].split("/"))
         assert 0 <= cached <= blocks and int(f["cost"]) >= int(f["prompt_tokens"]), f
         assert "ranking" not in f, "built for the headers only"
-    assert lines[6] == (400, None, "invalid_request_error"), lines[6]
+        # What the engine counted, beside the estimate.
+        assert int(f["used_prompt_tokens"]) > 40 and 0 < int(f["used_output_tokens"]) <= 8, f
+    assert lines[6] == (400, {"reason": "invalid_request_error"}, "invalid_request_error"), lines[6]
     assert lines[7] == (200, None, None), lines[7]
+    assert lines[8] == (404, {"reason": "model_not_found"}, "model_not_found"), lines[8]
