@@ -164,6 +164,7 @@ fn learn_scale(pairs: impl Iterator<Item = (f64, usize)>) -> f64 {
             templated: false,
             known_tokens: 0,
             parts: 0,
+            prompts: 1,
             prompt_tokens: truth as u64,
             completion_tokens: 0,
             choices: 1,

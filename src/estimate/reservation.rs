@@ -175,7 +175,7 @@ pub fn estimate_from(
         }
     });
     let spread = learned.map_or(cfg.prompt_spread, |l| l.prompt_spread);
-    let text_tokens = fit.tokens(static_text_tokens).round() as u64;
+    let text_tokens = fit.tokens_each(static_text_tokens, req.prompts).round() as u64;
     let part_tokens = learned
         .and_then(|l| l.part_tokens)
         .map_or(cfg.non_text_part_tokens, |t| t.round() as u64);
