@@ -41,8 +41,8 @@ pub enum Api {
 impl Api {
     /// Matches by suffix, so a route prefix such as `/openai/v1/chat/completions` still works; the
     /// query string is ignored. SGLang's `/generate` and vLLM's `/pooling`, `/classify`,
-    /// `/score` and `/rerank` only as the whole path: other servers end paths of their own so (Ollama's `/api/generate`),
-    /// whose bodies are not the engines'.
+    /// `/score` and `/rerank` only as the whole path: other servers end paths of their own so
+    /// (Ollama's `/api/generate`), whose bodies are not the engines'.
     pub fn from_path(path: &str) -> Option<Api> {
         let path = path.split(['?', '#']).next().unwrap_or("");
         let path = path.trim_end_matches('/');
@@ -100,7 +100,7 @@ pub struct Request {
     /// A score request's one query, paired with each of its documents: how much of `text` it
     /// is (from its start), and how many pairs after the first prefill it again. `text` holds it
     /// once (a long query and many documents would otherwise copy it many times over);
-    /// `static_tokens` counts it each time.
+    /// `estimate::reservation::static_request_tokens` counts it each time.
     pub repeated: Option<(usize, u64)>,
     /// The engine renders the prompt through the model's chat template (chat completions,
     /// responses), which adds tokens of its own to every prompt; a completions or embeddings
@@ -243,6 +243,8 @@ struct ScoreBody<'a> {
     data_2: Option<ScoreInputs<'a>>,
     #[serde(borrow)]
     text_2: Option<ScoreInputs<'a>>,
+    /// vLLM's pooling requests take one, as its generation requests do.
+    cache_salt: Option<String>,
 }
 
 /// A value SGLang's `/generate` takes for the whole request or one a prompt (null where a prompt
@@ -743,6 +745,7 @@ impl Request {
         let mut out = Request {
             model,
             model_span,
+            cache_salt: b.cache_salt,
             text: String::with_capacity(body_len),
             ..Request::default()
         };
@@ -758,7 +761,8 @@ impl Request {
             }
             if pairs > 1 {
                 out.repeated = Some((query_len, pairs - 1));
-                out.non_text_parts += query_parts * (pairs - 1);
+                let again = query_parts.saturating_mul(pairs - 1);
+                out.non_text_parts = out.non_text_parts.saturating_add(again);
             }
         } else {
             for (i, (query, document)) in ones.iter().zip(&twos).enumerate() {
@@ -1028,8 +1032,9 @@ mod tests {
             );
             assert_eq!(r.repeated, None, "{body}");
         }
-        let r = parse(r#"{"text_1":"q","text_2":"d"}"#).unwrap();
+        let r = parse(r#"{"text_1":"q","text_2":"d","cache_salt":"t"}"#).unwrap();
         assert_eq!((r.text.as_str(), r.prompts, r.repeated), ("qd", 1, None));
+        assert_eq!(r.cache_salt.as_deref(), Some("t"));
         // Images counted as parts, the query's once for each pair.
         let r = parse(
             r#"{"query":{"content":[{"type":"image_url","image_url":{"url":"u"}}]},
