@@ -61,7 +61,9 @@ pub fn fits(
 /// asked for at its cost, what it is expected to take when done, a request with a `max_tokens`
 /// of 800 was handed 1,150 tokens of a pod where admission needed about 1,400, and never fitted).
 pub fn need(est: &Estimate, cfg: &Config, block_tokens: u64, now_ms: u64) -> u64 {
-    let held = est.prompt_tokens as f64 * cfg.estimator.safety_factor * est.prompt_margin;
+    let held = est.held_prompt_tokens(block_tokens, true)
+        * cfg.estimator.safety_factor
+        * est.prompt_margin;
     let alone = Load::fresh(est, held.round() as u64, est.prompt_sigma);
     PodRecord::default().forecast(
         Some(alone),

@@ -53,6 +53,10 @@ pub struct Estimate {
     /// Its prompts (a completions batch, `Request::prompts`): `choices ÷ prompts` answers share
     /// each one.
     pub prompts: u64,
+    /// A part of its prompts counted in `prompt_tokens` for each of them: a score request's
+    /// query (`Request::repeated`), its tokens and how many prompts after the first repeat it.
+    /// A pod that caches prefixes holds its whole blocks once (`held_prompt_tokens`).
+    pub repeated: (u64, u64),
     /// The request set its own limit (a max-tokens field).
     pub bounded: bool,
     /// Without a limit, its outlook is the output prior's and the prior is a guess
@@ -89,6 +93,7 @@ impl Estimate {
             max_output_tokens: output_tokens,
             choices: 1,
             prompts: 1,
+            repeated: (0, 0),
             bounded: true,
             output_guessed: false,
             streams: false,
@@ -109,6 +114,22 @@ pub struct Ended {
 }
 
 impl Estimate {
+    /// The prompt tokens it holds on a pod (before the safety factor): all of them, but on a pod
+    /// that caches prefixes, the whole blocks of `block_tokens` of a part its prompts repeat are
+    /// held once (a score request's pairs share their query's blocks, as the engine's prefix
+    /// cache hands each pair after the first the blocks the first computed; counted for each
+    /// pair, a rerank of a long query held the query once a document).
+    pub fn held_prompt_tokens(&self, block_tokens: u64, caches_prefixes: bool) -> f64 {
+        let (tokens, times) = self.repeated;
+        let bt = block_tokens.max(1);
+        let again = if caches_prefixes {
+            (tokens / bt * bt).saturating_mul(times)
+        } else {
+            0
+        };
+        self.prompt_tokens.saturating_sub(again) as f64
+    }
+
     /// The answers that share each of its prompts (`n`): each reads that prompt every step, and
     /// holds a copy of it on a pod that caches no prefix.
     pub fn answers_per_prompt(&self) -> u64 {
@@ -201,6 +222,12 @@ pub fn estimate_from(
         .min(per_choice)
         .saturating_mul(choices);
     let max_output_tokens = per_choice.saturating_mul(choices);
+    // The query a score request pairs with each document, by the rule and the fit's scale (its
+    // fixed part is each pair's own).
+    let repeated = req.repeated.map_or((0, 0), |(len, times)| {
+        let query = static_prompt_tokens(req.text.get(..len).unwrap_or_default());
+        ((query * fit.scale).round() as u64, times)
+    });
     let raw = prompt_tokens as f64 * cfg.safety_factor + output_tokens as f64;
     let cost = (raw.ceil() as u64).clamp(cfg.min_reservation_tokens, cfg.max_reservation_tokens);
     Estimate {
@@ -215,6 +242,7 @@ pub fn estimate_from(
         max_output_tokens,
         choices,
         prompts: req.prompts.clamp(1, choices),
+        repeated,
         bounded: req.max_output_tokens.is_some(),
         output_guessed: learned.is_none() && prior.guessed && req.max_output_tokens.is_none(),
         streams: req.stream,

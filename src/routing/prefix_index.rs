@@ -170,6 +170,11 @@ impl PrefixIndex {
         }
     }
 
+    #[cfg(test)]
+    pub fn density(&self) -> f64 {
+        self.density
+    }
+
     /// A prompt of `indexed` blocks is estimated at `engine_blocks` of the pod's blocks.
     pub fn learn_density(&mut self, indexed: usize, engine_blocks: f64) {
         if indexed == 0 || !engine_blocks.is_finite() || engine_blocks <= 0.0 {

@@ -611,8 +611,10 @@ impl Router {
         let bt = u64::from(block_tokens);
         let hashes = &hashes[..hashes.len().min(MAX_EVENT_BLOCKS)];
         let prompt_blocks = hashes.len().max(est.prompt_tokens.div_ceil(bt) as usize);
-        if hashes.len() < (r.max_prompt_blocks as usize).min(MAX_EVENT_BLOCKS) {
-            // A whole prompt: its text's blocks against its tokens' (a cut one would mislead).
+        if hashes.len() < (r.max_prompt_blocks as usize).min(MAX_EVENT_BLOCKS) && est.prompts == 1 {
+            // A whole prompt: its text's blocks against its tokens' (a cut one would mislead, and
+            // so would a batch, hashed on its first prompt: a stream of reranks drove the
+            // density to its bound and cut every pod's index to a quarter).
             self.prefix
                 .learn_density(hashes.len(), est.prompt_tokens as f64 / bt as f64);
         }
@@ -1801,6 +1803,32 @@ mod tests {
         r.finish(&vm, &last).unwrap();
         r.finish(&vm, &first).unwrap();
         assert_eq!(held(&vm), 0);
+    }
+
+    /// A rerank of eight documents, 64 query tokens and 32 of a document a pair: on a pod that
+    /// caches prefixes its pairs share the query's 4 blocks, held once (320 tokens, × 1.1),
+    /// not once a pair (768). And a stream of such pages leaves the index's density (its
+    /// blocks per engine block) where single prompts put it: a page is hashed on its first
+    /// pair but counts all of them.
+    #[test]
+    fn a_pages_query_is_held_once_and_pages_teach_no_density() {
+        let (vm, cfg, mut r) = router(&["a:1"]);
+        let page = Estimate {
+            prompts: 8,
+            choices: 8,
+            repeated: (64, 7),
+            ..est(8 * (64 + 32), 0)
+        };
+        let x = r.route_m(&vm, &cfg, &hashes(1, 6), &page);
+        let held = record::read(&vm, "a:1").unwrap().held_tokens();
+        assert_eq!(held, 352, "(768 - 7 × 64) × 1.1");
+        r.finish(&vm, &x).unwrap();
+        let before = r.prefix.density();
+        for i in 0..200 {
+            let x = r.route_m(&vm, &cfg, &hashes(i, 6), &page);
+            r.finish(&vm, &x).unwrap();
+        }
+        assert_eq!(r.prefix.density(), before);
     }
 
     #[test]

@@ -90,8 +90,8 @@ pub(super) fn charges(
     };
     // Computed once: its outlook is the same on every pod.
     let fresh = Load::fresh(est, 0, 0);
-    let load = |b: usize, copies: u64| {
-        let whole = est.prompt_tokens as f64 * safety * copies as f64;
+    let load = |b: usize, copies: u64, caches: bool| {
+        let whole = est.held_prompt_tokens(ask.block_tokens, caches) * safety * copies as f64;
         // The engine shares whole blocks of tokens: the block in which the held prefix ends
         // holds this request's own text after it, so it is this request's (counted as shared,
         // up to a block per request went uncounted, and a burst of a few hundred requests of
@@ -107,18 +107,19 @@ pub(super) fn charges(
         load.sigma = (est.prompt_sigma as f64 * copies as f64 * share).round() as u64;
         load
     };
+    let caches = |i: usize| !ask.records.get(i).is_some_and(|r| caches_nothing(r));
     let copies = |i: usize| {
-        if ask.records.get(i).is_some_and(|r| caches_nothing(r)) {
-            est.answers_per_prompt()
-        } else {
+        if caches(i) {
             1
+        } else {
+            est.answers_per_prompt()
         }
     };
     let sharing = indices
         .iter()
         .zip(shared)
-        .map(|(&i, &b)| load(b, copies(i)));
-    let alone = indices.iter().map(|&i| load(0, copies(i)));
+        .map(|(&i, &b)| load(b, copies(i), caches(i)));
+    let alone = indices.iter().map(|&i| load(0, copies(i), caches(i)));
     (sharing.collect(), alone.collect())
 }
 
