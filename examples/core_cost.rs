@@ -17,8 +17,7 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use kvgate::config::Config;
-use kvgate::estimate::reservation::{estimate_from, Estimate};
-use kvgate::estimate::text::static_prompt_tokens;
+use kvgate::estimate::reservation::{estimate_from, Estimate, StaticCount};
 use kvgate::openai::request::{Api, Request};
 use kvgate::routing::prefix::block_hashes;
 
@@ -186,7 +185,7 @@ fn phase_parse(body: &[u8]) -> Option<Request> {
 fn phase_estimate(cfg: &Config, req: &Request) -> Estimate {
     estimate_from(
         req,
-        static_prompt_tokens(&req.text),
+        StaticCount::of(req),
         None,
         kvgate::estimate::calibration::Prior::configured(&cfg.estimator),
         &cfg.estimator,

@@ -1223,7 +1223,10 @@ mod tests {
         let req = crate::openai::request::Request::default();
         let e = crate::estimate::reservation::estimate_from(
             &req,
-            10.0,
+            crate::estimate::reservation::StaticCount {
+                all: 10.0,
+                query: 0.0,
+            },
             known.learned,
             known.prior,
             &cfg,
@@ -1283,7 +1286,10 @@ mod tests {
         };
         let e = crate::estimate::reservation::estimate_from(
             &image,
-            10.0,
+            crate::estimate::reservation::StaticCount {
+                all: 10.0,
+                query: 0.0,
+            },
             Some(learned),
             Prior::configured(&cfg),
             &cfg,

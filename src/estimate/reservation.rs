@@ -153,17 +153,27 @@ impl Estimate {
     }
 }
 
-/// The static rule's tokens for everything the engine will prefill (`static_prompt_tokens`):
-/// the request's text, and a score request's query as many more times as it is paired again
-/// (`Request::repeated`).
-pub fn static_request_tokens(req: &Request) -> f64 {
-    let all = static_prompt_tokens(&req.text);
-    match req.repeated {
-        Some((len, times)) => {
-            let query = req.text.get(..len).unwrap_or_default();
-            all + times as f64 * static_prompt_tokens(query)
+/// What the static rule (`static_prompt_tokens`) counts of a request: everything the engine
+/// will prefill, a score request's query once for each pair (`all`), and that query once
+/// (`query`; 0 for any other request, `Request::repeated`). Counted once a request: the rule is
+/// the costliest step for long prompts, and calibration needs `all` too.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct StaticCount {
+    pub all: f64,
+    pub query: f64,
+}
+
+impl StaticCount {
+    pub fn of(req: &Request) -> StaticCount {
+        let all = static_prompt_tokens(&req.text);
+        let Some((len, times)) = req.repeated else {
+            return StaticCount { all, query: 0.0 };
+        };
+        let query = static_prompt_tokens(req.text.get(..len).unwrap_or_default());
+        StaticCount {
+            all: all + times as f64 * query,
+            query,
         }
-        None => all,
     }
 }
 
@@ -171,19 +181,19 @@ pub fn static_request_tokens(req: &Request) -> f64 {
 pub fn estimate(req: &Request, learned: Option<Learned>, cfg: &EstimatorConfig) -> Estimate {
     estimate_from(
         req,
-        static_request_tokens(req),
+        StaticCount::of(req),
         learned,
         Prior::configured(cfg),
         cfg,
     )
 }
 
-/// `estimate` for a caller that already ran the static rule over the request's text (it is the
-/// costliest step for long prompts, and calibration needs its result too), with the output
-/// prior calibration gives (`Known::prior`: the engines' mean where longer).
+/// `estimate` for a caller that already ran the static rule over the request's text
+/// (`StaticCount::of`), with the output prior calibration gives (`Known::prior`: the engines'
+/// mean where longer).
 pub fn estimate_from(
     req: &Request,
-    static_text_tokens: f64,
+    counted: StaticCount,
     learned: Option<Learned>,
     prior: Prior,
     cfg: &EstimatorConfig,
@@ -196,7 +206,7 @@ pub fn estimate_from(
         }
     });
     let spread = learned.map_or(cfg.prompt_spread, |l| l.prompt_spread);
-    let text_tokens = fit.tokens_each(static_text_tokens, req.prompts).round() as u64;
+    let text_tokens = fit.tokens_each(counted.all, req.prompts).round() as u64;
     let part_tokens = learned
         .and_then(|l| l.part_tokens)
         .map_or(cfg.non_text_part_tokens, |t| t.round() as u64);
@@ -224,9 +234,8 @@ pub fn estimate_from(
     let max_output_tokens = per_choice.saturating_mul(choices);
     // The query a score request pairs with each document, by the rule and the fit's scale (its
     // fixed part is each pair's own).
-    let repeated = req.repeated.map_or((0, 0), |(len, times)| {
-        let query = static_prompt_tokens(req.text.get(..len).unwrap_or_default());
-        ((query * fit.scale).round() as u64, times)
+    let repeated = req.repeated.map_or((0, 0), |(_, times)| {
+        ((counted.query * fit.scale).round() as u64, times)
     });
     let raw = prompt_tokens as f64 * cfg.safety_factor + output_tokens as f64;
     let cost = (raw.ceil() as u64).clamp(cfg.min_reservation_tokens, cfg.max_reservation_tokens);
@@ -305,10 +314,10 @@ mod tests {
             .iter()
             .map(|d| static_prompt_tokens(&format!("{query}{d}")))
             .sum();
-        let counted = static_request_tokens(&paired);
+        let counted = StaticCount::of(&paired).all;
         assert!((counted - each).abs() <= 3.0, "{counted} vs {each}");
         assert_eq!(
-            static_request_tokens(&req(&text, Some(0))),
+            StaticCount::of(&req(&text, Some(0))).all,
             static_prompt_tokens(&text)
         );
         let est = estimate(&paired, None, &EstimatorConfig::default());
@@ -383,7 +392,11 @@ mod tests {
     #[test]
     fn the_output_is_guessed_only_where_nothing_measured_the_prior() {
         let cfg = EstimatorConfig::default();
-        let on = |r: &Request, learned, prior| estimate_from(r, 10.0, learned, prior, &cfg);
+        let ten = StaticCount {
+            all: 10.0,
+            query: 0.0,
+        };
+        let on = |r: &Request, learned, prior| estimate_from(r, ten, learned, prior, &cfg);
         let guess = Prior::configured(&cfg);
         assert!(guess.guessed);
         let free = req("x", None);

@@ -9,7 +9,7 @@ use crate::admission::admit::{Admit, Asks, Class, Reach, Stay};
 use crate::admission::line::Ticket;
 use crate::config::Config;
 use crate::estimate::calibration::{family, Started};
-use crate::estimate::reservation::{estimate_from, static_request_tokens, Estimate};
+use crate::estimate::reservation::{estimate_from, Estimate, StaticCount};
 use crate::estimate::templates::Keys;
 pub use crate::gate::Gate;
 use crate::models::listing;
@@ -728,7 +728,7 @@ impl Flow {
         let known = gate
             .calibration
             .known(store, &req.model, family.as_deref(), cfg);
-        let static_text_tokens = static_request_tokens(&req);
+        let counted = StaticCount::of(&req);
         let r = &gate.config.routing;
         let block_tokens = gate.router.block_tokens(r);
         let block_chars = r.block_chars(block_tokens);
@@ -765,7 +765,7 @@ impl Flow {
                 .output
                 .with_own(gate.calibration.own(&req.model, &template, cfg));
         }
-        let mut est = estimate_from(&req, static_text_tokens, learned, known.prior, cfg);
+        let mut est = estimate_from(&req, counted, learned, known.prior, cfg);
         est.only_on = only_on;
         let placed = gate.admission.place(
             store,
@@ -788,7 +788,7 @@ impl Flow {
         self.admitted = Some(Admitted {
             requested,
             stat_model,
-            static_text_tokens,
+            static_text_tokens: counted.all,
             templated: req.templated,
             known_tokens: req.token_ids,
             parts: req.non_text_parts,

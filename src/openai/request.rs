@@ -100,7 +100,7 @@ pub struct Request {
     /// A score request's one query, paired with each of its documents: how much of `text` it
     /// is (from its start), and how many pairs after the first prefill it again. `text` holds it
     /// once (a long query and many documents would otherwise copy it many times over);
-    /// `estimate::reservation::static_request_tokens` counts it each time.
+    /// `estimate::reservation::StaticCount` counts it each time.
     pub repeated: Option<(usize, u64)>,
     /// The engine renders the prompt through the model's chat template (chat completions,
     /// responses), which adds tokens of its own to every prompt; a completions or embeddings

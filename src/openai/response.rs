@@ -236,16 +236,22 @@ fn by_value(bytes: &[u8]) -> Option<Usage> {
             cached_tokens: None,
         });
     }
-    // A count of the whole only (`UsageFields::total_tokens`): the prompt's, less any output.
     let total = value
         .get("total_tokens")
         .and_then(serde_json::Value::as_u64);
-    let total = total.filter(|_| value.get("prompt_tokens").is_none());
+    let prompt_given = value.get("prompt_tokens").is_some();
     let mut usage: Usage = serde_json::from_value(value).ok()?;
-    if let Some(total) = total {
-        usage.prompt_tokens = total.saturating_sub(usage.completion_tokens);
-    }
+    let prompt = prompt_given.then_some(usage.prompt_tokens);
+    usage.prompt_tokens = prompt_count(prompt, total, usage.completion_tokens);
     Some(usage)
+}
+
+/// The prompt's count: `prompt_tokens`, else a count of the whole only
+/// (`UsageFields::total_tokens`) less any output.
+fn prompt_count(prompt: Option<u64>, total: Option<u64>, completion: u64) -> u64 {
+    prompt
+        .or_else(|| total.map(|t| t.saturating_sub(completion)))
+        .unwrap_or(0)
 }
 
 /// The fields of a usage object either API writes, each as read (`None` when absent).
@@ -274,11 +280,8 @@ impl UsageFields {
             };
         }
         let completion_tokens = self.completion_tokens.unwrap_or(0);
-        let total_less_output = self
-            .total_tokens
-            .map(|t| t.saturating_sub(completion_tokens));
         Usage {
-            prompt_tokens: self.prompt_tokens.or(total_less_output).unwrap_or(0),
+            prompt_tokens: prompt_count(self.prompt_tokens, self.total_tokens, completion_tokens),
             completion_tokens,
             cached_tokens: self.cached_tokens,
         }
