@@ -10,6 +10,7 @@
 
 use serde::de::{self, Visitor};
 use serde::{Deserialize, Deserializer};
+use serde_json::value::RawValue;
 use std::fmt;
 
 /// A count (`max_tokens`, `n`): a whole number, from an integer, a float with no fraction, a
@@ -151,16 +152,16 @@ impl<'de> Deserialize<'de> for Flag {
 }
 
 impl Flag {
-    /// A field read as a JSON value, left to the engine to refuse: on only if it says so.
-    pub(super) fn on(value: &serde_json::Value) -> bool {
-        Flag::deserialize(value).is_ok_and(|f| f.0)
+    /// A field kept as it was written, left to the engine to refuse: on only if it says so.
+    pub(super) fn on(value: &RawValue) -> bool {
+        serde_json::from_str::<Flag>(value.get()).is_ok_and(|f| f.0)
     }
 }
 
 impl Count {
-    /// A field read as a JSON value, left to the engine to refuse: its count, if it is one.
-    pub(super) fn of(value: &serde_json::Value) -> Option<u64> {
-        Count::deserialize(value).ok().map(|c| c.0)
+    /// A field kept as it was written, left to the engine to refuse: its count, if it is one.
+    pub(super) fn of(value: &RawValue) -> Option<u64> {
+        serde_json::from_str::<Count>(value.get()).ok().map(|c| c.0)
     }
 }
 
@@ -256,9 +257,12 @@ mod tests {
         ] {
             assert_eq!(flag(json), want, "{json}");
         }
-        assert!(Flag::on(&serde_json::json!("yes")));
-        assert!(!Flag::on(&serde_json::json!({})));
-        assert_eq!(Count::of(&serde_json::json!("20")), Some(20));
-        assert_eq!(Count::of(&serde_json::json!("x")), None);
+        let raw = |json: &'static str| serde_json::from_str::<&RawValue>(json).unwrap();
+        assert!(Flag::on(raw(r#""yes""#)));
+        assert!(!Flag::on(raw("{}")));
+        assert!(!Flag::on(raw("[true]")));
+        assert_eq!(Count::of(raw(r#""20""#)), Some(20));
+        assert_eq!(Count::of(raw(r#""x""#)), None);
+        assert_eq!(Count::of(raw("[20]")), None);
     }
 }

@@ -1,5 +1,6 @@
 //! The OpenAI-compatible wire format, in both directions: what a request body says
-//! (`request`; the shapes its prompt takes, read in one pass, in `shapes`; its numbers and
+//! (`request`; the shapes its prompt takes, read in one pass, in `shapes`, and rendered into
+//! its canonical text as they are read, by `render`; its numbers and
 //! flags read as the engines read them, in `lax`), what the model server's response reports as it streams past (`response`; each
 //! streamed chunk's pieces of text counted by `sse_chunk`; a JSON answer too long to keep walked
 //! for its usage by `long_body`), the answers kvgate gives itself
@@ -12,6 +13,7 @@
 pub mod header_map;
 mod lax;
 mod long_body;
+mod render;
 pub mod reply;
 pub mod request;
 pub mod response;

@@ -6,9 +6,14 @@
 //! hashing.
 
 use super::lax::{Count, Flag};
-use super::shapes::{Content, Input, Message, Part, Prompt, ScoreInputs, Text};
-use serde::Deserialize;
-use std::fmt::{self, Write as _};
+use super::render::{with_room, Rendering};
+use super::shapes::{
+    Content, Input, Json, Prompt, ScoreInputs, SystemApart, SystemInline, SystemRule, Text, Turns,
+};
+use serde::de::{self, SeqAccess, Visitor};
+use serde::{Deserialize, Deserializer};
+use serde_json::value::RawValue;
+use std::fmt;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Api {
@@ -149,9 +154,11 @@ impl fmt::Display for BadRequest {
     }
 }
 
+/// A body of the OpenAI-compatible APIs and Anthropic's Messages API, whose system messages
+/// join its system prompt (`SystemApart`).
 #[derive(Deserialize, Default)]
 #[serde(default)]
-struct Body<'a> {
+struct Body<'a, S: SystemRule> {
     /// Kept raw: its place in the body is where a rename writes the target model.
     #[serde(borrow)]
     model: Option<&'a serde_json::value::RawValue>,
@@ -159,8 +166,8 @@ struct Body<'a> {
     prompt: Option<Prompt<'a>>,
     #[serde(borrow)]
     suffix: Option<Text<'a>>,
-    #[serde(borrow)]
-    messages: Option<Vec<Message<'a>>>,
+    #[serde(bound(deserialize = ""))]
+    messages: Option<Turns<S>>,
     #[serde(borrow)]
     input: Option<Input<'a>>,
     #[serde(borrow)]
@@ -168,7 +175,7 @@ struct Body<'a> {
     /// An Anthropic Messages request's system prompt: a string or text blocks.
     #[serde(borrow)]
     system: Option<Content<'a>>,
-    tools: Option<serde_json::Value>,
+    tools: Option<Json>,
     /// Absent (`None`), null (`Some(None)`) or a count: a completions request that has none at
     /// all stops at `COMPLETIONS_DEFAULT_MAX_TOKENS`.
     ///
@@ -182,10 +189,14 @@ struct Body<'a> {
     n: Option<Count>,
     /// The engine's parameters, read as values: one that is not a flag or a count is the
     /// engine's to refuse, not a reason for kvgate to refuse the body.
-    ignore_eos: Option<serde_json::Value>,
-    min_tokens: Option<serde_json::Value>,
-    previous_response_id: Option<serde_json::Value>,
-    store: Option<serde_json::Value>,
+    #[serde(borrow)]
+    ignore_eos: Option<&'a RawValue>,
+    #[serde(borrow)]
+    min_tokens: Option<&'a RawValue>,
+    #[serde(borrow)]
+    previous_response_id: Option<&'a RawValue>,
+    #[serde(borrow)]
+    store: Option<&'a RawValue>,
     stream: Option<Flag>,
     cache_salt: Option<String>,
 }
@@ -227,56 +238,97 @@ struct NativeBody<'a> {
 struct ScoreBody<'a> {
     #[serde(borrow)]
     model: Option<&'a serde_json::value::RawValue>,
-    #[serde(borrow)]
-    query: Option<ScoreInputs<'a>>,
-    #[serde(borrow)]
-    queries: Option<ScoreInputs<'a>>,
-    #[serde(borrow)]
-    data_1: Option<ScoreInputs<'a>>,
-    #[serde(borrow)]
-    text_1: Option<ScoreInputs<'a>>,
-    #[serde(borrow)]
-    documents: Option<ScoreInputs<'a>>,
-    #[serde(borrow)]
-    items: Option<ScoreInputs<'a>>,
-    #[serde(borrow)]
-    data_2: Option<ScoreInputs<'a>>,
-    #[serde(borrow)]
-    text_2: Option<ScoreInputs<'a>>,
+    query: Option<ScoreInputs>,
+    queries: Option<ScoreInputs>,
+    data_1: Option<ScoreInputs>,
+    text_1: Option<ScoreInputs>,
+    documents: Option<ScoreInputs>,
+    items: Option<ScoreInputs>,
+    data_2: Option<ScoreInputs>,
+    text_2: Option<ScoreInputs>,
     /// vLLM's pooling requests take one, as its generation requests do.
     cache_salt: Option<String>,
 }
 
 /// A value SGLang's `/generate` takes for the whole request or one a prompt (null where a prompt
-/// has none).
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum PerPrompt {
-    All(String),
-    Each(Vec<Option<String>>),
-}
+/// has none): kept only for the first prompt, which a batch is routed by; empty is none, as
+/// SGLang reads it.
+struct PerPrompt(Option<String>);
 
 impl PerPrompt {
-    /// The first prompt's, which a batch is routed by; empty is none, as SGLang reads it.
     fn first(self) -> Option<String> {
-        match self {
-            PerPrompt::All(s) => Some(s),
-            PerPrompt::Each(each) => each.into_iter().next().flatten(),
-        }
-        .filter(|s| !s.is_empty())
+        self.0.filter(|s| !s.is_empty())
     }
 }
 
-/// SGLang takes one `sampling_params` for every prompt of a batch, or a list of one a prompt.
-#[derive(Deserialize)]
-#[serde(untagged)]
+impl<'de> Deserialize<'de> for PerPrompt {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = PerPrompt;
+
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a string or an array of strings and nulls")
+            }
+
+            fn visit_str<E: de::Error>(self, s: &str) -> Result<Self::Value, E> {
+                Ok(PerPrompt(Some(s.to_owned())))
+            }
+
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                let first = seq.next_element::<Option<Text>>()?.flatten();
+                while seq.next_element::<Option<Text>>()?.is_some() {}
+                Ok(PerPrompt(first.map(|t| t.as_str().to_owned())))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// SGLang takes one `sampling_params` for every prompt of a batch, or a list of one a prompt,
+/// summed as read: the answers of those that set a limit, and of those left at the API's
+/// default (`Answers::at_default`), which differs between the native APIs.
 enum SamplingSet {
     All(Sampling),
-    Each(Vec<Sampling>),
+    Each {
+        limited: Answers,
+        defaulted: Answers,
+    },
+}
+
+impl<'de> Deserialize<'de> for SamplingSet {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = SamplingSet;
+
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("an object of sampling parameters, or an array of them")
+            }
+
+            fn visit_map<A: de::MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+                Sampling::deserialize(de::value::MapAccessDeserializer::new(map))
+                    .map(SamplingSet::All)
+            }
+
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                let (mut limited, mut defaulted) = (Answers::NONE, Answers::NONE);
+                while let Some(s) = seq.next_element::<Sampling>()? {
+                    match s.limit() {
+                        Some(max) => limited = limited.and(s.answers(max)),
+                        None => defaulted = defaulted.and(s.answers(Some(0))),
+                    }
+                }
+                Ok(SamplingSet::Each { limited, defaulted })
+            }
+        }
+        d.deserialize_any(V)
+    }
 }
 
 /// The sampling parameters kvgate decides on, under either engine's names: SGLang's
 /// `max_new_tokens` and `min_new_tokens`, vLLM's `SamplingParams` `max_tokens` and `min_tokens`.
+/// Its flags and counts are kept as read (a value that is neither is the engine's to refuse).
 #[derive(Deserialize, Default)]
 #[serde(default)]
 struct Sampling {
@@ -285,10 +337,38 @@ struct Sampling {
     max_new_tokens: Option<Option<Count>>,
     #[serde(deserialize_with = "present")]
     max_tokens: Option<Option<Count>>,
-    min_new_tokens: Option<serde_json::Value>,
-    min_tokens: Option<serde_json::Value>,
-    ignore_eos: Option<serde_json::Value>,
+    #[serde(deserialize_with = "lax_count")]
+    min_new_tokens: Option<u64>,
+    #[serde(deserialize_with = "lax_count")]
+    min_tokens: Option<u64>,
+    #[serde(deserialize_with = "lax_flag")]
+    ignore_eos: bool,
     n: Option<Count>,
+}
+
+impl Sampling {
+    /// The limit it sets (`Some(None)`: none but the context), or `None` for the API's default.
+    fn limit(&self) -> Option<Option<u64>> {
+        self.max_new_tokens
+            .or(self.max_tokens)
+            .map(|set| set.map(|c| c.0))
+    }
+
+    /// Its answers under the limit `max`.
+    fn answers(&self, max: Option<u64>) -> Answers {
+        let min = self.min_new_tokens.or(self.min_tokens);
+        Answers::of(self.n.map(|n| n.0), max, self.ignore_eos, min)
+    }
+}
+
+/// A flag read as the engine reads it, anything else off (the engine's to refuse).
+fn lax_flag<'de, D: Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+    <&RawValue>::deserialize(d).map(Flag::on)
+}
+
+/// A count read as the engine reads it, anything else none (the engine's to refuse).
+fn lax_count<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    <&RawValue>::deserialize(d).map(Count::of)
 }
 
 /// The salt a prompt's blocks are hashed by: its cache salt, and an SGLang `extra_key` after
@@ -315,19 +395,21 @@ struct Answers {
 }
 
 impl Answers {
+    /// None at all: what `and` adds to.
+    const NONE: Answers = Answers {
+        choices: 0,
+        max: Some(0),
+        min: 0,
+    };
+
     /// One prompt's: `n` choices, each up to `max` and at least `min_tokens`, or its whole
-    /// limit under `ignore_eos` (values the engine reads, left to it to refuse).
-    fn of(
-        n: Option<u64>,
-        max: Option<u64>,
-        ignore_eos: Option<&serde_json::Value>,
-        min_tokens: Option<&serde_json::Value>,
-    ) -> Answers {
+    /// limit under `ignore_eos`.
+    fn of(n: Option<u64>, max: Option<u64>, ignore_eos: bool, min_tokens: Option<u64>) -> Answers {
         let choices = n.unwrap_or(1).clamp(1, MAX_CHOICES);
-        let min = if ignore_eos.is_some_and(Flag::on) {
+        let min = if ignore_eos {
             u64::MAX
         } else {
-            min_tokens.and_then(Count::of).unwrap_or(0)
+            min_tokens.unwrap_or(0)
         };
         Answers {
             choices,
@@ -345,6 +427,17 @@ impl Answers {
         }
     }
 
+    /// Answers summed with no limit of their own (`max` 0), each choice at the API's `default`.
+    fn at_default(self, default: Option<u64>) -> Answers {
+        Answers {
+            max: match self.choices {
+                0 => Some(0),
+                choices => default.map(|m| m.saturating_mul(choices)),
+            },
+            ..self
+        }
+    }
+
     /// Two prompts' answers together.
     fn and(self, other: Answers) -> Answers {
         Answers {
@@ -356,9 +449,6 @@ impl Answers {
 }
 
 const MAX_MODEL_CHARS: usize = 256;
-/// How Claude Code's per-request attribution block opens (dropped from a Messages request's
-/// system prompt, `Request::push_system`).
-const BILLING_HEADER: &str = "x-anthropic-billing-header";
 /// The most answers a request is read to ask for: vLLM's default limit
 /// (`VLLM_MAX_N_SEQUENCES`), past which the engine refuses it.
 const MAX_CHOICES: u64 = 16_384;
@@ -449,6 +539,12 @@ impl Request {
 
     /// Parses a body for `api`. Fields kvgate does not use are ignored (clients send many).
     pub fn parse(api: Api, body: &[u8]) -> Result<Request, BadRequest> {
+        // The text is about as long as the body that carries it: grown by doublings instead, a
+        // long prompt was copied several times over (and once more for its last newline).
+        with_room(body.len(), || Self::parse_body(api, body))
+    }
+
+    fn parse_body(api: Api, body: &[u8]) -> Result<Request, BadRequest> {
         let Ok(body) = std::str::from_utf8(body) else {
             return Err(bad("request body is not valid UTF-8", None));
         };
@@ -460,16 +556,21 @@ impl Request {
             let parsed: NativeBody = Self::read(body)?;
             let model = parsed.model.filter(|_| api == Api::Tokens);
             let (model, model_span) = Self::model_of(model, body)?;
-            return Self::from_native(api, parsed, model, model_span, body.len());
+            return Self::from_native(api, parsed, model, model_span);
         }
         if api == Api::Score {
             let parsed: ScoreBody = Self::read(body)?;
             let (model, model_span) = Self::model_of(parsed.model, body)?;
-            return Self::from_score(parsed, model, model_span, body.len());
+            return Self::from_score(parsed, model, model_span);
         }
-        let parsed: Body = Self::read(body)?;
+        if api == Api::Messages {
+            let parsed: Body<SystemApart> = Self::read(body)?;
+            let (model, model_span) = Self::model_of(parsed.model, body)?;
+            return Self::from_body(api, parsed, model, model_span);
+        }
+        let parsed: Body<SystemInline> = Self::read(body)?;
         let (model, model_span) = Self::model_of(parsed.model, body)?;
-        Self::from_body(api, parsed, model, model_span, body.len())
+        Self::from_body(api, parsed, model, model_span)
     }
 
     /// The `model` of a JSON object on a path kvgate does not read (vLLM's `/tokenize`,
@@ -544,12 +645,11 @@ impl Request {
         out
     }
 
-    fn from_body(
+    fn from_body<S: SystemRule>(
         api: Api,
-        b: Body,
+        b: Body<S>,
         model: String,
         model_span: (usize, usize),
-        body_len: usize,
     ) -> Result<Request, BadRequest> {
         let mut out = Request {
             model,
@@ -558,11 +658,11 @@ impl Request {
             templated: matches!(api, Api::ChatCompletions | Api::Responses | Api::Messages),
             stream: b.stream.is_some_and(|f| f.0),
             cache_salt: b.cache_salt,
-            // The text is about as long as the body that carries it: grown by doublings instead,
-            // a long prompt was copied several times over (and once more for its last newline).
-            text: String::with_capacity(body_len),
             ..Request::default()
         };
+        // The body's room, unless a list took it as it was read (`Rendering::append` then takes
+        // the list's rendering whole).
+        let mut r = Rendering::new();
         let count = |c: Option<Count>| c.map(|c| c.0);
         let max = match api {
             Api::Completions => match b.max_tokens {
@@ -583,65 +683,47 @@ impl Request {
         if api == Api::Responses {
             out.previous_response = b
                 .previous_response_id
-                .as_ref()
-                .and_then(serde_json::Value::as_str)
-                .map(str::to_string);
-            out.stored = b.store.as_ref().is_none_or(Flag::on);
+                .and_then(|id| serde_json::from_str::<String>(id.get()).ok());
+            out.stored = b.store.is_none_or(Flag::on);
         }
         if let Some(tools) = &b.tools {
-            out.push_json("tools", tools);
+            r.push_json("tools", tools);
         }
+        let conversation = |turns: Option<Turns<S>>| match turns {
+            None => Err(missing("messages")),
+            Some(t) if t.count == 0 => Err(bad("`messages` must not be empty", Some("messages"))),
+            Some(t) => Ok(t),
+        };
         match api {
             Api::Completions => {
                 let prompt = b.prompt.ok_or_else(|| missing("prompt"))?;
-                out.prompts = out.push_input(prompt.0).max(1);
+                out.prompts = out.push_input(&mut r, prompt.0).max(1);
                 if let Some(suffix) = &b.suffix {
-                    out.text.push_str(suffix.as_str());
+                    r.text.push_str(suffix.as_str());
                 }
             }
-            Api::ChatCompletions => {
-                let messages = b.messages.ok_or_else(|| missing("messages"))?;
-                if messages.is_empty() {
-                    return Err(bad("`messages` must not be empty", Some("messages")));
-                }
-                for m in &messages {
-                    out.push_message(m);
-                }
-            }
+            Api::ChatCompletions => r.append(conversation(b.messages)?.rendering),
             Api::Responses => {
                 if let Some(instructions) = &b.instructions {
-                    out.push_turn("system", instructions.as_str());
+                    r.push_turn("system", instructions.as_str());
                 }
-                out.push_input(b.input.ok_or_else(|| missing("input"))?);
+                out.push_input(&mut r, b.input.ok_or_else(|| missing("input"))?);
             }
             // vLLM's chat embeddings (`EmbeddingChatRequest`): `messages` in place of `input`,
             // rendered through the model's chat template.
             Api::Embeddings | Api::Pooling => match (b.input, b.messages) {
-                (Some(input), _) => _ = out.push_input(input),
+                (Some(input), _) => _ = out.push_input(&mut r, input),
                 (None, Some(messages)) => {
-                    if messages.is_empty() {
-                        return Err(bad("`messages` must not be empty", Some("messages")));
-                    }
                     out.templated = true;
-                    messages.iter().for_each(|m| out.push_message(m));
+                    r.append(conversation(Some(messages))?.rendering);
                 }
                 (None, None) if api == Api::Pooling => return Err(missing("input").of_no_prompt()),
                 (None, None) => return Err(missing("input")),
             },
             Api::Messages => {
-                let messages = b.messages.ok_or_else(|| missing("messages"))?;
-                if messages.is_empty() {
-                    return Err(bad("`messages` must not be empty", Some("messages")));
-                }
-                let system = |m: &&Message| m.role.as_ref().is_some_and(|r| r.as_str() == "system");
-                let turns = messages
-                    .iter()
-                    .filter(system)
-                    .filter_map(|m| m.content.as_ref());
-                out.push_system(b.system.iter().chain(turns));
-                for m in messages.iter().filter(|m| !system(m)) {
-                    out.push_message(m);
-                }
+                let turns = conversation(b.messages)?;
+                r.push_system(b.system.as_ref(), &turns.system);
+                r.append(turns.rendering);
             }
             Api::Generate | Api::Tokens | Api::Score => {}
         }
@@ -651,8 +733,10 @@ impl Request {
         } else {
             count(b.n)
         };
-        let answers = Answers::of(n, max, b.ignore_eos.as_ref(), b.min_tokens.as_ref());
+        let ignore_eos = b.ignore_eos.is_some_and(Flag::on);
+        let answers = Answers::of(n, max, ignore_eos, b.min_tokens.and_then(Count::of));
         out.set_answers(answers.times(out.prompts));
+        out.set_rendering(r);
         Ok(out)
     }
 
@@ -663,7 +747,6 @@ impl Request {
         b: NativeBody,
         model: String,
         model_span: (usize, usize),
-        body_len: usize,
     ) -> Result<Request, BadRequest> {
         let mut out = Request {
             model,
@@ -674,9 +757,9 @@ impl Request {
                 b.extra_key.and_then(PerPrompt::first),
             ),
             adapter: b.lora_path.and_then(PerPrompt::first),
-            text: String::with_capacity(body_len),
             ..Request::default()
         };
+        let mut r = Rendering::new();
         // vLLM's releases stopped at its `SamplingParams` default of 16 without `max_tokens`,
         // its main runs to the context as on its OpenAI paths: read as no limit, the safe side.
         let (prompt, default_max) = match api {
@@ -689,33 +772,23 @@ impl Request {
                 Some(SGLANG_DEFAULT_MAX_NEW_TOKENS),
             ),
         };
-        out.prompts = out.push_input(prompt.0).max(1);
+        out.prompts = out.push_input(&mut r, prompt.0).max(1);
         let params = match b.sampling_params {
             Some(set) => set,
             None if api == Api::Tokens => return Err(missing("sampling_params")),
             None => SamplingSet::All(Sampling::default()),
         };
-        let answers = |s: &Sampling| {
-            let max = match s.max_new_tokens.or(s.max_tokens) {
-                None => default_max,
-                Some(set) => set.map(|c| c.0),
-            };
-            let min = s.min_new_tokens.as_ref().or(s.min_tokens.as_ref());
-            Answers::of(s.n.map(|n| n.0), max, s.ignore_eos.as_ref(), min)
-        };
         let all = match &params {
-            SamplingSet::All(s) => answers(s).times(out.prompts),
+            SamplingSet::All(s) => s
+                .answers(s.limit().unwrap_or(default_max))
+                .times(out.prompts),
             // One a prompt (the engine refuses a list of another length).
-            SamplingSet::Each(each) => each.iter().map(answers).fold(
-                Answers {
-                    choices: 0,
-                    max: Some(0),
-                    min: 0,
-                },
-                Answers::and,
-            ),
+            SamplingSet::Each { limited, defaulted } => {
+                limited.and(defaulted.at_default(default_max))
+            }
         };
         out.set_answers(all);
+        out.set_rendering(r);
         Ok(out)
     }
 
@@ -725,18 +798,17 @@ impl Request {
         b: ScoreBody,
         model: String,
         model_span: (usize, usize),
-        body_len: usize,
     ) -> Result<Request, BadRequest> {
         let first = b.query.or(b.queries).or(b.data_1).or(b.text_1);
         let second = b.documents.or(b.items).or(b.data_2).or(b.text_2);
-        let (Some(ScoreInputs(ones)), Some(ScoreInputs(twos))) = (first, second) else {
+        let (Some(ones), Some(twos)) = (first, second) else {
             return Err(missing("documents").of_no_prompt());
         };
         // vLLM's `_validate_score_input_lens`, word for word.
-        if ones.is_empty() {
+        if ones.len() == 0 {
             return Err(bad("At least one text element must be given", None));
         }
-        if twos.is_empty() {
+        if twos.len() == 0 {
             return Err(bad("At least one text_pair element must be given", None));
         }
         if ones.len() > 1 && ones.len() != twos.len() {
@@ -746,35 +818,34 @@ impl Request {
             model,
             model_span,
             cache_salt: b.cache_salt,
-            text: String::with_capacity(body_len),
             ..Request::default()
         };
+        let mut r = Rendering::new();
         let pairs = twos.len() as u64;
-        if let [query] = ones.as_slice() {
-            out.push_content(query);
-            let (query_len, query_parts) = (out.text.len(), out.non_text_parts);
-            for (i, document) in twos.iter().enumerate() {
-                if i == 1 {
-                    out.first_prompt = Some(out.text.len());
-                }
-                out.push_content(document);
-            }
+        let mut non_text = ones.non_text_parts.saturating_add(twos.non_text_parts);
+        if ones.len() == 1 {
+            r.text.push_str(ones.get(0));
+            let query_len = r.text.len();
             if pairs > 1 {
+                out.first_prompt = Some(query_len + twos.get(0).len());
                 out.repeated = Some((query_len, pairs - 1));
-                let again = query_parts.saturating_mul(pairs - 1);
-                out.non_text_parts = out.non_text_parts.saturating_add(again);
+                let again = ones.first_non_text_parts.saturating_mul(pairs - 1);
+                non_text = non_text.saturating_add(again);
             }
+            r.text.push_str(twos.rest(0));
         } else {
-            for (i, (query, document)) in ones.iter().zip(&twos).enumerate() {
+            for i in 0..ones.len() {
                 if i == 1 {
-                    out.first_prompt = Some(out.text.len());
+                    out.first_prompt = Some(r.text.len());
                 }
-                out.push_content(query);
-                out.push_content(document);
+                r.text.push_str(ones.get(i));
+                r.text.push_str(twos.get(i));
             }
         }
+        r.non_text_parts = non_text;
         out.prompts = pairs;
-        out.set_answers(Answers::of(None, Some(0), None, None).times(pairs));
+        out.set_answers(Answers::of(None, Some(0), false, None).times(pairs));
+        out.set_rendering(r);
         Ok(out)
     }
 
@@ -784,178 +855,40 @@ impl Request {
         self.min_output_tokens = a.min;
     }
 
-    /// Adds an input's text or ids; returns how many prompts it is (a completions batch: a
-    /// list of strings, or of lists of ids).
-    fn push_input(&mut self, input: Input) -> u64 {
+    fn set_rendering(&mut self, r: Rendering) {
+        self.text = r.text;
+        self.opening = r.opening;
+        self.non_text_parts = r.non_text_parts;
+    }
+
+    /// Adds an input's text or ids to `r`; returns how many prompts it is (a completions batch:
+    /// a list of strings, or of lists of ids).
+    fn push_input(&mut self, r: &mut Rendering, input: Input) -> u64 {
         match input {
-            Input::Text(t) => self.text.push_str(t.as_str()),
-            Input::Texts(ts) => {
-                for (i, t) in ts.iter().enumerate() {
-                    if i == 1 {
-                        self.first_prompt = Some(self.text.len());
-                    }
-                    self.text.push_str(t.as_str());
+            Input::Text(t) => r.text.push_str(t.as_str()),
+            Input::Texts { text, first, count } => {
+                if count > 1 {
+                    self.first_prompt = Some(r.text.len() + first);
                 }
-                return ts.len() as u64;
+                r.text.push_str(&text);
+                return count;
             }
             Input::Tokens { ids, lists, first } => {
                 self.token_ids += ids;
-                if self.text.is_empty() {
+                if r.text.is_empty() {
                     self.ids = first.bytes;
                 }
                 return lists;
             }
             Input::Ids(ids) => {
                 self.token_ids += ids.count;
-                if self.text.is_empty() {
+                if r.text.is_empty() {
                     self.ids = ids.bytes;
                 }
             }
-            Input::Items(items) => items.iter().for_each(|m| self.push_message(m)),
+            Input::Items(items) => r.append(items.rendering),
         }
         1
-    }
-
-    /// Chat turns render as `<role>\n<content>\n` (`<role name>` for a named participant), one
-    /// after another, so a conversation's next turn extends the text of the previous one.
-    fn open_turn(&mut self, role: &str, name: Option<&str>) {
-        self.text.push('<');
-        self.text.push_str(role);
-        if let Some(name) = name {
-            self.text.push(' ');
-            self.text.push_str(name);
-        }
-        self.text.push_str(">\n");
-    }
-
-    fn push_turn(&mut self, role: &str, content: &str) {
-        let opens = self.opens(role);
-        self.open_turn(role, None);
-        self.text.push_str(content);
-        self.text.push('\n');
-        self.opened(opens);
-    }
-
-    fn push_json(&mut self, role: &str, value: &serde_json::Value) {
-        let opens = self.opens(role);
-        self.open_turn(role, None);
-        self.push_value(value);
-        self.text.push('\n');
-        self.opened(opens);
-    }
-
-    /// Whether a turn of `role` about to be pushed is part of the opening (`Request::opening`):
-    /// the application's kind of turn, with nothing but the opening before it.
-    fn opens(&self, role: &str) -> bool {
-        self.text.len() == self.opening && matches!(role, "system" | "developer" | "tools")
-    }
-
-    /// The turn just pushed extends the opening if it `opens`.
-    fn opened(&mut self, opens: bool) {
-        if opens {
-            self.opening = self.text.len();
-        }
-    }
-
-    /// Renders `value` as compact JSON straight into the text.
-    fn push_value(&mut self, value: &serde_json::Value) {
-        // Writing to a String cannot fail.
-        let _ = write!(self.text, "{value}");
-    }
-
-    /// A content part's text; one that carries no text field at all and names a kind (an image,
-    /// audio, a file) counts as a non-text part. (A text field that is empty is text: none.)
-    fn push_part(&mut self, p: &Part) {
-        // Anthropic blocks the engine drops from the prompt (vLLM's `_convert_block`).
-        if matches!(p.kind.as_str(), "redacted_thinking" | "tool_reference") {
-            return;
-        }
-        let texts = [
-            p.text.as_ref().or(p.refusal.as_ref()),
-            p.thinking.as_ref(),
-            p.name.as_ref(),
-        ];
-        let mut carried = false;
-        for t in texts.into_iter().flatten() {
-            self.text.push_str(t.as_str());
-            carried = true;
-        }
-        if let Some(input) = &p.input {
-            self.push_value(input);
-            carried = true;
-        }
-        match &p.content {
-            Some(Content::Text(t)) => self.text.push_str(t.as_str()),
-            Some(Content::Parts(parts)) => parts.iter().for_each(|q| self.push_part(q)),
-            None if !carried && !p.kind.as_str().is_empty() => self.non_text_parts += 1,
-            None => {}
-        }
-    }
-
-    /// A Messages request's one system turn, as the engine renders it (vLLM's
-    /// `_convert_system_message`): the top-level `system`, then every system message's text,
-    /// joined, at the start of the conversation. A text block that opens with Claude Code's
-    /// `x-anthropic-billing-header` is dropped, as the engine drops it: it carries a hash that
-    /// differs on every request and would end every prompt's shared prefix at its first block.
-    fn push_system<'c>(&mut self, contents: impl Iterator<Item = &'c Content<'c>>) {
-        let opens = self.opens("system");
-        let start = self.text.len();
-        self.open_turn("system", None);
-        let header = self.text.len();
-        for c in contents {
-            match c {
-                Content::Text(t) => self.text.push_str(t.as_str()),
-                Content::Parts(parts) => {
-                    let texts = parts.iter().filter(|p| p.kind.as_str() == "text");
-                    let texts = texts.filter_map(|p| p.text.as_ref().map(Text::as_str));
-                    for t in texts.filter(|t| !t.starts_with(BILLING_HEADER)) {
-                        self.text.push_str(t);
-                    }
-                }
-            }
-        }
-        if self.text.len() == header {
-            // No system text: no system turn.
-            self.text.truncate(start);
-            return;
-        }
-        self.text.push('\n');
-        self.opened(opens);
-    }
-
-    /// A string's text, or each part's (`push_part`).
-    fn push_content(&mut self, c: &Content) {
-        match c {
-            Content::Text(t) => self.text.push_str(t.as_str()),
-            Content::Parts(parts) => parts.iter().for_each(|p| self.push_part(p)),
-        }
-    }
-
-    fn push_message(&mut self, m: &Message) {
-        let role = m
-            .role
-            .as_ref()
-            .or(m.kind.as_ref())
-            .map_or("user", Text::as_str);
-        let opens = self.opens(role);
-        self.open_turn(role, m.name.as_ref().map(Text::as_str));
-        if let Some(content) = &m.content {
-            self.push_content(content);
-        }
-        if let Some(args) = &m.arguments {
-            self.text.push_str(args.as_str());
-        }
-        if let Some(output) = &m.output {
-            match output {
-                serde_json::Value::String(s) => self.text.push_str(s),
-                other => self.push_value(other),
-            }
-        }
-        if let Some(calls) = &m.tool_calls {
-            self.push_value(calls);
-        }
-        self.text.push('\n');
-        self.opened(opens);
     }
 }
 
@@ -1334,8 +1267,9 @@ mod tests {
                   {"type":"text","text":"thanks"}]}]}"#,
         )
         .unwrap();
+        // JSON compact, keys in the client's order, as transformers' `tojson` renders them.
         let tools = r#"<tools>
-[{"input_schema":{"type":"object"},"name":"f"}]
+[{"name":"f","input_schema":{"type":"object"}}]
 "#;
         let opening = format!("{tools}<system>\nYou are terse. Also kind.\n");
         assert_eq!(
@@ -1417,7 +1351,25 @@ mod tests {
         let e = p(r#"{"sampling_params":{}}"#).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("text"));
         let e = p(r#"{"text":"x","sampling_params":{"max_new_tokens":"lots"}}"#).unwrap_err();
-        assert_eq!(e.param.as_deref(), Some("sampling_params"), "{}", e.message);
+        assert_eq!(
+            e.param.as_deref(),
+            Some("sampling_params.max_new_tokens"),
+            "{}",
+            e.message
+        );
+        // A prompt whose parameters set no limit runs to the API's default.
+        let mixed =
+            r#"{"input_ids":[[1],[2],[3]],"sampling_params":[{"max_new_tokens":5},{},{"n":2}]}"#;
+        let mixed = p(mixed).unwrap();
+        assert_eq!(
+            (mixed.choices, mixed.max_output_tokens),
+            (4, Some(5 + 128 * 3))
+        );
+        let tokens = |body: &str| Request::parse(Api::Tokens, body.as_bytes()).unwrap();
+        let vllm = tokens(r#"{"token_ids":[1],"sampling_params":[{"max_tokens":5},{}]}"#);
+        assert_eq!((vllm.choices, vllm.max_output_tokens), (2, None));
+        let vllm = tokens(r#"{"token_ids":[1],"sampling_params":[{"max_tokens":5}]}"#);
+        assert_eq!((vllm.choices, vllm.max_output_tokens), (1, Some(5)));
     }
 
     /// SGLang's cache namespace and adapter, as its `/generate` takes them: `cache_salt`,
@@ -1710,12 +1662,33 @@ mod tests {
         }
     }
 
+    /// Refused at serde_json's depth limit, whether read part by part (content) or kept as
+    /// written (`tools`, `tool_calls`), and without recursion.
     #[test]
     fn deeply_nested_json_is_refused_not_overflowed() {
+        let tools = |open: &str, close: &str, times| {
+            format!(
+                r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],"tools":{}0{}}}"#,
+                open.repeat(times),
+                close.repeat(times)
+            )
+        };
+        assert!(chat(&tools("[", "]", 100_000)).is_err());
+        assert!(chat(&tools(r#"{"a":"#, "}", 129)).is_err());
+        assert!(chat(&tools(r#"{"a":["#, "]}", 64)).is_ok());
+        // Brackets inside strings are text.
+        assert!(chat(&tools(r#"["[{\"\\[","#, "]", 128)).is_ok());
+        assert!(chat(&tools(r#"["[{\"\\[","#, "]", 129)).is_err());
         let deep = format!(
-            r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],"tools":{}{}}}"#,
-            "[".repeat(100_000),
-            "]".repeat(100_000)
+            r#"{{"model":"m","messages":[{{"role":"user","content":{}"x"{}}}]}}"#,
+            r#"[{"content":"#.repeat(100_000),
+            "}]".repeat(100_000)
+        );
+        assert!(chat(&deep).is_err());
+        let deep = format!(
+            r#"{{"model":"m","messages":[{{"role":"assistant","tool_calls":{}1{}}}]}}"#,
+            r#"{"a":"#.repeat(40_000),
+            "}".repeat(40_000)
         );
         assert!(chat(&deep).is_err());
     }

@@ -329,6 +329,51 @@ def test_thousands_of_messages_and_parts_in_bounded_time(stubs):
     assert_drained(envoy)
 
 
+def test_a_bodys_shape_does_not_grow_a_vms_memory(stubs):
+    """Bodies just under maxBodyBytes made of the smallest elements each list may hold: empty
+    messages, content parts, input items and strings, tool JSON, score documents, per-prompt
+    sampling parameters. Each list is rendered as it is read, one element at a time, so no VM's
+    linear memory (which never shrinks) grows by more than a dozen bodies' worth. Read into lists
+    of structs, one such body of 1 MiB took 144 MiB of heap natively (BENCHMARKS.md, *A body's
+    parse in bounded memory*)."""
+    envoy = stubs
+
+    def fill(head, element, tail):
+        n = (MAX_BODY - len(head) - len(tail) - 64) // len(element)
+        return (head + (element * n)[:-1] + tail).encode()
+
+    chat = '{"model":"%s","max_tokens":4,' % MODEL
+    shapes = [
+        ("empty messages", "/v1/chat/completions", fill(chat + '"messages":[', "{},", "]}")),
+        ("empty parts", "/v1/chat/completions", fill(chat + '"messages":[{"role":"user","content":[', "{},", "]}]}")),
+        ("empty items", "/v1/responses", fill('{"model":"%s","max_output_tokens":4,"input":[' % MODEL, "{},", "]}")),
+        ("empty strings", "/v1/embeddings", fill('{"model":"%s","input":[' % MODEL, '"",', "]}")),
+        ("tool JSON", "/v1/chat/completions",
+         fill(chat + '"messages":[{"role":"user","content":"hi"}],"tools":[', "0,", "]}")),
+        ("empty documents", "/v1/score", fill('{"model":"%s","queries":"q","documents":[' % MODEL, '"",', "]}")),
+        ("sampling lists", "/generate", fill('{"text":"hi","sampling_params":[', "{},", "]}")),
+    ]
+    # Each worker's VM first grows to what an ordinary body of that size takes.
+    prose = json.dumps({"model": MODEL, "max_tokens": 4, "messages": [
+        {"role": "user", "content": " ".join(f"w{i}" for i in range(MAX_BODY // 8))}]}).encode()
+    for _ in range(4 * envoy.concurrency):
+        assert send(envoy, prose)[0] == 200
+    before = wasm_memories(envoy.proc.pid)
+    for name, path, body in shapes:
+        st, _, b, dt = send(envoy, body, path=path)
+        print(f"{name} ({len(body)} bytes, {path}): {st} in {dt * 1000:.0f} ms")
+        assert st < 500 and dt < 3, (name, st, b[:300])
+    after = wasm_memories(envoy.proc.pid)
+    growth = [(b[0] - a[0]) for a, b in zip(before, after)]
+    print(f"wasm memories KiB before {[m[0] for m in before]} after {[m[0] for m in after]}")
+    # A body's text may render larger than the body (an empty message is a turn of its own),
+    # and a string grows by doublings: a dozen bodies' worth at most (read into lists of
+    # structs, these grew two VMs by 26 and 28 MiB).
+    assert all(g <= 12 * MAX_BODY // 1024 for g in growth), f"a VM's memory grew: {growth} KiB"
+    still_routes(envoy)
+    assert_drained(envoy)
+
+
 def test_crafted_prefixes_keep_the_index_bounded_and_routing_sane(stubs):
     """Prompts of ~3,000 blocks each (pods hold 512): unique ones, ones that share their first
     2,000 blocks and differ after, and long repeats of one block's text. Each VM's index is
