@@ -131,16 +131,21 @@ struct MetaInfo {
     prompt_tokens: u64,
     completion_tokens: u64,
     cached_tokens: Option<u64>,
-    finish_reason: Option<serde_json::Value>,
+    #[serde(rename = "finish_reason", deserialize_with = "not_null")]
+    ended: bool,
 }
 
-/// An SGLang `/generate` answer as JSON: an object, or a list of one an answer.
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum NativeAnswers {
-    One(NativeAnswer),
-    Each(Vec<NativeAnswer>),
+/// A value there and not null, skipped whatever it holds.
+fn not_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+    Option::<serde::de::IgnoredAny>::deserialize(d).map(|v| v.is_some())
 }
+
+/// SGLang `/generate` answers as JSON, an object or a list of one an answer: each answer's
+/// counts, read as the parser meets them (its text and ids skipped). Read as an untagged enum,
+/// the whole body was first copied into a tree of values, 25 to 65 times its size, and a batch
+/// of one answer was read as one answer whose `meta_info` was the answer itself (serde reads a
+/// struct from a list by position), its counts all zero.
+struct NativeCounts(Vec<MetaInfo>);
 
 #[derive(Deserialize, Default)]
 #[serde(default)]
@@ -148,13 +153,43 @@ struct NativeAnswer {
     meta_info: Option<MetaInfo>,
 }
 
+impl<'de> Deserialize<'de> for NativeCounts {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = NativeCounts;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an answer or a list of them")
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                map: A,
+            ) -> Result<NativeCounts, A::Error> {
+                let one =
+                    NativeAnswer::deserialize(serde::de::value::MapAccessDeserializer::new(map))?;
+                Ok(NativeCounts(one.meta_info.into_iter().collect()))
+            }
+
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<NativeCounts, A::Error> {
+                let mut counts = Vec::new();
+                while let Some(answer) = seq.next_element::<NativeAnswer>()? {
+                    counts.extend(answer.meta_info);
+                }
+                Ok(NativeCounts(counts))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
 /// A JSON body with no `usage`: SGLang's `/generate` answers, their counts summed.
 fn native_usage(bytes: &[u8]) -> Option<Usage> {
-    let answers = match serde_json::from_slice::<NativeAnswers>(bytes).ok()? {
-        NativeAnswers::One(a) => vec![a],
-        NativeAnswers::Each(each) => each,
-    };
-    let counts: Vec<MetaInfo> = answers.into_iter().filter_map(|a| a.meta_info).collect();
+    let counts = serde_json::from_slice::<NativeCounts>(bytes).ok()?.0;
     (!counts.is_empty()).then(|| summed(&counts))
 }
 
@@ -218,13 +253,25 @@ struct Body<U> {
 /// apply alike). So wherever it succeeds both readings agree, and a body it refuses gets the
 /// reading by value.
 fn body_usage(bytes: &[u8]) -> Option<Usage> {
+    if !is_object(bytes) {
+        return None;
+    }
     match serde_json::from_slice::<Body<UsageFields>>(bytes) {
         Ok(body) => body.usage.map(UsageFields::usage),
         Err(_) => by_value(bytes),
     }
 }
 
+/// Only an object has a `usage`: serde reads a struct from a list by position, which read an
+/// SGLang batch of one answer (`native_usage`) as that answer's usage, all zero.
+fn is_object(bytes: &[u8]) -> bool {
+    bytes.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{')
+}
+
 fn by_value(bytes: &[u8]) -> Option<Usage> {
+    if !is_object(bytes) {
+        return None;
+    }
     let value = serde_json::from_slice::<Body<serde_json::Value>>(bytes)
         .ok()?
         .usage?;
@@ -604,7 +651,7 @@ impl ResponseMeter {
         };
         // A request of several (`answering`): an answer that ends frees its tokens while the
         // others run on, as the answers of the OpenAI paths' streams do.
-        let ended = m.finish_reason.as_ref().is_some_and(|r| !r.is_null());
+        let ended = m.ended;
         if let Some(a) = self.answers.as_mut().and_then(|a| a.0.get_mut(i)) {
             a.pieces = m.completion_tokens;
             a.ended |= ended;
@@ -849,6 +896,10 @@ mod tests {
             cached_tokens: Some(0),
         };
         assert_eq!(m.finish(), Some(both));
+        // A batch of one answer is a list of one.
+        let mut m = ResponseMeter::new(Some("application/json"));
+        m.feed(format!("[{one}]").as_bytes());
+        assert_eq!(m.finish(), Some(usage));
     }
 
     #[test]
