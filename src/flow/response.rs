@@ -5,7 +5,7 @@
 //! `mod.rs`.
 
 use super::gunzip::{self, Gunzip};
-use super::{Admitted, Flow, Gate};
+use super::{Admitted, Flow, Gate, Sought};
 use crate::estimate::calibration::{Length, Sample};
 use crate::estimate::reservation::Ended;
 use crate::observe;
@@ -173,10 +173,21 @@ impl Flow {
     /// its response started, with what the engine's `usage` counted beside the estimate (each
     /// request's error, where the stats sum them); a refusal's (`refused`); or, for a client
     /// that left while its request waited in the line, `reason=client_left` with what was
-    /// known of it and how long it had waited (`now_ms`, read only then).
+    /// known of it and how long it had waited (`now_ms`, read only then); one that left while
+    /// its request was held for the stored response it names, alike with its model and how long
+    /// it was held (`held_ms`).
     pub fn take_access_log(&mut self, now_ms: impl FnOnce() -> u64) -> Option<String> {
         if !self.logs {
             return None;
+        }
+        if let Some(seeking) = &self.seeking {
+            let mut fields = vec![("x-kvgate-reason", "client_left".to_string())];
+            if let Sought::FollowUp(parsed) = &seeking.what {
+                fields.push(("x-kvgate-model", parsed.0.model.clone()));
+            }
+            let held = now_ms().saturating_sub(seeking.since_ms);
+            fields.push(("x-kvgate-held-ms", held.to_string()));
+            return Some(access_log_line(&fields));
         }
         if let Some((ticket, _)) = self.admitted.as_ref().and_then(|a| a.waiting.as_ref()) {
             let waited = now_ms().saturating_sub(ticket.enqueued_ms);
@@ -1052,6 +1063,27 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
     /// client's key: it goes to the first that has it, counted with the conversation its answer
     /// reports, and its next turns need no asking; by cost once every pod has said no, a call
     /// could not be sent, or the time is up.
+    /// A client that leaves while its request is held for the stored response it names is
+    /// logged as one that left the line is: `client_left`, its model, and how long it was held.
+    #[test]
+    fn a_client_that_leaves_while_held_for_a_stored_response_is_logged() {
+        let pods = ["10.0.0.1:80", "10.0.0.2:80"];
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let mut cfg = crate::test_support::with_pods(&pods);
+        cfg.metrics.cluster = "kvgate_metrics".into();
+        crate::test_support::lists_failed(&vm, &pods);
+        let mut gate = Gate::new(cfg, &vm).unwrap();
+        let (mut f, d) = streamed_follow_up(&mut gate, &vm, "resp_lost");
+        assert_eq!(d.step, crate::flow::Step::Hold);
+        host.advance_ms(40);
+        assert_eq!(
+            f.take_access_log(|| vm.now_ms()).as_deref(),
+            Some("reason=client_left model=m held_ms=40")
+        );
+        f.on_done(&mut gate, &vm);
+    }
+
     #[test]
     fn a_request_naming_a_response_no_note_names_asks_the_pods_and_goes_where_it_is_stored() {
         use crate::flow::Step;
