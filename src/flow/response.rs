@@ -1058,11 +1058,6 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
         assert_eq!(gate.stats.take_count(stats::STORED_UNKNOWN), 2);
     }
 
-    /// A request naming a response no note names (made before this Envoy started, forgotten,
-    /// or seen by a replica sharing no etcd) is held while each pod is asked for it, with the
-    /// client's key: it goes to the first that has it, counted with the conversation its answer
-    /// reports, and its next turns need no asking; by cost once every pod has said no, a call
-    /// could not be sent, or the time is up.
     /// A client that leaves while its request is held for the stored response it names is
     /// logged as one that left the line is: `client_left`, its model, and how long it was held.
     #[test]
@@ -1084,6 +1079,11 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
         f.on_done(&mut gate, &vm);
     }
 
+    /// A request naming a response no note names (made before this Envoy started, forgotten,
+    /// or seen by a replica sharing no etcd) is held while each pod is asked for it, with the
+    /// client's key: it goes to the first that has it, counted with the conversation its answer
+    /// reports, and its next turns need no asking; by cost once every pod has said no, a call
+    /// could not be sent, or the time is up.
     #[test]
     fn a_request_naming_a_response_no_note_names_asks_the_pods_and_goes_where_it_is_stored() {
         use crate::flow::Step;

@@ -79,15 +79,6 @@ impl Rendering {
         self.opened(opens);
     }
 
-    /// A turn of JSON (a request's `tools`).
-    pub fn push_json(&mut self, role: &str, value: &Json) {
-        let opens = self.opens(role);
-        self.open_turn(role, None);
-        self.text.push_str(&value.0);
-        self.text.push('\n');
-        self.opened(opens);
-    }
-
     /// Whether a turn of `role` about to be pushed is part of the opening (`Request::opening`):
     /// the application's kind of turn, with nothing but the opening before it.
     fn opens(&self, role: &str) -> bool {

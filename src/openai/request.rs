@@ -687,7 +687,7 @@ impl Request {
             out.stored = b.store.is_none_or(Flag::on);
         }
         if let Some(tools) = &b.tools {
-            r.push_json("tools", tools);
+            r.push_turn("tools", &tools.0);
         }
         let conversation = |turns: Option<Turns<S>>| match turns {
             None => Err(missing("messages")),
