@@ -80,7 +80,9 @@ def test_sglang_generate_is_admitted_within_the_budget():
         assert wait_for(lambda: envoy.stats(name).get(name, 0) == used, timeout=5), (envoy.stats(name), used)
 
     out = on_both_fronts(send, usage_read, pod_args=["--metrics-flavor", "sglang"])
-    assert out["round_robin"] >= 20, out
+    # Round robin's count swings with how the 48 streams overlap: 59-109 on this machine, 15 once
+    # on a loaded CI runner. Any preemption shows the pool is past its KV; kvgate's must be none.
+    assert out["round_robin"] > 0, out
     assert out["kvgate"] == 0, out
 
 
@@ -117,7 +119,7 @@ def test_vllm_token_requests_keep_their_prefix_pod_and_the_budget():
         return r
 
     out = on_both_fronts(send)
-    assert out["round_robin"] >= 20, out
+    assert out["round_robin"] > 0, out
     assert out["kvgate"] == 0, out
 
 
