@@ -32,7 +32,7 @@ CARGO_FUZZ_VERSION=0.13.2
 SANITIZER=${FUZZ_SANITIZER:-none}
 TRIPLE=$(rustc -vV | sed -n 's/^host: //p')
 BIN=$FUZZ/target/$TRIPLE/release
-TARGETS=(request response metrics config router flow gunzip)
+TARGETS=(request response metrics config router flow decode)
 
 log() { printf '\033[1m== %s\033[0m\n' "$*" >&2; }
 

@@ -55,8 +55,8 @@ pub struct Gate {
     pub(crate) unseen_answers: usize,
     /// Whether this VM has logged that responses reach it encoded (`Flow::on_response_encoded`).
     pub(crate) told_encoded: bool,
-    /// This VM's answers being decoded from gzip (`flow::gunzip`), at most `gunzip::MAX_OPEN`.
-    pub(crate) gunzips: usize,
+    /// What this VM's decoders of compressed answers hold (`flow::decode`).
+    pub(crate) decoders: crate::flow::decode::Room,
     /// This VM's requests held while the pods are asked for a stored response
     /// (`routing::stored_ask`), at most `stored_ask::MAX_ASKING`.
     pub(crate) asking: usize,
@@ -83,7 +83,7 @@ impl Gate {
             seeking_until_ms: None,
             unseen_answers: 0,
             told_encoded: false,
-            gunzips: 0,
+            decoders: Default::default(),
             asking: 0,
             other_turn: 0,
             stats: Stats::default(),

@@ -25,7 +25,7 @@ use crate::routing::stored_ask::{self, Asking};
 use crate::stats;
 use crate::store::interface::{Store, StoreError};
 
-pub mod gunzip;
+pub mod decode;
 mod other_path;
 mod response;
 use response::header_safe;
@@ -217,7 +217,7 @@ pub struct Flow {
     admitted: Option<Admitted>,
     meter: Option<ResponseMeter>,
     /// The answer's gzip decoder, when it comes gzipped (`Flow::on_response_encoded`).
-    gunzip: Option<gunzip::Gunzip>,
+    decoder: Option<decode::Decoder>,
     finished: bool,
     /// The client's headers set a priority: a model's default band does not replace it.
     priority_given: bool,

@@ -4,7 +4,7 @@
 //! engine's `usage` says of the estimate (stats and calibration). The request side is `flow`'s
 //! `mod.rs`.
 
-use super::gunzip::{self, Gunzip};
+use super::decode::Decoder;
 use super::{Admitted, Flow, Gate, Sought};
 use crate::estimate::calibration::{Length, Sample};
 use crate::estimate::reservation::Ended;
@@ -233,18 +233,17 @@ impl Flow {
 
     /// The response's body comes encoded (its `content-encoding` names a coding other than
     /// `identity`): a compressor filter placed after kvgate in the chain (clients such as
-    /// OpenAI's SDKs ask for gzip), or an upstream that compresses. gzip, the coding those
-    /// clients ask for first, is decoded as it streams (`gunzip`) and the answer metered as a
-    /// plain one (`kvgate.response.decoded`), while this VM decodes fewer than
-    /// `gunzip::MAX_OPEN` answers. Any other is `unmetered`. Returns whether the request must
-    /// now be grown on the tick (`answers_unseen`), when it was not already.
+    /// OpenAI's SDKs ask for gzip), or an upstream that compresses. gzip and brotli are decoded
+    /// as they stream (`decode`) and the answer metered as a plain one
+    /// (`kvgate.response.decoded`), while this VM has room for their decoders
+    /// (`decode::Room`). Any other is `unmetered`. Returns whether the request must now be grown
+    /// on the tick (`answers_unseen`), when it was not already.
     pub fn on_response_encoded(&mut self, gate: &mut Gate, coding: &str) -> bool {
         if !super::encoded(coding) || self.meter.is_none() {
             return false;
         }
-        if gunzip::decodes(coding) && gate.gunzips < gunzip::MAX_OPEN {
-            gate.gunzips += 1;
-            self.gunzip = Some(Gunzip::default());
+        if let Some(d) = Decoder::open(coding, &mut gate.decoders) {
+            self.decoder = Some(d);
             gate.stats.count(stats::RESPONSE_DECODED, 1);
             return false;
         }
@@ -283,26 +282,32 @@ impl Flow {
         self.meter.is_some()
     }
 
-    /// The next piece of the response body, decoded first when it comes gzipped. Returns
-    /// whether the request must now be grown on the tick: its gzip turned out broken.
+    /// The next piece of the response body, decoded first when it comes compressed. Returns
+    /// whether the request must now be grown on the tick: its coding turned out broken, or its
+    /// brotli window found no room in the VM.
     pub fn on_response_body(&mut self, gate: &mut Gate, store: &dyn Store, bytes: &[u8]) -> bool {
-        let Some(mut g) = self.gunzip.take() else {
+        let Some(mut d) = self.decoder.take() else {
             self.meter_body(gate, store, bytes);
             return false;
         };
-        let fed = g.feed(bytes, &mut |text| self.meter_body(gate, store, text));
-        self.gunzip = Some(g);
+        let mut room = std::mem::take(&mut gate.decoders);
+        let fed = d.feed(&mut room, bytes, &mut |text| {
+            self.meter_body(gate, store, text)
+        });
+        gate.decoders = room;
+        let coding = d.coding();
+        self.decoder = Some(d);
         if fed.is_ok() {
             return false;
         }
-        self.close_gunzip(gate);
-        self.unmetered(gate, "gzip")
+        self.close_decoder(gate);
+        self.unmetered(gate, coding)
     }
 
     /// Frees this answer's decoder, if it has one.
-    fn close_gunzip(&mut self, gate: &mut Gate) {
-        if self.gunzip.take().is_some() {
-            gate.gunzips = gate.gunzips.saturating_sub(1);
+    fn close_decoder(&mut self, gate: &mut Gate) {
+        if let Some(d) = self.decoder.take() {
+            d.close(&mut gate.decoders);
         }
     }
 
@@ -418,7 +423,7 @@ impl Flow {
         if std::mem::replace(&mut self.finished, true) {
             return;
         }
-        self.close_gunzip(gate);
+        self.close_decoder(gate);
         if self.answers_unseen() {
             gate.unseen_answers = gate.unseen_answers.saturating_sub(1);
         }
@@ -737,14 +742,14 @@ mod tests {
         host.advance_ms(500);
         begun.on_tick(&mut gate, &vm);
         assert_eq!(entries()[2], (prompt, 100));
-        // A streamed answer that comes encoded in a coding kvgate does not decode (a brotli
+        // A streamed answer that comes encoded in a coding kvgate does not decode (a zstd
         // compressor after kvgate) cannot be read: from its response headers on it grows at the
         // pace to its end, as an unseen one, counted.
         let mut encoded = send(&mut gate, true);
         encoded.on_response_headers(&mut gate, &vm, Some("text/event-stream"), Some(pod));
         assert!(!encoded.on_response_encoded(&mut gate, " Identity "));
         assert!(encoded.reads_response() && !encoded.answers_unseen());
-        assert!(encoded.on_response_encoded(&mut gate, "br"));
+        assert!(encoded.on_response_encoded(&mut gate, "zstd"));
         assert!(!encoded.reads_response() && encoded.answers_unseen());
         assert_eq!(gate.stats.take_count(stats::RESPONSE_ENCODED), 1);
         host.advance_ms(305);
@@ -1379,8 +1384,8 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
         assert!(!f.on_response_encoded(&mut gate, "gzip"));
         assert!(f.reads_response() && !f.answers_unseen());
         assert_eq!(gate.stats.take_count(stats::RESPONSE_DECODED), 1);
-        assert_eq!(gate.gunzips, 1);
-        let (header, mut deflate) = crate::flow::gunzip::tests::flushing();
+        assert_eq!(gate.decoders.open(), 1);
+        let (header, mut deflate) = crate::flow::decode::gzip::tests::flushing();
         assert!(!f.on_response_body(&mut gate, &vm, &header));
         let piece = b"data: {\"choices\":[{\"index\":0,\"text\":\"a\"}]}\n\n";
         for _ in 0..40 {
@@ -1391,7 +1396,7 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
         f.on_response_body(&mut gate, &vm, &deflate(usage));
         f.on_done(&mut gate, &vm);
         assert_eq!(gate.stats.take_count(stats::USAGE_COMPLETION_TOKENS), 40);
-        assert_eq!(gate.gunzips, 0, "freed at its end");
+        assert_eq!(gate.decoders.open(), 0, "freed at its end");
         assert_eq!(gate.stats.take_count(stats::RESPONSE_ENCODED), 0);
 
         // Not gzip after all: from there at the pod's pace, counted as unread.
@@ -1399,13 +1404,13 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
         broken.on_response_encoded(&mut gate, "x-gzip");
         assert!(broken.on_response_body(&mut gate, &vm, b"data: {}\n\n"));
         assert!(!broken.reads_response() && broken.answers_unseen());
-        assert_eq!(gate.gunzips, 0);
+        assert_eq!(gate.decoders.open(), 0);
         assert_eq!(gate.stats.take_count(stats::RESPONSE_ENCODED), 1);
         assert_eq!(gate.tick_ms(&vm), QUICK_TICK_MS);
         broken.on_done(&mut gate, &vm);
 
         // A VM decodes at most `MAX_OPEN` answers at once.
-        let mut open: Vec<Flow> = (0..=gunzip::MAX_OPEN)
+        let mut open: Vec<Flow> = (0..=crate::flow::decode::Room::MAX_GZIPS)
             .map(|_| streaming(&mut gate, &vm))
             .collect();
         let unseen: Vec<bool> = open
@@ -1413,11 +1418,11 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
             .map(|f| f.on_response_encoded(&mut gate, "gzip"))
             .collect();
         assert_eq!(unseen.iter().filter(|u| **u).count(), 1, "the last one");
-        assert_eq!(gate.gunzips, gunzip::MAX_OPEN);
+        assert_eq!(gate.decoders.open(), crate::flow::decode::Room::MAX_GZIPS);
         for mut f in open {
             f.on_done(&mut gate, &vm);
         }
-        assert_eq!(gate.gunzips, 0);
+        assert_eq!(gate.decoders.open(), 0);
 
         // A Responses API answer that comes gzipped is noted on its pod by its id, as a plain
         // one is: its follow-ups go back there.
@@ -1426,13 +1431,79 @@ data: {"type":"response.completed","sequence_number":2,"response":{"id":"resp_1"
         answer.on_body(&mut gate, &vm, br#"{"model":"m","input":"hello"}"#);
         answer.on_response_headers(&mut gate, &vm, Some("application/json"), Some(pod));
         answer.on_response_encoded(&mut gate, "gzip");
-        let (header, mut deflate) = crate::flow::gunzip::tests::flushing();
+        let (header, mut deflate) = crate::flow::decode::gzip::tests::flushing();
         answer.on_response_body(&mut gate, &vm, &header);
         let body = br#"{"id":"resp_gz","usage":{"input_tokens":7,"output_tokens":3}}"#;
         answer.on_response_body(&mut gate, &vm, &deflate(body));
         answer.on_done(&mut gate, &vm);
         let on = stored::find(&vm, "resp_gz").unwrap().unwrap();
         assert_eq!((on.pod.as_str(), on.tokens), (pod, 10));
+        assert!(record::read(&vm, pod).unwrap().entries.is_empty());
+    }
+
+    /// An answer brotli-coded after kvgate is metered as it streams, as a gzipped one is; its
+    /// window is charged to the VM while it runs, and a stream whose window the VM has no room
+    /// left for grows at its pod's pace instead.
+    #[test]
+    fn an_answer_in_brotli_after_kvgate_is_metered_within_the_vms_room_for_windows() {
+        use crate::pods::record;
+        let pod = "10.0.0.1:80";
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let mut gate = Gate::new(crate::test_support::with_pods(&[pod]), &vm).unwrap();
+        let held = |vm: &crate::store::fake_host::FakeVm| {
+            record::read(vm, pod).unwrap().entries[0].held_tokens
+        };
+        // As many streams at Envoy's default window (256 KB) as the room holds, and one more.
+        let streams = crate::flow::decode::Room::MAX_WINDOWS / (256 << 10);
+        let mut open: Vec<_> = (0..=streams)
+            .map(|_| {
+                let mut f = streaming(&mut gate, &vm);
+                assert!(!f.on_response_encoded(&mut gate, "br"));
+                (f, crate::flow::decode::brotli::tests::flushing())
+            })
+            .collect();
+        assert_eq!(
+            gate.stats.take_count(stats::RESPONSE_DECODED),
+            streams as u64 + 1
+        );
+        let piece = b"data: {\"choices\":[{\"index\":0,\"text\":\"a\"}]}\n\n";
+        let prompt = held(&vm);
+        let unseen: Vec<bool> = open
+            .iter_mut()
+            .map(|(f, compress)| f.on_response_body(&mut gate, &vm, &compress(piece)))
+            .collect();
+        assert_eq!(
+            unseen,
+            [vec![false; streams], vec![true]].concat(),
+            "the last has no room"
+        );
+        assert_eq!(gate.stats.take_count(stats::RESPONSE_ENCODED), 1);
+        let (mut first, mut compress) = open.remove(0);
+        for _ in 1..40 {
+            assert!(!first.on_response_body(&mut gate, &vm, &compress(piece)));
+        }
+        let entries = record::read(&vm, pod).unwrap().entries;
+        assert_eq!(
+            entries.iter().map(|e| e.held_tokens).max(),
+            Some(prompt + 33),
+            "the first grew with its 40 tokens"
+        );
+        let usage = b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":40,\"total_tokens\":43}}\n\ndata: [DONE]\n\n";
+        first.on_response_body(&mut gate, &vm, &compress(usage));
+        first.on_done(&mut gate, &vm);
+        assert_eq!(gate.stats.take_count(stats::USAGE_COMPLETION_TOKENS), 40);
+        assert_eq!(gate.decoders.open(), streams - 1);
+        for (mut f, _) in open {
+            f.on_done(&mut gate, &vm);
+        }
+        assert_eq!(gate.decoders.open(), 0);
+        // Its room given back: a new stream is decoded again.
+        let mut again = streaming(&mut gate, &vm);
+        again.on_response_encoded(&mut gate, "br");
+        let mut compress = crate::flow::decode::brotli::tests::flushing();
+        assert!(!again.on_response_body(&mut gate, &vm, &compress(piece)));
+        again.on_done(&mut gate, &vm);
         assert!(record::read(&vm, pod).unwrap().entries.is_empty());
     }
 

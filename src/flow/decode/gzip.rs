@@ -1,41 +1,15 @@
-//! An answer's gzip coding undone as it streams, so that an answer that reaches kvgate
-//! compressed is metered as a plain one: its tokens as they come, its `usage`, a Responses API
-//! answer's id. That happens when Envoy's compressor filter is listed after kvgate (responses
-//! run the filters in reverse order; OpenAI's SDKs ask for gzip), which an Istio EnvoyFilter
-//! inserting a compressor "before the router" does as readily as not. Envoy's compressor
-//! flushes each data frame it encodes (`Compressor::State::Flush`), so each chunk decodes to the
-//! text it carried, with no wait for the next.
-//!
-//! The bytes Envoy hands the filter are the source of truth; this keeps only the decoder's state
-//! (the deflate window, about 43 KB) while the answer runs. Other codings (`br`, `zstd`,
-//! `deflate`) are not decoded: `Flow::on_response_encoded` grows those at the pod's pace.
+//! A gzip-coded answer (RFC 1952) decoded as it streams: `content-encoding: gzip`, as Envoy's
+//! gzip compressor sends it to clients that ask for it (OpenAI's SDKs do). Its decoder holds the
+//! deflate window, about 43 KB, while the answer runs.
 
 use miniz_oxide::inflate::stream::{inflate, InflateState};
 use miniz_oxide::{DataFormat, MZError, MZFlush, MZStatus};
 
-/// The most one answer may decode to before kvgate stops reading it: an answer's text is
-/// megabytes at most, and a stream that decodes to far more is not one (a decompression bomb
-/// would otherwise hold the worker while it inflates).
-const MAX_DECODED: usize = 64 << 20;
-/// The most answers one VM decodes at once: each decoder holds about 43 KB while its answer
-/// runs, so 64 add at most 2.8 MB to a VM (Envoy's compressor holds as much per stream on its
-/// side). Beyond it an answer is grown at its pod's pace, as one in a coding not decoded.
-pub const MAX_OPEN: usize = 64;
-/// Decoded a piece at a time, each handed to the meter before the next.
-const PIECE: usize = 16 << 10;
+use super::{output_for, Broken, MAX_DECODED};
+
 /// A gzip member's header is ten bytes, then its optional fields: an extra field of at most
 /// 65,535 bytes, a name and a comment. A header longer than this is refused.
 const MAX_HEADER: usize = 1 << 17;
-
-/// Whether `coding` (a `content-encoding` value) is one this decodes.
-pub fn decodes(coding: &str) -> bool {
-    let c = coding.trim();
-    c.eq_ignore_ascii_case("gzip") || c.eq_ignore_ascii_case("x-gzip")
-}
-
-/// The body is not the gzip it said it was, or decodes past `MAX_DECODED`.
-#[derive(Debug, PartialEq, Eq)]
-pub struct Broken;
 
 pub struct Gunzip {
     /// The member's header as far as it came, until it is whole.
@@ -78,9 +52,7 @@ impl Gunzip {
             input = bytes.get(n.saturating_sub(before)..).unwrap_or_default();
             self.header = None;
         }
-        // Sized to what the chunk likely holds (a streamed token's chunk decodes to a few
-        // hundred bytes), so each chunk does not clear a whole piece.
-        let mut out = vec![0u8; input.len().saturating_mul(8).clamp(1024, PIECE)];
+        let mut out = output_for(input);
         while !self.ended {
             let r = inflate(&mut self.state, input, &mut out, MZFlush::None);
             input = input.get(r.bytes_consumed..).unwrap_or_default();
@@ -150,6 +122,7 @@ pub(crate) mod tests {
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
+    use super::super::PIECE;
     use super::*;
     use miniz_oxide::deflate::compress_to_vec;
 
@@ -194,11 +167,7 @@ pub(crate) mod tests {
     /// to hand out when a chunk's input is all read.
     #[test]
     fn a_body_decodes_in_chunks_of_any_size_with_any_header() {
-        let mut text: Vec<u8> = (0..3000)
-            .flat_map(|i| format!("data: {{\"i\":{i},\"text\":\"tok\"}}\n\n").into_bytes())
-            .collect();
-        text.extend(std::iter::repeat_n(b' ', 20 * PIECE + 7));
-        text.extend_from_slice(b"data: [DONE]\n\n");
+        let text = super::super::tests::long_answer();
         for flags in [0, 2, 4, 8, 16, 30] {
             let body = gzip(&text, flags);
             for size in [1, 3, 100, 4096, PIECE, body.len()] {
@@ -275,11 +244,5 @@ pub(crate) mod tests {
             decode_within(&[&bomb], limit + 1).map(|t| t.len()),
             Ok(limit + 1)
         );
-    }
-
-    #[test]
-    fn only_gzip_is_decoded() {
-        assert!(decodes(" GZip ") && decodes("x-gzip"));
-        assert!(!decodes("br") && !decodes("zstd") && !decodes("deflate") && !decodes("gzip, br"));
     }
 }
