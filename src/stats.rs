@@ -171,8 +171,8 @@ catalog! {
     /// not metered and not read for usage: their entries grew at the pod's pace
     /// (`Flow::unmetered`).
     RESPONSE_ENCODED = "kvgate.response.encoded";
-    /// Answers that came in gzip or brotli and were decoded as they streamed, metered as plain
-    /// ones (`flow::decode`).
+    /// Answers that came in gzip or brotli and were decoded as they streamed to their end,
+    /// metered as plain ones (`flow::decode`).
     RESPONSE_DECODED = "kvgate.response.decoded";
     // What a request costs the proxy (`shell::http`).
     /// Host calls a request's own callbacks made (headers to done), one sample per request.

@@ -4,14 +4,14 @@
 //!
 //! Input layout: byte 0 is the mode (bit 0: the rest is text to code, else raw bytes to decode;
 //! bits 1-4: the compression level, 0-9 for gzip and 0-11 for brotli; bit 5: brotli, else gzip;
-//! bits 6-7: brotli's window, 10, 16, 18 or 22 bits); byte 1 is the number of cut points k (its
+//! bits 6-7: brotli's window, 10, 16, 18 or 21 bits); byte 1 is the number of cut points k (its
 //! low four bits); then k little-endian u16 cut points; the rest is the body. Coded text is
 //! flushed at the cut points and its compressed pieces fed as they were flushed, and fed again
 //! cut at the same points of the compressed bytes.
 //!
 //! Invariants: no panic; raw bytes decode to at most the decoder's limit and a piece, and leave
 //! nothing of the VM's room held once closed; coded text decodes to exactly the text, however it
-//! is cut, and is never broken (a 22-bit window is the whole of a VM's room for brotli windows).
+//! is cut, and is never broken (a 21-bit window is the whole of a VM's room for brotli windows).
 #![no_main]
 
 use std::io::Write;
@@ -103,7 +103,7 @@ fuzz_target!(|data: &[u8]| {
     let sent = if coding == "gzip" {
         gzip(body, level % 10, &cut)
     } else {
-        brotli(body, level % 12, [10, 16, 18, 22][usize::from(mode >> 6)], &cut)
+        brotli(body, level % 12, [10, 16, 18, 21][usize::from(mode >> 6)], &cut)
     };
     let as_sent: Vec<&[u8]> = sent.iter().map(Vec::as_slice).collect();
     let all = sent.concat();

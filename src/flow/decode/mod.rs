@@ -52,9 +52,10 @@ impl Room {
     /// holds as much per stream on its side). Beyond it an answer is grown at its pod's pace, as
     /// one in a coding not decoded.
     pub const MAX_GZIPS: usize = 64;
-    /// At most this much of brotli windows a VM: 16 streams at Envoy's default window. A stream
-    /// whose window does not fit is grown at its pod's pace.
-    pub const MAX_WINDOWS: usize = 4 << 20;
+    /// At most this much of brotli windows a VM: 8 streams at Envoy's default window, so that
+    /// with the gzip decoders' 2.8 MB a VM's decoders hold under 5 MB whatever its answers (a
+    /// VM's memory never shrinks). A stream whose window does not fit is grown at its pod's pace.
+    pub const MAX_WINDOWS: usize = 2 << 20;
 
     /// The decoders open in this VM.
     pub fn open(&self) -> usize {
