@@ -1,22 +1,22 @@
 //! A brotli-coded answer (RFC 7932) decoded as it streams: `content-encoding: br`, as Envoy's
 //! brotli compressor sends it to clients that ask for it. The decoder's window is the stream's
-//! own, declared in its first byte: it is charged to the VM's [`super::Room`] before any of it
-//! is allocated, and a stream whose window does not fit is [`Broken`] for this VM (grown at its
-//! pod's pace) rather than let one answer take megabytes of a VM's memory, which never shrinks.
+//! own, declared in its first byte: it is charged to the VM's [`super::Room`] before the decoder
+//! is made, and a stream whose window does not fit is [`Broken`] for this VM (grown at its pod's
+//! pace) rather than let one answer take megabytes of a VM's memory, which never shrinks.
 
 use brotli_decompressor::{BrotliDecompressStream, BrotliResult, BrotliState, StandardAlloc};
 
 use super::{output_for, Broken, Room, MAX_DECODED};
 
-/// The largest window a stream may declare (RFC 7932, 9.1: `WBITS` 10–24; the large-window
-/// extension's up to 30 is not brotli as `content-encoding` names it).
-const MAX_WINDOW_BITS: u32 = 24;
 /// Charged at least this for a stream, whatever its window: the decoder's own tables and state.
 const MIN_CHARGE: usize = 64 << 10;
 
+type State = BrotliState<StandardAlloc, StandardAlloc, StandardAlloc>;
+
 pub struct Unbrotli {
-    state: Box<BrotliState<StandardAlloc, StandardAlloc, StandardAlloc>>,
-    /// What this stream's window was charged to the VM's room, once its first byte came.
+    /// The decoder, made once the stream's first byte has declared a window the room holds.
+    state: Option<Box<State>>,
+    /// What this stream's window was charged to the VM's room.
     charged: usize,
     decoded: usize,
     /// `MAX_DECODED`, or less in tests.
@@ -28,11 +28,7 @@ pub struct Unbrotli {
 impl Default for Unbrotli {
     fn default() -> Self {
         Unbrotli {
-            state: Box::new(BrotliState::new_strict(
-                StandardAlloc::default(),
-                StandardAlloc::default(),
-                StandardAlloc::default(),
-            )),
+            state: None,
             charged: 0,
             decoded: 0,
             limit: MAX_DECODED,
@@ -55,20 +51,26 @@ impl Unbrotli {
         bytes: &[u8],
         each: &mut dyn FnMut(&[u8]),
     ) -> Result<(), Broken> {
-        if self.charged == 0 {
-            let Some(&first) = bytes.first() else {
-                return Ok(());
-            };
-            let bits = window_bits(first)
-                .filter(|b| *b <= MAX_WINDOW_BITS)
-                .ok_or(Broken)?;
-            let charge = (1usize << bits).max(MIN_CHARGE);
-            if windows.saturating_add(charge) > Room::MAX_WINDOWS {
-                return Err(Broken);
+        let state = match &mut self.state {
+            Some(state) => state,
+            None => {
+                let Some(&first) = bytes.first() else {
+                    return Ok(());
+                };
+                let charge = (1usize << window_bits(first).ok_or(Broken)?).max(MIN_CHARGE);
+                if windows.saturating_add(charge) > Room::MAX_WINDOWS {
+                    return Err(Broken);
+                }
+                *windows += charge;
+                self.charged = charge;
+                // Strict: the large-window extension is not brotli as `content-encoding` names it.
+                self.state.insert(Box::new(State::new_strict(
+                    StandardAlloc::default(),
+                    StandardAlloc::default(),
+                    StandardAlloc::default(),
+                )))
             }
-            *windows += charge;
-            self.charged = charge;
-        }
+        };
         let mut input = bytes;
         let mut out = output_for(input);
         while !self.ended {
@@ -82,7 +84,7 @@ impl Unbrotli {
                 &mut written,
                 &mut out,
                 &mut total,
-                &mut self.state,
+                state,
             );
             input = input.get(read..).unwrap_or_default();
             self.decoded = self.decoded.saturating_add(written);
@@ -105,8 +107,8 @@ impl Unbrotli {
     }
 }
 
-/// The window a stream declares in its first byte (RFC 7932, 9.1: `WBITS`), `None` for the
-/// large-window extension's marker.
+/// The window a stream declares in its first byte (RFC 7932, 9.1: `WBITS`, 10 to 24 bits),
+/// `None` for the large-window extension's marker.
 fn window_bits(first: u8) -> Option<u32> {
     if first & 1 == 0 {
         return Some(16);
