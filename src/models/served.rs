@@ -279,9 +279,12 @@ pub fn adapter_ids(label: &str) -> Vec<u64> {
         .collect()
 }
 
-/// A VM's cached copy of every pod's record.
+/// A VM's cached copy of every pod's record, for one pool: each answer is about its pods, in
+/// its order.
 #[derive(Default)]
 pub struct ServedView {
+    /// The pool's pods, as the router orders them (`pool_changed`).
+    pool: Vec<String>,
     pods: HashMap<String, Served>,
     /// When this view first had each pod: its first list is awaited for `wait_ms` from then.
     since: HashMap<String, u64>,
@@ -292,25 +295,21 @@ pub struct ServedView {
     /// once every list is answered, nothing is awaited and no pod need be asked.
     any_unanswered: bool,
     read_ms: Option<u64>,
-    memo: Memo,
-}
-
-/// Each model's standing on every pod of one pod list, until the records are read again. Each
-/// pick asks it of every pod several times (may the model run there, is it an adapter there):
-/// by pod name and a scan of each list, about a tenth of a request's instructions at 64 pods,
-/// while the lists change at human speed. Kept per model, so that a pool serving many models
-/// (a LoRA adapter each) works each one out once, not at every change of model.
-#[derive(Default)]
-struct Memo {
-    pods: Vec<String>,
-    models: HashMap<String, Standing>,
+    /// Each model's standing on every pod of the pool, until the records are read again or the
+    /// pool changes. Each pick asks it of every pod several times (may the model run there, is
+    /// it an adapter there): by pod name and a scan of each list, about a tenth of a request's
+    /// instructions at 64 pods, while the lists change at human speed. Kept per model, so that a
+    /// pool serving many models (a LoRA adapter each) works each one out once, not at every
+    /// change of model. (Held for one pool rather than checked against the list each pick
+    /// passed: comparing 64 names five times a pick was 6 % of its time in V8.)
+    memo: HashMap<String, Standing>,
 }
 
 /// The most models the memo keeps between reads: names come from clients, so a stream of
 /// unknown ones must not grow it.
 const MEMO_MODELS: usize = 256;
 
-/// One model on each pod of the memo's list: the pod's list names it; the list has been read;
+/// One model on each pod of the pool: the pod's list names it; the list has been read;
 /// it is one of the pod's adapters. And the base model the first list naming it as an adapter
 /// gives as its `parent`.
 struct Standing {
@@ -321,22 +320,31 @@ struct Standing {
 }
 
 impl ServedView {
+    /// A view of the pool `pods`, nothing read yet.
+    pub fn of(pods: &[String]) -> ServedView {
+        let mut view = ServedView::default();
+        view.pool_changed(pods);
+        view
+    }
+
     /// Sets how long a pod's first list is awaited (`scrape::first_list_ms`).
     pub fn set_wait(&mut self, wait_ms: u64) {
         self.wait_ms = wait_ms;
     }
 
-    /// The pool changed: the next `refresh` reads every record. A pod the copy has not had is
-    /// neither listed nor awaited, so until the next read it was taken to serve every model
+    /// The pool is now `pods`: the next `refresh` reads every record. A pod the copy has not had
+    /// is neither listed nor awaited, so until the next read it was taken to serve every model
     /// (a copy read before discovery answered sent requests to the other model's pods).
-    pub fn pool_changed(&mut self) {
+    pub fn pool_changed(&mut self, pods: &[String]) {
+        self.pool = pods.to_vec();
+        self.memo.clear();
         self.read_ms = None;
     }
 
-    /// Re-reads the records of `pods` when the copy is older than `VIEW_CACHE_MS`, or than
-    /// `AWAITING_CACHE_MS` while a pod's first list may still come (`pods` is the pool the copy
-    /// was read for, until `pool_changed`). A record that cannot be read keeps its cached copy.
-    pub fn refresh(&mut self, store: &dyn Store, pods: &[String], now: u64) {
+    /// Re-reads the pool's records when the copy is older than `VIEW_CACHE_MS`, or than
+    /// `AWAITING_CACHE_MS` while a pod's first list may still come. A record that cannot be
+    /// read keeps its cached copy.
+    pub fn refresh(&mut self, store: &dyn Store, now: u64) {
         let keep = if self.any_unanswered {
             AWAITING_CACHE_MS
         } else {
@@ -346,7 +354,8 @@ impl ServedView {
             return;
         }
         self.read_ms = Some(now);
-        self.memo.models.clear();
+        self.memo.clear();
+        let pods = &self.pool;
         self.pods.retain(|p, _| pods.contains(p));
         self.since.retain(|p, _| pods.contains(p));
         for pod in pods {
@@ -374,27 +383,22 @@ impl ServedView {
                 .is_some_and(|&t| now < t.saturating_add(self.wait_ms))
     }
 
-    /// Whether any of `pods`' first lists is awaited (the gate ticks at the quick pace, so that
-    /// requests waiting for it go as it lands).
-    pub fn awaits_any(&self, pods: &[String], now: u64) -> bool {
-        self.any_unanswered && pods.iter().any(|p| self.awaited(p, now))
+    /// Whether any of the pool's first lists is awaited (the gate ticks at the quick pace, so
+    /// that requests waiting for it go as it lands).
+    pub fn awaits_any(&self, now: u64) -> bool {
+        self.any_unanswered && self.pool.iter().any(|p| self.awaited(p, now))
     }
 
     /// Whether a request for `model` must wait for a list: none names it, and one that might
     /// (an `up` pod's first list) is awaited. Sent now, it would go to any pod without a list,
     /// perhaps one serving another model. A request naming no model (`model` empty) does not
     /// wait: any engine serves it its own model, and once lists name several it is refused.
-    pub fn awaits_list(
-        &mut self,
-        pods: &[String],
-        model: &str,
-        now: u64,
-        up: impl Fn(usize) -> bool,
-    ) -> bool {
+    pub fn awaits_list(&mut self, model: &str, now: u64, up: impl Fn(usize) -> bool) -> bool {
         self.any_unanswered
             && !model.is_empty()
-            && !self.lists(pods, model)
-            && pods
+            && !self.lists(model)
+            && self
+                .pool
                 .iter()
                 .enumerate()
                 .any(|(i, p)| self.awaited(p, now) && up(i))
@@ -404,18 +408,14 @@ impl ServedView {
         self.pods.get(pod)
     }
 
-    /// `model` on each of `pods`, worked out once per model and pod list between reads.
-    fn memo(&mut self, pods: &[String], model: &str) -> &Standing {
+    /// `model` on each of the pool's pods, worked out once per model between reads.
+    fn memo(&mut self, model: &str) -> &Standing {
         let memo = &mut self.memo;
-        if memo.pods != pods {
-            memo.pods = pods.to_vec();
-            memo.models.clear();
+        if memo.len() >= MEMO_MODELS && !memo.contains_key(model) {
+            memo.clear();
         }
-        if memo.models.len() >= MEMO_MODELS && !memo.models.contains_key(model) {
-            memo.models.clear();
-        }
-        let view = &self.pods;
-        memo.models.entry_ref(model).or_insert_with(|| {
+        let (view, pods) = (&self.pods, &self.pool);
+        memo.entry_ref(model).or_insert_with(|| {
             let each = |f: &dyn Fn(&Served) -> bool| -> Vec<bool> {
                 pods.iter().map(|p| view.get(p).is_some_and(f)).collect()
             };
@@ -431,17 +431,12 @@ impl ServedView {
         })
     }
 
-    /// Which of `pods` may serve `model`: those listing it; if none does, those not listed yet
+    /// Which of the pool's pods may serve `model`: those listing it; if none does, those not listed yet
     /// (a pod is taken to serve everything until its list is known) that are `up` (a pod that
     /// refuses connections never answers its list: it must not become the one pod every unknown
     /// model is sent to); else none.
-    pub fn serving(
-        &mut self,
-        pods: &[String],
-        model: &str,
-        up: impl Fn(usize) -> bool,
-    ) -> Vec<bool> {
-        let m = self.memo(pods, model);
+    pub fn serving(&mut self, model: &str, up: impl Fn(usize) -> bool) -> Vec<bool> {
+        let m = self.memo(model);
         if m.lists.contains(&true) {
             return m.lists.clone();
         }
@@ -454,13 +449,8 @@ impl ServedView {
 
     /// Whether `serving` names any pod, asking `up` only until one is found: `up` reads a pod's
     /// record, which every request would otherwise pay for every pod while no list is known.
-    pub fn serving_any(
-        &mut self,
-        pods: &[String],
-        model: &str,
-        mut up: impl FnMut(usize) -> bool,
-    ) -> bool {
-        let m = self.memo(pods, model);
+    pub fn serving_any(&mut self, model: &str, mut up: impl FnMut(usize) -> bool) -> bool {
+        let m = self.memo(model);
         m.lists.contains(&true)
             || m.listed
                 .iter()
@@ -468,9 +458,10 @@ impl ServedView {
                 .any(|(i, &listed)| !listed && up(i))
     }
 
-    /// The base models (not their adapters) `pods`' lists, as last read, name, sorted.
-    pub fn base_models(&self, pods: &[String]) -> Vec<&str> {
-        let mut out: Vec<&str> = pods
+    /// The base models (not their adapters) the pool's lists, as last read, name, sorted.
+    pub fn base_models(&self) -> Vec<&str> {
+        let mut out: Vec<&str> = self
+            .pool
             .iter()
             .filter_map(|p| self.pods.get(p))
             .flat_map(|s| s.models.iter())
@@ -482,10 +473,11 @@ impl ServedView {
         out
     }
 
-    /// Whether two of `pods`' lists, as last read, name different models (a pod not listed yet
-    /// is taken to serve every model, and differs from none).
-    pub fn differ(&self, pods: &[String]) -> bool {
-        let mut lists = pods
+    /// Whether two of the pool's lists, as last read, name different models (a pod not listed
+    /// yet is taken to serve every model, and differs from none).
+    pub fn differ(&self) -> bool {
+        let mut lists = self
+            .pool
             .iter()
             .filter_map(|p| self.pods.get(p))
             .filter(|s| s.listed_ms.is_some())
@@ -501,20 +493,21 @@ impl ServedView {
         lists.any(|ids| ids != first)
     }
 
-    /// Whether any of `pods`' lists, as last read, names `model`.
-    pub fn lists(&mut self, pods: &[String], model: &str) -> bool {
-        self.memo(pods, model).lists.contains(&true)
+    /// Whether any of the pool's lists, as last read, names `model`.
+    pub fn lists(&mut self, model: &str) -> bool {
+        self.memo(model).lists.contains(&true)
     }
 
     /// The base model of `model` when some pod lists it as a LoRA adapter.
-    pub fn base_of(&mut self, pods: &[String], model: &str) -> Option<&str> {
-        self.memo(pods, model).base.as_deref()
+    pub fn base_of(&mut self, model: &str) -> Option<&str> {
+        self.memo(model).base.as_deref()
     }
 
-    /// Of each of `pods`, its record where `model` is one of its adapters.
-    pub fn adapter_on(&mut self, pods: &[String], model: &str) -> Vec<Option<&Served>> {
-        let adapter = self.memo(pods, model).adapter.clone();
-        pods.iter()
+    /// Of each of the pool's pods, its record where `model` is one of its adapters.
+    pub fn adapter_on(&mut self, model: &str) -> Vec<Option<&Served>> {
+        let adapter = self.memo(model).adapter.clone();
+        self.pool
+            .iter()
             .zip(adapter)
             .map(|(p, is)| if is { self.pods.get(p) } else { None })
             .collect()
@@ -586,7 +579,7 @@ mod tests {
     }
 
     #[test]
-    fn a_models_standing_is_kept_per_model_and_pod_list_until_the_next_read() {
+    fn a_models_standing_is_kept_per_model_until_the_next_read_or_pool() {
         let host = FakeHost::new();
         let vm = host.vm();
         let pods: Vec<String> = ["a:1", "b:1", "c:1"].map(String::from).to_vec();
@@ -597,42 +590,41 @@ mod tests {
         };
         write_list(&vm, "b:1", &[base("m"), lora], 1).unwrap();
         write_list(&vm, "c:1", &[base("n")], 1).unwrap();
-        let mut view = ServedView::default();
-        view.refresh(&vm, &pods, 0);
+        let mut view = ServedView::of(&pods);
+        view.refresh(&vm, 0);
         let up = |_| true;
-        assert_eq!(view.serving(&pods, "m", up), [true, true, false]);
-        // Another model, another pod list: each its own answer, not the last one's.
-        assert_eq!(view.serving(&pods, "n", up), [false, false, true]);
-        let two = vec![pods[2].clone(), pods[0].clone()];
-        assert_eq!(view.serving(&two, "n", up), [true, false]);
-        assert!(view.lists(&pods, "m") && !view.lists(&pods, "x"));
+        assert_eq!(view.serving("m", up), [true, true, false]);
+        // Another model: its own answer, not the last one's.
+        assert_eq!(view.serving("n", up), [false, false, true]);
+        assert!(view.lists("m") && !view.lists("x"));
         let on: Vec<bool> = view
-            .adapter_on(&pods, "m-lora")
+            .adapter_on("m-lora")
             .iter()
             .map(Option::is_some)
             .collect();
         assert_eq!(on, [false, true, false]);
-        assert!(view.adapter_on(&pods, "m").iter().all(Option::is_none));
-        assert_eq!(view.base_of(&pods, "m-lora"), Some("m"));
-        assert_eq!(view.base_of(&pods, "m"), None);
-        assert_eq!(
-            view.base_of(&pods[..1], "m-lora"),
-            None,
-            "a has no such adapter"
-        );
+        assert!(view.adapter_on("m").iter().all(Option::is_none));
+        assert_eq!(view.base_of("m-lora"), Some("m"));
+        assert_eq!(view.base_of("m"), None);
         // The base models the lists name (a request naming no model is for the pool's one).
-        assert_eq!(view.base_models(&pods), ["m", "n"]);
-        assert_eq!(
-            view.base_models(&pods[..2]),
-            ["m"],
-            "adapters are not base models"
-        );
+        assert_eq!(view.base_models(), ["m", "n"]);
         // A list written since is seen at the next read, not before.
         write_list(&vm, "c:1", &[base("m")], 2).unwrap();
-        view.refresh(&vm, &pods, 100);
-        assert_eq!(view.serving(&pods, "m", up), [true, true, false]);
-        view.refresh(&vm, &pods, 1_000);
-        assert_eq!(view.serving(&pods, "m", up), [true, true, true]);
+        view.refresh(&vm, 100);
+        assert_eq!(view.serving("m", up), [true, true, false]);
+        view.refresh(&vm, 1_000);
+        assert_eq!(view.serving("m", up), [true, true, true]);
+        // Another pool: each answer is about its pods, in its order, at once.
+        let two = vec![pods[2].clone(), pods[0].clone()];
+        view.pool_changed(&two);
+        assert_eq!(view.serving("m", up), [true, true]);
+        write_list(&vm, "c:1", &[base("n")], 3).unwrap();
+        view.refresh(&vm, 1_001);
+        assert_eq!(view.serving("n", up), [true, false]);
+        view.pool_changed(&pods[..1]);
+        assert_eq!(view.base_of("m-lora"), None, "a has no such adapter");
+        view.pool_changed(&pods[..2]);
+        assert_eq!(view.base_models(), ["m"], "adapters are not base models");
     }
 
     #[test]
@@ -642,39 +634,33 @@ mod tests {
         let mut view = ServedView::default();
         view.set_wait(1_500);
         // Read while the pool was not yet discovered; then both pods are known, one listed.
-        view.refresh(&vm, &[], 0);
+        view.refresh(&vm, 0);
         let pods: Vec<String> = ["a:1", "b:1"].map(String::from).to_vec();
         write_list(&vm, "b:1", &[base("n")], 1).unwrap();
-        view.pool_changed();
-        view.refresh(&vm, &pods, 5);
+        view.pool_changed(&pods);
+        view.refresh(&vm, 5);
         let up = |_| true;
-        assert_eq!(view.serving(&pods, "n", up), [false, true], "read at once");
-        assert!(
-            view.awaits_list(&pods, "m", 5, up),
-            "a:1's list may name it"
-        );
-        assert!(!view.awaits_list(&pods, "n", 5, up), "b:1 lists it");
-        assert!(
-            !view.awaits_list(&pods, "", 5, up),
-            "no model: any engine's own"
-        );
-        assert!(!view.awaits_list(&pods, "m", 5, |i| i != 0), "a:1 is down");
+        assert_eq!(view.serving("n", up), [false, true], "read at once");
+        assert!(view.awaits_list("m", 5, up), "a:1's list may name it");
+        assert!(!view.awaits_list("n", 5, up), "b:1 lists it");
+        assert!(!view.awaits_list("", 5, up), "no model: any engine's own");
+        assert!(!view.awaits_list("m", 5, |i| i != 0), "a:1 is down");
         write_list(&vm, "a:1", &[base("m")], 10).unwrap();
-        view.refresh(&vm, &pods, 10);
+        view.refresh(&vm, 10);
         assert!(
-            view.awaits_list(&pods, "m", 10, up),
+            view.awaits_list("m", 10, up),
             "the copy is kept a quick tick"
         );
-        view.refresh(&vm, &pods, 25);
-        assert!(!view.awaits_list(&pods, "m", 25, up) && !view.awaits_any(&pods, 25));
-        assert_eq!(view.serving(&pods, "m", up), [true, false]);
+        view.refresh(&vm, 25);
+        assert!(!view.awaits_list("m", 25, up) && !view.awaits_any(25));
+        assert_eq!(view.serving("m", up), [true, false]);
         // The wait is bounded from when the view first had the pod.
         let three: Vec<String> = ["a:1", "b:1", "c:1"].map(String::from).to_vec();
-        view.pool_changed();
-        view.refresh(&vm, &three, 100);
-        assert!(view.awaits_list(&three, "x", 1_599, up));
-        assert!(!view.awaits_list(&three, "x", 1_600, up));
-        assert_eq!(view.serving(&three, "x", up), [false, false, true]);
+        view.pool_changed(&three);
+        view.refresh(&vm, 100);
+        assert!(view.awaits_list("x", 1_599, up));
+        assert!(!view.awaits_list("x", 1_600, up));
+        assert_eq!(view.serving("x", up), [false, false, true]);
     }
 
     #[test]
@@ -682,34 +668,22 @@ mod tests {
         let host = FakeHost::new();
         let vm = host.vm();
         let pods: Vec<String> = ["a:1", "b:1", "c:1"].map(String::from).to_vec();
-        let mut view = ServedView::default();
+        let mut view = ServedView::of(&pods);
         let up = |_| true;
-        view.refresh(&vm, &pods, 0);
-        assert_eq!(view.serving(&pods, "m", up), [true; 3], "nothing listed");
-        assert_eq!(
-            view.serving(&pods, "m", |i| i != 1),
-            [true, false, true],
-            "b down"
-        );
+        view.refresh(&vm, 0);
+        assert_eq!(view.serving("m", up), [true; 3], "nothing listed");
+        assert_eq!(view.serving("m", |i| i != 1), [true, false, true], "b down");
         write_list(&vm, "a:1", &[base("m")], 1).unwrap();
         write_list(&vm, "b:1", &[base("n")], 1).unwrap();
-        view.refresh(&vm, &pods, 100);
-        assert_eq!(view.serving(&pods, "m", up), [true, true, true], "cached");
-        view.refresh(&vm, &pods, 1_000);
-        assert_eq!(view.serving(&pods, "m", up), [true, false, false]);
-        assert_eq!(
-            view.serving(&pods, "x", up),
-            [false, false, true],
-            "c not listed"
-        );
-        assert_eq!(
-            view.serving(&pods, "x", |i| i != 2),
-            [false; 3],
-            "c is down"
-        );
+        view.refresh(&vm, 100);
+        assert_eq!(view.serving("m", up), [true, true, true], "cached");
+        view.refresh(&vm, 1_000);
+        assert_eq!(view.serving("m", up), [true, false, false]);
+        assert_eq!(view.serving("x", up), [false, false, true], "c not listed");
+        assert_eq!(view.serving("x", |i| i != 2), [false; 3], "c is down");
         write_list(&vm, "c:1", &[base("n")], 1).unwrap();
-        view.refresh(&vm, &pods, 2_000);
-        assert_eq!(view.serving(&pods, "x", up), [false, false, false]);
+        view.refresh(&vm, 2_000);
+        assert_eq!(view.serving("x", up), [false, false, false]);
         write_lora(&vm, "a:1", LoraState::default()).unwrap();
         assert!(
             read(&vm, "a:1").unwrap().serves("m"),

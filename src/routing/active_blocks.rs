@@ -17,6 +17,7 @@
 //! log: about a seventh of a request's time in V8 at two workers, more at more (BENCHMARKS.md,
 //! *Per-request cost*, 2026-11-27).
 
+use crate::routing::pod_id::{PodId, PodMap};
 use hashbrown::HashMap;
 use std::rc::Rc;
 
@@ -60,7 +61,7 @@ impl PodActive {
 
 #[derive(Default)]
 pub struct ActiveBlocks {
-    pods: HashMap<String, PodActive>,
+    pods: PodMap<PodActive>,
     /// The dispatches this VM has seen to any pod, ever.
     dispatched: u64,
 }
@@ -68,8 +69,8 @@ pub struct ActiveBlocks {
 impl ActiveBlocks {
     /// Leading blocks of `hashes` already held by in-flight requests on the pod: the most any one
     /// request shares with it, which one of the two requests beside where it would sort does.
-    pub fn active_prefix(&self, pod: &str, hashes: &[u64]) -> usize {
-        let Some(p) = self.pods.get(pod) else {
+    pub fn active_prefix(&self, pod: PodId, hashes: &[u64]) -> usize {
+        let Some(p) = self.pods.get(&pod) else {
             return 0;
         };
         let at = p.order.partition_point(|(hs, _)| &hs[..] < hashes);
@@ -84,14 +85,14 @@ impl ActiveBlocks {
 
     /// In-flight requests on the pod whose prompt holds all of `prefix` (with chained hashes:
     /// its last block).
-    pub fn holders(&self, pod: &str, prefix: &[u64]) -> u32 {
+    pub fn holders(&self, pod: PodId, prefix: &[u64]) -> u32 {
         self.pods
-            .get(pod)
+            .get(&pod)
             .map_or(0, |p| p.sharing(prefix).len() as u32)
     }
 
-    pub fn add(&mut self, pod: &str, request: u64, hashes: Vec<u64>, now: u64) {
-        let p = self.pods.entry_ref(pod).or_default();
+    pub fn add(&mut self, pod: PodId, request: u64, hashes: Vec<u64>, now: u64) {
+        let p = self.pods.entry(pod).or_default();
         if p.requests.contains_key(&request) {
             return;
         }
@@ -105,8 +106,8 @@ impl ActiveBlocks {
     }
 
     /// The dispatches to the pod this VM has seen so far, its own and the pick log's.
-    pub fn dispatched(&self, pod: &str) -> u64 {
-        self.pods.get(pod).map_or(0, |p| p.dispatched)
+    pub fn dispatched(&self, pod: PodId) -> u64 {
+        self.pods.get(&pod).map_or(0, |p| p.dispatched)
     }
 
     /// The same, to every pod.
@@ -117,8 +118,8 @@ impl ActiveBlocks {
     /// In-flight requests on the pod whose prompt holds the first `depth` blocks of `hashes`, in
     /// id order: who a request sharing that prefix may lean on, as this replica knows it. The
     /// pod's record decides which of them is still in flight (`Router::route`).
-    pub fn holding(&self, pod: &str, hashes: &[u64], depth: usize) -> Vec<u64> {
-        let (Some(p), Some(prefix)) = (self.pods.get(pod), hashes.get(..depth)) else {
+    pub fn holding(&self, pod: PodId, hashes: &[u64], depth: usize) -> Vec<u64> {
+        let (Some(p), Some(prefix)) = (self.pods.get(&pod), hashes.get(..depth)) else {
             return Vec::new();
         };
         if prefix.is_empty() {
@@ -135,12 +136,12 @@ impl ActiveBlocks {
         ids
     }
 
-    pub fn hashes_of(&self, pod: &str, request: u64) -> Option<Vec<u64>> {
-        Some(self.pods.get(pod)?.requests.get(&request)?.0.to_vec())
+    pub fn hashes_of(&self, pod: PodId, request: u64) -> Option<Vec<u64>> {
+        Some(self.pods.get(&pod)?.requests.get(&request)?.0.to_vec())
     }
 
-    pub fn remove(&mut self, pod: &str, request: u64) {
-        let Some(p) = self.pods.get_mut(pod) else {
+    pub fn remove(&mut self, pod: PodId, request: u64) {
+        let Some(p) = self.pods.get_mut(&pod) else {
             return;
         };
         let Some((hashes, _)) = p.requests.remove(&request) else {
@@ -153,8 +154,8 @@ impl ActiveBlocks {
 
     /// Drops requests the shared record no longer lists (after a grace period, since the log and
     /// the record are written one after the other).
-    pub fn prune(&mut self, pod: &str, is_live: impl Fn(u64) -> bool, now: u64) {
-        let Some(p) = self.pods.get(pod) else {
+    pub fn prune(&mut self, pod: PodId, is_live: impl Fn(u64) -> bool, now: u64) {
+        let Some(p) = self.pods.get(&pod) else {
             return;
         };
         let dead: Vec<u64> = p
@@ -168,15 +169,15 @@ impl ActiveBlocks {
         }
     }
 
-    pub fn retain_pods(&mut self, keep: impl Fn(&str) -> bool) {
-        self.pods.retain(|pod, _| keep(pod));
+    pub fn retain_pods(&mut self, keep: impl Fn(PodId) -> bool) {
+        self.pods.retain(|pod, _| keep(*pod));
     }
 
     /// Distinct blocks the pod's in-flight requests hold: each request's, less what it shares
     /// with the one before it in the order (the router's tests check the replica empties).
     #[cfg(test)]
-    pub fn unique_blocks(&self, pod: &str) -> usize {
-        self.pods.get(pod).map_or(0, |p| {
+    pub fn unique_blocks(&self, pod: PodId) -> usize {
+        self.pods.get(&pod).map_or(0, |p| {
             let mut before: &[u64] = &[];
             p.order
                 .iter()
@@ -197,27 +198,31 @@ mod tests {
 
     use super::*;
 
+    fn pod(name: &str) -> PodId {
+        PodId::of(name)
+    }
+
     #[test]
     fn shared_prefix_counts_once_and_its_holders_are_known() {
         let mut a = ActiveBlocks::default();
-        a.add("p", 1, vec![10, 11, 12], 0);
-        assert_eq!(a.active_prefix("p", &[10, 11, 99]), 2);
-        a.add("p", 2, vec![10, 11, 99], 0);
-        assert_eq!(a.unique_blocks("p"), 4);
-        assert_eq!(a.holding("p", &[10, 11, 99], 2), vec![1, 2]);
-        assert_eq!(a.holding("p", &[10, 11, 99], 3), vec![2]);
-        assert_eq!(a.holding("p", &[10, 11, 99], 0), Vec::<u64>::new());
-        a.remove("p", 1);
-        assert_eq!(a.unique_blocks("p"), 3);
-        assert_eq!(a.holding("p", &[10, 11, 12], 2), vec![2]);
-        a.remove("p", 2);
-        a.remove("p", 2);
-        assert_eq!(a.unique_blocks("p"), 0);
+        a.add(pod("p"), 1, vec![10, 11, 12], 0);
+        assert_eq!(a.active_prefix(pod("p"), &[10, 11, 99]), 2);
+        a.add(pod("p"), 2, vec![10, 11, 99], 0);
+        assert_eq!(a.unique_blocks(pod("p")), 4);
+        assert_eq!(a.holding(pod("p"), &[10, 11, 99], 2), vec![1, 2]);
+        assert_eq!(a.holding(pod("p"), &[10, 11, 99], 3), vec![2]);
+        assert_eq!(a.holding(pod("p"), &[10, 11, 99], 0), Vec::<u64>::new());
+        a.remove(pod("p"), 1);
+        assert_eq!(a.unique_blocks(pod("p")), 3);
+        assert_eq!(a.holding(pod("p"), &[10, 11, 12], 2), vec![2]);
+        a.remove(pod("p"), 2);
+        a.remove(pod("p"), 2);
+        assert_eq!(a.unique_blocks(pod("p")), 0);
         // Every dispatch counts once, a replayed one seen twice once, whatever has ended since.
-        a.add("p", 3, vec![10], 0);
-        a.add("p", 3, vec![10], 0);
-        a.add("q", 4, vec![10], 0);
-        assert_eq!((a.dispatched("p"), a.dispatched("q")), (3, 1));
+        a.add(pod("p"), 3, vec![10], 0);
+        a.add(pod("p"), 3, vec![10], 0);
+        a.add(pod("q"), 4, vec![10], 0);
+        assert_eq!((a.dispatched(pod("p")), a.dispatched(pod("q"))), (3, 1));
         assert_eq!(a.dispatched_in_all(), 4);
     }
 
@@ -245,18 +250,18 @@ mod tests {
         for step in 0..3_000u64 {
             if live.len() > 40 || (!live.is_empty() && step % 3 == 0) {
                 let (id, _) = live.swap_remove((rng % live.len() as u64) as usize);
-                a.remove("p", id);
+                a.remove(pod("p"), id);
             } else {
                 let blocks = 1 + (rng % 9) as usize;
                 let hs = chain(&mut rng, blocks);
-                a.add("p", step, hs.clone(), 0);
+                a.add(pod("p"), step, hs.clone(), 0);
                 live.push((step, hs));
             }
             let blocks = 1 + (rng % 9) as usize;
             let q = chain(&mut rng, blocks);
             let shared = |hs: &[u64]| common(hs, &q);
             let prefix = live.iter().map(|(_, hs)| shared(hs)).max().unwrap_or(0);
-            assert_eq!(a.active_prefix("p", &q), prefix);
+            assert_eq!(a.active_prefix(pod("p"), &q), prefix);
             for depth in 0..=q.len() {
                 let mut ids: Vec<u64> = live
                     .iter()
@@ -265,26 +270,26 @@ mod tests {
                     .collect();
                 ids.sort_unstable();
                 if depth > 0 {
-                    assert_eq!(a.holders("p", &q[..depth]), ids.len() as u32);
+                    assert_eq!(a.holders(pod("p"), &q[..depth]), ids.len() as u32);
                 }
-                assert_eq!(a.holding("p", &q, depth), ids);
+                assert_eq!(a.holding(pod("p"), &q, depth), ids);
             }
             let distinct: hashbrown::HashSet<u64> =
                 live.iter().flat_map(|(_, hs)| hs.iter().copied()).collect();
-            assert_eq!(a.unique_blocks("p"), distinct.len());
+            assert_eq!(a.unique_blocks(pod("p")), distinct.len());
         }
     }
 
     #[test]
     fn orphans_are_pruned_after_grace() {
         let mut a = ActiveBlocks::default();
-        a.add("p", 1, vec![1], 0);
-        a.add("p", 2, vec![2], 0);
-        a.prune("p", |id| id == 2, ORPHAN_MS - 1);
-        assert_eq!(a.unique_blocks("p"), 2);
-        a.prune("p", |id| id == 2, ORPHAN_MS);
-        assert_eq!(a.unique_blocks("p"), 1);
+        a.add(pod("p"), 1, vec![1], 0);
+        a.add(pod("p"), 2, vec![2], 0);
+        a.prune(pod("p"), |id| id == 2, ORPHAN_MS - 1);
+        assert_eq!(a.unique_blocks(pod("p")), 2);
+        a.prune(pod("p"), |id| id == 2, ORPHAN_MS);
+        assert_eq!(a.unique_blocks(pod("p")), 1);
         a.retain_pods(|_| false);
-        assert_eq!(a.unique_blocks("p"), 0);
+        assert_eq!(a.unique_blocks(pod("p")), 0);
     }
 }

@@ -12,6 +12,7 @@
 
 use crate::config::ModelsConfig;
 use crate::models::served::LoraState;
+use crate::routing::pod_id::{PodId, PodMap};
 use hashbrown::HashMap;
 
 /// Requests seen in the log but absent from the pod's shared record for this long are dropped
@@ -62,31 +63,31 @@ impl Fit {
 
 #[derive(Default)]
 pub struct Adapters {
-    pods: HashMap<String, PodAdapters>,
+    pods: PodMap<PodAdapters>,
 }
 
 impl Adapters {
     /// A request with `adapter` (0: none) was dispatched to `pod`.
-    pub fn dispatch(&mut self, pod: &str, request: u64, adapter: u64, now: u64) {
+    pub fn dispatch(&mut self, pod: PodId, request: u64, adapter: u64, now: u64) {
         if adapter == 0 {
             return;
         }
-        let p = self.pods.entry_ref(pod).or_default();
+        let p = self.pods.entry(pod).or_default();
         p.running.insert(request, (adapter, now));
         p.touch(adapter);
     }
 
     /// The adapter a request in flight on `pod` runs (0: none, or not known here).
-    pub fn adapter_of(&self, pod: &str, request: u64) -> u64 {
+    pub fn adapter_of(&self, pod: PodId, request: u64) -> u64 {
         self.pods
-            .get(pod)
+            .get(&pod)
             .and_then(|p| p.running.get(&request))
             .map_or(0, |&(adapter, _)| adapter)
     }
 
     /// The request ended; its adapter stays resident until others displace it.
-    pub fn finish(&mut self, pod: &str, request: u64) {
-        if let Some(p) = self.pods.get_mut(pod) {
+    pub fn finish(&mut self, pod: PodId, request: u64) {
+        if let Some(p) = self.pods.get_mut(&pod) {
             if let Some((adapter, _)) = p.running.remove(&request) {
                 p.touch(adapter);
             }
@@ -94,20 +95,20 @@ impl Adapters {
     }
 
     /// Forgets requests the pod's shared record no longer holds, after a grace period.
-    pub fn prune(&mut self, pod: &str, is_live: impl Fn(u64) -> bool, now: u64) {
-        if let Some(p) = self.pods.get_mut(pod) {
+    pub fn prune(&mut self, pod: PodId, is_live: impl Fn(u64) -> bool, now: u64) {
+        if let Some(p) = self.pods.get_mut(&pod) {
             p.running
                 .retain(|id, (_, at)| now.saturating_sub(*at) < ORPHAN_MS || is_live(*id));
         }
     }
 
-    pub fn retain_pods(&mut self, keep: impl Fn(&str) -> bool) {
-        self.pods.retain(|pod, _| keep(pod));
+    pub fn retain_pods(&mut self, keep: impl Fn(PodId) -> bool) {
+        self.pods.retain(|pod, _| keep(*pod));
     }
 
     /// Where `adapter` stands on `pod`, given the pod's scraped adapter state (when fresh).
-    pub fn fit(&self, pod: &str, adapter: u64, scraped: Option<&LoraState>) -> Fit {
-        let p = self.pods.get(pod);
+    pub fn fit(&self, pod: PodId, adapter: u64, scraped: Option<&LoraState>) -> Fit {
+        let p = self.pods.get(&pod);
         let mut running: Vec<u64> = scraped.map_or_else(Vec::new, |l| l.running.clone());
         for (a, _) in p.iter().flat_map(|p| p.running.values()) {
             if !running.contains(a) {
@@ -137,6 +138,10 @@ mod tests {
 
     use super::*;
 
+    fn pod(name: &str) -> PodId {
+        PodId::of(name)
+    }
+
     fn slots(max_lora: u32, running: Vec<u64>) -> LoraState {
         LoraState {
             at_ms: 0,
@@ -150,39 +155,43 @@ mod tests {
     fn running_then_recent_adapters_are_resident_and_full_slots_make_a_wait() {
         let mut a = Adapters::default();
         let two = slots(2, vec![]);
-        assert_eq!(a.fit("p", 7, Some(&two)), Fit::FreeSlot, "nothing known");
-        a.dispatch("p", 1, 7, 0);
-        a.dispatch("p", 2, 8, 0);
-        assert_eq!(a.fit("p", 7, Some(&two)), Fit::Resident);
         assert_eq!(
-            a.fit("p", 9, Some(&two)),
+            a.fit(pod("p"), 7, Some(&two)),
+            Fit::FreeSlot,
+            "nothing known"
+        );
+        a.dispatch(pod("p"), 1, 7, 0);
+        a.dispatch(pod("p"), 2, 8, 0);
+        assert_eq!(a.fit(pod("p"), 7, Some(&two)), Fit::Resident);
+        assert_eq!(
+            a.fit(pod("p"), 9, Some(&two)),
             Fit::NoSlot,
             "7 and 8 hold both slots"
         );
-        a.finish("p", 1);
-        a.finish("p", 2);
+        a.finish(pod("p"), 1);
+        a.finish(pod("p"), 2);
         assert_eq!(
-            a.fit("p", 7, Some(&two)),
+            a.fit(pod("p"), 7, Some(&two)),
             Fit::Resident,
             "still in its slot"
         );
-        assert_eq!(a.fit("p", 9, Some(&two)), Fit::FreeSlot);
-        a.dispatch("p", 3, 9, 0);
-        a.finish("p", 3);
+        assert_eq!(a.fit(pod("p"), 9, Some(&two)), Fit::FreeSlot);
+        a.dispatch(pod("p"), 3, 9, 0);
+        a.finish(pod("p"), 3);
         assert_eq!(
-            a.fit("p", 7, Some(&two)),
+            a.fit(pod("p"), 7, Some(&two)),
             Fit::FreeSlot,
             "evicted by 8 and 9"
         );
         assert_eq!(
-            a.fit("q", 7, Some(&slots(1, vec![5]))),
+            a.fit(pod("q"), 7, Some(&slots(1, vec![5]))),
             Fit::NoSlot,
             "other traffic's adapter, as scraped"
         );
-        assert_eq!(a.fit("q", 5, Some(&slots(1, vec![5]))), Fit::Resident);
-        a.dispatch("q", 4, 0, 0);
+        assert_eq!(a.fit(pod("q"), 5, Some(&slots(1, vec![5]))), Fit::Resident);
+        a.dispatch(pod("q"), 4, 0, 0);
         assert_eq!(
-            a.fit("q", 7, None),
+            a.fit(pod("q"), 7, None),
             Fit::FreeSlot,
             "a base-model request holds no slot"
         );
@@ -192,17 +201,17 @@ mod tests {
     fn orphans_are_pruned_after_the_grace_period() {
         let mut a = Adapters::default();
         let one = slots(1, vec![]);
-        a.dispatch("p", 1, 7, 0);
-        a.prune("p", |_| false, ORPHAN_MS - 1);
-        assert_eq!(a.fit("p", 8, Some(&one)), Fit::NoSlot);
-        a.prune("p", |_| false, ORPHAN_MS);
-        assert_eq!(a.fit("p", 8, Some(&one)), Fit::FreeSlot);
+        a.dispatch(pod("p"), 1, 7, 0);
+        a.prune(pod("p"), |_| false, ORPHAN_MS - 1);
+        assert_eq!(a.fit(pod("p"), 8, Some(&one)), Fit::NoSlot);
+        a.prune(pod("p"), |_| false, ORPHAN_MS);
+        assert_eq!(a.fit(pod("p"), 8, Some(&one)), Fit::FreeSlot);
         let cfg = ModelsConfig::default();
         assert_eq!(
             Fit::NoSlot.cost(&cfg),
             cfg.adapter_load_cost + cfg.adapter_slot_cost
         );
         a.retain_pods(|_| false);
-        assert_eq!(a.fit("p", 7, Some(&one)), Fit::FreeSlot);
+        assert_eq!(a.fit(pod("p"), 7, Some(&one)), Fit::FreeSlot);
     }
 }

@@ -3,7 +3,7 @@
 //! (`prefix`), where LoRA adapters stand (`adapters`), and the two replicas a VM routes on: what
 //! each pod's prefix cache holds (`prefix_index`) and which blocks in-flight requests occupy
 //! (`active_blocks`), both kept current across workers by the `pick_log`, and the copies of the pod
-//! records it ranks on (`record_copies`); and whether the pool's KV is about to run short, from
+//! records it ranks on (`record_copies`), each of these tables keyed by the pod's id (`pod_id`); and whether the pool's KV is about to run short, from
 //! the rate of dispatches to the pods that may take a request (`demand`); and which pod stores a
 //! Responses API response its follow-ups must go back to (`stored`), or, where no note says,
 //! which pod answers that it does (`stored_ask`).
@@ -18,6 +18,7 @@ pub mod adapters;
 pub mod demand;
 pub mod pick;
 pub mod pick_log;
+pub mod pod_id;
 pub mod prefix;
 pub mod prefix_index;
 pub mod record_copies;

@@ -23,6 +23,7 @@
 //! each pod keeps serving the same few groups, and its cache, instead of every pod in turn
 //! computing every group and evicting the others' (`Router::send_home`, in router/steps.rs).
 
+use crate::routing::pod_id::{PodId, PodMap};
 use hashbrown::HashMap;
 use std::collections::VecDeque;
 
@@ -146,7 +147,7 @@ impl PodBlocks {
 }
 
 pub struct PrefixIndex {
-    pods: HashMap<String, PodBlocks>,
+    pods: PodMap<PodBlocks>,
     ttl_ms: u64,
     /// The pod's blocks (of tokens) per indexed block (of characters), an average over prompts
     /// routed here: a pod's capacity comes in the first, the index counts the second, and text
@@ -164,7 +165,7 @@ const DENSITY_RANGE: (f64, f64) = (0.5, 4.0);
 impl PrefixIndex {
     pub fn new(ttl_ms: u64) -> Self {
         Self {
-            pods: HashMap::new(),
+            pods: PodMap::default(),
             ttl_ms,
             density: 1.0,
         }
@@ -185,8 +186,8 @@ impl PrefixIndex {
     }
 
     /// How many leading blocks of `hashes` the pod is believed to hold.
-    pub fn matched(&self, pod: &str, hashes: &[u64], now: u64) -> usize {
-        let Some(p) = self.pods.get(pod) else {
+    pub fn matched(&self, pod: PodId, hashes: &[u64], now: u64) -> usize {
+        let Some(p) = self.pods.get(&pod) else {
             return 0;
         };
         let fresh = p.fresh_from(now.saturating_sub(self.ttl_ms));
@@ -204,8 +205,8 @@ impl PrefixIndex {
     /// (its first block, and the last of its first half) instead of a walk: a cheap test over
     /// many parked requests (`drive::run_line`'s cache-first backfills), which a pick then makes
     /// exactly.
-    pub fn caches_half(&self, pod: &str, hashes: &[u64], now: u64) -> bool {
-        let Some(p) = self.pods.get(pod) else {
+    pub fn caches_half(&self, pod: PodId, hashes: &[u64], now: u64) -> bool {
+        let Some(p) = self.pods.get(&pod) else {
             return false;
         };
         let fresh = p.fresh_from(now.saturating_sub(self.ttl_ms));
@@ -225,10 +226,10 @@ impl PrefixIndex {
 
     /// The pod now holds these blocks (it was sent a request with this prompt); it holds
     /// `capacity` of its own blocks.
-    pub fn insert(&mut self, pod: &str, hashes: &[u64], now: u64, capacity: usize) {
+    pub fn insert(&mut self, pod: PodId, hashes: &[u64], now: u64, capacity: usize) {
         let capacity = (capacity as f64 / self.density).round() as usize;
         let step_ms = (self.ttl_ms / CLOCK_STEPS).max(1);
-        let p = self.pods.entry_ref(pod).or_default();
+        let p = self.pods.entry(pod).or_default();
         // Last block first, so a prompt's head is its most recently used part and outlives its
         // tail, as in vLLM, which frees a finished request's blocks in reverse order so that the
         // tail is evicted first (and the simulator does the same): touched head first, the head
@@ -244,26 +245,26 @@ impl PrefixIndex {
 
     /// When a prompt starting with the block `first` was last sent to the pod, within the TTL:
     /// remembered after the pod's copy of it is evicted (the module header says why).
-    pub fn sent_home(&self, pod: &str, first: u64, now: u64) -> Option<u64> {
-        let ms = *self.pods.get(pod)?.homes.get(&fingerprint(first))?;
+    pub fn sent_home(&self, pod: PodId, first: u64, now: u64) -> Option<u64> {
+        let ms = *self.pods.get(&pod)?.homes.get(&fingerprint(first))?;
         (ms >= now.saturating_sub(self.ttl_ms)).then_some(ms)
     }
 
     /// Forgets every block believed in the pod (its engine started again with an empty cache,
     /// `pods::index_check`); the homes of its groups stay: still where each was served.
-    pub fn forget_blocks(&mut self, pod: &str) {
-        if let Some(p) = self.pods.get_mut(pod) {
+    pub fn forget_blocks(&mut self, pod: PodId) {
+        if let Some(p) = self.pods.get_mut(&pod) {
             p.last_use.clear();
         }
     }
 
     /// Forgets pods that are no longer in the pool.
-    pub fn retain_pods(&mut self, keep: impl Fn(&str) -> bool) {
-        self.pods.retain(|pod, _| keep(pod));
+    pub fn retain_pods(&mut self, keep: impl Fn(PodId) -> bool) {
+        self.pods.retain(|pod, _| keep(*pod));
     }
 
-    pub fn blocks_held(&self, pod: &str) -> usize {
-        self.pods.get(pod).map_or(0, |p| p.last_use.len())
+    pub fn blocks_held(&self, pod: PodId) -> usize {
+        self.pods.get(&pod).map_or(0, |p| p.last_use.len())
     }
 }
 
@@ -274,64 +275,70 @@ mod tests {
 
     use super::*;
 
+    fn pod(name: &str) -> PodId {
+        PodId::of(name)
+    }
+
     #[test]
     fn matches_leading_blocks_per_pod() {
         let mut idx = PrefixIndex::new(60_000);
-        idx.insert("a", &[1, 2, 3], 0, 100);
-        assert_eq!(idx.matched("a", &[1, 2, 3, 4], 0), 3);
-        assert_eq!(idx.matched("a", &[1, 9, 3], 0), 1);
-        assert_eq!(idx.matched("b", &[1, 2], 0), 0);
+        idx.insert(pod("a"), &[1, 2, 3], 0, 100);
+        assert_eq!(idx.matched(pod("a"), &[1, 2, 3, 4], 0), 3);
+        assert_eq!(idx.matched(pod("a"), &[1, 9, 3], 0), 1);
+        assert_eq!(idx.matched(pod("b"), &[1, 2], 0), 0);
     }
 
     #[test]
     fn evicts_least_recently_used_beyond_capacity() {
         let mut idx = PrefixIndex::new(60_000);
-        idx.insert("a", &[1, 2], 0, 3);
-        idx.insert("a", &[10], 1, 3);
-        idx.insert("a", &[1], 2, 3); // 1 is fresh again; 2 is now the oldest
-        idx.insert("a", &[20], 3, 3);
-        assert_eq!(idx.blocks_held("a"), 3);
-        assert_eq!(idx.matched("a", &[1], 3), 1);
-        assert_eq!(idx.matched("a", &[2], 3), 0);
+        idx.insert(pod("a"), &[1, 2], 0, 3);
+        idx.insert(pod("a"), &[10], 1, 3);
+        idx.insert(pod("a"), &[1], 2, 3); // 1 is fresh again; 2 is now the oldest
+        idx.insert(pod("a"), &[20], 3, 3);
+        assert_eq!(idx.blocks_held(pod("a")), 3);
+        assert_eq!(idx.matched(pod("a"), &[1], 3), 1);
+        assert_eq!(idx.matched(pod("a"), &[2], 3), 0);
     }
 
     #[test]
     fn a_prompts_home_outlives_its_evicted_blocks_within_a_bound_and_the_ttl() {
         let mut idx = PrefixIndex::new(60_000);
-        idx.insert("a", &[1, 2, 3], 0, 3);
-        idx.insert("a", &[7, 8, 9], 5, 3); // evicts 1, 2, 3
-        assert_eq!(idx.matched("a", &[1, 2, 3], 5), 0);
-        assert_eq!(idx.sent_home("a", 1, 5), Some(0));
-        assert_eq!(idx.sent_home("a", 7, 5), Some(5));
-        assert_eq!(idx.sent_home("b", 1, 5), None);
+        idx.insert(pod("a"), &[1, 2, 3], 0, 3);
+        idx.insert(pod("a"), &[7, 8, 9], 5, 3); // evicts 1, 2, 3
+        assert_eq!(idx.matched(pod("a"), &[1, 2, 3], 5), 0);
+        assert_eq!(idx.sent_home(pod("a"), 1, 5), Some(0));
+        assert_eq!(idx.sent_home(pod("a"), 7, 5), Some(5));
+        assert_eq!(idx.sent_home(pod("b"), 1, 5), None);
         // Only a prompt's first block names its group.
-        assert_eq!(idx.sent_home("a", 2, 5), None);
-        assert_eq!(idx.sent_home("a", 1, 60_001), None, "past the TTL");
+        assert_eq!(idx.sent_home(pod("a"), 2, 5), None);
+        assert_eq!(idx.sent_home(pod("a"), 1, 60_001), None, "past the TTL");
         // The bound: the least recently sent go first, the newest stays.
         for k in 0..(MIN_HOMES as u64 + 1) {
-            idx.insert("a", &[100 + k], 10 + k, 4);
+            idx.insert(pod("a"), &[100 + k], 10 + k, 4);
         }
-        assert!(idx.pods["a"].homes.len() <= MIN_HOMES);
-        assert_eq!(idx.sent_home("a", 1, 100), None);
-        assert!(idx.sent_home("a", 100 + MIN_HOMES as u64, 100).is_some());
+        assert!(idx.pods[&pod("a")].homes.len() <= MIN_HOMES);
+        assert_eq!(idx.sent_home(pod("a"), 1, 100), None);
+        assert!(idx
+            .sent_home(pod("a"), 100 + MIN_HOMES as u64, 100)
+            .is_some());
         // Many sends in one millisecond still keep the bound (and the last send).
         for k in 0..(3 * MIN_HOMES as u64) {
-            idx.insert("a", &[1_000 + k], 500, 4);
+            idx.insert(pod("a"), &[1_000 + k], 500, 4);
         }
-        assert!(idx.pods["a"].homes.len() <= MIN_HOMES);
+        assert!(idx.pods[&pod("a")].homes.len() <= MIN_HOMES);
         assert!(idx
-            .sent_home("a", 1_000 + 3 * MIN_HOMES as u64 - 1, 500)
+            .sent_home(pod("a"), 1_000 + 3 * MIN_HOMES as u64 - 1, 500)
             .is_some());
     }
 
     #[test]
     fn a_prompt_loses_its_tail_before_its_head() {
         let mut idx = PrefixIndex::new(60_000);
-        idx.insert("a", &(0..80).collect::<Vec<u64>>(), 0, 100);
+        idx.insert(pod("a"), &(0..80).collect::<Vec<u64>>(), 0, 100);
         // Another prompt of 40 blocks: 120 > 100 + 100 / 16, down to 100 - 100 / 16 = 94: 26 of
         // the first prompt's blocks go, from its end.
-        idx.insert("a", &(1_000..1_040).collect::<Vec<u64>>(), 1, 100);
-        assert_eq!(idx.matched("a", &(0..80).collect::<Vec<u64>>(), 1), 54);
+        idx.insert(pod("a"), &(1_000..1_040).collect::<Vec<u64>>(), 1, 100);
+        assert_eq!(idx.matched(pod("a"), &(0..80).collect::<Vec<u64>>(), 1), 54);
     }
 
     #[test]
@@ -344,10 +351,10 @@ mod tests {
         assert!((idx.density - 0.8).abs() < 0.01, "{}", idx.density);
         // A pod of 800 blocks holds 1,000 indexed ones, and up to a sixteenth more before it
         // keeps fifteen sixteenths.
-        idx.insert("a", &(0..1_062).collect::<Vec<u64>>(), 0, 800);
-        assert_eq!(idx.blocks_held("a"), 1_062);
-        idx.insert("a", &[5_000], 1, 800);
-        assert_eq!(idx.blocks_held("a"), 1_000 - 1_000 / 16);
+        idx.insert(pod("a"), &(0..1_062).collect::<Vec<u64>>(), 0, 800);
+        assert_eq!(idx.blocks_held(pod("a")), 1_062);
+        idx.insert(pod("a"), &[5_000], 1, 800);
+        assert_eq!(idx.blocks_held(pod("a")), 1_000 - 1_000 / 16);
         // Garbage moves nothing; extremes are bounded.
         idx.learn_density(0, 10.0);
         idx.learn_density(10, f64::NAN);
@@ -362,11 +369,11 @@ mod tests {
     fn a_pod_with_no_room_holds_nothing_and_one_block_keeps_the_last() {
         // Found by the router fuzz target: a scrape of zero capacity made eviction cut past the end.
         let mut idx = PrefixIndex::new(60_000);
-        idx.insert("a", &[1, 2, 3], 0, 0);
-        assert_eq!(idx.blocks_held("a"), 0);
-        idx.insert("a", &[1, 2, 3], 1, 1);
-        assert_eq!(idx.blocks_held("a"), 1);
-        assert_eq!(idx.matched("a", &[1], 1), 1, "the head kept");
+        idx.insert(pod("a"), &[1, 2, 3], 0, 0);
+        assert_eq!(idx.blocks_held(pod("a")), 0);
+        idx.insert(pod("a"), &[1, 2, 3], 1, 1);
+        assert_eq!(idx.blocks_held(pod("a")), 1);
+        assert_eq!(idx.matched(pod("a"), &[1], 1), 1, "the head kept");
     }
 
     #[test]
@@ -374,11 +381,11 @@ mod tests {
         let mut idx = PrefixIndex::new(60_000);
         // Four prompts sharing 3 leading blocks, replayed in one tick, in a pod holding 8.
         for tail in 0..4u64 {
-            idx.insert("a", &[1, 2, 3, 100 + tail], 5, 8);
+            idx.insert(pod("a"), &[1, 2, 3, 100 + tail], 5, 8);
         }
-        idx.insert("a", &[1, 2, 3, 200, 201], 5, 8);
+        idx.insert(pod("a"), &[1, 2, 3, 200, 201], 5, 8);
         assert_eq!(
-            idx.matched("a", &[1, 2, 3], 5),
+            idx.matched(pod("a"), &[1, 2, 3], 5),
             3,
             "the shared prefix is the most recent"
         );
@@ -387,28 +394,31 @@ mod tests {
     #[test]
     fn expires_after_ttl_and_drops_departed_pods() {
         let mut idx = PrefixIndex::new(1_000);
-        idx.insert("a", &[1], 0, 10);
-        idx.insert("b", &[1], 0, 10);
-        assert_eq!(idx.matched("a", &[1], 999), 1);
-        assert_eq!(idx.matched("a", &[1], 1_001), 0);
-        idx.retain_pods(|p| p == "a");
-        assert_eq!(idx.blocks_held("b"), 0);
+        idx.insert(pod("a"), &[1], 0, 10);
+        idx.insert(pod("b"), &[1], 0, 10);
+        assert_eq!(idx.matched(pod("a"), &[1], 999), 1);
+        assert_eq!(idx.matched(pod("a"), &[1], 1_001), 0);
+        idx.retain_pods(|p| p == pod("a"));
+        assert_eq!(idx.blocks_held(pod("b")), 0);
     }
 
     #[test]
     fn repeated_touches_keep_memory_bounded() {
         let mut idx = PrefixIndex::new(1_000);
         for t in 0..10_000 {
-            idx.insert("a", &[1 << 32, 2 << 32, 3 << 32], t, 100);
+            idx.insert(pod("a"), &[1 << 32, 2 << 32, 3 << 32], t, 100);
         }
-        let p = idx.pods.get("a").unwrap();
+        let p = idx.pods.get(&pod("a")).unwrap();
         assert_eq!(p.last_use.len(), 3);
         assert!(
             p.clock.len() <= 2 * CLOCK_STEPS as usize + 2,
             "{}",
             p.clock.len()
         );
-        assert_eq!(idx.matched("a", &[1 << 32, 2 << 32, 3 << 32], 10_000), 3);
+        assert_eq!(
+            idx.matched(pod("a"), &[1 << 32, 2 << 32, 3 << 32], 10_000),
+            3
+        );
     }
 
     #[test]
@@ -416,30 +426,30 @@ mod tests {
         let mut idx = PrefixIndex::new(10_000);
         let blocks: Vec<u64> = (0..1_000u64).map(|i| i << 32).collect();
         for (i, chunk) in blocks.chunks(100).enumerate() {
-            idx.insert("a", chunk, i as u64, 400);
+            idx.insert(pod("a"), chunk, i as u64, 400);
         }
         // Between a sixteenth below the capacity and a sixteenth above.
-        let held = idx.blocks_held("a");
+        let held = idx.blocks_held(pod("a"));
         assert!((375..=425).contains(&held), "{held}");
         // The newest are all there, the oldest gone.
-        assert_eq!(idx.matched("a", &blocks[900..], 10), 100);
-        assert_eq!(idx.matched("a", &blocks[..1], 10), 0);
+        assert_eq!(idx.matched(pod("a"), &blocks[900..], 10), 100);
+        assert_eq!(idx.matched(pod("a"), &blocks[..1], 10), 0);
         // Past the TTL a sweep leaves only what was touched since.
-        idx.insert("a", &[7 << 40], 20_000, 400);
-        assert_eq!(idx.blocks_held("a"), 1);
+        idx.insert(pod("a"), &[7 << 40], 20_000, 400);
+        assert_eq!(idx.blocks_held(pod("a")), 1);
     }
 
     #[test]
     fn touch_counts_that_run_out_restart_from_the_oldest_kept() {
         let mut idx = PrefixIndex::new(60_000);
-        idx.insert("a", &[1 << 32], 0, 100);
-        let p = idx.pods.get_mut("a").unwrap();
+        idx.insert(pod("a"), &[1 << 32], 0, 100);
+        let p = idx.pods.get_mut(&pod("a")).unwrap();
         p.touch = u32::MAX;
         p.last_use.insert(fingerprint(1 << 32), u32::MAX - 1);
         p.clock = VecDeque::from([(u32::MAX - 1, 0)]);
-        idx.insert("a", &[2 << 32], 1, 100);
-        assert_eq!(idx.matched("a", &[1 << 32], 2), 1);
-        assert_eq!(idx.matched("a", &[2 << 32], 2), 1);
-        assert!(idx.pods.get("a").unwrap().touch < 10);
+        idx.insert(pod("a"), &[2 << 32], 1, 100);
+        assert_eq!(idx.matched(pod("a"), &[1 << 32], 2), 1);
+        assert_eq!(idx.matched(pod("a"), &[2 << 32], 2), 1);
+        assert!(idx.pods.get(&pod("a")).unwrap().touch < 10);
     }
 }

@@ -15,8 +15,8 @@
 //! that fits.
 
 use crate::pods::record::{self, PodRecord};
+use crate::routing::pod_id::{PodId, PodMap};
 use crate::store::interface::{Store, StoreError, Versioned};
-use hashbrown::HashMap;
 use std::rc::Rc;
 
 /// How long a copy serves before the record is read again.
@@ -35,21 +35,22 @@ struct Copy {
 
 #[derive(Debug, Default)]
 pub struct RecordCopies {
-    copies: HashMap<String, Copy>,
+    copies: PodMap<Copy>,
 }
 
 impl RecordCopies {
-    /// The pod's record: its copy when young enough and `fresh` is not asked, else read (and
-    /// kept). The second value says whether it was a copy. Expired entries are left out either way.
+    /// The record of the pod named `name`: its copy when young enough and `fresh` is not asked,
+    /// else read (and kept). The second value says whether it was a copy. Expired entries are
+    /// left out either way.
     pub fn get(
         &mut self,
         store: &dyn Store,
-        pod: &str,
+        (pod, name): (PodId, &str),
         now: u64,
         fresh: bool,
     ) -> Result<(Rc<PodRecord>, bool), StoreError> {
         if !fresh {
-            if let Some(c) = self.copies.get_mut(pod) {
+            if let Some(c) = self.copies.get_mut(&pod) {
                 if now.saturating_sub(c.at) < COPY_MS {
                     // An entry expired by now stays expired: the copy itself can leave it out.
                     if c.rec.has_expired(now) {
@@ -59,21 +60,21 @@ impl RecordCopies {
                 }
             }
         }
-        let (rec, read) = record::read_versioned(store, pod)?;
+        let (rec, read) = record::read_versioned(store, name)?;
         let rec = Rc::new(rec);
         self.keep(pod, rec.clone(), now, Some(read));
         Ok((rec, false))
     }
 
     /// The record as this VM just wrote it.
-    pub fn wrote(&mut self, pod: &str, rec: PodRecord, now: u64) {
+    pub fn wrote(&mut self, pod: PodId, rec: PodRecord, now: u64) {
         self.keep(pod, Rc::new(rec), now, None);
     }
 
     /// The pod's record as read at `now` (in this callback: the clock is read once per
     /// callback) and not written by this VM since, for a compare-and-swap to start from; once.
-    pub fn read_now(&mut self, pod: &str, now: u64) -> Option<Versioned> {
-        let c = self.copies.get_mut(pod)?;
+    pub fn read_now(&mut self, pod: PodId, now: u64) -> Option<Versioned> {
+        let c = self.copies.get_mut(&pod)?;
         if c.at == now {
             c.read.take()
         } else {
@@ -81,17 +82,14 @@ impl RecordCopies {
         }
     }
 
-    /// Replaces the pod's copy; its name is copied only when it has none (on every request,
-    /// the pod it picked already has one).
-    fn keep(&mut self, pod: &str, rec: Rc<PodRecord>, now: u64, read: Option<Versioned>) {
-        self.copies
-            .entry_ref(pod)
-            .insert(Copy { at: now, rec, read });
+    /// Replaces the pod's copy.
+    fn keep(&mut self, pod: PodId, rec: Rc<PodRecord>, now: u64, read: Option<Versioned>) {
+        self.copies.insert(pod, Copy { at: now, rec, read });
     }
 
     /// This VM removed a request's entry from the pod's record: the copy follows (its age kept).
-    pub fn finished(&mut self, pod: &str, request: u64) {
-        if let Some(c) = self.copies.get_mut(pod) {
+    pub fn finished(&mut self, pod: PodId, request: u64) {
+        if let Some(c) = self.copies.get_mut(&pod) {
             Rc::make_mut(&mut c.rec).entries.retain(|e| e.id != request);
             c.read = None;
         }
@@ -101,12 +99,12 @@ impl RecordCopies {
     /// worker dispatched to the pod or finished there (the pick log says so), or a request's
     /// first token came (its prompt is computed). Without the first, two workers picking within
     /// `COPY_MS` of each other both saw the same least loaded pod and sent it both requests.
-    pub fn forget(&mut self, pod: &str) {
-        self.copies.remove(pod);
+    pub fn forget(&mut self, pod: PodId) {
+        self.copies.remove(&pod);
     }
 
-    pub fn retain_pods(&mut self, keep: impl Fn(&str) -> bool) {
-        self.copies.retain(|p, _| keep(p));
+    pub fn retain_pods(&mut self, keep: impl Fn(PodId) -> bool) {
+        self.copies.retain(|p, _| keep(*p));
     }
 }
 
@@ -116,6 +114,10 @@ mod tests {
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     use super::*;
+
+    fn pod(name: &str) -> PodId {
+        PodId::of(name)
+    }
     use crate::pods::record::RequestEntry;
     use crate::store::fake_host::FakeHost;
     use crate::test_support::two_vms;
@@ -134,7 +136,7 @@ mod tests {
         record::ensure(&a, "p").unwrap();
         let mut copies = RecordCopies::default();
         let now = a.now_ms();
-        let (rec, copy) = copies.get(&a, "p", now, false).unwrap();
+        let (rec, copy) = copies.get(&a, (pod("p"), "p"), now, false).unwrap();
         assert!(rec.entries.is_empty() && !copy);
         // Another worker reserves on the pod.
         record::modify(&b, "p", |r| {
@@ -142,14 +144,18 @@ mod tests {
             Some(())
         })
         .unwrap();
-        let (rec, copy) = copies.get(&a, "p", now + COPY_MS - 1, false).unwrap();
+        let (rec, copy) = copies
+            .get(&a, (pod("p"), "p"), now + COPY_MS - 1, false)
+            .unwrap();
         assert!(
             rec.entries.is_empty() && copy,
             "the copy, not yet the change"
         );
-        let (rec, copy) = copies.get(&a, "p", now + 1, true).unwrap();
+        let (rec, copy) = copies.get(&a, (pod("p"), "p"), now + 1, true).unwrap();
         assert_eq!((rec.entries.len(), copy), (1, false), "fresh when asked");
-        let (rec, copy) = copies.get(&a, "p", now + 1 + COPY_MS, false).unwrap();
+        let (rec, copy) = copies
+            .get(&a, (pod("p"), "p"), now + 1 + COPY_MS, false)
+            .unwrap();
         assert_eq!((rec.entries.len(), copy), (1, false), "read again once old");
     }
 
@@ -159,25 +165,25 @@ mod tests {
         record::ensure(&a, "p").unwrap();
         let mut copies = RecordCopies::default();
         let now = a.now_ms();
-        copies.get(&a, "p", now, false).unwrap();
+        copies.get(&a, (pod("p"), "p"), now, false).unwrap();
         assert_eq!(
-            copies.read_now("p", now + 1),
+            copies.read_now(pod("p"), now + 1),
             None,
             "a later callback reads"
         );
-        let seen = copies.read_now("p", now);
+        let seen = copies.read_now(pod("p"), now);
         assert_eq!(seen, Some(a.get(&record::key("p")).unwrap()));
-        assert_eq!(copies.read_now("p", now), None, "once");
+        assert_eq!(copies.read_now(pod("p"), now), None, "once");
         // Read again, then written by this VM, then by another: never a version this VM knows
         // to be stale, and a stale one only fails the swap.
-        copies.get(&a, "p", now, true).unwrap();
-        copies.wrote("p", PodRecord::default(), now);
-        assert_eq!(copies.read_now("p", now), None);
-        copies.get(&a, "p", now, true).unwrap();
-        copies.finished("p", 1);
-        assert_eq!(copies.read_now("p", now), None);
-        copies.get(&a, "p", now, true).unwrap();
-        let seen = copies.read_now("p", now);
+        copies.get(&a, (pod("p"), "p"), now, true).unwrap();
+        copies.wrote(pod("p"), PodRecord::default(), now);
+        assert_eq!(copies.read_now(pod("p"), now), None);
+        copies.get(&a, (pod("p"), "p"), now, true).unwrap();
+        copies.finished(pod("p"), 1);
+        assert_eq!(copies.read_now(pod("p"), now), None);
+        copies.get(&a, (pod("p"), "p"), now, true).unwrap();
+        let seen = copies.read_now(pod("p"), now);
         record::modify(&b, "p", |r| {
             r.entries.push(entry(7, now + 60_000));
             Some(())
@@ -207,17 +213,17 @@ mod tests {
             entries: vec![entry(1, 100), entry(2, 25)],
             ..PodRecord::default()
         };
-        copies.wrote("p", written, 10);
-        let (rec, copy) = copies.get(&a, "p", 20, false).unwrap();
+        copies.wrote(pod("p"), written, 10);
+        let (rec, copy) = copies.get(&a, (pod("p"), "p"), 20, false).unwrap();
         assert!(copy);
         assert_eq!(rec.entries.len(), 2);
-        let (rec, _) = copies.get(&a, "p", 29, false).unwrap();
+        let (rec, _) = copies.get(&a, (pod("p"), "p"), 29, false).unwrap();
         assert_eq!(rec.entries.len(), 1, "entry 2 expired at 25");
-        copies.finished("p", 1);
-        let (rec, copy) = copies.get(&a, "p", 29, false).unwrap();
+        copies.finished(pod("p"), 1);
+        let (rec, copy) = copies.get(&a, (pod("p"), "p"), 29, false).unwrap();
         assert!(copy && rec.entries.is_empty());
-        copies.retain_pods(|p| p != "p");
-        let (_, copy) = copies.get(&a, "p", 29, false).unwrap();
+        copies.retain_pods(|p| p != pod("p"));
+        let (_, copy) = copies.get(&a, (pod("p"), "p"), 29, false).unwrap();
         assert!(!copy, "a pod that left and came back is read");
     }
 }

@@ -16,12 +16,12 @@ use crate::routing::adapters::{Adapters, Fit};
 use crate::routing::demand::Demand;
 use crate::routing::pick::{rank, Candidate, Rng, Scored, Terms};
 use crate::routing::pick_log::{Dispatch, Event, PickLog, MAX_EVENT_BLOCKS};
+use crate::routing::pod_id::{PodId, PodMap};
 use crate::routing::prefix_index::PrefixIndex;
 use crate::routing::record_copies::RecordCopies;
 use crate::routing::step_phase::StepPhases;
 use crate::store::codec::Reader;
 use crate::store::interface::{create_if_missing, update, Store, StoreError};
-use hashbrown::HashMap;
 use std::cell::{Cell, OnceCell};
 use std::rc::Rc;
 
@@ -70,6 +70,8 @@ pub enum Placement {
 pub struct Routed {
     pub request: u64,
     pub pod: String,
+    /// `pod`'s key in this VM's routing tables (`pod_id`).
+    pub pod_id: PodId,
     /// Output tokens its entry in the pod's record accounts for (written at block boundaries).
     pub streamed: u64,
     /// Its answers whose end its entry has taken (a request for several), and their tokens,
@@ -189,9 +191,9 @@ struct IndexBound {
 
 /// The most blocks a pod's prefix index keeps: its bound as last read from its record, else the
 /// configured capacity.
-fn index_capacity(bounds: &HashMap<String, IndexBound>, pod: &str, cfg: &Config) -> usize {
+fn index_capacity(bounds: &PodMap<IndexBound>, pod: PodId, cfg: &Config) -> usize {
     bounds
-        .get(pod)
+        .get(&pod)
         .map_or(cfg.routing.pod_capacity_blocks as usize, |b| b.blocks)
 }
 
@@ -205,6 +207,8 @@ pub struct Router {
     /// What each pod serves, as last scraped (`models::served`).
     served: ServedView,
     pods: Vec<String>,
+    /// Each pod's key in this VM's routing tables (`pod_id`), as `pods` is ordered.
+    pod_ids: Vec<PodId>,
     /// Each pod's bit in a waiting request's reach (`line::pod_bits`), as `pods` is ordered.
     pod_bits: Vec<u64>,
     pods_read_ms: Option<u64>,
@@ -214,7 +218,7 @@ pub struct Router {
     started_ms: u64,
     /// What bounds each pod's prefix index, as last read from its record: replayed picks are
     /// bounded by it too, not only this VM's own.
-    index_bounds: HashMap<String, IndexBound>,
+    index_bounds: PodMap<IndexBound>,
     /// The largest block size the pods' metrics reported, 0 before any did.
     engine_block_tokens: u32,
     /// When this VM last learned from the pod records (`learn`).
@@ -252,13 +256,14 @@ impl Router {
             prefix: PrefixIndex::new(cfg.routing.prefix_ttl_ms),
             active: ActiveBlocks::default(),
             adapters: Adapters::default(),
-            served: ServedView::default(),
+            served: ServedView::of(&cfg.pods),
             pods: cfg.pods.clone(),
+            pod_ids: cfg.pods.iter().map(|p| PodId::of(p)).collect(),
             pod_bits: crate::admission::line::pod_bits(&cfg.pods),
             pods_read_ms: None,
             discovered: false,
             started_ms: store.now_ms(),
-            index_bounds: HashMap::new(),
+            index_bounds: PodMap::default(),
             learned_ms: None,
             routed_ms: None,
             engine_block_tokens: 0,
@@ -326,7 +331,7 @@ impl Router {
     /// Whether a pod's first model list is awaited, as this VM last read the lists
     /// (`ServedView::awaits_any`): requests for a model no list names wait for it.
     pub fn awaits_lists(&self, now: u64) -> bool {
-        self.served.awaits_any(&self.pods, now)
+        self.served.awaits_any(now)
     }
 
     fn waits_for_discovery(&self, cfg: &Config, now: u64) -> bool {
@@ -361,16 +366,19 @@ impl Router {
             }
         }
         if pods != self.pods {
-            self.index_bounds.retain(|p, _| pods.iter().any(|q| q == p));
-            self.prefix.retain_pods(|p| pods.iter().any(|q| q == p));
-            self.active.retain_pods(|p| pods.iter().any(|q| q == p));
-            self.adapters.retain_pods(|p| pods.iter().any(|q| q == p));
-            self.copies.retain_pods(|p| pods.iter().any(|q| q == p));
-            self.phases.retain_pods(|p| pods.iter().any(|q| q == p));
+            let ids: Vec<PodId> = pods.iter().map(|p| PodId::of(p)).collect();
+            let kept = |id: PodId| ids.contains(&id);
+            self.index_bounds.retain(|&p, _| kept(p));
+            self.prefix.retain_pods(kept);
+            self.active.retain_pods(kept);
+            self.adapters.retain_pods(kept);
+            self.copies.retain_pods(kept);
+            self.phases.retain_pods(kept);
             self.demand.pods_changed(|p| pods.iter().any(|q| q == p));
-            self.served.pool_changed();
+            self.served.pool_changed(&pods);
             self.pod_bits = crate::admission::line::pod_bits(&pods);
             self.pods = pods;
+            self.pod_ids = ids;
         }
     }
 
@@ -389,7 +397,7 @@ impl Router {
         }
         self.learned_ms = Some(now);
         let bt = u64::from(self.block_tokens(&cfg.routing));
-        for (pod, rec) in self.pods.iter().zip(records) {
+        for (&pod, rec) in self.pod_ids.iter().zip(records) {
             // Sorted once, so that each replica entry is looked up, not compared with every one
             // of the record's: this runs on every request, and a pod may run hundreds. Only
             // entries past the replicas' grace are asked about, so most requests sort nothing.
@@ -405,8 +413,7 @@ impl Router {
                 blocks: rec.index_blocks(bt, cfg.routing.pod_capacity_blocks),
                 restarts: rec.snapshot.map_or(0, |s| s.engine_restarts),
             };
-            // Per request: the pod's name is copied only the first time.
-            match self.index_bounds.get_mut(pod.as_str()) {
+            match self.index_bounds.get_mut(&pod) {
                 Some(known) => {
                     if known.restarts != bound.restarts {
                         // The engine started again with an empty cache (`pods::index_check`).
@@ -415,7 +422,7 @@ impl Router {
                     *known = bound;
                 }
                 None => {
-                    self.index_bounds.insert(pod.clone(), bound);
+                    self.index_bounds.insert(pod, bound);
                 }
             }
         }
@@ -436,8 +443,8 @@ impl Router {
             .is_none_or(|at| now.saturating_sub(at) >= LEARN_MS)
         {
             let mut records = Vec::with_capacity(self.pods.len());
-            for pod in &self.pods {
-                records.push(self.copies.get(store, pod, now, false)?.0);
+            for (&id, pod) in self.pod_ids.iter().zip(&self.pods) {
+                records.push(self.copies.get(store, (id, pod), now, false)?.0);
             }
             self.learn(cfg, &records, now);
         }
@@ -460,18 +467,21 @@ impl Router {
         let (adapters, copies) = (&mut self.adapters, &mut self.copies);
         self.log.poll(store, self.vm, |event| match event {
             Event::Dispatch(d) => {
-                prefix.insert(&d.pod, &d.hashes, now, index_capacity(bounds, &d.pod, cfg));
-                adapters.dispatch(&d.pod, d.request, d.adapter, now);
-                copies.forget(&d.pod);
-                active.add(&d.pod, d.request, d.hashes, now);
+                let pod = PodId::of(&d.pod);
+                prefix.insert(pod, &d.hashes, now, index_capacity(bounds, pod, cfg));
+                adapters.dispatch(pod, d.request, d.adapter, now);
+                copies.forget(pod);
+                active.add(pod, d.request, d.hashes, now);
             }
             Event::Finish { pod, request } => {
-                adapters.finish(&pod, request);
-                copies.forget(&pod);
-                active.remove(&pod, request);
+                let pod = PodId::of(&pod);
+                adapters.finish(pod, request);
+                copies.forget(pod);
+                active.remove(pod, request);
             }
             Event::Placed { pod, hashes } => {
-                prefix.insert(&pod, &hashes, now, index_capacity(bounds, &pod, cfg));
+                let pod = PodId::of(&pod);
+                prefix.insert(pod, &hashes, now, index_capacity(bounds, pod, cfg));
             }
             Event::Stored { .. } => {}
         })
@@ -491,8 +501,9 @@ impl Router {
             .into_iter()
             .filter(|(pod, hashes)| !hashes.is_empty() && self.pods.contains(pod))
             .map(|(pod, hashes)| {
-                let cap = index_capacity(&self.index_bounds, &pod, cfg);
-                self.prefix.insert(&pod, &hashes, now, cap);
+                let id = PodId::of(&pod);
+                let cap = index_capacity(&self.index_bounds, id, cfg);
+                self.prefix.insert(id, &hashes, now, cap);
                 Event::Placed { pod, hashes }
             })
             .collect();
@@ -577,7 +588,7 @@ impl Router {
     /// group's home (`home_among`).
     pub fn belongs_on(&self, cfg: &Config, pods: &[String], hashes: &[u64], now: u64) -> bool {
         pods.iter()
-            .any(|pod| self.prefix.caches_half(pod, hashes, now))
+            .any(|pod| self.prefix.caches_half(PodId::of(pod), hashes, now))
             || hashes
                 .first()
                 .is_some_and(|&first| self.home_among(cfg, pods, first, now))
@@ -623,16 +634,16 @@ impl Router {
         let request = self.next_request_id();
         let mut from_copies = false;
         let mut records: Vec<Rc<PodRecord>> = Vec::with_capacity(self.pods.len());
-        for pod in &self.pods {
-            let (rec, copy) = self.copies.get(store, pod, now, fresh)?;
+        for (&id, pod) in self.pod_ids.iter().zip(&self.pods) {
+            let (rec, copy) = self.copies.get(store, (id, pod), now, fresh)?;
             from_copies |= copy;
             records.push(rec);
         }
         self.learn(cfg, &records, now);
-        self.served.refresh(store, &self.pods, now);
+        self.served.refresh(store, now);
         if self
             .served
-            .awaits_list(&self.pods, model, now, |i| !records[i].is_down())
+            .awaits_list(model, now, |i| !records[i].is_down())
         {
             return Ok((Placement::Discovering, from_copies));
         }
@@ -677,13 +688,13 @@ impl Router {
             .iter()
             .map(|&i| {
                 self.active
-                    .active_prefix(&self.pods[i], ask.recorded(&records[i]))
+                    .active_prefix(self.pod_ids[i], ask.recorded(&records[i]))
             })
             .collect();
         (ask.hot_blocks, ask.copy_weight) = self.hot_prefix(&indices, &shared, hashes);
         let (loads, alones) = charges(est, &indices, &shared, &ask, cfg.estimator.safety_factor);
         let mut candidates = candidates(
-            &self.pods,
+            (&self.pods, &self.pod_ids),
             &self.prefix,
             cfg,
             &indices,
@@ -803,6 +814,7 @@ impl Router {
         for s in ranked.iter().filter(|s| takes(s.index)) {
             let best = &candidates[s.index];
             let pod = best.pod.to_string();
+            let id = self.pod_ids[indices[s.index]];
             let shared_blocks = shared[s.index];
             let sharing = loads[s.index];
             let alone = alones[s.index];
@@ -843,10 +855,10 @@ impl Router {
             };
             // Who the replica says holds the shared prefix: the record says which of them is
             // still in flight, and without one the request counts its whole prompt.
-            let holders = self.active.holding(&pod, hashes, shared_blocks);
+            let holders = self.active.holding(id, hashes, shared_blocks);
             // The read above may be a copy, older than the last scrape: the fit is checked again
             // inside the compare-and-swap, against the budget the stored snapshot gives.
-            let seen = self.copies.read_now(&pod, now);
+            let seen = self.copies.read_now(id, now);
             let taken = record::modify_from(store, &pod, seen, |rec| {
                 let lean = holders.iter().copied().find(|&h| rec.is_live(h));
                 let (load, entry) = match lean {
@@ -876,14 +888,14 @@ impl Router {
             let Some(written) = taken else {
                 continue;
             };
-            self.copies.wrote(&pod, written, now);
+            self.copies.wrote(id, written, now);
             let rec = &records[indices[s.index]];
             let kept = ask.recorded(rec);
             let bound = rec.index_blocks(bt, r.pod_capacity_blocks);
-            self.prefix.insert(&pod, kept, now, bound);
+            self.prefix.insert(id, kept, now, bound);
             let fit = adapter_fit[s.index];
             let adapter = fit.map_or(0, |_| adapter_id(model));
-            self.adapters.dispatch(&pod, request, adapter, now);
+            self.adapters.dispatch(id, request, adapter, now);
             let event = Event::Dispatch(Dispatch {
                 pod: pod.clone(),
                 request,
@@ -896,7 +908,7 @@ impl Router {
             }
             // The published copy of the hashes becomes this VM's replica entry: one copy per pick.
             if let Event::Dispatch(d) = event {
-                self.active.add(&pod, request, d.hashes, now);
+                self.active.add(id, request, d.hashes, now);
             }
             let mut order = order;
             order.retain(|p| *p != pod);
@@ -906,6 +918,7 @@ impl Router {
                 Placement::Routed(Routed {
                     request,
                     pod,
+                    pod_id: id,
                     streamed: 0,
                     ended: Ended::default(),
                     order,
@@ -948,7 +961,7 @@ impl Router {
     pub fn streamed(&mut self, store: &dyn Store, routed: &mut Routed, tokens: u64) {
         let now = store.now_us();
         self.phases.tokens(
-            &routed.pod,
+            routed.pod_id,
             tokens,
             routed.last_token_us,
             routed.dispatched_us,
@@ -972,7 +985,7 @@ impl Router {
         indices: &[usize],
         records: &[Rc<PodRecord>],
     ) -> Vec<u64> {
-        let pods: Vec<&str> = indices.iter().map(|&i| self.pods[i].as_str()).collect();
+        let pods: Vec<PodId> = indices.iter().map(|&i| self.pod_ids[i]).collect();
         let busy: Vec<bool> = indices
             .iter()
             .map(|&i| !records[i].entries.is_empty())
@@ -1021,7 +1034,7 @@ impl Router {
         if first {
             // The first token: the prompt it waited for no longer loads the pod, which this VM's
             // copy of the record would still say.
-            self.copies.forget(&routed.pod);
+            self.copies.forget(routed.pod_id);
         }
         record::modify_entry(store, &routed.pod, routed.request, |e| {
             e.output_blocks = live.div_ceil(bt) as u32;
@@ -1054,7 +1067,8 @@ impl Router {
         routed: &mut Routed,
         est: &Estimate,
     ) -> Result<bool, StoreError> {
-        let (rec, _) = self.copies.get(store, &routed.pod, store.now_ms(), false)?;
+        let pod = (routed.pod_id, routed.pod.as_str());
+        let (rec, _) = self.copies.get(store, pod, store.now_ms(), false)?;
         let sent_s = store.now_us().saturating_sub(routed.dispatched_us) as f64 / 1e6;
         let Some(made) = rec.pace().tokens_made(sent_s, est.choices) else {
             return Ok(false);
@@ -1070,10 +1084,10 @@ impl Router {
         routed: &Routed,
     ) -> Result<Option<RequestEntry>, StoreError> {
         // The record hands what it counted of a shared prefix to a request leaning on it.
-        self.active.remove(&routed.pod, routed.request);
-        self.adapters.finish(&routed.pod, routed.request);
+        self.active.remove(routed.pod_id, routed.request);
+        self.adapters.finish(routed.pod_id, routed.request);
         let gone = record::finish(store, &routed.pod, routed.request)?;
-        self.copies.finished(&routed.pod, routed.request);
+        self.copies.finished(routed.pod_id, routed.request);
         if let Some(entry) = &gone {
             let now = store.now_ms();
             self.demand
@@ -1341,7 +1355,8 @@ mod tests {
         }
         vm.host().advance_ms(at_ms.saturating_sub(offset_ms));
         for pod in ["a:1", "b:1"] {
-            r.prefix.insert(pod, &hashes(70, 8), vm.now_ms(), 10_000);
+            r.prefix
+                .insert(PodId::of(pod), &hashes(70, 8), vm.now_ms(), 10_000);
         }
         (vm, cfg, r)
     }
@@ -1397,7 +1412,8 @@ mod tests {
         // a's step ends sooner (as above); b caches the prompt's 32-block prefix.
         let (vm, cfg, mut r) = streaming_on_two_pods(3, 4);
         let mut prompt = hashes(50, 32);
-        r.prefix.insert("b:1", &prompt, vm.now_ms(), 10_000);
+        r.prefix
+            .insert(PodId::of("b:1"), &prompt, vm.now_ms(), 10_000);
         prompt.extend(hashes(60, 4));
         let probe = r.route_m(&vm, &cfg, &prompt, &est(576, 16));
         assert_eq!(probe.pod, "b:1", "{}", probe.ranking);
@@ -1437,9 +1453,11 @@ mod tests {
         cfg.admission.budget_tokens = 2_000;
         let group = hashes(1, 16);
         // The group was sent to a, then to b; each still indexes its first block only.
-        r.prefix.insert("a:1", &group[..1], vm.now_ms(), 1_000);
+        r.prefix
+            .insert(PodId::of("a:1"), &group[..1], vm.now_ms(), 1_000);
         vm.host().advance_ms(10);
-        r.prefix.insert("b:1", &group[..1], vm.now_ms(), 1_000);
+        r.prefix
+            .insert(PodId::of("b:1"), &group[..1], vm.now_ms(), 1_000);
         // b is full; a runs a small request (dearer than the idle c, within the tolerance).
         for (pod, e) in [("b:1", running(1, 2_000, 4)), ("a:1", running(2, 256, 16))] {
             record::modify(&vm, pod, |rec| {
@@ -1464,8 +1482,9 @@ mod tests {
         // The home's cache turns over (other prompts evict the group there), and a long request
         // on what it now holds keeps it busier than the other pod.
         let other_prompt = hashes(2, 40);
-        r.prefix.insert(&home, &other_prompt, vm.now_ms(), 40);
-        assert_eq!(r.prefix.matched(&home, &group, vm.now_ms()), 0);
+        r.prefix
+            .insert(PodId::of(&home), &other_prompt, vm.now_ms(), 40);
+        assert_eq!(r.prefix.matched(PodId::of(&home), &group, vm.now_ms()), 0);
         let busy = r.route_m(&vm, &cfg, &other_prompt, &est(640, 64));
         assert_eq!(busy.pod, home);
         // A group never seen goes to the idle pod; this one goes home, within half its prefill
@@ -1476,8 +1495,8 @@ mod tests {
         // The other pod still has the head of its old copy (a head outlives its tail): the
         // group goes home all the same.
         let other = cfg.pods.iter().find(|p| **p != home).unwrap().clone();
-        r.prefix.insert(&other, &group[..2], 0, 40);
-        assert_eq!(r.prefix.matched(&other, &group, vm.now_ms()), 2);
+        r.prefix.insert(PodId::of(&other), &group[..2], 0, 40);
+        assert_eq!(r.prefix.matched(PodId::of(&other), &group, vm.now_ms()), 2);
         let again = r.route_m(&vm, &cfg, &group, &est(256, 16));
         assert_eq!(again.pod, home, "{}", again.ranking);
         r.finish(&vm, &again).unwrap();
@@ -1495,11 +1514,15 @@ mod tests {
         let home = first.pod.clone();
         let other = if home == "a:1" { "b:1" } else { "a:1" };
         // Its home's cache turns over: nothing holds half of the prompt any more.
-        r.prefix.insert(&home, &hashes(2, 40), vm.now_ms(), 40);
-        assert_eq!(r.prefix.matched(&home, &group(11), vm.now_ms()), 0);
+        r.prefix
+            .insert(PodId::of(&home), &hashes(2, 40), vm.now_ms(), 40);
+        assert_eq!(
+            r.prefix.matched(PodId::of(&home), &group(11), vm.now_ms()),
+            0
+        );
         assert!(r
             .prefix
-            .sent_home(&home, group(11)[0], vm.now_ms())
+            .sent_home(PodId::of(&home), group(11)[0], vm.now_ms())
             .is_some());
         // The home has room for nothing more: a request of another group fills it.
         let filler = running(1, 300, 19);
@@ -1555,7 +1578,8 @@ mod tests {
         // more.
         let pool = || {
             let (vm, cfg, mut r) = router(&["a:1", "b:1"]);
-            r.prefix.insert("a:1", &prompt(10), vm.now_ms(), 1_000);
+            r.prefix
+                .insert(PodId::of("a:1"), &prompt(10), vm.now_ms(), 1_000);
             let long = running(1, 1_700, 106);
             record::modify(&vm, "a:1", |rec| {
                 rec.entries.push(long);
@@ -1650,7 +1674,7 @@ mod tests {
                 crate::models::served::write_list(&vm, pod, &list, now).unwrap();
             }
             cfg.admission.budget_tokens = 10_000;
-            r.prefix.insert("a:1", &prompt(10), now, 1_000);
+            r.prefix.insert(PodId::of("a:1"), &prompt(10), now, 1_000);
             // And a long answer of another group's, so that a copy to b is the cheaper pick.
             record::modify(&vm, "a:1", |rec| {
                 rec.entries.push(running(1, 3_200, 200));
@@ -2031,19 +2055,19 @@ mod tests {
         }
         m.tend(&main, &cfg).unwrap();
         assert!(
-            m.prefix.blocks_held("a:1") <= 40,
+            m.prefix.blocks_held(PodId::of("a:1")) <= 40,
             "bounded by the pod's 40 blocks, not podCapacityBlocks: {}",
-            m.prefix.blocks_held("a:1")
+            m.prefix.blocks_held(PodId::of("a:1"))
         );
         // A request whose finish the log lost (a ring overrun, a VM gone) leaves its replicas
         // once its entry has left the record.
         let lost = w.route_m(&worker, &cfg, &hashes(200, 8), &est(128, 16));
         m.tend(&main, &cfg).unwrap();
-        assert_eq!(m.active.unique_blocks("a:1"), 8);
+        assert_eq!(m.active.unique_blocks(PodId::of("a:1")), 8);
         record::finish(&worker, "a:1", lost.request).unwrap();
         host.advance_ms(5_000);
         m.tend(&main, &cfg).unwrap();
-        assert_eq!(m.active.unique_blocks("a:1"), 0);
+        assert_eq!(m.active.unique_blocks(PodId::of("a:1")), 0);
     }
 
     #[test]
@@ -2093,8 +2117,8 @@ mod tests {
         }
         m.route_m(&main, &cfg, &hashes(3_000, 8), &est(128, 16));
         for (vm, held) in [
-            ("worker", w.prefix.blocks_held("a:1")),
-            ("main", m.prefix.blocks_held("a:1")),
+            ("worker", w.prefix.blocks_held(PodId::of("a:1"))),
+            ("main", m.prefix.blocks_held(PodId::of("a:1"))),
         ] {
             // Evicted past a sixteenth above 200 blocks: 400 without the engine's word.
             assert!(held <= 200 + 200 / 16, "{vm}: {held}");
@@ -2104,7 +2128,8 @@ mod tests {
         w.finish(&worker, &again).unwrap();
         m.tend(&main, &cfg).unwrap();
         assert_eq!(
-            m.prefix.matched("a:1", &hashes(2_029, 8), host.now_ms()),
+            m.prefix
+                .matched(PodId::of("a:1"), &hashes(2_029, 8), host.now_ms()),
             8,
             "replayed"
         );
@@ -2125,9 +2150,14 @@ mod tests {
         // The other VM learns on its next request, or its tick a second after it last did.
         host.advance_ms(LEARN_MS);
         m.tend(&main, &cfg).unwrap();
-        assert_eq!(m.prefix.matched("a:1", &hashes(2_029, 8), host.now_ms()), 0);
         assert_eq!(
-            m.prefix.matched("a:1", &hashes(2_028, 8), host.now_ms()),
+            m.prefix
+                .matched(PodId::of("a:1"), &hashes(2_029, 8), host.now_ms()),
+            0
+        );
+        assert_eq!(
+            m.prefix
+                .matched(PodId::of("a:1"), &hashes(2_028, 8), host.now_ms()),
             8,
             "sent since"
         );
@@ -2141,28 +2171,28 @@ mod tests {
         // Envoy's main thread: it ticks, and the workers' picks cost it nothing.
         let before = w.route_m(&worker, &cfg, &hashes(100, 8), &est(128, 16));
         m.tend(&main, &cfg).unwrap();
-        assert_eq!(m.prefix.blocks_held("a:1"), 0);
-        assert_eq!(m.active.unique_blocks("a:1"), 0);
+        assert_eq!(m.prefix.blocks_held(PodId::of("a:1")), 0);
+        assert_eq!(m.active.unique_blocks(PodId::of("a:1")), 0);
         // A worker's first request: it replays what it missed first, so its pick knows them.
         w.route_m(&worker, &cfg, &hashes(200, 8), &est(128, 16));
         m.route_m(&main, &cfg, &hashes(300, 8), &est(128, 16));
         assert_eq!(
-            m.active.unique_blocks("a:1"),
+            m.active.unique_blocks(PodId::of("a:1")),
             24,
             "both picks before and its own"
         );
-        assert_eq!(m.prefix.blocks_held("a:1"), 24);
+        assert_eq!(m.prefix.blocks_held(PodId::of("a:1")), 24);
         // Routing, it replays on its tick too.
         w.route_m(&worker, &cfg, &hashes(400, 8), &est(128, 16));
         m.tend(&main, &cfg).unwrap();
-        assert_eq!(m.active.unique_blocks("a:1"), 32);
+        assert_eq!(m.active.unique_blocks(PodId::of("a:1")), 32);
         // Idle for `REPLAY_IDLE_MS`, it leaves the log to its next request.
         host.advance_ms(REPLAY_IDLE_MS);
         w.route_m(&worker, &cfg, &hashes(500, 8), &est(128, 16));
         m.tend(&main, &cfg).unwrap();
-        assert_eq!(m.prefix.blocks_held("a:1"), 32);
+        assert_eq!(m.prefix.blocks_held(PodId::of("a:1")), 32);
         m.route_m(&main, &cfg, &hashes(600, 8), &est(128, 16));
-        assert_eq!(m.prefix.blocks_held("a:1"), 48);
+        assert_eq!(m.prefix.blocks_held(PodId::of("a:1")), 48);
         w.finish(&worker, &before).unwrap();
     }
 
@@ -2266,7 +2296,16 @@ mod tests {
         };
         r.rehome(&vm, &cfg, &mut routed, other, Moved::PickFailed)
             .unwrap();
-        assert_eq!(routed.pod, other);
+        assert_eq!(
+            (routed.pod.as_str(), routed.pod_id),
+            (other, PodId::of(other))
+        );
+        let blocks = |r: &Router, pod: &str| r.active.unique_blocks(PodId::of(pod));
+        assert_eq!(
+            (blocks(&r, picked), blocks(&r, other)),
+            (0, 4),
+            "the replica follows"
+        );
         assert!(!record::read(&vm, picked).unwrap().snapshot.unwrap().healthy);
         // 64 tokens with the tests' 1.1 margin: 70, in 5 blocks of 16.
         assert_eq!(record::read(&vm, other).unwrap().active_blocks(16), 5);
@@ -2275,6 +2314,7 @@ mod tests {
         r.finish(&vm, &routed).unwrap();
         r.finish(&vm, &next).unwrap();
         assert_eq!(total_active(&vm, &cfg), 0);
+        assert_eq!(blocks(&r, other), 0);
     }
 
     #[test]

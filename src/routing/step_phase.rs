@@ -23,7 +23,7 @@
 //! zero: a pod whose streams here ended is unknown again once its phase is out of date, and one
 //! that left the pool is forgotten.
 
-use hashbrown::HashMap;
+use crate::routing::pod_id::{PodId, PodMap};
 
 /// Weight of a new step-time sample in the pod's average: about the last eight steps, which is
 /// long enough to smooth one prefill-laden step and short enough to follow a batch that grows.
@@ -83,7 +83,7 @@ impl Phase {
 /// Each pod's step phase, as this VM's streams show it, and the delay from a pick to the engine.
 #[derive(Debug)]
 pub struct StepPhases {
-    pods: HashMap<String, Phase>,
+    pods: PodMap<Phase>,
     /// The delay from a pick to the engine's scheduler, in µs, as learned from first tokens.
     delay_us: f64,
 }
@@ -92,7 +92,7 @@ impl StepPhases {
     /// With the delay assumed until first tokens have measured it.
     pub fn new(assumed_delay_us: f64) -> StepPhases {
         StepPhases {
-            pods: HashMap::new(),
+            pods: PodMap::default(),
             delay_us: assumed_delay_us.max(0.0),
         }
     }
@@ -110,7 +110,7 @@ impl StepPhases {
     /// requests would not do, since the bracket's width is a whole step.
     pub fn tokens(
         &mut self,
-        pod: &str,
+        pod: PodId,
         tokens: u64,
         previous_us: Option<u64>,
         dispatched_us: u64,
@@ -121,9 +121,9 @@ impl StepPhases {
         }
         // The delay is a field apart from the map, so the pod's phase is looked up once.
         let delay_us = &mut self.delay_us;
-        let Some(phase) = self.pods.get_mut(pod) else {
+        let Some(phase) = self.pods.get_mut(&pod) else {
             self.pods.insert(
-                pod.to_string(),
+                pod,
                 Phase {
                     boundary_us: now_us,
                     previous_us: 0,
@@ -168,8 +168,8 @@ impl StepPhases {
     }
 
     /// Forgets the pods that left the pool.
-    pub fn retain_pods(&mut self, keep: impl Fn(&str) -> bool) {
-        self.pods.retain(|pod, _| keep(pod));
+    pub fn retain_pods(&mut self, keep: impl Fn(PodId) -> bool) {
+        self.pods.retain(|pod, _| keep(*pod));
     }
 
     /// The delay from a pick to the engine's scheduler, in µs, as learned so far.
@@ -179,8 +179,8 @@ impl StepPhases {
 
     /// `pod`'s step time and how long ago its last step ended, when this VM knows them and they
     /// are not out of date.
-    fn phase(&self, pod: &str, now_us: u64) -> Option<(f64, f64)> {
-        let p = self.pods.get(pod).filter(|p| p.step_us > 0.0)?;
+    fn phase(&self, pod: PodId, now_us: u64) -> Option<(f64, f64)> {
+        let p = self.pods.get(&pod).filter(|p| p.step_us > 0.0)?;
         let since = now_us.saturating_sub(p.boundary_us) as f64;
         (since < STALE_STEPS * p.step_us).then_some((p.step_us, since))
     }
@@ -190,8 +190,8 @@ impl StepPhases {
     /// A busy pod whose phase this VM does
     /// not know is costed at half the known pods' average step; when no pod's is known, every
     /// wait is 0: nothing tells the pods apart.
-    pub fn waits(&self, pods: &[&str], busy: &[bool], now_us: u64) -> Vec<f64> {
-        let phases: Vec<Option<(f64, f64)>> = pods.iter().map(|p| self.phase(p, now_us)).collect();
+    pub fn waits(&self, pods: &[PodId], busy: &[bool], now_us: u64) -> Vec<f64> {
+        let phases: Vec<Option<(f64, f64)>> = pods.iter().map(|&p| self.phase(p, now_us)).collect();
         let (sum, known) = phases
             .iter()
             .flatten()
@@ -244,12 +244,16 @@ mod tests {
 
     use super::*;
 
+    fn pod(name: &str) -> PodId {
+        PodId::of(name)
+    }
+
     fn close(a: f64, b: f64) -> bool {
         (a - b).abs() < 1e-6
     }
 
     /// `pod` streams one token every `step` µs from `from` to `to`, one stream (sent at 0).
-    fn stream(s: &mut StepPhases, pod: &str, from: u64, step: u64, to: u64) {
+    fn stream(s: &mut StepPhases, pod: PodId, from: u64, step: u64, to: u64) {
         let mut last = None;
         let mut at = from;
         while at <= to {
@@ -263,74 +267,74 @@ mod tests {
     fn a_step_is_learned_from_one_streams_chunks_and_its_rest_is_the_wait() {
         let mut s = StepPhases::new(0.0);
         // First token: a boundary, but the time since dispatch is not a step.
-        s.tokens("a", 1, None, 0, 10_000);
-        assert_eq!(s.waits(&["a"], &[true], 10_000), vec![0.0]);
-        s.tokens("a", 1, Some(10_000), 0, 16_000);
+        s.tokens(pod("a"), 1, None, 0, 10_000);
+        assert_eq!(s.waits(&[pod("a")], &[true], 10_000), vec![0.0]);
+        s.tokens(pod("a"), 1, Some(10_000), 0, 16_000);
         // 6 ms steps; 1 ms after the last boundary, 5 ms are left.
-        assert!(close(s.waits(&["a"], &[true], 17_000)[0], 5_000.0));
+        assert!(close(s.waits(&[pod("a")], &[true], 17_000)[0], 5_000.0));
         // A chunk of two tokens spans two steps.
-        s.tokens("a", 2, Some(16_000), 0, 28_000);
-        assert!(close(s.waits(&["a"], &[true], 28_000)[0], 6_000.0));
+        s.tokens(pod("a"), 2, Some(16_000), 0, 28_000);
+        assert!(close(s.waits(&[pod("a")], &[true], 28_000)[0], 6_000.0));
         // Another stream's chunk of the same step does not move the boundary.
-        s.tokens("a", 1, Some(22_900), 0, 28_900);
-        assert!(close(s.waits(&["a"], &[true], 29_000)[0], 5_000.0));
+        s.tokens(pod("a"), 1, Some(22_900), 0, 28_900);
+        assert!(close(s.waits(&[pod("a")], &[true], 29_000)[0], 5_000.0));
     }
 
     #[test]
     fn the_pod_about_to_end_its_step_waits_least_unless_the_request_arrives_too_late_for_it() {
         let mut s = StepPhases::new(0.0);
-        stream(&mut s, "early", 6_000, 6_000, 12_000);
-        stream(&mut s, "late", 10_000, 6_000, 16_000);
+        stream(&mut s, pod("early"), 6_000, 6_000, 12_000);
+        stream(&mut s, pod("late"), 10_000, 6_000, 16_000);
         // At 17 ms, "early" ended its last step 5 ms ago (1 ms left), "late" 1 ms ago (5 left).
-        let w = s.waits(&["early", "late"], &[true, true], 17_000);
+        let w = s.waits(&[pod("early"), pod("late")], &[true, true], 17_000);
         assert!(close(w[0], 1_000.0) && close(w[1], 5_000.0), "{w:?}");
         // A request reaching the engine 1–1.5 ms from now misses early's step end and waits
         // for the next one (1 + 6 − 1.25 ms), and arrives 1.25 ms into late's 5.
         s.delay_us = 1_000.0;
-        let w = s.waits(&["early", "late"], &[true, true], 17_000);
+        let w = s.waits(&[pod("early"), pod("late")], &[true, true], 17_000);
         assert!(close(w[0], 5_750.0) && close(w[1], 3_750.0), "{w:?}");
         // 1.25 ms left, half way through the arrival window: the mean arrival is at the step's
         // end, and half the requests wait for the next step, 6 ms.
-        let w = s.waits(&["early"], &[true], 16_750);
+        let w = s.waits(&[pod("early")], &[true], 16_750);
         assert!(close(w[0], 3_000.0), "{w:?}");
     }
 
     #[test]
     fn an_idle_pod_starts_at_once_and_an_unknown_or_out_of_date_one_at_half_a_step() {
         let mut s = StepPhases::new(0.0);
-        stream(&mut s, "a", 0, 8_000, 8_000);
-        let w = s.waits(&["a", "b", "c"], &[true, true, false], 9_000);
+        stream(&mut s, pod("a"), 0, 8_000, 8_000);
+        let w = s.waits(&[pod("a"), pod("b"), pod("c")], &[true, true, false], 9_000);
         assert!(
             close(w[0], 7_000.0) && close(w[1], 4_000.0) && w[2] == 0.0,
             "{w:?}"
         );
         // Overdue: a longer step is under way, its end unknown.
-        assert!(close(s.waits(&["a"], &[true], 17_000)[0], 4_000.0));
+        assert!(close(s.waits(&[pod("a")], &[true], 17_000)[0], 4_000.0));
         // Four steps without a chunk: this VM's streams there ended; nothing is known.
-        assert_eq!(s.waits(&["a"], &[true], 40_000), vec![0.0]);
+        assert_eq!(s.waits(&[pod("a")], &[true], 40_000), vec![0.0]);
     }
 
     #[test]
     fn a_pod_that_left_the_pool_is_forgotten() {
         let mut s = StepPhases::new(0.0);
-        stream(&mut s, "a", 0, 6_000, 6_000);
-        stream(&mut s, "b", 0, 6_000, 6_000);
-        s.retain_pods(|p| p == "b");
+        stream(&mut s, pod("a"), 0, 6_000, 6_000);
+        stream(&mut s, pod("b"), 0, 6_000, 6_000);
+        s.retain_pods(|p| p == pod("b"));
         // a's phase is unknown again: half the known pods' step.
         assert_eq!(
-            s.waits(&["a", "b"], &[true, true], 7_000),
+            s.waits(&[pod("a"), pod("b")], &[true, true], 7_000),
             vec![3_000.0, 5_000.0]
         );
-        assert!(s.pods.get("a").is_none());
+        assert!(s.pods.get(&pod("a")).is_none());
     }
 
     #[test]
     fn a_gap_too_long_to_be_a_step_is_no_sample() {
         let mut s = StepPhases::new(0.0);
-        stream(&mut s, "a", 0, 6_000, 6_000);
-        s.tokens("a", 1, Some(6_000), 0, 6_000 + 2 * MAX_STEP_US);
+        stream(&mut s, pod("a"), 0, 6_000, 6_000);
+        s.tokens(pod("a"), 1, Some(6_000), 0, 6_000 + 2 * MAX_STEP_US);
         let at = 6_000 + 2 * MAX_STEP_US + 1_000;
-        assert!(close(s.waits(&["a"], &[true], at)[0], 5_000.0));
+        assert!(close(s.waits(&[pod("a")], &[true], at)[0], 5_000.0));
     }
 
     /// One stream decodes on "a" every 6 ms while `n` requests are sent at random phases and
@@ -346,10 +350,10 @@ mod tests {
         let mut pending: Vec<(u64, u64)> = Vec::new();
         for k in 1..=n {
             let boundary = k * step;
-            s.tokens("a", 1, last, 0, boundary);
+            s.tokens(pod("a"), 1, last, 0, boundary);
             last = Some(boundary);
             for &(_, sent) in pending.iter().filter(|(at, _)| *at == boundary) {
-                s.tokens("a", 1, None, sent, boundary + 50);
+                s.tokens(pod("a"), 1, None, sent, boundary + 50);
             }
             pending.retain(|(at, _)| *at != boundary);
             seed = seed

@@ -8,6 +8,7 @@ use super::{Routed, Router};
 use crate::config::Config;
 use crate::pods::record;
 use crate::routing::pick_log::{Dispatch, Event};
+use crate::routing::pod_id::PodId;
 use crate::store::interface::{Store, StoreError};
 
 /// Why a request is served by another pod than kvgate's pick ([`Router::rehome`]).
@@ -38,6 +39,7 @@ impl Router {
             return Ok(());
         }
         let now = store.now_ms();
+        let (from, to) = (PodId::of(&routed.pod), PodId::of(served_by));
         if why == Moved::PickFailed {
             let down = record::modify(store, &routed.pod, |rec| {
                 let mut down = record::Snapshot {
@@ -63,14 +65,14 @@ impl Router {
                 Some(rec.clone())
             })?;
             if let Some(down) = down {
-                self.copies.wrote(&routed.pod, down, now);
+                self.copies.wrote(from, down, now);
             }
         }
         let hashes = self
             .active
-            .hashes_of(&routed.pod, routed.request)
+            .hashes_of(from, routed.request)
             .unwrap_or_default();
-        let adapter = self.adapters.adapter_of(&routed.pod, routed.request);
+        let adapter = self.adapters.adapter_of(from, routed.request);
         let Some(entry) = self.finish(store, routed)? else {
             return Ok(());
         };
@@ -82,13 +84,13 @@ impl Router {
             Some(rec.clone())
         })?;
         if let Some(moved) = moved {
-            self.copies.wrote(served_by, moved, now);
+            self.copies.wrote(to, moved, now);
         }
         routed.pod = served_by.to_string();
-        let capacity = super::index_capacity(&self.index_bounds, served_by, cfg);
-        self.prefix.insert(served_by, &hashes, now, capacity);
-        self.adapters
-            .dispatch(served_by, routed.request, adapter, now);
+        routed.pod_id = to;
+        let capacity = super::index_capacity(&self.index_bounds, to, cfg);
+        self.prefix.insert(to, &hashes, now, capacity);
+        self.adapters.dispatch(to, routed.request, adapter, now);
         let event = Event::Dispatch(Dispatch {
             pod: served_by.to_string(),
             request: routed.request,
@@ -99,7 +101,7 @@ impl Router {
             log::debug!("pick log publish failed: {e:?}");
         }
         if let Event::Dispatch(d) = event {
-            self.active.add(served_by, routed.request, d.hashes, now);
+            self.active.add(to, routed.request, d.hashes, now);
         }
         Ok(())
     }

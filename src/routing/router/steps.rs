@@ -17,6 +17,7 @@ use crate::pods::record::PodRecord;
 use crate::routing::adapters::Fit;
 use crate::routing::demand::{pool_key, Reading};
 use crate::routing::pick::{copy_weight, prefer, rendezvous_score, Candidate, Scored};
+use crate::routing::pod_id::PodId;
 use crate::routing::prefix_index::PrefixIndex;
 use crate::routing::record_copies::RecordCopies;
 use crate::store::interface::Store;
@@ -127,7 +128,7 @@ pub(super) fn charges(
 /// this request, `loads` what it would hold on each (`charges`). The wait for each engine's step
 /// is left at 0, for the pick to work out where it counts (`Router::step_waits`).
 pub(super) fn candidates<'a>(
-    pods: &'a [String],
+    (pods, ids): (&'a [String], &[PodId]),
     prefix: &PrefixIndex,
     cfg: &Config,
     indices: &[usize],
@@ -149,10 +150,10 @@ pub(super) fn candidates<'a>(
         .iter()
         .enumerate()
         .map(|(k, &i)| {
-            let (pod, rec) = (&pods[i], &ask.records[i]);
+            let (pod, id, rec) = (&pods[i], ids[i], &ask.records[i]);
             let known = rec.snapshot.filter(|_| rec.is_fresh(now, &cfg.metrics));
             let capacity_blocks = rec.capacity_blocks(ask.block_tokens, r.pod_capacity_blocks);
-            let cached_blocks = prefix.matched(pod, ask.recorded(rec), now);
+            let cached_blocks = prefix.matched(id, ask.recorded(rec), now);
             Candidate {
                 pod,
                 cached_blocks,
@@ -179,7 +180,7 @@ pub(super) fn candidates<'a>(
                 cached_total: if caches_nothing(rec) {
                     usize::MAX
                 } else {
-                    prefix.blocks_held(pod)
+                    prefix.blocks_held(id)
                 },
                 cost_factor: factors[k],
                 step_wait_us: 0,
@@ -205,7 +206,7 @@ impl Router {
         };
         let holders: u32 = indices
             .iter()
-            .map(|&i| self.active.holders(&self.pods[i], prefix))
+            .map(|&i| self.active.holders(self.pod_ids[i], prefix))
             .sum();
         (hot, copy_weight(holders, indices.len()))
     }
@@ -217,7 +218,7 @@ impl Router {
         let dispatched = if indices.len() == self.pods.len() {
             self.active.dispatched_in_all()
         } else {
-            let pods = indices.iter().map(|&i| self.pods[i].as_str());
+            let pods = indices.iter().map(|&i| self.pod_ids[i]);
             pods.map(|pod| self.active.dispatched(pod)).sum()
         };
         Reading {
@@ -343,7 +344,7 @@ impl Router {
     fn home_key(&self, home: Home, pod: &str, now: u64) -> Option<u64> {
         match home {
             Home::Rendezvous(first) => Some(rendezvous_score(first, pod)),
-            Home::LastSent(first) => self.prefix.sent_home(pod, first, now),
+            Home::LastSent(first) => self.prefix.sent_home(PodId::of(pod), first, now),
         }
     }
 
@@ -360,9 +361,7 @@ impl Router {
         records: &[Rc<PodRecord>],
         now: u64,
     ) -> Vec<usize> {
-        let serving = self
-            .served
-            .serving(&self.pods, model, |i| !records[i].is_down());
+        let serving = self.served.serving(model, |i| !records[i].is_down());
         let fresh = |rec: &PodRecord| rec.is_fresh(now, &cfg.metrics);
         let any_fresh = records.iter().any(|rec| fresh(rec));
         let eligible = |rec: &PodRecord| match rec.snapshot {
@@ -383,7 +382,7 @@ impl Router {
 
 /// Whether `pod` is not marked down, as this VM's copy of its record says (the pick reads the
 /// same copies); a record that cannot be read is no reason to think it down.
-fn up(copies: &mut RecordCopies, store: &dyn Store, pod: &str, now: u64) -> bool {
+fn up(copies: &mut RecordCopies, store: &dyn Store, pod: (PodId, &str), now: u64) -> bool {
     copies
         .get(store, pod, now, false)
         .map_or(true, |(r, _)| !r.is_down())
@@ -401,9 +400,9 @@ impl Router {
         }
         // Health is read only for pods without a list, and only when no list names the model;
         // from this VM's copies of the records, as the pick reads them.
-        let (pods, copies) = (&self.pods, &mut self.copies);
+        let (pods, ids, copies) = (&self.pods, &self.pod_ids, &mut self.copies);
         self.served
-            .serving_any(pods, model, |i| up(copies, store, &pods[i], now))
+            .serving_any(model, |i| up(copies, store, (ids[i], &pods[i]), now))
     }
 
     /// Every model the pods' lists, as last read, name (in pod order; a name once per pod), for
@@ -447,7 +446,7 @@ impl Router {
     pub fn base_models(&mut self, store: &dyn Store, cfg: &Config) -> Vec<String> {
         self.refresh_lists(store, cfg);
         self.served
-            .base_models(&self.pods)
+            .base_models()
             .into_iter()
             .map(str::to_string)
             .collect()
@@ -488,7 +487,7 @@ impl Router {
     /// whether its model is served (`flow::other_path`).
     pub fn models_differ(&mut self, store: &dyn Store, cfg: &Config) -> bool {
         self.refresh_lists(store, cfg);
-        self.served.differ(&self.pods)
+        self.served.differ()
     }
 
     /// The pods whose model lists, as last read, name `model`, those not marked down (all of
@@ -496,16 +495,16 @@ impl Router {
     /// model alone may go (`flow::other_path`).
     pub fn listing_pods(&mut self, store: &dyn Store, cfg: &Config, model: &str) -> Vec<String> {
         let now = self.refresh_lists(store, cfg);
-        if !self.served.lists(&self.pods, model) {
+        if !self.served.lists(model) {
             return Vec::new();
         }
-        let serving = self.served.serving(&self.pods, model, |_| true);
+        let serving = self.served.serving(model, |_| true);
         let listing: Vec<usize> = (0..self.pods.len()).filter(|&i| serving[i]).collect();
-        let (pods, copies) = (&self.pods, &mut self.copies);
+        let (pods, ids, copies) = (&self.pods, &self.pod_ids, &mut self.copies);
         let not_down: Vec<usize> = listing
             .iter()
             .copied()
-            .filter(|&i| up(copies, store, &pods[i], now))
+            .filter(|&i| up(copies, store, (ids[i], &pods[i]), now))
             .collect();
         let chosen = if not_down.is_empty() {
             listing
@@ -520,24 +519,24 @@ impl Router {
     fn refresh_lists(&mut self, store: &dyn Store, cfg: &Config) -> u64 {
         let now = store.now_ms();
         self.refresh_pods(store, cfg, now);
-        self.served.refresh(store, &self.pods, now);
+        self.served.refresh(store, now);
         now
     }
 
     /// Per pod (as `pods` orders them), whether a request for `model` may be sent there.
     fn serving(&mut self, store: &dyn Store, model: &str) -> Vec<bool> {
-        self.served.refresh(store, &self.pods, store.now_ms());
-        self.served.serving(&self.pods, model, |_| true)
+        self.served.refresh(store, store.now_ms());
+        self.served.serving(model, |_| true)
     }
 
     /// Whether a pod's model list, as last read, names `model`.
     pub fn lists(&mut self, model: &str) -> bool {
-        self.served.lists(&self.pods, model)
+        self.served.lists(model)
     }
 
     /// The base model of `model` when a pod's list, as last read, names it as a LoRA adapter.
     pub fn base_of(&mut self, model: &str) -> Option<&str> {
-        self.served.base_of(&self.pods, model)
+        self.served.base_of(model)
     }
 
     /// Per candidate (`indices` into the pods), where the adapter stands, or `None` where
@@ -551,11 +550,11 @@ impl Router {
         cfg: &Config,
     ) -> Vec<Option<Fit>> {
         let id = adapter_id(model);
-        let on = self.served.adapter_on(&self.pods, model);
+        let on = self.served.adapter_on(model);
         indices
             .iter()
             .map(|&i| {
-                let pod = &self.pods[i];
+                let pod = self.pod_ids[i];
                 let served = on.get(i).copied().flatten()?;
                 // Adapter state scraped with metrics that are no longer fresh says nothing.
                 let lora = served.lora.as_ref().filter(|l| {
