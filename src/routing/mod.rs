@@ -3,10 +3,11 @@
 //! (`prefix`), where LoRA adapters stand (`adapters`), and the two replicas a VM routes on: what
 //! each pod's prefix cache holds (`prefix_index`) and which blocks in-flight requests occupy
 //! (`active_blocks`), both kept current across workers by the `pick_log`, and the copies of the pod
-//! records it ranks on (`record_copies`), each of these tables keyed by the pod's id (`pod_id`); and whether the pool's KV is about to run short, from
-//! the rate of dispatches to the pods that may take a request (`demand`); and which pod stores a
-//! Responses API response its follow-ups must go back to (`stored`), or, where no note says,
-//! which pod answers that it does (`stored_ask`).
+//! records it ranks on (`record_copies`), each of these tables keyed by the pod's id (`pod_id`);
+//! and whether the pool's KV is about to run short, from the rate of dispatches to the pods that
+//! may take a request (`demand`); and which pod stores a Responses API response its follow-ups
+//! must go back to (`stored`), or, where no note says, which pod answers that it does
+//! (`stored_ask`).
 //!
 //! Source of truth: a request's reservation and its active-block counts live in the pod's shared
 //! record (`pods::record`), changed only by compare-and-swap; those must return to zero. The prefix
