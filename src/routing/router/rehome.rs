@@ -39,7 +39,7 @@ impl Router {
             return Ok(());
         }
         let now = store.now_ms();
-        let (from, to) = (PodId::of(&routed.pod), PodId::of(served_by));
+        let (from, to) = (routed.pod_id, PodId::of(served_by));
         if why == Moved::PickFailed {
             let down = record::modify(store, &routed.pod, |rec| {
                 let mut down = record::Snapshot {
