@@ -93,6 +93,10 @@ pub struct AdmissionConfig {
     pub cache_wait_ms: u64,
     /// Longest wait before 503 with Retry-After.
     pub max_wait_ms: u64,
+    /// Refuses at arrival (429 with Retry-After) a request that the requests ahead of it would
+    /// keep in the line past `max_wait_ms`, at the pace the line drains, instead of letting it
+    /// wait for a 503 (`QueueRecord::late`).
+    pub refuse_late: bool,
     /// Header naming the GIE inference objective, mapped to a priority by `objectives`.
     pub objective_header: String,
     pub objectives: BTreeMap<String, i32>,
@@ -141,6 +145,7 @@ impl Default for AdmissionConfig {
             cache_first_passes: 16,
             cache_wait_ms: 100,
             max_wait_ms: 30_000,
+            refuse_late: true,
             objective_header: "x-gateway-inference-objective".into(),
             objectives: BTreeMap::new(),
             priority_header: String::new(),

@@ -360,6 +360,22 @@ impl Admission {
                 retry,
             ));
         }
+        // The line is full in time for it: those ahead of it would keep it past its deadline.
+        if a.refuse_late
+            && !contended
+            && !learning
+            && line.late(&ticket, now)
+            && !router.discovering(store, cfg)
+        {
+            stats.count(stats::ADMISSION_QUEUE_FULL, 1);
+            let spread = self.spread(now);
+            let retry = retry_after_ms(line.drain_ms(ticket.reach, now), a.max_wait_ms, spread);
+            return Ok(shed(
+                "kvgate's queue is full for this request: the requests ahead of it would keep it \
+                 waiting most of admission.maxWaitMs",
+                retry,
+            ));
+        }
         ticket.id = router.next_request_id();
         if line.tickets.is_empty() {
             ticket.reach = router.reach(store, model);
@@ -1043,6 +1059,59 @@ mod tests {
         // Never past `maxWaitMs`: nobody waits longer.
         cfg.admission.max_wait_ms = 5_000;
         assert_eq!(told(&mut w, &cfg, None), 5_000);
+    }
+
+    /// A request that the line ahead of it would keep most of `maxWaitMs` is refused at once (429,
+    /// counted as a full line), told when to come back; with `refuseLate` off it waits, to be
+    /// answered 503 at its deadline.
+    #[test]
+    fn a_request_the_line_would_keep_past_its_wait_is_refused_at_once() {
+        let host = FakeHost::new();
+        let mut cfg = config(100);
+        cfg.admission.max_queue = 1_000;
+        let mut w = worker(&host, &cfg);
+        let _ = routed(w.place(&cfg, class(&cfg, None, "t"), 100));
+        // Critical requests draining the line at one every 100 ms, 20 of them still waiting.
+        let critical = |id| Ticket {
+            id,
+            vm: 9,
+            priority: 10,
+            boosted: false,
+            start_tag: 0.0,
+            enqueued_ms: host.now_ms(),
+            deadline_ms: host.now_ms() + 600_000,
+            cost: 10,
+            wants: 0,
+            reach: line::ANYWHERE,
+            need: 0,
+        };
+        for id in 0..20 {
+            line::enqueue(&w.vm, critical(1_000 + id), 0, 0.0, 1_000)
+                .unwrap()
+                .unwrap();
+        }
+        for id in 0..40 {
+            line::enqueue(&w.vm, critical(id), 0, 0.0, 1_000)
+                .unwrap()
+                .unwrap();
+            host.advance_ms(100);
+            let left = line::remove(&w.vm, id, line::Leave::Admitted(1)).unwrap();
+            assert!(left);
+        }
+        // Twenty ahead at ten a second: two seconds, past its one.
+        let Admit::Refuse(r) = w.place(&cfg, class(&cfg, None, "t"), 10) else {
+            panic!("not refused")
+        };
+        assert_eq!(r.status, 429);
+        assert!(r.headers.iter().any(|(k, _)| k == "retry-after"));
+        assert_eq!(w.stats.take_count(stats::ADMISSION_QUEUE_FULL), 1);
+        // Given four seconds, it waits.
+        cfg.admission.max_wait_ms = 4_000;
+        let _ = waiting(w.place(&cfg, class(&cfg, None, "t"), 10));
+        cfg.admission.max_wait_ms = 1_000;
+        cfg.admission.refuse_late = false;
+        let _ = waiting(w.place(&cfg, class(&cfg, None, "t"), 10));
+        assert_eq!(w.stats.take_count(stats::ADMISSION_QUEUE_FULL), 0);
     }
 
     #[test]

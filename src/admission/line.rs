@@ -199,6 +199,14 @@ const MAX_DRAINS: usize = 32;
 /// Admissions the drain's span covers at least (`QueueRecord::drained`): enough that releases
 /// coming in bunches (requests started together end together) read as their mean.
 const DRAIN_WINDOW: u64 = 32;
+/// The share of the time a request has left that the tickets ahead of it may take before it is
+/// refused as late (`QueueRecord::late`). Below 1: a wait judged at the whole time left runs past
+/// it about as often as not, since admissions come in bunches around their mean pace. Measured on
+/// two pods at 1.5× what they serve (BENCHMARKS.md, *Refused at arrival*): at the whole time,
+/// 20–33 of the 85 requests the line could not serve were still answered 503 after their wait; at
+/// three quarters, 5, with the pods serving as many a second.
+const LATE_SHARE: f64 = 0.75;
+
 /// How far apart requests refused for a full line are told to come back, in the line's measured
 /// gaps, and how much of its drain they wait for (`QueueRecord::appoint`): a little less than
 /// measured. A return too early spends one of its client's retries, and waits in the line if
@@ -346,6 +354,34 @@ impl QueueRecord {
     pub fn drain_ms(&self, reach: u64, now: u64) -> Option<u64> {
         self.pace(reach, now)
             .map(|(n, gap)| (n as f64 * gap) as u64)
+    }
+
+    /// Whether `ticket`, joining now, would still be waiting near its deadline (`LATE_SHARE`)
+    /// behind the tickets ahead of it in the line's order that wait for a pod it may take, at
+    /// the pace tickets for those pods leave now (`pace`'s rates, the time since the last
+    /// admission included). Such
+    /// a request is answered at once (`admission.refuseLate`) rather than at its deadline with
+    /// nothing done: its client learns it seconds sooner, and a line past the pool's pace does
+    /// not fill with requests that cannot be served. Later arrivals of a higher band or a
+    /// quieter tenant only push it further back. Judged only once the pace rests on
+    /// `DRAIN_WINDOW` admissions: over fewer, releases that come in bunches read as a pause.
+    pub fn late(&self, ticket: &Ticket, now: u64) -> bool {
+        let (drained, rate) = self
+            .drains
+            .iter()
+            .filter(|d| d.reach & ticket.reach != 0)
+            .fold((0, 0.0), |(n, r), d| (n + d.drained, r + d.rate(now)));
+        if drained < DRAIN_WINDOW || rate <= 0.0 {
+            return false;
+        }
+        // The line is kept in order, so those ahead of it are a prefix of it.
+        let ahead = self
+            .tickets
+            .iter()
+            .take_while(|t| order(t, ticket) == Ordering::Less)
+            .filter(|t| t.reach & ticket.reach != 0)
+            .count();
+        ahead as f64 / rate > LATE_SHARE * ticket.deadline_ms.saturating_sub(now) as f64
     }
 
     /// How many tickets wait for a pod of `reach`, and the gap between admissions of tickets
@@ -1060,6 +1096,73 @@ mod tests {
         assert!(remove(&vm, 8, Leave::Admitted(a)).unwrap());
         host.advance_ms(30);
         assert_eq!(read(&vm).unwrap().drain_ms(a, host.now_ms()), Some(30));
+    }
+
+    /// A request is late when the tickets ahead of it for its pods would keep it past its
+    /// deadline at the pace the line drains: not while that pace rests on fewer than
+    /// `DRAIN_WINDOW` admissions, nor when it goes ahead of them (a higher band) or waits for
+    /// other pods; a line that stops draining makes it late sooner.
+    #[test]
+    fn a_request_the_line_would_keep_past_its_deadline_is_late() {
+        let host = FakeHost::new();
+        let vm = host.vm();
+        ensure(&vm).unwrap();
+        let (a, b) = (1 << 0, 1 << 1);
+        host.advance_ms(1_000);
+        // One admission every 100 ms, a ticket always waiting (tenant 1's).
+        enqueue(&vm, arriving(&host, 1, a), 1, 0.0, 1_000)
+            .unwrap()
+            .unwrap();
+        let mut next = 2;
+        let mut admit = |vm: &dyn Store, n: u64| {
+            for _ in 0..n {
+                enqueue(vm, arriving(&host, next, a), 1, 0.0, 1_000)
+                    .unwrap()
+                    .unwrap();
+                host.advance_ms(100);
+                assert!(remove(vm, next - 1, Leave::Admitted(a)).unwrap());
+                next += 1;
+            }
+        };
+        // The first admission starts the span: 31 counted.
+        admit(&vm, DRAIN_WINDOW);
+        for id in 1_000..1_020 {
+            enqueue(&vm, arriving(&host, id, a), 1, 0.0, 1_000)
+                .unwrap()
+                .unwrap();
+        }
+        // Tenant 1's next, behind its 21 tickets for its pods, with a second to wait.
+        let joining = |q: &QueueRecord, priority: i32, reach: u64| Ticket {
+            priority,
+            start_tag: q.start_tag(1, 0.0),
+            deadline_ms: host.now_ms() + 1_000,
+            ..arriving(&host, 9_999, reach)
+        };
+        let now = host.now_ms();
+        let q = read(&vm).unwrap();
+        assert!(!q.late(&joining(&q, 0, a), now), "a pace of 31: not judged");
+        admit(&vm, 1);
+        let now = host.now_ms();
+        let q = read(&vm).unwrap();
+        // 32 admissions over 3.1 s: 21 ahead take about 2 s, more than three quarters of 1 s.
+        assert!(q.late(&joining(&q, 0, a), now));
+        assert!(!q.late(&joining(&q, 5, a), now), "a higher band goes first");
+        let quiet = Ticket {
+            start_tag: q.start_tag(2, 0.0),
+            ..joining(&q, 0, a)
+        };
+        assert!(!q.late(&quiet, now), "another tenant's turn comes first");
+        assert!(!q.late(&joining(&q, 0, b), now), "other pods: none ahead");
+        assert!(q.late(&joining(&q, 0, a | b), now), "may take either");
+        // With 4 s to wait it is served in time; after a pause of 3 s it is not.
+        let patient = |q: &QueueRecord| Ticket {
+            deadline_ms: host.now_ms() + 4_000,
+            ..joining(q, 0, a)
+        };
+        assert!(!q.late(&patient(&q), now));
+        host.advance_ms(3_000);
+        let q = read(&vm).unwrap();
+        assert!(q.late(&patient(&q), host.now_ms()));
     }
 
     /// Two models on pods of their own, one answering ten times longer: each line is told its
