@@ -203,8 +203,8 @@ const DRAIN_WINDOW: u64 = 32;
 /// refused as late (`QueueRecord::late`). Below 1: a wait judged at the whole time left runs past
 /// it about as often as not, since admissions come in bunches around their mean pace. Measured on
 /// two pods at 1.5× what they serve (BENCHMARKS.md, *Refused at arrival*): at the whole time,
-/// 20–33 of the 85 requests the line could not serve were still answered 503 after their wait; at
-/// three quarters, 5, with the pods serving as many a second.
+/// 20–33 of the about 85 requests the line could not serve were still answered 503 after their
+/// wait; at three quarters, 2–5, with the pods serving as many a second.
 const LATE_SHARE: f64 = 0.75;
 
 /// How far apart requests refused for a full line are told to come back, in the line's measured

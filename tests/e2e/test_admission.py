@@ -307,7 +307,8 @@ def test_a_request_the_line_cannot_serve_in_time_is_refused_at_arrival():
     `refuseLate` the requests the line cannot serve in time are answered 429 at once, told when
     to come back, instead of 503 after waiting their 3 s; the pods serve as many a second.
     Measured (2026-12-07, two runs each): 503s 5 and 5 against 81 and 82 without it; 429s in 2 ms;
-    9.47–9.67 served a second over the steady window either way."""
+    9.47–9.67 served a second over the steady window either way (BENCHMARKS.md, *Refused at
+    arrival*)."""
     runs = {flag: _overload(flag) for flag in (True, False)}
     summary = {}
     for flag, (out, pre) in runs.items():
