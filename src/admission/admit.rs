@@ -360,7 +360,7 @@ impl Admission {
                 retry,
             ));
         }
-        // The line is full in time for it: those ahead of it would keep it past its deadline.
+        // The line is full in time for it: those ahead of it would keep it most of its wait.
         if a.refuse_late
             && !contended
             && !learning
@@ -1098,7 +1098,7 @@ mod tests {
             let left = line::remove(&w.vm, id, line::Leave::Admitted(1)).unwrap();
             assert!(left);
         }
-        // Twenty ahead at ten a second: two seconds, past its one.
+        // Twenty ahead at ten a second: two seconds, more than its one.
         let Admit::Refuse(r) = w.place(&cfg, class(&cfg, None, "t"), 10) else {
             panic!("not refused")
         };

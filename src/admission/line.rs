@@ -200,8 +200,9 @@ const MAX_DRAINS: usize = 32;
 /// coming in bunches (requests started together end together) read as their mean.
 const DRAIN_WINDOW: u64 = 32;
 /// The share of the time a request has left that the tickets ahead of it may take before it is
-/// refused as late (`QueueRecord::late`). Below 1: a wait judged at the whole time left runs past
-/// it about as often as not, since admissions come in bunches around their mean pace. Measured on
+/// refused as late (`QueueRecord::late`). Below 1: admissions come in bunches around their mean
+/// pace, so a request let in with an estimate just under the whole time left waits past it about
+/// as often as not. Measured on
 /// two pods at 1.5× what they serve (BENCHMARKS.md, *Refused at arrival*): at the whole time,
 /// 20–33 of the about 85 requests the line could not serve were still answered 503 after their
 /// wait; at three quarters, 2–5, with the pods serving as many a second.
@@ -359,12 +360,12 @@ impl QueueRecord {
     /// Whether `ticket`, joining now, would still be waiting near its deadline (`LATE_SHARE`)
     /// behind the tickets ahead of it in the line's order that wait for a pod it may take, at
     /// the pace tickets for those pods leave now (`pace`'s rates, the time since the last
-    /// admission included). Such
-    /// a request is answered at once (`admission.refuseLate`) rather than at its deadline with
-    /// nothing done: its client learns it seconds sooner, and a line past the pool's pace does
-    /// not fill with requests that cannot be served. Later arrivals of a higher band or a
-    /// quieter tenant only push it further back. Judged only once the pace rests on
-    /// `DRAIN_WINDOW` admissions: over fewer, releases that come in bunches read as a pause.
+    /// admission included). Such a request is answered at once (`admission.refuseLate`) rather
+    /// than at its deadline with nothing done: its client learns it seconds sooner, and a line
+    /// past the pool's pace does not fill with requests that cannot be served. Later arrivals of
+    /// a higher band or a quieter tenant only push it further back. Judged only once the pace
+    /// rests on `DRAIN_WINDOW` admissions: over fewer, releases that come in bunches read as a
+    /// pause.
     pub fn late(&self, ticket: &Ticket, now: u64) -> bool {
         let (drained, rate) = self
             .drains

@@ -267,7 +267,10 @@ def test_without_max_tokens_preemptions_are_a_sliver_of_round_robins():
 
     out = against_round_robin(SMALL_KV, 48, 240, concurrency=4, on_kvgate=held)
     print("without max_tokens:", out)
-    assert out["round_robin"]["preemptions"] >= 50
+    # Round robin preempts freely here: 117-151 times where its clients fill the pods (KV 0.87),
+    # 39 and 43 on a machine whose 48 Python clients kept them half full (KV 0.45, two runs on
+    # 2026-12-07). Either is far above the sliver kvgate is held to below.
+    assert out["round_robin"]["preemptions"] >= 25
     # A preemption or two is this run's noise (240 requests; round robin's 117-137): kvgate made
     # 0-2 in each of 20 runs on one machine (2026-12-04), and 3 once in CI against round robin's
     # 126, past 2 % of it. Three or 2 %, whichever is more, still fails a forecast that preempts
@@ -506,13 +509,14 @@ def test_a_burst_of_shared_prefixes_is_counted_in_full_however_the_workers_inter
         # A tenth of the samples may catch a request between the engine's two reads and the
         # record's: the 90th percentile of every pod's samples together (a slow machine samples
         # each pod full only 5–10 times, 27–44 samples in all in some runs, where a pod's own
-        # 90th percentile is its highest sample).
+        # 90th percentile is its highest sample; a slower one 18, 2026-12-07: 12 or more still
+        # leave the 90th percentile below the highest sample).
         every = sorted(x for g in gaps.values() for x in g)
         p90 = every[int(0.9 * len(every))] if every else None
         print(f"concurrency {concurrency}: preemptions {preemptions(sim)}, samples {len(every)}, "
               f"engine beyond kvgate's records (p90, tokens) {p90}, each pod's highest "
               f"{ {pod: max(g) for pod, g in gaps.items()} }")
-        assert len(every) >= 20 and len(gaps) == sim.pods, gaps
+        assert len(every) >= 12 and len(gaps) == sim.pods, gaps
         assert p90 < system_words // 2, gaps
         assert wait_for(lambda: all(v == 0 for v in kvgate_gauges(envoy, "reserved_tokens").values()), timeout=5)
 
