@@ -367,11 +367,7 @@ impl QueueRecord {
     /// rests on `DRAIN_WINDOW` admissions: over fewer, releases that come in bunches read as a
     /// pause.
     pub fn late(&self, ticket: &Ticket, now: u64) -> bool {
-        let (drained, rate) = self
-            .drains
-            .iter()
-            .filter(|d| d.reach & ticket.reach != 0)
-            .fold((0, 0.0), |(n, r), d| (n + d.drained, r + d.rate(now)));
+        let (drained, rate) = self.drained(ticket.reach, now);
         if drained < DRAIN_WINDOW || rate <= 0.0 {
             return false;
         }
@@ -383,6 +379,15 @@ impl QueueRecord {
             .filter(|t| t.reach & ticket.reach != 0)
             .count();
         ahead as f64 / rate > LATE_SHARE * ticket.deadline_ms.saturating_sub(now) as f64
+    }
+
+    /// The admissions counted by the drains of the sets of pods that share one with `reach`,
+    /// and their rates summed (a millisecond): each admission there frees a place it may take.
+    fn drained(&self, reach: u64, now: u64) -> (u64, f64) {
+        self.drains
+            .iter()
+            .filter(|d| d.reach & reach != 0)
+            .fold((0, 0.0), |(n, r), d| (n + d.drained, r + d.rate(now)))
     }
 
     /// How many tickets wait for a pod of `reach`, and the gap between admissions of tickets
@@ -402,12 +407,7 @@ impl QueueRecord {
         if n == 0 {
             return None;
         }
-        let rate: f64 = self
-            .drains
-            .iter()
-            .filter(|d| d.reach & reach != 0)
-            .map(|d| d.rate(now))
-            .sum();
+        let (_, rate) = self.drained(reach, now);
         let gap = if rate > 0.0 {
             1.0 / rate
         } else {
