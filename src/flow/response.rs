@@ -180,25 +180,24 @@ impl Flow {
         if !self.logs {
             return None;
         }
-        if let Some(seeking) = &self.seeking {
+        // A client that left while held: what was known of its request, and how long it was
+        // held, for the stored response it names or in the line.
+        let left = if let Some(seeking) = &self.seeking {
+            let known = match &seeking.what {
+                Sought::FollowUp(parsed) => vec![("x-kvgate-model", parsed.0.model.clone())],
+                Sought::Retrieval(_) => Vec::new(),
+            };
+            Some((known, "x-kvgate-held-ms", seeking.since_ms))
+        } else {
+            self.admitted
+                .as_ref()
+                .and_then(|a| Some((a, a.waiting.as_ref()?)))
+                .map(|(a, (ticket, _))| (a.report(), "x-kvgate-queue-ms", ticket.enqueued_ms))
+        };
+        if let Some((known, held, since)) = left {
             let mut fields = vec![("x-kvgate-reason", "client_left".to_string())];
-            if let Sought::FollowUp(parsed) = &seeking.what {
-                fields.push(("x-kvgate-model", parsed.0.model.clone()));
-            }
-            let held = now_ms().saturating_sub(seeking.since_ms);
-            fields.push(("x-kvgate-held-ms", held.to_string()));
-            return Some(access_log_line(&fields));
-        }
-        if let Some((ticket, _)) = self.admitted.as_ref().and_then(|a| a.waiting.as_ref()) {
-            let waited = now_ms().saturating_sub(ticket.enqueued_ms);
-            let mut fields = vec![("x-kvgate-reason", "client_left".to_string())];
-            fields.extend(
-                self.admitted
-                    .as_ref()
-                    .map(Admitted::report)
-                    .unwrap_or_default(),
-            );
-            fields.push(("x-kvgate-queue-ms", waited.to_string()));
+            fields.extend(known);
+            fields.push((held, now_ms().saturating_sub(since).to_string()));
             return Some(access_log_line(&fields));
         }
         let mut line = self.access_log.take()?;
