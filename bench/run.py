@@ -113,6 +113,9 @@ FULL = {
         "app_context_words": 0,
         # How requests are sent (`API_ARGS`).
         "api": "chat",
+        # Headers every request carries (name → value), e.g. a time-to-first-token objective
+        # (`{"x-slo-ttft-ms": "1000"}`, which kvgate reads with `admission.ttftObjectiveHeader`).
+        "headers": {},
     },
     # The chat workload with max_tokens on every request, kvgate at each Envoy worker count.
     "chat_bounded": {"envoy_concurrency": [1, 2, 4]},
@@ -784,7 +787,8 @@ def chat_args(w, seed, unbounded_fraction):
     return ["--workload", "chat", *api_args(w, "chat"), "--seed", seed, "--arrival", "closed", "--concurrency", w["clients"],
             "--repeat", "--requests", 20000, "--prompt-tokens", w["prompt_tokens"],
             "--unbounded-fraction", unbounded_fraction, "--max-tokens", w["max_tokens"],
-            "--max-duration", w["duration"], "--timeout", 300, "--ttft-slo-ms", w["ttft_slos_ms"][0], *apps]
+            "--max-duration", w["duration"], "--timeout", 300, "--ttft-slo-ms", w["ttft_slos_ms"][0], *apps,
+            *[a for k, v in w.get("headers", {}).items() for a in ("--header", f"{k}: {v}")]]
 
 
 def steady(cell, out, w):

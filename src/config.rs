@@ -97,6 +97,10 @@ pub struct AdmissionConfig {
     /// keep in the line past `max_wait_ms`, at the pace the line drains, instead of letting it
     /// wait for a 503 (`QueueRecord::late`).
     pub refuse_late: bool,
+    /// Header carrying the request's own time-to-first-token objective in milliseconds (the
+    /// Gateway API Inference Extension's `x-slo-ttft-ms`): it bounds the request's wait in the
+    /// line below `max_wait_ms`. Empty (the default) reads none.
+    pub ttft_objective_header: String,
     /// Header naming the GIE inference objective, mapped to a priority by `objectives`.
     pub objective_header: String,
     pub objectives: BTreeMap<String, i32>,
@@ -146,6 +150,7 @@ impl Default for AdmissionConfig {
             cache_wait_ms: 100,
             max_wait_ms: 30_000,
             refuse_late: true,
+            ttft_objective_header: String::new(),
             objective_header: "x-gateway-inference-objective".into(),
             objectives: BTreeMap::new(),
             priority_header: String::new(),
@@ -556,6 +561,7 @@ impl AdmissionConfig {
             return e("preemptionBackoff", "must be in [0, 0.9]");
         }
         for (name, header) in [
+            ("ttftObjectiveHeader", &self.ttft_objective_header),
             ("objectiveHeader", &self.objective_header),
             ("priorityHeader", &self.priority_header),
             ("tenantHeader", &self.tenant_header),

@@ -198,6 +198,10 @@ struct RunArgs {
     /// Goodput objective: a successful request whose TTFT is at most this counts.
     #[arg(long, default_value_t = 1000.0)]
     ttft_slo_ms: f64,
+    /// A header every request carries beside its workload's own, `name: value` (repeatable):
+    /// e.g. a time-to-first-token objective, `x-slo-ttft-ms: 1000`.
+    #[arg(long = "header", value_parser = header)]
+    headers: Vec<(String, String)>,
     /// Send non-streaming requests.
     #[arg(long)]
     no_stream: bool,
@@ -210,6 +214,17 @@ struct RunArgs {
     /// Summary JSON (default: stdout).
     #[arg(long)]
     summary: Option<String>,
+}
+
+fn header(s: &str) -> Result<(String, String), String> {
+    let (name, value) = s
+        .split_once(':')
+        .ok_or_else(|| format!("expected `name: value`, got {s:?}"))?;
+    let name = name.trim().to_ascii_lowercase();
+    if name.is_empty() {
+        return Err(format!("no header name in {s:?}"));
+    }
+    Ok((name, value.trim().to_string()))
 }
 
 fn pair(s: &str) -> Result<(u64, u64), String> {
@@ -429,7 +444,10 @@ async fn run_job(ctx: Arc<Ctx>, job: Job) {
 }
 
 async fn run(a: RunArgs) -> Result<(), String> {
-    let jobs = build_jobs(&a.w)?;
+    let mut jobs = build_jobs(&a.w)?;
+    for job in &mut jobs {
+        job.headers.extend(a.headers.iter().cloned());
+    }
     let addr = client::authority(&a.url)?;
     let t0 = Instant::now();
     let ctx = Arc::new(Ctx {

@@ -24,6 +24,9 @@ pub struct Class {
     pub priority: i32,
     pub tenant: u64,
     pub session: Option<u64>,
+    /// The request's own time-to-first-token objective (`admission.ttftObjectiveHeader`), in ms:
+    /// it waits in the line no longer than that, nor than `admission.maxWaitMs`.
+    pub objective_ms: Option<u64>,
 }
 
 impl Class {
@@ -44,6 +47,7 @@ impl Class {
         priority: Option<&str>,
         tenant: Option<&str>,
         session: Option<&str>,
+        ttft_objective: Option<&str>,
     ) -> Class {
         Class {
             priority: Self::priority_given(cfg, objective, priority)
@@ -52,8 +56,34 @@ impl Class {
             session: session
                 .filter(|s| !s.is_empty())
                 .map(|s| fnv1a(s.as_bytes())),
+            objective_ms: ttft_objective.and_then(objective_ms),
         }
     }
+
+    /// How long the request may wait in the line: `admission.maxWaitMs`, or its own objective
+    /// when that is shorter.
+    pub fn wait_ms(&self, cfg: &AdmissionConfig) -> u64 {
+        self.objective_ms
+            .map_or(cfg.max_wait_ms, |o| o.min(cfg.max_wait_ms))
+    }
+}
+
+/// What bounded a request's wait, for the answer that says it ran out: its own objective
+/// (`own`) or the configured longest wait.
+fn wait_bound(own: bool) -> &'static str {
+    if own {
+        "the request's time-to-first-token objective"
+    } else {
+        "admission.maxWaitMs"
+    }
+}
+
+/// A time-to-first-token objective's value: milliseconds, whole or not (GIE's clients send
+/// whole ones), rounded up, at least 1. Anything else (empty, negative, not a number) names
+/// none: the request then waits as any other.
+fn objective_ms(value: &str) -> Option<u64> {
+    let ms: f64 = value.trim().parse().ok()?;
+    (ms.is_finite() && ms > 0.0).then(|| (ms.ceil() as u64).max(1))
 }
 
 /// What admission decided.
@@ -287,7 +317,7 @@ impl Admission {
             boosted,
             start_tag: line.start_tag(line::fair_key(class.tenant, reach), boost),
             enqueued_ms: now,
-            deadline_ms: now.saturating_add(a.max_wait_ms),
+            deadline_ms: now.saturating_add(class.wait_ms(a)),
             cost: est.cost,
             wants: 0,
             reach,
@@ -370,11 +400,12 @@ impl Admission {
             stats.count(stats::ADMISSION_QUEUE_FULL, 1);
             let spread = self.spread(now);
             let retry = retry_after_ms(line.drain_ms(ticket.reach, now), a.max_wait_ms, spread);
-            return Ok(shed(
+            let message = format!(
                 "kvgate's queue is full for this request: the requests ahead of it would keep it \
-                 waiting most of admission.maxWaitMs",
-                retry,
-            ));
+                 waiting most of {}",
+                wait_bound(class.wait_ms(a) < a.max_wait_ms)
+            );
+            return Ok(shed(&message, retry));
         }
         ticket.id = router.next_request_id();
         if line.tickets.is_empty() {
@@ -454,13 +485,14 @@ impl Admission {
                 cfg.admission.max_wait_ms,
                 spread,
             );
-            let reply = LocalReply::error(
-                503,
-                "service_unavailable",
-                "no model server had room before admission.maxWaitMs ran out",
-                None,
-            )
-            .retry_after(retry);
+            let own =
+                ticket.deadline_ms.saturating_sub(ticket.enqueued_ms) < cfg.admission.max_wait_ms;
+            let message = format!(
+                "no model server had room before {} ran out",
+                wait_bound(own)
+            );
+            let reply =
+                LocalReply::error(503, "service_unavailable", &message, None).retry_after(retry);
             return Ok(Ok(Admit::Refuse(reply)));
         }
         let placed = match reach {
@@ -810,7 +842,7 @@ mod tests {
     }
 
     fn class(cfg: &Config, objective: Option<&str>, tenant: &str) -> Class {
-        Class::from_headers(&cfg.admission, objective, None, Some(tenant), None)
+        Class::from_headers(&cfg.admission, objective, None, Some(tenant), None, None)
     }
 
     impl Worker {
@@ -1061,17 +1093,9 @@ mod tests {
         assert_eq!(told(&mut w, &cfg, None), 5_000);
     }
 
-    /// A request that the line ahead of it would keep most of `maxWaitMs` is refused at once (429,
-    /// counted as a full line), told when to come back; with `refuseLate` off it waits, to be
-    /// answered 503 at its deadline.
-    #[test]
-    fn a_request_the_line_would_keep_past_its_wait_is_refused_at_once() {
-        let host = FakeHost::new();
-        let mut cfg = config(100);
-        cfg.admission.max_queue = 1_000;
-        let mut w = worker(&host, &cfg);
-        let _ = routed(w.place(&cfg, class(&cfg, None, "t"), 100));
-        // Critical requests draining the line at one every 100 ms, 20 of them still waiting.
+    /// A line of critical requests that has drained one every 100 ms over 40 admissions, with 20
+    /// of them still waiting: two seconds ahead of any newcomer.
+    fn draining_behind_twenty(host: &FakeHost, vm: &FakeVm) {
         let critical = |id| Ticket {
             id,
             vm: 9,
@@ -1086,18 +1110,30 @@ mod tests {
             need: 0,
         };
         for id in 0..20 {
-            line::enqueue(&w.vm, critical(1_000 + id), 0, 0.0, 1_000)
+            line::enqueue(vm, critical(1_000 + id), 0, 0.0, 1_000)
                 .unwrap()
                 .unwrap();
         }
         for id in 0..40 {
-            line::enqueue(&w.vm, critical(id), 0, 0.0, 1_000)
+            line::enqueue(vm, critical(id), 0, 0.0, 1_000)
                 .unwrap()
                 .unwrap();
             host.advance_ms(100);
-            let left = line::remove(&w.vm, id, line::Leave::Admitted(1)).unwrap();
-            assert!(left);
+            assert!(line::remove(vm, id, line::Leave::Admitted(1)).unwrap());
         }
+    }
+
+    /// A request that the line ahead of it would keep most of `maxWaitMs` is refused at once (429,
+    /// counted as a full line), told when to come back; with `refuseLate` off it waits, to be
+    /// answered 503 at its deadline.
+    #[test]
+    fn a_request_the_line_would_keep_past_its_wait_is_refused_at_once() {
+        let host = FakeHost::new();
+        let mut cfg = config(100);
+        cfg.admission.max_queue = 1_000;
+        let mut w = worker(&host, &cfg);
+        let _ = routed(w.place(&cfg, class(&cfg, None, "t"), 100));
+        draining_behind_twenty(&host, &w.vm);
         // Twenty ahead at ten a second: two seconds, more than its one.
         let Admit::Refuse(r) = w.place(&cfg, class(&cfg, None, "t"), 10) else {
             panic!("not refused")
@@ -1112,6 +1148,50 @@ mod tests {
         cfg.admission.refuse_late = false;
         let _ = waiting(w.place(&cfg, class(&cfg, None, "t"), 10));
         assert_eq!(w.stats.take_count(stats::ADMISSION_QUEUE_FULL), 0);
+    }
+
+    /// A request's own time-to-first-token objective bounds its wait below `maxWaitMs`: refused
+    /// at once when the line ahead would keep it most of that objective (the answer names it),
+    /// waiting otherwise, and answered 503 when its objective runs out, not `maxWaitMs`.
+    #[test]
+    fn a_requests_own_objective_bounds_its_wait() {
+        let host = FakeHost::new();
+        let mut cfg = config(100);
+        cfg.admission.max_queue = 1_000;
+        cfg.admission.max_wait_ms = 30_000;
+        let mut w = worker(&host, &cfg);
+        let _ = routed(w.place(&cfg, class(&cfg, None, "t"), 100));
+        let with =
+            |ms: &str| Class::from_headers(&cfg.admission, None, None, Some("t"), None, Some(ms));
+        // Read as the header says it, or not at all.
+        assert_eq!(with(" 250 ").objective_ms, Some(250));
+        assert_eq!(with("0.4").objective_ms, Some(1));
+        for bad in ["", "-5", "0", "soon", "NaN", "inf"] {
+            assert_eq!(with(bad).objective_ms, None, "{bad}");
+            assert_eq!(with(bad).wait_ms(&cfg.admission), 30_000, "{bad}");
+        }
+        assert_eq!(with("90000").wait_ms(&cfg.admission), 30_000);
+        draining_behind_twenty(&host, &w.vm);
+        // Two seconds ahead of it: past an objective of one second, refused at once.
+        let Admit::Refuse(r) = w.place(&cfg, with("1000"), 10) else {
+            panic!("not refused")
+        };
+        assert_eq!(r.status, 429);
+        let body = String::from_utf8_lossy(&r.body);
+        assert!(body.contains("time-to-first-token objective"), "{body}");
+        assert_eq!(w.stats.take_count(stats::ADMISSION_QUEUE_FULL), 1);
+        // Without one, or with four seconds, it waits: until its own deadline.
+        let _ = waiting(w.place(&cfg, class(&cfg, None, "t"), 10));
+        let t = waiting(w.place(&cfg, with("4000"), 10));
+        assert_eq!(t.deadline_ms, t.enqueued_ms + 4_000);
+        host.advance_ms(4_000);
+        let Some(Admit::Refuse(r)) = w.retry(&cfg, &t, 10) else {
+            panic!("not answered at its objective")
+        };
+        assert_eq!(r.status, 503);
+        let body = String::from_utf8_lossy(&r.body);
+        assert!(body.contains("time-to-first-token objective"), "{body}");
+        assert_eq!(w.stats.take_count(stats::ADMISSION_TIMED_OUT), 1);
     }
 
     #[test]
@@ -1227,6 +1307,7 @@ mod tests {
             Some("-3"),
             None,
             Some("s"),
+            None,
         );
         assert_eq!(direct.priority, -3);
         assert!(direct.session.is_some());

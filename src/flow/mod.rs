@@ -84,11 +84,14 @@ pub struct RequestHead<'a> {
     pub end_of_stream: bool,
     /// `accept`, read only while the status page is on (it picks HTML or JSON).
     pub accept: Option<&'a str>,
-    /// Values of the admission headers (objective, priority, tenant, session), as configured.
+    /// Values of the admission headers (objective, priority, tenant, session, the time-to-first-
+    /// token objective), as configured.
     pub objective: Option<&'a str>,
     pub priority: Option<&'a str>,
     pub tenant: Option<&'a str>,
     pub session: Option<&'a str>,
+    /// The request's own time-to-first-token objective (`admission.ttftObjectiveHeader`).
+    pub ttft_objective: Option<&'a str>,
     /// The cache salt header's value (`routing.cacheSaltHeader`): the salt the engine keys the
     /// prompt's cached blocks by, over the body's `cache_salt`.
     pub cache_salt: Option<&'a str>,
@@ -437,6 +440,7 @@ impl Flow {
             head.priority,
             head.tenant,
             head.session,
+            head.ttft_objective,
         );
         self.priority_given =
             Class::priority_given(&cfg.admission, head.objective, head.priority).is_some();

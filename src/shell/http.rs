@@ -251,6 +251,7 @@ impl Http {
             .and_then(|v| v.trim().parse().ok());
         let (objective, priority) = (read(&a.objective_header), read(&a.priority_header));
         let (tenant, session) = (read(&a.tenant_header), read(&a.session_header));
+        let ttft_objective = read(&a.ttft_objective_header);
         let cache_salt = read(&gate.config.routing.cache_salt_header);
         let content_encoding = headers.get("content-encoding");
         let accept = headers.get("accept");
@@ -266,6 +267,7 @@ impl Http {
             priority,
             tenant,
             session,
+            ttft_objective,
             cache_salt,
             content_encoding,
             no_upstream_headers,

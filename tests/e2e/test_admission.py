@@ -281,11 +281,12 @@ def test_two_models_bursting_at_once_are_each_told_their_own_lines_pace():
         assert preemptions(a) + preemptions(b) == 0
 
 
-def _overload(refuse_late, rate=15.0, seconds=16.0, max_wait_ms=3000):
+def _overload(refuse_late, rate=15.0, seconds=16.0, max_wait_ms=3000, headers=lambda i: None, **admission):
     """`rate` requests a second for `seconds`, each answered after 1,000 tokens, at two pods that
-    serve about ten a second: each request's status, when it was sent and answered (s from the
-    start), and the pods' preemptions."""
-    cfg = config(maxWaitMs=max_wait_ms, refuseLate=refuse_late)
+    serve about ten a second (request `i` with `headers(i)`): each request's status, when it was
+    sent and answered (s from the start), whether it was told when to come back, and how long it
+    waited in kvgate's line (ms, `None` unless served); and the pods' preemptions."""
+    cfg = config(maxWaitMs=max_wait_ms, refuseLate=refuse_late, **admission)
     out = []
     with Sim(pods=2, args=SMALL_KV) as sim, kvgate_envoy(sim.endpoints, cfg) as envoy:
         start = time.time()
@@ -293,8 +294,10 @@ def _overload(refuse_late, rate=15.0, seconds=16.0, max_wait_ms=3000):
         def one(i):
             sent = time.time() - start
             r = request(envoy.port, "POST", "/v1/completions", unshared_completion(2_000 + i, max_tokens=1000),
-                        timeout=120)
-            out.append((r.status, sent, time.time() - start, "retry-after" in r.headers))
+                        headers=headers(i), timeout=120)
+            queued = r.headers.get("x-kvgate-queue-ms") if r.status == 200 else None
+            out.append((r.status, sent, time.time() - start, "retry-after" in r.headers,
+                        None if queued is None else int(queued), i))
 
         with ThreadPoolExecutor(200) as pool:
             for i in range(int(rate * seconds)):
@@ -318,18 +321,48 @@ def test_a_request_the_line_cannot_serve_in_time_is_refused_at_arrival():
         late = [r for r in out if r[0] == 503]
         refused = [r for r in out if r[0] == 429]
         # Served a second once the overload has settled (the pace is judged after 32 admissions).
-        steady = sum(1 for s, _, done, _ in out if s == 200 and 5.0 <= done < 16.0) / 11.0
+        steady = sum(1 for s, _, done, *_ in out if s == 200 and 5.0 <= done < 16.0) / 11.0
         summary[flag] = dict(served=sum(1 for r in out if r[0] == 200), late=len(late), refused=len(refused),
                              steady=round(steady, 2),
-                             refused_p50_ms=round(1000 * statistics.median([d - s for _, s, d, _ in refused]), 1)
+                             refused_p50_ms=round(1000 * statistics.median([d - s for _, s, d, *_ in refused]), 1)
                              if refused else None)
-        assert all(has for s, _, _, has in out if s in (429, 503)), "every refusal says when to come back"
+        assert all(has for s, _, _, has, *_ in out if s in (429, 503)), "every refusal says when to come back"
     print("refuseLate on / off:", summary)
     on, off = summary[True], summary[False]
     assert off["late"] >= 30 and off["refused"] == 0, off
     assert on["late"] <= max(10, off["late"] // 4), summary
     assert on["refused"] >= off["late"] // 2 and on["refused_p50_ms"] < 100, summary
     assert on["steady"] >= 0.9 * off["steady"], summary
+
+
+def test_a_requests_own_time_to_first_token_objective_bounds_its_wait():
+    """The same overload, `maxWaitMs` at its default of 30 s, and half the requests naming their
+    own objective in `x-slo-ttft-ms` (2 s; `ttftObjectiveHeader` set): those are refused at once
+    when the line cannot serve them within it, each one served waited less than it, and one still
+    waiting at it is answered 503 then, not at 30 s; the others wait as long as the line keeps
+    them, never refused. Measured (2026-12-07): of the 120 with an objective, 47 served (the
+    longest wait 1.9 s), 63 refused in milliseconds, 10 answered 503 at 2 s (the first seconds,
+    before 32 admissions measure the line's pace); the other 120 all served."""
+    objective_ms = 2000
+    out, pre = _overload(True, max_wait_ms=30_000, ttftObjectiveHeader="x-slo-ttft-ms",
+                         headers=lambda i: {"x-slo-ttft-ms": str(objective_ms)} if i % 2 == 0 else None)
+    assert pre == 0, pre
+    mine = [r for r in out if r[5] % 2 == 0]
+    others = [r for r in out if r[5] % 2 == 1]
+    summary = {
+        name: dict(Counter(r[0] for r in rows),
+                   longest_wait_ms=max((r[4] for r in rows if r[4] is not None), default=None))
+        for name, rows in (("objective", mine), ("none", others))}
+    late = [done - sent for status, sent, done, *_ in mine if status == 503]
+    print("own objective / none:", summary, "503 after (s):", [round(t, 2) for t in late])
+    assert all(r[3] for r in out if r[0] in (429, 503)), "every refusal says when to come back"
+    # Served within the objective; refused at once, or at the objective, never at 30 s.
+    assert summary["objective"]["longest_wait_ms"] < objective_ms, summary
+    assert summary["objective"].get(429, 0) >= 10, summary
+    assert summary["objective"].get(503, 0) <= 20, summary
+    assert all(t < objective_ms / 1000 + 1.0 for t in late), late
+    # The others are neither refused nor held to the objective: the line keeps them.
+    assert set(summary["none"]) == {200, "longest_wait_ms"}, summary
 
 
 def test_wake_up_latency_when_budget_frees():
