@@ -18,7 +18,7 @@ use crate::store::interface::{Store, StoreError};
 use hashbrown::HashMap;
 use std::collections::BTreeMap;
 
-/// Who a request is, for ordering: from its headers.
+/// Who a request is, for ordering, and how long it may wait: from its headers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Class {
     pub priority: i32,
@@ -174,7 +174,7 @@ pub struct Admission {
 /// One of this VM's parked tickets, as its retries need it.
 #[derive(Debug, Clone, Copy)]
 struct Parked {
-    /// When it is answered 503 (`admission.maxWaitMs` after it arrived).
+    /// When it is answered 503 (`admission.maxWaitMs` after it arrived, or its own objective).
     deadline_ms: u64,
     /// Until when it waits for room where its prompt's prefix is cached (`Reach::Patient`):
     /// `admission.cacheWaitMs` after it was first refused for want of room there. `None` while
