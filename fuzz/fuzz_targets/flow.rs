@@ -790,6 +790,10 @@ impl World {
                     priority: None,
                     tenant: Some(&tenant),
                     session: (*session % 5 != 0).then_some(session_id.as_str()),
+                    // Now and then the request's own time-to-first-token objective: its wait
+                    // bounded, its ticket's deadline sooner than `maxWaitMs`.
+                    ttft_objective: [None, None, Some("300"), Some("2500.5"), Some("soon")]
+                        [usize::from(*objective / 20) % 5],
                     // Tenants' caches kept apart by the engine now and then (an empty salt is
                     // none): the budget holds whether or not prompts share blocks.
                     cache_salt: [None, Some(""), Some(tenant.as_str())][usize::from(*session) % 3],
