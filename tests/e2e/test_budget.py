@@ -270,9 +270,10 @@ def test_without_max_tokens_preemptions_are_a_sliver_of_round_robins():
     out = against_round_robin(SMALL_KV, 48, 240, concurrency=4, on_kvgate=held)
     print("without max_tokens:", out)
     # Round robin preempts freely here: 117-151 times where its clients fill the pods (KV 0.87),
-    # 39 and 43 on a machine whose 48 Python clients kept them half full (KV 0.45, two runs on
-    # 2026-12-07). Either is far above the sliver kvgate is held to below.
-    assert out["round_robin"]["preemptions"] >= 25
+    # 22-43 on a machine whose 48 Python clients kept them half full (KV 0.42-0.45, three runs on
+    # 2026-12-07). Any of these is far above the sliver kvgate is held to below; ten only checks
+    # that the run preempts at all.
+    assert out["round_robin"]["preemptions"] >= 10
     # A preemption or two is this run's noise (240 requests; round robin's 117-137): kvgate made
     # 0-2 in each of 20 runs on one machine (2026-12-04), and 3 once in CI against round robin's
     # 126, past 2 % of it. Three or 2 %, whichever is more, still fails a forecast that preempts
