@@ -62,16 +62,16 @@ impl Class {
 
     /// How long the request may wait in the line: `admission.maxWaitMs`, or its own objective
     /// when that is shorter.
-    pub fn wait_ms(&self, cfg: &AdmissionConfig) -> u64 {
+    fn wait_ms(&self, cfg: &AdmissionConfig) -> u64 {
         self.objective_ms
             .map_or(cfg.max_wait_ms, |o| o.min(cfg.max_wait_ms))
     }
 }
 
-/// What bounded a request's wait, for the answer that says it ran out: its own objective
-/// (`own`) or the configured longest wait.
-fn wait_bound(own: bool) -> &'static str {
-    if own {
+/// What bounded a ticket's wait, for the answer that says it ran out: its own objective, when
+/// its deadline came sooner than the configured longest wait, or that wait.
+fn wait_bound(ticket: &Ticket, max_wait_ms: u64) -> &'static str {
+    if ticket.deadline_ms.saturating_sub(ticket.enqueued_ms) < max_wait_ms {
         "the request's time-to-first-token objective"
     } else {
         "admission.maxWaitMs"
@@ -403,7 +403,7 @@ impl Admission {
             let message = format!(
                 "kvgate's queue is full for this request: the requests ahead of it would keep it \
                  waiting most of {}",
-                wait_bound(class.wait_ms(a) < a.max_wait_ms)
+                wait_bound(&ticket, a.max_wait_ms)
             );
             return Ok(shed(&message, retry));
         }
@@ -485,11 +485,9 @@ impl Admission {
                 cfg.admission.max_wait_ms,
                 spread,
             );
-            let own =
-                ticket.deadline_ms.saturating_sub(ticket.enqueued_ms) < cfg.admission.max_wait_ms;
             let message = format!(
                 "no model server had room before {} ran out",
-                wait_bound(own)
+                wait_bound(ticket, cfg.admission.max_wait_ms)
             );
             let reply =
                 LocalReply::error(503, "service_unavailable", &message, None).retry_after(retry);
