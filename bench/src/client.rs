@@ -47,6 +47,10 @@ pub struct Outcome {
     /// kvgate's `x-kvgate-prompt-tokens` debug header: its prompt estimate, to hold against
     /// `prompt_tokens` (the engine's count) request by request.
     pub estimated_prompt_tokens: Option<u64>,
+    /// kvgate's `x-kvgate-cost` debug header: the tokens it reserved for this request.
+    pub estimated_cost: Option<u64>,
+    /// kvgate's `x-kvgate-queue-ms` debug header: how long the request waited in its line.
+    pub queue_ms: Option<u64>,
     pub error: Option<String>,
 }
 
@@ -175,11 +179,15 @@ impl Client {
             .get("x-kvgate-ranking")
             .and_then(|v| v.to_str().ok())
             .map(str::to_string);
-        out.estimated_prompt_tokens = resp
-            .headers()
-            .get("x-kvgate-prompt-tokens")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse().ok());
+        let number = |name: &str| {
+            resp.headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse().ok())
+        };
+        out.estimated_prompt_tokens = number("x-kvgate-prompt-tokens");
+        out.estimated_cost = number("x-kvgate-cost");
+        out.queue_ms = number("x-kvgate-queue-ms");
         let mut body = resp.into_body();
         if out.status != 200 || !stream {
             let bytes = match body.collect().await {
