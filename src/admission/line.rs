@@ -177,9 +177,73 @@ pub struct Drain {
     pub reach: u64,
     pub from_ms: u64,
     pub drained: u64,
+    /// How long the tickets that left it waited against their costs (`Sizes`): how much longer
+    /// a large one waits than the count ahead of it says (`QueueRecord::late`). Empty in a
+    /// record an older module wrote (sizes are then not judged).
+    pub sizes: Sizes,
     /// The latest time a request for these pods refused for a full line was told to come back
     /// ([`QueueRecord::appoint`]).
     pub appointed_ms: u64,
+}
+
+/// The waits of the tickets that left a drain's line, against their costs, as the sums of a
+/// least-squares line (each sum halved when the samples reach `2 × DRAIN_WINDOW`, so it covers
+/// the last `DRAIN_WINDOW` to twice that many): the tickets admitted, and those whose deadline
+/// came first, their wait counted as their deadline (they would have waited longer; left out, the
+/// largest, which run out most, would go unseen).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Sizes {
+    pub n: f64,
+    /// Σ cost, Σ cost², Σ wait (ms), Σ cost × wait.
+    pub c: f64,
+    pub cc: f64,
+    pub w: f64,
+    pub cw: f64,
+}
+
+impl Sizes {
+    fn add(&mut self, cost: u64, wait_ms: u64) {
+        let (c, w) = (cost as f64, wait_ms as f64);
+        self.n += 1.0;
+        self.c += c;
+        self.cc += c * c;
+        self.w += w;
+        self.cw += c * w;
+        if self.n >= 2.0 * DRAIN_WINDOW as f64 {
+            for sum in [
+                &mut self.n,
+                &mut self.c,
+                &mut self.cc,
+                &mut self.w,
+                &mut self.cw,
+            ] {
+                *sum /= 2.0;
+            }
+        }
+    }
+
+    fn merged(self, o: Sizes) -> Sizes {
+        Sizes {
+            n: self.n + o.n,
+            c: self.c + o.c,
+            cc: self.cc + o.cc,
+            w: self.w + o.w,
+            cw: self.cw + o.cw,
+        }
+    }
+
+    /// How much longer than the average ticket one of `cost` waits, in ms (less when smaller):
+    /// the least-squares slope of wait on cost, never below 0, times its cost's distance from
+    /// the mean. 0 over fewer than `DRAIN_WINDOW` samples, costs all alike (to within the sums'
+    /// rounding), or sums that are not numbers (a record garbled).
+    fn longer_ms(&self, cost: u64) -> f64 {
+        let spread = self.n * self.cc - self.c * self.c;
+        let slope = (self.n * self.cw - self.c * self.w) / spread;
+        if self.n < DRAIN_WINDOW as f64 || spread <= 1e-9 * self.n * self.cc || !slope.is_finite() {
+            return 0.0;
+        }
+        slope.max(0.0) * (cost as f64 - self.c / self.n)
+    }
 }
 
 impl Drain {
@@ -267,6 +331,12 @@ impl QueueRecord {
                 .u64(d.drained)
                 .u64(d.appointed_ms);
         }
+        // And their sizes after those, which a module from before reads as nothing more.
+        w.u32(self.drains.len() as u32);
+        for d in &self.drains {
+            let z = &d.sizes;
+            w.f64(z.n).f64(z.c).f64(z.cc).f64(z.w).f64(z.cw);
+        }
         w.0
     }
 
@@ -326,7 +396,7 @@ impl QueueRecord {
                 r.u64()?;
             }
         }
-        let drains = if r.is_empty() {
+        let mut drains = if r.is_empty() {
             Vec::new()
         } else {
             r.list(32, |r| {
@@ -334,10 +404,27 @@ impl QueueRecord {
                     reach: r.u64()?,
                     from_ms: r.u64()?,
                     drained: r.u64()?,
+                    sizes: Sizes::default(),
                     appointed_ms: r.u64()?,
                 })
             })?
         };
+        if !r.is_empty() {
+            let sizes = r.list(40, |r| {
+                Some(Sizes {
+                    n: r.f64()?,
+                    c: r.f64()?,
+                    cc: r.f64()?,
+                    w: r.f64()?,
+                    cw: r.f64()?,
+                })
+            })?;
+            if sizes.len() == drains.len() {
+                for (d, sizes) in drains.iter_mut().zip(sizes) {
+                    d.sizes = sizes;
+                }
+            }
+        }
         passes.retain(|&(id, n)| n > 0 && tickets.iter().any(|t| t.id == id));
         Some(QueueRecord {
             virtual_time,
@@ -378,7 +465,15 @@ impl QueueRecord {
             .take_while(|t| order(t, ticket) == Ordering::Less)
             .filter(|t| t.reach & ticket.reach != 0)
             .count();
-        ahead as f64 / rate > LATE_SHARE * ticket.deadline_ms.saturating_sub(now) as f64
+        // And its own size: at the head a large ticket waits for one pod to free its whole
+        // cost while smaller ones behind it take what is freed before (`backfillPasses`).
+        let sizes = self
+            .drains
+            .iter()
+            .filter(|d| d.reach & ticket.reach != 0)
+            .fold(Sizes::default(), |all, d| all.merged(d.sizes));
+        ahead as f64 / rate + sizes.longer_ms(ticket.cost)
+            > LATE_SHARE * ticket.deadline_ms.saturating_sub(now) as f64
     }
 
     /// The admissions counted by the drains of the sets of pods that share one with `reach`,
@@ -481,7 +576,7 @@ impl QueueRecord {
         let waiting = self.tickets.iter().fold(0, |all, t| all | t.reach);
         self.drains.retain_mut(|d| {
             if d.reach & waiting == 0 {
-                (d.from_ms, d.drained) = (0, 0);
+                (d.from_ms, d.drained, d.sizes) = (0, 0, Sizes::default());
             }
             d.from_ms > 0 || d.appointed_ms > now
         });
@@ -741,6 +836,13 @@ pub fn remove(store: &dyn Store, id: u64, leave: Leave) -> Result<bool, StoreErr
             q.virtual_time = q.virtual_time.max(tag);
             q.note_admission(t.reach, now);
         }
+        // Its wait against its cost, where its pods' line is measured: admitted, or run out
+        // (not one that left for another reason, whose wait says nothing of the line's).
+        if admitted || now >= t.deadline_ms {
+            if let Some(d) = q.drains.iter_mut().find(|d| d.reach == t.reach) {
+                d.sizes.add(t.cost, now.saturating_sub(t.enqueued_ms));
+            }
+        }
         q.forget_idle_drains(now);
         let tickets = &q.tickets;
         q.passes.retain(|&(h, _)| tickets.iter().any(|t| t.id == h));
@@ -982,12 +1084,20 @@ mod tests {
                     reach: 1 << 5,
                     from_ms: 77,
                     drained: 5,
+                    sizes: Sizes {
+                        n: 40.0,
+                        c: 4e4,
+                        cc: 5e7,
+                        w: 8e3,
+                        cw: 9e6,
+                    },
                     appointed_ms: 4_321,
                 },
                 Drain {
                     reach: 3,
                     from_ms: 0,
                     drained: 0,
+                    sizes: Sizes::default(),
                     appointed_ms: 99,
                 },
             ],
@@ -998,6 +1108,13 @@ mod tests {
         q.tickets[0].need = 1_234;
         assert_eq!(QueueRecord::decode(&q.encode()), Some(q.clone()));
         assert_eq!(QueueRecord::decode(b"xx"), None);
+        // A record from before the drains' sizes (nothing after the drains) reads them as none.
+        let full = q.encode();
+        let before_sizes = QueueRecord::decode(&full[..full.len() - 4 - 2 * 40]).unwrap();
+        assert_eq!(before_sizes.drains[0].sizes, Sizes::default());
+        assert_eq!(before_sizes.drains[0].drained, 5);
+        assert_eq!(before_sizes.tickets, q.tickets);
+        let full = &full[..full.len() - 4 - 2 * 40];
         // A record from before drains per set of pods (one drain for the whole line after the
         // needs, nothing after it) reads as a line not yet measured, as does one from before
         // the drain (nothing after the needs); one from before needs (nothing after the passes
@@ -1005,7 +1122,6 @@ mod tests {
         // every ticket reaching everywhere and the first ticket's passes; one from before the
         // pods tickets wait for (nothing after the passes) with no wants either; one from before
         // backfills (nothing after the tickets) with no passes.
-        let full = q.encode();
         let whole_line = &full[..full.len() - 4 - 2 * 32];
         let mut legacy = whole_line.to_vec();
         legacy[whole_line.len() - 24..].copy_from_slice(&[7; 24]);
@@ -1164,6 +1280,78 @@ mod tests {
         host.advance_ms(3_000);
         let q = read(&vm).unwrap();
         assert!(q.late(&patient(&q), host.now_ms()));
+    }
+
+    /// A large request waits longer than the count ahead of it says: at the head, for one pod
+    /// to free its whole cost while smaller ones take what is freed before. The line learns how
+    /// much longer from the waits of the tickets that left it, against their costs, those that
+    /// ran out included; a small one is judged to wait less. Not judged without those waits.
+    #[test]
+    fn a_large_request_is_late_sooner_than_a_small_one() {
+        let host = FakeHost::new();
+        let vm = host.vm();
+        ensure(&vm).unwrap();
+        let pods = 0b11;
+        host.advance_ms(1_000);
+        let of = |id, cost| Ticket {
+            cost,
+            ..arriving(&host, id, pods)
+        };
+        // One always waiting; pairs of 500 and 1,500 tokens arriving together, the small one
+        // admitted after 100 ms, the large one 100 ms later: 0.1 ms a token more.
+        enqueue(&vm, of(1, 1_000), 1, 0.0, 1_000).unwrap().unwrap();
+        for pair in 0..40 {
+            let (small, large) = (10 + 2 * pair, 11 + 2 * pair);
+            enqueue(&vm, of(small, 500), 1, 0.0, 1_000)
+                .unwrap()
+                .unwrap();
+            enqueue(&vm, of(large, 1_500), 1, 0.0, 1_000)
+                .unwrap()
+                .unwrap();
+            for id in [small, large] {
+                host.advance_ms(100);
+                assert!(remove(&vm, id, Leave::Admitted(1)).unwrap());
+            }
+        }
+        let now = host.now_ms();
+        let q = read(&vm).unwrap();
+        // One ahead: 100 ms at a gap of 100 ms; its size adds 0.1 ms a token past the mean.
+        let joining = |cost, wait| Ticket {
+            start_tag: q.start_tag(1, 0.0),
+            deadline_ms: now + wait,
+            ..of(9_999, cost)
+        };
+        assert!(!q.late(&joining(1_000, 350), now));
+        assert!(q.late(&joining(3_000, 350), now), "300 ms of 262");
+        assert!(!q.late(&joining(2_500, 350), now), "250 ms");
+        assert!(q.late(&joining(1_000, 120), now), "100 ms of 90");
+        assert!(!q.late(&joining(200, 120), now), "20 ms");
+        // A line whose drains hold no waits (an older module wrote it) judges the count alone.
+        let mut older = q.clone();
+        older.drains[0].sizes = Sizes::default();
+        assert!(!older.late(&joining(3_000, 350), now));
+        assert!(older.late(&joining(200, 120), now));
+        // A ticket that runs out counts its wait; one that leaves before, not.
+        let n = q.drains[0].sizes.n;
+        enqueue(
+            &vm,
+            Ticket {
+                deadline_ms: now + 50,
+                ..of(500, 9_000)
+            },
+            1,
+            0.0,
+            1_000,
+        )
+        .unwrap()
+        .unwrap();
+        enqueue(&vm, of(501, 9_000), 1, 0.0, 1_000)
+            .unwrap()
+            .unwrap();
+        host.advance_ms(50);
+        assert!(remove(&vm, 500, Leave::NotAdmitted).unwrap());
+        assert!(remove(&vm, 501, Leave::NotAdmitted).unwrap());
+        assert_eq!(read(&vm).unwrap().drains[0].sizes.n, n + 1.0);
     }
 
     /// Two models on pods of their own, one answering ten times longer: each line is told its
