@@ -164,12 +164,26 @@ fn pool(gate: &mut Gate, store: &dyn Store) -> Value {
                 *bands.entry(t.priority.to_string()).or_default() += 1;
             }
             let oldest = q.tickets.iter().map(|t| t.enqueued_ms).min();
+            // What `refuseLate` and `Retry-After` read for each set of pods the line measures.
+            let paces: Vec<Value> = q
+                .drains
+                .iter()
+                .map(|d| {
+                    json!({
+                        "pods": d.reach.count_ones(),
+                        "admissions": d.drained,
+                        "gapMs": d.gap_ms(now),
+                        "waitMsPer1kTokens": d.sizes.slope().map(|s| s * 1_000.0),
+                    })
+                })
+                .collect();
             json!({
                 "length": q.tickets.len(),
                 // Heads of lines of their own: models on pods of their own wait apart.
                 "heads": q.leaders().len(),
                 "byPriority": bands,
                 "oldestWaitMs": oldest.map(|t| now.saturating_sub(t)),
+                "paces": paces,
             })
         }
         Err(e) => json!({"error": format!("{e:?}")}),
@@ -427,7 +441,7 @@ mod tests {
 
     #[test]
     fn the_page_shows_each_pod_as_shared_data_holds_it() {
-        let (_host, vm, mut gate) = pool_with_one_request();
+        let (host, vm, mut gate) = pool_with_one_request();
         let Step::Reply(r) = get(&mut gate, &vm, "/kvgate/status?x=1", None) else {
             panic!("the status path is answered locally");
         };
@@ -494,6 +508,42 @@ mod tests {
             let page: Value = serde_json::from_slice(&r.body).unwrap();
             assert_eq!(page["queue"]["heads"], json!(id.min(2)), "{id}");
         }
+        // The line's pace on the pods of 1, once 32 of tickets of 500 and 1,500 tokens have
+        // left it every 100 ms, the larger waiting 100 ms longer: 0.1 ms a token.
+        for n in 0..40u64 {
+            let t = crate::admission::line::Ticket {
+                id: 100 + n,
+                vm: 1,
+                priority: 0,
+                boosted: false,
+                start_tag: 0.0,
+                enqueued_ms: host.now_ms(),
+                deadline_ms: u64::MAX / 2,
+                cost: 500 + 1_000 * (n % 2),
+                wants: 0,
+                reach: 1,
+                need: 0,
+            };
+            crate::admission::line::enqueue(&vm, t, 1, 0.0, 100)
+                .unwrap()
+                .unwrap();
+            host.advance_ms(100 + 100 * (n % 2));
+            let left = crate::admission::line::Leave::Admitted(1);
+            assert!(crate::admission::line::remove(&vm, 100 + n, left).unwrap());
+        }
+        let Step::Reply(r) = get(&mut gate, &vm, "/kvgate/status", None) else {
+            panic!("no page");
+        };
+        let page: Value = serde_json::from_slice(&r.body).unwrap();
+        let pace = &page["queue"]["paces"][0];
+        assert_eq!(
+            (&pace["pods"], &pace["admissions"]),
+            (&json!(1), &json!(39))
+        );
+        let gap = pace["gapMs"].as_f64().unwrap();
+        assert!((150.0..=160.0).contains(&gap), "{gap}");
+        let slope = pace["waitMsPer1kTokens"].as_f64().unwrap();
+        assert!((slope - 100.0).abs() < 1e-6, "{slope}");
     }
 
     #[test]

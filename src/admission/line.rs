@@ -233,20 +233,33 @@ impl Sizes {
     }
 
     /// How much longer than the average ticket one of `cost` waits, in ms (less when smaller):
-    /// the least-squares slope of wait on cost, never below 0, times its cost's distance from
-    /// the mean. 0 over fewer than `DRAIN_WINDOW` samples, costs all alike (to within the sums'
-    /// rounding), or sums that are not numbers (a record garbled).
+    /// the slope times its cost's distance from the mean; 0 where there is no slope.
     fn longer_ms(&self, cost: u64) -> f64 {
+        self.slope()
+            .map_or(0.0, |slope| slope * (cost as f64 - self.c / self.n))
+    }
+
+    /// The least-squares slope of wait on cost (ms a token), never below 0. `None` over fewer
+    /// than `DRAIN_WINDOW` samples, costs all alike (to within the sums' rounding), or sums that
+    /// are not numbers (a record garbled).
+    pub fn slope(&self) -> Option<f64> {
         let spread = self.n * self.cc - self.c * self.c;
         let slope = (self.n * self.cw - self.c * self.w) / spread;
         if self.n < DRAIN_WINDOW as f64 || spread <= 1e-9 * self.n * self.cc || !slope.is_finite() {
-            return 0.0;
+            return None;
         }
-        slope.max(0.0) * (cost as f64 - self.c / self.n)
+        Some(slope.max(0.0))
     }
 }
 
 impl Drain {
+    /// The gap between its admissions now (ms; `rate`'s inverse), once it rests on
+    /// `DRAIN_WINDOW` of them, as `QueueRecord::late` judges it: for the status page.
+    pub fn gap_ms(&self, now: u64) -> Option<f64> {
+        let rate = self.rate(now);
+        (self.drained >= DRAIN_WINDOW && rate > 0.0).then(|| 1.0 / rate)
+    }
+
     /// Admissions a millisecond over its span, which ends now; none before its first admission.
     fn rate(&self, now: u64) -> f64 {
         if self.from_ms == 0 {

@@ -11,7 +11,7 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
-from harness import (Sim, access_log_lines, baseline_envoy, default_plugin_config, kvgate_envoy, kvgate_gauges,
+from harness import (STATUS_PATH, Sim, access_log_lines, baseline_envoy, default_plugin_config, kvgate_envoy, kvgate_gauges,
                      preemptions, request, sdk_call, stream, wait_for)
 
 from bodies import MODEL, unshared_completion
@@ -282,13 +282,13 @@ def test_two_models_bursting_at_once_are_each_told_their_own_lines_pace():
 
 
 def _overload(refuse_late, rate=15.0, seconds=16.0, max_wait_ms=3000, headers=lambda i: None,
-              max_tokens=lambda i: 1000, **admission):
+              max_tokens=lambda i: 1000, during=lambda envoy: None, **admission):
     """`rate` requests a second for `seconds`, each answered after 1,000 tokens (request `i` after
     `max_tokens(i)`), at two pods that serve about ten a second of those (request `i` with
-    `headers(i)`): each request's status, when it was
+    `headers(i)`; `during(envoy)` once the last is sent): each request's status, when it was
     sent and answered (s from the start), whether it was told when to come back, and how long it
     waited in kvgate's line (ms, `None` unless served); and the pods' preemptions."""
-    cfg = config(maxWaitMs=max_wait_ms, refuseLate=refuse_late, **admission)
+    cfg = dict(config(maxWaitMs=max_wait_ms, refuseLate=refuse_late, **admission), statusPath=STATUS_PATH)
     out = []
     with Sim(pods=2, args=SMALL_KV) as sim, kvgate_envoy(sim.endpoints, cfg) as envoy:
         start = time.time()
@@ -305,6 +305,7 @@ def _overload(refuse_late, rate=15.0, seconds=16.0, max_wait_ms=3000, headers=la
             for i in range(int(rate * seconds)):
                 time.sleep(max(0.0, start + i / rate - time.time()))
                 pool.submit(one, i)
+            during(envoy)
         assert reserved_zero(envoy), kvgate_gauges(envoy, "reserved_tokens")
         return out, preemptions(sim)
 
@@ -377,11 +378,18 @@ def test_a_large_request_is_judged_late_for_its_own_room():
     Counting only the requests ahead: large 173–176 served, 52–63 refused, 51–62 answered 503
     after their 3 s; small 227–237 served, 51–61 refused (BENCHMARKS.md, *A large request's own
     wait*)."""
-    out, pre = _overload(True, rate=36.0, max_tokens=lambda i: 1000 if i % 2 == 0 else 250)
+    paces = []
+    out, pre = _overload(True, rate=36.0, max_tokens=lambda i: 1000 if i % 2 == 0 else 250,
+                         during=lambda envoy: paces.extend(
+                             request(envoy.port, "GET", STATUS_PATH).json()["queue"]["paces"]))
     summary = {name: dict(Counter(r[0] for r in out if r[5] % 2 == parity))
                for name, parity in (("large", 0), ("small", 1))}
-    print("large / small:", summary, "preemptions:", pre)
+    print("large / small:", summary, "preemptions:", pre, "the line's pace:", paces)
     assert pre == 0, pre
+    # The status page shows what the judgement read: the two pods' pace and the slope learned,
+    # a large request's 750 more tokens of cost worth more than a gap between admissions.
+    assert [p["pods"] for p in paces] == [2], paces
+    assert paces[0]["gapMs"] and 0.75 * paces[0]["waitMsPer1kTokens"] > paces[0]["gapMs"], paces
     large, small = summary["large"], summary["small"]
     share = {name: c.get(429, 0) / sum(c.values()) for name, c in summary.items()}
     assert share["large"] >= share["small"] + 0.15, summary
