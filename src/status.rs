@@ -484,21 +484,22 @@ mod tests {
         );
         assert_eq!(page["queue"]["length"], 0);
         assert_eq!(page["queue"]["heads"], 0);
+        let ticket = |id, enqueued_ms, cost, reach| crate::admission::line::Ticket {
+            id,
+            vm: 1,
+            priority: 0,
+            boosted: false,
+            start_tag: 0.0,
+            enqueued_ms,
+            deadline_ms: u64::MAX / 2,
+            cost,
+            wants: 0,
+            reach,
+            need: 0,
+        };
         // Two tickets for pods of their own, then one for both, which waits behind them.
         for (id, reach) in [(1, 1), (2, 2), (3, 3)] {
-            let t = crate::admission::line::Ticket {
-                id,
-                vm: 1,
-                priority: 0,
-                boosted: false,
-                start_tag: 0.0,
-                enqueued_ms: id,
-                deadline_ms: u64::MAX / 2,
-                cost: 10,
-                wants: 0,
-                reach,
-                need: 0,
-            };
+            let t = ticket(id, id, 10, reach);
             crate::admission::line::enqueue(&vm, t, id, 0.0, 10)
                 .unwrap()
                 .unwrap();
@@ -511,19 +512,7 @@ mod tests {
         // The line's pace on the pods of 1, once 32 of tickets of 500 and 1,500 tokens have
         // left it every 100 ms, the larger waiting 100 ms longer: 0.1 ms a token.
         for n in 0..40u64 {
-            let t = crate::admission::line::Ticket {
-                id: 100 + n,
-                vm: 1,
-                priority: 0,
-                boosted: false,
-                start_tag: 0.0,
-                enqueued_ms: host.now_ms(),
-                deadline_ms: u64::MAX / 2,
-                cost: 500 + 1_000 * (n % 2),
-                wants: 0,
-                reach: 1,
-                need: 0,
-            };
+            let t = ticket(100 + n, host.now_ms(), 500 + 1_000 * (n % 2), 1);
             crate::admission::line::enqueue(&vm, t, 1, 0.0, 100)
                 .unwrap()
                 .unwrap();

@@ -193,12 +193,12 @@ pub struct Drain {
 /// largest, which run out most, would go unseen).
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct Sizes {
-    pub n: f64,
+    n: f64,
     /// Σ cost, Σ cost², Σ wait (ms), Σ cost × wait.
-    pub c: f64,
-    pub cc: f64,
-    pub w: f64,
-    pub cw: f64,
+    c: f64,
+    cc: f64,
+    w: f64,
+    cw: f64,
 }
 
 impl Sizes {
