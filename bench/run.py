@@ -113,6 +113,9 @@ FULL = {
         "app_context_words": 0,
         # How requests are sent (`API_ARGS`).
         "api": "chat",
+        # Each pod's KV blocks, one per pod (empty: every pod `num_gpu_blocks`): a pool of two GPU
+        # sizes, or of engines started with two `--gpu-memory-utilization`s.
+        "pod_blocks": [],
         # Headers every request carries (name → value), e.g. a time-to-first-token objective
         # (`{"x-slo-ttft-ms": "1000"}`, which kvgate reads with `admission.ttftObjectiveHeader`).
         "headers": {},
@@ -126,7 +129,7 @@ FULL = {
         "pods": 2, "num_gpu_blocks": 256, "prompt_tokens": "50,150", "output_len_mean": 32,
         "unbounded_fraction": 1.0, "max_tokens": "16,64", "clients": 120, "duration": 30, "warmup": 5, "warm_s": 0,
         "ttft_slos_ms": [1000, 5000], "apps": 0, "app_spread": 1.0, "app_answer_spread": 0.5,
-        "app_opening_words": 0, "app_prompt_words": 120, "app_context_words": 0, "api": "chat",
+        "app_opening_words": 0, "app_prompt_words": 120, "app_context_words": 0, "api": "chat", "pod_blocks": [],
     },
     # Many LoRA adapters of one base model, more than the pool's adapter slots (pods × maxLoras).
     "lora": {
@@ -771,7 +774,8 @@ def chat_sim_args(w, sim_args):
     drives, and answers that may end (EOS) before their max_tokens, as on real vLLM; the answers'
     mean length where the workload sets it (the simulator's lognormal)."""
     lengths = ["--output-len-mean", str(w["output_len_mean"])] if "output_len_mean" in w else []
-    return [*sim_args, "--num-gpu-blocks", str(w["num_gpu_blocks"]), "--eos-before-max-tokens", *lengths]
+    sizes = ["--pod-blocks", ",".join(map(str, w["pod_blocks"]))] if w.get("pod_blocks") else []
+    return [*sim_args, "--num-gpu-blocks", str(w["num_gpu_blocks"]), *sizes, "--eos-before-max-tokens", *lengths]
 
 
 def chat_args(w, seed, unbounded_fraction):
@@ -816,10 +820,11 @@ def steady(cell, out, w):
     # How near each pod came to running out: a pool kept inside its KV without preemptions holds
     # the difference between its mean and its peaks free for the answers that run long.
     every = sorted(x for f in window for x in f)
-    peaks = [b for b in (cell.get("sim") or {}).get("peak_kv_blocks_used") or [] if b is not None]
+    blocks = w.get("pod_blocks") or [w["num_gpu_blocks"]] * len((cell.get("sim") or {}).get("peak_kv_blocks_used") or [])
+    peaks = [b / n for b, n in zip((cell.get("sim") or {}).get("peak_kv_blocks_used") or [], blocks) if b is not None]
     return {"tok_s": tokens / (hi - lo), "kv_mean": sum(kv) / len(kv) if kv else None,
             "kv_p99": every[min(len(every) - 1, int(0.99 * len(every)))] if every else None,
-            "kv_peak": max(peaks) / w["num_gpu_blocks"] if peaks else None,
+            "kv_peak": max(peaks) if peaks else None,
             **{f"goodput_{slo}": n / (hi - lo) for slo, n in good.items()}}
 
 

@@ -99,6 +99,11 @@ pub struct Args {
     /// KV blocks per pod.
     #[arg(long, default_value_t = 2048)]
     pub num_gpu_blocks: usize,
+    /// Each pod's KV blocks, one per pod, comma-separated (`2048,2048,512,512`: pods 2 and 3 hold
+    /// a quarter of the others' KV, as a smaller GPU or a lower `--gpu-memory-utilization`
+    /// would). Default: every pod `--num-gpu-blocks`.
+    #[arg(long, value_delimiter = ',')]
+    pub pod_blocks: Vec<usize>,
     /// Maximum number of running (scheduled) sequences per pod.
     #[arg(long, default_value_t = 256)]
     pub max_num_seqs: usize,
@@ -221,6 +226,16 @@ impl Args {
                 self.pods
             ));
         }
+        if !self.pod_blocks.is_empty() && self.pod_blocks.len() != self.pods {
+            return Err(format!(
+                "--pod-blocks lists {} sizes for {} pods: one per pod",
+                self.pod_blocks.len(),
+                self.pods
+            ));
+        }
+        if self.pod_blocks.contains(&0) {
+            return Err("--pod-blocks values must be positive".into());
+        }
         if !self
             .pod_speed
             .iter()
@@ -324,10 +339,18 @@ impl Args {
         }
     }
 
+    /// Pod `pod`'s KV blocks: its `--pod-blocks`, else `--num-gpu-blocks`.
+    pub fn blocks(&self, pod: usize) -> usize {
+        self.pod_blocks
+            .get(pod)
+            .copied()
+            .unwrap_or(self.num_gpu_blocks)
+    }
+
     pub fn engine_config(&self, pod: usize) -> EngineConfig {
         EngineConfig {
             block_size: self.block_size,
-            num_gpu_blocks: self.num_gpu_blocks,
+            num_gpu_blocks: self.blocks(pod),
             max_num_seqs: self.max_num_seqs,
             max_num_batched_tokens: self.max_num_batched_tokens,
             max_model_len: self.max_model_len,
@@ -407,6 +430,22 @@ mod tests {
         }
         let all_at_one = Args::parse_from(["kvgate-sim", "--pods", "2"]);
         assert_eq!(all_at_one.timing(1), all_at_one.timing(0));
+    }
+
+    #[test]
+    fn each_pod_may_hold_its_own_kv() {
+        let a = Args::parse_from(["kvgate-sim", "--pods", "3", "--pod-blocks", "1024,256,2048"]);
+        a.validate().unwrap();
+        let blocks: Vec<usize> = (0..3).map(|p| a.engine_config(p).num_gpu_blocks).collect();
+        assert_eq!(blocks, [1024, 256, 2048]);
+        for argv in [
+            &["kvgate-sim", "--pods", "3", "--pod-blocks", "1024,256"][..],
+            &["kvgate-sim", "--pods", "2", "--pod-blocks", "1024,0"],
+        ] {
+            assert!(Args::parse_from(argv).validate().is_err(), "{argv:?}");
+        }
+        let alike = Args::parse_from(["kvgate-sim", "--pods", "2", "--num-gpu-blocks", "512"]);
+        assert_eq!(alike.engine_config(1).num_gpu_blocks, 512);
     }
 
     #[test]

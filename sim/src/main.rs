@@ -91,12 +91,13 @@ fn main() -> ExitCode {
         eprintln!("kvgate-sim: {e}");
         return ExitCode::from(2);
     }
-    if args.max_model_len > args.num_gpu_blocks * args.block_size {
+    let smallest = (0..args.pods).map(|p| args.blocks(p)).min().unwrap_or(0);
+    if args.max_model_len > smallest * args.block_size {
         eprintln!(
             "kvgate-sim: note: --max-model-len {} exceeds the KV capacity of a pod ({} tokens); \
              requests that cannot fit get a 400 (vLLM would refuse to start)",
             args.max_model_len,
-            args.num_gpu_blocks * args.block_size
+            smallest * args.block_size
         );
     }
     let tok = match tokenizer::Tokenizer::new(&args.tokenizer) {

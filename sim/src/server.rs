@@ -1011,7 +1011,8 @@ fn plan_output(
 ) -> Result<(usize, FinishReason), ApiError> {
     let a = &pod.g.args;
     let max_len = a.max_model_len;
-    let capacity = a.num_gpu_blocks * a.block_size;
+    let pod_blocks = a.blocks(pod.index);
+    let capacity = pod_blocks * a.block_size;
     if let Kind::Pool(_) = kind {
         // A pooling request is its prefill alone: its prompt may fill the context (its length
         // was checked as it was rendered, `pooling_prompts`), and nothing is sampled.
@@ -1019,11 +1020,11 @@ fn plan_output(
             return Err(ApiError::bad("The decoder prompt cannot be empty"));
         }
         let blocks = prompt_len.div_ceil(a.block_size);
-        if blocks > a.num_gpu_blocks {
+        if blocks > pod_blocks {
             return Err(ApiError::bad(format!(
                 "kvgate-sim: this request needs {blocks} KV cache blocks ({prompt_len} prompt \
                  tokens, block size {}) but the pod only has {} blocks ({capacity} tokens).",
-                a.block_size, a.num_gpu_blocks
+                a.block_size, pod_blocks
             )));
         }
         return Ok((0, FinishReason::Stop));
@@ -1146,7 +1147,7 @@ fn plan_output(
         }
     };
     let blocks = (prompt_len + out).div_ceil(a.block_size);
-    if blocks > a.num_gpu_blocks {
+    if blocks > pod_blocks {
         if explicit.is_none() && header.is_none() && prompt_len < capacity {
             // A natural-length answer simply stops when the pod is full.
             return Ok((capacity - prompt_len, FinishReason::Length));
@@ -1154,7 +1155,7 @@ fn plan_output(
         return Err(ApiError::bad(format!(
             "kvgate-sim: this request needs {blocks} KV cache blocks ({prompt_len} prompt + {out} \
              output tokens, block size {}) but the pod only has {} blocks ({capacity} tokens).",
-            a.block_size, a.num_gpu_blocks
+            a.block_size, pod_blocks
         )));
     }
     Ok((out.max(1), reason))
@@ -2019,7 +2020,7 @@ fn server_info(pod: &Pod) -> Response<SimBody> {
         "page_size": a.block_size,
         "max_running_requests": a.max_num_seqs,
         "chunked_prefill_size": a.max_num_batched_tokens,
-        "max_total_num_tokens": a.num_gpu_blocks * a.block_size,
+        "max_total_num_tokens": a.blocks(pod.index) * a.block_size,
         "disable_radix_cache": a.no_enable_prefix_caching,
         "tp_size": 1,
         "dp_size": 1,
@@ -2031,7 +2032,7 @@ fn server_info(pod: &Pod) -> Response<SimBody> {
             "#running-req": running,
             "#queue-req": waiting,
             "token_usage": usage,
-            "max_total_num_tokens": a.num_gpu_blocks * a.block_size,
+            "max_total_num_tokens": a.blocks(pod.index) * a.block_size,
         }],
         "version": concat!("kvgate-sim-", env!("CARGO_PKG_VERSION")),
     }))

@@ -100,10 +100,11 @@ def against_round_robin(sim_args, clients, requests, concurrency=2, on_kvgate=No
     return out
 
 
-def mean_kv_used(samples):
-    """The pool's mean KV use over the samples taken while it was busy."""
-    busy = [s for s, _ in samples if any(p["running"] for p in s)]
-    return sum(sum(p["kv_blocks_used"] for p in s) / (BLOCKS * len(s)) for s in busy) / max(1, len(busy))
+def mean_kv_used(samples, pod=None):
+    """The pool's mean KV use over the samples taken while it was busy (of pod `pod` alone, given
+    its index), each pod's use as a share of its own blocks."""
+    busy = [[p for i, p in enumerate(s) if pod in (None, i)] for s, _ in samples if any(p["running"] for p in s)]
+    return sum(sum(p["kv_blocks_used"] / p["num_gpu_blocks"] for p in s) / len(s) for s in busy) / max(1, len(busy))
 
 
 def delivery_lag(answers):
@@ -115,7 +116,7 @@ def delivery_lag(answers):
     return math.ceil(statistics.median(a["stall"] for a in streams) / token)
 
 
-def check_promise(samples, bounded, delivered_lag, ports=None):
+def check_promise(samples, bounded, delivered_lag, ports=None, blocks=None):
     """At every sample kvgate's predicted blocks fit the pod; with every answer's length bounded,
     the pod's forecast stays within its budget too (an exact bound only falls as requests end;
     without one, a request that outlives its expected length raises the forecast after the fact,
@@ -164,8 +165,10 @@ def check_promise(samples, bounded, delivered_lag, ports=None):
             lag = (BLOCK - 1 + delivered_lag) * (g["in_flight"].get(pod, 0) + most.get(pod, 0))
             assert not bounded or reserved <= nominal[pod] + lag, (pod, reserved, nominal[pod], lag)
     index = {f"127_0_0_1_{p}": i for i, p in enumerate(ports or [])}
+    size = {pod: blocks[i] for pod, i in index.items()} if blocks else {}
     for k, (_, g) in enumerate(samples):
-        for pod, blocks in g["active_blocks"].items():
+        for pod, predicted in g["active_blocks"].items():
+            held = size.get(pod, BLOCKS)
             # The gauge is written at its worker's tick (every 250 ms), so it may show the pod as
             # it was up to a tick before the engine's sample: the engine's fullest over the last
             # half second of samples is what it is held to. (Against the same sample alone, this
@@ -174,8 +177,8 @@ def check_promise(samples, bounded, delivered_lag, ports=None):
             recent = [s[index[pod]]["kv_blocks_used"] for s, _ in samples[max(0, k - 10):k + 1]] \
                 if pod in index else []
             engine = max(recent) if recent else None
-            assert blocks <= BLOCKS or (engine is not None and engine >= 0.9 * BLOCKS / (1 + PROMPT_SPREAD)), \
-                f"kvgate predicts {blocks} blocks on a {BLOCKS}-block pod {pod} (its engine: {engine})"
+            assert predicted <= held or (engine is not None and engine >= 0.9 * held / (1 + PROMPT_SPREAD)), \
+                f"kvgate predicts {predicted} blocks on a {held}-block pod {pod} (its engine: {engine})"
 
 
 @pytest.mark.parametrize("concurrency", [1, 2, 4])
@@ -197,6 +200,32 @@ def test_with_max_tokens_the_engine_never_preempts(concurrency, max_tokens, clie
         # on a machine whose streams reached kvgate up to 98 tokens behind the engine (2026-12-07),
         # each cohort's room refilled that much later.
         assert used >= 0.40, used
+        assert wait_for(lambda: all(v == 0 for v in kvgate_gauges(envoy, "reserved_tokens").values()), timeout=5)
+
+
+@pytest.mark.parametrize("concurrency", [1, 2])
+def test_pods_of_two_sizes_are_each_held_to_their_own_kv(concurrency):
+    """A pool of two GPU sizes (one pod with three times the other's KV, as an 80 GB card beside a
+    smaller one): each pod's budget is its own capacity, so the small pod is never pushed past its
+    KV while the large one takes the rest, and neither is left idle. Round robin would send both
+    the same share and preempt on the small one."""
+    sizes = [384, 128]
+    with Sim(pods=2, args=[*SMALL_KV, "--pod-blocks", ",".join(map(str, sizes))]) as sim, \
+            kvgate_envoy(sim.endpoints, default_plugin_config(), concurrency=concurrency) as envoy:
+        answers, samples = run(envoy, sim, 300, 32, 96)
+        assert all(a["status"] == 200 and a["chunks"] == 300 for a in answers), \
+            [a["status"] for a in answers if a["status"] != 200]
+        used = [mean_kv_used(samples, pod) for pod in range(2)]
+        peaks = [sim.stats(i)["peak_kv_blocks_used"] for i in range(2)]
+        served = [sim.stats(i)["finished"] for i in range(2)]
+        lag = delivery_lag(answers)
+        print(f"concurrency {concurrency}: preemptions {preemptions(sim)}, peak blocks {peaks} of {sizes}, "
+              f"mean KV used {[round(u, 2) for u in used]}, served {served}, delivery lag {lag} tokens")
+        assert preemptions(sim) == 0
+        check_promise(samples, bounded=True, delivered_lag=lag, ports=sim.ports, blocks=sizes)
+        # The budgets follow the pods' sizes: the large pod serves more, both run well filled.
+        assert served[0] > 1.5 * served[1], served
+        assert min(used) >= 0.35, used
         assert wait_for(lambda: all(v == 0 for v in kvgate_gauges(envoy, "reserved_tokens").values()), timeout=5)
 
 
