@@ -476,7 +476,7 @@ def kvgate_counters(envoy):
     with contextlib.suppress(Exception):
         s = envoy.stats("wasmcustom.kvgate")
         return {k.replace("wasmcustom.kvgate.", ""): v for k, v in s.items()
-                if ".pod." not in k or k.endswith("budget_tokens")}
+                if ".pod." not in k or k.endswith(("budget_tokens", "engine_seats"))}
     return None
 
 

@@ -346,6 +346,10 @@ impl Gate {
                     stats::pod_stat(pod, stats::POD_ENGINE_RESTARTS),
                     u64::from(s.engine_restarts),
                 );
+                self.stats.gauge(
+                    stats::pod_stat(pod, stats::POD_ENGINE_SEATS),
+                    u64::from(s.seats),
+                );
             }
             let budget =
                 crate::admission::budget::budget_tokens(&self.config, rec.snapshot.as_ref());

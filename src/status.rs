@@ -111,6 +111,10 @@ fn pod(
         "onGuess": rec.entries.iter().filter(|e| e.output_guessed).count(),
         "waiting": snapshot.map(|s| s.waiting),
         "running": snapshot.map(|s| s.running),
+        // How many requests the engine runs at once, learned from its queue (null: not scraped;
+        // 0: not learned): admission holds the pod to that and one more (docs/design.md, *An
+        // engine's seats*).
+        "engineSeats": snapshot.map(|s| s.seats),
         "kvUsage": snapshot.map(|s| s.kv_usage),
         "capacityTokens": snapshot.map(|s| s.capacity_tokens),
     })

@@ -38,7 +38,9 @@ pub fn budget_tokens(cfg: &Config, snapshot: Option<&Snapshot>) -> Option<u64> {
 /// A request fits when the pod's forecast with it at `now_ms` stays within the budget, or when
 /// the pod has nothing in flight: a request larger than any budget still runs, alone, rather
 /// than waiting forever. Not with several gateway replicas (`etcd`): this record holds only this replica's
-/// requests, so "alone" says nothing of the others' on the pod.
+/// requests, so "alone" says nothing of the others' on the pod. And its engine has a seat for it
+/// (`pods::seats`): with several replicas, each fills the share of the seats its grant is of the
+/// budget.
 pub fn fits(
     rec: &PodRecord,
     request: Load,
@@ -47,6 +49,18 @@ pub fn fits(
     block_tokens: u64,
     now_ms: u64,
 ) -> bool {
+    if !cfg.admission.enabled {
+        return true;
+    }
+    let share = match budget {
+        Some(b) if cfg.etcd.enabled() => budget_tokens(cfg, rec.snapshot.as_ref())
+            .filter(|&whole| whole > 0)
+            .map_or(1.0, |whole| b as f64 / whole as f64),
+        _ => 1.0,
+    };
+    if !crate::pods::seats::room(rec, &request, share) {
+        return false;
+    }
     budget.is_none_or(|b| {
         let at = At::of(cfg, now_ms);
         (rec.entries.is_empty() && !cfg.etcd.enabled())

@@ -1,7 +1,8 @@
 //! The model-server pods: who they are (`pool`), the shared record of each (`record`), the scraper that discovers them
 //! and fills their records under a lease (`scrape`), the reading of their Prometheus metrics
-//! (`metrics`), each pod's decode pace learned from them (`pace`), and what the engines'
-//! prefix-cache counters say of kvgate's prefix index (`index_check`).
+//! (`metrics`), each pod's decode pace learned from them (`pace`), what the engines'
+//! prefix-cache counters say of kvgate's prefix index (`index_check`), and how many requests
+//! each engine runs at once (`seats`).
 //!
 //! Source of truth: each pod's shared record `kvgate.pod.<ip:port>` (its last scrape and the
 //! requests in flight on it), changed only by compare-and-swap; the pod list `kvgate.pods`, written
@@ -14,3 +15,4 @@ pub mod pace;
 pub mod pool;
 pub mod record;
 pub mod scrape;
+pub mod seats;

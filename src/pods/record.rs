@@ -15,13 +15,17 @@ use crate::pods::pace::Pace;
 use crate::store::codec::{Packer, Reader, Writer};
 use crate::store::interface::{create_if_missing, update_from, Store, StoreError, Versioned};
 
-const VERSION: u8 = 11;
+const VERSION: u8 = 12;
 /// An entry's size in this version's records.
 const ENTRY_BYTES: usize = 81 + HORIZON_STEPS.len();
 /// A snapshot's size in this version's records.
-const SNAPSHOT_BYTES: usize = 186;
+const SNAPSHOT_BYTES: usize = 186 + SEATS_BYTES;
+/// The snapshot's part written by `seats`, at its end.
+const SEATS_BYTES: usize = 16;
 /// The record's [`Tally`]'s size, between its snapshot and its entries.
 const TALLY_BYTES: usize = 24;
+/// Records written before snapshots carried the engine's seats (`seats`): read with none learned.
+const VERSION_WITHOUT_SEATS: u8 = 11;
 /// Records written before entries carried their streams' lag: read with none seen.
 const VERSION_WITHOUT_LAG: u8 = 10;
 /// Records written before entries carried their choices (`n`): read as one answer each.
@@ -142,6 +146,13 @@ pub struct Snapshot {
     /// The engine's prefix-cache (hits, queries) at the last scrape that had them: against the
     /// next, whether it restarted (`index_check`).
     pub hit_counts: Option<(f64, f64)>,
+    /// How many requests the engine runs at once, learned (`seats`): 0 while unknown.
+    pub seats: u32,
+    /// The most requests the engine was seen running since it (re)started (`seats`).
+    pub most_running: u32,
+    /// When the scrapes began to show requests waiting in the engine with KV to spare (`seats`):
+    /// 0 when the last did not.
+    pub queued_since_ms: u64,
 }
 
 impl Snapshot {
@@ -653,6 +664,7 @@ impl PodRecord {
                 w.f64(s.index_cut).u32(s.engine_restarts);
                 let (hits, queries) = s.hit_counts.unwrap_or((f64::NAN, f64::NAN));
                 w.f64(hits).f64(queries);
+                w.u32(s.seats).u32(s.most_running).u64(s.queued_since_ms);
             }
             None => {
                 w.u8(0);
@@ -722,6 +734,11 @@ impl PodRecord {
                     let (hits, queries) = (r.f64()?, r.f64()?);
                     s.hit_counts =
                         (hits.is_finite() && queries.is_finite()).then_some((hits, queries));
+                }
+                if version > VERSION_WITHOUT_SEATS {
+                    s.seats = r.u32()?;
+                    s.most_running = r.u32()?;
+                    s.queued_since_ms = r.u64()?;
                 }
                 Some(s)
             }
@@ -976,6 +993,8 @@ pub fn write_snapshot(
             rec.tally,
             cfg.routing.index_check,
         );
+        // After the restarts are counted: a restarted engine's seats are learned again.
+        crate::pods::seats::follow(rec.snapshot.as_ref(), &mut snapshot);
         rec.snapshot = Some(snapshot);
         rec.finished_since_scrape = 0;
         Some(opened)
@@ -1180,7 +1199,7 @@ mod tests {
     fn cut_entries(bytes: &[u8], version: u8, entry_bytes: usize, cut: usize) -> Vec<u8> {
         let mut b = bytes.to_vec();
         b[0] = version;
-        let snapshot = if b[1] != 0 { SNAPSHOT_BYTES } else { 0 };
+        let snapshot = if b[1] != 0 { UNSEATED_BYTES } else { 0 };
         let head = 2 + snapshot + 8 + TALLY_BYTES;
         let entries = (b.len() - head) / entry_bytes;
         for i in (0..entries).rev() {
@@ -1190,9 +1209,22 @@ mod tests {
         b
     }
 
-    /// A record of this version as a module before entries carried their streams' lag wrote it.
+    /// A snapshot's size in records before `seats`.
+    const UNSEATED_BYTES: usize = SNAPSHOT_BYTES - SEATS_BYTES;
+
+    /// A record of this version as a module before snapshots carried the engine's seats wrote it.
+    fn without_seats(bytes: &[u8]) -> Vec<u8> {
+        let mut b = bytes.to_vec();
+        b[0] = VERSION_WITHOUT_SEATS;
+        if b[1] != 0 {
+            b.drain(2 + UNSEATED_BYTES..2 + SNAPSHOT_BYTES);
+        }
+        b
+    }
+
+    /// ... and before entries carried their streams' lag.
     fn without_lag(bytes: &[u8]) -> Vec<u8> {
-        cut_entries(bytes, VERSION_WITHOUT_LAG, ENTRY_BYTES, 2)
+        cut_entries(&without_seats(bytes), VERSION_WITHOUT_LAG, ENTRY_BYTES, 2)
     }
 
     /// ... and before they carried their choices.
@@ -1225,11 +1257,11 @@ mod tests {
     fn without_index_check(bytes: &[u8]) -> Vec<u8> {
         let mut b = without_choices(bytes);
         b[0] = VERSION_WITHOUT_INDEX_CHECK;
-        let snapshot = if b[1] != 0 { SNAPSHOT_BYTES } else { 0 };
+        let snapshot = if b[1] != 0 { UNSEATED_BYTES } else { 0 };
         let tally_at = 2 + snapshot + 4;
         b.drain(tally_at..tally_at + TALLY_BYTES);
         if snapshot > 0 {
-            b.drain(2 + SNAPSHOT_BYTES - CHECK_BYTES..2 + SNAPSHOT_BYTES);
+            b.drain(2 + UNSEATED_BYTES - CHECK_BYTES..2 + UNSEATED_BYTES);
         }
         b
     }
@@ -1269,6 +1301,9 @@ mod tests {
                 index_cut: 0.25,
                 engine_restarts: 2,
                 hit_counts: Some((310.0, 1_020.0)),
+                seats: 256,
+                most_running: 257,
+                queued_since_ms: 4,
             }),
             finished_since_scrape: 3,
             tally: Tally {
@@ -1297,6 +1332,19 @@ mod tests {
         };
         let back = PodRecord::decode(&rec.encode()).unwrap();
         assert_eq!(back.entries, rec.entries);
+        let seats = |r: &PodRecord| {
+            r.snapshot
+                .map(|s| (s.seats, s.most_running, s.queued_since_ms))
+        };
+        assert_eq!(seats(&back), Some((256, 257, 4)));
+        // As a module before snapshots carried seats wrote it: none learned, the rest as it was.
+        let eleven = PodRecord::decode(&without_seats(&rec.encode())).unwrap();
+        assert_eq!(seats(&eleven), Some((0, 0, 0)));
+        assert_eq!(eleven.entries, rec.entries);
+        assert_eq!(
+            eleven.snapshot.map(|s| s.hit_counts),
+            Some(Some((310.0, 1_020.0)))
+        );
         // As a module before entries carried their lag wrote it: none seen.
         let ten = PodRecord::decode(&without_lag(&rec.encode())).unwrap();
         assert_eq!(ten.entries, no_lag(&rec.entries));
@@ -1340,7 +1388,7 @@ mod tests {
         );
         // The same record as a module before entries leaned on a holder wrote it: each entry less
         // its last 20 bytes, read as sharing nothing.
-        let head = full_head - CHECK_BYTES - TALLY_BYTES;
+        let head = full_head - SEATS_BYTES - CHECK_BYTES - TALLY_BYTES;
         let mut bytes = eight;
         bytes[0] = VERSION_WITHOUT_LEANING;
         let entry_len = (bytes.len() - head) / 2;
@@ -1710,7 +1758,7 @@ mod tests {
         let mut bytes = without_index_check(&after.encode());
         bytes[0] = VERSION_WITHOUT_LEANING;
         for i in (0..3).rev() {
-            let end = 2 + SNAPSHOT_BYTES - CHECK_BYTES + 8 + (i + 1) * (ENTRY_BYTES - 4);
+            let end = 2 + UNSEATED_BYTES - CHECK_BYTES + 8 + (i + 1) * (ENTRY_BYTES - 4);
             bytes.drain(end - 20..end);
         }
         vm.set(&key("p"), &bytes, None).unwrap();
