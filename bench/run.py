@@ -78,6 +78,9 @@ FULL = {
         "long_fraction": 0.15, "short_prompt": "64,512", "short_output": "16,128",
         "long_prompt": "3000,6000", "long_output": "256,512", "overload": 2.0, "duration": 20,
         "ttft_slo_ms": 1000, "calibration_s": 15, "calibration_concurrency": 256,
+        # The engines' running limit (`--max-num-seqs`; 0: the simulator's 256): set below what
+        # their KV holds, the pool runs out of seats before it runs out of KV.
+        "max_num_seqs": 0,
     },
     "hot_prefix": {
         "system_tokens": 2048, "question_tokens": 256, "output_tokens": 256, "rate": 20, "duration": 20,
@@ -1655,14 +1658,15 @@ def main():
 
         if "mixed" in workloads:
             w = cfg["mixed"]
+            mixed_sim = [*sim_args, *(["--max-num-seqs", str(w["max_num_seqs"])] if w["max_num_seqs"] else [])]
             log("mixed: measuring the pool's capacity")
-            cal = calibrate_mixed(ctx, sim_args, seed)
+            cal = calibrate_mixed(ctx, mixed_sim, seed)
             data["calibration"] = {k: v for k, v in cal.items() if k != "cell"}
             rate = w["overload"] * cal["capacity_rps"]
             n = int(math.ceil(rate * w["duration"]))
             log(f"mixed at {rate:.1f} req/s ({w['overload']}× {cal['capacity_rps']:.1f})")
             data["results"]["mixed"] = {t: run_cell(ctx, t, "mixed", "mixed", mixed_args(w, seed, rate, n),
-                                                    sim_args, w["duration"] + 300) for t in live}
+                                                    mixed_sim, w["duration"] + 300) for t in live}
             data["workload_desc"]["mixed"] = WORKLOAD_DESC["mixed"].format(
                 long_pct=round(100 * w["long_fraction"]), rate=rate, **w)
             kc = data["results"]["mixed"].get("kvgate", {}).get("kvgate") or {}
