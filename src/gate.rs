@@ -484,6 +484,12 @@ impl Gate {
             .may_pass(store, &self.config.admission, cache_first, ticket)
     }
 
+    /// Parked requests a request of higher precedence displaced from the full line; the shell
+    /// retries each, which answers 429.
+    pub fn displaced(&mut self, store: &dyn Store) -> Vec<u64> {
+        self.admission.displaced(store)
+    }
+
     /// Parked requests past their deadline; the shell retries each, which answers 503.
     pub fn expired(&self, store: &dyn Store) -> Vec<u64> {
         self.admission.expired(store.now_ms())

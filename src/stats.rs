@@ -106,6 +106,9 @@ catalog! {
     ADMISSION_QUEUE_FULL = "kvgate.admission.queue_full";
     ADMISSION_TIMED_OUT = "kvgate.admission.timed_out";
     ADMISSION_ABANDONED = "kvgate.admission.abandoned";
+    /// Requests that waited in a full line until one of higher precedence took their place
+    /// (`line::enqueue`), then answered 429.
+    ADMISSION_DISPLACED = "kvgate.admission.displaced";
     /// Parked tickets whose stream their VM no longer held, taken out of the line when met at
     /// its head (`drive::retry`): no path is known to leave one, so anything here is a bug.
     ADMISSION_LOST = "kvgate.admission.lost";

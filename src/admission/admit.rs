@@ -181,6 +181,9 @@ struct Parked {
     /// it has only waited for room anywhere (the pool full): time in a line that admits nobody
     /// is not time spent waiting for the prefix's pod.
     patient_until_ms: Option<u64>,
+    /// A request of higher precedence took its place in the full line (`line::enqueue`): it is
+    /// answered 429 at its next retry (`Admission::displaced`).
+    displaced: bool,
 }
 
 /// Parked tickets a VM looks through for backfills, at most: the line is bounded, but a worker's
@@ -426,14 +429,22 @@ impl Admission {
             a.session_boost_tokens as f64,
             a.max_queue as usize,
         )? {
-            Ok(t) => {
+            Ok(line::Joined {
+                ticket: t,
+                displaced,
+            }) => {
                 self.parked.insert(
                     t.id,
                     Parked {
                         deadline_ms: t.deadline_ms,
                         patient_until_ms,
+                        displaced: false,
                     },
                 );
+                if let Some(d) = displaced {
+                    // Its owner finds it gone at its next pass over the line (a tick at most).
+                    log::debug!("ticket {} displaced from the full line by {}", d.id, t.id);
+                }
                 stats.count(stats::ADMISSION_QUEUED, 1);
                 if boosted {
                     stats.count(stats::ADMISSION_BOOSTED, 1);
@@ -474,6 +485,23 @@ impl Admission {
             ..*est
         };
         let now = store.now_ms();
+        if self.parked.get(&ticket.id).is_some_and(|p| p.displaced) {
+            // Out of the line already: nothing to leave but this VM's note of it.
+            self.parked.remove(&ticket.id);
+            stats.count(stats::ADMISSION_DISPLACED, 1);
+            let line = line::read(store).unwrap_or_default();
+            let spread = self.spread(now);
+            let retry = retry_after_ms(
+                line.drain_ms(ticket.reach, now),
+                cfg.admission.max_wait_ms,
+                spread,
+            );
+            return Ok(Ok(shed(
+                "kvgate's queue is full (admission.maxQueue) and a request of higher priority \
+                 took this one's place in it",
+                retry,
+            )));
+        }
         if now >= ticket.deadline_ms {
             self.leave(store, ticket.id, Leave::NotAdmitted);
             stats.count(stats::ADMISSION_TIMED_OUT, 1);
@@ -651,6 +679,27 @@ impl Admission {
     }
 
     /// Parked tickets past their deadline.
+    /// Parked tickets no longer in the line, displaced by a request of higher precedence that
+    /// found it full (`line::enqueue`): marked so that their retry answers them 429. The line is
+    /// read only while this VM has parked tickets. Not read (shared data failed): none.
+    pub fn displaced(&mut self, store: &dyn Store) -> Vec<u64> {
+        if self.parked.is_empty() {
+            return Vec::new();
+        }
+        let Ok(line) = line::read(store) else {
+            return Vec::new();
+        };
+        let waiting: std::collections::HashSet<u64> = line.tickets.iter().map(|t| t.id).collect();
+        let mut gone = Vec::new();
+        for (&id, p) in self.parked.iter_mut() {
+            if !waiting.contains(&id) {
+                p.displaced = true;
+                gone.push(id);
+            }
+        }
+        gone
+    }
+
     pub fn expired(&self, now: u64) -> Vec<u64> {
         self.parked
             .iter()
@@ -1272,6 +1321,44 @@ mod tests {
             .any(|(k, v)| k == "retry-after" && v == "1"));
         assert!(line::read(&w.vm).unwrap().tickets.is_empty());
         assert_eq!(w.admission.parked(), 0);
+    }
+
+    #[test]
+    fn a_request_displaced_from_the_full_line_by_a_higher_band_is_answered_429() {
+        let host = FakeHost::new();
+        let cfg = config(100);
+        let mut w1 = worker(&host, &cfg);
+        let mut w2 = worker(&host, &cfg);
+        let _ = routed(w1.place(&cfg, class(&cfg, None, "t"), 100));
+        // The line (`max_queue` 3) full of standard requests of w1's.
+        let standard: Vec<Ticket> = (0..3)
+            .map(|_| waiting(w1.place(&cfg, class(&cfg, None, "t"), 10)))
+            .collect();
+        // Another of the same band and tenant would be served after them: refused.
+        assert!(matches!(
+            w2.place(&cfg, class(&cfg, None, "t"), 10),
+            Admit::Refuse(r) if r.status == 429
+        ));
+        assert_eq!(w2.stats.take_count(stats::ADMISSION_QUEUE_FULL), 1);
+        // A critical one takes the place of the last standard one.
+        let critical = waiting(w2.place(&cfg, class(&cfg, Some("critical"), "u"), 10));
+        assert_eq!(w1.admission.displaced(&w1.vm), vec![standard[2].id]);
+        assert!(w2.admission.displaced(&w2.vm).is_empty());
+        let Some(Admit::Refuse(r)) = w1.retry(&cfg, &standard[2], 10) else {
+            panic!("not answered")
+        };
+        assert_eq!(r.status, 429);
+        assert!(r.headers.iter().any(|(k, _)| k == "retry-after"));
+        assert_eq!(w1.stats.take_count(stats::ADMISSION_DISPLACED), 1);
+        assert_eq!(w1.admission.parked(), 2, "the other two wait on");
+        assert!(w1.admission.displaced(&w1.vm).is_empty(), "answered once");
+        let ids: Vec<u64> = line::read(&w1.vm)
+            .unwrap()
+            .tickets
+            .iter()
+            .map(|t| t.id)
+            .collect();
+        assert_eq!(ids, vec![critical.id, standard[0].id, standard[1].id]);
     }
 
     #[test]

@@ -776,31 +776,53 @@ pub enum Refused {
     Full(Option<u64>),
 }
 
+/// A ticket that joined the line (`enqueue`), and the one it displaced from a full line, if any.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Joined {
+    pub ticket: Ticket,
+    pub displaced: Option<Ticket>,
+}
+
 /// Joins the line, unless `max_len` tickets already wait for a pod it may take (one model's
 /// flood does not refuse another model's requests, which wait for pods of their own): then it
-/// is told when to come back (`QueueRecord::appoint`). The ticket's start tag is assigned here
-/// (start-time fair queuing).
+/// is told when to come back (`QueueRecord::appoint`), unless it goes before the last of them in
+/// the line's order (a higher band, or a quieter tenant's turn), which it then displaces: the
+/// line's bound would otherwise refuse a critical request while standard ones wait, an inversion
+/// of the bands (its owner answers it 429, `Admission::displaced`). The ticket's start tag is
+/// assigned here (start-time fair queuing).
 pub fn enqueue(
     store: &dyn Store,
     mut ticket: Ticket,
     tenant: u64,
     boost_credit: f64,
     max_len: usize,
-) -> Result<Result<Ticket, Refused>, StoreError> {
+) -> Result<Result<Joined, Refused>, StoreError> {
     let now = store.now_ms();
     let out = modify(store, |q| {
-        let competing = q.tickets.iter().filter(|t| t.reach & ticket.reach != 0);
-        if competing.count() >= max_len {
-            return Some(Err(Refused::Full(q.appoint(&ticket, now))));
-        }
         let start = q.virtual_time.max(q.tenant_finish(tenant));
         ticket.start_tag = start - if ticket.boosted { boost_credit } else { 0.0 };
+        let competing = q.tickets.iter().filter(|t| t.reach & ticket.reach != 0);
+        let mut displaced = None;
+        if competing.count() >= max_len {
+            // The line is kept in order: the last competing ticket is the one served last.
+            let last = q
+                .tickets
+                .iter()
+                .rposition(|t| t.reach & ticket.reach != 0)
+                .filter(|&i| order(&ticket, &q.tickets[i]) == Ordering::Less);
+            let Some(last) = last else {
+                return Some(Err(Refused::Full(q.appoint(&ticket, now))));
+            };
+            displaced = Some(q.tickets.remove(last));
+            let tickets = &q.tickets;
+            q.passes.retain(|&(h, _)| tickets.iter().any(|t| t.id == h));
+        }
         q.charge(tenant, start, ticket.cost);
         let at = q
             .tickets
             .partition_point(|t| order(t, &ticket) == Ordering::Less);
         q.tickets.insert(at, ticket);
-        Some(Ok(ticket))
+        Some(Ok(Joined { ticket, displaced }))
     })?;
     // `modify` always has an answer here: its change never declines.
     Ok(out.unwrap_or(Err(Refused::Full(None))))
@@ -1029,6 +1051,34 @@ mod tests {
         assert!(!remove(&vm, 1, Leave::Admitted(0)).unwrap());
         assert!(remove(&vm, 3, Leave::NotAdmitted).unwrap());
         assert!(read(&vm).unwrap().tickets.is_empty());
+    }
+
+    #[test]
+    fn a_full_line_takes_a_request_of_higher_precedence_in_place_of_its_last() {
+        let vm = FakeHost::new().vm();
+        ensure(&vm).unwrap();
+        let join = |t: Ticket| enqueue(&vm, t, 1, 0.0, 2).unwrap();
+        let displaced = |j: Result<Joined, Refused>| j.map(|j| j.displaced.map(|d| d.id));
+        assert_eq!(displaced(join(ticket(1, 0, 10))), Ok(None));
+        assert_eq!(displaced(join(ticket(2, 0, 10))), Ok(None));
+        // A critical request is not refused because standard ones fill the line: the last of
+        // them, the one served last, gives it its place.
+        assert_eq!(displaced(join(ticket(3, 10, 10))), Ok(Some(2)));
+        assert_eq!(ids(&vm), vec![3, 1]);
+        // One that would be served after all of them is refused, as before.
+        assert!(matches!(join(ticket(4, 0, 10)), Err(Refused::Full(_))));
+        assert_eq!(displaced(join(ticket(5, 10, 10))), Ok(Some(1)));
+        assert!(matches!(join(ticket(6, 10, 10)), Err(Refused::Full(_))));
+        assert_eq!(ids(&vm), vec![3, 5]);
+        // A request for other pods displaces nobody there: it is not refused to begin with.
+        let elsewhere = |id| Ticket {
+            reach: 2,
+            ..ticket(id, 0, 10)
+        };
+        set_wants(&vm, 3, 0, 1).unwrap();
+        set_wants(&vm, 5, 0, 1).unwrap();
+        assert_eq!(displaced(join(elsewhere(7))), Ok(None));
+        assert_eq!(ids(&vm), vec![3, 5, 7]);
     }
 
     #[test]

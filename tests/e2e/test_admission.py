@@ -143,6 +143,49 @@ def test_pods_whose_engines_run_out_of_seats_first_keep_the_line_in_kvgate():
         assert reserved_zero(envoy)
 
 
+def test_a_full_line_gives_a_critical_request_the_place_of_its_last_standard_one():
+    """With the line at `admission.maxQueue`, a standard newcomer is refused (429), but a critical
+    one takes the place of the last standard request waiting, which is answered 429 at once (not
+    503 at its deadline), and the critical request is served."""
+    with Sim(pods=2, args=SMALL_KV) as sim, \
+            kvgate_envoy(sim.endpoints, config(maxQueue=4, maxWaitMs=20000)) as envoy:
+        results, lock = {}, threading.Lock()
+
+        def send(name, kind):
+            # ~2,350 tokens: one a pod, each running ~1.4 s.
+            r = stream(envoy.port, "/v1/completions", unshared_completion(name, max_tokens=2000),
+                       {"x-gateway-inference-objective": kind})
+            with lock:
+                results[name] = dict(r, at=time.monotonic())
+
+        standard = [threading.Thread(target=send, args=(f"standard{i}", "standard")) for i in range(8)]
+        for t in standard:
+            t.start()
+            time.sleep(0.02)
+        # Two running, four waiting, and the rest refused: the line is full.
+        assert wait_for(lambda: sum(r["status"] == 429 for r in results.values()) == 2, timeout=2), results
+        sent = time.monotonic()
+        critical = threading.Thread(target=send, args=("critical", "critical"))
+        critical.start()
+        assert wait_for(lambda: sum(r["status"] == 429 for r in results.values()) == 3, timeout=2), \
+            "nobody gave the critical request its place"
+        critical.join(120)
+        for t in standard:
+            t.join(120)
+        statuses = {n: r["status"] for n, r in results.items()}
+        (name, r), = [(n, r) for n, r in results.items() if r["status"] == 429 and r["at"] > sent]
+        print(f"statuses {statuses}; displaced {name} after {r['at'] - sent:.2f} s: {r['body'][:100]!r}")
+        assert b"higher priority" in r["body"] and "retry-after" in r["headers"]
+        assert results["critical"]["status"] == 200
+        # The critical request went first: with the first room, which the two running requests
+        # free at about the same time (so one of the three standard ones left waiting may start
+        # with it), and before the other two.
+        first_token = {n: q["at"] - q["total"] + q["ttft"] for n, q in results.items() if q["status"] == 200}
+        assert sum(t > first_token["critical"] for t in first_token.values()) >= 2, first_token
+        assert sorted(statuses.values()) == [200] * 6 + [429] * 3, statuses
+        assert reserved_zero(envoy)
+
+
 def test_flooding_tenant_does_not_starve_the_other():
     with Sim(pods=2, args=SMALL_KV) as sim, kvgate_envoy(sim.endpoints, config()) as envoy:
         flood_done = []
