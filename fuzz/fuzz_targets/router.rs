@@ -725,13 +725,27 @@ impl World {
                 let out = line::enqueue(&self.vms[v], ticket, u64::from(tenant % 8), 8_192.0, 16)
                     .expect("fake host");
                 match out {
-                    Ok(t) => {
+                    Ok(line::Joined {
+                        ticket: t,
+                        displaced,
+                    }) => {
                         assert_eq!(t.id, ticket.id);
                         let q = checked_queue(self.store());
                         assert!(
                             q.tickets.iter().any(|x| x.id == t.id),
                             "enqueued but absent"
                         );
+                        // A full line's place goes to a newcomer of higher precedence only, and
+                        // the ticket it displaces, one that competed with it, is gone.
+                        if let Some(d) = displaced {
+                            assert!(d.reach & t.reach != 0, "displaced a ticket for other pods");
+                            assert!(d.priority <= t.priority, "displaced a higher band");
+                            assert!(
+                                !q.tickets.iter().any(|x| x.id == d.id),
+                                "displaced but present"
+                            );
+                            self.queued.retain(|&id| id != d.id);
+                        }
                         self.queued.push(t.id);
                     }
                     // Told to come back no sooner than now, and no later than it would have
