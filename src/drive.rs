@@ -107,10 +107,12 @@ pub fn retry(
 /// a 2k-token system prompt on a pod that never had it (21–27 behind sglang-router), each such
 /// copy holding the KV of about seven requests, so a third wave was needed; in this order, 2–15.
 pub fn run_line(gate: &mut Gate, store: &dyn Store, waiting: &mut impl Waiting) {
-    for ticket in gate.displaced(store) {
+    // Those whose wait ran out first (503), then those a request of higher precedence took the
+    // place of in the full line (429).
+    for ticket in gate.expired(store) {
         let _ = retry(gate, store, waiting, ticket, (Reach::Any, ANYWHERE));
     }
-    for ticket in gate.expired(store) {
+    for ticket in gate.displaced(store) {
         let _ = retry(gate, store, waiting, ticket, (Reach::Any, ANYWHERE));
     }
     gate.admission.begin_pass();

@@ -678,7 +678,6 @@ impl Admission {
         })
     }
 
-    /// Parked tickets past their deadline.
     /// Parked tickets no longer in the line, displaced by a request of higher precedence that
     /// found it full (`line::enqueue`): marked so that their retry answers them 429. The line is
     /// read only while this VM has parked tickets. Not read (shared data failed): none.
@@ -700,6 +699,7 @@ impl Admission {
         gone
     }
 
+    /// Parked tickets past their deadline.
     pub fn expired(&self, now: u64) -> Vec<u64> {
         self.parked
             .iter()
