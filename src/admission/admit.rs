@@ -489,13 +489,7 @@ impl Admission {
             // Out of the line already: nothing to leave but this VM's note of it.
             self.parked.remove(&ticket.id);
             stats.count(stats::ADMISSION_DISPLACED, 1);
-            let line = line::read(store).unwrap_or_default();
-            let spread = self.spread(now);
-            let retry = retry_after_ms(
-                line.drain_ms(ticket.reach, now),
-                cfg.admission.max_wait_ms,
-                spread,
-            );
+            let retry = self.come_back_ms(store, ticket.reach, cfg.admission.max_wait_ms);
             return Ok(Ok(shed(
                 "kvgate's queue is full (admission.maxQueue) and a request of higher priority \
                  took this one's place in it",
@@ -505,14 +499,7 @@ impl Admission {
         if now >= ticket.deadline_ms {
             self.leave(store, ticket.id, Leave::NotAdmitted);
             stats.count(stats::ADMISSION_TIMED_OUT, 1);
-            // Unread, the line is taken as empty: the shortest `Retry-After`.
-            let line = line::read(store).unwrap_or_default();
-            let spread = self.spread(now);
-            let retry = retry_after_ms(
-                line.drain_ms(ticket.reach, now),
-                cfg.admission.max_wait_ms,
-                spread,
-            );
+            let retry = self.come_back_ms(store, ticket.reach, cfg.admission.max_wait_ms);
             let message = format!(
                 "no model server had room before {} ran out",
                 wait_bound(ticket, cfg.admission.max_wait_ms)
@@ -777,6 +764,15 @@ impl Admission {
         if let Err(e) = self.wake_head(store) {
             log::debug!("waking the queue failed: {e:?}");
         }
+    }
+
+    /// The `Retry-After` of a request for the pods of `reach` that leaves the line unserved now
+    /// (`retry_after_ms`). Unread, the line is taken as empty: the shortest.
+    fn come_back_ms(&mut self, store: &dyn Store, reach: u64, max_wait_ms: u64) -> u64 {
+        let now = store.now_ms();
+        let line = line::read(store).unwrap_or_default();
+        let spread = self.spread(now);
+        retry_after_ms(line.drain_ms(reach, now), max_wait_ms, spread)
     }
 
     /// Where in its span the `Retry-After` of the request this VM refuses now falls, in [0, 1):
