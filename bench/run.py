@@ -823,8 +823,9 @@ def steady(cell, out, w):
     # How near each pod came to running out: a pool kept inside its KV without preemptions holds
     # the difference between its mean and its peaks free for the answers that run long.
     every = sorted(x for f in window for x in f)
-    blocks = w.get("pod_blocks") or [w["num_gpu_blocks"]] * len((cell.get("sim") or {}).get("peak_kv_blocks_used") or [])
-    peaks = [b / n for b, n in zip((cell.get("sim") or {}).get("peak_kv_blocks_used") or [], blocks) if b is not None]
+    used = (cell.get("sim") or {}).get("peak_kv_blocks_used") or []
+    blocks = w.get("pod_blocks") or [w["num_gpu_blocks"]] * len(used)
+    peaks = [b / n for b, n in zip(used, blocks) if b is not None]
     return {"tok_s": tokens / (hi - lo), "kv_mean": sum(kv) / len(kv) if kv else None,
             "kv_p99": every[min(len(every) - 1, int(0.99 * len(every)))] if every else None,
             "kv_peak": max(peaks) if peaks else None,

@@ -23,18 +23,18 @@ use crate::pods::record::{PodRecord, Snapshot};
 /// How long requests must have waited in the engine with KV to spare, over consecutive scrapes,
 /// before the most it ran is taken as its limit: with the default scrape interval (1 s), two
 /// scrapes in a row.
-pub const EVIDENCE_MS: u64 = 1_000;
+const EVIDENCE_MS: u64 = 1_000;
 
 /// KV use (a fraction of the capacity) below which requests waiting in the engine are not
 /// waiting for KV: vLLM schedules a waiting request when its blocks are free, so with a tenth
 /// of the KV free a queue is the engine's seats (or its step's token budget) at work.
-pub const KV_SPARE: f64 = 0.9;
+const KV_SPARE: f64 = 0.9;
 
 /// Requests a pod is sent beyond its seats, waiting in the engine's own queue: one ready for the
 /// seat the next finished answer frees, which kvgate releases only as the answer's last chunk
 /// comes through Envoy, a step or so later. And what unlearns a limit learned too low: held to
 /// exactly its seats, an engine could never show it runs more.
-pub const ENGINE_QUEUE: u64 = 1;
+const ENGINE_QUEUE: u64 = 1;
 
 /// Fills `next`'s seats from the previous snapshot and this scrape's running and waiting counts
 /// (`next.waiting` already less kvgate's own requests not yet scheduled). Called after
@@ -88,7 +88,7 @@ pub fn room(rec: &PodRecord, request: &Load, share: f64) -> bool {
 }
 
 /// The sequences kvgate has in flight on the pod: each answer of a request with `n` is one.
-pub fn running(rec: &PodRecord) -> u64 {
+fn running(rec: &PodRecord) -> u64 {
     rec.entries
         .iter()
         .map(|e| u64::from(e.choices.max(1)))
