@@ -79,6 +79,10 @@ pub struct AdmissionConfig {
     pub utilization: f64,
     /// A fixed budget per pod in tokens; 0 derives it from the pod's metrics.
     pub budget_tokens: u64,
+    /// How many requests each pod's engine runs at once (vLLM's `--max-num-seqs`, SGLang's
+    /// `--max-running-requests`); admission sends a pod at most that many and one more
+    /// (`pods::seats`). 0 learns each engine's from its queue.
+    pub engine_seats: u32,
     /// Requests waiting at most; a full queue answers 429.
     pub max_queue: u32,
     /// How many requests of its band may be admitted past the head of the line into room the
@@ -144,6 +148,7 @@ impl Default for AdmissionConfig {
             mode: Mode::Enforce,
             utilization: 1.0,
             budget_tokens: 0,
+            engine_seats: 0,
             max_queue: 1_000,
             backfill_passes: 4,
             cache_first_passes: 16,
@@ -396,6 +401,10 @@ impl fmt::Display for ConfigError {
 /// Durations above a week are configuration mistakes (and would overflow clock arithmetic).
 const MAX_DURATION_MS: u64 = 7 * 24 * 3_600_000;
 
+/// More running requests than this per engine is a configuration mistake (vLLM's largest default
+/// is 1,024).
+const MAX_ENGINE_SEATS: u32 = 1 << 20;
+
 fn invalid(field: &str, reason: impl Into<String>) -> ConfigError {
     ConfigError {
         field: field.to_string(),
@@ -532,6 +541,9 @@ impl AdmissionConfig {
         let e = |field: &str, reason: &str| Err(invalid(&format!("admission.{field}"), reason));
         if !(self.utilization > 0.0 && self.utilization <= 1.0) {
             return e("utilization", "must be in (0, 1]");
+        }
+        if self.engine_seats > MAX_ENGINE_SEATS {
+            return e("engineSeats", "must be at most 1048576");
         }
         if self.max_queue > 100_000 {
             return e(

@@ -346,11 +346,14 @@ impl Gate {
                     stats::pod_stat(pod, stats::POD_ENGINE_RESTARTS),
                     u64::from(s.engine_restarts),
                 );
-                self.stats.gauge(
-                    stats::pod_stat(pod, stats::POD_ENGINE_SEATS),
-                    u64::from(s.seats),
-                );
             }
+            self.stats.gauge(
+                stats::pod_stat(pod, stats::POD_ENGINE_SEATS),
+                u64::from(crate::pods::seats::in_force(
+                    &self.config,
+                    rec.snapshot.as_ref(),
+                )),
+            );
             let budget =
                 crate::admission::budget::budget_tokens(&self.config, rec.snapshot.as_ref());
             self.stats.gauge(

@@ -220,8 +220,8 @@ catalog! {
     /// restarts seen, both from the engine's prefix-cache counters (`pods::index_check`).
     POD_INDEX_CAPACITY_PERCENT = "index_capacity_percent";
     POD_ENGINE_RESTARTS = "engine_restarts";
-    /// How many requests the engine runs at once, learned from its queue (`pods::seats`): 0 while
-    /// unknown.
+    /// How many requests the engine runs at once, configured or learned from its queue
+    /// (`pods::seats`): 0 while unknown.
     POD_ENGINE_SEATS = "engine_seats";
     /// The factor the pick scales the pod's time costs by, learned from its inter-token latency
     /// against the pool's (`pods::pace`), in percent: 100 is the pool's pace or unknown.

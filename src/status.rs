@@ -111,10 +111,13 @@ fn pod(
         "onGuess": rec.entries.iter().filter(|e| e.output_guessed).count(),
         "waiting": snapshot.map(|s| s.waiting),
         "running": snapshot.map(|s| s.running),
-        // How many requests the engine runs at once, learned from its queue (null: not scraped;
-        // 0: not learned): admission holds the pod to that and one more (docs/design.md, *An
-        // engine's seats*).
-        "engineSeats": snapshot.map(|s| s.seats),
+        // How many requests the engine runs at once, as configured (`admission.engineSeats`) or
+        // learned from its queue (null: neither, and not scraped; 0: not learned): admission
+        // holds the pod to that and one more (docs/design.md, *An engine's seats*).
+        "engineSeats": match crate::pods::seats::in_force(cfg, snapshot) {
+            0 => snapshot.map(|_| 0),
+            seats => Some(seats),
+        },
         "kvUsage": snapshot.map(|s| s.kv_usage),
         "capacityTokens": snapshot.map(|s| s.capacity_tokens),
     })

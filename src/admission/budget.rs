@@ -58,7 +58,7 @@ pub fn fits(
             .map_or(1.0, |whole| b as f64 / whole as f64),
         _ => 1.0,
     };
-    if !crate::pods::seats::room(rec, &request, share) {
+    if !crate::pods::seats::room(rec, &request, share, cfg) {
         return false;
     }
     budget.is_none_or(|b| {

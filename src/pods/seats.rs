@@ -7,17 +7,20 @@
 //! before it. Held to the engine's seats, the overload waits in kvgate's line instead, where
 //! priority bands, tenant fairness and the bounded wait apply.
 //!
-//! Neither engine exports its limit in its metrics, so it is learned from what the limit does:
+//! An operator who knows the limit states it (`admission.engineSeats`), and every pod is held to
+//! it from its first request, scraped or not. Otherwise, since neither engine exports its limit
+//! in its metrics, it is learned from what the limit does:
 //! requests waiting in the engine while its KV has room, at consecutive scrapes at least
 //! [`EVIDENCE_MS`] apart, and the most it was ever seen running since it (re)started is the
 //! limit. A single scrape is not evidence: requests that have just arrived, or a burst of long
 //! prompts the engine's per-step token budget takes in over a few steps, wait for a moment
 //! too. A limit learned too low is unlearned as soon as the engine runs more than it: a pod is
 //! held to its seats and [`ENGINE_QUEUE`] more, so an engine that can run more shows it at the
-//! next scrape. Source of truth: the pod's snapshot (`Snapshot::seats`, `most_running`,
-//! `queued_since_ms`), written with each scrape (`record::write_snapshot`).
+//! next scrape. Source of truth: the configuration, else the pod's snapshot (`Snapshot::seats`,
+//! `most_running`, `queued_since_ms`), written with each scrape (`record::write_snapshot`).
 
 use crate::admission::forecast::Load;
+use crate::config::Config;
 use crate::pods::record::{PodRecord, Snapshot};
 
 /// How long requests must have waited in the engine with KV to spare, over consecutive scrapes,
@@ -73,13 +76,22 @@ pub fn follow(prev: Option<&Snapshot>, next: &mut Snapshot) {
     };
 }
 
+/// The seats a pod is held to: those configured, else those learned from its scrapes (0: none,
+/// and not held).
+pub fn in_force(cfg: &Config, snapshot: Option<&Snapshot>) -> u32 {
+    match cfg.admission.engine_seats {
+        0 => snapshot.map_or(0, |s| s.seats),
+        stated => stated,
+    }
+}
+
 /// Whether `request` may be sent to the pod of `rec` as far as its engine's seats go: the
 /// sequences kvgate has running there (each answer of a request with `n` is one) with it added
 /// stay within its seats and [`ENGINE_QUEUE`], or the pod has nothing of kvgate's in flight.
 /// `share`: the part of the pod's seats this gateway replica may fill (1 alone; with several,
 /// its grant of the budget over the budget, as the tokens are split).
-pub fn room(rec: &PodRecord, request: &Load, share: f64) -> bool {
-    let seats = rec.snapshot.map_or(0, |s| s.seats);
+pub fn room(rec: &PodRecord, request: &Load, share: f64, cfg: &Config) -> bool {
+    let seats = in_force(cfg, rec.snapshot.as_ref());
     if seats == 0 || rec.entries.is_empty() {
         return true;
     }
@@ -221,18 +233,52 @@ mod tests {
 
     #[test]
     fn a_pod_takes_its_seats_and_one_more_counted_in_answers() {
-        assert!(room(&pod(4, &[1, 1, 1, 1]), &asking(1), 1.0), "one waiting");
-        assert!(!room(&pod(4, &[1, 1, 1, 1, 1]), &asking(1), 1.0));
-        // Entries of records from before choices were kept read as 0: one answer.
-        assert!(!room(&pod(4, &[0, 0, 0, 0, 0]), &asking(1), 1.0));
-        assert!(!room(&pod(4, &[2, 2]), &asking(2), 1.0), "n = 2 is two");
+        let learned = Config::default();
         assert!(
-            room(&pod(0, &[1; 40]), &asking(1), 1.0),
+            room(&pod(4, &[1, 1, 1, 1]), &asking(1), 1.0, &learned),
+            "one waiting"
+        );
+        assert!(!room(&pod(4, &[1, 1, 1, 1, 1]), &asking(1), 1.0, &learned));
+        // Entries of records from before choices were kept read as 0: one answer.
+        assert!(!room(&pod(4, &[0, 0, 0, 0, 0]), &asking(1), 1.0, &learned));
+        assert!(
+            !room(&pod(4, &[2, 2]), &asking(2), 1.0, &learned),
+            "n = 2 is two"
+        );
+        assert!(
+            room(&pod(0, &[1; 40]), &asking(1), 1.0, &learned),
             "unknown: unlimited"
         );
-        assert!(room(&pod(4, &[]), &asking(9), 1.0), "alone, always");
+        assert!(
+            room(&pod(4, &[]), &asking(9), 1.0, &learned),
+            "alone, always"
+        );
         // A replica granted half the pod's budget fills half its seats.
-        assert!(room(&pod(8, &[1, 1, 1, 1]), &asking(1), 0.5));
-        assert!(!room(&pod(8, &[1, 1, 1, 1, 1]), &asking(1), 0.5));
+        assert!(room(&pod(8, &[1, 1, 1, 1]), &asking(1), 0.5, &learned));
+        assert!(!room(&pod(8, &[1, 1, 1, 1, 1]), &asking(1), 0.5, &learned));
+    }
+    #[test]
+    fn seats_stated_in_the_configuration_hold_every_pod_scraped_or_not() {
+        let mut stated = Config::default();
+        stated.admission.engine_seats = 2;
+        // Its seats and one more.
+        let unscraped = PodRecord {
+            snapshot: None,
+            ..pod(0, &[1, 1, 1])
+        };
+        assert!(!room(&unscraped, &asking(1), 1.0, &stated));
+        assert!(room(&pod(0, &[1, 1]), &asking(1), 1.0, &stated));
+        // Over what was learned.
+        assert!(!room(&pod(8, &[1, 1, 1]), &asking(1), 1.0, &stated));
+        assert_eq!(in_force(&stated, unscraped.snapshot.as_ref()), 2);
+        assert_eq!(in_force(&Config::default(), None), 0);
+        assert_eq!(
+            in_force(&Config::default(), pod(8, &[]).snapshot.as_ref()),
+            8
+        );
+        assert!(
+            room(&pod(0, &[]), &asking(9), 1.0, &stated),
+            "alone, always"
+        );
     }
 }

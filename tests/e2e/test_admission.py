@@ -143,6 +143,74 @@ def test_pods_whose_engines_run_out_of_seats_first_keep_the_line_in_kvgate():
         assert reserved_zero(envoy)
 
 
+def test_seats_stated_in_the_configuration_hold_the_pods_from_the_first_request():
+    """With the engines' limit stated (`admission.engineSeats`), the pods are held to it from the
+    overload's first request: nothing queues in the engines while kvgate learns it, and a critical
+    request sent in the overload's first second goes ahead of the standard ones."""
+    seats = 8
+    with Sim(pods=2, args=["--time-scale", "10", "--max-num-seqs", str(seats)]) as sim, \
+            kvgate_envoy(sim.endpoints, config(engineSeats=seats)) as envoy:
+        assert list(kvgate_gauges(envoy, "engine_seats").values()) == [seats] * 2
+        stop, served, lock = threading.Event(), [], threading.Lock()
+
+        def flood(i):
+            k = 0
+            while not stop.is_set():
+                r = stream(envoy.port, "/v1/completions", unshared_completion(f"standard{i}x{k}", max_tokens=1000),
+                           {"x-gateway-inference-objective": "standard"})
+                with lock:
+                    served.append(r["status"])
+                k += 1
+
+        critical, waiting = [], []
+
+        def send_critical(j):
+            r = stream(envoy.port, "/v1/completions", unshared_completion(f"critical{j}", max_tokens=16),
+                       {"x-gateway-inference-objective": "critical"})
+            with lock:
+                critical.append(r)
+
+        def sample():
+            while not stop.is_set() and len(critical) < 10:
+                waiting.append(max(sim.stats(i)["waiting"] for i in range(2)))
+
+        threads = [threading.Thread(target=flood, args=(i,)) for i in range(48)]
+        started = time.monotonic()
+        for t in threads:
+            t.start()
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            # Sent while a learned limit would still be unknown (two scrapes a second apart).
+            crit = []
+            for j in range(10):
+                time.sleep(0.1)
+                crit.append(threading.Thread(target=send_critical, args=(j,)))
+                crit[-1].start()
+            sent_by = time.monotonic() - started
+            for t in crit:
+                t.join(60)
+            sampler.join(60)
+            finished_before = sum(sim.stats(i)["finished"] for i in range(2))
+            time.sleep(2)
+            per_s = (sum(sim.stats(i)["finished"] for i in range(2)) - finished_before) / 2
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(120)
+        ttft = sorted(r["ttft"] for r in critical if r["status"] == 200)
+        print(f"seats stated {seats}: critical TTFT median {statistics.median(ttft) * 1000:.0f} ms, "
+              f"max {ttft[-1] * 1000:.0f} ms (all sent by {sent_by:.2f} s); engines' waiting at most {max(waiting)}; "
+              f"{per_s:.1f} answers/s")
+        assert len(ttft) == 10 and all(s == 200 for s in served), Counter(served)
+        # Learned instead (`engineSeats` 0), the same critical requests waited behind the
+        # engines' own queues of 16 until the limit was known: median 1.9 s (2026-12-07).
+        assert max(waiting) <= 1, waiting
+        assert statistics.median(ttft) < 1.0, ttft
+        assert per_s >= 16, per_s
+        assert reserved_zero(envoy)
+
+
 def test_a_full_line_gives_a_critical_request_the_place_of_its_last_standard_one():
     """With the line at `admission.maxQueue`, a standard newcomer is refused (429), but a critical
     one takes the place of the last standard request waiting, which is answered 429 at once (not
