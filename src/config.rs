@@ -762,6 +762,8 @@ mod tests {
         assert_eq!(err.field, "admission.boundedHeadroomSigmas");
         let err = Config::parse(br#"{"admission":{"preemptionBackoff":1}}"#).unwrap_err();
         assert_eq!(err.field, "admission.preemptionBackoff");
+        let err = Config::parse(br#"{"admission":{"engineSeats":2000000}}"#).unwrap_err();
+        assert_eq!(err.field, "admission.engineSeats");
         let again =
             Config::parse(br#"{"estimator":{"safetyFactor":1.333333333333333333332}}"#).unwrap();
         assert_eq!(

@@ -55,6 +55,8 @@ struct Knobs {
     scrape: bool,
     admission: bool,
     budget: u8,
+    /// The engines' seats stated (`admission.engineSeats`; else learned from the scrapes).
+    engine_seats: u8,
     max_queue: u8,
     max_wait: u8,
     ttl: u8,
@@ -268,6 +270,7 @@ fn config(k: &Knobs) -> Config {
         "admission": {
             "enabled": k.admission,
             "budgetTokens": pick(&[0u64, 300, 3_000, 1_000_000], k.budget),
+            "engineSeats": pick(&[0u32, 1, 3], k.engine_seats),
             "maxQueue": pick(&[1_000u32, 0, 1, 4], k.max_queue),
             "maxWaitMs": pick(&[30_000u64, 1, 2_000, 604_800_000], k.max_wait),
             "objectives": objectives,
