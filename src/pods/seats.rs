@@ -257,6 +257,7 @@ mod tests {
         assert!(room(&pod(8, &[1, 1, 1, 1]), &asking(1), 0.5, &learned));
         assert!(!room(&pod(8, &[1, 1, 1, 1, 1]), &asking(1), 0.5, &learned));
     }
+
     #[test]
     fn seats_stated_in_the_configuration_hold_every_pod_scraped_or_not() {
         let mut stated = Config::default();

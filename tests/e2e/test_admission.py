@@ -86,16 +86,26 @@ def test_priority_bands_and_shedding():
         assert reserved_zero(envoy)
 
 
-def test_pods_whose_engines_run_out_of_seats_first_keep_the_line_in_kvgate():
-    """Engines whose running limit binds before their KV (`--max-num-seqs 8` on pods of 2,048
-    blocks: small requests on a large card) queue the overload themselves, first come first
-    served, where kvgate's budget never fills: a critical request then waits behind every standard
-    one sent before it. kvgate learns each engine's seats from its queue (`engine_seats`) and holds
-    the pod to them and one more, so the overload waits in kvgate's line, where the critical
-    request goes first, and the pods stay as busy."""
-    seats = 8
-    with Sim(pods=2, args=["--time-scale", "10", "--max-num-seqs", str(seats)]) as sim, \
-            kvgate_envoy(sim.endpoints, config()) as envoy:
+SEATS = 8
+
+
+def critical_request(envoy, j):
+    return stream(envoy.port, "/v1/completions", unshared_completion(f"critical{j}", max_tokens=16),
+                  {"x-gateway-inference-objective": "critical"})
+
+
+def overload_of_engines_out_of_seats(label, cfg, critical_phase):
+    """Two pods whose engines run out of seats before KV (`--max-num-seqs 8` on pods of 2,048
+    blocks: small requests on a large card) behind kvgate with `cfg`, 48 clients flooding standard
+    requests of 1,000 tokens; `critical_phase(sim, envoy)` sends ten critical requests meanwhile
+    and returns them with the engines' waiting counts it sampled. Held to its seats, an engine has
+    one request waiting (and for a moment two: an answer's seat is freed in kvgate as its last
+    chunk passes, and the request sent into it can reach the engine before the engine's next step
+    takes the one waiting), a critical request waits for about one answer to end (0.55 s:
+    the standard answers start and end in cohorts), and the pods stay as busy (16 answers of
+    1,000 tokens running, ~0.65 s each)."""
+    with Sim(pods=2, args=["--time-scale", "10", "--max-num-seqs", str(SEATS)]) as sim, \
+            kvgate_envoy(sim.endpoints, cfg) as envoy:
         stop, served, lock = threading.Event(), [], threading.Lock()
 
         def flood(i):
@@ -111,16 +121,7 @@ def test_pods_whose_engines_run_out_of_seats_first_keep_the_line_in_kvgate():
         for t in threads:
             t.start()
         try:
-            assert wait_for(lambda: list(kvgate_gauges(envoy, "engine_seats").values()) == [seats] * 2, timeout=15), \
-                kvgate_gauges(envoy, "engine_seats")
-            time.sleep(1.5)  # the engines' queues drain into their seats
-            waiting, critical = [], []
-            for j in range(10):
-                waiting.append(max(sim.stats(i)["waiting"] for i in range(2)))
-                r = stream(envoy.port, "/v1/completions", unshared_completion(f"critical{j}", max_tokens=16),
-                           {"x-gateway-inference-objective": "critical"})
-                critical.append(r)
-                time.sleep(0.1)
+            critical, waiting = critical_phase(sim, envoy)
             finished_before = sum(sim.stats(i)["finished"] for i in range(2))
             time.sleep(2)
             per_s = (sum(sim.stats(i)["finished"] for i in range(2)) - finished_before) / 2
@@ -129,86 +130,67 @@ def test_pods_whose_engines_run_out_of_seats_first_keep_the_line_in_kvgate():
             for t in threads:
                 t.join(120)
         ttft = sorted(r["ttft"] for r in critical if r["status"] == 200)
-        print(f"seats learned {seats}: critical TTFT median {statistics.median(ttft) * 1000:.0f} ms, "
-              f"max {ttft[-1] * 1000:.0f} ms; engines' waiting at most {max(waiting)}; {per_s:.1f} answers/s")
+        print(f"{label}: critical TTFT median {statistics.median(ttft) * 1000:.0f} ms, max {ttft[-1] * 1000:.0f} ms; "
+              f"engines' waiting at most {max(waiting)}; {per_s:.1f} answers/s")
         assert len(ttft) == 10 and all(s == 200 for s in served), Counter(served)
-        # Behind the engines' own queues (16 a pod, ~0.65 s an answer at 8 a time) a critical
-        # request waited 1.9 s (main before the seats, 2026-12-07); held to its seats, an engine
-        # has one request waiting at most, and a critical one waits for about one answer to end
-        # (0.55 s: the standard answers start and end in cohorts).
-        assert max(waiting) <= 1, waiting
+        assert max(waiting) <= 2, waiting
         assert statistics.median(ttft) < 1.0, ttft
-        # The pods stay as busy: 16 answers of 1,000 tokens running, ~0.65 s each.
         assert per_s >= 16, per_s
         assert reserved_zero(envoy)
+
+
+def test_pods_whose_engines_run_out_of_seats_first_keep_the_line_in_kvgate():
+    """Engines whose running limit binds before their KV queue the overload themselves, first
+    come first served, where kvgate's budget never fills: a critical request then waits behind
+    every standard one sent before it. kvgate learns each engine's seats from its queue
+    (`engine_seats`) and holds the pod to them and one more, so the overload waits in kvgate's
+    line, where the critical request goes first, and the pods stay as busy."""
+    def once_learned(sim, envoy):
+        # Two scrapes a second apart that show the queue; a loaded machine's clients, slow to
+        # read their streams, keep fewer requests in the engines, and it may take longer.
+        assert wait_for(lambda: list(kvgate_gauges(envoy, "engine_seats").values()) == [SEATS] * 2, timeout=30), \
+            kvgate_gauges(envoy, "engine_seats")
+        time.sleep(1.5)  # the engines' queues drain into their seats
+        waiting, critical = [], []
+        for j in range(10):
+            waiting.append(max(sim.stats(i)["waiting"] for i in range(2)))
+            critical.append(critical_request(envoy, j))
+            time.sleep(0.1)
+        return critical, waiting
+
+    # Behind the engines' own queues (16 a pod, ~0.65 s an answer at 8 a time) a critical
+    # request waited 1.9 s (main before the seats, 2026-12-07).
+    overload_of_engines_out_of_seats(f"seats learned {SEATS}", config(), once_learned)
 
 
 def test_seats_stated_in_the_configuration_hold_the_pods_from_the_first_request():
     """With the engines' limit stated (`admission.engineSeats`), the pods are held to it from the
     overload's first request: nothing queues in the engines while kvgate learns it, and a critical
     request sent in the overload's first second goes ahead of the standard ones."""
-    seats = 8
-    with Sim(pods=2, args=["--time-scale", "10", "--max-num-seqs", str(seats)]) as sim, \
-            kvgate_envoy(sim.endpoints, config(engineSeats=seats)) as envoy:
-        assert list(kvgate_gauges(envoy, "engine_seats").values()) == [seats] * 2
-        stop, served, lock = threading.Event(), [], threading.Lock()
+    def at_once(sim, envoy):
+        assert list(kvgate_gauges(envoy, "engine_seats").values()) == [SEATS] * 2
+        critical, waiting, lock = [], [], threading.Lock()
 
-        def flood(i):
-            k = 0
-            while not stop.is_set():
-                r = stream(envoy.port, "/v1/completions", unshared_completion(f"standard{i}x{k}", max_tokens=1000),
-                           {"x-gateway-inference-objective": "standard"})
-                with lock:
-                    served.append(r["status"])
-                k += 1
-
-        critical, waiting = [], []
-
-        def send_critical(j):
-            r = stream(envoy.port, "/v1/completions", unshared_completion(f"critical{j}", max_tokens=16),
-                       {"x-gateway-inference-objective": "critical"})
+        def send(j):
+            r = critical_request(envoy, j)
             with lock:
                 critical.append(r)
 
-        def sample():
-            while not stop.is_set() and len(critical) < 10:
-                waiting.append(max(sim.stats(i)["waiting"] for i in range(2)))
+        # Sent while a learned limit would still be unknown (two scrapes a second apart), the
+        # engines sampled meanwhile.
+        sent = []
+        for j in range(10):
+            time.sleep(0.1)
+            sent.append(threading.Thread(target=send, args=(j,)))
+            sent[-1].start()
+            waiting.append(max(sim.stats(i)["waiting"] for i in range(2)))
+        for t in sent:
+            t.join(60)
+        return critical, waiting
 
-        threads = [threading.Thread(target=flood, args=(i,)) for i in range(48)]
-        started = time.monotonic()
-        for t in threads:
-            t.start()
-        sampler = threading.Thread(target=sample)
-        sampler.start()
-        try:
-            # Sent while a learned limit would still be unknown (two scrapes a second apart).
-            crit = []
-            for j in range(10):
-                time.sleep(0.1)
-                crit.append(threading.Thread(target=send_critical, args=(j,)))
-                crit[-1].start()
-            sent_by = time.monotonic() - started
-            for t in crit:
-                t.join(60)
-            sampler.join(60)
-            finished_before = sum(sim.stats(i)["finished"] for i in range(2))
-            time.sleep(2)
-            per_s = (sum(sim.stats(i)["finished"] for i in range(2)) - finished_before) / 2
-        finally:
-            stop.set()
-            for t in threads:
-                t.join(120)
-        ttft = sorted(r["ttft"] for r in critical if r["status"] == 200)
-        print(f"seats stated {seats}: critical TTFT median {statistics.median(ttft) * 1000:.0f} ms, "
-              f"max {ttft[-1] * 1000:.0f} ms (all sent by {sent_by:.2f} s); engines' waiting at most {max(waiting)}; "
-              f"{per_s:.1f} answers/s")
-        assert len(ttft) == 10 and all(s == 200 for s in served), Counter(served)
-        # Learned instead (`engineSeats` 0), the same critical requests waited behind the
-        # engines' own queues of 16 until the limit was known: median 1.9 s (2026-12-07).
-        assert max(waiting) <= 1, waiting
-        assert statistics.median(ttft) < 1.0, ttft
-        assert per_s >= 16, per_s
-        assert reserved_zero(envoy)
+    # Learned instead (`engineSeats` 0), the same critical requests waited behind the engines'
+    # own queues of 16–20 until the limit was known: median 0.6–1.4 s (2026-12-07).
+    overload_of_engines_out_of_seats(f"seats stated {SEATS}", config(engineSeats=SEATS), at_once)
 
 
 def test_a_full_line_gives_a_critical_request_the_place_of_its_last_standard_one():
