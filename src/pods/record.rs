@@ -99,6 +99,8 @@ impl Layout {
 /// A pod's metrics as last scraped.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct Snapshot {
+    /// When the scrape was sent: the engine answered with its state between then and its
+    /// answer, and an answer asked for earlier than the record's is not written over it.
     pub at_ms: u64,
     /// False after a scrape that could not connect: the pod is avoided until it answers.
     pub healthy: bool,
@@ -955,6 +957,13 @@ pub fn write_snapshot(
     let pool_lost = crate::admission::feedback::pool_lost(store, now, interval);
     let mut raised = None;
     modify(store, pod, |rec| {
+        if rec.snapshot.is_some_and(|prev| snapshot.at_ms < prev.at_ms) {
+            // Asked before what the record holds was (the scrape lease moved to another VM while
+            // this answer was out, and its answer came first): written over it, the engine's
+            // counters would run backwards, which reads as the engine restarting, and its seats,
+            // index and pace would be forgotten.
+            return None;
+        }
         let opened = snapshot.healthy && rec.snapshot.is_none_or(|prev| !prev.healthy);
         if let Some(prev) = rec.snapshot {
             if snapshot.capacity_tokens == 0 {

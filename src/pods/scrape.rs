@@ -83,11 +83,28 @@ pub struct Scraper {
     /// Pods the last discovery found gone, until one finds them again: not scraped meanwhile (a
     /// scrape would mark them up again in the records of VMs whose pool is a second old).
     departed: HashSet<String>,
-    in_flight: HashMap<Target, u64>,
+    /// Each target's call outstanding: when it was sent, and its deadline.
+    in_flight: HashMap<Target, Outstanding>,
     /// Pod → scrapes in a row it answered without readable metrics.
     unreadable: HashMap<String, u32>,
     /// Each pod's finished answers, pooled per model for the output prior.
     lengths: EngineLengths,
+}
+
+/// A call sent and not yet answered.
+#[derive(Debug, Clone, Copy)]
+struct Outstanding {
+    sent_ms: u64,
+    deadline_ms: u64,
+}
+
+impl Outstanding {
+    fn from(now: u64, timeout_ms: u64) -> Outstanding {
+        Outstanding {
+            sent_ms: now,
+            deadline_ms: now.saturating_add(timeout_ms),
+        }
+    }
 }
 
 impl Scraper {
@@ -131,7 +148,7 @@ impl Scraper {
             let every = if pods.is_empty() { 0 } else { d.interval_ms };
             self.next_discovery = now.saturating_add(every);
             self.in_flight
-                .insert(Target::Discovery, now.saturating_add(d.timeout_ms));
+                .insert(Target::Discovery, Outstanding::from(now, d.timeout_ms));
             calls.push(Call {
                 target: Target::Discovery,
                 cluster: d.admin_cluster.clone(),
@@ -173,7 +190,7 @@ impl Scraper {
                 }
                 next.insert(pod.clone(), now.saturating_add(interval));
                 self.in_flight
-                    .insert(target.clone(), now.saturating_add(timeout));
+                    .insert(target.clone(), Outstanding::from(now, timeout));
                 calls.push(Call {
                     target,
                     cluster: m.cluster.clone(),
@@ -221,7 +238,7 @@ impl Scraper {
         status: Option<u32>,
         body: &[u8],
     ) -> Result<bool, StoreError> {
-        self.in_flight.remove(target);
+        let sent = self.in_flight.remove(target).map(|call| call.sent_ms);
         let now = store.now_ms();
         match target {
             Target::Discovery => {
@@ -258,6 +275,13 @@ impl Scraper {
                 }
             }
             Target::Pod(pod) => {
+                // The pod as it was when asked (`Snapshot::at_ms`). An answer to a call this VM
+                // no longer awaits (forgotten past its timeout: one sent since may have been
+                // answered already) says nothing newer than what the record holds.
+                let Some(at) = sent else {
+                    log::debug!("pod {pod}: an answer to a scrape no longer awaited, dropped");
+                    return Ok(false);
+                };
                 let parsed = (status == Some(200)).then(|| metrics::parse_bytes(body));
                 match parsed {
                     Some(Ok(m)) => {
@@ -277,7 +301,7 @@ impl Scraper {
                             self.lengths.note(store, pod, answers, now)?;
                         }
                         let snapshot = Snapshot {
-                            at_ms: now,
+                            at_ms: at,
                             healthy: true,
                             running: m.running.unwrap_or(0.0),
                             waiting: m.waiting.unwrap_or(0.0),
@@ -305,7 +329,7 @@ impl Scraper {
                             // Down, not merely slow: avoid it until a scrape succeeds again.
                             self.unreadable.remove(pod);
                             let down = Snapshot {
-                                at_ms: now,
+                                at_ms: at,
                                 healthy: false,
                                 kv_usage: f64::NAN,
                                 ..Snapshot::default()
@@ -313,7 +337,7 @@ impl Scraper {
                             record::write_snapshot(store, pod, down, 0, cfg)?;
                             return Ok(false);
                         }
-                        self.unreadable(store, cfg, pod, status, now)
+                        self.unreadable(store, cfg, pod, status, at)
                     }
                 }
             }
@@ -367,7 +391,7 @@ impl Scraper {
     /// Calls outstanding past their timeout (the host never answered) are forgotten.
     pub fn expire(&mut self, now: u64) {
         self.in_flight
-            .retain(|_, deadline| deadline.saturating_add(1_000) > now);
+            .retain(|_, call| call.deadline_ms.saturating_add(1_000) > now);
         self.lengths.expire(now);
     }
 }
@@ -522,6 +546,24 @@ mod tests {
     use crate::store::fake_host::FakeHost;
     use crate::test_support::clusters_json;
 
+    impl Scraper {
+        /// A call to `target` sent now and answered at once.
+        fn answer(
+            &mut self,
+            store: &dyn Store,
+            cfg: &Config,
+            stats: &mut Stats,
+            target: &Target,
+            status: Option<u32>,
+            body: &[u8],
+        ) -> Result<bool, StoreError> {
+            let timeout = cfg.metrics.timeout_ms;
+            self.in_flight
+                .insert(target.clone(), Outstanding::from(store.now_ms(), timeout));
+            self.on_response(store, cfg, stats, target, status, body)
+        }
+    }
+
     fn cfg() -> Config {
         let mut c = crate::test_support::with_pods(&["a:1", "b:1"]);
         c.metrics.cluster = "kvgate_metrics".into();
@@ -551,7 +593,7 @@ mod tests {
         let vm = host.vm();
         let mut stats = Stats::default();
         for call in &first {
-            s.on_response(&vm, &c, &mut stats, &call.target, Some(500), b"")
+            s.answer(&vm, &c, &mut stats, &call.target, Some(500), b"")
                 .unwrap();
         }
         assert!(
@@ -582,7 +624,7 @@ mod tests {
         let mut s = Scraper::default();
         let mut stats = Stats::default();
         let mut answer = |target: Target, status, body: &[u8]| {
-            s.on_response(&vm, &c, &mut stats, &target, status, body)
+            s.answer(&vm, &c, &mut stats, &target, status, body)
                 .unwrap()
         };
         let pod = || Target::Pod("a:1".into());
@@ -616,7 +658,7 @@ mod tests {
         let vm = FakeHost::new().vm();
         let (mut s, mut stats) = (Scraper::default(), Stats::default());
         let mut answer = |pod: &str, status, body: &[u8]| {
-            s.on_response(&vm, &c, &mut stats, &Target::Pod(pod.into()), status, body)
+            s.answer(&vm, &c, &mut stats, &Target::Pod(pod.into()), status, body)
                 .unwrap()
         };
         let budget =
@@ -653,7 +695,7 @@ mod tests {
             record::read(&vm, "b:1").unwrap().snapshot,
         );
         for _ in 0..4 {
-            s2.on_response(
+            s2.answer(
                 &vm,
                 &c,
                 &mut stats,
@@ -687,7 +729,7 @@ mod tests {
         let mut s = Scraper::default();
         let mut stats = Stats::default();
         let text = b"vllm:num_requests_running{model_name=\"m\"} 3\nvllm:num_requests_waiting{model_name=\"m\"} 2\nvllm:kv_cache_usage_perc{model_name=\"m\"} 0.5\n";
-        s.on_response(
+        s.answer(
             &vm,
             &c,
             &mut stats,
@@ -709,7 +751,7 @@ mod tests {
         );
         // Answers the scrape of a:1 with `status` and `body`; says whether a:1 is healthy after.
         let mut answer = |status, body: &[u8]| {
-            s.on_response(
+            s.answer(
                 &vm,
                 &c,
                 &mut stats,
@@ -751,7 +793,7 @@ mod tests {
                  vllm:request_generation_tokens_sum{{model_name=\"m\",engine=\"0\"}} {tokens}\n\
                  vllm:request_generation_tokens_count{{model_name=\"m\",engine=\"0\"}} {count}\n"
             );
-            s.on_response(
+            s.answer(
                 &host.vm(),
                 &c,
                 &mut stats,
@@ -773,7 +815,7 @@ mod tests {
         let page = include_bytes!("../../fuzz/seeds/metrics/vllm_v1_single_engine.prom");
         let pod = Target::Pod("a:1".into());
         Scraper::default()
-            .on_response(&vm, &cfg(), &mut stats, &pod, Some(200), page)
+            .answer(&vm, &cfg(), &mut stats, &pod, Some(200), page)
             .unwrap();
         let gauges: Vec<_> = stats.drain().collect();
         for (name, value) in [
@@ -794,6 +836,79 @@ mod tests {
             .and_then(|s| s.hit_totals)
             .map(|t| (t.hits, t.queries));
         assert_eq!(totals, Some((987_648.0, 1_234_567.0)));
+    }
+
+    #[test]
+    fn an_answer_asked_before_the_records_is_not_written_over_it() {
+        let c = cfg();
+        let host = FakeHost::new();
+        let (a, b) = (host.vm(), host.vm());
+        let (mut on_a, mut on_b, mut stats) =
+            (Scraper::default(), Scraper::default(), Stats::default());
+        let pod = Target::Pod("a:1".into());
+        let page = |hits: u64, queries: u64| {
+            format!(
+                "vllm:num_requests_running{{engine=\"0\"}} 3\n\
+                 vllm:prefix_cache_hits_total{{engine=\"0\"}} {hits}\n\
+                 vllm:prefix_cache_queries_total{{engine=\"0\"}} {queries}\n"
+            )
+        };
+        let snapshot = || record::read(&a, "a:1").unwrap().snapshot.unwrap();
+        host.set_now_ms(1_000);
+        on_a.answer(
+            &a,
+            &c,
+            &mut stats,
+            &pod,
+            Some(200),
+            page(100, 200).as_bytes(),
+        )
+        .unwrap();
+        // A asks again, and stalls; the lease moves to B, which asks later and is answered
+        // first.
+        host.set_now_ms(2_000);
+        assert!(on_a
+            .due(&c, &c.pods, 2_000, None, false)
+            .iter()
+            .any(|call| call.target == pod));
+        host.set_now_ms(3_600);
+        on_b.answer(
+            &b,
+            &c,
+            &mut stats,
+            &pod,
+            Some(200),
+            page(150, 300).as_bytes(),
+        )
+        .unwrap();
+        host.set_now_ms(3_700);
+        on_a.on_response(
+            &a,
+            &c,
+            &mut stats,
+            &pod,
+            Some(200),
+            page(140, 280).as_bytes(),
+        )
+        .unwrap();
+        let kept = snapshot();
+        assert_eq!(kept.at_ms, 3_600, "B's answer stays");
+        assert_eq!(kept.engine_restarts, 0, "counters that never ran backwards");
+        assert_eq!(kept.hit_counts, Some((150.0, 300.0)));
+        // An answer to a call forgotten past its timeout: another may have been sent and answered
+        // since, so it is dropped.
+        host.set_now_ms(5_000);
+        assert!(!on_b.due(&c, &c.pods, 5_000, None, false).is_empty());
+        on_b.expire(9_000);
+        on_b.on_response(&b, &c, &mut stats, &pod, Some(200), page(10, 20).as_bytes())
+            .unwrap();
+        assert_eq!(snapshot().at_ms, 3_600);
+        assert_eq!(snapshot().engine_restarts, 0);
+        // A restarted engine's counters, asked for in order, still read as a restart.
+        host.set_now_ms(10_000);
+        on_b.answer(&b, &c, &mut stats, &pod, Some(200), page(10, 20).as_bytes())
+            .unwrap();
+        assert_eq!(snapshot().engine_restarts, 1);
     }
 
     #[test]
@@ -819,8 +934,7 @@ mod tests {
             ),
         ];
         for (target, status, body) in answers {
-            s.on_response(&vm, &c, &mut stats, target, status, body)
-                .unwrap();
+            s.answer(&vm, &c, &mut stats, target, status, body).unwrap();
         }
         let served = served::read(&vm, "a:1").unwrap();
         assert!(
@@ -862,7 +976,7 @@ mod tests {
             ),
         ] {
             host.advance_ms(1_000);
-            s.on_response(&vm, &c, &mut stats, &pod, status, body.as_bytes())
+            s.answer(&vm, &c, &mut stats, &pod, status, body.as_bytes())
                 .unwrap();
             let snap = record::read(&vm, "a:1").unwrap().snapshot.unwrap();
             assert!((snap.itl_s - pace).abs() < 1e-12, "{status:?}: {snap:?}");
@@ -877,14 +991,14 @@ mod tests {
         let mut stats = Stats::default();
         let discovery = |calls: Vec<Call>| calls.iter().any(|c| c.target == Target::Discovery);
         assert!(discovery(s.due(&c, &[], 0, None, false)));
-        s.on_response(&vm, &c, &mut stats, &Target::Discovery, None, b"")
+        s.answer(&vm, &c, &mut stats, &Target::Discovery, None, b"")
             .unwrap();
         assert!(
             discovery(s.due(&c, &[], 20, None, false)),
             "failed: asked again"
         );
         let none = clusters_json(&[]);
-        s.on_response(&vm, &c, &mut stats, &Target::Discovery, Some(200), &none)
+        s.answer(&vm, &c, &mut stats, &Target::Discovery, Some(200), &none)
             .unwrap();
         assert_eq!(
             vm.get(PODS_KEY).unwrap().value,
@@ -896,7 +1010,7 @@ mod tests {
             "empty: asked again"
         );
         let one = clusters_json(&["a:1"]);
-        s.on_response(&vm, &c, &mut stats, &Target::Discovery, Some(200), &one)
+        s.answer(&vm, &c, &mut stats, &Target::Discovery, Some(200), &one)
             .unwrap();
         let pods = vec!["a:1".to_string()];
         // Once pods are known, every interval, failed or not.
@@ -904,12 +1018,12 @@ mod tests {
             discovery(s.due(&c, &pods, 60, None, false)),
             "planned while none was"
         );
-        s.on_response(&vm, &c, &mut stats, &Target::Discovery, Some(200), &one)
+        s.answer(&vm, &c, &mut stats, &Target::Discovery, Some(200), &one)
             .unwrap();
         assert!(!discovery(s.due(&c, &pods, 80, None, false)));
         let next = 60 + c.discovery.interval_ms;
         assert!(discovery(s.due(&c, &pods, next, None, false)));
-        s.on_response(&vm, &c, &mut stats, &Target::Discovery, None, b"")
+        s.answer(&vm, &c, &mut stats, &Target::Discovery, None, b"")
             .unwrap();
         assert!(!discovery(s.due(&c, &pods, next + 20, None, false)));
         assert_eq!(stats.take_count(stats::DISCOVERY_ERRORS), 2);
@@ -934,7 +1048,7 @@ mod tests {
         let page = b"vllm:num_requests_running{model_name=\"m\"} 1\nvllm:kv_cache_usage_perc{model_name=\"m\"} 0.5\n";
         let (two, one) = (clusters_json(&["a:1", "b:1"]), clusters_json(&["b:1"]));
         let mut answer = |s: &mut Scraper, target: Target, body: &[u8]| {
-            s.on_response(&vm, c, &mut stats, &target, Some(200), body)
+            s.answer(&vm, c, &mut stats, &target, Some(200), body)
                 .unwrap()
         };
         answer(&mut s, Target::Discovery, &two);
@@ -988,7 +1102,7 @@ mod tests {
                 .due(&c, &c.pods, now, None, waiting)
                 .iter()
                 .any(|c| c.target == Target::Discovery);
-            s.on_response(&vm, &c, &mut stats, &Target::Discovery, None, b"")
+            s.answer(&vm, &c, &mut stats, &Target::Discovery, None, b"")
                 .unwrap();
             sent
         };
@@ -1018,7 +1132,7 @@ mod tests {
         let mut stats = Stats::default();
         let discovery = |calls: Vec<Call>| calls.iter().any(|c| c.target == Target::Discovery);
         assert!(discovery(s.due(&c, &c.pods, 100, None, false)));
-        s.on_response(&vm, &c, &mut stats, &Target::Discovery, None, b"")
+        s.answer(&vm, &c, &mut stats, &Target::Discovery, None, b"")
             .unwrap();
         assert!(
             !discovery(s.due(&c, &c.pods, 350, None, false)),
@@ -1032,7 +1146,7 @@ mod tests {
         let asked = crate::pods::pool::discovery_asked(&vm);
         assert_eq!(asked, Some(600));
         assert!(discovery(s.due(&c, &c.pods, 750, asked, false)));
-        s.on_response(&vm, &c, &mut stats, &Target::Discovery, None, b"")
+        s.answer(&vm, &c, &mut stats, &Target::Discovery, None, b"")
             .unwrap();
         assert!(!discovery(s.due(&c, &c.pods, 1_000, asked, false)), "once");
         assert!(
@@ -1052,7 +1166,7 @@ mod tests {
             {"name":"models","host_statuses":[
               {"address":{"socket_address":{"address":"10.0.0.2","port_value":8000}}},
               {"address":{"socket_address":{"address":"10.0.0.1","port_value":8000}}}]}]}"#;
-        s.on_response(&vm, &c, &mut stats, &Target::Discovery, Some(200), doc)
+        s.answer(&vm, &c, &mut stats, &Target::Discovery, Some(200), doc)
             .unwrap();
         let pods = decode_pods(&vm.get(PODS_KEY).unwrap().value.unwrap()).unwrap();
         assert_eq!(
@@ -1065,7 +1179,7 @@ mod tests {
             .value
             .is_some());
         // A document without the cluster leaves the pool as it was.
-        s.on_response(
+        s.answer(
             &vm,
             &c,
             &mut stats,
