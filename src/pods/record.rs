@@ -947,16 +947,23 @@ pub fn finish(store: &dyn Store, pod: &str, id: u64) -> Result<Option<RequestEnt
 pub fn write_snapshot(
     store: &dyn Store,
     pod: &str,
-    mut snapshot: Snapshot,
+    scraped: Snapshot,
     grace_ms: u64,
     cfg: &Config,
 ) -> Result<bool, StoreError> {
     // With several gateway replicas, the others' requests on the pod are explained too.
     let remote = crate::replicas::share::remote_tokens(store, cfg, pod);
-    let (now, interval) = (snapshot.at_ms, cfg.metrics.interval_ms);
+    let (now, interval) = (scraped.at_ms, cfg.metrics.interval_ms);
     let pool_lost = crate::admission::feedback::pool_lost(store, now, interval);
     let mut raised = None;
     modify(store, pod, |rec| {
+        // Each try starts from the scrape as read: a try that lost its compare-and-swap to a
+        // request's write has already taken kvgate's unscheduled requests off the waiting and
+        // set the baselines from the record it read, and a second pass over its own output took
+        // them off twice (no queue, so no seats learned) and read the old baseline as the
+        // engine's counters going back (a restart: seats, index and pace forgotten).
+        let mut snapshot = scraped;
+        raised = None;
         if rec.snapshot.is_some_and(|prev| snapshot.at_ms < prev.at_ms) {
             // Asked before what the record holds was (the scrape lease moved to another VM while
             // this answer was out, and its answer came first): written over it, the engine's
@@ -1002,6 +1009,16 @@ pub fn write_snapshot(
             rec.tally,
             cfg.routing.index_check,
         );
+        if let Some(prev) = rec
+            .snapshot
+            .filter(|p| p.engine_restarts != snapshot.engine_restarts)
+        {
+            log::info!(
+                "pod {pod}: its engine's prefix-cache counters went back (hits, queries {:?} to {:?}): \
+                 taken as a restart; its seats, cache index and pace are learned again",
+                prev.hit_counts, snapshot.hit_counts
+            );
+        }
         // After the restarts are counted: a restarted engine's seats are learned again.
         crate::pods::seats::follow(rec.snapshot.as_ref(), &mut snapshot);
         rec.snapshot = Some(snapshot);
@@ -1025,6 +1042,65 @@ mod tests {
 
     use super::*;
     use crate::store::fake_host::{FakeHost, FakeVm};
+
+    /// A scrape's write that loses its compare-and-swap to a request's is tried again from the
+    /// scrape as read: kvgate's own requests not yet scheduled are taken off the engine's waiting
+    /// once, and the baseline the first try kept is not read as the engine's counters going back.
+    #[test]
+    fn a_scrape_written_after_a_lost_race_is_read_once() {
+        use crate::pods::index_check::HitTotals;
+        use crate::test_support::Watched;
+        let host = FakeHost::new();
+        let (vm, other) = (host.vm(), host.vm());
+        let cfg = crate::test_support::with_pods(&["a:1"]);
+        ensure(&vm, "a:1").unwrap();
+        let scrape = |at_ms: u64, queries: f64, waiting: f64| Snapshot {
+            at_ms,
+            healthy: true,
+            running: 4.0,
+            waiting,
+            kv_usage: 0.2,
+            capacity_tokens: 1 << 16,
+            block_size: 16,
+            hit_totals: Some(HitTotals {
+                hits: 0.0,
+                queries,
+                tally: Tally::default(),
+            }),
+            ..Snapshot::default()
+        };
+        let raced = |at_ms: u64, queries: f64, waiting: f64| {
+            host.set_now_ms(at_ms);
+            let racing = Watched::racing(&vm, || {
+                modify(&other, "a:1", |_| Some(())).unwrap();
+            });
+            write_snapshot(&racing, "a:1", scrape(at_ms, queries, waiting), 250, &cfg).unwrap();
+            read(&vm, "a:1").unwrap().snapshot.unwrap()
+        };
+        for (at, queries) in [(1_000, 200.0), (2_000, 300.0)] {
+            host.set_now_ms(at);
+            write_snapshot(&vm, "a:1", scrape(at, queries, 0.0), 250, &cfg).unwrap();
+        }
+        // Too few requests since the baseline (200) for a new one: the first try keeps it.
+        let s = raced(3_000, 400.0, 0.0);
+        assert_eq!(s.engine_restarts, 0, "the engine did not restart");
+        assert_eq!(s.hit_counts, Some((0.0, 400.0)));
+        modify(&vm, "a:1", |rec| {
+            rec.entries.push(RequestEntry {
+                dispatched_ms: 3_900,
+                expires_ms: 60_000,
+                ..entry(1, 4)
+            });
+            Some(())
+        })
+        .unwrap();
+        let s = raced(4_000, 500.0, 3.0);
+        assert_eq!(
+            s.waiting, 2.0,
+            "kvgate's one request just sent taken off once"
+        );
+        assert_eq!(s.engine_restarts, 0);
+    }
 
     fn entry(id: u64, blocks: u32) -> RequestEntry {
         RequestEntry {

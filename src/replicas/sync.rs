@@ -462,12 +462,15 @@ impl Sync {
             self.outbox.written();
         }
         for p in &self.planned {
+            // Judged by the try that is written: a lost one read an older grant.
+            let mut grew = false;
             share::modify(store, &p.pod, |s| {
-                self.grew |= p.cap > s.grant;
+                grew = p.cap > s.grant;
                 s.grant = p.cap;
                 s.published = p.grant;
                 s.granted = p.granted;
             })?;
+            self.grew |= grew;
         }
         stats.count(stats::REPLICAS_SYNCS, 1);
         stats.count(stats::REPLICAS_RECLAIMED, self.reclaiming);
