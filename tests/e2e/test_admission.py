@@ -281,10 +281,15 @@ def test_session_boost_shortens_follow_up_waits():
 
             def background(i):
                 while time.time() < stop:
-                    stream(envoy.port, "/v1/completions", unshared_completion(10_000 + i, max_tokens=200))
+                    # Long answers: the backlog is seconds deep (short ones drained it in a
+                    # quarter of a second, within the noise of the comparison).
+                    stream(envoy.port, "/v1/completions", unshared_completion(10_000 + i, max_tokens=1000))
 
             def session(s):
-                history = f"session {s} " + "context words " * 100
+                # A conversation's long context: a small turn fits into any room a finished
+                # request leaves and passes the backlog by backfill (`admission.backfillPasses`),
+                # boost or not.
+                history = f"session {s} " + "context words " * 500
                 for turn in range(4):
                     body = {"model": MODEL, "max_tokens": 20,
                             "messages": [{"role": "user", "content": history + f" turn {turn}"}]}
