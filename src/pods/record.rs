@@ -955,7 +955,7 @@ pub fn write_snapshot(
     let remote = crate::replicas::share::remote_tokens(store, cfg, pod);
     let (now, interval) = (scraped.at_ms, cfg.metrics.interval_ms);
     let pool_lost = crate::admission::feedback::pool_lost(store, now, interval);
-    let mut raised = None;
+    let (mut raised, mut restarted) = (None, None);
     modify(store, pod, |rec| {
         // Each try starts from the scrape as read: a try that lost its compare-and-swap to a
         // request's write has already taken kvgate's unscheduled requests off the waiting and
@@ -963,7 +963,7 @@ pub fn write_snapshot(
         // them off twice (no queue, so no seats learned) and read the old baseline as the
         // engine's counters going back (a restart: seats, index and pace forgotten).
         let mut snapshot = scraped;
-        raised = None;
+        (raised, restarted) = (None, None);
         if rec.snapshot.is_some_and(|prev| snapshot.at_ms < prev.at_ms) {
             // Asked before what the record holds was (the scrape lease moved to another VM while
             // this answer was out, and its answer came first): written over it, the engine's
@@ -1009,16 +1009,10 @@ pub fn write_snapshot(
             rec.tally,
             cfg.routing.index_check,
         );
-        if let Some(prev) = rec
+        restarted = rec
             .snapshot
             .filter(|p| p.engine_restarts != snapshot.engine_restarts)
-        {
-            log::info!(
-                "pod {pod}: its engine's prefix-cache counters went back (hits, queries {:?} to {:?}): \
-                 taken as a restart; its seats, cache index and pace are learned again",
-                prev.hit_counts, snapshot.hit_counts
-            );
-        }
+            .map(|p| (p.hit_counts, snapshot.hit_counts));
         // After the restarts are counted: a restarted engine's seats are learned again.
         crate::pods::seats::follow(rec.snapshot.as_ref(), &mut snapshot);
         rec.snapshot = Some(snapshot);
@@ -1027,6 +1021,13 @@ pub fn write_snapshot(
     })
     .map(|opened| opened.unwrap_or(false))
     .inspect(|_| {
+        // Only the try that was written.
+        if let Some((before, after)) = restarted {
+            log::info!(
+                "pod {pod}: its engine's prefix-cache counters went back (hits, queries {before:?} to {after:?}): \
+                 taken as a restart; its seats, cache index and pace are learned again"
+            );
+        }
         if let Some(lost) = raised.filter(|&l| l > pool_lost) {
             if let Err(e) = crate::admission::feedback::share_lost(store, lost, now, interval) {
                 log::debug!("sharing the relief cap failed: {e:?}");
