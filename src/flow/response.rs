@@ -477,6 +477,13 @@ impl Flow {
         let tokens = usage.map_or(a.made(meter.pieces), |u| u.completion_tokens);
         let ended = length == Some(Length::Ended);
         let answer = tokens / a.estimate.choices.max(1);
+        if let Some(routed) = a.routed.as_ref().filter(|_| !a.streams && usage.is_some()) {
+            // An answer grown at its pod's pace (`on_tick`) ended: how long before its tokens
+            // began is learned for the next ones.
+            if let Err(e) = gate.router.unseen_ended(store, routed, answer) {
+                log::debug!("learning an unseen answer's lead failed: {e:?}");
+            }
+        }
         if let Some(at) = &mut a.started {
             gate.calibration
                 .streamed(&a.model, a.family.as_deref(), at, answer, Some(ended));
@@ -663,34 +670,37 @@ mod tests {
         assert_eq!(error_percent(7, 0), 100);
     }
 
+    /// `pod` scraped now, healthy and roomy, decoding a token every `itl_s` seconds.
+    fn paced(vm: &crate::store::fake_host::FakeVm, pod: &str, itl_s: f64) {
+        use crate::pods::record::{self, Snapshot};
+        let now = vm.now_ms();
+        record::modify(vm, pod, |rec| {
+            rec.snapshot = Some(Snapshot {
+                at_ms: now,
+                healthy: true,
+                capacity_tokens: 1 << 20,
+                block_size: 16,
+                itl_s,
+                itl_at_ms: now,
+                ..Snapshot::default()
+            });
+            Some(())
+        })
+        .unwrap();
+    }
+
     /// An answer that does not stream: its entry grows on the tick at the pod's pace, up to its
     /// limit, until its response begins; a streamed one, and any on a pod of unknown pace, only
     /// as its tokens come; one whose body comes encoded, at the pace to its end.
     #[test]
     fn an_answer_that_does_not_stream_grows_at_its_pods_pace() {
-        use crate::pods::record::{self, Snapshot};
+        use crate::pods::record;
         let pod = "10.0.0.1:80";
         let cfg = crate::test_support::with_pods(&[pod]);
         let host = FakeHost::new();
         let vm = host.vm();
         let mut gate = Gate::new(cfg, &vm).unwrap();
-        let paced = |itl_s: f64| {
-            let now = vm.now_ms();
-            record::modify(&vm, pod, |rec| {
-                rec.snapshot = Some(Snapshot {
-                    at_ms: now,
-                    healthy: true,
-                    capacity_tokens: 1 << 20,
-                    block_size: 16,
-                    kv_usage: 0.0,
-                    itl_s,
-                    itl_at_ms: now,
-                    ..Snapshot::default()
-                });
-                Some(())
-            })
-            .unwrap();
-        };
+        let paced = |itl_s: f64| paced(&vm, pod, itl_s);
         let send = |gate: &mut Gate, stream: bool| {
             let mut f = Flow::default();
             f.on_request_headers(gate, &vm, &RequestHead::json_post("/v1/completions"));
@@ -766,6 +776,56 @@ mod tests {
             f.on_done(&mut gate, &vm);
         }
         assert_eq!(gate.tick_ms(&vm), TICK_MS);
+    }
+
+    /// An unseen answer that ended teaches its worker how long such answers take on the pod
+    /// before their tokens begin (`routing::unseen_lead`): the next one grows from its age less
+    /// that lead, so that its entry does not reach its limit while the engine still decodes it.
+    #[test]
+    fn an_unseen_answer_grows_from_when_its_tokens_began() {
+        use crate::pods::record;
+        let pod = "10.0.0.1:80";
+        let host = FakeHost::new();
+        let vm = host.vm();
+        let mut gate = Gate::new(crate::test_support::with_pods(&[pod]), &vm).unwrap();
+        paced(&vm, pod, 0.010);
+        let send = |gate: &mut Gate| {
+            let mut f = Flow::default();
+            f.on_request_headers(gate, &vm, &RequestHead::json_post("/v1/completions"));
+            f.on_body(
+                gate,
+                &vm,
+                br#"{"model":"m","prompt":"hi","max_tokens":100}"#,
+            );
+            f
+        };
+        let held = || {
+            record::read(&vm, pod)
+                .unwrap()
+                .entries
+                .first()
+                .map(|e| (e.held_tokens, e.left))
+        };
+        // 90 tokens at 10 ms in a second: its tokens began 100 ms after it was sent.
+        let mut first = send(&mut gate);
+        host.advance_ms(1_000);
+        first.on_response_headers(&mut gate, &vm, Some("application/json"), Some(pod));
+        first.on_response_body(
+            &mut gate,
+            &vm,
+            br#"{"id":"c1","object":"text_completion","choices":[{"index":0,"text":"x","finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":90,"total_tokens":91}}"#,
+        );
+        first.on_done(&mut gate, &vm);
+        let mut next = send(&mut gate);
+        let prompt = held().unwrap().0;
+        host.advance_ms(405);
+        next.on_tick(&mut gate, &vm);
+        assert_eq!(
+            held(),
+            Some((prompt + 30, 70)),
+            "30 steps of 10 ms after its first 100 ms"
+        );
+        next.on_done(&mut gate, &vm);
     }
 
     /// A Responses API answer is remembered on the pod that answered it (the upstream Envoy

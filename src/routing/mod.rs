@@ -27,3 +27,4 @@ pub mod router;
 pub mod step_phase;
 pub mod stored;
 pub mod stored_ask;
+pub mod unseen_lead;

@@ -20,6 +20,7 @@ use crate::routing::pod_id::{PodId, PodMap};
 use crate::routing::prefix_index::PrefixIndex;
 use crate::routing::record_copies::RecordCopies;
 use crate::routing::step_phase::StepPhases;
+use crate::routing::unseen_lead::Leads;
 use crate::store::codec::Reader;
 use crate::store::interface::{create_if_missing, update, Store, StoreError};
 use std::cell::{Cell, OnceCell};
@@ -231,6 +232,9 @@ pub struct Router {
     phases: StepPhases,
     /// The rate of picks and the requests' lifetime: whether the pool's KV is about to run short.
     demand: Demand,
+    /// How long each pod's unseen answers take before their tokens begin, from those this VM
+    /// carried (`routing::unseen_lead`).
+    leads: Leads,
 }
 
 impl Router {
@@ -269,6 +273,7 @@ impl Router {
             engine_block_tokens: 0,
             copies: RecordCopies::default(),
             phases: StepPhases::new(cfg.routing.dispatch_delay_ms * 1_000.0),
+            leads: Leads::default(),
             demand: Demand::default(),
         })
     }
@@ -374,6 +379,7 @@ impl Router {
             self.adapters.retain_pods(kept);
             self.copies.retain_pods(kept);
             self.phases.retain_pods(kept);
+            self.leads.retain_pods(kept);
             self.demand.pods_changed(|p| pods.iter().any(|q| q == p));
             self.served.pool_changed(&pods);
             self.pod_bits = crate::admission::line::pod_bits(&pods);
@@ -1053,7 +1059,8 @@ impl Router {
     /// An answer that does not stream shows kvgate no token until it ends, while the engine's
     /// KV for it grows a token a step: its entry grows as `grow` grows a stream's, by the tokens
     /// the pod's pace says it has made since it was sent (its smoothed inter-token latency,
-    /// `pods::pace`, the first token counted a step in). Without this its entry held its prompt
+    /// `pods::pace`), less the time such answers take there before their tokens begin
+    /// (`routing::unseen_lead`). Without this its entry held its prompt
     /// alone and what the engine held beyond was unexplained KV, taken off the budget at each
     /// scrape while the forecast counted the same tokens as still to come: each of those
     /// answers was paid for twice. A pod whose pace is unknown grows nothing, as before. The
@@ -1070,11 +1077,28 @@ impl Router {
         let pod = (routed.pod_id, routed.pod.as_str());
         let (rec, _) = self.copies.get(store, pod, store.now_ms(), false)?;
         let sent_s = store.now_us().saturating_sub(routed.dispatched_us) as f64 / 1e6;
-        let Some(made) = rec.pace().tokens_made(sent_s, est.choices) else {
+        let begun_s = (sent_s - self.leads.lead_s(routed.pod_id)).max(0.0);
+        let Some(made) = rec.pace().tokens_made(begun_s, est.choices) else {
             return Ok(false);
         };
         let made = made.min(est.max_output_tokens);
         self.grow(store, cfg, routed, est, made, Ended::default())
+    }
+
+    /// An answer that did not stream ended with `tokens` tokens an answer: how long it took before
+    /// they began, at its pod's pace, is learned for the next ones (`routing::unseen_lead`).
+    pub fn unseen_ended(
+        &mut self,
+        store: &dyn Store,
+        routed: &Routed,
+        tokens: u64,
+    ) -> Result<(), StoreError> {
+        let pod = (routed.pod_id, routed.pod.as_str());
+        let (rec, _) = self.copies.get(store, pod, store.now_ms(), false)?;
+        let age_s = store.now_us().saturating_sub(routed.dispatched_us) as f64 / 1e6;
+        self.leads
+            .ended(routed.pod_id, age_s, tokens, rec.pace().itl_s);
+        Ok(())
     }
 
     /// The request is over, however it ended. Safe to call more than once.
