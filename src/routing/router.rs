@@ -102,9 +102,20 @@ pub struct Routed {
     /// (`routing::step_phase`).
     pub dispatched_us: u64,
     pub last_token_us: Option<u64>,
+    /// The pod's pace (s a token) as its answer's last growth at that pace read it
+    /// (`Router::grow_unseen`), 0 before any: what the lead it teaches at its end is measured
+    /// against, with no read of the pod's record when it ends.
+    pub unseen_itl_s: f64,
     /// The most output tokens one chunk of its stream brought an answer: how far behind the
     /// engine its stream was seen to reach the filter (`forecast::Lag`), written with its entry.
     pub lag: u16,
+}
+
+impl Routed {
+    /// Seconds since it was dispatched.
+    fn age_s(&self, store: &dyn Store) -> f64 {
+        store.now_us().saturating_sub(self.dispatched_us) as f64 / 1e6
+    }
 }
 
 /// Whether a pick must fit its pod's budget.
@@ -938,6 +949,7 @@ impl Router {
                     hot_held: hot && sticks,
                     dispatched_us: store.now_us(),
                     last_token_us: None,
+                    unseen_itl_s: 0.0,
                     lag: 0,
                 }),
                 from_copies,
@@ -1076,9 +1088,10 @@ impl Router {
     ) -> Result<bool, StoreError> {
         let pod = (routed.pod_id, routed.pod.as_str());
         let (rec, _) = self.copies.get(store, pod, store.now_ms(), false)?;
-        let sent_s = store.now_us().saturating_sub(routed.dispatched_us) as f64 / 1e6;
-        let begun_s = (sent_s - self.leads.lead_s(routed.pod_id)).max(0.0);
-        let Some(made) = rec.pace().tokens_made(begun_s, est.choices) else {
+        let pace = rec.pace();
+        routed.unseen_itl_s = pace.itl_s;
+        let begun_s = (routed.age_s(store) - self.leads.lead_s(routed.pod_id)).max(0.0);
+        let Some(made) = pace.tokens_made(begun_s, est.choices) else {
             return Ok(false);
         };
         let made = made.min(est.max_output_tokens);
@@ -1086,19 +1099,16 @@ impl Router {
     }
 
     /// An answer that did not stream ended with `tokens` tokens an answer: how long it took before
-    /// they began, at its pod's pace, is learned for the next ones (`routing::unseen_lead`).
-    pub fn unseen_ended(
-        &mut self,
-        store: &dyn Store,
-        routed: &Routed,
-        tokens: u64,
-    ) -> Result<(), StoreError> {
-        let pod = (routed.pod_id, routed.pod.as_str());
-        let (rec, _) = self.copies.get(store, pod, store.now_ms(), false)?;
-        let age_s = store.now_us().saturating_sub(routed.dispatched_us) as f64 / 1e6;
-        self.leads
-            .ended(routed.pod_id, age_s, tokens, rec.pace().itl_s);
-        Ok(())
+    /// they began, at the pace its growth read, is learned for the next ones
+    /// (`routing::unseen_lead`). One never grown at a pace (none known, or it ended before the
+    /// tick) teaches nothing.
+    pub fn unseen_ended(&mut self, store: &dyn Store, routed: &Routed, tokens: u64) {
+        self.leads.ended(
+            routed.pod_id,
+            routed.age_s(store),
+            tokens,
+            routed.unseen_itl_s,
+        );
     }
 
     /// The request is over, however it ended. Safe to call more than once.
