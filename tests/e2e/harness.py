@@ -357,12 +357,16 @@ class Sim:
 
 class StubUpstream:
     """An instantly answering OpenAI-ish upstream that echoes what it received, for tests that
-    need no simulator."""
+    need no simulator. `received` holds what clients sent through Envoy; kvgate's own host-side
+    calls (the /metrics and /v1/models scrapes, which name the pod in x-envoy-original-dst-host,
+    a header kvgate strips from clients) go to `scrapes`: on a slow machine the first scrape can
+    land inside a test, and it is not client traffic."""
 
     def __init__(self):
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
         received = self.received = []
+        scrapes = self.scrapes = []
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
@@ -373,7 +377,8 @@ class StubUpstream:
             def do_POST(self):
                 n = int(self.headers.get("content-length") or 0)
                 body = self.rfile.read(n)
-                received.append((self.path, dict(self.headers), body))
+                own = "x-envoy-original-dst-host" in self.headers
+                (scrapes if own else received).append((self.path, dict(self.headers), body))
                 out = json.dumps({"object": "chat.completion", "choices": [{"message": {"content": "ok"}}],
                                   "usage": {"prompt_tokens": 10, "completion_tokens": 1, "total_tokens": 11},
                                   "echo_headers": dict(self.headers)}).encode()
