@@ -9,7 +9,8 @@
 //! every slot in its reach so held keeps the static rule). Each VM caches what it read for a
 //! second, so the request path reads a model's record (a key, or the few past its own it was put
 //! in) and the engines' answers' mean the output prior is raised to (`engine_lengths`) at most
-//! once per model per second. The lengths read
+//! once per model per second; a record that has not learned yet, for a tick (see
+//! `UNLEARNED_CACHE_MS`). The lengths read
 //! are pooled with the VM's own `cohort` of answers started, running ones included, which the
 //! finished answers alone are biased against (see there). Beside the model's lengths, a model's
 //! record learns how its prompt templates' answers run (`templates`), which a request's estimate
@@ -35,6 +36,14 @@ use hashbrown::HashMap;
 use serde::{Deserialize, Serialize};
 
 const CACHE_MS: u64 = 1_000;
+/// How long a read that found a record short of `minSamples` stands: a tick, the most often the
+/// VMs write their samples into it (`Calibration::flush`, `gate::TICK_MS`). Cached for a second,
+/// a fresh gateway's first read held every request of the next second to the output prior's
+/// guess however many answers had ended meanwhile: answers of 32 tokens on the prior of 256,
+/// ten requests a pod for a second where the lengths, learned by a third of it, fit about
+/// thirty (BENCHMARKS.md, *A record that has not learned, read again a tick later*). Only
+/// until the model has learned, or for a model too rare to: at most four reads a second.
+const UNLEARNED_CACHE_MS: u64 = 250;
 /// Each answer counts one in the output-length histograms, and older ones fade by this much per
 /// answer, so the histograms hold about the last 256 answers' worth: a distribution's tail needs
 /// hundreds of samples to be seen at all (the prompt scale, one number, moves faster: its weight
@@ -596,7 +605,12 @@ impl Calibration {
         }
         let now = store.now_ms();
         if let Some((at, known, _)) = self.cache.get(record) {
-            if now.saturating_sub(*at) < CACHE_MS {
+            let stands = if known.learned.is_some() {
+                CACHE_MS
+            } else {
+                UNLEARNED_CACHE_MS
+            };
+            if now.saturating_sub(*at) < stands {
                 return *known;
             }
         }
@@ -1304,7 +1318,7 @@ mod tests {
     }
 
     #[test]
-    fn needs_min_samples_and_caches_for_a_second() {
+    fn needs_min_samples_and_caches_a_learned_record_for_a_second() {
         let host = FakeHost::new();
         let vm = host.vm();
         let cfg = learning_after(3);
@@ -1315,8 +1329,21 @@ mod tests {
         assert_eq!(cal.learned(&vm, "m", None, &cfg), None);
         Calibration::record(&vm, "m", &[sample(10.0, 20, 5)], &cfg).unwrap();
         assert_eq!(cal.learned(&vm, "m", None, &cfg), None, "cached");
-        host.advance_ms(CACHE_MS);
-        assert!(cal.learned(&vm, "m", None, &cfg).is_some());
+        // Short of samples, read again a tick later, not a second.
+        host.advance_ms(UNLEARNED_CACHE_MS);
+        let learned = cal.learned(&vm, "m", None, &cfg);
+        assert!(learned.is_some());
+        // Learned, it stands for a second.
+        Calibration::record(&vm, "m", &[sample(10.0, 20, 50); 20], &cfg).unwrap();
+        host.advance_ms(CACHE_MS - 1);
+        assert_eq!(cal.learned(&vm, "m", None, &cfg), learned, "cached");
+        host.advance_ms(1);
+        assert_ne!(cal.learned(&vm, "m", None, &cfg), learned);
+    }
+
+    #[test]
+    fn an_unlearned_record_is_read_again_as_often_as_samples_are_written() {
+        assert_eq!(UNLEARNED_CACHE_MS, crate::gate::TICK_MS);
     }
 
     /// The key `model`'s name hash points at first.

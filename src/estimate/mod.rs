@@ -8,7 +8,7 @@
 //!
 //! Source of truth: a model's learned state is its shared-data slot `kvgate.cal.<n>` (its name
 //! hash's, or one of the next few: `slots`) (`calibration`), which every worker updates by
-//! compare-and-swap; each VM's `Calibration` holds a copy cached for a second, derived and
+//! compare-and-swap; each VM's `Calibration` holds a copy cached for a second (a tick until it has learned), derived and
 //! allowed to lag, and its own cohorts and templates, which only it knows. The engines' mean is `kvgate.engine_len.<n>`, which the scraper alone writes. The rule
 //! and the formula hold no state.
 
