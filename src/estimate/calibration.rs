@@ -37,13 +37,13 @@ use serde::{Deserialize, Serialize};
 
 const CACHE_MS: u64 = 1_000;
 /// How long a read that found a record short of `minSamples` stands: a tick, the most often the
-/// VMs write their samples into it (`Calibration::flush`, `gate::TICK_MS`). Cached for a second,
+/// VMs write their samples into it (`Calibration::flush`). Cached for a second,
 /// a fresh gateway's first read held every request of the next second to the output prior's
 /// guess however many answers had ended meanwhile: answers of 32 tokens on the prior of 256,
 /// ten requests a pod for a second where the lengths, learned by a third of it, fit about
 /// thirty (BENCHMARKS.md, *A record that has not learned, read again a tick later*). Only
 /// until the model has learned, or for a model too rare to: at most four reads a second.
-const UNLEARNED_CACHE_MS: u64 = 250;
+const UNLEARNED_CACHE_MS: u64 = crate::gate::TICK_MS;
 /// Each answer counts one in the output-length histograms, and older ones fade by this much per
 /// answer, so the histograms hold about the last 256 answers' worth: a distribution's tail needs
 /// hundreds of samples to be seen at all (the prompt scale, one number, moves faster: its weight
@@ -1339,11 +1339,6 @@ mod tests {
         assert_eq!(cal.learned(&vm, "m", None, &cfg), learned, "cached");
         host.advance_ms(1);
         assert_ne!(cal.learned(&vm, "m", None, &cfg), learned);
-    }
-
-    #[test]
-    fn an_unlearned_record_is_read_again_as_often_as_samples_are_written() {
-        assert_eq!(UNLEARNED_CACHE_MS, crate::gate::TICK_MS);
     }
 
     /// The key `model`'s name hash points at first.

@@ -687,34 +687,35 @@ mod tests {
         .unwrap();
     }
 
+    /// A completion of up to 100 tokens sent through `gate`, its answer streamed or not.
+    fn sent(gate: &mut Gate, vm: &crate::store::fake_host::FakeVm, stream: bool) -> Flow {
+        let mut f = Flow::default();
+        f.on_request_headers(gate, vm, &RequestHead::json_post("/v1/completions"));
+        let body = format!(r#"{{"model":"m","prompt":"hi","max_tokens":100,"stream":{stream}}}"#);
+        f.on_body(gate, vm, body.as_bytes());
+        f
+    }
+
+    /// (held tokens, steps left) of each entry on `pod`, oldest first.
+    fn entries(vm: &crate::store::fake_host::FakeVm, pod: &str) -> Vec<(u64, u32)> {
+        let mut e = crate::pods::record::read(vm, pod).unwrap().entries;
+        e.sort_by_key(|e| e.id);
+        e.iter().map(|e| (e.held_tokens, e.left)).collect()
+    }
+
     /// An answer that does not stream: its entry grows on the tick at the pod's pace, up to its
     /// limit, until its response begins; a streamed one, and any on a pod of unknown pace, only
     /// as its tokens come; one whose body comes encoded, at the pace to its end.
     #[test]
     fn an_answer_that_does_not_stream_grows_at_its_pods_pace() {
-        use crate::pods::record;
         let pod = "10.0.0.1:80";
         let cfg = crate::test_support::with_pods(&[pod]);
         let host = FakeHost::new();
         let vm = host.vm();
         let mut gate = Gate::new(cfg, &vm).unwrap();
         let paced = |itl_s: f64| paced(&vm, pod, itl_s);
-        let send = |gate: &mut Gate, stream: bool| {
-            let mut f = Flow::default();
-            f.on_request_headers(gate, &vm, &RequestHead::json_post("/v1/completions"));
-            let body =
-                format!(r#"{{"model":"m","prompt":"hi","max_tokens":100,"stream":{stream}}}"#);
-            f.on_body(gate, &vm, body.as_bytes());
-            f
-        };
-        // (held tokens, steps left) of each entry on the pod, oldest first.
-        let entries = || {
-            let mut e = record::read(&vm, pod).unwrap().entries;
-            e.sort_by_key(|e| e.id);
-            e.iter()
-                .map(|e| (e.held_tokens, e.left))
-                .collect::<Vec<_>>()
-        };
+        let send = |gate: &mut Gate, stream: bool| sent(gate, &vm, stream);
+        let entries = || entries(&vm, pod);
         paced(0.0);
         let mut unknown = send(&mut gate, false);
         host.advance_ms(500);
@@ -781,29 +782,13 @@ mod tests {
     /// that lead, so that its entry does not reach its limit while the engine still decodes it.
     #[test]
     fn an_unseen_answer_grows_from_when_its_tokens_began() {
-        use crate::pods::record;
         let pod = "10.0.0.1:80";
         let host = FakeHost::new();
         let vm = host.vm();
         let mut gate = Gate::new(crate::test_support::with_pods(&[pod]), &vm).unwrap();
         paced(&vm, pod, 0.010);
-        let send = |gate: &mut Gate| {
-            let mut f = Flow::default();
-            f.on_request_headers(gate, &vm, &RequestHead::json_post("/v1/completions"));
-            f.on_body(
-                gate,
-                &vm,
-                br#"{"model":"m","prompt":"hi","max_tokens":100}"#,
-            );
-            f
-        };
-        let held = || {
-            record::read(&vm, pod)
-                .unwrap()
-                .entries
-                .first()
-                .map(|e| (e.held_tokens, e.left))
-        };
+        let send = |gate: &mut Gate| sent(gate, &vm, false);
+        let held = || entries(&vm, pod).first().copied();
         // 90 tokens at 10 ms in a second: its tokens began 100 ms after it was sent.
         let mut first = send(&mut gate);
         host.advance_ms(1_000);
